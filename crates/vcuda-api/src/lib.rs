@@ -1,0 +1,122 @@
+//! Protobuf and gRPC types for every wire contract vcuda speaks.
+//!
+//! * [`deviceplugin::v1beta1`]: kubelet's device-plugin API (we serve
+//!   `DevicePlugin`, kubelet serves `Registration`).
+//! * [`podresources::v1`]: kubelet's pod-resources API.
+//! * [`display`]: the operator display service `display.GPUDisplay`.
+//! * [`vcuda`]: messages of the interposer -> manager registration, framed
+//!   by [`vcuda::frame`].
+
+pub mod deviceplugin {
+    pub mod v1beta1 {
+        tonic::include_proto!("v1beta1");
+
+        /// API version string sent in `RegisterRequest.version`.
+        pub const VERSION: &str = "v1beta1";
+        /// Value of `Device.health` for a usable device.
+        pub const HEALTHY: &str = "Healthy";
+        /// Value of `Device.health` for an unusable device.
+        pub const UNHEALTHY: &str = "Unhealthy";
+        /// Socket kubelet serves `Registration` on, inside the device-plugin dir.
+        pub const KUBELET_SOCKET: &str = "kubelet.sock";
+        /// Default device-plugin dir of kubelet.
+        pub const DEVICE_PLUGIN_PATH: &str = "/var/lib/kubelet/device-plugins";
+    }
+}
+
+pub mod podresources {
+    pub mod v1 {
+        tonic::include_proto!("v1");
+
+        /// Default socket of kubelet's pod-resources API.
+        pub const DEFAULT_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
+    }
+}
+
+pub mod display {
+    tonic::include_proto!("display");
+}
+
+pub mod vcuda {
+    tonic::include_proto!("vcuda");
+
+    /// Length-prefixed framing of the registration protocol: a 4-byte
+    /// big-endian length, then the protobuf bytes.
+    pub mod frame {
+        use prost::Message;
+        use std::io::{self, Read, Write};
+
+        /// Largest frame either side accepts.
+        pub const MAX_FRAME: usize = 64 * 1024;
+        /// Protocol version this build speaks.
+        pub const PROTOCOL_VERSION: u32 = 1;
+
+        pub fn write<M: Message>(w: &mut impl Write, msg: &M) -> io::Result<()> {
+            let body = msg.encode_to_vec();
+            if body.len() > MAX_FRAME {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("frame of {} bytes exceeds {MAX_FRAME}", body.len()),
+                ));
+            }
+            let mut buf = Vec::with_capacity(4 + body.len());
+            buf.extend_from_slice(&(body.len() as u32).to_be_bytes());
+            buf.extend_from_slice(&body);
+            w.write_all(&buf)
+        }
+
+        pub fn read<M: Message + Default>(r: &mut impl Read) -> io::Result<M> {
+            let mut len = [0u8; 4];
+            r.read_exact(&mut len)?;
+            let len = u32::from_be_bytes(len) as usize;
+            if len > MAX_FRAME {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("frame of {len} bytes exceeds {MAX_FRAME}"),
+                ));
+            }
+            let mut body = vec![0u8; len];
+            r.read_exact(&mut body)?;
+            M::decode(body.as_slice())
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad frame: {e}")))
+        }
+
+        #[cfg(test)]
+        mod tests {
+            use super::*;
+            use crate::vcuda::RegisterRequest;
+
+            #[test]
+            fn round_trip() {
+                let req = RegisterRequest {
+                    protocol_version: PROTOCOL_VERSION,
+                    pod_uid: "uid-1".into(),
+                    container_name: "c".into(),
+                    bus_id: "00000000:3B:00.0".into(),
+                    local_pid: 7,
+                    program: "train".into(),
+                };
+                let mut buf = Vec::new();
+                write(&mut buf, &req).unwrap();
+                assert_eq!(u32::from_be_bytes(buf[..4].try_into().unwrap()) as usize, buf.len() - 4);
+                let back: RegisterRequest = read(&mut buf.as_slice()).unwrap();
+                assert_eq!(back, req);
+            }
+
+            #[test]
+            fn oversize_frame_is_refused() {
+                let mut buf = ((MAX_FRAME as u32) + 1).to_be_bytes().to_vec();
+                buf.extend(std::iter::repeat_n(0u8, 16));
+                let err = read::<RegisterRequest>(&mut buf.as_slice()).unwrap_err();
+                assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+                assert!(err.to_string().contains("exceeds"));
+            }
+
+            #[test]
+            fn truncated_frame_is_an_error() {
+                let buf = 10u32.to_be_bytes().to_vec();
+                assert!(read::<RegisterRequest>(&mut buf.as_slice()).is_err());
+            }
+        }
+    }
+}
