@@ -1,0 +1,113 @@
+//! The tonic `DevicePlugin` service that wraps a [`DevicePluginService`]:
+//! validation first, then the plugin.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+use vcuda_api::deviceplugin::v1beta1::{
+    AllocateRequest, AllocateResponse, DevicePluginOptions, Empty, ListAndWatchResponse,
+    PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
+    PreferredAllocationResponse, device_plugin_server::DevicePlugin,
+};
+
+use crate::service::DevicePluginService;
+use crate::validate;
+
+pub(crate) struct GrpcPlugin {
+    pub(crate) resource: String,
+    pub(crate) plugin: Arc<dyn DevicePluginService>,
+    /// Cancelled when this server generation stops: ends the `ListAndWatch`
+    /// streams, which would otherwise keep a graceful shutdown waiting forever.
+    pub(crate) stop: CancellationToken,
+}
+
+type DeviceStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DevicePlugin for GrpcPlugin {
+    async fn get_device_plugin_options(
+        &self,
+        _req: Request<Empty>,
+    ) -> Result<Response<DevicePluginOptions>, Status> {
+        Ok(Response::new(self.plugin.options()))
+    }
+
+    type ListAndWatchStream = DeviceStream;
+
+    async fn list_and_watch(&self, _req: Request<Empty>) -> Result<Response<DeviceStream>, Status> {
+        let mut devices = self.plugin.devices();
+        let stop = self.stop.clone();
+        let resource = self.resource.clone();
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(async move {
+            tracing::debug!(%resource, "ListAndWatch stream opened");
+            loop {
+                // Current list first, then after every change.
+                let list = ListAndWatchResponse { devices: devices.borrow_and_update().clone() };
+                if tx.send(Ok(list)).await.is_err() {
+                    break; // client went away
+                }
+                tokio::select! {
+                    changed = devices.changed() => if changed.is_err() { break },
+                    () = stop.cancelled() => break,
+                    () = tx.closed() => break,
+                }
+            }
+            tracing::debug!(%resource, "ListAndWatch stream closed");
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        req: Request<PreferredAllocationRequest>,
+    ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        let req = req.into_inner();
+        validate::preferred(&req, &self.plugin.devices().borrow()).inspect_err(|e| self.rejected("GetPreferredAllocation", e))?;
+        let n = req.container_requests.len();
+        let resp = self.plugin.get_preferred_allocation(req).await?;
+        if resp.container_responses.len() != n {
+            return Err(Status::internal(format!(
+                "plugin {} answered {} container responses for {n} requests",
+                self.resource,
+                resp.container_responses.len()
+            )));
+        }
+        Ok(Response::new(resp))
+    }
+
+    async fn allocate(&self, req: Request<AllocateRequest>) -> Result<Response<AllocateResponse>, Status> {
+        let req = req.into_inner();
+        validate::allocate(&req, &self.plugin.devices().borrow()).inspect_err(|e| self.rejected("Allocate", e))?;
+        let n = req.container_requests.len();
+        let resp = self.plugin.allocate(req).await?;
+        if resp.container_responses.len() != n {
+            return Err(Status::internal(format!(
+                "plugin {} answered {} container responses for {n} requests",
+                self.resource,
+                resp.container_responses.len()
+            )));
+        }
+        Ok(Response::new(resp))
+    }
+
+    async fn pre_start_container(
+        &self,
+        req: Request<PreStartContainerRequest>,
+    ) -> Result<Response<PreStartContainerResponse>, Status> {
+        let req = req.into_inner();
+        validate::pre_start(&req, &self.plugin.devices().borrow()).inspect_err(|e| self.rejected("PreStartContainer", e))?;
+        Ok(Response::new(self.plugin.pre_start_container(req).await?))
+    }
+}
+
+impl GrpcPlugin {
+    fn rejected(&self, rpc: &str, e: &Status) {
+        tracing::warn!(resource = %self.resource, rpc, reason = e.message(), "rejected invalid request");
+    }
+}

@@ -1,0 +1,33 @@
+//! Serve kubelet device plugins (`deviceplugin/v1beta1`).
+//!
+//! A plugin implements [`DevicePluginService`]; [`PluginRuntime`] serves any
+//! number of them from one process, each on its own unix socket in the
+//! device-plugin dir, and takes care of what every plugin needs and is easy to
+//! get wrong:
+//!
+//! * registration with kubelet, retried with capped exponential backoff while
+//!   kubelet is absent;
+//! * `ListAndWatch` streams that send the device list at once and after every
+//!   change;
+//! * kubelet restarts: kubelet deletes every socket in the dir when it starts,
+//!   so the runtime watches the dir (inotify, plus a periodic check) and
+//!   re-binds and re-registers in the same process, keeping plugin state;
+//! * validation of `Allocate`, `PreStartContainer` and
+//!   `GetPreferredAllocation` input (`InvalidArgument` naming the bad field);
+//! * graceful shutdown that removes the sockets.
+
+mod client;
+mod error;
+mod grpc;
+mod runtime;
+mod service;
+mod shutdown;
+pub mod validate;
+
+pub use client::connect_unix;
+pub use error::Error;
+pub use runtime::{PluginRuntime, PluginStatus, RuntimeHandle, RuntimeOptions};
+pub use service::{DeviceList, DevicePluginService, device};
+pub use shutdown::cancel_on_signals;
+pub use tokio_util::sync::CancellationToken;
+pub use vcuda_api::deviceplugin::v1beta1 as api;

@@ -1,0 +1,391 @@
+//! Serves plugins on unix sockets, registers them with kubelet and keeps them
+//! registered across kubelet restarts.
+
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use notify::Watcher;
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::UnixListenerStream;
+use tokio_util::sync::CancellationToken;
+use vcuda_api::deviceplugin::v1beta1::{
+    KUBELET_SOCKET, RegisterRequest, VERSION, device_plugin_server::DevicePluginServer,
+    registration_client::RegistrationClient,
+};
+
+use crate::grpc::GrpcPlugin;
+use crate::service::DevicePluginService;
+use crate::{Error, connect_unix};
+
+/// Timing knobs. The defaults suit production and tests alike.
+#[derive(Clone, Debug)]
+pub struct RuntimeOptions {
+    /// First retry delay after a failed registration.
+    pub backoff_initial: Duration,
+    /// Cap of the doubling retry delay (kubelet may be down for long).
+    pub backoff_max: Duration,
+    /// Backstop poll of the sockets, in case an inotify event is lost (or the
+    /// watch could not be set up, e.g. on some overlay file systems).
+    pub check_interval: Duration,
+    /// Timeout of connecting to kubelet and of the Register call.
+    pub rpc_timeout: Duration,
+    /// How long a stopping server may drain before its task is aborted.
+    pub drain_timeout: Duration,
+}
+
+impl Default for RuntimeOptions {
+    fn default() -> Self {
+        Self {
+            backoff_initial: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            check_interval: Duration::from_secs(1),
+            rpc_timeout: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What a plugin task reports about itself, for health checks and tests.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PluginStatus {
+    /// Registered with the kubelet whose socket is there now.
+    pub registered: bool,
+    /// Successful registrations so far (1 + kubelet restarts seen).
+    pub registrations: u64,
+    /// Times the plugin socket was (re)bound.
+    pub binds: u64,
+    /// Why the last registration attempt failed, if it did.
+    pub last_error: Option<String>,
+}
+
+struct PluginEntry {
+    resource: String,
+    socket_name: String,
+    plugin: Arc<dyn DevicePluginService>,
+}
+
+/// Runs any number of device plugins in one process, each on its own socket
+/// in the device-plugin dir.
+///
+/// ```no_run
+/// # use std::sync::Arc;
+/// # async fn demo(vcore: Arc<dyn device_plugin::DevicePluginService>) -> Result<(), device_plugin::Error> {
+/// let cancel = device_plugin::cancel_on_signals().expect("signal handlers");
+/// let handle = device_plugin::PluginRuntime::new("/var/lib/kubelet/device-plugins")
+///     .plugin("tencent.com/vcuda-core", "vcore.sock", vcore)
+///     .start(cancel)?;
+/// handle.wait().await
+/// # }
+/// ```
+pub struct PluginRuntime {
+    dir: PathBuf,
+    opts: RuntimeOptions,
+    plugins: Vec<PluginEntry>,
+}
+
+impl PluginRuntime {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self { dir: dir.into(), opts: RuntimeOptions::default(), plugins: Vec::new() }
+    }
+
+    pub fn options(mut self, opts: RuntimeOptions) -> Self {
+        self.opts = opts;
+        self
+    }
+
+    /// Adds a plugin for `resource` (e.g. `tencent.com/vcuda-core`) served on
+    /// `<dir>/<socket_name>`.
+    pub fn plugin(
+        mut self,
+        resource: impl Into<String>,
+        socket_name: impl Into<String>,
+        plugin: Arc<dyn DevicePluginService>,
+    ) -> Self {
+        self.plugins.push(PluginEntry { resource: resource.into(), socket_name: socket_name.into(), plugin });
+        self
+    }
+
+    fn check(&self) -> Result<(), Error> {
+        if self.plugins.is_empty() {
+            return Err(Error::Config("no plugin added".into()));
+        }
+        let mut names = std::collections::HashSet::new();
+        for p in &self.plugins {
+            let n = &p.socket_name;
+            if n.is_empty() || n.contains('/') || n == KUBELET_SOCKET || !names.insert(n.clone()) {
+                return Err(Error::Config(format!(
+                    "socket name {n:?} of {} must be a unique plain file name other than {KUBELET_SOCKET}",
+                    p.resource
+                )));
+            }
+            // kubelet wants an extended resource name: <domain>/<name>.
+            if p.resource.split('/').count() != 2 || p.resource.split('/').any(str::is_empty) {
+                return Err(Error::Config(format!("resource name {:?} must look like domain/name", p.resource)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Binds every socket and starts registering; returns at once. Cancelling
+    /// `cancel` stops serving and removes the sockets; await
+    /// [`RuntimeHandle::wait`] for that to finish.
+    pub fn start(self, cancel: CancellationToken) -> Result<RuntimeHandle, Error> {
+        self.check()?;
+        let events = watch::Sender::new(0u64);
+        let watcher = watch_dir(&self.dir, events.clone());
+        if let Err(e) = &watcher {
+            tracing::warn!(error = %e, "no inotify watch; relying on the periodic socket check");
+        }
+        let mut tasks = Vec::new();
+        let mut status = HashMap::new();
+        for entry in self.plugins {
+            let (tx, rx) = watch::channel(PluginStatus::default());
+            status.insert(entry.resource.clone(), rx);
+            let task = PluginTask {
+                sock: self.dir.join(&entry.socket_name),
+                kubelet_sock: self.dir.join(KUBELET_SOCKET),
+                entry,
+                opts: self.opts.clone(),
+                status: tx,
+            };
+            tasks.push(tokio::spawn(task.run(events.subscribe(), cancel.clone())));
+        }
+        // The watcher lives until shutdown.
+        let keep = cancel.clone();
+        tokio::spawn(async move {
+            keep.cancelled().await;
+            drop(watcher);
+            drop(events);
+        });
+        Ok(RuntimeHandle { tasks, status, cancel })
+    }
+}
+
+/// Handle on started plugins.
+pub struct RuntimeHandle {
+    tasks: Vec<JoinHandle<()>>,
+    status: HashMap<String, watch::Receiver<PluginStatus>>,
+    cancel: CancellationToken,
+}
+
+impl RuntimeHandle {
+    /// Status channel of the plugin for `resource`.
+    pub fn status(&self, resource: &str) -> Option<watch::Receiver<PluginStatus>> {
+        self.status.get(resource).cloned()
+    }
+
+    /// Stops serving (same as cancelling the token given to `start`).
+    pub fn shutdown(&self) {
+        self.cancel.cancel();
+    }
+
+    /// Waits until every plugin has stopped and removed its socket.
+    pub async fn wait(self) -> Result<(), Error> {
+        for t in self.tasks {
+            t.await.map_err(|e| Error::Task { resource: "?".into(), reason: e.to_string() })?;
+        }
+        Ok(())
+    }
+}
+
+fn watch_dir(dir: &Path, events: watch::Sender<u64>) -> Result<notify::RecommendedWatcher, Error> {
+    let err = |source| Error::Watch { path: dir.to_path_buf(), source };
+    let mut w = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+        if res.is_ok() {
+            events.send_modify(|n| *n += 1);
+        }
+    })
+    .map_err(err)?;
+    w.watch(dir, notify::RecursiveMode::NonRecursive).map_err(err)?;
+    Ok(w)
+}
+
+/// Identity of a file: a re-created socket has a new inode (and ctime).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileId(u64, u64, i64, i64);
+
+fn file_id(p: &Path) -> Option<FileId> {
+    std::fs::symlink_metadata(p).ok().map(|m| FileId(m.dev(), m.ino(), m.ctime(), m.ctime_nsec()))
+}
+
+struct Server {
+    id: FileId,
+    stop: CancellationToken,
+    join: JoinHandle<Result<(), tonic::transport::Error>>,
+}
+
+struct PluginTask {
+    entry: PluginEntry,
+    sock: PathBuf,
+    kubelet_sock: PathBuf,
+    opts: RuntimeOptions,
+    status: watch::Sender<PluginStatus>,
+}
+
+impl PluginTask {
+    async fn run(self, mut events: watch::Receiver<u64>, cancel: CancellationToken) {
+        let res = &self.entry.resource;
+        let mut server: Option<Server> = None;
+        let mut registered_with: Option<FileId> = None;
+        let mut backoff = self.opts.backoff_initial;
+        let mut retry_at: Option<Instant> = None;
+        // kubelet.sock identity at the last failed attempt: a new one retries at once.
+        let mut failed_with: Option<Option<FileId>> = None;
+        while !cancel.is_cancelled() {
+            // 1. Our socket: kubelet deletes it when it starts.
+            let ours = file_id(&self.sock);
+            let alive = server.as_ref().is_some_and(|s| Some(s.id) == ours && !s.join.is_finished());
+            if !alive {
+                if let Some(s) = server.take() {
+                    tracing::info!(resource = %res, socket = %self.sock.display(), "plugin socket gone (kubelet restart?); re-binding");
+                    self.stop_server(s).await;
+                }
+                registered_with = None;
+                match self.bind() {
+                    Ok(s) => {
+                        server = Some(s);
+                        self.status.send_modify(|st| {
+                            st.binds += 1;
+                            st.registered = false;
+                        });
+                    }
+                    Err(e) => {
+                        tracing::error!(resource = %res, error = %e, "cannot serve; retrying in {backoff:?}");
+                        tokio::select! {
+                            () = tokio::time::sleep(backoff) => {}
+                            () = cancel.cancelled() => break,
+                        }
+                        backoff = (backoff * 2).min(self.opts.backoff_max);
+                        continue;
+                    }
+                }
+            }
+
+            // 2. Registration with the kubelet that is there now.
+            let kubelet = file_id(&self.kubelet_sock);
+            if kubelet.is_none() || kubelet != registered_with {
+                let due = retry_at.is_none_or(|t| Instant::now() >= t) || failed_with != Some(kubelet);
+                if due {
+                    match self.register(kubelet.is_some()).await {
+                        Ok(()) => {
+                            registered_with = kubelet;
+                            backoff = self.opts.backoff_initial;
+                            retry_at = None;
+                            failed_with = None;
+                            self.status.send_modify(|st| {
+                                st.registered = true;
+                                st.registrations += 1;
+                                st.last_error = None;
+                            });
+                            tracing::info!(resource = %res, socket = %self.sock.display(), "registered with kubelet");
+                        }
+                        Err(e) => {
+                            tracing::warn!(resource = %res, error = %e, retry_in = ?backoff, "registration failed");
+                            registered_with = None;
+                            retry_at = Some(Instant::now() + backoff);
+                            failed_with = Some(kubelet);
+                            backoff = (backoff * 2).min(self.opts.backoff_max);
+                            self.status.send_modify(|st| {
+                                st.registered = false;
+                                st.last_error = Some(e.to_string());
+                            });
+                        }
+                    }
+                }
+            }
+
+            // 3. Sleep until a file-system event, the next retry, or the backstop check.
+            let mut wait = self.opts.check_interval;
+            if let Some(t) = retry_at.filter(|_| registered_with.is_none()) {
+                wait = wait.min(t.saturating_duration_since(Instant::now()));
+            }
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                r = events.changed() => if r.is_err() {
+                    // Watcher gone (shutdown in progress): fall back to polling.
+                    tokio::time::sleep(wait).await;
+                },
+                () = tokio::time::sleep(wait) => {}
+            }
+        }
+        if let Some(s) = server.take() {
+            self.stop_server(s).await;
+        }
+        self.status.send_modify(|st| st.registered = false);
+        tracing::info!(resource = %res, "plugin stopped");
+    }
+
+    fn bind(&self) -> Result<Server, Error> {
+        let err = |source| Error::Bind { path: self.sock.clone(), source };
+        // A stale socket file from an earlier run makes bind fail with EADDRINUSE.
+        match std::fs::remove_file(&self.sock) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(e)),
+            _ => {}
+        }
+        let listener = UnixListener::bind(&self.sock).map_err(err)?;
+        let id = file_id(&self.sock)
+            .ok_or_else(|| err(std::io::Error::other("socket vanished right after bind")))?;
+        let stop = CancellationToken::new();
+        let svc = DevicePluginServer::new(GrpcPlugin {
+            resource: self.entry.resource.clone(),
+            plugin: self.entry.plugin.clone(),
+            stop: stop.clone(),
+        });
+        let shutdown = stop.clone().cancelled_owned();
+        let join = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown),
+        );
+        tracing::debug!(resource = %self.entry.resource, socket = %self.sock.display(), "serving");
+        Ok(Server { id, stop, join })
+    }
+
+    async fn stop_server(&self, s: Server) {
+        s.stop.cancel();
+        let mut join = s.join;
+        match tokio::time::timeout(self.opts.drain_timeout, &mut join).await {
+            Ok(Ok(Err(e))) => tracing::warn!(resource = %self.entry.resource, error = %e, "server ended with error"),
+            Ok(_) => {}
+            Err(_) => {
+                tracing::warn!(resource = %self.entry.resource, "server did not drain in time; aborting it");
+                join.abort();
+            }
+        }
+        // Remove the socket only if it is still the one we bound.
+        if file_id(&self.sock).is_some_and(|id| FileId(id.0, id.1, 0, 0) == FileId(s.id.0, s.id.1, 0, 0)) {
+            let _ = std::fs::remove_file(&self.sock);
+        }
+    }
+
+    async fn register(&self, kubelet_present: bool) -> Result<(), Error> {
+        let path = &self.kubelet_sock;
+        let resource = &self.entry.resource;
+        if !kubelet_present {
+            return Err(Error::Register {
+                resource: resource.clone(),
+                path: path.clone(),
+                status: Box::new(tonic::Status::unavailable("socket does not exist (kubelet not running?)")),
+            });
+        }
+        let ch = connect_unix(path, self.opts.rpc_timeout).await?;
+        let mut client = RegistrationClient::new(ch);
+        let mut req = tonic::Request::new(RegisterRequest {
+            version: VERSION.to_string(),
+            endpoint: self.entry.socket_name.clone(),
+            resource_name: resource.clone(),
+            options: Some(self.entry.plugin.options()),
+        });
+        req.set_timeout(self.opts.rpc_timeout);
+        client
+            .register(req)
+            .await
+            .map(|_| ())
+            .map_err(|s| Error::Register { resource: resource.clone(), path: path.clone(), status: Box::new(s) })
+    }
+}

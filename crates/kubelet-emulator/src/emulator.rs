@@ -1,0 +1,667 @@
+//! The emulated kubelet device manager.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use device_plugin::api::{
+    AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse, ContainerPreferredAllocationRequest,
+    DevicePluginOptions, Empty, HEALTHY, KUBELET_SOCKET, PreStartContainerRequest, PreferredAllocationRequest,
+    RegisterRequest, VERSION,
+    device_plugin_client::DevicePluginClient,
+    registration_server::{Registration, RegistrationServer},
+};
+use device_plugin::{CancellationToken, connect_unix};
+use prost::Message;
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+use vcuda_api::podresources::v1 as pr;
+
+use crate::checkpoint::{CheckpointData, CheckpointError, DevicesPerNuma, PodDevicesEntry};
+
+/// File name of kubelet's device-manager checkpoint in the device-plugin dir.
+pub const CHECKPOINT_FILE: &str = "kubelet_internal_checkpoint";
+
+/// How long the emulator waits for a plugin RPC, like kubelet's timeouts.
+const RPC_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum EmulatorError {
+    #[error("binding {path}: {source}")]
+    Bind {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cleaning device-plugin dir {path}: {source}")]
+    Cleanup {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("resource {0} has no registered plugin")]
+    UnknownResource(String),
+    #[error("plugin of {0} is registered but not connected")]
+    NotConnected(String),
+    #[error("{resource}: {requested} devices requested, only {available} healthy and unallocated")]
+    Insufficient { resource: String, requested: usize, available: usize },
+    #[error("{resource}: {rpc} failed: {status}")]
+    Rpc { resource: String, rpc: &'static str, status: Box<Status> },
+    #[error("timed out after {0:?} waiting for the condition")]
+    WaitTimeout(Duration),
+}
+
+/// Health and NUMA nodes of one device as the emulator sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceState {
+    pub healthy: bool,
+    pub numa: Vec<i64>,
+}
+
+/// What the emulator knows of one resource.
+#[derive(Clone, Debug)]
+pub struct ResourceView {
+    pub endpoint: String,
+    pub options: DevicePluginOptions,
+    pub devices: BTreeMap<String, DeviceState>,
+    /// A ListAndWatch stream is open.
+    pub connected: bool,
+    /// Successful Register calls, over all restarts.
+    pub registrations: u64,
+    /// ListAndWatch messages received, over all restarts.
+    pub updates: u64,
+    pub registered_at: Option<Instant>,
+    pub last_update: Option<Instant>,
+}
+
+impl ResourceView {
+    pub fn healthy_ids(&self) -> Vec<String> {
+        self.devices.iter().filter(|(_, d)| d.healthy).map(|(id, _)| id.clone()).collect()
+    }
+}
+
+/// Everything tests may wait on.
+#[derive(Clone, Debug, Default)]
+pub struct View {
+    pub resources: BTreeMap<String, ResourceView>,
+    /// Times [`KubeletEmulator::restart`] ran.
+    pub restarts: u64,
+}
+
+/// Who a container belongs to (what kubelet knows from the API server).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodRef {
+    pub uid: String,
+    pub name: String,
+    pub namespace: String,
+}
+
+#[derive(Default)]
+struct State {
+    entries: Vec<PodDevicesEntry>,
+    /// Pod names by UID: API-server knowledge, so it survives restarts.
+    pods: BTreeMap<String, PodRef>,
+    clients: HashMap<String, Endpoint>,
+}
+
+struct Endpoint {
+    seq: u64,
+    client: DevicePluginClient<Channel>,
+    cancel: CancellationToken,
+}
+
+struct Running {
+    cancel: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+struct Inner {
+    dir: PathBuf,
+    pod_resources_socket: PathBuf,
+    view: watch::Sender<View>,
+    state: Mutex<State>,
+    /// Serialises admissions, as kubelet's device manager does.
+    admit_lock: tokio::sync::Mutex<()>,
+    running: tokio::sync::Mutex<Option<Running>>,
+    seq: std::sync::atomic::AtomicU64,
+}
+
+/// Emulated kubelet device manager; cheap to clone.
+#[derive(Clone)]
+pub struct KubeletEmulator {
+    inner: Arc<Inner>,
+}
+
+impl KubeletEmulator {
+    /// Starts like kubelet: cleans the dir of sockets, loads the checkpoint,
+    /// serves `Registration` on `<dir>/kubelet.sock` and pod-resources on
+    /// `pod_resources_socket`.
+    pub async fn start(dir: impl Into<PathBuf>, pod_resources_socket: impl Into<PathBuf>) -> Result<Self, EmulatorError> {
+        let inner = Arc::new(Inner {
+            dir: dir.into(),
+            pod_resources_socket: pod_resources_socket.into(),
+            view: watch::Sender::new(View::default()),
+            state: Mutex::default(),
+            admit_lock: tokio::sync::Mutex::new(()),
+            running: tokio::sync::Mutex::new(None),
+            seq: Default::default(),
+        });
+        let emu = Self { inner };
+        emu.boot().await?;
+        Ok(emu)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    pub fn checkpoint_path(&self) -> PathBuf {
+        self.inner.dir.join(CHECKPOINT_FILE)
+    }
+
+    /// Watch channel of the device view (changes on registration, every
+    /// ListAndWatch message and disconnects).
+    pub fn view(&self) -> watch::Receiver<View> {
+        self.inner.view.subscribe()
+    }
+
+    /// Waits until `cond` holds for the view; returns that view.
+    pub async fn wait_for(&self, timeout: Duration, cond: impl Fn(&View) -> bool) -> Result<View, EmulatorError> {
+        let mut rx = self.view();
+        match tokio::time::timeout(timeout, rx.wait_for(|v| cond(v))).await {
+            Ok(Ok(v)) => Ok(v.clone()),
+            _ => Err(EmulatorError::WaitTimeout(timeout)),
+        }
+    }
+
+    /// Current allocations, as they would be checkpointed.
+    pub fn allocations(&self) -> Vec<PodDevicesEntry> {
+        self.inner.state.lock().unwrap().entries.clone()
+    }
+
+    async fn boot(&self) -> Result<(), EmulatorError> {
+        let inner = &self.inner;
+        remove_sockets(&inner.dir)?;
+        let _ = std::fs::remove_file(&inner.pod_resources_socket);
+        // Allocations come back from the checkpoint, as in kubelet.
+        let data = CheckpointData::load(&inner.dir.join(CHECKPOINT_FILE))?.unwrap_or_default();
+        inner.state.lock().unwrap().entries = data.pod_device_entries;
+        let cancel = CancellationToken::new();
+        let mut tasks = Vec::new();
+
+        let reg = bind(&inner.dir.join(KUBELET_SOCKET))?;
+        let svc = RegistrationServer::new(RegistrationSvc { emu: self.clone(), cancel: cancel.clone() });
+        let c = cancel.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming_shutdown(UnixListenerStream::new(reg), c.cancelled_owned())
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "registration server failed");
+            }
+        }));
+
+        if let Some(parent) = inner.pod_resources_socket.parent() {
+            let _ = std::fs::create_dir_all(parent);
+        }
+        let prl = bind(&inner.pod_resources_socket)?;
+        let svc = pr::pod_resources_lister_server::PodResourcesListerServer::new(PodResourcesSvc { emu: self.clone() });
+        let c = cancel.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming_shutdown(UnixListenerStream::new(prl), c.cancelled_owned())
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "pod-resources server failed");
+            }
+        }));
+        *inner.running.lock().await = Some(Running { cancel, tasks });
+        tracing::info!(dir = %inner.dir.display(), "kubelet emulator started");
+        Ok(())
+    }
+
+    /// Stops serving; plugin connections are dropped. Sockets stay, as after
+    /// a kubelet crash.
+    pub async fn stop(&self) {
+        let running = self.inner.running.lock().await.take();
+        if let Some(r) = running {
+            r.cancel.cancel();
+            for t in r.tasks {
+                // Open streams may keep a graceful shutdown waiting; don't.
+                let mut t = t;
+                if tokio::time::timeout(Duration::from_secs(2), &mut t).await.is_err() {
+                    t.abort();
+                }
+            }
+        }
+        let mut st = self.inner.state.lock().unwrap();
+        for (_, ep) in st.clients.drain() {
+            ep.cancel.cancel();
+        }
+        drop(st);
+        self.inner.view.send_modify(|v| v.resources.values_mut().for_each(|r| r.connected = false));
+    }
+
+    /// Like a kubelet restart: stop, delete every socket in the dir, start
+    /// again with the allocations of the checkpoint. Plugins must notice and
+    /// register again on their own.
+    pub async fn restart(&self) -> Result<(), EmulatorError> {
+        self.stop().await;
+        self.inner.view.send_modify(|v| v.restarts += 1);
+        self.boot().await
+    }
+
+    /// Admits one container: chooses device IDs for each `(resource, count)`,
+    /// asks the plugin's preference when offered, calls Allocate and, when the
+    /// plugin requires it, PreStartContainer. Returns the plugin responses by
+    /// resource. A container admitted before gets its recorded responses.
+    pub async fn admit(
+        &self,
+        pod: &PodRef,
+        container: &str,
+        requests: &[(&str, usize)],
+    ) -> Result<BTreeMap<String, ContainerAllocateResponse>, EmulatorError> {
+        let _g = self.inner.admit_lock.lock().await;
+        self.inner.state.lock().unwrap().pods.insert(pod.uid.clone(), pod.clone());
+        let mut out = BTreeMap::new();
+        let mut added = Vec::new();
+        for &(resource, count) in requests {
+            match self.admit_one(pod, container, resource, count).await {
+                Ok((resp, new)) => {
+                    out.insert(resource.to_string(), resp);
+                    added.extend(new);
+                }
+                Err(e) => {
+                    // All or nothing, so a failed admission leaks no devices.
+                    let mut st = self.inner.state.lock().unwrap();
+                    st.entries.retain(|x| !added.contains(x));
+                    drop(st);
+                    self.write_checkpoint()?;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn admit_one(
+        &self,
+        pod: &PodRef,
+        container: &str,
+        resource: &str,
+        count: usize,
+    ) -> Result<(ContainerAllocateResponse, Option<PodDevicesEntry>), EmulatorError> {
+        let rpc_err = |rpc, status| EmulatorError::Rpc { resource: resource.to_string(), rpc, status: Box::new(status) };
+        let (mut client, allocated) = {
+            let st = self.inner.state.lock().unwrap();
+            if let Some(e) = st
+                .entries
+                .iter()
+                .find(|e| e.pod_uid == pod.uid && e.container_name == container && e.resource_name == resource)
+            {
+                let resp = ContainerAllocateResponse::decode(e.alloc_resp.as_slice()).unwrap_or_default();
+                return Ok((resp, None));
+            }
+            let ep = st.clients.get(resource).ok_or_else(|| {
+                if self.inner.view.borrow().resources.contains_key(resource) {
+                    EmulatorError::NotConnected(resource.to_string())
+                } else {
+                    EmulatorError::UnknownResource(resource.to_string())
+                }
+            })?;
+            let allocated: BTreeSet<String> = st
+                .entries
+                .iter()
+                .filter(|e| e.resource_name == resource)
+                .flat_map(|e| e.device_ids.values().flatten().cloned())
+                .collect();
+            (ep.client.clone(), allocated)
+        };
+        let (options, devices) = {
+            let v = self.inner.view.borrow();
+            let r = v.resources.get(resource).ok_or_else(|| EmulatorError::UnknownResource(resource.to_string()))?;
+            (r.options, r.devices.clone())
+        };
+        let available: Vec<String> =
+            devices.iter().filter(|(id, d)| d.healthy && !allocated.contains(*id)).map(|(id, _)| id.clone()).collect();
+        if count == 0 || count > available.len() {
+            return Err(EmulatorError::Insufficient {
+                resource: resource.to_string(),
+                requested: count,
+                available: available.len(),
+            });
+        }
+
+        // Device choice as kubelet's devicesToAllocate: the plugin's preference
+        // where valid, the rest in order from what is available.
+        let mut chosen: Vec<String> = Vec::with_capacity(count);
+        if options.get_preferred_allocation_available {
+            let mut req = Request::new(PreferredAllocationRequest {
+                container_requests: vec![ContainerPreferredAllocationRequest {
+                    available_device_i_ds: available.clone(),
+                    must_include_device_i_ds: vec![],
+                    allocation_size: count as i32,
+                }],
+            });
+            req.set_timeout(RPC_TIMEOUT);
+            let resp = client.get_preferred_allocation(req).await.map_err(|s| rpc_err("GetPreferredAllocation", s))?;
+            if let Some(c) = resp.into_inner().container_responses.first() {
+                for id in &c.device_i_ds {
+                    if chosen.len() < count && available.contains(id) && !chosen.contains(id) {
+                        chosen.push(id.clone());
+                    }
+                }
+            }
+        }
+        for id in &available {
+            if chosen.len() == count {
+                break;
+            }
+            if !chosen.contains(id) {
+                chosen.push(id.clone());
+            }
+        }
+
+        let mut req = Request::new(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids: chosen.clone() }],
+        });
+        req.set_timeout(RPC_TIMEOUT);
+        let resp = client.allocate(req).await.map_err(|s| rpc_err("Allocate", s))?.into_inner();
+        let Some(resp) = resp.container_responses.into_iter().next() else {
+            return Err(rpc_err("Allocate", Status::internal("no container response")));
+        };
+        if options.pre_start_required {
+            let mut req = Request::new(PreStartContainerRequest { devices_ids: chosen.clone() });
+            req.set_timeout(RPC_TIMEOUT);
+            client.pre_start_container(req).await.map_err(|s| rpc_err("PreStartContainer", s))?;
+        }
+
+        let mut per_numa = DevicesPerNuma::new();
+        for id in &chosen {
+            let numa = devices.get(id).and_then(|d| d.numa.first().copied()).unwrap_or(-1);
+            per_numa.entry(numa).or_default().push(id.clone());
+        }
+        let entry = PodDevicesEntry {
+            pod_uid: pod.uid.clone(),
+            container_name: container.to_string(),
+            resource_name: resource.to_string(),
+            device_ids: per_numa,
+            alloc_resp: resp.encode_to_vec(),
+        };
+        self.inner.state.lock().unwrap().entries.push(entry.clone());
+        self.write_checkpoint()?;
+        tracing::info!(pod = %pod.uid, container, resource, devices = ?chosen, "admitted");
+        Ok((resp, Some(entry)))
+    }
+
+    /// Frees every device of the pod.
+    pub fn release_pod(&self, pod_uid: &str) -> Result<(), EmulatorError> {
+        {
+            let mut st = self.inner.state.lock().unwrap();
+            st.entries.retain(|e| e.pod_uid != pod_uid);
+            st.pods.remove(pod_uid);
+        }
+        self.write_checkpoint()
+    }
+
+    fn write_checkpoint(&self) -> Result<(), EmulatorError> {
+        let entries = self.inner.state.lock().unwrap().entries.clone();
+        let registered_devices = self
+            .inner
+            .view
+            .borrow()
+            .resources
+            .iter()
+            .map(|(r, v)| (r.clone(), v.devices.keys().cloned().collect()))
+            .collect();
+        CheckpointData { pod_device_entries: entries, registered_devices }.store(&self.checkpoint_path())?;
+        Ok(())
+    }
+
+    /// Dials a freshly registered plugin and follows its ListAndWatch stream.
+    async fn connect_plugin(self, req: RegisterRequest, cancel: CancellationToken) {
+        let resource = req.resource_name.clone();
+        let seq = self.inner.seq.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        let path = self.inner.dir.join(&req.endpoint);
+        let ch = match connect_unix(&path, RPC_TIMEOUT).await {
+            Ok(ch) => ch,
+            Err(e) => {
+                tracing::warn!(%resource, error = %e, "cannot dial plugin back");
+                return;
+            }
+        };
+        let mut client = DevicePluginClient::new(ch);
+        let options = match client.get_device_plugin_options(Empty {}).await {
+            Ok(o) => o.into_inner(),
+            Err(s) => {
+                tracing::warn!(%resource, status = %s, "GetDevicePluginOptions failed");
+                return;
+            }
+        };
+        let mut stream = match client.list_and_watch(Empty {}).await {
+            Ok(s) => s.into_inner(),
+            Err(s) => {
+                tracing::warn!(%resource, status = %s, "ListAndWatch failed");
+                return;
+            }
+        };
+        let ep_cancel = cancel.child_token();
+        {
+            let mut st = self.inner.state.lock().unwrap();
+            if let Some(old) = st.clients.insert(
+                resource.clone(),
+                Endpoint { seq, client: client.clone(), cancel: ep_cancel.clone() },
+            ) {
+                old.cancel.cancel(); // a re-registration replaces the old endpoint
+            }
+        }
+        self.inner.view.send_modify(|v| {
+            let r = v.resources.entry(resource.clone()).or_insert_with(|| ResourceView {
+                endpoint: String::new(),
+                options,
+                devices: BTreeMap::new(),
+                connected: false,
+                registrations: 0,
+                updates: 0,
+                registered_at: None,
+                last_update: None,
+            });
+            r.endpoint = req.endpoint.clone();
+            r.options = options;
+            r.connected = true;
+            r.registrations += 1;
+            r.registered_at = Some(Instant::now());
+        });
+        tracing::info!(%resource, endpoint = %req.endpoint, "plugin connected");
+        loop {
+            let msg = tokio::select! {
+                m = stream.message() => m,
+                () = ep_cancel.cancelled() => break,
+            };
+            match msg {
+                Ok(Some(list)) => {
+                    let now = Instant::now();
+                    let devices: BTreeMap<String, DeviceState> = list
+                        .devices
+                        .into_iter()
+                        .map(|d| {
+                            let numa = d.topology.map(|t| t.nodes.iter().map(|n| n.id).collect()).unwrap_or_default();
+                            (d.id, DeviceState { healthy: d.health == HEALTHY, numa })
+                        })
+                        .collect();
+                    self.inner.view.send_modify(|v| {
+                        if let Some(r) = v.resources.get_mut(&resource) {
+                            r.devices = devices;
+                            r.updates += 1;
+                            r.last_update = Some(now);
+                        }
+                    });
+                    if let Err(e) = self.write_checkpoint() {
+                        tracing::warn!(error = %e, "writing checkpoint");
+                    }
+                }
+                Ok(None) => break,
+                Err(s) => {
+                    tracing::info!(%resource, status = %s, "ListAndWatch stream ended");
+                    break;
+                }
+            }
+        }
+        let mut st = self.inner.state.lock().unwrap();
+        if st.clients.get(&resource).is_some_and(|e| e.seq == seq) {
+            st.clients.remove(&resource);
+            drop(st);
+            self.inner.view.send_modify(|v| {
+                if let Some(r) = v.resources.get_mut(&resource) {
+                    r.connected = false;
+                }
+            });
+            tracing::info!(%resource, "plugin disconnected");
+        }
+    }
+
+    fn pod_resources(&self) -> Vec<pr::PodResources> {
+        let st = self.inner.state.lock().unwrap();
+        let mut pods: BTreeMap<&str, BTreeMap<&str, Vec<pr::ContainerDevices>>> = BTreeMap::new();
+        for e in &st.entries {
+            let numa: Vec<pr::NumaNode> = e.device_ids.keys().filter(|n| **n >= 0).map(|&id| pr::NumaNode { id }).collect();
+            pods.entry(&e.pod_uid).or_default().entry(&e.container_name).or_default().push(pr::ContainerDevices {
+                resource_name: e.resource_name.clone(),
+                device_ids: e.device_ids.values().flatten().cloned().collect(),
+                topology: (!numa.is_empty()).then_some(pr::TopologyInfo { nodes: numa }),
+            });
+        }
+        pods.into_iter()
+            .map(|(uid, containers)| {
+                let meta = st.pods.get(uid);
+                pr::PodResources {
+                    name: meta.map_or_else(|| uid.to_string(), |p| p.name.clone()),
+                    namespace: meta.map_or_else(String::new, |p| p.namespace.clone()),
+                    containers: containers
+                        .into_iter()
+                        .map(|(name, devices)| pr::ContainerResources {
+                            name: name.to_string(),
+                            devices,
+                            ..Default::default()
+                        })
+                        .collect(),
+                    ..Default::default()
+                }
+            })
+            .collect()
+    }
+}
+
+fn bind(path: &Path) -> Result<UnixListener, EmulatorError> {
+    let _ = std::fs::remove_file(path);
+    UnixListener::bind(path).map_err(|source| EmulatorError::Bind { path: path.to_path_buf(), source })
+}
+
+/// kubelet removes every socket in the device-plugin dir when it starts; the
+/// checkpoint and other files stay.
+fn remove_sockets(dir: &Path) -> Result<(), EmulatorError> {
+    use std::os::unix::fs::FileTypeExt;
+    let err = |source| EmulatorError::Cleanup { path: dir.to_path_buf(), source };
+    std::fs::create_dir_all(dir).map_err(err)?;
+    for entry in std::fs::read_dir(dir).map_err(err)? {
+        let entry = entry.map_err(err)?;
+        if entry.file_type().map_err(err)?.is_socket() {
+            std::fs::remove_file(entry.path()).map_err(err)?;
+        }
+    }
+    Ok(())
+}
+
+struct RegistrationSvc {
+    emu: KubeletEmulator,
+    cancel: CancellationToken,
+}
+
+#[tonic::async_trait]
+impl Registration for RegistrationSvc {
+    async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
+        let req = req.into_inner();
+        if req.version != VERSION {
+            return Err(Status::invalid_argument(format!(
+                "unsupported device plugin API version {:?}; this kubelet supports {VERSION}",
+                req.version
+            )));
+        }
+        let parts: Vec<&str> = req.resource_name.split('/').collect();
+        if parts.len() != 2 || parts.iter().any(|p| p.is_empty()) || parts[0].ends_with("kubernetes.io") {
+            return Err(Status::invalid_argument(format!(
+                "invalid extended resource name {:?}",
+                req.resource_name
+            )));
+        }
+        if req.endpoint.is_empty() || req.endpoint.contains('/') {
+            return Err(Status::invalid_argument(format!("invalid endpoint {:?}", req.endpoint)));
+        }
+        tracing::info!(resource = %req.resource_name, endpoint = %req.endpoint, "Register");
+        // kubelet dials back asynchronously, after answering.
+        tokio::spawn(self.emu.clone().connect_plugin(req, self.cancel.clone()));
+        Ok(Response::new(Empty {}))
+    }
+}
+
+struct PodResourcesSvc {
+    emu: KubeletEmulator,
+}
+
+#[tonic::async_trait]
+impl pr::pod_resources_lister_server::PodResourcesLister for PodResourcesSvc {
+    async fn list(
+        &self,
+        _req: Request<pr::ListPodResourcesRequest>,
+    ) -> Result<Response<pr::ListPodResourcesResponse>, Status> {
+        Ok(Response::new(pr::ListPodResourcesResponse { pod_resources: self.emu.pod_resources() }))
+    }
+
+    async fn get_allocatable_resources(
+        &self,
+        _req: Request<pr::AllocatableResourcesRequest>,
+    ) -> Result<Response<pr::AllocatableResourcesResponse>, Status> {
+        let view = self.emu.inner.view.borrow().clone();
+        let devices = view
+            .resources
+            .iter()
+            .flat_map(|(res, r)| {
+                r.devices.iter().filter(|(_, d)| d.healthy).map(move |(id, d)| pr::ContainerDevices {
+                    resource_name: res.clone(),
+                    device_ids: vec![id.clone()],
+                    topology: (!d.numa.is_empty()).then(|| pr::TopologyInfo {
+                        nodes: d.numa.iter().map(|&id| pr::NumaNode { id }).collect(),
+                    }),
+                })
+            })
+            .collect();
+        Ok(Response::new(pr::AllocatableResourcesResponse { devices, ..Default::default() }))
+    }
+
+    async fn get(&self, req: Request<pr::GetPodResourcesRequest>) -> Result<Response<pr::GetPodResourcesResponse>, Status> {
+        let req = req.into_inner();
+        let uid = {
+            let st = self.emu.inner.state.lock().unwrap();
+            st.pods.values().find(|p| p.name == req.pod_name && p.namespace == req.pod_namespace).map(|p| p.uid.clone())
+        };
+        let Some(uid) = uid else {
+            return Err(Status::not_found(format!("pod {}/{} not found", req.pod_namespace, req.pod_name)));
+        };
+        let name = self.emu.inner.state.lock().unwrap().pods.get(&uid).map(|p| p.name.clone());
+        let pod = self.emu.pod_resources().into_iter().find(|p| Some(&p.name) == name.as_ref()).unwrap_or(pr::PodResources {
+            name: req.pod_name,
+            namespace: req.pod_namespace,
+            ..Default::default()
+        });
+        Ok(Response::new(pr::GetPodResourcesResponse { pod_resources: Some(pod) }))
+    }
+}
