@@ -1,0 +1,290 @@
+//! Running processes and per-process utilization samples.
+
+use crate::*;
+use gpu_sim_core::state::{epoch_us_to_mono, mono_to_epoch_us, now_ns};
+use std::ffi::{c_uint, c_ulonglong};
+
+/// MIG instance ids when MIG is off.
+const NO_INSTANCE: c_uint = 0xFFFF_FFFF;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct nvmlProcessInfo_v1_t {
+    pid: c_uint,
+    usedGpuMemory: c_ulonglong,
+}
+
+/// nvmlProcessInfo_t as the _v2 and _v3 calls use it.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct nvmlProcessInfo_t {
+    pid: c_uint,
+    usedGpuMemory: c_ulonglong,
+    gpuInstanceId: c_uint,
+    computeInstanceId: c_uint,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct nvmlProcessUtilizationSample_t {
+    pid: c_uint,
+    timeStamp: c_ulonglong,
+    smUtil: c_uint,
+    memUtil: c_uint,
+    encUtil: c_uint,
+    decUtil: c_uint,
+}
+
+const _: () = assert!(std::mem::size_of::<nvmlProcessInfo_v1_t>() == 16);
+const _: () = assert!(std::mem::size_of::<nvmlProcessInfo_t>() == 24);
+const _: () = assert!(std::mem::size_of::<nvmlProcessUtilizationSample_t>() == 32);
+
+/// The two-call protocol: `*count` too small (or `infos` null) gives
+/// INSUFFICIENT_SIZE with the needed count; no processes is SUCCESS with 0.
+fn fill<T>(count: *mut c_uint, infos: *mut T, items: Vec<T>) -> R {
+    if count.is_null() {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    // SAFETY: non-null, checked above.
+    let cap = if infos.is_null() {
+        0
+    } else {
+        unsafe { *count }
+    } as usize;
+    let n = items.len();
+    // SAFETY: count is a valid out-pointer.
+    unsafe { *count = n as c_uint };
+    if n > cap {
+        return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    for (i, it) in items.into_iter().enumerate() {
+        // SAFETY: the caller's array holds `cap` >= n entries.
+        unsafe { infos.add(i).write_unaligned(it) };
+    }
+    Ok(())
+}
+
+/// Compute processes on a device, by host PID with the memory they hold.
+fn compute<T>(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut T,
+    make: fn(u32, u64) -> T,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let c = ctx()?;
+        let s = c.dev(device)?;
+        let items = c
+            .state
+            .processes(s)
+            .into_iter()
+            .map(|p| make(p.pid(), p.used_bytes))
+            .collect();
+        fill(count, infos, items)
+    })
+}
+
+fn v1(pid: u32, used: u64) -> nvmlProcessInfo_v1_t {
+    nvmlProcessInfo_v1_t {
+        pid,
+        usedGpuMemory: used,
+    }
+}
+
+fn v2(pid: u32, used: u64) -> nvmlProcessInfo_t {
+    nvmlProcessInfo_t {
+        pid,
+        usedGpuMemory: used,
+        gpuInstanceId: NO_INSTANCE,
+        computeInstanceId: NO_INSTANCE,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_v1_t,
+) -> nvmlReturn_t {
+    compute(device, count, infos, v1)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v2(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    compute(device, count, infos, v2)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    compute(device, count, infos, v2)
+}
+
+/// No graphics or MPS clients exist on the simulated node.
+fn none<T>(device: nvmlDevice_t, count: *mut c_uint, infos: *mut T) -> nvmlReturn_t {
+    ffi(|| {
+        ctx()?.dev(device)?;
+        fill(count, infos, Vec::new())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_v1_t,
+) -> nvmlReturn_t {
+    none(device, count, infos)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v2(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    none(device, count, infos)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    none(device, count, infos)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_v1_t,
+) -> nvmlReturn_t {
+    none(device, count, infos)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v2(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    none(device, count, infos)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    none(device, count, infos)
+}
+
+// ---- utilization samples ------------------------------------------------
+
+/// The driver's sampling period: one sample per process per period.
+pub const SAMPLE_NS: u64 = 100_000_000;
+/// How far back samples reach (the real driver's buffer is bounded too).
+pub const HISTORY_NS: u64 = 5_000_000_000;
+
+/// Samples of periods that ended after `last_seen_us` (epoch µs) and within
+/// the history, oldest first: one per process that ran in the period, with
+/// its share of the period in smUtil.
+fn samples(c: &Ctx, sim: usize, last_seen_us: u64) -> Vec<nvmlProcessUtilizationSample_t> {
+    let now = now_ns();
+    let newest_end = now / SAMPLE_NS * SAMPLE_NS;
+    let mut since = now.saturating_sub(HISTORY_NS);
+    if last_seen_us > 0 {
+        since = since.max(epoch_us_to_mono(last_seen_us));
+    }
+    let mut out = Vec::new();
+    let mut end = (since / SAMPLE_NS + 1) * SAMPLE_NS;
+    while end <= newest_end {
+        let start = end - SAMPLE_NS;
+        let ts = mono_to_epoch_us(end);
+        if ts > last_seen_us {
+            for (p, pct) in c.state.process_utilization(sim, start, end) {
+                out.push(nvmlProcessUtilizationSample_t {
+                    pid: p.pid(),
+                    timeStamp: ts,
+                    smUtil: pct.round() as c_uint,
+                    memUtil: (pct / 2.0).round() as c_uint,
+                    encUtil: 0,
+                    decUtil: 0,
+                });
+            }
+        }
+        end += SAMPLE_NS;
+    }
+    out
+}
+
+/// Samples handed out by a size query, kept so that the query and the call
+/// that follows it see the same set even when a period ends in between.
+struct Pending {
+    sim: usize,
+    last_seen_us: u64,
+    taken_ns: u64,
+    samples: Vec<nvmlProcessUtilizationSample_t>,
+}
+
+static PENDING: Mutex<Option<Pending>> = Mutex::new(None);
+
+/// Real semantics: a null buffer or a too small `*count` gives
+/// INSUFFICIENT_SIZE with the needed count; no samples newer than
+/// `lastSeenTimeStamp` gives NOT_FOUND.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
+    device: nvmlDevice_t,
+    utilization: *mut nvmlProcessUtilizationSample_t,
+    count: *mut c_uint,
+    last_seen_us: c_ulonglong,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let c = ctx()?;
+        let sim = c.dev(device)?;
+        if count.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        let mut pending = PENDING.lock().unwrap_or_else(|e| e.into_inner());
+        let kept = pending.take().filter(|p| {
+            p.sim == sim
+                && p.last_seen_us == last_seen_us
+                && now_ns().saturating_sub(p.taken_ns) < SAMPLE_NS * 10
+        });
+        let list = match kept {
+            Some(p) if !utilization.is_null() => p.samples,
+            _ => samples(&c, sim, last_seen_us),
+        };
+        if list.is_empty() {
+            return Err(NVML_ERROR_NOT_FOUND);
+        }
+        // SAFETY: non-null, checked above.
+        let cap = if utilization.is_null() {
+            0
+        } else {
+            unsafe { *count }
+        } as usize;
+        if list.len() > cap {
+            // SAFETY: valid out-pointer.
+            unsafe { *count = list.len() as c_uint };
+            *pending = Some(Pending {
+                sim,
+                last_seen_us,
+                taken_ns: now_ns(),
+                samples: list,
+            });
+            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+        }
+        fill(count, utilization, list)
+    })
+}
