@@ -4,12 +4,165 @@ use std::path::{Path, PathBuf};
 
 /// Root of the workspace checkout.
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 /// Directory cargo puts this profile's binaries and cdylibs in.
 pub fn target_dir() -> PathBuf {
     // Tests run from target/<profile>/deps/<test-binary>.
     let exe = std::env::current_exe().expect("current_exe");
-    exe.parent().and_then(Path::parent).expect("target/<profile>").to_path_buf()
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>")
+        .to_path_buf()
+}
+
+/// A simulated node installed in a temporary directory by the real
+/// `gpu-sim install`. Removed when dropped.
+pub struct SimNode {
+    pub dir: tempfile::TempDir,
+}
+
+impl SimNode {
+    /// Installs `config/nodes/<name>.toml`. Needs the workspace built
+    /// (`cargo build --workspace`): the libraries are cdylibs that `cargo
+    /// test` alone does not build.
+    pub fn install(name: &str) -> SimNode {
+        let node = workspace_root()
+            .join("config/nodes")
+            .join(format!("{name}.toml"));
+        Self::install_file(&node)
+    }
+
+    pub fn install_file(node: &Path) -> SimNode {
+        let dir = tempfile::Builder::new()
+            .prefix("gpu-sim-")
+            .tempdir()
+            .unwrap();
+        let gpu_sim = target_dir().join("gpu-sim");
+        assert!(
+            gpu_sim.is_file(),
+            "{} missing: run `cargo build --workspace` first",
+            gpu_sim.display()
+        );
+        let out = std::process::Command::new(&gpu_sim)
+            .arg("install")
+            .arg("--node")
+            .arg(node)
+            .arg("--root")
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "gpu-sim install failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        SimNode { dir }
+    }
+
+    pub fn root(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The multiarch library directory holding libcuda.so.1 and libnvidia-ml.so.1.
+    pub fn lib_dir(&self) -> PathBuf {
+        self.root().join("usr/lib/x86_64-linux-gnu")
+    }
+}
+
+/// Compiles a C test program from `tests/c/<name>.c` against the node's
+/// libcuda (`-lcuda`), into `out_dir`.
+pub fn compile_c(name: &str, node: &SimNode, out_dir: &Path) -> PathBuf {
+    let src = workspace_root().join("tests/c").join(format!("{name}.c"));
+    let out = out_dir.join(name);
+    let st = std::process::Command::new("gcc")
+        .arg("-O1")
+        .arg("-o")
+        .arg(&out)
+        .arg(&src)
+        .arg("-L")
+        .arg(node.lib_dir())
+        .arg("-lcuda")
+        .status()
+        .expect("gcc");
+    assert!(st.success(), "compiling {}", src.display());
+    out
+}
+
+/// The private Docker engine started by `tests/run.sh` (tests/docker/engine.sh).
+pub struct Docker {
+    /// Value for DOCKER_HOST.
+    pub host: String,
+    pub image: String,
+}
+
+impl Docker {
+    /// The engine, if one answers. When `VCUDA_REQUIRE_DOCKER=1` (set by
+    /// tests/run.sh) a missing engine fails the test instead of skipping it.
+    pub fn get() -> Option<Docker> {
+        let host = std::env::var("DOCKER_HOST").unwrap_or_default();
+        let image = std::env::var("VCUDA_TEST_IMAGE")
+            .unwrap_or_else(|_| "vcuda-test/busybox:latest".into());
+        let d = Docker { host, image };
+        let ok = !d.host.is_empty()
+            && d.cli(&["info"])
+                .map(|o| o.status.success())
+                .unwrap_or(false);
+        if ok {
+            return Some(d);
+        }
+        if std::env::var("VCUDA_REQUIRE_DOCKER").as_deref() == Ok("1") {
+            panic!(
+                "VCUDA_REQUIRE_DOCKER=1 but no Docker engine answers at DOCKER_HOST={:?}; \
+                 start one with `source tests/docker/engine.sh && start_docker_engine`",
+                d.host
+            );
+        }
+        eprintln!("skipped: no Docker engine (set DOCKER_HOST, see tests/docker/engine.sh)");
+        None
+    }
+
+    /// Runs the Docker CLI (Debian's, matching Debian's engine, when present).
+    pub fn cli(&self, args: &[&str]) -> std::io::Result<std::process::Output> {
+        let bin = if Path::new("/usr/bin/docker").exists() {
+            "/usr/bin/docker"
+        } else {
+            "docker"
+        };
+        std::process::Command::new(bin)
+            .env("DOCKER_HOST", &self.host)
+            .args(args)
+            .output()
+    }
+
+    /// Like [`cli`](Self::cli), panicking with the CLI's stderr on failure.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.cli(args).expect("docker cli");
+        assert!(
+            out.status.success(),
+            "docker {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// Bind mounts that give a busybox container the host's glibc, so
+    /// programs built here (and the driver libraries) run inside it.
+    pub fn glibc_mounts() -> Vec<String> {
+        let mut v = Vec::new();
+        for (host, ctr) in [
+            ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu"),
+            ("/usr/lib64", "/lib64"),
+        ] {
+            if Path::new(host).exists() {
+                v.push("-v".into());
+                v.push(format!("{host}:{ctr}:ro"));
+            }
+        }
+        v
+    }
 }

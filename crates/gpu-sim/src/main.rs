@@ -1,0 +1,110 @@
+//! `gpu-sim`: the simulated GPU node's command-line tool.
+
+mod install;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use gpu_sim_core::{InstallOutcome, SharedState, SimRoot};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "gpu-sim",
+    version,
+    about = "Simulated NVIDIA GPU node for machines without a GPU"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Lay out a fake driver installation (libraries, ld.so.cache, nvidia-smi,
+    /// device nodes, shared state) under ROOT. Idempotent.
+    Install {
+        /// Node description (TOML), e.g. config/nodes/sim-1gpu.toml.
+        #[arg(long)]
+        node: PathBuf,
+        /// Directory to install into; created if missing.
+        #[arg(long)]
+        root: PathBuf,
+        /// Directory holding the built libcuda.so, libnvidia_ml.so and
+        /// nvidia-smi. Defaults to the directory of this executable.
+        #[arg(long)]
+        artifacts: Option<PathBuf>,
+    },
+    /// Inject an Xid error on one GPU; nvmlEventSetWait returns it.
+    Xid {
+        #[arg(long)]
+        root: PathBuf,
+        /// GPU index in the node description.
+        #[arg(long)]
+        gpu: usize,
+        /// Xid code, e.g. 79 (GPU has fallen off the bus) or 48 (double-bit ECC).
+        #[arg(long)]
+        code: u32,
+    },
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("gpu-sim: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Install {
+            node,
+            root,
+            artifacts,
+        } => {
+            let artifacts = match artifacts {
+                Some(a) => a,
+                None => std::env::current_exe()
+                    .context("locating gpu-sim's own directory")?
+                    .parent()
+                    .context("gpu-sim has no parent directory")?
+                    .to_path_buf(),
+            };
+            let report = install::install(&node, &root, &artifacts)?;
+            let n = &report.node;
+            let state = match report.state {
+                InstallOutcome::Created => "created",
+                InstallOutcome::Kept => "kept (same node description)",
+                InstallOutcome::Replaced => "replaced (node description changed)",
+            };
+            println!(
+                "installed {} ({} GPU{}, driver {}, CUDA {}) under {}; shared state {state}",
+                n.name,
+                n.gpus.len(),
+                if n.gpus.len() == 1 { "" } else { "s" },
+                n.driver_version,
+                n.cuda_version_string(),
+                root.display()
+            );
+            if !report.device_nodes_are_char_devices {
+                eprintln!(
+                    "gpu-sim: warning: no permission to create character devices; \
+                     device nodes are regular files and cannot be passed to containers"
+                );
+            }
+            Ok(())
+        }
+        Command::Xid { root, gpu, code } => {
+            let state = SharedState::open(&SimRoot::new(&root))?;
+            if gpu >= state.gpu_count() {
+                bail!(
+                    "--gpu {gpu}: the node has {} GPUs (0..{})",
+                    state.gpu_count(),
+                    state.gpu_count() - 1
+                );
+            }
+            let seq = state.inject_xid(gpu, code);
+            println!("injected Xid {code} on GPU {gpu} (event {seq})");
+            Ok(())
+        }
+    }
+}
