@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use device_plugin::api::{
-    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty, PreStartContainerRequest,
-    PreferredAllocationRequest, device_plugin_client::DevicePluginClient,
+    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
+    PreStartContainerRequest, PreferredAllocationRequest, device_plugin_client::DevicePluginClient,
 };
 use device_plugin::{CancellationToken, PluginRuntime, RuntimeHandle, connect_unix};
 use kubelet_emulator::checkpoint::CheckpointData;
@@ -51,7 +51,9 @@ impl Node {
 async fn node(vcore: DemoPlugin, vmem: DemoPlugin) -> Node {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("device-plugins");
-    let emu = KubeletEmulator::start(&dir, tmp.path().join("pod-resources/kubelet.sock")).await.unwrap();
+    let emu = KubeletEmulator::start(&dir, tmp.path().join("pod-resources/kubelet.sock"))
+        .await
+        .unwrap();
     let (vcore, vmem) = (Arc::new(vcore), Arc::new(vmem));
     let cancel = CancellationToken::new();
     let handle = PluginRuntime::new(&dir)
@@ -59,18 +61,34 @@ async fn node(vcore: DemoPlugin, vmem: DemoPlugin) -> Node {
         .plugin(VMEM, "vmemory.sock", vmem.clone())
         .start(cancel.clone())
         .unwrap();
-    emu.wait_for(WAIT, |v| connected(v, VCORE, vcore.devices.snapshot().len()) && connected(v, VMEM, vmem.devices.snapshot().len()))
-        .await
-        .expect("both plugins registered and listed");
-    Node { tmp, emu, cancel, handle: Some(handle), vcore, vmem }
+    emu.wait_for(WAIT, |v| {
+        connected(v, VCORE, vcore.devices.snapshot().len())
+            && connected(v, VMEM, vmem.devices.snapshot().len())
+    })
+    .await
+    .expect("both plugins registered and listed");
+    Node {
+        tmp,
+        emu,
+        cancel,
+        handle: Some(handle),
+        vcore,
+        vmem,
+    }
 }
 
 fn connected(v: &View, res: &str, n: usize) -> bool {
-    v.resources.get(res).is_some_and(|r| r.connected && r.devices.len() == n)
+    v.resources
+        .get(res)
+        .is_some_and(|r| r.connected && r.devices.len() == n)
 }
 
 fn pod(uid: &str) -> PodRef {
-    PodRef { uid: uid.into(), name: format!("{uid}-name"), namespace: "default".into() }
+    PodRef {
+        uid: uid.into(),
+        name: format!("{uid}-name"),
+        namespace: "default".into(),
+    }
 }
 
 fn default_node() -> (DemoPlugin, DemoPlugin) {
@@ -92,13 +110,29 @@ async fn two_resources_register_from_one_process() {
     let view = node.emu.view().borrow().clone();
     let core = &view.resources[VCORE];
     let mem = &view.resources[VMEM];
-    assert_eq!((core.endpoint.as_str(), core.devices.len()), ("vcore.sock", 200));
-    assert_eq!((mem.endpoint.as_str(), mem.devices.len()), ("vmemory.sock", 64));
+    assert_eq!(
+        (core.endpoint.as_str(), core.devices.len()),
+        ("vcore.sock", 200)
+    );
+    assert_eq!(
+        (mem.endpoint.as_str(), mem.devices.len()),
+        ("vmemory.sock", 64)
+    );
     assert!(core.devices.contains_key("vcore-199") && mem.devices.contains_key("vmem-0"));
     assert!(core.options.pre_start_required && core.options.get_preferred_allocation_available);
     assert_eq!(core.registrations, 1);
-    let st = node.handle.as_ref().unwrap().status(VCORE).unwrap().borrow().clone();
-    assert!(st.registered && st.registrations == 1 && st.last_error.is_none(), "{st:?}");
+    let st = node
+        .handle
+        .as_ref()
+        .unwrap()
+        .status(VCORE)
+        .unwrap()
+        .borrow()
+        .clone();
+    assert!(
+        st.registered && st.registrations == 1 && st.last_error.is_none(),
+        "{st:?}"
+    );
 
     // pod-resources reports what kubelet knows as allocatable.
     let alloc = pod_resources_client(&node)
@@ -107,7 +141,13 @@ async fn two_resources_register_from_one_process() {
         .await
         .unwrap()
         .into_inner();
-    let n = |r: &str| alloc.devices.iter().filter(|d| d.resource_name == r).count();
+    let n = |r: &str| {
+        alloc
+            .devices
+            .iter()
+            .filter(|d| d.resource_name == r)
+            .count()
+    };
     assert_eq!((n(VCORE), n(VMEM)), (200, 64));
     node.shutdown().await;
 }
@@ -125,14 +165,26 @@ async fn health_change_reaches_list_and_watch() {
     let down = t.elapsed();
     let t = Instant::now();
     node.vcore.devices.set_health("vcore-42", true);
-    node.emu.wait_for(WAIT, |v| v.resources[VCORE].devices["vcore-42"].healthy).await.unwrap();
+    node.emu
+        .wait_for(WAIT, |v| v.resources[VCORE].devices["vcore-42"].healthy)
+        .await
+        .unwrap();
     let up = t.elapsed();
     println!("health change -> kubelet view: unhealthy in {down:?}, healthy again in {up:?}");
-    assert!(down < Duration::from_millis(500) && up < Duration::from_millis(500), "{down:?} {up:?}");
+    assert!(
+        down < Duration::from_millis(500) && up < Duration::from_millis(500),
+        "{down:?} {up:?}"
+    );
 
     // A count change (GPU lost) is streamed too.
-    node.vmem.devices.replace(node.vmem.devices.snapshot()[..32].to_vec());
-    let v = node.emu.wait_for(WAIT, |v| v.resources[VMEM].devices.len() == 32).await.unwrap();
+    node.vmem
+        .devices
+        .replace(node.vmem.devices.snapshot()[..32].to_vec());
+    let v = node
+        .emu
+        .wait_for(WAIT, |v| v.resources[VMEM].devices.len() == 32)
+        .await
+        .unwrap();
     assert_eq!(v.resources[VMEM].healthy_ids().len(), 32);
     node.shutdown().await;
 }
@@ -141,7 +193,11 @@ async fn health_change_reaches_list_and_watch() {
 async fn kubelet_restart_reregisters_and_keeps_allocations() {
     let (a, b) = default_node();
     let node = node(a, b).await;
-    let first = node.emu.admit(&pod("p1"), "main", &[(VCORE, 30), (VMEM, 8)]).await.unwrap();
+    let first = node
+        .emu
+        .admit(&pod("p1"), "main", &[(VCORE, 30), (VMEM, 8)])
+        .await
+        .unwrap();
     let p1_ids = first[VCORE].envs["DEMO_DEVICES"].clone();
 
     let t = Instant::now();
@@ -150,31 +206,67 @@ async fn kubelet_restart_reregisters_and_keeps_allocations() {
     // Plugins notice the deleted sockets by themselves.
     node.emu
         .wait_for(WAIT, |v| {
-            [VCORE, VMEM].iter().all(|r| v.resources[*r].registrations == 2 && v.resources[*r].connected)
+            [VCORE, VMEM]
+                .iter()
+                .all(|r| v.resources[*r].registrations == 2 && v.resources[*r].connected)
         })
         .await
         .expect("both plugins re-registered after kubelet restart");
     let rereg = t.elapsed();
-    println!("kubelet restart (stop, delete sockets, start) took {restarted:?}; both plugins re-registered {rereg:?} after it began");
-    assert!(rereg < Duration::from_secs(1), "re-registration took {rereg:?}");
+    println!(
+        "kubelet restart (stop, delete sockets, start) took {restarted:?}; both plugins re-registered {rereg:?} after it began"
+    );
+    assert!(
+        rereg < Duration::from_secs(1),
+        "re-registration took {rereg:?}"
+    );
     for res in [VCORE, VMEM] {
-        let st = node.handle.as_ref().unwrap().status(res).unwrap().borrow().clone();
+        let st = node
+            .handle
+            .as_ref()
+            .unwrap()
+            .status(res)
+            .unwrap()
+            .borrow()
+            .clone();
         assert_eq!((st.registrations, st.binds), (2, 2), "{res}: {st:?}");
     }
     assert!(node.dir().join("vcore.sock").exists() && node.dir().join("vmemory.sock").exists());
 
     // Allocations survived through the checkpoint.
     let allocs = node.emu.allocations();
-    assert_eq!(allocs.iter().filter(|e| e.pod_uid == "p1").count(), 2, "{allocs:?}");
-    let list = pod_resources_client(&node).await.list(pr::ListPodResourcesRequest {}).await.unwrap().into_inner();
-    let p1 = list.pod_resources.iter().find(|p| p.name == "p1-name").expect("p1 listed after restart");
+    assert_eq!(
+        allocs.iter().filter(|e| e.pod_uid == "p1").count(),
+        2,
+        "{allocs:?}"
+    );
+    let list = pod_resources_client(&node)
+        .await
+        .list(pr::ListPodResourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let p1 = list
+        .pod_resources
+        .iter()
+        .find(|p| p.name == "p1-name")
+        .expect("p1 listed after restart");
     assert_eq!(p1.containers[0].devices.len(), 2);
 
     // New allocations continue and never reuse p1's devices.
-    let second = node.emu.admit(&pod("p2"), "main", &[(VCORE, 50)]).await.unwrap();
+    let second = node
+        .emu
+        .admit(&pod("p2"), "main", &[(VCORE, 50)])
+        .await
+        .unwrap();
     let p2_ids = second[VCORE].envs["DEMO_DEVICES"].clone();
     assert_eq!(p2_ids.split(',').count(), 50);
-    assert!(p2_ids.split(',').all(|id| !p1_ids.split(',').any(|x| x == id)), "{p1_ids} vs {p2_ids}");
+    assert!(
+        p2_ids
+            .split(',')
+            .all(|id| !p1_ids.split(',').any(|x| x == id)),
+        "{p1_ids} vs {p2_ids}"
+    );
     node.shutdown().await;
 }
 
@@ -186,36 +278,76 @@ async fn allocate_prestart_and_preferred_allocation() {
     mem.options.get_preferred_allocation_available = false;
     let node = node(core, mem).await;
 
-    let resp = node.emu.admit(&pod("p1"), "train", &[(VCORE, 3), (VMEM, 2)]).await.unwrap();
-    assert_eq!(resp[VCORE].envs["DEMO_DEVICES"], "vcore-7,vcore-3,vcore-150");
-    assert_eq!(resp[VCORE].annotations["demo/devices"], "vcore-7,vcore-3,vcore-150");
+    let resp = node
+        .emu
+        .admit(&pod("p1"), "train", &[(VCORE, 3), (VMEM, 2)])
+        .await
+        .unwrap();
+    assert_eq!(
+        resp[VCORE].envs["DEMO_DEVICES"],
+        "vcore-7,vcore-3,vcore-150"
+    );
+    assert_eq!(
+        resp[VCORE].annotations["demo/devices"],
+        "vcore-7,vcore-3,vcore-150"
+    );
     assert_eq!(resp[VCORE].devices[0].permissions, "rwm");
     assert!(resp[VCORE].mounts[0].read_only);
     assert_eq!(resp[VMEM].envs["DEMO_DEVICES"], "vmem-0,vmem-1");
     // PreStartContainer was called with exactly the allocated IDs.
-    assert_eq!(*node.vcore.prestarted.lock().unwrap(), vec![vec!["vcore-7", "vcore-3", "vcore-150"]]);
-    assert_eq!(*node.vmem.prestarted.lock().unwrap(), vec![vec!["vmem-0", "vmem-1"]]);
+    assert_eq!(
+        *node.vcore.prestarted.lock().unwrap(),
+        vec![vec!["vcore-7", "vcore-3", "vcore-150"]]
+    );
+    assert_eq!(
+        *node.vmem.prestarted.lock().unwrap(),
+        vec![vec!["vmem-0", "vmem-1"]]
+    );
 
     // Preferred IDs already taken: the plugin's next choices (reverse order).
-    let resp = node.emu.admit(&pod("p2"), "train", &[(VCORE, 2)]).await.unwrap();
+    let resp = node
+        .emu
+        .admit(&pod("p2"), "train", &[(VCORE, 2)])
+        .await
+        .unwrap();
     assert_eq!(resp[VCORE].envs["DEMO_DEVICES"], "vcore-99,vcore-98");
 
     // Admitting more than is free fails without leaking devices.
-    let err = node.emu.admit(&pod("p3"), "c", &[(VMEM, 2), (VCORE, 500)]).await.unwrap_err();
+    let err = node
+        .emu
+        .admit(&pod("p3"), "c", &[(VMEM, 2), (VCORE, 500)])
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("500 devices requested"), "{err}");
-    assert_eq!(node.emu.allocations().iter().filter(|e| e.pod_uid == "p3").count(), 0);
+    assert_eq!(
+        node.emu
+            .allocations()
+            .iter()
+            .filter(|e| e.pod_uid == "p3")
+            .count(),
+        0
+    );
 
     // The checkpoint is kubelet's format and verifies.
-    let cp = CheckpointData::load(&node.emu.checkpoint_path()).unwrap().unwrap();
+    let cp = CheckpointData::load(&node.emu.checkpoint_path())
+        .unwrap()
+        .unwrap();
     assert_eq!(cp.pod_device_entries.len(), 3);
     assert_eq!(cp.registered_devices[VCORE].len(), 200);
-    let e = cp.pod_device_entries.iter().find(|e| e.pod_uid == "p1" && e.resource_name == VCORE).unwrap();
+    let e = cp
+        .pod_device_entries
+        .iter()
+        .find(|e| e.pod_uid == "p1" && e.resource_name == VCORE)
+        .unwrap();
     assert_eq!(e.device_ids[&-1], vec!["vcore-7", "vcore-3", "vcore-150"]);
 
     // pod-resources Get answers from the recorded allocations.
     let got = pod_resources_client(&node)
         .await
-        .get(pr::GetPodResourcesRequest { pod_name: "p1-name".into(), pod_namespace: "default".into() })
+        .get(pr::GetPodResourcesRequest {
+            pod_name: "p1-name".into(),
+            pod_namespace: "default".into(),
+        })
         .await
         .unwrap()
         .into_inner()
@@ -226,7 +358,11 @@ async fn allocate_prestart_and_preferred_allocation() {
 
     // Releasing frees the IDs for the next pod.
     node.emu.release_pod("p1").unwrap();
-    let resp = node.emu.admit(&pod("p4"), "c", &[(VCORE, 1)]).await.unwrap();
+    let resp = node
+        .emu
+        .admit(&pod("p4"), "c", &[(VCORE, 1)])
+        .await
+        .unwrap();
     assert_eq!(resp[VCORE].envs["DEMO_DEVICES"], "vcore-7");
     node.shutdown().await;
 }
@@ -235,7 +371,9 @@ fn alloc(ids: &[&[&str]]) -> AllocateRequest {
     AllocateRequest {
         container_requests: ids
             .iter()
-            .map(|c| ContainerAllocateRequest { devices_ids: c.iter().map(|s| s.to_string()).collect() })
+            .map(|c| ContainerAllocateRequest {
+                devices_ids: c.iter().map(|s| s.to_string()).collect(),
+            })
             .collect(),
     }
 }
@@ -252,25 +390,49 @@ async fn bad_input_is_invalid_argument_and_plugin_keeps_serving() {
         }
         println!("rejected: {}", s.message());
     };
-    expect(c.allocate(alloc(&[&["vcore-1", "bogus-9", "gpu-x"]])).await.map(|_| tonic::Response::new(())), &[
-        "container_requests[0].devices_ids",
-        "\"bogus-9\"",
-        "\"gpu-x\"",
-    ]);
-    expect(c.allocate(alloc(&[])).await.map(|_| tonic::Response::new(())), &["container_requests is empty"]);
-    expect(c.allocate(alloc(&[&["vcore-0"], &[]])).await.map(|_| tonic::Response::new(())), &[
-        "container_requests[1].devices_ids is empty",
-    ]);
     expect(
-        c.allocate(alloc(&[&["vcore-0", "vcore-1", "vcore-2", "vcore-3", "vcore-0"]])).await.map(|_| tonic::Response::new(())),
+        c.allocate(alloc(&[&["vcore-1", "bogus-9", "gpu-x"]]))
+            .await
+            .map(|_| tonic::Response::new(())),
+        &[
+            "container_requests[0].devices_ids",
+            "\"bogus-9\"",
+            "\"gpu-x\"",
+        ],
+    );
+    expect(
+        c.allocate(alloc(&[]))
+            .await
+            .map(|_| tonic::Response::new(())),
+        &["container_requests is empty"],
+    );
+    expect(
+        c.allocate(alloc(&[&["vcore-0"], &[]]))
+            .await
+            .map(|_| tonic::Response::new(())),
+        &["container_requests[1].devices_ids is empty"],
+    );
+    expect(
+        c.allocate(alloc(&[&[
+            "vcore-0", "vcore-1", "vcore-2", "vcore-3", "vcore-0",
+        ]]))
+        .await
+        .map(|_| tonic::Response::new(())),
         &["5 device IDs", "only 4 devices"],
     );
     let many: Vec<&[&str]> = vec![&["vcore-0"]; 65];
-    expect(c.allocate(alloc(&many)).await.map(|_| tonic::Response::new(())), &["65 container requests"]);
     expect(
-        c.pre_start_container(PreStartContainerRequest { devices_ids: vec!["nope".into()] })
+        c.allocate(alloc(&many))
             .await
             .map(|_| tonic::Response::new(())),
+        &["65 container requests"],
+    );
+    expect(
+        c.pre_start_container(PreStartContainerRequest {
+            devices_ids: vec!["nope".into()],
+        })
+        .await
+        .map(|_| tonic::Response::new(())),
         &["devices_ids", "\"nope\""],
     );
     expect(
@@ -285,14 +447,32 @@ async fn bad_input_is_invalid_argument_and_plugin_keeps_serving() {
         .map(|_| tonic::Response::new(())),
         &["allocation_size is 3"],
     );
-    assert!(node.vcore.allocated.lock().unwrap().is_empty(), "plugin must not see invalid requests");
+    assert!(
+        node.vcore.allocated.lock().unwrap().is_empty(),
+        "plugin must not see invalid requests"
+    );
 
     // Still serving: a valid Allocate, ListAndWatch and a kubelet admission work.
-    let ok = c.allocate(alloc(&[&["vcore-2"]])).await.unwrap().into_inner();
+    let ok = c
+        .allocate(alloc(&[&["vcore-2"]]))
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(ok.container_responses[0].envs["DEMO_DEVICES"], "vcore-2");
-    let first = c.list_and_watch(Empty {}).await.unwrap().into_inner().message().await.unwrap().unwrap();
+    let first = c
+        .list_and_watch(Empty {})
+        .await
+        .unwrap()
+        .into_inner()
+        .message()
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(first.devices.len(), 4);
-    node.emu.admit(&pod("p1"), "c", &[(VCORE, 1)]).await.unwrap();
+    node.emu
+        .admit(&pod("p1"), "c", &[(VCORE, 1)])
+        .await
+        .unwrap();
     node.shutdown().await;
 }
 
@@ -303,16 +483,34 @@ async fn registration_retries_until_kubelet_appears() {
     std::fs::create_dir_all(&dir).unwrap();
     let plugin = Arc::new(DemoPlugin::new("d", 3));
     let cancel = CancellationToken::new();
-    let handle = PluginRuntime::new(&dir).plugin("example.com/demo", "demo.sock", plugin).start(cancel.clone()).unwrap();
+    let handle = PluginRuntime::new(&dir)
+        .plugin("example.com/demo", "demo.sock", plugin)
+        .start(cancel.clone())
+        .unwrap();
     let mut st = handle.status("example.com/demo").unwrap();
-    let s = tokio::time::timeout(WAIT, st.wait_for(|s| s.last_error.is_some())).await.unwrap().unwrap().clone();
+    let s = tokio::time::timeout(WAIT, st.wait_for(|s| s.last_error.is_some()))
+        .await
+        .unwrap()
+        .unwrap()
+        .clone();
     assert!(!s.registered);
-    assert!(s.last_error.as_deref().unwrap().contains("kubelet.sock"), "{s:?}");
+    assert!(
+        s.last_error.as_deref().unwrap().contains("kubelet.sock"),
+        "{s:?}"
+    );
 
     tokio::time::sleep(Duration::from_millis(700)).await; // let the backoff grow
     let t = Instant::now();
-    let emu = KubeletEmulator::start(&dir, tmp.path().join("pr.sock")).await.unwrap();
-    emu.wait_for(WAIT, |v| v.resources.get("example.com/demo").is_some_and(|r| r.connected)).await.unwrap();
+    let emu = KubeletEmulator::start(&dir, tmp.path().join("pr.sock"))
+        .await
+        .unwrap();
+    emu.wait_for(WAIT, |v| {
+        v.resources
+            .get("example.com/demo")
+            .is_some_and(|r| r.connected)
+    })
+    .await
+    .unwrap();
     let late = t.elapsed();
     println!("kubelet appeared; plugin registered {late:?} later");
     assert!(late < Duration::from_secs(1), "{late:?}");
@@ -321,6 +519,8 @@ async fn registration_retries_until_kubelet_appears() {
     cancel.cancel();
     handle.wait().await.unwrap();
     assert!(!dir.join("demo.sock").exists());
-    emu.wait_for(WAIT, |v| !v.resources["example.com/demo"].connected).await.unwrap();
+    emu.wait_for(WAIT, |v| !v.resources["example.com/demo"].connected)
+        .await
+        .unwrap();
     emu.stop().await;
 }

@@ -26,6 +26,9 @@ pub async fn connect_unix(path: impl AsRef<Path>, timeout: Duration) -> Result<C
     match tokio::time::timeout(timeout, endpoint.connect_with_connector(connector)).await {
         Ok(Ok(ch)) => Ok(ch),
         Ok(Err(source)) => Err(Error::Connect { path, source }),
-        Err(_) => Err(Error::ConnectTimeout { path, timeout_ms: timeout.as_millis() as u64 }),
+        Err(_) => Err(Error::ConnectTimeout {
+            path,
+            timeout_ms: timeout.as_millis() as u64,
+        }),
     }
 }

@@ -17,11 +17,12 @@ pub enum Error {
     },
     #[error("connecting to {path}: timed out after {timeout_ms} ms")]
     ConnectTimeout { path: PathBuf, timeout_ms: u64 },
-    #[error("registering {resource} with kubelet at {path}: {status}")]
+    #[error("registering {resource} with kubelet at {path}: {code:?}: {message}")]
     Register {
         resource: String,
         path: PathBuf,
-        status: Box<tonic::Status>,
+        code: tonic::Code,
+        message: String,
     },
     #[error("watching device-plugin dir {path}: {source}")]
     Watch {

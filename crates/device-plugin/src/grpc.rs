@@ -48,7 +48,9 @@ impl DevicePlugin for GrpcPlugin {
             tracing::debug!(%resource, "ListAndWatch stream opened");
             loop {
                 // Current list first, then after every change.
-                let list = ListAndWatchResponse { devices: devices.borrow_and_update().clone() };
+                let list = ListAndWatchResponse {
+                    devices: devices.borrow_and_update().clone(),
+                };
                 if tx.send(Ok(list)).await.is_err() {
                     break; // client went away
                 }
@@ -68,7 +70,8 @@ impl DevicePlugin for GrpcPlugin {
         req: Request<PreferredAllocationRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
         let req = req.into_inner();
-        validate::preferred(&req, &self.plugin.devices().borrow()).inspect_err(|e| self.rejected("GetPreferredAllocation", e))?;
+        validate::preferred(&req, &self.plugin.devices().borrow())
+            .inspect_err(|e| self.rejected("GetPreferredAllocation", e))?;
         let n = req.container_requests.len();
         let resp = self.plugin.get_preferred_allocation(req).await?;
         if resp.container_responses.len() != n {
@@ -81,9 +84,13 @@ impl DevicePlugin for GrpcPlugin {
         Ok(Response::new(resp))
     }
 
-    async fn allocate(&self, req: Request<AllocateRequest>) -> Result<Response<AllocateResponse>, Status> {
+    async fn allocate(
+        &self,
+        req: Request<AllocateRequest>,
+    ) -> Result<Response<AllocateResponse>, Status> {
         let req = req.into_inner();
-        validate::allocate(&req, &self.plugin.devices().borrow()).inspect_err(|e| self.rejected("Allocate", e))?;
+        validate::allocate(&req, &self.plugin.devices().borrow())
+            .inspect_err(|e| self.rejected("Allocate", e))?;
         let n = req.container_requests.len();
         let resp = self.plugin.allocate(req).await?;
         if resp.container_responses.len() != n {
@@ -101,7 +108,8 @@ impl DevicePlugin for GrpcPlugin {
         req: Request<PreStartContainerRequest>,
     ) -> Result<Response<PreStartContainerResponse>, Status> {
         let req = req.into_inner();
-        validate::pre_start(&req, &self.plugin.devices().borrow()).inspect_err(|e| self.rejected("PreStartContainer", e))?;
+        validate::pre_start(&req, &self.plugin.devices().borrow())
+            .inspect_err(|e| self.rejected("PreStartContainer", e))?;
         Ok(Response::new(self.plugin.pre_start_container(req).await?))
     }
 }

@@ -90,7 +90,11 @@ pub struct PluginRuntime {
 
 impl PluginRuntime {
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        Self { dir: dir.into(), opts: RuntimeOptions::default(), plugins: Vec::new() }
+        Self {
+            dir: dir.into(),
+            opts: RuntimeOptions::default(),
+            plugins: Vec::new(),
+        }
     }
 
     pub fn options(mut self, opts: RuntimeOptions) -> Self {
@@ -106,7 +110,11 @@ impl PluginRuntime {
         socket_name: impl Into<String>,
         plugin: Arc<dyn DevicePluginService>,
     ) -> Self {
-        self.plugins.push(PluginEntry { resource: resource.into(), socket_name: socket_name.into(), plugin });
+        self.plugins.push(PluginEntry {
+            resource: resource.into(),
+            socket_name: socket_name.into(),
+            plugin,
+        });
         self
     }
 
@@ -125,7 +133,10 @@ impl PluginRuntime {
             }
             // kubelet wants an extended resource name: <domain>/<name>.
             if p.resource.split('/').count() != 2 || p.resource.split('/').any(str::is_empty) {
-                return Err(Error::Config(format!("resource name {:?} must look like domain/name", p.resource)));
+                return Err(Error::Config(format!(
+                    "resource name {:?} must look like domain/name",
+                    p.resource
+                )));
             }
         }
         Ok(())
@@ -162,7 +173,11 @@ impl PluginRuntime {
             drop(watcher);
             drop(events);
         });
-        Ok(RuntimeHandle { tasks, status, cancel })
+        Ok(RuntimeHandle {
+            tasks,
+            status,
+            cancel,
+        })
     }
 }
 
@@ -187,21 +202,28 @@ impl RuntimeHandle {
     /// Waits until every plugin has stopped and removed its socket.
     pub async fn wait(self) -> Result<(), Error> {
         for t in self.tasks {
-            t.await.map_err(|e| Error::Task { resource: "?".into(), reason: e.to_string() })?;
+            t.await.map_err(|e| Error::Task {
+                resource: "?".into(),
+                reason: e.to_string(),
+            })?;
         }
         Ok(())
     }
 }
 
 fn watch_dir(dir: &Path, events: watch::Sender<u64>) -> Result<notify::RecommendedWatcher, Error> {
-    let err = |source| Error::Watch { path: dir.to_path_buf(), source };
+    let err = |source| Error::Watch {
+        path: dir.to_path_buf(),
+        source,
+    };
     let mut w = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         if res.is_ok() {
             events.send_modify(|n| *n += 1);
         }
     })
     .map_err(err)?;
-    w.watch(dir, notify::RecursiveMode::NonRecursive).map_err(err)?;
+    w.watch(dir, notify::RecursiveMode::NonRecursive)
+        .map_err(err)?;
     Ok(w)
 }
 
@@ -210,7 +232,9 @@ fn watch_dir(dir: &Path, events: watch::Sender<u64>) -> Result<notify::Recommend
 struct FileId(u64, u64, i64, i64);
 
 fn file_id(p: &Path) -> Option<FileId> {
-    std::fs::symlink_metadata(p).ok().map(|m| FileId(m.dev(), m.ino(), m.ctime(), m.ctime_nsec()))
+    std::fs::symlink_metadata(p)
+        .ok()
+        .map(|m| FileId(m.dev(), m.ino(), m.ctime(), m.ctime_nsec()))
 }
 
 struct Server {
@@ -239,7 +263,9 @@ impl PluginTask {
         while !cancel.is_cancelled() {
             // 1. Our socket: kubelet deletes it when it starts.
             let ours = file_id(&self.sock);
-            let alive = server.as_ref().is_some_and(|s| Some(s.id) == ours && !s.join.is_finished());
+            let alive = server
+                .as_ref()
+                .is_some_and(|s| Some(s.id) == ours && !s.join.is_finished());
             if !alive {
                 if let Some(s) = server.take() {
                     tracing::info!(resource = %res, socket = %self.sock.display(), "plugin socket gone (kubelet restart?); re-binding");
@@ -269,7 +295,8 @@ impl PluginTask {
             // 2. Registration with the kubelet that is there now.
             let kubelet = file_id(&self.kubelet_sock);
             if kubelet.is_none() || kubelet != registered_with {
-                let due = retry_at.is_none_or(|t| Instant::now() >= t) || failed_with != Some(kubelet);
+                let due =
+                    retry_at.is_none_or(|t| Instant::now() >= t) || failed_with != Some(kubelet);
                 if due {
                     match self.register(kubelet.is_some()).await {
                         Ok(()) => {
@@ -321,7 +348,10 @@ impl PluginTask {
     }
 
     fn bind(&self) -> Result<Server, Error> {
-        let err = |source| Error::Bind { path: self.sock.clone(), source };
+        let err = |source| Error::Bind {
+            path: self.sock.clone(),
+            source,
+        };
         // A stale socket file from an earlier run makes bind fail with EADDRINUSE.
         match std::fs::remove_file(&self.sock) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(e)),
@@ -350,7 +380,9 @@ impl PluginTask {
         s.stop.cancel();
         let mut join = s.join;
         match tokio::time::timeout(self.opts.drain_timeout, &mut join).await {
-            Ok(Ok(Err(e))) => tracing::warn!(resource = %self.entry.resource, error = %e, "server ended with error"),
+            Ok(Ok(Err(e))) => {
+                tracing::warn!(resource = %self.entry.resource, error = %e, "server ended with error")
+            }
             Ok(_) => {}
             Err(_) => {
                 tracing::warn!(resource = %self.entry.resource, "server did not drain in time; aborting it");
@@ -358,7 +390,9 @@ impl PluginTask {
             }
         }
         // Remove the socket only if it is still the one we bound.
-        if file_id(&self.sock).is_some_and(|id| FileId(id.0, id.1, 0, 0) == FileId(s.id.0, s.id.1, 0, 0)) {
+        if file_id(&self.sock)
+            .is_some_and(|id| FileId(id.0, id.1, 0, 0) == FileId(s.id.0, s.id.1, 0, 0))
+        {
             let _ = std::fs::remove_file(&self.sock);
         }
     }
@@ -370,7 +404,8 @@ impl PluginTask {
             return Err(Error::Register {
                 resource: resource.clone(),
                 path: path.clone(),
-                status: Box::new(tonic::Status::unavailable("socket does not exist (kubelet not running?)")),
+                code: tonic::Code::Unavailable,
+                message: "socket does not exist (kubelet not running?)".into(),
             });
         }
         let ch = connect_unix(path, self.opts.rpc_timeout).await?;
@@ -386,6 +421,132 @@ impl PluginTask {
             .register(req)
             .await
             .map(|_| ())
-            .map_err(|s| Error::Register { resource: resource.clone(), path: path.clone(), status: Box::new(s) })
+            .map_err(|s| Error::Register {
+                resource: resource.clone(),
+                path: path.clone(),
+                code: s.code(),
+                message: s.message().to_string(),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::DeviceList;
+    use tokio::sync::mpsc;
+    use vcuda_api::deviceplugin::v1beta1::{
+        AllocateRequest, AllocateResponse, Device, DevicePluginOptions, Empty,
+        registration_server::{Registration, RegistrationServer},
+    };
+
+    struct Nop(DeviceList);
+
+    #[tonic::async_trait]
+    impl DevicePluginService for Nop {
+        fn options(&self) -> DevicePluginOptions {
+            DevicePluginOptions {
+                pre_start_required: true,
+                get_preferred_allocation_available: false,
+            }
+        }
+        fn devices(&self) -> watch::Receiver<Vec<Device>> {
+            self.0.subscribe()
+        }
+        async fn allocate(&self, _r: AllocateRequest) -> Result<AllocateResponse, tonic::Status> {
+            Ok(AllocateResponse::default())
+        }
+    }
+
+    /// A kubelet that only records Register calls.
+    struct Recorder(mpsc::UnboundedSender<RegisterRequest>);
+
+    #[tonic::async_trait]
+    impl Registration for Recorder {
+        async fn register(
+            &self,
+            r: tonic::Request<RegisterRequest>,
+        ) -> Result<tonic::Response<Empty>, tonic::Status> {
+            self.0.send(r.into_inner()).unwrap();
+            Ok(tonic::Response::new(Empty {}))
+        }
+    }
+
+    fn nop() -> Arc<dyn DevicePluginService> {
+        Arc::new(Nop(DeviceList::healthy(["a"])))
+    }
+
+    #[test]
+    fn bad_configuration_is_refused() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let _g = rt.enter();
+        let start = |r: PluginRuntime| {
+            r.start(CancellationToken::new())
+                .err()
+                .map(|e| e.to_string())
+        };
+        assert!(
+            start(PluginRuntime::new("/tmp"))
+                .unwrap()
+                .contains("no plugin")
+        );
+        let dup = PluginRuntime::new("/tmp")
+            .plugin("a.com/x", "x.sock", nop())
+            .plugin("a.com/y", "x.sock", nop());
+        assert!(start(dup).unwrap().contains("\"x.sock\""));
+        let kubelet = PluginRuntime::new("/tmp").plugin("a.com/x", "kubelet.sock", nop());
+        assert!(start(kubelet).unwrap().contains("kubelet.sock"));
+        let name = PluginRuntime::new("/tmp").plugin("nodomain", "x.sock", nop());
+        assert!(start(name).unwrap().contains("domain/name"));
+    }
+
+    #[tokio::test]
+    async fn registers_with_kubelet_fields_and_again_after_kubelet_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let serve_kubelet = |tx: mpsc::UnboundedSender<RegisterRequest>| {
+            let l = UnixListener::bind(dir.path().join(KUBELET_SOCKET)).unwrap();
+            tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(RegistrationServer::new(Recorder(tx)))
+                    .serve_with_incoming(UnixListenerStream::new(l)),
+            )
+        };
+        let k1 = serve_kubelet(tx.clone());
+        let cancel = CancellationToken::new();
+        let h = PluginRuntime::new(dir.path())
+            .plugin("example.com/x", "x.sock", nop())
+            .start(cancel.clone())
+            .unwrap();
+        let req = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(req.version, "v1beta1");
+        assert_eq!(req.endpoint, "x.sock");
+        assert_eq!(req.resource_name, "example.com/x");
+        assert!(req.options.unwrap().pre_start_required);
+
+        // A new kubelet.sock (new inode) alone triggers re-registration.
+        k1.abort();
+        std::fs::remove_file(dir.path().join(KUBELET_SOCKET)).unwrap();
+        let _k2 = serve_kubelet(tx);
+        let again = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(again.endpoint, "x.sock");
+        let st = h.status("example.com/x").unwrap();
+        let st = tokio::time::timeout(Duration::from_secs(5), async {
+            let mut st = st;
+            st.wait_for(|s| s.registrations == 2).await.unwrap().clone()
+        })
+        .await
+        .unwrap();
+        assert_eq!(st.binds, 1, "our socket was not deleted, so no re-bind");
+
+        cancel.cancel();
+        h.wait().await.unwrap();
+        assert!(!dir.path().join("x.sock").exists());
     }
 }

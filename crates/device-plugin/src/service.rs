@@ -5,8 +5,8 @@ use tokio::sync::watch;
 use tonic::Status;
 use vcuda_api::deviceplugin::v1beta1::{
     AllocateRequest, AllocateResponse, Device, DevicePluginOptions, HEALTHY,
-    PreferredAllocationRequest, PreferredAllocationResponse, PreStartContainerRequest,
-    PreStartContainerResponse, UNHEALTHY,
+    PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
+    PreferredAllocationResponse, UNHEALTHY,
 };
 
 /// What a device plugin provides. The runtime ([`crate::PluginRuntime`])
@@ -29,7 +29,9 @@ pub trait DevicePluginService: Send + Sync + 'static {
         &self,
         _request: PreferredAllocationRequest,
     ) -> Result<PreferredAllocationResponse, Status> {
-        Err(Status::unimplemented("GetPreferredAllocation is not offered by this plugin"))
+        Err(Status::unimplemented(
+            "GetPreferredAllocation is not offered by this plugin",
+        ))
     }
 
     /// `Allocate`. The request is validated: at least one container, each with
@@ -56,7 +58,9 @@ pub struct DeviceList {
 
 impl DeviceList {
     pub fn new(devices: Vec<Device>) -> Self {
-        Self { tx: watch::Sender::new(devices) }
+        Self {
+            tx: watch::Sender::new(devices),
+        }
     }
 
     /// Healthy devices with the given IDs and no topology.
@@ -107,7 +111,9 @@ pub fn device(id: impl Into<String>, healthy: bool, numa_node: Option<i64>) -> D
     Device {
         id: id.into(),
         health: if healthy { HEALTHY } else { UNHEALTHY }.to_string(),
-        topology: numa_node.map(|n| TopologyInfo { nodes: vec![NumaNode { id: n }] }),
+        topology: numa_node.map(|n| TopologyInfo {
+            nodes: vec![NumaNode { id: n }],
+        }),
     }
 }
 

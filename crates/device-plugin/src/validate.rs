@@ -16,7 +16,12 @@ pub const MAX_CONTAINER_REQUESTS: usize = 64;
 const MAX_LISTED: usize = 8;
 
 fn list(ids: &[&str]) -> String {
-    let mut s = ids.iter().take(MAX_LISTED).map(|i| format!("{i:?}")).collect::<Vec<_>>().join(", ");
+    let mut s = ids
+        .iter()
+        .take(MAX_LISTED)
+        .map(|i| format!("{i:?}"))
+        .collect::<Vec<_>>()
+        .join(", ");
     if ids.len() > MAX_LISTED {
         s.push_str(&format!(" and {} more", ids.len() - MAX_LISTED));
     }
@@ -26,7 +31,9 @@ fn list(ids: &[&str]) -> String {
 /// Checks one list of device IDs against the plugin's devices.
 fn check_ids(field: &str, ids: &[String], known: &HashSet<&str>) -> Result<(), Status> {
     if ids.is_empty() {
-        return Err(Status::invalid_argument(format!("{field} is empty: at least one device ID is required")));
+        return Err(Status::invalid_argument(format!(
+            "{field} is empty: at least one device ID is required"
+        )));
     }
     if ids.len() > known.len() {
         return Err(Status::invalid_argument(format!(
@@ -35,21 +42,37 @@ fn check_ids(field: &str, ids: &[String], known: &HashSet<&str>) -> Result<(), S
             known.len()
         )));
     }
-    let unknown: Vec<&str> = ids.iter().map(String::as_str).filter(|i| !known.contains(i)).collect();
+    let unknown: Vec<&str> = ids
+        .iter()
+        .map(String::as_str)
+        .filter(|i| !known.contains(i))
+        .collect();
     if !unknown.is_empty() {
-        return Err(Status::invalid_argument(format!("{field}: unknown device IDs {}", list(&unknown))));
+        return Err(Status::invalid_argument(format!(
+            "{field}: unknown device IDs {}",
+            list(&unknown)
+        )));
     }
     let mut seen = HashSet::with_capacity(ids.len());
-    let dups: Vec<&str> = ids.iter().map(String::as_str).filter(|i| !seen.insert(*i)).collect();
+    let dups: Vec<&str> = ids
+        .iter()
+        .map(String::as_str)
+        .filter(|i| !seen.insert(*i))
+        .collect();
     if !dups.is_empty() {
-        return Err(Status::invalid_argument(format!("{field}: duplicate device IDs {}", list(&dups))));
+        return Err(Status::invalid_argument(format!(
+            "{field}: duplicate device IDs {}",
+            list(&dups)
+        )));
     }
     Ok(())
 }
 
 fn check_count(field: &str, n: usize) -> Result<(), Status> {
     if n == 0 {
-        return Err(Status::invalid_argument(format!("{field} is empty: at least one container request is required")));
+        return Err(Status::invalid_argument(format!(
+            "{field} is empty: at least one container request is required"
+        )));
     }
     if n > MAX_CONTAINER_REQUESTS {
         return Err(Status::invalid_argument(format!(
@@ -67,7 +90,11 @@ pub fn allocate(req: &AllocateRequest, devices: &[Device]) -> Result<(), Status>
     check_count("container_requests", req.container_requests.len())?;
     let known = known(devices);
     for (i, c) in req.container_requests.iter().enumerate() {
-        check_ids(&format!("container_requests[{i}].devices_ids"), &c.devices_ids, &known)?;
+        check_ids(
+            &format!("container_requests[{i}].devices_ids"),
+            &c.devices_ids,
+            &known,
+        )?;
     }
     Ok(())
 }
@@ -87,8 +114,12 @@ pub fn preferred(req: &PreferredAllocationRequest, devices: &[Device]) -> Result
             check_ids(&must_field, &c.must_include_device_i_ds, &known)?;
         }
         let avail: HashSet<&str> = c.available_device_i_ds.iter().map(String::as_str).collect();
-        let outside: Vec<&str> =
-            c.must_include_device_i_ds.iter().map(String::as_str).filter(|i| !avail.contains(i)).collect();
+        let outside: Vec<&str> = c
+            .must_include_device_i_ds
+            .iter()
+            .map(String::as_str)
+            .filter(|i| !avail.contains(i))
+            .collect();
         if !outside.is_empty() {
             return Err(Status::invalid_argument(format!(
                 "{must_field}: device IDs {} are not in available_deviceIDs",
@@ -117,17 +148,23 @@ mod tests {
     use super::*;
     use crate::service::device;
     use tonic::Code;
-    use vcuda_api::deviceplugin::v1beta1::{ContainerAllocateRequest, ContainerPreferredAllocationRequest};
+    use vcuda_api::deviceplugin::v1beta1::{
+        ContainerAllocateRequest, ContainerPreferredAllocationRequest,
+    };
 
     fn devs() -> Vec<Device> {
-        (0..4).map(|i| device(format!("d{i}"), true, None)).collect()
+        (0..4)
+            .map(|i| device(format!("d{i}"), true, None))
+            .collect()
     }
 
     fn alloc(ids: &[&[&str]]) -> AllocateRequest {
         AllocateRequest {
             container_requests: ids
                 .iter()
-                .map(|c| ContainerAllocateRequest { devices_ids: c.iter().map(|s| s.to_string()).collect() })
+                .map(|c| ContainerAllocateRequest {
+                    devices_ids: c.iter().map(|s| s.to_string()).collect(),
+                })
                 .collect(),
         }
     }
@@ -145,7 +182,10 @@ mod tests {
 
     #[test]
     fn unknown_ids_are_named() {
-        let m = msg(allocate(&alloc(&[&["d0"], &["d1", "nope", "gone"]]), &devs()));
+        let m = msg(allocate(
+            &alloc(&[&["d0"], &["d1", "nope", "gone"]]),
+            &devs(),
+        ));
         assert!(m.contains("container_requests[1].devices_ids"), "{m}");
         assert!(m.contains("\"nope\"") && m.contains("\"gone\""), "{m}");
         assert!(!m.contains("\"d1\""), "{m}");
@@ -154,13 +194,27 @@ mod tests {
     #[test]
     fn empty_requests_are_rejected() {
         assert!(msg(allocate(&alloc(&[]), &devs())).contains("container_requests is empty"));
-        assert!(msg(allocate(&alloc(&[&[]]), &devs())).contains("container_requests[0].devices_ids is empty"));
-        assert!(msg(pre_start(&PreStartContainerRequest { devices_ids: vec![] }, &devs())).contains("devices_ids"));
+        assert!(
+            msg(allocate(&alloc(&[&[]]), &devs()))
+                .contains("container_requests[0].devices_ids is empty")
+        );
+        assert!(
+            msg(pre_start(
+                &PreStartContainerRequest {
+                    devices_ids: vec![]
+                },
+                &devs()
+            ))
+            .contains("devices_ids")
+        );
     }
 
     #[test]
     fn oversized_requests_are_rejected() {
-        let m = msg(allocate(&alloc(&[&["d0", "d1", "d2", "d3", "d4"]]), &devs()));
+        let m = msg(allocate(
+            &alloc(&[&["d0", "d1", "d2", "d3", "d4"]]),
+            &devs(),
+        ));
         assert!(m.contains("5 device IDs") && m.contains("only 4"), "{m}");
         let many: Vec<&[&str]> = vec![&["d0"]; MAX_CONTAINER_REQUESTS + 1];
         assert!(msg(allocate(&alloc(&many), &devs())).contains("65 container requests"));
@@ -168,16 +222,25 @@ mod tests {
 
     #[test]
     fn duplicates_are_rejected() {
-        assert!(msg(allocate(&alloc(&[&["d0", "d0"]]), &devs())).contains("duplicate device IDs [\"d0\"]"));
+        assert!(
+            msg(allocate(&alloc(&[&["d0", "d0"]]), &devs()))
+                .contains("duplicate device IDs [\"d0\"]")
+        );
     }
 
     #[test]
     fn long_lists_are_elided() {
         let ids: Vec<String> = (0..3).map(|i| format!("x{i}")).collect();
-        let many: Vec<Device> = (0..20).map(|i| device(format!("d{i}"), true, None)).collect();
+        let many: Vec<Device> = (0..20)
+            .map(|i| device(format!("d{i}"), true, None))
+            .collect();
         let req = AllocateRequest {
             container_requests: vec![ContainerAllocateRequest {
-                devices_ids: ids.iter().cloned().chain((0..10).map(|i| format!("y{i}"))).collect(),
+                devices_ids: ids
+                    .iter()
+                    .cloned()
+                    .chain((0..10).map(|i| format!("y{i}")))
+                    .collect(),
             }],
         };
         let m = msg(allocate(&req, &many));
@@ -194,9 +257,19 @@ mod tests {
             }],
         };
         preferred(&req(&["d0", "d1"], &["d1"], 2), &devs()).unwrap();
-        assert!(msg(preferred(&req(&["d0", "d1"], &[], 3), &devs())).contains("allocation_size is 3"));
-        assert!(msg(preferred(&req(&["d0", "d1"], &[], 0), &devs())).contains("allocation_size is 0"));
-        assert!(msg(preferred(&req(&["d0"], &["d2"], 1), &devs())).contains("not in available_deviceIDs"));
-        assert!(msg(preferred(&req(&["d0", "q"], &[], 1), &devs())).contains("unknown device IDs [\"q\"]"));
+        assert!(
+            msg(preferred(&req(&["d0", "d1"], &[], 3), &devs())).contains("allocation_size is 3")
+        );
+        assert!(
+            msg(preferred(&req(&["d0", "d1"], &[], 0), &devs())).contains("allocation_size is 0")
+        );
+        assert!(
+            msg(preferred(&req(&["d0"], &["d2"], 1), &devs()))
+                .contains("not in available_deviceIDs")
+        );
+        assert!(
+            msg(preferred(&req(&["d0", "q"], &[], 1), &devs()))
+                .contains("unknown device IDs [\"q\"]")
+        );
     }
 }

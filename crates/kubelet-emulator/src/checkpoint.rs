@@ -45,7 +45,11 @@ pub enum CheckpointError {
     #[error("parsing checkpoint {path}: {reason}")]
     Parse { path: String, reason: String },
     #[error("checkpoint {path} is corrupt: checksum {found} != computed {computed}")]
-    Checksum { path: String, found: u64, computed: u64 },
+    Checksum {
+        path: String,
+        found: u64,
+        computed: u64,
+    },
 }
 
 // JSON shapes, field names exactly as Go's encoding/json writes them.
@@ -95,7 +99,12 @@ impl CheckpointData {
                 pod_uid: e.pod_uid.clone(),
                 container_name: e.container_name.clone(),
                 resource_name: e.resource_name.clone(),
-                device_ids: Some(e.device_ids.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()),
+                device_ids: Some(
+                    e.device_ids
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.clone()))
+                        .collect(),
+                ),
                 alloc_resp: Some(B64.encode(&e.alloc_resp)),
             })
             .collect();
@@ -111,18 +120,28 @@ impl CheckpointData {
     }
 
     pub fn from_json(path: &str, text: &str) -> Result<Self, CheckpointError> {
-        let perr = |reason: String| CheckpointError::Parse { path: path.to_string(), reason };
+        let perr = |reason: String| CheckpointError::Parse {
+            path: path.to_string(),
+            reason,
+        };
         let file: JsonFile = serde_json::from_str(text).map_err(|e| perr(e.to_string()))?;
         let mut entries = Vec::new();
         for e in file.data.pod_device_entries.unwrap_or_default() {
             let mut ids = DevicesPerNuma::new();
             for (k, v) in e.device_ids.unwrap_or_default() {
-                let numa = k.parse::<i64>().map_err(|_| perr(format!("NUMA key {k:?} is not an integer")))?;
+                let numa = k
+                    .parse::<i64>()
+                    .map_err(|_| perr(format!("NUMA key {k:?} is not an integer")))?;
                 ids.insert(numa, v);
             }
             let alloc_resp = B64
                 .decode(e.alloc_resp.unwrap_or_default())
-                .map_err(|err| perr(format!("AllocResp of {}/{}: {err}", e.pod_uid, e.container_name)))?;
+                .map_err(|err| {
+                    perr(format!(
+                        "AllocResp of {}/{}: {err}",
+                        e.pod_uid, e.container_name
+                    ))
+                })?;
             entries.push(PodDevicesEntry {
                 pod_uid: e.pod_uid,
                 container_name: e.container_name,
@@ -137,7 +156,11 @@ impl CheckpointData {
         };
         let computed = data.checksum();
         if computed != file.checksum {
-            return Err(CheckpointError::Checksum { path: path.to_string(), found: file.checksum, computed });
+            return Err(CheckpointError::Checksum {
+                path: path.to_string(),
+                found: file.checksum,
+                computed,
+            });
         }
         Ok(data)
     }
@@ -155,7 +178,10 @@ impl CheckpointData {
     /// Writes atomically (temp file + fsync + rename), as kubelet does.
     pub fn store(&self, path: &Path) -> Result<(), CheckpointError> {
         use std::io::Write;
-        let ioerr = |source| CheckpointError::Io { path: path.display().to_string(), source };
+        let ioerr = |source| CheckpointError::Io {
+            path: path.display().to_string(),
+            source,
+        };
         let tmp = path.with_extension("tmp");
         let mut f = std::fs::File::create(&tmp).map_err(ioerr)?;
         f.write_all(self.to_json().as_bytes()).map_err(ioerr)?;
@@ -185,7 +211,8 @@ fn spew_strings(out: &mut String, v: &[String]) {
 /// elements and map keys/values do not; map keys sorted; nil slices and maps
 /// print `<nil>`.
 pub fn spew_dump(d: &CheckpointData) -> String {
-    let mut s = String::from("(checkpoint.checkpointData){PodDeviceEntries:([]checkpoint.PodDevicesEntry)");
+    let mut s =
+        String::from("(checkpoint.checkpointData){PodDeviceEntries:([]checkpoint.PodDevicesEntry)");
     if d.pod_device_entries.is_empty() {
         s.push_str("<nil>");
     } else {
@@ -236,11 +263,18 @@ mod tests {
                 pod_uid: "uid-1".into(),
                 container_name: "c0".into(),
                 resource_name: "tencent.com/vcuda-core".into(),
-                device_ids: [(-1, vec!["a".to_string()]), (0, vec!["b".to_string(), "c".to_string()])].into(),
+                device_ids: [
+                    (-1, vec!["a".to_string()]),
+                    (0, vec!["b".to_string(), "c".to_string()]),
+                ]
+                .into(),
                 alloc_resp: vec![10, 3, 1, 2],
             }],
-            registered_devices: [("tencent.com/vcuda-core".to_string(), vec!["a".to_string(), "b".to_string()])]
-                .into(),
+            registered_devices: [(
+                "tencent.com/vcuda-core".to_string(),
+                vec!["a".to_string(), "b".to_string()],
+            )]
+            .into(),
         }
     }
 
@@ -274,19 +308,34 @@ mod tests {
     fn json_round_trip_and_checksum() {
         let d = sample();
         let j = d.to_json();
-        assert!(j.starts_with("{\"Data\":{\"PodDeviceEntries\":[{\"PodUID\":\"uid-1\""), "{j}");
-        assert!(j.contains("\"DeviceIDs\":{\"-1\":[\"a\"],\"0\":[\"b\",\"c\"]}"), "{j}");
+        assert!(
+            j.starts_with("{\"Data\":{\"PodDeviceEntries\":[{\"PodUID\":\"uid-1\""),
+            "{j}"
+        );
+        assert!(
+            j.contains("\"DeviceIDs\":{\"-1\":[\"a\"],\"0\":[\"b\",\"c\"]}"),
+            "{j}"
+        );
         assert!(j.contains("\"AllocResp\":\"CgMBAg==\""), "{j}");
         assert!(j.contains(&format!("\"Checksum\":{}", d.checksum())), "{j}");
         assert_eq!(CheckpointData::from_json("t", &j).unwrap(), d);
         let tampered = j.replace("uid-1", "uid-2");
-        assert!(matches!(CheckpointData::from_json("t", &tampered), Err(CheckpointError::Checksum { .. })));
+        assert!(matches!(
+            CheckpointData::from_json("t", &tampered),
+            Err(CheckpointError::Checksum { .. })
+        ));
     }
 
     #[test]
     fn empty_checkpoint_writes_null_entries() {
         let j = CheckpointData::default().to_json();
-        assert!(j.starts_with("{\"Data\":{\"PodDeviceEntries\":null,\"RegisteredDevices\":{}}"), "{j}");
-        assert_eq!(CheckpointData::from_json("t", &j).unwrap(), CheckpointData::default());
+        assert!(
+            j.starts_with("{\"Data\":{\"PodDeviceEntries\":null,\"RegisteredDevices\":{}}"),
+            "{j}"
+        );
+        assert_eq!(
+            CheckpointData::from_json("t", &j).unwrap(),
+            CheckpointData::default()
+        );
     }
 }

@@ -4,9 +4,10 @@
 use std::sync::Mutex;
 
 use device_plugin::api::{
-    AllocateRequest, AllocateResponse, ContainerAllocateResponse, ContainerPreferredAllocationResponse,
-    DevicePluginOptions, DeviceSpec, Mount, PreStartContainerRequest, PreStartContainerResponse,
-    PreferredAllocationRequest, PreferredAllocationResponse,
+    AllocateRequest, AllocateResponse, ContainerAllocateResponse,
+    ContainerPreferredAllocationResponse, DevicePluginOptions, DeviceSpec, Mount,
+    PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
+    PreferredAllocationResponse,
 };
 use device_plugin::{DeviceList, DevicePluginService};
 use tokio::sync::watch;
@@ -29,7 +30,10 @@ impl DemoPlugin {
     pub fn new(prefix: &str, n: usize) -> Self {
         Self {
             devices: DeviceList::healthy((0..n).map(|i| format!("{prefix}-{i}"))),
-            options: DevicePluginOptions { pre_start_required: true, get_preferred_allocation_available: true },
+            options: DevicePluginOptions {
+                pre_start_required: true,
+                get_preferred_allocation_available: true,
+            },
             prefer: Vec::new(),
             allocated: Mutex::default(),
             prestarted: Mutex::default(),
@@ -62,14 +66,26 @@ impl DevicePluginService for DemoPlugin {
                     .cloned()
                     .collect();
                 rest.sort_by(|a, b| {
-                    let rank = |x: &String| self.prefer.iter().position(|p| p == x).unwrap_or(usize::MAX);
+                    let rank = |x: &String| {
+                        self.prefer
+                            .iter()
+                            .position(|p| p == x)
+                            .unwrap_or(usize::MAX)
+                    };
                     rank(a).cmp(&rank(b)).then_with(|| b.cmp(a))
                 });
-                let ids = c.must_include_device_i_ds.into_iter().chain(rest).take(c.allocation_size as usize).collect();
+                let ids = c
+                    .must_include_device_i_ds
+                    .into_iter()
+                    .chain(rest)
+                    .take(c.allocation_size as usize)
+                    .collect();
                 ContainerPreferredAllocationResponse { device_i_ds: ids }
             })
             .collect();
-        Ok(PreferredAllocationResponse { container_responses })
+        Ok(PreferredAllocationResponse {
+            container_responses,
+        })
     }
 
     async fn allocate(&self, req: AllocateRequest) -> Result<AllocateResponse, Status> {
@@ -93,10 +109,15 @@ impl DevicePluginService for DemoPlugin {
                 cdi_devices: vec![],
             });
         }
-        Ok(AllocateResponse { container_responses: out })
+        Ok(AllocateResponse {
+            container_responses: out,
+        })
     }
 
-    async fn pre_start_container(&self, req: PreStartContainerRequest) -> Result<PreStartContainerResponse, Status> {
+    async fn pre_start_container(
+        &self,
+        req: PreStartContainerRequest,
+    ) -> Result<PreStartContainerResponse, Status> {
         self.prestarted.lock().unwrap().push(req.devices_ids);
         Ok(PreStartContainerResponse {})
     }

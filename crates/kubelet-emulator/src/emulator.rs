@@ -6,9 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use device_plugin::api::{
-    AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse, ContainerPreferredAllocationRequest,
-    DevicePluginOptions, Empty, HEALTHY, KUBELET_SOCKET, PreStartContainerRequest, PreferredAllocationRequest,
-    RegisterRequest, VERSION,
+    AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse,
+    ContainerPreferredAllocationRequest, DevicePluginOptions, Empty, HEALTHY, KUBELET_SOCKET,
+    PreStartContainerRequest, PreferredAllocationRequest, RegisterRequest, VERSION,
     device_plugin_client::DevicePluginClient,
     registration_server::{Registration, RegistrationServer},
 };
@@ -51,9 +51,18 @@ pub enum EmulatorError {
     #[error("plugin of {0} is registered but not connected")]
     NotConnected(String),
     #[error("{resource}: {requested} devices requested, only {available} healthy and unallocated")]
-    Insufficient { resource: String, requested: usize, available: usize },
-    #[error("{resource}: {rpc} failed: {status}")]
-    Rpc { resource: String, rpc: &'static str, status: Box<Status> },
+    Insufficient {
+        resource: String,
+        requested: usize,
+        available: usize,
+    },
+    #[error("{resource}: {rpc} failed: {code:?}: {message}")]
+    Rpc {
+        resource: String,
+        rpc: &'static str,
+        code: tonic::Code,
+        message: String,
+    },
     #[error("timed out after {0:?} waiting for the condition")]
     WaitTimeout(Duration),
 }
@@ -83,7 +92,11 @@ pub struct ResourceView {
 
 impl ResourceView {
     pub fn healthy_ids(&self) -> Vec<String> {
-        self.devices.iter().filter(|(_, d)| d.healthy).map(|(id, _)| id.clone()).collect()
+        self.devices
+            .iter()
+            .filter(|(_, d)| d.healthy)
+            .map(|(id, _)| id.clone())
+            .collect()
     }
 }
 
@@ -143,7 +156,10 @@ impl KubeletEmulator {
     /// Starts like kubelet: cleans the dir of sockets, loads the checkpoint,
     /// serves `Registration` on `<dir>/kubelet.sock` and pod-resources on
     /// `pod_resources_socket`.
-    pub async fn start(dir: impl Into<PathBuf>, pod_resources_socket: impl Into<PathBuf>) -> Result<Self, EmulatorError> {
+    pub async fn start(
+        dir: impl Into<PathBuf>,
+        pod_resources_socket: impl Into<PathBuf>,
+    ) -> Result<Self, EmulatorError> {
         let inner = Arc::new(Inner {
             dir: dir.into(),
             pod_resources_socket: pod_resources_socket.into(),
@@ -173,7 +189,11 @@ impl KubeletEmulator {
     }
 
     /// Waits until `cond` holds for the view; returns that view.
-    pub async fn wait_for(&self, timeout: Duration, cond: impl Fn(&View) -> bool) -> Result<View, EmulatorError> {
+    pub async fn wait_for(
+        &self,
+        timeout: Duration,
+        cond: impl Fn(&View) -> bool,
+    ) -> Result<View, EmulatorError> {
         let mut rx = self.view();
         match tokio::time::timeout(timeout, rx.wait_for(|v| cond(v))).await {
             Ok(Ok(v)) => Ok(v.clone()),
@@ -197,7 +217,10 @@ impl KubeletEmulator {
         let mut tasks = Vec::new();
 
         let reg = bind(&inner.dir.join(KUBELET_SOCKET))?;
-        let svc = RegistrationServer::new(RegistrationSvc { emu: self.clone(), cancel: cancel.clone() });
+        let svc = RegistrationServer::new(RegistrationSvc {
+            emu: self.clone(),
+            cancel: cancel.clone(),
+        });
         let c = cancel.clone();
         tasks.push(tokio::spawn(async move {
             let r = tonic::transport::Server::builder()
@@ -213,7 +236,9 @@ impl KubeletEmulator {
             let _ = std::fs::create_dir_all(parent);
         }
         let prl = bind(&inner.pod_resources_socket)?;
-        let svc = pr::pod_resources_lister_server::PodResourcesListerServer::new(PodResourcesSvc { emu: self.clone() });
+        let svc = pr::pod_resources_lister_server::PodResourcesListerServer::new(PodResourcesSvc {
+            emu: self.clone(),
+        });
         let c = cancel.clone();
         tasks.push(tokio::spawn(async move {
             let r = tonic::transport::Server::builder()
@@ -238,7 +263,10 @@ impl KubeletEmulator {
             for t in r.tasks {
                 // Open streams may keep a graceful shutdown waiting; don't.
                 let mut t = t;
-                if tokio::time::timeout(Duration::from_secs(2), &mut t).await.is_err() {
+                if tokio::time::timeout(Duration::from_secs(2), &mut t)
+                    .await
+                    .is_err()
+                {
                     t.abort();
                 }
             }
@@ -248,7 +276,9 @@ impl KubeletEmulator {
             ep.cancel.cancel();
         }
         drop(st);
-        self.inner.view.send_modify(|v| v.resources.values_mut().for_each(|r| r.connected = false));
+        self.inner
+            .view
+            .send_modify(|v| v.resources.values_mut().for_each(|r| r.connected = false));
     }
 
     /// Like a kubelet restart: stop, delete every socket in the dir, start
@@ -271,7 +301,12 @@ impl KubeletEmulator {
         requests: &[(&str, usize)],
     ) -> Result<BTreeMap<String, ContainerAllocateResponse>, EmulatorError> {
         let _g = self.inner.admit_lock.lock().await;
-        self.inner.state.lock().unwrap().pods.insert(pod.uid.clone(), pod.clone());
+        self.inner
+            .state
+            .lock()
+            .unwrap()
+            .pods
+            .insert(pod.uid.clone(), pod.clone());
         let mut out = BTreeMap::new();
         let mut added = Vec::new();
         for &(resource, count) in requests {
@@ -300,15 +335,19 @@ impl KubeletEmulator {
         resource: &str,
         count: usize,
     ) -> Result<(ContainerAllocateResponse, Option<PodDevicesEntry>), EmulatorError> {
-        let rpc_err = |rpc, status| EmulatorError::Rpc { resource: resource.to_string(), rpc, status: Box::new(status) };
+        let rpc_err = |rpc, status: Status| EmulatorError::Rpc {
+            resource: resource.to_string(),
+            rpc,
+            code: status.code(),
+            message: status.message().to_string(),
+        };
         let (mut client, allocated) = {
             let st = self.inner.state.lock().unwrap();
-            if let Some(e) = st
-                .entries
-                .iter()
-                .find(|e| e.pod_uid == pod.uid && e.container_name == container && e.resource_name == resource)
-            {
-                let resp = ContainerAllocateResponse::decode(e.alloc_resp.as_slice()).unwrap_or_default();
+            if let Some(e) = st.entries.iter().find(|e| {
+                e.pod_uid == pod.uid && e.container_name == container && e.resource_name == resource
+            }) {
+                let resp =
+                    ContainerAllocateResponse::decode(e.alloc_resp.as_slice()).unwrap_or_default();
                 return Ok((resp, None));
             }
             let ep = st.clients.get(resource).ok_or_else(|| {
@@ -328,11 +367,17 @@ impl KubeletEmulator {
         };
         let (options, devices) = {
             let v = self.inner.view.borrow();
-            let r = v.resources.get(resource).ok_or_else(|| EmulatorError::UnknownResource(resource.to_string()))?;
+            let r = v
+                .resources
+                .get(resource)
+                .ok_or_else(|| EmulatorError::UnknownResource(resource.to_string()))?;
             (r.options, r.devices.clone())
         };
-        let available: Vec<String> =
-            devices.iter().filter(|(id, d)| d.healthy && !allocated.contains(*id)).map(|(id, _)| id.clone()).collect();
+        let available: Vec<String> = devices
+            .iter()
+            .filter(|(id, d)| d.healthy && !allocated.contains(*id))
+            .map(|(id, _)| id.clone())
+            .collect();
         if count == 0 || count > available.len() {
             return Err(EmulatorError::Insufficient {
                 resource: resource.to_string(),
@@ -353,7 +398,10 @@ impl KubeletEmulator {
                 }],
             });
             req.set_timeout(RPC_TIMEOUT);
-            let resp = client.get_preferred_allocation(req).await.map_err(|s| rpc_err("GetPreferredAllocation", s))?;
+            let resp = client
+                .get_preferred_allocation(req)
+                .await
+                .map_err(|s| rpc_err("GetPreferredAllocation", s))?;
             if let Some(c) = resp.into_inner().container_responses.first() {
                 for id in &c.device_i_ds {
                     if chosen.len() < count && available.contains(id) && !chosen.contains(id) {
@@ -372,22 +420,39 @@ impl KubeletEmulator {
         }
 
         let mut req = Request::new(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest { devices_ids: chosen.clone() }],
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: chosen.clone(),
+            }],
         });
         req.set_timeout(RPC_TIMEOUT);
-        let resp = client.allocate(req).await.map_err(|s| rpc_err("Allocate", s))?.into_inner();
+        let resp = client
+            .allocate(req)
+            .await
+            .map_err(|s| rpc_err("Allocate", s))?
+            .into_inner();
         let Some(resp) = resp.container_responses.into_iter().next() else {
-            return Err(rpc_err("Allocate", Status::internal("no container response")));
+            return Err(rpc_err(
+                "Allocate",
+                Status::internal("no container response"),
+            ));
         };
         if options.pre_start_required {
-            let mut req = Request::new(PreStartContainerRequest { devices_ids: chosen.clone() });
+            let mut req = Request::new(PreStartContainerRequest {
+                devices_ids: chosen.clone(),
+            });
             req.set_timeout(RPC_TIMEOUT);
-            client.pre_start_container(req).await.map_err(|s| rpc_err("PreStartContainer", s))?;
+            client
+                .pre_start_container(req)
+                .await
+                .map_err(|s| rpc_err("PreStartContainer", s))?;
         }
 
         let mut per_numa = DevicesPerNuma::new();
         for id in &chosen {
-            let numa = devices.get(id).and_then(|d| d.numa.first().copied()).unwrap_or(-1);
+            let numa = devices
+                .get(id)
+                .and_then(|d| d.numa.first().copied())
+                .unwrap_or(-1);
             per_numa.entry(numa).or_default().push(id.clone());
         }
         let entry = PodDevicesEntry {
@@ -423,14 +488,22 @@ impl KubeletEmulator {
             .iter()
             .map(|(r, v)| (r.clone(), v.devices.keys().cloned().collect()))
             .collect();
-        CheckpointData { pod_device_entries: entries, registered_devices }.store(&self.checkpoint_path())?;
+        CheckpointData {
+            pod_device_entries: entries,
+            registered_devices,
+        }
+        .store(&self.checkpoint_path())?;
         Ok(())
     }
 
     /// Dials a freshly registered plugin and follows its ListAndWatch stream.
     async fn connect_plugin(self, req: RegisterRequest, cancel: CancellationToken) {
         let resource = req.resource_name.clone();
-        let seq = self.inner.seq.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        let seq = self
+            .inner
+            .seq
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            + 1;
         let path = self.inner.dir.join(&req.endpoint);
         let ch = match connect_unix(&path, RPC_TIMEOUT).await {
             Ok(ch) => ch,
@@ -459,22 +532,29 @@ impl KubeletEmulator {
             let mut st = self.inner.state.lock().unwrap();
             if let Some(old) = st.clients.insert(
                 resource.clone(),
-                Endpoint { seq, client: client.clone(), cancel: ep_cancel.clone() },
+                Endpoint {
+                    seq,
+                    client: client.clone(),
+                    cancel: ep_cancel.clone(),
+                },
             ) {
                 old.cancel.cancel(); // a re-registration replaces the old endpoint
             }
         }
         self.inner.view.send_modify(|v| {
-            let r = v.resources.entry(resource.clone()).or_insert_with(|| ResourceView {
-                endpoint: String::new(),
-                options,
-                devices: BTreeMap::new(),
-                connected: false,
-                registrations: 0,
-                updates: 0,
-                registered_at: None,
-                last_update: None,
-            });
+            let r = v
+                .resources
+                .entry(resource.clone())
+                .or_insert_with(|| ResourceView {
+                    endpoint: String::new(),
+                    options,
+                    devices: BTreeMap::new(),
+                    connected: false,
+                    registrations: 0,
+                    updates: 0,
+                    registered_at: None,
+                    last_update: None,
+                });
             r.endpoint = req.endpoint.clone();
             r.options = options;
             r.connected = true;
@@ -494,8 +574,17 @@ impl KubeletEmulator {
                         .devices
                         .into_iter()
                         .map(|d| {
-                            let numa = d.topology.map(|t| t.nodes.iter().map(|n| n.id).collect()).unwrap_or_default();
-                            (d.id, DeviceState { healthy: d.health == HEALTHY, numa })
+                            let numa = d
+                                .topology
+                                .map(|t| t.nodes.iter().map(|n| n.id).collect())
+                                .unwrap_or_default();
+                            (
+                                d.id,
+                                DeviceState {
+                                    healthy: d.health == HEALTHY,
+                                    numa,
+                                },
+                            )
                         })
                         .collect();
                     self.inner.view.send_modify(|v| {
@@ -533,12 +622,21 @@ impl KubeletEmulator {
         let st = self.inner.state.lock().unwrap();
         let mut pods: BTreeMap<&str, BTreeMap<&str, Vec<pr::ContainerDevices>>> = BTreeMap::new();
         for e in &st.entries {
-            let numa: Vec<pr::NumaNode> = e.device_ids.keys().filter(|n| **n >= 0).map(|&id| pr::NumaNode { id }).collect();
-            pods.entry(&e.pod_uid).or_default().entry(&e.container_name).or_default().push(pr::ContainerDevices {
-                resource_name: e.resource_name.clone(),
-                device_ids: e.device_ids.values().flatten().cloned().collect(),
-                topology: (!numa.is_empty()).then_some(pr::TopologyInfo { nodes: numa }),
-            });
+            let numa: Vec<pr::NumaNode> = e
+                .device_ids
+                .keys()
+                .filter(|n| **n >= 0)
+                .map(|&id| pr::NumaNode { id })
+                .collect();
+            pods.entry(&e.pod_uid)
+                .or_default()
+                .entry(&e.container_name)
+                .or_default()
+                .push(pr::ContainerDevices {
+                    resource_name: e.resource_name.clone(),
+                    device_ids: e.device_ids.values().flatten().cloned().collect(),
+                    topology: (!numa.is_empty()).then_some(pr::TopologyInfo { nodes: numa }),
+                });
         }
         pods.into_iter()
             .map(|(uid, containers)| {
@@ -563,14 +661,20 @@ impl KubeletEmulator {
 
 fn bind(path: &Path) -> Result<UnixListener, EmulatorError> {
     let _ = std::fs::remove_file(path);
-    UnixListener::bind(path).map_err(|source| EmulatorError::Bind { path: path.to_path_buf(), source })
+    UnixListener::bind(path).map_err(|source| EmulatorError::Bind {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// kubelet removes every socket in the device-plugin dir when it starts; the
 /// checkpoint and other files stay.
 fn remove_sockets(dir: &Path) -> Result<(), EmulatorError> {
     use std::os::unix::fs::FileTypeExt;
-    let err = |source| EmulatorError::Cleanup { path: dir.to_path_buf(), source };
+    let err = |source| EmulatorError::Cleanup {
+        path: dir.to_path_buf(),
+        source,
+    };
     std::fs::create_dir_all(dir).map_err(err)?;
     for entry in std::fs::read_dir(dir).map_err(err)? {
         let entry = entry.map_err(err)?;
@@ -597,14 +701,20 @@ impl Registration for RegistrationSvc {
             )));
         }
         let parts: Vec<&str> = req.resource_name.split('/').collect();
-        if parts.len() != 2 || parts.iter().any(|p| p.is_empty()) || parts[0].ends_with("kubernetes.io") {
+        if parts.len() != 2
+            || parts.iter().any(|p| p.is_empty())
+            || parts[0].ends_with("kubernetes.io")
+        {
             return Err(Status::invalid_argument(format!(
                 "invalid extended resource name {:?}",
                 req.resource_name
             )));
         }
         if req.endpoint.is_empty() || req.endpoint.contains('/') {
-            return Err(Status::invalid_argument(format!("invalid endpoint {:?}", req.endpoint)));
+            return Err(Status::invalid_argument(format!(
+                "invalid endpoint {:?}",
+                req.endpoint
+            )));
         }
         tracing::info!(resource = %req.resource_name, endpoint = %req.endpoint, "Register");
         // kubelet dials back asynchronously, after answering.
@@ -623,7 +733,9 @@ impl pr::pod_resources_lister_server::PodResourcesLister for PodResourcesSvc {
         &self,
         _req: Request<pr::ListPodResourcesRequest>,
     ) -> Result<Response<pr::ListPodResourcesResponse>, Status> {
-        Ok(Response::new(pr::ListPodResourcesResponse { pod_resources: self.emu.pod_resources() }))
+        Ok(Response::new(pr::ListPodResourcesResponse {
+            pod_resources: self.emu.pod_resources(),
+        }))
     }
 
     async fn get_allocatable_resources(
@@ -635,33 +747,63 @@ impl pr::pod_resources_lister_server::PodResourcesLister for PodResourcesSvc {
             .resources
             .iter()
             .flat_map(|(res, r)| {
-                r.devices.iter().filter(|(_, d)| d.healthy).map(move |(id, d)| pr::ContainerDevices {
-                    resource_name: res.clone(),
-                    device_ids: vec![id.clone()],
-                    topology: (!d.numa.is_empty()).then(|| pr::TopologyInfo {
-                        nodes: d.numa.iter().map(|&id| pr::NumaNode { id }).collect(),
-                    }),
-                })
+                r.devices
+                    .iter()
+                    .filter(|(_, d)| d.healthy)
+                    .map(move |(id, d)| pr::ContainerDevices {
+                        resource_name: res.clone(),
+                        device_ids: vec![id.clone()],
+                        topology: (!d.numa.is_empty()).then(|| pr::TopologyInfo {
+                            nodes: d.numa.iter().map(|&id| pr::NumaNode { id }).collect(),
+                        }),
+                    })
             })
             .collect();
-        Ok(Response::new(pr::AllocatableResourcesResponse { devices, ..Default::default() }))
+        Ok(Response::new(pr::AllocatableResourcesResponse {
+            devices,
+            ..Default::default()
+        }))
     }
 
-    async fn get(&self, req: Request<pr::GetPodResourcesRequest>) -> Result<Response<pr::GetPodResourcesResponse>, Status> {
+    async fn get(
+        &self,
+        req: Request<pr::GetPodResourcesRequest>,
+    ) -> Result<Response<pr::GetPodResourcesResponse>, Status> {
         let req = req.into_inner();
         let uid = {
             let st = self.emu.inner.state.lock().unwrap();
-            st.pods.values().find(|p| p.name == req.pod_name && p.namespace == req.pod_namespace).map(|p| p.uid.clone())
+            st.pods
+                .values()
+                .find(|p| p.name == req.pod_name && p.namespace == req.pod_namespace)
+                .map(|p| p.uid.clone())
         };
         let Some(uid) = uid else {
-            return Err(Status::not_found(format!("pod {}/{} not found", req.pod_namespace, req.pod_name)));
+            return Err(Status::not_found(format!(
+                "pod {}/{} not found",
+                req.pod_namespace, req.pod_name
+            )));
         };
-        let name = self.emu.inner.state.lock().unwrap().pods.get(&uid).map(|p| p.name.clone());
-        let pod = self.emu.pod_resources().into_iter().find(|p| Some(&p.name) == name.as_ref()).unwrap_or(pr::PodResources {
-            name: req.pod_name,
-            namespace: req.pod_namespace,
-            ..Default::default()
-        });
-        Ok(Response::new(pr::GetPodResourcesResponse { pod_resources: Some(pod) }))
+        let name = self
+            .emu
+            .inner
+            .state
+            .lock()
+            .unwrap()
+            .pods
+            .get(&uid)
+            .map(|p| p.name.clone());
+        let pod = self
+            .emu
+            .pod_resources()
+            .into_iter()
+            .find(|p| Some(&p.name) == name.as_ref())
+            .unwrap_or(pr::PodResources {
+                name: req.pod_name,
+                namespace: req.pod_namespace,
+                ..Default::default()
+            });
+        Ok(Response::new(pr::GetPodResourcesResponse {
+            pod_resources: Some(pod),
+        }))
     }
 }

@@ -8,4 +8,6 @@ pub mod checkpoint;
 pub mod demo;
 mod emulator;
 
-pub use emulator::{CHECKPOINT_FILE, DeviceState, EmulatorError, KubeletEmulator, PodRef, ResourceView, View};
+pub use emulator::{
+    CHECKPOINT_FILE, DeviceState, EmulatorError, KubeletEmulator, PodRef, ResourceView, View,
+};

@@ -7,7 +7,9 @@ use clap::Parser;
 use kubelet_emulator::KubeletEmulator;
 
 #[derive(Parser)]
-#[command(about = "Emulated kubelet device manager: registration, ListAndWatch, checkpoint, pod-resources")]
+#[command(
+    about = "Emulated kubelet device manager: registration, ListAndWatch, checkpoint, pod-resources"
+)]
 struct Args {
     /// Device-plugin dir: kubelet.sock, plugin sockets and the checkpoint live here.
     #[arg(long, default_value = vcuda_api::deviceplugin::v1beta1::DEVICE_PLUGIN_PATH)]
@@ -20,15 +22,22 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
+        .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
     let cancel = device_plugin::cancel_on_signals().context("installing signal handlers")?;
     let emu = KubeletEmulator::start(&args.device_plugin_path, &args.pod_resources_socket)
         .await
-        .with_context(|| format!("starting kubelet emulator in {}", args.device_plugin_path.display()))?;
+        .with_context(|| {
+            format!(
+                "starting kubelet emulator in {}",
+                args.device_plugin_path.display()
+            )
+        })?;
     cancel.cancelled().await;
     emu.stop().await;
     Ok(())
