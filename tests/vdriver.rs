@@ -200,6 +200,18 @@ impl Host {
                 link(&file, &l64.join(s));
             }
         }
+        // Two nvidia-tls variants, told apart by their ABI note: only 2.3.99 is mirrored.
+        for (file, abi) in [
+            (format!("libnvidia-tls.so.{version}"), "2, 3, 99"),
+            (format!("libnvidia-tls.so.{version}.0"), "2, 2, 5"),
+        ] {
+            let src = format!(
+                r#"__asm__(".section .note.ABI-tag,\"a\",@note\n.p2align 2\n.long 4, 16, 1\n"
+                        ".asciz \"GNU\"\n.long 0, {abi}\n.previous");
+                   int tls(void) {{ return 0; }}"#
+            );
+            build_so(&l64.join(&file), Some(&file), &src, false, &[]);
+        }
         if self.has32 {
             let l32 = self.root.join(LIB32);
             build_so(
@@ -224,6 +236,8 @@ impl Host {
             fs::remove_file(l64.join(format!("{name}.so.{version}"))).unwrap();
         }
         fs::remove_file(l64.join(format!("nvidia/current/libnvidia-ml.so.{version}"))).unwrap();
+        fs::remove_file(l64.join(format!("libnvidia-tls.so.{version}"))).unwrap();
+        fs::remove_file(l64.join(format!("libnvidia-tls.so.{version}.0"))).unwrap();
         if self.has32 {
             fs::remove_file(self.root.join(LIB32).join(format!("libcuda.so.{version}"))).unwrap();
         }
@@ -352,6 +366,13 @@ fn mirrors_a_fake_driver_in_both_modes() {
             ptx
         );
         assert!(lib64.join(format!("libnvidia-glcore.so.{V1}")).is_file());
+        // The TLS library for the current ABI only.
+        let tls = format!("libnvidia-tls.so.{V1}");
+        assert_eq!(ino(&lib64.join(&tls)), ino(&l64.join(&tls)));
+        assert!(
+            !lib64.join(format!("{tls}.0")).exists(),
+            "old-ABI nvidia-tls mirrored"
+        );
         // GLVND's libGL kept (links libGLdispatch), the Mesa-like EGL left out,
         // the unrelated library never considered.
         assert_eq!(link_target(&lib64.join("libGL.so.1")), "libGL.so.1.7.0");
