@@ -1,0 +1,773 @@
+//! Device memory: counted per device per process in the shared state (so
+//! every process sees it and the card can run out), and backed by real,
+//! lazily committed host memory (mmap MAP_NORESERVE), so device pointers are
+//! real addresses and copies really move bytes.
+
+use crate::ctx::{Ctx, Target, current};
+use crate::{Driver, R, drv, lock, put};
+use cuda_abi::*;
+use gpu_sim_core::node::MAX_GPUS;
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+use std::sync::{Mutex, OnceLock};
+
+const PAGE: usize = 4096;
+/// VMM allocation granularity the real driver reports.
+const GRANULARITY: usize = 2 << 20;
+const POOL_MAGIC: u64 = 0x5349_4d50_4f4f_0001;
+const ARRAY_MAGIC: u64 = 0x5349_4d41_5252_0001;
+const PHYS_MAGIC: u64 = 0x5349_4d50_4859_0001;
+
+struct Alloc {
+    gpu: usize,
+    /// Bytes asked for (and counted).
+    size: usize,
+    /// Bytes mapped (size rounded up to pages).
+    len: usize,
+    /// Context it belongs to (freed with it); address only.
+    ctx: usize,
+}
+
+#[derive(Default)]
+pub(crate) struct Memory {
+    /// Device and managed allocations by base address.
+    allocs: Mutex<BTreeMap<u64, Alloc>>,
+    /// Pinned host allocations: base -> mapped length.
+    host: Mutex<BTreeMap<u64, usize>>,
+    /// VMM reservations: aligned base -> (raw mapping base, raw length).
+    reserved: Mutex<BTreeMap<u64, (usize, usize)>>,
+    /// VMM mappings: address -> length (valid device ranges).
+    mapped: Mutex<BTreeMap<u64, usize>>,
+}
+
+fn round_up(n: usize, to: usize) -> usize {
+    n.div_ceil(to) * to
+}
+
+unsafe fn map_anon(len: usize, prot: i32) -> R<*mut c_void> {
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            prot,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    Ok(p)
+}
+
+impl Memory {
+    /// Allocates `size` bytes on `ctx`'s device.
+    pub fn alloc(&self, d: &Driver, ctx: &Ctx, size: usize) -> R<u64> {
+        if size == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        d.state
+            .try_alloc(d.me, ctx.gpu, size as u64)
+            .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        let len = round_up(size, PAGE);
+        let p = match unsafe { map_anon(len, libc::PROT_READ | libc::PROT_WRITE) } {
+            Ok(p) => p,
+            Err(e) => {
+                d.state.free(d.me, ctx.gpu, size as u64);
+                return Err(e);
+            }
+        };
+        let addr = p as u64;
+        lock(&self.allocs).insert(
+            addr,
+            Alloc {
+                gpu: ctx.gpu,
+                size,
+                len,
+                ctx: ctx as *const Ctx as usize,
+            },
+        );
+        Ok(addr)
+    }
+
+    pub fn free(&self, d: &Driver, ptr: u64) -> R {
+        let a = lock(&self.allocs)
+            .remove(&ptr)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        Self::release(d, ptr, a);
+        Ok(())
+    }
+
+    fn release(d: &Driver, ptr: u64, a: Alloc) {
+        unsafe { libc::munmap(ptr as *mut c_void, a.len) };
+        d.state.free(d.me, a.gpu, a.size as u64);
+    }
+
+    /// Frees what a destroyed context allocated.
+    pub fn free_context(&self, d: &Driver, c: &Ctx) {
+        let key = c as *const Ctx as usize;
+        let gone: Vec<(u64, Alloc)> = {
+            let mut m = lock(&self.allocs);
+            let keys: Vec<u64> = m
+                .iter()
+                .filter(|(_, a)| a.ctx == key)
+                .map(|(k, _)| *k)
+                .collect();
+            keys.into_iter()
+                .filter_map(|k| m.remove(&k).map(|a| (k, a)))
+                .collect()
+        };
+        for (p, a) in gone {
+            Self::release(d, p, a);
+        }
+    }
+
+    /// The allocation containing `ptr`: (base, size).
+    fn containing(&self, ptr: u64) -> Option<(u64, usize)> {
+        let m = lock(&self.allocs);
+        let (&base, a) = m.range(..=ptr).next_back()?;
+        (ptr < base + a.size as u64).then_some((base, a.size))
+    }
+
+    /// Checks that [ptr, ptr+n) is device memory of this process.
+    fn check(&self, ptr: u64, n: usize) -> R {
+        if ptr == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let end = ptr.checked_add(n as u64).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if let Some((base, size)) = self.containing(ptr)
+            && end <= base + size as u64
+        {
+            return Ok(());
+        }
+        let m = lock(&self.mapped);
+        if let Some((&base, &len)) = m.range(..=ptr).next_back()
+            && end <= base + len as u64
+        {
+            return Ok(());
+        }
+        Err(CUDA_ERROR_INVALID_VALUE)
+    }
+}
+
+fn ctx_and_driver() -> R<(&'static Driver, &'static Ctx)> {
+    Ok((drv()?, current()?))
+}
+
+unsafe fn copy(dst: u64, src: u64, n: usize) {
+    if n > 0 {
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
+    }
+}
+
+unsafe fn htod(dst: u64, src: *const c_void, n: usize) -> R {
+    let d = drv()?;
+    current()?;
+    if src.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    d.mem.check(dst, n)?;
+    unsafe { copy(dst, src as u64, n) };
+    Ok(())
+}
+
+unsafe fn dtoh(dst: *mut c_void, src: u64, n: usize) -> R {
+    let d = drv()?;
+    current()?;
+    if dst.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    d.mem.check(src, n)?;
+    unsafe { copy(dst as u64, src, n) };
+    Ok(())
+}
+
+unsafe fn dtod(dst: u64, src: u64, n: usize) -> R {
+    let d = drv()?;
+    current()?;
+    d.mem.check(src, n)?;
+    d.mem.check(dst, n)?;
+    unsafe { copy(dst, src, n) };
+    Ok(())
+}
+
+/// cuMemcpy: unified addressing, either side may be host or device.
+unsafe fn any(dst: u64, src: u64, n: usize) -> R {
+    drv()?;
+    current()?;
+    if (dst == 0 || src == 0) && n > 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    unsafe { copy(dst, src, n) };
+    Ok(())
+}
+
+/// Async copies and sets complete at once: the simulator charges time only to
+/// kernels. The stream handle is still checked.
+unsafe fn on(stream: *mut c_void, ptsz: bool) -> R {
+    unsafe { Target::of(stream, ptsz) }.map(|_| ())
+}
+
+unsafe fn set<T: Copy>(dst: u64, v: T, n: usize) -> R {
+    let d = drv()?;
+    current()?;
+    d.mem.check(dst, n * size_of::<T>())?;
+    if dst as usize % align_of::<T>() != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let p = dst as *mut T;
+    for i in 0..n {
+        unsafe { p.add(i).write(v) };
+    }
+    Ok(())
+}
+
+unsafe fn set2d<T: Copy>(dst: u64, pitch: usize, v: T, w: usize, h: usize) -> R {
+    for row in 0..h {
+        unsafe { set(dst + (row * pitch) as u64, v, w)? };
+    }
+    Ok(())
+}
+
+// ---- pools ----
+
+pub(crate) struct Pool {
+    magic: u64,
+    gpu: usize,
+}
+
+/// Default pool of a GPU: one per device, for the life of the process.
+pub(crate) fn default_pool(gpu: usize) -> *mut c_void {
+    static POOLS: [OnceLock<usize>; MAX_GPUS] = [const { OnceLock::new() }; MAX_GPUS];
+    *POOLS[gpu].get_or_init(|| {
+        Box::into_raw(Box::new(Pool {
+            magic: POOL_MAGIC,
+            gpu,
+        })) as usize
+    }) as *mut c_void
+}
+
+unsafe fn pool<'a>(h: *mut c_void) -> R<&'a Pool> {
+    let p = h as *const Pool;
+    if p.is_null() || unsafe { (*p).magic } != POOL_MAGIC {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    Ok(unsafe { &*p })
+}
+
+/// `CUmemLocation` inside CUmemAllocationProp / CUmemPoolProps (offset 8).
+#[repr(C)]
+pub struct AllocProp {
+    kind: u32,
+    handle_types: u32,
+    location_type: u32,
+    location_id: i32,
+}
+
+/// `CU_MEM_LOCATION_TYPE_DEVICE`.
+const LOCATION_DEVICE: u32 = 1;
+
+fn prop_device(d: &Driver, p: *const AllocProp) -> R<usize> {
+    let p = unsafe { p.as_ref() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    if p.location_type != LOCATION_DEVICE {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    Ok(d.device(p.location_id)
+        .map_err(|_| CUDA_ERROR_INVALID_DEVICE)?
+        .gpu)
+}
+
+/// An allocation on a device without going through a context (pools, VMM).
+fn alloc_on(d: &'static Driver, gpu: usize, size: usize) -> R<u64> {
+    let dev = d
+        .devices
+        .iter()
+        .find(|x| x.gpu == gpu)
+        .ok_or(CUDA_ERROR_INVALID_DEVICE)?;
+    d.mem.alloc(d, dev.primary, size)
+}
+
+unsafe fn alloc_async(out: *mut u64, size: usize, stream: *mut c_void, ptsz: bool) -> R {
+    let d = drv()?;
+    let t = unsafe { Target::of(stream, ptsz)? };
+    if out.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let p = alloc_on(d, t.ctx().gpu, size)?;
+    unsafe { put(out, p) }
+}
+
+unsafe fn alloc_from_pool(
+    out: *mut u64,
+    size: usize,
+    pl: *mut c_void,
+    stream: *mut c_void,
+    ptsz: bool,
+) -> R {
+    let d = drv()?;
+    unsafe { Target::of(stream, ptsz)? };
+    let pl = unsafe { pool(pl)? };
+    if out.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let p = alloc_on(d, pl.gpu, size)?;
+    unsafe { put(out, p) }
+}
+
+unsafe fn free_async(ptr: u64, stream: *mut c_void, ptsz: bool) -> R {
+    let d = drv()?;
+    unsafe { Target::of(stream, ptsz)? };
+    d.mem.free(d, ptr)
+}
+
+// ---- arrays ----
+
+struct ArrayObj {
+    magic: u64,
+    gpu: usize,
+    bytes: u64,
+}
+
+/// `CUDA_ARRAY_DESCRIPTOR`.
+#[repr(C)]
+pub struct ArrayDesc {
+    width: usize,
+    height: usize,
+    format: u32,
+    channels: u32,
+}
+
+/// `CUDA_ARRAY3D_DESCRIPTOR`.
+#[repr(C)]
+pub struct Array3dDesc {
+    width: usize,
+    height: usize,
+    depth: usize,
+    format: u32,
+    channels: u32,
+    flags: u32,
+}
+
+/// Bytes per element of a `CUarray_format`, times 2 (NV12 is 1.5 bytes).
+fn format_bytes_x2(format: u32) -> R<u64> {
+    Ok(match format {
+        0x01 | 0x08 | 0xc0 | 0xc6 => 2,                      // 8-bit
+        0x02 | 0x09 | 0x10 | 0xc1 | 0xc3 | 0xc7 | 0xc9 => 4, // 16-bit
+        0x03 | 0x0a | 0x20 | 0xc2 | 0xc4 | 0xc8 | 0xca => 8, // 32-bit
+        0xc5 | 0xcb => 16,
+        0xb0 => 3, // NV12
+        _ => return Err(CUDA_ERROR_INVALID_VALUE),
+    })
+}
+
+fn array_bytes(w: usize, h: usize, depth: usize, format: u32, channels: u32) -> R<u64> {
+    if w == 0 || !matches!(channels, 1 | 2 | 4) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let elems = w as u64 * h.max(1) as u64 * depth.max(1) as u64 * channels as u64;
+    Ok((elems * format_bytes_x2(format)?).div_ceil(2))
+}
+
+unsafe fn array_create(out: *mut *mut c_void, bytes: R<u64>) -> R {
+    let (d, c) = ctx_and_driver()?;
+    if out.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let bytes = bytes?;
+    d.state
+        .try_alloc(d.me, c.gpu, bytes)
+        .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+    let a = Box::new(ArrayObj {
+        magic: ARRAY_MAGIC,
+        gpu: c.gpu,
+        bytes,
+    });
+    unsafe { *out = Box::into_raw(a).cast() };
+    Ok(())
+}
+
+unsafe fn array_destroy(h: *mut c_void) -> R {
+    let d = drv()?;
+    let a = h as *mut ArrayObj;
+    if a.is_null() || unsafe { (*a).magic } != ARRAY_MAGIC {
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
+    let a = unsafe { Box::from_raw(a) };
+    d.state.free(d.me, a.gpu, a.bytes);
+    Ok(())
+}
+
+// ---- VMM ----
+
+struct Phys {
+    magic: u64,
+    gpu: usize,
+    size: usize,
+    fd: i32,
+}
+
+unsafe fn phys<'a>(h: u64) -> R<&'a Phys> {
+    let p = h as *const Phys;
+    if p.is_null() || unsafe { (*p).magic } != PHYS_MAGIC {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    Ok(unsafe { &*p })
+}
+
+cuda_fn! {
+    fn cuMemAlloc_v2(out: *mut u64, size: usize) {
+        let (d, c) = ctx_and_driver()?;
+        if out.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        put(out, d.mem.alloc(d, c, size)?)
+    }
+
+    fn cuMemAllocManaged(out: *mut u64, size: usize, flags: u32) {
+        let (d, c) = ctx_and_driver()?;
+        if out.is_null() || !matches!(flags, 1 | 2) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        put(out, d.mem.alloc(d, c, size)?)
+    }
+
+    fn cuMemAllocPitch_v2(out: *mut u64, pitch: *mut usize, width: usize, height: usize, elem: u32) {
+        let (d, c) = ctx_and_driver()?;
+        if out.is_null() || pitch.is_null() || !matches!(elem, 4 | 8 | 16) || width == 0 || height == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let p = round_up(width, 512);
+        let ptr = d.mem.alloc(d, c, p * height)?;
+        *pitch = p;
+        put(out, ptr)
+    }
+
+    fn cuMemFree_v2(ptr: u64) {
+        let d = drv()?;
+        d.mem.free(d, ptr)
+    }
+
+    fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) {
+        let (d, c) = ctx_and_driver()?;
+        if free.is_null() || total.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let t = d.state.memory_total(c.gpu);
+        *total = t as usize;
+        *free = t.saturating_sub(d.state.memory_used(c.gpu)) as usize;
+        Ok(())
+    }
+
+    fn cuMemGetAddressRange_v2(base: *mut u64, size: *mut usize, ptr: u64) {
+        let d = drv()?;
+        let (b, s) = d.mem.containing(ptr).ok_or(CUDA_ERROR_NOT_FOUND)?;
+        if !base.is_null() {
+            *base = b;
+        }
+        if !size.is_null() {
+            *size = s;
+        }
+        Ok(())
+    }
+
+    fn cuMemAllocHost_v2(out: *mut *mut c_void, size: usize) {
+        host_alloc(out, size)
+    }
+
+    fn cuMemHostAlloc(out: *mut *mut c_void, size: usize, _flags: u32) {
+        host_alloc(out, size)
+    }
+
+    fn cuMemFreeHost(p: *mut c_void) {
+        let d = drv()?;
+        let len = lock(&d.mem.host).remove(&(p as u64)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        libc::munmap(p, len);
+        Ok(())
+    }
+
+    fn cuMemHostGetDevicePointer_v2(out: *mut u64, p: *mut c_void, flags: u32) {
+        drv()?;
+        if flags != 0 || p.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        put(out, p as u64)
+    }
+
+    fn cuMemHostRegister_v2(p: *mut c_void, size: usize, _flags: u32) {
+        drv()?;
+        if p.is_null() || size == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        Ok(())
+    }
+
+    fn cuMemHostUnregister(p: *mut c_void) {
+        drv()?;
+        if p.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        Ok(())
+    }
+
+    // ---- copies ----
+
+    fn cuMemcpy(dst: u64, src: u64, n: usize) { any(dst, src, n) }
+    fn cuMemcpy_ptds(dst: u64, src: u64, n: usize) { any(dst, src, n) }
+    fn cuMemcpyAsync(dst: u64, src: u64, n: usize, s: *mut c_void) { on(s, false)?; any(dst, src, n) }
+    fn cuMemcpyAsync_ptsz(dst: u64, src: u64, n: usize, s: *mut c_void) { on(s, true)?; any(dst, src, n) }
+    fn cuMemcpyPeer(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize) { any(dst, src, n) }
+    fn cuMemcpyPeer_ptds(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize) { any(dst, src, n) }
+    fn cuMemcpyPeerAsync(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize, s: *mut c_void) {
+        on(s, false)?;
+        any(dst, src, n)
+    }
+    fn cuMemcpyPeerAsync_ptsz(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize, s: *mut c_void) {
+        on(s, true)?;
+        any(dst, src, n)
+    }
+    fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, n: usize) { htod(dst, src, n) }
+    fn cuMemcpyHtoD_v2_ptds(dst: u64, src: *const c_void, n: usize) { htod(dst, src, n) }
+    fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, n: usize, s: *mut c_void) { on(s, false)?; htod(dst, src, n) }
+    fn cuMemcpyHtoDAsync_v2_ptsz(dst: u64, src: *const c_void, n: usize, s: *mut c_void) { on(s, true)?; htod(dst, src, n) }
+    fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, n: usize) { dtoh(dst, src, n) }
+    fn cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: u64, n: usize) { dtoh(dst, src, n) }
+    fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: u64, n: usize, s: *mut c_void) { on(s, false)?; dtoh(dst, src, n) }
+    fn cuMemcpyDtoHAsync_v2_ptsz(dst: *mut c_void, src: u64, n: usize, s: *mut c_void) { on(s, true)?; dtoh(dst, src, n) }
+    fn cuMemcpyDtoD_v2(dst: u64, src: u64, n: usize) { dtod(dst, src, n) }
+    fn cuMemcpyDtoD_v2_ptds(dst: u64, src: u64, n: usize) { dtod(dst, src, n) }
+    fn cuMemcpyDtoDAsync_v2(dst: u64, src: u64, n: usize, s: *mut c_void) { on(s, false)?; dtod(dst, src, n) }
+    fn cuMemcpyDtoDAsync_v2_ptsz(dst: u64, src: u64, n: usize, s: *mut c_void) { on(s, true)?; dtod(dst, src, n) }
+
+    fn cuMemsetD8_v2(dst: u64, v: u8, n: usize) { set(dst, v, n) }
+    fn cuMemsetD8_v2_ptds(dst: u64, v: u8, n: usize) { set(dst, v, n) }
+    fn cuMemsetD16_v2(dst: u64, v: u16, n: usize) { set(dst, v, n) }
+    fn cuMemsetD16_v2_ptds(dst: u64, v: u16, n: usize) { set(dst, v, n) }
+    fn cuMemsetD32_v2(dst: u64, v: u32, n: usize) { set(dst, v, n) }
+    fn cuMemsetD32_v2_ptds(dst: u64, v: u32, n: usize) { set(dst, v, n) }
+    fn cuMemsetD8Async(dst: u64, v: u8, n: usize, s: *mut c_void) { on(s, false)?; set(dst, v, n) }
+    fn cuMemsetD8Async_ptsz(dst: u64, v: u8, n: usize, s: *mut c_void) { on(s, true)?; set(dst, v, n) }
+    fn cuMemsetD16Async(dst: u64, v: u16, n: usize, s: *mut c_void) { on(s, false)?; set(dst, v, n) }
+    fn cuMemsetD16Async_ptsz(dst: u64, v: u16, n: usize, s: *mut c_void) { on(s, true)?; set(dst, v, n) }
+    fn cuMemsetD32Async(dst: u64, v: u32, n: usize, s: *mut c_void) { on(s, false)?; set(dst, v, n) }
+    fn cuMemsetD32Async_ptsz(dst: u64, v: u32, n: usize, s: *mut c_void) { on(s, true)?; set(dst, v, n) }
+    fn cuMemsetD2D8_v2(dst: u64, pitch: usize, v: u8, w: usize, h: usize) { set2d(dst, pitch, v, w, h) }
+    fn cuMemsetD2D8_v2_ptds(dst: u64, pitch: usize, v: u8, w: usize, h: usize) { set2d(dst, pitch, v, w, h) }
+    fn cuMemsetD2D16_v2(dst: u64, pitch: usize, v: u16, w: usize, h: usize) { set2d(dst, pitch, v, w, h) }
+    fn cuMemsetD2D16_v2_ptds(dst: u64, pitch: usize, v: u16, w: usize, h: usize) { set2d(dst, pitch, v, w, h) }
+    fn cuMemsetD2D32_v2(dst: u64, pitch: usize, v: u32, w: usize, h: usize) { set2d(dst, pitch, v, w, h) }
+    fn cuMemsetD2D32_v2_ptds(dst: u64, pitch: usize, v: u32, w: usize, h: usize) { set2d(dst, pitch, v, w, h) }
+
+    // ---- stream-ordered allocator ----
+
+    fn cuMemAllocAsync(out: *mut u64, size: usize, s: *mut c_void) { alloc_async(out, size, s, false) }
+    fn cuMemAllocAsync_ptsz(out: *mut u64, size: usize, s: *mut c_void) { alloc_async(out, size, s, true) }
+    fn cuMemFreeAsync(ptr: u64, s: *mut c_void) { free_async(ptr, s, false) }
+    fn cuMemFreeAsync_ptsz(ptr: u64, s: *mut c_void) { free_async(ptr, s, true) }
+    fn cuMemAllocFromPoolAsync(out: *mut u64, size: usize, p: *mut c_void, s: *mut c_void) {
+        alloc_from_pool(out, size, p, s, false)
+    }
+    fn cuMemAllocFromPoolAsync_ptsz(out: *mut u64, size: usize, p: *mut c_void, s: *mut c_void) {
+        alloc_from_pool(out, size, p, s, true)
+    }
+
+    fn cuMemPoolCreate(out: *mut *mut c_void, props: *const AllocProp) {
+        let d = drv()?;
+        let gpu = prop_device(d, props)?;
+        if out.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        *out = Box::into_raw(Box::new(Pool { magic: POOL_MAGIC, gpu })).cast();
+        Ok(())
+    }
+
+    fn cuMemPoolDestroy(p: *mut c_void) {
+        drv()?;
+        let pl = pool(p)?;
+        if default_pool(pl.gpu) == p {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let p = p as *mut Pool;
+        (*p).magic = 0;
+        drop(Box::from_raw(p));
+        Ok(())
+    }
+
+    fn cuMemPoolTrimTo(p: *mut c_void, _keep: usize) {
+        drv()?;
+        pool(p)?;
+        Ok(())
+    }
+
+    fn cuMemPoolSetAttribute(p: *mut c_void, _attr: i32, value: *mut c_void) {
+        drv()?;
+        pool(p)?;
+        if value.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        Ok(())
+    }
+
+    // ---- arrays ----
+
+    fn cuArrayCreate_v2(out: *mut *mut c_void, desc: *const ArrayDesc) {
+        let d = desc.as_ref().ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        array_create(out, array_bytes(d.width, d.height, 1, d.format, d.channels))
+    }
+
+    fn cuArray3DCreate_v2(out: *mut *mut c_void, desc: *const Array3dDesc) {
+        let d = desc.as_ref().ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        array_create(out, array_bytes(d.width, d.height, d.depth, d.format, d.channels))
+    }
+
+    fn cuArrayDestroy(a: *mut c_void) {
+        array_destroy(a)
+    }
+
+    fn cuMipmappedArrayCreate(out: *mut *mut c_void, desc: *const Array3dDesc, levels: u32) {
+        let d = desc.as_ref().ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if levels == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let mut total = 0u64;
+        let (mut w, mut h, mut z) = (d.width, d.height, d.depth);
+        for _ in 0..levels {
+            total += array_bytes(w, h, z, d.format, d.channels)?;
+            (w, h, z) = ((w / 2).max(1), h / 2, z / 2);
+            if d.height > 0 {
+                h = h.max(1);
+            }
+            if d.depth > 0 {
+                z = z.max(1);
+            }
+        }
+        array_create(out, Ok(total))
+    }
+
+    fn cuMipmappedArrayDestroy(a: *mut c_void) {
+        array_destroy(a)
+    }
+
+    // ---- virtual memory management ----
+
+    fn cuMemGetAllocationGranularity(out: *mut usize, prop: *const AllocProp, _option: u32) {
+        let d = drv()?;
+        prop_device(d, prop)?;
+        put(out, GRANULARITY)
+    }
+
+    fn cuMemCreate(out: *mut u64, size: usize, prop: *const AllocProp, flags: u64) {
+        let d = drv()?;
+        let gpu = prop_device(d, prop)?;
+        if out.is_null() || flags != 0 || size == 0 || size % GRANULARITY != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        d.state.try_alloc(d.me, gpu, size as u64).map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        let fd = libc::memfd_create(c"gpu-sim-vmm".as_ptr(), libc::MFD_CLOEXEC);
+        if fd < 0 || libc::ftruncate(fd, size as i64) != 0 {
+            if fd >= 0 {
+                libc::close(fd);
+            }
+            d.state.free(d.me, gpu, size as u64);
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        let p = Box::new(Phys { magic: PHYS_MAGIC, gpu, size, fd });
+        *out = Box::into_raw(p) as u64;
+        Ok(())
+    }
+
+    fn cuMemRelease(h: u64) {
+        let d = drv()?;
+        phys(h)?;
+        let p = Box::from_raw(h as *mut Phys);
+        // Mappings keep the pages alive (as the driver defers the free until
+        // unmapped); the device memory is given back now.
+        libc::close(p.fd);
+        d.state.free(d.me, p.gpu, p.size as u64);
+        Ok(())
+    }
+
+    fn cuMemAddressReserve(out: *mut u64, size: usize, align: usize, _addr: u64, _flags: u64) {
+        let d = drv()?;
+        if out.is_null() || size == 0 || size % GRANULARITY != 0 || (align != 0 && !align.is_power_of_two()) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let align = align.max(GRANULARITY);
+        let raw_len = size + align;
+        let raw = map_anon(raw_len, libc::PROT_NONE)? as usize;
+        let base = round_up(raw, align) as u64;
+        lock(&d.mem.reserved).insert(base, (raw, raw_len));
+        put(out, base)
+    }
+
+    fn cuMemAddressFree(ptr: u64, _size: usize) {
+        let d = drv()?;
+        let (raw, len) = lock(&d.mem.reserved).remove(&ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        libc::munmap(raw as *mut c_void, len);
+        lock(&d.mem.mapped).retain(|&a, _| !(a >= ptr && a < ptr + len as u64));
+        Ok(())
+    }
+
+    fn cuMemMap(ptr: u64, size: usize, offset: usize, h: u64, flags: u64) {
+        let d = drv()?;
+        let p = phys(h)?;
+        if flags != 0 || size == 0 || offset.checked_add(size).is_none_or(|e| e > p.size) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        {
+            let r = lock(&d.mem.reserved);
+            let (&base, &(raw, len)) = r.range(..=ptr).next_back().ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            if ptr + size as u64 > raw as u64 + len as u64 || ptr < base {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+        }
+        let m = libc::mmap(
+            ptr as *mut c_void,
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            p.fd,
+            offset as i64,
+        );
+        if m == libc::MAP_FAILED {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        lock(&d.mem.mapped).insert(ptr, size);
+        Ok(())
+    }
+
+    fn cuMemUnmap(ptr: u64, size: usize) {
+        let d = drv()?;
+        lock(&d.mem.mapped).remove(&ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        libc::mmap(
+            ptr as *mut c_void,
+            size,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+            -1,
+            0,
+        );
+        Ok(())
+    }
+
+    fn cuMemSetAccess(ptr: u64, size: usize, desc: *const c_void, count: usize) {
+        let d = drv()?;
+        if desc.is_null() || count == 0 || size == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        d.mem.check(ptr, size)
+    }
+}
+
+unsafe fn host_alloc(out: *mut *mut c_void, size: usize) -> R {
+    let d = drv()?;
+    current()?;
+    if out.is_null() || size == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let len = round_up(size, PAGE);
+    let p = unsafe { map_anon(len, libc::PROT_READ | libc::PROT_WRITE)? };
+    lock(&d.mem.host).insert(p as u64, len);
+    unsafe { *out = p };
+    Ok(())
+}

@@ -1,0 +1,200 @@
+//! Modules, libraries and functions. Any image is accepted (there is no GPU
+//! to run it); functions are looked up by name and are what launches take.
+
+use crate::ctx::{FUNC_MAGIC, current};
+use crate::{R, drv, lock, put};
+use cuda_abi::*;
+use std::collections::HashMap;
+use std::ffi::{CStr, c_char, c_void};
+use std::sync::Mutex;
+
+const MODULE_MAGIC: u64 = 0x5349_4d4d_4f44_0001;
+
+/// A function (also used as `CUkernel`, which the real driver lets callers
+/// pass where a `CUfunction` is expected). `magic` first: launches check it.
+#[repr(C)]
+pub(crate) struct Func {
+    magic: u64,
+    name: Box<str>,
+}
+
+struct Module {
+    magic: u64,
+    funcs: Mutex<HashMap<Box<str>, Box<Func>>>,
+}
+
+unsafe fn load(out: *mut *mut c_void) -> R {
+    drv()?;
+    if out.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let m = Box::new(Module {
+        magic: MODULE_MAGIC,
+        funcs: Mutex::new(HashMap::new()),
+    });
+    unsafe { *out = Box::into_raw(m).cast() };
+    Ok(())
+}
+
+unsafe fn module<'a>(h: *mut c_void) -> R<&'a Module> {
+    let m = h as *const Module;
+    if m.is_null() || unsafe { (*m).magic } != MODULE_MAGIC {
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
+    Ok(unsafe { &*m })
+}
+
+unsafe fn get_function(out: *mut *mut c_void, m: *mut c_void, name: *const c_char) -> R {
+    drv()?;
+    let m = unsafe { module(m)? };
+    if out.is_null() || name.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let name = unsafe { CStr::from_ptr(name) }
+        .to_str()
+        .map_err(|_| CUDA_ERROR_NOT_FOUND)?;
+    if name.is_empty() {
+        return Err(CUDA_ERROR_NOT_FOUND);
+    }
+    let mut funcs = lock(&m.funcs);
+    let f = funcs.entry(name.into()).or_insert_with(|| {
+        Box::new(Func {
+            magic: FUNC_MAGIC,
+            name: name.into(),
+        })
+    });
+    unsafe { put(out, &**f as *const Func as *mut c_void) }
+}
+
+unsafe fn unload(m: *mut c_void) -> R {
+    drv()?;
+    unsafe { module(m)? };
+    let m = m as *mut Module;
+    let m = unsafe {
+        (*m).magic = 0;
+        Box::from_raw(m)
+    };
+    for f in lock(&m.funcs).values_mut() {
+        f.magic = 0;
+    }
+    Ok(())
+}
+
+unsafe fn func<'a>(f: *mut c_void) -> R<&'a Func> {
+    let p = f as *const Func;
+    if p.is_null() || unsafe { (*p).magic } != FUNC_MAGIC {
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
+    Ok(unsafe { &*p })
+}
+
+cuda_fn! {
+    fn cuModuleLoad(out: *mut *mut c_void, fname: *const c_char) {
+        drv()?;
+        current()?;
+        if fname.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let path = std::ffi::OsStr::from_encoded_bytes_unchecked(CStr::from_ptr(fname).to_bytes());
+        if !std::path::Path::new(path).is_file() {
+            return Err(CUDA_ERROR_FILE_NOT_FOUND);
+        }
+        load(out)
+    }
+
+    fn cuModuleLoadData(out: *mut *mut c_void, image: *const c_void) {
+        current()?;
+        if image.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        load(out)
+    }
+
+    fn cuModuleLoadDataEx(out: *mut *mut c_void, image: *const c_void, _n: u32, _opts: *mut c_void, _vals: *mut *mut c_void) {
+        current()?;
+        if image.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        load(out)
+    }
+
+    fn cuModuleLoadFatBinary(out: *mut *mut c_void, image: *const c_void) {
+        current()?;
+        if image.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        load(out)
+    }
+
+    fn cuModuleUnload(m: *mut c_void) {
+        unload(m)
+    }
+
+    fn cuModuleGetFunction(out: *mut *mut c_void, m: *mut c_void, name: *const c_char) {
+        get_function(out, m, name)
+    }
+
+    fn cuLibraryLoadData(
+        out: *mut *mut c_void, code: *const c_void, _jo: *mut c_void, _jv: *mut *mut c_void,
+        _nj: u32, _lo: *mut c_void, _lv: *mut *mut c_void, _nl: u32,
+    ) {
+        if code.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        load(out)
+    }
+
+    fn cuLibraryUnload(lib: *mut c_void) {
+        unload(lib)
+    }
+
+    fn cuLibraryGetKernel(out: *mut *mut c_void, lib: *mut c_void, name: *const c_char) {
+        get_function(out, lib, name)
+    }
+
+    fn cuKernelGetFunction(out: *mut *mut c_void, kernel: *mut c_void) {
+        drv()?;
+        func(kernel)?;
+        put(out, kernel)
+    }
+
+    fn cuFuncGetName(out: *mut *const c_char, f: *mut c_void) {
+        drv()?;
+        let f = func(f)?;
+        // Names are stored without NUL; keep a C copy per function, leaked
+        // once (bounded by the number of functions).
+        static NAMES: Mutex<Option<HashMap<usize, std::ffi::CString>>> = Mutex::new(None);
+        let mut g = lock(&NAMES);
+        let map = g.get_or_insert_with(HashMap::new);
+        let c = map
+            .entry(f as *const Func as usize)
+            .or_insert_with(|| std::ffi::CString::new(&*f.name).unwrap_or_default());
+        put(out, c.as_ptr())
+    }
+
+    fn cuFuncGetAttribute(value: *mut i32, attr: i32, f: *mut c_void) {
+        drv()?;
+        func(f)?;
+        // CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK 0, NUM_REGS 4, PTX/BINARY_VERSION 5/6.
+        let v = match attr {
+            0 => 1024,
+            4 => 32,
+            5 | 6 => 80,
+            1..=10 => 0,
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        put(value, v)
+    }
+
+    fn cuFuncSetAttribute(f: *mut c_void, _attr: i32, _value: i32) {
+        drv()?;
+        func(f)?;
+        Ok(())
+    }
+
+    fn cuFuncSetCacheConfig(f: *mut c_void, _config: i32) {
+        drv()?;
+        func(f)?;
+        Ok(())
+    }
+}
