@@ -238,7 +238,7 @@ pub fn encode_pids(pids: &[i32]) -> Vec<u8> {
 
 /// Decodes `pids.config`.
 pub fn decode_pids(b: &[u8]) -> Result<Vec<i32>, ConfigError> {
-    if b.len() % 4 != 0 {
+    if !b.len().is_multiple_of(4) {
         return Err(ConfigError::Size {
             what: "pids.config",
             len: b.len(),
