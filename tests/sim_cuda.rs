@@ -1,0 +1,313 @@
+//! The simulated libcuda driven by real processes: a C program linked with
+//! `-lcuda` against an installed root (only LD_LIBRARY_PATH points at it).
+//!
+//! Needs the workspace built (`cargo build --workspace`) and gcc; the
+//! no-syscall check needs strace (tests/run.sh installs both).
+
+use gpu_sim_core::state::now_ns;
+use gpu_sim_core::{NodeSpec, SharedState, SimRoot};
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use vcuda_tests::{SimNode, compile_c};
+
+struct Setup {
+    node: SimNode,
+    _bin_dir: tempfile::TempDir,
+    prog: PathBuf,
+}
+
+fn setup(name: &str) -> Setup {
+    let node = SimNode::install(name);
+    let bin_dir = tempfile::tempdir().unwrap();
+    let prog = compile_c("sim_cuda", &node, bin_dir.path());
+    Setup {
+        node,
+        _bin_dir: bin_dir,
+        prog,
+    }
+}
+
+impl Setup {
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(&self.prog);
+        c.args(args)
+            .env("LD_LIBRARY_PATH", self.node.lib_dir())
+            .env_remove("GPU_SIM_ROOT")
+            .env_remove("CUDA_VISIBLE_DEVICES");
+        c
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.cmd(args).output().unwrap()
+    }
+
+    /// Runs a mode that must succeed; returns its stdout.
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "sim_cuda {args:?} failed: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+    }
+
+    fn state(&self) -> SharedState {
+        SharedState::open(&SimRoot::new(self.node.root())).unwrap()
+    }
+}
+
+/// `key=value` lines.
+fn value<'a>(out: &'a str, key: &str) -> &'a str {
+    out.lines()
+        .find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+        .unwrap_or_else(|| panic!("no {key}= in:\n{out}"))
+}
+
+fn node_spec(name: &str) -> NodeSpec {
+    let path = vcuda_tests::workspace_root().join(format!("config/nodes/{name}.toml"));
+    NodeSpec::load(&path).unwrap()
+}
+
+#[test]
+fn c_program_sees_the_node_and_round_trips_memory() {
+    let s = setup("sim-1gpu");
+    let spec = node_spec("sim-1gpu");
+    let out = s.ok(&["info"]);
+    assert_eq!(value(&out, "count"), "1");
+    assert_eq!(value(&out, "version"), spec.cuda_version.to_string());
+    assert_eq!(value(&out, "dev0.name"), spec.gpus[0].name);
+    assert_eq!(value(&out, "dev0.uuid"), spec.gpus[0].uuid);
+    assert_eq!(value(&out, "dev0.sms"), spec.gpus[0].sm_count.to_string());
+    assert_eq!(value(&out, "dev0.cc"), spec.gpus[0].compute_capability);
+    assert_eq!(
+        value(&out, "dev0.total_mib"),
+        spec.gpus[0].memory_mib.to_string()
+    );
+    assert_eq!(value(&out, "dev0.bus"), "0000:07:00.0");
+    let out = s.ok(&["roundtrip"]);
+    assert!(out.contains("roundtrip ok"), "{out}");
+}
+
+#[test]
+fn allocating_past_the_card_is_out_of_memory() {
+    let s = setup("sim-1gpu");
+    let out = s.ok(&["oom"]);
+    assert!(
+        out.contains("past_card=CUDA_ERROR_OUT_OF_MEMORY (out of memory)"),
+        "{out}"
+    );
+    assert_eq!(s.state().memory_used(0), 0, "exited: memory given back");
+}
+
+#[test]
+fn processes_see_each_others_memory() {
+    let s = setup("sim-1gpu");
+    let hold = compile_c("hold_memory", &s.node, s._bin_dir.path());
+    let mut holder = Command::new(hold)
+        .arg("1024")
+        .env("LD_LIBRARY_PATH", s.node.lib_dir())
+        .env_remove("GPU_SIM_ROOT")
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(holder.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains("allocated_mib=1024"), "{line}");
+    let out = s.ok(&["info"]);
+    assert_eq!(value(&out, "total_mib"), "40960");
+    assert_eq!(
+        value(&out, "free_mib"),
+        "39936",
+        "the other process's 1 GiB is in use"
+    );
+    assert_eq!(s.state().memory_used(0), 1024 << 20);
+    drop(holder.stdin.take());
+    assert!(holder.wait().unwrap().success());
+    let out = s.ok(&["info"]);
+    assert_eq!(value(&out, "free_mib"), "40960");
+}
+
+fn read_until(child: &mut Child, want: &str) -> String {
+    let stdout = child.stdout.as_mut().unwrap();
+    let mut all = String::new();
+    let mut r = BufReader::new(stdout);
+    loop {
+        let mut line = String::new();
+        if r.read_line(&mut line).unwrap() == 0 {
+            panic!("EOF before {want:?}: {all}");
+        }
+        all.push_str(&line);
+        if line.starts_with(want) {
+            return all;
+        }
+    }
+}
+
+#[test]
+fn saturating_processes_share_the_device_evenly() {
+    let s = setup("sim-1gpu");
+    let spawn = || {
+        s.cmd(&["saturate", "1500"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut a = spawn();
+    let mut b = spawn();
+    read_until(&mut a, "ready");
+    read_until(&mut b, "ready");
+    let start = now_ns();
+    read_until(&mut a, "done");
+    read_until(&mut b, "done");
+    // Both still attached (they wait on stdin): measure the middle second.
+    let (from, to) = (start + 250_000_000, start + 1_250_000_000);
+    let state = s.state();
+    let per = state.process_utilization(0, from, to);
+    let total = state.utilization(0, from, to);
+    for mut c in [a, b] {
+        c.stdin.as_mut().unwrap().write_all(b"\n").unwrap();
+        assert!(c.wait().unwrap().success());
+    }
+    eprintln!("per-process utilization: {per:?}, device {total:.1}%");
+    assert_eq!(per.len(), 2, "{per:?}");
+    for (p, u) in &per {
+        assert!(
+            (u - 50.0).abs() <= 5.0,
+            "process {} got {u:.1}%: {per:?}",
+            p.pid()
+        );
+    }
+    assert!(total > 95.0, "device busy {total:.1}%");
+}
+
+#[test]
+fn hidden_device_node_hides_the_gpu() {
+    let s = setup("sim-4gpu-pcie");
+    let spec = node_spec("sim-4gpu-pcie");
+    let out = s.ok(&["info"]);
+    assert_eq!(value(&out, "count"), "4");
+    std::fs::remove_file(
+        s.node
+            .root()
+            .join(format!("dev/nvidia{}", spec.gpus[1].minor)),
+    )
+    .unwrap();
+    let out = s.ok(&["info"]);
+    assert_eq!(value(&out, "count"), "3");
+    let uuids: Vec<&str> = (0..3)
+        .map(|i| value(&out, &format!("dev{i}.uuid")))
+        .collect();
+    assert_eq!(
+        uuids,
+        [&spec.gpus[0].uuid, &spec.gpus[2].uuid, &spec.gpus[3].uuid]
+    );
+}
+
+#[test]
+fn cuda_visible_devices_selects_and_orders() {
+    let s = setup("sim-4gpu-pcie");
+    let spec = node_spec("sim-4gpu-pcie");
+    let uuids_with = |env: &str| -> Vec<String> {
+        let out = s
+            .cmd(&["info"])
+            .env("CUDA_VISIBLE_DEVICES", env)
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&out.stdout).into_owned();
+        let n: usize = value(&out, "count").parse().unwrap();
+        (0..n)
+            .map(|i| value(&out, &format!("dev{i}.uuid")).to_string())
+            .collect()
+    };
+    assert_eq!(uuids_with("2"), [spec.gpus[2].uuid.clone()]);
+    let prefix = &spec.gpus[3].uuid[..12];
+    assert_eq!(
+        uuids_with(&format!("{prefix},0")),
+        [spec.gpus[3].uuid.clone(), spec.gpus[0].uuid.clone()]
+    );
+    // Parsing stops at the first entry that names no device.
+    assert_eq!(uuids_with("1,junk,2"), [spec.gpus[1].uuid.clone()]);
+    for none in ["7", "", "junk"] {
+        let out = s
+            .cmd(&["init"])
+            .env("CUDA_VISIBLE_DEVICES", none)
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.contains("cuInit=100 CUDA_ERROR_NO_DEVICE"),
+            "{none:?}: {out}"
+        );
+    }
+}
+
+#[test]
+fn missing_state_is_a_clear_cuinit_error() {
+    let s = setup("sim-1gpu");
+    std::fs::remove_dir_all(s.node.root().join("run/gpu-sim")).unwrap();
+    let out = s.run(&["init"]);
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stdout.contains("cuInit=100 CUDA_ERROR_NO_DEVICE"),
+        "{stdout}"
+    );
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    assert!(
+        stderr.contains("gpu-sim state not found") && stderr.contains("gpu-sim install"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn get_proc_address_versions_and_per_thread_variants() {
+    let s = setup("sim-1gpu");
+    let out = s.ok(&["procaddr"]);
+    assert!(out.contains("procaddr ok"), "{out}");
+}
+
+/// Strace the launch loop: no system call may appear between the two
+/// getppid() markers around 100k launches.
+#[test]
+fn launch_path_makes_no_syscall() {
+    let s = setup("sim-1gpu");
+    let trace = s._bin_dir.path().join("strace.txt");
+    let strace = Command::new("strace")
+        .arg("-f")
+        .arg("-o")
+        .arg(&trace)
+        .arg(&s.prog)
+        .args(["nosyscall", "100000"])
+        .env("LD_LIBRARY_PATH", s.node.lib_dir())
+        .env_remove("GPU_SIM_ROOT")
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .output()
+        .expect("strace is needed for this test (apt-get install strace)");
+    assert!(
+        strace.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&strace.stdout),
+        String::from_utf8_lossy(&strace.stderr)
+    );
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let marks: Vec<usize> = (0..lines.len())
+        .filter(|&i| lines[i].contains("getppid("))
+        .collect();
+    assert_eq!(marks.len(), 2, "markers not found in:\n{text}");
+    let between = &lines[marks[0] + 1..marks[1]];
+    assert!(
+        between.is_empty(),
+        "system calls during 100000 launches:\n{}",
+        between.join("\n")
+    );
+}
