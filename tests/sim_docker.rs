@@ -12,7 +12,7 @@ fn container_process_is_reported_under_its_host_pid() {
     let Some(docker) = Docker::get() else { return };
     let node = SimNode::install("sim-1gpu");
     let bin = tempfile::tempdir().unwrap();
-    let prog = compile_c("hold_memory", &node, bin.path());
+    compile_c("hold_memory", &node, bin.path());
 
     let root = node.root().to_str().unwrap();
     let name = format!("vcuda-sim-{}", std::process::id());
@@ -103,8 +103,7 @@ fn container_without_the_device_node_sees_no_gpu() {
     let Some(docker) = Docker::get() else { return };
     let node = SimNode::install("sim-1gpu");
     let bin = tempfile::tempdir().unwrap();
-    let prog = compile_c("hold_memory", &node, bin.path());
-    let _ = prog;
+    compile_c("hold_memory", &node, bin.path());
     let root = node.root().to_str().unwrap();
     let mut args: Vec<String> = vec!["run".into(), "--rm".into(), "--network".into(), "none".into()];
     // nvidiactl but no /dev/nvidia0.
