@@ -43,7 +43,11 @@ fn container_process_is_reported_under_its_host_pid() {
         "/work/hold_memory".into(),
         "96".into(),
     ]);
-    let bin_path = if std::path::Path::new("/usr/bin/docker").exists() { "/usr/bin/docker" } else { "docker" };
+    let bin_path = if std::path::Path::new("/usr/bin/docker").exists() {
+        "/usr/bin/docker"
+    } else {
+        "docker"
+    };
     let mut child = std::process::Command::new(bin_path)
         .env("DOCKER_HOST", &docker.host)
         .args(&args)
@@ -87,8 +91,15 @@ fn container_process_is_reported_under_its_host_pid() {
         .output()
         .unwrap();
     let smi_out = String::from_utf8_lossy(&smi.stdout);
-    assert!(smi.status.success(), "nvidia-smi: {}", String::from_utf8_lossy(&smi.stderr));
-    assert!(smi_out.contains(&host_pid.to_string()), "nvidia-smi does not list {host_pid}:\n{smi_out}");
+    assert!(
+        smi.status.success(),
+        "nvidia-smi: {}",
+        String::from_utf8_lossy(&smi.stderr)
+    );
+    assert!(
+        smi_out.contains(&host_pid.to_string()),
+        "nvidia-smi does not list {host_pid}:\n{smi_out}"
+    );
 
     // Closing stdin makes the program free and exit; the memory is back.
     drop(child.stdin.take());
@@ -105,9 +116,17 @@ fn container_without_the_device_node_sees_no_gpu() {
     let bin = tempfile::tempdir().unwrap();
     compile_c("hold_memory", &node, bin.path());
     let root = node.root().to_str().unwrap();
-    let mut args: Vec<String> = vec!["run".into(), "--rm".into(), "--network".into(), "none".into()];
+    let mut args: Vec<String> = vec![
+        "run".into(),
+        "--rm".into(),
+        "--network".into(),
+        "none".into(),
+    ];
     // nvidiactl but no /dev/nvidia0.
-    args.extend(["--device".into(), format!("{root}/dev/nvidiactl:/dev/nvidiactl")]);
+    args.extend([
+        "--device".into(),
+        format!("{root}/dev/nvidiactl:/dev/nvidiactl"),
+    ]);
     args.extend(Docker::glibc_mounts());
     args.extend([
         "-v".into(),
