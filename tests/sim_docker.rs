@@ -43,13 +43,8 @@ fn container_process_is_reported_under_its_host_pid() {
         "/work/hold_memory".into(),
         "96".into(),
     ]);
-    let bin_path = if std::path::Path::new("/usr/bin/docker").exists() {
-        "/usr/bin/docker"
-    } else {
-        "docker"
-    };
-    let mut child = std::process::Command::new(bin_path)
-        .env("DOCKER_HOST", &docker.host)
+    let mut child = docker
+        .command()
         .args(&args)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())

@@ -126,17 +126,22 @@ impl Docker {
         None
     }
 
-    /// Runs the Docker CLI (Debian's, matching Debian's engine, when present).
-    pub fn cli(&self, args: &[&str]) -> std::io::Result<std::process::Output> {
+    /// A Docker CLI command aimed at this engine (Debian's client, matching
+    /// Debian's engine, when present).
+    pub fn command(&self) -> std::process::Command {
         let bin = if Path::new("/usr/bin/docker").exists() {
             "/usr/bin/docker"
         } else {
             "docker"
         };
-        std::process::Command::new(bin)
-            .env("DOCKER_HOST", &self.host)
-            .args(args)
-            .output()
+        let mut c = std::process::Command::new(bin);
+        c.env("DOCKER_HOST", &self.host);
+        c
+    }
+
+    /// Runs the Docker CLI with `args`.
+    pub fn cli(&self, args: &[&str]) -> std::io::Result<std::process::Output> {
+        self.command().args(args).output()
     }
 
     /// Like [`cli`](Self::cli), panicking with the CLI's stderr on failure.
