@@ -329,10 +329,10 @@ unsafe fn ctx_destroy(h: *mut c_void) -> R {
     c.alive.store(false, Release);
     d.mem.free_context(d, c);
     // Drop it from this thread's stack; other threads see it destroyed.
-    if CURRENT.with(Cell::get) == c as *const Ctx {
+    if std::ptr::eq(CURRENT.with(Cell::get), c) {
         pop();
     }
-    BELOW.with(|b| b.borrow_mut().retain(|&x| x != c as *const Ctx));
+    BELOW.with(|b| b.borrow_mut().retain(|&x| !std::ptr::eq(x, c)));
     Ok(())
 }
 

@@ -134,7 +134,7 @@ pub(crate) fn attribute(g: &GpuSpec, ordinal: i32, a: i32) -> R<i32> {
         RESERVED_SHARED_MEMORY_PER_BLOCK => 1024,
         // Known to the driver (CU_DEVICE_ATTRIBUTE_MAX is 150 in CUDA 13),
         // not modelled here.
-        1..150 => 0,
+        _ if (1..150).contains(&a) => 0,
         _ => return Err(CUDA_ERROR_INVALID_VALUE),
     };
     Ok(v)

@@ -34,10 +34,10 @@ macro_rules! cuda_fn {
     )*};
 }
 
-mod ctx;
-mod device;
-mod mem;
-mod module;
+pub mod ctx;
+pub mod device;
+pub mod mem;
+pub mod module;
 
 include!(concat!(env!("OUT_DIR"), "/exports.rs"));
 

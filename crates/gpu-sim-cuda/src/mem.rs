@@ -213,7 +213,7 @@ unsafe fn set<T: Copy>(dst: u64, v: T, n: usize) -> R {
     let d = drv()?;
     current()?;
     d.mem.check(dst, n * size_of::<T>())?;
-    if dst as usize % align_of::<T>() != 0 {
+    if dst as usize & (align_of::<T>() - 1) != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let p = dst as *mut T;
@@ -659,7 +659,7 @@ cuda_fn! {
     fn cuMemCreate(out: *mut u64, size: usize, prop: *const AllocProp, flags: u64) {
         let d = drv()?;
         let gpu = prop_device(d, prop)?;
-        if out.is_null() || flags != 0 || size == 0 || size % GRANULARITY != 0 {
+        if out.is_null() || flags != 0 || size == 0 || size & (GRANULARITY - 1) != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         d.state.try_alloc(d.me, gpu, size as u64).map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
@@ -689,7 +689,7 @@ cuda_fn! {
 
     fn cuMemAddressReserve(out: *mut u64, size: usize, align: usize, _addr: u64, _flags: u64) {
         let d = drv()?;
-        if out.is_null() || size == 0 || size % GRANULARITY != 0 || (align != 0 && !align.is_power_of_two()) {
+        if out.is_null() || size == 0 || size & (GRANULARITY - 1) != 0 || (align != 0 && !align.is_power_of_two()) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let align = align.max(GRANULARITY);
