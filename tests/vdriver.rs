@@ -724,3 +724,47 @@ fn a_host_without_the_driver_is_a_clear_error_and_touches_nothing() {
     assert!(matches!(err, Error::LdCacheRead { .. }), "{err:?}");
     assert!(err.to_string().contains("etc/ld.so.cache"), "{err}");
 }
+
+#[test]
+fn mirrors_a_gpu_sim_root() {
+    // The simulated node's driver root, laid out by the real `gpu-sim install`.
+    let node = vcuda_tests::SimNode::install("sim-1gpu");
+    let spec = fs::read_to_string(vcuda_tests::workspace_root().join("config/nodes/sim-1gpu.toml"))
+        .unwrap();
+    let version = spec
+        .lines()
+        .find_map(|l| l.strip_prefix("driver_version = "))
+        .unwrap()
+        .trim_matches('"')
+        .to_owned();
+    let work = tempfile::tempdir().unwrap();
+    let shim = interposer(work.path());
+    let vdriver = work.path().join("vdriver");
+
+    let report = vdriver::mirror(node.root(), &config(), &vdriver, Some(&shim)).unwrap();
+    assert_eq!(report.driver_version.to_string(), version);
+    let cuda = format!("libcuda.so.{version}");
+    let ml = format!("libnvidia-ml.so.{version}");
+    let origin = vdriver.join("origin");
+    assert_eq!(link_target(&origin.join("lib64/libcuda.so.1")), cuda);
+    assert_eq!(link_target(&origin.join("lib64/libnvidia-ml.so.1")), ml);
+    assert_eq!(
+        ino(&origin.join("lib64").join(&cuda)),
+        ino(&node.lib_dir().join(&cuda))
+    );
+    assert_eq!(
+        soname(&origin.join("lib64").join(&ml)).as_deref(),
+        Some("libnvidia-ml.so.1")
+    );
+    assert!(origin.join("bin/nvidia-smi").is_file());
+    let shared = vdriver.join("nvidia/lib64");
+    for name in [
+        "libcuda.so.1",
+        "libcuda.so",
+        "libnvidia-ml.so.1",
+        "libnvidia-ml.so",
+    ] {
+        assert_eq!(ino(&shared.join(name)), ino(&shim), "{name}");
+    }
+    assert_eq!(ino(&shared.join(&cuda)), ino(&node.lib_dir().join(&cuda)));
+}
