@@ -249,3 +249,24 @@ fn parse_bus_id(s: &str) -> Option<(u32, u32, u32)> {
         u32::from_str_radix(dev, 16).ok()?,
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuid_bytes_parse_the_printed_form() {
+        let b = uuid_bytes("GPU-6f61d573-f4c5-5a3a-8902-f931468a1784");
+        assert_eq!(b[0], 0x6f);
+        assert_eq!(b[15], 0x84);
+        assert_eq!(uuid_bytes("xyz"), [0; 16]);
+    }
+
+    #[test]
+    fn bus_ids_in_any_width() {
+        assert_eq!(parse_bus_id("0000:07:00.0"), Some((0, 7, 0)));
+        assert_eq!(parse_bus_id("00000000:3B:00.0"), Some((0, 0x3b, 0)));
+        assert_eq!(parse_bus_id("07:01"), Some((0, 7, 1)));
+        assert_eq!(parse_bus_id("nope"), None);
+    }
+}

@@ -771,3 +771,28 @@ unsafe fn host_alloc(out: *mut *mut c_void, size: usize) -> R {
     unsafe { *out = p };
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn array_sizes_follow_the_descriptor() {
+        // 1024 x 768 RGBA float
+        assert_eq!(array_bytes(1024, 768, 0, 0x20, 4), Ok(1024 * 768 * 16));
+        // 1D of u8
+        assert_eq!(array_bytes(100, 0, 0, 0x01, 1), Ok(100));
+        // NV12: 1.5 bytes per pixel
+        assert_eq!(array_bytes(64, 64, 0, 0xb0, 1), Ok(64 * 64 * 3 / 2));
+        assert_eq!(array_bytes(0, 1, 1, 0x01, 1), Err(CUDA_ERROR_INVALID_VALUE));
+        assert_eq!(array_bytes(1, 1, 1, 0x01, 3), Err(CUDA_ERROR_INVALID_VALUE));
+        assert_eq!(array_bytes(1, 1, 1, 0x77, 1), Err(CUDA_ERROR_INVALID_VALUE));
+    }
+
+    #[test]
+    fn rounding() {
+        assert_eq!(round_up(1, PAGE), PAGE);
+        assert_eq!(round_up(PAGE, PAGE), PAGE);
+        assert_eq!(round_up(0, PAGE), 0);
+    }
+}
