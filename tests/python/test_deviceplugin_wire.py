@@ -4,9 +4,9 @@ grpcio (C core) plays kubelet: the client is generated at test time from
 proto/deviceplugin/v1beta1/api.proto and talks to the `demo-plugin` binary
 over its unix socket with `:authority: localhost`, as kubelet >= 1.26 does.
 
-Needs: pip install grpcio grpcio-tools pytest. Finds demo-plugin under
-$VCUDA_TARGET_DIR/debug (default: <repo>/target/debug) and builds it with
-cargo when missing.
+Needs: pip install grpcio grpcio-tools pytest. Finds demo-plugin in
+$VCUDA_TARGET_DIR (default: <repo>/target/debug, see conftest.py) and builds
+it with cargo when missing.
 """
 
 import os
@@ -18,6 +18,7 @@ import time
 
 import grpc
 import pytest
+from conftest import target_dir
 from grpc_tools import protoc
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -45,8 +46,7 @@ def api(tmp_path_factory):
 
 
 def demo_plugin_binary():
-    target = pathlib.Path(os.environ.get("VCUDA_TARGET_DIR", REPO / "target"))
-    exe = target / "debug" / "demo-plugin"
+    exe = target_dir() / "demo-plugin"
     if not exe.exists():
         subprocess.run(
             ["cargo", "build", "-p", "kubelet-emulator", "--bin", "demo-plugin"],
