@@ -7,6 +7,7 @@
 //! * [`vcuda`]: messages of the interposer -> manager registration, framed
 //!   by [`vcuda::frame`].
 
+#[cfg(feature = "grpc")]
 pub mod deviceplugin {
     pub mod v1beta1 {
         tonic::include_proto!("v1beta1");
@@ -24,6 +25,7 @@ pub mod deviceplugin {
     }
 }
 
+#[cfg(feature = "grpc")]
 pub mod podresources {
     pub mod v1 {
         tonic::include_proto!("v1");
@@ -33,12 +35,14 @@ pub mod podresources {
     }
 }
 
+#[cfg(feature = "grpc")]
 pub mod display {
     tonic::include_proto!("display");
 }
 
+/// Always built (no tonic): the generated code has messages only.
 pub mod vcuda {
-    tonic::include_proto!("vcuda");
+    include!(concat!(env!("OUT_DIR"), "/vcuda.rs"));
 
     /// Length-prefixed framing of the registration protocol: a 4-byte
     /// big-endian length, then the protobuf bytes.
@@ -95,6 +99,7 @@ pub mod vcuda {
                     bus_id: "00000000:3B:00.0".into(),
                     local_pid: 7,
                     program: "train".into(),
+                    previous_slot: Some(3),
                 };
                 let mut buf = Vec::new();
                 write(&mut buf, &req).unwrap();
