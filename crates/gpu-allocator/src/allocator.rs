@@ -1,0 +1,476 @@
+//! Requests, placements and the allocation state.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use crate::error::AllocError;
+use crate::select::{self, Fragmentation};
+use crate::topology::Topology;
+
+/// Cores of one whole GPU (`vcuda-core` 100).
+pub const WHOLE_GPU_CORES: u32 = 100;
+
+/// What a container asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request {
+    /// `tencent.com/vcuda-core`: 1..99 is a share of one GPU, a multiple of
+    /// 100 is that many whole GPUs.
+    pub cores: u32,
+    /// `tencent.com/vcuda-memory` in 256 MiB units. Required (≥ 1) for a
+    /// share; ignored for whole GPUs, which get all their memory.
+    pub memory_units: u64,
+    /// The node's `--share-mode`: without it only whole GPUs are handed out.
+    pub share_mode: bool,
+}
+
+impl Request {
+    /// A share of one GPU (share mode on).
+    pub fn share(cores: u32, memory_units: u64) -> Request {
+        Request {
+            cores,
+            memory_units,
+            share_mode: true,
+        }
+    }
+
+    /// `gpus` whole GPUs.
+    pub fn whole(gpus: u32) -> Request {
+        Request {
+            cores: gpus * WHOLE_GPU_CORES,
+            memory_units: 0,
+            share_mode: true,
+        }
+    }
+}
+
+/// Where a request goes. Also what the manager checkpoints and hands back
+/// to [`Allocator::restore`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Placement {
+    /// Part of one GPU.
+    Share {
+        gpu: usize,
+        cores: u32,
+        memory_units: u64,
+    },
+    /// Whole GPUs (ascending indices), all cores and memory of each.
+    Exclusive { gpus: Vec<usize> },
+}
+
+impl Placement {
+    /// The GPU indices this placement uses.
+    pub fn gpus(&self) -> &[usize] {
+        match self {
+            Placement::Share { gpu, .. } => std::slice::from_ref(gpu),
+            Placement::Exclusive { gpus } => gpus,
+        }
+    }
+
+    pub fn is_exclusive(&self) -> bool {
+        matches!(self, Placement::Exclusive { .. })
+    }
+}
+
+impl fmt::Display for Placement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Placement::Share {
+                gpu,
+                cores,
+                memory_units,
+            } => write!(
+                f,
+                "share of GPU{gpu}: {cores} cores, {memory_units} memory units"
+            ),
+            Placement::Exclusive { gpus } => {
+                f.write_str("whole ")?;
+                for (i, g) in gpus.iter().enumerate() {
+                    write!(f, "{}GPU{g}", if i > 0 { "," } else { "" })?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// One GPU's accounting, as [`Allocator::usage`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuUsage {
+    pub total_memory_units: u64,
+    /// 0..=100; 100 for a GPU held whole.
+    pub allocated_cores: u32,
+    pub allocated_memory_units: u64,
+    pub healthy: bool,
+    /// Held whole by one allocation.
+    pub exclusive: bool,
+    /// Number of shares placed on it.
+    pub shares: u32,
+}
+
+impl GpuUsage {
+    pub fn free_cores(&self) -> u32 {
+        WHOLE_GPU_CORES - self.allocated_cores
+    }
+
+    pub fn free_memory_units(&self) -> u64 {
+        self.total_memory_units - self.allocated_memory_units
+    }
+
+    /// Nothing allocated on it.
+    pub fn is_idle(&self) -> bool {
+        self.allocated_cores == 0 && self.allocated_memory_units == 0 && self.shares == 0
+    }
+}
+
+/// The allocation state of one node.
+///
+/// Per-GPU aggregates are kept next to the allocation map, so a decision
+/// costs O(GPUs) (O(groups) more for whole GPUs), whatever the number of
+/// allocations.
+#[derive(Debug, Clone)]
+pub struct Allocator {
+    topo: Topology,
+    usage: Vec<GpuUsage>,
+    allocations: HashMap<String, Placement>,
+    largest_units: u64,
+}
+
+impl Allocator {
+    /// An empty node: every GPU free and healthy.
+    pub fn new(topology: Topology) -> Allocator {
+        let usage = topology
+            .gpus()
+            .iter()
+            .map(|g| GpuUsage {
+                total_memory_units: g.memory_units(),
+                allocated_cores: 0,
+                allocated_memory_units: 0,
+                healthy: true,
+                exclusive: false,
+                shares: 0,
+            })
+            .collect();
+        let largest_units = topology
+            .gpus()
+            .iter()
+            .map(|g| g.memory_units())
+            .max()
+            .unwrap_or(0);
+        Allocator {
+            topo: topology,
+            usage,
+            allocations: HashMap::new(),
+            largest_units,
+        }
+    }
+
+    pub fn topology(&self) -> &Topology {
+        &self.topo
+    }
+
+    /// One GPU's accounting. Panics on an index out of range.
+    pub fn usage(&self, gpu: usize) -> GpuUsage {
+        self.usage[gpu]
+    }
+
+    /// Every GPU's accounting, by index.
+    pub fn usages(&self) -> &[GpuUsage] {
+        &self.usage
+    }
+
+    pub fn allocation(&self, id: &str) -> Option<&Placement> {
+        self.allocations.get(id)
+    }
+
+    /// Every committed allocation (in no particular order).
+    pub fn allocations(&self) -> impl Iterator<Item = (&str, &Placement)> {
+        self.allocations.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// Decides where a request goes, changing nothing.
+    pub fn evaluate(&self, req: &Request) -> Result<Placement, AllocError> {
+        let cores = req.cores;
+        if cores == 0 || (cores > WHOLE_GPU_CORES && cores % WHOLE_GPU_CORES != 0) {
+            return Err(AllocError::InvalidCores { cores });
+        }
+        if cores % WHOLE_GPU_CORES == 0 {
+            self.evaluate_whole((cores / WHOLE_GPU_CORES) as usize, cores)
+        } else {
+            self.evaluate_share(cores, req)
+        }
+    }
+
+    fn evaluate_whole(&self, n: usize, cores: u32) -> Result<Placement, AllocError> {
+        let total = self.topo.len();
+        if n > total {
+            return Err(AllocError::TooManyGpus {
+                cores,
+                requested: n,
+                total,
+            });
+        }
+        let free = self.fully_free();
+        match select::whole_gpus(&self.topo, &free, n) {
+            Some(gpus) => Ok(Placement::Exclusive { gpus }),
+            None => {
+                let free_list: Vec<String> = (0..total)
+                    .filter(|&i| free[i])
+                    .map(|i| format!("GPU{i}"))
+                    .collect();
+                let unhealthy = self.usage.iter().filter(|u| !u.healthy).count();
+                Err(AllocError::Insufficient {
+                    detail: format!(
+                        "{n} whole GPU{} requested, {} fully free ({}){}",
+                        if n == 1 { "" } else { "s" },
+                        free_list.len(),
+                        if free_list.is_empty() {
+                            "none".to_string()
+                        } else {
+                            free_list.join(", ")
+                        },
+                        if unhealthy > 0 {
+                            format!(", {unhealthy} unhealthy")
+                        } else {
+                            String::new()
+                        }
+                    ),
+                })
+            }
+        }
+    }
+
+    fn evaluate_share(&self, cores: u32, req: &Request) -> Result<Placement, AllocError> {
+        if !req.share_mode {
+            return Err(AllocError::ShareModeOff { cores });
+        }
+        let units = req.memory_units;
+        if units == 0 {
+            return Err(AllocError::ShareWithoutMemory { cores });
+        }
+        if units > self.largest_units {
+            return Err(AllocError::MemoryTooLarge {
+                requested: units,
+                largest: self.largest_units,
+            });
+        }
+        // Fullest first: least free cores, then least free memory, then
+        // lowest index. Exclusive GPUs have no free cores, so never fit.
+        let fits =
+            |u: &GpuUsage| u.healthy && u.free_cores() >= cores && u.free_memory_units() >= units;
+        let best = self
+            .usage
+            .iter()
+            .enumerate()
+            .filter(|(_, u)| fits(u))
+            .min_by_key(|(i, u)| (u.free_cores(), u.free_memory_units(), *i));
+        let Some((mut gpu, best_usage)) = best else {
+            return Err(self.share_insufficient(cores, units));
+        };
+        // Several equally full idle GPUs: start a new one where it breaks
+        // the fewest intact groups, as a single whole GPU would.
+        if best_usage.is_idle() {
+            let free = self.fully_free();
+            let frag = Fragmentation::new(&self.topo, &free);
+            let level = (best_usage.free_cores(), best_usage.free_memory_units());
+            gpu = (0..self.usage.len())
+                .filter(|&i| {
+                    let u = &self.usage[i];
+                    fits(u) && u.is_idle() && (u.free_cores(), u.free_memory_units()) == level
+                })
+                .min_by_key(|&i| (frag.of_gpu(i), i))
+                .unwrap_or(gpu);
+        }
+        Ok(Placement::Share {
+            gpu,
+            cores,
+            memory_units: units,
+        })
+    }
+
+    fn share_insufficient(&self, cores: u32, units: u64) -> AllocError {
+        let most = self
+            .usage
+            .iter()
+            .enumerate()
+            .filter(|(_, u)| u.healthy && !u.exclusive)
+            .max_by_key(|(i, u)| {
+                (
+                    u.free_cores().min(cores),
+                    u.free_memory_units(),
+                    usize::MAX - i,
+                )
+            });
+        let detail = match most {
+            Some((i, u)) => format!(
+                "no healthy GPU has {cores} free cores and {units} free memory units ({} MiB); the roomiest is GPU{i} with {} cores and {} units free",
+                units * 256,
+                u.free_cores(),
+                u.free_memory_units()
+            ),
+            None => format!(
+                "no healthy GPU has {cores} free cores and {units} free memory units: every GPU is held whole or unhealthy"
+            ),
+        };
+        AllocError::Insufficient { detail }
+    }
+
+    /// Healthy GPUs with nothing on them.
+    fn fully_free(&self) -> Vec<bool> {
+        self.usage
+            .iter()
+            .map(|u| u.healthy && u.is_idle())
+            .collect()
+    }
+
+    /// Records a placement under `id`. Checks it still fits (another commit
+    /// may have come between evaluate and commit) and changes nothing if
+    /// not. Health is not checked: it steers new decisions only.
+    pub fn commit(
+        &mut self,
+        id: impl Into<String>,
+        placement: &Placement,
+    ) -> Result<(), AllocError> {
+        let id = id.into();
+        if self.allocations.contains_key(&id) {
+            return Err(AllocError::DuplicateAllocation { id });
+        }
+        self.check_fits(&id, placement)?;
+        self.apply(placement, true);
+        self.allocations.insert(id, placement.clone());
+        Ok(())
+    }
+
+    /// `evaluate` then `commit`.
+    pub fn allocate(
+        &mut self,
+        id: impl Into<String>,
+        req: &Request,
+    ) -> Result<Placement, AllocError> {
+        let placement = self.evaluate(req)?;
+        self.commit(id, &placement)?;
+        Ok(placement)
+    }
+
+    /// Frees what `id` holds, exactly, and returns its placement.
+    pub fn release(&mut self, id: &str) -> Result<Placement, AllocError> {
+        let placement = self
+            .allocations
+            .remove(id)
+            .ok_or_else(|| AllocError::UnknownAllocation { id: id.to_string() })?;
+        self.apply(&placement, false);
+        Ok(placement)
+    }
+
+    /// Marks a GPU (un)healthy. Unhealthy GPUs get no new placements; what
+    /// is on them stays until released.
+    pub fn set_healthy(&mut self, gpu: usize, healthy: bool) -> Result<(), AllocError> {
+        let total = self.usage.len();
+        let u = self
+            .usage
+            .get_mut(gpu)
+            .ok_or(AllocError::UnknownGpu { gpu, total })?;
+        u.healthy = healthy;
+        Ok(())
+    }
+
+    /// Re-commits allocations found at recovery (checkpoint, live
+    /// containers). Each is checked like a commit; the ones that do not fit
+    /// (duplicate ids, over-committed GPUs, unknown GPUs) are left out and
+    /// returned with the reason, the rest are in.
+    pub fn restore(
+        &mut self,
+        allocations: impl IntoIterator<Item = (String, Placement)>,
+    ) -> Vec<(String, AllocError)> {
+        let mut rejected = Vec::new();
+        for (id, placement) in allocations {
+            if let Err(e) = self.commit(id.clone(), &placement) {
+                rejected.push((id, e));
+            }
+        }
+        rejected
+    }
+
+    fn check_fits(&self, id: &str, placement: &Placement) -> Result<(), AllocError> {
+        let total = self.usage.len();
+        let malformed = |detail: String| Err(AllocError::InvalidPlacement { detail });
+        let conflict = |detail: String| {
+            Err(AllocError::Conflict {
+                id: id.to_string(),
+                detail,
+            })
+        };
+        match placement {
+            Placement::Share {
+                gpu,
+                cores,
+                memory_units,
+            } => {
+                let (gpu, cores, units) = (*gpu, *cores, *memory_units);
+                if gpu >= total {
+                    return Err(AllocError::UnknownGpu { gpu, total });
+                }
+                if cores == 0 || cores >= WHOLE_GPU_CORES {
+                    return malformed(format!("a share has 1..99 cores, not {cores}"));
+                }
+                let u = &self.usage[gpu];
+                if u.exclusive {
+                    return conflict(format!("GPU{gpu} is held whole"));
+                }
+                if u.free_cores() < cores || u.free_memory_units() < units {
+                    return conflict(format!(
+                        "GPU{gpu} has {} cores and {} memory units free, the share needs {cores} and {units}",
+                        u.free_cores(),
+                        u.free_memory_units()
+                    ));
+                }
+            }
+            Placement::Exclusive { gpus } => {
+                if gpus.is_empty() {
+                    return malformed("whole-GPU placement names no GPU".into());
+                }
+                for (i, &gpu) in gpus.iter().enumerate() {
+                    if gpu >= total {
+                        return Err(AllocError::UnknownGpu { gpu, total });
+                    }
+                    if gpus[..i].contains(&gpu) {
+                        return malformed(format!("GPU{gpu} is named twice"));
+                    }
+                    if !self.usage[gpu].is_idle() {
+                        return conflict(format!("GPU{gpu} is not free"));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds (or removes) a checked placement to the per-GPU aggregates.
+    fn apply(&mut self, placement: &Placement, add: bool) {
+        match placement {
+            Placement::Share {
+                gpu,
+                cores,
+                memory_units,
+            } => {
+                let u = &mut self.usage[*gpu];
+                if add {
+                    u.allocated_cores += cores;
+                    u.allocated_memory_units += memory_units;
+                    u.shares += 1;
+                } else {
+                    u.allocated_cores -= cores;
+                    u.allocated_memory_units -= memory_units;
+                    u.shares -= 1;
+                }
+            }
+            Placement::Exclusive { gpus } => {
+                for &gpu in gpus {
+                    let u = &mut self.usage[gpu];
+                    u.exclusive = add;
+                    u.allocated_cores = if add { WHOLE_GPU_CORES } else { 0 };
+                    u.allocated_memory_units = if add { u.total_memory_units } else { 0 };
+                }
+            }
+        }
+    }
+}

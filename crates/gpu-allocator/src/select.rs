@@ -1,0 +1,194 @@
+//! Choosing GPUs: the ranking of whole-GPU sets and the fragmentation
+//! measure that shares also use to break ties.
+
+use std::cmp::Reverse;
+
+use crate::topology::{PcieLevel, Topology};
+
+/// Above this many candidate sets the exhaustive search gives way to a
+/// greedy one (C(16,8) = 12,870 is still exhaustive, so every node up to
+/// 16 GPUs gets the exact best set).
+pub(crate) const EXHAUSTIVE_LIMIT: u64 = 20_000;
+
+/// Free counts of the groups holding something, one per PCIe level
+/// (closest first); see [`Fragmentation::of_group`].
+pub(crate) type Chain = [usize; 6];
+
+/// Free whole GPUs per tree group, for the fragmentation tie-breakers.
+pub(crate) struct Fragmentation<'a> {
+    topo: &'a Topology,
+    group_free: Vec<usize>,
+}
+
+impl<'a> Fragmentation<'a> {
+    pub(crate) fn new(topo: &'a Topology, free: &[bool]) -> Self {
+        let group_free = topo
+            .tree()
+            .groups()
+            .iter()
+            .map(|g| g.gpus.iter().filter(|&&i| free[i]).count())
+            .collect();
+        Fragmentation { topo, group_free }
+    }
+
+    /// For each level at or above the group's own: how many whole GPUs are
+    /// free in the cluster at that level holding the group. Smaller means a
+    /// more fragmented neighbourhood; taking GPUs there keeps intact groups
+    /// intact. Levels below the group's own are 0 (equal for all groups of
+    /// one level, which is all this is compared between).
+    pub(crate) fn of_group(&self, group: usize) -> Chain {
+        let tree = self.topo.tree();
+        let mut chain = [0; 6];
+        let mut g = group;
+        for (slot, level) in chain.iter_mut().zip(PcieLevel::ALL) {
+            if level < tree.group(group).level {
+                continue;
+            }
+            while let Some(p) = tree.group(g).parent {
+                if tree.group(p).level > level {
+                    break;
+                }
+                g = p;
+            }
+            *slot = self.group_free[g];
+        }
+        chain
+    }
+
+    /// The same for one (free) GPU: below its parent's level it stands alone.
+    pub(crate) fn of_gpu(&self, gpu: usize) -> Chain {
+        let tree = self.topo.tree();
+        let parent = tree.parent_of_gpu(gpu);
+        let mut chain = self.of_group(parent);
+        for (slot, level) in chain.iter_mut().zip(PcieLevel::ALL) {
+            if level < tree.group(parent).level {
+                *slot = 1;
+            }
+        }
+        chain
+    }
+}
+
+/// Ranking of a whole-GPU set; smaller is better:
+/// most NVLink links inside the set, then the closest PCIe common ancestor,
+/// then the smallest sum of pairwise PCIe levels, then the most fragmented
+/// neighbourhood. Equal keys go to the lowest indices (enumeration order).
+type Key = (Reverse<u64>, usize, u64, Chain);
+
+fn key(topo: &Topology, frag: &Fragmentation<'_>, set: &[usize]) -> Key {
+    if let [gpu] = set {
+        return (Reverse(0), 0, 0, frag.of_gpu(*gpu));
+    }
+    let tree = topo.tree();
+    let mut links = 0u64;
+    let mut pcie = 0u64;
+    for (i, &a) in set.iter().enumerate() {
+        for &b in &set[i + 1..] {
+            links += u64::from(topo.nvlink_count(a, b));
+            pcie += topo.pcie_level(a, b) as u64;
+        }
+    }
+    let lca = set[1..].iter().fold(tree.parent_of_gpu(set[0]), |acc, &g| {
+        tree.lca(acc, tree.parent_of_gpu(g))
+    });
+    (
+        Reverse(links),
+        tree.group(lca).level.rank() + 1,
+        pcie,
+        frag.of_group(lca),
+    )
+}
+
+/// The best `n` GPUs out of the fully free ones (`free[i]`), or `None` when
+/// fewer than `n` are free.
+pub(crate) fn whole_gpus(topo: &Topology, free: &[bool], n: usize) -> Option<Vec<usize>> {
+    let pool: Vec<usize> = (0..free.len()).filter(|&i| free[i]).collect();
+    if n == 0 || pool.len() < n {
+        return None;
+    }
+    let frag = Fragmentation::new(topo, free);
+    if combinations(pool.len() as u64, n as u64) <= EXHAUSTIVE_LIMIT {
+        Some(exhaustive(topo, &frag, &pool, n))
+    } else {
+        Some(greedy(topo, &frag, &pool, n))
+    }
+}
+
+fn exhaustive(topo: &Topology, frag: &Fragmentation<'_>, pool: &[usize], n: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..n).collect();
+    let mut set: Vec<usize> = idx.iter().map(|&i| pool[i]).collect();
+    let mut best = (key(topo, frag, &set), set.clone());
+    // Next combination in lexicographic order, until the last one.
+    while let Some(i) = (0..n).rev().find(|&i| idx[i] != i + pool.len() - n) {
+        idx[i] += 1;
+        for j in i + 1..n {
+            idx[j] = idx[j - 1] + 1;
+        }
+        for (s, &i) in set.iter_mut().zip(&idx) {
+            *s = pool[i];
+        }
+        let k = key(topo, frag, &set);
+        // Strictly better only, so ties stay with the lowest indices.
+        if k < best.0 {
+            best = (k, set.clone());
+        }
+    }
+    best.1
+}
+
+/// For large nodes: grow a set from every free GPU, each step adding the
+/// GPU with the most links to the set (then the closest by PCIe), and keep
+/// the best-ranked result.
+fn greedy(topo: &Topology, frag: &Fragmentation<'_>, pool: &[usize], n: usize) -> Vec<usize> {
+    let mut best: Option<(Key, Vec<usize>)> = None;
+    for &seed in pool {
+        let mut set = vec![seed];
+        while set.len() < n {
+            let next = pool
+                .iter()
+                .copied()
+                .filter(|c| !set.contains(c))
+                .min_by_key(|&c| {
+                    let links: u64 = set
+                        .iter()
+                        .map(|&s| u64::from(topo.nvlink_count(s, c)))
+                        .sum();
+                    let pcie: u64 = set.iter().map(|&s| topo.pcie_level(s, c) as u64).sum();
+                    (Reverse(links), pcie, c)
+                })
+                .expect("pool holds at least n GPUs");
+            set.push(next);
+        }
+        set.sort_unstable();
+        let k = key(topo, frag, &set);
+        if best.as_ref().is_none_or(|(bk, bs)| (&k, &set) < (bk, bs)) {
+            best = Some((k, set));
+        }
+    }
+    best.expect("pool is not empty").1
+}
+
+fn combinations(n: u64, k: u64) -> u64 {
+    let k = k.min(n - k);
+    let mut c: u64 = 1;
+    for i in 0..k {
+        c = c.saturating_mul(n - i) / (i + 1);
+        if c > EXHAUSTIVE_LIMIT {
+            return u64::MAX;
+        }
+    }
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn combination_counts() {
+        assert_eq!(combinations(16, 8), 12_870);
+        assert_eq!(combinations(4, 4), 1);
+        assert_eq!(combinations(5, 0), 1);
+        assert_eq!(combinations(64, 32), u64::MAX);
+    }
+}
