@@ -115,25 +115,75 @@ pub(crate) fn whole_gpus(topo: &Topology, free: &[bool], n: usize) -> Option<Vec
 }
 
 fn exhaustive(topo: &Topology, frag: &Fragmentation<'_>, pool: &[usize], n: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..n).collect();
-    let mut set: Vec<usize> = idx.iter().map(|&i| pool[i]).collect();
-    let mut best = (key(topo, frag, &set), set.clone());
-    // Next combination in lexicographic order, until the last one.
-    while let Some(i) = (0..n).rev().find(|&i| idx[i] != i + pool.len() - n) {
-        idx[i] += 1;
-        for j in i + 1..n {
-            idx[j] = idx[j - 1] + 1;
+    if n == 1 {
+        // Strictly better only, so ties stay with the lowest index.
+        let mut best = (key(topo, frag, &pool[..1]), pool[0]);
+        for &g in &pool[1..] {
+            let k = key(topo, frag, &[g]);
+            if k < best.0 {
+                best = (k, g);
+            }
         }
-        for (s, &i) in set.iter_mut().zip(&idx) {
-            *s = pool[i];
+        return vec![best.1];
+    }
+    let mut search = Search {
+        topo,
+        pool,
+        n,
+        chains: (0..topo.tree().groups().len())
+            .map(|g| frag.of_group(g))
+            .collect(),
+        set: Vec::with_capacity(n),
+        best: None,
+    };
+    search.descend(0, 0, 0, None);
+    search.best.expect("pool holds at least n GPUs").1
+}
+
+/// Depth-first over all n-subsets in lexicographic order, carrying the
+/// link and PCIe sums and the common ancestor of the prefix, so each set
+/// costs O(n) instead of O(n^2).
+struct Search<'a> {
+    topo: &'a Topology,
+    pool: &'a [usize],
+    n: usize,
+    chains: Vec<Chain>,
+    set: Vec<usize>,
+    best: Option<(Key, Vec<usize>)>,
+}
+
+impl Search<'_> {
+    fn descend(&mut self, start: usize, links: u64, pcie: u64, lca: Option<usize>) {
+        let tree = self.topo.tree();
+        if self.set.len() == self.n {
+            let lca = lca.expect("n >= 1");
+            let k = (
+                Reverse(links),
+                tree.group(lca).level.rank() + 1,
+                pcie,
+                self.chains[lca],
+            );
+            // Strictly better only, so ties stay with the lowest indices.
+            if self.best.as_ref().is_none_or(|(b, _)| k < *b) {
+                self.best = Some((k, self.set.clone()));
+            }
+            return;
         }
-        let k = key(topo, frag, &set);
-        // Strictly better only, so ties stay with the lowest indices.
-        if k < best.0 {
-            best = (k, set.clone());
+        let last = self.pool.len() - (self.n - self.set.len());
+        for i in start..=last {
+            let g = self.pool[i];
+            let (mut dl, mut dp) = (0u64, 0u64);
+            for &s in &self.set {
+                dl += u64::from(self.topo.nvlink_count(s, g));
+                dp += self.topo.pcie_level(s, g) as u64;
+            }
+            let parent = tree.parent_of_gpu(g);
+            let lca = Some(lca.map_or(parent, |l| tree.lca(l, parent)));
+            self.set.push(g);
+            self.descend(i + 1, links + dl, pcie + dp, lca);
+            self.set.pop();
         }
     }
-    best.1
 }
 
 /// For large nodes: grow a set from every free GPU, each step adding the
