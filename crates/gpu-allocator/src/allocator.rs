@@ -3,6 +3,8 @@
 use std::collections::HashMap;
 use std::fmt;
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::AllocError;
 use crate::select::{self, Fragmentation};
 use crate::topology::Topology;
@@ -11,7 +13,7 @@ use crate::topology::Topology;
 pub const WHOLE_GPU_CORES: u32 = 100;
 
 /// What a container asked for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Request {
     /// `tencent.com/vcuda-core`: 1..99 is a share of one GPU, a multiple of
     /// 100 is that many whole GPUs.
@@ -44,8 +46,10 @@ impl Request {
 }
 
 /// Where a request goes. Also what the manager checkpoints and hands back
-/// to [`Allocator::restore`].
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+/// to [`Allocator::restore`] (serde: `{"share":{"gpu":2,"cores":30,"memory_units":8}}`
+/// or `{"exclusive":{"gpus":[0,1]}}`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Placement {
     /// Part of one GPU.
     Share {

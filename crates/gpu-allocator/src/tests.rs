@@ -581,3 +581,19 @@ fn render_shows_tree_and_usage() {
     assert!(text.contains("NVLink links:"), "{text}");
     assert!(!pcie_node(2).render().contains("NVLink"));
 }
+
+#[test]
+fn placements_serialize_for_checkpoints() {
+    let p = Placement::Share {
+        gpu: 2,
+        cores: 30,
+        memory_units: 8,
+    };
+    let json = serde_json::to_string(&p).unwrap();
+    assert_eq!(json, r#"{"share":{"gpu":2,"cores":30,"memory_units":8}}"#);
+    assert_eq!(serde_json::from_str::<Placement>(&json).unwrap(), p);
+    let w = Placement::Exclusive { gpus: vec![0, 1] };
+    let json = serde_json::to_string(&w).unwrap();
+    assert_eq!(json, r#"{"exclusive":{"gpus":[0,1]}}"#);
+    assert_eq!(serde_json::from_str::<Placement>(&json).unwrap(), w);
+}
