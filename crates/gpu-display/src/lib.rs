@@ -1,0 +1,267 @@
+//! Display service of gpu-manager: what operators and Prometheus see.
+//!
+//! * gRPC `display.GPUDisplay` (PrintGraph, PrintUsages, Version) on a unix
+//!   socket, for `vcudactl` and the original's clients;
+//! * HTTP on the query port: `/graph`, `/usage`, `/version`, `/metrics`
+//!   (alias `/metric`), `/healthz`, `/readyz`;
+//! * Prometheus metrics per GPU, per container and for the manager;
+//! * a sampler thread reading NVML every sample period; scrapes read its
+//!   last snapshot, never NVML.
+//!
+//! The manager implements [`DisplaySource`] (a narrow view of its state),
+//! bumps [`ManagerMetrics`], and starts everything with [`Display::start`].
+
+pub mod fixture;
+mod grpc;
+mod http;
+pub mod metrics;
+pub mod sampler;
+pub mod source;
+pub mod usage;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use metrics::ManagerMetrics;
+use metrics::MetricsRegistry;
+pub use sampler::{GpuReader, NvmlReader, Sampler, SamplerStats, Snapshot, SnapshotCell};
+pub use source::{ContainerView, DisplaySource, GpuRef, GpuView};
+
+/// Default unix socket of the display service (the original's).
+pub const DEFAULT_SOCKET: &str = "/var/run/gpu-manager.sock";
+/// Default `--query-addr`.
+pub const DEFAULT_QUERY_ADDR: &str = "127.0.0.1";
+/// Default `--query-port`.
+pub const DEFAULT_QUERY_PORT: u16 = 5678;
+
+/// Errors of the display service.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("NVML: {what}: {source}")]
+    Nvml {
+        what: String,
+        #[source]
+        source: nvml_wrapper::error::NvmlError,
+    },
+    #[error("starting the sampler thread: {0}")]
+    Thread(#[source] std::io::Error),
+    #[error("display socket {}: {source}", path.display())]
+    Socket {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "display socket {} is in use by a running server (another gpu-manager?); stop it or pick another --display-socket",
+        path.display()
+    )]
+    SocketInUse { path: PathBuf },
+    #[error(
+        "binding the query port {addr}: {source} (is another gpu-manager running? see --query-addr/--query-port)"
+    )]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Where and how often to serve.
+#[derive(Debug, Clone)]
+pub struct DisplayOptions {
+    /// Unix socket of the gRPC service.
+    pub socket: PathBuf,
+    /// Permissions of the socket (root and the socket's group).
+    pub socket_mode: u32,
+    /// HTTP listen address (`--query-addr:--query-port`); port 0 picks one.
+    pub query_addr: SocketAddr,
+    /// NVML sampling period (`--sample-period`).
+    pub sample_period: Duration,
+}
+
+impl Default for DisplayOptions {
+    fn default() -> Self {
+        DisplayOptions {
+            socket: PathBuf::from(DEFAULT_SOCKET),
+            socket_mode: 0o660,
+            query_addr: SocketAddr::new(DEFAULT_QUERY_ADDR.parse().unwrap(), DEFAULT_QUERY_PORT),
+            sample_period: Duration::from_secs(1),
+        }
+    }
+}
+
+pub(crate) struct Shared {
+    pub(crate) source: Arc<dyn DisplaySource>,
+    pub(crate) metrics: MetricsRegistry,
+    pub(crate) snapshot: Arc<SnapshotCell>,
+    pub(crate) stats: Arc<SamplerStats>,
+    pub(crate) ready: AtomicBool,
+}
+
+impl Shared {
+    pub(crate) fn render_metrics(&self) -> String {
+        let src = &self.source;
+        self.metrics.render(
+            &src.node_name(),
+            &src.gpus(),
+            &src.containers(),
+            &self.snapshot.load(),
+            &self.stats,
+        )
+    }
+}
+
+/// The display service of one manager. Cheap to clone.
+#[derive(Clone)]
+pub struct Display {
+    shared: Arc<Shared>,
+}
+
+impl Display {
+    pub fn new(source: Arc<dyn DisplaySource>) -> Display {
+        let version = source.version();
+        Display {
+            shared: Arc::new(Shared {
+                source,
+                metrics: MetricsRegistry::new(&version),
+                snapshot: Arc::new(SnapshotCell::default()),
+                stats: Arc::new(SamplerStats::default()),
+                ready: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// Handle for the manager's counters (allocations, latency, recovery).
+    pub fn metrics(&self) -> ManagerMetrics {
+        self.shared.metrics.manager.clone()
+    }
+
+    /// What `/readyz` answers: set once the device plugins are registered
+    /// and recovery is done.
+    pub fn set_ready(&self, ready: bool) {
+        self.shared.ready.store(ready, Ordering::Release);
+        self.shared.metrics.manager.set_ready(ready);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.shared.ready.load(Ordering::Acquire)
+    }
+
+    /// The `/metrics` text, as a scrape would get it now.
+    pub fn render_metrics(&self) -> String {
+        self.shared.render_metrics()
+    }
+
+    /// The sampler's latest snapshot.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.shared.snapshot.load()
+    }
+
+    /// Figures about the sampler (ticks, its thread's CPU time).
+    pub fn sampler_stats(&self) -> Arc<SamplerStats> {
+        self.shared.stats.clone()
+    }
+
+    /// Publishes a snapshot directly (tests and benchmarks without NVML).
+    pub fn store_snapshot(&self, s: Snapshot) {
+        self.shared.snapshot.store(s);
+    }
+
+    /// Starts the sampler thread; it stops when the returned handle drops.
+    pub fn start_sampler(
+        &self,
+        reader: impl GpuReader,
+        period: Duration,
+    ) -> Result<Sampler, Error> {
+        Sampler::spawn(
+            reader,
+            period,
+            self.shared.snapshot.clone(),
+            self.shared.stats.clone(),
+        )
+    }
+
+    /// Serves gRPC `display.GPUDisplay` on the unix socket `path` until
+    /// `cancel`; removes the socket when done.
+    pub fn serve_grpc(
+        &self,
+        path: &Path,
+        mode: u32,
+        cancel: CancellationToken,
+    ) -> Result<JoinHandle<()>, Error> {
+        grpc::serve(self.shared.clone(), path, mode, cancel)
+    }
+
+    /// Serves HTTP on `addr` until `cancel`; returns the bound address.
+    pub async fn serve_http(
+        &self,
+        addr: SocketAddr,
+        cancel: CancellationToken,
+    ) -> Result<(SocketAddr, JoinHandle<()>), Error> {
+        http::serve(self.shared.clone(), addr, cancel).await
+    }
+
+    /// Everything: sampler (when a reader is given), gRPC and HTTP.
+    pub async fn start(
+        &self,
+        opts: &DisplayOptions,
+        reader: Option<Box<dyn GpuReader>>,
+        cancel: CancellationToken,
+    ) -> Result<Running, Error> {
+        let sampler = match reader {
+            Some(r) => Some(self.start_sampler(BoxedReader(r), opts.sample_period)?),
+            None => None,
+        };
+        let grpc = self.serve_grpc(&opts.socket, opts.socket_mode, cancel.clone())?;
+        let (http_addr, http) = match self.serve_http(opts.query_addr, cancel.clone()).await {
+            Ok(v) => v,
+            Err(e) => {
+                cancel.cancel();
+                let _ = grpc.await;
+                return Err(e);
+            }
+        };
+        tracing::info!(socket = %opts.socket.display(), http = %http_addr, "display service up");
+        Ok(Running {
+            http_addr,
+            socket: opts.socket.clone(),
+            sampler,
+            tasks: vec![grpc, http],
+        })
+    }
+}
+
+struct BoxedReader(Box<dyn GpuReader>);
+
+impl GpuReader for BoxedReader {
+    fn sample(&mut self) -> Result<Vec<sampler::GpuSample>, Error> {
+        self.0.sample()
+    }
+}
+
+/// The running display service (see [`Display::start`]).
+pub struct Running {
+    pub http_addr: SocketAddr,
+    pub socket: PathBuf,
+    sampler: Option<Sampler>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Running {
+    /// Waits for the servers to stop (after the cancel token fired) and
+    /// stops the sampler.
+    pub async fn wait(self) {
+        for t in self.tasks {
+            let _ = t.await;
+        }
+        if let Some(s) = self.sampler {
+            tokio::task::spawn_blocking(move || s.stop()).await.ok();
+        }
+    }
+}

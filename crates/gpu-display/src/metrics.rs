@@ -1,0 +1,421 @@
+//! Prometheus metrics: the manager's own counters (registered once, bumped
+//! by the manager through [`ManagerMetrics`]) and the per-GPU / per-container
+//! gauges, rebuilt on each scrape from the source and the sampler's snapshot
+//! so that containers that left simply disappear.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use prometheus::proto::MetricFamily;
+use prometheus::{
+    CounterVec, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounterVec, Opts, Registry,
+    TextEncoder,
+};
+
+use crate::sampler::{SamplerStats, Snapshot};
+use crate::source::{ContainerView, GpuView};
+use crate::usage::container_use;
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// Content type of the text exposition format.
+pub const TEXT_FORMAT: &str = prometheus::TEXT_FORMAT;
+
+/// Counters the manager bumps. Cheap to clone; all clones feed one registry.
+#[derive(Clone)]
+pub struct ManagerMetrics {
+    allocations: IntCounterVec,
+    failures: IntCounterVec,
+    allocate_seconds: Histogram,
+    recovery_seconds: Gauge,
+    ready: Gauge,
+}
+
+impl ManagerMetrics {
+    fn new(registry: &Registry, version: &str) -> ManagerMetrics {
+        let allocations = IntCounterVec::new(
+            Opts::new(
+                "vcuda_manager_allocations_total",
+                "Allocate calls the manager answered with devices, by extended resource.",
+            ),
+            &["resource"],
+        )
+        .expect("valid metric");
+        let failures = IntCounterVec::new(
+            Opts::new(
+                "vcuda_manager_allocation_failures_total",
+                "Allocate calls the manager refused or failed, by extended resource and reason.",
+            ),
+            &["resource", "reason"],
+        )
+        .expect("valid metric");
+        let allocate_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "vcuda_manager_allocate_duration_seconds",
+                "Time to answer a device-plugin Allocate call.",
+            )
+            .buckets(vec![
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+            ]),
+        )
+        .expect("valid metric");
+        let recovery_seconds = Gauge::new(
+            "vcuda_manager_recovery_duration_seconds",
+            "Time the last start-up recovery (checkpoint + live containers) took.",
+        )
+        .expect("valid metric");
+        let ready = Gauge::new(
+            "vcuda_manager_ready",
+            "1 once the manager serves allocations (what /readyz reports).",
+        )
+        .expect("valid metric");
+        let build = GaugeVec::new(
+            Opts::new(
+                "vcuda_manager_build_info",
+                "Version of the running manager; always 1.",
+            ),
+            &["version"],
+        )
+        .expect("valid metric");
+        build.with_label_values(&[version]).set(1.0);
+        for c in [
+            Box::new(allocations.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(failures.clone()),
+            Box::new(allocate_seconds.clone()),
+            Box::new(recovery_seconds.clone()),
+            Box::new(ready.clone()),
+            Box::new(build),
+        ] {
+            registry.register(c).expect("metric names are unique");
+        }
+        ManagerMetrics {
+            allocations,
+            failures,
+            allocate_seconds,
+            recovery_seconds,
+            ready,
+        }
+    }
+
+    /// An Allocate for `resource` (e.g. `tencent.com/vcuda-core`) succeeded.
+    pub fn allocation_succeeded(&self, resource: &str) {
+        self.allocations.with_label_values(&[resource]).inc();
+    }
+
+    /// An Allocate failed; `reason` is a short fixed word (`insufficient`,
+    /// `invalid`, `internal`...), never free text: it is a label value.
+    pub fn allocation_failed(&self, resource: &str, reason: &str) {
+        self.failures.with_label_values(&[resource, reason]).inc();
+    }
+
+    /// How long one Allocate took.
+    pub fn observe_allocate(&self, took: Duration) {
+        self.allocate_seconds.observe(took.as_secs_f64());
+    }
+
+    /// How long the start-up recovery took.
+    pub fn set_recovery_duration(&self, took: Duration) {
+        self.recovery_seconds.set(took.as_secs_f64());
+    }
+
+    pub(crate) fn set_ready(&self, ready: bool) {
+        self.ready.set(if ready { 1.0 } else { 0.0 });
+    }
+}
+
+/// The registry of long-lived metrics plus what each scrape adds.
+pub(crate) struct MetricsRegistry {
+    registry: Registry,
+    pub(crate) manager: ManagerMetrics,
+}
+
+impl MetricsRegistry {
+    pub(crate) fn new(version: &str) -> MetricsRegistry {
+        let registry = Registry::new();
+        let manager = ManagerMetrics::new(&registry, version);
+        MetricsRegistry { registry, manager }
+    }
+
+    /// The whole exposition, in the text format.
+    pub(crate) fn render(
+        &self,
+        node: &str,
+        gpus: &[GpuView],
+        containers: &[ContainerView],
+        snap: &Snapshot,
+        stats: &SamplerStats,
+    ) -> String {
+        let mut fams = self.registry.gather();
+        fams.extend(scrape_families(node, gpus, containers, snap, stats));
+        fams.sort_by(|a, b| a.name().cmp(b.name()));
+        let mut out = Vec::with_capacity(64 * 1024);
+        TextEncoder::new()
+            .encode(&fams, &mut out)
+            .expect("text encoding of valid families");
+        String::from_utf8(out).expect("text format is UTF-8")
+    }
+}
+
+fn gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    let g = GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("unique");
+    g
+}
+
+fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> CounterVec {
+    let c = CounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(c.clone())).expect("unique");
+    c
+}
+
+/// Families built from the current state: per GPU, per container, the
+/// original's four gauges, and the sampler's own figures.
+fn scrape_families(
+    node: &str,
+    gpus: &[GpuView],
+    containers: &[ContainerView],
+    snap: &Snapshot,
+    stats: &SamplerStats,
+) -> Vec<MetricFamily> {
+    let r = Registry::new();
+    const G: &[&str] = &["node", "gpu", "uuid"];
+    let gpu_util = gauge(
+        &r,
+        "vcuda_gpu_utilization_ratio",
+        "Fraction of time the GPU ran kernels (NVML utilization.gpu / 100).",
+        G,
+    );
+    let gpu_mem_used = gauge(
+        &r,
+        "vcuda_gpu_memory_used_bytes",
+        "GPU memory in use, all processes (NVML).",
+        G,
+    );
+    let gpu_mem_total = gauge(&r, "vcuda_gpu_memory_total_bytes", "GPU memory size.", G);
+    let gpu_cores = gauge(
+        &r,
+        "vcuda_gpu_allocated_cores_ratio",
+        "Fraction of the GPU's cores handed out to containers (vcuda-core / 100).",
+        G,
+    );
+    let gpu_mem_alloc = gauge(
+        &r,
+        "vcuda_gpu_allocated_memory_bytes",
+        "GPU memory handed out to containers as quotas.",
+        G,
+    );
+    let gpu_healthy = gauge(
+        &r,
+        "vcuda_gpu_healthy",
+        "1 if the GPU is healthy (no fatal Xid), 0 if the manager took it out.",
+        G,
+    );
+    let gpu_tenants = gauge(
+        &r,
+        "vcuda_gpu_tenants",
+        "Containers holding a share or all of the GPU.",
+        G,
+    );
+    for g in gpus {
+        let idx = g.index.to_string();
+        let l = [node, idx.as_str(), g.uuid.as_str()];
+        let s = snap.gpu(g.index);
+        gpu_util
+            .with_label_values(&l)
+            .set(s.map(|s| s.utilization_percent / 100.0).unwrap_or(0.0));
+        gpu_mem_used
+            .with_label_values(&l)
+            .set(s.map(|s| s.memory_used_bytes as f64).unwrap_or(0.0));
+        gpu_mem_total
+            .with_label_values(&l)
+            .set(g.memory_total_bytes as f64);
+        gpu_cores
+            .with_label_values(&l)
+            .set(g.allocated_cores as f64 / 100.0);
+        gpu_mem_alloc
+            .with_label_values(&l)
+            .set(g.allocated_memory_bytes as f64);
+        gpu_healthy
+            .with_label_values(&l)
+            .set(if g.healthy { 1.0 } else { 0.0 });
+        gpu_tenants.with_label_values(&l).set(g.tenants as f64);
+    }
+
+    const C: &[&str] = &["node", "namespace", "pod", "container"];
+    const CG: &[&str] = &["node", "namespace", "pod", "container", "gpu", "uuid"];
+    let c_util = gauge(
+        &r,
+        "vcuda_container_gpu_utilization_ratio",
+        "Fraction of the GPU's time the container's processes ran kernels (NVML process samples of its host PIDs).",
+        CG,
+    );
+    let c_mem = gauge(
+        &r,
+        "vcuda_container_gpu_memory_used_bytes",
+        "GPU memory held by the container's processes (NVML).",
+        CG,
+    );
+    let c_core_q = gauge(
+        &r,
+        "vcuda_container_core_quota_ratio",
+        "The container's core quota in GPUs (vcuda-core / 100).",
+        C,
+    );
+    let c_mem_q = gauge(
+        &r,
+        "vcuda_container_memory_quota_bytes",
+        "The container's GPU memory quota.",
+        C,
+    );
+    let c_thr = counter(
+        &r,
+        "vcuda_container_throttled_seconds_total",
+        "Time the interposer held the container's kernel launches back for its core quota.",
+        C,
+    );
+    let c_ref = counter(
+        &r,
+        "vcuda_container_allocations_refused_total",
+        "GPU memory allocations the interposer refused for the container's memory quota.",
+        C,
+    );
+    // The original gpu-manager's four gauges, with its labels and units.
+    const L: &[&str] = &["pod_name", "namespace", "node", "container_name"];
+    let l_util = gauge(
+        &r,
+        "container_gpu_utilization",
+        "gpu utilization",
+        &[L, &["gpu"]].concat(),
+    );
+    let l_mem = gauge(
+        &r,
+        "container_gpu_memory_total",
+        "gpu memory usage in MiB",
+        &[L, &["gpu_memory"]].concat(),
+    );
+    let l_req_util = gauge(
+        &r,
+        "container_request_gpu_utilization",
+        "request of gpu utilization",
+        &[L, &["req_of_gpu"]].concat(),
+    );
+    let l_req_mem = gauge(
+        &r,
+        "container_request_gpu_memory",
+        "request of gpu memory in MiB",
+        &[L, &["req_of_gpu_memory"]].concat(),
+    );
+    for c in containers {
+        let cl = [
+            node,
+            c.namespace.as_str(),
+            c.pod_name.as_str(),
+            c.container.as_str(),
+        ];
+        let ll = [
+            c.pod_name.as_str(),
+            c.namespace.as_str(),
+            node,
+            c.container.as_str(),
+        ];
+        let (mut util_total, mut mem_total) = (0.0, 0.0);
+        for u in container_use(c, snap) {
+            let idx = u.gpu.index.to_string();
+            let l = [
+                cl[0],
+                cl[1],
+                cl[2],
+                cl[3],
+                idx.as_str(),
+                u.gpu.uuid.as_str(),
+            ];
+            c_util
+                .with_label_values(&l)
+                .set(u.utilization_percent / 100.0);
+            c_mem.with_label_values(&l).set(u.memory_used_bytes as f64);
+            let card = format!("gpu{idx}");
+            let (pct, mib) = (u.utilization_percent, u.memory_used_bytes as f64 / MIB);
+            util_total += pct;
+            mem_total += mib;
+            l_util
+                .with_label_values(&[ll[0], ll[1], ll[2], ll[3], card.as_str()])
+                .set(pct);
+            l_mem
+                .with_label_values(&[ll[0], ll[1], ll[2], ll[3], card.as_str()])
+                .set(mib);
+        }
+        l_util
+            .with_label_values(&[ll[0], ll[1], ll[2], ll[3], "total"])
+            .set(util_total);
+        l_mem
+            .with_label_values(&[ll[0], ll[1], ll[2], ll[3], "total"])
+            .set(mem_total);
+        l_req_util
+            .with_label_values(&[ll[0], ll[1], ll[2], ll[3], "total"])
+            .set(c.core_quota as f64 / 100.0);
+        l_req_mem
+            .with_label_values(&[ll[0], ll[1], ll[2], ll[3], "total"])
+            .set(c.memory_quota_bytes as f64 / MIB);
+        c_core_q
+            .with_label_values(&cl)
+            .set(c.core_quota as f64 / 100.0);
+        c_mem_q
+            .with_label_values(&cl)
+            .set(c.memory_quota_bytes as f64);
+        if let Some(t) = c.throttled_seconds {
+            c_thr.with_label_values(&cl).inc_by(t.max(0.0));
+        }
+        if let Some(n) = c.refused_allocations {
+            c_ref.with_label_values(&cl).inc_by(n as f64);
+        }
+    }
+
+    let cpu = counter(
+        &r,
+        "vcuda_display_sampler_cpu_seconds_total",
+        "CPU time the NVML sampler thread used.",
+        &[],
+    );
+    cpu.with_label_values(&[] as &[&str])
+        .inc_by(stats.cpu_ns.load(Ordering::Relaxed) as f64 / 1e9);
+    let ticks = counter(
+        &r,
+        "vcuda_display_samples_total",
+        "NVML sampling rounds.",
+        &[],
+    );
+    ticks
+        .with_label_values(&[] as &[&str])
+        .inc_by(stats.ticks.load(Ordering::Relaxed) as f64);
+    let errors = counter(
+        &r,
+        "vcuda_display_sample_errors_total",
+        "NVML sampling rounds that failed (the previous sample was kept).",
+        &[],
+    );
+    errors
+        .with_label_values(&[] as &[&str])
+        .inc_by(stats.errors.load(Ordering::Relaxed) as f64);
+    let last = gauge(
+        &r,
+        "vcuda_display_sample_duration_seconds",
+        "Wall time of the last NVML sampling round.",
+        &[],
+    );
+    last.with_label_values(&[] as &[&str])
+        .set(stats.last_tick_ns.load(Ordering::Relaxed) as f64 / 1e9);
+    if let Some(t) = snap.taken {
+        let age = gauge(
+            &r,
+            "vcuda_display_sample_timestamp_seconds",
+            "When the figures were sampled (Unix time).",
+            &[],
+        );
+        age.with_label_values(&[] as &[&str]).set(
+            t.duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64(),
+        );
+    }
+    r.gather()
+}

@@ -1,0 +1,97 @@
+//! What the display needs from the manager: a narrow, synchronous view of
+//! its state. The manager implements [`DisplaySource`]; every call happens on
+//! a scrape or an RPC, so implementations should only copy out of their own
+//! state (take a lock, clone, release), never do I/O.
+
+use serde::{Deserialize, Serialize};
+
+/// The manager's state, as the display service and the metrics see it.
+pub trait DisplaySource: Send + Sync + 'static {
+    /// Node name for the `node` label (the manager's `--hostname-override`).
+    fn node_name(&self) -> String;
+
+    /// Version string answered by `Version` and `/version`.
+    fn version(&self) -> String {
+        env!("CARGO_PKG_VERSION").to_string()
+    }
+
+    /// Text rendering of the topology tree with free/used cores and memory
+    /// per GPU (`PrintGraph`, `/graph`), e.g. `gpu_allocator::Allocator::render`.
+    fn graph_text(&self) -> String;
+
+    /// Every GPU of the node, by NVML index.
+    fn gpus(&self) -> Vec<GpuView>;
+
+    /// Every container holding an allocation.
+    fn containers(&self) -> Vec<ContainerView>;
+}
+
+/// One GPU as the allocator sees it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GpuView {
+    /// NVML device index (the sampler's key).
+    pub index: u32,
+    pub uuid: String,
+    /// PCI bus id, e.g. `00000000:07:00.0`.
+    #[serde(default)]
+    pub bus_id: String,
+    #[serde(default)]
+    pub model: String,
+    pub memory_total_bytes: u64,
+    /// Cores handed out, percent of this GPU (0..=100).
+    #[serde(default)]
+    pub allocated_cores: u32,
+    #[serde(default)]
+    pub allocated_memory_bytes: u64,
+    #[serde(default = "yes")]
+    pub healthy: bool,
+    /// Containers holding a share or all of it.
+    #[serde(default)]
+    pub tenants: u32,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// A GPU assigned to a container.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuRef {
+    /// NVML device index.
+    pub index: u32,
+    pub uuid: String,
+    #[serde(default)]
+    pub bus_id: String,
+}
+
+/// One container holding an allocation.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ContainerView {
+    pub pod_uid: String,
+    pub pod_name: String,
+    pub namespace: String,
+    pub container: String,
+    pub gpus: Vec<GpuRef>,
+    /// `tencent.com/vcuda-core`: percent of one GPU (100 = a whole GPU, 200 = two).
+    pub core_quota: u32,
+    /// Memory quota in bytes (the whole cards' memory for exclusive containers).
+    pub memory_quota_bytes: u64,
+    /// Host PIDs of the container's CUDA processes (from SO_PEERCRED
+    /// registrations / `pids.config`); utilization is the sum of theirs.
+    #[serde(default)]
+    pub host_pids: Vec<u32>,
+    /// From the container's ledger, when the interposer keeps one: total time
+    /// kernel launches were held back by the core quota.
+    #[serde(default)]
+    pub throttled_seconds: Option<f64>,
+    /// From the container's ledger: allocations refused for the memory quota.
+    #[serde(default)]
+    pub refused_allocations: Option<u64>,
+    /// `ContainerStat.user` of the display API (the original read the
+    /// `SUBMITTER` env of the pod).
+    #[serde(default)]
+    pub user: String,
+    /// `ContainerStat.cluster` of the display API.
+    #[serde(default)]
+    pub cluster: String,
+}
