@@ -1,0 +1,212 @@
+//! Startup in order, each step logged with its time; a missing
+//! prerequisite stops the daemon with one error that says what to fix.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use device_plugin::PluginRuntime;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Settings;
+use crate::extra::ExtraConfig;
+use crate::ids::{VCORE_RESOURCE, VCORE_SOCKET, VMEMORY_RESOURCE, VMEMORY_SOCKET};
+use crate::kube_api::{self, Patcher, PodWatch};
+use crate::manager::{Manager, ManagerParts};
+use crate::plugin::{VcorePlugin, VmemoryPlugin};
+use crate::{health, nvml};
+
+/// A Kubernetes label value from free text (GPU model names have spaces).
+fn label_value(s: &str) -> String {
+    let v: String = s
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    v.trim_matches(|c: char| !c.is_ascii_alphanumeric())
+        .chars()
+        .take(63)
+        .collect()
+}
+
+pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    let s = Arc::new(settings);
+    tracing::info!(node = %s.node_name, share_mode = s.share_mode, host_root = %s.host_root.display(), "gpu-manager starting");
+
+    // 1. Prerequisites that need nothing else.
+    if !s.device_plugin_path.is_dir() {
+        bail!(
+            "kubelet's device-plugin directory {} does not exist: is kubelet running on this node, and is --device-plugin-path right?",
+            s.device_plugin_path.display()
+        );
+    }
+    let volumes = vdriver::VolumeConfig::load(&s.volume_config)
+        .with_context(|| format!("loading --volume-config {}", s.volume_config.display()))?;
+    let extra = match &s.extra_config {
+        Some(p) => ExtraConfig::load(p)?,
+        None => ExtraConfig::default(),
+    };
+    if let Some(i) = &s.interposer
+        && !i.is_file()
+    {
+        bail!(
+            "--interposer {} does not exist: build cuda-shim or fix the path",
+            i.display()
+        );
+    }
+    tracing::info!(
+        ms = t0.elapsed().as_millis() as u64,
+        "step 1/6: configuration checked"
+    );
+
+    // 2. GPUs.
+    let nvml_path = s.nvml_path()?;
+    let nvml = nvml::load(&nvml_path)?;
+    let found = nvml::discover(&nvml)?;
+    let topo = &found.topology;
+    for (g, name) in topo.gpus().iter().zip(&found.names) {
+        tracing::info!(
+            gpu = g.index, name, uuid = %g.uuid, minor = g.minor, bus = %g.pci_bus_id,
+            memory_mib = g.memory_bytes >> 20, numa = ?g.numa_node, "GPU"
+        );
+    }
+    tracing::info!(
+        ms = t0.elapsed().as_millis() as u64, gpus = topo.len(), nvlink = topo.has_nvlink(),
+        driver = %found.driver_version, nvml = %nvml_path.display(), "step 2/6: GPUs discovered"
+    );
+    let allocator = gpu_allocator::Allocator::new(found.topology.clone());
+    eprintln!("{}", allocator.render());
+
+    // 3. Driver mirror (its time is reported apart: it depends on the driver's size).
+    let tm = Instant::now();
+    let report = vdriver::mirror(
+        &s.host_root,
+        &volumes,
+        &s.vdriver_path,
+        s.interposer.as_deref(),
+    )
+    .with_context(|| {
+        format!(
+            "mirroring the NVIDIA driver of host root {} into {}",
+            s.host_root.display(),
+            s.vdriver_path.display()
+        )
+    })?;
+    let mirror_ms = tm.elapsed().as_millis() as u64;
+    tracing::info!(ms = t0.elapsed().as_millis() as u64, mirror_ms, driver = %report.driver_version, "step 3/6: driver mirrored");
+
+    // 4. API server: this node's pods.
+    let client = kube_api::client(s.kubeconfig.as_deref()).await?;
+    let pods = PodWatch::start(client.clone(), &s.node_name, cancel.clone());
+    if let Err(e) = pods.ready(s.api_timeout).await {
+        bail!(
+            "the API server did not list this node's pods within {} s ({e}): check --kubeconfig or the service account, and that the API server is reachable",
+            s.api_timeout.as_secs()
+        );
+    }
+    let mut labels: BTreeMap<String, String> = s.node_labels.iter().cloned().collect();
+    if let Some(model) = found.names.first() {
+        labels
+            .entry("tencent.com/gpu-model".into())
+            .or_insert_with(|| label_value(model));
+    }
+    kube_api::label_node(&client, &s.node_name, &labels).await;
+    tracing::info!(
+        ms = t0.elapsed().as_millis() as u64,
+        pods = pods.pods().len(),
+        "step 4/6: API server in sync"
+    );
+
+    // 5. State: checkpoint, health, samples, periodic checks.
+    let mgr = Manager::new(ManagerParts {
+        settings: s.clone(),
+        allocator,
+        driver_version: nvml::driver_major_minor(&found.driver_version),
+        pods,
+        patcher: Patcher::start(client, None),
+        extra,
+    });
+    let restored = mgr.restore()?;
+    let (xtx, xrx) = tokio::sync::mpsc::unbounded_channel();
+    let uuids = mgr.gpus().iter().map(|g| g.uuid.clone()).collect();
+    nvml::watch_xids(
+        nvml.clone(),
+        uuids,
+        s.ignored_xids.clone(),
+        xtx,
+        cancel.clone(),
+    );
+    health::spawn(mgr.clone(), xrx, s.xid_quiet_period, cancel.clone());
+    let _samples = nvml::sample(
+        nvml.clone(),
+        mgr.gpus().len(),
+        s.sample_period,
+        cancel.clone(),
+    );
+    {
+        let (mgr, c, period) = (mgr.clone(), cancel.clone(), s.allocation_check_period);
+        tokio::spawn(async move {
+            let mut t = tokio::time::interval(period);
+            t.tick().await;
+            loop {
+                tokio::select! {
+                    _ = c.cancelled() => return,
+                    _ = t.tick() => mgr.check_allocations(),
+                }
+            }
+        });
+    }
+    tracing::info!(
+        ms = t0.elapsed().as_millis() as u64,
+        restored,
+        "step 5/6: state ready"
+    );
+
+    // 6. Device plugins.
+    let handle = PluginRuntime::new(&s.device_plugin_path)
+        .plugin(
+            VCORE_RESOURCE,
+            VCORE_SOCKET,
+            Arc::new(VcorePlugin(mgr.clone())),
+        )
+        .plugin(
+            VMEMORY_RESOURCE,
+            VMEMORY_SOCKET,
+            Arc::new(VmemoryPlugin(mgr.clone())),
+        )
+        .start(cancel.clone())
+        .context("starting the device plugins")?;
+    let mut statuses: Vec<_> = [VCORE_RESOURCE, VMEMORY_RESOURCE]
+        .iter()
+        .filter_map(|r| handle.status(r))
+        .collect();
+    let registered = async {
+        for st in &mut statuses {
+            let _ = st.wait_for(|s| s.registered).await;
+        }
+    };
+    tokio::select! {
+        _ = registered => {
+            let ms = t0.elapsed().as_millis() as u64;
+            tracing::info!(
+                ms, mirror_ms, ready_excluding_mirror_ms = ms.saturating_sub(mirror_ms),
+                "step 6/6: registered with kubelet; ready"
+            );
+        }
+        _ = tokio::time::sleep(Duration::from_secs(5)) => {
+            tracing::warn!("kubelet has not accepted the registration within 5 s; still trying (is kubelet running?)");
+        }
+        _ = cancel.cancelled() => {}
+    }
+    cancel.cancelled().await;
+    tracing::info!("shutting down");
+    handle.wait().await.context("stopping the device plugins")?;
+    Ok(())
+}

@@ -1,0 +1,246 @@
+//! The API server side: a client, a reflector of this node's pods, and the
+//! annotation patcher (retried on conflict and transient errors).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Patch, PatchParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, thiserror::Error)]
+pub enum KubeError {
+    #[error("reading kubeconfig {path}: {source}")]
+    Kubeconfig {
+        path: String,
+        #[source]
+        source: kube::config::KubeconfigError,
+    },
+    #[error(
+        "no API server configuration: not in a cluster and no kubeconfig ({0}); pass --kubeconfig"
+    )]
+    Infer(#[source] kube::config::InferConfigError),
+    #[error("building the API client: {0}")]
+    Client(#[source] kube::Error),
+}
+
+pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, KubeError> {
+    let mut cfg = match kubeconfig {
+        Some(p) => {
+            let kc =
+                kube::config::Kubeconfig::read_from(p).map_err(|source| KubeError::Kubeconfig {
+                    path: p.display().to_string(),
+                    source,
+                })?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default())
+                .await
+                .map_err(|source| KubeError::Kubeconfig {
+                    path: p.display().to_string(),
+                    source,
+                })?
+        }
+        None => kube::Config::infer().await.map_err(KubeError::Infer)?,
+    };
+    cfg.connect_timeout = Some(Duration::from_secs(5));
+    Client::try_from(cfg).map_err(KubeError::Client)
+}
+
+/// Reachability of the API server as the reflector last saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ApiHealth {
+    Starting,
+    Ok,
+    Failing(String),
+}
+
+/// This node's pods, kept current by a reflector.
+#[derive(Clone)]
+pub struct PodWatch {
+    store: Store<Pod>,
+    changes: watch::Receiver<u64>,
+    health: watch::Receiver<ApiHealth>,
+}
+
+impl PodWatch {
+    /// Starts the reflector (field selector `spec.nodeName=<node>`).
+    pub fn start(client: Client, node: &str, cancel: CancellationToken) -> PodWatch {
+        let api: Api<Pod> = Api::all(client);
+        let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+        let (store, writer) = reflector::store();
+        let (ctx, changes) = watch::channel(0u64);
+        let (htx, health) = watch::channel(ApiHealth::Starting);
+        let stream = reflector::reflector(writer, watcher(api, cfg)).default_backoff();
+        tokio::spawn(async move {
+            futures::pin_mut!(stream);
+            loop {
+                let ev = tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    ev = stream.next() => ev,
+                };
+                match ev {
+                    None => return,
+                    Some(Ok(_)) => {
+                        htx.send_if_modified(|h| {
+                            let changed = *h != ApiHealth::Ok;
+                            if changed {
+                                tracing::info!("pod watch in sync with the API server");
+                            }
+                            *h = ApiHealth::Ok;
+                            changed
+                        });
+                        ctx.send_modify(|n| *n += 1);
+                    }
+                    Some(Err(e)) => {
+                        let msg = e.to_string();
+                        tracing::warn!(error = %msg, "pod watch failed; retrying");
+                        htx.send_replace(ApiHealth::Failing(msg));
+                    }
+                }
+            }
+        });
+        PodWatch {
+            store,
+            changes,
+            health,
+        }
+    }
+
+    /// Waits for the first full list. The error says why it did not come.
+    pub async fn ready(&self, timeout: Duration) -> Result<(), String> {
+        match tokio::time::timeout(timeout, self.store.wait_until_ready()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(match &*self.health.borrow() {
+                ApiHealth::Failing(e) => e.clone(),
+                _ => "no answer".into(),
+            }),
+        }
+    }
+
+    pub fn is_ready(&self) -> bool {
+        *self.health.borrow() != ApiHealth::Starting
+    }
+
+    pub fn health(&self) -> ApiHealth {
+        self.health.borrow().clone()
+    }
+
+    pub fn pods(&self) -> Vec<Arc<Pod>> {
+        self.store.state()
+    }
+
+    /// Waits until the store changes or `timeout` passes; false on timeout.
+    pub async fn changed(&self, timeout: Duration) -> bool {
+        let mut rx = self.changes.clone();
+        rx.mark_unchanged();
+        matches!(
+            tokio::time::timeout(timeout, rx.changed()).await,
+            Ok(Ok(()))
+        )
+    }
+}
+
+/// One annotation patch to apply.
+#[derive(Debug, Clone)]
+pub struct PatchJob {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// Applies annotation patches in the background, retrying conflicts and
+/// transient failures with backoff.
+#[derive(Clone)]
+pub struct Patcher {
+    tx: mpsc::UnboundedSender<PatchJob>,
+}
+
+fn retryable(e: &kube::Error) -> bool {
+    match e {
+        kube::Error::Api(s) => s.code == 409 || s.code == 429 || s.code >= 500,
+        _ => true,
+    }
+}
+
+impl Patcher {
+    pub fn start(
+        client: Client,
+        done: Option<mpsc::UnboundedSender<(PatchJob, Result<(), String>)>>,
+    ) -> Patcher {
+        let (tx, mut rx) = mpsc::unbounded_channel::<PatchJob>();
+        tokio::spawn(async move {
+            while let Some(job) = rx.recv().await {
+                let r = patch_pod(&client, &job).await;
+                match &r {
+                    Ok(()) => {
+                        tracing::info!(pod = %format!("{}/{}", job.namespace, job.name), annotations = ?job.annotations, "pod annotated")
+                    }
+                    Err(e) => {
+                        tracing::error!(pod = %format!("{}/{}", job.namespace, job.name), error = %e, "annotating pod failed")
+                    }
+                }
+                if let Some(d) = &done {
+                    let _ = d.send((job, r));
+                }
+            }
+        });
+        Patcher { tx }
+    }
+
+    pub fn submit(&self, job: PatchJob) {
+        let _ = self.tx.send(job);
+    }
+}
+
+async fn patch_pod(client: &Client, job: &PatchJob) -> Result<(), String> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), &job.namespace);
+    let body = serde_json::json!({"metadata": {"annotations": job.annotations}});
+    let mut delay = Duration::from_millis(50);
+    for attempt in 1..=8 {
+        match api
+            .patch(&job.name, &PatchParams::default(), &Patch::Merge(&body))
+            .await
+        {
+            Ok(p) => {
+                if p.metadata.uid.as_deref() != Some(job.uid.as_str()) {
+                    return Err(format!(
+                        "pod was replaced (uid {:?}, allocation was for {})",
+                        p.metadata.uid, job.uid
+                    ));
+                }
+                return Ok(());
+            }
+            Err(e) if retryable(&e) && attempt < 8 => {
+                tracing::debug!(attempt, error = %e, "patch failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => return Err(format!("after {attempt} attempts: {e}")),
+        }
+    }
+    unreachable!("the loop returns")
+}
+
+/// Puts `labels` on the node; a missing node is logged, not fatal.
+pub async fn label_node(client: &Client, node: &str, labels: &BTreeMap<String, String>) {
+    if labels.is_empty() {
+        return;
+    }
+    let api: Api<Node> = Api::all(client.clone());
+    let body = serde_json::json!({"metadata": {"labels": labels}});
+    match api
+        .patch(node, &PatchParams::default(), &Patch::Merge(&body))
+        .await
+    {
+        Ok(_) => tracing::info!(node, ?labels, "node labelled"),
+        Err(e) => tracing::warn!(node, error = %e, "labelling the node failed"),
+    }
+}

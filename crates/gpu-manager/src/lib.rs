@@ -1,0 +1,29 @@
+//! The vcuda manager daemon, as a library so tests and #7/#8 can reach its
+//! parts. The binary (`src/main.rs`) only parses settings and calls
+//! [`daemon::run`].
+//!
+//! * [`config`]: flags, environment, TOML file.
+//! * [`nvml`]: GPU discovery (PCIe levels and NVLink), Xid events, samples.
+//! * [`ids`]: the advertised device IDs.
+//! * [`manager`]: allocation state, Allocate / PreStartContainer decisions.
+//! * [`plugin`]: the two device plugins.
+//! * [`pods`], [`kube_api`]: which pod is asking; reflector and patches.
+//! * [`kubelet`]: what kubelet recorded (pod-resources, checkpoint).
+//! * [`vm`], [`registry`]: per-container vm directories and `vcuda.sock`.
+//! * [`checkpoint`], [`response`], [`extra`], [`health`].
+
+pub mod checkpoint;
+pub mod config;
+pub mod daemon;
+pub mod extra;
+pub mod health;
+pub mod ids;
+pub mod kube_api;
+pub mod kubelet;
+pub mod manager;
+pub mod nvml;
+pub mod plugin;
+pub mod pods;
+pub mod registry;
+pub mod response;
+pub mod vm;

@@ -1,0 +1,668 @@
+//! The manager's state and the decisions behind Allocate and
+//! PreStartContainer. One `Mutex<State>` (never held across an await) owns
+//! the allocator, the allocations keyed by pod UID + container and the
+//! checkpoint; an async lock serialises Allocate calls as kubelet does.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use device_plugin::DeviceList;
+use device_plugin::api::ContainerAllocateResponse;
+use gpu_allocator::{
+    AllocError, Allocator, ErrorKind, GpuInfo, MEMORY_UNIT_BYTES, Placement, Request,
+};
+use k8s_openapi::api::core::v1::Pod;
+use quota_config::ResourceData;
+use tonic::Status;
+
+use crate::checkpoint::{Allocation, Checkpoint, alloc_id};
+use crate::config::Settings;
+use crate::extra::ExtraConfig;
+use crate::ids;
+use crate::kube_api::{ApiHealth, PatchJob, Patcher, PodWatch};
+use crate::kubelet::{Holder, KubeletRecords, PodKey};
+use crate::pods;
+use crate::registry::Registry;
+use crate::response::{self, ResponseInput};
+use crate::vm::{self, VmDirs};
+
+/// How long Allocate waits for a just-created pod to reach the reflector.
+const POD_WAIT: Duration = Duration::from_secs(1);
+
+struct State {
+    allocator: Allocator,
+    allocs: BTreeMap<String, Allocation>,
+    /// vcuda-memory IDs allocated before their container's vcuda-core
+    /// (kubelet allocates a container's resources in map order).
+    orphan_memory: Vec<Vec<String>>,
+    healthy: Vec<bool>,
+}
+
+pub struct Manager {
+    settings: Arc<Settings>,
+    gpus: Vec<GpuInfo>,
+    driver_version: (i32, i32),
+    state: Mutex<State>,
+    alloc_lock: tokio::sync::Mutex<()>,
+    pods: PodWatch,
+    patcher: Patcher,
+    kubelet: KubeletRecords,
+    vm: VmDirs,
+    registry: Registry,
+    checkpoint: Checkpoint,
+    extra: ExtraConfig,
+    pub vcore: DeviceList,
+    pub vmemory: DeviceList,
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn alloc_status(e: AllocError) -> Status {
+    match e.kind() {
+        ErrorKind::InvalidRequest => Status::invalid_argument(e.to_string()),
+        ErrorKind::Insufficient => Status::resource_exhausted(e.to_string()),
+        ErrorKind::State => Status::internal(e.to_string()),
+    }
+}
+
+/// The 16-byte `bus_id` field holds at most 15 characters: drop NVML's
+/// 8-digit domain to the usual 4 ("0000:3B:00.0").
+fn short_bus_id(bus: &str) -> String {
+    let b = bus.trim_end_matches('\0');
+    if b.len() > 15 && b.starts_with("0000") {
+        b[4..].to_string()
+    } else {
+        b.to_string()
+    }
+}
+
+pub struct ManagerParts {
+    pub settings: Arc<Settings>,
+    pub allocator: Allocator,
+    pub driver_version: (i32, i32),
+    pub pods: PodWatch,
+    pub patcher: Patcher,
+    pub extra: ExtraConfig,
+}
+
+impl Manager {
+    pub fn new(p: ManagerParts) -> Arc<Manager> {
+        let gpus = p.allocator.topology().gpus().to_vec();
+        let n = gpus.len();
+        let s = &p.settings;
+        Arc::new(Manager {
+            vcore: DeviceList::new(ids::vcore_devices(&gpus, |_| true)),
+            vmemory: DeviceList::new(ids::vmemory_devices(&gpus, |_| true)),
+            kubelet: KubeletRecords::new(&s.pod_resources_socket, &s.device_plugin_path),
+            vm: VmDirs::new(&s.virtual_manager_path),
+            checkpoint: Checkpoint::new(&s.checkpoint_path),
+            registry: Registry::default(),
+            gpus,
+            driver_version: p.driver_version,
+            state: Mutex::new(State {
+                allocator: p.allocator,
+                allocs: BTreeMap::new(),
+                orphan_memory: Vec::new(),
+                healthy: vec![true; n],
+            }),
+            alloc_lock: tokio::sync::Mutex::new(()),
+            pods: p.pods,
+            patcher: p.patcher,
+            extra: p.extra,
+            settings: p.settings,
+        })
+    }
+
+    pub fn gpus(&self) -> &[GpuInfo] {
+        &self.gpus
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Allocations, for display and tests.
+    pub fn allocations(&self) -> Vec<Allocation> {
+        self.state
+            .lock()
+            .unwrap()
+            .allocs
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// The GPU tree with current usage, rendered by the allocator.
+    pub fn render_tree(&self) -> String {
+        self.state.lock().unwrap().allocator.render()
+    }
+
+    fn uuids(&self) -> Vec<String> {
+        self.gpus.iter().map(|g| g.uuid.clone()).collect()
+    }
+
+    fn save(&self, st: &State) -> Result<(), Status> {
+        self.checkpoint
+            .store(&self.uuids(), st.allocs.values())
+            .map_err(|e| Status::internal(format!("saving the allocation checkpoint: {e}")))
+    }
+
+    /// Loads the checkpoint: allocations come back into the allocator and
+    /// shared containers get their registration sockets again. Returns how
+    /// many were restored.
+    pub fn restore(&self) -> Result<usize, crate::checkpoint::CheckpointError> {
+        let Some((uuids, allocs)) = self.checkpoint.load()? else {
+            return Ok(0);
+        };
+        if uuids != self.uuids() {
+            tracing::warn!(
+                checkpoint = ?uuids, node = ?self.uuids(),
+                "checkpoint was written for other GPUs; allocations on GPUs whose UUID changed are dropped"
+            );
+        }
+        let mut st = self.state.lock().unwrap();
+        let mut n = 0;
+        for a in allocs {
+            let p = Placement::from(&a.placement);
+            let same = p.gpus().iter().all(|&g| {
+                uuids
+                    .get(g)
+                    .is_some_and(|u| Some(u) == self.gpus.get(g).map(|x| &x.uuid))
+            });
+            if !same {
+                tracing::warn!(id = %a.id(), "dropping checkpointed allocation: its GPU changed");
+                continue;
+            }
+            if let Err(e) = st.allocator.commit(a.id(), &p) {
+                tracing::warn!(id = %a.id(), error = %e, "dropping checkpointed allocation");
+                continue;
+            }
+            if matches!(p, Placement::Share { .. })
+                && let Ok(dir) = self.vm.dir(&a.pod_uid, &a.container)
+                && dir.exists()
+            {
+                let ledger =
+                    container_ledger::Ledger::open(&dir.join(container_ledger::LEDGER_FILE)).ok();
+                if let Err(e) = self
+                    .registry
+                    .serve(&a.id(), &dir, &a.pod_uid, &a.container, ledger)
+                {
+                    tracing::warn!(id = %a.id(), error = %e, "re-opening vcuda.sock");
+                }
+            }
+            st.allocs.insert(a.id(), a);
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Marks a GPU (un)healthy: its advertised IDs and new placements.
+    pub fn set_gpu_health(&self, gpu: usize, healthy: bool) {
+        {
+            let mut st = self.state.lock().unwrap();
+            if gpu >= st.healthy.len() || st.healthy[gpu] == healthy {
+                return;
+            }
+            st.healthy[gpu] = healthy;
+            let _ = st.allocator.set_healthy(gpu, healthy);
+        }
+        let f = |id: &str| ids::gpu_of(id) == Some(gpu);
+        self.vcore.set_health_where(healthy, f);
+        self.vmemory.set_health_where(healthy, f);
+        tracing::warn!(gpu, healthy, "GPU health changed");
+    }
+
+    async fn find_candidate(&self, cores: u64) -> Result<pods::Candidate, Status> {
+        let deadline = Instant::now() + POD_WAIT;
+        loop {
+            let pods = self.pods.pods();
+            let found = {
+                let st = self.state.lock().unwrap();
+                pods::select(&pods, cores, |uid, c| {
+                    st.allocs.contains_key(&alloc_id(uid, c))
+                })
+            };
+            if let Some(c) = found {
+                return Ok(c);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || !self.pods.changed(left).await {
+                if let ApiHealth::Failing(e) = self.pods.health() {
+                    return Err(Status::unavailable(format!(
+                        "no pending pod on node {} asks for vcuda-core {cores}, and the API server is unreachable ({e}); kubelet will retry",
+                        self.settings.node_name
+                    )));
+                }
+                return Err(Status::failed_precondition(format!(
+                    "no pending, unassigned pod on node {} has a container asking for vcuda-core {cores} \
+                     (pending GPU containers: {}); was the pod deleted, or already allocated?",
+                    self.settings.node_name,
+                    pods::describe_pending(&pods)
+                )));
+            }
+        }
+    }
+
+    /// The placement gpu-admission chose (`predicate-gpu-idx-<i>`), checked
+    /// against this node's state; errors name both sides.
+    fn predicated(
+        &self,
+        st: &State,
+        pod: &Pod,
+        cand: &pods::Candidate,
+        req: &Request,
+        ours: &Placement,
+    ) -> Result<Option<Placement>, Status> {
+        let Some(minors) = pods::predicate_minors(pod, cand.container_index) else {
+            return Ok(None);
+        };
+        let key = format!("{}{}", pods::PREDICATE_GPU_IDX_PREFIX, cand.container_index);
+        let minors = minors.map_err(Status::invalid_argument)?;
+        let mut gpus = Vec::new();
+        for m in &minors {
+            let g = self.gpus.iter().find(|g| g.minor == *m).ok_or_else(|| {
+                Status::failed_precondition(format!(
+                    "gpu-admission chose GPU /dev/nvidia{m} ({key}), which this node does not have (its GPUs: {})",
+                    self.gpus.iter().map(|g| format!("/dev/nvidia{}", g.minor)).collect::<Vec<_>>().join(",")
+                ))
+            })?;
+            gpus.push(g.index);
+        }
+        gpus.sort_unstable();
+        gpus.dedup();
+        let mine = ours
+            .gpus()
+            .iter()
+            .map(|&g| format!("/dev/nvidia{}", self.gpus[g].minor))
+            .collect::<Vec<_>>()
+            .join(",");
+        let theirs = minors
+            .iter()
+            .map(|m| format!("/dev/nvidia{m}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let placement = match ours {
+            Placement::Share { .. } if gpus.len() == 1 => Placement::Share {
+                gpu: gpus[0],
+                cores: req.cores,
+                memory_units: req.memory_units,
+            },
+            Placement::Exclusive { gpus: g } if g.len() == gpus.len() => {
+                Placement::Exclusive { gpus }
+            }
+            _ => {
+                return Err(Status::failed_precondition(format!(
+                    "predicate mismatch: gpu-admission chose {theirs} ({key}) for vcuda-core {}, \
+                     but that request needs {} GPU(s); the manager would choose {mine}",
+                    req.cores,
+                    ours.gpus().len()
+                )));
+            }
+        };
+        let mut probe = st.allocator.clone();
+        if let Err(e) = probe.commit("predicate-probe", &placement) {
+            return Err(Status::failed_precondition(format!(
+                "predicate mismatch: gpu-admission chose {theirs} ({key}), but on this node it does not fit ({e}); \
+                 the manager would choose {mine}"
+            )));
+        }
+        Ok(Some(placement))
+    }
+
+    /// `Allocate` for vcuda-core: find the pod, place, write the vm
+    /// directory, checkpoint, answer.
+    pub async fn allocate_vcore(
+        &self,
+        device_ids: Vec<String>,
+    ) -> Result<ContainerAllocateResponse, Status> {
+        let _serial = self.alloc_lock.lock().await;
+        let started = Instant::now();
+        let cores = device_ids.len() as u64;
+        self.release_holders_of(&device_ids);
+        let cand = self.find_candidate(cores).await?;
+        let pod = cand.pod.clone();
+        let (uid, ns, name) = (pods::uid(&pod), pods::namespace(&pod), pods::name(&pod));
+        vm::check_pod_uid(uid).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        vm::check_container_name(&cand.container)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let soft_limit = match pods::annotation(&pod, pods::VCORE_LIMIT) {
+            None => None,
+            Some(v) => Some(
+                v.trim()
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|l| (1..=100).contains(l))
+                    .ok_or_else(|| {
+                        Status::invalid_argument(format!(
+                            "pod {ns}/{name}: annotation {}={v:?} must be a number 1..100",
+                            pods::VCORE_LIMIT
+                        ))
+                    })?,
+            ),
+        };
+        let req = Request {
+            cores: u32::try_from(cores).unwrap_or(u32::MAX),
+            memory_units: cand.memory_units,
+            share_mode: self.settings.share_mode,
+        };
+        let id = alloc_id(uid, &cand.container);
+        let ctx = format!("pod {ns}/{name} container {}", cand.container);
+        let mut st = self.state.lock().unwrap();
+        let ours = st.allocator.evaluate(&req).map_err(|e| {
+            let s = alloc_status(e);
+            Status::new(s.code(), format!("{ctx}: {}", s.message()))
+        })?;
+        let placement = self
+            .predicated(&st, &pod, &cand, &req, &ours)?
+            .unwrap_or(ours);
+        st.allocator
+            .commit(id.clone(), &placement)
+            .map_err(alloc_status)?;
+        let shared = !placement.is_exclusive();
+        let gpus: Vec<&GpuInfo> = placement.gpus().iter().map(|&g| &self.gpus[g]).collect();
+        let memory_units = if shared {
+            req.memory_units
+        } else {
+            gpus.iter().map(|g| g.memory_units()).sum()
+        };
+        let data = ResourceData {
+            pod_uid: uid.to_string(),
+            limit: soft_limit
+                .map(|l| l as i32)
+                .unwrap_or(req.cores.min(100) as i32),
+            container_name: cand.container.clone(),
+            bus_id: short_bus_id(&gpus[0].pci_bus_id),
+            gpu_memory: memory_units * MEMORY_UNIT_BYTES,
+            utilization: req.cores.min(100) as i32,
+            hard_limit: soft_limit.is_none(),
+            driver_version: self.driver_version,
+            enable: shared,
+        };
+        let undo = |st: &mut State| {
+            let _ = st.allocator.release(&id);
+            self.registry.stop(&id);
+            self.vm.remove(uid, &cand.container);
+        };
+        let prepared = self
+            .vm
+            .prepare(&data, shared.then_some(data.gpu_memory))
+            .map_err(|e| Status::internal(format!("{ctx}: {e}")));
+        let (dir, ledger) = match prepared {
+            Ok(x) => x,
+            Err(e) => {
+                undo(&mut st);
+                return Err(e);
+            }
+        };
+        if shared && let Err(e) = self.registry.serve(&id, &dir, uid, &cand.container, ledger) {
+            undo(&mut st);
+            return Err(Status::internal(format!("{ctx}: serving vcuda.sock: {e}")));
+        }
+        let memory_limit = cand.memory_units;
+        let vmemory_ids = st
+            .orphan_memory
+            .iter()
+            .position(|m| m.len() as u64 == memory_limit)
+            .map(|i| st.orphan_memory.remove(i))
+            .unwrap_or_default();
+        st.allocs.insert(
+            id.clone(),
+            Allocation {
+                pod_uid: uid.to_string(),
+                namespace: ns.to_string(),
+                pod_name: name.to_string(),
+                container: cand.container.clone(),
+                container_index: cand.container_index,
+                cores: req.cores,
+                memory_units,
+                memory_limit,
+                placement: (&placement).into(),
+                soft_limit,
+                vcore_ids: device_ids,
+                vmemory_ids,
+                verified: false,
+                created: now(),
+            },
+        );
+        if let Err(e) = self.save(&st) {
+            st.allocs.remove(&id);
+            undo(&mut st);
+            return Err(e);
+        }
+        let patch = self.patch_if_complete(&st, &pod);
+        drop(st);
+        if let Some(job) = patch {
+            self.patcher.submit(job);
+        }
+        tracing::info!(
+            pod = %format!("{ns}/{name}"), container = %cand.container, uid, %placement,
+            took_us = started.elapsed().as_micros() as u64, "allocated"
+        );
+        Ok(response::build(&ResponseInput {
+            gpus,
+            cores: req.cores,
+            memory_units,
+            shared,
+            vdriver_dir: &self.settings.vdriver_path,
+            vm_dir: &dir,
+            extra_devices: &self.extra.devices,
+        }))
+    }
+
+    /// kubelet hands out only IDs it considers free: an allocation still
+    /// holding them belongs to a pod kubelet has let go of.
+    fn release_holders_of(&self, device_ids: &[String]) {
+        let stale: Vec<String> = {
+            let st = self.state.lock().unwrap();
+            st.allocs
+                .values()
+                .filter(|a| a.vcore_ids.iter().any(|i| device_ids.contains(i)))
+                .map(Allocation::id)
+                .collect()
+        };
+        for id in stale {
+            tracing::info!(
+                id,
+                "kubelet reassigned its devices; releasing the old allocation"
+            );
+            self.release(&id);
+        }
+    }
+
+    /// The patch that marks a pod assigned, once all its GPU containers are.
+    fn patch_if_complete(&self, st: &State, pod: &Pod) -> Option<PatchJob> {
+        let uid = pods::uid(pod);
+        let mut per = BTreeMap::new();
+        for (i, c) in pods::gpu_containers(pod) {
+            let a = st.allocs.get(&alloc_id(uid, &c))?;
+            let p = Placement::from(&a.placement);
+            per.insert(i, p.gpus().iter().map(|&g| self.gpus[g].minor).collect());
+        }
+        Some(PatchJob {
+            namespace: pods::namespace(pod).to_string(),
+            name: pods::name(pod).to_string(),
+            uid: uid.to_string(),
+            annotations: pods::assigned_annotations(&per),
+        })
+    }
+
+    /// `Allocate` for vcuda-memory: nothing to hand out (vcuda-core's
+    /// response carries everything); remember the IDs for PreStart.
+    pub fn allocate_vmemory(&self, device_ids: Vec<String>) -> ContainerAllocateResponse {
+        let mut st = self.state.lock().unwrap();
+        let n = device_ids.len() as u64;
+        let target = st
+            .allocs
+            .values()
+            .filter(|a| !a.verified && a.vmemory_ids.is_empty() && a.memory_limit == n)
+            .max_by_key(|a| a.created)
+            .map(Allocation::id);
+        match target {
+            Some(id) => {
+                st.allocs.get_mut(&id).unwrap().vmemory_ids = device_ids;
+                if let Err(e) = self.save(&st) {
+                    tracing::error!(error = %e.message(), "checkpoint");
+                }
+            }
+            None => st.orphan_memory.push(device_ids),
+        }
+        ContainerAllocateResponse::default()
+    }
+
+    /// `PreStartContainer`: check the pod guessed at Allocate against what
+    /// kubelet recorded. A wrong guess withdraws the allocation and fails
+    /// the container, which must never start with another pod's quota.
+    pub async fn pre_start(&self, resource: &str, device_ids: &[String]) -> Result<(), Status> {
+        let found = {
+            let st = self.state.lock().unwrap();
+            st.allocs
+                .values()
+                .find(|a| {
+                    let held = if resource == ids::VCORE_RESOURCE {
+                        &a.vcore_ids
+                    } else {
+                        &a.vmemory_ids
+                    };
+                    held.iter().any(|i| device_ids.contains(i))
+                })
+                .cloned()
+        };
+        let Some(a) = found else {
+            if resource == ids::VCORE_RESOURCE {
+                return Err(Status::failed_precondition(format!(
+                    "devices {device_ids:?} have no allocation in the manager (it was withdrawn or never made); \
+                     delete the pod to have it allocated again"
+                )));
+            }
+            return Ok(());
+        };
+        if a.verified {
+            return Ok(());
+        }
+        let mut holder: Option<Holder> = None;
+        for (res, list) in [
+            (ids::VCORE_RESOURCE, &a.vcore_ids),
+            (ids::VMEMORY_RESOURCE, &a.vmemory_ids),
+        ] {
+            if list.is_empty() {
+                continue;
+            }
+            match self.kubelet.holder(res, list).await {
+                Ok(Some(h)) => {
+                    holder = Some(h);
+                    break;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, id = %a.id(), "cannot read kubelet's device records; allocation stays unverified");
+                    return Ok(());
+                }
+            }
+        }
+        let Some(h) = holder else {
+            tracing::debug!(id = %a.id(), "kubelet has not recorded the devices yet; verifying at a later PreStart");
+            return Ok(());
+        };
+        let same_pod = match &h.pod {
+            PodKey::Name { namespace, name } => *namespace == a.namespace && *name == a.pod_name,
+            PodKey::Uid(u) => *u == a.pod_uid,
+        };
+        if same_pod && h.container == a.container {
+            let mut st = self.state.lock().unwrap();
+            if let Some(x) = st.allocs.get_mut(&a.id()) {
+                x.verified = true;
+            }
+            self.save(&st)?;
+            return Ok(());
+        }
+        self.release(&a.id());
+        Err(Status::failed_precondition(wrong_guess(&h, &a)))
+    }
+
+    /// Frees an allocation, its vm directory and socket; checkpoints.
+    pub fn release(&self, id: &str) -> Option<Allocation> {
+        let mut st = self.state.lock().unwrap();
+        let a = st.allocs.remove(id)?;
+        let _ = st.allocator.release(id);
+        self.registry.stop(id);
+        self.vm.remove(&a.pod_uid, &a.container);
+        if let Err(e) = self.save(&st) {
+            tracing::error!(error = %e.message(), "checkpoint after release");
+        }
+        tracing::info!(id, "released");
+        Some(a)
+    }
+
+    /// Periodic check: allocations of pods that are gone or finished are
+    /// released; complete pods missing their annotations are patched again.
+    pub fn check_allocations(&self) {
+        if self.pods.health() != ApiHealth::Ok {
+            return;
+        }
+        let pods = self.pods.pods();
+        let by_uid: BTreeMap<&str, &Arc<Pod>> = pods.iter().map(|p| (pods::uid(p), p)).collect();
+        let ids: Vec<(String, String)> = {
+            let st = self.state.lock().unwrap();
+            st.allocs
+                .values()
+                .map(|a| (a.id(), a.pod_uid.clone()))
+                .collect()
+        };
+        let mut patched = BTreeSet::new();
+        for (id, uid) in ids {
+            match by_uid.get(uid.as_str()) {
+                None => {
+                    tracing::info!(id, "pod is gone");
+                    self.release(&id);
+                }
+                Some(p) => {
+                    let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+                    if matches!(phase, Some("Succeeded" | "Failed")) {
+                        tracing::info!(id, phase, "pod finished");
+                        self.release(&id);
+                    } else if pods::annotation(p, pods::GPU_ASSIGNED) != Some("true")
+                        && patched.insert(uid.clone())
+                    {
+                        let job = {
+                            let st = self.state.lock().unwrap();
+                            self.patch_if_complete(&st, p)
+                        };
+                        if let Some(job) = job {
+                            self.patcher.submit(job);
+                        }
+                    }
+                }
+            }
+        }
+        let pruned = self.registry.prune();
+        if pruned > 0 {
+            tracing::info!(pruned, "dead interposer PIDs pruned");
+        }
+    }
+}
+
+fn wrong_guess(h: &Holder, a: &Allocation) -> String {
+    format!(
+        "kubelet gave these devices to {h}, but at Allocate the manager assigned them to pod {}/{} container {} \
+         (uid {}; chosen from the pending pods by predicate time): the allocation is withdrawn and this container \
+         fails so that it never runs with another pod's quota; delete the pod to have it allocated again",
+        a.namespace, a.pod_name, a.container, a.pod_uid
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_id_fits_the_quota_file() {
+        assert_eq!(short_bus_id("00000000:3B:00.0"), "0000:3B:00.0");
+        assert_eq!(short_bus_id("0000:3B:00.0"), "0000:3B:00.0");
+    }
+}

@@ -1,0 +1,234 @@
+//! Per-container vm directories: `<vm>/<pod uid>/<container>/` holding
+//! `vcuda.config`, `pids.config`, the ledger and `vcuda.sock`, mounted
+//! read-only at `/etc/vcuda`. Directories are 0755 and files 0644 (root
+//! writes, any container user reads); the socket is 0666 so non-root
+//! processes can connect; the ledger is 0600 and reaches processes only as
+//! a descriptor passed over the socket.
+
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use quota_config::{CONFIG_FILE, PIDS_FILE, ResourceData};
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("{what} {value:?} cannot name a directory: {problem}")]
+    BadName {
+        what: &'static str,
+        value: String,
+        problem: &'static str,
+    },
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("vcuda.config for {path}: {source}")]
+    Config {
+        path: String,
+        #[source]
+        source: quota_config::ConfigError,
+    },
+    #[error("ledger {path}: {source}")]
+    Ledger {
+        path: String,
+        #[source]
+        source: container_ledger::LedgerError,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> VmError + '_ {
+    move |source| VmError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// A pod UID: what Kubernetes generates (UUIDs) and what fits
+/// `resource_data_t.pod_uid`: 1..=47 of `[A-Za-z0-9-]`.
+pub fn check_pod_uid(uid: &str) -> Result<(), VmError> {
+    let bad = |problem| {
+        Err(VmError::BadName {
+            what: "pod UID",
+            value: uid.to_string(),
+            problem,
+        })
+    };
+    if uid.is_empty() || uid.len() > 47 {
+        return bad("must be 1 to 47 characters");
+    }
+    if !uid.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+        return bad("only letters, digits and '-' are allowed");
+    }
+    Ok(())
+}
+
+/// A container name: a DNS-1123 label, as the API server enforces
+/// (`[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63).
+pub fn check_container_name(name: &str) -> Result<(), VmError> {
+    let bad = |problem| {
+        Err(VmError::BadName {
+            what: "container name",
+            value: name.to_string(),
+            problem,
+        })
+    };
+    if name.is_empty() || name.len() > 63 {
+        return bad("must be 1 to 63 characters");
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    {
+        return bad("only lower-case letters, digits and '-' are allowed (DNS-1123 label)");
+    }
+    if name.starts_with('-') || name.ends_with('-') {
+        return bad("must start and end with a letter or digit");
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone)]
+pub struct VmDirs {
+    root: PathBuf,
+}
+
+fn mkdir(p: &Path) -> Result<(), VmError> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(p)
+        .map_err(io(p))?;
+    // An existing directory keeps whatever mode it had; make it ours.
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).map_err(io(p))
+}
+
+impl VmDirs {
+    pub fn new(root: &Path) -> VmDirs {
+        VmDirs {
+            root: root.to_path_buf(),
+        }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The directory of a container; the names must have been checked.
+    pub fn dir(&self, pod_uid: &str, container: &str) -> Result<PathBuf, VmError> {
+        check_pod_uid(pod_uid)?;
+        check_container_name(container)?;
+        Ok(self.root.join(pod_uid).join(container))
+    }
+
+    /// Creates the directory and writes `vcuda.config` and an empty
+    /// `pids.config` (an existing one is kept: recovery). For shares,
+    /// creates or reopens the ledger with the memory quota.
+    pub fn prepare(
+        &self,
+        data: &ResourceData,
+        ledger_quota: Option<u64>,
+    ) -> Result<(PathBuf, Option<(container_ledger::Ledger, std::fs::File)>), VmError> {
+        let dir = self.dir(&data.pod_uid, &data.container_name)?;
+        mkdir(&self.root)?;
+        mkdir(&dir)?;
+        let bytes = data.to_bytes().map_err(|source| VmError::Config {
+            path: dir.display().to_string(),
+            source,
+        })?;
+        let cfg = dir.join(CONFIG_FILE);
+        quota_config::write_atomic(&cfg, &bytes, 0o644).map_err(|e| VmError::Io {
+            path: e.path,
+            source: e.source,
+        })?;
+        let pids = dir.join(PIDS_FILE);
+        if !pids.exists() {
+            quota_config::write_atomic(&pids, &[], 0o644).map_err(|e| VmError::Io {
+                path: e.path,
+                source: e.source,
+            })?;
+        }
+        let ledger = match ledger_quota {
+            Some(q) => {
+                let p = dir.join(container_ledger::LEDGER_FILE);
+                Some(
+                    container_ledger::Ledger::create(&p, q).map_err(|source| VmError::Ledger {
+                        path: p.display().to_string(),
+                        source,
+                    })?,
+                )
+            }
+            None => None,
+        };
+        Ok((dir, ledger))
+    }
+
+    /// Removes a container's directory, and its pod's when that is empty.
+    pub fn remove(&self, pod_uid: &str, container: &str) {
+        let Ok(dir) = self.dir(pod_uid, container) else {
+            return;
+        };
+        if let Err(e) = std::fs::remove_dir_all(&dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(dir = %dir.display(), error = %e, "removing vm directory");
+        }
+        if let Some(pod) = dir.parent() {
+            let _ = std::fs::remove_dir(pod);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    #[test]
+    fn names_that_cannot_escape() {
+        for bad in ["", "..", "a/b", "../x", "x\0", &"a".repeat(48), "UPPER"] {
+            assert!(
+                check_pod_uid(bad).is_err() || check_container_name(bad).is_err(),
+                "{bad:?}"
+            );
+        }
+        assert!(check_pod_uid("..").is_err());
+        assert!(check_container_name("..").is_err());
+        assert!(check_container_name("-a").is_err());
+        assert!(check_container_name("cuda-1").is_ok());
+        assert!(check_pod_uid("3f1a9c2e-0000-4000-8000-000000000001").is_ok());
+    }
+
+    #[test]
+    fn prepare_writes_files_with_modes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let vm = VmDirs::new(&tmp.path().join("vm"));
+        let data = ResourceData {
+            pod_uid: "uid-1".into(),
+            limit: 30,
+            container_name: "c".into(),
+            bus_id: "0000:3B:00.0".into(),
+            gpu_memory: 1 << 30,
+            utilization: 30,
+            hard_limit: true,
+            driver_version: (550, 54),
+            enable: true,
+        };
+        let (dir, ledger) = vm.prepare(&data, Some(1 << 30)).unwrap();
+        assert_eq!(ledger.unwrap().0.quota(), 1 << 30);
+        let md = std::fs::metadata(dir.join(CONFIG_FILE)).unwrap();
+        assert_eq!(md.mode() & 0o777, 0o644);
+        assert_eq!(md.len(), quota_config::CONFIG_SIZE as u64);
+        assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o755);
+        assert_eq!(
+            std::fs::metadata(dir.join(container_ledger::LEDGER_FILE))
+                .unwrap()
+                .mode()
+                & 0o777,
+            0o600
+        );
+        vm.remove("uid-1", "c");
+        assert!(!dir.exists() && !dir.parent().unwrap().exists());
+    }
+}
