@@ -27,6 +27,8 @@
 //! `1024..4096` of the header belong to the compute-quota controller
 //! ([`Ledger::compute_words`]).
 
+pub mod fdpass;
+
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
@@ -156,8 +158,7 @@ impl Ledger {
         let len = file.metadata().map_err(|e| io(what(), e))?.len();
         let fresh = len == 0;
         if fresh {
-            file.set_len(FILE_SIZE as u64)
-                .map_err(|e| io(what(), e))?;
+            file.set_len(FILE_SIZE as u64).map_err(|e| io(what(), e))?;
         }
         let ledger = if fresh {
             let l = Self::map(file.as_fd_borrowed())?;
@@ -240,8 +241,11 @@ impl Ledger {
         if version != VERSION {
             return Err(LedgerError::Version { found: version });
         }
-        let (header, slots, slot_size) =
-            (u32_at(OFF_HEADER_SIZE), u32_at(OFF_SLOTS), u32_at(OFF_SLOT_SIZE));
+        let (header, slots, slot_size) = (
+            u32_at(OFF_HEADER_SIZE),
+            u32_at(OFF_SLOTS),
+            u32_at(OFF_SLOT_SIZE),
+        );
         if (header as usize, slots as usize, slot_size as usize) != (HEADER_SIZE, SLOTS, SLOT_SIZE)
         {
             return Err(LedgerError::Geometry {
@@ -254,7 +258,7 @@ impl Ledger {
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off + 8 <= FILE_SIZE && off % 8 == 0);
+        debug_assert!(off + 8 <= FILE_SIZE && off.is_multiple_of(8));
         unsafe { &*(self.base.add(off) as *const AtomicU64) }
     }
 
@@ -346,7 +350,9 @@ impl Ledger {
     pub fn reconcile(&self, slot: usize, bytes: u64) {
         let prev = self.slot_used(slot).swap(bytes, Ordering::AcqRel);
         if bytes > prev {
-            let n = self.u64_at(OFF_USED).fetch_add(bytes - prev, Ordering::AcqRel);
+            let n = self
+                .u64_at(OFF_USED)
+                .fetch_add(bytes - prev, Ordering::AcqRel);
             self.u64_at(OFF_PEAK)
                 .fetch_max(n + bytes - prev, Ordering::Relaxed);
         } else {
@@ -593,7 +599,10 @@ mod tests {
         std::fs::write(&p, vec![0u8; FILE_SIZE]).unwrap();
         assert!(matches!(Ledger::open(&p), Err(LedgerError::Magic)));
         std::fs::write(&p, b"short").unwrap();
-        assert!(matches!(Ledger::open(&p), Err(LedgerError::Size { len: 5 })));
+        assert!(matches!(
+            Ledger::open(&p),
+            Err(LedgerError::Size { len: 5 })
+        ));
         let e = Ledger::open(&dir.path().join("missing")).unwrap_err();
         assert!(e.to_string().contains("missing"), "{e}");
     }
@@ -606,14 +615,19 @@ mod tests {
         assert_eq!(l2.compute_words()[0].load(Ordering::Relaxed), 99);
         assert_eq!(l2.used(), 0);
         l.compute_words()[COMPUTE_WORDS - 1].store(1, Ordering::Relaxed);
-        assert!(l.slot(0).is_none(), "last compute word does not touch slot 0");
+        assert!(
+            l.slot(0).is_none(),
+            "last compute word does not touch slot 0"
+        );
     }
 
     #[test]
     fn concurrent_reservations_never_overshoot() {
         let (_d, l, _f) = new(10_000);
         let l = Arc::new(l);
-        let slots: Vec<usize> = (0..8).map(|i| l.claim_slot(100 + i, None).unwrap()).collect();
+        let slots: Vec<usize> = (0..8)
+            .map(|i| l.claim_slot(100 + i, None).unwrap())
+            .collect();
         let threads: Vec<_> = slots
             .into_iter()
             .map(|s| {

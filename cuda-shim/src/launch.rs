@@ -1,0 +1,115 @@
+//! Kernel launches: each passes through the compute-quota hook
+//! ([`crate::throttle::before_launch`]) when the process enforces quotas.
+//! Hot path: one relaxed load, the hook, one indirect call.
+
+use crate::config::ENFORCING;
+use crate::real::real_cuda;
+use crate::throttle::before_launch;
+use cuda_abi::CUresult;
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+
+type Ptr = *mut c_void;
+type Params = *mut *mut c_void;
+type LaunchKernel =
+    unsafe extern "C" fn(Ptr, u32, u32, u32, u32, u32, u32, u32, Ptr, Params, Params) -> CUresult;
+type LaunchCoop =
+    unsafe extern "C" fn(Ptr, u32, u32, u32, u32, u32, u32, u32, Ptr, Params) -> CUresult;
+type LaunchEx = unsafe extern "C" fn(*const LaunchConfig, Ptr, Params, Params) -> CUresult;
+type GraphLaunch = unsafe extern "C" fn(Ptr, Ptr) -> CUresult;
+
+/// The head of `CUlaunchConfig` (what the cost needs).
+#[repr(C)]
+pub struct LaunchConfig {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_mem_bytes: u32,
+}
+
+#[inline(always)]
+fn threads(g: [u32; 3], b: [u32; 3]) -> u64 {
+    g.iter()
+        .chain(&b)
+        .fold(1u64, |a, &x| a.saturating_mul(u64::from(x)))
+}
+
+#[inline(always)]
+fn hook(cost: impl FnOnce() -> u64) {
+    if ENFORCING.load(Ordering::Relaxed) {
+        before_launch(cost());
+    }
+}
+
+cuda_exports! {
+    fn cuLaunchKernel(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params, extra: Params) {
+        let real = real_cuda!(cuLaunchKernel: LaunchKernel);
+        hook(|| threads([gx, gy, gz], [bx, by, bz]));
+        real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
+    }
+
+    fn cuLaunchKernel_ptsz(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params, extra: Params) {
+        let real = real_cuda!(cuLaunchKernel_ptsz: LaunchKernel);
+        hook(|| threads([gx, gy, gz], [bx, by, bz]));
+        real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
+    }
+
+    fn cuLaunchCooperativeKernel(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params) {
+        let real = real_cuda!(cuLaunchCooperativeKernel: LaunchCoop);
+        hook(|| threads([gx, gy, gz], [bx, by, bz]));
+        real(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
+    }
+
+    fn cuLaunchCooperativeKernel_ptsz(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params) {
+        let real = real_cuda!(cuLaunchCooperativeKernel_ptsz: LaunchCoop);
+        hook(|| threads([gx, gy, gz], [bx, by, bz]));
+        real(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
+    }
+
+    fn cuLaunchKernelEx(config: *const LaunchConfig, f: Ptr, params: Params, extra: Params) {
+        let real = real_cuda!(cuLaunchKernelEx: LaunchEx);
+        hook(|| config.as_ref().map_or(0, |c| threads(c.grid, c.block)));
+        real(config, f, params, extra)
+    }
+
+    fn cuLaunchKernelEx_ptsz(config: *const LaunchConfig, f: Ptr, params: Params, extra: Params) {
+        let real = real_cuda!(cuLaunchKernelEx_ptsz: LaunchEx);
+        hook(|| config.as_ref().map_or(0, |c| threads(c.grid, c.block)));
+        real(config, f, params, extra)
+    }
+
+    fn cuLaunchCooperativeKernelMultiDevice(params: Ptr, num_devices: u32, flags: u32) {
+        let real = real_cuda!(cuLaunchCooperativeKernelMultiDevice: unsafe extern "C" fn(Ptr, u32, u32) -> CUresult);
+        hook(|| 0);
+        real(params, num_devices, flags)
+    }
+
+    fn cuGraphLaunch(exec: Ptr, stream: Ptr) {
+        let real = real_cuda!(cuGraphLaunch: GraphLaunch);
+        hook(|| 0);
+        real(exec, stream)
+    }
+
+    fn cuGraphLaunch_ptsz(exec: Ptr, stream: Ptr) {
+        let real = real_cuda!(cuGraphLaunch_ptsz: GraphLaunch);
+        hook(|| 0);
+        real(exec, stream)
+    }
+
+    fn cuLaunch(f: Ptr) {
+        let real = real_cuda!(cuLaunch: unsafe extern "C" fn(Ptr) -> CUresult);
+        hook(|| 0);
+        real(f)
+    }
+
+    fn cuLaunchGrid(f: Ptr, w: i32, h: i32) {
+        let real = real_cuda!(cuLaunchGrid: unsafe extern "C" fn(Ptr, i32, i32) -> CUresult);
+        hook(|| (w.max(0) as u64).saturating_mul(h.max(0) as u64));
+        real(f, w, h)
+    }
+
+    fn cuLaunchGridAsync(f: Ptr, w: i32, h: i32, stream: Ptr) {
+        let real = real_cuda!(cuLaunchGridAsync: unsafe extern "C" fn(Ptr, i32, i32, Ptr) -> CUresult);
+        hook(|| (w.max(0) as u64).saturating_mul(h.max(0) as u64));
+        real(f, w, h, stream)
+    }
+}

@@ -1,0 +1,437 @@
+//! The process's registration with the manager and its share of the
+//! container ledger.
+//!
+//! Protocol (`proto/vcuda/registration.proto`): connect to
+//! `<config dir>/vcuda.sock`, send a `RegisterRequest` frame, read the
+//! `RegisterResponse` frame with the ledger's descriptor attached
+//! (SCM_RIGHTS), map the ledger, keep the connection open for the life of
+//! the process. The manager knows the caller by SO_PEERCRED (a host PID)
+//! and, when the connection closes, clears the process's ledger slot: a dead
+//! process's memory was freed by the driver.
+//!
+//! The watcher thread (one per process, blocking I/O, no async runtime)
+//! waits on the connection; when the manager goes away it reconnects and
+//! re-registers with the slot it held, then reconciles the slot with what
+//! this process really holds. It also drives the compute controller's
+//! periodic work ([`crate::throttle::tick`]).
+//!
+//! Fork: the child gets a fresh, unregistered state (a new `Proc`), closes
+//! its copy of the parent's connection and registers on its own at its next
+//! CUDA call, which also starts its own watcher.
+
+use crate::config::{self, Enforce};
+use crate::log::{self, log};
+use crate::table::AllocTable;
+use container_ledger::{Ledger, fdpass};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use std::sync::{Mutex, Once, RwLock, RwLockReadGuard};
+use std::time::{Duration, Instant};
+use thiserror::Error;
+use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, frame, register_response::Status};
+
+/// Returned by CUDA calls refused because the process has no quota to run
+/// under (no config, corrupt config, no manager).
+pub const REFUSED: cuda_abi::CUresult = cuda_abi::CUDA_ERROR_NOT_PERMITTED;
+
+/// This process's place in the ledger.
+pub struct Attach {
+    pub ledger: Ledger,
+    pub slot: usize,
+    pub host_pid: i32,
+    file_id: (u64, u64),
+}
+
+/// Per-process state; replaced wholesale in a fork child.
+pub struct Proc {
+    attach: RwLock<Option<Attach>>,
+    registered: AtomicBool,
+    /// Serialises registration; holds the sticky failure, if any.
+    reg: Mutex<Option<String>>,
+    pub table: AllocTable,
+    /// Bytes this process holds (what its slot should say).
+    pub local_used: AtomicU64,
+}
+
+static PROC: AtomicPtr<Proc> = AtomicPtr::new(std::ptr::null_mut());
+/// The connection's descriptor, for the fork child to close its copy.
+static SOCK_FD: AtomicI32 = AtomicI32::new(-1);
+
+impl Proc {
+    fn new() -> Proc {
+        Proc {
+            attach: RwLock::new(None),
+            registered: AtomicBool::new(false),
+            reg: Mutex::new(None),
+            table: AllocTable::default(),
+            local_used: AtomicU64::new(0),
+        }
+    }
+
+    /// Registers with the manager unless done (a load on the fast path).
+    /// Pass-through processes need nothing. On failure the reason was
+    /// printed and the call should return [`REFUSED`].
+    #[inline]
+    pub fn ensure_registered(&self) -> Result<(), cuda_abi::CUresult> {
+        if self.registered.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.register_slow()
+    }
+
+    #[cold]
+    fn register_slow(&self) -> Result<(), cuda_abi::CUresult> {
+        let enf = match config::mode() {
+            config::Mode::PassThrough => return Ok(()),
+            config::Mode::Closed(reason) => {
+                log::fail_closed(reason);
+                return Err(REFUSED);
+            }
+            config::Mode::Enforce(e) => e,
+        };
+        let mut failed = self.reg.lock().unwrap_or_else(|e| e.into_inner());
+        if self.registered.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if failed.is_some() {
+            return Err(REFUSED);
+        }
+        let timeout = config::register_timeout();
+        let deadline = Instant::now() + timeout;
+        loop {
+            match register_once(enf, None, deadline) {
+                Ok((sock, resp, fd)) => match self.install(&resp, fd) {
+                    Ok(()) => {
+                        self.registered.store(true, Ordering::Release);
+                        log!(
+                            Info,
+                            "registered: host pid {}, ledger slot {:?}",
+                            resp.host_pid,
+                            resp.ledger_slot
+                        );
+                        start_watcher(sock);
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        let msg = format!("GPU manager registration failed: {e}; refusing CUDA");
+                        log::fail_closed(&msg);
+                        *failed = Some(msg);
+                        return Err(REFUSED);
+                    }
+                },
+                Err(e) if e.retryable() && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(25));
+                }
+                Err(e) => {
+                    let msg = format!(
+                        "cannot register with the GPU manager at {} (waited {} ms): {e}; refusing CUDA",
+                        socket_path(enf).display(),
+                        timeout.as_millis()
+                    );
+                    log::fail_closed(&msg);
+                    *failed = Some(msg);
+                    return Err(REFUSED);
+                }
+            }
+        }
+    }
+
+    /// Maps the ledger the manager passed and makes our slot hold exactly
+    /// what this process holds.
+    fn install(&self, resp: &RegisterResponse, fd: Option<OwnedFd>) -> Result<(), RegError> {
+        let slot = resp
+            .ledger_slot
+            .ok_or_else(|| RegError::Protocol("the reply has no ledger slot".into()))?
+            as usize;
+        let fd =
+            fd.ok_or_else(|| RegError::Protocol("the reply carries no ledger descriptor".into()))?;
+        if slot >= container_ledger::SLOTS {
+            return Err(RegError::Protocol(format!(
+                "ledger slot {slot} out of range"
+            )));
+        }
+        let ledger = Ledger::from_fd(fd.as_fd()).map_err(|e| RegError::Ledger(e.to_string()))?;
+        let file_id = file_id(&fd);
+        drop(fd);
+        let mut w = self.attach.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(old) = w.as_ref()
+            && old.file_id == file_id
+            && old.slot != slot
+            && old
+                .ledger
+                .slot(old.slot)
+                .is_some_and(|s| s.pid == old.host_pid)
+        {
+            // Same ledger, new slot: do not leave our bytes counted twice.
+            old.ledger.clear_slot(old.slot);
+        }
+        // No allocation is in flight in this process (write lock).
+        ledger.reconcile(slot, self.local_used.load(Ordering::Acquire));
+        crate::throttle::on_attach(&ledger, slot);
+        *w = Some(Attach {
+            ledger,
+            slot,
+            host_pid: resp.host_pid,
+            file_id,
+        });
+        Ok(())
+    }
+
+    /// The ledger attachment for the duration of an allocation or free.
+    /// Many threads hold it at once; re-registration waits for them.
+    pub fn attach(&self) -> RwLockReadGuard<'_, Option<Attach>> {
+        self.attach.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn is_registered(&self) -> bool {
+        self.registered.load(Ordering::Acquire)
+    }
+}
+
+/// This process's state.
+#[inline]
+pub fn proc() -> &'static Proc {
+    let p = PROC.load(Ordering::Acquire);
+    if !p.is_null() {
+        return unsafe { &*p };
+    }
+    proc_init()
+}
+
+#[cold]
+fn proc_init() -> &'static Proc {
+    static ATFORK: Once = Once::new();
+    ATFORK.call_once(|| unsafe {
+        libc::pthread_atfork(None, None, Some(atfork_child));
+    });
+    let fresh = Box::into_raw(Box::new(Proc::new()));
+    match PROC.compare_exchange(
+        std::ptr::null_mut(),
+        fresh,
+        Ordering::AcqRel,
+        Ordering::Acquire,
+    ) {
+        Ok(_) => unsafe { &*fresh },
+        Err(existing) => {
+            drop(unsafe { Box::from_raw(fresh) });
+            unsafe { &*existing }
+        }
+    }
+}
+
+/// In the child of fork(): only this thread exists. The parent's state
+/// (its registration, slot and allocations) is not ours; start afresh and
+/// drop our copy of the parent's connection so the manager sees the
+/// parent's close when the parent exits. The old state is leaked: another
+/// thread may have held its locks at fork time.
+extern "C" fn atfork_child() {
+    let fd = SOCK_FD.swap(-1, Ordering::AcqRel);
+    if fd >= 0 {
+        unsafe { libc::close(fd) };
+    }
+    let fresh = Box::into_raw(Box::new(Proc::new()));
+    PROC.store(fresh, Ordering::Release);
+    watcher_forgotten();
+    crate::throttle::after_fork_child();
+}
+
+fn file_id(fd: &OwnedFd) -> (u64, u64) {
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    unsafe { libc::fstat(fd.as_raw_fd(), &mut st) };
+    (st.st_dev, st.st_ino)
+}
+
+#[derive(Debug, Error)]
+pub enum RegError {
+    #[error("{0}")]
+    Connect(std::io::Error),
+    #[error("talking to the manager: {0}")]
+    Io(std::io::Error),
+    #[error("the manager rejected this process: {0}")]
+    Rejected(String),
+    #[error("bad reply from the manager: {0}")]
+    Protocol(String),
+    #[error("cannot map the container ledger: {0}")]
+    Ledger(String),
+}
+
+impl RegError {
+    /// The manager may just not be up yet.
+    fn retryable(&self) -> bool {
+        match self {
+            RegError::Connect(e) => matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound
+                    | std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::ConnectionReset
+            ),
+            RegError::Io(_) => true,
+            _ => false,
+        }
+    }
+}
+
+pub fn socket_path(enf: &Enforce) -> PathBuf {
+    enf.dir.join(quota_config::SOCKET_FILE)
+}
+
+/// One registration attempt.
+fn register_once(
+    enf: &Enforce,
+    previous_slot: Option<usize>,
+    deadline: Instant,
+) -> Result<(UnixStream, RegisterResponse, Option<OwnedFd>), RegError> {
+    let sock = UnixStream::connect(socket_path(enf)).map_err(RegError::Connect)?;
+    // Bounded handshake; the watcher later waits with poll().
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(500));
+    sock.set_read_timeout(Some(left)).map_err(RegError::Io)?;
+    sock.set_write_timeout(Some(left)).map_err(RegError::Io)?;
+    let req = RegisterRequest {
+        protocol_version: frame::PROTOCOL_VERSION,
+        pod_uid: enf.data.pod_uid.clone(),
+        container_name: enf.data.container_name.clone(),
+        bus_id: enf.data.bus_id.clone(),
+        local_pid: std::process::id() as i32,
+        program: std::env::args_os()
+            .next()
+            .map(|a| a.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        previous_slot: previous_slot.map(|s| s as u32),
+    };
+    frame::write(&mut &sock, &req).map_err(RegError::Io)?;
+    let (body, fd) = fdpass::recv_frame(sock.as_fd(), frame::MAX_FRAME).map_err(RegError::Io)?;
+    let resp = <RegisterResponse as prost::Message>::decode(body.as_slice())
+        .map_err(|e| RegError::Protocol(e.to_string()))?;
+    if resp.status() != Status::Accepted {
+        return Err(RegError::Rejected(if resp.message.is_empty() {
+            format!("status {:?}", resp.status())
+        } else {
+            resp.message.clone()
+        }));
+    }
+    sock.set_read_timeout(None).map_err(RegError::Io)?;
+    sock.set_write_timeout(None).map_err(RegError::Io)?;
+    Ok((sock, resp, fd))
+}
+
+static WATCHING: AtomicBool = AtomicBool::new(false);
+
+fn start_watcher(sock: UnixStream) {
+    SOCK_FD.store(sock.as_raw_fd(), Ordering::Release);
+    // One watcher per process; a fork child's flag is reset with its state.
+    let r = std::thread::Builder::new()
+        .name("vcuda-watcher".into())
+        .spawn(move || watch(sock));
+    if let Err(e) = r {
+        log!(Error, "cannot start the watcher thread: {e}");
+    } else {
+        WATCHING.store(true, Ordering::Release);
+    }
+}
+
+/// Reset in the fork child (its watcher thread does not exist).
+pub(crate) fn watcher_forgotten() {
+    WATCHING.store(false, Ordering::Release);
+}
+
+/// Whether this process's watcher thread runs.
+pub fn watching() -> bool {
+    WATCHING.load(Ordering::Acquire)
+}
+
+fn watch(mut sock: UnixStream) {
+    let my_proc = PROC.load(Ordering::Acquire);
+    loop {
+        let tick = crate::throttle::tick_interval();
+        let mut pfd = libc::pollfd {
+            fd: sock.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let n = unsafe { libc::poll(&mut pfd, 1, tick.as_millis().min(60_000) as i32) };
+        crate::throttle::tick();
+        if n <= 0 {
+            continue;
+        }
+        // The manager sends nothing yet: data is read and dropped; EOF or
+        // an error means it went away.
+        let mut buf = [0u8; 512];
+        let r = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if r > 0 {
+            continue;
+        }
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
+            ) {
+                continue;
+            }
+        }
+        log!(
+            Warn,
+            "the GPU manager closed the connection; re-registering"
+        );
+        SOCK_FD.store(-1, Ordering::Release);
+        drop(sock);
+        sock = reconnect(my_proc);
+        SOCK_FD.store(sock.as_raw_fd(), Ordering::Release);
+    }
+}
+
+/// Reconnects until the manager is back, keeping the ledger slot.
+fn reconnect(my_proc: *mut Proc) -> UnixStream {
+    let Some(enf) = config::enforce() else {
+        unreachable!("the watcher runs only when enforcing")
+    };
+    let p = unsafe { &*my_proc };
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        std::thread::sleep(backoff);
+        crate::throttle::tick();
+        let prev = p.attach().as_ref().map(|a| a.slot);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        match register_once(enf, prev, deadline).and_then(|(s, resp, fd)| {
+            p.install(&resp, fd)?;
+            Ok((s, resp))
+        }) {
+            Ok((s, resp)) => {
+                log!(
+                    Info,
+                    "re-registered: host pid {}, ledger slot {:?}",
+                    resp.host_pid,
+                    resp.ledger_slot
+                );
+                return s;
+            }
+            Err(e) => {
+                log!(Debug, "re-registration failed: {e}");
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// Host PIDs of the container's processes: the manager's `pids.config`
+/// plus this process (the manager may not have written it yet).
+pub fn container_pids() -> Vec<i32> {
+    let mut pids = Vec::new();
+    if let Some(enf) = config::enforce()
+        && let Ok(b) = std::fs::read(enf.dir.join(quota_config::PIDS_FILE))
+        && let Ok(p) = quota_config::decode_pids(&b)
+    {
+        pids = p;
+    }
+    if let Some(a) = proc().attach().as_ref()
+        && a.host_pid > 0
+        && !pids.contains(&a.host_pid)
+    {
+        pids.push(a.host_pid);
+    }
+    pids
+}

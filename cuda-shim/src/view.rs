@@ -1,0 +1,99 @@
+//! The container's view of GPU memory: the quota is the card's size, and
+//! free is the quota minus what the whole container holds (never below
+//! zero, never above what the card really has free).
+
+use crate::config;
+use crate::real::real_cuda;
+use crate::registration::proc;
+use cuda_abi::{CUDA_SUCCESS, CUresult};
+
+/// (free, total) as the container sees them, from the real ones.
+pub fn virtual_mem(real_free: u64, real_total: u64) -> (u64, u64) {
+    let Some(enf) = config::enforce() else {
+        return (real_free, real_total);
+    };
+    let p = proc();
+    let _ = p.ensure_registered();
+    let guard = p.attach();
+    let (quota, used) = match guard.as_ref() {
+        Some(a) => (a.ledger.quota(), a.ledger.used()),
+        None => (enf.data.gpu_memory, 0),
+    };
+    clamp_view(quota, used, real_free, real_total)
+}
+
+/// Pure part of [`virtual_mem`].
+pub fn clamp_view(quota: u64, used: u64, real_free: u64, real_total: u64) -> (u64, u64) {
+    let total = quota.min(real_total);
+    let free = total.saturating_sub(used).min(real_free);
+    (free, total)
+}
+
+/// The quota as the device's total memory.
+pub fn virtual_total(real_total: u64) -> u64 {
+    virtual_mem(real_total, real_total).1
+}
+
+cuda_exports! {
+    fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) {
+        let f = real_cuda!(cuMemGetInfo_v2: unsafe extern "C" fn(*mut usize, *mut usize) -> CUresult);
+        let r = f(free, total);
+        if r == CUDA_SUCCESS && !free.is_null() && !total.is_null() {
+            let (fr, to) = virtual_mem(*free as u64, *total as u64);
+            *free = fr as usize;
+            *total = to as usize;
+        }
+        r
+    }
+
+    fn cuMemGetInfo(free: *mut u32, total: *mut u32) {
+        // The legacy 32-bit query: answered from the 64-bit one.
+        let f = real_cuda!(cuMemGetInfo_v2: unsafe extern "C" fn(*mut usize, *mut usize) -> CUresult);
+        if free.is_null() || total.is_null() {
+            return cuda_abi::CUDA_ERROR_INVALID_VALUE;
+        }
+        let (mut fr, mut to) = (0usize, 0usize);
+        let r = f(&mut fr, &mut to);
+        if r == CUDA_SUCCESS {
+            let (fr, to) = virtual_mem(fr as u64, to as u64);
+            *free = fr.min(u32::MAX as u64) as u32;
+            *total = to.min(u32::MAX as u64) as u32;
+        }
+        r
+    }
+
+    fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: i32) {
+        let f = real_cuda!(cuDeviceTotalMem_v2: unsafe extern "C" fn(*mut usize, i32) -> CUresult);
+        let r = f(bytes, dev);
+        if r == CUDA_SUCCESS && !bytes.is_null() {
+            *bytes = virtual_total(*bytes as u64) as usize;
+        }
+        r
+    }
+
+    fn cuDeviceTotalMem(bytes: *mut u32, dev: i32) {
+        let f = real_cuda!(cuDeviceTotalMem_v2: unsafe extern "C" fn(*mut usize, i32) -> CUresult);
+        if bytes.is_null() {
+            return cuda_abi::CUDA_ERROR_INVALID_VALUE;
+        }
+        let mut b = 0usize;
+        let r = f(&mut b, dev);
+        if r == CUDA_SUCCESS {
+            *bytes = virtual_total(b as u64).min(u32::MAX as u64) as u32;
+        }
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn view_never_underflows_nor_exceeds_the_card() {
+        assert_eq!(clamp_view(1000, 300, 10_000, 16_000), (700, 1000));
+        assert_eq!(clamp_view(1000, 1300, 10_000, 16_000), (0, 1000));
+        assert_eq!(clamp_view(1000, 300, 200, 16_000), (200, 1000));
+        assert_eq!(clamp_view(100_000, 0, 500, 16_000), (500, 16_000));
+    }
+}
