@@ -72,10 +72,10 @@ impl Ctx {
         let base = DEVICES.as_ptr() as usize;
         let off = (h as usize).wrapping_sub(base);
         let size = std::mem::size_of::<DeviceSlot>();
-        if off % size != 0 || off / size >= MAX_GPUS {
+        let sim = off / size;
+        if sim >= MAX_GPUS || sim * size != off {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
-        let sim = off / size;
         if self.visible.contains(&sim) {
             Ok(sim)
         } else {
