@@ -624,6 +624,10 @@ fn nvidia_smi_shows_devices_memory_and_processes() {
     };
     let table = run(&[]);
     eprintln!("{table}");
+    // The 535+ layout: every box line is 91 columns.
+    for line in table.lines().skip(1).filter(|l| !l.is_empty()) {
+        assert_eq!(line.chars().count(), 91, "{line:?}");
+    }
     assert!(table.contains("Driver Version: 550.54.15"), "{table}");
     assert!(table.contains("CUDA Version: 12.4"), "{table}");
     assert!(table.contains("00000000:07:00.0"), "{table}");

@@ -335,7 +335,7 @@ fn table(nvml: &Nvml, devices: &[Device]) -> String {
             .unwrap_or_else(|_| "N/A".into());
         let _ = writeln!(
             s,
-            "| {fan:>3}   {temp:>3}    {:<2}{pwr:>16} / {cap:>5} | {used:>10} / {total:>9} | {util:>8}{:>13} |",
+            "| {fan:>3}   {temp:>3}    {:<2}{pwr:>16} / {cap:>5} | {used:>10} / {total:>9} |{util:>8}{:>13} |",
             pstate(d),
             compute_mode(d)
         );
