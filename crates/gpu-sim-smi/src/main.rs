@@ -264,7 +264,23 @@ fn table(nvml: &Nvml, devices: &[Device]) -> String {
         s,
         "| NVIDIA-SMI {driver:<23}Driver Version: {driver:<15}CUDA Version: {cuda:<9}|"
     );
-    let _ = writeln!(s, "{sep}");
+    // Drivers before 560 close the title box with `|...|`, later ones with `+...+`.
+    let major: u32 = driver
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(0);
+    if major < 560 {
+        let _ = writeln!(
+            s,
+            "|{}+{}+{}|",
+            "-".repeat(41),
+            "-".repeat(24),
+            "-".repeat(22)
+        );
+    } else {
+        let _ = writeln!(s, "{sep}");
+    }
     s.push_str("| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |\n");
     s.push_str("| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |\n");
     s.push_str("|                                         |                        |               MIG M. |\n");
