@@ -37,6 +37,9 @@ struct State {
     /// (kubelet allocates a container's resources in map order).
     orphan_memory: Vec<Vec<String>>,
     healthy: Vec<bool>,
+    /// Pods whose allocation was withdrawn after a wrong guess: candidates
+    /// again even while their `gpu-assigned` annotation is being reverted.
+    withdrawn: BTreeSet<String>,
 }
 
 pub struct Manager {
@@ -110,6 +113,7 @@ impl Manager {
                 allocs: BTreeMap::new(),
                 orphan_memory: Vec::new(),
                 healthy: vec![true; n],
+                withdrawn: BTreeSet::new(),
             }),
             alloc_lock: tokio::sync::Mutex::new(()),
             pods: p.pods,
@@ -224,9 +228,12 @@ impl Manager {
             let pods = self.pods.pods();
             let found = {
                 let st = self.state.lock().unwrap();
-                pods::select(&pods, cores, |uid, c| {
-                    st.allocs.contains_key(&alloc_id(uid, c))
-                })
+                pods::select(
+                    &pods,
+                    cores,
+                    |uid, c| st.allocs.contains_key(&alloc_id(uid, c)),
+                    |uid| st.withdrawn.contains(uid),
+                )
             };
             if let Some(c) = found {
                 return Ok(c);
@@ -435,6 +442,7 @@ impl Manager {
             undo(&mut st);
             return Err(e);
         }
+        st.withdrawn.remove(uid);
         let patch = self.patch_if_complete(&st, &pod);
         drop(st);
         if let Some(job) = patch {
@@ -582,6 +590,18 @@ impl Manager {
             return Ok(());
         }
         self.release(&a.id());
+        self.state
+            .lock()
+            .unwrap()
+            .withdrawn
+            .insert(a.pod_uid.clone());
+        // The guessed pod may have been annotated assigned already.
+        self.patcher.submit(PatchJob {
+            namespace: a.namespace.clone(),
+            name: a.pod_name.clone(),
+            uid: a.pod_uid.clone(),
+            annotations: BTreeMap::from([(pods::GPU_ASSIGNED.to_string(), "false".to_string())]),
+        });
         Err(Status::failed_precondition(wrong_guess(&h, &a)))
     }
 

@@ -54,9 +54,15 @@ fn is_gpu_container(c: &Container) -> bool {
 /// Pending (or not yet reported), not being deleted, asks for vcuda-core,
 /// and gpu-admission / this manager have not marked it assigned.
 pub fn is_candidate(pod: &Pod) -> bool {
+    is_candidate_unless(pod, false)
+}
+
+/// [`is_candidate`]; `withdrawn`: the manager took its own assignment back,
+/// whatever the (possibly not yet reverted) annotation says.
+pub fn is_candidate_unless(pod: &Pod, withdrawn: bool) -> bool {
     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
     let pending = matches!(phase, None | Some("Pending"));
-    let assigned = annotation(pod, GPU_ASSIGNED).is_some_and(|v| v != "false");
+    let assigned = !withdrawn && annotation(pod, GPU_ASSIGNED).is_some_and(|v| v != "false");
     let gpu = pod
         .spec
         .as_ref()
@@ -99,8 +105,12 @@ pub fn select(
     pods: &[Arc<Pod>],
     cores: u64,
     allocated: impl Fn(&str, &str) -> bool,
+    withdrawn: impl Fn(&str) -> bool,
 ) -> Option<Candidate> {
-    let mut cands: Vec<&Arc<Pod>> = pods.iter().filter(|p| is_candidate(p)).collect();
+    let mut cands: Vec<&Arc<Pod>> = pods
+        .iter()
+        .filter(|p| is_candidate_unless(p, withdrawn(uid(p))))
+        .collect();
     let started = |p: &Pod| {
         p.spec.as_ref().is_some_and(|s| {
             s.containers
@@ -238,13 +248,13 @@ mod tests {
                 &[("side", 0, 0), ("b", 50, 2), ("c", 30, 8)],
             ),
         ];
-        let c = select(&pods, 30, |_, _| false).unwrap();
+        let c = select(&pods, 30, |_, _| false, |_| false).unwrap();
         assert_eq!((super::name(&c.pod), c.container.as_str()), ("early", "c"));
         assert_eq!((c.container_index, c.memory_units), (2, 8));
         // Once early/c is served, late/a is next.
-        let c = select(&pods, 30, |u, n| u == "uid-early" && n == "c").unwrap();
+        let c = select(&pods, 30, |u, n| u == "uid-early" && n == "c", |_| false).unwrap();
         assert_eq!(super::name(&c.pod), "late");
-        assert!(select(&pods, 70, |_, _| false).is_none());
+        assert!(select(&pods, 70, |_, _| false, |_| false).is_none());
         assert_eq!(
             describe_pending(&pods),
             "ns/late:a=30, ns/early:b=50, ns/early:c=30"
@@ -257,7 +267,7 @@ mod tests {
             pod("first", Some(1), &[("x", 100, 0)]),
             pod("multi", Some(5), &[("a", 100, 0), ("b", 100, 0)]),
         ];
-        let c = select(&pods, 100, |u, n| u == "uid-multi" && n == "a").unwrap();
+        let c = select(&pods, 100, |u, n| u == "uid-multi" && n == "a", |_| false).unwrap();
         assert_eq!((super::name(&c.pod), c.container.as_str()), ("multi", "b"));
         let mut assigned = (*pods[0]).clone();
         assigned
