@@ -221,7 +221,7 @@ fn sleep_until_mono(t: u64) {
 
 /// Entry point of helper processes (a no-op in a normal test run).
 ///
-/// Modes: `hold:GPU:BYTES` allocates and idles; `saturate:GPU` keeps ~2 ms
+/// Modes: `hold:GPU:BYTES` allocates and idles; `saturate:GPU` keeps ~20 ms
 /// of 1 ms kernels queued; `half:GPU` runs a 10 ms kernel at the start of
 /// every 20 ms period. Each runs until its stdin closes.
 #[test]
@@ -253,8 +253,9 @@ fn helper_process() {
         match parts[0] {
             "hold" => std::thread::sleep(Duration::from_millis(20)),
             "saturate" => {
+                // 20 ms queued: a descheduled helper leaves no gap.
                 let (_, end) = state.launch(me, gpu, MS, 0);
-                sleep_until_mono(end.saturating_sub(2 * MS));
+                sleep_until_mono(end.saturating_sub(20 * MS));
             }
             "half" => {
                 // Anchored to absolute periods, so wake-up jitter does not
@@ -262,7 +263,7 @@ fn helper_process() {
                 let start = t0 + period * 20 * MS;
                 state.launch(me, gpu, 10 * MS, start);
                 period += 1;
-                sleep_until_mono(t0 + period * 20 * MS - MS);
+                sleep_until_mono(t0 + period * 20 * MS - 5 * MS);
             }
             other => panic!("unknown helper mode {other}"),
         }

@@ -75,9 +75,10 @@ while True:
     if mode == "hold":
         time.sleep(1)
     elif mode == "saturate":
-        # Two 1 ms kernels in flight: the device never waits for Python.
-        ok(d.cuLaunchKernel(f, MS, 1, 1, 256, 1, 1, 0, s, 0, 0))
-        ok(d.cuLaunchKernel(f, MS, 1, 1, 256, 1, 1, 0, s, 0, 0))
+        # Batches of 1 ms kernels: while one process synchronizes, the
+        # other's batch keeps the device busy.
+        for _ in range(8):
+            ok(d.cuLaunchKernel(f, MS, 1, 1, 256, 1, 1, 0, s, 0, 0))
         ok(d.cuStreamSynchronize(s))
     elif mode == "half":
         # 10 ms of kernels at the start of every 20 ms period.
