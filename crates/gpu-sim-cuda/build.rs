@@ -9,6 +9,9 @@ use std::path::Path;
 
 fn main() {
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libcuda.so.1");
+    // Own exports bind to our own definitions even when an interposer with
+    // the same symbols is loaded first (cuGetProcAddress must hand out ours).
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-Bsymbolic");
     let list = Path::new("../cuda-abi/symbols/libcuda.txt");
     println!("cargo:rerun-if-changed={}", list.display());
     println!("cargo:rerun-if-changed=src");

@@ -7,6 +7,9 @@ use std::path::Path;
 
 fn main() {
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libnvidia-ml.so.1");
+    // Own exports bind to our own definitions even when an interposer with
+    // the same symbols is loaded first (cuGetProcAddress must hand out ours).
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-Bsymbolic");
     println!("cargo:rerun-if-changed=symbols/libnvidia-ml.txt");
     println!("cargo:rerun-if-changed=src");
 
