@@ -80,6 +80,7 @@ struct Selector {
 }
 
 impl Selector {
+    #[allow(clippy::result_large_err)] // the error is the HTTP answer
     fn parse(ns: Option<String>, q: &HashMap<String, String>) -> Result<Selector, Response> {
         let mut sel = Selector {
             namespace: ns,
@@ -276,6 +277,7 @@ fn watch(app: App, kind: Kind, sel: Selector, since: u64, timeout: Duration) -> 
         .unwrap()
 }
 
+#[allow(clippy::result_large_err)] // the error is the HTTP answer
 fn parse_patch(headers: &HeaderMap, body: &Bytes) -> Result<Value, Response> {
     let ct = headers
         .get(header::CONTENT_TYPE)

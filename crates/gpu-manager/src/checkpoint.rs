@@ -119,6 +119,9 @@ pub enum CheckpointError {
     Invalid { path: String, problem: String },
 }
 
+/// GPU UUIDs by index and the allocations, as saved.
+pub type Saved = (Vec<String>, Vec<Allocation>);
+
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
     path: PathBuf,
@@ -137,7 +140,7 @@ impl Checkpoint {
 
     /// The saved allocations and the GPU UUIDs they were made on; none when
     /// there is no file.
-    pub fn load(&self) -> Result<Option<(Vec<String>, Vec<Allocation>)>, CheckpointError> {
+    pub fn load(&self) -> Result<Option<Saved>, CheckpointError> {
         let text = match std::fs::read_to_string(&self.path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),

@@ -53,7 +53,7 @@ impl KubeletRecords {
     /// Who kubelet says holds any of `ids` of `resource`; `None` when
     /// kubelet has not recorded them (yet).
     pub async fn holder(&self, resource: &str, ids: &[String]) -> Result<Option<Holder>, String> {
-        match self.from_pod_resources(resource, ids).await {
+        match self.query_pod_resources(resource, ids).await {
             Ok(h) => Ok(h),
             Err(pr_err) => {
                 tracing::debug!(error = %pr_err, "pod-resources unavailable; reading kubelet's checkpoint");
@@ -70,7 +70,7 @@ impl KubeletRecords {
         }
     }
 
-    async fn from_pod_resources(
+    async fn query_pod_resources(
         &self,
         resource: &str,
         ids: &[String],

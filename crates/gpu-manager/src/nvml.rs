@@ -80,6 +80,8 @@ fn level(l: TopologyLevel) -> PcieLevel {
     }
 }
 
+// Pairwise matrices read best with explicit indices.
+#[allow(clippy::needless_range_loop)]
 pub fn discover(nvml: &Nvml) -> Result<Discovered, NvmlSetupError> {
     let count = q(|| "device count".into(), nvml.device_count())? as usize;
     if count == 0 {
