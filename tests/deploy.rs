@@ -1,0 +1,465 @@
+//! The manifests in deploy/ are what an operator applies: every document
+//! must deserialize into the Kubernetes type of its kind without losing a
+//! field (a misspelt key is dropped by the typed round trip and reported),
+//! and the pieces must fit together (labels, ports, volumes, config keys).
+
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use serde::Deserialize;
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+
+fn deploy_dir() -> PathBuf {
+    vcuda_tests::workspace_root().join("deploy")
+}
+
+/// Every YAML document in deploy/, with the file it came from.
+fn documents() -> Vec<(String, Value)> {
+    let mut out = Vec::new();
+    let mut files: Vec<_> = std::fs::read_dir(deploy_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml" || x == "yml"))
+        .collect();
+    files.sort();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let v = Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+            if !v.is_null() {
+                out.push((f.file_name().unwrap().to_string_lossy().into_owned(), v));
+            }
+        }
+    }
+    out
+}
+
+/// Every field of `original` must survive in `typed` unchanged.
+fn assert_subset(file: &str, path: &str, original: &Value, typed: &Value) {
+    match (original, typed) {
+        (Value::Object(o), Value::Object(t)) => {
+            for (k, v) in o {
+                let p = format!("{path}.{k}");
+                let Some(tv) = t.get(k) else {
+                    panic!(
+                        "{file}: {p} is not a field of the Kubernetes type (misspelt or misplaced?)"
+                    );
+                };
+                assert_subset(file, &p, v, tv);
+            }
+        }
+        (Value::Array(o), Value::Array(t)) => {
+            assert_eq!(o.len(), t.len(), "{file}: {path} changed length");
+            for (i, (a, b)) in o.iter().zip(t).enumerate() {
+                assert_subset(file, &format!("{path}[{i}]"), a, b);
+            }
+        }
+        // Quantities and int-or-strings may come back in another JSON type.
+        (a, b) if a == b || a.to_string().trim_matches('"') == b.to_string().trim_matches('"') => {}
+        (a, b) => panic!("{file}: {path} is {a} but the Kubernetes type reads {b}"),
+    }
+}
+
+fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(file: &str, v: &Value) -> T {
+    let t: T = serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{file}: {e}"));
+    assert_subset(file, "", v, &serde_json::to_value(&t).unwrap());
+    t
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[allow(dead_code)]
+struct ServiceMonitor {
+    api_version: String,
+    kind: String,
+    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    spec: ServiceMonitorSpec,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[allow(dead_code)]
+struct ServiceMonitorSpec {
+    selector: LabelSelector,
+    namespace_selector: Option<NamespaceSelector>,
+    endpoints: Vec<Endpoint>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[allow(dead_code)]
+struct NamespaceSelector {
+    match_names: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[allow(dead_code)]
+struct Endpoint {
+    port: String,
+    path: Option<String>,
+    interval: Option<String>,
+    relabelings: Option<Vec<Relabeling>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[allow(dead_code)]
+struct Relabeling {
+    source_labels: Vec<String>,
+    target_label: String,
+}
+
+struct Manifests {
+    daemonset: DaemonSet,
+    configmap: ConfigMap,
+    service: Service,
+    service_account: ServiceAccount,
+    role: ClusterRole,
+    binding: ClusterRoleBinding,
+    monitor: ServiceMonitor,
+    pods: Vec<Pod>,
+}
+
+fn manifests() -> Manifests {
+    let (mut ds, mut cm, mut svc, mut sa, mut role, mut binding, mut mon) =
+        (None, None, None, None, None, None, None);
+    let mut pods = Vec::new();
+    for (file, v) in documents() {
+        let kind = v["kind"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{file}: a document without kind"));
+        match kind {
+            "DaemonSet" => ds = Some(typed::<DaemonSet>(&file, &v)),
+            "ConfigMap" => cm = Some(typed::<ConfigMap>(&file, &v)),
+            "Service" => svc = Some(typed::<Service>(&file, &v)),
+            "ServiceAccount" => sa = Some(typed::<ServiceAccount>(&file, &v)),
+            "ClusterRole" => role = Some(typed::<ClusterRole>(&file, &v)),
+            "ClusterRoleBinding" => binding = Some(typed::<ClusterRoleBinding>(&file, &v)),
+            "Pod" => pods.push(typed::<Pod>(&file, &v)),
+            "ServiceMonitor" => {
+                assert_eq!(v["apiVersion"], "monitoring.coreos.com/v1", "{file}");
+                mon = Some(
+                    serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{file}: {e}")),
+                );
+            }
+            other => panic!("{file}: unexpected kind {other}"),
+        }
+    }
+    Manifests {
+        daemonset: ds.expect("a DaemonSet"),
+        configmap: cm.expect("a ConfigMap"),
+        service: svc.expect("a Service"),
+        service_account: sa.expect("a ServiceAccount"),
+        role: role.expect("a ClusterRole"),
+        binding: binding.expect("a ClusterRoleBinding"),
+        monitor: mon.expect("a ServiceMonitor"),
+        pods,
+    }
+}
+
+fn manager_config(m: &Manifests) -> toml::Table {
+    let text = &m.configmap.data.as_ref().unwrap()["gpu-manager.toml"];
+    toml::from_str(text).expect("gpu-manager.toml parses")
+}
+
+#[test]
+fn every_document_is_a_valid_kubernetes_object() {
+    let m = manifests();
+    assert!(!m.pods.is_empty(), "a sample pod");
+}
+
+#[test]
+fn the_config_map_is_what_the_manager_reads() {
+    let m = manifests();
+    let data = m.configmap.data.as_ref().unwrap();
+    let repo_volume =
+        std::fs::read_to_string(vcuda_tests::workspace_root().join("config/volume.conf")).unwrap();
+    assert_eq!(
+        data["volume.conf"].trim_end(),
+        repo_volume.trim_end(),
+        "deploy/configmap.yaml's volume.conf differs from config/volume.conf"
+    );
+    // The manager's own parser accepts the file (unknown keys are errors there).
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("gpu-manager.toml");
+    std::fs::write(&f, &data["gpu-manager.toml"]).unwrap();
+    let opts = gpu_manager::config::Options::from_toml(&f).unwrap_or_else(|e| panic!("{e}"));
+    let settings = gpu_manager::config::Settings::resolve(gpu_manager::config::Options {
+        hostname_override: Some("node-1".into()),
+        ..opts
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(settings.share_mode);
+    assert_eq!(
+        settings.query_addr, "0.0.0.0",
+        "probes reach the pod IP, not loopback"
+    );
+    // volume.conf is read from the mounted ConfigMap.
+    let ds = m
+        .daemonset
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap();
+    let c = &ds.containers[0];
+    let config_mount = c
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|vm| vm.name == "config")
+        .expect("config mount");
+    assert!(settings.volume_config.starts_with(&config_mount.mount_path));
+    let args = c.args.as_ref().unwrap();
+    let config_arg = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--config="))
+        .expect("--config");
+    assert!(config_arg.starts_with(&config_mount.mount_path));
+}
+
+#[test]
+fn the_daemonset_fits_the_design() {
+    let m = manifests();
+    let cfg = manager_config(&m);
+    let spec = m.daemonset.spec.as_ref().unwrap();
+    let pod = spec.template.spec.as_ref().unwrap();
+    assert_eq!(
+        pod.host_pid,
+        Some(true),
+        "host PIDs from SO_PEERCRED need hostPID"
+    );
+    assert_eq!(
+        pod.service_account_name.as_deref(),
+        m.service_account.metadata.name.as_deref()
+    );
+    let c = &pod.containers[0];
+    assert_eq!(c.security_context.as_ref().unwrap().privileged, Some(true));
+
+    // Probes on the query port, which the config serves on.
+    let port = cfg["query-port"].as_integer().unwrap() as i32;
+    let ports = c.ports.as_ref().unwrap();
+    let metrics = ports
+        .iter()
+        .find(|p| p.name.as_deref() == Some("metrics"))
+        .unwrap();
+    assert_eq!(metrics.container_port, port);
+    for (probe, path) in [
+        (&c.readiness_probe, "/readyz"),
+        (&c.liveness_probe, "/healthz"),
+    ] {
+        let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
+        assert_eq!(get.path.as_deref(), Some(path));
+        assert_eq!(serde_json::to_value(&get.port).unwrap(), "metrics");
+    }
+
+    // NODE_NAME from the downward API, used as the node name.
+    let env = c.env.as_ref().unwrap();
+    let node = env.iter().find(|e| e.name == "NODE_NAME").unwrap();
+    let field = node
+        .value_from
+        .as_ref()
+        .unwrap()
+        .field_ref
+        .as_ref()
+        .unwrap();
+    assert_eq!(field.field_path, "spec.nodeName");
+    assert!(
+        c.args
+            .as_ref()
+            .unwrap()
+            .iter()
+            .any(|a| a == "--hostname-override=$(NODE_NAME)")
+    );
+
+    // Every mount names a volume; the vm and vdriver trees are at the same
+    // path on the host and in the manager, because kubelet mounts the host
+    // paths the manager hands out into workload containers.
+    let volumes: BTreeMap<_, _> = pod
+        .volumes
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|v| (v.name.clone(), v))
+        .collect();
+    let mounts = c.volume_mounts.as_ref().unwrap();
+    for vm in mounts {
+        assert!(
+            volumes.contains_key(&vm.name),
+            "mount {} has no volume",
+            vm.name
+        );
+    }
+    for key in ["virtual-manager-path", "vdriver-path", "checkpoint-path"] {
+        let path = cfg[key].as_str().unwrap();
+        let mount = mounts
+            .iter()
+            .find(|vm| vm.mount_path == path)
+            .unwrap_or_else(|| panic!("{key} {path} not mounted"));
+        let host = volumes[&mount.name].host_path.as_ref().unwrap();
+        assert_eq!(
+            host.path, path,
+            "{key}: host path and container path differ"
+        );
+    }
+    let dp = cfg["device-plugin-path"].as_str().unwrap();
+    assert!(mounts.iter().any(|vm| vm.mount_path == dp));
+    let pr = cfg["pod-resources-socket"].as_str().unwrap();
+    assert!(mounts.iter().any(|vm| pr.starts_with(&vm.mount_path)));
+    // The host root holds the driver's files.
+    let root = cfg["host-root"].as_str().unwrap();
+    for sub in ["usr", "etc", "dev", "proc/driver"] {
+        let want = format!("{root}/{sub}");
+        let m = mounts
+            .iter()
+            .find(|vm| vm.mount_path == want)
+            .unwrap_or_else(|| panic!("{want} not mounted"));
+        assert_eq!(m.read_only, Some(true), "{want} must be read-only");
+    }
+    let cm_volume = volumes["config"].config_map.as_ref().unwrap();
+    assert_eq!(cm_volume.name, m.configmap.metadata.name.clone().unwrap());
+}
+
+#[test]
+fn service_and_monitor_select_the_manager() {
+    let m = manifests();
+    let pod_labels = m
+        .daemonset
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .clone()
+        .unwrap();
+    let svc = m.service.spec.as_ref().unwrap();
+    for (k, v) in svc.selector.as_ref().unwrap() {
+        assert_eq!(pod_labels.get(k), Some(v), "service selector {k}={v}");
+    }
+    let svc_port = &svc.ports.as_ref().unwrap()[0];
+    assert_eq!(
+        serde_json::to_value(svc_port.target_port.as_ref().unwrap()).unwrap(),
+        "metrics"
+    );
+    let svc_labels = m.service.metadata.labels.clone().unwrap();
+    for (k, v) in m.monitor.spec.selector.match_labels.as_ref().unwrap() {
+        assert_eq!(
+            svc_labels.get(k),
+            Some(v),
+            "ServiceMonitor selector {k}={v}"
+        );
+    }
+    assert_eq!(
+        m.monitor.spec.endpoints[0].port,
+        svc_port.name.clone().unwrap()
+    );
+    assert_eq!(
+        m.monitor.spec.endpoints[0].path.as_deref(),
+        Some("/metrics")
+    );
+}
+
+#[test]
+fn rbac_grants_only_what_the_manager_uses() {
+    let m = manifests();
+    let mut granted: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for rule in &m.role.rules.clone().unwrap() {
+        for r in rule.resources.as_ref().unwrap() {
+            granted
+                .entry(r.clone())
+                .or_default()
+                .extend(rule.verbs.iter().cloned());
+        }
+    }
+    let want: BTreeMap<String, BTreeSet<String>> = [
+        ("pods", vec!["get", "list", "watch", "patch"]),
+        ("nodes", vec!["get", "patch"]),
+    ]
+    .into_iter()
+    .map(|(r, v)| (r.to_string(), v.into_iter().map(String::from).collect()))
+    .collect();
+    assert_eq!(granted, want);
+    assert!(
+        !granted.values().flatten().any(|v| v == "*"),
+        "no wildcards"
+    );
+    assert_eq!(
+        m.binding.role_ref.name,
+        m.role.metadata.name.clone().unwrap()
+    );
+    let subject = &m.binding.subjects.as_ref().unwrap()[0];
+    assert_eq!(
+        Some(&subject.name),
+        m.service_account.metadata.name.as_ref()
+    );
+    assert_eq!(subject.namespace, m.service_account.metadata.namespace);
+}
+
+#[test]
+fn sample_pod_asks_for_a_share() {
+    let m = manifests();
+    let limits = m.pods[0].spec.as_ref().unwrap().containers[0]
+        .resources
+        .as_ref()
+        .unwrap()
+        .limits
+        .clone()
+        .unwrap();
+    let core: u32 = limits["tencent.com/vcuda-core"].0.parse().unwrap();
+    let mem: u32 = limits["tencent.com/vcuda-memory"].0.parse().unwrap();
+    assert!((1..100).contains(&core) && mem >= 1);
+}
+
+#[test]
+fn dockerfile_builds_what_exists() {
+    let root = vcuda_tests::workspace_root();
+    let text = std::fs::read_to_string(root.join("deploy/Dockerfile")).unwrap();
+    // Packages it builds are workspace members.
+    let build = text.lines().find(|l| l.contains("cargo build")).unwrap();
+    for pkg in build
+        .split_whitespace()
+        .skip_while(|w| *w != "-p")
+        .collect::<Vec<_>>()
+        .chunks(2)
+    {
+        if pkg[0] == "-p" {
+            let dir = if pkg[1] == "cuda-shim" {
+                root.join("cuda-shim")
+            } else {
+                root.join("crates").join(pkg[1])
+            };
+            assert!(
+                dir.join("Cargo.toml").is_file(),
+                "Dockerfile builds {} which is not a crate",
+                pkg[1]
+            );
+        }
+    }
+    // Files copied from the context exist; artifacts copied from the build
+    // stage are what those packages produce.
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("COPY ") && !l.contains("--from") && !l.contains(". ."))
+    {
+        let src = line.split_whitespace().nth(1).unwrap();
+        assert!(root.join(src).exists(), "Dockerfile copies missing {src}");
+    }
+    let shim = std::fs::read_to_string(root.join("cuda-shim/Cargo.toml")).unwrap();
+    assert!(
+        shim.contains("name = \"vcuda\""),
+        "the interposer cdylib is libvcuda.so"
+    );
+    assert!(text.contains("target/release/libvcuda.so /usr/lib/vcuda/libvcuda.so"));
+    let cfg = std::fs::read_to_string(root.join("deploy/configmap.yaml")).unwrap();
+    assert!(cfg.contains("interposer = \"/usr/lib/vcuda/libvcuda.so\""));
+}
