@@ -1,0 +1,428 @@
+//! The interposer (cuda-shim) in real processes on a simulated node: C
+//! programs linked with `-lcuda` run against a vdriver mirror of the sim
+//! whose libcuda.so.1 / libnvidia-ml.so.1 are the interposer, registering
+//! with a test manager (cuda-shim/testsupport/server.rs) over vcuda.sock.
+//!
+//! Needs `cargo build --workspace` first (gpu-sim, the sim's cdylibs and
+//! libvcuda.so).
+
+#[path = "../cuda-shim/testsupport/server.rs"]
+mod server;
+
+use server::{Event, TestManager};
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use vcuda_tests::{SimNode, compile_c, target_dir, workspace_root};
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+/// A sim node, its vdriver mirror with the interposer, a config dir and the
+/// compiled client.
+struct Node {
+    sim: SimNode,
+    lib64: PathBuf,
+    cfg: tempfile::TempDir,
+    client: PathBuf,
+    driver: (i32, i32),
+}
+
+impl Node {
+    fn new() -> Node {
+        let sim = SimNode::install("sim-1gpu");
+        let shim = target_dir().join("libvcuda.so");
+        assert!(
+            shim.is_file(),
+            "{} missing: run `cargo build --workspace` first",
+            shim.display()
+        );
+        let config = vdriver::VolumeConfig::load(&workspace_root().join("config/volume.conf"))
+            .expect("config/volume.conf");
+        // Inside the sim root, so the sim's libraries find their state.
+        let vdir = sim.root().join("vdriver");
+        let report = vdriver::mirror(sim.root(), &config, &vdir, Some(&shim)).expect("mirror");
+        let lib64 = report
+            .volume("nvidia")
+            .expect("nvidia volume")
+            .path
+            .join("lib64");
+        let v = report.driver_version.to_string();
+        let mut parts = v.split('.').map(|p| p.parse::<i32>().unwrap());
+        let driver = (parts.next().unwrap(), parts.next().unwrap());
+        let client = compile_c("shim_client", &sim, sim.root());
+        Node {
+            sim,
+            lib64,
+            cfg: tempfile::tempdir().unwrap(),
+            client,
+            driver,
+        }
+    }
+
+    fn dir(&self) -> &Path {
+        self.cfg.path()
+    }
+
+    fn write_config(&self, quota: u64, enable: bool) {
+        server::write_config(self.dir(), quota, self.driver, enable);
+    }
+
+    /// Writes the config and starts a manager for `quota` bytes.
+    fn manager(&self, quota: u64) -> TestManager {
+        self.write_config(quota, true);
+        TestManager::start(self.dir(), quota)
+    }
+
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(&self.client);
+        c.args(args)
+            .env("LD_LIBRARY_PATH", &self.lib64)
+            .env("VCUDA_CONFIG_DIR", self.dir())
+            .env_remove("LOGGER_LEVEL");
+        c
+    }
+
+    fn run(&self, args: &[&str]) -> Run {
+        self.run_cmd(self.cmd(args))
+    }
+
+    fn run_cmd(&self, mut c: Command) -> Run {
+        let out = c.output().expect("run shim_client");
+        Run {
+            ok: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    fn sim_used(&self) -> u64 {
+        let st =
+            gpu_sim_core::SharedState::open(&gpu_sim_core::SimRoot::new(self.sim.root())).unwrap();
+        st.memory_used(0)
+    }
+}
+
+struct Run {
+    ok: bool,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn kv(&self) -> HashMap<String, String> {
+        self.stdout
+            .split_whitespace()
+            .filter_map(|w| w.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn get(&self, k: &str) -> u64 {
+        self.kv()
+            .get(k)
+            .unwrap_or_else(|| {
+                panic!(
+                    "no {k} in output:\n{}\nstderr:\n{}",
+                    self.stdout, self.stderr
+                )
+            })
+            .parse()
+            .unwrap()
+    }
+
+    fn assert_ok(&self) -> &Self {
+        assert!(
+            self.ok,
+            "client failed:\n{}\nstderr:\n{}",
+            self.stdout, self.stderr
+        );
+        self
+    }
+}
+
+#[test]
+fn cumemalloc_up_to_the_quota_then_oom_and_the_view_shows_the_quota() {
+    let n = Node::new();
+    let m = n.manager(4 * GIB);
+    let r = n.run(&["quota", "1024"]);
+    r.assert_ok();
+    assert_eq!(r.get("start_total"), 4 * GIB, "cuMemGetInfo total = quota");
+    assert_eq!(
+        r.get("start_device_total"),
+        4 * GIB,
+        "cuDeviceTotalMem = quota"
+    );
+    assert_eq!(r.get("start_free"), 4 * GIB);
+    assert_eq!(r.get("allocated"), 4);
+    assert_eq!(r.get("last"), 2, "CUDA_ERROR_OUT_OF_MEMORY");
+    assert_eq!(r.get("full_free"), 0);
+    assert_eq!(r.get("realloc"), 0, "a free makes room again");
+    assert_eq!(r.get("end_free"), 4 * GIB);
+    m.wait_for(5, "the close", |e| {
+        e.iter().any(|e| matches!(e, Event::Closed { .. }))
+    });
+    assert_eq!(m.ledger().used(), 0);
+    assert_eq!(m.ledger().peak(), 4 * GIB);
+}
+
+#[test]
+fn vmm_and_stream_ordered_pools_are_held_to_the_quota() {
+    let n = Node::new();
+    let _m = n.manager(4 * GIB);
+    let r = n.run(&["vmm", "512"]);
+    r.assert_ok();
+    assert_eq!((r.get("allocated"), r.get("last")), (8, 2));
+    assert_eq!(r.get("full_free"), 0);
+    assert_eq!(r.get("end_free"), 4 * GIB, "cuMemRelease gives it back");
+    let r = n.run(&["async", "512"]);
+    r.assert_ok();
+    assert_eq!((r.get("async_allocated"), r.get("async_last")), (8, 2));
+    assert_eq!((r.get("pool_allocated"), r.get("pool_last")), (8, 2));
+    assert_eq!(r.get("pool_full_free"), 0);
+    assert_eq!(r.get("end_free"), 4 * GIB);
+}
+
+#[test]
+fn every_other_allocation_path_is_charged_and_given_back() {
+    let n = Node::new();
+    let _m = n.manager(4 * GIB);
+    let r = n.run(&["paths"]);
+    r.assert_ok();
+    // The driver's pitch (rows padded to 512 bytes) x height.
+    assert_eq!(r.get("pitch"), 1024 * 100);
+    assert_eq!(r.get("managed"), 3 * MIB);
+    assert_eq!(r.get("array"), 1024 * 512 * 4 * 4);
+    assert_eq!(r.get("array3d"), 256 * 256 * 16);
+    assert_eq!(
+        r.get("mipmapped"),
+        (1024 * 1024 + 512 * 512 + 256 * 256) * 4
+    );
+    for k in ["pitch", "managed", "array", "array3d", "mipmapped"] {
+        assert_eq!(r.get(&format!("{k}_after_free")), 0, "{k} given back");
+    }
+}
+
+#[test]
+fn four_processes_of_eight_threads_never_hold_more_than_the_quota() {
+    let n = Node::new();
+    let quota = GIB;
+    let m = n.manager(quota);
+    let base = n.sim_used();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (mut max_ledger, mut max_sim, mut samples) = (0u64, 0u64, 0u64);
+    let children: Vec<_> = (0..4)
+        .map(|_| {
+            n.cmd(&["race", "8", "3000", "64"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let st = gpu_sim_core::SharedState::open(&gpu_sim_core::SimRoot::new(n.sim.root())).unwrap();
+    let waiter = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let outs: Vec<_> = children
+                .into_iter()
+                .map(|c| c.wait_with_output().unwrap())
+                .collect();
+            stop.store(true, std::sync::atomic::Ordering::Release);
+            outs
+        })
+    };
+    while !stop.load(std::sync::atomic::Ordering::Acquire) {
+        max_ledger = max_ledger.max(m.ledger().used());
+        max_sim = max_sim.max(st.memory_used(0).saturating_sub(base));
+        samples += 1;
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    let outs = waiter.join().unwrap();
+    let (mut ok, mut oom) = (0u64, 0u64);
+    for o in &outs {
+        let r = Run {
+            ok: o.status.success(),
+            stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        };
+        r.assert_ok();
+        assert_eq!(r.get("other"), 0);
+        ok += r.get("ok");
+        oom += r.get("oom");
+    }
+    assert!(ok > 0 && oom > 0, "contention happened: ok={ok} oom={oom}");
+    assert!(samples > 10);
+    assert!(max_ledger <= quota, "ledger held {max_ledger} > {quota}");
+    assert!(max_sim <= quota, "the driver held {max_sim} > {quota}");
+    assert!(m.ledger().peak() <= quota, "peak {}", m.ledger().peak());
+    m.wait_for(5, "four closes", |e| {
+        e.iter()
+            .filter(|e| matches!(e, Event::Closed { .. }))
+            .count()
+            == 4
+    });
+    assert_eq!(m.ledger().used(), 0);
+    assert_eq!(n.sim_used(), base);
+}
+
+#[test]
+fn a_fork_child_registers_on_its_own_and_its_memory_comes_back() {
+    let n = Node::new();
+    let m = n.manager(4 * GIB);
+    let r = n.run(&["fork", "1024"]);
+    r.assert_ok();
+    let (parent, child) = (r.get("parent_pid") as i32, r.get("child_pid") as i32);
+    // The parent holds 1 GiB: the child gets the other 3.
+    assert_eq!(r.get("child_allocated"), 3);
+    assert_eq!(r.get("child_last"), 2);
+    assert_eq!(r.get("child_status"), 0);
+    // The child exited holding 1 GiB; the manager gave it back.
+    assert_eq!(r.get("parent_allocated"), 3);
+    m.wait_for(5, "both closes", |e| {
+        e.iter()
+            .filter(|e| matches!(e, Event::Closed { .. }))
+            .count()
+            == 2
+    });
+    let ev = m.events();
+    let slot_of = |pid: i32| {
+        ev.iter().find_map(|e| match e {
+            Event::Registered { pid: p, slot, .. } if *p == pid => Some(*slot),
+            _ => None,
+        })
+    };
+    let (ps, cs) = (slot_of(parent).unwrap(), slot_of(child).unwrap());
+    assert_ne!(ps, cs, "own slot for the child");
+    assert!(ev.contains(&Event::Closed {
+        pid: child,
+        slot: cs,
+        freed: GIB
+    }));
+    assert_eq!(m.ledger().used(), 0);
+}
+
+#[test]
+fn missing_config_fails_closed_with_one_clear_line() {
+    let n = Node::new();
+    let r = n.run(&["init"]);
+    assert_eq!(r.get("cuInit"), 800, "CUDA_ERROR_NOT_PERMITTED");
+    let lines: Vec<_> = r.stderr.lines().filter(|l| l.contains("vcuda")).collect();
+    assert_eq!(lines.len(), 1, "{}", r.stderr);
+    assert!(
+        lines[0].contains("vcuda.config") && lines[0].contains("refusing"),
+        "{}",
+        lines[0]
+    );
+}
+
+#[test]
+fn corrupt_config_fails_closed() {
+    let n = Node::new();
+    std::fs::write(n.dir().join("vcuda.config"), b"not a resource_data_t").unwrap();
+    let r = n.run(&["init"]);
+    assert_eq!(r.get("cuInit"), 800);
+    assert!(
+        r.stderr.contains("corrupt") && r.stderr.contains("vcuda.config"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn manager_absent_waits_briefly_then_fails_closed() {
+    let n = Node::new();
+    n.write_config(GIB, true);
+    let mut c = n.cmd(&["init"]);
+    c.env("VCUDA_REGISTER_TIMEOUT_MS", "400");
+    let t = Instant::now();
+    let r = n.run_cmd(c);
+    let took = t.elapsed();
+    assert_eq!(r.get("cuInit"), 800);
+    assert!(
+        took >= Duration::from_millis(400) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    assert!(
+        r.stderr.contains("cannot register with the GPU manager")
+            && r.stderr.contains("vcuda.sock"),
+        "{}",
+        r.stderr
+    );
+    // A manager that comes up within the wait is found.
+    let mut c = n.cmd(&["init"]);
+    c.env("VCUDA_REGISTER_TIMEOUT_MS", "5000");
+    let child = c.stdout(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let _m = TestManager::start(n.dir(), GIB);
+    let out = child.wait_with_output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("cuInit=0"));
+}
+
+#[test]
+fn a_rejected_registration_fails_closed() {
+    let n = Node::new();
+    let m = n.manager(GIB);
+    m.set_reject(true);
+    let r = n.run(&["init"]);
+    assert_eq!(r.get("cuInit"), 800);
+    assert!(r.stderr.contains("rejected"), "{}", r.stderr);
+}
+
+#[test]
+fn disabled_config_passes_through() {
+    let n = Node::new();
+    n.write_config(GIB, false);
+    let r = n.run(&["quota", "8192"]);
+    r.assert_ok();
+    // The sim's card (40 GiB), no manager needed, no quota.
+    assert!(r.get("start_total") > 4 * GIB);
+    assert!(r.get("allocated") >= 4);
+}
+
+#[test]
+fn after_a_manager_restart_the_process_re_registers_and_keeps_its_bytes() {
+    let n = Node::new();
+    let m = n.manager(4 * GIB);
+    let mut child = n
+        .cmd(&["hold", "1024"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    m.wait_for(5, "registration", |e| !e.is_empty());
+    let (pid, slot) = match &m.events()[0] {
+        Event::Registered { pid, slot, .. } => (*pid, *slot),
+        e => panic!("{e:?}"),
+    };
+    let t = Instant::now();
+    while m.ledger().used() != GIB {
+        assert!(t.elapsed() < Duration::from_secs(5), "hold never allocated");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    m.crash();
+    let m2 = TestManager::start(n.dir(), 4 * GIB);
+    m2.wait_for(10, "re-registration", |e| {
+        e.iter().any(|e| {
+            matches!(e, Event::Registered { pid: p, previous_slot: Some(s), .. }
+                if *p == pid && *s as usize == slot)
+        })
+    });
+    assert_eq!(m2.ledger().used(), GIB, "its gigabyte is still counted");
+    let stdin = child.stdin.as_mut().unwrap();
+    stdin.write_all(b"alloc\n").unwrap();
+    stdin.flush().unwrap();
+    drop(child.stdin.take());
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("alloc=0"), "{stdout}");
+    m2.wait_for(5, "the close", |e| {
+        e.iter().any(
+            |e| matches!(e, Event::Closed { pid: p, freed, .. } if *p == pid && *freed == 2 * GIB),
+        )
+    });
+    assert_eq!(m2.ledger().used(), 0);
+}
