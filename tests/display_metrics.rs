@@ -228,8 +228,8 @@ async fn metrics_match_simulator_ground_truth() {
             .unwrap();
         assert_eq!(status, 200);
         let w1 = display.snapshot().gpu(0).and_then(|g| g.window_us);
-        if w0 == w1 && w0.is_some() {
-            break (text, w0.unwrap());
+        if let Some(w) = w0.filter(|_| w0 == w1) {
+            break (text, w);
         }
     };
     let samples = parse_with_prometheus_client(&text);

@@ -21,6 +21,9 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// Content type of the text exposition format.
 pub const TEXT_FORMAT: &str = prometheus::TEXT_FORMAT;
 
+/// The manager's two extended resources.
+pub const RESOURCES: [&str; 2] = ["tencent.com/vcuda-core", "tencent.com/vcuda-memory"];
+
 /// Counters the manager bumps. Cheap to clone; all clones feed one registry.
 #[derive(Clone)]
 pub struct ManagerMetrics {
@@ -78,6 +81,10 @@ impl ManagerMetrics {
         )
         .expect("valid metric");
         build.with_label_values(&[version]).set(1.0);
+        // Series from 0 from the start, so rate() sees the first allocation.
+        for r in RESOURCES {
+            allocations.with_label_values(&[r]);
+        }
         for c in [
             Box::new(allocations.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(failures.clone()),

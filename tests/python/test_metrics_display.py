@@ -1,0 +1,220 @@
+"""The display service's /metrics read by a real Prometheus parser.
+
+`gpu-display-fixture` (the display service without a manager, containers
+from a JSON file) samples the simulated NVML while two C programs keep the
+simulated GPU busy at known duty cycles; the official Python client's text
+parser (`prometheus_client`) must accept the whole exposition, with the
+right types, and the per-container utilization must match the duty cycles.
+`vcudactl` must agree with the HTTP endpoints.
+
+Needs: pip install prometheus_client pytest; gcc; the workspace built
+(`cargo build --workspace`: gpu-sim, gpu-display-fixture, vcudactl).
+"""
+
+import http.client
+import json
+import os
+import pathlib
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import lib_dir, target_dir
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def binary(name, package):
+    exe = target_dir() / name
+    if not exe.exists():
+        subprocess.run(["cargo", "build", "-p", package, "--bin", name], cwd=REPO, check=True)
+    assert exe.exists(), f"{exe} not found; run cargo build --workspace"
+    return exe
+
+
+@pytest.fixture(scope="module")
+def load_exe(sim_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("display-load") / "display_load"
+    subprocess.run(
+        ["gcc", "-O1", "-o", str(out), str(REPO / "tests/c/display_load.c"), "-L", str(lib_dir(sim_root)), "-lcuda"],
+        check=True,
+    )
+    return out
+
+
+def start_load(exe, root, duty, mem_mib):
+    env = {k: v for k, v in os.environ.items() if k not in ("GPU_SIM_ROOT", "CUDA_VISIBLE_DEVICES")}
+    env["LD_LIBRARY_PATH"] = str(lib_dir(root))
+    p = subprocess.Popen([str(exe), str(duty), str(mem_mib)], env=env, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def container(pod, pids, cores, mem_mib):
+    return {
+        "pod_uid": f"uid-{pod}",
+        "pod_name": pod,
+        "namespace": "research",
+        "container": "main",
+        "gpus": [{"index": 0, "uuid": "", "bus_id": "00000000:07:00.0"}],
+        "core_quota": cores,
+        "memory_quota_bytes": mem_mib << 20,
+        "host_pids": pids,
+        "throttled_seconds": 0.5,
+        "refused_allocations": 1,
+    }
+
+
+@pytest.fixture(scope="module")
+def served(sim_root, load_exe, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("display")
+    loads = [start_load(load_exe, sim_root, 20, 256), start_load(load_exe, sim_root, 35, 512)]
+    state = {
+        "node": "sim-node",
+        "gpus": [
+            {
+                "index": 0,
+                "uuid": "",
+                "bus_id": "00000000:07:00.0",
+                "memory_total_bytes": 40960 << 20,
+                "allocated_cores": 55,
+                "allocated_memory_bytes": 3 << 30,
+                "healthy": True,
+                "tenants": 2,
+            }
+        ],
+        "containers": [
+            container("pod-a", [loads[0].pid], 25, 1024),
+            container("pod-b", [loads[1].pid], 40, 2048),
+        ],
+    }
+    (tmp / "state.json").write_text(json.dumps(state))
+    sock = tmp / "gpu-manager.sock"
+    srv = subprocess.Popen(
+        [
+            str(binary("gpu-display-fixture", "gpu-display")),
+            "--state",
+            str(tmp / "state.json"),
+            "--nvml-lib",
+            str(lib_dir(sim_root) / "libnvidia-ml.so.1"),
+            "--socket",
+            str(sock),
+            "--query-port",
+            "0",
+            "--sample-period",
+            "500ms",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = srv.stdout.readline().split()
+        assert line and line[0] == "ready", line
+        http = dict(kv.split("=", 1) for kv in line[1:])["http"]
+        # A few full sampling windows.
+        time.sleep(2.5)
+        yield {"base": f"http://{http}", "socket": sock, "pids": [p.pid for p in loads]}
+    finally:
+        srv.terminate()
+        srv.wait(timeout=10)
+        for p in loads:
+            p.kill()
+            p.wait()
+
+
+def get(url):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.status, r.headers.get("Content-Type"), r.read().decode()
+
+
+def families(text):
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def sample(fams, family, name, **labels):
+    hits = [s for s in fams[family].samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(hits) == 1, f"{name}{labels}: {len(hits)} samples"
+    return hits[0].value
+
+
+def test_metrics_parse_with_types_and_match_duty_cycles(served):
+    status, ctype, text = get(served["base"] + "/metrics")
+    assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
+    fams = families(text)
+    types = {name: f.type for name, f in fams.items()}
+    for name in ("container_gpu_utilization", "container_gpu_memory_total", "container_request_gpu_utilization",
+                 "container_request_gpu_memory", "vcuda_gpu_utilization_ratio", "vcuda_gpu_healthy",
+                 "vcuda_container_gpu_utilization_ratio", "vcuda_container_core_quota_ratio",
+                 "vcuda_manager_recovery_duration_seconds"):
+        assert types.get(name) == "gauge", (name, types.get(name))
+    for name in ("vcuda_manager_allocations", "vcuda_display_sampler_cpu_seconds"):
+        assert types.get(name) == "counter", (name, types.get(name))
+    assert types.get("vcuda_manager_allocate_duration_seconds") == "histogram"
+
+    for pod, duty in (("pod-a", 20), ("pod-b", 35)):
+        ratio = sample(fams, "vcuda_container_gpu_utilization_ratio", "vcuda_container_gpu_utilization_ratio",
+                       pod=pod, namespace="research", container="main", node="sim-node", gpu="0")
+        assert abs(ratio * 100 - duty) <= 5, (pod, ratio, duty)
+        legacy = sample(fams, "container_gpu_utilization", "container_gpu_utilization",
+                        pod_name=pod, container_name="main", gpu="total")
+        assert abs(legacy - ratio * 100) < 1e-6
+    assert sample(fams, "container_request_gpu_utilization", "container_request_gpu_utilization",
+                  pod_name="pod-b", req_of_gpu="total") == pytest.approx(0.4)
+    assert sample(fams, "container_request_gpu_memory", "container_request_gpu_memory",
+                  pod_name="pod-b", req_of_gpu_memory="total") == 2048
+    assert sample(fams, "container_gpu_memory_total", "container_gpu_memory_total",
+                  pod_name="pod-a", gpu_memory="gpu0") == 256
+    gpu = sample(fams, "vcuda_gpu_utilization_ratio", "vcuda_gpu_utilization_ratio", gpu="0")
+    assert abs(gpu * 100 - 55) <= 5, gpu
+
+    # The original's path is kept for its scrapers.
+    _, _, alias = get(served["base"] + "/metric")
+    assert "container_request_gpu_memory" in families(alias)
+
+
+def test_unknown_path_is_404_and_service_keeps_serving(served):
+    with pytest.raises(urllib.error.HTTPError) as e:
+        get(served["base"] + "/nope")
+    assert e.value.code == 404
+    # A declared body over the limit is refused before it is sent.
+    host, port = served["base"].removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.putrequest("GET", "/usage")
+    conn.putheader("Content-Length", "100000")
+    conn.endheaders()
+    assert conn.getresponse().status == 413
+    conn.close()
+    assert get(served["base"] + "/healthz")[0] == 200
+    assert get(served["base"] + "/readyz")[0] == 200
+
+
+def test_vcudactl_agrees_with_http(served):
+    vcudactl = binary("vcudactl", "vcudactl")
+    run = lambda *a: subprocess.run([str(vcudactl), "--socket", str(served["socket"]), *a],
+                                    capture_output=True, text=True, timeout=30, check=True).stdout
+    assert run("graph") == get(served["base"] + "/graph")[2]
+    table = run("usage")
+    usage = json.loads(get(served["base"] + "/usage")[2])["usage"]
+    for uid, cores, mem, pid in (("uid-pod-a", 25, 1024, served["pids"][0]), ("uid-pod-b", 40, 2048, served["pids"][1])):
+        row = next(line for line in table.splitlines() if uid in line)
+        assert f"/ {cores}%" in row and f"/ {mem} MiB" in row and row.endswith(str(pid)), row
+        assert usage[uid]["spec"]["main"] == {"gpu": cores, "mem": mem}
+        assert usage[uid]["stat"]["main"]["dev"][0]["pids"] == [pid]
+
+
+def test_dashboard_queries_only_exported_metrics(served):
+    dash = json.loads((REPO / "deploy/grafana/vcuda-dashboard.json").read_text())
+    exprs = []
+    for p in dash["panels"]:
+        exprs += [t["expr"] for t in p.get("targets", [])]
+    assert exprs
+    names = {s.name for f in text_string_to_metric_families(get(served["base"] + "/metrics")[2]) for s in f.samples}
+    used = {m for e in exprs for m in re.findall(r"([a-z_][a-z0-9_]*)\{", e)}
+    assert used, exprs
+    # Series that exist only after their first event (labels not known before).
+    missing = used - names - {"vcuda_manager_allocation_failures_total"}
+    assert not missing, f"dashboard queries metrics /metrics lacks: {sorted(missing)}"
