@@ -80,6 +80,10 @@ pub struct ContainerView {
     /// registrations / `pids.config`); utilization is the sum of theirs.
     #[serde(default)]
     pub host_pids: Vec<u32>,
+    /// Holds its GPUs whole (no interposer, so no PID registrations): every
+    /// process on its GPUs is counted as its own.
+    #[serde(default)]
+    pub exclusive: bool,
     /// From the container's ledger, when the interposer keeps one: total time
     /// kernel launches were held back by the core quota.
     #[serde(default)]

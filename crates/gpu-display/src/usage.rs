@@ -47,13 +47,24 @@ pub fn container_use(c: &ContainerView, snap: &Snapshot) -> Vec<GpuUse> {
                 device_memory_bytes: s.map(|s| s.memory_total_bytes).unwrap_or(0),
             };
             if let Some(s) = s {
-                for pid in &c.host_pids {
-                    if let Some(p) = s.processes.get(pid) {
-                        u.utilization_percent += p.utilization_percent;
-                        u.memory_used_bytes += p.memory_used_bytes;
-                        u.pids.push(*pid);
+                let mut add = |pid: u32, p: &crate::sampler::ProcSample| {
+                    u.utilization_percent += p.utilization_percent;
+                    u.memory_used_bytes += p.memory_used_bytes;
+                    u.pids.push(pid);
+                };
+                if c.exclusive {
+                    // Nobody else may run there: all its processes are ours.
+                    for (&pid, p) in &s.processes {
+                        add(pid, p);
+                    }
+                } else {
+                    for pid in &c.host_pids {
+                        if let Some(p) = s.processes.get(pid) {
+                            add(*pid, p);
+                        }
                     }
                 }
+                u.pids.sort_unstable();
             }
             u.utilization_percent = u.utilization_percent.min(100.0);
             u
@@ -236,6 +247,15 @@ mod tests {
         assert!((u[0].utilization_percent - 35.0).abs() < 1e-9);
         assert_eq!(u[0].memory_used_bytes, 384 << 20);
         assert_eq!(u[0].pids, vec![100, 101]);
+    }
+
+    #[test]
+    fn exclusive_container_owns_every_process_on_its_gpu() {
+        let mut c = ctr("a", vec![]);
+        c.exclusive = true;
+        let u = container_use(&c, &snap());
+        assert!((u[0].utilization_percent - 75.0).abs() < 1e-9);
+        assert_eq!(u[0].pids, vec![100, 101, 200]);
     }
 
     #[test]
