@@ -182,11 +182,22 @@ impl CheckpointData {
             path: path.display().to_string(),
             source,
         };
-        let tmp = path.with_extension("tmp");
-        let mut f = std::fs::File::create(&tmp).map_err(ioerr)?;
-        f.write_all(self.to_json().as_bytes()).map_err(ioerr)?;
-        f.sync_all().map_err(ioerr)?;
-        std::fs::rename(&tmp, path).map_err(ioerr)
+        // A name of its own per write: concurrent writers never rename
+        // each other's half-written file away.
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let tmp = path.with_file_name(format!(".{name}.tmp.{}.{n}", std::process::id()));
+        let r = (|| {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(self.to_json().as_bytes())?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, path)
+        })();
+        if r.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        r.map_err(ioerr)
     }
 }
 

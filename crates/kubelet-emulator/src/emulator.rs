@@ -144,6 +144,9 @@ struct Inner {
     admit_lock: tokio::sync::Mutex<()>,
     running: tokio::sync::Mutex<Option<Running>>,
     seq: std::sync::atomic::AtomicU64,
+    /// Serialises checkpoint writes so the file on disk is always the
+    /// latest snapshot (a stale one renamed last would undo an admission).
+    write_lock: Mutex<()>,
 }
 
 /// Emulated kubelet device manager; cheap to clone.
@@ -168,6 +171,7 @@ impl KubeletEmulator {
             admit_lock: tokio::sync::Mutex::new(()),
             running: tokio::sync::Mutex::new(None),
             seq: Default::default(),
+            write_lock: Mutex::new(()),
         });
         let emu = Self { inner };
         emu.boot().await?;
@@ -436,17 +440,9 @@ impl KubeletEmulator {
                 Status::internal("no container response"),
             ));
         };
-        if options.pre_start_required {
-            let mut req = Request::new(PreStartContainerRequest {
-                devices_ids: chosen.clone(),
-            });
-            req.set_timeout(RPC_TIMEOUT);
-            client
-                .pre_start_container(req)
-                .await
-                .map_err(|s| rpc_err("PreStartContainer", s))?;
-        }
 
+        // kubelet records the allocation (podDevices, its checkpoint and so
+        // pod-resources) as soon as Allocate succeeds, before PreStart.
         let mut per_numa = DevicesPerNuma::new();
         for id in &chosen {
             let numa = devices
@@ -464,6 +460,25 @@ impl KubeletEmulator {
         };
         self.inner.state.lock().unwrap().entries.push(entry.clone());
         self.write_checkpoint()?;
+
+        if options.pre_start_required {
+            let mut req = Request::new(PreStartContainerRequest {
+                devices_ids: chosen.clone(),
+            });
+            req.set_timeout(RPC_TIMEOUT);
+            if let Err(s) = client.pre_start_container(req).await {
+                // The caller (admit) frees the container's devices, as
+                // deleting the failed pod would.
+                self.inner
+                    .state
+                    .lock()
+                    .unwrap()
+                    .entries
+                    .retain(|x| *x != entry);
+                self.write_checkpoint()?;
+                return Err(rpc_err("PreStartContainer", s));
+            }
+        }
         tracing::info!(pod = %pod.uid, container, resource, devices = ?chosen, "admitted");
         Ok((resp, Some(entry)))
     }
@@ -479,6 +494,7 @@ impl KubeletEmulator {
     }
 
     fn write_checkpoint(&self) -> Result<(), EmulatorError> {
+        let _w = self.inner.write_lock.lock().unwrap();
         let entries = self.inner.state.lock().unwrap().entries.clone();
         let registered_devices = self
             .inner
