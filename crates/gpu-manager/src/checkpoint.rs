@@ -1,5 +1,8 @@
-//! The manager's own record of its allocations, written atomically (temp +
-//! rename + fsync) after every change and read at start.
+//! The manager's own record of its allocations: the one durable record
+//! (temp file + fdatasync + rename + directory fsync) written after every
+//! change and read at start. Everything else the manager writes (vm
+//! directories) can be rebuilt from it and from the node. A failed write
+//! leaves the previous file intact; an unreadable file is set aside.
 
 use std::path::{Path, PathBuf};
 
@@ -174,18 +177,62 @@ impl Checkpoint {
             gpus: gpus.to_vec(),
             allocations: allocations.into_iter().cloned().collect(),
         };
-        let bytes = serde_json::to_vec_pretty(&f).expect("serialisable");
-        if let Some(dir) = self.path.parent() {
-            std::fs::create_dir_all(dir).map_err(|source| CheckpointError::Io {
-                path: dir.display().to_string(),
-                source,
-            })?;
-        }
-        quota_config::write_atomic(&self.path, &bytes, 0o600).map_err(|e| CheckpointError::Io {
-            path: e.path,
-            source: e.source,
-        })
+        // Compact JSON: the file is rewritten on every allocation.
+        let bytes = serde_json::to_vec(&f).expect("serialisable");
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        let err = |p: &Path| {
+            let path = p.display().to_string();
+            move |source| CheckpointError::Io { path, source }
+        };
+        std::fs::create_dir_all(dir).map_err(err(dir))?;
+        durable_replace(&self.path, &bytes, 0o600).map_err(err(&self.path))
     }
+
+    /// Moves an unreadable checkpoint out of the way (kept for inspection)
+    /// and returns where it went.
+    pub fn set_aside(&self) -> Result<PathBuf, CheckpointError> {
+        let ts = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let to = self
+            .path
+            .with_file_name(format!("{CHECKPOINT_FILE}.corrupt-{ts}"));
+        std::fs::rename(&self.path, &to).map_err(|source| CheckpointError::Io {
+            path: self.path.display().to_string(),
+            source,
+        })?;
+        Ok(to)
+    }
+}
+
+/// Replaces `path` with `bytes` so that after a crash it holds either the
+/// old or the new content, complete: a temp file of a unique name,
+/// fdatasync, rename, fsync of the directory. On failure the temp file is
+/// removed and `path` is untouched.
+pub fn durable_replace(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".{name}.tmp.{}.{n}", std::process::id()));
+    let r = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_data()?;
+        std::fs::rename(&tmp, path)?;
+        std::fs::File::open(dir)?.sync_all()
+    })();
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r
 }
 
 #[cfg(test)]
@@ -223,5 +270,30 @@ mod tests {
         assert_eq!(allocs, vec![a]);
         std::fs::write(cp.path(), "{").unwrap();
         assert!(cp.load().unwrap_err().to_string().contains("move it away"));
+        let aside = cp.set_aside().unwrap();
+        assert!(aside.is_file() && cp.load().unwrap().is_none());
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_previous_file() {
+        use std::os::unix::fs::PermissionsExt;
+        if unsafe { libc::geteuid() } == 0 {
+            // root ignores directory permissions; the e2e test uses a
+            // read-only bind mount instead.
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let cp = Checkpoint::new(dir.path());
+        cp.store(&["GPU-a".into()], []).unwrap();
+        let before = std::fs::read(cp.path()).unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o500)).unwrap();
+        assert!(cp.store(&["GPU-b".into()], []).is_err());
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert_eq!(std::fs::read(cp.path()).unwrap(), before);
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "no temp file left"
+        );
     }
 }

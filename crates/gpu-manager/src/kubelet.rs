@@ -2,6 +2,7 @@
 //! ID. First pod-resources v1 (`List`), else kubelet's device-manager
 //! checkpoint in every format kubelet has written.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -34,6 +35,14 @@ impl std::fmt::Display for Holder {
         }
         write!(f, " container {}", self.container)
     }
+}
+
+/// A container and the device IDs kubelet assigned it, by resource.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub pod: PodKey,
+    pub container: String,
+    pub ids: BTreeMap<String, Vec<String>>,
 }
 
 #[derive(Clone, Debug)]
@@ -70,6 +79,61 @@ impl KubeletRecords {
         }
     }
 
+    /// Every container kubelet holds devices of `resources` for, with its
+    /// IDs per resource: pod-resources `List`, else kubelet's checkpoint.
+    pub async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, String> {
+        match self.list_pod_resources(resources).await {
+            Ok(v) => Ok(v),
+            Err(pr_err) => match std::fs::read_to_string(&self.checkpoint) {
+                Ok(text) => held_in_checkpoint(&text, resources)
+                    .map_err(|e| format!("{}: {e}", self.checkpoint.display())),
+                Err(e) => Err(format!(
+                    "pod-resources ({}): {pr_err}; checkpoint {}: {e}",
+                    self.pod_resources_socket.display(),
+                    self.checkpoint.display()
+                )),
+            },
+        }
+    }
+
+    async fn list_pod_resources(&self, resources: &[&str]) -> Result<Vec<Held>, String> {
+        let ch = device_plugin::connect_unix(&self.pod_resources_socket, Duration::from_secs(2))
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut req = tonic::Request::new(ListPodResourcesRequest {});
+        req.set_timeout(Duration::from_secs(5));
+        let list = PodResourcesListerClient::new(ch)
+            .list(req)
+            .await
+            .map_err(|s| format!("List: {}", s.message()))?
+            .into_inner();
+        let mut out = Vec::new();
+        for p in list.pod_resources {
+            for c in p.containers {
+                let mut h = Held {
+                    pod: PodKey::Name {
+                        namespace: p.namespace.clone(),
+                        name: p.name.clone(),
+                    },
+                    container: c.name,
+                    ids: BTreeMap::new(),
+                };
+                for d in c.devices {
+                    if resources.contains(&d.resource_name.as_str()) {
+                        h.ids
+                            .entry(d.resource_name)
+                            .or_default()
+                            .extend(d.device_ids);
+                    }
+                }
+                if !h.ids.is_empty() {
+                    out.push(h);
+                }
+            }
+        }
+        Ok(out)
+    }
+
     async fn query_pod_resources(
         &self,
         resource: &str,
@@ -104,6 +168,59 @@ impl KubeletRecords {
     }
 }
 
+fn checkpoint_entries(text: &str) -> Result<Vec<Value>, String> {
+    let v: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    v.pointer("/Data/PodDeviceEntries")
+        .or_else(|| v.get("PodDeviceEntries"))
+        .and_then(Value::as_array)
+        .cloned()
+        .ok_or_else(|| "no PodDeviceEntries".to_string())
+}
+
+fn entry_ids(e: &Value) -> Vec<String> {
+    match e.get("DeviceIDs") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_str)
+            .map(String::from)
+            .collect(),
+        Some(Value::Object(m)) => m
+            .values()
+            .filter_map(Value::as_array)
+            .flatten()
+            .filter_map(Value::as_str)
+            .map(String::from)
+            .collect(),
+        _ => vec![],
+    }
+}
+
+/// Every container of a kubelet checkpoint holding `resources`.
+pub fn held_in_checkpoint(text: &str, resources: &[&str]) -> Result<Vec<Held>, String> {
+    let mut out: Vec<Held> = Vec::new();
+    for e in checkpoint_entries(text)? {
+        let s = |k: &str| e.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+        let res = s("ResourceName");
+        if !resources.contains(&res.as_str()) {
+            continue;
+        }
+        let (pod, container) = (PodKey::Uid(s("PodUID")), s("ContainerName"));
+        let ids = entry_ids(&e);
+        match out
+            .iter_mut()
+            .find(|h| h.pod == pod && h.container == container)
+        {
+            Some(h) => h.ids.entry(res).or_default().extend(ids),
+            None => out.push(Held {
+                pod,
+                container,
+                ids: BTreeMap::from([(res, ids)]),
+            }),
+        }
+    }
+    Ok(out)
+}
+
 /// Finds the entry holding any of `ids` in a kubelet checkpoint: the
 /// current `{"Data": {"PodDeviceEntries": [{.., "DeviceIDs": {"<numa>":
 /// [..]}}]}, "Checksum": ..}`, the pre-1.20 form with `"DeviceIDs": [..]`,
@@ -113,27 +230,12 @@ pub fn holder_in_checkpoint(
     resource: &str,
     ids: &[String],
 ) -> Result<Option<Holder>, String> {
-    let v: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
-    let entries = v
-        .pointer("/Data/PodDeviceEntries")
-        .or_else(|| v.get("PodDeviceEntries"))
-        .and_then(Value::as_array)
-        .ok_or("no PodDeviceEntries")?;
-    for e in entries {
+    for e in checkpoint_entries(text)? {
         if e.get("ResourceName").and_then(Value::as_str) != Some(resource) {
             continue;
         }
-        let devs: Vec<&str> = match e.get("DeviceIDs") {
-            Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).collect(),
-            Some(Value::Object(m)) => m
-                .values()
-                .filter_map(Value::as_array)
-                .flatten()
-                .filter_map(Value::as_str)
-                .collect(),
-            _ => vec![],
-        };
-        if devs.iter().any(|d| ids.iter().any(|i| i == d)) {
+        let devs = entry_ids(&e);
+        if devs.iter().any(|d| ids.contains(d)) {
             let s = |k: &str| e.get(k).and_then(Value::as_str).unwrap_or("").to_string();
             return Ok(Some(Holder {
                 pod: PodKey::Uid(s("PodUID")),
@@ -173,6 +275,14 @@ mod tests {
                     .unwrap()
                     .is_none()
             );
+            let held = held_in_checkpoint(text, &["r"]).unwrap();
+            assert_eq!(held.len(), 1);
+            let want = if uid == "u1" {
+                ids(&["a", "b"])
+            } else {
+                ids(&["a"])
+            };
+            assert_eq!(held[0].ids["r"], want);
         }
         assert!(holder_in_checkpoint("{}", "r", &[]).is_err());
     }

@@ -41,8 +41,8 @@ impl Procs {
     fn write_pids(&self, pids: &BTreeMap<i32, (u32, Option<usize>)>) {
         let list: Vec<i32> = pids.keys().copied().collect();
         let path = self.dir.join(quota_config::PIDS_FILE);
-        if let Err(e) = quota_config::write_atomic(&path, &quota_config::encode_pids(&list), 0o644)
-        {
+        // Derived state (rebuilt from live registrations): no fsync.
+        if let Err(e) = crate::vm::replace_file(&path, &quota_config::encode_pids(&list), 0o644) {
             tracing::error!(error = %e, "writing pids.config");
         }
     }
@@ -132,7 +132,8 @@ impl Registry {
                 .unwrap_or_default()
                 .into_iter()
                 .filter(|&p| alive(p))
-                .map(|p| (p, (1, None)))
+                // No connection yet: the process reconnects on its own (or is pruned).
+                .map(|p| (p, (0, None)))
                 .collect();
         let procs = Arc::new(Procs {
             dir: dir.to_path_buf(),

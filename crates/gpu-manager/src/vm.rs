@@ -4,6 +4,13 @@
 //! writes, any container user reads); the socket is 0666 so non-root
 //! processes can connect; the ledger is 0600 and reaches processes only as
 //! a descriptor passed over the socket.
+//!
+//! These files are derived state: the checkpoint is the durable record and
+//! recovery rewrites them from it, so they are replaced atomically (temp +
+//! rename, readers never see half a file) but not fsynced on the Allocate
+//! path. A directory mounted into a running container is never removed and
+//! re-created (the mount would keep the deleted one); files inside it are
+//! replaced only when their content differs.
 
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -137,17 +144,10 @@ impl VmDirs {
             path: dir.display().to_string(),
             source,
         })?;
-        let cfg = dir.join(CONFIG_FILE);
-        quota_config::write_atomic(&cfg, &bytes, 0o644).map_err(|e| VmError::Io {
-            path: e.path,
-            source: e.source,
-        })?;
+        replace_if_changed(&dir.join(CONFIG_FILE), &bytes, 0o644)?;
         let pids = dir.join(PIDS_FILE);
         if !pids.exists() {
-            quota_config::write_atomic(&pids, &[], 0o644).map_err(|e| VmError::Io {
-                path: e.path,
-                source: e.source,
-            })?;
+            replace_file(&pids, &[], 0o644)?;
         }
         let ledger = match ledger_quota {
             Some(q) => {
@@ -164,6 +164,28 @@ impl VmDirs {
         Ok((dir, ledger))
     }
 
+    /// The `(pod uid, container)` of every vm directory on disk with valid
+    /// names (anything else under the root is not ours and is left alone).
+    pub fn list(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        let Ok(pods) = std::fs::read_dir(&self.root) else {
+            return out;
+        };
+        for p in pods.flatten() {
+            let uid = p.file_name().to_string_lossy().into_owned();
+            if check_pod_uid(&uid).is_err() || !p.path().is_dir() {
+                continue;
+            }
+            for c in std::fs::read_dir(p.path()).into_iter().flatten().flatten() {
+                let name = c.file_name().to_string_lossy().into_owned();
+                if check_container_name(&name).is_ok() && c.path().is_dir() {
+                    out.push((uid.clone(), name));
+                }
+            }
+        }
+        out
+    }
+
     /// Removes a container's directory, and its pod's when that is empty.
     pub fn remove(&self, pod_uid: &str, container: &str) {
         let Ok(dir) = self.dir(pod_uid, container) else {
@@ -178,6 +200,40 @@ impl VmDirs {
             let _ = std::fs::remove_dir(pod);
         }
     }
+}
+
+/// Replaces `path` atomically (temp + rename) without fsync: derived state.
+pub fn replace_file(path: &Path, bytes: &[u8], mode: u32) -> Result<(), VmError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+    let r = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        // The umask may have narrowed the mode.
+        f.set_permissions(std::fs::Permissions::from_mode(mode))?;
+        std::fs::rename(&tmp, path)
+    })();
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r.map_err(io(path))
+}
+
+/// [`replace_file`] unless the file already holds `bytes` (a recovered
+/// container's quota file is left as it is).
+pub fn replace_if_changed(path: &Path, bytes: &[u8], mode: u32) -> Result<bool, VmError> {
+    if std::fs::read(path).is_ok_and(|b| b == bytes) {
+        return Ok(false);
+    }
+    replace_file(path, bytes, mode)?;
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -228,7 +284,13 @@ mod tests {
                 & 0o777,
             0o600
         );
+        assert_eq!(vm.list(), vec![("uid-1".to_string(), "c".to_string())]);
+        // Preparing again (recovery) keeps the inode of an unchanged file.
+        let ino = std::fs::metadata(dir.join(CONFIG_FILE)).unwrap().ino();
+        vm.prepare(&data, Some(1 << 30)).unwrap();
+        assert_eq!(std::fs::metadata(dir.join(CONFIG_FILE)).unwrap().ino(), ino);
         vm.remove("uid-1", "c");
         assert!(!dir.exists() && !dir.parent().unwrap().exists());
+        assert!(vm.list().is_empty());
     }
 }

@@ -1,0 +1,221 @@
+//! What the container runtime says runs on the node: Kubernetes containers
+//! (labels `io.kubernetes.*`, as dockershim and cri-dockerd set them), their
+//! state and the host directory mounted at `/etc/vcuda`. Docker through
+//! `bollard`; the CRI v1 socket (containerd, cri-o) is the next backend.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use bollard::Docker;
+use bollard::models::ContainerSummaryStateEnum;
+use bollard::query_parameters::{InspectContainerOptions, ListContainersOptionsBuilder};
+
+pub const LABEL_POD_UID: &str = "io.kubernetes.pod.uid";
+pub const LABEL_POD_NAME: &str = "io.kubernetes.pod.name";
+pub const LABEL_POD_NAMESPACE: &str = "io.kubernetes.pod.namespace";
+pub const LABEL_CONTAINER: &str = "io.kubernetes.container.name";
+/// Where the AllocateResponse mounts the container's vm directory.
+pub const VM_MOUNT: &str = "/etc/vcuda";
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error(
+        "container runtime {endpoint}: {source}; is Docker running and --container-runtime-endpoint right?"
+    )]
+    Docker {
+        endpoint: String,
+        #[source]
+        source: bollard::errors::Error,
+    },
+    #[error("container runtime {endpoint}: no answer within {0:?}", TIMEOUT)]
+    Timeout { endpoint: String },
+}
+
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One Kubernetes container the runtime knows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveContainer {
+    pub id: String,
+    pub pod_uid: String,
+    pub pod_name: String,
+    pub namespace: String,
+    pub container: String,
+    /// Running, paused, restarting or created (about to start): it may use
+    /// its devices. Exited, dead and being-removed containers do not.
+    pub alive: bool,
+    /// Host source of the `/etc/vcuda` mount.
+    pub vm_source: Option<PathBuf>,
+}
+
+/// What only an inspect tells: the GPUs a container was given.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContainerGpus {
+    /// `NVIDIA_VISIBLE_DEVICES` (GPU UUIDs).
+    pub visible: Vec<String>,
+    /// Host paths of its `/dev/nvidia<N>` devices.
+    pub devices: Vec<String>,
+}
+
+/// A container runtime to reconcile with, or none (`--container-runtime none`).
+#[derive(Clone)]
+pub enum Runtime {
+    Docker { client: Docker, endpoint: String },
+    None,
+}
+
+impl Runtime {
+    /// A Docker client for `endpoint` (`unix:///path` or a path). Nothing is
+    /// dialled yet; the API version is negotiated on first use, down to
+    /// what the engine speaks (Debian's 20.10 tops at 1.41).
+    pub fn docker(endpoint: &str) -> Result<Runtime, RuntimeError> {
+        let path = endpoint.strip_prefix("unix://").unwrap_or(endpoint);
+        let client =
+            Docker::connect_with_unix(path, TIMEOUT.as_secs(), bollard::API_DEFAULT_VERSION)
+                .map_err(|source| RuntimeError::Docker {
+                    endpoint: endpoint.to_string(),
+                    source,
+                })?;
+        Ok(Runtime::Docker {
+            client,
+            endpoint: endpoint.to_string(),
+        })
+    }
+
+    pub fn is_none(&self) -> bool {
+        matches!(self, Runtime::None)
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Runtime::Docker { endpoint, .. } => format!("docker at {endpoint}"),
+            Runtime::None => "none".into(),
+        }
+    }
+
+    /// A client speaking the engine's API version (negotiated per call: a
+    /// restarted or upgraded engine may answer differently).
+    async fn negotiated(&self) -> Result<Option<Docker>, RuntimeError> {
+        let Runtime::Docker { client, endpoint } = self else {
+            return Ok(None);
+        };
+        let err = |source| RuntimeError::Docker {
+            endpoint: endpoint.clone(),
+            source,
+        };
+        match tokio::time::timeout(TIMEOUT, client.clone().negotiate_version()).await {
+            Ok(r) => r.map(Some).map_err(err),
+            Err(_) => Err(RuntimeError::Timeout {
+                endpoint: endpoint.clone(),
+            }),
+        }
+    }
+
+    /// Every Kubernetes container, running or not. `Ok(None)` without a
+    /// runtime.
+    pub async fn containers(&self) -> Result<Option<Vec<LiveContainer>>, RuntimeError> {
+        let Some(d) = self.negotiated().await? else {
+            return Ok(None);
+        };
+        let endpoint = self.describe();
+        let filters = HashMap::from([("label", vec![LABEL_POD_UID])]);
+        let opts = ListContainersOptionsBuilder::new()
+            .all(true)
+            .filters(&filters)
+            .build();
+        let list = match tokio::time::timeout(TIMEOUT, d.list_containers(Some(opts))).await {
+            Ok(r) => r.map_err(|source| RuntimeError::Docker {
+                endpoint: endpoint.clone(),
+                source,
+            })?,
+            Err(_) => return Err(RuntimeError::Timeout { endpoint }),
+        };
+        Ok(Some(
+            list.into_iter()
+                .filter_map(|c| {
+                    let labels = c.labels.unwrap_or_default();
+                    let l = |k: &str| labels.get(k).cloned().unwrap_or_default();
+                    let container = l(LABEL_CONTAINER);
+                    // The pause ("POD") sandbox carries the pod labels too.
+                    if container.is_empty() || container == "POD" {
+                        return None;
+                    }
+                    let alive = matches!(
+                        c.state,
+                        Some(
+                            ContainerSummaryStateEnum::RUNNING
+                                | ContainerSummaryStateEnum::PAUSED
+                                | ContainerSummaryStateEnum::RESTARTING
+                                | ContainerSummaryStateEnum::CREATED
+                        )
+                    );
+                    let vm_source = c.mounts.unwrap_or_default().into_iter().find_map(|m| {
+                        (m.destination.as_deref() == Some(VM_MOUNT))
+                            .then_some(m.source)
+                            .flatten()
+                            .map(PathBuf::from)
+                    });
+                    Some(LiveContainer {
+                        id: c.id.unwrap_or_default(),
+                        pod_uid: l(LABEL_POD_UID),
+                        pod_name: l(LABEL_POD_NAME),
+                        namespace: l(LABEL_POD_NAMESPACE),
+                        container,
+                        alive,
+                        vm_source,
+                    })
+                })
+                .collect(),
+        ))
+    }
+
+    /// The GPUs of one container (for rebuilding a lost allocation).
+    pub async fn gpus(&self, id: &str) -> Result<ContainerGpus, RuntimeError> {
+        let Some(d) = self.negotiated().await? else {
+            return Ok(ContainerGpus::default());
+        };
+        let endpoint = self.describe();
+        let info = match tokio::time::timeout(
+            TIMEOUT,
+            d.inspect_container(id, None::<InspectContainerOptions>),
+        )
+        .await
+        {
+            Ok(r) => r.map_err(|source| RuntimeError::Docker {
+                endpoint: endpoint.clone(),
+                source,
+            })?,
+            Err(_) => return Err(RuntimeError::Timeout { endpoint }),
+        };
+        let visible = info
+            .config
+            .and_then(|c| c.env)
+            .unwrap_or_default()
+            .iter()
+            .find_map(|e| {
+                e.strip_prefix("NVIDIA_VISIBLE_DEVICES=")
+                    .map(str::to_string)
+            })
+            .map(|v| {
+                v.split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_string)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let devices = info
+            .host_config
+            .and_then(|h| h.devices)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|d| d.path_in_container)
+            .filter(|p| {
+                p.strip_prefix("/dev/nvidia")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .collect();
+        Ok(ContainerGpus { visible, devices })
+    }
+}
