@@ -224,7 +224,6 @@ fn serve(sh: &Shared, mut conn: UnixStream) {
         return;
     };
     sh.live.lock().unwrap().insert(pid, slot);
-    write_pids(sh);
     sh.events.lock().unwrap().push(Event::Registered {
         pid,
         slot,
@@ -241,6 +240,9 @@ fn serve(sh: &Shared, mut conn: UnixStream) {
     if fdpass::send_frame(conn.as_fd(), &body, Some(sh.ledger_file.as_fd())).is_err() {
         return;
     }
+    // After the reply: the fsyncs of pids.config need not delay cuInit
+    // (the interposer counts its own PID in anyway).
+    write_pids(sh);
     // The connection lives as long as the process.
     let mut buf = [0u8; 64];
     loop {
