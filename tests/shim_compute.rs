@@ -1,0 +1,187 @@
+//! The compute quota of the interposer, end to end on a simulated node:
+//! a C program saturating the GPU with 1 ms kernels runs under the
+//! interposer (a vdriver mirror of the sim) in a container vm dir served by
+//! a test manager; what it achieved is read from the sim's timeline (the
+//! ground truth, not the NVML samples the controller steers by).
+//!
+//! Functional checks with wide margins; the accuracy numbers come from
+//! `cargo bench -p cuda-shim --bench compute_accuracy`. Needs
+//! `cargo build --workspace` first.
+
+#[path = "../cuda-shim/testsupport/server.rs"]
+mod server;
+#[path = "../cuda-shim/testsupport/simnode.rs"]
+mod simnode;
+
+use simnode::{Container, ShimNode};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Mutex;
+use std::time::Duration;
+use vcuda_tests::{target_dir, workspace_root};
+
+/// One saturating workload at a time: the machine has few cores and a
+/// CPU-starved launcher would make the lower bounds flaky.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn node() -> (ShimNode, PathBuf) {
+    let n = ShimNode::install(&workspace_root(), &target_dir(), "sim-1gpu");
+    let prog = n.compile_c(&workspace_root().join("tests/c/shim_compute.c"));
+    (n, prog)
+}
+
+struct Out {
+    kv: HashMap<String, String>,
+    text: String,
+}
+
+impl Out {
+    fn get(&self, k: &str) -> u64 {
+        self.kv
+            .get(k)
+            .unwrap_or_else(|| panic!("no {k} in:\n{}", self.text))
+            .parse()
+            .unwrap()
+    }
+}
+
+fn kv(text: &str) -> HashMap<String, String> {
+    text.split_whitespace()
+        .filter_map(|w| w.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// Runs the workload and measures, while it still runs (the sim forgets
+/// exited processes), what its processes achieved over
+/// `[start + from_s, start + to_s)`; `start` is when it began launching.
+fn run(
+    n: &ShimNode,
+    c: &Container,
+    prog: &Path,
+    args: &[&str],
+    (from_s, to_s): (f64, f64),
+) -> (Out, f64) {
+    let mut child = c
+        .command(prog)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut text = String::new();
+    let mut line = String::new();
+    while !text.contains("start_ns=") {
+        line.clear();
+        if stdout.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        text.push_str(&line);
+    }
+    let mut measured = None;
+    let head = kv(&text);
+    if let Some(start) = head.get("start_ns").and_then(|v| v.parse::<u64>().ok()) {
+        let at = |s: f64| start + (s * 1e9) as u64;
+        let now = simnode::now_ns();
+        if at(to_s) > now {
+            std::thread::sleep(Duration::from_nanos(at(to_s) - now + 20_000_000));
+        }
+        let pids: Vec<i32> = ["pid", "parent_pid"]
+            .iter()
+            .filter_map(|k| head.get(*k).and_then(|v| v.parse().ok()))
+            .collect();
+        measured = Some(n.busy(&pids, at(from_s), at(to_s)));
+    }
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    text.push_str(&rest);
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let st = child.wait().unwrap();
+    let text = format!("{text}\nstderr:\n{err}");
+    assert!(st.success(), "workload failed:\n{text}");
+    let u = measured.unwrap_or_else(|| panic!("no start_ns in:\n{text}"));
+    (
+        Out {
+            kv: kv(&text),
+            text,
+        },
+        u,
+    )
+}
+
+#[test]
+fn a_hard_limit_of_30_keeps_a_saturating_process_well_below_45_percent() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (n, prog) = node();
+    let c = n.container(30, true, 0);
+    let (_, u) = run(&n, &c, &prog, &["saturate", "4.5"], (1.0, 4.0));
+    eprintln!("hard 30: {u:.1}%");
+    assert!(u < 45.0 && u > 15.0, "achieved {u:.1}% under a hard 30%");
+}
+
+#[test]
+fn an_unthrottled_process_saturates_the_gpu() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (n, prog) = node();
+    // A whole-GPU container: enable = 0.
+    let c = n.whole_gpu();
+    let (_, u) = run(&n, &c, &prog, &["saturate", "2.5", "16"], (0.5, 2.0));
+    eprintln!("whole GPU: {u:.1}%");
+    assert!(u > 90.0, "achieved {u:.1}% with no limit");
+}
+
+#[test]
+fn a_soft_limit_bursts_above_its_quota_on_an_idle_gpu() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (n, prog) = node();
+    let c = n.container(30, false, 100);
+    let (_, u) = run(&n, &c, &prog, &["saturate", "4.5", "8"], (1.0, 4.0));
+    eprintln!("soft 30 (limit 100), alone: {u:.1}%");
+    assert!(
+        u > 50.0,
+        "achieved only {u:.1}% with the GPU otherwise idle"
+    );
+}
+
+#[test]
+fn a_throttled_launch_sleeps_rather_than_spins() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (n, prog) = node();
+    let c = n.container(10, true, 0);
+    let (o, u) = run(&n, &c, &prog, &["saturate", "3.5"], (1.0, 3.0));
+    let (cpu, wall) = (o.get("cpu_ns") as f64, o.get("wall_ns") as f64);
+    eprintln!(
+        "hard 10: {u:.1}%, cpu {:.0} ms of {:.0} ms",
+        cpu / 1e6,
+        wall / 1e6
+    );
+    assert!(u < 25.0, "achieved {u:.1}% under a hard 10%");
+    // Throttled about 90% of the time: spinning would show as ~wall.
+    assert!(
+        cpu < 0.2 * wall,
+        "the process used {:.0} ms of CPU in {:.0} ms",
+        cpu / 1e6,
+        wall / 1e6
+    );
+}
+
+#[test]
+fn a_fork_child_is_still_throttled() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (n, prog) = node();
+    let c = n.container(30, true, 0);
+    let (o, u) = run(&n, &c, &prog, &["fork", "4.5"], (1.0, 4.0));
+    assert_eq!(o.get("child_status"), 0, "{}", o.text);
+    assert_ne!(o.get("pid"), o.get("parent_pid"));
+    eprintln!("fork child under hard 30: {u:.1}%");
+    assert!(u < 45.0 && u > 15.0, "achieved {u:.1}% under a hard 30%");
+}
