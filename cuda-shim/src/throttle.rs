@@ -1,40 +1,316 @@
-//! Compute-quota controller hook (issue #5, second part).
+//! The compute quota (issue #5): kernel launches draw from a token bucket
+//! shared by every process of the container; one process's watcher thread
+//! sets the bucket's rate from NVML feedback.
 //!
-//! Every kernel-launch wrapper calls [`before_launch`] before forwarding,
-//! only when the process enforces quotas (`config::ENFORCING`). The watcher
-//! thread calls [`tick`] every [`tick_interval`] (and while reconnecting),
-//! which is where a controller refills tokens or samples utilisation.
-//! [`on_attach`] hands over the container ledger's compute words
-//! (`Ledger::compute_words`, shared by every process of the container) each
-//! time the process (re-)registers; [`after_fork_child`] runs in a fork
-//! child before anything else.
+//! * [`before_launch`] (every launch wrapper, only when the process
+//!   enforces quotas): one load when the container has no compute limit;
+//!   otherwise one `fetch_add` and one load while tokens last
+//!   ([`bucket::Bucket::take`]), else it sleeps until refilled.
+//! * [`tick`] (the watcher thread, every [`tick_interval`]): refills, and
+//!   in the process holding the controller lease (a heartbeat in the
+//!   ledger; a silent holder is replaced after [`LEASE_STALE_NS`]) polls
+//!   NVML and sets the rate ([`controller`]).
+//! * [`on_attach`]: maps the ledger's compute words privately (mremap of
+//!   the shared page, never unmapped, so a launch sleeping on them survives
+//!   a re-registration that replaces the ledger).
+//! * [`after_fork_child`]: the child keeps drawing from the same bucket
+//!   (the mapping is inherited) under a new lease identity; its first
+//!   throttled launch registers it, which starts its own watcher.
 //!
-//! Today every hook is a no-op: launches are never delayed.
+//! See README.md, "Compute quota".
 
+pub mod bucket;
+pub mod controller;
+pub mod sampler;
+
+use bucket::{Bucket, now_ns};
 use container_ledger::Ledger;
+use controller::{Controller, Period, Quota};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 use std::time::Duration;
+
+/// The compute words of the container's bucket; null: no compute limit.
+static BUCKET: AtomicPtr<AtomicU64> = AtomicPtr::new(std::ptr::null_mut());
+
+/// A controller silent this long loses its lease.
+pub const LEASE_STALE_NS: u64 = 500_000_000;
+/// Tick while throttling: refills keep the launch path on tokens, and NVML
+/// periods (100 ms) are acted on within a tick of their end.
+const TICK: Duration = Duration::from_millis(20);
+const IDLE_TICK: Duration = Duration::from_millis(100);
 
 /// Called before each kernel launch. `cost_hint`: threads launched (grid
 /// blocks x threads per block), 0 when unknown (graph launches). Must stay
 /// cheap: the launch path budget is 50 ns over the driver.
 #[inline(always)]
 pub fn before_launch(cost_hint: u64) {
-    let _ = cost_hint;
+    let p = BUCKET.load(Ordering::Acquire);
+    if p.is_null() {
+        return;
+    }
+    // SAFETY: set only to a mapping that is never unmapped.
+    let b = unsafe { Bucket::at(p) };
+    if let Some(ticket) = b.take(cost_hint) {
+        b.wait(ticket, arm_watcher);
+    }
 }
 
-/// Periodic work on the watcher thread.
-pub fn tick() {}
+/// A process that throttles but is not registered (a fork child that only
+/// launches) registers now: the manager then lists it in pids.config, so
+/// the controller counts its utilisation, and its own watcher starts.
+#[cold]
+fn arm_watcher() {
+    let p = crate::registration::proc();
+    if !p.is_registered() {
+        let _ = p.ensure_registered();
+    }
+}
+
+/// The bucket, if this process throttles.
+pub fn bucket() -> Option<Bucket> {
+    let p = BUCKET.load(Ordering::Acquire);
+    (!p.is_null()).then(|| unsafe { Bucket::at(p) })
+}
+
+/// The compute quota of the config; `None`: no limit (whole GPU, 0 or
+/// 100+ percent).
+pub fn quota_of(d: &quota_config::ResourceData) -> Option<Quota> {
+    if d.utilization <= 0 || d.utilization >= 100 {
+        return None;
+    }
+    let u = d.utilization as f64;
+    Some(Quota {
+        utilization: u,
+        soft_limit: (!d.hard_limit).then(|| {
+            let l = if d.limit <= 0 { 100 } else { d.limit.min(100) };
+            (l as f64).max(u)
+        }),
+    })
+}
+
+fn quota() -> Option<Quota> {
+    quota_of(&crate::config::enforce()?.data)
+}
+
+/// Periodic work on the watcher thread. Never unwinds (the watcher must
+/// survive a bug here).
+pub fn tick() {
+    let _ = std::panic::catch_unwind(tick_inner);
+}
 
 /// How often [`tick`] runs.
 pub fn tick_interval() -> Duration {
-    Duration::from_millis(100)
+    if BUCKET.load(Ordering::Acquire).is_null() {
+        IDLE_TICK
+    } else {
+        TICK
+    }
 }
 
 /// The process got (or changed) its ledger and slot.
 pub fn on_attach(ledger: &Ledger, slot: usize) {
-    let _ = (ledger, slot);
+    let _ = slot;
+    if quota().is_none() {
+        return;
+    }
+    let Some(p) = private_words(ledger) else {
+        crate::log::log!(
+            Error,
+            "cannot map the compute area; this process throttles alone"
+        );
+        let local = Box::leak(Box::new(
+            [const { AtomicU64::new(0) }; container_ledger::COMPUTE_WORDS],
+        ));
+        BUCKET.store(local.as_mut_ptr(), Ordering::Release);
+        return;
+    };
+    let b = unsafe { Bucket::at(p) };
+    b.init();
+    BUCKET.store(p.cast_mut(), Ordering::Release);
+}
+
+/// A second mapping of the ledger page that holds the compute words
+/// (`mremap` with old size 0 duplicates a shared mapping), which we never
+/// unmap: the ledger's own mapping goes away when a re-registration
+/// replaces it, possibly under a sleeping launch.
+fn private_words(ledger: &Ledger) -> Option<*const AtomicU64> {
+    let words = ledger.compute_words().as_ptr();
+    let page = 4096usize;
+    let off = words as usize % page;
+    let base = (words as usize - off) as *mut libc::c_void;
+    let p = unsafe { libc::mremap(base, 0, page, libc::MREMAP_MAYMOVE) };
+    if p == libc::MAP_FAILED {
+        return None;
+    }
+    Some(unsafe { (p as *const u8).add(off) } as *const AtomicU64)
 }
 
 /// In a fork child, from the atfork handler (single-threaded, keep it
 /// async-signal-safe in spirit: no locks that another thread may hold).
-pub fn after_fork_child() {}
+/// The bucket mapping is inherited and stays; the lease identity is the
+/// parent's, so draw a new one. The controller state lives in the parent's
+/// watcher thread, which the child does not have.
+pub fn after_fork_child() {
+    ME.store(0, Ordering::Release);
+}
+
+static ME: AtomicU64 = AtomicU64::new(0);
+
+/// This process's lease identity: pid and a per-process nonce (a reused
+/// pid is not mistaken for a dead controller).
+fn me() -> u64 {
+    let v = ME.load(Ordering::Acquire);
+    if v != 0 {
+        return v;
+    }
+    let pid = std::process::id() as u64;
+    let nonce = (now_ns() ^ (&ME as *const _ as u64).rotate_left(17)) & 0xffff_ffff;
+    let v = (pid << 32) | nonce | 1;
+    match ME.compare_exchange(0, v, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => v,
+        Err(x) => x,
+    }
+}
+
+/// The controller, in the watcher thread of the lease holder.
+struct Ctl {
+    ctrl: Controller,
+    sampler: Option<sampler::Sampler>,
+    sampler_error: bool,
+    waits: u64,
+}
+
+thread_local! {
+    static CTL: RefCell<Option<Ctl>> = const { RefCell::new(None) };
+}
+
+fn tick_inner() {
+    let Some(b) = bucket() else { return };
+    let now = now_ns();
+    b.refill(now);
+    let Some(q) = quota() else { return };
+    let me = me();
+    let leader = b.hold_lease(me, now, LEASE_STALE_NS);
+    CTL.with(|c| {
+        let mut c = c.borrow_mut();
+        if !leader {
+            *c = None;
+            return;
+        }
+        let ctl = c.get_or_insert_with(|| {
+            crate::log::log!(Info, "compute controller: this process ({q:?})");
+            Ctl {
+                ctrl: Controller::new(q),
+                sampler: None,
+                sampler_error: false,
+                waits: b.waits(),
+            }
+        });
+        control(ctl, b, now);
+    });
+}
+
+fn control(ctl: &mut Ctl, b: Bucket, now: u64) {
+    ctl.ctrl.record_launched(now, b.launched());
+    if ctl.sampler.is_none() && !ctl.sampler_error {
+        let bus = crate::config::enforce()
+            .map(|e| e.data.bus_id.clone())
+            .unwrap_or_default();
+        match sampler::Sampler::open(&bus) {
+            Ok(s) => ctl.sampler = Some(s),
+            Err(e) => {
+                // Without feedback the bucket keeps the last rate it had.
+                crate::log::log!(Error, "compute quota: no utilisation feedback: {e}");
+                ctl.sampler_error = true;
+            }
+        }
+    }
+    let Some(s) = ctl.sampler.as_mut() else {
+        return;
+    };
+    for r in s.poll(crate::registration::container_pids) {
+        let start = r.end_ns.saturating_sub(r.len_ns);
+        let p = Period {
+            end_ns: r.end_ns,
+            len_ns: r.len_ns,
+            own: r.own,
+            others: r.others,
+            cost: ctl.ctrl.cost_between(start, r.end_ns),
+        };
+        let waits = b.waits();
+        let waited = waits != ctl.waits;
+        ctl.waits = waits;
+        if let Some(d) = ctl.ctrl.add_period(p, waited) {
+            b.set_rate(d.rate, d.units_per_ms);
+            b.publish(d.target, d.achieved);
+            crate::log::log!(
+                Debug,
+                "compute: own {:.1}% others {:.1}% (avg {:.1}%) target {:.1}% rate {:.4e}/ns m {:.3}",
+                r.own,
+                r.others,
+                d.achieved,
+                d.target,
+                d.rate,
+                ctl.ctrl.integral()
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(util: i32, hard: bool, limit: i32) -> quota_config::ResourceData {
+        quota_config::ResourceData {
+            utilization: util,
+            hard_limit: hard,
+            limit,
+            enable: true,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn quota_from_config() {
+        assert_eq!(quota_of(&data(0, true, 0)), None);
+        assert_eq!(quota_of(&data(100, true, 0)), None, "a whole GPU");
+        assert_eq!(
+            quota_of(&data(30, true, 80)),
+            Some(Quota {
+                utilization: 30.0,
+                soft_limit: None
+            })
+        );
+        assert_eq!(
+            quota_of(&data(30, false, 80)).unwrap().soft_limit,
+            Some(80.0)
+        );
+        assert_eq!(
+            quota_of(&data(30, false, 0)).unwrap().soft_limit,
+            Some(100.0)
+        );
+        assert_eq!(
+            quota_of(&data(30, false, 10)).unwrap().soft_limit,
+            Some(30.0),
+            "a ceiling under the quota is the quota"
+        );
+    }
+
+    #[test]
+    fn private_mapping_shares_the_words_and_outlives_the_ledger() {
+        let d = tempfile::tempdir().unwrap();
+        let (l, _f) = Ledger::create(&d.path().join("ledger"), 0).unwrap();
+        let p = private_words(&l).unwrap();
+        let b = unsafe { Bucket::at(p) };
+        b.init();
+        b.set_rate(2.0, 1.0);
+        assert_eq!(
+            l.compute_words()[11].load(Ordering::Relaxed),
+            2.0f64.to_bits()
+        );
+        drop(l);
+        assert_eq!(b.rate(), 2.0, "still mapped");
+    }
+}

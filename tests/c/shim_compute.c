@@ -5,6 +5,9 @@
 //
 // usage: shim_compute saturate SECONDS [SYNC_EVERY]
 //        shim_compute fork SECONDS      (the child saturates; the parent waits)
+//        shim_compute launchcost ROUNDS N SLEEP_MS
+//          (median ns per cuLaunchKernel over ROUNDS bursts of N one-block
+//          kernels, sleeping between bursts so a quota keeps tokens)
 // Prints key=value words the tests parse: pid, launches, wall_ns, cpu_ns
 // (user + system time of the whole process while saturating).
 #define _GNU_SOURCE
@@ -81,6 +84,37 @@ static int saturate(double seconds, int sync_every) {
   return 0;
 }
 
+static int cmp_ll(const void *a, const void *b) {
+  long long x = *(const long long *)a, y = *(const long long *)b;
+  return (x > y) - (x < y);
+}
+
+static int launchcost(int rounds, int n, int sleep_ms) {
+  CUdevice dev;
+  CUcontext ctx;
+  CUmodule m;
+  CUfunction f;
+  CUstream s;
+  static const char image[] = "fake image";
+  check(cuInit(0), "cuInit");
+  check(cuDeviceGet(&dev, 0), "cuDeviceGet");
+  check(cuCtxCreate_v2(&ctx, 0, dev), "cuCtxCreate");
+  check(cuModuleLoadData(&m, image), "cuModuleLoadData");
+  check(cuModuleGetFunction(&f, m, "noop"), "cuModuleGetFunction");
+  check(cuStreamCreate(&s, 0), "cuStreamCreate");
+  long long *per = calloc(rounds, sizeof *per);
+  for (int k = 0; k < rounds; k++) {
+    long long a = now_ns();
+    for (int i = 0; i < n; i++) cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL);
+    per[k] = (now_ns() - a) * 1000 / n;
+    check(cuStreamSynchronize(s), "cuStreamSynchronize");
+    usleep(sleep_ms * 1000);
+  }
+  qsort(per, rounds, sizeof *per, cmp_ll);
+  printf("launch_ps=%lld min_ps=%lld\n", per[rounds / 2], per[0]);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   if (argc < 3) {
@@ -91,6 +125,8 @@ int main(int argc, char **argv) {
   int sync_every = argc > 3 ? atoi(argv[3]) : 4;
   if (sync_every < 1) sync_every = 1;
   if (!strcmp(argv[1], "saturate")) return saturate(seconds, sync_every);
+  if (!strcmp(argv[1], "launchcost") && argc > 4)
+    return launchcost(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
   if (!strcmp(argv[1], "fork")) {
     // The parent initialises (and so holds the controller lease) first.
     CUdevice dev;

@@ -1,0 +1,183 @@
+//! Utilisation feedback from the real NVML (the versioned
+//! `libnvidia-ml.so.<ver>` beside the interposer, never our own wrappers):
+//! `nvmlDeviceGetProcessUtilization` samples of every process on the
+//! container's GPU, split into the container's host PIDs and the rest.
+
+use super::controller::DEFAULT_PERIOD_NS;
+use crate::real::{Lib, sym};
+use std::ffi::{CString, c_void};
+
+const NVML_SUCCESS: i32 = 0;
+const NVML_ERROR_NOT_FOUND: i32 = 6;
+const NVML_ERROR_INSUFFICIENT_SIZE: i32 = 7;
+
+/// `nvmlProcessUtilizationSample_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Sample {
+    pid: u32,
+    time_stamp: u64,
+    sm_util: u32,
+    mem_util: u32,
+    enc_util: u32,
+    dec_util: u32,
+}
+
+type Device = *mut c_void;
+type ProcUtil = unsafe extern "C" fn(Device, *mut Sample, *mut u32, u64) -> i32;
+
+/// A finished sample period as NVML reported it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reported {
+    /// End of the period, CLOCK_MONOTONIC ns.
+    pub end_ns: u64,
+    pub len_ns: u64,
+    pub own: f64,
+    pub others: f64,
+}
+
+pub struct Sampler {
+    dev: Device,
+    get: ProcUtil,
+    last_seen_us: u64,
+    prev_ts_us: Option<u64>,
+    /// Shortest gap seen between two periods: the driver's sample period.
+    period_ns: u64,
+    buf: Vec<Sample>,
+}
+
+// The device handle is only used on the thread that owns the sampler.
+unsafe impl Send for Sampler {}
+
+fn f<T: Copy>(name: &str) -> Result<T, String> {
+    let c = CString::new(name).unwrap();
+    let p = sym(Lib::Nvml, &c);
+    if p == 0 {
+        return Err(format!("the real NVML has no {name}"));
+    }
+    assert_eq!(size_of::<T>(), size_of::<usize>());
+    Ok(unsafe { std::mem::transmute_copy::<usize, T>(&p) })
+}
+
+impl Sampler {
+    /// Initialises the real NVML and finds the GPU by `bus_id` (the only
+    /// visible GPU when the id does not match: a container sees just its
+    /// own).
+    pub fn open(bus_id: &str) -> Result<Sampler, String> {
+        let init: unsafe extern "C" fn() -> i32 = f("nvmlInit_v2")?;
+        let r = unsafe { init() };
+        if r != NVML_SUCCESS {
+            return Err(format!("nvmlInit_v2 returned {r}"));
+        }
+        let by_bus: unsafe extern "C" fn(*const i8, *mut Device) -> i32 =
+            f("nvmlDeviceGetHandleByPciBusId_v2")?;
+        let count: unsafe extern "C" fn(*mut u32) -> i32 = f("nvmlDeviceGetCount_v2")?;
+        let by_index: unsafe extern "C" fn(u32, *mut Device) -> i32 =
+            f("nvmlDeviceGetHandleByIndex_v2")?;
+        let mut dev: Device = std::ptr::null_mut();
+        let id = CString::new(bus_id).unwrap_or_default();
+        if bus_id.is_empty() || unsafe { by_bus(id.as_ptr().cast(), &mut dev) } != NVML_SUCCESS {
+            let mut n = 0;
+            let r = unsafe { count(&mut n) };
+            if r != NVML_SUCCESS || n == 0 {
+                return Err(format!("no GPU {bus_id:?} and no GPU at all (count: {r})"));
+            }
+            if n > 1 {
+                crate::log::log!(
+                    Warn,
+                    "GPU {bus_id:?} not found among {n} GPUs; throttling by the first"
+                );
+            }
+            let r = unsafe { by_index(0, &mut dev) };
+            if r != NVML_SUCCESS {
+                return Err(format!("nvmlDeviceGetHandleByIndex_v2(0) returned {r}"));
+            }
+        }
+        Ok(Sampler {
+            dev,
+            get: f("nvmlDeviceGetProcessUtilization")?,
+            // Only periods from now on.
+            last_seen_us: realtime_us(),
+            prev_ts_us: None,
+            period_ns: DEFAULT_PERIOD_NS,
+            buf: Vec::new(),
+        })
+    }
+
+    /// Periods finished since the last call, oldest first. `is_own`: host
+    /// PID -> belongs to the container (asked only when samples arrived).
+    pub fn poll(&mut self, own_pids: impl FnOnce() -> Vec<i32>) -> Vec<Reported> {
+        let mut n: u32 = 0;
+        let r = unsafe { (self.get)(self.dev, std::ptr::null_mut(), &mut n, self.last_seen_us) };
+        if r == NVML_ERROR_NOT_FOUND || (r != NVML_ERROR_INSUFFICIENT_SIZE && r != NVML_SUCCESS) {
+            return Vec::new();
+        }
+        if n == 0 {
+            return Vec::new();
+        }
+        self.buf.clear();
+        self.buf.resize(n as usize + 8, Sample::default());
+        let mut n = self.buf.len() as u32;
+        let r = unsafe { (self.get)(self.dev, self.buf.as_mut_ptr(), &mut n, self.last_seen_us) };
+        if r != NVML_SUCCESS {
+            return Vec::new();
+        }
+        let samples = &mut self.buf[..n as usize];
+        samples.sort_by_key(|s| s.time_stamp);
+        let pids = own_pids();
+        let offset = mono_minus_realtime_ns();
+        let mut out: Vec<Reported> = Vec::new();
+        let mut i = 0;
+        while i < samples.len() {
+            let ts = samples[i].time_stamp;
+            let (mut own, mut others) = (0.0, 0.0);
+            while i < samples.len() && samples[i].time_stamp == ts {
+                let s = samples[i];
+                if pids.contains(&(s.pid as i32)) {
+                    own += s.sm_util as f64;
+                } else {
+                    others += s.sm_util as f64;
+                }
+                i += 1;
+            }
+            if ts <= self.last_seen_us {
+                continue;
+            }
+            if let Some(prev) = self.prev_ts_us {
+                let gap = ts.saturating_sub(prev) * 1000;
+                if gap >= 10_000_000 {
+                    self.period_ns = self.period_ns.min(gap);
+                }
+            }
+            self.prev_ts_us = Some(ts);
+            out.push(Reported {
+                end_ns: (ts as i128 * 1000 + offset as i128).max(0) as u64,
+                len_ns: self.period_ns,
+                own: own.min(100.0),
+                others: others.min(100.0),
+            });
+        }
+        if let Some(s) = samples.last() {
+            self.last_seen_us = self.last_seen_us.max(s.time_stamp);
+        }
+        out
+    }
+}
+
+fn clock(id: libc::clockid_t) -> i128 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    unsafe { libc::clock_gettime(id, &mut ts) };
+    ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128
+}
+
+fn realtime_us() -> u64 {
+    (clock(libc::CLOCK_REALTIME) / 1000) as u64
+}
+
+/// CLOCK_MONOTONIC - CLOCK_REALTIME, to place NVML's epoch timestamps.
+fn mono_minus_realtime_ns() -> i64 {
+    (clock(libc::CLOCK_MONOTONIC) - clock(libc::CLOCK_REALTIME)) as i64
+}
