@@ -94,7 +94,11 @@ pub fn install(node_file: &Path, root: &Path, artifacts: &Path) -> Result<Instal
         format!("/{LIB_DIR}\n").as_bytes(),
         0o644,
     )?;
+    // -i: ldconfig's aux cache keys sonames by inode, size and ctime; the
+    // atomic replacements above recycle inodes, which can make it reuse
+    // another library's soname and point libcuda.so.1 at libnvidia-ml.
     let out = Command::new(ldconfig())
+        .arg("-i")
         .arg("-r")
         .arg(&root)
         .output()
