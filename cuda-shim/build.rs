@@ -1,5 +1,5 @@
 //! Generates, from the two export lists kept in the repo (cuda-abi's
-//! `libcuda.txt`, gpu-sim-nvml's `libnvidia-ml.txt`):
+//! `libcuda.txt`, cuda-abi's `libnvidia-ml.txt`):
 //!
 //! * one forwarding trampoline per exported symbol this crate does not wrap:
 //!   a naked function `jmp [slot]`, the slot first pointing at a resolver
@@ -36,7 +36,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src");
 
     let cuda = list("../crates/cuda-abi/symbols/libcuda.txt");
-    let nvml = list("../crates/gpu-sim-nvml/symbols/libnvidia-ml.txt");
+    let nvml = list("../crates/cuda-abi/symbols/libnvidia-ml.txt");
 
     let mut wrapped = BTreeMap::new();
     for entry in std::fs::read_dir("src").unwrap() {

@@ -3,7 +3,7 @@
 //!
 //! Exports the functions listed in README.md with NVML's real names, struct
 //! layouts and return-code conventions; every other NVML symbol (see
-//! `symbols/libnvidia-ml.txt`) is a stub returning NVML_ERROR_NOT_SUPPORTED.
+//! `cuda-abi/symbols/libnvidia-ml.txt`) is a stub returning NVML_ERROR_NOT_SUPPORTED.
 //! No export panics across the FFI boundary: each body runs under
 //! `catch_unwind` and a panic becomes NVML_ERROR_UNKNOWN.
 
