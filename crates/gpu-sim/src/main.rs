@@ -116,7 +116,12 @@ fn run(cli: Cli) -> Result<()> {
             };
             opts.measure = std::time::Duration::from_secs(seconds.max(1));
             opts.keep = keep;
-            let outcome = vcuda_demo::run(&opts)?;
+            let outcome = match vcuda_demo::run(&opts) {
+                Ok(o) => o,
+                // Cleaned up already; the shell's convention for Ctrl-C.
+                Err(vcuda_demo::DemoError::Interrupted) => std::process::exit(130),
+                Err(e) => return Err(e.into()),
+            };
             if !outcome.passed() {
                 std::process::exit(1);
             }
