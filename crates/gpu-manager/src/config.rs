@@ -109,9 +109,16 @@ pub struct Options {
     #[arg(long, env = "GPU_MANAGER_IGNORED_XIDS", value_delimiter = ',')]
     pub ignored_xids: Option<Vec<u64>>,
     /// Seconds the first API-server sync of this node's pods may take before
-    /// startup fails [default: 30].
+    /// startup goes on without it (degraded) [default: 30].
     #[arg(long, env = "GPU_MANAGER_API_TIMEOUT")]
     pub api_timeout: Option<u64>,
+    /// Container runtime reconciled with at start and in the periodic check:
+    /// "docker" or "none" [default: docker].
+    #[arg(long, env = "GPU_MANAGER_CONTAINER_RUNTIME")]
+    pub container_runtime: Option<String>,
+    /// The runtime's socket [default: unix:///var/run/docker.sock].
+    #[arg(long, env = "GPU_MANAGER_CONTAINER_RUNTIME_ENDPOINT")]
+    pub container_runtime_endpoint: Option<String>,
 }
 
 macro_rules! layer {
@@ -148,7 +155,9 @@ impl Options {
             interposer,
             xid_quiet_period,
             ignored_xids,
-            api_timeout
+            api_timeout,
+            container_runtime,
+            container_runtime_endpoint
         )
     }
 
@@ -188,6 +197,9 @@ pub struct Settings {
     pub xid_quiet_period: Duration,
     pub ignored_xids: Vec<u64>,
     pub api_timeout: Duration,
+    /// "docker" or "none".
+    pub container_runtime: String,
+    pub container_runtime_endpoint: String,
 }
 
 fn parse_labels(s: &str) -> Result<Vec<(String, String)>, ConfigError> {
@@ -229,6 +241,15 @@ impl Settings {
 
     pub fn resolve(o: Options) -> Result<Settings, ConfigError> {
         let driver = o.driver.unwrap_or_else(|| "nvidia".into());
+        let container_runtime = o.container_runtime.unwrap_or_else(|| "docker".into());
+        if !["docker", "none"].contains(&container_runtime.as_str()) {
+            return Err(ConfigError::Invalid {
+                field: "container-runtime",
+                problem: format!(
+                    "{container_runtime:?} is not supported: \"docker\", or \"none\" to reconcile with kubelet and the API server only"
+                ),
+            });
+        }
         if driver != "nvidia" {
             return Err(ConfigError::Invalid {
                 field: "driver",
@@ -285,6 +306,10 @@ impl Settings {
                 .ignored_xids
                 .unwrap_or_else(|| vec![13, 31, 43, 45, 68, 109]),
             api_timeout: Duration::from_secs(o.api_timeout.unwrap_or(30).max(1)),
+            container_runtime,
+            container_runtime_endpoint: o
+                .container_runtime_endpoint
+                .unwrap_or_else(|| "unix:///var/run/docker.sock".into()),
         })
     }
 

@@ -15,6 +15,7 @@ use crate::ids::{VCORE_RESOURCE, VCORE_SOCKET, VMEMORY_RESOURCE, VMEMORY_SOCKET}
 use crate::kube_api::{self, Patcher, PodWatch};
 use crate::manager::{Manager, ManagerParts};
 use crate::plugin::{VcorePlugin, VmemoryPlugin};
+use crate::runtime::Runtime;
 use crate::{health, nvml};
 
 /// A Kubernetes label value from free text (GPU model names have spaces).
@@ -106,8 +107,11 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
     let client = kube_api::client(s.kubeconfig.as_deref()).await?;
     let pods = PodWatch::start(client.clone(), &s.node_name, cancel.clone());
     if let Err(e) = pods.ready(s.api_timeout).await {
-        bail!(
-            "the API server did not list this node's pods within {} s ({e}): check --kubeconfig or the service account, and that the API server is reachable",
+        // Degrade rather than crash-loop: running containers need the
+        // manager (sockets, recovery); the watch keeps retrying.
+        tracing::error!(
+            "the API server did not list this node's pods within {} s ({e}): check --kubeconfig or the service account, and that the API server is reachable; \
+             going on without it: nothing is released on its account and Allocate answers Unavailable until it answers",
             s.api_timeout.as_secs()
         );
     }
@@ -124,7 +128,12 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         "step 4/6: API server in sync"
     );
 
-    // 5. State: checkpoint, health, samples, periodic checks.
+    // 5. State: recovery (checkpoint reconciled with the node), health,
+    // display and samples, pod-deletion watch, periodic checks.
+    let runtime = match s.container_runtime.as_str() {
+        "none" => Runtime::None,
+        _ => Runtime::docker(&s.container_runtime_endpoint),
+    };
     let mgr = Manager::new(ManagerParts {
         settings: s.clone(),
         allocator,
@@ -132,8 +141,22 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         pods,
         patcher: Patcher::start(client, None),
         extra,
+        runtime,
     });
-    let restored = mgr.restore()?;
+    let tr = Instant::now();
+    let report = mgr.restore().await;
+    let recovery = tr.elapsed();
+    let restored = report.kept + report.rebuilt;
+    tracing::info!(
+        recovery_ms = recovery.as_millis() as u64,
+        kept = report.kept,
+        rebuilt = report.rebuilt,
+        released = report.released,
+        orphans_removed = report.orphans_removed,
+        set_aside = ?report.set_aside,
+        unreachable = ?report.unreachable,
+        "recovery finished"
+    );
     let (xtx, xrx) = tokio::sync::mpsc::unbounded_channel();
     let uuids = mgr.gpus().iter().map(|g| g.uuid.clone()).collect();
     nvml::watch_xids(
@@ -152,13 +175,28 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
     );
     {
         let (mgr, c, period) = (mgr.clone(), cancel.clone(), s.allocation_check_period);
+        // A fresh allocation has no container yet: "no container, no kubelet
+        // record" counts only after this long.
+        let grace = (period * 2).max(Duration::from_secs(10));
         tokio::spawn(async move {
             let mut t = tokio::time::interval(period);
             t.tick().await;
             loop {
                 tokio::select! {
                     _ = c.cancelled() => return,
-                    _ = t.tick() => mgr.check_allocations(),
+                    _ = t.tick() => mgr.check_allocations(grace).await,
+                }
+            }
+        });
+    }
+    {
+        // Deleted pods free their capacity as soon as the watch sees it.
+        let (mgr, c) = (mgr.clone(), cancel.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = c.cancelled() => return,
+                    _ = mgr.pod_changes() => { mgr.release_deleted_pods(); }
                 }
             }
         });

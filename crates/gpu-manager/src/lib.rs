@@ -10,6 +10,8 @@
 //! * [`pods`], [`kube_api`]: which pod is asking; reflector and patches.
 //! * [`kubelet`]: what kubelet recorded (pod-resources, checkpoint).
 //! * [`vm`], [`registry`]: per-container vm directories and `vcuda.sock`.
+//! * [`recovery`], [`runtime`]: reconciliation at start and in the periodic
+//!   check with kubelet, the API server and the container runtime (Docker).
 //! * [`checkpoint`], [`response`], [`extra`], [`health`].
 
 pub mod checkpoint;
@@ -24,6 +26,8 @@ pub mod manager;
 pub mod nvml;
 pub mod plugin;
 pub mod pods;
+pub mod recovery;
 pub mod registry;
 pub mod response;
+pub mod runtime;
 pub mod vm;

@@ -21,10 +21,12 @@ use crate::config::Settings;
 use crate::extra::ExtraConfig;
 use crate::ids;
 use crate::kube_api::{ApiHealth, PatchJob, Patcher, PodWatch};
-use crate::kubelet::{Holder, KubeletRecords, PodKey};
+use crate::kubelet::{Held, Holder, KubeletRecords, PodKey};
 use crate::pods;
+use crate::recovery::{self, Evidence, PodPhase, Verdict};
 use crate::registry::Registry;
 use crate::response::{self, ResponseInput};
+use crate::runtime::{LiveContainer, Runtime};
 use crate::vm::{self, VmDirs};
 
 /// How long Allocate waits for a just-created pod to reach the reflector.
@@ -40,6 +42,26 @@ struct State {
     /// Pods whose allocation was withdrawn after a wrong guess: candidates
     /// again even while their `gpu-assigned` annotation is being reverted.
     withdrawn: BTreeSet<String>,
+    /// The checkpoint on disk is behind memory (a write failed); retried
+    /// at every change and periodic check.
+    dirty: bool,
+}
+
+/// What recovery at start found and did.
+#[derive(Debug, Default, Clone)]
+pub struct RecoveryReport {
+    /// Allocations kept from the checkpoint.
+    pub kept: usize,
+    /// Allocations rebuilt from the node (missing from the checkpoint).
+    pub rebuilt: usize,
+    /// Allocations released (their containers are gone).
+    pub released: usize,
+    /// vm directories removed that no allocation owned.
+    pub orphans_removed: usize,
+    /// The checkpoint could not be read and was set aside here.
+    pub set_aside: Option<String>,
+    /// Sources that could not be asked.
+    pub unreachable: Vec<String>,
 }
 
 pub struct Manager {
@@ -55,6 +77,7 @@ pub struct Manager {
     registry: Registry,
     checkpoint: Checkpoint,
     extra: ExtraConfig,
+    runtime: Runtime,
     pub vcore: DeviceList,
     pub vmemory: DeviceList,
 }
@@ -92,6 +115,7 @@ pub struct ManagerParts {
     pub pods: PodWatch,
     pub patcher: Patcher,
     pub extra: ExtraConfig,
+    pub runtime: Runtime,
 }
 
 impl Manager {
@@ -114,11 +138,13 @@ impl Manager {
                 orphan_memory: Vec::new(),
                 healthy: vec![true; n],
                 withdrawn: BTreeSet::new(),
+                dirty: false,
             }),
             alloc_lock: tokio::sync::Mutex::new(()),
             pods: p.pods,
             patcher: p.patcher,
             extra: p.extra,
+            runtime: p.runtime,
             settings: p.settings,
         })
     }
@@ -151,59 +177,427 @@ impl Manager {
         self.gpus.iter().map(|g| g.uuid.clone()).collect()
     }
 
-    fn save(&self, st: &State) -> Result<(), Status> {
-        self.checkpoint
-            .store(&self.uuids(), st.allocs.values())
-            .map_err(|e| Status::internal(format!("saving the allocation checkpoint: {e}")))
+    /// Writes the checkpoint. On failure the previous file stays and the
+    /// state is marked dirty (retried later); the error is reported.
+    fn save(&self, st: &mut State) -> Result<(), Status> {
+        match self.checkpoint.store(&self.uuids(), st.allocs.values()) {
+            Ok(()) => {
+                if std::mem::take(&mut st.dirty) {
+                    tracing::info!(path = %self.checkpoint.path().display(), "checkpoint written again");
+                }
+                Ok(())
+            }
+            Err(e) => {
+                st.dirty = true;
+                tracing::error!(
+                    error = %e,
+                    "writing the allocation checkpoint failed; the previous one is intact (disk full or read-only?); retrying at the next change"
+                );
+                Err(Status::internal(format!(
+                    "recording the allocation durably failed ({e}); the previous checkpoint is intact; free space or make {} writable",
+                    self.checkpoint.path().display()
+                )))
+            }
+        }
     }
 
-    /// Loads the checkpoint: allocations come back into the allocator and
-    /// shared containers get their registration sockets again. Returns how
-    /// many were restored.
-    pub fn restore(&self) -> Result<usize, crate::checkpoint::CheckpointError> {
-        let Some((uuids, allocs)) = self.checkpoint.load()? else {
-            return Ok(0);
+    /// Resolves at the next change of the pod watch.
+    pub async fn pod_changes(&self) {
+        while !self.pods.changed(Duration::from_secs(3600)).await {}
+    }
+
+    /// Whether the checkpoint on disk is behind (a write failed).
+    pub fn checkpoint_dirty(&self) -> bool {
+        self.state.lock().unwrap().dirty
+    }
+
+    /// The quota file of an allocation.
+    fn resource_data(&self, a: &Allocation) -> ResourceData {
+        let p = Placement::from(&a.placement);
+        let shared = !p.is_exclusive();
+        let first = &self.gpus[p.gpus()[0]];
+        ResourceData {
+            pod_uid: a.pod_uid.clone(),
+            limit: a
+                .soft_limit
+                .map(|l| l as i32)
+                .unwrap_or(a.cores.min(100) as i32),
+            container_name: a.container.clone(),
+            bus_id: short_bus_id(&first.pci_bus_id),
+            gpu_memory: a.memory_units * MEMORY_UNIT_BYTES,
+            utilization: a.cores.min(100) as i32,
+            hard_limit: a.soft_limit.is_none(),
+            driver_version: self.driver_version,
+            enable: shared,
+        }
+    }
+
+    /// Re-creates a kept allocation's vm directory contents (files whose
+    /// content is unchanged are left alone; the directory itself is never
+    /// replaced, it may be mounted), reopens its ledger and serves its
+    /// socket again so interposers reconnect on their own.
+    fn revive(&self, a: &Allocation) -> Result<(), String> {
+        let data = self.resource_data(a);
+        let quota = data.enable.then_some(data.gpu_memory);
+        let (dir, ledger) = self
+            .vm
+            .prepare(&data, quota)
+            .map_err(|e| format!("vm directory: {e}"))?;
+        if data.enable {
+            self.registry
+                .serve(&a.id(), &dir, &a.pod_uid, &a.container, ledger)
+                .map_err(|e| format!("serving vcuda.sock: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// The evidence sources, each `None` when it cannot be asked now.
+    async fn gather(
+        &self,
+    ) -> (
+        Option<BTreeMap<String, PodPhase>>,
+        Option<Vec<Held>>,
+        Option<Vec<LiveContainer>>,
+        Vec<String>,
+    ) {
+        let mut unreachable = Vec::new();
+        let api = (self.pods.health() == ApiHealth::Ok).then(|| {
+            self.pods
+                .pods()
+                .iter()
+                .map(|p| {
+                    let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+                    let ph = if matches!(phase, Some("Succeeded" | "Failed")) {
+                        PodPhase::Finished
+                    } else {
+                        PodPhase::Active
+                    };
+                    (pods::uid(p).to_string(), ph)
+                })
+                .collect::<BTreeMap<_, _>>()
+        });
+        if api.is_none() {
+            unreachable.push(format!("API server ({:?})", self.pods.health()));
+        }
+        let (kubelet, runtime) = tokio::join!(
+            self.kubelet
+                .held(&[ids::VCORE_RESOURCE, ids::VMEMORY_RESOURCE]),
+            self.runtime.containers()
+        );
+        let kubelet = kubelet
+            .map_err(|e| unreachable.push(format!("kubelet: {e}")))
+            .ok();
+        let runtime = match runtime {
+            Ok(r) => r,
+            Err(e) => {
+                unreachable.push(e.to_string());
+                None
+            }
         };
+        (api, kubelet, runtime, unreachable)
+    }
+
+    /// Recovery at start: the checkpoint (an unreadable one is set aside),
+    /// reconciled with the API server, kubelet's device records and the
+    /// container runtime. Allocations of containers that are gone are
+    /// released; live ones keep their capacity and get their vm files,
+    /// ledger and socket back; live containers missing from the checkpoint
+    /// are rebuilt from the node; vm directories nobody owns are removed.
+    pub async fn restore(&self) -> RecoveryReport {
+        let mut report = RecoveryReport::default();
+        let saved = match self.checkpoint.load() {
+            Ok(s) => s,
+            Err(e) => {
+                let aside = self.checkpoint.set_aside();
+                tracing::warn!(
+                    error = %e, set_aside = ?aside.as_ref().map(|p| p.display().to_string()),
+                    "the allocation checkpoint is unreadable; set aside, rebuilding the allocations from the node"
+                );
+                report.set_aside = Some(match aside {
+                    Ok(p) => p.display().to_string(),
+                    Err(e2) => format!("(could not move it: {e2})"),
+                });
+                None
+            }
+        };
+        let (uuids, allocs) = saved.unwrap_or_else(|| (self.uuids(), Vec::new()));
         if uuids != self.uuids() {
             tracing::warn!(
                 checkpoint = ?uuids, node = ?self.uuids(),
                 "checkpoint was written for other GPUs; allocations on GPUs whose UUID changed are dropped"
             );
         }
-        let mut st = self.state.lock().unwrap();
-        let mut n = 0;
-        for a in allocs {
-            let p = Placement::from(&a.placement);
-            let same = p.gpus().iter().all(|&g| {
-                uuids
-                    .get(g)
-                    .is_some_and(|u| Some(u) == self.gpus.get(g).map(|x| &x.uuid))
-            });
-            if !same {
-                tracing::warn!(id = %a.id(), "dropping checkpointed allocation: its GPU changed");
-                continue;
+        let (api, kubelet, runtime, unreachable) = self.gather().await;
+        for u in &unreachable {
+            tracing::warn!(
+                source = %u,
+                "recovery: source unreachable; its evidence is skipped and nothing is released on its account (retried every --allocation-check-period)"
+            );
+        }
+        report.unreachable = unreachable;
+        let ev = Evidence {
+            api: api.as_ref(),
+            kubelet: kubelet.as_deref(),
+            runtime: runtime.as_deref(),
+        };
+        let now = now();
+        let mut kept = Vec::new();
+        {
+            let mut st = self.state.lock().unwrap();
+            for mut a in allocs {
+                let p = Placement::from(&a.placement);
+                let same = p.gpus().iter().all(|&g| {
+                    uuids
+                        .get(g)
+                        .is_some_and(|u| Some(u) == self.gpus.get(g).map(|x| &x.uuid))
+                });
+                if !same {
+                    tracing::warn!(id = %a.id(), "dropping checkpointed allocation: its GPU changed");
+                    continue;
+                }
+                match recovery::judge(&a, &ev, now.saturating_sub(a.created), 0) {
+                    Verdict::Release(why) => {
+                        tracing::info!(id = %a.id(), why, "recovery: releasing");
+                        report.released += 1;
+                        continue;
+                    }
+                    Verdict::Keep { why, ids } => {
+                        if let Some((vcore, vmemory)) = ids {
+                            tracing::info!(id = %a.id(), ?vcore, "recovery: kubelet's device IDs adopted");
+                            if !vcore.is_empty() {
+                                a.vcore_ids = vcore;
+                            }
+                            if !vmemory.is_empty() {
+                                a.vmemory_ids = vmemory;
+                            }
+                        }
+                        tracing::debug!(id = %a.id(), why, "recovery: keeping");
+                    }
+                }
+                if let Err(e) = st.allocator.commit(a.id(), &p) {
+                    tracing::error!(id = %a.id(), error = %e, "recovery: checkpointed allocation does not fit; dropped");
+                    continue;
+                }
+                st.allocs.insert(a.id(), a.clone());
+                kept.push(a);
             }
-            if let Err(e) = st.allocator.commit(a.id(), &p) {
-                tracing::warn!(id = %a.id(), error = %e, "dropping checkpointed allocation");
-                continue;
-            }
-            if matches!(p, Placement::Share { .. })
-                && let Ok(dir) = self.vm.dir(&a.pod_uid, &a.container)
-                && dir.exists()
+        }
+        report.kept = kept.len();
+        // Live containers the checkpoint does not know (lost, stale or
+        // corrupt checkpoint): rebuilt from their vm directory, kubelet's
+        // IDs and the runtime's view of their GPUs.
+        for c in runtime.iter().flatten() {
+            if !c.alive
+                || self
+                    .state
+                    .lock()
+                    .unwrap()
+                    .allocs
+                    .contains_key(&alloc_id(&c.pod_uid, &c.container))
             {
-                let ledger =
-                    container_ledger::Ledger::open(&dir.join(container_ledger::LEDGER_FILE)).ok();
-                if let Err(e) = self
-                    .registry
-                    .serve(&a.id(), &dir, &a.pod_uid, &a.container, ledger)
-                {
-                    tracing::warn!(id = %a.id(), error = %e, "re-opening vcuda.sock");
+                continue;
+            }
+            let Ok(dir) = self.vm.dir(&c.pod_uid, &c.container) else {
+                continue;
+            };
+            if c.vm_source.as_deref() != Some(dir.as_path()) {
+                continue; // not one of ours
+            }
+            if api
+                .as_ref()
+                .is_some_and(|m| m.get(&c.pod_uid) != Some(&PodPhase::Active))
+            {
+                continue;
+            }
+            match self.rebuild(c, kubelet.as_deref()).await {
+                Ok(a) => {
+                    let p = Placement::from(&a.placement);
+                    let mut st = self.state.lock().unwrap();
+                    match st.allocator.commit(a.id(), &p) {
+                        Ok(()) => {
+                            tracing::warn!(id = %a.id(), placement = %p, "recovery: allocation rebuilt from the node");
+                            st.allocs.insert(a.id(), a.clone());
+                            kept.push(a);
+                            report.rebuilt += 1;
+                        }
+                        Err(e) => {
+                            tracing::error!(id = %a.id(), error = %e, "recovery: a live container's GPUs conflict with another allocation; not recorded")
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(container = %c.id, pod = %c.pod_uid, error = %e, "recovery: cannot rebuild the allocation of a live container")
                 }
             }
-            st.allocs.insert(a.id(), a);
-            n += 1;
         }
-        Ok(n)
+        for a in &kept {
+            if let Err(e) = self.revive(a) {
+                tracing::error!(id = %a.id(), error = %e, "recovery: re-creating the container's files");
+            }
+        }
+        // vm directories no allocation owns: their containers are gone
+        // (unless a live container still mounts one: never pulled away).
+        for (uid, c) in self.vm.list() {
+            let id = alloc_id(&uid, &c);
+            if self.state.lock().unwrap().allocs.contains_key(&id) {
+                continue;
+            }
+            let mounted = runtime
+                .iter()
+                .flatten()
+                .any(|x| x.alive && x.pod_uid == uid && x.container == c);
+            if mounted {
+                tracing::warn!(
+                    id,
+                    "vm directory of a live container without an allocation is kept"
+                );
+                continue;
+            }
+            self.vm.remove(&uid, &c);
+            report.orphans_removed += 1;
+        }
+        let mut st = self.state.lock().unwrap();
+        let _ = self.save(&mut st);
+        drop(st);
+        tracing::info!(
+            kept = report.kept,
+            rebuilt = report.rebuilt,
+            released = report.released,
+            orphans_removed = report.orphans_removed,
+            unreachable = report.unreachable.len(),
+            "recovery done"
+        );
+        report
+    }
+
+    /// An allocation for a live container the checkpoint lost: GPUs from
+    /// its environment or devices (else the quota file's bus id), sizes
+    /// from kubelet's device IDs (else the quota file), the pod from the
+    /// runtime's labels and the API server.
+    async fn rebuild(
+        &self,
+        c: &LiveContainer,
+        kubelet: Option<&[Held]>,
+    ) -> Result<Allocation, String> {
+        let dir = self
+            .vm
+            .dir(&c.pod_uid, &c.container)
+            .map_err(|e| e.to_string())?;
+        let cfg = quota_config::read_config(&dir.join(quota_config::CONFIG_FILE)).ok();
+        let seen = self.runtime.gpus(&c.id).await.map_err(|e| e.to_string())?;
+        let mut gpus: Vec<usize> = seen
+            .visible
+            .iter()
+            .filter_map(|u| self.gpus.iter().position(|g| &g.uuid == u))
+            .collect();
+        if gpus.is_empty() {
+            gpus = seen
+                .devices
+                .iter()
+                .filter_map(|d| d.strip_prefix("/dev/nvidia")?.parse::<u32>().ok())
+                .filter_map(|m| self.gpus.iter().position(|g| g.minor == m))
+                .collect();
+        }
+        if gpus.is_empty()
+            && let Some(cfg) = &cfg
+            && let Some(g) = self
+                .gpus
+                .iter()
+                .position(|g| short_bus_id(&g.pci_bus_id) == cfg.bus_id)
+        {
+            gpus.push(g);
+        }
+        gpus.sort_unstable();
+        gpus.dedup();
+        if gpus.is_empty() {
+            return Err("no GPU found in its environment, devices or vcuda.config".into());
+        }
+        let probe = Allocation {
+            pod_uid: c.pod_uid.clone(),
+            namespace: c.namespace.clone(),
+            pod_name: c.pod_name.clone(),
+            container: c.container.clone(),
+            container_index: 0,
+            cores: 0,
+            memory_units: 0,
+            memory_limit: 0,
+            placement: crate::checkpoint::PlacementRecord::Exclusive { gpus: vec![] },
+            soft_limit: None,
+            vcore_ids: vec![],
+            vmemory_ids: vec![],
+            verified: false,
+            created: now(),
+        };
+        let held = kubelet.and_then(|k| recovery::held_by(&probe, k));
+        let ids_of = |r: &str| held.and_then(|h| h.ids.get(r).cloned()).unwrap_or_default();
+        let (vcore_ids, vmemory_ids) = (ids_of(ids::VCORE_RESOURCE), ids_of(ids::VMEMORY_RESOURCE));
+        let shared = match &cfg {
+            Some(cfg) => cfg.enable,
+            None => gpus.len() == 1 && !vcore_ids.is_empty() && vcore_ids.len() < 100,
+        };
+        let cores = if !vcore_ids.is_empty() {
+            vcore_ids.len() as u32
+        } else if shared {
+            cfg.as_ref().map_or(0, |c| c.utilization.max(0) as u32)
+        } else {
+            100 * gpus.len() as u32
+        };
+        let memory_limit = if !vmemory_ids.is_empty() {
+            vmemory_ids.len() as u64
+        } else {
+            cfg.as_ref().map_or(0, |c| c.gpu_memory / MEMORY_UNIT_BYTES)
+        };
+        let (memory_units, placement) = if shared {
+            let units = cfg
+                .as_ref()
+                .map_or(memory_limit, |c| c.gpu_memory / MEMORY_UNIT_BYTES);
+            (
+                units,
+                Placement::Share {
+                    gpu: gpus[0],
+                    cores,
+                    memory_units: units,
+                },
+            )
+        } else {
+            (
+                gpus.iter().map(|&g| self.gpus[g].memory_units()).sum(),
+                Placement::Exclusive { gpus: gpus.clone() },
+            )
+        };
+        if cores == 0 || (shared && memory_units == 0) {
+            return Err(
+                "its size is unknown (no kubelet record and no readable vcuda.config)".into(),
+            );
+        }
+        let pod = self
+            .pods
+            .pods()
+            .into_iter()
+            .find(|p| pods::uid(p) == c.pod_uid);
+        let container_index = pod
+            .as_ref()
+            .and_then(|p| {
+                pods::gpu_containers(p)
+                    .into_iter()
+                    .find(|(_, n)| *n == c.container)
+            })
+            .map_or(0, |(i, _)| i);
+        Ok(Allocation {
+            container_index,
+            cores,
+            memory_units,
+            memory_limit,
+            placement: (&placement).into(),
+            soft_limit: cfg
+                .as_ref()
+                .filter(|c| !c.hard_limit)
+                .map(|c| c.limit.max(0) as u32),
+            verified: held.is_some(),
+            vcore_ids,
+            vmemory_ids,
+            ..probe
+        })
     }
 
     /// Marks a GPU (un)healthy: its advertised IDs and new placements.
@@ -240,6 +634,11 @@ impl Manager {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() || !self.pods.changed(left).await {
+                if self.pods.health() == ApiHealth::Starting {
+                    return Err(Status::unavailable(format!(
+                        "the manager has not listed this node's pods from the API server yet; cannot tell which pod asks for vcuda-core {cores}; kubelet will retry"
+                    )));
+                }
                 if let ApiHealth::Failing(e) = self.pods.health() {
                     return Err(Status::unavailable(format!(
                         "no pending pod on node {} asks for vcuda-core {cores}, and the API server is unreachable ({e}); kubelet will retry",
@@ -437,10 +836,10 @@ impl Manager {
                 created: now(),
             },
         );
-        if let Err(e) = self.save(&st) {
+        if let Err(e) = self.save(&mut st) {
             st.allocs.remove(&id);
             undo(&mut st);
-            return Err(e);
+            return Err(Status::new(e.code(), format!("{ctx}: {}", e.message())));
         }
         st.withdrawn.remove(uid);
         let patch = self.patch_if_complete(&st, &pod);
@@ -508,15 +907,16 @@ impl Manager {
         let target = st
             .allocs
             .values()
-            .filter(|a| !a.verified && a.vmemory_ids.is_empty() && a.memory_limit == n)
+            // Not "unverified": kubelet records after Allocate, so the
+            // vcuda-core PreStart may have verified it already.
+            .filter(|a| a.vmemory_ids.is_empty() && a.memory_limit == n)
             .max_by_key(|a| a.created)
             .map(Allocation::id);
         match target {
             Some(id) => {
                 st.allocs.get_mut(&id).unwrap().vmemory_ids = device_ids;
-                if let Err(e) = self.save(&st) {
-                    tracing::error!(error = %e.message(), "checkpoint");
-                }
+                // Reported by save; kubelet's records have the IDs anyway.
+                let _ = self.save(&mut st);
             }
             None => st.orphan_memory.push(device_ids),
         }
@@ -586,7 +986,8 @@ impl Manager {
             if let Some(x) = st.allocs.get_mut(&a.id()) {
                 x.verified = true;
             }
-            self.save(&st)?;
+            // Reported by save; "verified" is re-established from kubelet.
+            let _ = self.save(&mut st);
             return Ok(());
         }
         self.release(&a.id());
@@ -612,57 +1013,101 @@ impl Manager {
         let _ = st.allocator.release(id);
         self.registry.stop(id);
         self.vm.remove(&a.pod_uid, &a.container);
-        if let Err(e) = self.save(&st) {
-            tracing::error!(error = %e.message(), "checkpoint after release");
-        }
+        // A stale checkpoint over-states, which recovery corrects; save
+        // reports the failure and marks the state dirty.
+        let _ = self.save(&mut st);
         tracing::info!(id, "released");
         Some(a)
     }
 
-    /// Periodic check: allocations of pods that are gone or finished are
-    /// released; complete pods missing their annotations are patched again.
-    pub fn check_allocations(&self) {
+    /// Releases allocations of pods the API server no longer has or that
+    /// finished; run on every change of the pod watch, so a deleted pod's
+    /// capacity is free as soon as the API server says so.
+    pub fn release_deleted_pods(&self) -> usize {
         if self.pods.health() != ApiHealth::Ok {
-            return;
+            return 0;
         }
-        let pods = self.pods.pods();
-        let by_uid: BTreeMap<&str, &Arc<Pod>> = pods.iter().map(|p| (pods::uid(p), p)).collect();
-        let ids: Vec<(String, String)> = {
+        // Allocations first, then pods: an allocation made in between has
+        // its pod in the (newer) pod list.
+        let allocs: Vec<(String, String)> = {
             let st = self.state.lock().unwrap();
             st.allocs
                 .values()
                 .map(|a| (a.id(), a.pod_uid.clone()))
                 .collect()
         };
-        let mut patched = BTreeSet::new();
-        for (id, uid) in ids {
-            match by_uid.get(uid.as_str()) {
-                None => {
-                    tracing::info!(id, "pod is gone");
-                    self.release(&id);
+        let pods = self.pods.pods();
+        let by_uid: BTreeMap<&str, &Arc<Pod>> = pods.iter().map(|p| (pods::uid(p), p)).collect();
+        let mut n = 0;
+        for (id, uid) in allocs {
+            let why = match by_uid.get(uid.as_str()) {
+                None => "pod is gone",
+                Some(p) => match p.status.as_ref().and_then(|s| s.phase.as_deref()) {
+                    Some("Succeeded" | "Failed") => "pod finished",
+                    _ => continue,
+                },
+            };
+            tracing::info!(id, why, "releasing");
+            if self.release(&id).is_some() {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Periodic check (`--allocation-check-period`): what the watch missed
+    /// (deleted or finished pods), containers that died with nobody
+    /// releasing them (runtime and kubelet agree; older than `grace`),
+    /// annotations missing on complete pods, dead interposer PIDs, and a
+    /// checkpoint write that failed before.
+    pub async fn check_allocations(&self, grace: Duration) {
+        self.release_deleted_pods();
+        let snapshot: Vec<Allocation> = self.allocations();
+        let (api, kubelet, runtime, unreachable) = self.gather().await;
+        for u in &unreachable {
+            tracing::debug!(source = %u, "periodic check: source unreachable");
+        }
+        let ev = Evidence {
+            api: api.as_ref(),
+            kubelet: kubelet.as_deref(),
+            runtime: runtime.as_deref(),
+        };
+        let now = now();
+        for a in &snapshot {
+            if let Verdict::Release(why) =
+                recovery::judge(a, &ev, now.saturating_sub(a.created), grace.as_secs())
+            {
+                tracing::info!(id = %a.id(), why, "periodic check: releasing");
+                self.release(&a.id());
+            }
+        }
+        if self.pods.health() == ApiHealth::Ok {
+            let pods = self.pods.pods();
+            let mut patched = BTreeSet::new();
+            for p in &pods {
+                let uid = pods::uid(p);
+                if pods::annotation(p, pods::GPU_ASSIGNED) == Some("true")
+                    || !patched.insert(uid.to_string())
+                {
+                    continue;
                 }
-                Some(p) => {
-                    let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
-                    if matches!(phase, Some("Succeeded" | "Failed")) {
-                        tracing::info!(id, phase, "pod finished");
-                        self.release(&id);
-                    } else if pods::annotation(p, pods::GPU_ASSIGNED) != Some("true")
-                        && patched.insert(uid.clone())
-                    {
-                        let job = {
-                            let st = self.state.lock().unwrap();
-                            self.patch_if_complete(&st, p)
-                        };
-                        if let Some(job) = job {
-                            self.patcher.submit(job);
-                        }
-                    }
+                let job = {
+                    let st = self.state.lock().unwrap();
+                    let any = st.allocs.values().any(|a| a.pod_uid == uid);
+                    any.then(|| self.patch_if_complete(&st, p)).flatten()
+                };
+                if let Some(job) = job {
+                    self.patcher.submit(job);
                 }
             }
         }
         let pruned = self.registry.prune();
         if pruned > 0 {
             tracing::info!(pruned, "dead interposer PIDs pruned");
+        }
+        let mut st = self.state.lock().unwrap();
+        if st.dirty {
+            let _ = self.save(&mut st);
         }
     }
 }

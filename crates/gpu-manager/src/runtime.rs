@@ -61,26 +61,18 @@ pub struct ContainerGpus {
 /// A container runtime to reconcile with, or none (`--container-runtime none`).
 #[derive(Clone)]
 pub enum Runtime {
-    Docker { client: Docker, endpoint: String },
+    Docker { endpoint: String },
     None,
 }
 
 impl Runtime {
-    /// A Docker client for `endpoint` (`unix:///path` or a path). Nothing is
-    /// dialled yet; the API version is negotiated on first use, down to
-    /// what the engine speaks (Debian's 20.10 tops at 1.41).
-    pub fn docker(endpoint: &str) -> Result<Runtime, RuntimeError> {
-        let path = endpoint.strip_prefix("unix://").unwrap_or(endpoint);
-        let client =
-            Docker::connect_with_unix(path, TIMEOUT.as_secs(), bollard::API_DEFAULT_VERSION)
-                .map_err(|source| RuntimeError::Docker {
-                    endpoint: endpoint.to_string(),
-                    source,
-                })?;
-        Ok(Runtime::Docker {
-            client,
+    /// Docker at `endpoint` (`unix:///path` or a path). Nothing is dialled
+    /// here: a missing socket is a degraded source at each use, never a
+    /// startup failure.
+    pub fn docker(endpoint: &str) -> Runtime {
+        Runtime::Docker {
             endpoint: endpoint.to_string(),
-        })
+        }
     }
 
     pub fn is_none(&self) -> bool {
@@ -97,14 +89,21 @@ impl Runtime {
     /// A client speaking the engine's API version (negotiated per call: a
     /// restarted or upgraded engine may answer differently).
     async fn negotiated(&self) -> Result<Option<Docker>, RuntimeError> {
-        let Runtime::Docker { client, endpoint } = self else {
+        let Runtime::Docker { endpoint } = self else {
             return Ok(None);
         };
         let err = |source| RuntimeError::Docker {
             endpoint: endpoint.clone(),
             source,
         };
-        match tokio::time::timeout(TIMEOUT, client.clone().negotiate_version()).await {
+        // Connected per use: the engine may restart, move or be upgraded;
+        // the API version is negotiated down to what it speaks (Debian's
+        // 20.10 tops at 1.41, bollard asks 1.53 by default).
+        let path = endpoint.strip_prefix("unix://").unwrap_or(endpoint);
+        let client =
+            Docker::connect_with_unix(path, TIMEOUT.as_secs(), bollard::API_DEFAULT_VERSION)
+                .map_err(err)?;
+        match tokio::time::timeout(TIMEOUT, client.negotiate_version()).await {
             Ok(r) => r.map(Some).map_err(err),
             Err(_) => Err(RuntimeError::Timeout {
                 endpoint: endpoint.clone(),
