@@ -301,7 +301,12 @@ impl Manager {
             .arg("--checkpoint-path")
             .arg(&l.checkpoint)
             .arg("--interposer")
-            .arg(bin_dir.join("libvcuda.so"))
+            // The file itself: the mirror links what it is given, and a
+            // symlink into the build tree would dangle inside containers.
+            .arg({
+                let shim = bin_dir.join("libvcuda.so");
+                shim.canonicalize().unwrap_or(shim)
+            })
             .args(["--query-addr", "127.0.0.1"])
             .args(["--query-port", &query_port.to_string()])
             .args(["--sample-period", "1"])

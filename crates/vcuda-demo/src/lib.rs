@@ -267,12 +267,6 @@ pub fn run(opts: &Options) -> Result<Outcome, DemoError> {
     let played = s.play();
     if let Err(e) = &played {
         s.p.say(format!("demo stopped: {e}"));
-        if matches!(e, DemoError::Setup(_)) && s.manager.is_some() {
-            println!(
-                "gpu-manager log (last lines):\n{}",
-                cluster::tail(&s.layout.manager_log, 15)
-            );
-        }
     }
     let keep =
         opts.keep || played.is_err() && std::env::var_os("VCUDA_DEMO_KEEP_ON_ERROR").is_some();
@@ -866,14 +860,16 @@ impl Session<'_> {
         match http::get(port, "/graph") {
             Ok((200, body)) => print!("{body}"),
             other => {
-                println!(
-                    "{}; the tree the manager printed at startup:",
-                    unavailable("/graph", &other)
-                );
-                print!(
-                    "{}",
-                    std::fs::read_to_string(&self.layout.manager_out).unwrap_or_default()
-                );
+                let printed = std::fs::read_to_string(&self.layout.manager_out).unwrap_or_default();
+                if printed.contains("GPU0") {
+                    println!(
+                        "{}; the tree the manager printed at startup:",
+                        unavailable("/graph", &other)
+                    );
+                    print!("{printed}");
+                } else {
+                    println!("{}", unavailable("/graph", &other));
+                }
             }
         }
 
