@@ -860,7 +860,7 @@ impl Session<'_> {
         match http::get(port, "/graph") {
             Ok((200, body)) => print!("{body}"),
             other => {
-                let printed = std::fs::read_to_string(&self.layout.manager_out).unwrap_or_default();
+                let printed = startup_tree(&self.layout);
                 if printed.contains("GPU0") {
                     println!(
                         "{}; the tree the manager printed at startup:",
@@ -1052,6 +1052,34 @@ impl Session<'_> {
             },
         );
     }
+}
+
+/// The GPU tree the manager prints at startup (stdout or stderr, between
+/// its log lines), for a manager that serves no `/graph`.
+fn startup_tree(l: &Layout) -> String {
+    let is_log = |line: &str| {
+        let b = line.as_bytes();
+        b.len() > 10 && b[..4].iter().all(u8::is_ascii_digit) && b[4] == b'-'
+    };
+    for f in [&l.manager_out, &l.manager_log] {
+        let text = std::fs::read_to_string(f).unwrap_or_default();
+        let mut block = String::new();
+        for line in text.lines() {
+            if is_log(line) {
+                if block.contains("GPU0") {
+                    return block;
+                }
+                block.clear();
+            } else if !line.trim().is_empty() {
+                block.push_str(line);
+                block.push('\n');
+            }
+        }
+        if block.contains("GPU0") {
+            return block;
+        }
+    }
+    String::new()
 }
 
 fn unavailable(path: &str, got: &std::io::Result<(u16, String)>) -> String {
