@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -27,6 +28,10 @@ pub struct Env {
     pub manager: Child,
     pub log: PathBuf,
     pub started: Instant,
+    /// The display service's gRPC socket (`--display-socket`).
+    pub display_socket: PathBuf,
+    /// Its HTTP address (`--query-port 0`: the manager picks one and logs it).
+    pub http_addr: SocketAddr,
     seq: u32,
 }
 
@@ -64,6 +69,7 @@ impl Env {
             bin.display()
         );
         let log = tmp.path().join("manager.log");
+        let display_socket = tmp.path().join("display.sock");
         let mut cmd = Command::new(&bin);
         cmd.arg("--host-root")
             .arg(sim.root())
@@ -89,6 +95,11 @@ impl Env {
             .arg("1")
             .arg("--api-timeout")
             .arg("10")
+            // Concurrent managers must not collide on port 5678 or the socket.
+            .arg("--query-port")
+            .arg("0")
+            .arg("--display-socket")
+            .arg(&display_socket)
             .env("RUST_LOG", "info,gpu_manager=debug")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -98,7 +109,7 @@ impl Env {
         }
         let started = Instant::now();
         let manager = cmd.spawn().unwrap();
-        let env = Env {
+        let mut env = Env {
             sim,
             tmp,
             api,
@@ -106,9 +117,18 @@ impl Env {
             manager,
             log,
             started,
+            display_socket,
+            http_addr: SocketAddr::from(([0, 0, 0, 0], 0)),
             seq: 0,
         };
         env.wait_registered().await;
+        // The display starts before the plugins register, so it is logged by now.
+        env.http_addr = env.logged_http_addr().unwrap_or_else(|| {
+            panic!(
+                "manager logged no \"display: HTTP on\"; its log:\n{}",
+                env.log_text()
+            )
+        });
         // Let the emulator finish writing its checkpoint for the first
         // ListAndWatch updates (its writes share one temp file name).
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -133,6 +153,13 @@ impl Env {
 
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The address of the manager's "display: HTTP on <addr>, socket <path>" line.
+    pub fn logged_http_addr(&self) -> Option<SocketAddr> {
+        let log = self.log_text();
+        let rest = log.rsplit_once("display: HTTP on ")?.1;
+        rest.split([',', ' ', '\n']).next()?.parse().ok()
     }
 
     pub fn vm_dir(&self) -> PathBuf {

@@ -58,6 +58,9 @@ pub struct Options {
     /// Port of the query HTTP server [default: 5678].
     #[arg(long, env = "GPU_MANAGER_QUERY_PORT")]
     pub query_port: Option<u16>,
+    /// Unix socket of the display gRPC service (`vcudactl`) [default: /var/run/gpu-manager.sock].
+    #[arg(long, env = "GPU_MANAGER_DISPLAY_SOCKET")]
+    pub display_socket: Option<PathBuf>,
     /// kubeconfig; without it, the in-cluster service account (or $KUBECONFIG).
     #[arg(long, env = "GPU_MANAGER_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
@@ -139,6 +142,7 @@ impl Options {
             volume_config,
             query_addr,
             query_port,
+            display_socket,
             kubeconfig,
             sample_period,
             node_labels,
@@ -180,6 +184,7 @@ pub struct Settings {
     pub volume_config: PathBuf,
     pub query_addr: String,
     pub query_port: u16,
+    pub display_socket: PathBuf,
     pub kubeconfig: Option<PathBuf>,
     pub sample_period: Duration,
     pub node_labels: Vec<(String, String)>,
@@ -274,7 +279,10 @@ impl Settings {
                 .volume_config
                 .unwrap_or_else(|| "/etc/gpu-manager/volume.conf".into()),
             query_addr: o.query_addr.unwrap_or_else(|| "127.0.0.1".into()),
-            query_port: o.query_port.unwrap_or(5678),
+            query_port: o.query_port.unwrap_or(gpu_display::DEFAULT_QUERY_PORT),
+            display_socket: o
+                .display_socket
+                .unwrap_or_else(|| gpu_display::DEFAULT_SOCKET.into()),
             kubeconfig: o.kubeconfig,
             sample_period: Duration::from_secs(o.sample_period.unwrap_or(1).max(1)),
             node_labels: parse_labels(o.node_labels.as_deref().unwrap_or(""))?,
@@ -373,6 +381,11 @@ mod tests {
             PathBuf::from("/etc/gpu-manager/checkpoint")
         );
         assert_eq!(s.ignored_xids, vec![13, 31, 43, 45, 68, 109]);
+        assert_eq!(s.display_socket, PathBuf::from("/var/run/gpu-manager.sock"));
+        let file: Options = toml::from_str("display-socket = \"/run/d.sock\"\n").unwrap();
+        let cli = Options::parse_from(["gpu-manager", "--hostname-override", "n"]);
+        let s = Settings::resolve(cli.over(file)).unwrap();
+        assert_eq!(s.display_socket, PathBuf::from("/run/d.sock"));
     }
 
     #[test]

@@ -10,6 +10,7 @@ use device_plugin::PluginRuntime;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
+use crate::display::ManagerSource;
 use crate::extra::ExtraConfig;
 use crate::ids::{VCORE_RESOURCE, VCORE_SOCKET, VMEMORY_RESOURCE, VMEMORY_SOCKET};
 use crate::kube_api::{self, Patcher, PodWatch};
@@ -167,11 +168,40 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         cancel.clone(),
     );
     health::spawn(mgr.clone(), xrx, s.xid_quiet_period, cancel.clone());
-    let _samples = nvml::sample(
-        nvml.clone(),
-        mgr.gpus().len(),
-        s.sample_period,
-        cancel.clone(),
+    let display = gpu_display::Display::new(Arc::new(ManagerSource {
+        mgr: mgr.clone(),
+        node: s.node_name.clone(),
+        models: found.names.clone(),
+    }));
+    let metrics = display.metrics();
+    let query_addr = tokio::net::lookup_host((s.query_addr.as_str(), s.query_port))
+        .await
+        .ok()
+        .and_then(|mut a| a.next())
+        .with_context(|| {
+            format!(
+                "--query-addr {:?} is not an address of this host",
+                s.query_addr
+            )
+        })?;
+    let reader = gpu_display::NvmlReader::new(nvml.clone(), s.sample_period);
+    let running = display
+        .start(
+            &gpu_display::DisplayOptions {
+                socket: s.display_socket.clone(),
+                query_addr,
+                sample_period: s.sample_period,
+                ..Default::default()
+            },
+            Some(Box::new(reader)),
+            cancel.clone(),
+        )
+        .await
+        .context("starting the display service")?;
+    tracing::info!(
+        "display: HTTP on {}, socket {}",
+        running.http_addr,
+        running.socket.display()
     );
     {
         let (mgr, c, period) = (mgr.clone(), cancel.clone(), s.allocation_check_period);
@@ -212,12 +242,12 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         .plugin(
             VCORE_RESOURCE,
             VCORE_SOCKET,
-            Arc::new(VcorePlugin(mgr.clone())),
+            Arc::new(VcorePlugin(mgr.clone(), metrics.clone())),
         )
         .plugin(
             VMEMORY_RESOURCE,
             VMEMORY_SOCKET,
-            Arc::new(VmemoryPlugin(mgr.clone())),
+            Arc::new(VmemoryPlugin(mgr.clone(), metrics.clone())),
         )
         .start(cancel.clone())
         .context("starting the device plugins")?;
@@ -230,21 +260,34 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
             let _ = st.wait_for(|s| s.registered).await;
         }
     };
-    tokio::select! {
-        _ = registered => {
-            let ms = t0.elapsed().as_millis() as u64;
-            tracing::info!(
-                ms, mirror_ms, ready_excluding_mirror_ms = ms.saturating_sub(mirror_ms),
-                "step 6/6: registered with kubelet; ready"
-            );
-        }
+    tokio::pin!(registered);
+    let ready = tokio::select! {
+        _ = &mut registered => true,
         _ = tokio::time::sleep(Duration::from_secs(5)) => {
             tracing::warn!("kubelet has not accepted the registration within 5 s; still trying (is kubelet running?)");
+            tokio::select! {
+                _ = &mut registered => true,
+                _ = cancel.cancelled() => false,
+            }
         }
-        _ = cancel.cancelled() => {}
+        _ = cancel.cancelled() => false,
+    };
+    if ready {
+        let ms = t0.elapsed().as_millis() as u64;
+        tracing::info!(
+            ms,
+            mirror_ms,
+            ready_excluding_mirror_ms = ms.saturating_sub(mirror_ms),
+            "step 6/6: registered with kubelet; ready"
+        );
+        metrics.set_recovery_duration(recovery);
+        display.set_ready(true);
     }
     cancel.cancelled().await;
     tracing::info!("shutting down");
-    handle.wait().await.context("stopping the device plugins")?;
+    display.set_ready(false);
+    let plugins = handle.wait().await.context("stopping the device plugins");
+    running.wait().await;
+    plugins?;
     Ok(())
 }

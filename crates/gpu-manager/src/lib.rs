@@ -3,13 +3,14 @@
 //! [`daemon::run`].
 //!
 //! * [`config`]: flags, environment, TOML file.
-//! * [`nvml`]: GPU discovery (PCIe levels and NVLink), Xid events, samples.
+//! * [`nvml`]: GPU discovery (PCIe levels and NVLink), Xid events.
 //! * [`ids`]: the advertised device IDs.
 //! * [`manager`]: allocation state, Allocate / PreStartContainer decisions.
 //! * [`plugin`]: the two device plugins.
 //! * [`pods`], [`kube_api`]: which pod is asking; reflector and patches.
 //! * [`kubelet`]: what kubelet recorded (pod-resources, checkpoint).
 //! * [`vm`], [`registry`]: per-container vm directories and `vcuda.sock`.
+//! * [`display`]: the manager's state for the display service and metrics.
 //! * [`recovery`], [`runtime`]: reconciliation at start and in the periodic
 //!   check with kubelet, the API server and the container runtime (Docker).
 //! * [`checkpoint`], [`response`], [`extra`], [`health`].
@@ -17,6 +18,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod daemon;
+pub mod display;
 pub mod extra;
 pub mod health;
 pub mod ids;

@@ -168,6 +168,11 @@ impl Manager {
             .collect()
     }
 
+    /// Per-GPU allocation figures (cores, memory units, shares), by index.
+    pub fn gpu_usages(&self) -> Vec<gpu_allocator::GpuUsage> {
+        self.state.lock().unwrap().allocator.usages().to_vec()
+    }
+
     /// The GPU tree with current usage, rendered by the allocator.
     pub fn render_tree(&self) -> String {
         self.state.lock().unwrap().allocator.render()

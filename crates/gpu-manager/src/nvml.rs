@@ -1,10 +1,11 @@
 //! The node's GPUs from NVML (loaded by path from the host root): identity,
 //! memory, NUMA node, pairwise PCIe common ancestor and NVLink links; Xid
-//! events for health; periodic process and utilization samples.
+//! events for health. Process and utilization samples are gpu-display's
+//! sampler's.
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use gpu_allocator::{GpuInfo, PcieLevel, Topology};
@@ -228,65 +229,6 @@ pub fn watch_xids(
             }
         })
         .expect("spawning the Xid thread")
-}
-
-/// One GPU's latest sample.
-#[derive(Debug, Clone, Default)]
-pub struct GpuSample {
-    /// (host PID, used bytes) of compute processes.
-    pub processes: Vec<(u32, u64)>,
-    pub utilization_gpu: u32,
-    pub utilization_memory: u32,
-    pub memory_used: u64,
-}
-
-pub type Samples = Arc<RwLock<Vec<GpuSample>>>;
-
-/// Samples processes and utilization every `period` in a thread.
-pub fn sample(
-    nvml: Arc<Nvml>,
-    count: usize,
-    period: Duration,
-    stop: tokio_util::sync::CancellationToken,
-) -> Samples {
-    let out: Samples = Arc::new(RwLock::new(vec![GpuSample::default(); count]));
-    let o = out.clone();
-    std::thread::Builder::new()
-        .name("gpu-sample".into())
-        .spawn(move || {
-            while !stop.is_cancelled() {
-                let mut v = Vec::with_capacity(count);
-                for i in 0..count {
-                    let mut s = GpuSample::default();
-                    if let Ok(d) = nvml.device_by_index(i as u32) {
-                        if let Ok(ps) = d.running_compute_processes() {
-                            s.processes = ps
-                                .iter()
-                                .map(|p| {
-                                    let used = match p.used_gpu_memory {
-                                        nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => b,
-                                        _ => 0,
-                                    };
-                                    (p.pid, used)
-                                })
-                                .collect();
-                        }
-                        if let Ok(u) = d.utilization_rates() {
-                            s.utilization_gpu = u.gpu;
-                            s.utilization_memory = u.memory;
-                        }
-                        if let Ok(m) = d.memory_info() {
-                            s.memory_used = m.used;
-                        }
-                    }
-                    v.push(s);
-                }
-                *o.write().unwrap() = v;
-                std::thread::sleep(period);
-            }
-        })
-        .expect("spawning the sampler thread");
-    out
 }
 
 #[cfg(test)]

@@ -1,0 +1,106 @@
+//! The manager's state as the display service (`gpu-display`) sees it:
+//! `/graph`, `/usage`, `PrintGraph`/`PrintUsages` and the per-GPU and
+//! per-container metrics. Every call copies out of the manager under its
+//! lock; no I/O.
+
+use std::sync::Arc;
+
+use gpu_allocator::MEMORY_UNIT_BYTES;
+use gpu_display::{ContainerView, DisplaySource, GpuRef, GpuView};
+
+use crate::checkpoint::PlacementRecord;
+use crate::manager::Manager;
+
+pub struct ManagerSource {
+    pub mgr: Arc<Manager>,
+    /// `--hostname-override` (the `node` label).
+    pub node: String,
+    /// NVML names of the GPUs, by index (may be shorter than the GPU list).
+    pub models: Vec<String>,
+}
+
+impl DisplaySource for ManagerSource {
+    fn node_name(&self) -> String {
+        self.node.clone()
+    }
+
+    fn version(&self) -> String {
+        env!("CARGO_PKG_VERSION").to_string()
+    }
+
+    fn graph_text(&self) -> String {
+        self.mgr.render_tree()
+    }
+
+    fn gpus(&self) -> Vec<GpuView> {
+        self.mgr
+            .gpus()
+            .iter()
+            .zip(self.mgr.gpu_usages())
+            .map(|(g, u)| GpuView {
+                index: g.index as u32,
+                uuid: g.uuid.clone(),
+                bus_id: g.pci_bus_id.clone(),
+                model: self.models.get(g.index).cloned().unwrap_or_default(),
+                memory_total_bytes: g.memory_bytes,
+                allocated_cores: u.allocated_cores,
+                allocated_memory_bytes: u.allocated_memory_units * MEMORY_UNIT_BYTES,
+                healthy: u.healthy,
+                tenants: if u.exclusive { 1 } else { u.shares },
+            })
+            .collect()
+    }
+
+    fn containers(&self) -> Vec<ContainerView> {
+        let gpus = self.mgr.gpus();
+        let gpu_ref = |i: usize| {
+            gpus.get(i).map(|g| GpuRef {
+                index: g.index as u32,
+                uuid: g.uuid.clone(),
+                bus_id: g.pci_bus_id.clone(),
+            })
+        };
+        self.mgr
+            .allocations()
+            .into_iter()
+            .map(|a| {
+                let (held, exclusive, memory_quota_bytes) = match &a.placement {
+                    PlacementRecord::Share { gpu, .. } => {
+                        (vec![*gpu], false, a.memory_units * MEMORY_UNIT_BYTES)
+                    }
+                    PlacementRecord::Exclusive { gpus: held } => {
+                        let bytes = held
+                            .iter()
+                            .filter_map(|&i| gpus.get(i))
+                            .map(|g| g.memory_bytes)
+                            .sum();
+                        (held.clone(), true, bytes)
+                    }
+                };
+                let host_pids = self
+                    .mgr
+                    .registry()
+                    .pids(&a.id())
+                    .into_iter()
+                    .filter_map(|p| u32::try_from(p).ok())
+                    .collect();
+                ContainerView {
+                    gpus: held.into_iter().filter_map(gpu_ref).collect(),
+                    core_quota: a.cores,
+                    memory_quota_bytes,
+                    host_pids,
+                    exclusive,
+                    // The ledger keeps no throttling or refusal counters yet.
+                    throttled_seconds: None,
+                    refused_allocations: None,
+                    pod_uid: a.pod_uid,
+                    pod_name: a.pod_name,
+                    namespace: a.namespace,
+                    container: a.container,
+                    user: String::new(),
+                    cluster: String::new(),
+                }
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,259 @@
+//! The display service wired into the real manager: the `gpu-manager`
+//! binary on a simulated node (see `manager_env.rs`), its HTTP query port
+//! (`/readyz`, `/graph`, `/usage`, `/metrics`) and `vcudactl` on its
+//! display socket. Needs `cargo build --workspace` first.
+
+#[path = "manager_env.rs"]
+mod manager_env;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use manager_env::{Env, Options, VCORE};
+use vcuda_tests::target_dir;
+
+fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let code = raw.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map(|x| x.1)
+        .unwrap_or("")
+        .to_string();
+    (code, body)
+}
+
+/// The value of the one sample of `name` whose labels include all of `labels`.
+fn sample(metrics: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .filter(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+fn vcudactl(socket: &Path, args: &[&str]) -> String {
+    let exe = target_dir().join("vcudactl");
+    assert!(
+        exe.is_file(),
+        "{} missing: cargo build --workspace",
+        exe.display()
+    );
+    let out = Command::new(exe)
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "vcudactl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manager_serves_graph_usage_metrics_and_vcudactl() {
+    let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
+    let addr = env.http_addr;
+    assert!(
+        env.display_socket.exists(),
+        "no display socket at {}",
+        env.display_socket.display()
+    );
+
+    // Live from the start; ready once the plugins registered.
+    let (code, _) = tokio::task::spawn_blocking(move || get(addr, "/healthz"))
+        .await
+        .unwrap();
+    assert_eq!(code, 200);
+    let t = Instant::now();
+    loop {
+        let (code, _) = tokio::task::spawn_blocking(move || get(addr, "/readyz"))
+            .await
+            .unwrap();
+        if code == 200 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "/readyz still {code} after registration; log:\n{}",
+            env.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let share = env.pod(&[("main", 30, 4)], &[]);
+    let resp = env.admit(&share, "main", 30, 4).await.unwrap();
+    let share_minor = Env::minors(&resp)[0];
+    let whole = env.pod(&[("w", 100, 0)], &[]);
+    let resp = env.admit(&whole, "w", 100, 0).await.unwrap();
+    let whole_minor = Env::minors(&resp)[0];
+    assert_ne!(share_minor, whole_minor);
+    assert!(resp[VCORE].annotations.contains_key(VCORE));
+    // Refused: no pod asks for this.
+    let ghost = kubelet_emulator::PodRef {
+        uid: "ghost".into(),
+        name: "ghost".into(),
+        namespace: "default".into(),
+    };
+    env.admit(&ghost, "main", 42, 1).await.unwrap_err();
+
+    let sock = env.display_socket.clone();
+    let (share_name, whole_name) = (share.name.clone(), whole.name.clone());
+    let (share_uid, whole_uid) = (share.uid.clone(), whole.uid.clone());
+    tokio::task::spawn_blocking(move || {
+        // /graph: the allocator's tree with the share's cores and the whole GPU.
+        let (code, graph) = get(addr, "/graph");
+        assert_eq!(code, 200);
+        let line = |minor: u32| {
+            graph
+                .lines()
+                .find(|l| l.contains(&format!("/dev/nvidia{minor} ")))
+                .unwrap_or_else(|| panic!("no /dev/nvidia{minor} in /graph:\n{graph}"))
+                .to_string()
+        };
+        assert!(
+            line(share_minor).contains("cores 30/100 used")
+                && line(share_minor).contains("memory 1024/"),
+            "{graph}"
+        );
+        assert!(
+            line(whole_minor).contains("cores 100/100 used")
+                && line(whole_minor).contains("[whole]"),
+            "{graph}"
+        );
+
+        // /usage: both containers with their quotas.
+        let (code, usage) = get(addr, "/usage");
+        assert_eq!(code, 200);
+        let v: serde_json::Value = serde_json::from_str(&usage).unwrap();
+        let s = &v["usage"][&share_uid];
+        assert_eq!(s["pod_name"], share_name.as_str(), "{usage}");
+        assert_eq!(s["project"], "default", "{usage}");
+        assert_eq!(s["spec"]["main"]["gpu"], 30.0, "{usage}");
+        assert_eq!(s["spec"]["main"]["mem"], 1024.0, "{usage}");
+        assert_eq!(s["stat"]["main"]["dev"].as_array().unwrap().len(), 1);
+        let w = &v["usage"][&whole_uid];
+        assert_eq!(w["pod_name"], whole_name.as_str(), "{usage}");
+        assert_eq!(w["spec"]["w"]["gpu"], 100.0, "{usage}");
+        assert!(
+            w["spec"]["w"]["mem"].as_f64().unwrap() > 1024.0,
+            "whole GPU's memory as quota: {usage}"
+        );
+
+        // /metrics: the manager's counters and the container gauges.
+        let (code, m) = get(addr, "/metrics");
+        assert_eq!(code, 200);
+        let ok = sample(
+            &m,
+            "vcuda_manager_allocations_total",
+            &[("resource", VCORE)],
+        )
+        .unwrap_or_else(|| panic!("no allocations counter:\n{m}"));
+        assert!(ok >= 2.0, "{ok}\n{m}");
+        let refused = sample(
+            &m,
+            "vcuda_manager_allocation_failures_total",
+            &[("resource", VCORE), ("reason", "failed_precondition")],
+        );
+        assert_eq!(refused, Some(1.0), "{m}");
+        assert!(
+            m.contains("vcuda_manager_allocate_duration_seconds_count"),
+            "{m}"
+        );
+        assert_eq!(sample(&m, "vcuda_manager_ready", &[]), Some(1.0), "{m}");
+        assert!(
+            sample(&m, "vcuda_manager_recovery_duration_seconds", &[]).is_some(),
+            "{m}"
+        );
+        let pod = |n: &str| [("pod", n.to_string()), ("node", "sim-node".to_string())];
+        let core_q = |n: &str, c: &str| {
+            let p = pod(n);
+            sample(
+                &m,
+                "vcuda_container_core_quota_ratio",
+                &[(p[0].0, &p[0].1), (p[1].0, &p[1].1), ("container", c)],
+            )
+        };
+        let mem_q = |n: &str, c: &str| {
+            let p = pod(n);
+            sample(
+                &m,
+                "vcuda_container_memory_quota_bytes",
+                &[(p[0].0, &p[0].1), (p[1].0, &p[1].1), ("container", c)],
+            )
+        };
+        assert_eq!(core_q(&share_name, "main"), Some(0.3), "{m}");
+        assert_eq!(mem_q(&share_name, "main"), Some((1u64 << 30) as f64), "{m}");
+        assert_eq!(core_q(&whole_name, "w"), Some(1.0), "{m}");
+        assert!(
+            mem_q(&whole_name, "w").unwrap_or(0.0) > (1u64 << 30) as f64,
+            "{m}"
+        );
+        assert!(m.contains("vcuda_gpu_allocated_cores_ratio"), "{m}");
+
+        // vcudactl on the manager's socket.
+        let t = vcudactl(&sock, &["usage"]);
+        let row = |uid: &str| {
+            t.lines()
+                .find(|l| l.contains(uid))
+                .unwrap_or_else(|| panic!("no {uid} in vcudactl usage:\n{t}"))
+                .to_string()
+        };
+        assert!(row(&share_uid).contains("/ 30%"), "{t}");
+        assert!(row(&share_uid).contains("/ 1024 MiB"), "{t}");
+        assert!(row(&whole_uid).contains("/ 100%"), "{t}");
+        let g = vcudactl(&sock, &["graph"]);
+        assert!(g.contains("cores 30/100 used"), "{g}");
+
+        // Anything else is 404.
+        assert_eq!(get(addr, "/nope").0, 404);
+        assert_eq!(get(addr, "/healthz").0, 200);
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manager_removes_its_display_socket_on_shutdown() {
+    let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
+    let sock = env.display_socket.clone();
+    assert!(sock.exists());
+    unsafe { libc::kill(env.manager.id() as i32, libc::SIGTERM) };
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = env.manager.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "manager did not stop"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{status}; log:\n{}", env.log_text());
+    assert!(
+        !sock.exists(),
+        "display socket left behind; log:\n{}",
+        env.log_text()
+    );
+}
