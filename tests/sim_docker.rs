@@ -4,28 +4,27 @@
 
 use gpu_sim_core::{SharedState, SimRoot};
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::time::{Duration, Instant};
 use vcuda_tests::{Docker, SimNode, compile_c};
 
-#[test]
-fn container_process_is_reported_under_its_host_pid() {
-    let Some(docker) = Docker::get() else { return };
-    let node = SimNode::install("sim-1gpu");
-    let bin = tempfile::tempdir().unwrap();
-    compile_c("hold_memory", &node, bin.path());
-
+/// `docker run` arguments for a busybox container that runs `bin/hold_memory`
+/// on the simulated node with `devices` passed in, as the device plugin's
+/// response would: the driver libraries at /usr/local/nvidia/lib64 and the
+/// simulator's state at /run/gpu-sim (where the simulated driver looks).
+fn run_args(
+    docker: &Docker,
+    node: &SimNode,
+    bin: &Path,
+    devices: &[&str],
+    extra: &[&str],
+) -> Vec<String> {
     let root = node.root().to_str().unwrap();
-    let name = format!("vcuda-sim-{}", std::process::id());
-    let mut args: Vec<String> = vec![
-        "run".into(),
-        "--rm".into(),
-        "-i".into(),
-        "--name".into(),
-        name.clone(),
-        "--network".into(),
-        "none".into(),
-    ];
-    for d in ["nvidia0", "nvidiactl", "nvidia-uvm"] {
+    let mut args: Vec<String> = ["run", "--rm", "--network", "none"]
+        .map(String::from)
+        .to_vec();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    for d in devices {
         args.push("--device".into());
         args.push(format!("{root}/dev/{d}:/dev/{d}"));
     }
@@ -36,13 +35,31 @@ fn container_process_is_reported_under_its_host_pid() {
         "-v".into(),
         format!("{root}/run/gpu-sim:/run/gpu-sim"),
         "-v".into(),
-        format!("{}:/work:ro", bin.path().display()),
+        format!("{}:/work:ro", bin.display()),
         "-e".into(),
         "LD_LIBRARY_PATH=/usr/local/nvidia/lib64".into(),
         docker.image.clone(),
         "/work/hold_memory".into(),
-        "96".into(),
     ]);
+    args
+}
+
+#[test]
+fn container_process_is_reported_under_its_host_pid() {
+    let Some(docker) = Docker::get() else { return };
+    let node = SimNode::install("sim-1gpu");
+    let bin = tempfile::tempdir().unwrap();
+    compile_c("hold_memory", &node, bin.path());
+
+    let name = format!("vcuda-sim-{}", std::process::id());
+    let mut args = run_args(
+        &docker,
+        &node,
+        bin.path(),
+        &["nvidia0", "nvidiactl", "nvidia-uvm"],
+        &["-i", "--name", &name],
+    );
+    args.push("96".into());
     let mut child = docker
         .command()
         .args(&args)
@@ -110,31 +127,8 @@ fn container_without_the_device_node_sees_no_gpu() {
     let node = SimNode::install("sim-1gpu");
     let bin = tempfile::tempdir().unwrap();
     compile_c("hold_memory", &node, bin.path());
-    let root = node.root().to_str().unwrap();
-    let mut args: Vec<String> = vec![
-        "run".into(),
-        "--rm".into(),
-        "--network".into(),
-        "none".into(),
-    ];
     // nvidiactl but no /dev/nvidia0.
-    args.extend([
-        "--device".into(),
-        format!("{root}/dev/nvidiactl:/dev/nvidiactl"),
-    ]);
-    args.extend(Docker::glibc_mounts());
-    args.extend([
-        "-v".into(),
-        format!("{}:/usr/local/nvidia/lib64:ro", node.lib_dir().display()),
-        "-v".into(),
-        format!("{root}/run/gpu-sim:/run/gpu-sim"),
-        "-v".into(),
-        format!("{}:/work:ro", bin.path().display()),
-        "-e".into(),
-        "LD_LIBRARY_PATH=/usr/local/nvidia/lib64".into(),
-        docker.image.clone(),
-        "/work/hold_memory".into(),
-    ]);
+    let args = run_args(&docker, &node, bin.path(), &["nvidiactl"], &[]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = docker.cli(&args).unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
