@@ -378,10 +378,7 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
 
 /// Allocate on vcore.sock directly (not through the emulator, which would
 /// refuse first for lack of free IDs): the manager's own capacity check.
-async fn direct_allocate(
-    env: &Env,
-    ids: std::ops::Range<usize>,
-) -> Result<(), tonic::Status> {
+async fn direct_allocate(env: &Env, ids: std::ops::Range<usize>) -> Result<(), tonic::Status> {
     use vcuda_api::deviceplugin::v1beta1::{
         AllocateRequest, ContainerAllocateRequest, device_plugin_client::DevicePluginClient,
     };
