@@ -288,6 +288,17 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
     let mut expect = before.clone();
     expect.remove(&format!("{}/main", c.uid));
     assert_eq!(after, expect, "allocation state after the restart");
+    let vm_c = env.vm_dir().join(&c.uid);
+    assert!(
+        !vm_c.exists(),
+        "dead container's vm dir removed: {:?}\n{}",
+        std::fs::read_dir(&vm_c).map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>()),
+        env.log_text()
+            .lines()
+            .filter(|l| l.contains("recovery") || l.contains("vm dir"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
     assert!(
         !env.vm_dir().join(&c.uid).exists(),
         "dead container's vm dir removed"

@@ -32,7 +32,16 @@ async fn main() {
     unsafe { std::env::set_var("GPU_MANAGER_CONTAINER_RUNTIME_ENDPOINT", &docker.host) };
     let mut env = Env::start("sim-8gpu-nvlink", Options::default()).await;
     let n = 100;
-    let mut names = Vec::new();
+    // Removes the containers also when the harness panics.
+    struct Cleanup(Docker, Vec<String>);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            for n in &self.1 {
+                let _ = self.0.cli(&["rm", "-f", n]);
+            }
+        }
+    }
+    let mut names = Cleanup(Docker::get().unwrap(), Vec::new());
     let t = Instant::now();
     for i in 0..n {
         let pod = env.pod(&[("main", 5, 1)], &[]);
@@ -76,7 +85,7 @@ async fn main() {
             "sleep",
             "3600",
         ]);
-        names.push(name);
+        names.1.push(name);
     }
     println!("{n} containers admitted and started in {:?}", t.elapsed());
     let args: Vec<String> = std::fs::read(format!("/proc/{}/cmdline", env.manager.id()))
@@ -111,7 +120,5 @@ async fn main() {
             env.allocation_count()
         );
     }
-    for n in &names {
-        let _ = docker.cli(&["rm", "-f", n]);
-    }
+    drop(names);
 }

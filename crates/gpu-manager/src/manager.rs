@@ -292,7 +292,19 @@ impl Manager {
         let kubelet = kubelet
             .map_err(|e| unreachable.push(format!("kubelet: {e}")))
             .ok();
-        let runtime = match runtime {
+        // Only containers that mount one of our vm directories are ours (a
+        // pod UID alone could be another node's or another manager's).
+        let runtime = match runtime.map(|r| {
+            r.map(|v| {
+                v.into_iter()
+                    .filter(|c| {
+                        self.vm
+                            .dir(&c.pod_uid, &c.container)
+                            .is_ok_and(|d| c.vm_source.as_deref() == Some(d.as_path()))
+                    })
+                    .collect::<Vec<_>>()
+            })
+        }) {
             Ok(r) => r,
             Err(e) => {
                 unreachable.push(e.to_string());
