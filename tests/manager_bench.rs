@@ -1,7 +1,8 @@
 //! Benchmark harness (prints figures, asserts nothing about time): the
 //! whole Allocate RPC through the emulators, manager start to registered,
 //! resident memory of the idle daemon. Run with
-//! `cargo build --workspace && cargo test -p vcuda-tests --test manager_bench`.
+//! `cargo build --workspace && cargo bench --profile dev -p vcuda-tests --bench manager_bench`
+//! (the dev profile, so it drives the binaries `cargo build` made).
 
 #[path = "manager_env.rs"]
 mod manager_env;

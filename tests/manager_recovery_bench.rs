@@ -1,7 +1,8 @@
 //! Benchmark harness (prints figures, asserts nothing about time): recovery
 //! of a SIGKILLed manager with 100 live containers on the private Docker
-//! engine. Run with `cargo build --workspace && cargo test -p vcuda-tests
-//! --test manager_recovery_bench` (DOCKER_HOST from tests/docker/engine.sh).
+//! engine. Run with `cargo build --workspace && cargo bench --profile dev -p
+//! vcuda-tests --bench manager_recovery_bench` (DOCKER_HOST from
+//! tests/docker/engine.sh).
 
 #[path = "manager_env.rs"]
 mod manager_env;
