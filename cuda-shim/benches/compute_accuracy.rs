@@ -1,0 +1,247 @@
+//! How close the compute quota holds a container to its share, on a
+//! simulated A100 (config/nodes/sim-1gpu.toml): saturating workloads
+//! (tests/c/shim_compute.c: 1 ms kernels, a stream sync every 4 launches)
+//! run under the interposer; what they achieved is read from the sim's
+//! kernel timeline over 10 s windows after a 3 s warm-up (the ground truth,
+//! not the NVML samples the controller steers by).
+//!
+//! * a hard limit L in {10, 30, 50, 70, 90}, alone: achieved vs L;
+//! * two containers at 30 and 70, both saturating, on one GPU;
+//! * a soft limit (30, may burst to 100) alone: how far above 30;
+//! * launch cost with the compute quota active and tokens available,
+//!   against the sim's driver directly and the interposer without a
+//!   compute limit.
+//!
+//! A benchmark, never a test: it prints and asserts nothing. About 2 min.
+//! `cargo build --release --workspace && cargo bench -p cuda-shim --bench compute_accuracy`
+//! (gpu-sim falls back to target/debug).
+
+#[path = "../testsupport/server.rs"]
+mod server;
+#[path = "../testsupport/simnode.rs"]
+mod simnode;
+
+use simnode::{Container, ShimNode};
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+const WARMUP_S: f64 = 3.0;
+const WINDOW_S: f64 = 10.0;
+const LIMITS: [i32; 5] = [10, 30, 50, 70, 90];
+
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().and_then(Path::parent).unwrap().to_path_buf()
+}
+
+/// `name` in this profile's dir, else in target/debug.
+fn artifact(name: &str) -> PathBuf {
+    let here = profile_dir().join(name);
+    if here.exists() {
+        return here;
+    }
+    let debug = profile_dir().parent().unwrap().join("debug").join(name);
+    assert!(
+        debug.exists(),
+        "{name} not found: run `cargo build --release --workspace` first"
+    );
+    debug
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+fn node() -> (ShimNode, PathBuf) {
+    let n = ShimNode::install(
+        &workspace(),
+        &artifact("gpu-sim"),
+        &profile_dir().join("libvcuda.so"),
+        "sim-1gpu",
+    );
+    let prog = n.compile_c(&workspace().join("tests/c/shim_compute.c"));
+    (n, prog)
+}
+
+struct Running {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+    pid: i32,
+    start: u64,
+}
+
+fn start(c: &Container, prog: &Path, args: &[&str]) -> Running {
+    let mut child = c
+        .command(prog)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "workload ended early"
+        );
+        if line.contains("start_ns=") {
+            break;
+        }
+    }
+    let get = |k: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{k}=")))
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    Running {
+        pid: get("pid") as i32,
+        start: get("start_ns"),
+        child,
+        out,
+    }
+}
+
+fn finish(mut r: Running) -> String {
+    let mut s = String::new();
+    r.out.read_to_string(&mut s).unwrap();
+    assert!(r.child.wait().unwrap().success(), "workload failed: {s}");
+    s
+}
+
+fn sleep_until(t: u64) {
+    let now = simnode::now_ns();
+    if t > now {
+        std::thread::sleep(Duration::from_nanos(t - now));
+    }
+}
+
+const fn s(x: f64) -> u64 {
+    (x * 1e9) as u64
+}
+
+/// Achieved percent of each workload over the same 10 s window.
+fn measure(n: &ShimNode, c: &[&Container], prog: &Path) -> Vec<f64> {
+    let secs = format!("{}", WARMUP_S + WINDOW_S + 0.5);
+    let runs: Vec<Running> = c
+        .iter()
+        .map(|c| start(c, prog, &["saturate", &secs]))
+        .collect();
+    let from = runs.iter().map(|r| r.start).max().unwrap() + s(WARMUP_S);
+    let to = from + s(WINDOW_S);
+    sleep_until(to + 20_000_000);
+    let got = runs.iter().map(|r| n.busy(&[r.pid], from, to)).collect();
+    for r in runs {
+        finish(r);
+    }
+    got
+}
+
+fn launch_ps(c: &Container, prog: &Path) -> f64 {
+    let r = start_plain(c, prog, &["launchcost", "31", "2000", "60"]);
+    r.split_whitespace()
+        .find_map(|w| w.strip_prefix("launch_ps="))
+        .unwrap_or_else(|| panic!("no launch_ps in {r}"))
+        .parse::<f64>()
+        .unwrap()
+        / 1000.0
+}
+
+fn start_plain(c: &Container, prog: &Path, args: &[&str]) -> String {
+    let o = c.command(prog).args(args).output().unwrap();
+    let s = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{s}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    s
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    println!(
+        "compute quota accuracy on the sim (1 ms kernels; {WARMUP_S} s warm-up, {WINDOW_S} s windows, timeline ground truth)"
+    );
+    println!(
+        "{:<34} {:>8} {:>9} {:>8} {:>6}",
+        "case", "quota", "achieved", "error", "±5"
+    );
+    let row = |case: &str, quota: f64, got: f64| {
+        let err = got - quota;
+        println!(
+            "{case:<34} {quota:>7.0}% {got:>8.1}% {err:>+8.1} {:>6}",
+            if err.abs() <= 5.0 { "ok" } else { "MISS" }
+        );
+    };
+    for l in LIMITS {
+        let (n, prog) = node();
+        let c = n.container(l, true, 0);
+        let got = measure(&n, &[&c], &prog)[0];
+        row(&format!("hard {l}, alone"), l as f64, got);
+    }
+    {
+        let (n, prog) = node();
+        let a = n.container(30, true, 0);
+        let b = n.container(70, true, 0);
+        let got = measure(&n, &[&a, &b], &prog);
+        row("hard 30 + hard 70, together: 30", 30.0, got[0]);
+        row("hard 30 + hard 70, together: 70", 70.0, got[1]);
+        println!(
+            "{:<34} {:>8} {:>8.1}%",
+            "  (device total)",
+            "",
+            got[0] + got[1]
+        );
+    }
+    {
+        let (n, prog) = node();
+        let c = n.container(30, false, 100);
+        let got = measure(&n, &[&c], &prog)[0];
+        println!(
+            "{:<34} {:>7.0}% {got:>8.1}% {:>+8.1} {:>6}",
+            "soft 30 (limit 100), alone",
+            30.0,
+            got - 30.0,
+            if got > 30.0 { "burst" } else { "NO" }
+        );
+    }
+    {
+        let (n, prog) = node();
+        let direct = n.direct();
+        let uncapped = n.container(100, true, 0);
+        let capped = n.container(50, true, 0);
+        let (mut d, mut u, mut q) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..5 {
+            d.push(launch_ps(&direct, &prog));
+            u.push(launch_ps(&uncapped, &prog));
+            q.push(launch_ps(&capped, &prog));
+        }
+        let (d, u, q) = (median(d), median(u), median(q));
+        println!(
+            "\ncuLaunchKernel, median ns per launch (tokens available: 2000 launches per 80 ms, quota 50%)"
+        );
+        println!("  sim driver directly:              {d:>7.1} ns");
+        println!(
+            "  interposer, no compute limit:     {u:>7.1} ns  (+{:.1})",
+            u - d
+        );
+        println!(
+            "  interposer, compute quota active: {q:>7.1} ns  (+{:.1} over the driver, +{:.1} for the throttle)",
+            q - d,
+            q - u
+        );
+    }
+}
