@@ -23,9 +23,18 @@
 //!   and free.
 //!
 //! The file layout is fixed (little-endian x86_64/aarch64 native, version
-//! [`VERSION`]): a 4 KiB header, then [`SLOTS`] slots of 64 bytes. Bytes
-//! `1024..4096` of the header belong to the compute-quota controller
-//! ([`Ledger::compute_words`]).
+//! [`VERSION`]): a 4 KiB header, then [`SLOTS`] slots of 64 bytes. The
+//! header holds the quota, the total, its peak, the generation and two
+//! container-wide counters the interposer bumps for the display's metrics
+//! ([`Ledger::throttled_ns`], [`Ledger::refused_allocations`]); bytes
+//! `72..1024` are reserved (zero); bytes `1024..4096` belong to the
+//! compute-quota controller ([`Ledger::compute_words`]).
+//!
+//! The counters took reserved bytes that every ledger of this version has
+//! always kept zero, so the layout version did not change: a ledger created
+//! before them reads as "nothing throttled, nothing refused yet" and counts
+//! from there, by old and new processes alike (an old interposer simply
+//! never bumps them).
 
 pub mod fdpass;
 
@@ -54,6 +63,17 @@ pub const FILE_SIZE: usize = HEADER_SIZE + SLOTS * SLOT_SIZE;
 pub const COMPUTE_OFFSET: usize = 1024;
 /// Number of 64-bit words in the compute controller's area.
 pub const COMPUTE_WORDS: usize = (HEADER_SIZE - COMPUTE_OFFSET) / 8;
+/// Offset of the container's throttled-time counter (u64 ns) in the header.
+/// Public because the interposer also reaches it through its long-lived
+/// second mapping of the header page (the one that holds the compute
+/// words), not only through a [`Ledger`].
+pub const THROTTLED_NS_OFFSET: usize = 56;
+/// Offset of the container's refused-allocations counter (u64) in the header.
+pub const REFUSED_ALLOCATIONS_OFFSET: usize = 64;
+const _: () = assert!(
+    THROTTLED_NS_OFFSET / 4096 == COMPUTE_OFFSET / 4096,
+    "the throttled counter shares the compute area's page"
+);
 
 // Header fields.
 const OFF_MAGIC: usize = 0;
@@ -300,6 +320,36 @@ impl Ledger {
         self.u64_at(OFF_PEAK).load(Ordering::Relaxed)
     }
 
+    /// Total time, in ns, the container's launch threads spent asleep
+    /// waiting for compute tokens (every process, every thread, summed: two
+    /// threads waiting together for 1 s count 2 s). Monotone; survives
+    /// [`Ledger::reset`].
+    pub fn throttled_ns(&self) -> u64 {
+        self.u64_at(THROTTLED_NS_OFFSET).load(Ordering::Relaxed)
+    }
+
+    /// Adds `ns` a launch slept for tokens (interposer). Wraps after ~584
+    /// years of summed sleep.
+    pub fn add_throttled_ns(&self, ns: u64) {
+        self.u64_at(THROTTLED_NS_OFFSET)
+            .fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// Allocations the container's processes refused for the memory quota
+    /// (`CUDA_ERROR_OUT_OF_MEMORY` without the driver running out).
+    /// Monotone; survives [`Ledger::reset`].
+    pub fn refused_allocations(&self) -> u64 {
+        self.u64_at(REFUSED_ALLOCATIONS_OFFSET)
+            .load(Ordering::Relaxed)
+    }
+
+    /// Counts one allocation refused for the quota (interposer, once per
+    /// refused call, whichever reservation of it failed).
+    pub fn count_refused_allocation(&self) {
+        self.u64_at(REFUSED_ALLOCATIONS_OFFSET)
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Bumped by [`Ledger::reset`]; lets a process notice the ledger was
     /// reinitialised under it.
     pub fn generation(&self) -> u64 {
@@ -424,7 +474,9 @@ impl Ledger {
     }
 
     /// Zeroes every slot and the total and bumps the generation (manager,
-    /// when it knows no process of the container is alive).
+    /// when it knows no process of the container is alive). The throttled
+    /// and refused counters are kept: they are `_total` counters for the
+    /// container's life.
     pub fn reset(&self) {
         for i in 0..SLOTS {
             self.clear_slot(i);
@@ -605,6 +657,55 @@ mod tests {
         ));
         let e = Ledger::open(&dir.path().join("missing")).unwrap_err();
         assert!(e.to_string().contains("missing"), "{e}");
+    }
+
+    #[test]
+    fn counters_start_at_zero_are_shared_and_survive_reset() {
+        let (d, l, f) = new(1000);
+        assert_eq!((l.throttled_ns(), l.refused_allocations()), (0, 0));
+        let l2 = Ledger::from_fd(f.as_fd()).unwrap();
+        l.add_throttled_ns(1_500);
+        l2.add_throttled_ns(500);
+        l2.count_refused_allocation();
+        l.count_refused_allocation();
+        assert_eq!((l.throttled_ns(), l.refused_allocations()), (2_000, 2));
+        l.reset();
+        assert_eq!((l2.throttled_ns(), l2.refused_allocations()), (2_000, 2));
+        // They touch nothing else of the header or the compute area.
+        assert_eq!((l.quota(), l.used(), l.peak()), (1000, 0, 0));
+        assert!(
+            l.compute_words()
+                .iter()
+                .all(|w| w.load(Ordering::Relaxed) == 0)
+        );
+        let raw = std::fs::read(d.path().join(LEDGER_FILE)).unwrap();
+        let at = |o: usize| u64::from_le_bytes(raw[o..o + 8].try_into().unwrap());
+        assert_eq!(
+            (at(THROTTLED_NS_OFFSET), at(REFUSED_ALLOCATIONS_OFFSET)),
+            (2_000, 2)
+        );
+        assert!(raw[72..COMPUTE_OFFSET].iter().all(|&b| b == 0), "reserved");
+    }
+
+    #[test]
+    fn a_ledger_from_before_the_counters_opens_with_them_at_zero() {
+        // What an earlier build wrote: the same version, the counters'
+        // bytes never touched.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LEDGER_FILE);
+        let mut raw = vec![0u8; FILE_SIZE];
+        raw[..8].copy_from_slice(&MAGIC);
+        raw[8..12].copy_from_slice(&1u32.to_le_bytes());
+        raw[12..16].copy_from_slice(&(HEADER_SIZE as u32).to_le_bytes());
+        raw[16..20].copy_from_slice(&(SLOTS as u32).to_le_bytes());
+        raw[20..24].copy_from_slice(&(SLOT_SIZE as u32).to_le_bytes());
+        raw[24..32].copy_from_slice(&777u64.to_le_bytes());
+        std::fs::write(&path, &raw).unwrap();
+        let (l, _f) = Ledger::create(&path, 1000).unwrap();
+        assert_eq!(VERSION, 1, "the counters did not change the layout version");
+        assert_eq!((l.throttled_ns(), l.refused_allocations()), (0, 0));
+        l.count_refused_allocation();
+        assert_eq!(l.refused_allocations(), 1);
     }
 
     #[test]
