@@ -4,7 +4,8 @@
 //! process of the container) -> call the driver -> on failure give the
 //! reservation back; on success remember the size, which the matching free
 //! returns. Over quota is `CUDA_ERROR_OUT_OF_MEMORY` without calling the
-//! driver.
+//! driver, counted in the ledger (`refused_allocations`) once per refused
+//! call, here in [`alloc_sized`] where every allocation path passes.
 
 use crate::config;
 use crate::log::log;
@@ -57,6 +58,7 @@ fn alloc_sized(
     }
     if let Err(over) = a.ledger.try_reserve(a.slot, estimate) {
         log!(Info, "allocation refused: {over}");
+        a.ledger.count_refused_allocation();
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     let r = call();
@@ -70,6 +72,7 @@ fn alloc_sized(
             log!(Info, "allocation refused after padding: {over}");
             undo(key);
             a.ledger.release(a.slot, estimate);
+            a.ledger.count_refused_allocation();
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
     } else if actual < estimate {

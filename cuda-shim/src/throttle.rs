@@ -32,6 +32,9 @@ use std::time::Duration;
 
 /// The compute words of the container's bucket; null: no compute limit.
 static BUCKET: AtomicPtr<AtomicU64> = AtomicPtr::new(std::ptr::null_mut());
+/// The ledger's `throttled_ns` counter, in the same never-unmapped page as
+/// the bucket; null: not counted (no compute limit, or no shared mapping).
+static THROTTLED_NS: AtomicPtr<AtomicU64> = AtomicPtr::new(std::ptr::null_mut());
 
 /// A controller silent this long loses its lease.
 pub const LEASE_STALE_NS: u64 = 500_000_000;
@@ -52,7 +55,18 @@ pub fn before_launch(cost_hint: u64) {
     // SAFETY: set only to a mapping that is never unmapped.
     let b = unsafe { Bucket::at(p) };
     if let Some(ticket) = b.take(cost_hint) {
-        b.wait(ticket, arm_watcher);
+        // The clock is read only here, off the fast path.
+        count_throttled(b.wait(ticket, arm_watcher));
+    }
+}
+
+/// Adds the time a launch slept for tokens to the container's ledger.
+#[cold]
+fn count_throttled(ns: u64) {
+    let p = THROTTLED_NS.load(Ordering::Acquire);
+    if ns > 0 && !p.is_null() {
+        // SAFETY: set only to a word of a mapping that is never unmapped.
+        unsafe { &*p }.fetch_add(ns, Ordering::Relaxed);
     }
 }
 
@@ -123,11 +137,20 @@ pub fn on_attach(ledger: &Ledger, slot: usize) {
             [const { AtomicU64::new(0) }; container_ledger::COMPUTE_WORDS],
         ));
         BUCKET.store(local.as_mut_ptr(), Ordering::Release);
+        THROTTLED_NS.store(std::ptr::null_mut(), Ordering::Release);
         return;
     };
     let b = unsafe { Bucket::at(p) };
     b.init();
+    THROTTLED_NS.store(throttled_word(p).cast_mut(), Ordering::Release);
     BUCKET.store(p.cast_mut(), Ordering::Release);
+}
+
+/// The ledger's `throttled_ns` counter in the mapping whose compute words
+/// start at `words` (the header page holds both).
+fn throttled_word(words: *const AtomicU64) -> *const AtomicU64 {
+    let header = unsafe { words.cast::<u8>().sub(container_ledger::COMPUTE_OFFSET) };
+    unsafe { header.add(container_ledger::THROTTLED_NS_OFFSET) }.cast()
 }
 
 /// A second mapping of the ledger page that holds the compute words
@@ -310,7 +333,11 @@ mod tests {
             l.compute_words()[11].load(Ordering::Relaxed),
             2.0f64.to_bits()
         );
+        let t = unsafe { &*throttled_word(p) };
+        t.fetch_add(7, Ordering::Relaxed);
+        assert_eq!(l.throttled_ns(), 7, "the ledger's counter, shared");
         drop(l);
         assert_eq!(b.rate(), 2.0, "still mapped");
+        t.fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -117,24 +117,28 @@ impl Bucket {
         }
     }
 
-    /// Sleeps until `ticket` is granted.
+    /// Sleeps until `ticket` is granted. Returns the ns spent from the
+    /// first sleep until granted (CLOCK_MONOTONIC; 0 when it never slept),
+    /// measured with the clock reads the refills take anyway.
     #[cold]
     #[inline(never)]
-    pub fn wait(&self, ticket: u64, mut on_first_sleep: impl FnMut()) {
-        let mut counted = false;
+    pub fn wait(&self, ticket: u64, mut on_first_sleep: impl FnMut()) -> u64 {
+        let mut slept_since = None;
         loop {
-            self.refill(now_ns());
+            let now = now_ns();
+            let slept = || slept_since.map_or(0, |t0: u64| now.saturating_sub(t0));
+            self.refill(now);
             let g = self.w[GRANTED].load(Ordering::Acquire);
             if g >= ticket {
-                return;
+                return slept();
             }
             let rate = self.rate();
             if rate <= 0.0 {
                 self.w[GRANTED].fetch_max(ticket.saturating_add(LEARNING_SLACK), Ordering::AcqRel);
-                return;
+                return slept();
             }
-            if !counted {
-                counted = true;
+            if slept_since.is_none() {
+                slept_since = Some(now);
                 self.w[WAITS].fetch_add(1, Ordering::Relaxed);
                 on_first_sleep();
             }
@@ -302,7 +306,7 @@ mod tests {
     fn learning_runs_free_then_the_rate_clamps() {
         let (_d, _l, b) = bucket();
         let q = b.take(100).unwrap();
-        b.wait(q, || panic!("no sleep while learning"));
+        assert_eq!(b.wait(q, || panic!("no sleep while learning")), 0);
         assert!(b.take(100).is_none(), "slack granted");
         b.set_rate(1.0, 1e6);
         // Cap: 50 ms at 1 unit/ns beyond what was requested.
@@ -346,9 +350,13 @@ mod tests {
         let t = std::time::Instant::now();
         let q = b.take(20_000).unwrap();
         let mut slept = 0;
-        b.wait(q, || slept += 1);
+        let ns = b.wait(q, || slept += 1);
         let e = t.elapsed();
         assert_eq!((slept, b.waits()), (1, 1));
+        assert!(
+            ns >= 18_000_000 && ns <= e.as_nanos() as u64,
+            "{ns} ns in {e:?}"
+        );
         assert!(e >= Duration::from_millis(18), "{e:?}");
         assert!(e < Duration::from_millis(500), "{e:?}");
     }
