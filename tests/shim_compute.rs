@@ -190,3 +190,27 @@ fn a_fork_child_is_still_throttled() {
     eprintln!("fork child under hard 30: {u:.1}%");
     assert!(u < 45.0 && u > 15.0, "achieved {u:.1}% under a hard 30%");
 }
+
+#[test]
+fn time_asleep_for_tokens_is_counted_in_the_ledger() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (n, prog) = node();
+    let c = n.container(10, true, 0);
+    let ledger = || c.manager.as_ref().unwrap().ledger();
+    assert_eq!(ledger().throttled_ns(), 0);
+    let (o, _) = run(&n, &c, &prog, &["saturate", "2.5"], (0.5, 2.0));
+    let (throttled, wall) = (ledger().throttled_ns() as f64, o.get("wall_ns") as f64);
+    eprintln!(
+        "hard 10: asleep for tokens {:.0} ms of {:.0} ms",
+        throttled / 1e6,
+        wall / 1e6
+    );
+    // One launching thread held to 10%: asleep most of the run, never longer.
+    assert!(
+        throttled > 0.5 * wall && throttled <= wall,
+        "throttled {:.0} ms in {:.0} ms",
+        throttled / 1e6,
+        wall / 1e6
+    );
+    assert_eq!(ledger().refused_allocations(), 0);
+}

@@ -426,3 +426,22 @@ fn after_a_manager_restart_the_process_re_registers_and_keeps_its_bytes() {
     });
     assert_eq!(m2.ledger().used(), 0);
 }
+
+#[test]
+fn every_refused_allocation_is_counted_once_in_the_ledger() {
+    let n = Node::new();
+    let m = n.manager(4 * GIB);
+    assert_eq!(m.ledger().refused_allocations(), 0);
+    // cuMemAlloc until the quota refuses once.
+    let r = n.run(&["quota", "1024"]);
+    r.assert_ok();
+    assert_eq!(r.get("last"), 2, "CUDA_ERROR_OUT_OF_MEMORY");
+    assert_eq!(m.ledger().refused_allocations(), 1);
+    // cuMemCreate, then cuMemAllocAsync and cuMemAllocFromPoolAsync: one
+    // refusal each, counted by the same path.
+    n.run(&["vmm", "512"]).assert_ok();
+    assert_eq!(m.ledger().refused_allocations(), 2);
+    n.run(&["async", "512"]).assert_ok();
+    assert_eq!(m.ledger().refused_allocations(), 4);
+    assert_eq!(m.ledger().throttled_ns(), 0, "no compute limit here");
+}
