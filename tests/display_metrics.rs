@@ -408,21 +408,22 @@ async fn metrics_match_simulator_ground_truth() {
         "vcudactl usage: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let row = |uid: &str| {
+    // Rows by namespace and pod name (the UID only with --wide).
+    let row = |pod: &str| {
         table
             .lines()
-            .find(|l| l.contains(uid))
-            .unwrap_or_else(|| panic!("{uid} not in\n{table}"))
+            .find(|l| l.split_whitespace().take(2).eq(["team", pod]))
+            .unwrap_or_else(|| panic!("team/{pod} not in\n{table}"))
             .to_string()
     };
-    let ra = row("uid-pod-a");
+    let ra = row("pod-a");
     assert!(
         ra.contains("/ 30%")
             && ra.contains("/ 1024 MiB")
             && ra.contains(&format!("{},{}", a1.min(a2), a1.max(a2))),
         "{table}"
     );
-    let rb = row("uid-pod-b");
+    let rb = row("pod-b");
     assert!(
         rb.contains("/ 30%") && rb.contains("512 / 2048 MiB") && rb.contains(&b.to_string()),
         "{table}"

@@ -196,6 +196,7 @@ async fn http_rejects_what_it_should_and_keeps_serving() {
         assert_eq!(c, 200);
         let u: serde_json::Value = serde_json::from_str(&usage).unwrap();
         assert_eq!(u["usage"]["uid-1"]["pod_name"], "trainer");
+        assert_eq!(u["usage"]["uid-1"]["namespace"], "ml");
         assert_eq!(u["usage"]["uid-1"]["stat"]["main"]["dev"][0]["gpu"], 12.0);
         assert_eq!(u["usage"]["uid-1"]["stat"]["main"]["dev"][0]["pids"][0], 4001);
         assert_eq!(u["usage"]["uid-2"]["spec"]["infer"]["gpu"], 30.0);
@@ -268,6 +269,9 @@ async fn grpc_rejects_oversize_and_unknown_calls_and_keeps_serving() {
     let u = c.print_usages(()).await.unwrap().into_inner();
     assert_eq!(u.usage.len(), 2);
     assert_eq!(u.usage["uid-1"].project, "ml");
+    assert_eq!(u.usage["uid-1"].namespace, "ml");
+    assert_eq!(u.usage["uid-1"].pod_name, "trainer");
+    assert_eq!(u.usage["uid-2"].pod_name, "server");
     assert_eq!(u.usage["uid-1"].stat["main"].dev[0].gpu, 12.0);
     assert_eq!(u.usage["uid-1"].stat["main"].dev[0].mem, 300.0);
     assert_eq!(u.usage["uid-1"].stat["main"].dev[0].card_idx, "0");
@@ -340,11 +344,13 @@ async fn vcudactl_usage_graph_version_top() {
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines.len(), 3, "{t}");
         assert!(lines[0].starts_with("NAMESPACE"));
-        // Sorted by namespace: ml before web.
+        // Sorted by namespace: ml before web. The pod by name; its UID
+        // only with --wide.
         assert!(
-            lines[1].starts_with("ml") && lines[1].contains("uid-1") && lines[1].contains("main"),
+            lines[1].starts_with("ml") && lines[1].contains("trainer") && lines[1].contains("main"),
             "{t}"
         );
+        assert!(!t.contains("uid-1"), "{t}");
         assert!(
             lines[1].contains("12.0% / 20%")
                 && lines[1].contains("300 / 1024 MiB")
@@ -352,13 +358,23 @@ async fn vcudactl_usage_graph_version_top() {
             "{t}"
         );
         assert!(
-            lines[2].starts_with("web") && lines[2].contains("infer"),
+            lines[2].starts_with("web")
+                && lines[2].contains("server")
+                && lines[2].contains("infer"),
             "{t}"
         );
         assert!(
             lines[2].contains("0.0% / 30%") && lines[2].contains("0 / 2048 MiB"),
             "{t}"
         );
+        let out = vcudactl(&sock, &["usage", "--wide"]);
+        assert!(out.status.success());
+        let t = String::from_utf8(out.stdout).unwrap();
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].contains("POD UID"), "{t}");
+        let cells: Vec<&str> = lines[1].split_whitespace().collect();
+        assert_eq!(cells[..4], ["ml", "trainer", "uid-1", "main"], "{t}");
+        assert!(lines[1].ends_with("4001"), "{t}");
 
         let out = vcudactl(&sock, &["graph"]);
         assert!(out.status.success());
@@ -382,7 +398,7 @@ async fn vcudactl_usage_graph_version_top() {
         );
         let t = String::from_utf8(out.stdout).unwrap();
         assert_eq!(t.matches("vcudactl top:").count(), 2, "{t}");
-        assert_eq!(t.matches("uid-2").count(), 2, "{t}");
+        assert_eq!(t.matches(" server ").count(), 2, "{t}");
         assert_eq!(t.matches("GPU0 GPU-0000").count(), 2, "{t}");
     })
     .await

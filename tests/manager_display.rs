@@ -117,6 +117,19 @@ async fn manager_serves_graph_usage_metrics_and_vcudactl() {
     };
     env.admit(&ghost, "main", 42, 1).await.unwrap_err();
 
+    // The share's ledger, counted into as its interposers would: 1.5 s
+    // asleep for compute tokens, two allocations refused.
+    let ledger = env
+        .vm_dir()
+        .join(&share.uid)
+        .join("main")
+        .join(container_ledger::LEDGER_FILE);
+    let (l, _f) = container_ledger::Ledger::open(&ledger)
+        .unwrap_or_else(|e| panic!("the share's ledger: {e}"));
+    l.add_throttled_ns(1_500_000_000);
+    l.count_refused_allocation();
+    l.count_refused_allocation();
+
     let sock = env.display_socket.clone();
     let (share_name, whole_name) = (share.name.clone(), whole.name.clone());
     let (share_uid, whole_uid) = (share.uid.clone(), whole.uid.clone());
@@ -210,18 +223,39 @@ async fn manager_serves_graph_usage_metrics_and_vcudactl() {
             "{m}"
         );
         assert!(m.contains("vcuda_gpu_allocated_cores_ratio"), "{m}");
+        // The ledger's counters; none for a whole GPU (no interposer, no ledger).
+        let counter =
+            |name: &str, pod: &str, c: &str| sample(&m, name, &[("pod", pod), ("container", c)]);
+        let (thr, refd) = (
+            "vcuda_container_throttled_seconds_total",
+            "vcuda_container_allocations_refused_total",
+        );
+        assert_eq!(counter(thr, &share_name, "main"), Some(1.5), "{m}");
+        assert_eq!(counter(refd, &share_name, "main"), Some(2.0), "{m}");
+        assert_eq!(counter(thr, &whole_name, "w"), None, "{m}");
+        assert_eq!(counter(refd, &whole_name, "w"), None, "{m}");
 
-        // vcudactl on the manager's socket.
+        // vcudactl on the manager's socket: pods by namespace and name,
+        // their UIDs with --wide.
         let t = vcudactl(&sock, &["usage"]);
-        let row = |uid: &str| {
+        let row = |name: &str| {
             t.lines()
-                .find(|l| l.contains(uid))
-                .unwrap_or_else(|| panic!("no {uid} in vcudactl usage:\n{t}"))
+                .find(|l| l.split_whitespace().take(2).eq(["default", name]))
+                .unwrap_or_else(|| panic!("no default/{name} in vcudactl usage:\n{t}"))
                 .to_string()
         };
-        assert!(row(&share_uid).contains("/ 30%"), "{t}");
-        assert!(row(&share_uid).contains("/ 1024 MiB"), "{t}");
-        assert!(row(&whole_uid).contains("/ 100%"), "{t}");
+        assert!(row(&share_name).contains("/ 30%"), "{t}");
+        assert!(row(&share_name).contains("/ 1024 MiB"), "{t}");
+        assert!(row(&whole_name).contains("/ 100%"), "{t}");
+        assert!(!t.contains(&share_uid), "{t}");
+        let w = vcudactl(&sock, &["usage", "--wide"]);
+        for (name, uid) in [(&share_name, &share_uid), (&whole_name, &whole_uid)] {
+            assert!(
+                w.lines()
+                    .any(|l| l.split_whitespace().take(3).eq(["default", name, uid])),
+                "no default/{name} {uid} in vcudactl usage --wide:\n{w}"
+            );
+        }
         let g = vcudactl(&sock, &["graph"]);
         assert!(g.contains("cores 30/100 used"), "{g}");
 

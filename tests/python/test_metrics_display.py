@@ -197,11 +197,16 @@ def test_vcudactl_agrees_with_http(served):
     run = lambda *a: subprocess.run([str(vcudactl), "--socket", str(served["socket"]), *a],
                                     capture_output=True, text=True, timeout=30, check=True).stdout
     assert run("graph") == get(served["base"] + "/graph")[2]
-    table = run("usage")
+    table, wide = run("usage"), run("usage", "--wide")
     usage = json.loads(get(served["base"] + "/usage")[2])["usage"]
-    for uid, cores, mem, pid in (("uid-pod-a", 25, 1024, served["pids"][0]), ("uid-pod-b", 40, 2048, served["pids"][1])):
-        row = next(line for line in table.splitlines() if uid in line)
+    for pod, cores, mem, pid in (("pod-a", 25, 1024, served["pids"][0]), ("pod-b", 40, 2048, served["pids"][1])):
+        uid = f"uid-{pod}"
+        # By namespace and pod name; the UID only with --wide.
+        row = next(line for line in table.splitlines() if line.split()[:2] == ["research", pod])
         assert f"/ {cores}%" in row and f"/ {mem} MiB" in row and row.endswith(str(pid)), row
+        assert uid not in table
+        assert any(line.split()[:3] == ["research", pod, uid] for line in wide.splitlines()), wide
+        assert usage[uid]["pod_name"] == pod and usage[uid]["namespace"] == "research"
         assert usage[uid]["spec"]["main"] == {"gpu": cores, "mem": mem}
         assert usage[uid]["stat"]["main"]["dev"][0]["pids"] == [pid]
 

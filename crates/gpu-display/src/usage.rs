@@ -80,6 +80,8 @@ pub fn usage_response(containers: &[ContainerView], snap: &Snapshot) -> UsageRes
             .entry(c.pod_uid.clone())
             .or_insert_with(|| ContainerStat {
                 project: c.namespace.clone(),
+                pod_name: c.pod_name.clone(),
+                namespace: c.namespace.clone(),
                 user: c.user.clone(),
                 cluster: c.cluster.clone(),
                 ..Default::default()
@@ -108,8 +110,7 @@ pub fn usage_response(containers: &[ContainerView], snap: &Snapshot) -> UsageRes
 }
 
 /// `/usage` as JSON: the same content as `PrintUsages`, with the proto's
-/// field names (what grpc-gateway printed with `OrigName`), plus pod names,
-/// which the proto lacks.
+/// field names (what grpc-gateway printed with `OrigName`).
 #[derive(Debug, Serialize)]
 pub struct UsageJson {
     pub usage: BTreeMap<String, PodJson>,
@@ -118,6 +119,7 @@ pub struct UsageJson {
 #[derive(Debug, Serialize)]
 pub struct PodJson {
     pub pod_name: String,
+    pub namespace: String,
     pub project: String,
     pub user: String,
     pub cluster: String,
@@ -152,6 +154,7 @@ pub fn usage_json(containers: &[ContainerView], snap: &Snapshot) -> UsageJson {
     for c in containers {
         let pod = usage.entry(c.pod_uid.clone()).or_insert_with(|| PodJson {
             pod_name: c.pod_name.clone(),
+            namespace: c.namespace.clone(),
             project: c.namespace.clone(),
             user: c.user.clone(),
             cluster: c.cluster.clone(),
@@ -272,6 +275,7 @@ mod tests {
         let r = usage_response(&[ctr("a", vec![100]), ctr("b", vec![200])], &snap());
         let a = &r.usage["uid-a"];
         assert_eq!(a.project, "ns");
+        assert_eq!((a.pod_name.as_str(), a.namespace.as_str()), ("a", "ns"));
         let d = &a.stat["main"].dev[0];
         assert_eq!(d.card_idx, "0");
         assert_eq!(d.id, "00000000:07:00.0");

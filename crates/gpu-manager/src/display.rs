@@ -77,6 +77,7 @@ impl DisplaySource for ManagerSource {
                         (held.clone(), true, bytes)
                     }
                 };
+                let counters = self.mgr.registry().ledger_counters(&a.id());
                 let host_pids = self
                     .mgr
                     .registry()
@@ -90,9 +91,10 @@ impl DisplaySource for ManagerSource {
                     memory_quota_bytes,
                     host_pids,
                     exclusive,
-                    // The ledger keeps no throttling or refusal counters yet.
-                    throttled_seconds: None,
-                    refused_allocations: None,
+                    // From the ledger; none for exclusive containers (no
+                    // interposer, no ledger).
+                    throttled_seconds: counters.map(|c| c.throttled_ns as f64 / 1e9),
+                    refused_allocations: counters.map(|c| c.refused_allocations),
                     pod_uid: a.pod_uid,
                     pod_name: a.pod_name,
                     namespace: a.namespace,

@@ -103,6 +103,13 @@ pub fn alive(pid: i32) -> bool {
     r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
+/// A container's counters kept by its interposers in the ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LedgerCounters {
+    pub throttled_ns: u64,
+    pub refused_allocations: u64,
+}
+
 #[derive(Clone, Default)]
 pub struct Registry {
     endpoints: Arc<Mutex<HashMap<String, Endpoint>>>,
@@ -189,6 +196,18 @@ impl Registry {
             .get(id)
             .map(|e| e.procs.pids.lock().unwrap().keys().copied().collect())
             .unwrap_or_default()
+    }
+
+    /// The container's ledger counters: (ns its launches slept for compute
+    /// tokens, allocations refused for its memory quota). `None` when the
+    /// container is not served or keeps no ledger.
+    pub fn ledger_counters(&self, id: &str) -> Option<LedgerCounters> {
+        let eps = self.endpoints.lock().unwrap();
+        let (l, _) = eps.get(id)?.procs.ledger.as_ref()?;
+        Some(LedgerCounters {
+            throttled_ns: l.throttled_ns(),
+            refused_allocations: l.refused_allocations(),
+        })
     }
 
     pub fn prune(&self) -> usize {

@@ -41,8 +41,12 @@ struct Cli {
 enum Cmd {
     /// The topology tree with used/free cores and memory per GPU.
     Graph,
-    /// A table of containers: pod, container, GPUs, use against quota.
-    Usage,
+    /// A table of containers: namespace, pod, container, GPUs, use against quota.
+    Usage {
+        /// Show the pod UID too.
+        #[arg(long, short = 'w')]
+        wide: bool,
+    },
     /// The manager's version (and this tool's).
     Version,
     /// Usage and graph, refreshed until Ctrl-C.
@@ -53,6 +57,9 @@ enum Cmd {
         /// Stop after this many refreshes (0: until Ctrl-C).
         #[arg(long, default_value_t = 0)]
         iterations: u64,
+        /// Show the pod UID too.
+        #[arg(long, short = 'w')]
+        wide: bool,
     },
 }
 
@@ -135,7 +142,11 @@ async fn run(cli: Cli) -> Result<()> {
     let mut out = std::io::stdout().lock();
     match cli.cmd {
         Cmd::Graph => write!(out, "{}", graph(&mut c, path).await?)?,
-        Cmd::Usage => write!(out, "{}", table::usage_table(&usages(&mut c, path).await?))?,
+        Cmd::Usage { wide } => write!(
+            out,
+            "{}",
+            table::usage_table(&usages(&mut c, path).await?, wide)
+        )?,
         Cmd::Version => {
             let v = c
                 .version(())
@@ -148,6 +159,7 @@ async fn run(cli: Cli) -> Result<()> {
         Cmd::Top {
             interval,
             iterations,
+            wide,
         } => {
             let tty = out.is_terminal();
             let period = Duration::from_secs_f64(interval.max(0.1));
@@ -167,7 +179,7 @@ async fn run(cli: Cli) -> Result<()> {
                     path.display(),
                     period.as_secs_f64()
                 )?;
-                write!(out, "{}", table::usage_table(&u))?;
+                write!(out, "{}", table::usage_table(&u, wide))?;
                 writeln!(out)?;
                 write!(out, "{g}")?;
                 out.flush()?;

@@ -6,9 +6,22 @@ use vcuda_api::display::UsageResponse;
 
 /// One line per container, sorted by namespace, pod and container:
 /// GPUs it holds, cores used against its quota, memory used against its quota.
-pub fn usage_table(u: &UsageResponse) -> String {
-    let mut rows: Vec<[String; 7]> = Vec::new();
+/// `wide`: the pod UID too. A manager older than the `pod_name` / `namespace`
+/// fields answers neither: the pod column shows the UID and the namespace
+/// comes from `project`.
+pub fn usage_table(u: &UsageResponse, wide: bool) -> String {
+    let mut rows: Vec<Vec<String>> = Vec::new();
     for (uid, pod) in &u.usage {
+        let namespace = if pod.namespace.is_empty() {
+            &pod.project
+        } else {
+            &pod.namespace
+        };
+        let pod_name = if pod.pod_name.is_empty() {
+            uid
+        } else {
+            &pod.pod_name
+        };
         let mut names: Vec<&String> = pod.stat.keys().chain(pod.spec.keys()).collect();
         names.sort();
         names.dedup();
@@ -28,9 +41,11 @@ pub fn usage_table(u: &UsageResponse) -> String {
             let mut pids: Vec<i32> = devs.iter().flat_map(|d| d.pids.iter().copied()).collect();
             pids.sort_unstable();
             pids.dedup();
-            rows.push([
-                pod.project.clone(),
-                uid.clone(),
+            let mut row = vec![namespace.clone(), pod_name.clone()];
+            if wide {
+                row.push(uid.clone());
+            }
+            row.extend([
                 name.clone(),
                 gpus,
                 format!(
@@ -50,18 +65,21 @@ pub fn usage_table(u: &UsageResponse) -> String {
                         .join(",")
                 },
             ]);
+            rows.push(row);
         }
     }
     rows.sort();
-    let header = [
-        "NAMESPACE",
-        "POD UID",
+    let mut header = vec!["NAMESPACE", "POD"];
+    if wide {
+        header.push("POD UID");
+    }
+    header.extend([
         "CONTAINER",
         "GPU",
         "CORES USED / QUOTA",
         "MEMORY USED / QUOTA",
         "PIDS",
-    ];
+    ]);
     let mut width: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for r in &rows {
         for (w, c) in width.iter_mut().zip(r) {
@@ -102,6 +120,8 @@ mod tests {
         let mut u = UsageResponse::default();
         let mut st = ContainerStat {
             project: "team-a".into(),
+            pod_name: "trainer-0".into(),
+            namespace: "team-a".into(),
             ..Default::default()
         };
         st.stat.insert(
@@ -125,17 +145,55 @@ mod tests {
             },
         );
         u.usage.insert("uid-1".into(), st);
-        let t = usage_table(&u);
+        let t = usage_table(&u, false);
         let lines: Vec<&str> = t.lines().collect();
-        assert!(lines[0].starts_with("NAMESPACE"));
-        assert!(lines[1].contains("team-a"), "{t}");
+        assert!(lines[0].starts_with("NAMESPACE  POD "), "{t}");
+        assert!(!lines[0].contains("UID"), "{t}");
+        assert!(lines[1].starts_with("team-a     trainer-0  train "), "{t}");
+        assert!(!lines[1].contains("uid-1"), "{t}");
         assert!(lines[1].contains("27.5% / 30%"), "{t}");
         assert!(lines[1].contains("512 / 2048 MiB"), "{t}");
+        assert!(lines[1].ends_with("4241,4242"), "{t}");
+
+        let t = usage_table(&u, true);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(
+            lines[0].starts_with("NAMESPACE  POD        POD UID  CONTAINER"),
+            "{t}"
+        );
+        assert!(
+            lines[1].starts_with("team-a     trainer-0  uid-1    train "),
+            "{t}"
+        );
         assert!(lines[1].ends_with("4241,4242"), "{t}");
     }
 
     #[test]
+    fn an_older_manager_without_names_shows_the_uid_and_project() {
+        let mut u = UsageResponse::default();
+        let st = ContainerStat {
+            project: "team-b".into(),
+            spec: [(
+                "main".to_string(),
+                Spec {
+                    gpu: 10.0,
+                    mem: 256.0,
+                },
+            )]
+            .into(),
+            ..Default::default()
+        };
+        u.usage.insert("uid-9".into(), st);
+        let t = usage_table(&u, false);
+        let row = t.lines().nth(1).unwrap();
+        assert!(row.starts_with("team-b     uid-9  main "), "{t}");
+        assert!(row.contains("0.0% / 10%") && row.ends_with('-'), "{t}");
+    }
+
+    #[test]
     fn empty() {
-        assert!(usage_table(&UsageResponse::default()).contains("no containers"));
+        for wide in [false, true] {
+            assert!(usage_table(&UsageResponse::default(), wide).contains("no containers"));
+        }
     }
 }
