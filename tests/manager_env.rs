@@ -243,12 +243,18 @@ impl Env {
         );
     }
 
+    /// The manager's checkpoint as it would load it (the newest slot that
+    /// verifies), as JSON; no allocations when there is none.
     pub fn checkpoint(&self) -> Value {
-        let p = self.tmp.path().join("checkpoint/gpu-manager.json");
-        std::fs::read_to_string(&p)
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok())
-            .unwrap_or(json!({"allocations": []}))
+        let cp = gpu_manager::checkpoint::Checkpoint::new(&self.checkpoint_dir());
+        match cp.load() {
+            Ok(Some((gpus, allocations))) => json!({"gpus": gpus, "allocations": allocations}),
+            _ => json!({"allocations": []}),
+        }
+    }
+
+    pub fn checkpoint_dir(&self) -> PathBuf {
+        self.tmp.path().join("checkpoint")
     }
 
     pub fn allocation_count(&self) -> usize {

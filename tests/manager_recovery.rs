@@ -345,11 +345,14 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
 
     // Corrupt checkpoint: set aside, A and B rebuilt from Docker, kubelet
     // and their vm directories.
-    let cp = env.tmp.path().join("checkpoint/gpu-manager.json");
+    let cp = env.checkpoint_dir();
     let args = argv(&env);
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
-    std::fs::write(&cp, b"{\"version\": 1, \"gpus\": [tru").unwrap();
+    // Both slots damaged (one alone would be ignored for the other).
+    for slot in gpu_manager::checkpoint::SLOT_FILES {
+        std::fs::write(cp.join(slot), b"vcuda-checkpoint v2 gen=0000").unwrap();
+    }
     let args: Vec<String> = args
         .into_iter()
         .filter(|a| !a.contains("nonexistent"))
@@ -379,7 +382,7 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
         }
     }
     assert!(
-        std::fs::read_dir(cp.parent().unwrap())
+        std::fs::read_dir(&cp)
             .unwrap()
             .flatten()
             .any(|e| e.file_name().to_string_lossy().contains(".corrupt-")),
@@ -472,8 +475,14 @@ async fn read_only_checkpoint_dir_refuses_allocate_and_keeps_the_previous_file()
     let mut env = Env::start("sim-1gpu", Options::default()).await;
     let a = env.pod(&[("main", 30, 4)], &[]);
     env.admit(&a, "main", 30, 4).await.unwrap();
-    let dir = env.tmp.path().join("checkpoint");
-    let before = std::fs::read(dir.join("gpu-manager.json")).unwrap();
+    // Let the lazy write (vcuda-memory IDs, verified) settle first.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let dir = env.checkpoint_dir();
+    let slots = || {
+        gpu_manager::checkpoint::SLOT_FILES.map(|f| std::fs::read(dir.join(f)).unwrap_or_default())
+    };
+    let before = slots();
+    let recorded = env.checkpoint();
     let d = dir.display().to_string();
     let mount = |args: &[&str]| {
         let st = Command::new("mount").args(args).status().unwrap();
@@ -489,7 +498,8 @@ async fn read_only_checkpoint_dir_refuses_allocate_and_keeps_the_previous_file()
         "{err}"
     );
     assert!(err.contains("previous checkpoint is intact"), "{err}");
-    assert_eq!(std::fs::read(dir.join("gpu-manager.json")).unwrap(), before);
+    assert_eq!(slots(), before, "neither slot written");
+    assert_eq!(env.checkpoint(), recorded);
     assert!(
         !env.vm_dir().join(&b.uid).exists(),
         "the refused allocation is undone"
@@ -521,4 +531,32 @@ async fn deleted_pod_is_released_by_the_watch_not_the_next_allocate() {
     // but the watch answers in milliseconds).
     eprintln!("released {:?} after the delete", t.elapsed());
     let _ = GIB;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_file_checkpoint_of_an_earlier_version_is_migrated() {
+    use gpu_manager::checkpoint::{CHECKPOINT_FILE, SLOT_FILES};
+    let mut env = Env::start("sim-1gpu", Options::default()).await;
+    let a = env.pod(&[("main", 30, 4)], &[]);
+    env.admit(&a, "main", 30, 4).await.unwrap();
+    // Let the lazy write (vcuda-memory IDs, verified) settle first.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let args = argv(&env);
+    unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
+    let _ = env.manager.wait();
+    let before = allocs(&env);
+    assert_eq!(before.len(), 1);
+    // As earlier versions wrote it: one JSON file, no slot files.
+    let dir = env.checkpoint_dir();
+    let mut old = env.checkpoint();
+    old["version"] = 1.into();
+    for s in SLOT_FILES {
+        let _ = std::fs::remove_file(dir.join(s));
+    }
+    std::fs::write(dir.join(CHECKPOINT_FILE), serde_json::to_vec(&old).unwrap()).unwrap();
+    respawn(&mut env, &args, &[]).await;
+    assert_eq!(allocs(&env), before, "allocation kept across the migration");
+    assert!(dir.join(SLOT_FILES[0]).is_file());
+    assert!(!dir.join(CHECKPOINT_FILE).exists(), "old file removed");
+    assert!(env.log_text().contains("checkpoint migrated to slot files"));
 }

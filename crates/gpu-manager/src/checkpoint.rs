@@ -1,16 +1,43 @@
-//! The manager's own record of its allocations: the one durable record
-//! (temp file + fdatasync + rename + directory fsync) written after every
-//! change and read at start. Everything else the manager writes (vm
-//! directories) can be rebuilt from it and from the node. A failed write
-//! leaves the previous file intact; an unreadable file is set aside.
+//! The manager's own record of its allocations: the one durable record,
+//! written before an Allocate answers and read at start. Everything else
+//! the manager writes (vm directories) can be rebuilt from it and from the
+//! node.
+//!
+//! Format: two slot files, `gpu-manager.json.a` and `gpu-manager.json.b`.
+//! Each holds a fixed-size text header (generation, payload length, CRC-32C
+//! of both and the payload), the JSON payload, and space padding to the
+//! file's size. A write goes to the slot that does not hold the newest good
+//! generation, in place: one `pwrite` and one `fdatasync`, no rename and no
+//! directory fsync (except when a slot file is first created). Load takes
+//! the newest slot whose checksum verifies, so a torn or failed write only
+//! ever damages the older slot and the previous record stays intact. A slot
+//! that does not verify is ignored with a warning; when no slot verifies the
+//! files are set aside and the allocations are rebuilt from the node. The
+//! single-file format of earlier versions (`gpu-manager.json`) is read when
+//! no slot file exists and removed after the first slot write (migration).
 
+use std::fs::OpenOptions;
+use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use gpu_allocator::Placement;
 use serde::{Deserialize, Serialize};
 
+/// The single-file checkpoint of earlier versions (read once, migrated).
 pub const CHECKPOINT_FILE: &str = "gpu-manager.json";
+/// The two slot files.
+pub const SLOT_FILES: [&str; 2] = ["gpu-manager.json.a", "gpu-manager.json.b"];
+/// Version of the JSON payload (unchanged by the slot format).
 const VERSION: u32 = 1;
+/// `vcuda-checkpoint v2 gen=<20 digits> len=<10 digits> crc32c=<8 hex>\n`
+const MAGIC: &str = "vcuda-checkpoint v2";
+const HEADER_LEN: usize = MAGIC.len() + 5 + 20 + 5 + 10 + 8 + 8 + 1;
+/// The part of the header the checksum covers (everything before ` crc32c=`).
+const SUMMED_LEN: usize = MAGIC.len() + 5 + 20 + 5 + 10;
+/// Smallest slot file; slots grow in powers of two.
+const MIN_SLOT: usize = 4096;
 
 /// One container's allocation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -125,127 +152,440 @@ pub enum CheckpointError {
 /// GPU UUIDs by index and the allocations, as saved.
 pub type Saved = (Vec<String>, Vec<Allocation>);
 
+/// Where the next write goes.
+#[derive(Debug, Default)]
+struct Cursor {
+    /// The slot files were looked at (by `load` or the first `store`).
+    scanned: bool,
+    /// Slot the next write overwrites: never the one with the newest good
+    /// generation. Stays the same after a failed write.
+    target: usize,
+    /// Generation of the next write.
+    next_gen: u64,
+    /// Which slot files exist (a missing one is created, then the
+    /// directory is synced once).
+    exists: [bool; 2],
+    /// The old single file is still there: removed after the first good
+    /// slot write.
+    legacy: bool,
+}
+
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
-    path: PathBuf,
+    dir: PathBuf,
+    cursor: Arc<Mutex<Cursor>>,
+}
+
+/// What one slot file holds.
+#[derive(Debug)]
+enum Slot {
+    Missing,
+    Bad(String),
+    Good { generation: u64, payload: Vec<u8> },
+}
+
+/// Whether generation `a` is newer than `b`, with wrap-around (serial
+/// number arithmetic: the two slots are always one write apart).
+fn newer(a: u64, b: u64) -> bool {
+    (a.wrapping_sub(b) as i64) > 0
 }
 
 impl Checkpoint {
     pub fn new(dir: &Path) -> Checkpoint {
         Checkpoint {
-            path: dir.join(CHECKPOINT_FILE),
+            dir: dir.to_path_buf(),
+            cursor: Arc::new(Mutex::new(Cursor::default())),
         }
     }
 
+    /// The checkpoint directory.
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.dir
     }
 
-    /// The saved allocations and the GPU UUIDs they were made on; none when
-    /// there is no file.
-    pub fn load(&self) -> Result<Option<Saved>, CheckpointError> {
-        let text = match std::fs::read_to_string(&self.path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+    fn slot_path(&self, i: usize) -> PathBuf {
+        self.dir.join(SLOT_FILES[i])
+    }
+
+    fn legacy_path(&self) -> PathBuf {
+        self.dir.join(CHECKPOINT_FILE)
+    }
+
+    fn read_slot(&self, i: usize) -> Result<Slot, CheckpointError> {
+        let path = self.slot_path(i);
+        let mut f = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Slot::Missing),
             Err(source) => {
                 return Err(CheckpointError::Io {
-                    path: self.path.display().to_string(),
+                    path: path.display().to_string(),
                     source,
                 });
             }
         };
-        let f: File = serde_json::from_str(&text).map_err(|e| CheckpointError::Invalid {
-            path: self.path.display().to_string(),
-            problem: e.to_string(),
-        })?;
-        if f.version != VERSION {
-            return Err(CheckpointError::Invalid {
-                path: self.path.display().to_string(),
-                problem: format!("version {} (this build writes {VERSION})", f.version),
-            });
+        let mut bytes = Vec::new();
+        if let Err(e) = f.read_to_end(&mut bytes) {
+            // Unreadable like a damaged slot: the other one may do.
+            return Ok(Slot::Bad(format!("unreadable: {e}")));
         }
-        Ok(Some((f.gpus, f.allocations)))
+        Ok(match decode_slot(&bytes) {
+            Ok((generation, payload)) => Slot::Good {
+                generation,
+                payload: payload.to_vec(),
+            },
+            Err(problem) => Slot::Bad(problem),
+        })
     }
 
+    /// The saved allocations and the GPU UUIDs they were made on; none when
+    /// there is no checkpoint. The newest slot that verifies wins; a slot
+    /// that does not is ignored with a warning; none verifying is
+    /// [`CheckpointError::Invalid`] (see [`Checkpoint::set_aside`]).
+    pub fn load(&self) -> Result<Option<Saved>, CheckpointError> {
+        let slots = [self.read_slot(0)?, self.read_slot(1)?];
+        let legacy = self.legacy_path();
+        let legacy_exists = legacy.exists();
+        let mut cur = self.cursor.lock().unwrap();
+        *cur = Cursor {
+            scanned: true,
+            target: 0,
+            next_gen: 1,
+            exists: [
+                !matches!(slots[0], Slot::Missing),
+                !matches!(slots[1], Slot::Missing),
+            ],
+            legacy: legacy_exists,
+        };
+        // Candidates, newest first; a payload that does not parse makes its
+        // slot bad too.
+        let mut good: Vec<(usize, u64, &[u8])> = slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Slot::Good {
+                    generation,
+                    payload,
+                } => Some((i, *generation, payload.as_slice())),
+                _ => None,
+            })
+            .collect();
+        if good.len() == 2 && newer(good[1].1, good[0].1) {
+            good.swap(0, 1);
+        }
+        let mut problems = Vec::new();
+        for (i, s) in slots.iter().enumerate() {
+            if let Slot::Bad(p) = s {
+                problems.push(format!("{}: {p}", SLOT_FILES[i]));
+            }
+        }
+        for (i, generation, payload) in good {
+            match parse(payload) {
+                Ok(saved) => {
+                    for p in &problems {
+                        tracing::warn!(
+                            problem = %p, using = SLOT_FILES[i], generation,
+                            "checkpoint slot ignored (torn or failed write?); using the other slot"
+                        );
+                    }
+                    cur.target = 1 - i;
+                    cur.next_gen = generation.wrapping_add(1);
+                    return Ok(Some(saved));
+                }
+                Err(p) => problems.push(format!("{}: {p}", SLOT_FILES[i])),
+            }
+        }
+        if !problems.is_empty() {
+            return Err(CheckpointError::Invalid {
+                path: self.dir.display().to_string(),
+                problem: problems.join("; "),
+            });
+        }
+        // No slot file: the single file of earlier versions, if any.
+        let text = match std::fs::read(&legacy) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => {
+                return Err(CheckpointError::Io {
+                    path: legacy.display().to_string(),
+                    source,
+                });
+            }
+        };
+        let saved = parse(&text).map_err(|problem| CheckpointError::Invalid {
+            path: legacy.display().to_string(),
+            problem,
+        })?;
+        tracing::info!(
+            path = %legacy.display(),
+            "single-file checkpoint of an earlier version read; the next write moves it to slot files"
+        );
+        Ok(Some(saved))
+    }
+
+    /// Records the allocations durably: the older slot is overwritten in
+    /// place and synced once. On failure the newest good slot is untouched
+    /// and the next store goes to the same slot again.
     pub fn store<'a>(
         &self,
         gpus: &[String],
         allocations: impl IntoIterator<Item = &'a Allocation>,
     ) -> Result<(), CheckpointError> {
-        let f = File {
-            version: VERSION,
-            gpus: gpus.to_vec(),
-            allocations: allocations.into_iter().cloned().collect(),
-        };
-        // Compact JSON: the file is rewritten on every allocation.
-        let bytes = serde_json::to_vec(&f).expect("serialisable");
-        let dir = self.path.parent().unwrap_or(Path::new("."));
+        self.write(&encode(gpus, allocations))
+    }
+
+    /// [`Checkpoint::store`] of a payload made by [`encode`] (so that the
+    /// caller can serialise outside its locks).
+    pub fn write(&self, payload: &[u8]) -> Result<(), CheckpointError> {
+        let mut cur = self.cursor.lock().unwrap();
+        if !cur.scanned {
+            drop(cur);
+            // Sets the cursor; what it found does not matter here.
+            let _ = self.load();
+            cur = self.cursor.lock().unwrap();
+            cur.scanned = true;
+        }
+        let i = cur.target;
+        let path = self.slot_path(i);
         let err = |p: &Path| {
             let path = p.display().to_string();
             move |source| CheckpointError::Io { path, source }
         };
-        std::fs::create_dir_all(dir).map_err(err(dir))?;
-        durable_replace(&self.path, &bytes, 0o600).map_err(err(&self.path))
+        let mut created = false;
+        if !cur.exists[i] {
+            std::fs::create_dir_all(&self.dir).map_err(err(&self.dir))?;
+            created = true;
+        }
+        write_slot(&path, cur.next_gen, payload, &mut created).map_err(err(&path))?;
+        if created {
+            // The new name must survive a crash too (once per slot file).
+            std::fs::File::open(&self.dir)
+                .and_then(|d| d.sync_all())
+                .map_err(err(&self.dir))?;
+        }
+        cur.exists[i] = true;
+        cur.target = 1 - i;
+        cur.next_gen = cur.next_gen.wrapping_add(1);
+        if cur.legacy {
+            // The slot is durable: the old file is no longer needed (should
+            // its removal be lost in a crash, a good slot still wins).
+            let legacy = self.legacy_path();
+            match std::fs::remove_file(&legacy) {
+                Ok(()) => {
+                    tracing::info!(path = %legacy.display(), "checkpoint migrated to slot files; old file removed")
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(path = %legacy.display(), error = %e, "removing the old checkpoint file")
+                }
+            }
+            cur.legacy = false;
+        }
+        Ok(())
     }
 
-    /// Moves an unreadable checkpoint out of the way (kept for inspection)
-    /// and returns where it went.
-    pub fn set_aside(&self) -> Result<PathBuf, CheckpointError> {
+    /// Moves unreadable checkpoint files (both slots, the old single file)
+    /// out of the way, kept for inspection, and returns where they went.
+    pub fn set_aside(&self) -> Result<Vec<PathBuf>, CheckpointError> {
         let ts = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
-        let to = self
-            .path
-            .with_file_name(format!("{CHECKPOINT_FILE}.corrupt-{ts}"));
-        std::fs::rename(&self.path, &to).map_err(|source| CheckpointError::Io {
-            path: self.path.display().to_string(),
-            source,
-        })?;
-        Ok(to)
+        let mut moved = Vec::new();
+        for from in [self.slot_path(0), self.slot_path(1), self.legacy_path()] {
+            let name = from.file_name().unwrap_or_default().to_string_lossy();
+            let to = from.with_file_name(format!("{name}.corrupt-{ts}"));
+            match std::fs::rename(&from, &to) {
+                Ok(()) => moved.push(to),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(source) => {
+                    return Err(CheckpointError::Io {
+                        path: from.display().to_string(),
+                        source,
+                    });
+                }
+            }
+        }
+        *self.cursor.lock().unwrap() = Cursor {
+            scanned: true,
+            target: 0,
+            next_gen: 1,
+            exists: [false, false],
+            legacy: false,
+        };
+        Ok(moved)
     }
 }
 
-/// Replaces `path` with `bytes` so that after a crash it holds either the
-/// old or the new content, complete: a temp file of a unique name,
-/// fdatasync, rename, fsync of the directory. On failure the temp file is
-/// removed and `path` is untouched.
-pub fn durable_replace(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().unwrap_or_default().to_string_lossy();
-    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = dir.join(format!(".{name}.tmp.{}.{n}", std::process::id()));
-    let r = (|| {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_data()?;
-        std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
-    })();
-    if r.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+/// The JSON payload of a checkpoint.
+pub fn encode<'a>(
+    gpus: &[String],
+    allocations: impl IntoIterator<Item = &'a Allocation>,
+) -> Vec<u8> {
+    let f = File {
+        version: VERSION,
+        gpus: gpus.to_vec(),
+        allocations: allocations.into_iter().cloned().collect(),
+    };
+    // Compact JSON: the record is rewritten on every allocation.
+    serde_json::to_vec(&f).expect("serialisable")
+}
+
+fn parse(payload: &[u8]) -> Result<Saved, String> {
+    let f: File = serde_json::from_slice(payload).map_err(|e| e.to_string())?;
+    if f.version != VERSION {
+        return Err(format!(
+            "version {} (this build writes {VERSION})",
+            f.version
+        ));
     }
-    r
+    Ok((f.gpus, f.allocations))
+}
+
+fn summed_header(generation: u64, len: usize) -> String {
+    format!("{MAGIC} gen={generation:020} len={len:010}")
+}
+
+/// A slot's bytes: header, payload, a newline, spaces to `size` (at least
+/// what the content needs), a final newline.
+fn encode_slot(generation: u64, payload: &[u8], size: usize) -> Vec<u8> {
+    let head = summed_header(generation, payload.len());
+    debug_assert_eq!(head.len(), SUMMED_LEN);
+    let mut crc = crc32c(0, head.as_bytes());
+    crc = crc32c(crc, payload);
+    let mut out = Vec::with_capacity(size.max(HEADER_LEN + payload.len() + 1));
+    out.extend_from_slice(head.as_bytes());
+    out.extend_from_slice(format!(" crc32c={crc:08x}\n").as_bytes());
+    debug_assert_eq!(out.len(), HEADER_LEN);
+    out.extend_from_slice(payload);
+    out.push(b'\n');
+    if out.len() < size {
+        out.resize(size - 1, b' ');
+        out.push(b'\n');
+    }
+    out
+}
+
+/// The generation and payload of a slot, or why it does not verify.
+fn decode_slot(bytes: &[u8]) -> Result<(u64, &[u8]), String> {
+    if bytes.is_empty() {
+        return Err("empty".into());
+    }
+    if bytes.len() < HEADER_LEN {
+        return Err(format!("{} bytes, shorter than the header", bytes.len()));
+    }
+    let head = std::str::from_utf8(&bytes[..HEADER_LEN]).map_err(|_| "header is not text")?;
+    let field = |name: &str, at: usize, width: usize| -> Result<&str, String> {
+        let key = format!(" {name}=");
+        if head.get(at..at + key.len()) != Some(key.as_str()) {
+            return Err(format!("header has no {name} field"));
+        }
+        head.get(at + key.len()..at + key.len() + width)
+            .ok_or_else(|| format!("header field {name} is cut"))
+    };
+    if !head.starts_with(MAGIC) || !head.ends_with('\n') {
+        return Err("not a vcuda checkpoint slot (bad header)".into());
+    }
+    let mut at = MAGIC.len();
+    let generation: u64 = field("gen", at, 20)?
+        .parse()
+        .map_err(|_| "bad generation")?;
+    at += 5 + 20;
+    let len: usize = field("len", at, 10)?.parse().map_err(|_| "bad length")?;
+    at += 5 + 10;
+    let crc = u32::from_str_radix(field("crc32c", at, 8)?, 16).map_err(|_| "bad checksum field")?;
+    let Some(payload) = bytes.get(HEADER_LEN..HEADER_LEN + len) else {
+        return Err(format!(
+            "payload of {len} bytes cut short at {} (torn write?)",
+            bytes.len() - HEADER_LEN
+        ));
+    };
+    let sum = crc32c(crc32c(0, &bytes[..SUMMED_LEN]), payload);
+    if sum != crc {
+        return Err(format!(
+            "checksum {sum:08x} does not match {crc:08x} (torn write?)"
+        ));
+    }
+    Ok((generation, payload))
+}
+
+/// Overwrites the slot file at `path` in place and syncs its data once.
+/// `created` says the file may not exist yet (it is created) and comes back
+/// true when it was.
+fn write_slot(
+    path: &Path,
+    generation: u64,
+    payload: &[u8],
+    created: &mut bool,
+) -> std::io::Result<()> {
+    let open = |create: bool| {
+        OpenOptions::new()
+            .write(true)
+            .create(create)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+    };
+    // Opened for every write (not kept): a directory made read-only since
+    // is noticed, and no descriptor outlives the manager's use of it.
+    let mut f = match open(*created) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !*created => {
+            *created = true;
+            open(true)?
+        }
+        r => r?,
+    };
+    let size = f.seek(SeekFrom::End(0))? as usize;
+    let need = HEADER_LEN + payload.len() + 1;
+    let fit = need.next_power_of_two().max(MIN_SLOT);
+    // The file keeps its size (an overwrite needs no metadata change, so
+    // fdatasync writes only data) unless it is too small or far too big.
+    let target = if size >= need && size <= 4 * fit {
+        size
+    } else {
+        fit
+    };
+    if target < size {
+        f.set_len(target as u64)?;
+    }
+    f.write_all_at(&encode_slot(generation, payload, target), 0)?;
+    f.sync_data()
+}
+
+/// CRC-32C (Castagnoli), continuing from `crc` (0 to start).
+pub fn crc32c(crc: u32, bytes: &[u8]) -> u32 {
+    const TABLE: [u32; 256] = {
+        let mut t = [0u32; 256];
+        let mut i = 0;
+        while i < 256 {
+            let mut c = i as u32;
+            let mut k = 0;
+            while k < 8 {
+                c = if c & 1 != 0 {
+                    (c >> 1) ^ 0x82F6_3B78
+                } else {
+                    c >> 1
+                };
+                k += 1;
+            }
+            t[i] = c;
+            i += 1;
+        }
+        t
+    };
+    let mut c = !crc;
+    for &b in bytes {
+        c = TABLE[((c ^ b as u32) & 0xff) as usize] ^ (c >> 8);
+    }
+    !c
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn round_trip() {
-        let dir = tempfile::tempdir().unwrap();
-        let cp = Checkpoint::new(&dir.path().join("sub"));
-        assert!(cp.load().unwrap().is_none());
-        let a = Allocation {
-            pod_uid: "u".into(),
+    fn alloc(uid: &str) -> Allocation {
+        Allocation {
+            pod_uid: uid.into(),
             namespace: "ns".into(),
             pod_name: "p".into(),
             container: "c".into(),
@@ -263,37 +603,234 @@ mod tests {
             vmemory_ids: vec![],
             verified: false,
             created: 1,
-        };
-        cp.store(&["GPU-a".into()], [&a]).unwrap();
-        let (gpus, allocs) = cp.load().unwrap().unwrap();
-        assert_eq!(gpus, vec!["GPU-a"]);
-        assert_eq!(allocs, vec![a]);
-        std::fs::write(cp.path(), "{").unwrap();
-        assert!(cp.load().unwrap_err().to_string().contains("move it away"));
-        let aside = cp.set_aside().unwrap();
-        assert!(aside.is_file() && cp.load().unwrap().is_none());
+        }
+    }
+
+    fn uids(cp: &Checkpoint) -> Vec<String> {
+        let (_, a) = Checkpoint::new(cp.path()).load().unwrap().unwrap();
+        a.into_iter().map(|a| a.pod_uid).collect()
+    }
+
+    fn header(path: &Path) -> String {
+        let b = std::fs::read(path).unwrap();
+        String::from_utf8_lossy(&b[..HEADER_LEN]).into_owned()
     }
 
     #[test]
-    fn a_failed_write_leaves_the_previous_file() {
-        use std::os::unix::fs::PermissionsExt;
-        if unsafe { libc::geteuid() } == 0 {
-            // root ignores directory permissions; the e2e test uses a
-            // read-only bind mount instead.
-            return;
-        }
+    fn crc32c_check_value() {
+        assert_eq!(crc32c(0, b"123456789"), 0xE306_9283);
+        assert_eq!(crc32c(crc32c(0, b"1234"), b"56789"), 0xE306_9283);
+    }
+
+    #[test]
+    fn round_trip_alternates_slots() {
+        let dir = tempfile::tempdir().unwrap();
+        let cp = Checkpoint::new(&dir.path().join("sub"));
+        assert!(cp.load().unwrap().is_none());
+        let a = alloc("u");
+        cp.store(&["GPU-a".into()], [&a]).unwrap();
+        let (gpus, allocs) = Checkpoint::new(cp.path()).load().unwrap().unwrap();
+        assert_eq!(gpus, vec!["GPU-a"]);
+        assert_eq!(allocs, vec![a.clone()]);
+        let (sa, sb) = (cp.slot_path(0), cp.slot_path(1));
+        assert!(sa.is_file() && !sb.exists());
+        assert!(header(&sa).contains("gen=00000000000000000001"));
+        // The next write goes to the other slot; the first stays as it was.
+        let before = std::fs::read(&sa).unwrap();
+        cp.store(&["GPU-a".into()], [&a, &alloc("v")]).unwrap();
+        assert_eq!(std::fs::read(&sa).unwrap(), before);
+        assert!(header(&sb).contains("gen=00000000000000000002"));
+        assert_eq!(uids(&cp), ["u", "v"]);
+        cp.store(&["GPU-a".into()], []).unwrap();
+        assert!(header(&sa).contains("gen=00000000000000000003"));
+        assert!(uids(&cp).is_empty());
+        // Slots are padded to a fixed size: an overwrite keeps the size.
+        assert_eq!(std::fs::metadata(&sa).unwrap().len(), MIN_SLOT as u64);
+        // A fresh Checkpoint (restart) continues after the newest slot.
+        let cp2 = Checkpoint::new(cp.path());
+        cp2.load().unwrap();
+        cp2.store(&["GPU-a".into()], [&a]).unwrap();
+        assert!(header(&sb).contains("gen=00000000000000000004"));
+        // The payload is plain JSON after the header line.
+        let text = std::fs::read_to_string(&sb).unwrap();
+        let v: serde_json::Value = serde_json::from_str(text.split_once('\n').unwrap().1).unwrap();
+        assert_eq!(v["allocations"][0]["pod_uid"], "u");
+    }
+
+    #[test]
+    fn torn_or_corrupt_newest_slot_falls_back_to_the_other() {
         let dir = tempfile::tempdir().unwrap();
         let cp = Checkpoint::new(dir.path());
-        cp.store(&["GPU-a".into()], []).unwrap();
-        let before = std::fs::read(cp.path()).unwrap();
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o500)).unwrap();
-        assert!(cp.store(&["GPU-b".into()], []).is_err());
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
-        assert_eq!(std::fs::read(cp.path()).unwrap(), before);
+        cp.store(&[], [&alloc("u")]).unwrap(); // a, gen 1
+        cp.store(&[], [&alloc("u"), &alloc("v")]).unwrap(); // b, gen 2
+        let sb = cp.slot_path(1);
+        let good = std::fs::read(&sb).unwrap();
+        // Torn: only the first part of the write reached the disk.
+        for cut in [0, 10, HEADER_LEN, HEADER_LEN + 20] {
+            std::fs::write(&sb, &good[..cut]).unwrap();
+            assert_eq!(uids(&cp), ["u"], "cut at {cut}");
+        }
+        // Torn the other way: the new header over old content.
+        let mut mixed = good.clone();
+        mixed[HEADER_LEN + 5] ^= 0x20;
+        std::fs::write(&sb, &mixed).unwrap();
+        assert_eq!(uids(&cp), ["u"]);
+        // A verified but unparsable payload is bad too.
+        let junk = encode_slot(7, b"{not json", MIN_SLOT);
+        std::fs::write(&sb, &junk).unwrap();
+        assert_eq!(uids(&cp), ["u"]);
+        // After loading, the next write overwrites the damaged slot and
+        // leaves the good one alone.
+        let cp2 = Checkpoint::new(dir.path());
+        cp2.load().unwrap();
+        let a_before = std::fs::read(cp.slot_path(0)).unwrap();
+        cp2.store(&[], [&alloc("w")]).unwrap();
+        assert_eq!(std::fs::read(cp.slot_path(0)).unwrap(), a_before);
+        assert!(header(&sb).contains("gen=00000000000000000002"));
+        assert_eq!(uids(&cp), ["w"]);
+    }
+
+    #[test]
+    fn both_slots_bad_is_invalid_and_set_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let cp = Checkpoint::new(dir.path());
+        cp.store(&[], [&alloc("u")]).unwrap();
+        cp.store(&[], [&alloc("u")]).unwrap();
+        std::fs::write(cp.slot_path(0), "{").unwrap();
+        std::fs::write(cp.slot_path(1), b"").unwrap();
+        let e = cp.load().unwrap_err().to_string();
+        assert!(
+            e.contains("move it away") && e.contains(SLOT_FILES[0]) && e.contains(SLOT_FILES[1]),
+            "{e}"
+        );
+        let aside = cp.set_aside().unwrap();
+        assert_eq!(aside.len(), 2);
+        assert!(
+            aside
+                .iter()
+                .all(|p| p.is_file() && p.to_string_lossy().contains(".corrupt-"))
+        );
+        assert!(cp.load().unwrap().is_none());
+        cp.store(&[], [&alloc("x")]).unwrap();
+        assert_eq!(uids(&cp), ["x"]);
+    }
+
+    #[test]
+    fn generation_wraps() {
+        let dir = tempfile::tempdir().unwrap();
+        let cp = Checkpoint::new(dir.path());
+        let payload = |u: &str| encode(&[], [&alloc(u)]);
+        std::fs::write(
+            cp.slot_path(0),
+            encode_slot(u64::MAX, &payload("old"), MIN_SLOT),
+        )
+        .unwrap();
+        std::fs::write(cp.slot_path(1), encode_slot(0, &payload("new"), MIN_SLOT)).unwrap();
+        assert_eq!(uids(&cp), ["new"]);
+        assert!(newer(0, u64::MAX) && !newer(u64::MAX, 0) && newer(5, 4) && !newer(4, 4));
+        std::fs::write(
+            cp.slot_path(1),
+            encode_slot(u64::MAX - 1, &payload("older"), MIN_SLOT),
+        )
+        .unwrap();
+        assert_eq!(uids(&cp), ["old"]);
+        // Writing continues across the wrap into the other slot.
+        cp.load().unwrap();
+        cp.store(&[], [&alloc("next")]).unwrap();
+        assert!(header(&cp.slot_path(1)).contains("gen=00000000000000000000"));
+        assert_eq!(uids(&cp), ["next"]);
+        cp.store(&[], [&alloc("after")]).unwrap();
+        assert!(header(&cp.slot_path(0)).contains("gen=00000000000000000001"));
+        assert_eq!(uids(&cp), ["after"]);
+    }
+
+    #[test]
+    fn migrates_the_single_file_format() {
+        let dir = tempfile::tempdir().unwrap();
+        let cp = Checkpoint::new(dir.path());
+        let legacy = dir.path().join(CHECKPOINT_FILE);
+        // As earlier versions wrote it.
+        let old = serde_json::json!({"version": 1, "gpus": ["GPU-a"], "allocations": [alloc("u")]});
+        std::fs::write(&legacy, serde_json::to_vec(&old).unwrap()).unwrap();
+        let (gpus, allocs) = cp.load().unwrap().unwrap();
+        assert_eq!(
+            (gpus, allocs),
+            (vec!["GPU-a".to_string()], vec![alloc("u")])
+        );
+        cp.store(&["GPU-a".into()], &allocs_of(&["u", "v"]))
+            .unwrap();
+        assert!(!legacy.exists(), "removed once the slot is durable");
+        assert_eq!(uids(&cp), ["u", "v"]);
+        // A leftover old file (its removal lost in a crash) loses to a slot.
+        std::fs::write(&legacy, serde_json::to_vec(&old).unwrap()).unwrap();
+        assert_eq!(uids(&cp), ["u", "v"]);
+        // A corrupt old file with no slot: invalid, set aside.
+        let dir2 = tempfile::tempdir().unwrap();
+        let cp2 = Checkpoint::new(dir2.path());
+        std::fs::write(
+            dir2.path().join(CHECKPOINT_FILE),
+            "{\"version\": 1, \"gpus\": [tru",
+        )
+        .unwrap();
+        assert!(cp2.load().unwrap_err().to_string().contains("move it away"));
+        assert_eq!(cp2.set_aside().unwrap().len(), 1);
+        assert!(cp2.load().unwrap().is_none());
+    }
+
+    fn allocs_of(u: &[&str]) -> Vec<Allocation> {
+        u.iter().map(|u| alloc(u)).collect()
+    }
+
+    #[test]
+    fn slots_grow_and_shrink() {
+        let dir = tempfile::tempdir().unwrap();
+        let cp = Checkpoint::new(dir.path());
+        let many: Vec<Allocation> = (0..200).map(|i| alloc(&format!("u{i}"))).collect();
+        cp.store(&[], &many).unwrap();
+        cp.store(&[], &many).unwrap();
+        let big = std::fs::metadata(cp.slot_path(0)).unwrap().len();
+        assert!(big > MIN_SLOT as u64 && big.is_power_of_two());
+        assert_eq!(uids(&cp).len(), 200);
+        cp.store(&[], [&alloc("x")]).unwrap();
+        assert_eq!(
+            std::fs::metadata(cp.slot_path(0)).unwrap().len(),
+            MIN_SLOT as u64
+        );
+        assert_eq!(uids(&cp), ["x"]);
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_previous_slot() {
+        // A directory where a slot file should be: writes to it fail, as
+        // root too (the e2e test uses a read-only bind mount).
+        let dir = tempfile::tempdir().unwrap();
+        let cp = Checkpoint::new(dir.path());
+        cp.store(&[], [&alloc("u")]).unwrap(); // a
+        std::fs::create_dir(cp.slot_path(1)).unwrap();
+        let e = cp.store(&[], [&alloc("v")]).unwrap_err().to_string();
+        assert!(e.contains(SLOT_FILES[1]), "{e}");
+        assert_eq!(uids(&cp), ["u"], "slot a intact, the bad slot ignored");
+        // The retry goes to the same slot, never over the good one.
+        let a = std::fs::read(cp.slot_path(0)).unwrap();
+        assert!(cp.store(&[], [&alloc("v")]).is_err());
+        assert_eq!(std::fs::read(cp.slot_path(0)).unwrap(), a);
+        std::fs::remove_dir(cp.slot_path(1)).unwrap();
+        cp.store(&[], [&alloc("v")]).unwrap(); // b, created now
+        assert_eq!(uids(&cp), ["v"]);
+        // Overwriting a fails: b stays, the retry goes to a again.
+        let b = std::fs::read(cp.slot_path(1)).unwrap();
+        std::fs::remove_file(cp.slot_path(0)).unwrap();
+        std::fs::create_dir(cp.slot_path(0)).unwrap();
+        assert!(cp.store(&[], [&alloc("w")]).is_err());
+        assert_eq!(uids(&cp), ["v"]);
+        std::fs::remove_dir(cp.slot_path(0)).unwrap();
+        cp.store(&[], [&alloc("w")]).unwrap();
+        assert_eq!(std::fs::read(cp.slot_path(1)).unwrap(), b);
+        assert_eq!(uids(&cp), ["w"]);
         assert_eq!(
             std::fs::read_dir(dir.path()).unwrap().count(),
-            1,
-            "no temp file left"
+            2,
+            "no temp file"
         );
     }
 }

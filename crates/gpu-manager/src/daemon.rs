@@ -219,6 +219,7 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
             }
         });
     }
+    mgr.spawn_lazy_flush(cancel.clone());
     {
         // Deleted pods free their capacity as soon as the watch sees it.
         let (mgr, c) = (mgr.clone(), cancel.clone());
@@ -285,6 +286,8 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
     }
     cancel.cancelled().await;
     tracing::info!("shutting down");
+    // Releases not yet written (they wait for the next write).
+    let _ = mgr.flush().await;
     display.set_ready(false);
     let plugins = handle.wait().await.context("stopping the device plugins");
     running.wait().await;

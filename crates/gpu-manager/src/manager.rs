@@ -1,7 +1,15 @@
 //! The manager's state and the decisions behind Allocate and
-//! PreStartContainer. One `Mutex<State>` (never held across an await) owns
-//! the allocator, the allocations keyed by pod UID + container and the
-//! checkpoint; an async lock serialises Allocate calls as kubelet does.
+//! PreStartContainer. One `Mutex<State>` (never held across an await or a
+//! disk sync) owns the allocator and the allocations keyed by pod UID +
+//! container; an async lock serialises Allocate calls as kubelet does.
+//!
+//! Durability: every change bumps `State::version`; [`Manager::persist`]
+//! writes a snapshot of the allocations (one checkpoint write, one sync, on
+//! a blocking thread) and covers every change made before it, so changes
+//! that need no sync of their own (releases, vcuda-memory IDs, the verified
+//! flag: a checkpoint that over-states is corrected by recovery) ride along
+//! with the next Allocate's write or the periodic check's (group commit).
+//! An Allocate answers only once a write that includes it is durable.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -16,7 +24,7 @@ use k8s_openapi::api::core::v1::Pod;
 use quota_config::ResourceData;
 use tonic::Status;
 
-use crate::checkpoint::{Allocation, Checkpoint, alloc_id};
+use crate::checkpoint::{self, Allocation, Checkpoint, CheckpointError, alloc_id};
 use crate::config::Settings;
 use crate::extra::ExtraConfig;
 use crate::ids;
@@ -31,6 +39,10 @@ use crate::vm::{self, VmDirs};
 
 /// How long Allocate waits for a just-created pod to reach the reflector.
 const POD_WAIT: Duration = Duration::from_secs(1);
+/// Changes without a sync of their own are written once no Allocate has
+/// come for this long (an Allocate's write covers them anyway), so that
+/// the background write rarely makes an Allocate wait.
+const LAZY_FLUSH_IDLE: Duration = Duration::from_millis(200);
 
 struct State {
     allocator: Allocator,
@@ -42,9 +54,20 @@ struct State {
     /// Pods whose allocation was withdrawn after a wrong guess: candidates
     /// again even while their `gpu-assigned` annotation is being reverted.
     withdrawn: BTreeSet<String>,
-    /// The checkpoint on disk is behind memory (a write failed); retried
-    /// at every change and periodic check.
-    dirty: bool,
+    /// Bumped by every change of `allocs`.
+    version: u64,
+    /// The newest `version` the checkpoint on disk holds.
+    durable: u64,
+    /// The last checkpoint write failed (logged once it works again).
+    write_failed: bool,
+    /// When the last Allocate started (the lazy flush waits for a pause).
+    last_allocate: Instant,
+}
+
+/// Marks the allocations changed; returns the version a write must reach.
+fn changed(st: &mut State) -> u64 {
+    st.version += 1;
+    st.version
 }
 
 /// What recovery at start found and did.
@@ -70,6 +93,11 @@ pub struct Manager {
     driver_version: (i32, i32),
     state: Mutex<State>,
     alloc_lock: tokio::sync::Mutex<()>,
+    /// One checkpoint write at a time; waiters whose change the write
+    /// covered return without writing.
+    commit_lock: tokio::sync::Mutex<()>,
+    /// Wakes the lazy flush after a change that waits for the next write.
+    lazy: tokio::sync::Notify,
     pods: PodWatch,
     patcher: Patcher,
     kubelet: KubeletRecords,
@@ -138,9 +166,14 @@ impl Manager {
                 orphan_memory: Vec::new(),
                 healthy: vec![true; n],
                 withdrawn: BTreeSet::new(),
-                dirty: false,
+                version: 0,
+                durable: 0,
+                write_failed: false,
+                last_allocate: Instant::now(),
             }),
             alloc_lock: tokio::sync::Mutex::new(()),
+            commit_lock: tokio::sync::Mutex::new(()),
+            lazy: tokio::sync::Notify::new(),
             pods: p.pods,
             patcher: p.patcher,
             extra: p.extra,
@@ -182,18 +215,45 @@ impl Manager {
         self.gpus.iter().map(|g| g.uuid.clone()).collect()
     }
 
-    /// Writes the checkpoint. On failure the previous file stays and the
-    /// state is marked dirty (retried later); the error is reported.
-    fn save(&self, st: &mut State) -> Result<(), Status> {
-        match self.checkpoint.store(&self.uuids(), st.allocs.values()) {
+    /// Makes the allocations durable up to `want` (a [`changed`] version):
+    /// returns at once when a write already covered it, else waits for the
+    /// write in progress and, if that did not cover it either, writes a
+    /// snapshot itself (one slot write and one sync, off the async
+    /// threads and outside the state lock). On failure the previous
+    /// checkpoint stays intact and the error is reported; the next write
+    /// (change or periodic check) tries again.
+    pub async fn persist(&self, want: u64) -> Result<(), Status> {
+        if self.state.lock().unwrap().durable >= want {
+            return Ok(());
+        }
+        let _writer = self.commit_lock.lock().await;
+        let (version, allocs) = {
+            let st = self.state.lock().unwrap();
+            if st.durable >= want {
+                return Ok(());
+            }
+            (st.version, st.allocs.values().cloned().collect::<Vec<_>>())
+        };
+        let (cp, uuids) = (self.checkpoint.clone(), self.uuids());
+        let r = tokio::task::spawn_blocking(move || cp.write(&checkpoint::encode(&uuids, &allocs)))
+            .await
+            .unwrap_or_else(|e| {
+                Err(CheckpointError::Io {
+                    path: self.checkpoint.path().display().to_string(),
+                    source: std::io::Error::other(e.to_string()),
+                })
+            });
+        let mut st = self.state.lock().unwrap();
+        match r {
             Ok(()) => {
-                if std::mem::take(&mut st.dirty) {
+                st.durable = st.durable.max(version);
+                if std::mem::take(&mut st.write_failed) {
                     tracing::info!(path = %self.checkpoint.path().display(), "checkpoint written again");
                 }
                 Ok(())
             }
             Err(e) => {
-                st.dirty = true;
+                st.write_failed = true;
                 tracing::error!(
                     error = %e,
                     "writing the allocation checkpoint failed; the previous one is intact (disk full or read-only?); retrying at the next change"
@@ -206,14 +266,63 @@ impl Manager {
         }
     }
 
+    /// A change that needs no sync of its own (a release, vcuda-memory
+    /// IDs, the verified flag): written with the next Allocate's write, or
+    /// by the lazy flush after a pause.
+    fn changed_lazily(&self, st: &mut State) {
+        changed(st);
+        self.lazy.notify_one();
+    }
+
+    /// Writes lazy changes in the background once Allocate calls pause
+    /// for [`LAZY_FLUSH_IDLE`] (also done by the periodic check and at
+    /// shutdown), until `cancel`.
+    pub fn spawn_lazy_flush(self: &Arc<Self>, cancel: tokio_util::sync::CancellationToken) {
+        let mgr = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = mgr.lazy.notified() => {}
+                }
+                loop {
+                    let quiet = {
+                        let st = mgr.state.lock().unwrap();
+                        if st.durable >= st.version {
+                            break;
+                        }
+                        LAZY_FLUSH_IDLE.saturating_sub(st.last_allocate.elapsed())
+                    };
+                    if quiet.is_zero() {
+                        let _ = mgr.flush().await;
+                        break;
+                    }
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        _ = tokio::time::sleep(quiet) => {}
+                    }
+                }
+            }
+        });
+    }
+
+    /// Writes whatever changed since the last write (periodic check,
+    /// shutdown); errors are logged by [`Manager::persist`].
+    pub async fn flush(&self) -> Result<(), Status> {
+        let want = self.state.lock().unwrap().version;
+        self.persist(want).await
+    }
+
     /// Resolves at the next change of the pod watch.
     pub async fn pod_changes(&self) {
         while !self.pods.changed(Duration::from_secs(3600)).await {}
     }
 
-    /// Whether the checkpoint on disk is behind (a write failed).
+    /// Whether the checkpoint on disk is behind memory (changes waiting
+    /// for the next write, or a write failed).
     pub fn checkpoint_dirty(&self) -> bool {
-        self.state.lock().unwrap().dirty
+        let st = self.state.lock().unwrap();
+        st.durable < st.version
     }
 
     /// The quota file of an allocation.
@@ -327,11 +436,15 @@ impl Manager {
             Err(e) => {
                 let aside = self.checkpoint.set_aside();
                 tracing::warn!(
-                    error = %e, set_aside = ?aside.as_ref().map(|p| p.display().to_string()),
+                    error = %e, set_aside = ?aside.as_ref().map(|v| v.iter().map(|p| p.display().to_string()).collect::<Vec<_>>()),
                     "the allocation checkpoint is unreadable; set aside, rebuilding the allocations from the node"
                 );
                 report.set_aside = Some(match aside {
-                    Ok(p) => p.display().to_string(),
+                    Ok(v) => v
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
                     Err(e2) => format!("(could not move it: {e2})"),
                 });
                 None
@@ -473,9 +586,10 @@ impl Manager {
             self.vm.remove(&uid, &c);
             report.orphans_removed += 1;
         }
-        let mut st = self.state.lock().unwrap();
-        let _ = self.save(&mut st);
-        drop(st);
+        // Written even when nothing changed: a migrated or set-aside
+        // checkpoint is replaced by slot files before the first Allocate.
+        changed(&mut self.state.lock().unwrap());
+        let _ = self.flush().await;
         tracing::info!(
             kept = report.kept,
             rebuilt = report.rebuilt,
@@ -746,6 +860,7 @@ impl Manager {
     ) -> Result<ContainerAllocateResponse, Status> {
         let _serial = self.alloc_lock.lock().await;
         let started = Instant::now();
+        self.state.lock().unwrap().last_allocate = started;
         let cores = device_ids.len() as u64;
         self.release_holders_of(&device_ids);
         let cand = self.find_candidate(cores).await?;
@@ -776,97 +891,110 @@ impl Manager {
         };
         let id = alloc_id(uid, &cand.container);
         let ctx = format!("pod {ns}/{name} container {}", cand.container);
-        let mut st = self.state.lock().unwrap();
-        let ours = st.allocator.evaluate(&req).map_err(|e| {
-            let s = alloc_status(e);
-            Status::new(s.code(), format!("{ctx}: {}", s.message()))
-        })?;
-        let placement = self
-            .predicated(&st, &pod, &cand, &req, &ours)?
-            .unwrap_or(ours);
-        st.allocator
-            .commit(id.clone(), &placement)
-            .map_err(alloc_status)?;
-        let shared = !placement.is_exclusive();
-        let gpus: Vec<&GpuInfo> = placement.gpus().iter().map(|&g| &self.gpus[g]).collect();
-        let memory_units = if shared {
-            req.memory_units
-        } else {
-            gpus.iter().map(|g| g.memory_units()).sum()
-        };
-        let data = ResourceData {
-            pod_uid: uid.to_string(),
-            limit: soft_limit
-                .map(|l| l as i32)
-                .unwrap_or(req.cores.min(100) as i32),
-            container_name: cand.container.clone(),
-            bus_id: short_bus_id(&gpus[0].pci_bus_id),
-            gpu_memory: memory_units * MEMORY_UNIT_BYTES,
-            utilization: req.cores.min(100) as i32,
-            hard_limit: soft_limit.is_none(),
-            driver_version: self.driver_version,
-            enable: shared,
-        };
         let undo = |st: &mut State| {
             let _ = st.allocator.release(&id);
             self.registry.stop(&id);
             self.vm.remove(uid, &cand.container);
         };
-        let prepared = self
-            .vm
-            .prepare(&data, shared.then_some(data.gpu_memory))
-            .map_err(|e| Status::internal(format!("{ctx}: {e}")));
-        let (dir, ledger) = match prepared {
-            Ok(x) => x,
-            Err(e) => {
-                undo(&mut st);
-                return Err(e);
-            }
-        };
-        if shared && let Err(e) = self.registry.serve(&id, &dir, uid, &cand.container, ledger) {
-            undo(&mut st);
-            return Err(Status::internal(format!("{ctx}: serving vcuda.sock: {e}")));
-        }
-        let memory_limit = cand.memory_units;
-        let vmemory_ids = st
-            .orphan_memory
-            .iter()
-            .position(|m| m.len() as u64 == memory_limit)
-            .map(|i| st.orphan_memory.remove(i))
-            .unwrap_or_default();
-        st.allocs.insert(
-            id.clone(),
-            Allocation {
+        // The state lock is never held across the await below.
+        let (want, placement, shared, gpus, memory_units, dir) = {
+            let mut st = self.state.lock().unwrap();
+            let ours = st.allocator.evaluate(&req).map_err(|e| {
+                let s = alloc_status(e);
+                Status::new(s.code(), format!("{ctx}: {}", s.message()))
+            })?;
+            let placement = self
+                .predicated(&st, &pod, &cand, &req, &ours)?
+                .unwrap_or(ours);
+            st.allocator
+                .commit(id.clone(), &placement)
+                .map_err(alloc_status)?;
+            let shared = !placement.is_exclusive();
+            let gpus: Vec<&GpuInfo> = placement.gpus().iter().map(|&g| &self.gpus[g]).collect();
+            let memory_units = if shared {
+                req.memory_units
+            } else {
+                gpus.iter().map(|g| g.memory_units()).sum()
+            };
+            let data = ResourceData {
                 pod_uid: uid.to_string(),
-                namespace: ns.to_string(),
-                pod_name: name.to_string(),
-                container: cand.container.clone(),
-                container_index: cand.container_index,
-                cores: req.cores,
-                memory_units,
-                memory_limit,
-                placement: (&placement).into(),
-                soft_limit,
-                vcore_ids: device_ids,
-                vmemory_ids,
-                verified: false,
-                created: now(),
-            },
-        );
-        if let Err(e) = self.save(&mut st) {
+                limit: soft_limit
+                    .map(|l| l as i32)
+                    .unwrap_or(req.cores.min(100) as i32),
+                container_name: cand.container.clone(),
+                bus_id: short_bus_id(&gpus[0].pci_bus_id),
+                gpu_memory: memory_units * MEMORY_UNIT_BYTES,
+                utilization: req.cores.min(100) as i32,
+                hard_limit: soft_limit.is_none(),
+                driver_version: self.driver_version,
+                enable: shared,
+            };
+            let prepared = self
+                .vm
+                .prepare(&data, shared.then_some(data.gpu_memory))
+                .map_err(|e| Status::internal(format!("{ctx}: {e}")));
+            let (dir, ledger) = match prepared {
+                Ok(x) => x,
+                Err(e) => {
+                    undo(&mut st);
+                    return Err(e);
+                }
+            };
+            if shared && let Err(e) = self.registry.serve(&id, &dir, uid, &cand.container, ledger) {
+                undo(&mut st);
+                return Err(Status::internal(format!("{ctx}: serving vcuda.sock: {e}")));
+            }
+            let memory_limit = cand.memory_units;
+            let vmemory_ids = st
+                .orphan_memory
+                .iter()
+                .position(|m| m.len() as u64 == memory_limit)
+                .map(|i| st.orphan_memory.remove(i))
+                .unwrap_or_default();
+            st.allocs.insert(
+                id.clone(),
+                Allocation {
+                    pod_uid: uid.to_string(),
+                    namespace: ns.to_string(),
+                    pod_name: name.to_string(),
+                    container: cand.container.clone(),
+                    container_index: cand.container_index,
+                    cores: req.cores,
+                    memory_units,
+                    memory_limit,
+                    placement: (&placement).into(),
+                    soft_limit,
+                    vcore_ids: device_ids,
+                    vmemory_ids,
+                    verified: false,
+                    created: now(),
+                },
+            );
+            let want = changed(&mut st);
+            (want, placement, shared, gpus, memory_units, dir)
+        };
+        // Durable before answering; Allocate calls stay serialised.
+        let synced = Instant::now();
+        if let Err(e) = self.persist(want).await {
+            let mut st = self.state.lock().unwrap();
             st.allocs.remove(&id);
             undo(&mut st);
+            self.changed_lazily(&mut st);
             return Err(Status::new(e.code(), format!("{ctx}: {}", e.message())));
         }
-        st.withdrawn.remove(uid);
-        let patch = self.patch_if_complete(&st, &pod);
-        drop(st);
+        let checkpoint_us = synced.elapsed().as_micros() as u64;
+        let patch = {
+            let mut st = self.state.lock().unwrap();
+            st.withdrawn.remove(uid);
+            self.patch_if_complete(&st, &pod)
+        };
+        // The API server is patched in the background (never on the RPC).
         if let Some(job) = patch {
             self.patcher.submit(job);
         }
         tracing::info!(
             pod = %format!("{ns}/{name}"), container = %cand.container, uid, %placement,
-            took_us = started.elapsed().as_micros() as u64, "allocated"
+            took_us = started.elapsed().as_micros() as u64, checkpoint_us, "allocated"
         );
         Ok(response::build(&ResponseInput {
             gpus,
@@ -932,8 +1060,9 @@ impl Manager {
         match target {
             Some(id) => {
                 st.allocs.get_mut(&id).unwrap().vmemory_ids = device_ids;
-                // Reported by save; kubelet's records have the IDs anyway.
-                let _ = self.save(&mut st);
+                // Written with the next write (no sync of its own):
+                // kubelet's records have the IDs anyway.
+                self.changed_lazily(&mut st);
             }
             None => st.orphan_memory.push(device_ids),
         }
@@ -1003,8 +1132,9 @@ impl Manager {
             if let Some(x) = st.allocs.get_mut(&a.id()) {
                 x.verified = true;
             }
-            // Reported by save; "verified" is re-established from kubelet.
-            let _ = self.save(&mut st);
+            // Written with the next write: "verified" is re-established
+            // from kubelet.
+            self.changed_lazily(&mut st);
             return Ok(());
         }
         self.release(&a.id());
@@ -1020,6 +1150,8 @@ impl Manager {
             uid: a.pod_uid.clone(),
             annotations: BTreeMap::from([(pods::GPU_ASSIGNED.to_string(), "false".to_string())]),
         });
+        // A rare error path: the withdrawal is written before answering.
+        let _ = self.flush().await;
         Err(Status::failed_precondition(wrong_guess(&h, &a)))
     }
 
@@ -1030,9 +1162,10 @@ impl Manager {
         let _ = st.allocator.release(id);
         self.registry.stop(id);
         self.vm.remove(&a.pod_uid, &a.container);
-        // A stale checkpoint over-states, which recovery corrects; save
-        // reports the failure and marks the state dirty.
-        let _ = self.save(&mut st);
+        // Written with the next write (Allocate or periodic check), no sync
+        // of its own: a checkpoint that over-states is corrected by
+        // recovery.
+        self.changed_lazily(&mut st);
         tracing::info!(id, "released");
         Some(a)
     }
@@ -1122,9 +1255,9 @@ impl Manager {
         if pruned > 0 {
             tracing::info!(pruned, "dead interposer PIDs pruned");
         }
-        let mut st = self.state.lock().unwrap();
-        if st.dirty {
-            let _ = self.save(&mut st);
+        // Releases since the last write, or a write that failed.
+        if self.checkpoint_dirty() {
+            let _ = self.flush().await;
         }
     }
 }
