@@ -256,66 +256,77 @@ async fn bad_requests_are_refused_and_change_nothing() {
     let ok = env.pod(&[("main", 50, 4)], &[]);
     env.admit(&ok, "main", 50, 4).await.unwrap();
 
-    let cases: Vec<(
-        &str,
-        Vec<(&str, u64, u64)>,
-        Vec<(&str, &str)>,
-        usize,
-        usize,
-        tonic::Code,
-        &str,
-    )> = vec![
-        (
-            "vcuda-core 150",
-            vec![("main", 150, 0)],
-            vec![],
-            150,
-            0,
-            tonic::Code::InvalidArgument,
-            "vcuda-core 150",
-        ),
-        (
-            "share without memory",
-            vec![("main", 30, 0)],
-            vec![],
-            30,
-            0,
-            tonic::Code::InvalidArgument,
-            "vcuda-memory is 0",
-        ),
-        (
-            "memory over any GPU",
-            vec![("main", 30, 61)],
-            vec![],
-            30,
-            61,
-            tonic::Code::InvalidArgument,
-            "largest GPU",
-        ),
-        (
-            "predicate on a missing GPU",
-            vec![("main", 20, 2)],
-            vec![("tencent.com/predicate-gpu-idx-0", "9")],
-            20,
-            2,
-            tonic::Code::FailedPrecondition,
-            "/dev/nvidia9",
-        ),
-        (
-            "predicate count mismatch",
-            vec![("main", 200, 0)],
-            vec![("tencent.com/predicate-gpu-idx-0", "1")],
-            200,
-            0,
-            tonic::Code::FailedPrecondition,
-            "predicate mismatch",
-        ),
+    /// A request that must be refused, and how.
+    struct Bad<'a> {
+        what: &'a str,
+        containers: Vec<(&'a str, u64, u64)>,
+        annotations: Vec<(&'a str, &'a str)>,
+        cores: usize,
+        memory: usize,
+        code: tonic::Code,
+        message: &'a str,
+    }
+    let cases = vec![
+        Bad {
+            what: "vcuda-core 150",
+            containers: vec![("main", 150, 0)],
+            annotations: vec![],
+            cores: 150,
+            memory: 0,
+            code: tonic::Code::InvalidArgument,
+            message: "vcuda-core 150",
+        },
+        Bad {
+            what: "share without memory",
+            containers: vec![("main", 30, 0)],
+            annotations: vec![],
+            cores: 30,
+            memory: 0,
+            code: tonic::Code::InvalidArgument,
+            message: "vcuda-memory is 0",
+        },
+        Bad {
+            what: "memory over any GPU",
+            containers: vec![("main", 30, 61)],
+            annotations: vec![],
+            cores: 30,
+            memory: 61,
+            code: tonic::Code::InvalidArgument,
+            message: "largest GPU",
+        },
+        Bad {
+            what: "predicate on a missing GPU",
+            containers: vec![("main", 20, 2)],
+            annotations: vec![("tencent.com/predicate-gpu-idx-0", "9")],
+            cores: 20,
+            memory: 2,
+            code: tonic::Code::FailedPrecondition,
+            message: "/dev/nvidia9",
+        },
+        Bad {
+            what: "predicate count mismatch",
+            containers: vec![("main", 200, 0)],
+            annotations: vec![("tencent.com/predicate-gpu-idx-0", "1")],
+            cores: 200,
+            memory: 0,
+            code: tonic::Code::FailedPrecondition,
+            message: "predicate mismatch",
+        },
     ];
-    for (what, containers, ann, cores, mem, want, text) in cases {
-        let pod = env.pod(&containers, &ann);
-        let err = env.admit(&pod, "main", cores, mem).await.unwrap_err();
+    for Bad {
+        what,
+        containers,
+        annotations,
+        cores,
+        memory,
+        code: want,
+        message,
+    } in cases
+    {
+        let pod = env.pod(&containers, &annotations);
+        let err = env.admit(&pod, "main", cores, memory).await.unwrap_err();
         assert_eq!(code(&err), want, "{what}: {err}");
-        assert!(err.to_string().contains(text), "{what}: {err}");
+        assert!(err.to_string().contains(message), "{what}: {err}");
         assert!(
             !env.vm_dir().join(&pod.uid).exists(),
             "{what}: vm dir written"
