@@ -157,27 +157,34 @@ fn wait(set: nvmlEventSet_t, timeout_ms: c_uint) -> Result<(usize, u32), nvmlRet
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlEventSetWait_v2(
+/// Waits (see [`wait`]) and writes the event to `data` as `make` builds it.
+fn wait_into<T>(
     set: nvmlEventSet_t,
-    data: *mut nvmlEventData_t,
+    data: *mut T,
     timeout_ms: c_uint,
+    make: fn(usize, u32) -> T,
 ) -> nvmlReturn_t {
     ffi(|| {
         if data.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
         let (gpu, code) = wait(set, timeout_ms)?;
-        put(
-            data,
-            nvmlEventData_t {
-                device: handle_of(gpu),
-                eventType: XID_CRITICAL_ERROR,
-                eventData: code as u64,
-                gpuInstanceId: 0xFFFF_FFFF,
-                computeInstanceId: 0xFFFF_FFFF,
-            },
-        )
+        put(data, make(gpu, code))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlEventSetWait_v2(
+    set: nvmlEventSet_t,
+    data: *mut nvmlEventData_t,
+    timeout_ms: c_uint,
+) -> nvmlReturn_t {
+    wait_into(set, data, timeout_ms, |gpu, code| nvmlEventData_t {
+        device: handle_of(gpu),
+        eventType: XID_CRITICAL_ERROR,
+        eventData: code as u64,
+        gpuInstanceId: 0xFFFF_FFFF,
+        computeInstanceId: 0xFFFF_FFFF,
     })
 }
 
@@ -187,18 +194,14 @@ pub unsafe extern "C" fn nvmlEventSetWait(
     data: *mut nvmlEventData_t,
     timeout_ms: c_uint,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        if data.is_null() {
-            return Err(NVML_ERROR_INVALID_ARGUMENT);
-        }
-        let (gpu, code) = wait(set, timeout_ms)?;
-        put(
-            data.cast::<nvmlEventData_v1_t>(),
-            nvmlEventData_v1_t {
-                device: handle_of(gpu),
-                eventType: XID_CRITICAL_ERROR,
-                eventData: code as u64,
-            },
-        )
-    })
+    wait_into(
+        set,
+        data.cast::<nvmlEventData_v1_t>(),
+        timeout_ms,
+        |gpu, code| nvmlEventData_v1_t {
+            device: handle_of(gpu),
+            eventType: XID_CRITICAL_ERROR,
+            eventData: code as u64,
+        },
+    )
 }

@@ -534,12 +534,16 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfoExt(
     })
 }
 
+/// Every link runs at its maximum: the current and the max calls agree.
+const PCIE_LINK_GEN: c_uint = 4;
+const PCIE_LINK_WIDTH: c_uint = 16;
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetCurrPcieLinkGeneration(
     device: nvmlDevice_t,
     gen_: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_dev(device, |_, _| put(gen_, 4))
+    with_dev(device, |_, _| put(gen_, PCIE_LINK_GEN))
 }
 
 #[unsafe(no_mangle)]
@@ -547,7 +551,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMaxPcieLinkGeneration(
     device: nvmlDevice_t,
     gen_: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_dev(device, |_, _| put(gen_, 4))
+    with_dev(device, |_, _| put(gen_, PCIE_LINK_GEN))
 }
 
 #[unsafe(no_mangle)]
@@ -555,7 +559,7 @@ pub unsafe extern "C" fn nvmlDeviceGetCurrPcieLinkWidth(
     device: nvmlDevice_t,
     width: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_dev(device, |_, _| put(width, 16))
+    with_dev(device, |_, _| put(width, PCIE_LINK_WIDTH))
 }
 
 #[unsafe(no_mangle)]
@@ -563,7 +567,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMaxPcieLinkWidth(
     device: nvmlDevice_t,
     width: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_dev(device, |_, _| put(width, 16))
+    with_dev(device, |_, _| put(width, PCIE_LINK_WIDTH))
 }
 
 // ---- memory and utilization --------------------------------------------
@@ -653,8 +657,8 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetEncoderUtilization(
+/// No video engine model: the encoder and the decoder are always idle.
+fn codec_utilization(
     device: nvmlDevice_t,
     util: *mut c_uint,
     period_us: *mut c_uint,
@@ -666,15 +670,21 @@ pub unsafe extern "C" fn nvmlDeviceGetEncoderUtilization(
 }
 
 #[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetEncoderUtilization(
+    device: nvmlDevice_t,
+    util: *mut c_uint,
+    period_us: *mut c_uint,
+) -> nvmlReturn_t {
+    codec_utilization(device, util, period_us)
+}
+
+#[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetDecoderUtilization(
     device: nvmlDevice_t,
     util: *mut c_uint,
     period_us: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_dev(device, |_, _| {
-        put(util, 0)?;
-        put(period_us, 167_000)
-    })
+    codec_utilization(device, util, period_us)
 }
 
 // ---- health, power, clocks, modes --------------------------------------
@@ -694,7 +704,7 @@ pub unsafe extern "C" fn nvmlDeviceGetTemperature(
 }
 
 fn power_mw(c: &Ctx, s: usize) -> u32 {
-    let limit = c.gpu(s).power_limit_w * 1000;
+    let limit = limit_mw(c, s);
     let idle = limit / 7;
     idle + (limit - idle) * recent_util(c, s) / 100
 }
@@ -707,12 +717,21 @@ pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(
     with_dev(device, |c, s| put(mw, power_mw(c, s)))
 }
 
+fn limit_mw(c: &Ctx, s: usize) -> u32 {
+    c.gpu(s).power_limit_w * 1000
+}
+
+/// The enforced, the set and the default limit: one fixed board limit.
+fn power_limit(device: nvmlDevice_t, mw: *mut c_uint) -> nvmlReturn_t {
+    with_dev(device, |c, s| put(mw, limit_mw(c, s)))
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetEnforcedPowerLimit(
     device: nvmlDevice_t,
     mw: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_dev(device, |c, s| put(mw, c.gpu(s).power_limit_w * 1000))
+    power_limit(device, mw)
 }
 
 #[unsafe(no_mangle)]
@@ -720,7 +739,7 @@ pub unsafe extern "C" fn nvmlDeviceGetPowerManagementLimit(
     device: nvmlDevice_t,
     mw: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_dev(device, |c, s| put(mw, c.gpu(s).power_limit_w * 1000))
+    power_limit(device, mw)
 }
 
 #[unsafe(no_mangle)]
@@ -728,7 +747,7 @@ pub unsafe extern "C" fn nvmlDeviceGetPowerManagementDefaultLimit(
     device: nvmlDevice_t,
     mw: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_dev(device, |c, s| put(mw, c.gpu(s).power_limit_w * 1000))
+    power_limit(device, mw)
 }
 
 #[unsafe(no_mangle)]
@@ -738,7 +757,7 @@ pub unsafe extern "C" fn nvmlDeviceGetPowerManagementLimitConstraints(
     max_mw: *mut c_uint,
 ) -> nvmlReturn_t {
     with_dev(device, |c, s| {
-        let limit = c.gpu(s).power_limit_w * 1000;
+        let limit = limit_mw(c, s);
         put(min_mw, limit / 4)?;
         put(max_mw, limit)
     })
@@ -792,14 +811,18 @@ pub unsafe extern "C" fn nvmlDeviceGetDisplayActive(
 }
 
 /// P0 while kernels ran in the last second, P8 when idle.
+fn pstate(device: nvmlDevice_t, state: *mut c_uint) -> nvmlReturn_t {
+    with_dev(device, |c, s| {
+        put(state, if recent_util(c, s) > 0 { 0 } else { 8 })
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetPerformanceState(
     device: nvmlDevice_t,
     state: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_dev(device, |c, s| {
-        put(state, if recent_util(c, s) > 0 { 0 } else { 8 })
-    })
+    pstate(device, state)
 }
 
 #[unsafe(no_mangle)]
@@ -807,9 +830,7 @@ pub unsafe extern "C" fn nvmlDeviceGetPowerState(
     device: nvmlDevice_t,
     state: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_dev(device, |c, s| {
-        put(state, if recent_util(c, s) > 0 { 0 } else { 8 })
-    })
+    pstate(device, state)
 }
 
 #[unsafe(no_mangle)]

@@ -39,6 +39,20 @@ const _: () = assert!(std::mem::size_of::<nvmlProcessInfo_v1_t>() == 16);
 const _: () = assert!(std::mem::size_of::<nvmlProcessInfo_t>() == 24);
 const _: () = assert!(std::mem::size_of::<nvmlProcessUtilizationSample_t>() == 32);
 
+/// How many entries the caller's buffer holds: `*count`, or 0 when `buf`
+/// is null (a size query).
+///
+/// # Safety
+/// `count` must be non-null and valid for reads.
+unsafe fn capacity<T>(count: *const c_uint, buf: *mut T) -> usize {
+    if buf.is_null() {
+        0
+    } else {
+        // SAFETY: the caller guarantees `count` is valid.
+        unsafe { *count as usize }
+    }
+}
+
 /// The two-call protocol: `*count` too small (or `infos` null) gives
 /// INSUFFICIENT_SIZE with the needed count; no processes is SUCCESS with 0.
 fn fill<T>(count: *mut c_uint, infos: *mut T, items: Vec<T>) -> R {
@@ -46,11 +60,7 @@ fn fill<T>(count: *mut c_uint, infos: *mut T, items: Vec<T>) -> R {
         return Err(NVML_ERROR_INVALID_ARGUMENT);
     }
     // SAFETY: non-null, checked above.
-    let cap = if infos.is_null() {
-        0
-    } else {
-        unsafe { *count }
-    } as usize;
+    let cap = unsafe { capacity(count, infos) };
     let n = items.len();
     // SAFETY: count is a valid out-pointer.
     unsafe { *count = n as c_uint };
@@ -269,11 +279,7 @@ pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
             return Err(NVML_ERROR_NOT_FOUND);
         }
         // SAFETY: non-null, checked above.
-        let cap = if utilization.is_null() {
-            0
-        } else {
-            unsafe { *count }
-        } as usize;
+        let cap = unsafe { capacity(count, utilization) };
         if list.len() > cap {
             // SAFETY: valid out-pointer.
             unsafe { *count = list.len() as c_uint };
