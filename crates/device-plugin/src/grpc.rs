@@ -74,13 +74,7 @@ impl DevicePlugin for GrpcPlugin {
             .inspect_err(|e| self.rejected("GetPreferredAllocation", e))?;
         let n = req.container_requests.len();
         let resp = self.plugin.get_preferred_allocation(req).await?;
-        if resp.container_responses.len() != n {
-            return Err(Status::internal(format!(
-                "plugin {} answered {} container responses for {n} requests",
-                self.resource,
-                resp.container_responses.len()
-            )));
-        }
+        self.check_answered(resp.container_responses.len(), n)?;
         Ok(Response::new(resp))
     }
 
@@ -93,13 +87,7 @@ impl DevicePlugin for GrpcPlugin {
             .inspect_err(|e| self.rejected("Allocate", e))?;
         let n = req.container_requests.len();
         let resp = self.plugin.allocate(req).await?;
-        if resp.container_responses.len() != n {
-            return Err(Status::internal(format!(
-                "plugin {} answered {} container responses for {n} requests",
-                self.resource,
-                resp.container_responses.len()
-            )));
-        }
+        self.check_answered(resp.container_responses.len(), n)?;
         Ok(Response::new(resp))
     }
 
@@ -115,6 +103,17 @@ impl DevicePlugin for GrpcPlugin {
 }
 
 impl GrpcPlugin {
+    /// The plugin must answer each container request with one response.
+    fn check_answered(&self, answered: usize, requests: usize) -> Result<(), Status> {
+        if answered != requests {
+            return Err(Status::internal(format!(
+                "plugin {} answered {answered} container responses for {requests} requests",
+                self.resource
+            )));
+        }
+        Ok(())
+    }
+
     fn rejected(&self, rpc: &str, e: &Status) {
         tracing::warn!(resource = %self.resource, rpc, reason = e.message(), "rejected invalid request");
     }
