@@ -19,6 +19,7 @@
 mod client;
 mod error;
 mod grpc;
+mod logging;
 mod runtime;
 mod service;
 mod shutdown;
@@ -26,6 +27,7 @@ pub mod validate;
 
 pub use client::connect_unix;
 pub use error::Error;
+pub use logging::init_logging;
 pub use runtime::{PluginRuntime, PluginStatus, RuntimeHandle, RuntimeOptions};
 pub use service::{DeviceList, DevicePluginService, device};
 pub use shutdown::cancel_on_signals;

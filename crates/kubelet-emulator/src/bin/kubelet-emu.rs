@@ -21,13 +21,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    device_plugin::init_logging();
     let args = Args::parse();
     let cancel = device_plugin::cancel_on_signals().context("installing signal handlers")?;
     let emu = KubeletEmulator::start(&args.device_plugin_path, &args.pod_resources_socket)
