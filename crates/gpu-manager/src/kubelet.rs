@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 use vcuda_api::podresources::v1::{
-    ListPodResourcesRequest, pod_resources_lister_client::PodResourcesListerClient,
+    ListPodResourcesRequest, ListPodResourcesResponse,
+    pod_resources_lister_client::PodResourcesListerClient,
 };
 
 pub const KUBELET_CHECKPOINT: &str = "kubelet_internal_checkpoint";
@@ -96,17 +97,22 @@ impl KubeletRecords {
         }
     }
 
-    async fn list_pod_resources(&self, resources: &[&str]) -> Result<Vec<Held>, String> {
+    /// One pod-resources `List` call.
+    async fn pod_resources_list(&self) -> Result<ListPodResourcesResponse, String> {
         let ch = device_plugin::connect_unix(&self.pod_resources_socket, Duration::from_secs(2))
             .await
             .map_err(|e| e.to_string())?;
         let mut req = tonic::Request::new(ListPodResourcesRequest {});
         req.set_timeout(Duration::from_secs(5));
-        let list = PodResourcesListerClient::new(ch)
+        PodResourcesListerClient::new(ch)
             .list(req)
             .await
-            .map_err(|s| format!("List: {}", s.message()))?
-            .into_inner();
+            .map_err(|s| format!("List: {}", s.message()))
+            .map(tonic::Response::into_inner)
+    }
+
+    async fn list_pod_resources(&self, resources: &[&str]) -> Result<Vec<Held>, String> {
+        let list = self.pod_resources_list().await?;
         let mut out = Vec::new();
         for p in list.pod_resources {
             for c in p.containers {
@@ -139,16 +145,7 @@ impl KubeletRecords {
         resource: &str,
         ids: &[String],
     ) -> Result<Option<Holder>, String> {
-        let ch = device_plugin::connect_unix(&self.pod_resources_socket, Duration::from_secs(2))
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut req = tonic::Request::new(ListPodResourcesRequest {});
-        req.set_timeout(Duration::from_secs(5));
-        let list = PodResourcesListerClient::new(ch)
-            .list(req)
-            .await
-            .map_err(|s| format!("List: {}", s.message()))?
-            .into_inner();
+        let list = self.pod_resources_list().await?;
         for p in list.pod_resources {
             for c in p.containers {
                 if c.devices.iter().any(|d| {

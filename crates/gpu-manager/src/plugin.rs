@@ -22,6 +22,19 @@ fn options() -> DevicePluginOptions {
     }
 }
 
+/// PreStartContainer for either resource: the manager's check, logged when refused.
+async fn pre_start(
+    manager: &Manager,
+    resource: &str,
+    request: PreStartContainerRequest,
+) -> Result<PreStartContainerResponse, Status> {
+    manager
+        .pre_start(resource, &request.devices_ids)
+        .await
+        .inspect_err(|e| tracing::warn!(error = %e.message(), "PreStartContainer refused"))?;
+    Ok(PreStartContainerResponse {})
+}
+
 /// The `reason` label of a refused Allocate: a fixed word per gRPC code.
 pub fn failure_reason(code: Code) -> &'static str {
     match code {
@@ -76,11 +89,7 @@ impl DevicePluginService for VcorePlugin {
         &self,
         request: PreStartContainerRequest,
     ) -> Result<PreStartContainerResponse, Status> {
-        self.0
-            .pre_start(VCORE_RESOURCE, &request.devices_ids)
-            .await
-            .inspect_err(|e| tracing::warn!(error = %e.message(), "PreStartContainer refused"))?;
-        Ok(PreStartContainerResponse {})
+        pre_start(&self.0, VCORE_RESOURCE, request).await
     }
 }
 
@@ -111,10 +120,6 @@ impl DevicePluginService for VmemoryPlugin {
         &self,
         request: PreStartContainerRequest,
     ) -> Result<PreStartContainerResponse, Status> {
-        self.0
-            .pre_start(VMEMORY_RESOURCE, &request.devices_ids)
-            .await
-            .inspect_err(|e| tracing::warn!(error = %e.message(), "PreStartContainer refused"))?;
-        Ok(PreStartContainerResponse {})
+        pre_start(&self.0, VMEMORY_RESOURCE, request).await
     }
 }
