@@ -9,44 +9,21 @@
 //!
 //! Target: p99 under 1 ms for the share decision with 1,000 shares.
 
+#[path = "../tests/support/node_file.rs"]
+mod node_file;
+
 use std::hint::black_box;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use gpu_allocator::{Allocator, GpuInfo, PcieLevel, Placement, Request, Topology};
-use gpu_sim_core::NodeSpec;
+use gpu_allocator::{Allocator, Placement, Request};
+use node_file::node;
 
 const WARMUP: usize = 2_000;
 const SAMPLES: usize = 50_000;
 
-fn node16() -> Allocator {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../config/nodes/sim-16gpu.toml");
-    let spec = NodeSpec::load(&path).expect("16-GPU node description");
-    let gpus = spec
-        .gpus
-        .iter()
-        .enumerate()
-        .map(|(i, g)| GpuInfo {
-            index: i,
-            uuid: g.uuid.clone(),
-            minor: g.minor,
-            memory_bytes: g.memory_mib << 20,
-            numa_node: u32::try_from(g.numa_node).ok(),
-            pci_bus_id: g.pci_bus_id.clone(),
-        })
-        .collect();
-    let topo = Topology::from_fn(
-        gpus,
-        |a, b| PcieLevel::from_nvml(spec.pcie_level(a, b) as u32).unwrap(),
-        |a, b| spec.nvlink_count(a, b),
-    )
-    .unwrap();
-    Allocator::new(topo)
-}
-
 /// 1,000 one-core, one-unit shares over GPUs 0..`over` (round robin).
 fn with_shares(over: usize) -> Allocator {
-    let mut a = node16();
+    let mut a = node("sim-16gpu.toml");
     for i in 0..1_000 {
         let p = Placement::Share {
             gpu: i % over,
@@ -64,11 +41,21 @@ struct Stats {
     max: Duration,
 }
 
-fn measure(mut f: impl FnMut()) -> Stats {
-    for _ in 0..WARMUP {
+fn measure(f: impl FnMut()) -> Stats {
+    measure_n(f, WARMUP, SAMPLES)
+}
+
+/// Fewer samples, no warm-up, for the slow case.
+fn measure_few(f: impl FnMut()) -> Stats {
+    measure_n(f, 0, 500)
+}
+
+/// Runs `f` `warmup` times, then times `samples` runs.
+fn measure_n(mut f: impl FnMut(), warmup: usize, samples: usize) -> Stats {
+    for _ in 0..warmup {
         f();
     }
-    let mut t: Vec<Duration> = (0..SAMPLES)
+    let mut t: Vec<Duration> = (0..samples)
         .map(|_| {
             let start = Instant::now();
             f();
@@ -77,9 +64,9 @@ fn measure(mut f: impl FnMut()) -> Stats {
         .collect();
     t.sort_unstable();
     Stats {
-        p50: t[SAMPLES / 2],
-        p99: t[SAMPLES * 99 / 100],
-        max: t[SAMPLES - 1],
+        p50: t[samples / 2],
+        p99: t[samples * 99 / 100],
+        max: t[samples - 1],
     }
 }
 
@@ -139,7 +126,7 @@ fn main() {
         return;
     }
     let share_req = Request::share(10, 4);
-    let empty = node16();
+    let empty = node("sim-16gpu.toml");
     let full = with_shares(16);
     assert_eq!(full.allocations().count(), 1_000);
     let allocs: Vec<Placement> = full.allocations().map(|(_, p)| p.clone()).collect();
@@ -219,21 +206,4 @@ fn main() {
         &s,
         Some(&base_empty),
     );
-}
-
-/// Fewer samples for the slow case.
-fn measure_few(mut f: impl FnMut()) -> Stats {
-    let mut t: Vec<Duration> = (0..500)
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            start.elapsed()
-        })
-        .collect();
-    t.sort_unstable();
-    Stats {
-        p50: t[250],
-        p99: t[495],
-        max: t[499],
-    }
 }

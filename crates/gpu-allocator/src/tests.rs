@@ -1,7 +1,11 @@
 //! Unit tests: every rule and every error on small synthetic topologies.
 //! Sequences on the simulated node files are in tests/nodes.rs.
 
+#[path = "../tests/support/sets.rs"]
+mod sets;
+
 use crate::*;
+use sets::{links, subsets};
 
 const GIB: u64 = 1 << 30;
 
@@ -86,33 +90,6 @@ fn put_share(a: &mut Allocator, id: &str, gpu: usize, cores: u32, units: u64) {
         },
     )
     .unwrap();
-}
-
-fn links(a: &Allocator, set: &[usize]) -> u32 {
-    let t = a.topology();
-    let mut sum = 0;
-    for (i, &x) in set.iter().enumerate() {
-        for &y in &set[i + 1..] {
-            sum += t.nvlink_count(x, y);
-        }
-    }
-    sum
-}
-
-/// Every k-subset of `pool`.
-fn subsets(pool: &[usize], k: usize) -> Vec<Vec<usize>> {
-    if k == 0 {
-        return vec![vec![]];
-    }
-    if pool.len() < k {
-        return vec![];
-    }
-    let mut out = subsets(&pool[1..], k - 1);
-    for s in &mut out {
-        s.insert(0, pool[0]);
-    }
-    out.extend(subsets(&pool[1..], k));
-    out
 }
 
 // ---- request validation --------------------------------------------------

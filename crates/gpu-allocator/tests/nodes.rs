@@ -1,39 +1,14 @@
 //! Sequences on the simulated node descriptions (config/nodes/*.toml), the
 //! NVLink best-bandwidth property, and randomized invariants.
 
-use std::path::PathBuf;
+#[path = "support/node_file.rs"]
+mod node_file;
+#[path = "support/sets.rs"]
+mod sets;
 
-use gpu_allocator::{
-    AllocError, Allocator, ErrorKind, GpuInfo, PcieLevel, Placement, Request, Topology,
-};
-use gpu_sim_core::NodeSpec;
-
-fn node(file: &str) -> Allocator {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../config/nodes")
-        .join(file);
-    let spec = NodeSpec::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let gpus = spec
-        .gpus
-        .iter()
-        .enumerate()
-        .map(|(i, g)| GpuInfo {
-            index: i,
-            uuid: g.uuid.clone(),
-            minor: g.minor,
-            memory_bytes: g.memory_mib << 20,
-            numa_node: u32::try_from(g.numa_node).ok(),
-            pci_bus_id: g.pci_bus_id.clone(),
-        })
-        .collect();
-    let topo = Topology::from_fn(
-        gpus,
-        |a, b| PcieLevel::from_nvml(spec.pcie_level(a, b) as u32).expect("NVML level"),
-        |a, b| spec.nvlink_count(a, b),
-    )
-    .unwrap();
-    Allocator::new(topo)
-}
+use gpu_allocator::{AllocError, Allocator, ErrorKind, PcieLevel, Placement, Request};
+use node_file::node;
+use sets::{links, subsets};
 
 /// Allocates and returns the GPUs, or the error.
 fn alloc(a: &mut Allocator, id: &str, req: Request) -> Result<Vec<usize>, AllocError> {
@@ -178,32 +153,6 @@ fn span(a: &Allocator, set: &[usize]) -> PcieLevel {
         }
     }
     m
-}
-
-fn links(a: &Allocator, set: &[usize]) -> u32 {
-    let t = a.topology();
-    let mut s = 0;
-    for (i, &x) in set.iter().enumerate() {
-        for &y in &set[i + 1..] {
-            s += t.nvlink_count(x, y);
-        }
-    }
-    s
-}
-
-fn subsets(pool: &[usize], k: usize) -> Vec<Vec<usize>> {
-    if k == 0 {
-        return vec![vec![]];
-    }
-    if pool.len() < k {
-        return vec![];
-    }
-    let mut out = subsets(&pool[1..], k - 1);
-    for s in &mut out {
-        s.insert(0, pool[0]);
-    }
-    out.extend(subsets(&pool[1..], k));
-    out
 }
 
 /// For the busy set given by `mask` (half the busy GPUs hold shares, half
