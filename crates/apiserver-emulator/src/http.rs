@@ -79,6 +79,16 @@ struct Selector {
     namespace: Option<String>,
 }
 
+/// The non-empty, trimmed comma-separated terms of query parameter `key`.
+fn terms<'a>(q: &'a HashMap<String, String>, key: &str) -> impl Iterator<Item = &'a str> {
+    q.get(key)
+        .map(String::as_str)
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+}
+
 impl Selector {
     #[allow(clippy::result_large_err)] // the error is the HTTP answer
     fn parse(ns: Option<String>, q: &HashMap<String, String>) -> Result<Selector, Response> {
@@ -86,16 +96,7 @@ impl Selector {
             namespace: ns,
             ..Default::default()
         };
-        for term in q
-            .get("fieldSelector")
-            .map(String::as_str)
-            .unwrap_or("")
-            .split(',')
-        {
-            let term = term.trim();
-            if term.is_empty() {
-                continue;
-            }
+        for term in terms(q, "fieldSelector") {
             let (k, eq, v) = if let Some((k, v)) = term.split_once("!=") {
                 (k, false, v)
             } else if let Some((k, v)) = term.split_once("==") {
@@ -115,16 +116,7 @@ impl Selector {
                 v.to_string(),
             ));
         }
-        for term in q
-            .get("labelSelector")
-            .map(String::as_str)
-            .unwrap_or("")
-            .split(',')
-        {
-            let term = term.trim();
-            if term.is_empty() {
-                continue;
-            }
+        for term in terms(q, "labelSelector") {
             if let Some((k, v)) = term.split_once("!=") {
                 sel.labels.push((k.into(), Some(false), v.into()));
             } else if let Some((k, v)) = term.split_once("==").or_else(|| term.split_once('=')) {
