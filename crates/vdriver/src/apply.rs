@@ -119,15 +119,20 @@ fn install_file(src: &Path, dst: &Path) -> Result<Outcome> {
             Outcome::Copied
         }
     };
-    fs::rename(&tmp, dst).map_err(|e| {
-        let _ = fs::remove_file(&tmp);
+    replace_with(&tmp, dst)?;
+    Ok(outcome)
+}
+
+/// Renames `tmp` over `dst`; removes `tmp` if that fails.
+fn replace_with(tmp: &Path, dst: &Path) -> Result<()> {
+    fs::rename(tmp, dst).map_err(|e| {
+        let _ = fs::remove_file(tmp);
         Error::Io {
             op: "replace",
             path: dst.to_owned(),
             source: e,
         }
-    })?;
-    Ok(outcome)
+    })
 }
 
 fn copy(src: &Path, tmp: &Path, meta: &fs::Metadata) -> io::Result<()> {
@@ -159,14 +164,7 @@ fn install_symlink(target: &str, dst: &Path) -> Result<Outcome> {
     let tmp = tmp_name(dst);
     let _ = fs::remove_file(&tmp);
     std::os::unix::fs::symlink(target, &tmp).map_err(io_err("create symlink", &tmp))?;
-    fs::rename(&tmp, dst).map_err(|e| {
-        let _ = fs::remove_file(&tmp);
-        Error::Io {
-            op: "replace",
-            path: dst.to_owned(),
-            source: e,
-        }
-    })?;
+    replace_with(&tmp, dst)?;
     Ok(Outcome::Symlinked)
 }
 
