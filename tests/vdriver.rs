@@ -269,6 +269,14 @@ fn interposer(dir: &Path) -> PathBuf {
     p
 }
 
+/// Installs driver V1 (value 550) on `host` under a new-format ld cache and
+/// builds the interposer in `work`: (the interposer, `work/vdriver`).
+fn with_driver(host: &Host, work: &Path) -> (PathBuf, PathBuf) {
+    host.install_driver(V1, 550);
+    host.ldconfig("new");
+    (interposer(work), work.join("vdriver"))
+}
+
 fn config() -> VolumeConfig {
     VolumeConfig::load(&vcuda_tests::workspace_root().join("config/volume.conf")).unwrap()
 }
@@ -317,11 +325,8 @@ fn probe(vol: &Path, work: &Path) -> String {
 #[test]
 fn mirrors_a_fake_driver_in_both_modes() {
     let host = Host::new();
-    host.install_driver(V1, 550);
-    host.ldconfig("new");
     let work = tempfile::tempdir().unwrap();
-    let shim = interposer(work.path());
-    let vdriver = work.path().join("vdriver");
+    let (shim, vdriver) = with_driver(&host, work.path());
 
     let report = vdriver::mirror(&host.root, &config(), &vdriver, Some(&shim)).unwrap();
     assert_eq!(report.driver_version.to_string(), V1);
@@ -557,10 +562,7 @@ int main(int argc, char **argv) {
 "#;
 
 fn remirror_keeps_running_process_intact(host: Host, work: &Path) {
-    host.install_driver(V1, 550);
-    host.ldconfig("new");
-    let shim = interposer(work);
-    let vdriver = work.join("vdriver");
+    let (shim, vdriver) = with_driver(&host, work);
     let cfg = config();
     vdriver::mirror(&host.root, &cfg, &vdriver, Some(&shim)).unwrap();
 
@@ -622,11 +624,8 @@ fn remirror_leaves_a_running_process_intact_copies() {
 #[test]
 fn rerun_is_idempotent_and_a_driver_upgrade_removes_stale_files() {
     let host = Host::new();
-    host.install_driver(V1, 550);
-    host.ldconfig("new");
     let work = tempfile::tempdir().unwrap();
-    let shim = interposer(work.path());
-    let vdriver = work.path().join("vdriver");
+    let (shim, vdriver) = with_driver(&host, work.path());
     let cfg = config();
     let first = vdriver::mirror(&host.root, &cfg, &vdriver, Some(&shim)).unwrap();
 
