@@ -8,8 +8,7 @@
 //! gcc, and python3 with prometheus_client (tests/python/requirements.txt).
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -21,7 +20,7 @@ use gpu_display::{ContainerView, Display, DisplayOptions, GpuRef, GpuView, NvmlR
 use gpu_sim_core::state::epoch_us_to_mono;
 use gpu_sim_core::{SharedState, SimRoot};
 use tokio_util::sync::CancellationToken;
-use vcuda_tests::{SimNode, compile_c, target_dir};
+use vcuda_tests::{SimNode, compile_c, http_get, target_dir};
 
 const MIB: u64 = 1 << 20;
 
@@ -61,27 +60,6 @@ impl Loads {
         self.0.push(c);
         pid
     }
-}
-
-/// One HTTP/1.1 GET; returns status and body.
-fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let raw = String::from_utf8_lossy(&raw).into_owned();
-    let status = raw[9..12].parse().unwrap();
-    let body = raw
-        .split_once("\r\n\r\n")
-        .map(|x| x.1)
-        .unwrap_or("")
-        .to_string();
-    (status, body)
 }
 
 /// (name, labels, value) of every sample, as prometheus_client parses them.
@@ -223,7 +201,7 @@ async fn metrics_match_simulator_ground_truth() {
     // A scrape and the window it reflects (retry if a tick fell in between).
     let (text, window) = loop {
         let w0 = display.snapshot().gpu(0).and_then(|g| g.window_us);
-        let (status, text) = tokio::task::spawn_blocking(move || get(addr, "/metrics"))
+        let (status, text) = tokio::task::spawn_blocking(move || http_get(addr, "/metrics"))
             .await
             .unwrap();
         assert_eq!(status, 200);
@@ -437,7 +415,7 @@ async fn metrics_match_simulator_ground_truth() {
         .output()
         .unwrap();
     assert!(out.status.success());
-    let (_, http_graph) = tokio::task::spawn_blocking(move || get(addr, "/graph"))
+    let (_, http_graph) = tokio::task::spawn_blocking(move || http_get(addr, "/graph"))
         .await
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), http_graph);

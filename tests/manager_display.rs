@@ -6,34 +6,12 @@
 #[path = "manager_env.rs"]
 mod manager_env;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use manager_env::{Env, Options, VCORE};
-use vcuda_tests::target_dir;
-
-fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let raw = String::from_utf8_lossy(&raw).into_owned();
-    let code = raw.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = raw
-        .split_once("\r\n\r\n")
-        .map(|x| x.1)
-        .unwrap_or("")
-        .to_string();
-    (code, body)
-}
+use vcuda_tests::{http_get, target_dir};
 
 /// The value of the one sample of `name` whose labels include all of `labels`.
 fn sample(metrics: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
@@ -81,13 +59,13 @@ async fn manager_serves_graph_usage_metrics_and_vcudactl() {
     );
 
     // Live from the start; ready once the plugins registered.
-    let (code, _) = tokio::task::spawn_blocking(move || get(addr, "/healthz"))
+    let (code, _) = tokio::task::spawn_blocking(move || http_get(addr, "/healthz"))
         .await
         .unwrap();
     assert_eq!(code, 200);
     let t = Instant::now();
     loop {
-        let (code, _) = tokio::task::spawn_blocking(move || get(addr, "/readyz"))
+        let (code, _) = tokio::task::spawn_blocking(move || http_get(addr, "/readyz"))
             .await
             .unwrap();
         if code == 200 {
@@ -135,7 +113,7 @@ async fn manager_serves_graph_usage_metrics_and_vcudactl() {
     let (share_uid, whole_uid) = (share.uid.clone(), whole.uid.clone());
     tokio::task::spawn_blocking(move || {
         // /graph: the allocator's tree with the share's cores and the whole GPU.
-        let (code, graph) = get(addr, "/graph");
+        let (code, graph) = http_get(addr, "/graph");
         assert_eq!(code, 200);
         let line = |minor: u32| {
             graph
@@ -156,7 +134,7 @@ async fn manager_serves_graph_usage_metrics_and_vcudactl() {
         );
 
         // /usage: both containers with their quotas.
-        let (code, usage) = get(addr, "/usage");
+        let (code, usage) = http_get(addr, "/usage");
         assert_eq!(code, 200);
         let v: serde_json::Value = serde_json::from_str(&usage).unwrap();
         let s = &v["usage"][&share_uid];
@@ -174,7 +152,7 @@ async fn manager_serves_graph_usage_metrics_and_vcudactl() {
         );
 
         // /metrics: the manager's counters and the container gauges.
-        let (code, m) = get(addr, "/metrics");
+        let (code, m) = http_get(addr, "/metrics");
         assert_eq!(code, 200);
         let ok = sample(
             &m,
@@ -260,8 +238,8 @@ async fn manager_serves_graph_usage_metrics_and_vcudactl() {
         assert!(g.contains("cores 30/100 used"), "{g}");
 
         // Anything else is 404.
-        assert_eq!(get(addr, "/nope").0, 404);
-        assert_eq!(get(addr, "/healthz").0, 200);
+        assert_eq!(http_get(addr, "/nope").0, 404);
+        assert_eq!(http_get(addr, "/healthz").0, 200);
     })
     .await
     .unwrap();

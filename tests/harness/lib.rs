@@ -1,6 +1,9 @@
 //! Shared helpers for the end-to-end tests in this directory.
 
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// Root of the workspace checkout.
 pub fn workspace_root() -> PathBuf {
@@ -18,6 +21,38 @@ pub fn target_dir() -> PathBuf {
         .and_then(Path::parent)
         .expect("target/<profile>")
         .to_path_buf()
+}
+
+/// One HTTP/1.1 GET with `Connection: close`: the status code (0 when the
+/// answer has none) and the body.
+pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let code = raw.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map(|x| x.1)
+        .unwrap_or("")
+        .to_string();
+    (code, body)
+}
+
+/// The command line of process `pid`, read back from /proc.
+pub fn cmdline(pid: u32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .unwrap()
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect()
 }
 
 /// A simulated node installed in a temporary directory by the real
