@@ -15,16 +15,12 @@ use kubelet_emulator::PodRef;
 use manager_env::{Env, Options};
 use serde_json::Value;
 use vcuda_api::deviceplugin::v1beta1::ContainerAllocateResponse;
-use vcuda_tests::{Docker, compile_c, target_dir};
+use vcuda_tests::{Docker, cmdline, compile_c, target_dir};
 
 /// The manager's argv, read back from /proc, so a restart runs the same
 /// command line.
 fn argv(env: &Env) -> Vec<String> {
-    let raw = std::fs::read(format!("/proc/{}/cmdline", env.manager.id())).unwrap();
-    raw.split(|b| *b == 0)
-        .filter(|a| !a.is_empty())
-        .map(|a| String::from_utf8_lossy(a).into_owned())
-        .collect()
+    cmdline(env.manager.id())
 }
 
 /// SIGKILL, then the same command line (plus `extra`), appending to the log.

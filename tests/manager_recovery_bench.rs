@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use manager_env::{Env, Options, VCORE};
-use vcuda_tests::Docker;
+use vcuda_tests::{Docker, cmdline};
 
 fn recovery_ms(log: &str) -> Vec<u64> {
     log.lines()
@@ -89,12 +89,7 @@ async fn main() {
         names.1.push(name);
     }
     println!("{n} containers admitted and started in {:?}", t.elapsed());
-    let args: Vec<String> = std::fs::read(format!("/proc/{}/cmdline", env.manager.id()))
-        .unwrap()
-        .split(|b| *b == 0)
-        .filter(|a| !a.is_empty())
-        .map(|a| String::from_utf8_lossy(a).into_owned())
-        .collect();
+    let args = cmdline(env.manager.id());
     for round in 0..3 {
         unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
         let _ = env.manager.wait();
