@@ -84,6 +84,23 @@ pub struct nvmlPciInfoExt_t {
 const _: () = assert!(std::mem::size_of::<nvmlMemory_v2_t>() == 40);
 const _: () = assert!(std::mem::size_of::<nvmlPciInfo_t>() == 68);
 const _: () = assert!(std::mem::size_of::<nvmlPciInfoExt_t>() == 64);
+// check_version() reads the version where these structs keep it.
+const _: () = assert!(std::mem::offset_of!(nvmlMemory_v2_t, version) == 0);
+const _: () = assert!(std::mem::offset_of!(nvmlPciInfoExt_t, version) == 0);
+
+/// A versioned struct from the caller: non-null, and its leading `version`
+/// word is `want`.
+fn check_version<T>(p: *mut T, want: c_uint) -> R {
+    if p.is_null() {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    // SAFETY: non-null pointer to the caller's struct, which starts with
+    // its c_uint version (asserted above for the structs passed here).
+    if unsafe { *p.cast::<c_uint>() } != want {
+        return Err(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    }
+    Ok(())
+}
 
 fn pci_info(g: &gpu_sim_core::GpuSpec) -> nvmlPciInfo_t {
     let (domain, bus, device, _) = g.pci_location();
@@ -509,13 +526,7 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfoExt(
     pci: *mut nvmlPciInfoExt_t,
 ) -> nvmlReturn_t {
     with_dev(device, |c, s| {
-        if pci.is_null() {
-            return Err(NVML_ERROR_INVALID_ARGUMENT);
-        }
-        // SAFETY: non-null pointer to the caller's struct.
-        if unsafe { (*pci).version } != NVML_PCI_INFO_EXT_V1 {
-            return Err(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
-        }
+        check_version(pci, NVML_PCI_INFO_EXT_V1)?;
         let p = pci_info(c.gpu(s));
         put(
             pci,
@@ -597,13 +608,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     memory: *mut nvmlMemory_v2_t,
 ) -> nvmlReturn_t {
     with_dev(device, |c, s| {
-        if memory.is_null() {
-            return Err(NVML_ERROR_INVALID_ARGUMENT);
-        }
-        // SAFETY: non-null pointer to the caller's struct.
-        if unsafe { (*memory).version } != NVML_MEMORY_V2 {
-            return Err(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
-        }
+        check_version(memory, NVML_MEMORY_V2)?;
         let total = c.state.memory_total(s);
         let used = c.state.memory_used(s).min(total);
         put(
