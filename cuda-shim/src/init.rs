@@ -1,4 +1,5 @@
-//! cuInit: decide the mode, register, then initialise the real driver.
+//! cuInit: decide the mode, check what the quotas need, register, then
+//! initialise the real driver.
 
 use crate::config::{self, Mode};
 use crate::log;
@@ -14,8 +15,12 @@ cuda_exports! {
                 log::fail_closed(reason);
                 return REFUSED;
             }
-            Mode::Enforce(_) => {
+            Mode::Enforce(e) => {
                 // Fail closed before the device is touched.
+                if let Err(reason) = compute_feedback(&e.data) {
+                    log::fail_closed(&reason);
+                    return REFUSED;
+                }
                 if let Err(e) = proc().ensure_registered() {
                     return e;
                 }
@@ -27,5 +32,23 @@ cuda_exports! {
         }
         let f = real_cuda!(cuInit: unsafe extern "C" fn(u32) -> CUresult);
         f(flags)
+    }
+}
+
+/// A compute quota is steered by the real NVML's utilisation samples
+/// (`throttle::sampler`): without it the bucket never gets a rate and the
+/// container would run unthrottled, so its absence fails closed like a
+/// missing quota file. Loaded here, once, never on the launch path.
+fn compute_feedback(d: &quota_config::ResourceData) -> Result<(), String> {
+    let Some(q) = crate::throttle::quota_of(d) else {
+        return Ok(());
+    };
+    match crate::real::try_handle(crate::real::Lib::Nvml) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(format!(
+            "compute quota {}% is steered by the real NVML's utilisation samples, but {e}; \
+             refusing CUDA rather than running unthrottled",
+            q.utilization
+        )),
     }
 }

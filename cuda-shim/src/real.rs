@@ -38,17 +38,27 @@ unsafe impl Sync for Handle {}
 static CUDA: OnceLock<Result<Handle, String>> = OnceLock::new();
 static NVML: OnceLock<Result<Handle, String>> = OnceLock::new();
 
-/// The real library, loaded on first use.
+/// The real library, loaded on first use; a failure is the process's
+/// fail-closed line.
 pub fn handle(lib: Lib) -> Result<Handle, &'static str> {
+    let r = try_handle(lib);
+    if let Err(e) = r {
+        crate::log::fail_closed(e);
+    }
+    r
+}
+
+/// [`handle`] without printing the failure (the caller says it in its own
+/// words).
+pub fn try_handle(lib: Lib) -> Result<Handle, &'static str> {
     let cell = match lib {
         Lib::Cuda => &CUDA,
         Lib::Nvml => &NVML,
     };
     cell.get_or_init(|| {
         let r = load(lib);
-        match &r {
-            Ok(_) => crate::log::log!(Debug, "loaded the real {}", lib.prefix()),
-            Err(e) => crate::log::fail_closed(e),
+        if r.is_ok() {
+            crate::log::log!(Debug, "loaded the real {}", lib.prefix());
         }
         r
     })
@@ -210,6 +220,32 @@ pub fn choose(
     ))
 }
 
+/// The real NVML's SONAME is `libnvidia-ml.so.1`, and the dynamic linker
+/// answers a later `dlopen("libnvidia-ml.so.1")` (pynvml, a framework's
+/// NVML probe) with the first loaded object that has that name or SONAME:
+/// once the real library is loaded, that would be it, and the program would
+/// bypass our NVML views. So before loading it, the interposer takes the
+/// name itself: a bare-name `dlopen` that the library path resolves to our
+/// own file (the vdriver mirror's hard link) adds the name to our link map
+/// entry, which comes first. Anything else it finds is closed again.
+fn claim_soname(own: &Path, soname: &CStr) {
+    let Ok(own_c) = CString::new(own.as_os_str().as_encoded_bytes()) else {
+        return;
+    };
+    unsafe {
+        let me = libc::dlopen(own_c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
+        let h = libc::dlopen(soname.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+        if !h.is_null() && h != me {
+            crate::log::log!(
+                Warn,
+                "{soname:?} on the library path is not the interposer: a program that \
+                 loads it by that name bypasses the NVML views"
+            );
+            libc::dlclose(h);
+        }
+    }
+}
+
 fn load(lib: Lib) -> Result<Handle, String> {
     let own = own_path().ok_or("cannot find the interposer's own path (dladdr failed)")?;
     let own_id = std::fs::metadata(&own).ok().map(|m| (m.dev(), m.ino()));
@@ -230,6 +266,9 @@ fn load(lib: Lib) -> Result<Handle, String> {
     let module = std::fs::read_to_string("/proc/driver/nvidia/version")
         .ok()
         .and_then(|t| kernel_module_version(&t));
+    if lib == Lib::Nvml {
+        claim_soname(&own, c"libnvidia-ml.so.1");
+    }
     let mut errors = Vec::new();
     for dir in &dirs {
         let names: Vec<String> = match std::fs::read_dir(dir) {
