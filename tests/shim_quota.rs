@@ -8,66 +8,52 @@
 
 #[path = "../cuda-shim/testsupport/server.rs"]
 mod server;
+#[path = "../cuda-shim/testsupport/simnode.rs"]
+mod simnode;
 
 use server::{Event, TestManager};
+use simnode::{Container, ShimNode};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use vcuda_tests::{SimNode, compile_c, target_dir, workspace_root};
+use vcuda_tests::{target_dir, workspace_root};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
 
-/// A sim node, its vdriver mirror with the interposer, a config dir and the
-/// compiled client.
+/// A sim node with its vdriver mirror (the interposer as libcuda.so.1), one
+/// container vm dir (empty until a test writes its config) and the compiled
+/// client.
 struct Node {
-    sim: SimNode,
-    lib64: PathBuf,
-    cfg: tempfile::TempDir,
+    sim: ShimNode,
+    vm: Container,
     client: PathBuf,
-    driver: (i32, i32),
 }
 
 impl Node {
     fn new() -> Node {
-        let sim = SimNode::install("sim-1gpu");
-        let shim = target_dir().join("libvcuda.so");
-        assert!(
-            shim.is_file(),
-            "{} missing: run `cargo build --workspace` first",
-            shim.display()
+        let sim = ShimNode::install(
+            &workspace_root(),
+            &target_dir().join("gpu-sim"),
+            &target_dir().join("libvcuda.so"),
+            "sim-1gpu",
         );
-        let config = vdriver::VolumeConfig::load(&workspace_root().join("config/volume.conf"))
-            .expect("config/volume.conf");
-        // Inside the sim root, so the sim's libraries find their state.
-        let vdir = sim.root().join("vdriver");
-        let report = vdriver::mirror(sim.root(), &config, &vdir, Some(&shim)).expect("mirror");
-        let lib64 = report
-            .volume("nvidia")
-            .expect("nvidia volume")
-            .path
-            .join("lib64");
-        let v = report.driver_version.to_string();
-        let mut parts = v.split('.').map(|p| p.parse::<i32>().unwrap());
-        let driver = (parts.next().unwrap(), parts.next().unwrap());
-        let client = compile_c("shim_client", &sim, sim.root());
+        let client = sim.compile_c(&workspace_root().join("tests/c/shim_client.c"));
         Node {
+            vm: sim.vm_dir(),
             sim,
-            lib64,
-            cfg: tempfile::tempdir().unwrap(),
             client,
-            driver,
         }
     }
 
     fn dir(&self) -> &Path {
-        self.cfg.path()
+        self.vm.path()
     }
 
     fn write_config(&self, quota: u64, enable: bool) {
-        server::write_config(self.dir(), quota, self.driver, enable);
+        server::write_config(self.dir(), quota, self.sim.driver, enable);
     }
 
     /// Writes the config and starts a manager for `quota` bytes.
@@ -77,11 +63,8 @@ impl Node {
     }
 
     fn cmd(&self, args: &[&str]) -> Command {
-        let mut c = Command::new(&self.client);
-        c.args(args)
-            .env("LD_LIBRARY_PATH", &self.lib64)
-            .env("VCUDA_CONFIG_DIR", self.dir())
-            .env_remove("LOGGER_LEVEL");
+        let mut c = self.vm.command(&self.client);
+        c.args(args);
         c
     }
 
@@ -99,9 +82,7 @@ impl Node {
     }
 
     fn sim_used(&self) -> u64 {
-        let st =
-            gpu_sim_core::SharedState::open(&gpu_sim_core::SimRoot::new(self.sim.root())).unwrap();
-        st.memory_used(0)
+        self.sim.memory_used()
     }
 }
 
@@ -222,7 +203,7 @@ fn four_processes_of_eight_threads_never_hold_more_than_the_quota() {
                 .unwrap()
         })
         .collect();
-    let st = gpu_sim_core::SharedState::open(&gpu_sim_core::SimRoot::new(n.sim.root())).unwrap();
+    let st = n.sim.state();
     let waiter = {
         let stop = stop.clone();
         std::thread::spawn(move || {
@@ -316,6 +297,37 @@ fn missing_config_fails_closed_with_one_clear_line() {
         "{}",
         lines[0]
     );
+}
+
+#[test]
+fn a_compute_quota_without_the_real_nvml_fails_closed_at_cuinit() {
+    let n = Node::new();
+    // A driver tree with the real libcuda but no real libnvidia-ml.
+    let lib64 = n.sim.lib64_without("libnvidia-ml.so.");
+    let init = |c: &Container| {
+        let mut cmd = c.command(&n.client);
+        cmd.arg("init");
+        n.run_cmd(cmd)
+    };
+    let c = n.sim.container(30, true, 0).with_lib64(lib64.clone());
+    let r = init(&c);
+    assert_eq!(r.get("cuInit"), 800, "CUDA_ERROR_NOT_PERMITTED");
+    let lines: Vec<_> = r.stderr.lines().filter(|l| l.contains("vcuda")).collect();
+    assert_eq!(lines.len(), 1, "{}", r.stderr);
+    assert!(
+        lines[0].contains("compute quota 30%")
+            && lines[0].contains("libnvidia-ml.so.")
+            && lines[0].contains(&lib64.display().to_string())
+            && lines[0].contains("refusing"),
+        "{}",
+        lines[0]
+    );
+    let m = c.manager.as_ref().unwrap();
+    assert!(m.events().is_empty(), "refused before registering");
+    // No compute quota (a whole GPU's worth): NVML is not needed.
+    let c = n.sim.container(100, true, 0).with_lib64(lib64);
+    let r = init(&c);
+    assert_eq!(r.get("cuInit"), 0, "{}", r.stderr);
 }
 
 #[test]

@@ -1,8 +1,9 @@
 //! A simulated GPU node whose driver tree is a vdriver mirror with the
 //! interposer as `libcuda.so.1` / `libnvidia-ml.so.1`, plus per-container
 //! vm directories served by [`super::server::TestManager`]: what the
-//! compute-quota tests (`tests/shim_compute.rs`) and benchmark
-//! (`benches/compute_accuracy.rs`) run workloads under.
+//! interposer's tests (`tests/shim_quota.rs`, `tests/shim_compute.rs`) and
+//! benchmarks (`benches/overhead.rs`, `benches/compute_accuracy.rs`) run
+//! their C programs under.
 //!
 //! Include next to `server.rs`:
 //! `#[path = ".../testsupport/server.rs"] mod server;` and
@@ -128,6 +129,46 @@ impl ShimNode {
         }
     }
 
+    /// A container's vm directory with nothing in it yet (no config, no
+    /// manager): the test writes what it needs.
+    pub fn vm_dir(&self) -> Container {
+        Container {
+            dir: tempfile::tempdir().unwrap(),
+            manager: None,
+            lib64: self.lib64.clone(),
+        }
+    }
+
+    /// A copy of the mirror's `lib64` (links to the same files) without the
+    /// entries whose names start with `prefix`, e.g. `libnvidia-ml.so.` for
+    /// a driver tree that lacks the real NVML.
+    pub fn lib64_without(&self, prefix: &str) -> PathBuf {
+        let dir = self
+            .root()
+            .join(format!("lib64-without-{}", prefix.trim_end_matches('.')));
+        std::fs::create_dir_all(&dir).unwrap();
+        for e in std::fs::read_dir(&self.lib64).unwrap() {
+            let e = e.unwrap();
+            let name = e.file_name();
+            if name.to_string_lossy().starts_with(prefix) {
+                continue;
+            }
+            let ft = e.file_type().unwrap();
+            if ft.is_symlink() {
+                let to = std::fs::read_link(e.path()).unwrap();
+                std::os::unix::fs::symlink(to, dir.join(&name)).unwrap();
+            } else if ft.is_file() {
+                std::fs::hard_link(e.path(), dir.join(&name)).unwrap();
+            }
+        }
+        dir
+    }
+
+    /// Device memory in use on GPU 0, as the sim's driver counts it.
+    pub fn memory_used(&self) -> u64 {
+        self.state().memory_used(0)
+    }
+
     /// A whole-GPU container (`enable` = 0): no manager, no limits.
     pub fn whole_gpu(&self) -> Container {
         let dir = tempfile::tempdir().unwrap();
@@ -187,6 +228,18 @@ pub struct Container {
 }
 
 impl Container {
+    /// The vm directory (`VCUDA_CONFIG_DIR`).
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The same container with another driver directory on its
+    /// `LD_LIBRARY_PATH`.
+    pub fn with_lib64(mut self, lib64: PathBuf) -> Container {
+        self.lib64 = lib64;
+        self
+    }
+
     /// `program` under the interposer in this container.
     pub fn command(&self, program: &Path) -> Command {
         let mut c = Command::new(program);
@@ -195,6 +248,31 @@ impl Container {
             .env_remove("LOGGER_LEVEL");
         c
     }
+}
+
+/// The profile directory of the running executable (`target/<profile>`
+/// for `target/<profile>/deps/<bench>`).
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().and_then(Path::parent).unwrap().to_path_buf()
+}
+
+/// A benchmark's build artifact: `name` in [`profile_dir`], else in
+/// target/debug.
+pub fn artifact(name: &str) -> PathBuf {
+    let profile = profile_dir();
+    let here = profile.join(name);
+    if here.exists() {
+        return here;
+    }
+    let debug = profile.parent().unwrap().join("debug").join(name);
+    assert!(
+        debug.exists(),
+        "{name} not found in {} or target/debug: run `cargo build --release --workspace` first",
+        profile.display()
+    );
+    eprintln!("note: using {} (no {})", debug.display(), here.display());
+    debug
 }
 
 /// CLOCK_MONOTONIC ns, the sim's clock.

@@ -9,24 +9,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef void *CUmodule;
-typedef void *CUfunction;
-typedef void *CUstream;
-typedef unsigned long long CUdeviceptr;
-
-CUresult cuInit(unsigned int flags);
-CUresult cuDeviceGet(CUdevice *dev, int ordinal);
-CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned int flags, CUdevice dev);
-CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes);
-CUresult cuModuleLoadData(CUmodule *m, const void *image);
-CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name);
-CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                        unsigned bz, unsigned shared, CUstream s, void **params, void **extra);
-CUresult cuStreamCreate(CUstream *s, unsigned int flags);
-CUresult cuStreamSynchronize(CUstream s);
+#include "cuda_driver.h"
 
 static void check(CUresult r, const char *what) {
   if (r != 0) {

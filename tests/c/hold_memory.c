@@ -1,27 +1,15 @@
 /* Allocates device memory through the driver API and holds it until stdin
  * closes (or a line arrives), printing what it did. Used to check, from
  * outside, what the driver reports about a process: inside a container, the
- * host must see it under its host PID. Declares the few driver entry points
- * it needs itself (the ABI is stable C). */
+ * host must see it under its host PID. The driver entry points it needs are
+ * in cuda_driver.h (the ABI is stable C). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #include <stdint.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef unsigned long long CUdeviceptr;
-
-CUresult cuInit(unsigned int flags);
-CUresult cuDeviceGetCount(int *count);
-CUresult cuDeviceGet(CUdevice *dev, int ordinal);
-CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned int flags, CUdevice dev);
-CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes);
-CUresult cuMemFree_v2(CUdeviceptr ptr);
-CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes);
-CUresult cuGetErrorName(CUresult err, const char **name);
+#include "cuda_driver.h"
 
 static void check(CUresult r, const char *what) {
   if (r != 0) {

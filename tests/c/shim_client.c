@@ -1,6 +1,6 @@
 // A CUDA program linked with -lcuda, as users build them, driving the
-// interposer's quota paths. Declarations by hand (no cuda.h here), with the
-// versioned names cuda.h's macros map to.
+// interposer's quota paths. Declarations by hand (no cuda.h here: the common
+// ones in cuda_driver.h), with the versioned names cuda.h's macros map to.
 //
 // usage: shim_client MODE [ARGS]; prints key=value lines the tests parse.
 #define _GNU_SOURCE
@@ -12,16 +12,11 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef void *CUmodule;
-typedef void *CUfunction;
-typedef void *CUstream;
+#include "cuda_driver.h"
+
 typedef void *CUarray;
 typedef void *CUmipmappedArray;
 typedef void *CUmemoryPool;
-typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemGenericAllocationHandle;
 
 typedef struct {
@@ -56,14 +51,8 @@ typedef struct {
   unsigned NumChannels, Flags;
 } CUDA_ARRAY3D_DESCRIPTOR;
 
-CUresult cuInit(unsigned flags);
-CUresult cuDeviceGet(CUdevice *d, int ordinal);
 CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d);
-CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice dev);
 CUresult cuCtxSetCurrent(CUcontext ctx);
-CUresult cuMemGetInfo_v2(size_t *free, size_t *total);
-CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n);
-CUresult cuMemFree_v2(CUdeviceptr p);
 CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t h, unsigned elem);
 CUresult cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned flags);
 CUresult cuArrayCreate_v2(CUarray *a, const CUDA_ARRAY_DESCRIPTOR *d);
@@ -74,17 +63,11 @@ CUresult cuMipmappedArrayDestroy(CUmipmappedArray a);
 CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t n, const CUmemAllocationProp *p,
                      unsigned long long flags);
 CUresult cuMemRelease(CUmemGenericAllocationHandle h);
-CUresult cuStreamCreate(CUstream *s, unsigned flags);
-CUresult cuStreamSynchronize(CUstream s);
 CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s);
 CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s);
 CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props);
 CUresult cuMemPoolDestroy(CUmemoryPool pool);
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool pool, CUstream s);
-CUresult cuModuleLoadData(CUmodule *m, const void *image);
-CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name);
-CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                        unsigned bz, unsigned shmem, CUstream s, void **params, void **extra);
 
 #define MIB (1024ULL * 1024ULL)
 #define MAXP 4096
@@ -311,6 +294,15 @@ static int mode_fork(size_t chunk) {
   int st;
   waitpid(c, &st, 0);
   printf("child_status=%d\n", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  // The manager gives the child's bytes back when it sees its connection
+  // close, which may come a moment after waitpid: wait for the view to
+  // show only the parent's chunk in use (up to 2 s).
+  for (int i = 0; i < 200; i++) {
+    size_t f = 0, t = 0;
+    check(cuMemGetInfo_v2(&f, &t), "cuMemGetInfo");
+    if (t - f <= chunk) break;
+    usleep(10 * 1000);
+  }
   CUresult last;
   int n = fill_plain(chunk, &last);
   printf("parent_allocated=%d parent_last=%d\n", n, last);
@@ -335,8 +327,10 @@ static int mode_hold(size_t chunk) {
   return 0;
 }
 
-// Medians for the overhead benchmark.
-static int mode_bench(int n) {
+// Medians for the overhead benchmark: ROUNDS rounds of n one-thread
+// launches then n/10 cuMemAlloc+cuMemFree, sleeping `sleep_ms` after each
+// round (paced under a compute quota, a round finds its tokens there).
+static int mode_bench(int n, int sleep_ms) {
   double t0 = now_ns();
   CUresult r = cuInit(0);
   double init_ns = now_ns() - t0;
@@ -366,6 +360,7 @@ static int mode_bench(int n) {
       cuMemFree_v2(p);
     }
     alloc[k] = (now_ns() - a) / (n / 10);
+    if (sleep_ms > 0) usleep(sleep_ms * 1000);
   }
   qsort(launch, ROUNDS, sizeof(double), cmp_double);
   qsort(alloc, ROUNDS, sizeof(double), cmp_double);
@@ -391,6 +386,7 @@ int main(int argc, char **argv) {
     return mode_race_ctx(atoi(argv[2]), atoi(argv[3]), strtoull(argv[4], NULL, 10) * MIB);
   if (!strcmp(m, "fork")) return mode_fork(chunk);
   if (!strcmp(m, "hold")) return mode_hold(chunk);
-  if (!strcmp(m, "bench")) return mode_bench(argc > 2 ? atoi(argv[2]) : 100000);
+  if (!strcmp(m, "bench"))
+    return mode_bench(argc > 2 ? atoi(argv[2]) : 100000, argc > 3 ? atoi(argv[3]) : 0);
   return 2;
 }

@@ -1,13 +1,15 @@
 // A saturating CUDA workload for the compute-quota tests and benchmark:
 // 1 ms kernels (86400 blocks of 256 threads: 100 waves of 10 us on the
 // sim's A100) launched back to back on one stream, synchronising every few
-// launches as real training loops do. Declarations by hand (no cuda.h).
+// launches as real training loops do. Driver declarations: cuda_driver.h.
 //
 // usage: shim_compute saturate SECONDS [SYNC_EVERY]
+//        shim_compute mixed SECONDS [SYNC_EVERY]
+//          (two shapes: each 1 ms kernel is followed by five 0.1 ms kernels
+//          of 34560 blocks of 32 threads -- 10 waves, the SM's 32-block
+//          limit -- which take 1/10 of the time for 1/20 of the threads;
+//          syncs every 6 launches by default)
 //        shim_compute fork SECONDS      (the child saturates; the parent waits)
-//        shim_compute launchcost ROUNDS N SLEEP_MS
-//          (median ns per cuLaunchKernel over ROUNDS bursts of N one-block
-//          kernels, sleeping between bursts so a quota keeps tokens)
 // Prints key=value words the tests parse: pid, launches, wall_ns, cpu_ns
 // (user + system time of the whole process while saturating).
 #define _GNU_SOURCE
@@ -19,22 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef void *CUmodule;
-typedef void *CUfunction;
-typedef void *CUstream;
-
-CUresult cuInit(unsigned flags);
-CUresult cuDeviceGet(CUdevice *d, int ordinal);
-CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice dev);
-CUresult cuStreamCreate(CUstream *s, unsigned flags);
-CUresult cuStreamSynchronize(CUstream s);
-CUresult cuModuleLoadData(CUmodule *m, const void *image);
-CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name);
-CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                        unsigned bz, unsigned shmem, CUstream s, void **params, void **extra);
+#include "cuda_driver.h"
 
 static void check(CUresult r, const char *what) {
   if (r != 0) {
@@ -57,25 +44,34 @@ static long long cpu_ns(void) {
          (u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1000LL;
 }
 
-static int saturate(double seconds, int sync_every) {
+// A context on device 0, a stream, and the fake module's kernel `name`.
+static void setup(const char *name, CUfunction *f, CUstream *s) {
   CUdevice dev;
   CUcontext ctx;
   CUmodule m;
-  CUfunction f;
-  CUstream s;
   static const char image[] = "fake image";
   check(cuInit(0), "cuInit");
   check(cuDeviceGet(&dev, 0), "cuDeviceGet");
   check(cuCtxCreate_v2(&ctx, 0, dev), "cuCtxCreate");
   check(cuModuleLoadData(&m, image), "cuModuleLoadData");
-  check(cuModuleGetFunction(&f, m, "busy"), "cuModuleGetFunction");
-  check(cuStreamCreate(&s, 0), "cuStreamCreate");
+  check(cuModuleGetFunction(f, m, name), "cuModuleGetFunction");
+  check(cuStreamCreate(s, 0), "cuStreamCreate");
+}
+
+// mixed: launch i is a 1 ms kernel when i % 6 == 0, else a 0.1 ms one.
+static int saturate(double seconds, int sync_every, int mixed) {
+  CUfunction f;
+  CUstream s;
+  setup("busy", &f, &s);
   printf("pid=%d start_ns=%lld\n", getpid(), now_ns());
   fflush(stdout);
   long long t0 = now_ns(), c0 = cpu_ns(), end = t0 + (long long)(seconds * 1e9);
   long long n = 0;
   while (now_ns() < end) {
-    check(cuLaunchKernel(f, 86400, 1, 1, 256, 1, 1, 0, s, NULL, NULL), "cuLaunchKernel");
+    if (mixed && n % 6 != 0)
+      check(cuLaunchKernel(f, 34560, 1, 1, 32, 1, 1, 0, s, NULL, NULL), "cuLaunchKernel");
+    else
+      check(cuLaunchKernel(f, 86400, 1, 1, 256, 1, 1, 0, s, NULL, NULL), "cuLaunchKernel");
     if (++n % sync_every == 0) check(cuStreamSynchronize(s), "cuStreamSynchronize");
   }
   check(cuStreamSynchronize(s), "cuStreamSynchronize");
@@ -84,49 +80,17 @@ static int saturate(double seconds, int sync_every) {
   return 0;
 }
 
-static int cmp_ll(const void *a, const void *b) {
-  long long x = *(const long long *)a, y = *(const long long *)b;
-  return (x > y) - (x < y);
-}
-
-static int launchcost(int rounds, int n, int sleep_ms) {
-  CUdevice dev;
-  CUcontext ctx;
-  CUmodule m;
-  CUfunction f;
-  CUstream s;
-  static const char image[] = "fake image";
-  check(cuInit(0), "cuInit");
-  check(cuDeviceGet(&dev, 0), "cuDeviceGet");
-  check(cuCtxCreate_v2(&ctx, 0, dev), "cuCtxCreate");
-  check(cuModuleLoadData(&m, image), "cuModuleLoadData");
-  check(cuModuleGetFunction(&f, m, "noop"), "cuModuleGetFunction");
-  check(cuStreamCreate(&s, 0), "cuStreamCreate");
-  long long *per = calloc(rounds, sizeof *per);
-  for (int k = 0; k < rounds; k++) {
-    long long a = now_ns();
-    for (int i = 0; i < n; i++) cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL);
-    per[k] = (now_ns() - a) * 1000 / n;
-    check(cuStreamSynchronize(s), "cuStreamSynchronize");
-    usleep(sleep_ms * 1000);
-  }
-  qsort(per, rounds, sizeof *per, cmp_ll);
-  printf("launch_ps=%lld min_ps=%lld\n", per[rounds / 2], per[0]);
-  return 0;
-}
-
 int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   if (argc < 3) {
-    fprintf(stderr, "usage: shim_compute saturate|fork SECONDS [SYNC_EVERY]\n");
+    fprintf(stderr, "usage: shim_compute saturate|mixed|fork SECONDS [SYNC_EVERY]\n");
     return 2;
   }
   double seconds = atof(argv[2]);
-  int sync_every = argc > 3 ? atoi(argv[3]) : 4;
+  int mixed = !strcmp(argv[1], "mixed");
+  int sync_every = argc > 3 ? atoi(argv[3]) : mixed ? 6 : 4;
   if (sync_every < 1) sync_every = 1;
-  if (!strcmp(argv[1], "saturate")) return saturate(seconds, sync_every);
-  if (!strcmp(argv[1], "launchcost") && argc > 4)
-    return launchcost(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
+  if (!strcmp(argv[1], "saturate") || mixed) return saturate(seconds, sync_every, mixed);
   if (!strcmp(argv[1], "fork")) {
     // The parent initialises (and so holds the controller lease) first.
     CUdevice dev;
@@ -137,7 +101,7 @@ int main(int argc, char **argv) {
     printf("parent_pid=%d\n", getpid());
     fflush(stdout);
     pid_t c = fork();
-    if (c == 0) _exit(saturate(seconds, sync_every));
+    if (c == 0) _exit(saturate(seconds, sync_every, 0));
     int st;
     waitpid(c, &st, 0);
     printf("child_status=%d\n", WIFEXITED(st) ? WEXITSTATUS(st) : -1);

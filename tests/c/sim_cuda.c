@@ -8,7 +8,8 @@
  *   procaddr             cuGetProcAddress / _v2: versions, flags, statuses
  *   nosyscall N          N launches between two getppid() markers
  *   init                 cuInit only; prints its result
- * Declares the entry points it needs itself: the driver ABI is stable C. */
+ * Declares the entry points it needs itself (the common ones in
+ * cuda_driver.h): the driver ABI is stable C. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdint.h>
@@ -18,49 +19,30 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef void *CUmodule;
-typedef void *CUfunction;
-typedef void *CUstream;
+#include "cuda_driver.h"
+
 typedef void *CUevent;
-typedef unsigned long long CUdeviceptr;
 typedef unsigned long long cuuint64_t;
 
-CUresult cuInit(unsigned int flags);
 CUresult cuDriverGetVersion(int *v);
-CUresult cuDeviceGetCount(int *count);
-CUresult cuDeviceGet(CUdevice *dev, int ordinal);
 CUresult cuDeviceGetName(char *name, int len, CUdevice dev);
 CUresult cuDeviceGetUuid_v2(unsigned char uuid[16], CUdevice dev);
 CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev);
 CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice dev);
 CUresult cuDeviceGetPCIBusId(char *id, int len, CUdevice dev);
 CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *id);
-CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned int flags, CUdevice dev);
 CUresult cuCtxDestroy_v2(CUcontext ctx);
 CUresult cuCtxGetCurrent(CUcontext *ctx);
 CUresult cuCtxSynchronize(void);
-CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes);
-CUresult cuMemFree_v2(CUdeviceptr ptr);
-CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b);
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n);
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n);
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n);
 CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned int v, size_t n);
-CUresult cuModuleLoadData(CUmodule *m, const void *image);
-CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name);
-CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                        unsigned bz, unsigned shared, CUstream s, void **params, void **extra);
-CUresult cuStreamCreate(CUstream *s, unsigned int flags);
-CUresult cuStreamSynchronize(CUstream s);
 CUresult cuStreamQuery(CUstream s);
 CUresult cuEventCreate(CUevent *e, unsigned int flags);
 CUresult cuEventRecord(CUevent e, CUstream s);
 CUresult cuEventSynchronize(CUevent e);
 CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b);
-CUresult cuGetErrorName(CUresult err, const char **name);
 CUresult cuGetErrorString(CUresult err, const char **s);
 CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, cuuint64_t flags);
 CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_t flags, int *status);
