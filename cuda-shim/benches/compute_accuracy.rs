@@ -7,12 +7,13 @@
 //!
 //! * a hard limit L in {10, 30, 50, 70, 90}, alone: achieved vs L;
 //! * two containers at 30 and 70, both saturating, on one GPU;
-//! * a soft limit (30, may burst to 100) alone: how far above 30;
-//! * launch cost with the compute quota active and tokens available,
-//!   against the sim's driver directly and the interposer without a
-//!   compute limit.
+//! * a hard 30 whose workload mixes two shapes (`shim_compute mixed`: each
+//!   1 ms kernel followed by five 0.1 ms kernels with half the threads per
+//!   unit of time);
+//! * a soft limit (30, may burst to 100) alone: how far above 30.
 //!
-//! A benchmark, never a test: it prints and asserts nothing. About 2 min.
+//! Launch cost: `cargo bench -p cuda-shim --bench overhead`.
+//! A benchmark, never a test: it prints and asserts nothing. About 2.5 min.
 //! `cargo build --release --workspace && cargo bench -p cuda-shim --bench compute_accuracy`
 //! (gpu-sim falls back to target/debug).
 
@@ -31,25 +32,6 @@ const WARMUP_S: f64 = 3.0;
 const WINDOW_S: f64 = 10.0;
 const LIMITS: [i32; 5] = [10, 30, 50, 70, 90];
 
-fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().and_then(Path::parent).unwrap().to_path_buf()
-}
-
-/// `name` in this profile's dir, else in target/debug.
-fn artifact(name: &str) -> PathBuf {
-    let here = profile_dir().join(name);
-    if here.exists() {
-        return here;
-    }
-    let debug = profile_dir().parent().unwrap().join("debug").join(name);
-    assert!(
-        debug.exists(),
-        "{name} not found: run `cargo build --release --workspace` first"
-    );
-    debug
-}
-
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -60,8 +42,8 @@ fn workspace() -> PathBuf {
 fn node() -> (ShimNode, PathBuf) {
     let n = ShimNode::install(
         &workspace(),
-        &artifact("gpu-sim"),
-        &profile_dir().join("libvcuda.so"),
+        &simnode::artifact("gpu-sim"),
+        &simnode::profile_dir().join("libvcuda.so"),
         "sim-1gpu",
     );
     let prog = n.compile_c(&workspace().join("tests/c/shim_compute.c"));
@@ -128,13 +110,11 @@ const fn s(x: f64) -> u64 {
     (x * 1e9) as u64
 }
 
-/// Achieved percent of each workload over the same 10 s window.
-fn measure(n: &ShimNode, c: &[&Container], prog: &Path) -> Vec<f64> {
+/// Achieved percent of each workload (`shim_compute <mode>`) over the same
+/// 10 s window.
+fn measure(n: &ShimNode, c: &[&Container], prog: &Path, mode: &str) -> Vec<f64> {
     let secs = format!("{}", WARMUP_S + WINDOW_S + 0.5);
-    let runs: Vec<Running> = c
-        .iter()
-        .map(|c| start(c, prog, &["saturate", &secs]))
-        .collect();
+    let runs: Vec<Running> = c.iter().map(|c| start(c, prog, &[mode, &secs])).collect();
     let from = runs.iter().map(|r| r.start).max().unwrap() + s(WARMUP_S);
     let to = from + s(WINDOW_S);
     sleep_until(to + 20_000_000);
@@ -143,32 +123,6 @@ fn measure(n: &ShimNode, c: &[&Container], prog: &Path) -> Vec<f64> {
         finish(r);
     }
     got
-}
-
-fn launch_ps(c: &Container, prog: &Path) -> f64 {
-    let r = start_plain(c, prog, &["launchcost", "31", "2000", "60"]);
-    r.split_whitespace()
-        .find_map(|w| w.strip_prefix("launch_ps="))
-        .unwrap_or_else(|| panic!("no launch_ps in {r}"))
-        .parse::<f64>()
-        .unwrap()
-        / 1000.0
-}
-
-fn start_plain(c: &Container, prog: &Path, args: &[&str]) -> String {
-    let o = c.command(prog).args(args).output().unwrap();
-    let s = String::from_utf8_lossy(&o.stdout).into_owned();
-    assert!(
-        o.status.success(),
-        "{s}{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    s
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn main() {
@@ -189,14 +143,14 @@ fn main() {
     for l in LIMITS {
         let (n, prog) = node();
         let c = n.container(l, true, 0);
-        let got = measure(&n, &[&c], &prog)[0];
+        let got = measure(&n, &[&c], &prog, "saturate")[0];
         row(&format!("hard {l}, alone"), l as f64, got);
     }
     {
         let (n, prog) = node();
         let a = n.container(30, true, 0);
         let b = n.container(70, true, 0);
-        let got = measure(&n, &[&a, &b], &prog);
+        let got = measure(&n, &[&a, &b], &prog, "saturate");
         row("hard 30 + hard 70, together: 30", 30.0, got[0]);
         row("hard 30 + hard 70, together: 70", 70.0, got[1]);
         println!(
@@ -208,40 +162,20 @@ fn main() {
     }
     {
         let (n, prog) = node();
+        let c = n.container(30, true, 0);
+        let got = measure(&n, &[&c], &prog, "mixed")[0];
+        row("hard 30, mixed 1 ms + 5 x 0.1 ms", 30.0, got);
+    }
+    {
+        let (n, prog) = node();
         let c = n.container(30, false, 100);
-        let got = measure(&n, &[&c], &prog)[0];
+        let got = measure(&n, &[&c], &prog, "saturate")[0];
         println!(
             "{:<34} {:>7.0}% {got:>8.1}% {:>+8.1} {:>6}",
             "soft 30 (limit 100), alone",
             30.0,
             got - 30.0,
             if got > 30.0 { "burst" } else { "NO" }
-        );
-    }
-    {
-        let (n, prog) = node();
-        let direct = n.direct();
-        let uncapped = n.container(100, true, 0);
-        let capped = n.container(50, true, 0);
-        let (mut d, mut u, mut q) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..5 {
-            d.push(launch_ps(&direct, &prog));
-            u.push(launch_ps(&uncapped, &prog));
-            q.push(launch_ps(&capped, &prog));
-        }
-        let (d, u, q) = (median(d), median(u), median(q));
-        println!(
-            "\ncuLaunchKernel, median ns per launch (tokens available: 2000 launches per 80 ms, quota 50%)"
-        );
-        println!("  sim driver directly:              {d:>7.1} ns");
-        println!(
-            "  interposer, no compute limit:     {u:>7.1} ns  (+{:.1})",
-            u - d
-        );
-        println!(
-            "  interposer, compute quota active: {q:>7.1} ns  (+{:.1} over the driver, +{:.1} for the throttle)",
-            q - d,
-            q - u
         );
     }
 }

@@ -1,65 +1,53 @@
 //! What the interposer costs, measured against calling the simulated driver
 //! directly in the same run: the same C program (tests/c/shim_client.c,
-//! `bench` mode) runs alternately with LD_LIBRARY_PATH on the sim's own
-//! driver directory and on a vdriver-like directory whose libcuda.so.1 is
-//! the interposer (quotas active, registered with a stand-in manager).
-//! Prints medians over runs, the difference and the ratio, against the
-//! budgets of issue #5. A benchmark, never a test: it asserts nothing.
+//! `bench` mode) runs alternately on the sim's own driver directory and
+//! under the interposer (a vdriver mirror of the sim, `testsupport/simnode.rs`)
+//! in two enforced containers registered with a stand-in manager: memory
+//! quota without a compute limit, and memory quota with a hard compute
+//! quota. Prints medians over runs, the difference and the ratio, against
+//! the budgets of issue #5 (`cuLaunchKernel`: at most 50 ns more, median,
+//! with quotas active and tokens available). A benchmark, never a test: it
+//! asserts nothing.
+//!
+//! Tokens available: each round is 2000 one-thread launches (20 ms of
+//! device time on the sim, whose waves take 10 µs) followed by a 60 ms
+//! sleep, so the container uses about 25 % of the GPU under its 50 % quota
+//! and a round fits in the bucket's 50 ms burst; every configuration runs
+//! the same pacing. The bench reads the container's bucket afterwards and
+//! says whether any launch waited.
 //!
 //! `cargo build --release --workspace && cargo bench -p cuda-shim --bench overhead`
-//! (falls back to target/debug for gpu-sim and the sim's libraries).
+//! (gpu-sim and the sim's libraries fall back to target/debug).
 
 #[path = "../testsupport/server.rs"]
 mod server;
+#[path = "../testsupport/simnode.rs"]
+mod simnode;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use simnode::{Container, ShimNode};
+use std::path::Path;
+use vcuda::throttle::bucket::Bucket;
 
-const RUNS: usize = 15;
-const LAUNCHES_PER_ROUND: &str = "20000";
-
-fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().and_then(Path::parent).unwrap().to_path_buf()
-}
-
-/// `name` in this profile's dir, else in target/debug.
-fn artifact(name: &str) -> PathBuf {
-    let here = profile_dir().join(name);
-    if here.exists() {
-        return here;
-    }
-    let debug = profile_dir().parent().unwrap().join("debug").join(name);
-    if debug.exists() {
-        eprintln!(
-            "note: using {} (no {} build)",
-            debug.display(),
-            here.display()
-        );
-        return debug;
-    }
-    panic!(
-        "{name} not found in {} or target/debug: run `cargo build --release --workspace` first",
-        profile_dir().display()
-    );
-}
+const RUNS: usize = 11;
+const LAUNCHES_PER_ROUND: &str = "2000";
+const SLEEP_MS: &str = "60";
+/// The compute quota of the throttled container (hard).
+const QUOTA: i32 = 50;
 
 /// (cuInit, launch, alloc+free) in ns, from one run.
 type Sample = (f64, f64, f64);
-/// A table row: name, field of a sample, budget, unit.
-type Row = (&'static str, fn(&Sample) -> f64, f64, &'static str);
+/// A table row: name, samples compared with the direct ones, field, budget.
+type Row<'a> = (&'static str, &'a [Sample], fn(&Sample) -> f64, f64);
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
-fn run(client: &Path, lib: &Path, cfg: &Path) -> Sample {
-    let out = Command::new(client)
-        .args(["bench", LAUNCHES_PER_ROUND])
-        .env("LD_LIBRARY_PATH", lib)
-        .env("VCUDA_CONFIG_DIR", cfg)
-        .env_remove("LOGGER_LEVEL")
+fn run(c: &Container, client: &Path) -> Sample {
+    let out = c
+        .command(client)
+        .args(["bench", LAUNCHES_PER_ROUND, SLEEP_MS])
         .output()
         .unwrap();
     let s = String::from_utf8_lossy(&out.stdout);
@@ -80,99 +68,77 @@ fn run(client: &Path, lib: &Path, cfg: &Path) -> Sample {
 
 fn main() {
     // `cargo bench` passes --bench; nothing else is accepted.
-    let root = tempfile::Builder::new()
-        .prefix("shim-bench-")
-        .tempdir()
-        .unwrap();
-    let root = root.path();
-    let node = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/nodes/sim-1gpu.toml");
-    let st = Command::new(artifact("gpu-sim"))
-        .args(["install", "--node"])
-        .arg(&node)
-        .arg("--root")
-        .arg(root)
-        .output()
-        .unwrap();
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let n = ShimNode::install(
+        workspace,
+        &simnode::artifact("gpu-sim"),
+        &simnode::profile_dir().join("libvcuda.so"),
+        "sim-1gpu",
     );
-    // The interposer directory: the sim's versioned libraries beside the
-    // interposer's soname links, as the vdriver mirror lays them out.
-    let real = root.join("usr/lib/x86_64-linux-gnu");
-    let vd = root.join("vdriver/nvidia/lib64");
-    std::fs::create_dir_all(&vd).unwrap();
-    let mut version = String::new();
-    for e in std::fs::read_dir(&real).unwrap() {
-        let e = e.unwrap();
-        let name = e.file_name().into_string().unwrap();
-        let ft = e.file_type().unwrap();
-        if ft.is_file() && (name.starts_with("libcuda.so.") || name.starts_with("libnvidia-ml.so."))
-        {
-            std::fs::hard_link(e.path(), vd.join(&name)).unwrap();
-            if let Some(v) = name.strip_prefix("libcuda.so.") {
-                version = v.to_string();
-            }
-        }
-    }
-    let shim = profile_dir().join("libvcuda.so");
-    assert!(shim.exists(), "{} missing", shim.display());
-    std::fs::copy(&shim, vd.join("libvcuda.so")).unwrap();
-    for n in [
-        "libcuda.so",
-        "libcuda.so.1",
-        "libnvidia-ml.so",
-        "libnvidia-ml.so.1",
-    ] {
-        std::fs::hard_link(vd.join("libvcuda.so"), vd.join(n)).unwrap();
-    }
-    let client = root.join("shim_client");
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/c/shim_client.c");
-    let st = Command::new("gcc")
-        .args(["-O2", "-o"])
-        .arg(&client)
-        .arg(&src)
-        .arg("-L")
-        .arg(&real)
-        .args(["-lcuda", "-lpthread"])
-        .status()
-        .unwrap();
-    assert!(st.success(), "gcc");
+    let client = n.compile_c(&workspace.join("tests/c/shim_client.c"));
+    let direct = n.direct();
+    // Both enforce a 4 GiB memory quota; 100 %: no compute limit.
+    let uncapped = n.container(100, true, 0);
+    let capped = n.container(QUOTA, true, 0);
+    let ledger = capped.manager.as_ref().unwrap().ledger();
+    // SAFETY: the ledger stays mapped until `capped` is dropped, after use.
+    let bucket = unsafe { Bucket::at(ledger.compute_words().as_ptr()) };
 
-    let cfg = root.join("vcuda");
-    std::fs::create_dir_all(&cfg).unwrap();
-    let mut parts = version.split('.').map(|p| p.parse::<i32>().unwrap_or(0));
-    let dv = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    server::write_config(&cfg, 8 << 30, dv, true);
-    let _manager = server::TestManager::start(&cfg, 8 << 30);
-
-    let (mut direct, mut shimmed) = (Vec::new(), Vec::new());
+    let (mut d, mut u, mut q) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..RUNS {
-        direct.push(run(&client, &real, &cfg));
-        shimmed.push(run(&client, &vd, &cfg));
+        d.push(run(&direct, &client));
+        u.push(run(&uncapped, &client));
+        q.push(run(&capped, &client));
     }
     println!(
-        "cuda-shim overhead vs the simulated driver, medians of {RUNS} runs (each: 31 rounds)"
+        "cuda-shim overhead vs the simulated driver, medians of {RUNS} runs (each: 31 rounds of {LAUNCHES_PER_ROUND} launches, {SLEEP_MS} ms apart)"
     );
     println!(
-        "{:<22} {:>12} {:>12} {:>12} {:>8} {:>12}",
+        "{:<56} {:>10} {:>12} {:>10} {:>7} {:>10}",
         "", "direct", "interposer", "added", "ratio", "budget"
     );
-    let rows: [Row; 3] = [
-        ("cuInit", |r| r.0, 1_000_000.0, "ns"),
-        ("cuLaunchKernel", |r| r.1, 50.0, "ns"),
-        ("cuMemAlloc+cuMemFree", |r| r.2, 2_000.0, "ns"),
+    let rows: [Row; 5] = [
+        ("cuInit, no compute limit", &u, |r| r.0, 1_000_000.0),
+        (
+            "cuInit, compute quota (loads the real NVML)",
+            &q,
+            |r| r.0,
+            1_000_000.0,
+        ),
+        ("cuLaunchKernel, no compute limit", &u, |r| r.1, 50.0),
+        (
+            "cuLaunchKernel, compute quota active, tokens available",
+            &q,
+            |r| r.1,
+            50.0,
+        ),
+        (
+            "cuMemAlloc+cuMemFree (memory + compute quota)",
+            &q,
+            |r| r.2,
+            2_000.0,
+        ),
     ];
-    for (name, f, budget, unit) in rows {
-        let d = median(direct.iter().map(f).collect());
-        let s = median(shimmed.iter().map(f).collect());
-        let added = s - d;
+    for (name, shimmed, f, budget) in rows {
+        let dm = median(d.iter().map(f).collect());
+        let sm = median(shimmed.iter().map(f).collect());
+        let added = sm - dm;
         println!(
-            "{name:<22} {d:>10.1}{unit} {s:>10.1}{unit} {added:>10.1}{unit} {:>8.3} {:>10.0}{unit} {}",
-            s / d,
-            budget,
+            "{name:<56} {dm:>8.1}ns {sm:>10.1}ns {added:>8.1}ns {:>7.3} {budget:>8.0}ns {}",
+            sm / dm,
             if added <= budget { "ok" } else { "OVER" }
         );
     }
+    let rate = bucket.rate();
+    println!(
+        "compute quota: hard {QUOTA} %, learned rate {:.1} launches/ms; launches that waited for tokens: {}, asleep {:.1} ms{}",
+        rate * 1e6,
+        bucket.waits(),
+        ledger.throttled_ns() as f64 / 1e6,
+        if bucket.waits() == 0 && rate > 0.0 {
+            ""
+        } else {
+            "  (NOT tokens-available: the throttle line measured waiting)"
+        }
+    );
 }
