@@ -103,7 +103,10 @@ pub mod vcuda {
                 };
                 let mut buf = Vec::new();
                 write(&mut buf, &req).unwrap();
-                assert_eq!(u32::from_be_bytes(buf[..4].try_into().unwrap()) as usize, buf.len() - 4);
+                assert_eq!(
+                    u32::from_be_bytes(buf[..4].try_into().unwrap()) as usize,
+                    buf.len() - 4
+                );
                 let back: RegisterRequest = read(&mut buf.as_slice()).unwrap();
                 assert_eq!(back, req);
             }
