@@ -11,21 +11,8 @@
 //! Wrapped functions are found the way gpu-sim-cuda finds its own: a line
 //! `fn cuXxx(` or `fn nvmlXxx(` inside an export macro in `src/*.rs`.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write;
 use std::path::Path;
-
-fn list(path: &str) -> Vec<String> {
-    println!("cargo:rerun-if-changed={path}");
-    let set: BTreeSet<String> = std::fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("{path}: {e}"))
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .map(str::to_string)
-        .collect();
-    set.into_iter().collect()
-}
 
 fn main() {
     // One object serves both sonames; the dynamic linker dedups the hard
@@ -33,54 +20,20 @@ fn main() {
     // bind to our definitions, never to another object's.
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libcuda.so.1");
     println!("cargo:rustc-cdylib-link-arg=-Wl,-Bsymbolic");
-    println!("cargo:rerun-if-changed=src");
 
-    let cuda = list("../crates/cuda-abi/symbols/libcuda.txt");
-    let nvml = list("../crates/cuda-abi/symbols/libnvidia-ml.txt");
-
-    let mut wrapped = BTreeMap::new();
-    for entry in std::fs::read_dir("src").unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_none_or(|e| e != "rs") {
-            continue;
-        }
-        let stem = path.file_stem().unwrap().to_str().unwrap().to_string();
-        let module = if stem == "lib" {
-            "crate".to_string()
-        } else {
-            format!("crate::{stem}")
-        };
-        for line in std::fs::read_to_string(&path).unwrap().lines() {
-            // `fn name(` inside an export macro, or a hand-written
-            // `pub unsafe extern "C" fn name(`.
-            let mut t = line.trim_start();
-            for prefix in ["pub ", "unsafe ", "extern \"C\" "] {
-                t = t.strip_prefix(prefix).unwrap_or(t);
-            }
-            let Some(rest) = t.strip_prefix("fn ") else {
-                continue;
-            };
-            let name: String = rest
-                .chars()
-                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .collect();
-            let is_export = (name.starts_with("cu")
-                && name[2..].starts_with(|c: char| c.is_ascii_uppercase()))
-                || (name.starts_with("nvml")
-                    && name[4..].starts_with(|c: char| c.is_ascii_uppercase()));
-            if !is_export || !rest[name.len()..].starts_with('(') {
-                continue;
-            }
-            assert!(
-                cuda.contains(&name) || nvml.contains(&name),
-                "{name} wrapped in {} but not in an export list",
-                path.display()
-            );
-            assert!(
-                wrapped.insert(name.clone(), module.clone()).is_none(),
-                "{name} wrapped twice"
-            );
-        }
+    let cuda = cuda_abi::build::symbol_list(Path::new("../crates/cuda-abi/symbols/libcuda.txt"));
+    let nvml =
+        cuda_abi::build::symbol_list(Path::new("../crates/cuda-abi/symbols/libnvidia-ml.txt"));
+    // `fn name(` inside an export macro, or a hand-written
+    // `pub unsafe extern "C" fn name(`.
+    let wrapped = cuda_abi::build::exported_fns(Path::new("src"), |n| {
+        cuda_abi::build::is_api_name(n, "cu") || cuda_abi::build::is_api_name(n, "nvml")
+    });
+    for (name, module) in &wrapped {
+        assert!(
+            cuda.contains(name) || nvml.contains(name),
+            "{name} wrapped in {module} but not in an export list"
+        );
     }
 
     let forwarded: Vec<(&String, bool)> = cuda

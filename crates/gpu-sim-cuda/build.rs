@@ -3,7 +3,6 @@
 //! one this crate does not implement, and `lookup(name)`, the name ->
 //! function pointer map cuGetProcAddress hands out.
 
-use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::path::Path;
 
@@ -12,47 +11,15 @@ fn main() {
     // Own exports bind to our own definitions even when an interposer with
     // the same symbols is loaded first (cuGetProcAddress must hand out ours).
     println!("cargo:rustc-cdylib-link-arg=-Wl,-Bsymbolic");
-    let list = Path::new("../cuda-abi/symbols/libcuda.txt");
-    println!("cargo:rerun-if-changed={}", list.display());
-    println!("cargo:rerun-if-changed=src");
-    let symbols: Vec<String> = std::fs::read_to_string(list)
-        .expect("cuda-abi/symbols/libcuda.txt")
-        .lines()
-        .filter(|l| !l.is_empty())
-        .map(str::to_string)
-        .collect();
-
+    let symbols = cuda_abi::build::symbol_list(Path::new("../cuda-abi/symbols/libcuda.txt"));
     // Implemented exports: `fn cuXxx(` inside the cuda_fn! macro, per module.
-    let mut implemented = BTreeMap::new();
-    for entry in std::fs::read_dir("src").unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_none_or(|e| e != "rs") {
-            continue;
-        }
-        let stem = path.file_stem().unwrap().to_str().unwrap().to_string();
-        let module = if stem == "lib" {
-            "crate".to_string()
-        } else {
-            format!("crate::{stem}")
-        };
-        for line in std::fs::read_to_string(&path).unwrap().lines() {
-            let t = line.trim_start();
-            if let Some(rest) = t.strip_prefix("fn cu")
-                && rest.starts_with(|c: char| c.is_ascii_uppercase())
-                && let Some(name) = rest.split('(').next()
-            {
-                let name = format!("cu{name}");
-                assert!(
-                    symbols.contains(&name),
-                    "{name} implemented in {} but not in libcuda.txt",
-                    path.display()
-                );
-                assert!(
-                    implemented.insert(name.clone(), module.clone()).is_none(),
-                    "{name} implemented twice"
-                );
-            }
-        }
+    let implemented =
+        cuda_abi::build::exported_fns(Path::new("src"), |n| cuda_abi::build::is_api_name(n, "cu"));
+    for (name, module) in &implemented {
+        assert!(
+            symbols.contains(name),
+            "{name} implemented in {module} but not in libcuda.txt"
+        );
     }
 
     let mut out = String::new();

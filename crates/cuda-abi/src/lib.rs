@@ -372,3 +372,118 @@ mod tests {
         assert_eq!(error_string(-5), None);
     }
 }
+
+/// For build scripts that generate exports from the lists in `symbols/`
+/// (the simulated libcuda and libnvidia-ml, and the interposer): one reading
+/// of a list and one scan of a crate's sources for the exports it defines.
+pub mod build {
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::path::Path;
+
+    /// The symbols of an export list, sorted and unique (blank lines and
+    /// `#` comments skipped). Tells cargo to rerun when the list changes.
+    pub fn symbol_list(path: &Path) -> Vec<String> {
+        println!("cargo:rerun-if-changed={}", path.display());
+        let text =
+            std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let set: BTreeSet<String> = text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .map(str::to_string)
+            .collect();
+        set.into_iter().collect()
+    }
+
+    /// Functions defined in `src_dir/*.rs` whose names satisfy `is_export`,
+    /// each with the module path that holds it (`crate` for lib.rs,
+    /// `crate::<file stem>` otherwise). A definition is a line `fn name(`,
+    /// possibly behind `pub`, `unsafe` and `extern "C"` (inside an export
+    /// macro or written out). A name defined twice is a build error.
+    pub fn exported_fns(
+        src_dir: &Path,
+        is_export: impl Fn(&str) -> bool,
+    ) -> BTreeMap<String, String> {
+        println!("cargo:rerun-if-changed={}", src_dir.display());
+        let mut found = BTreeMap::new();
+        let mut files: Vec<_> = std::fs::read_dir(src_dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", src_dir.display()))
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+            .collect();
+        files.sort();
+        for path in files {
+            let stem = path.file_stem().unwrap().to_str().unwrap();
+            let module = if stem == "lib" {
+                "crate".to_string()
+            } else {
+                format!("crate::{stem}")
+            };
+            for line in std::fs::read_to_string(&path).unwrap().lines() {
+                let mut t = line.trim_start();
+                for prefix in ["pub ", "unsafe ", "extern \"C\" "] {
+                    t = t.strip_prefix(prefix).unwrap_or(t);
+                }
+                let Some(rest) = t.strip_prefix("fn ") else {
+                    continue;
+                };
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                if !is_export(&name) || !rest[name.len()..].starts_with('(') {
+                    continue;
+                }
+                let previous = found.insert(name.clone(), module.clone());
+                assert!(
+                    previous.is_none(),
+                    "{name} defined twice (in {} and {module})",
+                    previous.unwrap()
+                );
+            }
+        }
+        found
+    }
+
+    /// `prefix` followed by an upper-case letter: `cuInit` for "cu",
+    /// `nvmlInit_v2` for "nvml", but not `cuda_fn` or `nvml_error`.
+    pub fn is_api_name(name: &str, prefix: &str) -> bool {
+        name.strip_prefix(prefix)
+            .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_uppercase()))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn finds_exports_in_every_form() {
+            let dir = std::env::temp_dir().join(format!("cuda-abi-build-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(
+                dir.join("lib.rs"),
+                "cuda_fn! {\n    fn cuInit(flags: u32) -> CUresult { 0 }\n}\nfn cuda_helper() {}\n",
+            )
+            .unwrap();
+            std::fs::write(
+                dir.join("mem.rs"),
+                "pub unsafe extern \"C\" fn nvmlInit_v2() -> u32 { 0 }\npub extern \"C\" fn cuMemAlloc_v2(p: *mut u64) -> i32 { 0 }\n",
+            )
+            .unwrap();
+            let found = exported_fns(&dir, |n| is_api_name(n, "cu") || is_api_name(n, "nvml"));
+            std::fs::remove_dir_all(&dir).unwrap();
+            let want: Vec<(&str, &str)> = vec![
+                ("cuInit", "crate"),
+                ("cuMemAlloc_v2", "crate::mem"),
+                ("nvmlInit_v2", "crate::mem"),
+            ];
+            assert_eq!(
+                found
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str()))
+                    .collect::<Vec<_>>(),
+                want
+            );
+        }
+    }
+}
