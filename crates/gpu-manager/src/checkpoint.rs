@@ -579,31 +579,38 @@ pub fn crc32c(crc: u32, bytes: &[u8]) -> u32 {
     !c
 }
 
+/// A 30-core, 4-unit share on `gpu`, unverified: the allocation the unit
+/// tests of this crate start from.
+#[cfg(test)]
+pub(crate) fn sample_share(uid: &str, gpu: usize) -> Allocation {
+    Allocation {
+        pod_uid: uid.into(),
+        namespace: "ns".into(),
+        pod_name: "p".into(),
+        container: "c".into(),
+        container_index: 0,
+        cores: 30,
+        memory_units: 4,
+        memory_limit: 4,
+        placement: PlacementRecord::Share {
+            gpu,
+            cores: 30,
+            memory_units: 4,
+        },
+        soft_limit: None,
+        vcore_ids: vec!["vcore-0-00".into()],
+        vmemory_ids: vec![],
+        verified: false,
+        created: 1,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn alloc(uid: &str) -> Allocation {
-        Allocation {
-            pod_uid: uid.into(),
-            namespace: "ns".into(),
-            pod_name: "p".into(),
-            container: "c".into(),
-            container_index: 0,
-            cores: 30,
-            memory_units: 4,
-            memory_limit: 4,
-            placement: PlacementRecord::Share {
-                gpu: 1,
-                cores: 30,
-                memory_units: 4,
-            },
-            soft_limit: None,
-            vcore_ids: vec!["vcore-0-00".into()],
-            vmemory_ids: vec![],
-            verified: false,
-            created: 1,
-        }
+        sample_share(uid, 1)
     }
 
     fn uids(cp: &Checkpoint) -> Vec<String> {

@@ -107,29 +107,13 @@ pub fn judge(a: &Allocation, ev: &Evidence, age_s: u64, grace_s: u64) -> Verdict
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checkpoint::PlacementRecord;
     use crate::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
 
     fn alloc() -> Allocation {
         Allocation {
-            pod_uid: "u1".into(),
-            namespace: "ns".into(),
-            pod_name: "p".into(),
-            container: "c".into(),
-            container_index: 0,
-            cores: 30,
-            memory_units: 4,
-            memory_limit: 4,
-            placement: PlacementRecord::Share {
-                gpu: 0,
-                cores: 30,
-                memory_units: 4,
-            },
-            soft_limit: None,
-            vcore_ids: vec!["vcore-0-00".into()],
-            vmemory_ids: vec![],
             verified: true,
             created: 0,
+            ..crate::checkpoint::sample_share("u1", 0)
         }
     }
 
