@@ -144,8 +144,10 @@ struct Inner {
     admit_lock: tokio::sync::Mutex<()>,
     running: tokio::sync::Mutex<Option<Running>>,
     seq: std::sync::atomic::AtomicU64,
-    /// Serialises checkpoint writes so the file on disk is always the
-    /// latest snapshot (a stale one renamed last would undo an admission).
+    /// Held across every change of the recorded allocations and its
+    /// checkpoint write, and across the reload at boot: the file on disk is
+    /// always the latest state, and a restart never reloads a snapshot that
+    /// an admission or release made stale while the reload was under way.
     write_lock: Mutex<()>,
 }
 
@@ -215,8 +217,11 @@ impl KubeletEmulator {
         remove_sockets(&inner.dir)?;
         let _ = std::fs::remove_file(&inner.pod_resources_socket);
         // Allocations come back from the checkpoint, as in kubelet.
-        let data = CheckpointData::load(&inner.dir.join(CHECKPOINT_FILE))?.unwrap_or_default();
-        inner.state.lock().unwrap().entries = data.pod_device_entries;
+        {
+            let _w = inner.write_lock.lock().unwrap();
+            let data = CheckpointData::load(&inner.dir.join(CHECKPOINT_FILE))?.unwrap_or_default();
+            inner.state.lock().unwrap().entries = data.pod_device_entries;
+        }
         let cancel = CancellationToken::new();
         let mut tasks = Vec::new();
 
@@ -321,10 +326,7 @@ impl KubeletEmulator {
                 }
                 Err(e) => {
                     // All or nothing, so a failed admission leaks no devices.
-                    let mut st = self.inner.state.lock().unwrap();
-                    st.entries.retain(|x| !added.contains(x));
-                    drop(st);
-                    self.write_checkpoint()?;
+                    self.update_entries(|entries| entries.retain(|x| !added.contains(x)))?;
                     return Err(e);
                 }
             }
@@ -458,8 +460,7 @@ impl KubeletEmulator {
             device_ids: per_numa,
             alloc_resp: resp.encode_to_vec(),
         };
-        self.inner.state.lock().unwrap().entries.push(entry.clone());
-        self.write_checkpoint()?;
+        self.update_entries(|entries| entries.push(entry.clone()))?;
 
         if options.pre_start_required {
             let mut req = Request::new(PreStartContainerRequest {
@@ -469,13 +470,7 @@ impl KubeletEmulator {
             if let Err(s) = client.pre_start_container(req).await {
                 // The caller (admit) frees the container's devices, as
                 // deleting the failed pod would.
-                self.inner
-                    .state
-                    .lock()
-                    .unwrap()
-                    .entries
-                    .retain(|x| *x != entry);
-                self.write_checkpoint()?;
+                self.update_entries(|entries| entries.retain(|x| *x != entry))?;
                 return Err(rpc_err("PreStartContainer", s));
             }
         }
@@ -485,16 +480,28 @@ impl KubeletEmulator {
 
     /// Frees every device of the pod.
     pub fn release_pod(&self, pod_uid: &str) -> Result<(), EmulatorError> {
-        {
-            let mut st = self.inner.state.lock().unwrap();
-            st.entries.retain(|e| e.pod_uid != pod_uid);
-            st.pods.remove(pod_uid);
-        }
-        self.write_checkpoint()
+        self.inner.state.lock().unwrap().pods.remove(pod_uid);
+        self.update_entries(|entries| entries.retain(|e| e.pod_uid != pod_uid))
+    }
+
+    /// Changes the recorded allocations and writes the checkpoint, as one
+    /// step under `write_lock`.
+    fn update_entries(
+        &self,
+        change: impl FnOnce(&mut Vec<PodDevicesEntry>),
+    ) -> Result<(), EmulatorError> {
+        let _w = self.inner.write_lock.lock().unwrap();
+        change(&mut self.inner.state.lock().unwrap().entries);
+        self.store_checkpoint()
     }
 
     fn write_checkpoint(&self) -> Result<(), EmulatorError> {
         let _w = self.inner.write_lock.lock().unwrap();
+        self.store_checkpoint()
+    }
+
+    /// Writes the current state; the caller holds `write_lock`.
+    fn store_checkpoint(&self) -> Result<(), EmulatorError> {
         let entries = self.inner.state.lock().unwrap().entries.clone();
         let registered_devices = self
             .inner
