@@ -4,7 +4,7 @@
 
 use crate::config::ENFORCING;
 use crate::real::real_cuda;
-use crate::throttle::before_launch;
+use crate::throttle::{before_launch, kernel_cost};
 use cuda_abi::CUresult;
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
@@ -27,53 +27,46 @@ pub struct LaunchConfig {
 }
 
 #[inline(always)]
-fn threads(g: [u32; 3], b: [u32; 3]) -> u64 {
-    g.iter()
-        .chain(&b)
-        .fold(1u64, |a, &x| a.saturating_mul(u64::from(x)))
-}
-
-#[inline(always)]
 fn hook(cost: impl FnOnce() -> u64) {
     if ENFORCING.load(Ordering::Relaxed) {
-        before_launch(cost());
+        before_launch(cost);
     }
 }
 
 cuda_exports! {
     fn cuLaunchKernel(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernel: LaunchKernel);
-        hook(|| threads([gx, gy, gz], [bx, by, bz]));
+        hook(|| kernel_cost([gx, gy, gz], [bx, by, bz]));
         real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
     }
 
     fn cuLaunchKernel_ptsz(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernel_ptsz: LaunchKernel);
-        hook(|| threads([gx, gy, gz], [bx, by, bz]));
+        hook(|| kernel_cost([gx, gy, gz], [bx, by, bz]));
         real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
     }
 
     fn cuLaunchCooperativeKernel(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params) {
         let real = real_cuda!(cuLaunchCooperativeKernel: LaunchCoop);
-        hook(|| threads([gx, gy, gz], [bx, by, bz]));
+        hook(|| kernel_cost([gx, gy, gz], [bx, by, bz]));
         real(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
     }
 
     fn cuLaunchCooperativeKernel_ptsz(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params) {
         let real = real_cuda!(cuLaunchCooperativeKernel_ptsz: LaunchCoop);
-        hook(|| threads([gx, gy, gz], [bx, by, bz]));
+        hook(|| kernel_cost([gx, gy, gz], [bx, by, bz]));
         real(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
     }
 
     fn cuLaunchKernelEx(config: *const LaunchConfig, f: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernelEx: LaunchEx);
-        hook(|| config.as_ref().map_or(0, |c| threads(c.grid, c.block)));
+        hook(|| config.as_ref().map_or(0, |c| kernel_cost(c.grid, c.block)));
         real(config, f, params, extra)
     }
 
     fn cuLaunchKernelEx_ptsz(config: *const LaunchConfig, f: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernelEx_ptsz: LaunchEx);
-        hook(|| config.as_ref().map_or(0, |c| threads(c.grid, c.block)));
+        hook(|| config.as_ref().map_or(0, |c| kernel_cost(c.grid, c.block)));
         real(config, f, params, extra)
     }
 
@@ -103,13 +96,13 @@ cuda_exports! {
 
     fn cuLaunchGrid(f: Ptr, w: i32, h: i32) {
         let real = real_cuda!(cuLaunchGrid: unsafe extern "C" fn(Ptr, i32, i32) -> CUresult);
-        hook(|| (w.max(0) as u64).saturating_mul(h.max(0) as u64));
+        hook(|| kernel_cost([w.max(1) as u32, h.max(1) as u32, 1], [1, 1, 1]));
         real(f, w, h)
     }
 
     fn cuLaunchGridAsync(f: Ptr, w: i32, h: i32, stream: Ptr) {
         let real = real_cuda!(cuLaunchGridAsync: unsafe extern "C" fn(Ptr, i32, i32, Ptr) -> CUresult);
-        hook(|| (w.max(0) as u64).saturating_mul(h.max(0) as u64));
+        hook(|| kernel_cost([w.max(1) as u32, h.max(1) as u32, 1], [1, 1, 1]));
         real(f, w, h, stream)
     }
 }

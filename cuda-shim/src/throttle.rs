@@ -21,7 +21,10 @@
 
 pub mod bucket;
 pub mod controller;
+pub mod cost;
 pub mod sampler;
+
+pub use cost::kernel_cost;
 
 use bucket::{Bucket, now_ns};
 use container_ledger::Ledger;
@@ -43,18 +46,19 @@ pub const LEASE_STALE_NS: u64 = 500_000_000;
 const TICK: Duration = Duration::from_millis(20);
 const IDLE_TICK: Duration = Duration::from_millis(100);
 
-/// Called before each kernel launch. `cost_hint`: threads launched (grid
-/// blocks x threads per block), 0 when unknown (graph launches). Must stay
-/// cheap: the launch path budget is 50 ns over the driver.
+/// Called before each kernel launch. `cost`: the launch's
+/// [`kernel_cost`] (a sum of them for a graph), 0 when unknown; asked only
+/// when the container has a compute limit. Must stay cheap: the launch
+/// path budget is a few ns over the driver.
 #[inline(always)]
-pub fn before_launch(cost_hint: u64) {
+pub fn before_launch(cost: impl FnOnce() -> u64) {
     let p = BUCKET.load(Ordering::Acquire);
     if p.is_null() {
         return;
     }
     // SAFETY: set only to a mapping that is never unmapped.
     let b = unsafe { Bucket::at(p) };
-    if let Some(ticket) = b.take(cost_hint) {
+    if let Some(ticket) = b.take(cost()) {
         // The clock is read only here, off the fast path.
         count_throttled(b.wait(ticket, arm_watcher));
     }
