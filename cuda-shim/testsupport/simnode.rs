@@ -29,8 +29,11 @@ pub struct ShimNode {
 impl ShimNode {
     /// Installs `<workspace>/config/nodes/<node>.toml` with the `gpu-sim`
     /// binary `gpu_sim` (the sim's cdylibs beside it), then mirrors it with
-    /// the interposer `shim` (a `libvcuda.so`).
+    /// the interposer `shim` (a `libvcuda.so`), or `$VCUDA_INTERPOSER` when
+    /// set: tests/run.sh runs the shim tests again on the glibc-2.17 build.
     pub fn install(workspace: &Path, gpu_sim: &Path, shim: &Path, node: &str) -> ShimNode {
+        let shim_env = std::env::var_os("VCUDA_INTERPOSER").map(PathBuf::from);
+        let shim = shim_env.as_deref().unwrap_or(shim);
         let sim = tempfile::Builder::new()
             .prefix("gpu-sim-")
             .tempdir()

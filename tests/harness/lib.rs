@@ -23,6 +23,20 @@ pub fn target_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// The interposer the deploy image ships: the glibc-2.17 build that
+/// `cargo zigbuild -p cuda-shim --release --target
+/// x86_64-unknown-linux-gnu.2.17` leaves in the same target dir (see
+/// cuda-shim/README.md, "glibc floor"), or `$VCUDA_INTERPOSER` when set.
+pub fn shipped_interposer() -> PathBuf {
+    if let Some(p) = std::env::var_os("VCUDA_INTERPOSER") {
+        return PathBuf::from(p);
+    }
+    target_dir()
+        .parent()
+        .expect("target dir")
+        .join("x86_64-unknown-linux-gnu/release/libvcuda.so")
+}
+
 /// One HTTP/1.1 GET with `Connection: close`: the status code (0 when the
 /// answer has none) and the body.
 pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {

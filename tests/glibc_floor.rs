@@ -1,0 +1,218 @@
+//! The glibc floor of the interposer we ship (cuda-shim/README.md, "glibc
+//! floor"): it is loaded into every CUDA container as libcuda.so.1, so one
+//! versioned glibc symbol newer than the container's glibc makes CUDA
+//! vanish there (`version 'GLIBC_2.34' not found`). Ubuntu 20.04 has 2.31,
+//! UBI 8 2.28, CentOS 7 2.17: the shipped build must need at most 2.17.
+//!
+//! The shipped build is `cargo zigbuild -p cuda-shim --release --target
+//! x86_64-unknown-linux-gnu.2.17` (tests/run.sh and deploy/Dockerfile make
+//! it), at `target/x86_64-unknown-linux-gnu/release/libvcuda.so`;
+//! `VCUDA_INTERPOSER=<path>` checks another file instead.
+
+use goblin::elf::Elf;
+use goblin::elf::dynamic::{DF_SYMBOLIC, DT_FLAGS, DT_SYMBOLIC};
+use goblin::elf::sym::{STB_GLOBAL, STB_WEAK, STT_FUNC};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use vcuda_tests::{shipped_interposer, target_dir};
+
+/// The oldest glibc the interposer must load under (CentOS 7).
+const FLOOR: (u32, u32) = (2, 17);
+/// `vna_flags` bit of a weak version reference: ld.so does not fail the
+/// load when the version is missing (glibc elf/dl-version.c).
+const VER_FLG_WEAK: u16 = 0x2;
+
+/// One `GLIBC_x.y` version reference of the library's verneed table.
+struct VersionRef {
+    /// The needed library it names (libc.so.6, libpthread.so.0, ...).
+    file: String,
+    version: (u32, u32),
+    name: String,
+    weak: bool,
+    /// Undefined symbols bound to this version, "(weak)" marking weak
+    /// bindings: why the reference is there.
+    symbols: Vec<String>,
+}
+
+fn read(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}; build it first (tests/run.sh does: `cargo zigbuild -p cuda-shim --release \
+             --target x86_64-unknown-linux-gnu.2.17`, and `cargo build --workspace` for the host build)",
+            path.display()
+        )
+    })
+}
+
+fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Elf<'a> {
+    Elf::parse(bytes).unwrap_or_else(|e| panic!("{} is not an ELF file: {e}", path.display()))
+}
+
+/// "GLIBC_2.17" -> (2, 17); other version names (GCC_3.0, GLIBC_PRIVATE) -> None.
+fn glibc_version(name: &str) -> Option<(u32, u32)> {
+    let (major, minor) = name.strip_prefix("GLIBC_")?.split_once('.')?;
+    let minor = minor.split('.').next()?;
+    Some((major.parse().ok()?, minor.parse().ok()?))
+}
+
+fn glibc_refs(elf: &Elf) -> Vec<VersionRef> {
+    let str_at = |off: usize| elf.dynstrtab.get_at(off).unwrap_or("?").to_string();
+    // versym index -> undefined symbols bound to it.
+    let mut by_index: BTreeMap<u16, Vec<String>> = BTreeMap::new();
+    if let Some(versym) = &elf.versym {
+        for (i, sym) in elf.dynsyms.iter().enumerate() {
+            if sym.st_shndx != 0 || sym.st_name == 0 {
+                continue;
+            }
+            let Some(v) = versym.get_at(i) else { continue };
+            let weak = if sym.st_bind() == STB_WEAK {
+                " (weak)"
+            } else {
+                ""
+            };
+            by_index
+                .entry(v.version())
+                .or_default()
+                .push(format!("{}{weak}", str_at(sym.st_name)));
+        }
+    }
+    let mut refs = Vec::new();
+    let Some(verneed) = &elf.verneed else {
+        return refs;
+    };
+    for need in verneed.iter() {
+        let file = str_at(need.vn_file);
+        for aux in need.iter() {
+            let name = str_at(aux.vna_name);
+            let Some(version) = glibc_version(&name) else {
+                continue;
+            };
+            refs.push(VersionRef {
+                file: file.clone(),
+                version,
+                name,
+                weak: aux.vna_flags & VER_FLG_WEAK != 0,
+                symbols: by_index.remove(&aux.vna_other).unwrap_or_default(),
+            });
+        }
+    }
+    refs
+}
+
+/// The names of the functions the library defines and exports.
+fn exported_functions(elf: &Elf) -> BTreeSet<String> {
+    elf.dynsyms
+        .iter()
+        .filter(|s| {
+            s.st_shndx != 0
+                && s.st_type() == STT_FUNC
+                && matches!(s.st_bind(), STB_GLOBAL | STB_WEAK)
+        })
+        .filter_map(|s| elf.dynstrtab.get_at(s.st_name).map(str::to_string))
+        .collect()
+}
+
+fn symbolic(elf: &Elf) -> bool {
+    elf.dynamic.as_ref().is_some_and(|d| {
+        d.dyns
+            .iter()
+            .any(|e| e.d_tag == DT_SYMBOLIC || (e.d_tag == DT_FLAGS && e.d_val & DF_SYMBOLIC != 0))
+    })
+}
+
+fn describe(r: &VersionRef) -> String {
+    format!(
+        "{} {} ({}) for {}",
+        r.file,
+        r.name,
+        if r.weak { "weak" } else { "required" },
+        if r.symbols.is_empty() {
+            "no symbol".to_string()
+        } else {
+            r.symbols.join(", ")
+        }
+    )
+}
+
+/// Only required version references decide whether ld.so loads the
+/// library: for each one the needed library lacks, the load fails, even
+/// when every symbol bound to it is a weak reference. A reference flagged
+/// VER_FLG_WEAK only makes ld.so warn. Rust's std calls what is newer than
+/// its floor (statx, getrandom, memfd_create, ...) through dlsym at run
+/// time, so those never show up here; a weak *symbol* with a version newer
+/// than 2.17 (`__cxa_thread_atexit_impl@GLIBC_2.18` in a host build) still
+/// carries a required version reference and is reported.
+#[test]
+fn shipped_interposer_needs_at_most_glibc_2_17() {
+    let path = shipped_interposer();
+    let bytes = read(&path);
+    let elf = parse(&path, &bytes);
+    let refs = glibc_refs(&elf);
+    assert!(
+        refs.iter().any(|r| r.name == "GLIBC_2.2.5"),
+        "{}: no GLIBC_2.2.5 version reference: not a dynamically linked x86_64 glibc library?",
+        path.display()
+    );
+    for r in refs.iter().filter(|r| r.weak) {
+        eprintln!(
+            "weak version reference, not needed to load: {}",
+            describe(r)
+        );
+    }
+    let too_new: Vec<String> = refs
+        .iter()
+        .filter(|r| !r.weak && r.version > FLOOR)
+        .map(describe)
+        .collect();
+    assert!(
+        too_new.is_empty(),
+        "{} needs glibc newer than {}.{}, so it cannot load on CentOS 7 / UBI 8 / Ubuntu 20.04:\n  {}\n\
+         build it with `cargo zigbuild -p cuda-shim --release --target x86_64-unknown-linux-gnu.2.17`",
+        path.display(),
+        FLOOR.0,
+        FLOOR.1,
+        too_new.join("\n  ")
+    );
+}
+
+/// The glibc-2.17 build is the same library as the host build the other
+/// tests exercise: same exported functions (wrappers and forwarding
+/// trampolines), same SONAME, still linked -Bsymbolic (cuda-shim/build.rs).
+#[test]
+fn shipped_interposer_exports_what_the_host_build_exports() {
+    let host_path: PathBuf = target_dir().join("libvcuda.so");
+    let shipped_path = shipped_interposer();
+    let (host_bytes, shipped_bytes) = (read(&host_path), read(&shipped_path));
+    let host = parse(&host_path, &host_bytes);
+    let shipped = parse(&shipped_path, &shipped_bytes);
+
+    assert_eq!(host.soname, Some("libcuda.so.1"), "{}", host_path.display());
+    assert_eq!(
+        shipped.soname,
+        host.soname,
+        "SONAME of {}",
+        shipped_path.display()
+    );
+    assert!(symbolic(&host), "{} not -Bsymbolic", host_path.display());
+    assert!(
+        symbolic(&shipped),
+        "{} not linked -Bsymbolic (cuda-shim/build.rs)",
+        shipped_path.display()
+    );
+
+    let (h, s) = (exported_functions(&host), exported_functions(&shipped));
+    assert!(
+        h.contains("cuInit") && h.contains("nvmlInit_v2") && h.len() > 100,
+        "{}: only {} exported functions",
+        host_path.display(),
+        h.len()
+    );
+    let only_host: Vec<&String> = h.difference(&s).collect();
+    let only_shipped: Vec<&String> = s.difference(&h).collect();
+    assert!(
+        only_host.is_empty() && only_shipped.is_empty(),
+        "exports differ: only in {}: {only_host:?}; only in {}: {only_shipped:?}",
+        host_path.display(),
+        shipped_path.display()
+    );
+}
