@@ -4,23 +4,104 @@
 //! in the ABI variant the caller asked for, or the quota is bypassed.
 //!
 //! The real driver answers first (its checks on version and flags, its
-//! status codes stay exact). Then, if cuda-abi's table maps (name, version,
-//! flags) to an exported symbol we wrap, and the real answer is that
-//! symbol's function, the pointer is replaced by our wrapper. A real answer
-//! that is some other function for an enforced name (a driver newer than our
-//! table) is refused rather than let through unenforced.
+//! status codes stay exact). A successful answer is then replaced by the
+//! *identity of the requested entry*: (name, version, per-thread flag) →
+//! the ABI variant cuda-abi's table says the driver hands out → our wrapper
+//! of that variant. The driver's pointer is never compared with `dlsym` of
+//! the same name: real drivers hand out internal entry points that differ
+//! from their exports. A base name we enforce whose variant we do not wrap
+//! (or a request newer than our table whose answer differs from the newest
+//! variant we know: the driver may have added one) is refused — NULL,
+//! `CUDA_ERROR_NOT_FOUND` — never let through unenforced.
 
 use crate::config::{self, Mode};
 use crate::log::log;
-use crate::real::{self, Lib, real_cuda};
+use crate::real::real_cuda;
 use cuda_abi::{CUDA_ERROR_NOT_FOUND, CUDA_SUCCESS, CUresult};
-use std::ffi::{CStr, CString, c_char, c_void};
+use std::collections::HashMap;
+use std::ffi::{CStr, c_char, c_void};
+use std::sync::OnceLock;
 
 type GetProcV1 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, i32, u64) -> CUresult;
 type GetProcV2 =
     unsafe extern "C" fn(*const c_char, *mut *mut c_void, i32, u64, *mut i32) -> CUresult;
 
-/// Substitutes our wrapper into `*pfn` where one applies. Returns the
+/// Base names with at least one wrapped ABI variant, each with every
+/// variant the table knows and our wrapper of it (None: not wrapped).
+struct Entries {
+    bases: HashMap<&'static str, Vec<(&'static str, Option<usize>)>>,
+    /// The newest CUDA version any entry of the table was introduced in:
+    /// above it the driver may hand out a variant we do not know.
+    newest: i32,
+}
+
+fn entries() -> &'static Entries {
+    static E: OnceLock<Entries> = OnceLock::new();
+    E.get_or_init(|| {
+        let mut bases = HashMap::new();
+        let mut newest = 0;
+        for p in cuda_abi::procs() {
+            let variants: Vec<(&'static str, Option<usize>)> = p
+                .plain
+                .iter()
+                .chain(p.per_thread)
+                .map(|&(v, n)| {
+                    newest = newest.max(v);
+                    (
+                        n,
+                        crate::trampoline::wrapper(n.as_bytes()).map(|f| f as usize),
+                    )
+                })
+                .collect();
+            if variants.iter().any(|(_, w)| w.is_some()) {
+                bases.insert(p.name, variants);
+            }
+        }
+        Entries { bases, newest }
+    })
+}
+
+/// What to do with a successful answer of the real driver.
+#[derive(Debug, PartialEq, Eq)]
+enum Decision {
+    /// Not a function we enforce: the driver's pointer stands.
+    Keep,
+    /// Our wrapper of the requested entry.
+    Ours(usize),
+    /// Ours, if the driver's answer at `known` (the newest version our
+    /// table knows) is the same entry as its answer at the requested one.
+    OursIfSameAs { ours: usize, known: i32 },
+    /// Enforced, but we have no wrapper for what was asked.
+    Refuse(&'static str),
+}
+
+fn decide(name: &str, version: i32, flags: u64) -> Decision {
+    let e = entries();
+    let Some(variants) = e.bases.get(name) else {
+        // Not a base name we enforce. A driver that accepts a full symbol
+        // name ("cuMemAlloc_v2") means that symbol: ours if we wrap it.
+        return match crate::trampoline::wrapper(name.as_bytes()) {
+            Some(w) if cuda_abi::build::is_api_name(name, "cu") => Decision::Ours(w as usize),
+            _ => Decision::Keep,
+        };
+    };
+    let Ok(exported) = cuda_abi::resolve(name, version, flags) else {
+        // The driver found it, our table does not (at this version): we
+        // cannot tell which variant that is.
+        return Decision::Refuse("the table has no variant at this version");
+    };
+    match variants.iter().find(|(n, _)| *n == exported) {
+        Some(&(_, Some(ours))) if version > e.newest => Decision::OursIfSameAs {
+            ours,
+            known: e.newest,
+        },
+        Some(&(_, Some(ours))) => Decision::Ours(ours),
+        _ => Decision::Refuse("no wrapper for this variant"),
+    }
+}
+
+/// Applies [`decide`] to the real driver's answer. `ask(version)` asks the
+/// real driver again (for the newer-than-the-table check). Returns the
 /// status to give the caller.
 unsafe fn substitute(
     r: CUresult,
@@ -29,6 +110,7 @@ unsafe fn substitute(
     version: i32,
     flags: u64,
     status: *mut i32,
+    ask: impl Fn(i32) -> Option<usize>,
 ) -> CUresult {
     if r != CUDA_SUCCESS || symbol.is_null() || pfn.is_null() || unsafe { *pfn }.is_null() {
         return r;
@@ -37,31 +119,28 @@ unsafe fn substitute(
         return r;
     }
     let name = unsafe { CStr::from_ptr(symbol) };
-    let Ok(exported) = name
-        .to_str()
-        .map_err(drop)
-        .and_then(|n| cuda_abi::resolve(n, version, flags).map_err(drop))
-    else {
+    let Ok(n) = name.to_str() else {
         return r;
     };
-    let Some(ours) = crate::trampoline::wrapper(exported.as_bytes()) else {
-        return r;
+    let why = match decide(n, version, flags) {
+        Decision::Keep => return r,
+        Decision::Ours(w) => {
+            unsafe { *pfn = w as *mut c_void };
+            return r;
+        }
+        Decision::OursIfSameAs { ours, known } => {
+            if ask(known) == Some(unsafe { *pfn } as usize) {
+                unsafe { *pfn = ours as *mut c_void };
+                return r;
+            }
+            "the driver hands out a variant newer than the interposer's table"
+        }
+        Decision::Refuse(why) => why,
     };
-    let got = unsafe { *pfn } as *const c_void;
-    if got == ours {
-        return r;
-    }
-    let expected = CString::new(exported)
-        .map(|c| real::sym(Lib::Cuda, &c))
-        .unwrap_or(0);
-    if expected != 0 && expected == got as usize {
-        unsafe { *pfn = ours as *mut c_void };
-        return r;
-    }
     log!(
         Warn,
-        "cuGetProcAddress({name:?}, {version}, {flags}) returned a function that is not {exported}; \
-         refusing it (the interposer's ABI table is older than the driver)"
+        "cuGetProcAddress({name:?}, {version}, {flags}): {why}; refusing it rather than \
+         handing out an unenforced function"
     );
     unsafe { *pfn = std::ptr::null_mut() };
     if !status.is_null() {
@@ -74,12 +153,94 @@ cuda_exports! {
     fn cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64, status: *mut i32) {
         let f = real_cuda!(cuGetProcAddress_v2: GetProcV2);
         let r = f(symbol, pfn, version, flags, status);
-        substitute(r, symbol, pfn, version, flags, status)
+        let ask = |v: i32| {
+            let mut p = std::ptr::null_mut();
+            let mut s = 0;
+            (f(symbol, &mut p, v, flags, &mut s) == CUDA_SUCCESS).then_some(p as usize)
+        };
+        substitute(r, symbol, pfn, version, flags, status, ask)
     }
 
     fn cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64) {
         let f = real_cuda!(cuGetProcAddress: GetProcV1);
         let r = f(symbol, pfn, version, flags);
-        substitute(r, symbol, pfn, version, flags, std::ptr::null_mut())
+        let ask = |v: i32| {
+            let mut p = std::ptr::null_mut();
+            (f(symbol, &mut p, v, flags) == CUDA_SUCCESS).then_some(p as usize)
+        };
+        substitute(r, symbol, pfn, version, flags, std::ptr::null_mut(), ask)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cuda_abi::CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM as PTDS;
+
+    fn ours(name: &str) -> usize {
+        crate::trampoline::wrapper(name.as_bytes()).unwrap() as usize
+    }
+
+    #[test]
+    fn enforced_entries_map_to_the_wrapper_of_the_requested_variant() {
+        assert_eq!(
+            decide("cuMemAlloc", 12000, 0),
+            Decision::Ours(ours("cuMemAlloc_v2"))
+        );
+        assert_eq!(
+            decide("cuMemAlloc", 2000, 0),
+            Decision::Ours(ours("cuMemAlloc"))
+        );
+        assert_eq!(
+            decide("cuLaunchKernel", 12000, PTDS),
+            Decision::Ours(ours("cuLaunchKernel_ptsz"))
+        );
+        assert_eq!(
+            decide("cuLaunchKernel", 12000, 0),
+            Decision::Ours(ours("cuLaunchKernel"))
+        );
+        assert_eq!(
+            decide("cuGetProcAddress", 12000, 0),
+            Decision::Ours(ours("cuGetProcAddress_v2"))
+        );
+        // A full symbol name, if a driver accepts it, is that symbol.
+        assert_eq!(
+            decide("cuMemAlloc_v2", 12000, 0),
+            Decision::Ours(ours("cuMemAlloc_v2"))
+        );
+    }
+
+    #[test]
+    fn unenforced_entries_keep_the_drivers_pointer() {
+        assert_eq!(decide("cuMemcpyHtoD", 12000, PTDS), Decision::Keep);
+        assert_eq!(decide("cuStreamSynchronize", 12000, 0), Decision::Keep);
+        assert_eq!(decide("cuNoSuchThing", 12000, 0), Decision::Keep);
+    }
+
+    #[test]
+    fn newer_than_the_table_is_checked_against_the_newest_known_answer() {
+        let newest = entries().newest;
+        assert!(newest >= 12000, "{newest}");
+        assert_eq!(
+            decide("cuMemAlloc", newest + 10, 0),
+            Decision::OursIfSameAs {
+                ours: ours("cuMemAlloc_v2"),
+                known: newest
+            }
+        );
+    }
+
+    #[test]
+    fn an_enforced_base_without_a_wrapped_variant_is_refused() {
+        // Every enforced base: every variant the table knows is wrapped, or
+        // asking for it is refused (never Keep).
+        for (base, variants) in &entries().bases {
+            for (name, w) in variants {
+                if w.is_none() {
+                    eprintln!("{base}: {name} not wrapped");
+                }
+            }
+        }
+        assert!(matches!(decide("cuMemAlloc", 1000, 0), Decision::Refuse(_)));
     }
 }
