@@ -2,7 +2,8 @@
 
 grpcio (C core) plays kubelet: the client is generated at test time from
 proto/deviceplugin/v1beta1/api.proto and talks to the `demo-plugin` binary
-over its unix socket with `:authority: localhost`, as kubelet >= 1.26 does.
+over its unix socket with `:authority: localhost`, as kubelet >= 1.26 does,
+and with the socket-path authorities older kubelets and grpcio send.
 
 Needs: pip install grpcio grpcio-tools pytest. Finds demo-plugin in
 $VCUDA_TARGET_DIR (default: <repo>/target/debug, see conftest.py) and builds
@@ -160,20 +161,29 @@ def test_accepts_what_kubelet_sends(api, plugin_socket):
         assert len(first.devices) == 4
 
 
-def test_path_authority_is_refused_by_tonic(api, plugin_socket):
-    """Documents a fact: kubelet < 1.26 (older grpc-go) sent the socket path
-    as :authority; tonic's HTTP/2 server (h2) refuses such a request with
-    RST_STREAM(PROTOCOL_ERROR), which gRPC clients report as INTERNAL. Hence
-    vcuda supports kubelet >= 1.26 only. If this test starts failing, tonic
-    has become lenient and the README can be relaxed."""
+@pytest.mark.parametrize(
+    "authority",
+    [
+        None,  # grpcio's default for a unix: target (percent-encoded path)
+        "PLUGIN_SOCKET",  # grpc-go before kubelet 1.26: the raw socket path
+        "%2Fvar%2Flib%2Fkubelet%2Fdevice-plugins%2Fdemo.sock",
+        "localhost",  # kubelet >= 1.26
+    ],
+)
+def test_any_authority_is_accepted(api, plugin_socket, authority):
+    """kubelet < 1.26 (grpc-go) sent the socket path as :authority, and
+    grpcio sends a percent-encoded path by default. h2 alone resets such a
+    stream with PROTOCOL_ERROR; the plugins' sockets rewrite it (crate
+    uds-authority), so every one of them is served, unary and streaming."""
     pb, api_grpc = api
-    with grpc.insecure_channel(
-        f"unix://{plugin_socket}", options=[("grpc.default_authority", str(plugin_socket))]
-    ) as ch:
-        with pytest.raises(grpc.RpcError) as e:
-            api_grpc.DevicePluginStub(ch).GetDevicePluginOptions(pb.Empty(), timeout=5)
-        assert e.value.code() == grpc.StatusCode.INTERNAL
-        assert "RST_STREAM" in e.value.details()
-    # The plugin keeps serving proper clients.
-    with kubelet_channel(plugin_socket) as ch:
-        assert api_grpc.DevicePluginStub(ch).GetDevicePluginOptions(pb.Empty(), timeout=5).pre_start_required
+    opts = []
+    if authority is not None:
+        value = str(plugin_socket) if authority == "PLUGIN_SOCKET" else authority
+        opts = [("grpc.default_authority", value)]
+    with grpc.insecure_channel(f"unix://{plugin_socket}", options=opts) as ch:
+        s = api_grpc.DevicePluginStub(ch)
+        assert s.GetDevicePluginOptions(pb.Empty(), timeout=5).pre_start_required
+        first = next(s.ListAndWatch(pb.Empty(), timeout=5))
+        assert len(first.devices) == 4
+        req = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["dev-1"])])
+        assert s.Allocate(req, timeout=5).container_responses[0].envs["DEMO_DEVICES"] == "dev-1"

@@ -223,3 +223,52 @@ def test_dashboard_queries_only_exported_metrics(served):
     # Series that exist only after their first event (labels not known before).
     missing = used - names - {"vcuda_manager_allocation_failures_total"}
     assert not missing, f"dashboard queries metrics /metrics lacks: {sorted(missing)}"
+
+
+@pytest.fixture(scope="module")
+def display_api(tmp_path_factory):
+    """A client generated at test time from proto/display/api.proto (the
+    original gpu-manager's display API)."""
+    import sys
+
+    import grpc_tools
+    from grpc_tools import protoc
+
+    out = tmp_path_factory.mktemp("display-gen")
+    # Its own file name: the device-plugin test's api.proto may already be
+    # loaded in this interpreter (modules and descriptor pool are by name).
+    (out / "display_api.proto").write_text((REPO / "proto" / "display" / "api.proto").read_text())
+    wkt = pathlib.Path(grpc_tools.__file__).parent / "_proto"
+    rc = protoc.main(
+        [
+            "grpc_tools.protoc",
+            f"-I{out}",
+            f"-I{wkt}",
+            f"--python_out={out}",
+            f"--grpc_python_out={out}",
+            str(out / "display_api.proto"),
+        ]
+    )
+    assert rc == 0, "protoc failed on display/api.proto"
+    sys.path.insert(0, str(out))
+    import display_api_pb2 as display_pb2  # noqa: E402
+    import display_api_pb2_grpc as display_grpc  # noqa: E402
+
+    return display_pb2, display_grpc
+
+
+@pytest.mark.parametrize("options", [[], [("grpc.default_authority", "/run/gpu-manager.sock")]])
+def test_grpcio_with_default_options_reads_the_display(served, display_api, options):
+    """Operators query --display-socket with grpcio clients as they come:
+    grpcio sends the (percent-encoded) socket path as :authority, which h2
+    alone resets with PROTOCOL_ERROR (RST_STREAM error code 1)."""
+    import grpc
+    from google.protobuf import empty_pb2
+
+    _, display_grpc = display_api
+    with grpc.insecure_channel(f"unix://{served['socket']}", options=options) as ch:
+        stub = display_grpc.GPUDisplayStub(ch)
+        assert stub.Version(empty_pb2.Empty(), timeout=10).version
+        usages = stub.PrintUsages(empty_pb2.Empty(), timeout=10)
+        assert len(usages.ListFields()) > 0
+        assert "00000000:07:00.0" in stub.PrintGraph(empty_pb2.Empty(), timeout=10).graph

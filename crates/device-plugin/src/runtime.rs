@@ -11,7 +11,6 @@ use notify::Watcher;
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use vcuda_api::deviceplugin::v1beta1::{
     KUBELET_SOCKET, RegisterRequest, VERSION, device_plugin_server::DevicePluginServer,
@@ -370,7 +369,7 @@ impl PluginTask {
         let join = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(svc)
-                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown),
+                .serve_with_incoming_shutdown(uds_authority::incoming(listener), shutdown),
         );
         tracing::debug!(resource = %self.entry.resource, socket = %self.sock.display(), "serving");
         Ok(Server { id, stop, join })
@@ -509,7 +508,7 @@ mod tests {
             tokio::spawn(
                 tonic::transport::Server::builder()
                     .add_service(RegistrationServer::new(Recorder(tx)))
-                    .serve_with_incoming(UnixListenerStream::new(l)),
+                    .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(l)),
             )
         };
         let k1 = serve_kubelet(tx.clone());

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use vcuda_api::display::gpu_display_server::{GpuDisplay, GpuDisplayServer};
@@ -99,7 +98,7 @@ pub(crate) fn serve(
             .timeout(Duration::from_secs(30))
             .http2_keepalive_interval(Some(Duration::from_secs(60)))
             .add_service(svc)
-            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), cancel.cancelled())
+            .serve_with_incoming_shutdown(uds_authority::incoming(listener), cancel.cancelled())
             .await;
         if let Err(e) = r {
             tracing::error!(socket = %path.display(), error = %e, "display gRPC server failed");
