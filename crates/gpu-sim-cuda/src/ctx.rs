@@ -169,7 +169,7 @@ impl Target {
     }
 
     #[inline]
-    fn set_tail(self, end: u64) {
+    pub(crate) fn set_tail(self, end: u64) {
         match self {
             Target::Legacy(c) => {
                 c.null_tail.fetch_max(end, AcqRel);
@@ -211,6 +211,9 @@ pub(crate) unsafe fn launch(
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let t = unsafe { Target::of(stream, ptsz)? };
+    if crate::capture::kernel(t, f, grid, block)? {
+        return Ok(());
+    }
     let ctx = t.ctx();
     let dur = d.node().kernel_duration_ns(ctx.gpu, grid, block);
     let (_, end) = d.state.launch(d.me, ctx.gpu, dur, t.tail());
@@ -284,6 +287,9 @@ unsafe fn event_record(ev: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
     drv()?;
     let e = unsafe { event(ev)? };
     let t = unsafe { Target::of(stream, ptsz)? };
+    if crate::capture::event_record(ev, t) {
+        return Ok(());
+    }
     e.time.store(t.tail().max(now_ns()).max(1), Release);
     Ok(())
 }
@@ -632,14 +638,22 @@ cuda_fn! {
     fn cuStreamWaitEvent(h: *mut c_void, ev: *mut c_void, _flags: u32) {
         drv()?;
         let e = event(ev)?;
-        Target::of(h, false)?.set_tail(e.time.load(Acquire));
+        let t = Target::of(h, false)?;
+        if crate::capture::wait_event(t, ev)? {
+            return Ok(());
+        }
+        t.set_tail(e.time.load(Acquire));
         Ok(())
     }
 
     fn cuStreamWaitEvent_ptsz(h: *mut c_void, ev: *mut c_void, _flags: u32) {
         drv()?;
         let e = event(ev)?;
-        Target::of(h, true)?.set_tail(e.time.load(Acquire));
+        let t = Target::of(h, true)?;
+        if crate::capture::wait_event(t, ev)? {
+            return Ok(());
+        }
+        t.set_tail(e.time.load(Acquire));
         Ok(())
     }
 

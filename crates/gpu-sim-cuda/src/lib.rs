@@ -34,8 +34,11 @@ macro_rules! cuda_fn {
     )*};
 }
 
+pub mod capture;
 pub mod ctx;
 pub mod device;
+pub mod graph;
+pub mod graph_exec;
 pub mod mem;
 pub mod module;
 

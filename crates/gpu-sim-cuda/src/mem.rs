@@ -294,6 +294,9 @@ unsafe fn alloc_async(out: *mut u64, size: usize, stream: *mut c_void, ptsz: boo
     if out.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    if let Some(p) = crate::capture::alloc(t, size)? {
+        return unsafe { put(out, p) };
+    }
     let p = alloc_on(d, t.ctx().gpu, size)?;
     unsafe { put(out, p) }
 }
@@ -317,7 +320,10 @@ unsafe fn alloc_from_pool(
 
 unsafe fn free_async(ptr: u64, stream: *mut c_void, ptsz: bool) -> R {
     let d = drv()?;
-    unsafe { Target::of(stream, ptsz)? };
+    let t = unsafe { Target::of(stream, ptsz)? };
+    if crate::capture::free(t, ptr)? {
+        return Ok(());
+    }
     d.mem.free(d, ptr)
 }
 

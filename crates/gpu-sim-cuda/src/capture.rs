@@ -1,0 +1,363 @@
+//! Stream capture: while a stream captures, kernel launches, `cuMemAllocAsync`
+//! and `cuMemFreeAsync` on it become kernel, memory alloc and memory free
+//! nodes of the capture's graph (chained in stream order) instead of running.
+//!
+//! A capture spreads as in the real driver: an event recorded on a capturing
+//! stream carries the capture's current nodes, and a stream that waits on it
+//! joins the capture (fork); the origin waiting on an event recorded on the
+//! joined stream merges the branches back (join). `cuStreamEndCapture` on the
+//! origin ends the capture for every stream that joined it (unjoined branches
+//! are not reported as an error here).
+//!
+//! Only created streams capture: the legacy and per-thread default streams
+//! answer CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED. Capture modes are accepted
+//! and reported but not enforced.
+
+use crate::ctx::Target;
+use crate::graph::{self, CUDA_ERROR_ILLEGAL_STATE, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, Kind};
+use crate::{R, drv, put};
+use cuda_abi::*;
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+/// Streams capturing now. The launch and async-allocation paths read only
+/// this while it is 0 (no lock).
+pub(crate) static CAPTURING: AtomicUsize = AtomicUsize::new(0);
+
+const CUDA_ERROR_STREAM_CAPTURE_MERGE: CUresult = 902;
+const CUDA_ERROR_STREAM_CAPTURE_UNMATCHED: CUresult = 903;
+
+struct CapStream {
+    seq: u64,
+    /// The nodes the stream's next captured work depends on.
+    deps: Vec<u64>,
+}
+
+struct Seq {
+    graph: u64,
+    origin: usize,
+    /// cuStreamBeginCaptureToGraph: the graph is the caller's.
+    _into_existing: bool,
+}
+
+#[derive(Default)]
+pub(crate) struct Captures {
+    next_seq: u64,
+    streams: HashMap<usize, CapStream>,
+    seqs: HashMap<u64, Seq>,
+    /// Events recorded on a capturing stream: (sequence, nodes).
+    events: HashMap<usize, (u64, Vec<u64>)>,
+}
+
+fn key(t: Target) -> Option<usize> {
+    match t {
+        Target::Stream(s) => Some(s as *const _ as usize),
+        _ => None,
+    }
+}
+
+impl Captures {
+    pub fn is_capturing(&self, t: Target) -> bool {
+        key(t).is_some_and(|k| self.streams.contains_key(&k))
+    }
+}
+
+/// Appends `kind` to the capture of `t`'s stream; None when not capturing.
+fn record(t: Target, kind: impl FnOnce() -> R<Kind>) -> R<Option<u64>> {
+    let Some(k) = key(t) else { return Ok(None) };
+    let mut st = graph::state();
+    let Some(cs) = st.capture.streams.get(&k) else {
+        return Ok(None);
+    };
+    let (graph, deps) = (st.capture.seqs[&cs.seq].graph, cs.deps.clone());
+    let node = st.add(graph, &deps, kind()?)?;
+    st.capture.streams.get_mut(&k).unwrap().deps = vec![node];
+    Ok(Some(node))
+}
+
+/// Launch hook: true when the launch was captured instead of run.
+#[inline]
+pub(crate) fn kernel(t: Target, f: *mut c_void, grid: [u32; 3], block: [u32; 3]) -> R<bool> {
+    if CAPTURING.load(Relaxed) == 0 {
+        return Ok(false);
+    }
+    let k = graph::Kernel {
+        func: f as usize,
+        grid,
+        block,
+        shared: 0,
+    };
+    Ok(record(t, || Ok(Kind::Kernel(k)))?.is_some())
+}
+
+/// `cuMemAllocAsync` hook: the address of the new alloc node, if captured.
+#[inline]
+pub(crate) fn alloc(t: Target, size: usize) -> R<Option<u64>> {
+    if CAPTURING.load(Relaxed) == 0 {
+        return Ok(None);
+    }
+    let mut addr = 0;
+    let props = graph::device_props(t.ctx().ordinal);
+    record(t, || {
+        let kind = graph::alloc_kind(props, size)?;
+        addr = graph::alloc_addr(&kind);
+        Ok(kind)
+    })?;
+    Ok((addr != 0).then_some(addr))
+}
+
+/// `cuMemFreeAsync` hook: true when captured as a free node.
+#[inline]
+pub(crate) fn free(t: Target, ptr: u64) -> R<bool> {
+    if CAPTURING.load(Relaxed) == 0 {
+        return Ok(false);
+    }
+    Ok(record(t, || Ok(Kind::Free(ptr)))?.is_some())
+}
+
+/// `cuEventRecord` hook: true when recorded into a capture (no time).
+#[inline]
+pub(crate) fn event_record(ev: *mut c_void, t: Target) -> bool {
+    if CAPTURING.load(Relaxed) == 0 {
+        return false;
+    }
+    let mut st = graph::state();
+    let c = &mut st.capture;
+    match key(t).and_then(|k| c.streams.get(&k)) {
+        Some(cs) => {
+            let v = (cs.seq, cs.deps.clone());
+            c.events.insert(ev as usize, v);
+            true
+        }
+        None => {
+            c.events.remove(&(ev as usize));
+            false
+        }
+    }
+}
+
+/// `cuStreamWaitEvent` hook: a wait on a captured event joins the stream
+/// to that capture (or merges the branch). True when handled here.
+#[inline]
+pub(crate) fn wait_event(t: Target, ev: *mut c_void) -> R<bool> {
+    if CAPTURING.load(Relaxed) == 0 {
+        return Ok(false);
+    }
+    let mut st = graph::state();
+    let c = &mut st.capture;
+    let Some((seq, deps)) = c.events.get(&(ev as usize)).cloned() else {
+        return Ok(false);
+    };
+    let k = key(t).ok_or(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)?;
+    match c.streams.get_mut(&k) {
+        Some(cs) if cs.seq != seq => return Err(CUDA_ERROR_STREAM_CAPTURE_MERGE),
+        Some(cs) => {
+            for d in deps {
+                if !cs.deps.contains(&d) {
+                    cs.deps.push(d);
+                }
+            }
+        }
+        None => {
+            c.streams.insert(k, CapStream { seq, deps });
+            CAPTURING.fetch_add(1, Relaxed);
+        }
+    }
+    Ok(true)
+}
+
+unsafe fn begin(h: *mut c_void, mode: u32, ptsz: bool, into: Option<(u64, Vec<u64>)>) -> R {
+    drv()?;
+    if mode > 2 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let t = unsafe { Target::of(h, ptsz)? };
+    let k = key(t).ok_or(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)?;
+    let mut st = graph::state();
+    if st.capture.streams.contains_key(&k) {
+        return Err(CUDA_ERROR_ILLEGAL_STATE);
+    }
+    let existing = into.is_some();
+    let (graph, deps) = match into {
+        Some((g, deps)) => {
+            let ok = st
+                .graph_nodes(g)
+                .is_some_and(|n| deps.iter().all(|d| n.contains(d)));
+            if !ok {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            (g, deps)
+        }
+        None => (st.new_graph(), Vec::new()),
+    };
+    let c = &mut st.capture;
+    c.next_seq += 1;
+    let seq = c.next_seq;
+    c.seqs.insert(
+        seq,
+        Seq {
+            graph,
+            origin: k,
+            _into_existing: existing,
+        },
+    );
+    c.streams.insert(k, CapStream { seq, deps });
+    CAPTURING.fetch_add(1, Relaxed);
+    Ok(())
+}
+
+unsafe fn end(h: *mut c_void, out: *mut *mut c_void, ptsz: bool) -> R {
+    drv()?;
+    if out.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let t = unsafe { Target::of(h, ptsz)? };
+    let k = key(t).ok_or(CUDA_ERROR_ILLEGAL_STATE)?;
+    let mut st = graph::state();
+    let c = &mut st.capture;
+    let seq = c.streams.get(&k).ok_or(CUDA_ERROR_ILLEGAL_STATE)?.seq;
+    if c.seqs[&seq].origin != k {
+        return Err(CUDA_ERROR_STREAM_CAPTURE_UNMATCHED);
+    }
+    let before = c.streams.len();
+    c.streams.retain(|_, s| s.seq != seq);
+    CAPTURING.fetch_sub(before - c.streams.len(), Relaxed);
+    c.events.retain(|_, (s, _)| *s != seq);
+    let graph = c.seqs.remove(&seq).unwrap().graph;
+    unsafe { put(out, graph as *mut c_void) }
+}
+
+/// Status (`CUstreamCaptureStatus`: NONE 0, ACTIVE 1), capture id, graph
+/// and current dependencies of `h`'s capture. The dependency array stays
+/// valid until the stream's next captured work, as in the driver.
+unsafe fn info(
+    h: *mut c_void,
+    ptsz: bool,
+    status: *mut i32,
+    id: *mut u64,
+    graph: *mut *mut c_void,
+    deps: *mut *const u64,
+    count: *mut usize,
+) -> R {
+    drv()?;
+    let t = unsafe { Target::of(h, ptsz)? };
+    if status.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let st = graph::state();
+    let c = &st.capture;
+    let cs = key(t).and_then(|k| c.streams.get(&k));
+    unsafe {
+        *status = cs.is_some() as i32;
+        let Some(cs) = cs else { return Ok(()) };
+        if !id.is_null() {
+            *id = cs.seq;
+        }
+        if !graph.is_null() {
+            *graph = c.seqs[&cs.seq].graph as *mut c_void;
+        }
+        if !deps.is_null() {
+            *deps = cs.deps.as_ptr();
+        }
+        if !count.is_null() {
+            *count = cs.deps.len();
+        }
+    }
+    Ok(())
+}
+
+thread_local! {
+    /// This thread's `CUstreamCaptureMode` (cuThreadExchangeStreamCaptureMode).
+    static MODE: Cell<u32> = const { Cell::new(0) };
+}
+
+type P = *mut c_void;
+type NodeList = *mut *const u64;
+
+cuda_fn! {
+    fn cuStreamBeginCapture(h: P) { begin(h, 0, false, None) }
+    fn cuStreamBeginCapture_ptsz(h: P) { begin(h, 0, true, None) }
+    fn cuStreamBeginCapture_v2(h: P, mode: u32) { begin(h, mode, false, None) }
+    fn cuStreamBeginCapture_v2_ptsz(h: P, mode: u32) { begin(h, mode, true, None) }
+
+    fn cuStreamBeginCaptureToGraph(h: P, g: P, deps: *const P, _edges: *const c_void, n: usize, mode: u32) {
+        let g = graph::graph_id(g)?;
+        let d = graph_deps(deps, n)?;
+        begin(h, mode, false, Some((g, d)))
+    }
+
+    fn cuStreamBeginCaptureToGraph_ptsz(h: P, g: P, deps: *const P, _edges: *const c_void, n: usize, mode: u32) {
+        let g = graph::graph_id(g)?;
+        let d = graph_deps(deps, n)?;
+        begin(h, mode, true, Some((g, d)))
+    }
+
+    fn cuStreamEndCapture(h: P, out: *mut P) { end(h, out, false) }
+    fn cuStreamEndCapture_ptsz(h: P, out: *mut P) { end(h, out, true) }
+
+    fn cuStreamIsCapturing(h: P, status: *mut i32) {
+        info(h, false, status, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut())
+    }
+
+    fn cuStreamIsCapturing_ptsz(h: P, status: *mut i32) {
+        info(h, true, status, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut())
+    }
+
+    fn cuStreamGetCaptureInfo(h: P, status: *mut i32, id: *mut u64) {
+        info(h, false, status, id, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut())
+    }
+
+    fn cuStreamGetCaptureInfo_ptsz(h: P, status: *mut i32, id: *mut u64) {
+        info(h, true, status, id, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut())
+    }
+
+    fn cuStreamGetCaptureInfo_v2(h: P, status: *mut i32, id: *mut u64, g: *mut P, deps: NodeList, n: *mut usize) {
+        info(h, false, status, id, g, deps, n)
+    }
+
+    fn cuStreamGetCaptureInfo_v2_ptsz(h: P, status: *mut i32, id: *mut u64, g: *mut P, deps: NodeList, n: *mut usize) {
+        info(h, true, status, id, g, deps, n)
+    }
+
+    fn cuStreamGetCaptureInfo_v3(
+        h: P, status: *mut i32, id: *mut u64, g: *mut P, deps: NodeList, edges: *mut *const c_void, n: *mut usize,
+    ) {
+        // Every captured edge is a default one: no edge data.
+        if !edges.is_null() {
+            *edges = std::ptr::null();
+        }
+        info(h, false, status, id, g, deps, n)
+    }
+
+    fn cuStreamGetCaptureInfo_v3_ptsz(
+        h: P, status: *mut i32, id: *mut u64, g: *mut P, deps: NodeList, edges: *mut *const c_void, n: *mut usize,
+    ) {
+        if !edges.is_null() {
+            *edges = std::ptr::null();
+        }
+        info(h, true, status, id, g, deps, n)
+    }
+
+    fn cuThreadExchangeStreamCaptureMode(mode: *mut u32) {
+        if mode.is_null() || *mode > 2 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        *mode = MODE.with(|m| m.replace(*mode));
+        Ok(())
+    }
+}
+
+unsafe fn graph_deps(p: *const P, n: usize) -> R<Vec<u64>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if p.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    Ok(unsafe { std::slice::from_raw_parts(p, n) }
+        .iter()
+        .map(|&h| h as u64)
+        .collect())
+}
