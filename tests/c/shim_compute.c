@@ -10,12 +10,20 @@
 //          limit -- which take 1/10 of the time for 1/20 of the threads;
 //          syncs every 6 launches by default)
 //        shim_compute fork SECONDS      (the child saturates; the parent waits)
+//        shim_compute tiny SECONDS
+//          (rounds of 2000 one-thread kernels, a synchronize, 60 ms asleep:
+//          ~25% busy on the sim's 10 us waves)
+//        shim_compute first SECONDS
+//          (1 ms kernels, 4 queued then a synchronize; prints first_ns, how
+//          long the first launch call took, then saturates; exits 3 with
+//          first_ns=timeout if that call has not returned in 30 s)
 // Prints key=value words the tests parse: pid, launches, wall_ns, cpu_ns
 // (user + system time of the whole process while saturating).
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -59,14 +67,11 @@ static void setup(const char *name, CUfunction *f, CUstream *s) {
 }
 
 // mixed: launch i is a 1 ms kernel when i % 6 == 0, else a 0.1 ms one.
-static int saturate(double seconds, int sync_every, int mixed) {
-  CUfunction f;
-  CUstream s;
-  setup("busy", &f, &s);
-  printf("pid=%d start_ns=%lld\n", getpid(), now_ns());
-  fflush(stdout);
+// n0: launches already made (their count is included in the output).
+static int saturate_from(CUfunction f, CUstream s, double seconds, int sync_every, int mixed,
+                         long long n0) {
   long long t0 = now_ns(), c0 = cpu_ns(), end = t0 + (long long)(seconds * 1e9);
-  long long n = 0;
+  long long n = n0;
   while (now_ns() < end) {
     if (mixed && n % 6 != 0)
       check(cuLaunchKernel(f, 34560, 1, 1, 32, 1, 1, 0, s, NULL, NULL), "cuLaunchKernel");
@@ -80,10 +85,57 @@ static int saturate(double seconds, int sync_every, int mixed) {
   return 0;
 }
 
+static int saturate(double seconds, int sync_every, int mixed) {
+  CUfunction f;
+  CUstream s;
+  setup("busy", &f, &s);
+  printf("pid=%d start_ns=%lld\n", getpid(), now_ns());
+  fflush(stdout);
+  return saturate_from(f, s, seconds, sync_every, mixed, 0);
+}
+
+static int tiny(double seconds) {
+  CUfunction f;
+  CUstream s;
+  setup("busy", &f, &s);
+  printf("pid=%d start_ns=%lld\n", getpid(), now_ns());
+  long long end = now_ns() + (long long)(seconds * 1e9), n = 0;
+  struct timespec nap = {0, 60000000};
+  while (now_ns() < end) {
+    for (int i = 0; i < 2000; i++, n++)
+      check(cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL), "cuLaunchKernel");
+    check(cuStreamSynchronize(s), "cuStreamSynchronize");
+    nanosleep(&nap, NULL);
+  }
+  printf("launches=%lld\n", n);
+  return 0;
+}
+
+static void first_timeout(int sig) {
+  (void)sig;
+  static const char msg[] = "first_ns=timeout\n";
+  if (write(1, msg, sizeof msg - 1)) {}
+  _exit(3);
+}
+
+static int first(double seconds) {
+  CUfunction f;
+  CUstream s;
+  setup("busy", &f, &s);
+  printf("pid=%d start_ns=%lld\n", getpid(), now_ns());
+  signal(SIGALRM, first_timeout);
+  alarm(30);
+  long long t0 = now_ns();
+  check(cuLaunchKernel(f, 86400, 1, 1, 256, 1, 1, 0, s, NULL, NULL), "cuLaunchKernel");
+  printf("first_ns=%lld\n", now_ns() - t0);
+  alarm(0);
+  return saturate_from(f, s, seconds, 4, 0, 1);
+}
+
 int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   if (argc < 3) {
-    fprintf(stderr, "usage: shim_compute saturate|mixed|fork SECONDS [SYNC_EVERY]\n");
+    fprintf(stderr, "usage: shim_compute saturate|mixed|fork|tiny|first SECONDS [SYNC_EVERY]\n");
     return 2;
   }
   double seconds = atof(argv[2]);
@@ -91,6 +143,8 @@ int main(int argc, char **argv) {
   int sync_every = argc > 3 ? atoi(argv[3]) : mixed ? 6 : 4;
   if (sync_every < 1) sync_every = 1;
   if (!strcmp(argv[1], "saturate") || mixed) return saturate(seconds, sync_every, mixed);
+  if (!strcmp(argv[1], "tiny")) return tiny(seconds);
+  if (!strcmp(argv[1], "first")) return first(seconds);
   if (!strcmp(argv[1], "fork")) {
     // The parent initialises (and so holds the controller lease) first.
     CUdevice dev;
