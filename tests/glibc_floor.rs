@@ -8,13 +8,19 @@
 //! x86_64-unknown-linux-gnu.2.17` (tests/run.sh and deploy/Dockerfile make
 //! it), at `target/x86_64-unknown-linux-gnu/release/libvcuda.so`;
 //! `VCUDA_INTERPOSER=<path>` checks another file instead.
+//!
+//! Beyond reading the tables, `loads_and_runs_under_an_old_glibc` loads it
+//! in an old distribution's root (`VCUDA_OLD_GLIBC_ROOT`, Debian bullseye,
+//! glibc 2.31, which tests/run.sh debootstraps), with the host build as the
+//! control that must not load there.
 
 use goblin::elf::Elf;
 use goblin::elf::dynamic::{DF_SYMBOLIC, DT_FLAGS, DT_SYMBOLIC};
 use goblin::elf::sym::{STB_GLOBAL, STB_WEAK, STT_FUNC};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use vcuda_tests::{shipped_interposer, target_dir};
+use std::process::Command;
+use vcuda_tests::{shipped_interposer, target_dir, workspace_root};
 
 /// The oldest glibc the interposer must load under (CentOS 7).
 const FLOOR: (u32, u32) = (2, 17);
@@ -214,5 +220,111 @@ fn shipped_interposer_exports_what_the_host_build_exports() {
         "exports differ: only in {}: {only_host:?}; only in {}: {only_shipped:?}",
         host_path.display(),
         shipped_path.display()
+    );
+}
+
+/// Runs `tests/c/load_interposer.c` (built by zig for glibc 2.17) on `lib`
+/// inside `root` with chroot: (exit code, stdout, stderr).
+fn load_in(root: &Path, loader: &Path, lib: &Path) -> (i32, String, String) {
+    let dir = tempfile::Builder::new()
+        .prefix("vcuda-glibc-")
+        .tempdir_in(root.join("tmp"))
+        .expect("tempdir in the old root's /tmp");
+    for f in [loader, lib] {
+        std::fs::copy(f, dir.path().join(f.file_name().unwrap()))
+            .unwrap_or_else(|e| panic!("copy {} into {}: {e}", f.display(), dir.path().display()));
+    }
+    let inside = Path::new("/tmp").join(dir.path().file_name().unwrap());
+    let out = Command::new("chroot")
+        .arg(root)
+        .arg(inside.join(loader.file_name().unwrap()))
+        .arg(inside.join(lib.file_name().unwrap()))
+        .output()
+        .expect("chroot (needs root)");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The shipped interposer loads (RTLD_NOW) under glibc 2.31 and its code
+/// runs there: cuInit fails closed for want of vcuda.config (800, one line
+/// naming the file), a forwarded entry point goes through its trampoline
+/// and the resolver and answers CUDA_ERROR_NOT_FOUND (500: no real driver in
+/// that root). The host build, in the same root, must fail to load: proof
+/// that the root's glibc really is older than what the host build needs.
+#[test]
+fn loads_and_runs_under_an_old_glibc() {
+    let root = PathBuf::from(std::env::var_os("VCUDA_OLD_GLIBC_ROOT").unwrap_or_else(|| {
+        panic!(
+            "VCUDA_OLD_GLIBC_ROOT unset: point it at an old distribution's root, e.g. \
+             `debootstrap --variant=minbase bullseye <dir> http://deb.debian.org/debian` \
+             (tests/run.sh does this)"
+        )
+    }));
+    assert!(
+        root.join("tmp").is_dir() && root.join("usr/bin/ldd").is_file(),
+        "VCUDA_OLD_GLIBC_ROOT={}: not a distribution root (no tmp/ or usr/bin/ldd)",
+        root.display()
+    );
+    let ldd = Command::new("chroot")
+        .arg(&root)
+        .args(["/usr/bin/ldd", "--version"])
+        .output()
+        .expect("chroot (needs root)");
+    let glibc = String::from_utf8_lossy(&ldd.stdout);
+    eprintln!("old root: {}", glibc.lines().next().unwrap_or("?"));
+
+    let work = tempfile::tempdir().unwrap();
+    let loader = work.path().join("load_interposer");
+    let src = workspace_root().join("tests/c/load_interposer.c");
+    let zig = Command::new("python3")
+        .args([
+            "-m",
+            "ziglang",
+            "cc",
+            "-target",
+            "x86_64-linux-gnu.2.17",
+            "-O1",
+            "-o",
+        ])
+        .arg(&loader)
+        .arg(&src)
+        .output()
+        .expect("python3");
+    assert!(
+        zig.status.success(),
+        "`python3 -m ziglang cc` failed to build {} (pip install ziglang; tests/run.sh does): {}",
+        src.display(),
+        String::from_utf8_lossy(&zig.stderr)
+    );
+
+    let shipped = shipped_interposer();
+    read(&shipped);
+    let (code, out, err) = load_in(&root, &loader, &shipped);
+    assert!(
+        code == 0 && out.contains("loaded"),
+        "{} does not load under {}: exit {code}\n{out}{err}",
+        shipped.display(),
+        root.display()
+    );
+    assert!(
+        out.contains("cuInit 800") && err.contains("vcuda.config"),
+        "cuInit under the old glibc: expected fail-closed 800 naming vcuda.config:\n{out}{err}"
+    );
+    assert!(
+        out.contains("cuDriverGetVersion 500"),
+        "forwarded call without a real driver: expected 500 (CUDA_ERROR_NOT_FOUND):\n{out}{err}"
+    );
+
+    let host = target_dir().join("libvcuda.so");
+    read(&host);
+    let (code, out, err) = load_in(&root, &loader, &host);
+    assert!(
+        code == 1 && err.contains("version `GLIBC_2."),
+        "control: the host build {} should not load under {} (version not found), got exit {code}\n{out}{err}",
+        host.display(),
+        root.display()
     );
 }
