@@ -374,9 +374,15 @@ fn rbac_grants_only_what_the_manager_uses() {
     let m = manifests();
     let mut granted: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for rule in &m.role.rules.clone().unwrap() {
+        let group = rule.api_groups.as_ref().unwrap()[0].clone();
         for r in rule.resources.as_ref().unwrap() {
+            let r = if group.is_empty() {
+                r.clone()
+            } else {
+                format!("{r}.{group}")
+            };
             granted
-                .entry(r.clone())
+                .entry(r)
                 .or_default()
                 .extend(rule.verbs.iter().cloned());
         }
@@ -384,6 +390,7 @@ fn rbac_grants_only_what_the_manager_uses() {
     let want: BTreeMap<String, BTreeSet<String>> = [
         ("pods", vec!["get", "list", "watch", "patch"]),
         ("nodes", vec!["get", "patch"]),
+        ("events.events.k8s.io", vec!["create"]),
     ]
     .into_iter()
     .map(|(r, v)| (r.to_string(), v.into_iter().map(String::from).collect()))

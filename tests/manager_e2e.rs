@@ -407,6 +407,39 @@ async fn predicate_is_honoured() {
             && msg.contains("the manager would choose"),
         "{msg}"
     );
+    // kubectl describe pod shows why.
+    let ev = event_on(&env, &pod.name, "VcudaAllocateFailed").await;
+    assert_eq!(ev["type"], "Warning");
+    assert!(
+        ev["note"]
+            .as_str()
+            .unwrap()
+            .contains("gpu-admission chose /dev/nvidia3"),
+        "{ev}"
+    );
+    assert_eq!(ev["regarding"]["uid"], pod.uid.as_str());
+}
+
+/// The Warning Event with `reason` on pod `name`, waiting for the manager's
+/// background poster.
+async fn event_on(env: &Env, name: &str, reason: &str) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let found = env.api.events().into_iter().find(|e| {
+            e["regarding"]["name"] == name
+                && e["reason"] == reason
+                && e["regarding"]["kind"] == "Pod"
+        });
+        if let Some(e) = found {
+            return e;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no {reason} event on pod {name}; events: {:?}",
+            env.api.events()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -432,6 +465,10 @@ async fn wrong_guess_fails_the_container() {
         "the wrong allocation must be withdrawn"
     );
     assert!(!env.vm_dir().join(&a.uid).exists());
+    for p in [&a, &b] {
+        let ev = event_on(&env, &p.name, "VcudaWrongPodGuess").await;
+        assert!(ev["note"].as_str().unwrap().contains("withdrawn"), "{ev}");
+    }
     // In the right order both are fine.
     env.admit(&a, "main", 30, 4).await.unwrap();
 }

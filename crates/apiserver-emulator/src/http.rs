@@ -38,6 +38,11 @@ pub fn router(state: Arc<Shared>, cancel: CancellationToken) -> Router {
         )
         .route("/api/v1/nodes", get(list_nodes).post(create_node))
         .route("/api/v1/nodes/{name}", get(get_node).patch(patch_node))
+        .route("/apis/events.k8s.io/v1/events", get(list_all_events))
+        .route(
+            "/apis/events.k8s.io/v1/namespaces/{ns}/events",
+            get(list_ns_events).post(create_event),
+        )
         .fallback(not_found)
         .with_state(App { state, cancel })
 }
@@ -211,7 +216,7 @@ async fn list_or_watch(
     let items: Vec<Value> = items.into_iter().filter(|o| sel.matches(o)).collect();
     axum::Json(json!({
         "kind": format!("{}List", kind.kind()),
-        "apiVersion": "v1",
+        "apiVersion": kind.api_version(),
         "metadata": {"resourceVersion": rv.to_string()},
         "items": items,
     }))
@@ -308,6 +313,50 @@ async fn list_ns_pods(
 
 async fn list_nodes(State(app): State<App>, Query(q): Query<HashMap<String, String>>) -> Response {
     list_or_watch(app, Kind::Node, None, q).await
+}
+
+async fn list_all_events(
+    State(app): State<App>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    list_or_watch(app, Kind::Event, None, q).await
+}
+
+async fn list_ns_events(
+    State(app): State<App>,
+    Path(ns): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    list_or_watch(app, Kind::Event, Some(ns), q).await
+}
+
+/// events.k8s.io/v1 create, with the API server's own checks of what an
+/// Event must carry (a client that omits them gets 422, as for real).
+async fn create_event(State(app): State<App>, Path(ns): Path<String>, body: Bytes) -> Response {
+    let v = match serde_json::from_slice::<Value>(&body) {
+        Ok(v) => v,
+        Err(e) => return status(400, "BadRequest", format!("body is not JSON: {e}")),
+    };
+    for field in [
+        "/eventTime",
+        "/reportingController",
+        "/reportingInstance",
+        "/action",
+        "/reason",
+        "/type",
+    ] {
+        if v.pointer(field).is_none_or(Value::is_null) {
+            return status(
+                422,
+                "Invalid",
+                format!(
+                    "Event.events.k8s.io is invalid: {}: Required value",
+                    &field[1..]
+                ),
+            );
+        }
+    }
+    created(app.state.create(Kind::Event, Some(&ns), v))
 }
 
 fn created(r: Result<Value, StoreError>) -> Response {

@@ -135,6 +135,11 @@ impl ApiServer {
         Ok(self.state.delete(Kind::Pod, Some(namespace), name)?)
     }
 
+    /// Every events.k8s.io/v1 Event, in namespace/name order.
+    pub fn events(&self) -> Vec<Value> {
+        self.state.list(Kind::Event)
+    }
+
     pub fn create_node(&self, node: Value) -> Result<Value, Error> {
         Ok(self.state.create(Kind::Node, None, node)?)
     }

@@ -12,22 +12,33 @@ use tokio::sync::broadcast;
 pub enum Kind {
     Pod,
     Node,
+    /// events.k8s.io/v1 Event (what `kubectl describe` lists under a pod).
+    Event,
 }
 
 impl Kind {
     pub fn namespaced(self) -> bool {
-        matches!(self, Kind::Pod)
+        matches!(self, Kind::Pod | Kind::Event)
     }
     pub fn kind(self) -> &'static str {
         match self {
             Kind::Pod => "Pod",
             Kind::Node => "Node",
+            Kind::Event => "Event",
+        }
+    }
+    /// The `apiVersion` of its objects and lists.
+    pub fn api_version(self) -> &'static str {
+        match self {
+            Kind::Event => "events.k8s.io/v1",
+            _ => "v1",
         }
     }
     pub fn plural(self) -> &'static str {
         match self {
             Kind::Pod => "pods",
             Kind::Node => "nodes",
+            Kind::Event => "events",
         }
     }
 }

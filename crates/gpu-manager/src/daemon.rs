@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
 use crate::display::ManagerSource;
+use crate::events::KubeEvents;
 use crate::extra::ExtraConfig;
 use crate::ids::{VCORE_RESOURCE, VCORE_SOCKET, VMEMORY_RESOURCE, VMEMORY_SOCKET};
 use crate::kube_api::{self, Patcher, PodWatch};
@@ -140,7 +141,8 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         allocator,
         driver_version: nvml::driver_major_minor(&found.driver_version),
         pods,
-        patcher: Patcher::start(client, None),
+        patcher: Patcher::start(client.clone(), None),
+        events: Arc::new(KubeEvents::start(client, s.node_name.clone())),
         extra,
         runtime,
     });

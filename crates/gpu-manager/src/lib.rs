@@ -13,12 +13,14 @@
 //! * [`display`]: the manager's state for the display service and metrics.
 //! * [`recovery`], [`runtime`]: reconciliation at start and in the periodic
 //!   check with kubelet, the API server and the container runtime (Docker).
+//! * [`events`]: refusals and wrong guesses as Warning Events on the Pod.
 //! * [`checkpoint`], [`response`], [`extra`], [`health`].
 
 pub mod checkpoint;
 pub mod config;
 pub mod daemon;
 pub mod display;
+pub mod events;
 pub mod extra;
 pub mod health;
 pub mod ids;

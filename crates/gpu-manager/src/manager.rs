@@ -26,6 +26,7 @@ use tonic::Status;
 
 use crate::checkpoint::{self, Allocation, Checkpoint, CheckpointError, alloc_id};
 use crate::config::Settings;
+use crate::events::{self, EventSink, PodEvent};
 use crate::extra::ExtraConfig;
 use crate::ids;
 use crate::kube_api::{ApiHealth, PatchJob, Patcher, PodWatch};
@@ -100,6 +101,7 @@ pub struct Manager {
     lazy: tokio::sync::Notify,
     pods: PodWatch,
     patcher: Patcher,
+    events: Arc<dyn EventSink>,
     kubelet: KubeletRecords,
     vm: VmDirs,
     registry: Registry,
@@ -142,6 +144,7 @@ pub struct ManagerParts {
     pub driver_version: (i32, i32),
     pub pods: PodWatch,
     pub patcher: Patcher,
+    pub events: Arc<dyn EventSink>,
     pub extra: ExtraConfig,
     pub runtime: Runtime,
 }
@@ -176,6 +179,7 @@ impl Manager {
             lazy: tokio::sync::Notify::new(),
             pods: p.pods,
             patcher: p.patcher,
+            events: p.events,
             extra: p.extra,
             runtime: p.runtime,
             settings: p.settings,
@@ -865,6 +869,28 @@ impl Manager {
         self.release_holders_of(&device_ids);
         let cand = self.find_candidate(cores).await?;
         let pod = cand.pod.clone();
+        let r = self.allocate_for(cand, device_ids, started).await;
+        if let Err(s) = &r {
+            // kubelet shows only a generic admission error; say why on the pod.
+            self.events.post(PodEvent {
+                namespace: pods::namespace(&pod).to_string(),
+                name: pods::name(&pod).to_string(),
+                uid: pods::uid(&pod).to_string(),
+                reason: events::ALLOCATE_FAILED,
+                note: s.message().to_string(),
+            });
+        }
+        r
+    }
+
+    async fn allocate_for(
+        &self,
+        cand: pods::Candidate,
+        device_ids: Vec<String>,
+        started: Instant,
+    ) -> Result<ContainerAllocateResponse, Status> {
+        let cores = device_ids.len() as u64;
+        let pod = cand.pod.clone();
         let (uid, ns, name) = (pods::uid(&pod), pods::namespace(&pod), pods::name(&pod));
         vm::check_pod_uid(uid).map_err(|e| Status::invalid_argument(e.to_string()))?;
         vm::check_container_name(&cand.container)
@@ -1152,7 +1178,33 @@ impl Manager {
         });
         // A rare error path: the withdrawal is written before answering.
         let _ = self.flush().await;
-        Err(Status::failed_precondition(wrong_guess(&h, &a)))
+        let msg = wrong_guess(&h, &a);
+        // On both pods: the one whose container fails now (kubelet's
+        // holder) and the one that waits to be allocated again.
+        let holder = self.pods.pods().into_iter().find(|p| match &h.pod {
+            PodKey::Name { namespace, name } => {
+                pods::namespace(p) == namespace && pods::name(p) == name
+            }
+            PodKey::Uid(u) => pods::uid(p) == u,
+        });
+        let mut targets = vec![(a.namespace.clone(), a.pod_name.clone(), a.pod_uid.clone())];
+        if let Some(p) = holder {
+            targets.push((
+                pods::namespace(&p).into(),
+                pods::name(&p).into(),
+                pods::uid(&p).into(),
+            ));
+        }
+        for (namespace, name, uid) in targets {
+            self.events.post(PodEvent {
+                namespace,
+                name,
+                uid,
+                reason: events::WRONG_POD_GUESS,
+                note: msg.clone(),
+            });
+        }
+        Err(Status::failed_precondition(msg))
     }
 
     /// Frees an allocation, its vm directory and socket; checkpoints.

@@ -1,0 +1,222 @@
+//! Why a pod's GPU request failed, where operators look: a Warning Event
+//! on the Pod (`kubectl describe pod`). kubelet reports a refused Allocate
+//! only as a generic admission error, and a withdrawn wrong guess only as a
+//! failed container; the Event carries the manager's own message.
+//!
+//! Events are events.k8s.io/v1 objects created in the background (never on
+//! the RPC path); the ClusterRole grants `create` on them and nothing more.
+//! The same message for the same pod is posted once a minute at most,
+//! since kubelet may retry a refused request in a loop.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use kube::api::PostParams;
+use kube::{Api, Client};
+use tokio::sync::mpsc;
+
+/// Allocate refused for this pod (no fit, bad request, predicate mismatch,
+/// a local failure).
+pub const ALLOCATE_FAILED: &str = "VcudaAllocateFailed";
+/// PreStart found that kubelet gave the devices to another pod than the
+/// one guessed at Allocate; the allocation was withdrawn.
+pub const WRONG_POD_GUESS: &str = "VcudaWrongPodGuess";
+const CONTROLLER: &str = "tencent.com/gpu-manager";
+const REPEAT_AFTER: Duration = Duration::from_secs(60);
+const MAX_NOTE: usize = 1024;
+
+/// One Warning about one pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodEvent {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub reason: &'static str,
+    pub note: String,
+}
+
+/// Where pod events go: the API server, or memory in tests.
+pub trait EventSink: Send + Sync {
+    fn post(&self, ev: PodEvent);
+}
+
+/// Suppresses repeats of the same (pod, reason, note) within a minute.
+#[derive(Default)]
+struct Dedup(Mutex<HashMap<(String, &'static str, String), Instant>>);
+
+impl Dedup {
+    fn first(&self, ev: &PodEvent) -> bool {
+        let mut seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        seen.retain(|_, t| now.duration_since(*t) < REPEAT_AFTER);
+        let key = (ev.uid.clone(), ev.reason, ev.note.clone());
+        if seen.contains_key(&key) {
+            return false;
+        }
+        seen.insert(key, now);
+        true
+    }
+}
+
+/// Creates the events through the API server, from a background task.
+pub struct KubeEvents {
+    tx: mpsc::UnboundedSender<PodEvent>,
+    dedup: Dedup,
+}
+
+impl KubeEvents {
+    /// `instance`: this manager (its node name), the Event's
+    /// `reportingInstance`.
+    pub fn start(client: Client, instance: String) -> KubeEvents {
+        let (tx, mut rx) = mpsc::unbounded_channel::<PodEvent>();
+        tokio::spawn(async move {
+            while let Some(ev) = rx.recv().await {
+                let api: Api<Event> = Api::namespaced(client.clone(), &ev.namespace);
+                let obj = to_event(&ev, &instance);
+                match api.create(&PostParams::default(), &obj).await {
+                    Ok(_) => {
+                        tracing::debug!(pod = %format!("{}/{}", ev.namespace, ev.name), reason = ev.reason, "event posted")
+                    }
+                    // An event is advice: never retried, never fatal.
+                    Err(e) => {
+                        tracing::warn!(pod = %format!("{}/{}", ev.namespace, ev.name), reason = ev.reason, error = %e, "posting the pod event failed")
+                    }
+                }
+            }
+        });
+        KubeEvents {
+            tx,
+            dedup: Dedup::default(),
+        }
+    }
+}
+
+impl EventSink for KubeEvents {
+    fn post(&self, ev: PodEvent) {
+        if self.dedup.first(&ev) {
+            let _ = self.tx.send(ev);
+        }
+    }
+}
+
+/// The events.k8s.io/v1 object for `ev`.
+pub fn to_event(ev: &PodEvent, instance: &str) -> Event {
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let mut note = ev.note.clone();
+    if note.len() > MAX_NOTE {
+        // The API server refuses notes over 1 kB.
+        let mut cut = MAX_NOTE - 3;
+        while !note.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        note.truncate(cut);
+        note.push_str("...");
+    }
+    Event {
+        metadata: ObjectMeta {
+            name: Some(format!("{}.{:x}", ev.name, now.as_nanosecond())),
+            namespace: Some(ev.namespace.clone()),
+            ..Default::default()
+        },
+        event_time: Some(MicroTime(now)),
+        reporting_controller: Some(CONTROLLER.into()),
+        reporting_instance: Some(format!("{CONTROLLER}-{instance}")),
+        action: Some(
+            if ev.reason == WRONG_POD_GUESS {
+                "PreStartContainer"
+            } else {
+                "Allocate"
+            }
+            .into(),
+        ),
+        reason: Some(ev.reason.into()),
+        note: Some(note),
+        type_: Some("Warning".into()),
+        regarding: Some(ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            namespace: Some(ev.namespace.clone()),
+            name: Some(ev.name.clone()),
+            uid: Some(ev.uid.clone()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Keeps what was posted (tests), with the same repeat suppression.
+#[derive(Default)]
+pub struct MemoryEvents {
+    posted: Mutex<Vec<PodEvent>>,
+    dedup: Dedup,
+}
+
+impl MemoryEvents {
+    pub fn posted(&self) -> Vec<PodEvent> {
+        self.posted.lock().unwrap().clone()
+    }
+}
+
+impl EventSink for MemoryEvents {
+    fn post(&self, ev: PodEvent) {
+        if self.dedup.first(&ev) {
+            self.posted.lock().unwrap().push(ev);
+        }
+    }
+}
+
+/// Drops everything (a manager without an API server).
+pub struct NoEvents;
+
+impl EventSink for NoEvents {
+    fn post(&self, _: PodEvent) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(note: &str) -> PodEvent {
+        PodEvent {
+            namespace: "ml".into(),
+            name: "train".into(),
+            uid: "u-1".into(),
+            reason: ALLOCATE_FAILED,
+            note: note.into(),
+        }
+    }
+
+    #[test]
+    fn repeats_within_a_minute_are_posted_once() {
+        let m = MemoryEvents::default();
+        m.post(ev("no GPU has 80 cores free"));
+        m.post(ev("no GPU has 80 cores free"));
+        m.post(ev("another reason"));
+        assert_eq!(
+            m.posted(),
+            vec![ev("no GPU has 80 cores free"), ev("another reason")]
+        );
+    }
+
+    #[test]
+    fn the_event_names_the_pod_and_fits_the_api_limits() {
+        let e = to_event(&ev(&"é".repeat(2000)), "node-1");
+        let r = e.regarding.unwrap();
+        assert_eq!(
+            (r.kind.as_deref(), r.name.as_deref(), r.uid.as_deref()),
+            (Some("Pod"), Some("train"), Some("u-1"))
+        );
+        assert_eq!(e.type_.as_deref(), Some("Warning"));
+        assert_eq!(e.reason.as_deref(), Some(ALLOCATE_FAILED));
+        assert!(e.note.as_ref().unwrap().len() <= MAX_NOTE);
+        assert!(e.metadata.name.unwrap().starts_with("train."));
+        assert_eq!(
+            e.reporting_instance.as_deref(),
+            Some("tencent.com/gpu-manager-node-1")
+        );
+    }
+}
