@@ -50,6 +50,42 @@ fn main() {
         .unwrap();
     }
     out.push_str("        _ => return None,\n    };\n    Some(p)\n}\n");
+    internal_entries(&mut out, &implemented);
     let dest = Path::new(&std::env::var("OUT_DIR").unwrap()).join("exports.rs");
     std::fs::write(dest, out).unwrap();
+}
+
+/// Real drivers answer `cuGetProcAddress` with internal entry points, not
+/// the exported symbol's address. The sim does the same for every function
+/// it implements outside lib.rs (memory, contexts, launches, modules, ...):
+/// a thunk `jmp <the export>`, a distinct address that behaves the same, so
+/// an interposer comparing pointers with `dlsym` is caught. `internal(name)`
+/// is that address, or None where the export itself is handed out.
+fn internal_entries(out: &mut String, implemented: &std::collections::BTreeMap<String, String>) {
+    let internal: Vec<(&String, &String)> = implemented
+        .iter()
+        .filter(|(_, m)| m.as_str() != "crate")
+        .collect();
+    out.push_str("\n#[cfg(target_arch = \"x86_64\")]\n#[allow(non_snake_case)]\nmod internal {\n");
+    for (s, m) in &internal {
+        writeln!(
+            out,
+            "    #[unsafe(naked)]\n    pub unsafe extern \"C\" fn {s}() {{\n        core::arch::naked_asm!(\"jmp {{f}}\", f = sym {m}::{s})\n    }}"
+        )
+        .unwrap();
+    }
+    out.push_str(
+        "}\n\n/// The internal entry point cuGetProcAddress hands out for `name`, if any.\n",
+    );
+    out.push_str("#[cfg(target_arch = \"x86_64\")]\npub fn internal(name: &[u8]) -> Option<*const std::ffi::c_void> {\n");
+    out.push_str("    let p: *const std::ffi::c_void = match name {\n");
+    for (s, _) in &internal {
+        writeln!(
+            out,
+            "        b\"{s}\" => internal::{s} as *const std::ffi::c_void,"
+        )
+        .unwrap();
+    }
+    out.push_str("        _ => return None,\n    };\n    Some(p)\n}\n");
+    out.push_str("#[cfg(not(target_arch = \"x86_64\"))]\npub fn internal(_name: &[u8]) -> Option<*const std::ffi::c_void> {\n    None\n}\n");
 }

@@ -205,11 +205,20 @@ static void *sym(const char *name) {
   return p;
 }
 
+/* What cuGetProcAddress hands out for the export `name`: like a real
+ * driver, the sim answers with an internal entry point for most functions
+ * (a distinct address that behaves the same), the export itself otherwise. */
+static void *entry(const char *name) {
+  void *(*internal)(const char *) = (void *(*)(const char *))sym("gpusim_cuda_internal_entry");
+  void *p = internal(name);
+  return p ? p : sym(name);
+}
+
 static void want(const char *base, int ver, cuuint64_t flags, const char *exported) {
   void *p = (void *)1;
   int status = -1;
   CUresult r = cuGetProcAddress_v2(base, &p, ver, flags, &status);
-  if (r != 0 || status != 0 || p != sym(exported)) {
+  if (r != 0 || status != 0 || p != entry(exported)) {
     printf("FAIL cuGetProcAddress_v2(%s, %d, %llu) = %d status %d, not %s\n", base, ver, flags, r, status, exported);
     exit(1);
   }
@@ -251,9 +260,10 @@ static int procaddr(void) {
   r = cuGetProcAddress_v2("cuInit", &p, 2000, 8, &status);
   expect(r == 1, "unknown flag bits: INVALID_VALUE");
   r = cuGetProcAddress_v2("cuInit", &p, 2000, 0, NULL);
-  expect(r == 0 && p == sym("cuInit"), "NULL symbolStatus accepted");
+  expect(r == 0 && p == entry("cuInit"), "NULL symbolStatus accepted");
   r = cuGetProcAddress("cuMemFree", &p, 3020, 0);
-  expect(r == 0 && p == sym("cuMemFree_v2"), "11.3 cuGetProcAddress");
+  expect(r == 0 && p == entry("cuMemFree_v2") && p != sym("cuMemFree_v2"),
+         "11.3 cuGetProcAddress (an internal entry point, as real drivers do)");
   r = cuGetProcAddress("cuNoSuchFunction", &p, 3020, 0);
   expect(r == 500 && p == NULL, "11.3 cuGetProcAddress, unknown");
 

@@ -358,6 +358,17 @@ mod tests {
     }
 
     #[test]
+    fn debugger_functions_are_exported_but_not_its_variables() {
+        let exports: std::collections::HashSet<_> = libcuda_symbols().collect();
+        for f in ["cudbgGetAPI", "cudbgApiInit", "cudbgReportDriverApiError"] {
+            assert!(exports.contains(f), "{f}");
+        }
+        for v in ["cudbgDebuggerInitialized", "cudbgIpcFlag", "cudbgSessionId"] {
+            assert!(!exports.contains(v), "{v} is a data object");
+        }
+    }
+
+    #[test]
     fn error_names_and_strings() {
         assert_eq!(error_name(0), Some("CUDA_SUCCESS"));
         assert_eq!(error_name(2), Some("CUDA_ERROR_OUT_OF_MEMORY"));

@@ -86,6 +86,15 @@ for base, (names, _) in table.items():
     if base not in {n for _, n in names}:
         exports.discard(base)
 exports = {e for e in exports if not e.startswith("cuGetProcAddress_v2_ptsz")}
+# Functions the real libcuda.so exports that no header declares: the CUDA
+# debugger API's entry points (cuda-gdb and debugger back ends look them up
+# by name). Its cudbg* data objects (cudbgDebuggerInitialized,
+# cudbgIpcFlag, ...) stay out on purpose: a copy exported by an interposer
+# would shadow the driver's variable in a debugger's symbol lookup.
+DEBUGGER_FUNCTIONS = ["cudbgApiAttach", "cudbgApiDetach", "cudbgApiInit", "cudbgGetAPI",
+                      "cudbgGetAPIVersion", "cudbgMain", "cudbgReportDriverApiError",
+                      "cudbgReportDriverInternalError"]
+exports.update(DEBUGGER_FUNCTIONS)
 
 here = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(here, "libcuda.txt"), "w") as f:

@@ -185,7 +185,9 @@ unsafe fn proc_address(
         .and_then(|n| resolve(n, cuda_version, flags));
     match resolved {
         Ok(exported) => {
-            let p = lookup(exported.as_bytes()).ok_or(CUDA_ERROR_NOT_FOUND)?;
+            let p = internal(exported.as_bytes())
+                .or_else(|| lookup(exported.as_bytes()))
+                .ok_or(CUDA_ERROR_NOT_FOUND)?;
             unsafe { *pfn = p as *mut c_void };
             set_status(0);
             Ok(())
@@ -195,6 +197,17 @@ unsafe fn proc_address(
             Err(CUDA_ERROR_NOT_FOUND)
         }
     }
+}
+
+/// For tests: the internal entry point `cuGetProcAddress` hands out for the
+/// exported symbol `name` instead of its address, or NULL where it hands out
+/// the export itself.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpusim_cuda_internal_entry(name: *const c_char) -> *const c_void {
+    if name.is_null() {
+        return std::ptr::null();
+    }
+    internal(unsafe { CStr::from_ptr(name) }.to_bytes()).unwrap_or(std::ptr::null())
 }
 
 cuda_fn! {

@@ -12,6 +12,7 @@
 // they are `unsafe extern "C"` by nature, documented once here.
 #![allow(clippy::missing_safety_doc)]
 
+mod accounting;
 mod events;
 mod exports;
 mod info;

@@ -5,7 +5,7 @@ use gpu_sim_core::state::{epoch_us_to_mono, mono_to_epoch_us, now_ns};
 use std::ffi::{c_uint, c_ulonglong};
 
 /// MIG instance ids when MIG is off.
-const NO_INSTANCE: c_uint = 0xFFFF_FFFF;
+pub(crate) const NO_INSTANCE: c_uint = 0xFFFF_FFFF;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -27,10 +27,10 @@ pub struct nvmlProcessInfo_t {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct nvmlProcessUtilizationSample_t {
-    pid: c_uint,
-    timeStamp: c_ulonglong,
-    smUtil: c_uint,
-    memUtil: c_uint,
+    pub(crate) pid: c_uint,
+    pub(crate) timeStamp: c_ulonglong,
+    pub(crate) smUtil: c_uint,
+    pub(crate) memUtil: c_uint,
     encUtil: c_uint,
     decUtil: c_uint,
 }
@@ -209,7 +209,11 @@ pub const HISTORY_NS: u64 = 5_000_000_000;
 /// Samples of periods that ended after `last_seen_us` (epoch µs) and within
 /// the history, oldest first: one per process that ran in the period, with
 /// its share of the period in smUtil.
-fn samples(c: &Ctx, sim: usize, last_seen_us: u64) -> Vec<nvmlProcessUtilizationSample_t> {
+pub(crate) fn samples(
+    c: &Ctx,
+    sim: usize,
+    last_seen_us: u64,
+) -> Vec<nvmlProcessUtilizationSample_t> {
     let now = now_ns();
     let newest_end = now / SAMPLE_NS * SAMPLE_NS;
     let mut since = now.saturating_sub(HISTORY_NS);
