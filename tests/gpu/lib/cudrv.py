@@ -175,3 +175,8 @@ class Nvml:
         self._ok("nvmlDeviceGetPciInfo_v3", self.h, byref(p))
         dom, bus, devfn = p.busId.decode().split(":")
         return f"{int(dom, 16) & 0xffff:04x}:{bus.lower()}:{devfn.lower()}"
+
+    def compute_capability(self):
+        major, minor = c_int(), c_int()
+        self._ok("nvmlDeviceGetCudaComputeCapability", self.h, byref(major), byref(minor))
+        return major.value, minor.value
