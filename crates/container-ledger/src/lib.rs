@@ -207,6 +207,41 @@ impl Ledger {
         Ok((l, file))
     }
 
+    /// The quota and the container's use, read from the ledger file
+    /// without a writable mapping or a slot: for processes that must not
+    /// register (NVML-only tools in the container). Needs read permission.
+    pub fn peek(path: &Path) -> Result<(u64, u64), LedgerError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| io(path.display().to_string(), e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| io(path.display().to_string(), e))?
+            .len();
+        if len != FILE_SIZE as u64 {
+            return Err(LedgerError::Size { len });
+        }
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                FILE_SIZE,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io("mmap ledger", std::io::Error::last_os_error()));
+        }
+        // Read-only: only the readers below touch it; Drop unmaps.
+        let l = Ledger { base: p.cast() };
+        l.check_header()?;
+        Ok((l.quota(), l.used()))
+    }
+
     /// Maps the ledger behind `fd` (read-write) and checks its header. The
     /// descriptor may be closed afterwards.
     pub fn from_fd(fd: BorrowedFd<'_>) -> Result<Ledger, LedgerError> {
@@ -528,6 +563,21 @@ pub fn dup_cloexec(fd: BorrowedFd<'_>) -> std::io::Result<OwnedFd> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn peek_reads_quota_and_use_without_a_slot() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(super::LEDGER_FILE);
+        let (l, _f) = super::Ledger::create(&path, 1000).unwrap();
+        let slot = l.claim_slot(42, None).unwrap();
+        l.try_reserve(slot, 300).unwrap();
+        assert_eq!(super::Ledger::peek(&path).unwrap(), (1000, 300));
+        std::fs::write(dir.path().join("short"), b"x").unwrap();
+        assert!(matches!(
+            super::Ledger::peek(&dir.path().join("short")),
+            Err(super::LedgerError::Size { len: 1 })
+        ));
+    }
+
     use super::*;
     use std::os::fd::AsFd;
     use std::sync::Arc;
