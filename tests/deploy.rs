@@ -466,7 +466,13 @@ fn dockerfile_builds_what_exists() {
         shim.contains("name = \"vcuda\""),
         "the interposer cdylib is libvcuda.so"
     );
-    assert!(text.contains("target/release/libvcuda.so /usr/lib/vcuda/libvcuda.so"));
+    // The interposer shipped is the glibc-2.17 build (tests/glibc_floor.rs).
+    assert!(text.contains(
+        "cargo zigbuild --release --locked -p cuda-shim --target x86_64-unknown-linux-gnu.2.17"
+    ));
+    assert!(text.contains(
+        "target/x86_64-unknown-linux-gnu/release/libvcuda.so /usr/lib/vcuda/libvcuda.so"
+    ));
     let cfg = std::fs::read_to_string(root.join("deploy/configmap.yaml")).unwrap();
     assert!(cfg.contains("interposer = \"/usr/lib/vcuda/libvcuda.so\""));
 }

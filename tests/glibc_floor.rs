@@ -217,7 +217,8 @@ fn shipped_interposer_exports_what_the_host_build_exports() {
     let only_shipped: Vec<&String> = s.difference(&h).collect();
     assert!(
         only_host.is_empty() && only_shipped.is_empty(),
-        "exports differ: only in {}: {only_host:?}; only in {}: {only_shipped:?}",
+        "exports differ (or one build is stale: tests/run.sh makes both from one tree): \
+         only in {}: {only_host:?}; only in {}: {only_shipped:?}",
         host_path.display(),
         shipped_path.display()
     );
@@ -327,4 +328,33 @@ fn loads_and_runs_under_an_old_glibc() {
         host.display(),
         root.display()
     );
+}
+
+/// The value of `<prefix><NAME>=<value>` in `text`.
+fn pin(text: &str, file: &str, prefix: &str, name: &str) -> String {
+    let key = format!("{prefix}{name}=");
+    text.lines()
+        .find_map(|l| l.trim().strip_prefix(&key))
+        .unwrap_or_else(|| panic!("{file} sets no {key}"))
+        .trim()
+        .to_string()
+}
+
+/// CI (tests/run.sh) tests the interposer built by the same zig and
+/// cargo-zigbuild as the image (deploy/Dockerfile) ships.
+#[test]
+fn run_sh_and_the_dockerfile_pin_the_same_zig_toolchain() {
+    let root = workspace_root();
+    let run = std::fs::read_to_string(root.join("tests/run.sh")).unwrap();
+    let docker = std::fs::read_to_string(root.join("deploy/Dockerfile")).unwrap();
+    for name in ["ZIGLANG_VERSION", "CARGO_ZIGBUILD_VERSION"] {
+        assert_eq!(
+            pin(&run, "tests/run.sh", "", name),
+            pin(&docker, "deploy/Dockerfile", "ARG ", name),
+            "{name} differs between tests/run.sh and deploy/Dockerfile"
+        );
+    }
+    for text in [&run, &docker] {
+        assert!(text.contains("x86_64-unknown-linux-gnu.2.17"));
+    }
 }

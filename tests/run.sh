@@ -8,6 +8,23 @@ REPO=$PWD
 
 log() { printf '\n==> %s\n' "$*"; }
 
+# The interposer ships linked against glibc 2.17 (cuda-shim/README.md, "glibc
+# floor"): `cargo zigbuild` with zig from PyPI's ziglang as the linker. Same
+# pins as deploy/Dockerfile (tests/glibc_floor.rs checks they agree). Tools
+# and the old distribution root are cached outside the checkout, keyed by
+# version, so only a machine's first run pays for them (about 5 minutes on 2
+# cores: cargo-zigbuild's build ~2.3 min, the release zig build ~1.3 min,
+# debootstrap ~1.3 min, ziglang ~15 s).
+ZIGLANG_VERSION=0.15.2
+CARGO_ZIGBUILD_VERSION=0.24.1
+VCUDA_CACHE=${VCUDA_CACHE:-/var/cache/vcuda}
+GLIBC_217_TARGET=x86_64-unknown-linux-gnu.2.17
+# An old glibc to load the shipped interposer under (bullseye: 2.31, as
+# Ubuntu 20.04); VCUDA_OLD_GLIBC_MIRROR if bullseye leaves the main mirror.
+OLD_GLIBC_SUITE=bullseye
+VCUDA_OLD_GLIBC_MIRROR=${VCUDA_OLD_GLIBC_MIRROR:-http://deb.debian.org/debian}
+mkdir -p "$VCUDA_CACHE"
+
 if [ "$(id -u)" != 0 ]; then
   echo "tests/run.sh: run as root: it installs Debian packages, creates device nodes and starts dockerd" >&2
   exit 2
@@ -19,6 +36,7 @@ command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
 [ -x /bin/busybox ] || need+=(busybox-static)
 command -v strace >/dev/null 2>&1 || need+=(strace)
 command -v gcc >/dev/null 2>&1 || need+=(gcc)
+command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
@@ -26,6 +44,36 @@ fi
 
 log "python packages"
 python3 -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+# zig, the linker of the glibc-2.17 interposer build (cargo-zigbuild runs it
+# as `python3 -m ziglang` when no zig is on PATH; so does tests/glibc_floor.rs).
+python3 -m pip install -q --disable-pip-version-check "ziglang==$ZIGLANG_VERSION"
+
+log "cargo-zigbuild $CARGO_ZIGBUILD_VERSION"
+zigbuild_root="$VCUDA_CACHE/cargo-zigbuild-$CARGO_ZIGBUILD_VERSION"
+if [ ! -x "$zigbuild_root/bin/cargo-zigbuild" ]; then
+  t0=$SECONDS
+  cargo install -q --locked cargo-zigbuild --version "$CARGO_ZIGBUILD_VERSION" --root "$zigbuild_root"
+  echo "built cargo-zigbuild in $((SECONDS - t0)) s (cached in $zigbuild_root)"
+fi
+export PATH="$zigbuild_root/bin:$PATH"
+
+log "old glibc root ($OLD_GLIBC_SUITE)"
+old_root="$VCUDA_CACHE/debian-$OLD_GLIBC_SUITE-minbase"
+if [ ! -x "$old_root/usr/bin/ldd" ]; then
+  t0=$SECONDS
+  rm -rf "$old_root.partial"
+  # Into .partial, renamed when complete: a cut-off run never leaves a
+  # half-made root that later runs would take for a good one.
+  if ! debootstrap --variant=minbase "$OLD_GLIBC_SUITE" "$old_root.partial" "$VCUDA_OLD_GLIBC_MIRROR" \
+      >"$VCUDA_CACHE/debootstrap.log" 2>&1; then
+    tail -20 "$VCUDA_CACHE/debootstrap.log" >&2
+    echo "tests/run.sh: debootstrap $OLD_GLIBC_SUITE from $VCUDA_OLD_GLIBC_MIRROR failed; tests/glibc_floor.rs needs it (set VCUDA_OLD_GLIBC_MIRROR, e.g. to an archive mirror)" >&2
+    exit 1
+  fi
+  mv "$old_root.partial" "$old_root"
+  echo "debootstrapped $OLD_GLIBC_SUITE in $((SECONDS - t0)) s"
+fi
+export VCUDA_OLD_GLIBC_ROOT="$old_root"
 
 log "docker engine"
 source tests/docker/engine.sh
@@ -34,9 +82,23 @@ export VCUDA_REQUIRE_DOCKER=1
 
 log "build"
 cargo build --workspace --all-targets
+# The interposer as shipped (deploy/Dockerfile): release, glibc 2.17. Same
+# target dir; it lands in target/x86_64-unknown-linux-gnu/release/.
+t0=$SECONDS
+cargo zigbuild -p cuda-shim --release --target "$GLIBC_217_TARGET"
+shipped_interposer="$REPO/target/x86_64-unknown-linux-gnu/release/libvcuda.so"
+[ -f "$shipped_interposer" ] || { echo "tests/run.sh: cargo zigbuild left no $shipped_interposer" >&2; exit 1; }
+echo "glibc-2.17 interposer built in $((SECONDS - t0)) s"
 
 log "cargo tests"
 cargo test --workspace --no-fail-fast
+
+log "interposer tests again, on the shipped glibc-2.17 build"
+# The harness (cuda-shim/testsupport/simnode.rs) mirrors $VCUDA_INTERPOSER
+# instead of this profile's host build: the same memory and compute quota
+# tests, on the library containers actually get.
+VCUDA_INTERPOSER="$shipped_interposer" cargo test -p vcuda-tests --no-fail-fast \
+  --test shim_quota --test shim_compute
 
 log "python tests"
 export VCUDA_TARGET_DIR="$REPO/target/debug"
