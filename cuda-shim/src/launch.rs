@@ -1,8 +1,12 @@
 //! Kernel launches: each passes through the compute-quota hook
-//! ([`crate::throttle::before_launch`]) when the process enforces quotas.
-//! Hot path: one relaxed load, the hook, one indirect call.
+//! ([`crate::throttle::before_launch`]) when the process enforces quotas,
+//! unless it is being captured into a graph ([`crate::graph`]); a graph
+//! launch is charged its kernel nodes.
+//! Hot path: two relaxed loads (enforcing, captures), the hook, one
+//! indirect call.
 
 use crate::config::ENFORCING;
+use crate::graph::{captured, launch_cost};
 use crate::real::real_cuda;
 use crate::throttle::{before_launch, kernel_cost};
 use cuda_abi::CUresult;
@@ -18,12 +22,13 @@ type LaunchCoop =
 type LaunchEx = unsafe extern "C" fn(*const LaunchConfig, Ptr, Params, Params) -> CUresult;
 type GraphLaunch = unsafe extern "C" fn(Ptr, Ptr) -> CUresult;
 
-/// The head of `CUlaunchConfig` (what the cost needs).
+/// The head of `CUlaunchConfig` (what the cost and the capture check need).
 #[repr(C)]
 pub struct LaunchConfig {
     pub grid: [u32; 3],
     pub block: [u32; 3],
     pub shared_mem_bytes: u32,
+    pub stream: Ptr,
 }
 
 #[inline(always)]
@@ -33,40 +38,51 @@ fn hook(cost: impl FnOnce() -> u64) {
     }
 }
 
+/// [`hook`] for launches onto a stream: work recorded into a capture is
+/// not charged (its graph's launches are). `ptsz`: a per-thread variant.
+#[inline(always)]
+fn hook_on(stream: Ptr, ptsz: bool, cost: impl FnOnce() -> u64) {
+    if ENFORCING.load(Ordering::Relaxed) && !captured(stream, ptsz) {
+        before_launch(cost);
+    }
+}
+
 cuda_exports! {
     fn cuLaunchKernel(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernel: LaunchKernel);
-        hook(|| kernel_cost([gx, gy, gz], [bx, by, bz]));
+        hook_on(stream, false, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
     }
 
     fn cuLaunchKernel_ptsz(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernel_ptsz: LaunchKernel);
-        hook(|| kernel_cost([gx, gy, gz], [bx, by, bz]));
+        hook_on(stream, true, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
     }
 
     fn cuLaunchCooperativeKernel(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params) {
         let real = real_cuda!(cuLaunchCooperativeKernel: LaunchCoop);
-        hook(|| kernel_cost([gx, gy, gz], [bx, by, bz]));
+        hook_on(stream, false, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         real(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
     }
 
     fn cuLaunchCooperativeKernel_ptsz(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params) {
         let real = real_cuda!(cuLaunchCooperativeKernel_ptsz: LaunchCoop);
-        hook(|| kernel_cost([gx, gy, gz], [bx, by, bz]));
+        hook_on(stream, true, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         real(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
     }
 
     fn cuLaunchKernelEx(config: *const LaunchConfig, f: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernelEx: LaunchEx);
-        hook(|| config.as_ref().map_or(0, |c| kernel_cost(c.grid, c.block)));
+        let stream = config.as_ref().map_or(std::ptr::null_mut(), |c| c.stream);
+        hook_on(stream, false, || config.as_ref().map_or(0, |c| kernel_cost(c.grid, c.block)));
         real(config, f, params, extra)
     }
 
     fn cuLaunchKernelEx_ptsz(config: *const LaunchConfig, f: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernelEx_ptsz: LaunchEx);
-        hook(|| config.as_ref().map_or(0, |c| kernel_cost(c.grid, c.block)));
+        let stream = config.as_ref().map_or(std::ptr::null_mut(), |c| c.stream);
+        hook_on(stream, true, || config.as_ref().map_or(0, |c| kernel_cost(c.grid, c.block)));
         real(config, f, params, extra)
     }
 
@@ -78,13 +94,13 @@ cuda_exports! {
 
     fn cuGraphLaunch(exec: Ptr, stream: Ptr) {
         let real = real_cuda!(cuGraphLaunch: GraphLaunch);
-        hook(|| 0);
+        hook_on(stream, false, || launch_cost(exec));
         real(exec, stream)
     }
 
     fn cuGraphLaunch_ptsz(exec: Ptr, stream: Ptr) {
         let real = real_cuda!(cuGraphLaunch_ptsz: GraphLaunch);
-        hook(|| 0);
+        hook_on(stream, true, || launch_cost(exec));
         real(exec, stream)
     }
 
@@ -102,7 +118,7 @@ cuda_exports! {
 
     fn cuLaunchGridAsync(f: Ptr, w: i32, h: i32, stream: Ptr) {
         let real = real_cuda!(cuLaunchGridAsync: unsafe extern "C" fn(Ptr, i32, i32, Ptr) -> CUresult);
-        hook(|| kernel_cost([w.max(1) as u32, h.max(1) as u32, 1], [1, 1, 1]));
+        hook_on(stream, false, || kernel_cost([w.max(1) as u32, h.max(1) as u32, 1], [1, 1, 1]));
         real(f, w, h, stream)
     }
 }

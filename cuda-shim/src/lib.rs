@@ -53,6 +53,7 @@ macro_rules! nvml_exports {
 }
 
 pub mod config;
+pub mod graph;
 pub mod init;
 pub mod launch;
 pub mod log;

@@ -83,6 +83,49 @@ fn alloc_sized(
     r
 }
 
+/// Reserves `bytes` the driver allocates outside an allocation call (graph
+/// memory, see graph.rs): `call` runs only if they fit (else
+/// OUT_OF_MEMORY, counted as a refusal), and they are given back if it
+/// fails. Not in the allocation table: the caller keeps track and returns
+/// them with [`release_reserved`].
+pub(crate) fn reserve_for(bytes: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    if config::enforce().is_none() || bytes == 0 {
+        return call();
+    }
+    let p = proc();
+    if let Err(e) = p.ensure_registered() {
+        return e;
+    }
+    let guard = p.attach();
+    let Some(a) = guard.as_ref() else {
+        return REFUSED;
+    };
+    if let Err(over) = a.ledger.try_reserve(a.slot, bytes) {
+        log!(Info, "graph memory refused: {over}");
+        a.ledger.count_refused_allocation();
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    let r = call();
+    if r == CUDA_SUCCESS {
+        p.local_used.fetch_add(bytes, Ordering::AcqRel);
+    } else {
+        a.ledger.release(a.slot, bytes);
+    }
+    r
+}
+
+/// Gives back bytes taken with [`reserve_for`].
+pub(crate) fn release_reserved(bytes: u64) {
+    if config::enforce().is_none() || bytes == 0 {
+        return;
+    }
+    let p = proc();
+    if let Some(a) = p.attach().as_ref() {
+        a.ledger.release(a.slot, bytes);
+    }
+    p.local_used.fetch_sub(bytes, Ordering::AcqRel);
+}
+
 /// Runs the free `call` and gives the allocation's bytes back on success.
 #[inline]
 fn free(kind: Kind, key: u64, call: impl FnOnce() -> CUresult) -> CUresult {
@@ -320,21 +363,33 @@ cuda_exports! {
 
     fn cuMemAllocAsync(dptr: *mut u64, bytesize: usize, stream: Stream) {
         let f = real_cuda!(cuMemAllocAsync: AllocAsync);
+        if crate::graph::captured(stream, false) {
+            return f(dptr, bytesize, stream); // a graph alloc node: reserved at instantiation
+        }
         alloc(bytesize as u64, Kind::Ptr, || f(dptr, bytesize, stream), || *dptr)
     }
 
     fn cuMemAllocAsync_ptsz(dptr: *mut u64, bytesize: usize, stream: Stream) {
         let f = real_cuda!(cuMemAllocAsync_ptsz: AllocAsync);
+        if crate::graph::captured(stream, true) {
+            return f(dptr, bytesize, stream); // a graph alloc node: reserved at instantiation
+        }
         alloc(bytesize as u64, Kind::Ptr, || f(dptr, bytesize, stream), || *dptr)
     }
 
     fn cuMemAllocFromPoolAsync(dptr: *mut u64, bytesize: usize, pool: *mut c_void, stream: Stream) {
         let f = real_cuda!(cuMemAllocFromPoolAsync: AllocPool);
+        if crate::graph::captured(stream, false) {
+            return f(dptr, bytesize, pool, stream); // a graph alloc node: reserved at instantiation
+        }
         alloc(bytesize as u64, Kind::Ptr, || f(dptr, bytesize, pool, stream), || *dptr)
     }
 
     fn cuMemAllocFromPoolAsync_ptsz(dptr: *mut u64, bytesize: usize, pool: *mut c_void, stream: Stream) {
         let f = real_cuda!(cuMemAllocFromPoolAsync_ptsz: AllocPool);
+        if crate::graph::captured(stream, true) {
+            return f(dptr, bytesize, pool, stream); // a graph alloc node: reserved at instantiation
+        }
         alloc(bytesize as u64, Kind::Ptr, || f(dptr, bytesize, pool, stream), || *dptr)
     }
 
