@@ -33,7 +33,7 @@ def _fill_rows(node, name, api, n_workers=1, refill=False):
                 w.go()
             results = [w.wait_for("result", 120)["result"] for w in workers]
             pids = [w.pid for w in workers]
-            registered = set(pids) <= set(c.pids())
+            registered = c.wait_pids(pids, 2.0)
             time.sleep(0.5)  # samples of everything held at once
         finally:
             for w in workers:

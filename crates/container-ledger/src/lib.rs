@@ -26,8 +26,9 @@
 //! [`VERSION`]): a 4 KiB header, then [`SLOTS`] slots of 64 bytes. The
 //! header holds the quota, the total, its peak, the generation and two
 //! container-wide counters the interposer bumps for the display's metrics
-//! ([`Ledger::throttled_ns`], [`Ledger::refused_allocations`]); bytes
-//! `72..1024` are reserved (zero); bytes `1024..4096` belong to the
+//! ([`Ledger::throttled_ns`], [`Ledger::refused_allocations`]), the compute
+//! controller's attribution flag ([`Ledger::compute_unattributed`]); bytes
+//! `80..1024` are reserved (zero); bytes `1024..4096` belong to the
 //! compute-quota controller ([`Ledger::compute_words`]).
 //!
 //! The counters took reserved bytes that every ledger of this version has
@@ -70,6 +71,10 @@ pub const COMPUTE_WORDS: usize = (HEADER_SIZE - COMPUTE_OFFSET) / 8;
 pub const THROTTLED_NS_OFFSET: usize = 56;
 /// Offset of the container's refused-allocations counter (u64) in the header.
 pub const REFUSED_ALLOCATIONS_OFFSET: usize = 64;
+/// Offset of the compute controller's attribution flag (u64) in the header
+/// (see [`Ledger::compute_unattributed`]); in the compute area's page, which
+/// the interposer keeps mapped.
+pub const COMPUTE_UNATTRIBUTED_OFFSET: usize = 72;
 const _: () = assert!(
     THROTTLED_NS_OFFSET / 4096 == COMPUTE_OFFSET / 4096,
     "the throttled counter shares the compute area's page"
@@ -383,6 +388,22 @@ impl Ledger {
     pub fn count_refused_allocation(&self) {
         self.u64_at(REFUSED_ALLOCATIONS_OFFSET)
             .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether the compute quota's feedback is blind: 0 it sees the
+    /// container's use (or has not looked yet), 1 NVML's samples show the
+    /// device busy but name none of the container's host PIDs (a PID
+    /// namespace, MPS), 2 no samples at all (MIG). Set by the interposer's
+    /// controller; the quota then falls back (cuda-shim README, "Compute
+    /// quota").
+    pub fn compute_unattributed(&self) -> u64 {
+        self.u64_at(COMPUTE_UNATTRIBUTED_OFFSET)
+            .load(Ordering::Relaxed)
+    }
+
+    pub fn set_compute_unattributed(&self, v: u64) {
+        self.u64_at(COMPUTE_UNATTRIBUTED_OFFSET)
+            .store(v, Ordering::Relaxed);
     }
 
     /// Bumped by [`Ledger::reset`]; lets a process notice the ledger was
@@ -735,6 +756,9 @@ mod tests {
             (2_000, 2)
         );
         assert!(raw[72..COMPUTE_OFFSET].iter().all(|&b| b == 0), "reserved");
+        assert_eq!(l.compute_unattributed(), 0);
+        l2.set_compute_unattributed(1);
+        assert_eq!(l.compute_unattributed(), 1, "shared");
     }
 
     #[test]

@@ -9,6 +9,7 @@ import pathlib
 import struct
 import subprocess
 import threading
+import time
 
 # resource_data_t (crates/quota-config): packed, 8240 bytes, native endian.
 CONFIG_SIZE = 8240
@@ -89,6 +90,15 @@ class Container:
         except FileNotFoundError:
             return []
         return list(struct.unpack(f"={len(raw) // 4}i", raw[: len(raw) // 4 * 4]))
+
+    def wait_pids(self, pids, timeout):
+        """Whether all `pids` are registered (in pids.config) within `timeout` s."""
+        end = time.monotonic() + timeout
+        while not set(pids) <= set(self.pids()):
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.05)
+        return True
 
     def close(self):
         if self.proc.poll() is None:

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The real-GPU suite: one command on a machine with an NVIDIA GPU, its driver
+# and (for the full table) PyTorch and nvcc; no network, no cargo. See
+# tests/gpu/README.md.
+#
+#   bash tests/gpu/run.sh [--artifacts DIR] [suite options]   # the GPU of this machine
+#   bash tests/gpu/run.sh --sim [suite options]               # a simulated node (gpu-sim)
+#
+# --artifacts: where libvcuda.so, vdriver-mirror and examples/test_manager are
+# (default: target/release, else target/debug). --sim installs
+# config/nodes/sim-1gpu.toml with <artifacts>/gpu-sim into a temporary root
+# and runs what needs no PyTorch/nvcc there (those rows: NOT RUN, allowed).
+# Other options go to suite.py (--only, --compute-seconds, --json, --keep;
+# `--help`). PYTHON picks the interpreter (default python3).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+
+artifacts="" sim=0 rest=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --artifacts) [ $# -ge 2 ] || { echo "run.sh: --artifacts needs a directory" >&2; exit 2; }
+                 artifacts=$2; shift 2 ;;
+    --sim) sim=1; shift ;;
+    *) rest+=("$1"); shift ;;
+  esac
+done
+if [ -z "$artifacts" ]; then
+  artifacts=target/release
+  [ -f "$artifacts/libvcuda.so" ] || artifacts=target/debug
+fi
+python=${PYTHON:-python3}
+command -v "$python" >/dev/null || { echo "run.sh: $python not found" >&2; exit 2; }
+
+if [ "$sim" = 1 ]; then
+  [ -x "$artifacts/gpu-sim" ] || { echo "run.sh: $artifacts/gpu-sim missing (cargo build -p gpu-sim)" >&2; exit 2; }
+  root=$(mktemp -d /tmp/vcuda-gpu-suite-sim-XXXXXX)
+  trap 'rm -rf "$root"' EXIT
+  "$artifacts/gpu-sim" install --node config/nodes/sim-1gpu.toml --root "$root" >/dev/null ||
+    { echo "run.sh: gpu-sim install failed" >&2; exit 2; }
+  "$python" tests/gpu/suite.py --artifacts "$artifacts" --host-root "$root" --allow-not-run "${rest[@]}"
+  exit $?
+fi
+if ! command -v nvidia-smi >/dev/null && [ ! -e /dev/nvidiactl ]; then
+  echo "run.sh: no NVIDIA driver here (no nvidia-smi, no /dev/nvidiactl); use --sim for the simulated node" >&2
+  exit 2
+fi
+"$python" tests/gpu/suite.py --artifacts "$artifacts" "${rest[@]}"
