@@ -31,6 +31,10 @@ const REFILLED_AT: usize = 10;
 const RATE: usize = 11;
 const UNITS_PER_MS: usize = 12;
 const WAITS: usize = 13;
+/// Summed costs of the launches asleep in [`Bucket::wait`] now.
+const WAITING: usize = 14;
+/// Units of stale debt forgiven, ever (diagnostics).
+const FORGIVEN: usize = 15;
 const LEASE_OWNER: usize = 16;
 const LEASE_BEAT: usize = 17;
 const TARGET_X100: usize = 18;
@@ -47,8 +51,8 @@ pub const BURST_NS: f64 = 50e6;
 /// A refill after a longer gap grants at most this much time.
 const MAX_REFILL_NS: u64 = 1_000_000_000;
 /// Units a launch of unknown shape costs before the controller knows what
-/// 1 ms of device time is worth.
-const DEFAULT_UNKNOWN_COST: u64 = 1 << 20;
+/// 1 ms of device time is worth: 100 waves (1 ms of 10 us waves).
+const DEFAULT_UNKNOWN_COST: u64 = 100 * super::cost::WAVE_UNITS;
 /// Bigger launches are charged this (keeps the counters far from wrapping).
 const MAX_COST: u64 = 1 << 40;
 /// While the rate is unknown (a new container, first ~100 ms), launches
@@ -57,6 +61,14 @@ const MAX_COST: u64 = 1 << 40;
 const LEARNING_SLACK: u64 = 1 << 32;
 const MIN_SLEEP_NS: f64 = 50e3;
 const MAX_SLEEP_NS: f64 = 20e6;
+
+/// A launch's place in the bucket: covered once `granted >= end`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ticket {
+    pub end: u64,
+    /// The units it took (after clamping).
+    pub cost: u64,
+}
 
 /// A view of the compute words. The mapping outlives it (see
 /// [`crate::throttle`]: it is never unmapped).
@@ -95,17 +107,17 @@ impl Bucket {
     /// and says whether it is covered. `Some(ticket)`: call
     /// [`wait`](Self::wait).
     #[inline(always)]
-    pub fn take(&self, cost: u64) -> Option<u64> {
+    pub fn take(&self, cost: u64) -> Option<Ticket> {
         let cost = if cost == 0 {
             self.unknown_cost()
         } else {
             cost.min(MAX_COST)
         };
-        let q = self.w[REQUESTED].fetch_add(cost, Ordering::Relaxed) + cost;
-        if q <= self.w[GRANTED].load(Ordering::Acquire) {
+        let end = self.w[REQUESTED].fetch_add(cost, Ordering::Relaxed) + cost;
+        if end <= self.w[GRANTED].load(Ordering::Acquire) {
             None
         } else {
-            Some(q)
+            Some(Ticket { end, cost })
         }
     }
 
@@ -122,28 +134,75 @@ impl Bucket {
     /// measured with the clock reads the refills take anyway.
     #[cold]
     #[inline(never)]
-    pub fn wait(&self, ticket: u64, mut on_first_sleep: impl FnMut()) -> u64 {
+    pub fn wait(&self, ticket: Ticket, on_first_sleep: impl FnMut()) -> u64 {
+        self.wait_with(
+            ticket,
+            now_ns,
+            |ns| std::thread::sleep(Duration::from_nanos(ns)),
+            on_first_sleep,
+        )
+    }
+
+    /// [`wait`](Self::wait) on the given clock and sleep (tests drive a
+    /// simulated clock).
+    ///
+    /// The wait is bounded by the ticket's own cost at the current rate
+    /// plus the costs of the launches waiting ahead of it right now: debt
+    /// ahead of the ticket that no live waiter holds (tickets of a process
+    /// killed while it waited) is forgiven beyond a burst's worth, so no
+    /// history of the container lengthens a launch's wait by more than
+    /// [`BURST_NS`]. A cost larger than the burst still passes once
+    /// refilled: the cap on unused tokens counts from `requested`, which
+    /// includes the ticket.
+    pub fn wait_with(
+        &self,
+        t: Ticket,
+        clock: impl Fn() -> u64,
+        mut sleep: impl FnMut(u64),
+        mut on_first_sleep: impl FnMut(),
+    ) -> u64 {
         let mut slept_since = None;
-        loop {
-            let now = now_ns();
+        let ret = loop {
+            let now = clock();
             let slept = || slept_since.map_or(0, |t0: u64| now.saturating_sub(t0));
             self.refill(now);
             let g = self.w[GRANTED].load(Ordering::Acquire);
-            if g >= ticket {
-                return slept();
+            if g >= t.end {
+                break slept();
             }
             let rate = self.rate();
             if rate <= 0.0 {
-                self.w[GRANTED].fetch_max(ticket.saturating_add(LEARNING_SLACK), Ordering::AcqRel);
-                return slept();
+                self.w[GRANTED].fetch_max(t.end.saturating_add(LEARNING_SLACK), Ordering::AcqRel);
+                break slept();
             }
             if slept_since.is_none() {
                 slept_since = Some(now);
                 self.w[WAITS].fetch_add(1, Ordering::Relaxed);
+                let others = self.w[WAITING].fetch_add(t.cost, Ordering::AcqRel);
+                self.forgive_stale_debt(t, g, others, rate);
                 on_first_sleep();
+                continue;
             }
-            let ns = ((ticket - g) as f64 / rate).clamp(MIN_SLEEP_NS, MAX_SLEEP_NS);
-            std::thread::sleep(Duration::from_nanos(ns as u64));
+            let ns = ((t.end - g) as f64 / rate).clamp(MIN_SLEEP_NS, MAX_SLEEP_NS);
+            sleep(ns as u64);
+        };
+        if slept_since.is_some() {
+            self.w[WAITING].fetch_sub(t.cost, Ordering::AcqRel);
+        }
+        ret
+    }
+
+    /// Grants the debt ahead of `t` beyond what the launches waiting now
+    /// (`others`, their summed costs) and a burst at `rate` account for.
+    /// Launches between `take` and their first sleep are not yet counted
+    /// in `WAITING`; the burst's slack covers them.
+    fn forgive_stale_debt(&self, t: Ticket, granted: u64, others: u64, rate: f64) {
+        let ahead = (t.end - t.cost).saturating_sub(granted);
+        let keep = others.saturating_add((rate * BURST_NS) as u64);
+        if ahead > keep {
+            let to = t.end - t.cost - keep;
+            self.w[GRANTED].fetch_max(to, Ordering::AcqRel);
+            self.w[FORGIVEN].fetch_add(to - granted, Ordering::Relaxed);
         }
     }
 
@@ -220,6 +279,11 @@ impl Bucket {
     pub fn launched(&self) -> u64 {
         let q = self.w[REQUESTED].load(Ordering::Acquire);
         q.min(self.w[GRANTED].load(Ordering::Acquire))
+    }
+
+    /// Units of stale debt forgiven, ever.
+    pub fn forgiven(&self) -> u64 {
+        self.w[FORGIVEN].load(Ordering::Relaxed)
     }
 
     /// Launches that had to sleep, ever.
@@ -364,12 +428,103 @@ mod tests {
     #[test]
     fn unknown_shapes_cost_a_millisecond() {
         let (_d, _l, b) = bucket();
+        assert_eq!(
+            b.take(0).unwrap().cost,
+            DEFAULT_UNKNOWN_COST,
+            "before the controller knows"
+        );
+        let (_d, _l, b) = bucket();
         b.set_rate(1e9, 777.0);
         b.refill(1);
         b.refill(2);
         let before = b.w[REQUESTED].load(Ordering::Relaxed);
         let _ = b.take(0);
         assert_eq!(b.w[REQUESTED].load(Ordering::Relaxed) - before, 777);
+    }
+
+    /// A simulated clock that sleeping advances.
+    struct Sim(std::cell::Cell<u64>);
+
+    impl Sim {
+        fn wait(&self, b: &Bucket, t: Ticket) -> u64 {
+            let t0 = self.0.get();
+            b.wait_with(
+                t,
+                || self.0.get(),
+                |ns| self.0.set(self.0.get() + ns),
+                || {},
+            );
+            self.0.get() - t0
+        }
+    }
+
+    /// At 1 unit/µs: a bucket drained to zero (no unused tokens) at `t`.
+    fn drained(t: u64) -> (tempfile::TempDir, Ledger, Bucket, Sim) {
+        let (d, l, b) = bucket();
+        b.set_rate(1e-3, 1e3);
+        b.refill(t);
+        b.refill(t + 1_000_000_000);
+        let sim = Sim(std::cell::Cell::new(t + 1_000_000_000));
+        let spare = b.w[GRANTED].load(Ordering::Relaxed) - b.w[REQUESTED].load(Ordering::Relaxed);
+        assert!(b.take(spare).is_none());
+        (d, l, b, sim)
+    }
+
+    #[test]
+    fn a_wait_is_what_the_cost_takes_to_earn() {
+        let (_d, _l, b, sim) = drained(1_000);
+        // 1000 small launches back to back, each waiting at most its own
+        // cost (or the shortest sleep, whose surplus covers the next ones).
+        for _ in 0..1000 {
+            if let Some(t) = b.take(16) {
+                let w = sim.wait(&b, t);
+                assert!(w <= MIN_SLEEP_NS as u64, "{w}");
+            }
+        }
+        // Spend the surplus (less than one sleep's worth).
+        let mut n = 0;
+        while b.take(1).is_none() {
+            n += 1;
+        }
+        assert!(n <= 50, "{n}");
+        // Then a big one: its own cost, not the history's.
+        let t = b.take(20_000).unwrap();
+        let w = sim.wait(&b, t);
+        assert!((20_000_000..20_100_000).contains(&w), "{w}");
+    }
+
+    #[test]
+    fn a_cost_beyond_the_burst_passes_once_earned() {
+        let (_d, _l, b, sim) = drained(1_000);
+        // 10 s worth at this rate: 200 bursts.
+        let t = b.take(10_000_000).unwrap();
+        let w = sim.wait(&b, t);
+        assert!((10_000_000_000..10_030_000_000).contains(&w), "{w}");
+    }
+
+    #[test]
+    fn the_debt_of_a_launch_that_died_waiting_is_forgiven() {
+        let (_d, _l, b, sim) = drained(1_000);
+        // A process took a 100 s ticket and was killed before it slept.
+        let _dead = b.take(100_000_000).unwrap();
+        let t = b.take(16).unwrap();
+        let w = sim.wait(&b, t);
+        // Its own 16 us and at most a burst of the dead debt.
+        assert!(w <= 16_000 + BURST_NS as u64 + 60_000, "{w}");
+        assert!(b.forgiven() > 90_000_000, "{}", b.forgiven());
+        assert_eq!(b.w[WAITING].load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn live_waiters_ahead_are_waited_for() {
+        let (_d, _l, b, sim) = drained(1_000);
+        // Another launch (10 ms) is asleep ahead of ours.
+        let ahead = b.take(10_000).unwrap();
+        b.w[WAITING].fetch_add(ahead.cost, Ordering::Relaxed);
+        let t = b.take(16).unwrap();
+        let w = sim.wait(&b, t);
+        assert!((10_016_000..10_100_000).contains(&w), "{w}");
+        assert_eq!(b.forgiven(), 0);
     }
 
     #[test]

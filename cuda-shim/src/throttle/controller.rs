@@ -12,6 +12,18 @@
 //! removes what feed-forward misses (tokens lost to the burst cap, a
 //! launch-to-run lag); it only grows while the container actually waited
 //! for tokens, so an idle container does not wind it up.
+//!
+//! Blind feedback (fail-open, issue 12): when NVML cannot attribute the
+//! container's work to its host PIDs (a PID namespace the manager could
+//! not map, MPS, whose server runs every client's kernels under its own
+//! PID, MIG, which has no per-process samples), `own` reads 0 however much
+//! the bucket admits, the scale is never learned, and the quota would be
+//! off. The controller notices ([`Blind`]) and then, instead of running
+//! unlimited: with samples that name other PIDs only, it charges the
+//! container for the whole device's busy time (so it gets at most its
+//! quota, less while others are busy too); with no samples at all, it
+//! keeps the last rate it learned, or if it never learned one, assumes
+//! [`ASSUMED_WAVE_NS`] per wave.
 
 use std::collections::VecDeque;
 
@@ -28,6 +40,18 @@ const M_MIN: f64 = 0.5;
 const M_MAX: f64 = 2.0;
 /// Launch counts older than this are dropped (NVML keeps 5 s of samples).
 const HISTORY_NS: u64 = 6_000_000_000;
+/// Periods in a row with work admitted, the device busy and no sample of
+/// the container's PIDs before the feedback is called blind (1 s).
+const BLIND_PERIODS: u32 = 10;
+/// Admitted units a period needs to count towards blindness: 500 waves,
+/// enough device time that NVML's whole-percent samples show it.
+const BLIND_MIN_UNITS: u64 = 500 * super::cost::WAVE_UNITS;
+/// No sample at all for this long while launching: blind.
+const NO_SAMPLES_NS: u64 = 2_000_000_000;
+/// Device time of a wave assumed when no sample ever arrives and nothing
+/// was learned: longer than most real waves, so the error is a quota held
+/// too tight, not one left open.
+pub const ASSUMED_WAVE_NS: f64 = 50_000.0;
 /// A period is assumed to last this long when the previous one is unknown
 /// (the driver samples every 100 ms on the sim; real drivers ~ 1/6 s).
 pub const DEFAULT_PERIOD_NS: u64 = 100_000_000;
@@ -81,8 +105,22 @@ pub struct Decision {
     pub achieved: f64,
 }
 
+/// Why the controller cannot see the container's own use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Blind {
+    /// Samples show the device busy, none names the container's PIDs.
+    OtherPids = 1,
+    /// No sample at all while the container launched.
+    NoSamples = 2,
+}
+
 pub struct Controller {
     quota: Quota,
+    /// Periods in a row that looked blind; see [`BLIND_PERIODS`].
+    dark: u32,
+    blind: Option<Blind>,
+    /// End of the newest period, or when this controller started.
+    last_period_ns: Option<u64>,
     /// (CLOCK_MONOTONIC ns, units launched so far), oldest first.
     launched: VecDeque<(u64, u64)>,
     periods: VecDeque<Period>,
@@ -99,6 +137,9 @@ impl Controller {
     pub fn new(quota: Quota) -> Controller {
         Controller {
             quota,
+            dark: 0,
+            blind: None,
+            last_period_ns: None,
             launched: VecDeque::new(),
             periods: VecDeque::new(),
             scale: None,
@@ -109,6 +150,7 @@ impl Controller {
 
     /// Records the bucket's launched-units counter at `now`.
     pub fn record_launched(&mut self, now: u64, units: u64) {
+        self.last_period_ns.get_or_insert(now);
         if self.launched.back().is_some_and(|&(t, _)| t >= now) {
             return;
         }
@@ -153,6 +195,7 @@ impl Controller {
     /// waited for tokens since the previous period (its demand exceeded
     /// the rate). Returns the new decision once the scale is known.
     pub fn add_period(&mut self, p: Period, waited: bool) -> Option<Decision> {
+        self.watch_attribution(&p);
         self.periods.push_back(p);
         while self.periods.len() > SCALE_WINDOW {
             self.periods.pop_front();
@@ -160,7 +203,7 @@ impl Controller {
         let (mut busy, mut units) = (0.0, 0u64);
         for q in &self.periods {
             if let Some(c) = q.cost {
-                busy += q.own / 100.0 * q.len_ns as f64;
+                busy += self.seen(q) / 100.0 * q.len_ns as f64;
                 units += c;
             }
         }
@@ -170,7 +213,9 @@ impl Controller {
         let scale = self.scale?;
         let others = avg(self.periods.iter().rev().take(OTHERS_WINDOW), |q| q.others);
         let target = self.quota.target(others);
-        let achieved = avg(self.periods.iter().rev().take(ERROR_WINDOW), |q| q.own);
+        let achieved = avg(self.periods.iter().rev().take(ERROR_WINDOW), |q| {
+            self.seen(q)
+        });
         let err = (target - achieved) / target.max(1.0);
         self.decided += 1;
         // Anti-windup: raise only while the container was held back.
@@ -183,6 +228,62 @@ impl Controller {
             units_per_ms: 1e6 / scale,
             achieved,
         })
+    }
+
+    /// The container's use in `q` as the controller counts it: its own
+    /// samples, or while they name other PIDs only, the whole device's.
+    fn seen(&self, q: &Period) -> f64 {
+        match self.blind {
+            Some(Blind::OtherPids) => (q.own + q.others).min(100.0),
+            _ => q.own,
+        }
+    }
+
+    fn watch_attribution(&mut self, p: &Period) {
+        self.last_period_ns = Some(p.end_ns);
+        if p.own > 0.0 {
+            self.dark = 0;
+            self.blind = None;
+        } else if p.others > 0.0 && p.cost.is_some_and(|c| c >= BLIND_MIN_UNITS) {
+            self.dark += 1;
+            if self.dark >= BLIND_PERIODS {
+                self.blind = Some(Blind::OtherPids);
+            }
+        } else if self.blind == Some(Blind::NoSamples) {
+            self.blind = None;
+        }
+    }
+
+    /// Called every tick: notices that no sample arrived for
+    /// [`NO_SAMPLES_NS`] while the container launched. Returns the rate to
+    /// hold when the feedback has just gone dark before any was learned.
+    pub fn check_samples(&mut self, now: u64) -> Option<Decision> {
+        let since = self.last_period_ns?;
+        if self.blind.is_some() || now < since + NO_SAMPLES_NS {
+            return None;
+        }
+        let from = self.launched_at(now - NO_SAMPLES_NS)?;
+        let to = self.launched_at(now)?;
+        if to - from < BLIND_MIN_UNITS as f64 {
+            return None;
+        }
+        self.blind = Some(Blind::NoSamples);
+        if self.scale.is_some() {
+            return None; // the bucket keeps the last decided rate
+        }
+        let scale = ASSUMED_WAVE_NS / super::cost::WAVE_UNITS as f64;
+        let target = self.quota.target(0.0);
+        Some(Decision {
+            rate: target / 100.0 / scale,
+            target,
+            units_per_ms: 1e6 / scale,
+            achieved: 0.0,
+        })
+    }
+
+    /// Whether, and why, the container's own use is invisible.
+    pub fn blind(&self) -> Option<Blind> {
+        self.blind
     }
 
     pub fn scale(&self) -> Option<f64> {
@@ -318,6 +419,118 @@ mod tests {
             rate = c.add_period(p, true).unwrap().rate;
         }
         assert!((own - 40.0).abs() < 1.0, "{own}");
+    }
+
+    /// Issue 12: a history of 1-thread kernels (one 10 us wave each, 25%
+    /// busy) must not price a 1 ms kernel (100 waves) out of reach: its
+    /// first wait is what its device time takes to earn at the quota.
+    #[test]
+    fn a_scale_learned_on_tiny_kernels_prices_big_ones_by_device_time() {
+        use crate::throttle::cost::{WAVE_UNITS, waves};
+        let cost = |g, b| waves(108, 2048, [g, 1, 1], [b, 1, 1]) * WAVE_UNITS;
+        let (tiny, big) = (cost(1, 1), cost(86_400, 256));
+        let wave_ns = 10_000.0;
+        let mut c = Controller::new(Quota {
+            utilization: 30.0,
+            soft_limit: None,
+        });
+        let (mut t, mut units) = (0u64, 0u64);
+        c.record_launched(0, 0);
+        let mut rate = None;
+        for _ in 0..20 {
+            // 2500 tiny kernels per 100 ms period: 25 ms busy.
+            t += P;
+            units += 2500 * tiny;
+            c.record_launched(t, units);
+            let p = Period {
+                end_ns: t,
+                len_ns: P,
+                own: 2500.0 * wave_ns / P as f64 * 100.0,
+                others: 0.0,
+                cost: c.cost_between(t - P, t),
+            };
+            rate = c.add_period(p, false).map(|d| d.rate);
+        }
+        let wait_ns = big as f64 / rate.unwrap();
+        let earn_ns = 100.0 * wave_ns / 0.30;
+        assert!(
+            wait_ns < 1.5 * earn_ns,
+            "a 1 ms kernel waits {:.1} ms at 30% (earned in {:.1} ms)",
+            wait_ns / 1e6,
+            earn_ns / 1e6
+        );
+    }
+
+    /// Samples that never name the container's PIDs (its work shows as
+    /// "others"): after a second the controller charges it the device's
+    /// whole busy time and lands on the quota instead of running open.
+    #[test]
+    fn unattributed_samples_are_noticed_and_the_quota_still_holds() {
+        let q = Quota {
+            utilization: 30.0,
+            soft_limit: None,
+        };
+        let mut c = Controller::new(q);
+        let k = 10_000.0 / 16.0; // ns per unit: 10 us waves
+        let (mut t, mut units, mut rate, mut true_own) = (0u64, 0.0, f64::INFINITY, 0.0);
+        c.record_launched(0, 0);
+        for i in 0..60 {
+            let r = rate.min(1.0 / k); // at most the whole device
+            t += P;
+            units += r * P as f64;
+            c.record_launched(t, units as u64);
+            true_own = r * k * 100.0;
+            let p = Period {
+                end_ns: t,
+                len_ns: P,
+                own: 0.0,
+                others: true_own,
+                cost: c.cost_between(t - P, t),
+            };
+            if let Some(d) = c.add_period(p, rate < f64::INFINITY) {
+                rate = d.rate;
+            }
+            if i < 5 {
+                assert_eq!(c.blind(), None, "not after {i} periods");
+            }
+        }
+        assert_eq!(c.blind(), Some(Blind::OtherPids));
+        assert!((true_own - 30.0).abs() < 1.0, "achieved {true_own}");
+        // Its own samples come back: attributed again.
+        let p = Period {
+            end_ns: t + P,
+            len_ns: P,
+            own: 30.0,
+            others: 0.0,
+            cost: None,
+        };
+        c.add_period(p, false);
+        assert_eq!(c.blind(), None);
+    }
+
+    #[test]
+    fn no_samples_at_all_hold_a_rate_never_none() {
+        let q = Quota {
+            utilization: 30.0,
+            soft_limit: None,
+        };
+        let mut c = Controller::new(q);
+        let mut units = 0;
+        for i in 0..=100u64 {
+            units += 100_000;
+            c.record_launched(i * 20_000_000, units);
+            let d = c.check_samples(i * 20_000_000);
+            if i * 20 < 2000 {
+                assert_eq!((d, c.blind()), (None, None), "at {i}");
+            } else {
+                assert_eq!(c.blind(), Some(Blind::NoSamples));
+                let d = d.expect("a rate when none was learned");
+                let expect = 0.30 * super::super::cost::WAVE_UNITS as f64 / ASSUMED_WAVE_NS;
+                assert!((d.rate - expect).abs() < 1e-12, "{d:?}");
+                break;
+            }
+        }
+        assert_eq!(c.check_samples(3_000_000_000), None, "said once");
     }
 
     #[test]
