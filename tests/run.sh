@@ -103,3 +103,5 @@ VCUDA_INTERPOSER="$shipped_interposer" cargo test -p vcuda-tests --no-fail-fast 
 log "python tests"
 export VCUDA_TARGET_DIR="$REPO/target/debug"
 python3 -m pytest -q tests/python
+# NVIDIA's own clients (pynvml, cuda-bindings) on the shipped glibc-2.17 build.
+VCUDA_INTERPOSER="$shipped_interposer" python3 -m pytest -q tests/python/test_shim_clients.py
