@@ -28,7 +28,7 @@ pub use cost::kernel_cost;
 
 use bucket::{Bucket, now_ns};
 use container_ledger::Ledger;
-use controller::{Controller, Period, Quota};
+use controller::{Blind, Controller, Period, Quota};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 use std::time::Duration;
@@ -157,6 +157,41 @@ fn throttled_word(words: *const AtomicU64) -> *const AtomicU64 {
     unsafe { header.add(container_ledger::THROTTLED_NS_OFFSET) }.cast()
 }
 
+/// Says, once per change, whether the controller can see the container's
+/// use, in the log and in the ledger's flag (the manager's metrics).
+fn report_blind(ctl: &mut Ctl) {
+    let now = ctl.ctrl.blind();
+    if now == ctl.blind {
+        return;
+    }
+    ctl.blind = now;
+    match now {
+        Some(Blind::OtherPids) => crate::log::log!(
+            Warn,
+            "compute quota: NVML's samples show the GPU busy but name none of the container's \
+             processes (PID namespace, MPS?); charging the container all busy time"
+        ),
+        Some(Blind::NoSamples) => crate::log::log!(
+            Warn,
+            "compute quota: NVML gives no utilisation samples while the container launches \
+             (MIG?); holding the last rate (or one assuming {} us waves)",
+            controller::ASSUMED_WAVE_NS / 1e3
+        ),
+        None => crate::log::log!(
+            Info,
+            "compute quota: the container's use is attributed again"
+        ),
+    }
+    // The header is mapped (shared) exactly when the throttled counter is.
+    let t = THROTTLED_NS.load(Ordering::Acquire);
+    if !t.is_null() {
+        let header = unsafe { t.cast::<u8>().sub(container_ledger::THROTTLED_NS_OFFSET) };
+        let w = unsafe { header.add(container_ledger::COMPUTE_UNATTRIBUTED_OFFSET) };
+        // SAFETY: a word of the never-unmapped header page.
+        unsafe { &*w.cast::<AtomicU64>() }.store(now.map_or(0, |x| x as u64), Ordering::Relaxed);
+    }
+}
+
 /// A second mapping of the ledger page that holds the compute words
 /// (`mremap` with old size 0 duplicates a shared mapping), which we never
 /// unmap: the ledger's own mapping goes away when a re-registration
@@ -206,6 +241,8 @@ struct Ctl {
     sampler: Option<sampler::Sampler>,
     sampler_error: bool,
     waits: u64,
+    /// What [`report_blind`] last said.
+    blind: Option<Blind>,
 }
 
 thread_local! {
@@ -232,6 +269,7 @@ fn tick_inner() {
                 sampler: None,
                 sampler_error: false,
                 waits: b.waits(),
+                blind: None,
             }
         });
         control(ctl, b, now);
@@ -256,6 +294,10 @@ fn control(ctl: &mut Ctl, b: Bucket, now: u64) {
     let Some(s) = ctl.sampler.as_mut() else {
         return;
     };
+    if let Some(d) = ctl.ctrl.check_samples(now) {
+        b.set_rate(d.rate, d.units_per_ms);
+        b.publish(d.target, d.achieved);
+    }
     for r in s.poll(crate::registration::container_pids) {
         let start = r.end_ns.saturating_sub(r.len_ns);
         let p = Period {
@@ -283,6 +325,7 @@ fn control(ctl: &mut Ctl, b: Bucket, now: u64) {
             );
         }
     }
+    report_blind(ctl);
 }
 
 #[cfg(test)]

@@ -205,6 +205,17 @@ pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v3(
 pub const SAMPLE_NS: u64 = 100_000_000;
 /// How far back samples reach (the real driver's buffer is bounded too).
 pub const HISTORY_NS: u64 = 5_000_000_000;
+/// Test knob: added to the PID of every utilization sample this process
+/// reads, as if the processes ran in a PID namespace the caller cannot map
+/// (what the interposer's compute quota must notice). Unset: real PIDs.
+pub const SAMPLE_PID_OFFSET_ENV: &str = "GPU_SIM_NVML_SAMPLE_PID_OFFSET";
+
+fn sample_pid_offset() -> u32 {
+    std::env::var(SAMPLE_PID_OFFSET_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
 
 /// Samples of periods that ended after `last_seen_us` (epoch µs) and within
 /// the history, oldest first: one per process that ran in the period, with
@@ -221,6 +232,7 @@ pub(crate) fn samples(
         since = since.max(epoch_us_to_mono(last_seen_us));
     }
     let mut out = Vec::new();
+    let pid_offset = sample_pid_offset();
     let mut end = (since / SAMPLE_NS + 1) * SAMPLE_NS;
     while end <= newest_end {
         let start = end - SAMPLE_NS;
@@ -228,7 +240,7 @@ pub(crate) fn samples(
         if ts > last_seen_us {
             for (p, pct) in c.state.process_utilization(sim, start, end) {
                 out.push(nvmlProcessUtilizationSample_t {
-                    pid: p.pid(),
+                    pid: p.pid().wrapping_add(pid_offset),
                     timeStamp: ts,
                     smUtil: pct.round() as c_uint,
                     memUtil: (pct / 2.0).round() as c_uint,
