@@ -10,6 +10,7 @@ measured in the same run (a container without a compute limit):
   launch call returns within 1.25 × its kernel's device time ÷ 0.30 + 1 ms.
 """
 
+import glob
 import pathlib
 import shutil
 import subprocess
@@ -55,9 +56,10 @@ def graph30(node):
 def _fatbin(node):
     if node.sim:
         return "fake"
-    nvcc = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if pathlib.Path(p).is_file()), None)
+    found = sorted(glob.glob("/usr/local/cuda*/bin/nvcc"))
+    nvcc = shutil.which("nvcc") or (found[-1] if found else None)
     if nvcc is None:
-        raise NotRun("nvcc not found (PATH, /usr/local/cuda/bin)")
+        raise NotRun("nvcc not found (PATH, /usr/local/cuda*/bin)")
     major, minor = node.nvml.compute_capability()
     cc = f"{major}{minor}"
     out = pathlib.Path(node.work) / "kmix.fatbin"

@@ -130,7 +130,8 @@ def nvidia_smi(node):
         apps = smi_run("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
         table = smi_run()
     total, used = (int(float(x)) for x in gpu.strip().splitlines()[0].split(","))
-    listed = {int(line.split(",")[0]) for line in apps.strip().splitlines() if line.strip()}
+    # One "pid, used" line per process; anything else (a "No running processes" note) lists none.
+    listed = {int(f) for f in (line.split(",")[0].strip() for line in apps.splitlines()) if f.isdigit()}
     quota_mib = QUOTA >> 20
     ok = total == quota_mib and 1024 <= used <= quota_mib and listed == {inside.pid} \
         and f"{quota_mib}MiB" in table.replace(" ", "")

@@ -149,7 +149,9 @@ def check_nvml_peak(sampler, pids, quota):
     if sampler.errors:
         return False, f"NVML errors: {sampler.errors[0]}"
     if seen == 0:
-        return False, f"NVML never listed pids {pids} ({len(sampler.samples)} samples)"
+        others = sorted({p for s in sampler.samples for p in s})[:8]
+        hint = f"; it listed {others} (another PID namespace?)" if others else ""
+        return False, f"NVML never listed pids {pids} ({len(sampler.samples)} samples){hint}"
     if unknown:
         return False, f"NVML gave no per-process memory in {unknown}/{seen} samples"
     return peak <= quota, f"NVML peak {mib(peak)} over {seen} samples"

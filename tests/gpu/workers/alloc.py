@@ -31,7 +31,8 @@ def torch_api():
         torch.cuda.synchronize()
 
     info = lambda: tuple(torch.cuda.mem_get_info())  # noqa: E731
-    return alloc, release, info, torch.cuda.get_allocator_backend()
+    backend = getattr(torch.cuda, "get_allocator_backend", lambda: "native (old torch)")()
+    return alloc, release, info, backend
 
 
 def driver_api(is_async):

@@ -34,8 +34,8 @@ class Mix:
         self.f = d.function(data, "spin")
         self.s = d.stream()
         self.ns = {"A": ctypes.c_ulonglong(a_ns), "B": ctypes.c_ulonglong(b_ns)}
-        self.params = {k: (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(v), ctypes.c_void_p))
-                       for k, v in self.ns.items()}
+        # kernelParams: one pointer per argument, to the argument's value.
+        self.params = {k: (ctypes.c_void_p * 1)(ctypes.addressof(v)) for k, v in self.ns.items()}
         self.free = [d.event() for _ in range(DEPTH + 2)]
         self.queued = collections.deque()
 
@@ -63,7 +63,7 @@ class Mix:
     def device_ms(self, k, n=20, rounds=5):
         """Median device time of kernel k, run n times back to back behind a
         blocker kernel (so no launch gap counts), over `rounds` rounds."""
-        blocker = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(BLOCKER_NS), ctypes.c_void_p))
+        blocker = (ctypes.c_void_p * 1)(ctypes.addressof(BLOCKER_NS))
         start, end, per = self.d.event(), self.d.event(), []
         for _ in range(rounds):
             self.sync()
