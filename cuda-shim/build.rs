@@ -26,9 +26,16 @@ fn main() {
         cuda_abi::build::symbol_list(Path::new("../crates/cuda-abi/symbols/libnvidia-ml.txt"));
     // `fn name(` inside an export macro, or a hand-written
     // `pub unsafe extern "C" fn name(`.
-    let wrapped = cuda_abi::build::exported_fns(Path::new("src"), |n| {
-        cuda_abi::build::is_api_name(n, "cu") || cuda_abi::build::is_api_name(n, "nvml")
-    });
+    let is_api =
+        |n: &str| cuda_abi::build::is_api_name(n, "cu") || cuda_abi::build::is_api_name(n, "nvml");
+    let mut wrapped = cuda_abi::build::exported_fns(Path::new("src"), is_api);
+    // The NVML view's submodules (`src/nvml/*.rs`, `crate::nvml::<file>`).
+    for (name, module) in cuda_abi::build::exported_fns(Path::new("src/nvml"), is_api) {
+        let module = module.replacen("crate::", "crate::nvml::", 1);
+        if let Some(other) = wrapped.insert(name.clone(), module.clone()) {
+            panic!("{name} defined twice (in {other} and {module})");
+        }
+    }
     for (name, module) in &wrapped {
         assert!(
             cuda.contains(name) || nvml.contains(name),

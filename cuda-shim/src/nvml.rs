@@ -1,18 +1,33 @@
 //! The container's NVML view: memory info shows the quota as the card's
 //! total and the container's use (from the ledger) as used; process lists
-//! show only the container's own processes (host PIDs from the manager's
-//! `pids.config`, plus this process). Everything else is forwarded.
+//! and every other per-process query ([`tenants`]) show only the
+//! container's own processes (host PIDs from the manager's `pids.config`,
+//! plus this process). Everything else is forwarded.
+//!
+//! NVML never registers with the manager: NVML-only tools (nvidia-smi,
+//! pynvml, gpustat) take no ledger slot and never wait for the manager.
 
-use crate::config;
+pub mod tenants;
+
+use crate::config::{self, Mode};
 use crate::real::real_nvml;
 use crate::registration::{container_pids, proc};
 use std::ffi::{c_char, c_void};
 
 pub const NVML_SUCCESS: i32 = 0;
 pub const NVML_ERROR_INVALID_ARGUMENT: i32 = 2;
+pub const NVML_ERROR_NOT_FOUND: i32 = 6;
 pub const NVML_ERROR_INSUFFICIENT_SIZE: i32 = 7;
 pub const NVML_ERROR_FUNCTION_NOT_FOUND: i32 = 13;
+pub const NVML_ERROR_ARGUMENT_VERSION_MISMATCH: i32 = 25;
 pub const NVML_ERROR_UNKNOWN: i32 = 999;
+
+/// Whether per-process answers are cut to the container's processes: always
+/// but in pass-through. Without a usable config (fail-closed mode) the
+/// container's PIDs are unknown, so nothing of anyone is shown.
+pub fn filtering() -> bool {
+    !matches!(config::mode(), Mode::PassThrough)
+}
 
 type Device = *mut c_void;
 
@@ -34,24 +49,68 @@ pub struct MemoryV2 {
     pub used: u64,
 }
 
-/// (total, used) for the container, from the real (total, used).
-fn virtual_memory(real_total: u64, real_used: u64) -> Option<(u64, u64)> {
+/// (total, used) for the container, from the real (total, used) of `dev`.
+/// Never registers: a process that registered for CUDA reads its mapped
+/// ledger; any other (an NVML-only tool) reads the ledger file in the
+/// container directory read-only (`Ledger::peek`; the manager mounts it
+/// there, 0600, so root in the container can read it), else sums what the
+/// driver says the container's processes hold.
+fn virtual_memory(dev: Device, real_total: u64, real_used: u64) -> Option<(u64, u64)> {
     let enf = config::enforce()?;
-    let p = proc();
-    let _ = p.ensure_registered();
-    let g = p.attach();
-    Some(match g.as_ref() {
-        Some(a) => {
-            let total = a.ledger.quota().min(real_total);
-            (total, a.ledger.used().min(total))
+    if let Some(a) = proc().attach().as_ref() {
+        let total = a.ledger.quota().min(real_total);
+        return Some((total, a.ledger.used().min(total)));
+    }
+    if let Ok((quota, used)) =
+        container_ledger::Ledger::peek(&enf.dir.join(container_ledger::LEDGER_FILE))
+    {
+        let total = quota.min(real_total);
+        return Some((total, used.min(total)));
+    }
+    let total = enf.data.gpu_memory.min(real_total);
+    // Without the ledger: the driver's per-process use of the container's
+    // PIDs; failing that, the card's use, capped (an over-estimate, never
+    // an under-estimate).
+    let used = unsafe { driver_use_of_container(dev) }.unwrap_or(real_used);
+    Some((total, used.min(total)))
+}
+
+/// Bytes the driver says the container's processes hold on `dev`.
+unsafe fn driver_use_of_container(dev: Device) -> Option<u64> {
+    let sym = crate::real::sym(
+        crate::real::Lib::Nvml,
+        c"nvmlDeviceGetComputeRunningProcesses_v2",
+    );
+    if sym == 0 {
+        return None;
+    }
+    let f: ProcList = unsafe { std::mem::transmute(sym) };
+    let pids = container_pids();
+    let mut n = 0u32;
+    let mut buf: Vec<u8> = Vec::new();
+    for _ in 0..4 {
+        buf = vec![0u8; n as usize * INFO_V2];
+        let mut m = n;
+        let ptr = if n == 0 {
+            std::ptr::null_mut()
+        } else {
+            buf.as_mut_ptr().cast()
+        };
+        match unsafe { f(dev, &mut m, ptr) } {
+            NVML_SUCCESS => {
+                buf.truncate(m.min(n) as usize * INFO_V2);
+                break;
+            }
+            NVML_ERROR_INSUFFICIENT_SIZE => n = m + 8,
+            _ => return None,
         }
-        // Not registered (manager down): the card's use, capped, is an
-        // over-estimate of ours, never an under-estimate.
-        None => {
-            let total = enf.data.gpu_memory.min(real_total);
-            (total, real_used.min(total))
-        }
-    })
+    }
+    Some(
+        buf.chunks_exact(INFO_V2)
+            .filter(|e| pids.contains(&i32::from_ne_bytes(e[..4].try_into().unwrap())))
+            .map(|e| u64::from_ne_bytes(e[8..16].try_into().unwrap()))
+            .sum(),
+    )
 }
 
 type ProcList = unsafe extern "C" fn(Device, *mut u32, *mut c_void) -> i32;
@@ -69,7 +128,7 @@ unsafe fn filtered(
     if count.is_null() {
         return unsafe { f(dev, count, infos) };
     }
-    if config::enforce().is_none() {
+    if !filtering() {
         return unsafe { f(dev, count, infos) };
     }
     let mut n: u32 = 0;
@@ -132,7 +191,7 @@ nvml_exports! {
         let f = real_nvml!(nvmlDeviceGetMemoryInfo: unsafe extern "C" fn(Device, *mut Memory) -> i32);
         let r = f(dev, mem);
         if r == NVML_SUCCESS && let Some(m) = mem.as_mut()
-            && let Some((total, used)) = virtual_memory(m.total, m.used)
+            && let Some((total, used)) = virtual_memory(dev, m.total, m.used)
         {
             m.total = total;
             m.used = used;
@@ -145,7 +204,7 @@ nvml_exports! {
         let f = real_nvml!(nvmlDeviceGetMemoryInfo_v2: unsafe extern "C" fn(Device, *mut MemoryV2) -> i32);
         let r = f(dev, mem);
         if r == NVML_SUCCESS && let Some(m) = mem.as_mut()
-            && let Some((total, used)) = virtual_memory(m.total, m.used.saturating_add(m.reserved))
+            && let Some((total, used)) = virtual_memory(dev, m.total, m.used.saturating_add(m.reserved))
         {
             // The driver's reservation is the card's business, not ours.
             m.total = total;

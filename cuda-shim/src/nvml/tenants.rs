@@ -1,0 +1,319 @@
+//! NVML queries that name processes, beyond the running-process lists:
+//! utilization samples, the versioned detail and utilization lists,
+//! accounting, process names. Each answers only for the container's host
+//! PIDs ([`crate::registration::container_pids`]); other tenants' entries
+//! are dropped and NVML's size protocol is kept on what remains.
+//!
+//! Only our exports are wrapped: the compute controller reads the real
+//! library's `nvmlDeviceGetProcessUtilization` directly (it needs everyone's
+//! samples to split ours from the others').
+
+use super::{
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH, NVML_ERROR_INSUFFICIENT_SIZE, NVML_ERROR_NOT_FOUND,
+    NVML_SUCCESS, filtering,
+};
+use crate::real::real_nvml;
+use crate::registration::container_pids;
+use std::ffi::{c_char, c_void};
+use std::sync::Mutex;
+
+type Device = *mut c_void;
+
+/// `nvmlProcessUtilizationSample_t`: pid at 0, 32 bytes.
+const SAMPLE: usize = 32;
+/// `nvmlProcessUtilizationInfo_v1_t`: timeStamp, then pid at 8; 40 bytes.
+const UTIL_INFO: usize = 40;
+/// `nvmlProcessDetail_v1_t`: pid at 0, 32 bytes.
+const DETAIL: usize = 32;
+/// `NVML_STRUCT_VERSION(ProcessesUtilizationInfo, 1)` (24-byte struct).
+pub const PROCESSES_UTILIZATION_INFO_V1: u32 = 24 | (1 << 24);
+/// `NVML_STRUCT_VERSION(ProcessDetailList, 1)` (24-byte struct).
+pub const PROCESS_DETAIL_LIST_V1: u32 = 24 | (1 << 24);
+
+/// `nvmlProcessesUtilizationInfo_v1_t`.
+#[repr(C)]
+pub struct ProcessesUtilizationInfo {
+    pub version: u32,
+    pub count: u32,
+    pub last_seen: u64,
+    pub array: *mut u8,
+}
+
+/// `nvmlProcessDetailList_v1_t`.
+#[repr(C)]
+pub struct ProcessDetailList {
+    pub version: u32,
+    pub mode: u32,
+    pub count: u32,
+    pub array: *mut u8,
+}
+
+/// Every entry of a list query of the real library, in NVML's two-call
+/// protocol: `call(buf, &mut n)` with a null buffer asks for the count.
+/// `Ok` with the entries (possibly none); `Err` with the real status.
+fn fetch_all(
+    stride: usize,
+    mut call: impl FnMut(*mut u8, &mut u32) -> i32,
+) -> Result<Vec<u8>, i32> {
+    let mut n = 0u32;
+    match call(std::ptr::null_mut(), &mut n) {
+        NVML_SUCCESS => return Ok(Vec::new()),
+        NVML_ERROR_INSUFFICIENT_SIZE => {}
+        e => return Err(e),
+    }
+    // Entries may appear between the calls: retry a few times.
+    for _ in 0..4 {
+        let cap = n + 8;
+        let mut buf = vec![0u8; cap as usize * stride];
+        let mut m = cap;
+        match call(buf.as_mut_ptr(), &mut m) {
+            NVML_SUCCESS => {
+                buf.truncate(m.min(cap) as usize * stride);
+                return Ok(buf);
+            }
+            NVML_ERROR_INSUFFICIENT_SIZE => n = m,
+            e => return Err(e),
+        }
+    }
+    Err(NVML_ERROR_INSUFFICIENT_SIZE)
+}
+
+/// The entries of `all` whose `u32` at `pid_at` is one of the container's.
+fn keep_ours(all: &[u8], stride: usize, pid_at: usize) -> Vec<u8> {
+    let pids = container_pids();
+    all.chunks_exact(stride)
+        .filter(|e| {
+            let pid = i32::from_ne_bytes(e[pid_at..pid_at + 4].try_into().unwrap());
+            pids.contains(&pid)
+        })
+        .flatten()
+        .copied()
+        .collect()
+}
+
+/// Hands `mine` to the caller's array of `*count` entries: too small (or
+/// null) gives INSUFFICIENT_SIZE with the count needed; none gives
+/// `empty` (SUCCESS for lists, NOT_FOUND for samples).
+unsafe fn hand_out(mine: &[u8], stride: usize, count: &mut u32, array: *mut u8, empty: i32) -> i32 {
+    let n = mine.len() / stride;
+    let cap = if array.is_null() { 0 } else { *count as usize };
+    *count = n as u32;
+    if n == 0 {
+        return empty;
+    }
+    if cap < n {
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    unsafe { std::ptr::copy_nonoverlapping(mine.as_ptr(), array, mine.len()) };
+    NVML_SUCCESS
+}
+
+/// Samples handed out by a size query, so the follow-up call gets the same
+/// set even when a sample period ends in between (as the real driver keeps
+/// them; without this a client's second call could come back too small).
+struct Pending {
+    key: (usize, u64, &'static str),
+    at: std::time::Instant,
+    mine: Vec<u8>,
+}
+
+static PENDING: Mutex<Option<Pending>> = Mutex::new(None);
+
+/// Filtered samples for `key`, reusing what a recent size query saw.
+fn samples_for(
+    key: (usize, u64, &'static str),
+    follow_up: bool,
+    fetch: impl FnOnce() -> Result<Vec<u8>, i32>,
+) -> Result<Vec<u8>, i32> {
+    let mut p = PENDING.lock().unwrap_or_else(|e| e.into_inner());
+    if follow_up
+        && let Some(kept) = p.take()
+        && kept.key == key
+        && kept.at.elapsed() < std::time::Duration::from_secs(1)
+    {
+        return Ok(kept.mine);
+    }
+    drop(p);
+    fetch()
+}
+
+fn remember(key: (usize, u64, &'static str), mine: &[u8]) {
+    *PENDING.lock().unwrap_or_else(|e| e.into_inner()) = Some(Pending {
+        key,
+        at: std::time::Instant::now(),
+        mine: mine.to_vec(),
+    });
+}
+
+type ProcUtil = unsafe extern "C" fn(Device, *mut u8, *mut u32, u64) -> i32;
+type ProcsUtilInfo = unsafe extern "C" fn(Device, *mut ProcessesUtilizationInfo) -> i32;
+type DetailList = unsafe extern "C" fn(Device, *mut ProcessDetailList) -> i32;
+type AccountingPids = unsafe extern "C" fn(Device, *mut u32, *mut u32) -> i32;
+type AccountingStats = unsafe extern "C" fn(Device, u32, *mut c_void) -> i32;
+type AccountingStatsV2 = unsafe extern "C" fn(Device, *mut c_void) -> i32;
+type ProcessName = unsafe extern "C" fn(u32, *mut c_char, u32) -> i32;
+
+fn ours(pid: u32) -> bool {
+    container_pids().contains(&(pid as i32))
+}
+
+nvml_exports! {
+    fn nvmlDeviceGetProcessUtilization(dev: Device, samples: *mut u8, count: *mut u32, last_seen: u64) {
+        let f = real_nvml!(nvmlDeviceGetProcessUtilization: ProcUtil);
+        if !filtering() || count.is_null() {
+            return f(dev, samples, count, last_seen);
+        }
+        let key = (dev as usize, last_seen, "samples");
+        let mine = match samples_for(key, !samples.is_null(), || {
+            fetch_all(SAMPLE, |b, n| f(dev, b, n, last_seen)).map(|all| keep_ours(&all, SAMPLE, 0))
+        }) {
+            Ok(m) => m,
+            // No samples at all: the same answer, for us too.
+            Err(e) => return e,
+        };
+        let r = hand_out(&mine, SAMPLE, &mut *count, samples, NVML_ERROR_NOT_FOUND);
+        if r == NVML_ERROR_INSUFFICIENT_SIZE {
+            remember(key, &mine);
+        }
+        r
+    }
+
+    fn nvmlDeviceGetProcessesUtilizationInfo(dev: Device, info: *mut ProcessesUtilizationInfo) {
+        let f = real_nvml!(nvmlDeviceGetProcessesUtilizationInfo: ProcsUtilInfo);
+        if !filtering() || info.is_null() {
+            return f(dev, info);
+        }
+        let info = &mut *info;
+        if info.version != PROCESSES_UTILIZATION_INFO_V1 {
+            // A layout we cannot filter: never hand it out.
+            return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+        }
+        let key = (dev as usize, info.last_seen, "info");
+        let mine = match samples_for(key, !info.array.is_null(), || {
+            fetch_all(UTIL_INFO, |b, n| {
+                let mut q = ProcessesUtilizationInfo { version: info.version, count: *n, last_seen: info.last_seen, array: b };
+                let r = f(dev, &mut q);
+                *n = q.count;
+                r
+            })
+            .map(|all| keep_ours(&all, UTIL_INFO, 8))
+        }) {
+            Ok(m) => m,
+            Err(e) => return e,
+        };
+        let r = hand_out(&mine, UTIL_INFO, &mut info.count, info.array, NVML_ERROR_NOT_FOUND);
+        if r == NVML_ERROR_INSUFFICIENT_SIZE {
+            remember(key, &mine);
+        }
+        r
+    }
+
+    fn nvmlDeviceGetRunningProcessDetailList(dev: Device, list: *mut ProcessDetailList) {
+        let f = real_nvml!(nvmlDeviceGetRunningProcessDetailList: DetailList);
+        if !filtering() || list.is_null() {
+            return f(dev, list);
+        }
+        let list = &mut *list;
+        if list.version != PROCESS_DETAIL_LIST_V1 {
+            return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+        }
+        let all = fetch_all(DETAIL, |b, n| {
+            let mut q = ProcessDetailList { version: list.version, mode: list.mode, count: *n, array: b };
+            let r = f(dev, &mut q);
+            *n = q.count;
+            r
+        });
+        match all {
+            Ok(all) => hand_out(&keep_ours(&all, DETAIL, 0), DETAIL, &mut list.count, list.array, NVML_SUCCESS),
+            Err(e) => e,
+        }
+    }
+
+    fn nvmlDeviceGetAccountingPids(dev: Device, count: *mut u32, pids: *mut u32) {
+        let f = real_nvml!(nvmlDeviceGetAccountingPids: AccountingPids);
+        if !filtering() || count.is_null() {
+            return f(dev, count, pids);
+        }
+        match fetch_all(4, |b, n| f(dev, n, b.cast())) {
+            Ok(all) => hand_out(&keep_ours(&all, 4, 0), 4, &mut *count, pids.cast(), NVML_SUCCESS),
+            Err(e) => e,
+        }
+    }
+
+    fn nvmlDeviceGetAccountingStats(dev: Device, pid: u32, stats: *mut c_void) {
+        let f = real_nvml!(nvmlDeviceGetAccountingStats: AccountingStats);
+        if filtering() && !stats.is_null() && !ours(pid) {
+            return NVML_ERROR_NOT_FOUND;
+        }
+        f(dev, pid, stats)
+    }
+
+    fn nvmlDeviceGetAccountingStats_v2(dev: Device, stats: *mut c_void) {
+        // `nvmlAccountingStats_v2_t` starts with the pid asked about.
+        let f = real_nvml!(nvmlDeviceGetAccountingStats_v2: AccountingStatsV2);
+        if filtering() && !stats.is_null() && !ours(*(stats as *const u32)) {
+            return NVML_ERROR_NOT_FOUND;
+        }
+        f(dev, stats)
+    }
+
+    fn nvmlSystemGetProcessName(pid: u32, name: *mut c_char, len: u32) {
+        let f = real_nvml!(nvmlSystemGetProcessName: ProcessName);
+        if filtering() && !ours(pid) {
+            return NVML_ERROR_NOT_FOUND;
+        }
+        f(pid, name, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nvml::NVML_ERROR_INVALID_ARGUMENT;
+
+    #[test]
+    fn hand_out_keeps_the_size_protocol() {
+        let mine = vec![1u8; 3 * 8];
+        let mut n = 0;
+        let r = unsafe { hand_out(&mine, 8, &mut n, std::ptr::null_mut(), NVML_SUCCESS) };
+        assert_eq!((r, n), (NVML_ERROR_INSUFFICIENT_SIZE, 3));
+        let mut buf = vec![0u8; 2 * 8];
+        let mut n = 2;
+        let r = unsafe { hand_out(&mine, 8, &mut n, buf.as_mut_ptr(), NVML_SUCCESS) };
+        assert_eq!((r, n), (NVML_ERROR_INSUFFICIENT_SIZE, 3));
+        let mut buf = vec![0u8; 4 * 8];
+        let mut n = 4;
+        let r = unsafe { hand_out(&mine, 8, &mut n, buf.as_mut_ptr(), NVML_SUCCESS) };
+        assert_eq!((r, n), (NVML_SUCCESS, 3));
+        assert_eq!(&buf[..24], &mine[..]);
+        let mut n = 4;
+        let r = unsafe { hand_out(&[], 8, &mut n, buf.as_mut_ptr(), NVML_ERROR_NOT_FOUND) };
+        assert_eq!((r, n), (NVML_ERROR_NOT_FOUND, 0));
+    }
+
+    #[test]
+    fn fetch_all_follows_the_two_call_protocol() {
+        // A list of 5 u32 entries that grows by 2 after the size query.
+        let mut calls = 0;
+        let got = fetch_all(4, |b, n| {
+            calls += 1;
+            let len = if calls == 1 { 5 } else { 7 };
+            if b.is_null() || (*n as usize) < len {
+                *n = len as u32;
+                return NVML_ERROR_INSUFFICIENT_SIZE;
+            }
+            for i in 0..len {
+                unsafe { (b as *mut u32).add(i).write(i as u32) };
+            }
+            *n = len as u32;
+            NVML_SUCCESS
+        })
+        .unwrap();
+        assert_eq!(got.len(), 7 * 4);
+        assert_eq!(fetch_all(4, |_, _| NVML_SUCCESS).unwrap(), Vec::<u8>::new());
+        assert_eq!(
+            fetch_all(4, |_, _| NVML_ERROR_INVALID_ARGUMENT),
+            Err(NVML_ERROR_INVALID_ARGUMENT)
+        );
+    }
+}
