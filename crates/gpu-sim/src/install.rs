@@ -52,10 +52,82 @@ pub struct InstallReport {
     pub node: NodeSpec,
     pub state: InstallOutcome,
     pub device_nodes_are_char_devices: bool,
+    /// What `--host-dev` did with each host device node (empty without it).
+    pub host_dev: Vec<(PathBuf, HostDev)>,
+}
+
+/// One host device node after `--host-dev`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostDev {
+    /// Created as the sim's character device (1:3).
+    Created,
+    /// Already the sim's character device (an earlier install).
+    Kept,
+    /// Something else is there (a real driver's node, 195:N): left alone.
+    LeftAlone(String),
+}
+
+/// The sim's device numbers: /dev/null's (1:3), so the node opens anywhere.
+const SIM_DEV_MAJOR: u32 = 1;
+const SIM_DEV_MINOR: u32 = 3;
+
+/// Creates the node's device nodes `names` (`nvidia0`, `nvidiactl`, ...) in
+/// the host directory `dir` (normally `/dev`), where kubelet and the container
+/// runtime look for the paths the device plugin's Allocate response names.
+/// Never replaces anything already there: a real driver's nodes (or any other
+/// file) are left alone and reported.
+pub fn install_host_dev(dir: &Path, names: &[String]) -> Result<Vec<(PathBuf, HostDev)>> {
+    let mut out = Vec::new();
+    for name in names {
+        let path = dir.join(name);
+        let what = match fs::symlink_metadata(&path) {
+            Ok(m) => {
+                use std::os::unix::fs::MetadataExt;
+                let (maj, min) = (libc::major(m.rdev()), libc::minor(m.rdev()));
+                if m.file_type().is_char_device() && (maj, min) == (SIM_DEV_MAJOR, SIM_DEV_MINOR) {
+                    HostDev::Kept
+                } else if m.file_type().is_char_device() {
+                    HostDev::LeftAlone(format!("character device {maj}:{min}"))
+                } else {
+                    HostDev::LeftAlone(format!("{:?}", m.file_type()))
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let c = CString::new(path.as_os_str().as_bytes())?;
+                // SAFETY: valid C string; the sim's device number.
+                let rc = unsafe {
+                    libc::mknod(
+                        c.as_ptr(),
+                        libc::S_IFCHR | 0o666,
+                        libc::makedev(SIM_DEV_MAJOR, SIM_DEV_MINOR),
+                    )
+                };
+                if rc != 0 {
+                    let err = std::io::Error::last_os_error();
+                    return Err(err).with_context(|| {
+                        format!(
+                            "creating host device node {} (needs root: CAP_MKNOD)",
+                            path.display()
+                        )
+                    });
+                }
+                fs::set_permissions(&path, fs::Permissions::from_mode(0o666))?;
+                HostDev::Created
+            }
+            Err(e) => return Err(e).with_context(|| format!("inspecting {}", path.display())),
+        };
+        out.push((path, what));
+    }
+    Ok(out)
 }
 
 /// Installs `node` under `root`, taking the libraries from `artifacts`.
-pub fn install(node_file: &Path, root: &Path, artifacts: &Path) -> Result<InstallReport> {
+pub fn install(
+    node_file: &Path,
+    root: &Path,
+    artifacts: &Path,
+    host_dev: Option<&Path>,
+) -> Result<InstallReport> {
     let node = NodeSpec::load(node_file)?;
     fs::create_dir_all(root).with_context(|| format!("creating root {}", root.display()))?;
     let root = root
@@ -142,11 +214,17 @@ pub fn install(node_file: &Path, root: &Path, artifacts: &Path) -> Result<Instal
         0o644,
     )?;
 
+    let host_dev = match host_dev {
+        Some(dir) => install_host_dev(dir, &names)?,
+        None => Vec::new(),
+    };
+
     let state = SharedState::install(&sim, &node)?;
     Ok(InstallReport {
         node,
         state,
         device_nodes_are_char_devices: char_devices,
+        host_dev,
     })
 }
 
@@ -214,7 +292,8 @@ fn temp_beside(path: &Path) -> PathBuf {
     path.with_file_name(format!(".{name}.gpu-sim-tmp"))
 }
 
-/// Creates a character device node that opens like /dev/null (1:3): opening
+/// Creates a character device node that opens like /dev/null (1:3, as
+/// [`install_host_dev`]): opening
 /// works anywhere, and `docker run --device` accepts it. Which GPU it stands
 /// for is in its name, as with the real driver's nodes. Returns false when it
 /// had to fall back to a regular file (no CAP_MKNOD).

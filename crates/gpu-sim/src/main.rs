@@ -33,6 +33,13 @@ enum Command {
         /// nvidia-smi. Defaults to the directory of this executable.
         #[arg(long)]
         artifacts: Option<PathBuf>,
+        /// Also create the device nodes (nvidiaN, nvidiactl, nvidia-uvm, the
+        /// sim's 1:3) in this host directory [default: /dev], where kubelet
+        /// and the container runtime look for the paths a device plugin's
+        /// Allocate response names. Existing files (a real driver's 195:N
+        /// nodes) are never replaced, only reported.
+        #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = "/dev")]
+        host_dev: Option<PathBuf>,
     },
     /// Inject an Xid error on one GPU; nvmlEventSetWait returns it.
     Xid {
@@ -131,6 +138,7 @@ fn run(cli: Cli) -> Result<()> {
             node,
             root,
             artifacts,
+            host_dev,
         } => {
             let artifacts = match artifacts {
                 Some(a) => a,
@@ -140,7 +148,7 @@ fn run(cli: Cli) -> Result<()> {
                     .context("gpu-sim has no parent directory")?
                     .to_path_buf(),
             };
-            let report = install::install(&node, &root, &artifacts)?;
+            let report = install::install(&node, &root, &artifacts, host_dev.as_deref())?;
             let n = &report.node;
             let state = match report.state {
                 InstallOutcome::Created => "created",
@@ -156,6 +164,20 @@ fn run(cli: Cli) -> Result<()> {
                 n.cuda_version_string(),
                 root.display()
             );
+            for (path, what) in &report.host_dev {
+                match what {
+                    install::HostDev::Created => {
+                        println!("host device node {} created (1:3)", path.display())
+                    }
+                    install::HostDev::Kept => {
+                        println!("host device node {} kept (1:3)", path.display())
+                    }
+                    install::HostDev::LeftAlone(d) => eprintln!(
+                        "gpu-sim: warning: {} exists ({d}); left alone",
+                        path.display()
+                    ),
+                }
+            }
             if !report.device_nodes_are_char_devices {
                 eprintln!(
                     "gpu-sim: warning: no permission to create character devices; \

@@ -234,3 +234,88 @@ fn missing_artifacts_and_bad_node_files_are_clear_errors() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("node.toml"), "{err}");
 }
+
+/// `--host-dev=DIR` puts the nodes kubelet looks for (the Allocate response's
+/// `/dev/nvidia*`) in a host directory as the sim's 1:3 character devices,
+/// keeps its own on a second install and never replaces anything else (a real
+/// driver's 195:N node stands for one here).
+#[test]
+fn host_dev_creates_the_device_nodes_and_never_replaces_others() {
+    if !is_root() {
+        eprintln!("skipped: needs root (mknod, ldconfig -r)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let art = tmp.path().join("art");
+    fs::create_dir_all(&art).unwrap();
+    fake_artifacts(&art);
+    let node = repo().join("config/nodes/sim-4gpu-pcie.toml");
+    let root = tmp.path().join("root");
+    let dev = tmp.path().join("dev");
+    fs::create_dir_all(&dev).unwrap();
+    // A "real" node for GPU 1 (195:1) and a plain file for nvidia-uvm.
+    let real = std::ffi::CString::new(dev.join("nvidia1").to_str().unwrap()).unwrap();
+    // SAFETY: valid C string.
+    let rc = unsafe { libc::mknod(real.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(195, 1)) };
+    assert_eq!(rc, 0);
+    fs::write(dev.join("nvidia-uvm"), b"not a device").unwrap();
+
+    let host_dev = format!("--host-dev={}", dev.display());
+    let args = [
+        "install",
+        "--node",
+        node.to_str().unwrap(),
+        "--root",
+        root.to_str().unwrap(),
+        "--artifacts",
+        art.to_str().unwrap(),
+        &host_dev,
+    ];
+    let out = run(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    use std::os::unix::fs::MetadataExt;
+    for name in ["nvidia0", "nvidia2", "nvidia3", "nvidiactl"] {
+        let m = fs::symlink_metadata(dev.join(name)).unwrap();
+        assert!(m.file_type().is_char_device(), "{name}");
+        assert_eq!(
+            (libc::major(m.rdev()), libc::minor(m.rdev())),
+            (1, 3),
+            "{name}"
+        );
+        assert!(
+            stdout.contains(&format!("{}/{name} created", dev.display())),
+            "{stdout}"
+        );
+    }
+    let m = fs::symlink_metadata(dev.join("nvidia1")).unwrap();
+    assert_eq!(
+        (libc::major(m.rdev()), libc::minor(m.rdev())),
+        (195, 1),
+        "left alone"
+    );
+    assert!(
+        stderr.contains("nvidia1 exists (character device 195:1); left alone"),
+        "{stderr}"
+    );
+    assert_eq!(fs::read(dev.join("nvidia-uvm")).unwrap(), b"not a device");
+    assert!(stderr.contains("nvidia-uvm exists"), "{stderr}");
+
+    // Again: its own nodes are kept.
+    let out = run(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!("{}/nvidia0 kept", dev.display())),
+        "{stdout}"
+    );
+}
