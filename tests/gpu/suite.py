@@ -56,7 +56,7 @@ class Node:
                                   if p.is_file()), art / "examples" / "test_manager")
         missing = [str(p) for p in (self.interposer, self.mirror_tool, self.test_manager) if not p.is_file()]
         if missing:
-            raise SystemExit(f"missing artifacts: {', '.join(missing)} (see tests/gpu/README.md)")
+            raise RuntimeError(f"missing artifacts: {', '.join(missing)} (see tests/gpu/README.md)")
         # The sim's libraries find their state from where they lie: mirror inside its root.
         out = pathlib.Path(a.host_root) / f".vcuda-gpu-suite-{os.getpid()}" if self.sim else work / "vdriver"
         self.mirror_out = out
