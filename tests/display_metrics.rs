@@ -123,6 +123,7 @@ fn container(pod: &str, pids: Vec<u32>, cores: u32, mem: u64, gpu: &GpuRef) -> C
         host_pids: pids,
         throttled_seconds: Some(1.5),
         refused_allocations: Some(2),
+        compute_unattributed: Some(true),
         ..Default::default()
     }
 }
@@ -338,6 +339,10 @@ async fn metrics_match_simulator_ground_truth() {
     assert_eq!(
         value(&samples, "vcuda_container_allocations_refused_total", &ca),
         2.0
+    );
+    assert_eq!(
+        value(&samples, "vcuda_container_compute_unattributed", &ca),
+        1.0
     );
 
     // Per GPU: NVML's device utilization (all four loads, 65 %) against

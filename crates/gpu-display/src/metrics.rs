@@ -286,6 +286,12 @@ fn scrape_families(
         "GPU memory allocations the interposer refused for the container's memory quota.",
         C,
     );
+    let c_blind = gauge(
+        &r,
+        "vcuda_container_compute_unattributed",
+        "1 while the interposer's compute quota cannot attribute NVML samples to the container (PID namespace, MPS, MIG) and holds it by a fallback.",
+        C,
+    );
     // The original gpu-manager's four gauges, with its labels and units.
     const L: &[&str] = &["pod_name", "namespace", "node", "container_name"];
     let l_util = gauge(
@@ -374,6 +380,11 @@ fn scrape_families(
         }
         if let Some(n) = c.refused_allocations {
             c_ref.with_label_values(&cl).inc_by(n as f64);
+        }
+        if let Some(b) = c.compute_unattributed {
+            c_blind
+                .with_label_values(&cl)
+                .set(if b { 1.0 } else { 0.0 });
         }
     }
 

@@ -91,6 +91,10 @@ pub struct ContainerView {
     /// From the container's ledger: allocations refused for the memory quota.
     #[serde(default)]
     pub refused_allocations: Option<u64>,
+    /// From the container's ledger: the interposer's compute quota cannot
+    /// attribute NVML's samples to the container (and has fallen back).
+    #[serde(default)]
+    pub compute_unattributed: Option<bool>,
     /// `ContainerStat.user` of the display API (the original read the
     /// `SUBMITTER` env of the pod).
     #[serde(default)]

@@ -95,6 +95,7 @@ impl DisplaySource for ManagerSource {
                     // interposer, no ledger).
                     throttled_seconds: counters.map(|c| c.throttled_ns as f64 / 1e9),
                     refused_allocations: counters.map(|c| c.refused_allocations),
+                    compute_unattributed: counters.map(|c| c.compute_unattributed),
                     pod_uid: a.pod_uid,
                     pod_name: a.pod_name,
                     namespace: a.namespace,

@@ -108,6 +108,9 @@ pub fn alive(pid: i32) -> bool {
 pub struct LedgerCounters {
     pub throttled_ns: u64,
     pub refused_allocations: u64,
+    /// The compute controller cannot attribute NVML samples to the
+    /// container (`Ledger::compute_unattributed`, non-zero).
+    pub compute_unattributed: bool,
 }
 
 #[derive(Clone, Default)]
@@ -207,6 +210,7 @@ impl Registry {
         Some(LedgerCounters {
             throttled_ns: l.throttled_ns(),
             refused_allocations: l.refused_allocations(),
+            compute_unattributed: l.compute_unattributed() != 0,
         })
     }
 
