@@ -23,6 +23,16 @@ use vcuda_tests::{target_dir, workspace_root};
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
 
+/// What one context costs on the sample node (its overhead and its 8 MiB
+/// device heap): the interposer charges it through the NVML reconcile.
+fn ctx_cost() -> u64 {
+    let spec =
+        gpu_sim_core::NodeSpec::load(&workspace_root().join("config/nodes/sim-1gpu.toml")).unwrap();
+    let c = spec.gpus[0].context_overhead_bytes() + 8 * MIB;
+    assert!(c > 8 * MIB, "the sample node gives contexts a cost");
+    c
+}
+
 /// A sim node with its vdriver mirror (the interposer as libcuda.so.1), one
 /// container vm dir (empty until a test writes its config) and the compiled
 /// client.
@@ -127,16 +137,18 @@ impl Run {
 #[test]
 fn cumemalloc_up_to_the_quota_then_oom_and_the_view_shows_the_quota() {
     let n = Node::new();
-    let m = n.manager(4 * GIB);
+    // The quota leaves 4 GiB beside the program's context.
+    let quota = 4 * GIB + ctx_cost();
+    let m = n.manager(quota);
     let r = n.run(&["quota", "1024"]);
     r.assert_ok();
-    assert_eq!(r.get("start_total"), 4 * GIB, "cuMemGetInfo total = quota");
+    assert_eq!(r.get("start_total"), quota, "cuMemGetInfo total = quota");
     assert_eq!(
         r.get("start_device_total"),
-        4 * GIB,
+        quota,
         "cuDeviceTotalMem = quota"
     );
-    assert_eq!(r.get("start_free"), 4 * GIB);
+    assert_eq!(r.get("start_free"), 4 * GIB, "the context is in use");
     assert_eq!(r.get("allocated"), 4);
     assert_eq!(r.get("last"), 2, "CUDA_ERROR_OUT_OF_MEMORY");
     assert_eq!(r.get("full_free"), 0);
@@ -146,13 +158,13 @@ fn cumemalloc_up_to_the_quota_then_oom_and_the_view_shows_the_quota() {
         e.iter().any(|e| matches!(e, Event::Closed { .. }))
     });
     assert_eq!(m.ledger().used(), 0);
-    assert_eq!(m.ledger().peak(), 4 * GIB);
+    assert_eq!(m.ledger().peak(), quota);
 }
 
 #[test]
 fn vmm_and_stream_ordered_pools_are_held_to_the_quota() {
     let n = Node::new();
-    let _m = n.manager(4 * GIB);
+    let _m = n.manager(4 * GIB + ctx_cost());
     let r = n.run(&["vmm", "512"]);
     r.assert_ok();
     assert_eq!((r.get("allocated"), r.get("last")), (8, 2));
@@ -189,27 +201,48 @@ fn every_other_allocation_path_is_charged_and_given_back() {
 #[test]
 fn four_processes_of_eight_threads_never_hold_more_than_the_quota() {
     let n = Node::new();
-    let quota = GIB;
+    // 1 GiB to race for beside the four contexts.
+    let quota = GIB + 4 * ctx_cost();
     let m = n.manager(quota);
     let base = n.sim_used();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (mut max_ledger, mut max_sim, mut samples) = (0u64, 0u64, 0u64);
-    let children: Vec<_> = (0..4)
+    let mut children: Vec<_> = (0..4)
         .map(|_| {
-            n.cmd(&["race", "8", "3000", "64"])
+            let mut c = n
+                .cmd(&["race", "8", "3000", "64", "wait"])
+                .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
-                .unwrap()
+                .unwrap();
+            let out = std::io::BufReader::new(c.stdout.take().unwrap());
+            (c, out)
         })
         .collect();
+    // Every context exists before anyone races (a context that does not
+    // fit the quota is refused, which is not what this test is about).
+    for (_, out) in &mut children {
+        let mut line = String::new();
+        std::io::BufRead::read_line(out, &mut line).unwrap();
+        assert_eq!(line.trim(), "ready");
+    }
+    for (c, _) in &mut children {
+        c.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    }
     let st = n.sim.state();
     let waiter = {
         let stop = stop.clone();
         std::thread::spawn(move || {
             let outs: Vec<_> = children
                 .into_iter()
-                .map(|c| c.wait_with_output().unwrap())
+                .map(|(c, mut out)| {
+                    let mut rest = String::new();
+                    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+                    let mut o = c.wait_with_output().unwrap();
+                    o.stdout = rest.into_bytes();
+                    o
+                })
                 .collect();
             stop.store(true, std::sync::atomic::Ordering::Release);
             outs
@@ -252,7 +285,8 @@ fn four_processes_of_eight_threads_never_hold_more_than_the_quota() {
 #[test]
 fn a_fork_child_registers_on_its_own_and_its_memory_comes_back() {
     let n = Node::new();
-    let m = n.manager(4 * GIB);
+    // Parent and child each have a context.
+    let m = n.manager(4 * GIB + 2 * ctx_cost());
     let r = n.run(&["fork", "1024"]);
     r.assert_ok();
     let (parent, child) = (r.get("parent_pid") as i32, r.get("child_pid") as i32);
@@ -280,7 +314,7 @@ fn a_fork_child_registers_on_its_own_and_its_memory_comes_back() {
     assert!(ev.contains(&Event::Closed {
         pid: child,
         slot: cs,
-        freed: GIB
+        freed: GIB + ctx_cost()
     }));
     assert_eq!(m.ledger().used(), 0);
 }
@@ -410,8 +444,9 @@ fn after_a_manager_restart_the_process_re_registers_and_keeps_its_bytes() {
         Event::Registered { pid, slot, .. } => (*pid, *slot),
         e => panic!("{e:?}"),
     };
+    let held = GIB + ctx_cost();
     let t = Instant::now();
-    while m.ledger().used() != GIB {
+    while m.ledger().used() != held {
         assert!(t.elapsed() < Duration::from_secs(5), "hold never allocated");
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -423,7 +458,11 @@ fn after_a_manager_restart_the_process_re_registers_and_keeps_its_bytes() {
                 if *p == pid && *s as usize == slot)
         })
     });
-    assert_eq!(m2.ledger().used(), GIB, "its gigabyte is still counted");
+    assert_eq!(
+        m2.ledger().used(),
+        held,
+        "its gigabyte and context are still counted"
+    );
     let stdin = child.stdin.as_mut().unwrap();
     stdin.write_all(b"alloc\n").unwrap();
     stdin.flush().unwrap();
@@ -433,7 +472,7 @@ fn after_a_manager_restart_the_process_re_registers_and_keeps_its_bytes() {
     assert!(stdout.contains("alloc=0"), "{stdout}");
     m2.wait_for(5, "the close", |e| {
         e.iter().any(
-            |e| matches!(e, Event::Closed { pid: p, freed, .. } if *p == pid && *freed == 2 * GIB),
+            |e| matches!(e, Event::Closed { pid: p, freed, .. } if *p == pid && *freed == held + GIB),
         )
     });
     assert_eq!(m2.ledger().used(), 0);

@@ -120,18 +120,21 @@ fn processes_see_each_others_memory() {
         .read_line(&mut line)
         .unwrap();
     assert!(line.contains("allocated_mib=1024"), "{line}");
+    // Each process's context costs its overhead and its 8 MiB device heap.
+    let ctx_mib = node_spec("sim-1gpu").gpus[0].context_overhead_mib + 8;
+    assert!(ctx_mib > 8, "the sample node gives contexts a cost");
     let out = s.ok(&["info"]);
     assert_eq!(value(&out, "total_mib"), "40960");
     assert_eq!(
         value(&out, "free_mib"),
-        "39936",
-        "the other process's 1 GiB is in use"
+        (40960 - 1024 - 2 * ctx_mib).to_string(),
+        "the other process's 1 GiB and both contexts are in use"
     );
-    assert_eq!(s.state().memory_used(0), 1024 << 20);
+    assert_eq!(s.state().memory_used(0), (1024 + ctx_mib) << 20);
     drop(holder.stdin.take());
     assert!(holder.wait().unwrap().success());
     let out = s.ok(&["info"]);
-    assert_eq!(value(&out, "free_mib"), "40960");
+    assert_eq!(value(&out, "free_mib"), (40960 - ctx_mib).to_string());
 }
 
 fn read_until(child: &mut Child, want: &str) -> String {

@@ -354,6 +354,8 @@ fn watch(mut sock: UnixStream) {
         };
         let n = unsafe { libc::poll(&mut pfd, 1, tick.as_millis().min(60_000) as i32) };
         crate::throttle::tick();
+        // Memory the driver took on its own (contexts, pools): NVML reconcile.
+        crate::mem::reconcile_tick();
         if n <= 0 {
             continue;
         }

@@ -1,4 +1,6 @@
-//! The process's own allocations: what each free gives back to the ledger.
+//! The process's own allocations: what each free gives back to the ledger,
+//! and the context each was made in (a destroyed or reset context frees
+//! them all).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -18,9 +20,19 @@ pub enum Kind {
 
 const SHARDS: usize = 16;
 
+/// One allocation: its bytes and its context (`CUcontext` address, 0 when
+/// none was current).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    pub bytes: u64,
+    pub ctx: u64,
+}
+
+type Shard = HashMap<(Kind, u64), Entry>;
+
 /// Sharded so that threads allocating at once rarely contend.
 pub struct AllocTable {
-    shards: [Mutex<HashMap<(Kind, u64), u64>>; SHARDS],
+    shards: [Mutex<Shard>; SHARDS],
 }
 
 impl Default for AllocTable {
@@ -32,7 +44,7 @@ impl Default for AllocTable {
 }
 
 impl AllocTable {
-    fn shard(&self, key: u64) -> std::sync::MutexGuard<'_, HashMap<(Kind, u64), u64>> {
+    fn shard(&self, key: u64) -> std::sync::MutexGuard<'_, Shard> {
         // Device pointers are aligned: mix the middle bits.
         let h = (key >> 9) ^ (key >> 21) ^ key;
         self.shards[(h as usize) % SHARDS]
@@ -40,12 +52,34 @@ impl AllocTable {
             .unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn insert(&self, kind: Kind, key: u64, bytes: u64) {
-        self.shard(key).insert((kind, key), bytes);
+    /// Records an allocation; returns what the table held under the same
+    /// key (the driver reused it: the old one is gone).
+    pub fn insert(&self, kind: Kind, key: u64, e: Entry) -> Option<Entry> {
+        self.shard(key).insert((kind, key), e)
     }
 
-    pub fn remove(&self, kind: Kind, key: u64) -> Option<u64> {
+    pub fn remove(&self, kind: Kind, key: u64) -> Option<Entry> {
         self.shard(key).remove(&(kind, key))
+    }
+
+    pub fn get(&self, kind: Kind, key: u64) -> Option<Entry> {
+        self.shard(key).get(&(kind, key)).copied()
+    }
+
+    /// Removes every allocation of context `ctx`; returns (kind, key, entry).
+    pub fn take_ctx(&self, ctx: u64) -> Vec<(Kind, u64, Entry)> {
+        let mut out = Vec::new();
+        for s in &self.shards {
+            let mut m = s.lock().unwrap_or_else(|e| e.into_inner());
+            m.retain(|&(kind, key), e| {
+                let mine = e.ctx == ctx;
+                if mine {
+                    out.push((kind, key, *e));
+                }
+                !mine
+            });
+        }
+        out
     }
 
     pub fn len(&self) -> usize {
@@ -67,12 +101,19 @@ mod tests {
     #[test]
     fn kinds_are_separate() {
         let t = AllocTable::default();
-        t.insert(Kind::Ptr, 0x1000, 10);
-        t.insert(Kind::Array, 0x1000, 20);
+        let e = |bytes, ctx| Entry { bytes, ctx };
+        t.insert(Kind::Ptr, 0x1000, e(10, 1));
+        t.insert(Kind::Array, 0x1000, e(20, 2));
         assert_eq!(t.len(), 2);
-        assert_eq!(t.remove(Kind::Ptr, 0x1000), Some(10));
+        assert_eq!(t.remove(Kind::Ptr, 0x1000), Some(e(10, 1)));
         assert_eq!(t.remove(Kind::Ptr, 0x1000), None);
-        assert_eq!(t.remove(Kind::Array, 0x1000), Some(20));
+        assert_eq!(t.remove(Kind::Array, 0x1000), Some(e(20, 2)));
         assert!(t.is_empty());
+        assert_eq!(t.insert(Kind::Ptr, 0x2000, e(5, 1)), None);
+        assert_eq!(t.insert(Kind::Ptr, 0x2000, e(6, 1)), Some(e(5, 1)), "reuse");
+        t.insert(Kind::Ptr, 0x3000, e(7, 2));
+        let gone = t.take_ctx(1);
+        assert_eq!(gone, vec![(Kind::Ptr, 0x2000, e(6, 1))]);
+        assert_eq!(t.len(), 1);
     }
 }

@@ -252,8 +252,16 @@ static void *racer_ctx(void *arg) {
   return racer(arg);
 }
 
-static int mode_race_ctx(int threads, int iters, size_t chunk) {
+// `wait`: once the context exists, print "ready" and start on a line from
+// stdin (so that all processes have their contexts before anyone races).
+static int mode_race_ctx(int threads, int iters, size_t chunk, int wait) {
   race_ctx = setup();
+  if (wait) {
+    char go[16];
+    printf("ready\n");
+    fflush(stdout);
+    if (!fgets(go, sizeof go, stdin)) return 1;
+  }
   pthread_t t[64];
   struct race r[64];
   for (int i = 0; i < threads; i++) {
@@ -275,6 +283,9 @@ static int mode_fork(size_t chunk) {
   setup();
   CUdeviceptr p;
   check(cuMemAlloc_v2(&p, chunk), "parent cuMemAlloc");
+  // What the parent holds (its chunk and its context).
+  size_t f0 = 0, t0 = 0;
+  check(cuMemGetInfo_v2(&f0, &t0), "cuMemGetInfo");
   printf("parent_pid=%d\n", getpid());
   fflush(stdout);
   pid_t c = fork();
@@ -296,11 +307,11 @@ static int mode_fork(size_t chunk) {
   printf("child_status=%d\n", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
   // The manager gives the child's bytes back when it sees its connection
   // close, which may come a moment after waitpid: wait for the view to
-  // show only the parent's chunk in use (up to 2 s).
+  // show only what the parent held before the fork in use (up to 2 s).
   for (int i = 0; i < 200; i++) {
     size_t f = 0, t = 0;
     check(cuMemGetInfo_v2(&f, &t), "cuMemGetInfo");
-    if (t - f <= chunk) break;
+    if (t - f <= t0 - f0) break;
     usleep(10 * 1000);
   }
   CUresult last;
@@ -383,7 +394,8 @@ int main(int argc, char **argv) {
   if (!strcmp(m, "async")) return mode_async(chunk);
   if (!strcmp(m, "paths")) return mode_paths();
   if (!strcmp(m, "race"))
-    return mode_race_ctx(atoi(argv[2]), atoi(argv[3]), strtoull(argv[4], NULL, 10) * MIB);
+    return mode_race_ctx(atoi(argv[2]), atoi(argv[3]), strtoull(argv[4], NULL, 10) * MIB,
+                         argc > 5 && !strcmp(argv[5], "wait"));
   if (!strcmp(m, "fork")) return mode_fork(chunk);
   if (!strcmp(m, "hold")) return mode_hold(chunk);
   if (!strcmp(m, "bench"))

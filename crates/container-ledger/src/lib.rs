@@ -449,6 +449,17 @@ impl Ledger {
         sat_sub(self.u64_at(OFF_USED), bytes);
     }
 
+    /// Adds `bytes` the process in `slot` already holds without a quota
+    /// check (memory the driver took on its own: a context, a pool that
+    /// grew). The container may end up above its quota; later reservations
+    /// then fail until it is back under.
+    pub fn force_reserve(&self, slot: usize, bytes: u64) {
+        let n = self.u64_at(OFF_USED).fetch_add(bytes, Ordering::AcqRel) + bytes;
+        self.u64_at(OFF_PEAK).fetch_max(n, Ordering::Relaxed);
+        let s = self.slot_used(slot).fetch_add(bytes, Ordering::AcqRel) + bytes;
+        self.slot_peak(slot).fetch_max(s, Ordering::Relaxed);
+    }
+
     /// Makes `slot` hold exactly `bytes`, moving the container total by the
     /// difference without a quota check: the memory already exists. Used by
     /// a process that re-registers after losing its connection (the manager

@@ -16,6 +16,7 @@
 //! pci_bus_id = "00000000:07:00.0"
 //! minor = 0
 //! numa_node = 0
+//! context_overhead_mib = 415   # device memory each context takes (default 0)
 //!
 //! [[link]]                 # optional; pairs not listed are NODE (same NUMA
 //! gpus = [0, 1]            # node) or SYS (different NUMA nodes)
@@ -123,6 +124,10 @@ pub struct GpuSpec {
     /// Board power limit in watts (shown by nvidia-smi).
     #[serde(default = "default_power_w")]
     pub power_limit_w: u32,
+    /// Device memory a context takes while it lives (the real driver's
+    /// code, stacks and internal buffers: hundreds of MiB on big GPUs).
+    #[serde(default)]
+    pub context_overhead_mib: u64,
 }
 
 fn default_max_threads_per_sm() -> u32 {
@@ -138,6 +143,11 @@ fn default_power_w() -> u32 {
 impl GpuSpec {
     pub fn memory_bytes(&self) -> u64 {
         self.memory_mib * 1024 * 1024
+    }
+
+    /// Device memory one context takes while it lives.
+    pub fn context_overhead_bytes(&self) -> u64 {
+        self.context_overhead_mib * 1024 * 1024
     }
 
     /// (major, minor) of the compute capability; validated at parse time.
@@ -283,6 +293,13 @@ impl NodeSpec {
                     key_at("memory_mib"),
                     &field("memory_mib"),
                     "must be above 0".into(),
+                ));
+            }
+            if spec.context_overhead_mib >= spec.memory_mib {
+                return Err(invalid(
+                    key_at("context_overhead_mib"),
+                    &field("context_overhead_mib"),
+                    format!("must be below memory_mib ({})", spec.memory_mib),
                 ));
             }
             if spec.sm_count == 0 {

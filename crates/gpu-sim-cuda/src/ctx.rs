@@ -222,8 +222,9 @@ pub(crate) unsafe fn launch(
 }
 
 unsafe fn stream_sync(h: *mut c_void, ptsz: bool) -> R {
-    drv()?;
+    let d = drv()?;
     wait_until(unsafe { Target::of(h, ptsz)? }.tail());
+    crate::pool::at_sync(d);
     Ok(())
 }
 
@@ -301,6 +302,11 @@ unsafe fn ctx_create(out: *mut *mut c_void, flags: u32, dev: i32) -> R {
     }
     let dev = d.device(dev)?;
     let c = Ctx::leak(dev.ordinal, dev.gpu, false, flags);
+    // A context takes device memory while it lives; none left, no context.
+    if let Err(e) = crate::charge::activate(d, c) {
+        c.alive.store(false, Release);
+        return Err(e);
+    }
     d.state.set_active(d.me, dev.gpu);
     // cuCtxCreate pushes the new context onto the thread's stack.
     push(c);
@@ -333,7 +339,7 @@ unsafe fn ctx_destroy(h: *mut c_void) -> R {
     }
     c.synchronize();
     c.alive.store(false, Release);
-    d.mem.free_context(d, c);
+    crate::charge::deactivate(d, c);
     // Drop it from this thread's stack; other threads see it destroyed.
     if std::ptr::eq(CURRENT.with(Cell::get), c) {
         pop();
@@ -345,9 +351,28 @@ unsafe fn ctx_destroy(h: *mut c_void) -> R {
 unsafe fn primary_release(dev: i32) -> R {
     let d = drv()?;
     let p = d.device(dev)?.primary;
-    p.retained
+    let before = p
+        .retained
         .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
         .map_err(|_| CUDA_ERROR_INVALID_CONTEXT)?;
+    if before == 1 {
+        // The last release destroys the primary context's state and memory.
+        p.synchronize();
+        crate::charge::deactivate(d, p);
+    }
+    Ok(())
+}
+
+/// cuDevicePrimaryCtxReset: everything the primary context holds is freed;
+/// still retained, it starts afresh (and costs its overhead again).
+unsafe fn primary_reset(dev: i32) -> R {
+    let d = drv()?;
+    let p = d.device(dev)?.primary;
+    p.synchronize();
+    crate::charge::deactivate(d, p);
+    if p.retained.load(Acquire) > 0 {
+        crate::charge::activate(d, p)?;
+    }
     Ok(())
 }
 
@@ -432,8 +457,9 @@ cuda_fn! {
     }
 
     fn cuCtxSynchronize() {
-        drv()?;
+        let d = drv()?;
         current()?.synchronize();
+        crate::pool::at_sync(d);
         Ok(())
     }
 
@@ -441,6 +467,7 @@ cuda_fn! {
         drv()?;
         let c = if ctx.is_null() { current()? } else { Ctx::from_handle(ctx)? };
         c.synchronize();
+        crate::pool::at_sync(drv()?);
         Ok(())
     }
 
@@ -487,6 +514,7 @@ cuda_fn! {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let dev = d.device(dev)?;
+        crate::charge::activate(d, dev.primary)?;
         dev.primary.retained.fetch_add(1, AcqRel);
         d.state.set_active(d.me, dev.gpu);
         *out = dev.primary.handle();
@@ -502,13 +530,11 @@ cuda_fn! {
     }
 
     fn cuDevicePrimaryCtxReset(dev: i32) {
-        drv()?.device(dev)?.primary.synchronize();
-        Ok(())
+        primary_reset(dev)
     }
 
     fn cuDevicePrimaryCtxReset_v2(dev: i32) {
-        drv()?.device(dev)?.primary.synchronize();
-        Ok(())
+        primary_reset(dev)
     }
 
     fn cuDevicePrimaryCtxSetFlags(dev: i32, flags: u32) {
@@ -695,8 +721,9 @@ cuda_fn! {
     }
 
     fn cuEventSynchronize(ev: *mut c_void) {
-        drv()?;
+        let d = drv()?;
         wait_until(event(ev)?.time.load(Acquire));
+        crate::pool::at_sync(d);
         Ok(())
     }
 

@@ -227,7 +227,7 @@ cuda_fn! {
     fn cuDeviceGetDefaultMemPool(pool: *mut *mut c_void, dev: i32) {
         let d = drv()?;
         let dev = d.device(dev)?;
-        put(pool, crate::mem::default_pool(dev.gpu))
+        put(pool, crate::pool::default_pool(dev.gpu))
     }
 }
 

@@ -34,6 +34,7 @@ macro_rules! cuda_fn {
     )*};
 }
 
+pub mod charge;
 pub mod capture;
 pub mod ctx;
 pub mod device;
@@ -41,6 +42,7 @@ pub mod graph;
 pub mod graph_exec;
 pub mod mem;
 pub mod module;
+pub mod pool;
 
 include!(concat!(env!("OUT_DIR"), "/exports.rs"));
 
@@ -83,10 +85,18 @@ impl Driver {
 
 static DRIVER: OnceLock<Result<Driver, CUresult>> = OnceLock::new();
 static REPORTED: AtomicBool = AtomicBool::new(false);
+/// A fork child's own driver (own process slot), see [`after_fork_child`].
+static CHILD: std::sync::atomic::AtomicPtr<Driver> =
+    std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
 
-/// The driver, once cuInit succeeded. A load and a compare: hot path safe.
+/// The driver, once cuInit succeeded. Two loads and a compare: hot path safe.
 #[inline]
 pub(crate) fn drv() -> R<&'static Driver> {
+    let child = CHILD.load(Ordering::Acquire);
+    if !child.is_null() {
+        // SAFETY: leaked in after_fork_child, never freed.
+        return Ok(unsafe { &*child });
+    }
     match DRIVER.get() {
         Some(Ok(d)) => Ok(d),
         _ => Err(CUDA_ERROR_NOT_INITIALIZED),
@@ -131,12 +141,39 @@ fn init() -> Result<Driver, CUresult> {
         .enumerate()
         .map(|(ordinal, gpu)| device::Device::new(ordinal as i32, gpu))
         .collect();
+    static ATFORK: std::sync::Once = std::sync::Once::new();
+    ATFORK.call_once(|| unsafe {
+        libc::pthread_atfork(None, None, Some(after_fork_child));
+    });
     Ok(Driver {
         state,
         me,
         devices,
         mem: mem::Memory::default(),
     })
+}
+
+/// In a fork child: its own process slot (so its memory is its own, by its
+/// PID, as with the real driver) and fresh primary contexts; contexts and
+/// memory of the parent stay the parent's.
+extern "C" fn after_fork_child() {
+    let Ok(d) = drv() else { return };
+    let Ok(state) = SharedState::open(d.state.root()) else {
+        return;
+    };
+    let Ok(me) = state.attach() else { return };
+    let devices = d
+        .devices
+        .iter()
+        .map(|x| device::Device::new(x.ordinal, x.gpu))
+        .collect();
+    let child = Driver {
+        state,
+        me,
+        devices,
+        mem: mem::Memory::default(),
+    };
+    CHILD.store(Box::into_raw(Box::new(child)), Ordering::Release);
 }
 
 const CUDA_ERROR_OPERATING_SYSTEM: CUresult = 304;

@@ -4,17 +4,16 @@
 //! real addresses and copies really move bytes.
 
 use crate::ctx::{Ctx, Target, current};
+use crate::pool::Pool;
 use crate::{Driver, R, drv, lock, put};
 use cuda_abi::*;
-use gpu_sim_core::node::MAX_GPUS;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 const PAGE: usize = 4096;
 /// VMM allocation granularity the real driver reports.
 const GRANULARITY: usize = 2 << 20;
-const POOL_MAGIC: u64 = 0x5349_4d50_4f4f_0001;
 const ARRAY_MAGIC: u64 = 0x5349_4d41_5252_0001;
 const PHYS_MAGIC: u64 = 0x5349_4d50_4859_0001;
 
@@ -26,6 +25,8 @@ struct Alloc {
     len: usize,
     /// Context it belongs to (freed with it); address only.
     ctx: usize,
+    /// The pool it came from: its bytes go back there, not to the device.
+    pool: Option<&'static Pool>,
 }
 
 #[derive(Default)]
@@ -36,8 +37,10 @@ pub(crate) struct Memory {
     host: Mutex<BTreeMap<u64, usize>>,
     /// VMM reservations: aligned base -> (raw mapping base, raw length).
     reserved: Mutex<BTreeMap<u64, (usize, usize)>>,
-    /// VMM mappings: address -> length (valid device ranges).
-    mapped: Mutex<BTreeMap<u64, usize>>,
+    /// VMM mappings: address -> (length, handle mapped there).
+    mapped: Mutex<BTreeMap<u64, (usize, u64)>>,
+    /// Contexts' overhead, heaps and module images.
+    pub charges: crate::charge::Charges,
 }
 
 fn round_up(n: usize, to: usize) -> usize {
@@ -64,17 +67,36 @@ unsafe fn map_anon(len: usize, prot: i32) -> R<*mut c_void> {
 impl Memory {
     /// Allocates `size` bytes on `ctx`'s device.
     pub fn alloc(&self, d: &Driver, ctx: &Ctx, size: usize) -> R<u64> {
+        self.alloc_in(d, ctx, size, None)
+    }
+
+    /// Allocates `size` bytes on `ctx`'s device, from `pool` when given (the
+    /// pool, not the allocation, holds device memory).
+    pub fn alloc_in(
+        &self,
+        d: &Driver,
+        ctx: &Ctx,
+        size: usize,
+        pool: Option<&'static Pool>,
+    ) -> R<u64> {
         if size == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        d.state
-            .try_alloc(d.me, ctx.gpu, size as u64)
-            .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        match pool {
+            Some(p) => p.take(d, size as u64)?,
+            None => d
+                .state
+                .try_alloc(d.me, ctx.gpu, size as u64)
+                .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?,
+        }
         let len = round_up(size, PAGE);
         let p = match unsafe { map_anon(len, libc::PROT_READ | libc::PROT_WRITE) } {
             Ok(p) => p,
             Err(e) => {
-                d.state.free(d.me, ctx.gpu, size as u64);
+                match pool {
+                    Some(p) => p.put_back(d, size as u64),
+                    None => d.state.free(d.me, ctx.gpu, size as u64),
+                }
                 return Err(e);
             }
         };
@@ -86,6 +108,7 @@ impl Memory {
                 size,
                 len,
                 ctx: ctx as *const Ctx as usize,
+                pool,
             },
         );
         Ok(addr)
@@ -101,7 +124,10 @@ impl Memory {
 
     fn release(d: &Driver, ptr: u64, a: Alloc) {
         unsafe { libc::munmap(ptr as *mut c_void, a.len) };
-        d.state.free(d.me, a.gpu, a.size as u64);
+        match a.pool {
+            Some(p) => p.put_back(d, a.size as u64),
+            None => d.state.free(d.me, a.gpu, a.size as u64),
+        }
     }
 
     /// Frees what a destroyed context allocated.
@@ -142,7 +168,7 @@ impl Memory {
             return Ok(());
         }
         let m = lock(&self.mapped);
-        if let Some((&base, &len)) = m.range(..=ptr).next_back()
+        if let Some((&base, &(len, _))) = m.range(..=ptr).next_back()
             && end <= base + len as u64
         {
             return Ok(());
@@ -230,32 +256,6 @@ unsafe fn set2d<T: Copy>(dst: u64, pitch: usize, v: T, w: usize, h: usize) -> R 
     Ok(())
 }
 
-// ---- pools ----
-
-pub(crate) struct Pool {
-    magic: u64,
-    gpu: usize,
-}
-
-/// Default pool of a GPU: one per device, for the life of the process.
-pub(crate) fn default_pool(gpu: usize) -> *mut c_void {
-    static POOLS: [OnceLock<usize>; MAX_GPUS] = [const { OnceLock::new() }; MAX_GPUS];
-    *POOLS[gpu].get_or_init(|| {
-        Box::into_raw(Box::new(Pool {
-            magic: POOL_MAGIC,
-            gpu,
-        })) as usize
-    }) as *mut c_void
-}
-
-unsafe fn pool<'a>(h: *mut c_void) -> R<&'a Pool> {
-    let p = h as *const Pool;
-    if p.is_null() || unsafe { (*p).magic } != POOL_MAGIC {
-        return Err(CUDA_ERROR_INVALID_VALUE);
-    }
-    Ok(unsafe { &*p })
-}
-
 /// `CUmemLocation` inside CUmemAllocationProp / CUmemPoolProps (offset 8).
 #[repr(C)]
 pub struct AllocProp {
@@ -268,6 +268,18 @@ pub struct AllocProp {
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
 const LOCATION_DEVICE: u32 = 1;
 
+/// `CU_MEM_LOCATION_TYPE_HOST`, `_HOST_NUMA`, `_HOST_NUMA_CURRENT`.
+const LOCATION_HOST: std::ops::RangeInclusive<u32> = 2..=4;
+
+/// The GPU a VMM allocation lives on; `None` for host memory.
+fn prop_location(d: &Driver, p: *const AllocProp) -> R<Option<usize>> {
+    let pr = unsafe { p.as_ref() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    if LOCATION_HOST.contains(&pr.location_type) {
+        return Ok(None);
+    }
+    prop_device(d, p).map(Some)
+}
+
 fn prop_device(d: &Driver, p: *const AllocProp) -> R<usize> {
     let p = unsafe { p.as_ref() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
     if p.location_type != LOCATION_DEVICE {
@@ -276,55 +288,6 @@ fn prop_device(d: &Driver, p: *const AllocProp) -> R<usize> {
     Ok(d.device(p.location_id)
         .map_err(|_| CUDA_ERROR_INVALID_DEVICE)?
         .gpu)
-}
-
-/// An allocation on a device without going through a context (pools, VMM).
-fn alloc_on(d: &'static Driver, gpu: usize, size: usize) -> R<u64> {
-    let dev = d
-        .devices
-        .iter()
-        .find(|x| x.gpu == gpu)
-        .ok_or(CUDA_ERROR_INVALID_DEVICE)?;
-    d.mem.alloc(d, dev.primary, size)
-}
-
-unsafe fn alloc_async(out: *mut u64, size: usize, stream: *mut c_void, ptsz: bool) -> R {
-    let d = drv()?;
-    let t = unsafe { Target::of(stream, ptsz)? };
-    if out.is_null() {
-        return Err(CUDA_ERROR_INVALID_VALUE);
-    }
-    if let Some(p) = crate::capture::alloc(t, size)? {
-        return unsafe { put(out, p) };
-    }
-    let p = alloc_on(d, t.ctx().gpu, size)?;
-    unsafe { put(out, p) }
-}
-
-unsafe fn alloc_from_pool(
-    out: *mut u64,
-    size: usize,
-    pl: *mut c_void,
-    stream: *mut c_void,
-    ptsz: bool,
-) -> R {
-    let d = drv()?;
-    unsafe { Target::of(stream, ptsz)? };
-    let pl = unsafe { pool(pl)? };
-    if out.is_null() {
-        return Err(CUDA_ERROR_INVALID_VALUE);
-    }
-    let p = alloc_on(d, pl.gpu, size)?;
-    unsafe { put(out, p) }
-}
-
-unsafe fn free_async(ptr: u64, stream: *mut c_void, ptsz: bool) -> R {
-    let d = drv()?;
-    let t = unsafe { Target::of(stream, ptsz)? };
-    if crate::capture::free(t, ptr)? {
-        return Ok(());
-    }
-    d.mem.free(d, ptr)
 }
 
 // ---- arrays ----
@@ -408,9 +371,40 @@ unsafe fn array_destroy(h: *mut c_void) -> R {
 
 struct Phys {
     magic: u64,
-    gpu: usize,
+    /// Device it is counted on; `None` for host memory (not counted).
+    gpu: Option<usize>,
     size: usize,
     fd: i32,
+    /// (live mappings, released): the memory stays until both say so, as
+    /// the driver defers a release until the last unmap.
+    life: Mutex<(u32, bool)>,
+}
+
+/// Frees a handle once it is released and no longer mapped.
+unsafe fn phys_settle(d: &Driver, h: u64) {
+    let done = {
+        let p = unsafe { &*(h as *const Phys) };
+        let l = lock(&p.life);
+        l.0 == 0 && l.1
+    };
+    if done {
+        let mut p = unsafe { Box::from_raw(h as *mut Phys) };
+        p.magic = 0;
+        unsafe { libc::close(p.fd) };
+        if let Some(gpu) = p.gpu {
+            d.state.free(d.me, gpu, p.size as u64);
+        }
+    }
+}
+
+/// A mapping of `h` went away.
+unsafe fn phys_unmapped(d: &Driver, h: u64) {
+    {
+        let p = unsafe { &*(h as *const Phys) };
+        let mut l = lock(&p.life);
+        l.0 = l.0.saturating_sub(1);
+    }
+    unsafe { phys_settle(d, h) };
 }
 
 unsafe fn phys<'a>(h: u64) -> R<&'a Phys> {
@@ -564,56 +558,6 @@ cuda_fn! {
     fn cuMemsetD2D32_v2(dst: u64, pitch: usize, v: u32, w: usize, h: usize) { set2d(dst, pitch, v, w, h) }
     fn cuMemsetD2D32_v2_ptds(dst: u64, pitch: usize, v: u32, w: usize, h: usize) { set2d(dst, pitch, v, w, h) }
 
-    // ---- stream-ordered allocator ----
-
-    fn cuMemAllocAsync(out: *mut u64, size: usize, s: *mut c_void) { alloc_async(out, size, s, false) }
-    fn cuMemAllocAsync_ptsz(out: *mut u64, size: usize, s: *mut c_void) { alloc_async(out, size, s, true) }
-    fn cuMemFreeAsync(ptr: u64, s: *mut c_void) { free_async(ptr, s, false) }
-    fn cuMemFreeAsync_ptsz(ptr: u64, s: *mut c_void) { free_async(ptr, s, true) }
-    fn cuMemAllocFromPoolAsync(out: *mut u64, size: usize, p: *mut c_void, s: *mut c_void) {
-        alloc_from_pool(out, size, p, s, false)
-    }
-    fn cuMemAllocFromPoolAsync_ptsz(out: *mut u64, size: usize, p: *mut c_void, s: *mut c_void) {
-        alloc_from_pool(out, size, p, s, true)
-    }
-
-    fn cuMemPoolCreate(out: *mut *mut c_void, props: *const AllocProp) {
-        let d = drv()?;
-        let gpu = prop_device(d, props)?;
-        if out.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        *out = Box::into_raw(Box::new(Pool { magic: POOL_MAGIC, gpu })).cast();
-        Ok(())
-    }
-
-    fn cuMemPoolDestroy(p: *mut c_void) {
-        drv()?;
-        let pl = pool(p)?;
-        if default_pool(pl.gpu) == p {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let p = p as *mut Pool;
-        (*p).magic = 0;
-        drop(Box::from_raw(p));
-        Ok(())
-    }
-
-    fn cuMemPoolTrimTo(p: *mut c_void, _keep: usize) {
-        drv()?;
-        pool(p)?;
-        Ok(())
-    }
-
-    fn cuMemPoolSetAttribute(p: *mut c_void, _attr: i32, value: *mut c_void) {
-        drv()?;
-        pool(p)?;
-        if value.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        Ok(())
-    }
-
     // ---- arrays ----
 
     fn cuArrayCreate_v2(out: *mut *mut c_void, desc: *const ArrayDesc) {
@@ -664,32 +608,40 @@ cuda_fn! {
 
     fn cuMemCreate(out: *mut u64, size: usize, prop: *const AllocProp, flags: u64) {
         let d = drv()?;
-        let gpu = prop_device(d, prop)?;
+        let gpu = prop_location(d, prop)?;
         if out.is_null() || flags != 0 || size == 0 || size & (GRANULARITY - 1) != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        d.state.try_alloc(d.me, gpu, size as u64).map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        if let Some(gpu) = gpu {
+            d.state.try_alloc(d.me, gpu, size as u64).map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        }
         let fd = libc::memfd_create(c"gpu-sim-vmm".as_ptr(), libc::MFD_CLOEXEC);
         if fd < 0 || libc::ftruncate(fd, size as i64) != 0 {
             if fd >= 0 {
                 libc::close(fd);
             }
-            d.state.free(d.me, gpu, size as u64);
+            if let Some(gpu) = gpu {
+                d.state.free(d.me, gpu, size as u64);
+            }
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
-        let p = Box::new(Phys { magic: PHYS_MAGIC, gpu, size, fd });
+        let p = Box::new(Phys { magic: PHYS_MAGIC, gpu, size, fd, life: Mutex::new((0, false)) });
         *out = Box::into_raw(p) as u64;
         Ok(())
     }
 
     fn cuMemRelease(h: u64) {
         let d = drv()?;
-        phys(h)?;
-        let p = Box::from_raw(h as *mut Phys);
-        // Mappings keep the pages alive (as the driver defers the free until
-        // unmapped); the device memory is given back now.
-        libc::close(p.fd);
-        d.state.free(d.me, p.gpu, p.size as u64);
+        let p = phys(h)?;
+        {
+            let mut l = lock(&p.life);
+            if l.1 {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            l.1 = true;
+        }
+        // Mapped: the memory stays (and counts) until the last unmap.
+        phys_settle(d, h);
         Ok(())
     }
 
@@ -710,13 +662,26 @@ cuda_fn! {
         let d = drv()?;
         let (raw, len) = lock(&d.mem.reserved).remove(&ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         libc::munmap(raw as *mut c_void, len);
-        lock(&d.mem.mapped).retain(|&a, _| !(a >= ptr && a < ptr + len as u64));
+        let mut gone = Vec::new();
+        lock(&d.mem.mapped).retain(|&a, &mut (_, h)| {
+            let inside = a >= ptr && a < ptr + len as u64;
+            if inside {
+                gone.push(h);
+            }
+            !inside
+        });
+        for h in gone {
+            phys_unmapped(d, h);
+        }
         Ok(())
     }
 
     fn cuMemMap(ptr: u64, size: usize, offset: usize, h: u64, flags: u64) {
         let d = drv()?;
         let p = phys(h)?;
+        if lock(&p.life).1 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
         if flags != 0 || size == 0 || offset.checked_add(size).is_none_or(|e| e > p.size) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -738,13 +703,16 @@ cuda_fn! {
         if m == libc::MAP_FAILED {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
-        lock(&d.mem.mapped).insert(ptr, size);
+        lock(&p.life).0 += 1;
+        if let Some((_, old)) = lock(&d.mem.mapped).insert(ptr, (size, h)) {
+            phys_unmapped(d, old);
+        }
         Ok(())
     }
 
     fn cuMemUnmap(ptr: u64, size: usize) {
         let d = drv()?;
-        lock(&d.mem.mapped).remove(&ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let (_, h) = lock(&d.mem.mapped).remove(&ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         libc::mmap(
             ptr as *mut c_void,
             size,
@@ -753,6 +721,7 @@ cuda_fn! {
             -1,
             0,
         );
+        phys_unmapped(d, h);
         Ok(())
     }
 

@@ -1,6 +1,9 @@
 //! Modules, libraries and functions. Any image is accepted (there is no GPU
 //! to run it); functions are looked up by name and are what launches take.
+//! A loaded image takes its size in device memory (charged to the current
+//! context, see `charge.rs`) until unloaded.
 
+use crate::charge;
 use crate::ctx::{FUNC_MAGIC, current};
 use crate::{R, drv, lock, put};
 use cuda_abi::*;
@@ -23,16 +26,24 @@ struct Module {
     funcs: Mutex<HashMap<Box<str>, Box<Func>>>,
 }
 
-unsafe fn load(out: *mut *mut c_void) -> R {
-    drv()?;
+/// Loads a module of `bytes` device bytes (charged to the current context,
+/// if any: libraries load without one).
+unsafe fn load(out: *mut *mut c_void, bytes: u64) -> R {
+    let d = drv()?;
     if out.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    let m = Box::new(Module {
+    let m = Box::into_raw(Box::new(Module {
         magic: MODULE_MAGIC,
         funcs: Mutex::new(HashMap::new()),
-    });
-    unsafe { *out = Box::into_raw(m).cast() };
+    }));
+    if current().is_ok()
+        && let Err(e) = charge::charge_module(d, m as usize, bytes)
+    {
+        drop(unsafe { Box::from_raw(m) });
+        return Err(e);
+    }
+    unsafe { *out = m.cast() };
     Ok(())
 }
 
@@ -67,8 +78,9 @@ unsafe fn get_function(out: *mut *mut c_void, m: *mut c_void, name: *const c_cha
 }
 
 unsafe fn unload(m: *mut c_void) -> R {
-    drv()?;
+    let d = drv()?;
     unsafe { module(m)? };
+    d.mem.charges.drop_one(d, charge::What::Module, m as usize);
     let m = m as *mut Module;
     let m = unsafe {
         (*m).magic = 0;
@@ -96,10 +108,11 @@ cuda_fn! {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let path = std::ffi::OsStr::from_encoded_bytes_unchecked(CStr::from_ptr(fname).to_bytes());
-        if !std::path::Path::new(path).is_file() {
-            return Err(CUDA_ERROR_FILE_NOT_FOUND);
-        }
-        load(out)
+        let meta = std::fs::metadata(path)
+            .ok()
+            .filter(|m| m.is_file())
+            .ok_or(CUDA_ERROR_FILE_NOT_FOUND)?;
+        load(out, meta.len().div_ceil(4096) * 4096)
     }
 
     fn cuModuleLoadData(out: *mut *mut c_void, image: *const c_void) {
@@ -107,7 +120,7 @@ cuda_fn! {
         if image.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        load(out)
+        load(out, charge::image_bytes(image.cast()))
     }
 
     fn cuModuleLoadDataEx(out: *mut *mut c_void, image: *const c_void, _n: u32, _opts: *mut c_void, _vals: *mut *mut c_void) {
@@ -115,7 +128,7 @@ cuda_fn! {
         if image.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        load(out)
+        load(out, charge::image_bytes(image.cast()))
     }
 
     fn cuModuleLoadFatBinary(out: *mut *mut c_void, image: *const c_void) {
@@ -123,7 +136,7 @@ cuda_fn! {
         if image.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        load(out)
+        load(out, charge::image_bytes(image.cast()))
     }
 
     fn cuModuleUnload(m: *mut c_void) {
@@ -141,7 +154,7 @@ cuda_fn! {
         if code.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        load(out)
+        load(out, charge::image_bytes(code.cast()))
     }
 
     fn cuLibraryUnload(lib: *mut c_void) {

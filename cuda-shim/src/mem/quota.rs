@@ -1,0 +1,230 @@
+//! The ledger side of every allocation path.
+//!
+//! Reserve in the container ledger (atomic against the quota, across every
+//! process of the container) -> call the driver -> on failure give the
+//! reservation back; on success remember the size and context, which the
+//! matching free (or the context's destruction) returns. Over quota is
+//! `CUDA_ERROR_OUT_OF_MEMORY` without calling the driver, counted in the
+//! ledger (`refused_allocations`) once per refused call.
+//!
+//! `Proc::local_used` is everything this process holds in the ledger: the
+//! table's allocations, pools' reservations, graph memory and the NVML
+//! extra (`reconcile.rs`).
+
+use crate::config;
+use crate::log::log;
+use crate::real::real_cuda;
+use crate::registration::{Attach, REFUSED, proc};
+use crate::table::{Entry, Kind};
+use cuda_abi::{CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CUresult};
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Allocations and frees started / finished: the reconcile tick trusts a
+/// measurement only if none ran while it measured (the driver's count and
+/// ours differ while one is in flight).
+pub(crate) static STARTED: AtomicU64 = AtomicU64::new(0);
+pub(crate) static FINISHED: AtomicU64 = AtomicU64::new(0);
+
+pub(crate) struct InFlight;
+
+impl InFlight {
+    #[inline]
+    pub fn begin() -> InFlight {
+        STARTED.fetch_add(1, Ordering::AcqRel);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    #[inline]
+    fn drop(&mut self) {
+        FINISHED.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// The calling thread's current context (0 when none or unknown).
+pub(crate) fn current_ctx() -> u64 {
+    fn get(out: &mut *mut c_void) -> CUresult {
+        let f = real_cuda!(cuCtxGetCurrent: unsafe extern "C" fn(*mut *mut c_void) -> CUresult);
+        unsafe { f(out) }
+    }
+    let mut c = std::ptr::null_mut();
+    if get(&mut c) == CUDA_SUCCESS {
+        c as u64
+    } else {
+        0
+    }
+}
+
+/// Gives bytes back to the ledger and the process's count.
+pub(crate) fn give_back(a: Option<&Attach>, bytes: u64) {
+    if bytes == 0 {
+        return;
+    }
+    if let Some(a) = a {
+        a.ledger.release(a.slot, bytes);
+    }
+    proc().local_used.fetch_sub(bytes, Ordering::AcqRel);
+}
+
+/// Takes bytes that already exist on the device (no quota check).
+pub(crate) fn force_take(a: &Attach, bytes: u64) {
+    if bytes == 0 {
+        return;
+    }
+    a.ledger.force_reserve(a.slot, bytes);
+    proc().local_used.fetch_add(bytes, Ordering::AcqRel);
+}
+
+/// Reserves `bytes` against the quota; counts and logs a refusal.
+pub(crate) fn try_take(a: &Attach, bytes: u64, what: &str) -> Result<(), CUresult> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    if let Err(over) = a.ledger.try_reserve(a.slot, bytes) {
+        log!(Info, "{what} refused: {over}");
+        a.ledger.count_refused_allocation();
+        return Err(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    proc().local_used.fetch_add(bytes, Ordering::AcqRel);
+    Ok(())
+}
+
+/// Runs `call` under a reservation of `bytes`; `key` names the new
+/// allocation (read only after success).
+#[inline]
+pub(crate) fn alloc(
+    bytes: u64,
+    kind: Kind,
+    call: impl FnOnce() -> CUresult,
+    key: impl FnOnce() -> u64,
+) -> CUresult {
+    alloc_sized(bytes, kind, call, || (key(), bytes), |_| {})
+}
+
+/// [`alloc`] for calls whose final size is known only afterwards:
+/// `result` returns (key, actual bytes); if more than reserved and the
+/// difference does not fit, `undo` frees the allocation and the call fails
+/// with OUT_OF_MEMORY.
+pub(crate) fn alloc_sized(
+    estimate: u64,
+    kind: Kind,
+    call: impl FnOnce() -> CUresult,
+    result: impl FnOnce() -> (u64, u64),
+    undo: impl FnOnce(u64),
+) -> CUresult {
+    if config::enforce().is_none() {
+        return call();
+    }
+    let p = proc();
+    if let Err(e) = p.ensure_registered() {
+        return e;
+    }
+    let guard = p.attach();
+    let Some(a) = guard.as_ref() else {
+        return REFUSED;
+    };
+    if estimate == 0 {
+        // The driver rejects empty allocations; nothing to reserve.
+        return call();
+    }
+    let _f = InFlight::begin();
+    if let Err(e) = try_take(a, estimate, "allocation") {
+        return e;
+    }
+    let r = call();
+    if r != CUDA_SUCCESS {
+        give_back(Some(a), estimate);
+        return r;
+    }
+    let (key, actual) = result();
+    if actual > estimate {
+        if let Err(e) = try_take(a, actual - estimate, "allocation after padding") {
+            undo(key);
+            give_back(Some(a), estimate);
+            return e;
+        }
+    } else {
+        give_back(Some(a), estimate - actual);
+    }
+    // VMM handles outlive contexts; everything else dies with its context.
+    let ctx = if kind == Kind::Generic {
+        0
+    } else {
+        current_ctx()
+    };
+    let e = Entry { bytes: actual, ctx };
+    if let Some(old) = p.table.insert(kind, key, e) {
+        // The driver handed out a key we still held: the old allocation is
+        // gone (its context was reset behind our back). Not counted twice.
+        log!(
+            Debug,
+            "{kind:?} {key:#x} reused; giving back its old {} bytes",
+            old.bytes
+        );
+        give_back(Some(a), old.bytes);
+        super::vmm::forget(kind, key);
+    }
+    r
+}
+
+/// Runs the free `call` and gives the allocation's bytes back on success.
+#[inline]
+pub(crate) fn free(kind: Kind, key: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    if config::enforce().is_none() {
+        return call();
+    }
+    let p = proc();
+    let _f = InFlight::begin();
+    // Taken out first: the same address may be handed out again the moment
+    // the driver frees it.
+    let Some(e) = p.table.remove(kind, key) else {
+        return call();
+    };
+    let guard = p.attach();
+    let r = call();
+    if r != CUDA_SUCCESS {
+        p.table.insert(kind, key, e);
+        return r;
+    }
+    give_back(guard.as_ref(), e.bytes);
+    r
+}
+
+/// Reserves `bytes` the driver allocates outside an allocation call (graph
+/// memory, see graph.rs): `call` runs only if they fit (else
+/// OUT_OF_MEMORY, counted as a refusal), and they are given back if it
+/// fails. Not in the allocation table: the caller keeps track and returns
+/// them with [`release_reserved`].
+pub(crate) fn reserve_for(bytes: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    if config::enforce().is_none() || bytes == 0 {
+        return call();
+    }
+    let p = proc();
+    if let Err(e) = p.ensure_registered() {
+        return e;
+    }
+    let guard = p.attach();
+    let Some(a) = guard.as_ref() else {
+        return REFUSED;
+    };
+    let _f = InFlight::begin();
+    if let Err(e) = try_take(a, bytes, "graph memory") {
+        return e;
+    }
+    let r = call();
+    if r != CUDA_SUCCESS {
+        give_back(Some(a), bytes);
+    }
+    r
+}
+
+/// Gives back bytes taken with [`reserve_for`].
+pub(crate) fn release_reserved(bytes: u64) {
+    if config::enforce().is_none() || bytes == 0 {
+        return;
+    }
+    let _f = InFlight::begin();
+    give_back(proc().attach().as_ref(), bytes);
+}

@@ -1,0 +1,229 @@
+//! Reconciling with NVML: the driver takes device memory nobody asks for
+//! by size (contexts, module images, the device heap, pools' caches), so
+//! the process's ledger reservation is max(counted, measured), where
+//! measured is the real NVML's per-process used memory. The difference
+//! (the "extra") is reserved in the ledger, so other processes'
+//! allocations see it, and given back when it shrinks.
+//!
+//! Measured on the watcher's tick (at most every [`PERIOD`]) and right
+//! after calls that take such memory (`ctx.rs`); never on an allocation
+//! path. A measurement is dropped when an allocation or free ran while it
+//! was taken (the two counts differ while one is in flight).
+//!
+//! Without the real NVML (a memory-only container whose node lacks
+//! `libnvidia-ml.so.<ver>`) nothing is measured: the quota counts what
+//! programs ask for, pools' reservations and graph memory, and one warning
+//! says so. A compute quota already fails closed without it (`init.rs`).
+
+use super::quota::{FINISHED, STARTED, force_take, give_back};
+use crate::config;
+use crate::log::log;
+use crate::real::{Lib, sym, try_handle};
+use crate::registration::proc;
+use std::ffi::{CString, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// How often the watcher's tick measures.
+pub const PERIOD: Duration = Duration::from_millis(100);
+
+/// `nvmlProcessInfo_t` (v2/v3 layout).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct ProcInfo {
+    pid: u32,
+    used: u64,
+    gpu_instance: u32,
+    compute_instance: u32,
+}
+
+type Procs = unsafe extern "C" fn(*mut c_void, *mut u32, *mut ProcInfo) -> i32;
+
+struct Nvml {
+    dev: *mut c_void,
+    procs: Procs,
+}
+
+unsafe impl Send for Nvml {}
+unsafe impl Sync for Nvml {}
+
+const NVML_SUCCESS: i32 = 0;
+const NVML_ERROR_INSUFFICIENT_SIZE: i32 = 7;
+
+fn f<T: Copy>(name: &str) -> Result<T, String> {
+    let c = CString::new(name).unwrap();
+    let p = sym(Lib::Nvml, &c);
+    if p == 0 {
+        return Err(format!("the real NVML has no {name}"));
+    }
+    Ok(unsafe { std::mem::transmute_copy::<usize, T>(&p) })
+}
+
+fn open(bus_id: &str) -> Result<Nvml, String> {
+    try_handle(Lib::Nvml).map_err(str::to_string)?;
+    let init: unsafe extern "C" fn() -> i32 = f("nvmlInit_v2")?;
+    let r = unsafe { init() };
+    if r != NVML_SUCCESS {
+        return Err(format!("nvmlInit_v2 returned {r}"));
+    }
+    let by_bus: unsafe extern "C" fn(*const i8, *mut *mut c_void) -> i32 =
+        f("nvmlDeviceGetHandleByPciBusId_v2")?;
+    let by_index: unsafe extern "C" fn(u32, *mut *mut c_void) -> i32 =
+        f("nvmlDeviceGetHandleByIndex_v2")?;
+    let mut dev = std::ptr::null_mut();
+    let id = CString::new(bus_id).unwrap_or_default();
+    if bus_id.is_empty() || unsafe { by_bus(id.as_ptr().cast(), &mut dev) } != NVML_SUCCESS {
+        // A container sees its own GPU only.
+        let r = unsafe { by_index(0, &mut dev) };
+        if r != NVML_SUCCESS {
+            return Err(format!("no GPU {bus_id:?} (first GPU: {r})"));
+        }
+    }
+    let procs = f("nvmlDeviceGetComputeRunningProcesses_v3")
+        .or_else(|_| f("nvmlDeviceGetComputeRunningProcesses_v2"))?;
+    Ok(Nvml { dev, procs })
+}
+
+fn nvml() -> Option<&'static Nvml> {
+    static NVML: OnceLock<Option<Nvml>> = OnceLock::new();
+    NVML.get_or_init(|| {
+        let enf = config::enforce()?;
+        match open(&enf.data.bus_id) {
+            Ok(n) => Some(n),
+            Err(e) => {
+                log!(
+                    Warn,
+                    "memory the driver takes on its own (contexts, modules, heap) is not \
+                     counted against the quota: {e}"
+                );
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
+/// The device memory NVML says `pid` uses.
+fn measure(n: &Nvml, pid: i32) -> Option<u64> {
+    let mut buf = vec![ProcInfo::default(); 64];
+    for _ in 0..4 {
+        let mut count = buf.len() as u32;
+        let r = unsafe { (n.procs)(n.dev, &mut count, buf.as_mut_ptr()) };
+        if r == NVML_ERROR_INSUFFICIENT_SIZE {
+            buf.resize(count as usize + 16, ProcInfo::default());
+            continue;
+        }
+        if r != NVML_SUCCESS {
+            return None;
+        }
+        let used = buf[..count as usize]
+            .iter()
+            .filter(|p| p.pid as i32 == pid)
+            .map(|p| p.used)
+            .max();
+        return Some(used.unwrap_or(0));
+    }
+    None
+}
+
+/// The extra this process holds, and which process (`Proc`) it is for.
+static EXTRA: Mutex<(usize, u64)> = Mutex::new((0, 0));
+static LAST_NS: AtomicU64 = AtomicU64::new(0);
+
+/// The extra this process holds in the ledger now.
+pub fn extra() -> u64 {
+    let g = EXTRA.lock().unwrap_or_else(|e| e.into_inner());
+    if g.0 == proc() as *const _ as usize {
+        g.1
+    } else {
+        0
+    }
+}
+
+/// One measurement; returns how much the extra grew (0 when it did not or
+/// nothing could be measured).
+fn reconcile() -> u64 {
+    if config::enforce().is_none() {
+        return 0;
+    }
+    let p = proc();
+    if !p.is_registered() {
+        return 0;
+    }
+    let Some(n) = nvml() else { return 0 };
+    let mut g = EXTRA.lock().unwrap_or_else(|e| e.into_inner());
+    let me = p as *const _ as usize;
+    if g.0 != me {
+        *g = (me, 0);
+    }
+    let guard = p.attach();
+    let Some(a) = guard.as_ref() else { return 0 };
+    let started = STARTED.load(Ordering::Acquire);
+    if FINISHED.load(Ordering::Acquire) != started {
+        return 0;
+    }
+    let local = p.local_used.load(Ordering::Acquire);
+    let Some(measured) = measure(n, a.host_pid) else {
+        return 0;
+    };
+    if STARTED.load(Ordering::Acquire) != started || FINISHED.load(Ordering::Acquire) != started {
+        return 0;
+    }
+    let counted = local.saturating_sub(g.1);
+    let target = measured.saturating_sub(counted);
+    let grew = target.saturating_sub(g.1);
+    if target > g.1 {
+        force_take(a, target - g.1);
+    } else {
+        give_back(Some(a), g.1 - target);
+    }
+    if target != g.1 {
+        log!(
+            Debug,
+            "NVML says {measured} bytes, counted {counted}: extra {} -> {target}",
+            g.1
+        );
+    }
+    g.1 = target;
+    grew
+}
+
+/// Measures now (after a context, module or heap change).
+pub(crate) fn now() {
+    LAST_NS.store(now_ns(), Ordering::Release);
+    reconcile();
+}
+
+/// Measures now; true when the extra grew and the container is now over
+/// its quota.
+pub(crate) fn grew_over_quota() -> bool {
+    LAST_NS.store(now_ns(), Ordering::Release);
+    if reconcile() == 0 {
+        return false;
+    }
+    let guard = proc().attach();
+    guard
+        .as_ref()
+        .is_some_and(|a| a.ledger.used() > a.ledger.quota())
+}
+
+fn now_ns() -> u64 {
+    static T0: OnceLock<Instant> = OnceLock::new();
+    T0.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+/// The watcher's tick: pools, then NVML, at most every [`PERIOD`].
+pub fn tick() {
+    if config::enforce().is_none() {
+        return;
+    }
+    let now = now_ns();
+    let last = LAST_NS.load(Ordering::Acquire);
+    if now.saturating_sub(last) < PERIOD.as_nanos() as u64 && last != 0 {
+        return;
+    }
+    LAST_NS.store(now, Ordering::Release);
+    super::pool::settle_all();
+    reconcile();
+}

@@ -1,0 +1,127 @@
+//! Virtual memory management: `cuMemCreate` counts device locations only
+//! (host and host-NUMA handles take no device memory), and a handle
+//! released while still mapped keeps its bytes until its last mapping is
+//! unmapped, as the driver keeps the memory until then.
+
+use super::quota::{InFlight, give_back};
+use crate::config;
+use crate::registration::proc;
+use crate::table::Kind;
+use cuda_abi::{CUDA_SUCCESS, CUresult};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+
+#[derive(Default)]
+struct Maps {
+    /// The process (`Proc` address) these belong to.
+    owner: usize,
+    /// Mapped address -> (handle, size).
+    at: BTreeMap<u64, (u64, u64)>,
+    /// Handle -> (live mappings, released by the program).
+    handles: HashMap<u64, (u32, bool)>,
+}
+
+static MAPS: Mutex<Option<Maps>> = Mutex::new(None);
+
+fn with<T>(f: impl FnOnce(&mut Maps) -> T) -> T {
+    let mut g = MAPS.lock().unwrap_or_else(|e| e.into_inner());
+    let me = proc() as *const _ as usize;
+    let m = g.get_or_insert_with(Maps::default);
+    if m.owner != me {
+        *m = Maps {
+            owner: me,
+            ..Maps::default()
+        };
+    }
+    f(m)
+}
+
+/// `CUmemAllocationProp.location.type` is a host location
+/// (`CU_MEM_LOCATION_TYPE_HOST`, `_HOST_NUMA`, `_HOST_NUMA_CURRENT`).
+///
+/// # Safety
+/// `prop` is NULL or points to a `CUmemAllocationProp`.
+pub(crate) unsafe fn host_location(prop: *const std::ffi::c_void) -> bool {
+    if prop.is_null() {
+        return false;
+    }
+    let t = unsafe { (prop as *const u32).add(2).read_unaligned() };
+    (2..=4).contains(&t)
+}
+
+/// After a successful `cuMemMap` of a counted handle.
+pub(crate) fn mapped(ptr: u64, size: u64, handle: u64) {
+    if config::enforce().is_none() || proc().table.get(Kind::Generic, handle).is_none() {
+        return;
+    }
+    with(|m| {
+        m.handles.entry(handle).or_default().0 += 1;
+        m.at.insert(ptr, (handle, size));
+    });
+}
+
+/// After a successful `cuMemUnmap` of [ptr, ptr+size): handles released
+/// earlier whose last mapping this was give their bytes back.
+pub(crate) fn unmapped(ptr: u64, size: u64) {
+    if config::enforce().is_none() {
+        return;
+    }
+    let done: Vec<u64> = with(|m| {
+        let end = ptr.saturating_add(size.max(1));
+        let gone: Vec<u64> = m.at.range(ptr..end).map(|(&a, _)| a).collect();
+        let mut done = Vec::new();
+        for a in gone {
+            let (h, _) = m.at.remove(&a).unwrap();
+            if let Some(e) = m.handles.get_mut(&h) {
+                e.0 = e.0.saturating_sub(1);
+                if e.0 == 0 {
+                    if e.1 {
+                        done.push(h);
+                    }
+                    m.handles.remove(&h);
+                }
+            }
+        }
+        done
+    });
+    let p = proc();
+    let _f = InFlight::begin();
+    for h in done {
+        if let Some(e) = p.table.remove(Kind::Generic, h) {
+            give_back(p.attach().as_ref(), e.bytes);
+        }
+    }
+}
+
+/// `cuMemRelease`: a mapped handle keeps its bytes (and its table entry)
+/// until unmapped; an unmapped one is freed as usual.
+pub(crate) fn release(handle: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    if config::enforce().is_none() {
+        return call();
+    }
+    let mapped = with(|m| m.handles.get(&handle).is_some_and(|e| e.0 > 0));
+    if !mapped {
+        return super::quota::free(Kind::Generic, handle, call);
+    }
+    let r = call();
+    if r == CUDA_SUCCESS {
+        with(|m| {
+            if let Some(e) = m.handles.get_mut(&handle) {
+                e.1 = true;
+            }
+        });
+    }
+    r
+}
+
+/// A handle or address the table held was handed out again: whatever we
+/// knew about its mappings is stale.
+pub(crate) fn forget(kind: Kind, key: u64) {
+    if kind != Kind::Generic {
+        return;
+    }
+    with(|m| {
+        m.handles.remove(&key);
+        m.at.retain(|_, (h, _)| *h != key);
+    });
+}
