@@ -92,7 +92,14 @@ fn route(shared: &Shared, req: &Request<Incoming>) -> Resp {
             "text/plain; version=0.0.4; charset=utf-8",
             shared.render_metrics(),
         ),
-        "/healthz" => text(StatusCode::OK, PLAIN, "ok\n"),
+        "/healthz" => match src.health() {
+            Ok(()) => text(StatusCode::OK, PLAIN, "ok\n"),
+            Err(e) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                PLAIN,
+                format!("unhealthy: {e}\n"),
+            ),
+        },
         "/readyz" if shared.ready.load(Ordering::Acquire) => text(StatusCode::OK, PLAIN, "ready\n"),
         "/readyz" => text(StatusCode::SERVICE_UNAVAILABLE, PLAIN, "not ready\n"),
         _ => unreachable!("checked above"),

@@ -24,6 +24,12 @@ pub trait DisplaySource: Send + Sync + 'static {
 
     /// Every container holding an allocation.
     fn containers(&self) -> Vec<ContainerView>;
+
+    /// Whether the process can go on (`/healthz`, the liveness probe): an
+    /// `Err` says why it needs a restart.
+    fn health(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// One GPU as the allocator sees it.

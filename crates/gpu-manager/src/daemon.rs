@@ -9,15 +9,18 @@ use anyhow::{Context, bail};
 use device_plugin::PluginRuntime;
 use tokio_util::sync::CancellationToken;
 
+use crate::checkpoint::Checkpoint;
 use crate::config::Settings;
 use crate::display::ManagerSource;
 use crate::events::KubeEvents;
 use crate::extra::ExtraConfig;
 use crate::ids::{VCORE_RESOURCE, VCORE_SOCKET, VMEMORY_RESOURCE, VMEMORY_SOCKET};
 use crate::kube_api::{self, Patcher, PodWatch};
+use crate::kubelet::KubeletRecords;
 use crate::manager::{Manager, ManagerParts};
 use crate::plugin::{VcorePlugin, VmemoryPlugin};
-use crate::runtime::Runtime;
+use crate::runtime::{Docker, NoRuntime};
+use crate::world::{ContainerRuntime, World};
 use crate::{health, nvml};
 
 /// A Kubernetes label value from free text (GPU model names have spaces).
@@ -132,19 +135,26 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
 
     // 5. State: recovery (checkpoint reconciled with the node), health,
     // display and samples, pod-deletion watch, periodic checks.
-    let runtime = match s.container_runtime.as_str() {
-        "none" => Runtime::None,
-        _ => Runtime::docker(&s.container_runtime_endpoint),
+    let runtime: Arc<dyn ContainerRuntime> = match s.container_runtime.as_str() {
+        "none" => Arc::new(NoRuntime),
+        _ => Arc::new(Docker::new(&s.container_runtime_endpoint)),
     };
     let mgr = Manager::new(ManagerParts {
         settings: s.clone(),
         allocator,
         driver_version: nvml::driver_major_minor(&found.driver_version),
-        pods,
-        patcher: Patcher::start(client.clone(), None),
-        events: Arc::new(KubeEvents::start(client, s.node_name.clone())),
         extra,
-        runtime,
+        world: World {
+            pods: Arc::new(pods),
+            patcher: Arc::new(Patcher::start(client.clone(), None)),
+            events: Arc::new(KubeEvents::start(client, s.node_name.clone())),
+            kubelet: Arc::new(KubeletRecords::new(
+                &s.pod_resources_socket,
+                &s.device_plugin_path,
+            )),
+            checkpoint: Arc::new(Checkpoint::new(&s.checkpoint_path)),
+            runtime,
+        },
     });
     let tr = Instant::now();
     let report = mgr.restore().await;

@@ -28,6 +28,10 @@ impl DisplaySource for ManagerSource {
         env!("CARGO_PKG_VERSION").to_string()
     }
 
+    fn health(&self) -> Result<(), String> {
+        self.mgr.health()
+    }
+
     fn graph_text(&self) -> String {
         self.mgr.render_tree()
     }

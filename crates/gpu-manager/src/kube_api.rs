@@ -15,6 +15,8 @@ use kube::{Api, Client};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::world::{PodPatcher, PodSource};
+
 #[derive(Debug, thiserror::Error)]
 pub enum KubeError {
     #[error("reading kubeconfig {path}: {source}")]
@@ -147,6 +149,21 @@ impl PodWatch {
     }
 }
 
+#[async_trait::async_trait]
+impl PodSource for PodWatch {
+    fn health(&self) -> ApiHealth {
+        PodWatch::health(self)
+    }
+
+    fn pods(&self) -> Vec<Arc<Pod>> {
+        PodWatch::pods(self)
+    }
+
+    async fn changed(&self, timeout: Duration) -> bool {
+        PodWatch::changed(self, timeout).await
+    }
+}
+
 /// One annotation patch to apply.
 #[derive(Debug, Clone)]
 pub struct PatchJob {
@@ -194,8 +211,10 @@ impl Patcher {
         });
         Patcher { tx }
     }
+}
 
-    pub fn submit(&self, job: PatchJob) {
+impl PodPatcher for Patcher {
+    fn submit(&self, job: PatchJob) {
         let _ = self.tx.send(job);
     }
 }

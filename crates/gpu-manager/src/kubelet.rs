@@ -12,6 +12,8 @@ use vcuda_api::podresources::v1::{
     pod_resources_lister_client::PodResourcesListerClient,
 };
 
+use crate::world::KubeletSource;
+
 pub const KUBELET_CHECKPOINT: &str = "kubelet_internal_checkpoint";
 
 /// The holder of a device according to kubelet. pod-resources names pods by
@@ -60,9 +62,24 @@ impl KubeletRecords {
         }
     }
 
-    /// Who kubelet says holds any of `ids` of `resource`; `None` when
-    /// kubelet has not recorded them (yet).
-    pub async fn holder(&self, resource: &str, ids: &[String]) -> Result<Option<Holder>, String> {
+    /// One pod-resources `List` call.
+    async fn pod_resources_list(&self) -> Result<ListPodResourcesResponse, String> {
+        let ch = device_plugin::connect_unix(&self.pod_resources_socket, Duration::from_secs(2))
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut req = tonic::Request::new(ListPodResourcesRequest {});
+        req.set_timeout(Duration::from_secs(5));
+        PodResourcesListerClient::new(ch)
+            .list(req)
+            .await
+            .map_err(|s| format!("List: {}", s.message()))
+            .map(tonic::Response::into_inner)
+    }
+}
+
+#[async_trait::async_trait]
+impl KubeletSource for KubeletRecords {
+    async fn holder(&self, resource: &str, ids: &[String]) -> Result<Option<Holder>, String> {
         match self.query_pod_resources(resource, ids).await {
             Ok(h) => Ok(h),
             Err(pr_err) => {
@@ -80,9 +97,7 @@ impl KubeletRecords {
         }
     }
 
-    /// Every container kubelet holds devices of `resources` for, with its
-    /// IDs per resource: pod-resources `List`, else kubelet's checkpoint.
-    pub async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, String> {
+    async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, String> {
         match self.list_pod_resources(resources).await {
             Ok(v) => Ok(v),
             Err(pr_err) => match std::fs::read_to_string(&self.checkpoint) {
@@ -96,21 +111,9 @@ impl KubeletRecords {
             },
         }
     }
+}
 
-    /// One pod-resources `List` call.
-    async fn pod_resources_list(&self) -> Result<ListPodResourcesResponse, String> {
-        let ch = device_plugin::connect_unix(&self.pod_resources_socket, Duration::from_secs(2))
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut req = tonic::Request::new(ListPodResourcesRequest {});
-        req.set_timeout(Duration::from_secs(5));
-        PodResourcesListerClient::new(ch)
-            .list(req)
-            .await
-            .map_err(|s| format!("List: {}", s.message()))
-            .map(tonic::Response::into_inner)
-    }
-
+impl KubeletRecords {
     async fn list_pod_resources(&self, resources: &[&str]) -> Result<Vec<Held>, String> {
         let list = self.pod_resources_list().await?;
         let mut out = Vec::new();

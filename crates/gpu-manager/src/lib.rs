@@ -5,7 +5,10 @@
 //! * [`config`]: flags, environment, TOML file.
 //! * [`nvml`]: GPU discovery (PCIe levels and NVLink), Xid events.
 //! * [`ids`]: the advertised device IDs.
-//! * [`manager`]: allocation state, Allocate / PreStartContainer decisions.
+//! * [`manager`]: allocation state, Allocate / PreStartContainer decisions,
+//!   recovery and releases, one module per job.
+//! * [`world`]: the traits where the world plugs in (API server, kubelet,
+//!   container runtime, checkpoint store); [`doubles`]: in-memory ones.
 //! * [`plugin`]: the two device plugins.
 //! * [`pods`], [`kube_api`]: which pod is asking; reflector and patches.
 //! * [`kubelet`]: what kubelet recorded (pod-resources, checkpoint).
@@ -20,6 +23,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod daemon;
 pub mod display;
+pub mod doubles;
 pub mod events;
 pub mod extra;
 pub mod health;
@@ -35,3 +39,4 @@ pub mod registry;
 pub mod response;
 pub mod runtime;
 pub mod vm;
+pub mod world;

@@ -1,15 +1,17 @@
 //! What the container runtime says runs on the node: Kubernetes containers
 //! (labels `io.kubernetes.*`, as dockershim and cri-dockerd set them), their
-//! state and the host directory mounted at `/etc/vcuda`. Docker through
-//! `bollard`; the CRI v1 socket (containerd, cri-o) is the next backend.
+//! state and the host directory mounted at `/etc/vcuda`, behind
+//! [`ContainerRuntime`]. Docker through `bollard`; the CRI v1 socket
+//! (containerd, cri-o) is the next backend.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use bollard::Docker;
 use bollard::models::ContainerSummaryStateEnum;
 use bollard::query_parameters::{InspectContainerOptions, ListContainersOptionsBuilder};
+
+use crate::world::ContainerRuntime;
 
 pub const LABEL_POD_UID: &str = "io.kubernetes.pod.uid";
 pub const LABEL_POD_NAME: &str = "io.kubernetes.pod.name";
@@ -30,6 +32,9 @@ pub enum RuntimeError {
     },
     #[error("container runtime {endpoint}: no answer within {0:?}", TIMEOUT)]
     Timeout { endpoint: String },
+    /// Any other backend that could not be asked (CRI, a test double).
+    #[error("container runtime {endpoint}: {reason}")]
+    Unreachable { endpoint: String, reason: String },
 }
 
 const TIMEOUT: Duration = Duration::from_secs(5);
@@ -58,40 +63,45 @@ pub struct ContainerGpus {
     pub devices: Vec<String>,
 }
 
-/// A container runtime to reconcile with, or none (`--container-runtime none`).
-#[derive(Clone)]
-pub enum Runtime {
-    Docker { endpoint: String },
-    None,
+/// Docker (or cri-dockerd's engine) at an endpoint.
+#[derive(Clone, Debug)]
+pub struct Docker {
+    endpoint: String,
 }
 
-impl Runtime {
+/// No runtime to reconcile with (`--container-runtime none`).
+#[derive(Clone, Debug)]
+pub struct NoRuntime;
+
+#[async_trait::async_trait]
+impl ContainerRuntime for NoRuntime {
+    fn describe(&self) -> String {
+        "none".into()
+    }
+
+    async fn containers(&self) -> Result<Option<Vec<LiveContainer>>, RuntimeError> {
+        Ok(None)
+    }
+
+    async fn gpus(&self, _id: &str) -> Result<ContainerGpus, RuntimeError> {
+        Ok(ContainerGpus::default())
+    }
+}
+
+impl Docker {
     /// Docker at `endpoint` (`unix:///path` or a path). Nothing is dialled
     /// here: a missing socket is a degraded source at each use, never a
     /// startup failure.
-    pub fn docker(endpoint: &str) -> Runtime {
-        Runtime::Docker {
+    pub fn new(endpoint: &str) -> Docker {
+        Docker {
             endpoint: endpoint.to_string(),
-        }
-    }
-
-    pub fn is_none(&self) -> bool {
-        matches!(self, Runtime::None)
-    }
-
-    pub fn describe(&self) -> String {
-        match self {
-            Runtime::Docker { endpoint, .. } => format!("docker at {endpoint}"),
-            Runtime::None => "none".into(),
         }
     }
 
     /// A client speaking the engine's API version (negotiated per call: a
     /// restarted or upgraded engine may answer differently).
-    async fn negotiated(&self) -> Result<Option<Docker>, RuntimeError> {
-        let Runtime::Docker { endpoint } = self else {
-            return Ok(None);
-        };
+    async fn negotiated(&self) -> Result<bollard::Docker, RuntimeError> {
+        let endpoint = &self.endpoint;
         let err = |source| RuntimeError::Docker {
             endpoint: endpoint.clone(),
             source,
@@ -100,23 +110,29 @@ impl Runtime {
         // the API version is negotiated down to what it speaks (Debian's
         // 20.10 tops at 1.41, bollard asks 1.53 by default).
         let path = endpoint.strip_prefix("unix://").unwrap_or(endpoint);
-        let client =
-            Docker::connect_with_unix(path, TIMEOUT.as_secs(), bollard::API_DEFAULT_VERSION)
-                .map_err(err)?;
+        let client = bollard::Docker::connect_with_unix(
+            path,
+            TIMEOUT.as_secs(),
+            bollard::API_DEFAULT_VERSION,
+        )
+        .map_err(err)?;
         match tokio::time::timeout(TIMEOUT, client.negotiate_version()).await {
-            Ok(r) => r.map(Some).map_err(err),
+            Ok(r) => r.map_err(err),
             Err(_) => Err(RuntimeError::Timeout {
                 endpoint: endpoint.clone(),
             }),
         }
     }
+}
 
-    /// Every Kubernetes container, running or not. `Ok(None)` without a
-    /// runtime.
-    pub async fn containers(&self) -> Result<Option<Vec<LiveContainer>>, RuntimeError> {
-        let Some(d) = self.negotiated().await? else {
-            return Ok(None);
-        };
+#[async_trait::async_trait]
+impl ContainerRuntime for Docker {
+    fn describe(&self) -> String {
+        format!("docker at {}", self.endpoint)
+    }
+
+    async fn containers(&self) -> Result<Option<Vec<LiveContainer>>, RuntimeError> {
+        let d = self.negotiated().await?;
         let endpoint = self.describe();
         let filters = HashMap::from([("label", vec![LABEL_POD_UID])]);
         let opts = ListContainersOptionsBuilder::new()
@@ -169,11 +185,8 @@ impl Runtime {
         ))
     }
 
-    /// The GPUs of one container (for rebuilding a lost allocation).
-    pub async fn gpus(&self, id: &str) -> Result<ContainerGpus, RuntimeError> {
-        let Some(d) = self.negotiated().await? else {
-            return Ok(ContainerGpus::default());
-        };
+    async fn gpus(&self, id: &str) -> Result<ContainerGpus, RuntimeError> {
+        let d = self.negotiated().await?;
         let endpoint = self.describe();
         let info = match tokio::time::timeout(
             TIMEOUT,

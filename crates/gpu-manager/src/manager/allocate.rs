@@ -1,0 +1,368 @@
+//! Allocate: which pending pod's container asks (kubelet does not say),
+//! where it goes (the allocator, or gpu-admission's predicate), its vm
+//! directory and socket, the checkpoint, the answer.
+//!
+//! The state lock is held only to decide and reserve; the container's
+//! files are written outside it, then the allocation is recorded.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use device_plugin::api::ContainerAllocateResponse;
+use gpu_allocator::{AllocError, ErrorKind, GpuInfo, Placement, Request};
+use k8s_openapi::api::core::v1::Pod;
+use tonic::Status;
+
+use super::state::State;
+use super::{Manager, now};
+use crate::checkpoint::{Allocation, alloc_id};
+use crate::events::{self, PodEvent};
+use crate::kube_api::{ApiHealth, PatchJob};
+use crate::pods;
+use crate::response::{self, ResponseInput};
+use crate::vm;
+
+/// How long Allocate waits for a just-created pod to reach the reflector.
+const POD_WAIT: Duration = Duration::from_secs(1);
+
+fn alloc_status(e: AllocError) -> Status {
+    match e.kind() {
+        ErrorKind::InvalidRequest => Status::invalid_argument(e.to_string()),
+        ErrorKind::Insufficient => Status::resource_exhausted(e.to_string()),
+        ErrorKind::State => Status::internal(e.to_string()),
+    }
+}
+
+impl Manager {
+    async fn find_candidate(&self, cores: u64) -> Result<pods::Candidate, Status> {
+        let deadline = Instant::now() + POD_WAIT;
+        loop {
+            let pods = self.pods.pods();
+            let found = {
+                let st = self.st();
+                pods::select(
+                    &pods,
+                    cores,
+                    |uid, c| st.allocs.contains_key(&alloc_id(uid, c)),
+                    |uid| st.withdrawn.contains(uid),
+                )
+            };
+            if let Some(c) = found {
+                return Ok(c);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || !self.pods.changed(left).await {
+                if self.pods.health() == ApiHealth::Starting {
+                    return Err(Status::unavailable(format!(
+                        "the manager has not listed this node's pods from the API server yet; cannot tell which pod asks for vcuda-core {cores}; kubelet will retry"
+                    )));
+                }
+                if let ApiHealth::Failing(e) = self.pods.health() {
+                    return Err(Status::unavailable(format!(
+                        "no pending pod on node {} asks for vcuda-core {cores}, and the API server is unreachable ({e}); kubelet will retry",
+                        self.settings.node_name
+                    )));
+                }
+                return Err(Status::failed_precondition(format!(
+                    "no pending, unassigned pod on node {} has a container asking for vcuda-core {cores} \
+                     (pending GPU containers: {}); was the pod deleted, or already allocated?",
+                    self.settings.node_name,
+                    pods::describe_pending(&pods)
+                )));
+            }
+        }
+    }
+
+    /// The placement gpu-admission chose (`predicate-gpu-idx-<i>`), checked
+    /// against this node's state; errors name both sides.
+    fn predicated(
+        &self,
+        st: &State,
+        pod: &Pod,
+        cand: &pods::Candidate,
+        req: &Request,
+        ours: &Placement,
+    ) -> Result<Option<Placement>, Status> {
+        let Some(minors) = pods::predicate_minors(pod, cand.container_index) else {
+            return Ok(None);
+        };
+        let key = format!("{}{}", pods::PREDICATE_GPU_IDX_PREFIX, cand.container_index);
+        let minors = minors.map_err(Status::invalid_argument)?;
+        let mut gpus = Vec::new();
+        for m in &minors {
+            let g = self.gpus.iter().find(|g| g.minor == *m).ok_or_else(|| {
+                Status::failed_precondition(format!(
+                    "gpu-admission chose GPU /dev/nvidia{m} ({key}), which this node does not have (its GPUs: {})",
+                    self.gpus.iter().map(|g| format!("/dev/nvidia{}", g.minor)).collect::<Vec<_>>().join(",")
+                ))
+            })?;
+            gpus.push(g.index);
+        }
+        gpus.sort_unstable();
+        gpus.dedup();
+        let mine = ours
+            .gpus()
+            .iter()
+            .map(|&g| format!("/dev/nvidia{}", self.gpus[g].minor))
+            .collect::<Vec<_>>()
+            .join(",");
+        let theirs = minors
+            .iter()
+            .map(|m| format!("/dev/nvidia{m}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let placement = match ours {
+            Placement::Share { .. } if gpus.len() == 1 => Placement::Share {
+                gpu: gpus[0],
+                cores: req.cores,
+                memory_units: req.memory_units,
+            },
+            Placement::Exclusive { gpus: g } if g.len() == gpus.len() => {
+                Placement::Exclusive { gpus }
+            }
+            _ => {
+                return Err(Status::failed_precondition(format!(
+                    "predicate mismatch: gpu-admission chose {theirs} ({key}) for vcuda-core {}, \
+                     but that request needs {} GPU(s); the manager would choose {mine}",
+                    req.cores,
+                    ours.gpus().len()
+                )));
+            }
+        };
+        let mut probe = st.allocator.clone();
+        if let Err(e) = probe.commit("predicate-probe", &placement) {
+            return Err(Status::failed_precondition(format!(
+                "predicate mismatch: gpu-admission chose {theirs} ({key}), but on this node it does not fit ({e}); \
+                 the manager would choose {mine}"
+            )));
+        }
+        Ok(Some(placement))
+    }
+
+    /// `Allocate` for vcuda-core: find the pod, place, write the vm
+    /// directory, checkpoint, answer.
+    pub async fn allocate_vcore(
+        &self,
+        device_ids: Vec<String>,
+    ) -> Result<ContainerAllocateResponse, Status> {
+        let _serial = self.alloc_lock.lock().await;
+        if let Err(e) = self.health() {
+            return Err(Status::unavailable(format!(
+                "{e}; kubelet retries once the manager is restarted"
+            )));
+        }
+        let started = Instant::now();
+        self.st().last_allocate = started;
+        let cores = device_ids.len() as u64;
+        self.release_holders_of(&device_ids);
+        let cand = self.find_candidate(cores).await?;
+        let pod = cand.pod.clone();
+        let r = self.allocate_for(cand, device_ids, started).await;
+        if let Err(s) = &r {
+            // kubelet shows only a generic admission error; say why on the pod.
+            self.events.post(PodEvent {
+                namespace: pods::namespace(&pod).to_string(),
+                name: pods::name(&pod).to_string(),
+                uid: pods::uid(&pod).to_string(),
+                reason: events::ALLOCATE_FAILED,
+                note: s.message().to_string(),
+            });
+        }
+        r
+    }
+
+    async fn allocate_for(
+        &self,
+        cand: pods::Candidate,
+        device_ids: Vec<String>,
+        started: Instant,
+    ) -> Result<ContainerAllocateResponse, Status> {
+        let cores = device_ids.len() as u64;
+        let pod = cand.pod.clone();
+        let (uid, ns, name) = (pods::uid(&pod), pods::namespace(&pod), pods::name(&pod));
+        vm::check_pod_uid(uid).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        vm::check_container_name(&cand.container)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let soft_limit = match pods::annotation(&pod, pods::VCORE_LIMIT) {
+            None => None,
+            Some(v) => Some(
+                v.trim()
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|l| (1..=100).contains(l))
+                    .ok_or_else(|| {
+                        Status::invalid_argument(format!(
+                            "pod {ns}/{name}: annotation {}={v:?} must be a number 1..100",
+                            pods::VCORE_LIMIT
+                        ))
+                    })?,
+            ),
+        };
+        let req = Request {
+            cores: u32::try_from(cores).unwrap_or(u32::MAX),
+            memory_units: cand.memory_units,
+            share_mode: self.settings.share_mode,
+        };
+        let id = alloc_id(uid, &cand.container);
+        let ctx = format!("pod {ns}/{name} container {}", cand.container);
+        // 1. Decide and reserve the capacity, under the state lock.
+        let placement = {
+            let mut st = self.st();
+            let ours = st.allocator.evaluate(&req).map_err(|e| {
+                let s = alloc_status(e);
+                Status::new(s.code(), format!("{ctx}: {}", s.message()))
+            })?;
+            let placement = self
+                .predicated(&st, &pod, &cand, &req, &ours)?
+                .unwrap_or(ours);
+            st.allocator
+                .commit(id.clone(), &placement)
+                .map_err(alloc_status)?;
+            placement
+        };
+        let shared = !placement.is_exclusive();
+        let gpus: Vec<&GpuInfo> = placement.gpus().iter().map(|&g| &self.gpus[g]).collect();
+        let mut alloc = Allocation {
+            pod_uid: uid.to_string(),
+            namespace: ns.to_string(),
+            pod_name: name.to_string(),
+            container: cand.container.clone(),
+            container_index: cand.container_index,
+            cores: req.cores,
+            memory_units: if shared {
+                req.memory_units
+            } else {
+                gpus.iter().map(|g| g.memory_units()).sum()
+            },
+            memory_limit: cand.memory_units,
+            placement: (&placement).into(),
+            soft_limit,
+            vcore_ids: device_ids,
+            vmemory_ids: vec![],
+            verified: false,
+            created: now(),
+        };
+        let undo = || {
+            let _ = self.st().allocator.release(&id);
+            self.close_files(&id, uid, &cand.container);
+        };
+        // 2. The container's files and socket, outside the state lock.
+        let dir = match self.open_files(&alloc) {
+            Ok(d) => d,
+            Err(e) => {
+                undo();
+                return Err(Status::internal(format!("{ctx}: {e}")));
+            }
+        };
+        // 3. Recorded, then durable before answering; Allocate calls stay
+        // serialised.
+        let want = {
+            let mut st = self.st();
+            let memory_limit = alloc.memory_limit;
+            if let Some(i) = st
+                .orphan_memory
+                .iter()
+                .position(|m| m.len() as u64 == memory_limit)
+            {
+                alloc.vmemory_ids = st.orphan_memory.remove(i);
+            }
+            st.allocs.insert(id.clone(), alloc.clone());
+            st.changed()
+        };
+        let synced = Instant::now();
+        if let Err(e) = self.persist(want).await {
+            {
+                let mut st = self.st();
+                st.allocs.remove(&id);
+                self.changed_lazily(&mut st);
+            }
+            undo();
+            return Err(Status::new(e.code(), format!("{ctx}: {}", e.message())));
+        }
+        let checkpoint_us = synced.elapsed().as_micros() as u64;
+        let patch = {
+            let mut st = self.st();
+            st.withdrawn.remove(uid);
+            self.patch_if_complete(&st, &pod)
+        };
+        // The API server is patched in the background (never on the RPC).
+        if let Some(job) = patch {
+            self.patcher.submit(job);
+        }
+        tracing::info!(
+            pod = %format!("{ns}/{name}"), container = %cand.container, uid, %placement,
+            took_us = started.elapsed().as_micros() as u64, checkpoint_us, "allocated"
+        );
+        Ok(response::build(&ResponseInput {
+            gpus,
+            cores: req.cores,
+            memory_units: alloc.memory_units,
+            shared,
+            vdriver_dir: &self.settings.vdriver_path,
+            vm_dir: &dir,
+            extra_devices: &self.extra.devices,
+        }))
+    }
+
+    /// kubelet hands out only IDs it considers free: an allocation still
+    /// holding them belongs to a pod kubelet has let go of.
+    fn release_holders_of(&self, device_ids: &[String]) {
+        let stale: Vec<String> = {
+            let st = self.st();
+            st.allocs
+                .values()
+                .filter(|a| a.vcore_ids.iter().any(|i| device_ids.contains(i)))
+                .map(Allocation::id)
+                .collect()
+        };
+        for id in stale {
+            tracing::info!(
+                id,
+                "kubelet reassigned its devices; releasing the old allocation"
+            );
+            self.release(&id);
+        }
+    }
+
+    /// The patch that marks a pod assigned, once all its GPU containers are.
+    pub(super) fn patch_if_complete(&self, st: &State, pod: &Pod) -> Option<PatchJob> {
+        let uid = pods::uid(pod);
+        let mut per = BTreeMap::new();
+        for (i, c) in pods::gpu_containers(pod) {
+            let a = st.allocs.get(&alloc_id(uid, &c))?;
+            let p = Placement::from(&a.placement);
+            per.insert(i, p.gpus().iter().map(|&g| self.gpus[g].minor).collect());
+        }
+        Some(PatchJob {
+            namespace: pods::namespace(pod).to_string(),
+            name: pods::name(pod).to_string(),
+            uid: uid.to_string(),
+            annotations: pods::assigned_annotations(&per),
+        })
+    }
+
+    /// `Allocate` for vcuda-memory: nothing to hand out (vcuda-core's
+    /// response carries everything); remember the IDs for PreStart.
+    pub fn allocate_vmemory(&self, device_ids: Vec<String>) -> ContainerAllocateResponse {
+        let mut st = self.st();
+        let n = device_ids.len() as u64;
+        let target = st
+            .allocs
+            .values()
+            // Not "unverified": kubelet records after Allocate, so the
+            // vcuda-core PreStart may have verified it already.
+            .filter(|a| a.vmemory_ids.is_empty() && a.memory_limit == n)
+            .max_by_key(|a| a.created)
+            .map(Allocation::id);
+        match target {
+            Some(id) => {
+                st.allocs.get_mut(&id).unwrap().vmemory_ids = device_ids;
+                // Written with the next write (no sync of its own):
+                // kubelet's records have the IDs anyway.
+                self.changed_lazily(&mut st);
+            }
+            None => st.orphan_memory.push(device_ids),
+        }
+        ContainerAllocateResponse::default()
+    }
+}

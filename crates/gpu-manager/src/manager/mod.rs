@@ -1,0 +1,241 @@
+//! The manager: its state and the decisions behind Allocate,
+//! PreStartContainer, recovery and the periodic check. One file per job:
+//!
+//! * [`state`]: what one `Mutex<State>` guards, and how a poisoned lock is
+//!   handled.
+//! * [`persist`]: group-commit writes of the checkpoint.
+//! * [`restore`]: recovery at start (checkpoint reconciled with the node).
+//! * [`allocate`]: Allocate for vcuda-core and vcuda-memory.
+//! * [`prestart`]: PreStartContainer's check of the guessed pod.
+//! * [`sweep`]: releases (deleted pods, dead containers) and GPU health.
+//!
+//! The outside parties (API server, kubelet, container runtime, checkpoint
+//! store, events) come in as [`World`] traits, so the decisions have unit
+//! tests of their own ([`tests`], with [`crate::doubles`]).
+//!
+//! Locks: the state lock is never held across an await, a disk sync or
+//! other file-system work (vm directories, ledgers, sockets are handled
+//! outside it, serialised by `files`); an async lock serialises Allocate
+//! calls as kubelet does.
+
+mod allocate;
+mod persist;
+mod prestart;
+mod restore;
+mod state;
+mod sweep;
+#[cfg(test)]
+mod tests;
+
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use device_plugin::DeviceList;
+use gpu_allocator::{Allocator, GpuInfo, MEMORY_UNIT_BYTES, Placement};
+use quota_config::ResourceData;
+
+use crate::checkpoint::Allocation;
+use crate::config::Settings;
+use crate::events::EventSink;
+use crate::extra::ExtraConfig;
+use crate::ids;
+use crate::registry::Registry;
+use crate::vm::VmDirs;
+use crate::world::{
+    CheckpointStore, ContainerRuntime, KubeletSource, PodPatcher, PodSource, World,
+};
+
+pub use restore::RecoveryReport;
+use state::State;
+
+pub struct Manager {
+    settings: Arc<Settings>,
+    gpus: Vec<GpuInfo>,
+    driver_version: (i32, i32),
+    state: Mutex<State>,
+    /// A panic poisoned `state` (logged once).
+    poison_seen: AtomicBool,
+    alloc_lock: tokio::sync::Mutex<()>,
+    /// One checkpoint write at a time; waiters whose change the write
+    /// covered return without writing.
+    commit_lock: tokio::sync::Mutex<()>,
+    /// Wakes the lazy flush after a change that waits for the next write.
+    lazy: tokio::sync::Notify,
+    /// Serialises work on vm directories and sockets, which happens
+    /// outside the state lock.
+    files: Mutex<()>,
+    pods: Arc<dyn PodSource>,
+    patcher: Arc<dyn PodPatcher>,
+    events: Arc<dyn EventSink>,
+    kubelet: Arc<dyn KubeletSource>,
+    checkpoint: Arc<dyn CheckpointStore>,
+    runtime: Arc<dyn ContainerRuntime>,
+    vm: VmDirs,
+    registry: Registry,
+    extra: ExtraConfig,
+    pub vcore: DeviceList,
+    pub vmemory: DeviceList,
+}
+
+pub struct ManagerParts {
+    pub settings: Arc<Settings>,
+    pub allocator: Allocator,
+    pub driver_version: (i32, i32),
+    pub extra: ExtraConfig,
+    pub world: World,
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The 16-byte `bus_id` field holds at most 15 characters: drop NVML's
+/// 8-digit domain to the usual 4 ("0000:3B:00.0").
+fn short_bus_id(bus: &str) -> String {
+    let b = bus.trim_end_matches('\0');
+    if b.len() > 15 && b.starts_with("0000") {
+        b[4..].to_string()
+    } else {
+        b.to_string()
+    }
+}
+
+impl Manager {
+    pub fn new(p: ManagerParts) -> Arc<Manager> {
+        let gpus = p.allocator.topology().gpus().to_vec();
+        let w = p.world;
+        Arc::new(Manager {
+            vcore: DeviceList::new(ids::vcore_devices(&gpus, |_| true)),
+            vmemory: DeviceList::new(ids::vmemory_devices(&gpus, |_| true)),
+            vm: VmDirs::new(&p.settings.virtual_manager_path),
+            registry: Registry::default(),
+            state: Mutex::new(State::new(p.allocator, gpus.len())),
+            gpus,
+            driver_version: p.driver_version,
+            poison_seen: AtomicBool::new(false),
+            alloc_lock: tokio::sync::Mutex::new(()),
+            commit_lock: tokio::sync::Mutex::new(()),
+            lazy: tokio::sync::Notify::new(),
+            files: Mutex::new(()),
+            pods: w.pods,
+            patcher: w.patcher,
+            events: w.events,
+            kubelet: w.kubelet,
+            checkpoint: w.checkpoint,
+            runtime: w.runtime,
+            extra: p.extra,
+            settings: p.settings,
+        })
+    }
+
+    pub fn gpus(&self) -> &[GpuInfo] {
+        &self.gpus
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Allocations, for display and tests.
+    pub fn allocations(&self) -> Vec<Allocation> {
+        self.st().allocs.values().cloned().collect()
+    }
+
+    /// Per-GPU allocation figures (cores, memory units, shares), by index.
+    pub fn gpu_usages(&self) -> Vec<gpu_allocator::GpuUsage> {
+        self.st().allocator.usages().to_vec()
+    }
+
+    /// The GPU tree with current usage, rendered by the allocator.
+    pub fn render_tree(&self) -> String {
+        self.st().allocator.render()
+    }
+
+    /// Resolves at the next change of the pod watch.
+    pub async fn pod_changes(&self) {
+        while !self
+            .pods
+            .changed(std::time::Duration::from_secs(3600))
+            .await
+        {}
+    }
+
+    fn uuids(&self) -> Vec<String> {
+        self.gpus.iter().map(|g| g.uuid.clone()).collect()
+    }
+
+    /// The quota file of an allocation.
+    fn resource_data(&self, a: &Allocation) -> ResourceData {
+        let p = Placement::from(&a.placement);
+        let shared = !p.is_exclusive();
+        let first = &self.gpus[p.gpus()[0]];
+        ResourceData {
+            pod_uid: a.pod_uid.clone(),
+            limit: a
+                .soft_limit
+                .map(|l| l as i32)
+                .unwrap_or(a.cores.min(100) as i32),
+            container_name: a.container.clone(),
+            bus_id: short_bus_id(&first.pci_bus_id),
+            gpu_memory: a.memory_units * MEMORY_UNIT_BYTES,
+            utilization: a.cores.min(100) as i32,
+            hard_limit: a.soft_limit.is_none(),
+            driver_version: self.driver_version,
+            enable: shared,
+        }
+    }
+
+    /// Writes a container's vm directory (quota file, ledger for shares)
+    /// and serves its socket; outside the state lock. The caller has
+    /// reserved the allocation's capacity.
+    fn open_files(&self, a: &Allocation) -> Result<std::path::PathBuf, String> {
+        let data = self.resource_data(a);
+        let quota = data.enable.then_some(data.gpu_memory);
+        let _files = self.files_lock();
+        let (dir, ledger) = self
+            .vm
+            .prepare(&data, quota)
+            .map_err(|e| format!("vm directory: {e}"))?;
+        if data.enable
+            && let Err(e) = self
+                .registry
+                .serve(&a.id(), &dir, &a.pod_uid, &a.container, ledger)
+        {
+            self.vm.remove(&a.pod_uid, &a.container);
+            return Err(format!("serving vcuda.sock: {e}"));
+        }
+        Ok(dir)
+    }
+
+    /// Stops a container's socket and removes its vm directory, unless the
+    /// same container was allocated again meanwhile (its capacity is
+    /// reserved before its files are written).
+    fn close_files(&self, id: &str, pod_uid: &str, container: &str) {
+        let _files = self.files_lock();
+        if self.st().allocator.allocation(id).is_some() {
+            return;
+        }
+        self.registry.stop(id);
+        self.vm.remove(pod_uid, container);
+    }
+
+    fn files_lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        // Guards no data: a panic while held leaves nothing half-changed.
+        self.files.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod bus_tests {
+    use super::*;
+
+    #[test]
+    fn bus_id_fits_the_quota_file() {
+        assert_eq!(short_bus_id("00000000:3B:00.0"), "0000:3B:00.0");
+        assert_eq!(short_bus_id("0000:3B:00.0"), "0000:3B:00.0");
+    }
+}

@@ -1,0 +1,498 @@
+//! The manager's decisions through the in-memory world: a rig of two GPUs,
+//! pods set in the API server double, kubelet's records and the runtime's
+//! containers set by each test; vm directories in a temporary directory.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpu_allocator::{Allocator, GpuInfo, PcieLevel, Topology};
+use k8s_openapi::api::core::v1::Pod;
+use serde_json::json;
+use tonic::Code;
+
+use super::*;
+use crate::checkpoint::{self, PlacementRecord};
+use crate::config::Settings;
+use crate::doubles::{MemoryCheckpoint, MemoryKubelet, MemoryPatches, MemoryPods, MemoryRuntime};
+use crate::events::{self, MemoryEvents};
+use crate::kube_api::ApiHealth;
+use crate::kubelet::PodKey;
+use crate::runtime::{ContainerGpus, LiveContainer};
+
+const GIB: u64 = 1 << 30;
+
+struct Rig {
+    mgr: Arc<Manager>,
+    pods: Arc<MemoryPods>,
+    patches: Arc<MemoryPatches>,
+    events: Arc<MemoryEvents>,
+    kubelet: Arc<MemoryKubelet>,
+    checkpoint: Arc<MemoryCheckpoint>,
+    runtime: Arc<MemoryRuntime>,
+    tmp: tempfile::TempDir,
+}
+
+fn gpus(n: usize) -> Vec<GpuInfo> {
+    (0..n)
+        .map(|i| GpuInfo {
+            index: i,
+            uuid: format!("GPU-{i}"),
+            minor: i as u32,
+            memory_bytes: 16 * GIB,
+            numa_node: None,
+            pci_bus_id: format!("00000000:{:02X}:00.0", i + 1),
+        })
+        .collect()
+}
+
+fn settings(root: &std::path::Path) -> Settings {
+    Settings {
+        extra_config: None,
+        volume_config: root.join("volume.conf"),
+        query_addr: "127.0.0.1".into(),
+        query_port: 0,
+        display_socket: root.join("display.sock"),
+        kubeconfig: None,
+        sample_period: Duration::from_secs(1),
+        node_labels: vec![],
+        node_name: "node-1".into(),
+        virtual_manager_path: root.join("vm"),
+        vdriver_path: root.join("vdriver"),
+        device_plugin_path: root.join("device-plugins"),
+        checkpoint_path: root.join("checkpoint"),
+        share_mode: true,
+        allocation_check_period: Duration::from_secs(30),
+        host_root: root.join("host"),
+        nvml_library: None,
+        pod_resources_socket: root.join("pod-resources.sock"),
+        interposer: None,
+        xid_quiet_period: Duration::from_secs(60),
+        ignored_xids: vec![],
+        api_timeout: Duration::from_secs(5),
+        container_runtime: "none".into(),
+        container_runtime_endpoint: String::new(),
+    }
+}
+
+impl Rig {
+    fn new() -> Rig {
+        Rig::with_checkpoint(MemoryCheckpoint::default())
+    }
+
+    fn with_checkpoint(cp: MemoryCheckpoint) -> Rig {
+        let tmp = tempfile::tempdir().unwrap();
+        let topo = Topology::from_fn(gpus(2), |_, _| PcieLevel::Single, |_, _| 0).unwrap();
+        let (pods, patches, events) = (
+            Arc::new(MemoryPods::default()),
+            Arc::new(MemoryPatches::default()),
+            Arc::new(MemoryEvents::default()),
+        );
+        let (kubelet, checkpoint, runtime) = (
+            Arc::new(MemoryKubelet::default()),
+            Arc::new(cp),
+            Arc::new(MemoryRuntime::default()),
+        );
+        let mgr = Manager::new(ManagerParts {
+            settings: Arc::new(settings(tmp.path())),
+            allocator: Allocator::new(topo),
+            driver_version: (550, 54),
+            extra: Default::default(),
+            world: World {
+                pods: pods.clone(),
+                patcher: patches.clone(),
+                events: events.clone(),
+                kubelet: kubelet.clone(),
+                checkpoint: checkpoint.clone(),
+                runtime: runtime.clone(),
+            },
+        });
+        Rig {
+            mgr,
+            pods,
+            patches,
+            events,
+            kubelet,
+            checkpoint,
+            runtime,
+            tmp,
+        }
+    }
+
+    fn vm_dir(&self, uid: &str, container: &str) -> std::path::PathBuf {
+        self.tmp.path().join("vm").join(uid).join(container)
+    }
+
+    /// A live container of the runtime that mounts its vm directory.
+    fn live(&self, uid: &str, name: &str, container: &str) -> LiveContainer {
+        LiveContainer {
+            id: format!("ctr-{uid}"),
+            pod_uid: uid.into(),
+            pod_name: name.into(),
+            namespace: "ns".into(),
+            container: container.into(),
+            alive: true,
+            vm_source: Some(self.vm_dir(uid, container)),
+        }
+    }
+}
+
+/// A pending pod `name` (uid `uid-<name>`) with one GPU container `c`.
+fn pod(name: &str, cores: u64, memory: u64, annotations: serde_json::Value) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "ns", "uid": format!("uid-{name}"),
+                     "creationTimestamp": "2024-01-01T00:00:00Z", "annotations": annotations},
+        "spec": {"containers": [{"name": "c", "resources": {"limits": {
+            ids::VCORE_RESOURCE: cores.to_string(),
+            ids::VMEMORY_RESOURCE: memory.to_string(),
+        }}}]},
+        "status": {"phase": "Pending"}
+    }))
+    .unwrap()
+}
+
+fn vcore_ids(gpu: usize, n: u32) -> Vec<String> {
+    (0..n).map(|k| ids::vcore_id(gpu, k)).collect()
+}
+
+fn vmemory_ids(n: u64) -> Vec<String> {
+    (0..n).map(|k| ids::vmemory_id(0, k)).collect()
+}
+
+fn holds(rig: &Rig, name: &str, resource: &str, ids: &[String]) {
+    rig.kubelet.record(
+        PodKey::Name {
+            namespace: "ns".into(),
+            name: name.into(),
+        },
+        "c",
+        resource,
+        ids,
+    );
+}
+
+#[tokio::test]
+async fn a_share_is_placed_recorded_durably_and_the_pod_patched() {
+    let rig = Rig::new();
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    let resp = rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    let a = &rig.mgr.allocations()[0];
+    assert_eq!(
+        (a.pod_uid.as_str(), a.cores, a.memory_units),
+        ("uid-a", 30, 4)
+    );
+    assert!(matches!(
+        a.placement,
+        PlacementRecord::Share {
+            cores: 30,
+            memory_units: 4,
+            ..
+        }
+    ));
+    // Durable before the answer.
+    let (uuids, saved) = rig.checkpoint.saved().expect("a checkpoint was written");
+    assert_eq!((uuids.len(), saved.len()), (2, 1));
+    assert!(
+        rig.vm_dir("uid-a", "c")
+            .join(quota_config::CONFIG_FILE)
+            .is_file()
+    );
+    assert!(resp.mounts.iter().any(|m| m.container_path == "/etc/vcuda"));
+    let patch = &rig.patches.submitted()[0];
+    assert_eq!(patch.uid, "uid-a");
+    assert_eq!(patch.annotations[crate::pods::GPU_ASSIGNED], "true");
+    assert!(rig.events.posted().is_empty());
+}
+
+#[tokio::test]
+async fn a_request_that_fits_nowhere_is_refused_with_an_event_on_the_pod() {
+    let rig = Rig::new();
+    rig.pods.put(pod("big", 300, 0, json!({})));
+    let e = rig.mgr.allocate_vcore(vcore_ids(0, 300)).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+    assert!(e.message().contains("pod ns/big"), "{}", e.message());
+    assert!(rig.mgr.allocations().is_empty());
+    let ev = rig.events.posted();
+    assert_eq!(ev.len(), 1);
+    assert_eq!(
+        (ev[0].reason, ev[0].uid.as_str()),
+        (events::ALLOCATE_FAILED, "uid-big")
+    );
+    assert_eq!(ev[0].note, e.message());
+}
+
+#[tokio::test]
+async fn a_failed_checkpoint_write_undoes_the_allocation() {
+    let rig = Rig::new();
+    rig.pods.put(pod("a", 50, 8, json!({})));
+    rig.checkpoint.fail_writes(Some("disk full"));
+    let e = rig.mgr.allocate_vcore(vcore_ids(0, 50)).await.unwrap_err();
+    assert_eq!(e.code(), Code::Internal);
+    assert!(e.message().contains("disk full"), "{}", e.message());
+    assert!(rig.mgr.allocations().is_empty());
+    assert!(rig.mgr.gpu_usages().iter().all(|u| u.allocated_cores == 0));
+    assert!(!rig.vm_dir("uid-a", "c").exists());
+    // Writable again: the same request goes through.
+    rig.checkpoint.fail_writes(None);
+    rig.mgr.allocate_vcore(vcore_ids(0, 50)).await.unwrap();
+    assert_eq!(rig.mgr.allocations().len(), 1);
+}
+
+#[tokio::test]
+async fn without_a_matching_pod_the_answer_says_why() {
+    let rig = Rig::new();
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    let e = rig.mgr.allocate_vcore(vcore_ids(0, 20)).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert!(e.message().contains("vcuda-core 20"), "{}", e.message());
+    rig.pods
+        .set_health(ApiHealth::Failing("connection refused".into()));
+    let e = rig.mgr.allocate_vcore(vcore_ids(0, 20)).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable);
+    assert!(
+        e.message().contains("connection refused"),
+        "{}",
+        e.message()
+    );
+}
+
+#[tokio::test]
+async fn gpu_admission_s_choice_is_followed_or_refused_with_both_sides() {
+    let rig = Rig::new();
+    let on = |gpu: &str| json!({"tencent.com/predicate-gpu-idx-0": gpu});
+    rig.pods.put(pod("a", 30, 4, on("1")));
+    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    let a = &rig.mgr.allocations()[0];
+    assert!(matches!(a.placement, PlacementRecord::Share { gpu: 1, .. }));
+    rig.pods.put(pod("b", 30, 4, on("7")));
+    let e = rig.mgr.allocate_vcore(vcore_ids(1, 30)).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert!(e.message().contains("/dev/nvidia7"), "{}", e.message());
+}
+
+#[tokio::test]
+async fn vcuda_memory_ids_before_vcuda_core_are_adopted() {
+    let rig = Rig::new();
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    rig.mgr.allocate_vmemory(vmemory_ids(4));
+    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    assert_eq!(rig.mgr.allocations()[0].vmemory_ids, vmemory_ids(4));
+}
+
+#[tokio::test]
+async fn devices_handed_out_again_release_their_old_holder() {
+    let rig = Rig::new();
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    rig.pods
+        .put(pod("a", 30, 4, json!({crate::pods::GPU_ASSIGNED: "true"})));
+    rig.pods.put(pod("b", 30, 4, json!({})));
+    // kubelet gives out only free IDs: the first holder was let go.
+    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    let uids: Vec<_> = rig
+        .mgr
+        .allocations()
+        .into_iter()
+        .map(|a| a.pod_uid)
+        .collect();
+    assert_eq!(uids, ["uid-b"]);
+    assert!(!rig.vm_dir("uid-a", "c").exists());
+}
+
+#[tokio::test]
+async fn pre_start_verifies_a_right_guess() {
+    let rig = Rig::new();
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    holds(&rig, "a", ids::VCORE_RESOURCE, &vcore_ids(0, 30));
+    rig.mgr
+        .pre_start(ids::VCORE_RESOURCE, &vcore_ids(0, 30))
+        .await
+        .unwrap();
+    assert!(rig.mgr.allocations()[0].verified);
+}
+
+#[tokio::test]
+async fn pre_start_withdraws_a_wrong_guess_and_says_so_on_both_pods() {
+    let rig = Rig::new();
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    rig.pods.put(pod("b", 30, 4, json!({})));
+    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    let guessed = rig.mgr.allocations()[0].pod_name.clone();
+    let other = if guessed == "a" { "b" } else { "a" };
+    holds(&rig, other, ids::VCORE_RESOURCE, &vcore_ids(0, 30));
+    let e = rig
+        .mgr
+        .pre_start(ids::VCORE_RESOURCE, &vcore_ids(0, 30))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert!(rig.mgr.allocations().is_empty());
+    assert!(!rig.vm_dir(&format!("uid-{guessed}"), "c").exists());
+    let revert = rig.patches.submitted().pop().unwrap();
+    assert_eq!(revert.uid, format!("uid-{guessed}"));
+    assert_eq!(revert.annotations[crate::pods::GPU_ASSIGNED], "false");
+    let mut on: Vec<_> = rig
+        .events
+        .posted()
+        .into_iter()
+        .filter(|e| e.reason == events::WRONG_POD_GUESS)
+        .map(|e| e.name)
+        .collect();
+    on.sort();
+    assert_eq!(on, ["a", "b"]);
+    // Withdrawn: the guessed pod is a candidate again.
+    rig.mgr.allocate_vcore(vcore_ids(1, 30)).await.unwrap();
+    assert_eq!(rig.mgr.allocations().len(), 1);
+}
+
+#[tokio::test]
+async fn pre_start_without_kubelet_s_records_keeps_the_allocation_unverified() {
+    let rig = Rig::new();
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    rig.kubelet
+        .set_unreachable("pod-resources: connection refused");
+    rig.mgr
+        .pre_start(ids::VCORE_RESOURCE, &vcore_ids(0, 30))
+        .await
+        .unwrap();
+    let a = &rig.mgr.allocations()[0];
+    assert!(!a.verified);
+    // Devices the manager never allocated fail the container.
+    let e = rig
+        .mgr
+        .pre_start(ids::VCORE_RESOURCE, &vcore_ids(1, 10))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+}
+
+#[tokio::test]
+async fn a_deleted_pod_frees_its_capacity_only_when_the_api_server_says_so() {
+    let rig = Rig::new();
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    rig.pods.set_health(ApiHealth::Failing("timeout".into()));
+    rig.pods.remove("uid-a");
+    assert_eq!(rig.mgr.release_deleted_pods(), 0);
+    rig.pods.set_health(ApiHealth::Ok);
+    assert_eq!(rig.mgr.release_deleted_pods(), 1);
+    assert!(rig.mgr.allocations().is_empty());
+    assert!(!rig.vm_dir("uid-a", "c").exists());
+    assert!(
+        rig.mgr.checkpoint_dirty(),
+        "a release waits for the next write"
+    );
+    rig.mgr.flush().await.unwrap();
+    assert!(rig.checkpoint.saved().unwrap().1.is_empty());
+}
+
+#[tokio::test]
+async fn the_periodic_check_releases_a_dead_container_once_runtime_and_kubelet_agree() {
+    let rig = Rig::new();
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    // Runtime unreachable: nothing is released on its account.
+    rig.runtime.set_unreachable();
+    rig.mgr.check_allocations(Duration::ZERO).await;
+    assert_eq!(rig.mgr.allocations().len(), 1);
+    // Reachable, the container gone and kubelet holding nothing: released.
+    let rig2 = Rig::new();
+    rig2.pods.put(pod("a", 30, 4, json!({})));
+    rig2.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    rig2.mgr.check_allocations(Duration::ZERO).await;
+    assert!(rig2.mgr.allocations().is_empty());
+    assert!(
+        !rig2.mgr.checkpoint_dirty(),
+        "the check writes what changed"
+    );
+}
+
+/// A checkpoint of two shares on GPU 0: pods `a` and `b`.
+fn saved_two() -> MemoryCheckpoint {
+    let allocs: Vec<_> = ["a", "b"]
+        .iter()
+        .map(|n| checkpoint::Allocation {
+            pod_name: n.to_string(),
+            container: "c".into(),
+            vcore_ids: vcore_ids(0, 30),
+            ..checkpoint::sample_share(&format!("uid-{n}"), 0)
+        })
+        .collect();
+    let uuids: Vec<String> = gpus(2).into_iter().map(|g| g.uuid).collect();
+    MemoryCheckpoint::with_payload(checkpoint::encode(&uuids, &allocs))
+}
+
+#[tokio::test]
+async fn restore_keeps_live_containers_and_releases_the_gone() {
+    let rig = Rig::with_checkpoint(saved_two());
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    rig.runtime
+        .add(rig.live("uid-a", "a", "c"), ContainerGpus::default());
+    let report = rig.mgr.restore().await;
+    assert_eq!((report.kept, report.released, report.rebuilt), (1, 1, 0));
+    assert!(report.unreachable.is_empty(), "{:?}", report.unreachable);
+    let uids: Vec<_> = rig
+        .mgr
+        .allocations()
+        .into_iter()
+        .map(|a| a.pod_uid)
+        .collect();
+    assert_eq!(uids, ["uid-a"]);
+    // Its files and socket are back; the record is written again.
+    assert!(
+        rig.vm_dir("uid-a", "c")
+            .join(quota_config::CONFIG_FILE)
+            .is_file()
+    );
+    assert_eq!(rig.checkpoint.saved().unwrap().1.len(), 1);
+}
+
+#[tokio::test]
+async fn restore_with_every_source_unreachable_releases_nothing() {
+    let rig = Rig::with_checkpoint(saved_two());
+    rig.pods.set_health(ApiHealth::Failing("refused".into()));
+    rig.kubelet.set_unreachable("no socket");
+    rig.runtime.set_unreachable();
+    let report = rig.mgr.restore().await;
+    assert_eq!((report.kept, report.released), (2, 0));
+    assert_eq!(report.unreachable.len(), 3, "{:?}", report.unreachable);
+}
+
+#[tokio::test]
+async fn restore_sets_an_unreadable_checkpoint_aside_and_rebuilds_from_the_node() {
+    let rig = Rig::with_checkpoint(MemoryCheckpoint::with_payload(b"{not json".to_vec()));
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    holds(&rig, "a", ids::VCORE_RESOURCE, &vcore_ids(0, 30));
+    holds(&rig, "a", ids::VMEMORY_RESOURCE, &vmemory_ids(4));
+    let gpus = ContainerGpus {
+        visible: vec!["GPU-1".into()],
+        devices: vec![],
+    };
+    rig.runtime.add(rig.live("uid-a", "a", "c"), gpus);
+    let report = rig.mgr.restore().await;
+    assert!(report.set_aside.is_some());
+    assert_eq!((report.kept, report.rebuilt), (0, 1));
+    let a = &rig.mgr.allocations()[0];
+    assert_eq!((a.cores, a.memory_limit, a.verified), (30, 4, true));
+    assert!(matches!(a.placement, PlacementRecord::Share { gpu: 1, .. }));
+}
+
+#[tokio::test]
+async fn a_poisoned_state_fails_health_and_refuses_allocate() {
+    let rig = Rig::new();
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    assert!(rig.mgr.health().is_ok());
+    let mgr = rig.mgr.clone();
+    let _ = std::thread::spawn(move || {
+        let _st = mgr.state.lock().unwrap();
+        panic!("injected: a panic while the state lock is held");
+    })
+    .join();
+    let why = rig.mgr.health().unwrap_err();
+    assert!(why.contains("poisoned"), "{why}");
+    let e = rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{}", e.message());
+    // Readers keep working for the display.
+    assert!(rig.mgr.allocations().is_empty());
+}

@@ -1,0 +1,89 @@
+//! Where the world plugs into the manager: one trait per outside party,
+//! so that the manager's decisions can be driven by in-memory doubles
+//! ([`crate::doubles`]) in unit tests and a backend can be swapped (the
+//! container runtime: Docker today, CRI v1 next) without touching them.
+//!
+//! Every source of evidence may be unreachable. The rule the manager
+//! keeps: an unreachable source degrades (its evidence is skipped), it
+//! never causes a release.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+
+use crate::checkpoint::{CheckpointError, Saved};
+use crate::kube_api::{ApiHealth, PatchJob};
+use crate::kubelet::{Held, Holder};
+use crate::runtime::{ContainerGpus, LiveContainer, RuntimeError};
+
+/// This node's pods as the API server lists them (a reflector in the
+/// daemon).
+#[async_trait::async_trait]
+pub trait PodSource: Send + Sync {
+    /// Whether the list is current; only `Ok` lets pods count as gone.
+    fn health(&self) -> ApiHealth;
+    fn pods(&self) -> Vec<Arc<Pod>>;
+    /// Waits until the list changes or `timeout` passes; false on timeout.
+    async fn changed(&self, timeout: Duration) -> bool;
+}
+
+/// Annotation patches on pods, applied in the background (never on the
+/// RPC path), retried by the implementation.
+pub trait PodPatcher: Send + Sync {
+    fn submit(&self, job: PatchJob);
+}
+
+/// What kubelet recorded about device IDs: pod-resources, else its
+/// device-manager checkpoint. An `Err` names why neither answered.
+#[async_trait::async_trait]
+pub trait KubeletSource: Send + Sync {
+    /// Who holds any of `ids` of `resource`; `None` when kubelet has not
+    /// recorded them (yet).
+    async fn holder(&self, resource: &str, ids: &[String]) -> Result<Option<Holder>, String>;
+    /// Every container holding devices of `resources`, with its IDs.
+    async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, String>;
+}
+
+/// The container runtime's view of the node's Kubernetes containers.
+/// Implementations: Docker ([`crate::runtime::Docker`]), none
+/// ([`crate::runtime::NoRuntime`]); CRI v1 fits the same shape (its
+/// `ListContainers` + `ContainerStatus` give labels, state and mounts).
+#[async_trait::async_trait]
+pub trait ContainerRuntime: Send + Sync {
+    /// For logs and errors ("docker at unix:///run/docker.sock").
+    fn describe(&self) -> String;
+    /// Every Kubernetes container, running or not (not the pod sandbox).
+    /// `Ok(None)`: no runtime configured. `Err`: unreachable; the caller
+    /// skips this evidence and releases nothing on its account.
+    async fn containers(&self) -> Result<Option<Vec<LiveContainer>>, RuntimeError>;
+    /// The GPUs one container was given (rebuilding a lost allocation).
+    async fn gpus(&self, id: &str) -> Result<ContainerGpus, RuntimeError>;
+}
+
+/// The durable record of the allocations. Called off the async threads
+/// (writes sync to disk).
+pub trait CheckpointStore: Send + Sync {
+    /// Where it lives, for messages.
+    fn location(&self) -> String;
+    /// The saved allocations; `None` when there is none yet.
+    fn load(&self) -> Result<Option<Saved>, CheckpointError>;
+    /// Replaces the record with `payload` (made by
+    /// [`crate::checkpoint::encode`]) durably; on failure the previous
+    /// record stays intact.
+    fn write(&self, payload: &[u8]) -> Result<(), CheckpointError>;
+    /// Moves an unreadable record out of the way; where it went.
+    fn set_aside(&self) -> Result<Vec<PathBuf>, CheckpointError>;
+}
+
+/// The parties a [`crate::manager::Manager`] talks to.
+#[derive(Clone)]
+pub struct World {
+    pub pods: Arc<dyn PodSource>,
+    pub patcher: Arc<dyn PodPatcher>,
+    pub events: Arc<dyn crate::events::EventSink>,
+    pub kubelet: Arc<dyn KubeletSource>,
+    pub checkpoint: Arc<dyn CheckpointStore>,
+    pub runtime: Arc<dyn ContainerRuntime>,
+}
