@@ -63,15 +63,22 @@ fn kv(text: &str) -> HashMap<String, String> {
 /// Runs the workload and measures, while it still runs (the sim forgets
 /// exited processes), what its processes achieved over
 /// `[start + from_s, start + to_s)`; `start` is when it began launching.
-fn run(
+fn run(n: &ShimNode, c: &Container, prog: &Path, args: &[&str], window: (f64, f64)) -> (Out, f64) {
+    run_with(n, c, prog, args, window, &[])
+}
+
+/// [`run`] with extra environment variables.
+fn run_with(
     n: &ShimNode,
     c: &Container,
     prog: &Path,
     args: &[&str],
     (from_s, to_s): (f64, f64),
+    env: &[(&str, &str)],
 ) -> (Out, f64) {
     let mut child = c
         .command(prog)
+        .envs(env.iter().copied())
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -259,4 +266,43 @@ fn a_big_kernel_after_tiny_ones_launches_within_seconds() {
         "first launch took {:.1} s",
         first as f64 / 1e9
     );
+}
+
+/// Issue 12, compute fail-open: NVML's samples name none of the
+/// container's PIDs (the sim's knob shifts them, as a PID namespace the
+/// manager cannot map would). The quota must not silently turn off: the
+/// controller says so (a log line, the ledger's flag the metrics export)
+/// and charges the container the device's busy time. Unnoticed, the
+/// process ran unthrottled (~100%).
+#[test]
+fn unattributed_samples_are_flagged_and_the_quota_still_holds() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (n, prog) = node();
+    let c = n.container(30, true, 0);
+    let ledger = || c.manager.as_ref().unwrap().ledger();
+    assert_eq!(ledger().compute_unattributed(), 0);
+    let (o, u) = run_with(
+        &n,
+        &c,
+        &prog,
+        &["saturate", "5.5"],
+        (2.5, 5.0),
+        &[
+            ("GPU_SIM_NVML_SAMPLE_PID_OFFSET", "1000000"),
+            ("LOGGER_LEVEL", "warn"),
+        ],
+    );
+    eprintln!("hard 30, samples unattributable: {u:.1}%");
+    assert_eq!(
+        ledger().compute_unattributed(),
+        1,
+        "not flagged:\n{}",
+        o.text
+    );
+    assert!(
+        o.text.contains("name none of the container's processes"),
+        "no log line:\n{}",
+        o.text
+    );
+    assert!(u < 45.0 && u > 10.0, "achieved {u:.1}% under a hard 30%");
 }

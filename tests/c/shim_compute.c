@@ -9,6 +9,10 @@
 //          of 34560 blocks of 32 threads -- 10 waves, the SM's 32-block
 //          limit -- which take 1/10 of the time for 1/20 of the threads;
 //          syncs every 6 launches by default)
+//        shim_compute blockmix SECONDS [SYNC_EVERY]
+//          (kernel sizes of a real program: each 10,000-block kernel -- 12
+//          waves, 120 us -- is followed by four 1-block kernels of one wave,
+//          10 us each; syncs every 10 launches by default)
 //        shim_compute fork SECONDS      (the child saturates; the parent waits)
 //        shim_compute tiny SECONDS
 //          (rounds of 2000 one-thread kernels, a synchronize, 60 ms asleep:
@@ -66,15 +70,19 @@ static void setup(const char *name, CUfunction *f, CUstream *s) {
   check(cuStreamCreate(s, 0), "cuStreamCreate");
 }
 
-// mixed: launch i is a 1 ms kernel when i % 6 == 0, else a 0.1 ms one.
+// mixed 1: launch i is a 1 ms kernel when i % 6 == 0, else a 0.1 ms one;
+// mixed 2 (blockmix): a 10,000-block kernel when i % 5 == 0, else 1 block.
 // n0: launches already made (their count is included in the output).
 static int saturate_from(CUfunction f, CUstream s, double seconds, int sync_every, int mixed,
                          long long n0) {
   long long t0 = now_ns(), c0 = cpu_ns(), end = t0 + (long long)(seconds * 1e9);
   long long n = n0;
   while (now_ns() < end) {
-    if (mixed && n % 6 != 0)
+    if (mixed == 1 && n % 6 != 0)
       check(cuLaunchKernel(f, 34560, 1, 1, 32, 1, 1, 0, s, NULL, NULL), "cuLaunchKernel");
+    else if (mixed == 2)
+      check(cuLaunchKernel(f, n % 5 ? 1 : 10000, 1, 1, 256, 1, 1, 0, s, NULL, NULL),
+            "cuLaunchKernel");
     else
       check(cuLaunchKernel(f, 86400, 1, 1, 256, 1, 1, 0, s, NULL, NULL), "cuLaunchKernel");
     if (++n % sync_every == 0) check(cuStreamSynchronize(s), "cuStreamSynchronize");
@@ -135,12 +143,12 @@ static int first(double seconds) {
 int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   if (argc < 3) {
-    fprintf(stderr, "usage: shim_compute saturate|mixed|fork|tiny|first SECONDS [SYNC_EVERY]\n");
+    fprintf(stderr, "usage: shim_compute saturate|mixed|blockmix|fork|tiny|first SECONDS [SYNC_EVERY]\n");
     return 2;
   }
   double seconds = atof(argv[2]);
-  int mixed = !strcmp(argv[1], "mixed");
-  int sync_every = argc > 3 ? atoi(argv[3]) : mixed ? 6 : 4;
+  int mixed = !strcmp(argv[1], "mixed") ? 1 : !strcmp(argv[1], "blockmix") ? 2 : 0;
+  int sync_every = argc > 3 ? atoi(argv[3]) : mixed == 1 ? 6 : mixed == 2 ? 10 : 4;
   if (sync_every < 1) sync_every = 1;
   if (!strcmp(argv[1], "saturate") || mixed) return saturate(seconds, sync_every, mixed);
   if (!strcmp(argv[1], "tiny")) return tiny(seconds);

@@ -12,7 +12,7 @@
 //! shared memory can lower it further, which the learned scale absorbs.
 //! The SM count and threads per SM are asked of the real driver once.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 /// Cost units of one wave (finer than 1 so partial tokens are rare).
 pub const WAVE_UNITS: u64 = 16;
@@ -20,19 +20,65 @@ pub const WAVE_UNITS: u64 = 16;
 const MAX_BLOCKS_PER_SM: u64 = 32;
 /// Used when the driver cannot say (no device yet): an A100.
 const FALLBACK: (u64, u64) = (108, 2048);
+/// Threads per block the table covers (the hardware's limit).
+const MAX_BLOCK_THREADS: usize = 1024;
+/// Grids up to this many blocks take the table's float path, exact there.
+const FAST_BLOCKS: u64 = 1 << 50;
 
-/// `sm_count << 32 | max_threads_per_sm`; 0 until asked.
-static DEVICE: AtomicU64 = AtomicU64::new(0);
+/// The device's shape, asked once: per threads-per-block, the blocks in
+/// flight on the whole device and its reciprocal, so the launch path
+/// divides by multiplying (a 64-bit division costs more than the rest of
+/// the launch path together).
+struct Shape {
+    sms: u64,
+    per_sm_threads: u64,
+    concurrent: [u32; MAX_BLOCK_THREADS + 1],
+    inverse: [f64; MAX_BLOCK_THREADS + 1],
+}
+
+/// Null until the driver answered.
+static SHAPE: AtomicPtr<Shape> = AtomicPtr::new(std::ptr::null_mut());
 
 /// The cost of launching `grid` blocks of `block` threads (0 dimensions
 /// count as 1: the driver rejects them anyway).
 #[inline(always)]
 pub fn kernel_cost(grid: [u32; 3], block: [u32; 3]) -> u64 {
-    let d = match DEVICE.load(Ordering::Relaxed) {
-        0 => device(),
-        d => d,
-    };
-    waves(d >> 32, d & 0xffff_ffff, grid, block).saturating_mul(WAVE_UNITS)
+    let p = SHAPE.load(Ordering::Acquire);
+    if p.is_null() {
+        return slow_cost(grid, block);
+    }
+    // SAFETY: published once, never freed.
+    let s = unsafe { &*p };
+    let t = u64::from(block[0].max(1)) * u64::from(block[1].max(1));
+    let blocks = (u64::from(grid[0].max(1)) * u64::from(grid[1].max(1)))
+        .saturating_mul(u64::from(grid[2].max(1)));
+    if t > MAX_BLOCK_THREADS as u64 || block[2] > MAX_BLOCK_THREADS as u32 || blocks >= FAST_BLOCKS
+    {
+        return slow_cost(grid, block);
+    }
+    let t = (t * u64::from(block[2].max(1))) as usize;
+    if t > MAX_BLOCK_THREADS {
+        return slow_cost(grid, block);
+    }
+    let c = u64::from(s.concurrent[t]);
+    // Off by at most one below 2^50 blocks; the integer checks make it the
+    // exact ceiling.
+    let mut w = (blocks as f64 * s.inverse[t]) as u64;
+    if w * c < blocks {
+        w += 1;
+    } else if w > 0 && (w - 1) * c >= blocks {
+        w -= 1;
+    }
+    w * WAVE_UNITS
+}
+
+/// Outside the table (first launches, odd shapes): divides.
+#[cold]
+#[inline(never)]
+fn slow_cost(grid: [u32; 3], block: [u32; 3]) -> u64 {
+    let s = shape();
+    let (sms, per_sm) = s.map_or(FALLBACK, |s| (s.sms, s.per_sm_threads));
+    waves(sms, per_sm, grid, block).saturating_mul(WAVE_UNITS)
 }
 
 /// Waves of `grid` x `block` on a device of `sms` SMs of `per_sm_threads`.
@@ -48,19 +94,44 @@ pub fn waves(sms: u64, per_sm_threads: u64, grid: [u32; 3], block: [u32; 3]) -> 
     blocks.div_ceil(sms.max(1) * per_sm)
 }
 
-/// Asks the real driver for the current device's shape, once (a failed
+/// The published shape, asking the real driver first if need be (a failed
 /// query is retried at the next launch, the fallback used meanwhile).
-#[cold]
-#[inline(never)]
-fn device() -> u64 {
-    match query() {
-        Some((sms, threads)) => {
-            let d = (sms << 32) | threads;
-            DEVICE.store(d, Ordering::Relaxed);
-            d
-        }
-        None => (FALLBACK.0 << 32) | FALLBACK.1,
+fn shape() -> Option<&'static Shape> {
+    let p = SHAPE.load(Ordering::Acquire);
+    if !p.is_null() {
+        return Some(unsafe { &*p });
     }
+    let (sms, per_sm_threads) = query()?;
+    let new = Box::into_raw(build(sms, per_sm_threads));
+    match SHAPE.compare_exchange(
+        std::ptr::null_mut(),
+        new,
+        Ordering::AcqRel,
+        Ordering::Acquire,
+    ) {
+        Ok(_) => Some(unsafe { &*new }),
+        Err(other) => {
+            // Another thread published first.
+            drop(unsafe { Box::from_raw(new) });
+            Some(unsafe { &*other })
+        }
+    }
+}
+
+fn build(sms: u64, per_sm_threads: u64) -> Box<Shape> {
+    let mut s = Box::new(Shape {
+        sms,
+        per_sm_threads,
+        concurrent: [0; MAX_BLOCK_THREADS + 1],
+        inverse: [0.0; MAX_BLOCK_THREADS + 1],
+    });
+    for t in 0..=MAX_BLOCK_THREADS {
+        let per_sm = (per_sm_threads / t.max(1) as u64).clamp(1, MAX_BLOCKS_PER_SM);
+        let c = (sms.max(1) * per_sm).min(u64::from(u32::MAX));
+        s.concurrent[t] = c as u32;
+        s.inverse[t] = 1.0 / c as f64;
+    }
+    s
 }
 
 type GetAttr = unsafe extern "C" fn(*mut i32, i32, i32) -> i32;
@@ -94,6 +165,47 @@ fn query() -> Option<(u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The table's float path equals the integer reference.
+    #[test]
+    fn the_fast_path_is_exact() {
+        let s = build(108, 2048);
+        SHAPE.store(Box::into_raw(s), Ordering::Release);
+        let shapes = [
+            1u32, 2, 31, 32, 33, 63, 64, 255, 256, 257, 1000, 1024, 1025, 4096,
+        ];
+        let grids = [
+            0u32,
+            1,
+            2,
+            863,
+            864,
+            865,
+            3455,
+            3456,
+            3457,
+            86_400,
+            100_000,
+            (1 << 31) - 1,
+        ];
+        for &b in &shapes {
+            for &g in &grids {
+                for &gy in &[1u32, 3, 65_535] {
+                    let want = waves(108, 2048, [g, gy, 1], [b, 1, 1]) * WAVE_UNITS;
+                    assert_eq!(kernel_cost([g, gy, 1], [b, 1, 1]), want, "{g}x{gy} x {b}");
+                    assert_eq!(
+                        kernel_cost([g, 1, gy], [1, b, 1]),
+                        waves(108, 2048, [g, 1, gy], [1, b, 1]) * WAVE_UNITS
+                    );
+                }
+            }
+        }
+        let huge = [u32::MAX, 65_535, 65_535];
+        assert_eq!(
+            kernel_cost(huge, [1, 1, 1]),
+            waves(108, 2048, huge, [1, 1, 1]) * WAVE_UNITS
+        );
+    }
 
     #[test]
     fn cost_follows_waves_not_threads() {
