@@ -24,6 +24,15 @@ def target_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("VCUDA_TARGET_DIR", REPO / "target" / "debug"))
 
 
+def context_cost(node: str = "sim-1gpu") -> int:
+    """Device memory one context takes on a sample node: its overhead and
+    its 8 MiB device heap (every process that creates a context pays it)."""
+    import tomllib
+
+    spec = tomllib.loads((REPO / "config" / "nodes" / f"{node}.toml").read_text())
+    return (spec["gpu"][0].get("context_overhead_mib", 0) + 8) << 20
+
+
 def install_node(root: pathlib.Path, node: str = "sim-1gpu") -> pathlib.Path:
     gpu_sim = target_dir() / "gpu-sim"
     if not gpu_sim.exists():

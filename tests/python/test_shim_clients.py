@@ -18,10 +18,13 @@ import textwrap
 
 import pytest
 
-from conftest import install_node, lib_dir, run_client, target_dir
+from conftest import context_cost, install_node, lib_dir, run_client, target_dir
 
 GIB = 1 << 30
-QUOTA = 4 * GIB
+# What a client's context takes (counted through the NVML reconcile).
+CTX = context_cost()
+# Four gigabytes beside one context.
+QUOTA = 4 * GIB + CTX
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +120,11 @@ def test_cuda_bindings_allocations_stop_at_the_quota(shim_node, ptds):
         env={"CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM": ptds},
     )
     assert out["total"] == QUOTA
-    assert out["free"] == QUOTA
+    assert out["free"] == QUOTA - CTX
     assert out["device_total"] == QUOTA
     assert (out["n"], out["err"]) == (QUOTA // GIB, 2)  # CUDA_ERROR_OUT_OF_MEMORY
     assert (out["async_n"], out["async_err"]) == (QUOTA // GIB, 2)
-    assert out["free_after"] == QUOTA
+    assert out["free_after"] == QUOTA - CTX
 
 
 def test_cuda_bindings_vmm_and_pools(shim_node):
@@ -150,7 +153,7 @@ def test_cuda_bindings_vmm_and_pools(shim_node):
     )
     assert out["vmm"] == [QUOTA // GIB, 2]
     assert out["pool"] == [QUOTA // GIB, 2]
-    assert out["free"] == QUOTA
+    assert out["free"] == QUOTA - CTX
 
 
 def test_pynvml_sees_the_quota_and_only_the_containers_processes(shim_node):
@@ -193,7 +196,8 @@ def test_pynvml_sees_the_quota_and_only_the_containers_processes(shim_node):
     finally:
         outsider.stdin.close()
         outsider.wait(timeout=10)
-    assert (out["total"], out["used"], out["free"]) == (QUOTA, GIB, QUOTA - GIB)
-    assert (out["total2"], out["used2"], out["free2"]) == (QUOTA, GIB, QUOTA - GIB)
+    used = GIB + CTX
+    assert (out["total"], out["used"], out["free"]) == (QUOTA, used, QUOTA - used)
+    assert (out["total2"], out["used2"], out["free2"]) == (QUOTA, used, QUOTA - used)
     assert out["procs"] == [out["me"]], out
     assert outsider.pid not in out["procs"]
