@@ -302,7 +302,11 @@ fn register_once(
             .unwrap_or_default(),
         previous_slot: previous_slot.map(|s| s as u32),
     };
-    frame::write(&mut &sock, &req).map_err(RegError::Io)?;
+    // sendmsg(MSG_NOSIGNAL), stated rather than left to std's choice of
+    // syscall: a manager gone mid-registration must be a retryable EPIPE,
+    // never a SIGPIPE that kills a C host with the default disposition.
+    let body = prost::Message::encode_to_vec(&req);
+    fdpass::send_frame(sock.as_fd(), &body, None).map_err(RegError::Io)?;
     let (body, fd) = fdpass::recv_frame(sock.as_fd(), frame::MAX_FRAME).map_err(RegError::Io)?;
     let resp = <RegisterResponse as prost::Message>::decode(body.as_slice())
         .map_err(|e| RegError::Protocol(e.to_string()))?;
