@@ -1,10 +1,10 @@
-//! The README's main command end to end: the real `gpu-sim demo` binary
+//! The README's main command end to end: the real `vcuda-demo` binary
 //! (simulated node, gpu-manager, kubelet and API server emulators, the pods
 //! of config/samples/ with their workloads under the interposer), in Docker
 //! containers and as processes in mount namespaces. Checks its output the
 //! way a person would read it, and that nothing it started is left.
 //!
-//! Needs `cargo build --workspace` first (gpu-sim, gpu-manager, libvcuda.so,
+//! Needs `cargo build --workspace` first (vcuda-demo, gpu-sim, gpu-manager, libvcuda.so,
 //! the simulated driver) and gcc.
 
 use std::path::{Path, PathBuf};
@@ -23,7 +23,7 @@ struct Demo {
 }
 
 fn run_demo(args: &[&str]) -> Demo {
-    let bin = target_dir().join("gpu-sim");
+    let bin = target_dir().join("vcuda-demo");
     assert!(
         bin.is_file(),
         "{} missing: run `cargo build --workspace` first",
@@ -31,14 +31,13 @@ fn run_demo(args: &[&str]) -> Demo {
     );
     let t = Instant::now();
     let out = Command::new(&bin)
-        .arg("demo")
         .args(args)
         .output()
-        .expect("run gpu-sim demo");
+        .expect("run vcuda-demo");
     let secs = t.elapsed().as_secs_f64();
     let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
     text.push_str(&String::from_utf8_lossy(&out.stderr));
-    eprintln!("gpu-sim demo {args:?} took {secs:.1} s");
+    eprintln!("vcuda-demo {args:?} took {secs:.1} s");
     Demo {
         ok: out.status.success(),
         out: text,

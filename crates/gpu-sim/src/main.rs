@@ -52,32 +52,6 @@ enum Command {
         #[arg(long)]
         code: u32,
     },
-    /// The whole system on one simulated node: installs it, starts
-    /// gpu-manager with the kubelet and API server emulators, admits the
-    /// sample pods, runs their workloads under the interposer (Docker, or
-    /// mount namespaces), measures them, prints the graph, usage and
-    /// metrics, and cleans up. Exits 1 if a check fails.
-    Demo {
-        /// Node description [default: config/nodes/sim-4gpu-pcie.toml].
-        #[arg(long)]
-        node: Option<PathBuf>,
-        /// Pod manifests, workloads in its workloads/ [default: config/samples].
-        #[arg(long)]
-        samples: Option<PathBuf>,
-        /// Built binaries and libraries [default: this executable's directory].
-        #[arg(long)]
-        artifacts: Option<PathBuf>,
-        /// Where workloads run: auto (Docker if an engine answers, else
-        /// processes in mount namespaces), docker, namespaces.
-        #[arg(long, default_value = "auto")]
-        runtime: String,
-        /// Seconds to measure the workloads.
-        #[arg(long, default_value_t = 6)]
-        seconds: u64,
-        /// Keep the work dir (logs, vm dirs) afterwards.
-        #[arg(long)]
-        keep: bool,
-    },
 }
 
 fn main() {
@@ -87,53 +61,8 @@ fn main() {
     }
 }
 
-fn own_dir() -> Result<PathBuf> {
-    Ok(std::env::current_exe()
-        .context("locating gpu-sim's own directory")?
-        .parent()
-        .context("gpu-sim has no parent directory")?
-        .to_path_buf())
-}
-
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Demo {
-            node,
-            samples,
-            artifacts,
-            runtime,
-            seconds,
-            keep,
-        } => {
-            let mut opts = vcuda_demo::Options::with_defaults(match artifacts {
-                Some(a) => a,
-                None => own_dir()?,
-            });
-            if let Some(n) = node {
-                opts.node = n;
-            }
-            if let Some(s) = samples {
-                opts.samples = s;
-            }
-            opts.runtime = match runtime.as_str() {
-                "auto" => vcuda_demo::RuntimeChoice::Auto,
-                "docker" => vcuda_demo::RuntimeChoice::Docker,
-                "namespaces" => vcuda_demo::RuntimeChoice::Namespaces,
-                other => bail!("--runtime {other:?}: expected auto, docker or namespaces"),
-            };
-            opts.measure = std::time::Duration::from_secs(seconds.max(1));
-            opts.keep = keep;
-            let outcome = match vcuda_demo::run(&opts) {
-                Ok(o) => o,
-                // Cleaned up already; the shell's convention for Ctrl-C.
-                Err(vcuda_demo::DemoError::Interrupted) => std::process::exit(130),
-                Err(e) => return Err(e.into()),
-            };
-            if !outcome.passed() {
-                std::process::exit(1);
-            }
-            Ok(())
-        }
         Command::Install {
             node,
             root,

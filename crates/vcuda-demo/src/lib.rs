@@ -1,4 +1,4 @@
-//! The simulated-node demo behind `gpu-sim demo`: installs a simulated GPU
+//! The simulated-node demo behind the `vcuda-demo` binary: installs a simulated GPU
 //! node, runs the real `gpu-manager` on it with the kubelet and API server
 //! emulators, admits the sample pods of `config/samples/`, runs their
 //! workloads under the interposer (Docker containers, or processes in mount
