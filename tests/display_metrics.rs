@@ -274,6 +274,9 @@ async fn metrics_match_simulator_ground_truth() {
             0.3
         );
     }
+    // Each load's context, its 8 MiB device heap and its module image (one
+    // page) are its memory too, as with a real driver.
+    let per_load = spec.context_overhead_bytes() + 8 * MIB + 4096;
     let la = [
         ("pod_name", "pod-a"),
         ("namespace", "team"),
@@ -308,7 +311,7 @@ async fn metrics_match_simulator_ground_truth() {
             "container_gpu_memory_total",
             &[la.as_slice(), &[("gpu_memory", "total")]].concat()
         ),
-        384.0
+        (384 * MIB + 2 * per_load) as f64 / MIB as f64
     );
     let ca = [
         ("pod", "pod-a"),
@@ -322,7 +325,7 @@ async fn metrics_match_simulator_ground_truth() {
             "vcuda_container_gpu_memory_used_bytes",
             &[ca.as_slice(), &[("gpu", "0")]].concat()
         ),
-        (384 * MIB) as f64
+        (384 * MIB + 2 * per_load) as f64
     );
     assert_eq!(
         value(&samples, "vcuda_container_core_quota_ratio", &ca),
@@ -356,7 +359,7 @@ async fn metrics_match_simulator_ground_truth() {
     assert!((gpu_util - 65.0).abs() <= 5.0, "GPU utilization {gpu_util}");
     assert_eq!(
         value(&samples, "vcuda_gpu_memory_used_bytes", &g),
-        (960 * MIB) as f64
+        (960 * MIB + 4 * per_load) as f64
     );
     assert_eq!(
         value(&samples, "vcuda_gpu_memory_total_bytes", &g),
@@ -408,7 +411,9 @@ async fn metrics_match_simulator_ground_truth() {
     );
     let rb = row("pod-b");
     assert!(
-        rb.contains("/ 30%") && rb.contains("512 / 2048 MiB") && rb.contains(&b.to_string()),
+        rb.contains("/ 30%")
+            && rb.contains(&format!("{} / 2048 MiB", (512 * MIB + per_load) / MIB))
+            && rb.contains(&b.to_string()),
         "{table}"
     );
     let out = Command::new(&vcudactl)
