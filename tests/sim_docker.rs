@@ -94,8 +94,10 @@ fn container_process_is_reported_under_its_host_pid() {
     assert_eq!(procs.len(), 1, "{procs:?}");
     assert_eq!(procs[0].host_pid, Some(host_pid), "{procs:?}");
     assert_eq!(procs[0].ns_pid, 1);
-    assert_eq!(procs[0].used_bytes, 96 << 20);
-    assert_eq!(state.memory_used(0), 96 << 20);
+    // Its 96 MiB, and its context (overhead and 8 MiB heap).
+    let used = (96 << 20) + state.node().gpus[0].context_overhead_bytes() + (8 << 20);
+    assert_eq!(procs[0].used_bytes, used);
+    assert_eq!(state.memory_used(0), used);
 
     // The simulated nvidia-smi on the host shows the same PID.
     let smi = std::process::Command::new(node.root().join("usr/bin/nvidia-smi"))
