@@ -7,7 +7,8 @@
 #   bash tests/gpu/run.sh --sim [suite options]               # a simulated node (gpu-sim)
 #
 # --artifacts: where libvcuda.so, vdriver-mirror and examples/test_manager are
-# (default: target/release, else target/debug). --sim installs
+# (default: the first of target/x86_64-unknown-linux-gnu/release (glibc 2.17,
+# as shipped), target/release, target/debug that has all three). --sim installs
 # config/nodes/sim-1gpu.toml with <artifacts>/gpu-sim into a temporary root
 # and runs what needs no PyTorch/nvcc there (those rows: NOT RUN, allowed).
 # Other options go to suite.py (--only, --compute-seconds, --json, --keep;
@@ -25,8 +26,17 @@ while [ $# -gt 0 ]; do
   esac
 done
 if [ -z "$artifacts" ]; then
-  artifacts=target/release
-  [ -f "$artifacts/libvcuda.so" ] || artifacts=target/debug
+  # The first with all three: the shipped glibc-2.17 build, a release build, a
+  # debug build (for --sim: the debug build first, where gpu-sim is).
+  dirs="target/x86_64-unknown-linux-gnu/release target/release target/debug"
+  [ "$sim" = 1 ] && dirs="target/debug target/release"
+  for d in $dirs; do
+    if [ -f "$d/libvcuda.so" ] && [ -f "$d/vdriver-mirror" ] && [ -f "$d/examples/test_manager" ]; then
+      artifacts=$d
+      break
+    fi
+  done
+  [ -n "$artifacts" ] || { echo "run.sh: no directory with libvcuda.so, vdriver-mirror and examples/test_manager; see tests/gpu/README.md" >&2; exit 2; }
 fi
 python=${PYTHON:-python3}
 command -v "$python" >/dev/null || { echo "run.sh: $python not found" >&2; exit 2; }
