@@ -187,10 +187,19 @@ def test_pynvml_sees_the_quota_and_only_the_containers_processes(shim_node):
             m = N.nvmlDeviceGetMemoryInfo(h)
             m2 = N.nvmlDeviceGetMemoryInfo(h, version=N.nvmlMemory_v2)
             procs = [q.pid for q in N.nvmlDeviceGetComputeRunningProcesses(h)]
+            detail = [q.pid for q in N.nvmlDeviceGetRunningProcessDetailList(
+                h, N.nvmlProcessDetailList_v1, N.NVML_PROCESS_MODE_COMPUTE)]
+            acct = N.nvmlDeviceGetAccountingPids(h)
+            try:
+                N.nvmlDeviceGetAccountingStats(h, {outsider.pid})
+                other_stats = "found"
+            except N.NVMLError_NotFound:
+                other_stats = "not found"
             N.nvmlShutdown()
             print(json.dumps({{"total": m.total, "used": m.used, "free": m.free,
                                "total2": m2.total, "used2": m2.used, "free2": m2.free,
-                               "procs": procs, "me": os.getpid()}}))
+                               "procs": procs, "detail": detail, "acct": acct,
+                               "other_stats": other_stats, "me": os.getpid()}}))
             """,
         )
     finally:
@@ -201,3 +210,7 @@ def test_pynvml_sees_the_quota_and_only_the_containers_processes(shim_node):
     assert (out["total2"], out["used2"], out["free2"]) == (QUOTA, used, QUOTA - used)
     assert out["procs"] == [out["me"]], out
     assert outsider.pid not in out["procs"]
+    # The other per-process queries hide the outsider too.
+    assert out["detail"] == [out["me"]], out
+    assert out["acct"] == [out["me"]], out
+    assert out["other_stats"] == "not found"
