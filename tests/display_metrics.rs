@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use gpu_display::fixture::{FixtureState, StaticSource};
 use gpu_display::{ContainerView, Display, DisplayOptions, GpuRef, GpuView, NvmlReader};
+use gpu_display_fixture::{FixtureState, StaticSource};
 use gpu_sim_core::state::epoch_us_to_mono;
 use gpu_sim_core::{SharedState, SimRoot};
 use tokio_util::sync::CancellationToken;

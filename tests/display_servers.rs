@@ -12,9 +12,9 @@ use std::process::{Command, Output};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpu_display::fixture::{FixtureState, StaticSource};
 use gpu_display::sampler::{GpuSample, ProcSample};
 use gpu_display::{ContainerView, Display, DisplayOptions, GpuRef, GpuView, Running, Snapshot};
+use gpu_display_fixture::{FixtureState, StaticSource};
 use tokio_util::sync::CancellationToken;
 use vcuda_api::display::gpu_display_client::GpuDisplayClient;
 use vcuda_tests::target_dir;
@@ -144,6 +144,34 @@ fn get(addr: SocketAddr, path: &str) -> (u16, String) {
         addr,
         format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
     )
+}
+
+/// `/healthz` is the liveness probe: it fails, with the reason, once the
+/// source says the process needs a restart (the manager: a poisoned lock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_fails_when_the_source_needs_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = Arc::new(StaticSource::new(fixture()));
+    let display = Display::new(source.clone());
+    let cancel = CancellationToken::new();
+    let opts = DisplayOptions {
+        socket: dir.path().join("gpu-manager.sock"),
+        query_addr: "127.0.0.1:0".parse().unwrap(),
+        ..Default::default()
+    };
+    let running = display.start(&opts, None, cancel.clone()).await.unwrap();
+    let addr = running.http_addr;
+    tokio::task::spawn_blocking(move || {
+        assert_eq!(get(addr, "/healthz"), (200, "ok\n".into()));
+        source.set_unhealthy(Some("state poisoned by a panic"));
+        let (code, body) = get(addr, "/healthz");
+        assert_eq!(code, 503);
+        assert!(body.contains("state poisoned by a panic"), "{body}");
+    })
+    .await
+    .unwrap();
+    cancel.cancel();
+    running.wait().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

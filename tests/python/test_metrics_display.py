@@ -96,7 +96,7 @@ def served(sim_root, load_exe, tmp_path_factory):
     sock = tmp / "gpu-manager.sock"
     srv = subprocess.Popen(
         [
-            str(binary("gpu-display-fixture", "gpu-display")),
+            str(binary("gpu-display-fixture", "gpu-display-fixture")),
             "--state",
             str(tmp / "state.json"),
             "--nvml-lib",

@@ -18,9 +18,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use gpu_display::fixture::{FixtureState, StaticSource};
 use gpu_display::sampler::{GpuSample, ProcSample};
 use gpu_display::{ContainerView, Display, GpuRef, GpuView, NvmlReader, Snapshot};
+use gpu_display_fixture::{FixtureState, StaticSource};
 use tokio_util::sync::CancellationToken;
 
 const CONTAINERS: u32 = 100;

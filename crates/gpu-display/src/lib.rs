@@ -11,7 +11,6 @@
 //! The manager implements [`DisplaySource`] (a narrow view of its state),
 //! bumps [`ManagerMetrics`], and starts everything with [`Display::start`].
 
-pub mod fixture;
 mod grpc;
 mod http;
 pub mod metrics;

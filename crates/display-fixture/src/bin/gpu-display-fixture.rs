@@ -1,5 +1,5 @@
 //! The display service without a manager: serves gRPC and HTTP for a
-//! container list read from a JSON file (`gpu_display::fixture::FixtureState`),
+//! container list read from a JSON file (`gpu_display_fixture::FixtureState`),
 //! with utilization sampled from a real (or simulated) NVML. For tests and
 //! for trying dashboards; prints `ready http=<addr> socket=<path>` once up.
 
@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use gpu_display::fixture::StaticSource;
 use gpu_display::{Display, DisplayOptions, GpuReader, NvmlReader};
+use gpu_display_fixture::StaticSource;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]

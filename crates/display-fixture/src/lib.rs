@@ -1,6 +1,7 @@
 //! A [`DisplaySource`] from a fixed description (or a JSON file re-read when
 //! it changes): the display without a manager, for tests, benchmarks and the
-//! `gpu-display-fixture` binary.
+//! `gpu-display-fixture` binary. Test support, kept out of the production
+//! crate.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -9,7 +10,7 @@ use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 
-use crate::source::{ContainerView, DisplaySource, GpuView};
+use gpu_display::{ContainerView, DisplaySource, GpuView};
 
 /// Everything a [`StaticSource`] answers.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -29,13 +30,15 @@ pub struct FixtureState {
 pub struct StaticSource {
     state: RwLock<(FixtureState, Option<SystemTime>)>,
     file: Option<PathBuf>,
+    /// What `/healthz` answers (a test makes it fail).
+    health: RwLock<Option<String>>,
 }
 
 impl StaticSource {
     pub fn new(state: FixtureState) -> StaticSource {
         StaticSource {
             state: RwLock::new((state, None)),
-            file: None,
+            ..Default::default()
         }
     }
 
@@ -43,11 +46,16 @@ impl StaticSource {
     /// modification time changes, so a test can add containers and PIDs.
     pub fn from_file(path: &Path) -> std::io::Result<StaticSource> {
         let s = StaticSource {
-            state: RwLock::default(),
             file: Some(path.to_path_buf()),
+            ..Default::default()
         };
         s.reload()?;
         Ok(s)
+    }
+
+    /// Makes `/healthz` fail with `why` (`None`: healthy again).
+    pub fn set_unhealthy(&self, why: Option<&str>) {
+        *self.health.write().unwrap() = why.map(str::to_string);
     }
 
     pub fn set(&self, state: FixtureState) {
@@ -80,6 +88,13 @@ impl StaticSource {
 impl DisplaySource for StaticSource {
     fn node_name(&self) -> String {
         self.with(|s| s.node.clone())
+    }
+
+    fn health(&self) -> Result<(), String> {
+        match &*self.health.read().unwrap() {
+            Some(why) => Err(why.clone()),
+            None => Ok(()),
+        }
     }
 
     fn graph_text(&self) -> String {
