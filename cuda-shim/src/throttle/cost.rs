@@ -32,8 +32,8 @@ const FAST_BLOCKS: u64 = 1 << 50;
 struct Shape {
     sms: u64,
     per_sm_threads: u64,
-    concurrent: [u32; MAX_BLOCK_THREADS + 1],
-    inverse: [f64; MAX_BLOCK_THREADS + 1],
+    /// (blocks in flight, its reciprocal): one cache line per lookup.
+    by_threads: [(u64, f64); MAX_BLOCK_THREADS + 1],
 }
 
 /// Null until the driver answered.
@@ -60,10 +60,10 @@ pub fn kernel_cost(grid: [u32; 3], block: [u32; 3]) -> u64 {
     if t > MAX_BLOCK_THREADS {
         return slow_cost(grid, block);
     }
-    let c = u64::from(s.concurrent[t]);
+    let (c, inv) = s.by_threads[t];
     // Off by at most one below 2^50 blocks; the integer checks make it the
-    // exact ceiling.
-    let mut w = (blocks as f64 * s.inverse[t]) as u64;
+    // exact ceiling. Signed conversions: one instruction each.
+    let mut w = ((blocks as i64) as f64 * inv) as i64 as u64;
     if w * c < blocks {
         w += 1;
     } else if w > 0 && (w - 1) * c >= blocks {
@@ -122,14 +122,12 @@ fn build(sms: u64, per_sm_threads: u64) -> Box<Shape> {
     let mut s = Box::new(Shape {
         sms,
         per_sm_threads,
-        concurrent: [0; MAX_BLOCK_THREADS + 1],
-        inverse: [0.0; MAX_BLOCK_THREADS + 1],
+        by_threads: [(0, 0.0); MAX_BLOCK_THREADS + 1],
     });
     for t in 0..=MAX_BLOCK_THREADS {
         let per_sm = (per_sm_threads / t.max(1) as u64).clamp(1, MAX_BLOCKS_PER_SM);
-        let c = (sms.max(1) * per_sm).min(u64::from(u32::MAX));
-        s.concurrent[t] = c as u32;
-        s.inverse[t] = 1.0 / c as f64;
+        let c = sms.max(1).saturating_mul(per_sm);
+        s.by_threads[t] = (c, 1.0 / c as f64);
     }
     s
 }
