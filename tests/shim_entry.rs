@@ -138,7 +138,7 @@ fn cu_get_proc_address_hands_out_the_wrappers_when_the_driver_answers_with_inter
     // charged too), refused with CUDA_ERROR_OUT_OF_MEMORY.
     let held = num(&r, "allocated") as u64 * 256 * MIB;
     assert!(
-        held <= 4 * GIB && held >= 3 * GIB,
+        (3 * GIB..=4 * GIB).contains(&held),
         "{held} bytes through cuGetProcAddress's cuMemAlloc: {}",
         r["_stdout"]
     );
