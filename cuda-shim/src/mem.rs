@@ -13,6 +13,7 @@
 
 mod arrays;
 mod ctx;
+mod local;
 mod pool;
 mod quota;
 mod reconcile;

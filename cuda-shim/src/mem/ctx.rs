@@ -13,20 +13,13 @@ use crate::registration::proc;
 use cuda_abi::{CUDA_SUCCESS, CUresult};
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Mutex;
 
 /// Primary context handles by device ordinal, learnt from retains (a reset
-/// names the device only). Keyed by the owning `Proc` (fork).
-static PRIMARY: Mutex<Option<(usize, HashMap<i32, u64>)>> = Mutex::new(None);
+/// names the device only).
+pub(crate) type Primary = HashMap<i32, u64>;
 
-fn primary_map<T>(f: impl FnOnce(&mut HashMap<i32, u64>) -> T) -> T {
-    let mut g = PRIMARY.lock().unwrap_or_else(|e| e.into_inner());
-    let me = proc() as *const _ as usize;
-    let m = g.get_or_insert_with(|| (me, HashMap::new()));
-    if m.0 != me {
-        *m = (me, HashMap::new());
-    }
-    f(&mut m.1)
+fn primary_map<T>(f: impl FnOnce(&mut Primary) -> T) -> T {
+    f(&mut super::local::lock(&super::local::local().primary))
 }
 
 /// Gives back every allocation the process made in `ctx`.

@@ -9,6 +9,7 @@
 //! on what the pool really grew by. One lock serialises the pool paths of
 //! the process, so before/after readings belong to one allocation.
 
+use super::local::local;
 use super::quota::{InFlight, force_take, give_back, try_take};
 use crate::config;
 use crate::real::real_cuda;
@@ -16,8 +17,8 @@ use crate::registration::{REFUSED, proc};
 use cuda_abi::{CUDA_SUCCESS, CUresult};
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::MutexGuard;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
 
 /// `CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`, `CU_MEMPOOL_ATTR_USED_MEM_CURRENT`.
 const RESERVED: i32 = 5;
@@ -29,38 +30,26 @@ const STEP: u64 = 2 << 20;
 pub(crate) type Pool = u64;
 
 #[derive(Default)]
-struct Pools {
-    /// The process (`Proc` address) these belong to: a fork child starts
-    /// with none.
-    owner: usize,
+pub(crate) struct Pools {
     /// Bytes of the ledger each pool holds (its last seen reservation).
     charged: HashMap<Pool, u64>,
     /// Stream-ordered allocations: pointer -> (pool, bytes).
     ptrs: HashMap<u64, (Pool, u64)>,
 }
 
-static POOLS: Mutex<Option<Pools>> = Mutex::new(None);
 /// Whether any pool is charged (sync points skip everything otherwise).
 static ANY: AtomicBool = AtomicBool::new(false);
 
-struct Guard(MutexGuard<'static, Option<Pools>>);
+struct Guard(MutexGuard<'static, Pools>);
 
 impl Guard {
     fn get(&mut self) -> &mut Pools {
-        let me = proc() as *const _ as usize;
-        let p = self.0.get_or_insert_with(Pools::default);
-        if p.owner != me {
-            *p = Pools {
-                owner: me,
-                ..Pools::default()
-            };
-        }
-        p
+        &mut self.0
     }
 }
 
 fn lock() -> Guard {
-    Guard(POOLS.lock().unwrap_or_else(|e| e.into_inner()))
+    Guard(super::local::lock(&local().pools))
 }
 
 fn attr(pool: Pool, which: i32) -> Option<u64> {

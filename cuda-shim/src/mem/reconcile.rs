@@ -15,14 +15,15 @@
 //! programs ask for, pools' reservations and graph memory, and one warning
 //! says so. A compute quota already fails closed without it (`init.rs`).
 
+use super::local::{local, lock};
 use super::quota::{FINISHED, STARTED, force_take, give_back};
 use crate::config;
 use crate::log::log;
 use crate::real::{Lib, sym, try_handle};
 use crate::registration::proc;
 use std::ffi::{CString, c_void};
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// How often the watcher's tick measures.
@@ -127,18 +128,11 @@ fn measure(n: &Nvml, pid: i32) -> Option<u64> {
     None
 }
 
-/// The extra this process holds, and which process (`Proc`) it is for.
-static EXTRA: Mutex<(usize, u64)> = Mutex::new((0, 0));
 static LAST_NS: AtomicU64 = AtomicU64::new(0);
 
 /// The extra this process holds in the ledger now.
 pub fn extra() -> u64 {
-    let g = EXTRA.lock().unwrap_or_else(|e| e.into_inner());
-    if g.0 == proc() as *const _ as usize {
-        g.1
-    } else {
-        0
-    }
+    *lock(&local().extra)
 }
 
 /// One measurement; returns how much the extra grew (0 when it did not or
@@ -152,40 +146,36 @@ fn reconcile() -> u64 {
         return 0;
     }
     let Some(n) = nvml() else { return 0 };
-    let mut g = EXTRA.lock().unwrap_or_else(|e| e.into_inner());
-    let me = p as *const _ as usize;
-    if g.0 != me {
-        *g = (me, 0);
-    }
+    let mut extra = lock(&local().extra);
     let guard = p.attach();
     let Some(a) = guard.as_ref() else { return 0 };
     let started = STARTED.load(Ordering::Acquire);
     if FINISHED.load(Ordering::Acquire) != started {
         return 0;
     }
-    let local = p.local_used.load(Ordering::Acquire);
+    let used = p.local_used.load(Ordering::Acquire);
     let Some(measured) = measure(n, a.host_pid) else {
         return 0;
     };
     if STARTED.load(Ordering::Acquire) != started || FINISHED.load(Ordering::Acquire) != started {
         return 0;
     }
-    let counted = local.saturating_sub(g.1);
+    let counted = used.saturating_sub(*extra);
     let target = measured.saturating_sub(counted);
-    let grew = target.saturating_sub(g.1);
-    if target > g.1 {
-        force_take(a, target - g.1);
+    let grew = target.saturating_sub(*extra);
+    if target > *extra {
+        force_take(a, target - *extra);
     } else {
-        give_back(Some(a), g.1 - target);
+        give_back(Some(a), *extra - target);
     }
-    if target != g.1 {
+    if target != *extra {
         log!(
             Debug,
             "NVML says {measured} bytes, counted {counted}: extra {} -> {target}",
-            g.1
+            *extra
         );
     }
-    g.1 = target;
+    *extra = target;
     grew
 }
 

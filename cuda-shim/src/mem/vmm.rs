@@ -9,31 +9,17 @@ use crate::registration::proc;
 use crate::table::Kind;
 use cuda_abi::{CUDA_SUCCESS, CUresult};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
 
 #[derive(Default)]
-struct Maps {
-    /// The process (`Proc` address) these belong to.
-    owner: usize,
+pub(crate) struct Maps {
     /// Mapped address -> (handle, size).
     at: BTreeMap<u64, (u64, u64)>,
     /// Handle -> (live mappings, released by the program).
     handles: HashMap<u64, (u32, bool)>,
 }
 
-static MAPS: Mutex<Option<Maps>> = Mutex::new(None);
-
 fn with<T>(f: impl FnOnce(&mut Maps) -> T) -> T {
-    let mut g = MAPS.lock().unwrap_or_else(|e| e.into_inner());
-    let me = proc() as *const _ as usize;
-    let m = g.get_or_insert_with(Maps::default);
-    if m.owner != me {
-        *m = Maps {
-            owner: me,
-            ..Maps::default()
-        };
-    }
-    f(m)
+    f(&mut super::local::lock(&super::local::local().maps))
 }
 
 /// `CUmemAllocationProp.location.type` is a host location
