@@ -54,8 +54,12 @@ fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Elf<'a> {
     Elf::parse(bytes).unwrap_or_else(|e| panic!("{} is not an ELF file: {e}", path.display()))
 }
 
-/// "GLIBC_2.17" -> (2, 17); other version names (GCC_3.0, GLIBC_PRIVATE) -> None.
+/// "GLIBC_2.17" -> (2, 17); GLIBC_PRIVATE (tied to one glibc build) ->
+/// above any floor; other version names (GCC_3.0) -> None.
 fn glibc_version(name: &str) -> Option<(u32, u32)> {
+    if name == "GLIBC_PRIVATE" {
+        return Some((u32::MAX, 0));
+    }
     let (major, minor) = name.strip_prefix("GLIBC_")?.split_once('.')?;
     let minor = minor.split('.').next()?;
     Some((major.parse().ok()?, minor.parse().ok()?))

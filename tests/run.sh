@@ -83,7 +83,7 @@ log "old glibc root ($OLD_GLIBC_SUITE)"
 old_root="$VCUDA_CACHE/debian-$OLD_GLIBC_SUITE-minbase"
 if [ ! -x "$old_root/usr/bin/ldd" ]; then
   t0=$SECONDS
-  rm -rf "$old_root.partial"
+  rm -rf --one-file-system "$old_root.partial"
   # Into .partial, renamed when complete: a cut-off run never leaves a
   # half-made root that later runs would take for a good one.
   if ! debootstrap --variant=minbase "$OLD_GLIBC_SUITE" "$old_root.partial" "$VCUDA_OLD_GLIBC_MIRROR" \
