@@ -11,8 +11,11 @@
 //        shim_graph mem MIB...    (each step acknowledged on stdin) set up;
 //                                 one exec per size with a graph alloc node;
 //                                 destroy them all; trim
-//        shim_graph loop SECONDS  a captured graph of 10 kernels, launched
-//                                 back to back (the bench)
+//        shim_graph loop SECONDS [GRID KERNELS]
+//                                 a captured graph of KERNELS (10) kernels of
+//                                 GRID (86400) blocks of 256 threads,
+//                                 launched back to back, a sync every 2
+//                                 (the bench)
 // Prints key=value words; `phase=NAME` lines wait for a line on stdin.
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -308,10 +311,12 @@ int main(int argc, char **argv) {
     phase("trimmed");
   } else if (!strcmp(mode, "loop") && argc > 2) {
     double secs = atof(argv[2]);
+    unsigned grid = argc > 3 ? (unsigned)atoi(argv[3]) : 86400;
+    int kernels = argc > 4 ? atoi(argv[4]) : 10;
     CUgraph g;
     check(cuStreamBeginCapture_v2(s, 0), "cuStreamBeginCapture");
-    for (int i = 0; i < 10; i++)
-      launch(s);
+    for (int i = 0; i < kernels; i++)
+      check(cuLaunchKernel(f, grid, 1, 1, 256, 1, 1, 0, s, NULL, NULL), "cuLaunchKernel");
     check(cuStreamEndCapture(s, &g), "cuStreamEndCapture");
     check(cuGraphInstantiateWithFlags(&e, g, 0), "cuGraphInstantiate");
     struct timespec t;
