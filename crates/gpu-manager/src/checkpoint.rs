@@ -200,6 +200,17 @@ impl Checkpoint {
         }
     }
 
+    /// Where the next write goes. A panic during a write may have left it
+    /// wrong: then the slots are scanned again before the next write.
+    fn cursor(&self) -> std::sync::MutexGuard<'_, Cursor> {
+        self.cursor.lock().unwrap_or_else(|p| {
+            self.cursor.clear_poison();
+            let mut c = p.into_inner();
+            c.scanned = false;
+            c
+        })
+    }
+
     /// The checkpoint directory.
     pub fn path(&self) -> &Path {
         &self.dir
@@ -247,7 +258,7 @@ impl Checkpoint {
         let slots = [self.read_slot(0)?, self.read_slot(1)?];
         let legacy = self.legacy_path();
         let legacy_exists = legacy.exists();
-        let mut cur = self.cursor.lock().unwrap();
+        let mut cur = self.cursor();
         *cur = Cursor {
             scanned: true,
             target: 0,
@@ -338,12 +349,12 @@ impl Checkpoint {
     /// [`Checkpoint::store`] of a payload made by [`encode`] (so that the
     /// caller can serialise outside its locks).
     pub fn write(&self, payload: &[u8]) -> Result<(), CheckpointError> {
-        let mut cur = self.cursor.lock().unwrap();
+        let mut cur = self.cursor();
         if !cur.scanned {
             drop(cur);
             // Sets the cursor; what it found does not matter here.
             let _ = self.load();
-            cur = self.cursor.lock().unwrap();
+            cur = self.cursor();
             cur.scanned = true;
         }
         let i = cur.target;
@@ -407,7 +418,7 @@ impl Checkpoint {
                 }
             }
         }
-        *self.cursor.lock().unwrap() = Cursor {
+        *self.cursor() = Cursor {
             scanned: true,
             target: 0,
             next_gen: 1,

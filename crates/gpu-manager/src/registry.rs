@@ -10,7 +10,7 @@ use std::fs::File;
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use container_ledger::Ledger;
@@ -20,6 +20,9 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
 use vcuda_api::vcuda::frame::{MAX_FRAME, PROTOCOL_VERSION};
 use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, register_response::Status};
+
+// Locks here guard maps changed by single inserts and removes: a panic
+// elsewhere cannot leave them half-changed, so a poisoned lock is taken over.
 
 /// One container's registration endpoint.
 struct Endpoint {
@@ -48,7 +51,7 @@ impl Procs {
     }
 
     fn add(&self, pid: i32, prefer: Option<usize>) -> Option<usize> {
-        let mut pids = self.pids.lock().unwrap();
+        let mut pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
         let e = pids.entry(pid).or_insert((0, None));
         e.0 += 1;
         if e.1.is_none()
@@ -62,7 +65,7 @@ impl Procs {
     }
 
     fn drop_conn(&self, pid: i32) {
-        let mut pids = self.pids.lock().unwrap();
+        let mut pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(e) = pids.get_mut(&pid) else { return };
         e.0 -= 1;
         if e.0 == 0 {
@@ -78,7 +81,7 @@ impl Procs {
     /// Removes PIDs whose process is gone (a backstop: closing the
     /// connection normally does it) and returns how many.
     fn prune(&self) -> usize {
-        let mut pids = self.pids.lock().unwrap();
+        let mut pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
         let dead: Vec<i32> = pids.keys().copied().filter(|&p| !alive(p)).collect();
         for p in &dead {
             if let Some((_, Some(s))) = pids.remove(p)
@@ -179,13 +182,18 @@ impl Registry {
         });
         self.endpoints
             .lock()
-            .unwrap()
+            .unwrap_or_else(PoisonError::into_inner)
             .insert(id.to_string(), Endpoint { cancel, procs });
         Ok(())
     }
 
     pub fn stop(&self, id: &str) {
-        if let Some(e) = self.endpoints.lock().unwrap().remove(id) {
+        if let Some(e) = self
+            .endpoints
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(id)
+        {
             e.cancel.cancel();
             let _ = std::fs::remove_file(e.procs.dir.join(quota_config::SOCKET_FILE));
         }
@@ -195,9 +203,17 @@ impl Registry {
     pub fn pids(&self, id: &str) -> Vec<i32> {
         self.endpoints
             .lock()
-            .unwrap()
+            .unwrap_or_else(PoisonError::into_inner)
             .get(id)
-            .map(|e| e.procs.pids.lock().unwrap().keys().copied().collect())
+            .map(|e| {
+                e.procs
+                    .pids
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .keys()
+                    .copied()
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -205,7 +221,10 @@ impl Registry {
     /// tokens, allocations refused for its memory quota). `None` when the
     /// container is not served or keeps no ledger.
     pub fn ledger_counters(&self, id: &str) -> Option<LedgerCounters> {
-        let eps = self.endpoints.lock().unwrap();
+        let eps = self
+            .endpoints
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let (l, _) = eps.get(id)?.procs.ledger.as_ref()?;
         Some(LedgerCounters {
             throttled_ns: l.throttled_ns(),
@@ -218,7 +237,7 @@ impl Registry {
         let eps: Vec<Arc<Procs>> = self
             .endpoints
             .lock()
-            .unwrap()
+            .unwrap_or_else(PoisonError::into_inner)
             .values()
             .map(|e| e.procs.clone())
             .collect();

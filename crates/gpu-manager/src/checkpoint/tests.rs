@@ -233,3 +233,23 @@ fn a_failed_write_leaves_the_previous_slot() {
         "no temp file"
     );
 }
+
+#[test]
+fn a_panic_during_a_write_makes_the_next_write_rescan_the_slots() {
+    let dir = tempfile::tempdir().unwrap();
+    let cp = Checkpoint::new(dir.path());
+    cp.store(&["GPU-a".into()], [&alloc("u")]).unwrap();
+    // A write that panicked with the cursor lock held, its cursor wrong.
+    let c = cp.clone();
+    let _ = std::thread::spawn(move || {
+        let mut cur = c.cursor.lock().unwrap();
+        cur.target = 0; // the newest good slot
+        panic!("injected: a panic in the middle of a write");
+    })
+    .join();
+    cp.store(&["GPU-a".into()], [&alloc("v")]).unwrap();
+    // The good slot was not overwritten: the write went to the other one.
+    assert!(header(&cp.slot_path(0)).contains("gen=00000000000000000001"));
+    assert!(header(&cp.slot_path(1)).contains("gen=00000000000000000002"));
+    assert_eq!(uids(&cp), ["v"]);
+}
