@@ -61,6 +61,11 @@ pub fn kernel_cost(grid: [u32; 3], block: [u32; 3]) -> u64 {
         return slow_cost(grid, block);
     }
     let (c, inv) = s.by_threads[t];
+    if blocks <= c {
+        // One wave (reductions, small kernels): no arithmetic on the path
+        // to the bucket's fetch_add, which needs the cost.
+        return WAVE_UNITS;
+    }
     // Off by at most one below 2^50 blocks; the integer checks make it the
     // exact ceiling. Signed conversions: one instruction each.
     let mut w = ((blocks as i64) as f64 * inv) as i64 as u64;
