@@ -5,7 +5,9 @@ use super::*;
 
 impl Session<'_> {
     /// "refused allocation": a workload asked past its memory quota and the
-    /// interposer said CUDA_ERROR_OUT_OF_MEMORY exactly at the quota.
+    /// interposer said CUDA_ERROR_OUT_OF_MEMORY exactly where the quota ends:
+    /// at the first step past what `cuMemGetInfo` showed free beside the
+    /// workload's own context (which the quota pays for too).
     pub(crate) fn check_refusal(&mut self) {
         let mut seen = Vec::new();
         let mut wrong = Vec::new();
@@ -19,27 +21,35 @@ impl Session<'_> {
                     .find_map(|w| w.strip_prefix(k).map(str::to_string))
             };
             let at_mib: u64 = kv("at_mib=").and_then(|v| v.parse().ok()).unwrap_or(0);
+            let step: u64 = kv("request_mib=").and_then(|v| v.parse().ok()).unwrap_or(0);
             let error = kv("error=").unwrap_or_default();
-            let visible: u64 = logs
-                .lines()
-                .find(|l| l.starts_with("visible "))
-                .and_then(|l| {
-                    l.split_whitespace()
-                        .find_map(|w| w.strip_prefix("total_mib="))
-                        .and_then(|v| v.parse().ok())
-                })
-                .unwrap_or(0);
+            let seen_at_start = |key: &str| -> u64 {
+                logs.lines()
+                    .find(|l| l.starts_with("visible "))
+                    .and_then(|l| {
+                        l.split_whitespace()
+                            .find_map(|w| w.strip_prefix(key))
+                            .and_then(|v| v.parse().ok())
+                    })
+                    .unwrap_or(0)
+            };
+            let (visible, free) = (seen_at_start("total_mib="), seen_at_start("free_mib="));
             let quota_mib = self
                 .admitted
                 .iter()
                 .find(|a| a.key() == s.key)
                 .map_or(0, |a| a.adm.memory_bytes() >> 20);
             let msg = format!(
-                "{}: cuMemAlloc refused with {error} after {at_mib} MiB (quota {quota_mib} MiB; cuMemGetInfo showed a {visible} MiB card)",
+                "{}: cuMemAlloc refused with {error} after {at_mib} MiB of {free} MiB free (quota {quota_mib} MiB; cuMemGetInfo showed a {visible} MiB card)",
                 s.key
             );
             self.p.say(&msg);
-            if error == "CUDA_ERROR_OUT_OF_MEMORY" && at_mib == quota_mib && quota_mib > 0 {
+            let at_the_quota = at_mib <= free && at_mib + step > free && free <= quota_mib;
+            if error == "CUDA_ERROR_OUT_OF_MEMORY"
+                && at_the_quota
+                && visible == quota_mib
+                && quota_mib > 0
+            {
                 seen.push(msg);
             } else {
                 wrong.push(msg);
