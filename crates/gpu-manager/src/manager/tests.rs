@@ -496,3 +496,109 @@ async fn a_poisoned_state_fails_health_and_refuses_allocate() {
     // Readers keep working for the display.
     assert!(rig.mgr.allocations().is_empty());
 }
+
+#[tokio::test]
+async fn whole_gpus_are_exclusive_and_get_no_socket() {
+    let rig = Rig::new();
+    rig.pods.put(pod("whole", 200, 0, json!({})));
+    let resp = rig.mgr.allocate_vcore(vcore_ids(0, 200)).await.unwrap();
+    let a = &rig.mgr.allocations()[0];
+    assert_eq!(a.placement, PlacementRecord::Exclusive { gpus: vec![0, 1] });
+    assert_eq!(
+        a.memory_units,
+        2 * 16 * GIB / gpu_allocator::MEMORY_UNIT_BYTES
+    );
+    assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-0,GPU-1");
+    assert!(!rig.vm_dir("uid-whole", "c").join("vcuda.sock").exists());
+    assert!(rig.mgr.registry().pids(&a.id()).is_empty());
+}
+
+#[tokio::test]
+async fn a_bad_soft_limit_annotation_is_refused_and_names_it() {
+    let rig = Rig::new();
+    rig.pods
+        .put(pod("soft", 30, 4, json!({crate::pods::VCORE_LIMIT: "150"})));
+    let e = rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(
+        e.message().contains(crate::pods::VCORE_LIMIT),
+        "{}",
+        e.message()
+    );
+    assert!(rig.mgr.gpu_usages().iter().all(|u| u.allocated_cores == 0));
+    rig.pods
+        .put(pod("soft", 30, 4, json!({crate::pods::VCORE_LIMIT: "50"})));
+    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    assert_eq!(rig.mgr.allocations()[0].soft_limit, Some(50));
+}
+
+#[tokio::test]
+async fn an_unhealthy_gpu_takes_no_new_placements_and_its_ids_go_unhealthy() {
+    let rig = Rig::new();
+    rig.mgr.set_gpu_health(0, false);
+    let unhealthy = rig
+        .mgr
+        .vcore
+        .subscribe()
+        .borrow()
+        .iter()
+        .filter(|d| d.health != "Healthy")
+        .count();
+    assert_eq!(unhealthy, 100);
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    rig.mgr.allocate_vcore(vcore_ids(1, 30)).await.unwrap();
+    assert!(matches!(
+        rig.mgr.allocations()[0].placement,
+        PlacementRecord::Share { gpu: 1, .. }
+    ));
+    rig.mgr.set_gpu_health(0, true);
+    let unhealthy = rig
+        .mgr
+        .vcore
+        .subscribe()
+        .borrow()
+        .iter()
+        .filter(|d| d.health != "Healthy")
+        .count();
+    assert_eq!(unhealthy, 0);
+}
+
+#[tokio::test]
+async fn the_periodic_check_patches_a_complete_pod_whose_annotation_is_missing() {
+    let rig = Rig::new();
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    holds(&rig, "a", ids::VCORE_RESOURCE, &vcore_ids(0, 30));
+    let before = rig.patches.submitted().len();
+    rig.mgr.check_allocations(Duration::from_secs(3600)).await;
+    let after = rig.patches.submitted();
+    assert_eq!(after.len(), before + 1, "the annotation is submitted again");
+    assert_eq!(
+        after.last().unwrap().annotations[crate::pods::GPU_ASSIGNED],
+        "true"
+    );
+    assert_eq!(rig.mgr.allocations().len(), 1, "kubelet holds it: kept");
+}
+
+#[tokio::test]
+async fn restore_drops_allocations_on_gpus_that_changed_and_removes_orphan_directories() {
+    let allocs = vec![checkpoint::Allocation {
+        pod_name: "a".into(),
+        ..checkpoint::sample_share("uid-a", 0)
+    }];
+    let other_gpus = vec!["GPU-replaced".to_string(), "GPU-1".to_string()];
+    let rig = Rig::with_checkpoint(MemoryCheckpoint::with_payload(checkpoint::encode(
+        &other_gpus,
+        &allocs,
+    )));
+    rig.pods.put(pod("a", 30, 4, json!({})));
+    let orphan = rig.vm_dir("uid-gone", "c");
+    std::fs::create_dir_all(&orphan).unwrap();
+    let report = rig.mgr.restore().await;
+    assert_eq!((report.kept, report.orphans_removed), (0, 1));
+    assert!(rig.mgr.allocations().is_empty());
+    assert!(!orphan.exists());
+    // The record is rewritten for this node's GPUs.
+    let (uuids, saved) = rig.checkpoint.saved().unwrap();
+    assert_eq!((uuids[0].as_str(), saved.len()), ("GPU-0", 0));
+}
