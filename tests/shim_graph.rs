@@ -15,7 +15,7 @@ mod simnode;
 use simnode::{Container, ShimNode};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Stdio};
 use std::sync::atomic::Ordering;
 use vcuda_tests::{target_dir, workspace_root};
@@ -45,7 +45,7 @@ fn kv(text: &str) -> HashMap<String, String> {
 }
 
 /// Runs `shim_graph args` to the end; its key=value words.
-fn run(c: &Container, prog: &PathBuf, args: &[&str]) -> (HashMap<String, String>, String) {
+fn run(c: &Container, prog: &Path, args: &[&str]) -> (HashMap<String, String>, String) {
     let out = c.command(prog).args(args).output().unwrap();
     let text = format!(
         "{}\nstderr:\n{}",
@@ -72,7 +72,7 @@ struct Stepped {
 }
 
 impl Stepped {
-    fn start(c: &Container, prog: &PathBuf, args: &[&str]) -> Stepped {
+    fn start(c: &Container, prog: &Path, args: &[&str]) -> Stepped {
         let mut child = c
             .command(prog)
             .args(args)
@@ -117,7 +117,7 @@ impl Stepped {
 }
 
 /// What both modes print whatever runs them.
-fn check_graphs(c: &Container, prog: &PathBuf, direct: bool) {
+fn check_graphs(c: &Container, prog: &Path, direct: bool) {
     let (e, t) = run(c, prog, &["explicit"]);
     assert_eq!(e["alloc_dptr_set"], "1", "{t}");
     assert_eq!(

@@ -66,9 +66,13 @@ fn table() -> MutexGuard<'static, Table> {
 }
 
 /// The graph launch's cost; 0 (unknown) for an exec the interposer did not
-/// see instantiated.
+/// see instantiated. A graph without kernels (copies only) costs the least
+/// unit, not the unknown launch's 1 ms.
 pub(crate) fn launch_cost(exec: Ptr) -> u64 {
-    table().execs.get(&(exec as usize)).map_or(0, |e| e.cost)
+    table()
+        .execs
+        .get(&(exec as usize))
+        .map_or(0, |e| e.cost.max(1))
 }
 
 /// Whether work submitted to `stream` is being captured (the real driver's
