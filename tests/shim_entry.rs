@@ -253,16 +253,7 @@ fn nvml_only_tools_take_no_slot_and_never_wait_for_the_manager() {
     let m = n.manager(4 * GIB);
     let client = n.c("shim_client.c");
     // A CUDA process of the container holding 1 GiB.
-    let mut c = n.vm.command(&client);
-    c.args(["hold", "1024"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped());
-    let mut holder = Guard(c.spawn().unwrap());
-    let mut line = String::new();
-    BufReader::new(holder.0.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(line.contains("holding"), "{line}");
+    let holder = holder(&n.vm, &client, 1024);
     // 1 GiB, plus what the driver took for the context if that is charged.
     let used = m.ledger().used();
     assert!(used >= GIB, "{used}");
@@ -341,4 +332,76 @@ fn a_manager_hanging_up_mid_registration_never_kills_a_c_host_with_sigpipe() {
     let r = run(c);
     assert_eq!(num(&r, "killed_by_sigpipe"), 0, "{}", r["_stdout"]);
     assert_eq!(num(&r, "refused_cleanly"), 20);
+}
+
+/// Starts `shim_client hold MIB` under `ct` and waits until it holds.
+fn holder(ct: &Container, client: &std::path::Path, mib: u64) -> Guard {
+    let mut c = ct.command(client);
+    c.args(["hold", &mib.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    let mut g = Guard(c.spawn().unwrap());
+    let mut line = String::new();
+    BufReader::new(g.0.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains("holding"), "{line}");
+    g
+}
+
+#[test]
+fn nvidia_smi_in_a_share_shows_the_quota_and_only_the_containers_processes() {
+    let n = Node::new();
+    let m = n.manager(4 * GIB);
+    let client = n.c("shim_client.c");
+    let ours = holder(&n.vm, &client, 1024);
+    let direct = n.sim.direct();
+    let other = holder(&direct, &client, 2048);
+    let smi = n.sim.root().join("usr/bin/nvidia-smi");
+    let run_smi = |ct: &Container, args: &[&str]| {
+        let out = ct.command(&smi).args(args).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "nvidia-smi {args:?}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+    };
+    let apps = |ct: &Container| -> Vec<u32> {
+        run_smi(ct, &["--query-compute-apps=pid", "--format=csv,noheader"])
+            .lines()
+            .map(|l| l.trim().parse().unwrap())
+            .collect()
+    };
+    // On the bare driver nvidia-smi sees both tenants.
+    let all = apps(&direct);
+    assert!(
+        all.contains(&ours.0.id()) && all.contains(&other.0.id()),
+        "{all:?}"
+    );
+    // In the share (it starts at all: its symbols are there), only ours.
+    assert_eq!(apps(&n.vm), vec![ours.0.id()]);
+    let mem = run_smi(
+        &n.vm,
+        &[
+            "--query-gpu=memory.total,memory.used",
+            "--format=csv,noheader,nounits",
+        ],
+    );
+    let v: Vec<u64> = mem.trim().split(", ").map(|x| x.parse().unwrap()).collect();
+    assert_eq!(v[0], 4096, "the quota as the card's memory: {mem}");
+    assert!(
+        v[1] >= 1024 && v[1] < 2048,
+        "the container's use, not the card's: {mem}"
+    );
+    assert_eq!(
+        m.events()
+            .iter()
+            .filter(|e| matches!(e, Event::Registered { .. }))
+            .count(),
+        1,
+        "nvidia-smi did not register"
+    );
+    drop((ours, other));
 }

@@ -128,6 +128,18 @@ fn main() -> ExitCode {
             return ExitCode::from(9);
         }
     };
+    // The real tool resolves NVML's private export table with dlsym and
+    // gives up without it (as under an interposer that does not export it).
+    // SAFETY: only the symbol's presence is checked; it is never called.
+    let internal = unsafe {
+        nvml.lib()
+            .__library
+            .get::<unsafe extern "C" fn()>(b"nvmlInternalGetExportTable\0")
+    };
+    if internal.is_err() {
+        eprintln!("Failed to initialize NVML: Unknown Error");
+        return ExitCode::from(255);
+    }
     let count = match nvml.device_count() {
         Ok(c) => c,
         Err(e) => {
