@@ -10,7 +10,8 @@
 # (default: the first of target/x86_64-unknown-linux-gnu/release (glibc 2.17,
 # as shipped), target/release, target/debug that has all three). --sim installs
 # config/nodes/sim-1gpu.toml with <artifacts>/gpu-sim into a temporary root
-# and runs what needs no PyTorch/nvcc there (those rows: NOT RUN, allowed).
+# (its gpu-sim, else target/debug/gpu-sim) and runs what needs no PyTorch/nvcc
+# there (those rows: NOT RUN, allowed).
 # Other options go to suite.py (--only, --compute-seconds, --json, --keep;
 # `--help`). PYTHON picks the interpreter (default python3).
 set -uo pipefail
@@ -42,10 +43,12 @@ python=${PYTHON:-python3}
 command -v "$python" >/dev/null || { echo "run.sh: $python not found" >&2; exit 2; }
 
 if [ "$sim" = 1 ]; then
-  [ -x "$artifacts/gpu-sim" ] || { echo "run.sh: $artifacts/gpu-sim missing (cargo build -p gpu-sim)" >&2; exit 2; }
+  gpu_sim=$artifacts/gpu-sim
+  [ -x "$gpu_sim" ] || gpu_sim=target/debug/gpu-sim
+  [ -x "$gpu_sim" ] || { echo "run.sh: no gpu-sim in $artifacts or target/debug (cargo build -p gpu-sim)" >&2; exit 2; }
   root=$(mktemp -d /tmp/vcuda-gpu-suite-sim-XXXXXX)
   trap 'rm -rf "$root"' EXIT
-  "$artifacts/gpu-sim" install --node config/nodes/sim-1gpu.toml --root "$root" >/dev/null ||
+  "$gpu_sim" install --node config/nodes/sim-1gpu.toml --root "$root" >/dev/null ||
     { echo "run.sh: gpu-sim install failed" >&2; exit 2; }
   "$python" tests/gpu/suite.py --artifacts "$artifacts" --host-root "$root" --allow-not-run "${rest[@]}"
   exit $?
