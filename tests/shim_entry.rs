@@ -127,6 +127,7 @@ fn cu_get_proc_address_hands_out_the_wrappers_when_the_driver_answers_with_inter
     assert_eq!(num(&r, "gpa_r"), 0);
     assert_eq!(num(&r, "alloc_is_export"), 0, "the sim is adversarial");
     assert!(num(&r, "allocated") > 4, "no quota on the bare driver");
+    let bare_ns = r["gpa_ns"].clone();
 
     // Through the interposer: every enforced entry is our wrapper, the quota
     // holds, and the driver's own refusals come back unchanged.
@@ -143,6 +144,10 @@ fn cu_get_proc_address_hands_out_the_wrappers_when_the_driver_answers_with_inter
         r["_stdout"]
     );
     assert_eq!(m.ledger().refused_allocations(), 1);
+    eprintln!(
+        "cuGetProcAddress_v2(\"cuMemAlloc\"): {bare_ns} ns on the sim, {} ns through the interposer",
+        r["gpa_ns"]
+    );
     for (k, v) in [
         ("gpa_r", 0),
         ("gpa_status", 0),
@@ -295,7 +300,9 @@ fn nvml_only_tools_take_no_slot_and_never_wait_for_the_manager() {
     m.crash();
     let t = Instant::now();
     let r = nvml_only();
-    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    let took = t.elapsed();
+    eprintln!("NVML-only tool with the manager down: {took:?}");
+    assert!(took < Duration::from_secs(30), "{took:?}");
     assert_eq!(
         (num(&r, "total"), num(&r, "used")),
         (4 * GIB as i64, used as i64)

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cuda_driver.h"
@@ -59,6 +60,12 @@ static int mode_procaddr(size_t chunk) {
   st = -1;
   r = cuGetProcAddress_v2("cuMemAllocAsync", &q, 11000, 0, &st);
   printf("old_r=%d old_status=%d ", r, st);
+  /* What a lookup costs (cuda-bindings makes ~500 at import). */
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (int i = 0; i < 100000; i++) cuGetProcAddress_v2("cuMemAlloc", &q, 12000, 0, &st);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  printf("gpa_ns=%.1f ", ((t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec)) / 100000.0);
   if (!alloc || !f) {
     printf("allocated=0 last=-1\n");
     return 0;
