@@ -12,9 +12,9 @@ log() { printf '\n==> %s\n' "$*"; }
 # floor"): `cargo zigbuild` with zig from PyPI's ziglang as the linker. Same
 # pins as deploy/Dockerfile (tests/glibc_floor.rs checks they agree). Tools
 # and the old distribution root are cached outside the checkout, keyed by
-# version, so only a machine's first run pays for them (about 5 minutes on 2
-# cores: cargo-zigbuild's build ~2.3 min, the release zig build ~1.3 min,
-# debootstrap ~1.3 min, ziglang ~15 s).
+# version, so only a machine's first run pays for them (4 to 5 minutes on 2
+# busy cores: building cargo-zigbuild 2 min, the release zig build 1.3 min,
+# debootstrap 1 min, ziglang 15 s; later runs: an incremental zig build).
 ZIGLANG_VERSION=0.15.2
 CARGO_ZIGBUILD_VERSION=0.24.1
 VCUDA_CACHE=${VCUDA_CACHE:-/var/cache/vcuda}
