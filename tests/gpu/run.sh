@@ -50,7 +50,7 @@ if [ "$sim" = 1 ]; then
   trap 'rm -rf "$root"' EXIT
   "$gpu_sim" install --node config/nodes/sim-1gpu.toml --root "$root" >/dev/null ||
     { echo "run.sh: gpu-sim install failed" >&2; exit 2; }
-  "$python" tests/gpu/suite.py --artifacts "$artifacts" --host-root "$root" --allow-not-run "${rest[@]}"
+  "$python" tests/gpu/suite.py --artifacts "$artifacts" --host-root "$root" --sim --allow-not-run "${rest[@]}"
   exit $?
 fi
 if ! command -v nvidia-smi >/dev/null && [ ! -e /dev/nvidiactl ]; then

@@ -47,7 +47,7 @@ class Node:
     def __init__(self, a, work):
         self.work = work
         self.libdir, self.workers = HERE / "lib", HERE / "workers"
-        self.sim = a.host_root != "/"
+        self.sim = a.sim
         self.compute_seconds, self.compute_warmup = a.compute_seconds, a.compute_warmup
         art = pathlib.Path(a.artifacts)
         self.interposer = art / "libvcuda.so"
@@ -101,6 +101,8 @@ def main():
     ap.add_argument("--artifacts", default=str(REPO / "target" / "release"),
                     help="directory with libvcuda.so, vdriver-mirror, examples/test_manager")
     ap.add_argument("--host-root", default="/", help="the driver's root (a `gpu-sim install` root for the sim)")
+    ap.add_argument("--sim", action="store_true",
+                    help="--host-root is a `gpu-sim install` root: mirror inside it, kernels from a fake image")
     ap.add_argument("--only", default="", help="comma-separated case ids: " + ",".join(c[0] for c in CASES))
     ap.add_argument("--allow-not-run", action="store_true", help="NOT RUN rows do not fail the run")
     ap.add_argument("--compute-seconds", type=float, default=10.0, help="measured window of the 30 %% cases")
@@ -109,6 +111,8 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     a = ap.parse_args()
     only = [x for x in a.only.split(",") if x]
+    if a.sim and a.host_root == "/":
+        ap.error("--sim needs --host-root (a gpu-sim install root)")
     unknown = set(only) - {c[0] for c in CASES}
     if unknown:
         ap.error(f"unknown case ids {sorted(unknown)}")
