@@ -107,6 +107,8 @@ def main():
     ap.add_argument("--allow-not-run", action="store_true", help="NOT RUN rows do not fail the run")
     ap.add_argument("--compute-seconds", type=float, default=10.0, help="measured window of the 30 %% cases")
     ap.add_argument("--compute-warmup", type=float, default=4.0, help="throttled run before that window")
+    ap.add_argument("--budget", type=float, default=420.0,
+                    help="start no case after this many seconds (the device machine allows 600 per command)")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     a = ap.parse_args()
@@ -130,6 +132,9 @@ def main():
             t0 = time.monotonic()
             if node is None:
                 rows.append(Row(label, "", "setup failed", NOT_RUN))
+                continue
+            if time.monotonic() - t_start > a.budget:
+                rows.append(Row(label, "", f"the suite's {a.budget:.0f} s budget was spent", NOT_RUN))
                 continue
             try:
                 got = fn(node)
