@@ -29,6 +29,7 @@ if [ "$(id -u)" != 0 ]; then
   echo "tests/run.sh: run as root: it installs Debian packages, creates device nodes and starts dockerd" >&2
   exit 2
 fi
+mkdir -p "$VCUDA_CACHE"
 
 log "system packages"
 need=()
