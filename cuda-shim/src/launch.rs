@@ -2,13 +2,13 @@
 //! ([`crate::throttle::before_launch`]) when the process enforces quotas,
 //! unless it is being captured into a graph ([`crate::graph`]); a graph
 //! launch is charged its kernel nodes.
-//! Hot path: two relaxed loads (enforcing, captures), the hook, one
-//! indirect call.
+//! Hot path: one relaxed load, the hook (plus one relaxed load, active
+//! captures, when a compute limit applies), one indirect call.
 
 use crate::config::ENFORCING;
 use crate::graph::{captured, launch_cost};
 use crate::real::real_cuda;
-use crate::throttle::{before_launch, kernel_cost};
+use crate::throttle::{before_launch, before_launch_unless, kernel_cost};
 use cuda_abi::CUresult;
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
@@ -42,8 +42,8 @@ fn hook(cost: impl FnOnce() -> u64) {
 /// not charged (its graph's launches are). `ptsz`: a per-thread variant.
 #[inline(always)]
 fn hook_on(stream: Ptr, ptsz: bool, cost: impl FnOnce() -> u64) {
-    if ENFORCING.load(Ordering::Relaxed) && !captured(stream, ptsz) {
-        before_launch(cost);
+    if ENFORCING.load(Ordering::Relaxed) {
+        before_launch_unless(|| captured(stream, ptsz), cost);
     }
 }
 

@@ -52,8 +52,16 @@ const IDLE_TICK: Duration = Duration::from_millis(100);
 /// path budget is a few ns over the driver.
 #[inline(always)]
 pub fn before_launch(cost: impl FnOnce() -> u64) {
+    before_launch_unless(|| false, cost)
+}
+
+/// [`before_launch`] for a launch onto a stream: `captured` (is it being
+/// recorded into a graph, not run? see `crate::graph`) is asked only when
+/// the container has a compute limit; a captured launch is not charged.
+#[inline(always)]
+pub fn before_launch_unless(captured: impl FnOnce() -> bool, cost: impl FnOnce() -> u64) {
     let p = BUCKET.load(Ordering::Acquire);
-    if p.is_null() {
+    if p.is_null() || captured() {
         return;
     }
     // SAFETY: set only to a mapping that is never unmapped.

@@ -39,7 +39,7 @@ struct Seq {
     graph: u64,
     origin: usize,
     /// cuStreamBeginCaptureToGraph: the graph is the caller's.
-    _into_existing: bool,
+    into_existing: bool,
 }
 
 #[derive(Default)]
@@ -168,6 +168,31 @@ pub(crate) fn wait_event(t: Target, ev: *mut c_void) -> R<bool> {
     Ok(true)
 }
 
+/// `cuStreamDestroy` hook: a destroyed stream leaves its capture (its
+/// address may be reused); destroying the origin abandons the capture.
+pub(crate) fn stream_destroyed(t: Target) {
+    if CAPTURING.load(Relaxed) == 0 {
+        return;
+    }
+    let Some(k) = key(t) else { return };
+    let mut st = graph::state();
+    let c = &mut st.capture;
+    let Some(cs) = c.streams.remove(&k) else {
+        return;
+    };
+    CAPTURING.fetch_sub(1, Relaxed);
+    if c.seqs[&cs.seq].origin == k {
+        let before = c.streams.len();
+        c.streams.retain(|_, s| s.seq != cs.seq);
+        CAPTURING.fetch_sub(before - c.streams.len(), Relaxed);
+        c.events.retain(|_, (s, _)| *s != cs.seq);
+        let seq = c.seqs.remove(&cs.seq).unwrap();
+        if !seq.into_existing {
+            st.destroy_graph(seq.graph);
+        }
+    }
+}
+
 unsafe fn begin(h: *mut c_void, mode: u32, ptsz: bool, into: Option<(u64, Vec<u64>)>) -> R {
     drv()?;
     if mode > 2 {
@@ -200,7 +225,7 @@ unsafe fn begin(h: *mut c_void, mode: u32, ptsz: bool, into: Option<(u64, Vec<u6
         Seq {
             graph,
             origin: k,
-            _into_existing: existing,
+            into_existing: existing,
         },
     );
     c.streams.insert(k, CapStream { seq, deps });

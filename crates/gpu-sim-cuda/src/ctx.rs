@@ -256,7 +256,8 @@ unsafe fn stream_create(out: *mut *mut c_void, flags: u32, priority: i32) -> R {
 unsafe fn stream_destroy(h: *mut c_void) -> R {
     drv()?;
     match unsafe { Target::of(h, false)? } {
-        Target::Stream(s) => {
+        t @ Target::Stream(s) => {
+            crate::capture::stream_destroyed(t);
             // Work still queued completes on the simulated device anyway.
             let s = s as *const Stream as *mut Stream;
             unsafe {

@@ -176,8 +176,11 @@ impl Graphs {
 
     /// Adds a node after `deps` (which must be nodes of `graph`).
     pub fn add(&mut self, graph: u64, deps: &[u64], kind: Kind) -> R<u64> {
-        let nodes = self.graphs.get(&graph).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        if deps.iter().any(|d| !nodes.contains(d)) {
+        if !self.graphs.contains_key(&graph)
+            || deps
+                .iter()
+                .any(|d| self.nodes.get(d).is_none_or(|n| n.graph != graph))
+        {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let n = self.fresh(NODE_TAG);
@@ -196,7 +199,7 @@ impl Graphs {
             .ok_or(CUDA_ERROR_INVALID_VALUE)
     }
 
-    fn destroy_graph(&mut self, g: u64) {
+    pub fn destroy_graph(&mut self, g: u64) {
         for n in self.graphs.remove(&g).unwrap_or_default() {
             if let Some(Node {
                 kind: Kind::Child(c),
