@@ -23,7 +23,6 @@ GLIBC_217_TARGET=x86_64-unknown-linux-gnu.2.17
 # Ubuntu 20.04); VCUDA_OLD_GLIBC_MIRROR if bullseye leaves the main mirror.
 OLD_GLIBC_SUITE=bullseye
 VCUDA_OLD_GLIBC_MIRROR=${VCUDA_OLD_GLIBC_MIRROR:-http://deb.debian.org/debian}
-mkdir -p "$VCUDA_CACHE"
 
 if [ "$(id -u)" != 0 ]; then
   echo "tests/run.sh: run as root: it installs Debian packages, creates device nodes and starts dockerd" >&2
