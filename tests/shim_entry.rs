@@ -258,7 +258,7 @@ fn nvml_only_tools_take_no_slot_and_never_wait_for_the_manager() {
     let m = n.manager(4 * GIB);
     let client = n.c("shim_client.c");
     // A CUDA process of the container holding 1 GiB.
-    let holder = holder(&n.vm, &client, 1024);
+    let ours = holder(&n.vm, &client, 1024);
     // 1 GiB, plus what the driver took for the context if that is charged.
     let used = m.ledger().used();
     assert!(used >= GIB, "{used}");
@@ -306,6 +306,23 @@ fn nvml_only_tools_take_no_slot_and_never_wait_for_the_manager() {
     assert_eq!(
         (num(&r, "total"), num(&r, "used")),
         (4 * GIB as i64, used as i64)
+    );
+    // A tool that cannot read the ledger (here: it is gone; in a pod, a
+    // non-root user): the driver's per-process use of the container's PIDs,
+    // not the card's (another tenant holds 2 GiB more).
+    let direct = n.sim.direct();
+    let other = holder(&direct, &client, 2048);
+    std::fs::rename(
+        n.vm.path().join(container_ledger::LEDGER_FILE),
+        n.vm.path().join("ledger.moved"),
+    )
+    .unwrap();
+    let r = nvml_only();
+    let seen = num(&r, "used") as u64;
+    assert_eq!(num(&r, "total"), 4 * GIB as i64);
+    assert!(
+        (GIB..2 * GIB).contains(&seen),
+        "{seen}: the holder's 1 GiB and its context"
     );
     drop(holder);
 }
