@@ -324,7 +324,7 @@ fn nvml_only_tools_take_no_slot_and_never_wait_for_the_manager() {
         (GIB..2 * GIB).contains(&seen),
         "{seen}: the holder's 1 GiB and its context"
     );
-    drop(holder);
+    drop((ours, other));
 }
 
 #[test]
