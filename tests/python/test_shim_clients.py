@@ -214,3 +214,34 @@ def test_pynvml_sees_the_quota_and_only_the_containers_processes(shim_node):
     assert out["detail"] == [out["me"]], out
     assert out["acct"] == [out["me"]], out
     assert out["other_stats"] == "not found"
+
+
+def test_pynvml_alone_neither_registers_nor_waits_for_a_missing_manager(shim_node, tmp_path):
+    # The container's config, but no manager behind vcuda.sock: a CUDA
+    # process would wait for it (60 s here) and fail closed; an NVML-only
+    # tool answers at once from the ledger file, without a slot.
+    root, lib64, cfg = shim_node
+    lonely = tmp_path / "vm"
+    lonely.mkdir()
+    shutil.copy2(cfg / "vcuda.config", lonely / "vcuda.config")
+    shutil.copy2(cfg / "ledger", lonely / "ledger")
+    p = run_client(
+        root,
+        textwrap.dedent("""
+            import json, time, pynvml as N
+            t = time.monotonic()
+            N.nvmlInit()
+            h = N.nvmlDeviceGetHandleByIndex(0)
+            m = N.nvmlDeviceGetMemoryInfo(h)
+            procs = N.nvmlDeviceGetComputeRunningProcesses(h)
+            N.nvmlShutdown()
+            print(json.dumps({"total": m.total, "secs": time.monotonic() - t}))
+            """),
+        env={"LD_LIBRARY_PATH": str(lib64), "VCUDA_CONFIG_DIR": str(lonely),
+             "VCUDA_REGISTER_TIMEOUT_MS": "60000"},
+        timeout=50,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["total"] == QUOTA
+    assert out["secs"] < 30, out
