@@ -1,0 +1,69 @@
+//! The kubelet's gRPC contracts for a DRA driver.
+//!
+//! * [`dra::v1`], [`dra::v1beta1`]: `DRAPlugin` (NodePrepareResources,
+//!   NodeUnprepareResources), served by the driver. Kubelets from 1.34 call
+//!   v1; older ones v1beta1. The messages are the same apart from
+//!   `Device.share_id` (v1 only).
+//! * [`pluginregistration`]: `Registration` (GetInfo,
+//!   NotifyRegistrationStatus), served by the driver on a socket in the
+//!   kubelet's `plugins_registry` directory.
+
+pub mod dra {
+    pub mod v1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+
+        /// The service name listed in `PluginInfo.supported_versions`.
+        pub const SERVICE: &str = "v1.DRAPlugin";
+    }
+    pub mod v1beta1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+
+        /// The service name listed in `PluginInfo.supported_versions`.
+        pub const SERVICE: &str = "v1beta1.DRAPlugin";
+    }
+}
+
+pub mod pluginregistration {
+    tonic::include_proto!("pluginregistration");
+
+    /// `PluginInfo.type` of a DRA driver.
+    pub const DRA_PLUGIN: &str = "DRAPlugin";
+    /// The kubelet's default registration directory.
+    pub const REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry";
+    /// The kubelet's default directory for plugins' own sockets.
+    pub const PLUGINS_DIR: &str = "/var/lib/kubelet/plugins";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prost::Message;
+
+    /// Field numbers as the kubelet has them: a `Device` encoded by hand
+    /// with tags 1..5 decodes into the right fields.
+    #[test]
+    fn device_field_numbers() {
+        let d = dra::v1::Device {
+            request_names: vec!["gpu".into()],
+            pool_name: "node-a".into(),
+            device_name: "gpu-0".into(),
+            cdi_device_ids: vec!["vcuda.tencent.com/gpu=x".into()],
+            share_id: Some("s".into()),
+        };
+        let b = d.encode_to_vec();
+        // Tag bytes: (field << 3) | 2 for length-delimited.
+        for (field, want) in [(1u8, "gpu"), (2, "node-a"), (3, "gpu-0"), (5, "s")] {
+            let tag = (field << 3) | 2;
+            let at = b.iter().position(|&x| x == tag).unwrap();
+            assert_eq!(
+                &b[at + 2..at + 2 + want.len()],
+                want.as_bytes(),
+                "field {field}"
+            );
+        }
+        // v1beta1 has no field 5: it is skipped, the rest decodes.
+        let old = dra::v1beta1::Device::decode(b.as_slice()).unwrap();
+        assert_eq!(old.device_name, "gpu-0");
+        assert_eq!(old.cdi_device_ids, d.cdi_device_ids);
+    }
+}
