@@ -216,7 +216,7 @@ fn demo_in_docker_containers() {
 #[test]
 fn demo_as_processes_in_mount_namespaces() {
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: the demo without Docker needs root (mount namespaces)");
+        vcuda_tests::cannot_run("the demo without Docker needs root (mount namespaces)");
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

@@ -38,6 +38,8 @@ pub struct Env {
 pub struct Options {
     pub share_mode: bool,
     pub quiet_s: u64,
+    /// More manager flags (a restart from its argv keeps them).
+    pub extra_args: Vec<std::ffi::OsString>,
 }
 
 impl Default for Options {
@@ -45,6 +47,7 @@ impl Default for Options {
         Options {
             share_mode: true,
             quiet_s: 2,
+            extra_args: Vec::new(),
         }
     }
 }
@@ -107,6 +110,7 @@ impl Env {
         if opts.share_mode {
             cmd.arg("--share-mode");
         }
+        cmd.args(&opts.extra_args);
         let started = Instant::now();
         let manager = cmd.spawn().unwrap();
         let mut env = Env {

@@ -191,28 +191,35 @@ const GIB: u64 = 1 << 30;
 
 fn setup() -> Option<(Docker, tempfile::TempDir)> {
     let docker = Docker::get()?;
+    Some((docker, tempfile::tempdir().unwrap()))
+}
+
+/// The manager's options for these tests: the interposer in the `nvidia`
+/// volume from the first start, and the test's Docker engine (flags, not
+/// the environment: a restart re-runs the same argv, and tests run in
+/// parallel threads).
+fn docker_options(docker: &Docker) -> Options {
     let shim = target_dir().join("libvcuda.so");
     assert!(
         shim.is_file(),
         "{} missing: cargo build --workspace",
         shim.display()
     );
-    // Inherited by the manager Env::start spawns: the interposer in the
-    // `nvidia` volume from the first start, and the test's Docker engine.
-    unsafe {
-        std::env::set_var("GPU_MANAGER_INTERPOSER", &shim);
-        std::env::set_var(
-            "GPU_MANAGER_CONTAINER_RUNTIME_ENDPOINT",
-            docker.host.clone(),
-        );
+    Options {
+        extra_args: vec![
+            "--interposer".into(),
+            shim.into(),
+            "--container-runtime-endpoint".into(),
+            docker.host.clone().into(),
+        ],
+        ..Options::default()
     }
-    Some((docker, tempfile::tempdir().unwrap()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_books() {
     let Some((docker, bin)) = setup() else { return };
-    let mut env = Env::start("sim-1gpu", Options::default()).await;
+    let mut env = Env::start("sim-1gpu", docker_options(&docker)).await;
     compile_c("shim_client", &env.sim, bin.path());
     let mut w = Workload {
         docker,
@@ -467,7 +474,7 @@ async fn kubelet_restart_during_load_loses_no_allocation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_only_checkpoint_dir_refuses_allocate_and_keeps_the_previous_file() {
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root for a read-only bind mount");
+        vcuda_tests::cannot_run("needs root for a read-only bind mount");
         return;
     }
     let mut env = Env::start("sim-1gpu", Options::default()).await;

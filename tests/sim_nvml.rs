@@ -412,7 +412,7 @@ fn container_process_is_reported_by_host_pid() {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        eprintln!("skipped: cannot create a PID namespace here (unshare --pid)");
+        vcuda_tests::cannot_run("cannot create a PID namespace here (unshare --pid)");
         return;
     }
     let r = install(NODE3);

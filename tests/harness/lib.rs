@@ -149,6 +149,16 @@ pub struct Docker {
     pub image: String,
 }
 
+/// A test that cannot run on this machine: where tests/run.sh (and so CI)
+/// says everything must run (`VCUDA_REQUIRE_ALL=1`), this fails the test;
+/// elsewhere it says why it skips. Returns so the caller can `return`.
+pub fn cannot_run(reason: &str) {
+    if std::env::var("VCUDA_REQUIRE_ALL").as_deref() == Ok("1") {
+        panic!("VCUDA_REQUIRE_ALL=1 but this test cannot run here: {reason}");
+    }
+    eprintln!("skipped: {reason}");
+}
+
 impl Docker {
     /// The engine, if one answers. When `VCUDA_REQUIRE_DOCKER=1` (set by
     /// tests/run.sh) a missing engine fails the test instead of skipping it.
