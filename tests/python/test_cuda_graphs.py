@@ -2,9 +2,11 @@
 simulated driver: every entry point is resolved through cuGetProcAddress_v2
 with the bindings' own versions (cuGraphInstantiate -> WithFlags,
 cuStreamGetCaptureInfo -> _v3, ...), so this checks the names and struct
-layouts a real client uses."""
+layouts a real client uses. The last test runs under the interposer
+(test_shim_clients.py's node and stand-in manager, a 4 GiB quota)."""
 
 from test_cuda_bindings import client
+from test_shim_clients import GIB, shim_client, shim_node  # noqa: F401 (fixture)
 
 
 def test_capture_instantiate_launch(sim_root):
@@ -98,3 +100,37 @@ def test_explicit_kernel_nodes_and_update(sim_root):
     )
     assert 2.0 <= out["before"] < 10.0
     assert out["after"] >= 11.0
+
+
+def test_graph_memory_is_held_to_the_quota_under_the_interposer(shim_node):
+    out = shim_client(
+        shim_node,
+        """
+        ok(d.cuInit(0))
+        dev = ok(d.cuDeviceGet(0))
+        ctx = ok(d.cuCtxCreate(None, 0, dev))
+        s = ok(d.cuStreamCreate(0))
+        def alloc_graph(nbytes):
+            g = ok(d.cuGraphCreate(0))
+            p = d.CUDA_MEM_ALLOC_NODE_PARAMS()
+            p.poolProps.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            p.poolProps.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            p.poolProps.location.id = 0
+            p.bytesize = nbytes
+            ok(d.cuGraphAddMemAllocNode(g, None, 0, p))
+            return g
+        free0 = ok(d.cuMemGetInfo())[0]
+        big = int(d.cuGraphInstantiate(alloc_graph(5 << 30), 0)[0])
+        e = ok(d.cuGraphInstantiate(alloc_graph(1 << 30), 0))
+        ok(d.cuGraphLaunch(e, s))
+        ok(d.cuStreamSynchronize(s))
+        free1 = ok(d.cuMemGetInfo())[0]
+        ok(d.cuGraphExecDestroy(e))
+        ok(d.cuDeviceGraphMemTrim(dev))
+        free2 = ok(d.cuMemGetInfo())[0]
+        print(json.dumps({"big": big, "held": free0 - free1, "after_trim": free0 - free2}))
+        """,
+    )
+    assert out["big"] == 2  # CUDA_ERROR_OUT_OF_MEMORY: 5 GiB over a 4 GiB quota
+    assert out["held"] == GIB
+    assert out["after_trim"] == 0
