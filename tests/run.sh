@@ -42,6 +42,28 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
+log "kubernetes (the real-node suite, tests/k8s)"
+# A real single node (tests/k8s_node.rs): Debian's etcd, containerd, runc and
+# CNI plugins, and kubelet/apiserver/scheduler/controller-manager/kubectl
+# built from Debian's kubernetes source package, cached by version outside
+# the checkout (/var/cache/vcuda/k8s-<version>; a cold build is ~10-15 min).
+k8s_need=()
+command -v etcd >/dev/null 2>&1 || k8s_need+=(etcd-server)
+command -v containerd >/dev/null 2>&1 || k8s_need+=(containerd)
+command -v runc >/dev/null 2>&1 || k8s_need+=(runc)
+[ -x /usr/lib/cni/bridge ] || k8s_need+=(containernetworking-plugins)
+command -v openssl >/dev/null 2>&1 || k8s_need+=(openssl)
+command -v curl >/dev/null 2>&1 || k8s_need+=(curl)
+command -v ip >/dev/null 2>&1 || k8s_need+=(iproute2)
+[ -f /usr/lib/x86_64-linux-gnu/libc.a ] || k8s_need+=(libc6-dev)
+if [ ${#k8s_need[@]} -gt 0 ]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${k8s_need[@]}" >/dev/null
+fi
+VCUDA_K8S_BIN=$(bash tests/k8s/build-kubernetes.sh | tail -n1)
+export VCUDA_K8S_BIN
+export VCUDA_REQUIRE_K8S=1
+
 log "python packages"
 python3 -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
 # zig, the linker of the glibc-2.17 interposer build (cargo-zigbuild runs it

@@ -65,11 +65,25 @@ unset GOFLAGS
 cd "$GOPATH/src/k8s.io/kubernetes"
 log "make generated_files ($(go version))"
 make generated_files >"$WORK/generated.log" 2>&1 || { tail -n 40 "$WORK/generated.log" >&2; exit 1; }
+# The version the binaries report (node.status.nodeInfo.kubeletVersion,
+# /version), as hack/lib/version.sh sets it: the upstream release inside
+# the Debian version ("+really1.20.2").
+UPSTREAM=${K8S_SRC_VERSION##*really}
+UPSTREAM=${UPSTREAM%%-*}
+MAJOR=${UPSTREAM%%.*}
+MINOR=${UPSTREAM#*.}
+MINOR=${MINOR%%.*}
+LDFLAGS=""
+for pkg in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
+  v="k8s.io/kubernetes/vendor/$pkg"
+  LDFLAGS="$LDFLAGS -X $v.gitVersion=v$UPSTREAM -X $v.gitMajor=$MAJOR -X $v.gitMinor=$MINOR"
+  LDFLAGS="$LDFLAGS -X $v.gitTreeState=archive -X $v.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+done
 mkdir -p "$DEST/bin"
 for b in "${BINS[@]}"; do
   [ -x "$DEST/bin/$b" ] && continue
-  log "go build ./cmd/$b"
-  go build -o "$WORK/$b" "./cmd/$b"
+  log "go build ./cmd/$b (v$UPSTREAM)"
+  go build -ldflags "$LDFLAGS" -o "$WORK/$b" "./cmd/$b"
   mv "$WORK/$b" "$DEST/bin/$b"
 done
 log "built: $DEST/bin"

@@ -56,7 +56,9 @@ int main(int argc, char **argv) {
   CUresult (*init)(unsigned) = get("cuInit");
   CUresult (*device_get)(CUdevice *, int) = get("cuDeviceGet");
   CUresult (*total_mem)(size_t *, CUdevice) = get("cuDeviceTotalMem");
-  CUresult (*ctx_create)(CUcontext *, unsigned, CUdevice) = get("cuCtxCreate");
+  /* cudart's context: the primary one (cuCtxCreate at 12.x is _v3/_v4). */
+  CUresult (*retain)(CUcontext *, CUdevice) = get("cuDevicePrimaryCtxRetain");
+  CUresult (*set_current)(CUcontext) = get("cuCtxSetCurrent");
   CUresult (*mem_info)(size_t *, size_t *) = get("cuMemGetInfo");
   CUresult (*mem_alloc)(CUdeviceptr *, size_t) = get("cuMemAlloc");
   CUresult (*mem_free)(CUdeviceptr) = get("cuMemFree");
@@ -65,7 +67,8 @@ int main(int argc, char **argv) {
   CUcontext ctx;
   check(init(0), "cuInit");
   check(device_get(&dev, 0), "cuDeviceGet");
-  check(ctx_create(&ctx, 0, dev), "cuCtxCreate");
+  check(retain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  check(set_current(ctx), "cuCtxSetCurrent");
   size_t dt = 0, f = 0, t = 0;
   check(total_mem(&dt, dev), "cuDeviceTotalMem");
   check(mem_info(&f, &t), "cuMemGetInfo");
