@@ -249,5 +249,19 @@ fn captured_launches_are_free_and_a_graph_launch_costs_its_kernels() {
         18 * one,
         "graph launches charged {graphs}, one kernel {one}"
     );
+    r.resume();
+    r.reach("explicit");
+    let at = requested();
+    let explicit = at - r0 - graphs - one;
+    assert_eq!(explicit, 2 * one, "a graph of two kernels");
+    r.resume();
+    r.reach("setparams");
+    // The second node now has 10x the blocks: charged as 1 + 10 kernels.
+    let updated = requested() - at;
+    assert!(
+        updated > 4 * explicit,
+        "after cuGraphExecKernelNodeSetParams: {updated}, before {explicit}"
+    );
+
     r.finish();
 }

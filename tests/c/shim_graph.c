@@ -7,7 +7,9 @@
 //        shim_graph capture       graph captured from two streams; launched once
 //        shim_graph charge        (each step acknowledged on stdin) set up,
 //                                 capture, launch the graph 3 times, launch
-//                                 one kernel directly
+//                                 one kernel directly, launch a graph of 2
+//                                 kernel nodes, again after giving the
+//                                 second 10x the blocks
 //        shim_graph mem MIB...    (each step acknowledged on stdin) set up;
 //                                 one exec per size with a graph alloc node;
 //                                 destroy them all; trim
@@ -86,6 +88,7 @@ CUresult cuGraphGetNodes(CUgraph g, CUgraphNode *nodes, size_t *n);
 CUresult cuGraphNodeGetType(CUgraphNode n, int *type);
 CUresult cuGraphKernelNodeGetParams_v2(CUgraphNode n, KernelParams *p);
 CUresult cuGraphMemAllocNodeGetParams(CUgraphNode n, AllocParams *p);
+CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec e, CUgraphNode n, const KernelParams *p);
 CUresult cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags);
 CUresult cuGraphLaunch(CUgraphExec e, CUstream s);
 CUresult cuGraphExecDestroy(CUgraphExec e);
@@ -286,6 +289,23 @@ int main(int argc, char **argv) {
     launch(s);
     check(cuStreamSynchronize(s), "cuStreamSynchronize");
     phase("direct");
+    // Two kernel nodes; then the second gets 10x the blocks.
+    CUgraph g2;
+    CUgraphNode n1, n2;
+    KernelParams kp = {f, {86400, 1, 1}, {256, 1, 1}, 0, NULL, NULL, NULL, NULL};
+    check(cuGraphCreate(&g2, 0), "cuGraphCreate");
+    check(cuGraphAddKernelNode_v2(&n1, g2, NULL, 0, &kp), "cuGraphAddKernelNode");
+    check(cuGraphAddKernelNode_v2(&n2, g2, &n1, 1, &kp), "cuGraphAddKernelNode");
+    CUgraphExec e2;
+    check(cuGraphInstantiateWithFlags(&e2, g2, 0), "cuGraphInstantiate");
+    check(cuGraphLaunch(e2, s), "cuGraphLaunch");
+    check(cuStreamSynchronize(s), "cuStreamSynchronize");
+    phase("explicit");
+    kp.grid[0] = 864000;
+    check(cuGraphExecKernelNodeSetParams_v2(e2, n2, &kp), "cuGraphExecKernelNodeSetParams");
+    check(cuGraphLaunch(e2, s), "cuGraphLaunch");
+    check(cuStreamSynchronize(s), "cuStreamSynchronize");
+    phase("setparams");
   } else if (!strcmp(mode, "mem")) {
     CUgraphExec execs[16];
     int n = 0;
