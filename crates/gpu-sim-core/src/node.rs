@@ -580,6 +580,21 @@ nvlink = 4
     }
 
     #[test]
+    fn context_overhead_defaults_to_zero_and_must_fit_the_card() {
+        let n = NodeSpec::parse(TWO, "x").unwrap();
+        assert_eq!(n.gpus[0].context_overhead_bytes(), 0);
+        let text = TWO.replacen("minor = 0", "minor = 0\ncontext_overhead_mib = 300", 1);
+        let n = NodeSpec::parse(&text, "x").unwrap();
+        assert_eq!(n.gpus[0].context_overhead_bytes(), 300 << 20);
+        let text = TWO.replacen("minor = 0", "minor = 0\ncontext_overhead_mib = 1024", 1);
+        let err = NodeSpec::parse(&text, "x").unwrap_err().to_string();
+        assert!(
+            err.contains("gpu[0].context_overhead_mib") && err.contains("below memory_mib"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn bad_link_is_refused() {
         let text = TWO.replace("gpus = [0, 1]", "gpus = [0, 5]");
         let err = NodeSpec::parse(&text, "x").unwrap_err().to_string();
