@@ -272,8 +272,12 @@ fn tick_inner() {
         }
         let ctl = c.get_or_insert_with(|| {
             crate::log::log!(Info, "compute controller: this process ({q:?})");
+            let mut ctrl = Controller::new(q);
+            if b.units_per_ms() > 0 {
+                ctrl.seed_scale(1e6 / b.units_per_ms() as f64);
+            }
             Ctl {
-                ctrl: Controller::new(q),
+                ctrl,
                 sampler: None,
                 sampler_error: false,
                 waits: b.waits(),

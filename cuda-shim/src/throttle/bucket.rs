@@ -281,6 +281,12 @@ impl Bucket {
         q.min(self.w[GRANTED].load(Ordering::Acquire))
     }
 
+    /// Cost units of 1 ms of device time, as the controller last learned
+    /// them; 0 while unknown.
+    pub fn units_per_ms(&self) -> u64 {
+        self.w[UNITS_PER_MS].load(Ordering::Relaxed)
+    }
+
     /// Units of stale debt forgiven, ever.
     pub fn forgiven(&self) -> u64 {
         self.w[FORGIVEN].load(Ordering::Relaxed)

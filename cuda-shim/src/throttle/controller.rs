@@ -40,6 +40,8 @@ const M_MIN: f64 = 0.5;
 const M_MAX: f64 = 2.0;
 /// Launch counts older than this are dropped (NVML keeps 5 s of samples).
 const HISTORY_NS: u64 = 6_000_000_000;
+/// Periods a seeded controller needs before its own estimate of the scale.
+const SEEDED_MIN_PERIODS: usize = 3;
 /// Periods in a row with work admitted, the device busy and no sample of
 /// the container's PIDs before the feedback is called blind (1 s).
 const BLIND_PERIODS: u32 = 10;
@@ -126,6 +128,8 @@ pub struct Controller {
     periods: VecDeque<Period>,
     /// Learned ns of device time per cost unit.
     scale: Option<f64>,
+    /// The scale came from the previous controller (see [`Self::seed_scale`]).
+    seeded: bool,
     m: f64,
     /// Periods since the first decision: the integral starts once the
     /// error window holds only periods run under a decided rate (the
@@ -143,6 +147,7 @@ impl Controller {
             launched: VecDeque::new(),
             periods: VecDeque::new(),
             scale: None,
+            seeded: false,
             m: 1.0,
             decided: 0,
         }
@@ -200,14 +205,15 @@ impl Controller {
         while self.periods.len() > SCALE_WINDOW {
             self.periods.pop_front();
         }
-        let (mut busy, mut units) = (0.0, 0u64);
+        let (mut busy, mut units, mut known) = (0.0, 0u64, 0);
         for q in &self.periods {
             if let Some(c) = q.cost {
                 busy += self.seen(q) / 100.0 * q.len_ns as f64;
                 units += c;
+                known += 1;
             }
         }
-        if units > 0 && busy > 0.0 {
+        if units > 0 && busy > 0.0 && (!self.seeded || known >= SEEDED_MIN_PERIODS) {
             self.scale = Some(busy / units as f64);
         }
         let scale = self.scale?;
@@ -284,6 +290,18 @@ impl Controller {
     /// Whether, and why, the container's own use is invisible.
     pub fn blind(&self) -> Option<Blind> {
         self.blind
+    }
+
+    /// Starts from the scale a previous controller of the container learned
+    /// (the bucket keeps it), replaced once [`SEEDED_MIN_PERIODS`] periods
+    /// give an estimate of its own: one period's estimate is noisy (a
+    /// round of launches and its device time can straddle two periods),
+    /// and a lease moving to a new process should not jolt the rate.
+    pub fn seed_scale(&mut self, scale: f64) {
+        if scale.is_finite() && scale > 0.0 && self.scale.is_none() {
+            self.scale = Some(scale);
+            self.seeded = true;
+        }
     }
 
     pub fn scale(&self) -> Option<f64> {
@@ -531,6 +549,35 @@ mod tests {
             }
         }
         assert_eq!(c.check_samples(3_000_000_000), None, "said once");
+    }
+
+    #[test]
+    fn a_seeded_scale_holds_until_three_periods_say_otherwise() {
+        let mut c = Controller::new(Quota {
+            utilization: 50.0,
+            soft_limit: None,
+        });
+        c.seed_scale(2.0);
+        c.record_launched(0, 0);
+        let mut units = 0;
+        for i in 1..=3u64 {
+            units += 1_000_000;
+            c.record_launched(i * P, units);
+            // A noisy estimate (own 90% of 1e6 units: k = 90).
+            let p = Period {
+                end_ns: i * P,
+                len_ns: P,
+                own: 90.0,
+                others: 0.0,
+                cost: c.cost_between((i - 1) * P, i * P),
+            };
+            let d = c.add_period(p, false).unwrap();
+            if i < 3 {
+                assert_eq!(c.scale(), Some(2.0), "period {i}");
+                assert!((d.rate - 0.5 / 2.0).abs() < 1e-12);
+            }
+        }
+        assert!((c.scale().unwrap() - 90.0).abs() < 1e-9);
     }
 
     #[test]
