@@ -572,7 +572,15 @@ async fn xid_takes_a_gpu_out_until_the_quiet_period_ends() {
     };
     // An application Xid (13) changes nothing.
     xid("13");
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    let t = Instant::now();
+    while !env.log_text().contains("Xid ignored (application error)") {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "Xid 13 never reached the manager:\n{}",
+            env.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(gpu_healthy(&env.kubelet.view().borrow(), true));
     let t = Instant::now();
     xid("79");

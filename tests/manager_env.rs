@@ -133,9 +133,6 @@ impl Env {
                 env.log_text()
             )
         });
-        // Let the emulator finish writing its checkpoint for the first
-        // ListAndWatch updates (its writes share one temp file name).
-        tokio::time::sleep(Duration::from_millis(300)).await;
         env
     }
 

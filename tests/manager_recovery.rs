@@ -70,6 +70,30 @@ async fn wait_log(env: &Env, needle: &str, n: usize) -> String {
 
 /// Allocations of the checkpoint by id, without what may legitimately
 /// change (verification flag).
+/// Waits until the checkpoint holds every allocation's vcuda-memory IDs
+/// and verified flag (written lazily after Allocate).
+async fn settled(env: &Env) {
+    let t = Instant::now();
+    loop {
+        let all = env.checkpoint()["allocations"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if !all.is_empty()
+            && all.iter().all(|a| {
+                a["verified"] == true && a["vmemory_ids"].as_array().is_some_and(|v| !v.is_empty())
+            })
+        {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "checkpoint never settled: {all:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn allocs(env: &Env) -> BTreeMap<String, Value> {
     env.checkpoint()["allocations"]
         .as_array()
@@ -328,8 +352,8 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
 
     // No double booking: A and B hold 12 of the GPU's 160 memory units; a
     // request for 150 fits only if the restarted manager forgot them.
+    // (Allocate waits for a just-created pod to reach the manager.)
     let e = env.pod(&[("main", 10, 150)], &[]);
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let err = direct_allocate(&env, 90..100).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
     env.api.delete_pod(&e.namespace, &e.name).unwrap();
@@ -480,8 +504,8 @@ async fn read_only_checkpoint_dir_refuses_allocate_and_keeps_the_previous_file()
     let mut env = Env::start("sim-1gpu", Options::default()).await;
     let a = env.pod(&[("main", 30, 4)], &[]);
     env.admit(&a, "main", 30, 4).await.unwrap();
-    // Let the lazy write (vcuda-memory IDs, verified) settle first.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The lazy write (vcuda-memory IDs, verified) lands first.
+    settled(&env).await;
     let dir = env.checkpoint_dir();
     let slots = || {
         gpu_manager::checkpoint::SLOT_FILES.map(|f| std::fs::read(dir.join(f)).unwrap_or_default())
@@ -544,8 +568,8 @@ async fn single_file_checkpoint_of_an_earlier_version_is_migrated() {
     let mut env = Env::start("sim-1gpu", Options::default()).await;
     let a = env.pod(&[("main", 30, 4)], &[]);
     env.admit(&a, "main", 30, 4).await.unwrap();
-    // Let the lazy write (vcuda-memory IDs, verified) settle first.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The lazy write (vcuda-memory IDs, verified) lands first.
+    settled(&env).await;
     let args = argv(&env);
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
