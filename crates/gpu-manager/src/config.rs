@@ -116,10 +116,15 @@ pub struct Options {
     #[arg(long, env = "GPU_MANAGER_API_TIMEOUT")]
     pub api_timeout: Option<u64>,
     /// Container runtime reconciled with at start and in the periodic check:
-    /// "docker" or "none" [default: docker].
+    /// "auto" (containerd's socket if it exists, else CRI-O's, else
+    /// Docker's, else none), "containerd", "cri-o", "docker", or "none"
+    /// [default: auto].
     #[arg(long, env = "GPU_MANAGER_CONTAINER_RUNTIME")]
     pub container_runtime: Option<String>,
-    /// The runtime's socket [default: unix:///var/run/docker.sock].
+    /// The runtime's socket [default: the runtime's own:
+    /// unix:///run/containerd/containerd.sock, unix:///var/run/crio/crio.sock,
+    /// unix:///var/run/docker.sock]. With "auto", an endpoint that answers
+    /// CRI is a CRI runtime, any other is Docker.
     #[arg(long, env = "GPU_MANAGER_CONTAINER_RUNTIME_ENDPOINT")]
     pub container_runtime_endpoint: Option<String>,
 }
@@ -202,8 +207,9 @@ pub struct Settings {
     pub xid_quiet_period: Duration,
     pub ignored_xids: Vec<u64>,
     pub api_timeout: Duration,
-    /// "docker" or "none".
+    /// One of [`crate::runtime::Kind::NAMES`].
     pub container_runtime: String,
+    /// Empty: the runtime's default socket.
     pub container_runtime_endpoint: String,
 }
 
@@ -246,12 +252,13 @@ impl Settings {
 
     pub fn resolve(o: Options) -> Result<Settings, ConfigError> {
         let driver = o.driver.unwrap_or_else(|| "nvidia".into());
-        let container_runtime = o.container_runtime.unwrap_or_else(|| "docker".into());
-        if !["docker", "none"].contains(&container_runtime.as_str()) {
+        let container_runtime = o.container_runtime.unwrap_or_else(|| "auto".into());
+        if crate::runtime::Kind::parse(&container_runtime).is_none() {
             return Err(ConfigError::Invalid {
                 field: "container-runtime",
                 problem: format!(
-                    "{container_runtime:?} is not supported: \"docker\", or \"none\" to reconcile with kubelet and the API server only"
+                    "{container_runtime:?} is not supported: one of {:?} (\"none\" reconciles with kubelet and the API server only)",
+                    crate::runtime::Kind::NAMES
                 ),
             });
         }
@@ -315,9 +322,7 @@ impl Settings {
                 .unwrap_or_else(|| vec![13, 31, 43, 45, 68, 109]),
             api_timeout: Duration::from_secs(o.api_timeout.unwrap_or(30).max(1)),
             container_runtime,
-            container_runtime_endpoint: o
-                .container_runtime_endpoint
-                .unwrap_or_else(|| "unix:///var/run/docker.sock".into()),
+            container_runtime_endpoint: o.container_runtime_endpoint.unwrap_or_default(),
         })
     }
 
@@ -398,6 +403,21 @@ mod tests {
         };
         let e = Settings::resolve(o).unwrap_err().to_string();
         assert!(e.contains("broken"), "{e}");
+    }
+
+    #[test]
+    fn container_runtime_defaults_to_auto_and_names_the_choices() {
+        let cli = Options::parse_from(["gpu-manager", "--hostname-override", "n"]);
+        let s = Settings::resolve(cli).unwrap();
+        assert_eq!(s.container_runtime, "auto");
+        assert_eq!(s.container_runtime_endpoint, "");
+        let o = Options {
+            container_runtime: Some("rkt".into()),
+            hostname_override: Some("n".into()),
+            ..Default::default()
+        };
+        let e = Settings::resolve(o).unwrap_err().to_string();
+        assert!(e.contains("\"rkt\"") && e.contains("containerd"), "{e}");
     }
 
     #[test]

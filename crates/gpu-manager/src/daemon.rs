@@ -19,7 +19,7 @@ use crate::kube_api::{self, Patcher, PodWatch};
 use crate::kubelet::KubeletRecords;
 use crate::manager::{Manager, ManagerParts};
 use crate::plugin::{VcorePlugin, VmemoryPlugin};
-use crate::runtime::{Docker, NoRuntime};
+use crate::runtime;
 use crate::world::{ContainerRuntime, World};
 use crate::{health, nvml};
 
@@ -135,10 +135,9 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
 
     // 5. State: recovery (checkpoint reconciled with the node), health,
     // display and samples, pod-deletion watch, periodic checks.
-    let runtime: Arc<dyn ContainerRuntime> = match s.container_runtime.as_str() {
-        "none" => Arc::new(NoRuntime),
-        _ => Arc::new(Docker::new(&s.container_runtime_endpoint)),
-    };
+    let kind = runtime::Kind::parse(&s.container_runtime).unwrap_or(runtime::Kind::Auto);
+    let runtime: Arc<dyn ContainerRuntime> =
+        runtime::select(kind, &s.container_runtime_endpoint).await;
     let mgr = Manager::new(ManagerParts {
         settings: s.clone(),
         allocator,

@@ -1,8 +1,14 @@
 //! What the container runtime says runs on the node: Kubernetes containers
-//! (labels `io.kubernetes.*`, as dockershim and cri-dockerd set them), their
-//! state and the host directory mounted at `/etc/vcuda`, behind
-//! [`ContainerRuntime`]. Docker through `bollard`; the CRI v1 socket
-//! (containerd, cri-o) is the next backend.
+//! (labels `io.kubernetes.*`, as kubelet, dockershim and cri-dockerd set
+//! them), their state and the host directory mounted at `/etc/vcuda`,
+//! behind [`ContainerRuntime`]. Docker through `bollard` (here), CRI v1
+//! (containerd, CRI-O) in [`cri`], and which one a node has in [`select`].
+
+mod cri;
+mod select;
+
+pub use cri::{Cri, gpus_from_info, kubernetes_container};
+pub use select::{Kind, select};
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -32,7 +38,8 @@ pub enum RuntimeError {
     },
     #[error("container runtime {endpoint}: no answer within {0:?}", TIMEOUT)]
     Timeout { endpoint: String },
-    /// Any other backend that could not be asked (CRI, a test double).
+    /// Any other backend that could not be asked (CRI: not listening, no
+    /// answer in time, an error status; a test double).
     #[error("container runtime {endpoint}: {reason}")]
     Unreachable { endpoint: String, reason: String },
 }
@@ -59,8 +66,25 @@ pub struct LiveContainer {
 pub struct ContainerGpus {
     /// `NVIDIA_VISIBLE_DEVICES` (GPU UUIDs).
     pub visible: Vec<String>,
-    /// Host paths of its `/dev/nvidia<N>` devices.
+    /// Its `/dev/nvidia<N>` devices, as the container sees them (the
+    /// AllocateResponse names the same path on both sides; the OCI spec
+    /// that CRI-O returns has only this side).
     pub devices: Vec<String>,
+}
+
+/// `NVIDIA_VISIBLE_DEVICES`'s value as a list.
+fn visible_list(v: &str) -> Vec<String> {
+    v.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// `/dev/nvidia<N>`: a GPU (not nvidiactl, nvidia-uvm, ...).
+fn nvidia_minor_path(p: &str) -> bool {
+    p.strip_prefix("/dev/nvidia")
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// Docker (or cri-dockerd's engine) at an endpoint.
@@ -209,13 +233,7 @@ impl ContainerRuntime for Docker {
                 e.strip_prefix("NVIDIA_VISIBLE_DEVICES=")
                     .map(str::to_string)
             })
-            .map(|v| {
-                v.split(',')
-                    .map(str::trim)
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_string)
-                    .collect()
-            })
+            .map(|v| visible_list(&v))
             .unwrap_or_default();
         let devices = info
             .host_config
@@ -223,10 +241,7 @@ impl ContainerRuntime for Docker {
             .unwrap_or_default()
             .into_iter()
             .filter_map(|d| d.path_in_container)
-            .filter(|p| {
-                p.strip_prefix("/dev/nvidia")
-                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-            })
+            .filter(|p| nvidia_minor_path(p))
             .collect();
         Ok(ContainerGpus { visible, devices })
     }
