@@ -19,8 +19,8 @@ use tokio_util::sync::CancellationToken;
 use crate::store::{Event, Kind, Shared, StoreError};
 
 #[derive(Clone)]
-struct App {
-    state: Arc<Shared>,
+pub(crate) struct App {
+    pub(crate) state: Arc<Shared>,
     cancel: CancellationToken,
 }
 
@@ -43,11 +43,12 @@ pub fn router(state: Arc<Shared>, cancel: CancellationToken) -> Router {
             "/apis/events.k8s.io/v1/namespaces/{ns}/events",
             get(list_ns_events).post(create_event),
         )
+        .merge(crate::resource::routes())
         .fallback(not_found)
         .with_state(App { state, cancel })
 }
 
-fn status(code: u16, reason: &str, message: String) -> Response {
+pub(crate) fn status(code: u16, reason: &str, message: String) -> Response {
     let body = json!({
         "kind": "Status", "apiVersion": "v1", "metadata": {},
         "status": "Failure", "message": message, "reason": reason, "code": code,
@@ -190,7 +191,7 @@ fn is_watch(q: &HashMap<String, String>) -> bool {
     matches!(q.get("watch").map(String::as_str), Some("true" | "1"))
 }
 
-async fn list_or_watch(
+pub(crate) async fn list_or_watch(
     app: App,
     kind: Kind,
     ns: Option<String>,
@@ -275,7 +276,7 @@ fn watch(app: App, kind: Kind, sel: Selector, since: u64, timeout: Duration) -> 
 }
 
 #[allow(clippy::result_large_err)] // the error is the HTTP answer
-fn parse_patch(headers: &HeaderMap, body: &Bytes) -> Result<Value, Response> {
+pub(crate) fn parse_patch(headers: &HeaderMap, body: &Bytes) -> Result<Value, Response> {
     let ct = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -359,14 +360,14 @@ async fn create_event(State(app): State<App>, Path(ns): Path<String>, body: Byte
     created(app.state.create(Kind::Event, Some(&ns), v))
 }
 
-fn created(r: Result<Value, StoreError>) -> Response {
+pub(crate) fn created(r: Result<Value, StoreError>) -> Response {
     match r {
         Ok(v) => (StatusCode::CREATED, axum::Json(v)).into_response(),
         Err(e) => store_err(e),
     }
 }
 
-fn ok(r: Result<Value, StoreError>) -> Response {
+pub(crate) fn ok(r: Result<Value, StoreError>) -> Response {
     match r {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => store_err(e),
@@ -387,7 +388,7 @@ async fn create_node(State(app): State<App>, body: Bytes) -> Response {
     }
 }
 
-fn missing(kind: Kind, name: &str) -> Response {
+pub(crate) fn missing(kind: Kind, name: &str) -> Response {
     store_err(StoreError::NotFound {
         kind: kind.kind(),
         name: name.to_string(),

@@ -5,7 +5,9 @@
 //! watch (`watch=true`, JSON lines, from a `resourceVersion`), get, create,
 //! merge / strategic-merge patch and delete; field selectors
 //! (`spec.nodeName=...`, `status.phase=...`, any dotted path) and equality
-//! label selectors. Objects are kept as JSON, so any field a client sends
+//! label selectors. Also events.k8s.io/v1 Events and resource.k8s.io/v1
+//! ResourceSlices, DeviceClasses and ResourceClaims (with PUT and the
+//! claim's status subresource) for the DRA driver. Objects are kept as JSON, so any field a client sends
 //! survives.
 //!
 //! Test hooks: [`ApiServer::inject_conflicts`] makes the next patches answer
@@ -14,6 +16,7 @@
 //! [`ApiServer::pod`], ...) skip HTTP.
 
 mod http;
+mod resource;
 mod store;
 
 use std::net::SocketAddr;
@@ -146,6 +149,42 @@ impl ApiServer {
 
     pub fn node(&self, name: &str) -> Option<Value> {
         self.state.get(Kind::Node, None, name)
+    }
+
+    /// Creates any object of `kind` (resource.k8s.io ones included), as a
+    /// POST would; `namespace` for namespaced kinds without one in metadata.
+    pub fn create(&self, kind: Kind, namespace: Option<&str>, obj: Value) -> Result<Value, Error> {
+        Ok(self.state.create(kind, namespace, obj)?)
+    }
+
+    pub fn get(&self, kind: Kind, namespace: Option<&str>, name: &str) -> Option<Value> {
+        self.state.get(kind, namespace, name)
+    }
+
+    /// Every object of `kind`, in namespace/name order.
+    pub fn list(&self, kind: Kind) -> Vec<Value> {
+        self.state.list(kind)
+    }
+
+    /// Applies a JSON merge patch to any object, as a client's PATCH would.
+    pub fn patch(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+        patch: &Value,
+    ) -> Result<Value, Error> {
+        Ok(self.state.patch(kind, namespace, name, patch)?)
+    }
+
+    pub fn delete(&self, kind: Kind, namespace: Option<&str>, name: &str) -> Result<Value, Error> {
+        Ok(self.state.delete(kind, namespace, name)?)
+    }
+
+    /// Changes (ADDED, MODIFIED, DELETED) recorded for `kind` so far: how a
+    /// test sees that an object was written exactly once.
+    pub fn changes(&self, kind: Kind) -> Vec<(&'static str, Value)> {
+        self.state.history(kind)
     }
 
     /// The next `n` PATCH requests (pods or nodes) answer 409 Conflict.

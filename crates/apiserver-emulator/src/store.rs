@@ -14,24 +14,34 @@ pub enum Kind {
     Node,
     /// events.k8s.io/v1 Event (what `kubectl describe` lists under a pod).
     Event,
+    /// resource.k8s.io/v1 ResourceSlice (cluster-scoped): a DRA driver's devices.
+    ResourceSlice,
+    /// resource.k8s.io/v1 DeviceClass (cluster-scoped).
+    DeviceClass,
+    /// resource.k8s.io/v1 ResourceClaim (namespaced).
+    ResourceClaim,
 }
 
 impl Kind {
     pub fn namespaced(self) -> bool {
-        matches!(self, Kind::Pod | Kind::Event)
+        matches!(self, Kind::Pod | Kind::Event | Kind::ResourceClaim)
     }
     pub fn kind(self) -> &'static str {
         match self {
             Kind::Pod => "Pod",
             Kind::Node => "Node",
             Kind::Event => "Event",
+            Kind::ResourceSlice => "ResourceSlice",
+            Kind::DeviceClass => "DeviceClass",
+            Kind::ResourceClaim => "ResourceClaim",
         }
     }
     /// The `apiVersion` of its objects and lists.
     pub fn api_version(self) -> &'static str {
         match self {
             Kind::Event => "events.k8s.io/v1",
-            _ => "v1",
+            Kind::ResourceSlice | Kind::DeviceClass | Kind::ResourceClaim => "resource.k8s.io/v1",
+            Kind::Pod | Kind::Node => "v1",
         }
     }
     pub fn plural(self) -> &'static str {
@@ -39,6 +49,9 @@ impl Kind {
             Kind::Pod => "pods",
             Kind::Node => "nodes",
             Kind::Event => "events",
+            Kind::ResourceSlice => "resourceslices",
+            Kind::DeviceClass => "deviceclasses",
+            Kind::ResourceClaim => "resourceclaims",
         }
     }
 }
@@ -240,7 +253,12 @@ impl Shared {
             .or_insert_with(|| json!(now_rfc3339()));
         m.insert("resourceVersion".into(), json!(rv.to_string()));
         obj["kind"] = json!(kind.kind());
-        obj["apiVersion"] = json!("v1");
+        obj["apiVersion"] = json!(kind.api_version());
+        // The API server starts objects at generation 1 (only the
+        // resource.k8s.io kinds here: the others' tests predate it).
+        if kind.api_version() == "resource.k8s.io/v1" {
+            obj["metadata"]["generation"] = json!(1);
+        }
         st.objects.insert(key, obj.clone());
         self.record(&mut st, kind, "ADDED", obj.clone(), None);
         Ok(obj)
@@ -330,6 +348,81 @@ impl Shared {
         Ok(obj)
     }
 
+    /// PUT: replaces the object (or only its `status` when `status_only`).
+    /// A `metadata.resourceVersion` in `obj` must be the current one;
+    /// identity is kept. `metadata.generation` goes up when the spec changed.
+    pub fn replace(
+        &self,
+        kind: Kind,
+        ns: Option<&str>,
+        name: &str,
+        mut obj: Value,
+        status_only: bool,
+    ) -> Result<Value, StoreError> {
+        let mut st = self.store.lock().unwrap();
+        let key = Self::key(kind, ns, name);
+        let Some(current) = st.objects.get(&key).cloned() else {
+            return Err(StoreError::NotFound {
+                kind: kind.kind(),
+                name: name.to_string(),
+            });
+        };
+        if name_of(&obj).is_some_and(|n| n != name) {
+            return Err(StoreError::Invalid(format!(
+                "metadata.name does not match the URL's {name:?}"
+            )));
+        }
+        if let Some(want) = obj
+            .pointer("/metadata/resourceVersion")
+            .and_then(Value::as_str)
+            && current
+                .pointer("/metadata/resourceVersion")
+                .and_then(Value::as_str)
+                != Some(want)
+        {
+            return Err(StoreError::Conflict {
+                plural: kind.plural(),
+                name: name.to_string(),
+            });
+        }
+        if status_only {
+            let mut next = current.clone();
+            next["status"] = obj.get("status").cloned().unwrap_or(Value::Null);
+            obj = next;
+        } else {
+            // The status subresource is not written through the main resource.
+            if let Some(s) = current.get("status") {
+                obj["status"] = s.clone();
+            } else if let Some(o) = obj.as_object_mut() {
+                o.remove("status");
+            }
+            let generation = current
+                .pointer("/metadata/generation")
+                .and_then(Value::as_i64);
+            let bump = current.get("spec") != obj.get("spec");
+            if let Some(g) = generation {
+                obj["metadata"]["generation"] = json!(if bump { g + 1 } else { g });
+            }
+        }
+        for f in ["name", "namespace", "uid", "creationTimestamp"] {
+            match current["metadata"].get(f) {
+                Some(v) => obj["metadata"][f] = v.clone(),
+                None => {
+                    if let Some(m) = obj["metadata"].as_object_mut() {
+                        m.remove(f);
+                    }
+                }
+            }
+        }
+        obj["kind"] = json!(kind.kind());
+        obj["apiVersion"] = json!(kind.api_version());
+        st.rv += 1;
+        obj["metadata"]["resourceVersion"] = json!(st.rv.to_string());
+        st.objects.insert(key, obj.clone());
+        self.record(&mut st, kind, "MODIFIED", obj.clone(), Some(current));
+        Ok(obj)
+    }
+
     pub fn delete(&self, kind: Kind, ns: Option<&str>, name: &str) -> Result<Value, StoreError> {
         let mut st = self.store.lock().unwrap();
         let key = Self::key(kind, ns, name);
@@ -343,6 +436,16 @@ impl Shared {
         obj["metadata"]["resourceVersion"] = json!(st.rv.to_string());
         self.record(&mut st, kind, "DELETED", obj.clone(), None);
         Ok(obj)
+    }
+
+    /// Every logged change of `kind`, oldest first.
+    pub fn history(&self, kind: Kind) -> Vec<(&'static str, Value)> {
+        let st = self.store.lock().unwrap();
+        st.log
+            .iter()
+            .filter(|e| e.kind == kind)
+            .map(|e| (e.typ, e.object.clone()))
+            .collect()
     }
 
     /// For a watch from `since`: the logged events after it and a receiver
