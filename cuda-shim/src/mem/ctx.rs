@@ -82,11 +82,15 @@ pub(crate) fn primary_reset(dev: i32) {
 /// `undo` (given the call's result) reverts it and the call fails with
 /// OUT_OF_MEMORY.
 pub(crate) fn hidden(call: impl FnOnce() -> CUresult, undo: impl FnOnce()) -> CUresult {
+    if config::enforce().is_none() {
+        return call();
+    }
+    let before = reconcile::extra();
     let r = call();
-    if r != CUDA_SUCCESS || config::enforce().is_none() {
+    if r != CUDA_SUCCESS {
         return r;
     }
-    if reconcile::grew_over_quota() {
+    if reconcile::grew_over_quota(before) {
         undo();
         reconcile::now();
         return cuda_abi::CUDA_ERROR_OUT_OF_MEMORY;

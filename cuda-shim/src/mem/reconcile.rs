@@ -135,34 +135,33 @@ pub fn extra() -> u64 {
     *lock(&local().extra)
 }
 
-/// One measurement; returns how much the extra grew (0 when it did not or
-/// nothing could be measured).
-fn reconcile() -> u64 {
+/// One measurement (skipped when nothing can be measured or an allocation
+/// ran meanwhile).
+fn reconcile() {
     if config::enforce().is_none() {
-        return 0;
+        return;
     }
     let p = proc();
     if !p.is_registered() {
-        return 0;
+        return;
     }
-    let Some(n) = nvml() else { return 0 };
+    let Some(n) = nvml() else { return };
     let mut extra = lock(&local().extra);
     let guard = p.attach();
-    let Some(a) = guard.as_ref() else { return 0 };
+    let Some(a) = guard.as_ref() else { return };
     let started = STARTED.load(Ordering::Acquire);
     if FINISHED.load(Ordering::Acquire) != started {
-        return 0;
+        return;
     }
     let used = p.local_used.load(Ordering::Acquire);
     let Some(measured) = measure(n, a.host_pid) else {
-        return 0;
+        return;
     };
     if STARTED.load(Ordering::Acquire) != started || FINISHED.load(Ordering::Acquire) != started {
-        return 0;
+        return;
     }
     let counted = used.saturating_sub(*extra);
     let target = measured.saturating_sub(counted);
-    let grew = target.saturating_sub(*extra);
     if target > *extra {
         force_take(a, target - *extra);
     } else {
@@ -176,7 +175,6 @@ fn reconcile() -> u64 {
         );
     }
     *extra = target;
-    grew
 }
 
 /// Measures now (after a context, module or heap change).
@@ -185,11 +183,12 @@ pub(crate) fn now() {
     reconcile();
 }
 
-/// Measures now; true when the extra grew and the container is now over
-/// its quota.
-pub(crate) fn grew_over_quota() -> bool {
-    LAST_NS.store(now_ns(), Ordering::Release);
-    if reconcile() == 0 {
+/// Measures now; true when the extra is above `before` (taken before the
+/// call that may have grown it; the watcher's tick may have measured the
+/// growth first) and the container is now over its quota.
+pub(crate) fn grew_over_quota(before: u64) -> bool {
+    now();
+    if extra() <= before {
         return false;
     }
     let guard = proc().attach();
