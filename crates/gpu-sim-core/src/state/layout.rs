@@ -1,0 +1,325 @@
+//! The mapped file's layout, and making (`install`) and mapping (`open`) it.
+//!
+//! Several processes map this file at once, each built from this crate at
+//! possibly different commits: field order, sizes and offsets are the
+//! contract (`LAYOUT_VERSION`), pinned by the assertions below.
+
+use super::{SharedState, SimRoot, StateError, io_err};
+use crate::node::{MAX_GPUS, NodeSpec};
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64};
+
+/// Process slots in the shared table.
+pub const MAX_PROCS: usize = 256;
+/// Kernel intervals remembered per GPU for utilization sampling.
+pub const RING: usize = 16384;
+/// Xid events remembered.
+pub const XID_RING: usize = 64;
+
+const MAGIC: [u8; 8] = *b"GPUSIM\0\x01";
+const LAYOUT_VERSION: u32 = 1;
+
+// ---- shared layout -------------------------------------------------------
+
+#[repr(C)]
+pub(super) struct Header {
+    pub(super) magic: [u8; 8],
+    pub(super) layout_version: u32,
+    pub(super) gpu_count: u32,
+    pub(super) node_hash: u64,
+    pub(super) xid_head: AtomicU64,
+    _pad: [u8; 4096 - 32 - XID_RING * 32],
+    pub(super) xids: [XidSlot; XID_RING],
+}
+
+#[repr(C)]
+pub(super) struct XidSlot {
+    pub(super) seq: AtomicU64,
+    pub(super) gpu: AtomicU32,
+    pub(super) code: AtomicU32,
+    pub(super) time_ns: AtomicU64,
+    _pad: u64,
+}
+
+#[repr(C)]
+pub(super) struct DeviceBlock {
+    pub(super) used: AtomicU64,
+    pub(super) busy_until: AtomicU64,
+    pub(super) ring_head: AtomicU64,
+    _pad: [u64; 5],
+    pub(super) ring: [Interval; RING],
+}
+
+#[repr(C)]
+pub(super) struct Interval {
+    /// Index + 1 of the launch that wrote it; 0 while being written.
+    pub(super) seq: AtomicU64,
+    pub(super) start: AtomicU64,
+    pub(super) end: AtomicU64,
+    /// Owner: slot index in the low 16 bits, slot generation above.
+    pub(super) owner: AtomicU64,
+}
+
+pub(super) const SLOT_FREE: u32 = 0;
+pub(super) const SLOT_LIVE: u32 = 1;
+
+#[repr(C)]
+pub(super) struct ProcSlot {
+    pub(super) state: AtomicU32,
+    pub(super) generation: AtomicU32,
+    /// PID in the initial namespace; 0 until known.
+    pub(super) host_pid: AtomicI32,
+    /// PID in the process's own namespace.
+    pub(super) ns_pid: AtomicI32,
+    pub(super) pidns_ino: AtomicU64,
+    /// Bit i: the process has a context on GPU i.
+    pub(super) active: AtomicU64,
+    pub(super) comm: [AtomicU64; 4],
+    pub(super) used: [AtomicU64; MAX_GPUS],
+}
+
+const HEADER_SIZE: usize = std::mem::size_of::<Header>();
+const DEVICE_SIZE: usize = std::mem::size_of::<DeviceBlock>();
+const SLOT_SIZE: usize = std::mem::size_of::<ProcSlot>();
+
+fn layout_len(gpus: usize) -> usize {
+    HEADER_SIZE + gpus * DEVICE_SIZE + MAX_PROCS * SLOT_SIZE
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+// The layout every mapping process agrees on (LAYOUT_VERSION 1).
+const _: () = assert!(HEADER_SIZE == 4096);
+const _: () = assert!(std::mem::size_of::<XidSlot>() == 32);
+const _: () = assert!(std::mem::offset_of!(Header, xid_head) == 24);
+const _: () = assert!(std::mem::offset_of!(Header, xids) == 4096 - XID_RING * 32);
+const _: () = assert!(std::mem::size_of::<Interval>() == 32);
+const _: () = assert!(std::mem::offset_of!(DeviceBlock, ring) == 64);
+const _: () = assert!(DEVICE_SIZE == 64 + RING * 32);
+const _: () = assert!(std::mem::offset_of!(ProcSlot, comm) == 32);
+const _: () = assert!(std::mem::offset_of!(ProcSlot, used) == 64);
+const _: () = assert!(SLOT_SIZE == 64 + MAX_GPUS * 8);
+
+/// What `install` did with the state file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InstallOutcome {
+    Created,
+    /// Same node description: the live state (allocations, timeline) was kept.
+    Kept,
+    /// The node description changed: a fresh state file replaced the old one.
+    Replaced,
+}
+
+impl SharedState {
+    /// Writes the node description and a state file for it under `root`.
+    /// Keeps an existing state made for the same description, so installing
+    /// twice does not disturb running processes.
+    pub fn install(root: &SimRoot, node: &NodeSpec) -> Result<InstallOutcome, StateError> {
+        let dir = root.state_dir();
+        fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+        let hash = fnv1a(node.source.as_bytes());
+        let state_path = root.state_file();
+        let outcome = match Self::read_header(&state_path) {
+            Ok(Some((h, count))) if h == hash && count == node.gpus.len() => InstallOutcome::Kept,
+            Ok(Some(_)) | Err(_) => InstallOutcome::Replaced,
+            Ok(None) => InstallOutcome::Created,
+        };
+        if outcome != InstallOutcome::Kept {
+            // New inode: processes still mapping the old state are unaffected.
+            let tmp = dir.join(".state.tmp");
+            let f = File::create(&tmp).map_err(io_err(&tmp))?;
+            f.set_len(layout_len(node.gpus.len()) as u64)
+                .map_err(io_err(&tmp))?;
+            let mut header = vec![0u8; 24];
+            header[..8].copy_from_slice(&MAGIC);
+            header[8..12].copy_from_slice(&LAYOUT_VERSION.to_ne_bytes());
+            header[12..16].copy_from_slice(&(node.gpus.len() as u32).to_ne_bytes());
+            header[16..24].copy_from_slice(&hash.to_ne_bytes());
+            (&f).write_all(&header).map_err(io_err(&tmp))?;
+            f.sync_all().map_err(io_err(&tmp))?;
+            fs::rename(&tmp, &state_path).map_err(io_err(&state_path))?;
+        }
+        write_atomic(&root.node_file(), node.source.as_bytes())?;
+        let lock = root.lock_file();
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&lock)
+            .map_err(io_err(&lock))?;
+        // Containers run as other users too; the state is a device, not a secret.
+        for p in [&dir, &state_path, &root.node_file(), &lock] {
+            let mode = if p.is_dir() { 0o777 } else { 0o666 };
+            let _ = fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(mode));
+        }
+        Ok(outcome)
+    }
+
+    fn read_header(path: &Path) -> Result<Option<(u64, usize)>, StateError> {
+        let bytes = match fs::read(path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_err(path)(e)),
+        };
+        let corrupt = |m: &str| StateError::Corrupt {
+            path: path.display().to_string(),
+            message: m.to_string(),
+        };
+        if bytes.len() < 24 || bytes[..8] != MAGIC {
+            return Err(corrupt(
+                "not a gpu-sim state file (bad magic); re-run gpu-sim install",
+            ));
+        }
+        let version = u32::from_ne_bytes(bytes[8..12].try_into().unwrap());
+        if version != LAYOUT_VERSION {
+            return Err(corrupt(&format!(
+                "layout version {version}, this build reads {LAYOUT_VERSION}; re-run gpu-sim install"
+            )));
+        }
+        let count = u32::from_ne_bytes(bytes[12..16].try_into().unwrap()) as usize;
+        if count == 0 || count > MAX_GPUS || bytes.len() < layout_len(count) {
+            return Err(corrupt("truncated or inconsistent; re-run gpu-sim install"));
+        }
+        Ok(Some((
+            u64::from_ne_bytes(bytes[16..24].try_into().unwrap()),
+            count,
+        )))
+    }
+
+    /// Maps the state of an installed root.
+    pub fn open(root: &SimRoot) -> Result<SharedState, StateError> {
+        let node = NodeSpec::load(&root.node_file())?;
+        let path = root.state_file();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(io_err(&path))?;
+        let len = layout_len(node.gpus.len());
+        let actual = file.metadata().map_err(io_err(&path))?.len() as usize;
+        let corrupt = |message: String| StateError::Corrupt {
+            path: path.display().to_string(),
+            message,
+        };
+        if actual < len {
+            return Err(corrupt(format!(
+                "{actual} bytes, expected {len} for {} GPUs; re-run gpu-sim install",
+                node.gpus.len()
+            )));
+        }
+        // SAFETY: mapping a regular file we opened read-write.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io_err(&path)(std::io::Error::last_os_error()));
+        }
+        let lock_path = root.lock_file();
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&lock_path)
+            .map_err(io_err(&lock_path))?;
+        let state = SharedState {
+            root: root.clone(),
+            node,
+            base: base.cast(),
+            len,
+            lock: OwnedFd::from(lock),
+            own_slot: AtomicI64::new(-1),
+        };
+        let h = state.header();
+        if h.magic != MAGIC || h.layout_version != LAYOUT_VERSION {
+            return Err(corrupt(
+                "bad magic or layout version; re-run gpu-sim install".into(),
+            ));
+        }
+        if h.gpu_count as usize != state.node.gpus.len()
+            || h.node_hash != fnv1a(state.node.source.as_bytes())
+        {
+            return Err(corrupt(
+                "was made for another node description; re-run gpu-sim install".into(),
+            ));
+        }
+        Ok(state)
+    }
+
+    pub(super) fn header(&self) -> &Header {
+        // SAFETY: the mapping is at least HEADER_SIZE long and page aligned.
+        unsafe { &*(self.base as *const Header) }
+    }
+    pub(super) fn device(&self, gpu: usize) -> &DeviceBlock {
+        assert!(gpu < self.gpu_count());
+        // SAFETY: in bounds by layout_len.
+        unsafe { &*(self.base.add(HEADER_SIZE + gpu * DEVICE_SIZE) as *const DeviceBlock) }
+    }
+    pub(super) fn slot(&self, i: usize) -> &ProcSlot {
+        assert!(i < MAX_PROCS);
+        let off = HEADER_SIZE + self.gpu_count() * DEVICE_SIZE + i * SLOT_SIZE;
+        // SAFETY: in bounds by layout_len.
+        unsafe { &*(self.base.add(off) as *const ProcSlot) }
+    }
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StateError> {
+    let tmp = path.with_extension("tmp");
+    let mut f = File::create(&tmp).map_err(io_err(&tmp))?;
+    f.write_all(bytes).map_err(io_err(&tmp))?;
+    f.sync_all().map_err(io_err(&tmp))?;
+    fs::rename(&tmp, path).map_err(io_err(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::tests::{NODE, installed};
+
+    #[test]
+    fn install_is_idempotent_and_replaces_on_change() {
+        let (_d, root) = installed();
+        let s = SharedState::open(&root).unwrap();
+        let me = s.attach().unwrap();
+        s.try_alloc(me, 0, 4096).unwrap();
+        let node = NodeSpec::parse(NODE, "t").unwrap();
+        assert_eq!(
+            SharedState::install(&root, &node).unwrap(),
+            InstallOutcome::Kept
+        );
+        assert_eq!(
+            SharedState::open(&root).unwrap().memory_used(0),
+            4096,
+            "kept live state"
+        );
+        let changed =
+            NodeSpec::parse(&NODE.replace("memory_mib = 1", "memory_mib = 2"), "t").unwrap();
+        assert_eq!(
+            SharedState::install(&root, &changed).unwrap(),
+            InstallOutcome::Replaced
+        );
+        assert_eq!(SharedState::open(&root).unwrap().memory_used(0), 0);
+    }
+
+    #[test]
+    fn corrupt_state_is_reported() {
+        let (_d, root) = installed();
+        fs::write(root.state_file(), b"garbage").unwrap();
+        let err = SharedState::open(&root).err().unwrap().to_string();
+        assert!(err.contains("re-run gpu-sim install"), "{err}");
+    }
+}
