@@ -942,7 +942,7 @@ fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     c.kubectl_ok(&["delete", "pod", "quota", "--wait=false"]);
 
     // Two shares on one GPU at 30/70.
-    let secs = 40;
+    let secs = 50;
     for (name, cores) in [("share30", 30), ("share70", 70)] {
         c.apply(&pod_yaml(
             &w,
@@ -984,7 +984,7 @@ fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     // Warm-up (the controllers settle), then a measured window.
     std::thread::sleep(Duration::from_secs(6));
     let from = gpu_sim_core::state::now_ns();
-    std::thread::sleep(Duration::from_secs(15));
+    std::thread::sleep(Duration::from_secs(20));
     let to = gpu_sim_core::state::now_ns();
     let mut busy: HashMap<&str, f64> = HashMap::new();
     for (p, pct) in state.process_utilization(g30, from, to) {
@@ -1000,13 +1000,11 @@ fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         "30/70 on GPU {g30} under the real kubelet: {b30:.1} % / {b70:.1} %"
     ));
     eprintln!("k8s_node: 30/70 achieved {b30:.1} / {b70:.1}");
+    let load = fs::read_to_string("/proc/loadavg").unwrap_or_default();
     assert!(
-        (b30 - 30.0).abs() <= 5.0,
-        "the 30 share achieved {b30:.1} %"
-    );
-    assert!(
-        (b70 - 70.0).abs() <= 5.0,
-        "the 70 share achieved {b70:.1} %"
+        (b30 - 30.0).abs() <= 5.0 && (b70 - 70.0).abs() <= 5.0,
+        "30/70 achieved {b30:.1} / {b70:.1} % (load average {})",
+        load.trim()
     );
     c.kubectl_ok(&["delete", "pod", "share30", "share70", "--wait=false"]);
 
