@@ -13,10 +13,14 @@
 #![allow(clippy::missing_safety_doc)]
 
 mod accounting;
+mod device;
 mod events;
-mod exports;
+mod health;
 mod info;
+mod memory;
 mod procs;
+mod system;
+mod topology;
 
 use gpu_sim_core::node::MAX_GPUS;
 use gpu_sim_core::{SharedState, SimRoot, StateError};
@@ -207,6 +211,40 @@ pub(crate) fn arg_str<'a>(p: *const c_char) -> Result<&'a str, nvmlReturn_t> {
     unsafe { std::ffi::CStr::from_ptr(p) }
         .to_str()
         .map_err(|_| NVML_ERROR_INVALID_ARGUMENT)
+}
+
+pub(crate) const NVML_FEATURE_DISABLED: std::ffi::c_uint = 0;
+pub(crate) const NVML_FEATURE_ENABLED: std::ffi::c_uint = 1;
+
+/// Runs `f` with the context and the simulated index of `device`.
+pub(crate) fn with_dev(device: nvmlDevice_t, f: impl FnOnce(&Ctx, usize) -> R) -> nvmlReturn_t {
+    ffi(|| {
+        let c = ctx()?;
+        let sim = c.dev(device)?;
+        f(&c, sim)
+    })
+}
+
+/// A versioned struct from the caller: non-null, and its leading `version`
+/// word is `want`.
+pub(crate) fn check_version<T>(p: *mut T, want: std::ffi::c_uint) -> R {
+    if p.is_null() {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    // SAFETY: non-null pointer to the caller's struct, which starts with
+    // its c_uint version (asserted beside each struct passed here).
+    if unsafe { *p.cast::<std::ffi::c_uint>() } != want {
+        return Err(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    }
+    Ok(())
+}
+
+/// Device utilization over the last second of the simulated timeline.
+pub(crate) fn recent_util(c: &Ctx, sim: usize) -> u32 {
+    let now = gpu_sim_core::state::now_ns();
+    c.state
+        .utilization(sim, now.saturating_sub(1_000_000_000), now)
+        .round() as u32
 }
 
 mod stubs {
