@@ -4,8 +4,13 @@
 //!
 //! * [`before_launch`] (every launch wrapper, only when the process
 //!   enforces quotas): one load when the container has no compute limit;
-//!   otherwise one `fetch_add` and one load while tokens last
-//!   ([`bucket::Bucket::take`]), else it sleeps until refilled.
+//!   otherwise the launch's cost in waves ([`cost::kernel_cost`]), one
+//!   `fetch_add` and one load while tokens last
+//!   ([`bucket::Bucket::take`]), else it sleeps until refilled, at most
+//!   its own cost's worth plus live waiters ahead ([`bucket::Bucket::wait`]).
+//! * blind feedback (NVML cannot attribute samples to the container) is
+//!   detected by the controller ([`controller::Blind`]), logged once and
+//!   flagged in the ledger; the quota then falls back, never off.
 //! * [`tick`] (the watcher thread, every [`tick_interval`]): refills, and
 //!   in the process holding the controller lease (a heartbeat in the
 //!   ledger; a silent holder is replaced after [`LEASE_STALE_NS`]) polls
