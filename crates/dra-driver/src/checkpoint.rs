@@ -1,0 +1,169 @@
+//! The driver's durable record of prepared claims
+//! (`<state dir>/checkpoint.json`), written (fsynced, atomically) before
+//! NodePrepareResources answers and after NodeUnprepareResources released.
+//! A restarted driver re-serves every claim in it without rewriting what
+//! the containers use: the kubelet does not prepare a claim twice.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::plan::PlannedDevice;
+
+/// Bumped when the layout changes incompatibly.
+pub const VERSION: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PreparedClaim {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub devices: Vec<PlannedDevice>,
+    /// Unix seconds when it was prepared (the display's "since").
+    pub prepared_at: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub version: u32,
+    pub node: String,
+    /// By claim UID.
+    pub claims: BTreeMap<String, PreparedClaim>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("checkpoint {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("checkpoint {path} is not a vcuda DRA checkpoint: {source}")]
+    Parse {
+        path: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("checkpoint {path} has version {found}, this driver reads {VERSION}")]
+    Version { path: String, found: u32 },
+    #[error("checkpoint {path} is node {found:?}'s, this is {node:?}")]
+    Node {
+        path: String,
+        found: String,
+        node: String,
+    },
+}
+
+/// Temp file + fsync + rename + fsync of the directory.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+    let r = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        if let Some(dir) = path.parent() {
+            std::fs::File::open(dir)?.sync_all()?;
+        }
+        Ok(())
+    })();
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r
+}
+
+pub struct Store {
+    path: PathBuf,
+}
+
+impl Store {
+    pub fn new(state_dir: &Path) -> Store {
+        Store {
+            path: state_dir.join("checkpoint.json"),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The checkpoint, or an empty one for `node` when there is none yet.
+    pub fn load(&self, node: &str) -> Result<Checkpoint, CheckpointError> {
+        let p = self.path.display().to_string();
+        let bytes = match std::fs::read(&self.path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Checkpoint {
+                    version: VERSION,
+                    node: node.to_string(),
+                    claims: BTreeMap::new(),
+                });
+            }
+            Err(source) => return Err(CheckpointError::Io { path: p, source }),
+        };
+        let c: Checkpoint =
+            serde_json::from_slice(&bytes).map_err(|source| CheckpointError::Parse {
+                path: p.clone(),
+                source,
+            })?;
+        if c.version != VERSION {
+            return Err(CheckpointError::Version {
+                path: p,
+                found: c.version,
+            });
+        }
+        if c.node != node {
+            return Err(CheckpointError::Node {
+                path: p,
+                found: c.node,
+                node: node.to_string(),
+            });
+        }
+        Ok(c)
+    }
+
+    pub fn save(&self, c: &Checkpoint) -> Result<(), CheckpointError> {
+        let io = |source| CheckpointError::Io {
+            path: self.path.display().to_string(),
+            source,
+        };
+        if let Some(d) = self.path.parent() {
+            std::fs::create_dir_all(d).map_err(io)?;
+        }
+        let body = serde_json::to_vec_pretty(c).map_err(|e| io(std::io::Error::other(e)))?;
+        write_atomic(&self.path, &body).map_err(io)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_refusals() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = Store::new(tmp.path());
+        let mut c = s.load("n1").unwrap();
+        assert!(c.claims.is_empty());
+        c.claims.insert(
+            "u1".into(),
+            PreparedClaim {
+                namespace: "ns".into(),
+                name: "c".into(),
+                uid: "u1".into(),
+                devices: vec![],
+                prepared_at: 1,
+            },
+        );
+        s.save(&c).unwrap();
+        assert_eq!(s.load("n1").unwrap(), c);
+        assert!(matches!(s.load("n2"), Err(CheckpointError::Node { .. })));
+        std::fs::write(s.path(), b"{").unwrap();
+        assert!(matches!(s.load("n1"), Err(CheckpointError::Parse { .. })));
+    }
+}

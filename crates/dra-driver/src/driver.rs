@@ -1,0 +1,288 @@
+//! NodePrepareResources / NodeUnprepareResources, protocol aside: a
+//! prepared claim is its planned devices, a vm directory per device
+//! (`<vm>/<claim uid>/<request>/`: `vcuda.config`, the ledger, `vcuda.sock`
+//! served by the manager's [`Registry`]), one CDI spec, and an entry in
+//! the checkpoint. Prepare is idempotent (a prepared claim answers from
+//! the checkpoint); a restarted driver re-serves the checkpoint's claims
+//! and leaves their files as they are (unchanged bytes are not rewritten,
+//! the ledger is reopened); unprepare removes all of it.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use gpu_allocator::GpuInfo;
+use gpu_manager::registry::Registry;
+use gpu_manager::vm::VmDirs;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use quota_config::ResourceData;
+
+use crate::cdi;
+use crate::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, Store};
+use crate::plan::{self, PlannedDevice};
+
+/// Where the driver reads allocated claims (the API server; a map in tests).
+#[async_trait::async_trait]
+pub trait ClaimSource: Send + Sync {
+    async fn claim(&self, namespace: &str, name: &str) -> Result<ResourceClaim, String>;
+}
+
+/// A claim as the kubelet names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRef {
+    pub namespace: String,
+    pub uid: String,
+    pub name: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub node: String,
+    /// Root of the vm directories (the device plugin's `--vm-dir`).
+    pub vm_root: PathBuf,
+    /// The vdriver mirror (`nvidia` and `origin` volumes).
+    pub vdriver_dir: PathBuf,
+    /// Where CDI specs go (`/var/run/cdi`).
+    pub cdi_dir: PathBuf,
+    /// Where the checkpoint lives.
+    pub state_dir: PathBuf,
+    pub driver_version: (i32, i32),
+    /// Device nodes every GPU container also gets (`/dev/nvidia-uvm-tools`, ...).
+    pub extra_devices: Vec<String>,
+}
+
+/// One prepared device as the kubelet is told about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreparedDevice {
+    pub planned: PlannedDevice,
+    pub cdi_id: String,
+}
+
+pub struct Driver {
+    cfg: Config,
+    gpus: Vec<GpuInfo>,
+    claims: Arc<dyn ClaimSource>,
+    vm: VmDirs,
+    registry: Registry,
+    store: Store,
+    state: tokio::sync::Mutex<Checkpoint>,
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The 4-digit-domain bus id `resource_data_t` carries (NVML gives 8).
+fn short_bus_id(bus: &str) -> String {
+    let b = bus.trim_end_matches('\0');
+    if b.len() > 15 && b.starts_with("0000") {
+        b[4..].to_string()
+    } else {
+        b.to_string()
+    }
+}
+
+/// The vm directory's "container" name of a request.
+fn slot_name(request: &str) -> String {
+    request.replace('/', "-")
+}
+
+fn registry_id(uid: &str, request: &str) -> String {
+    format!("dra/{uid}/{}", slot_name(request))
+}
+
+fn outputs(c: &PreparedClaim) -> Vec<PreparedDevice> {
+    c.devices
+        .iter()
+        .map(|d| PreparedDevice {
+            planned: d.clone(),
+            cdi_id: cdi::qualified(&cdi::device_name(&c.uid, &d.request)),
+        })
+        .collect()
+}
+
+impl Driver {
+    /// Loads the checkpoint and re-serves every prepared claim (a restart:
+    /// running containers keep their files and reconnect to their sockets).
+    /// Needs a tokio runtime (the sockets are served on it).
+    pub fn start(
+        cfg: Config,
+        gpus: Vec<GpuInfo>,
+        claims: Arc<dyn ClaimSource>,
+    ) -> Result<Driver, CheckpointError> {
+        let store = Store::new(&cfg.state_dir);
+        let ck = store.load(&cfg.node)?;
+        let d = Driver {
+            vm: VmDirs::new(&cfg.vm_root),
+            registry: Registry::default(),
+            cfg,
+            gpus,
+            claims,
+            store,
+            state: tokio::sync::Mutex::new(Checkpoint::default()),
+        };
+        for c in ck.claims.values() {
+            for dev in &c.devices {
+                if let Err(e) = d.materialize(&c.uid, dev) {
+                    tracing::error!(claim = %format!("{}/{}", c.namespace, c.name), request = %dev.request, error = %e, "restoring a prepared claim");
+                }
+            }
+        }
+        tracing::info!(
+            claims = ck.claims.len(),
+            "prepared claims restored from the checkpoint"
+        );
+        *d.state.try_lock().expect("not shared yet") = ck;
+        Ok(d)
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn gpus(&self) -> &[GpuInfo] {
+        &self.gpus
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Prepared claims, for display and metrics.
+    pub async fn prepared(&self) -> Vec<PreparedClaim> {
+        self.state.lock().await.claims.values().cloned().collect()
+    }
+
+    fn resource_data(&self, uid: &str, d: &PlannedDevice) -> Result<ResourceData, String> {
+        let gpu = self
+            .gpus
+            .get(d.gpu_index)
+            .ok_or_else(|| format!("GPU {} is not on this node", d.gpu_index))?;
+        Ok(ResourceData {
+            pod_uid: uid.to_string(),
+            limit: d.soft_limit.unwrap_or(d.cores) as i32,
+            container_name: slot_name(&d.request),
+            bus_id: short_bus_id(&gpu.pci_bus_id),
+            gpu_memory: d.memory_bytes,
+            utilization: d.cores as i32,
+            hard_limit: d.soft_limit.is_none(),
+            driver_version: self.cfg.driver_version,
+            enable: !d.whole,
+        })
+    }
+
+    /// Writes one device's vm directory and, for a share, serves its socket.
+    fn materialize(&self, uid: &str, d: &PlannedDevice) -> Result<PathBuf, String> {
+        let data = self.resource_data(uid, d)?;
+        let quota = (!d.whole).then_some(d.memory_bytes);
+        let (dir, ledger) = self.vm.prepare(&data, quota).map_err(|e| e.to_string())?;
+        if !d.whole {
+            self.registry
+                .serve(
+                    &registry_id(uid, &d.request),
+                    &dir,
+                    uid,
+                    &data.container_name,
+                    ledger,
+                )
+                .map_err(|e| format!("serving {}/vcuda.sock: {e}", dir.display()))?;
+        }
+        Ok(dir)
+    }
+
+    fn release(&self, uid: &str, devices: &[PlannedDevice]) {
+        for d in devices {
+            self.registry.stop(&registry_id(uid, &d.request));
+            self.vm.remove(uid, &slot_name(&d.request));
+        }
+        if let Err(e) = cdi::remove(&self.cfg.cdi_dir, uid) {
+            tracing::warn!(claim = uid, error = %e, "removing the CDI spec");
+        }
+    }
+
+    /// Prepares one claim; the error is what the kubelet reports for it.
+    pub async fn prepare(&self, c: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
+        let mut st = self.state.lock().await;
+        if let Some(p) = st.claims.get(&c.uid) {
+            return Ok(outputs(p));
+        }
+        let claim = self
+            .claims
+            .claim(&c.namespace, &c.name)
+            .await
+            .map_err(|e| {
+                format!(
+                    "claim {}/{}: reading it from the API server: {e}",
+                    c.namespace, c.name
+                )
+            })?;
+        let planned =
+            plan::plan(&claim, &c.uid, &self.cfg.node, &self.gpus).map_err(|e| e.to_string())?;
+        let mut devices = Vec::new();
+        let mut done = Vec::new();
+        let r = (|| {
+            for d in &planned {
+                let dir = self.materialize(&c.uid, d)?;
+                done.push(d.clone());
+                let gpu = &self.gpus[d.gpu_index];
+                devices.push(cdi::CdiDevice {
+                    name: cdi::device_name(&c.uid, &d.request),
+                    container_edits: cdi::edits(&cdi::EditsInput {
+                        gpu,
+                        cores: d.cores,
+                        memory_bytes: d.memory_bytes,
+                        shared: !d.whole,
+                        vdriver_dir: &self.cfg.vdriver_dir,
+                        vm_dir: &dir,
+                        extra_devices: &self.cfg.extra_devices,
+                    }),
+                });
+            }
+            cdi::write(&self.cfg.cdi_dir, &c.uid, &cdi::spec(devices)).map_err(|e| {
+                format!(
+                    "writing the CDI spec in {}: {e}",
+                    self.cfg.cdi_dir.display()
+                )
+            })?;
+            Ok::<(), String>(())
+        })();
+        let prepared = PreparedClaim {
+            namespace: c.namespace.clone(),
+            name: c.name.clone(),
+            uid: c.uid.clone(),
+            devices: planned,
+            prepared_at: now(),
+        };
+        let r = r.and_then(|()| {
+            st.claims.insert(c.uid.clone(), prepared.clone());
+            self.store.save(&st).map_err(|e| {
+                st.claims.remove(&c.uid);
+                e.to_string()
+            })
+        });
+        if let Err(e) = r {
+            self.release(&c.uid, &done);
+            return Err(format!("claim {}/{}: {e}", c.namespace, c.name));
+        }
+        tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, devices = prepared.devices.len(), "claim prepared");
+        Ok(outputs(&prepared))
+    }
+
+    /// Unprepares one claim; an unknown one is already unprepared.
+    pub async fn unprepare(&self, c: &ClaimRef) -> Result<(), String> {
+        let mut st = self.state.lock().await;
+        let Some(p) = st.claims.remove(&c.uid) else {
+            return Ok(());
+        };
+        if let Err(e) = self.store.save(&st) {
+            st.claims.insert(c.uid.clone(), p);
+            return Err(format!("claim {}/{}: {e}", c.namespace, c.name));
+        }
+        self.release(&c.uid, &p.devices);
+        tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, "claim unprepared");
+        Ok(())
+    }
+}

@@ -1,0 +1,287 @@
+//! The kubelet plugin: `DRAPlugin` v1 and v1beta1 on the plugin socket, and
+//! `pluginregistration.Registration` on a socket in the kubelet's
+//! `plugins_registry` directory (the kubelet finds it there, asks GetInfo,
+//! connects to the plugin socket). Both sockets accept any `:authority`
+//! (kubelets send socket paths) through [`uds_authority::incoming`].
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::Mutex;
+
+use dra_api::dra::{v1, v1beta1};
+use dra_api::pluginregistration as reg;
+use tokio::net::UnixListener;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use crate::DRIVER_NAME;
+use crate::driver::{ClaimRef, Driver};
+
+/// What the kubelet last said about registration.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RegistrationState {
+    pub registered: bool,
+    pub error: String,
+    pub notifications: u64,
+}
+
+#[derive(Clone)]
+pub struct Plugin {
+    driver: Arc<Driver>,
+}
+
+impl Plugin {
+    pub fn new(driver: Arc<Driver>) -> Plugin {
+        Plugin { driver }
+    }
+
+    async fn prepare(
+        &self,
+        claims: Vec<v1::Claim>,
+    ) -> HashMap<String, v1::NodePrepareResourceResponse> {
+        let mut out = HashMap::new();
+        for c in claims {
+            let r = ClaimRef {
+                namespace: c.namespace,
+                uid: c.uid.clone(),
+                name: c.name,
+            };
+            let resp = match self.driver.prepare(&r).await {
+                Ok(devs) => v1::NodePrepareResourceResponse {
+                    devices: devs
+                        .into_iter()
+                        .map(|d| v1::Device {
+                            request_names: vec![d.planned.request],
+                            pool_name: d.planned.pool,
+                            device_name: d.planned.device,
+                            cdi_device_ids: vec![d.cdi_id],
+                            share_id: d.planned.share_id,
+                        })
+                        .collect(),
+                    error: String::new(),
+                },
+                Err(e) => {
+                    tracing::warn!(error = %e, "NodePrepareResources");
+                    v1::NodePrepareResourceResponse {
+                        devices: vec![],
+                        error: e,
+                    }
+                }
+            };
+            out.insert(c.uid, resp);
+        }
+        out
+    }
+
+    async fn unprepare(
+        &self,
+        claims: Vec<v1::Claim>,
+    ) -> HashMap<String, v1::NodeUnprepareResourceResponse> {
+        let mut out = HashMap::new();
+        for c in claims {
+            let r = ClaimRef {
+                namespace: c.namespace,
+                uid: c.uid.clone(),
+                name: c.name,
+            };
+            let error = self.driver.unprepare(&r).await.err().unwrap_or_default();
+            out.insert(c.uid, v1::NodeUnprepareResourceResponse { error });
+        }
+        out
+    }
+}
+
+#[tonic::async_trait]
+impl v1::dra_plugin_server::DraPlugin for Plugin {
+    async fn node_prepare_resources(
+        &self,
+        req: Request<v1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
+        let claims = self.prepare(req.into_inner().claims).await;
+        Ok(Response::new(v1::NodePrepareResourcesResponse { claims }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        req: Request<v1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
+        let claims = self.unprepare(req.into_inner().claims).await;
+        Ok(Response::new(v1::NodeUnprepareResourcesResponse { claims }))
+    }
+}
+
+fn claim_v1(c: v1beta1::Claim) -> v1::Claim {
+    v1::Claim {
+        namespace: c.namespace,
+        uid: c.uid,
+        name: c.name,
+    }
+}
+
+/// The same service for kubelets that ask for v1beta1 (no share IDs there).
+#[tonic::async_trait]
+impl v1beta1::dra_plugin_server::DraPlugin for Plugin {
+    async fn node_prepare_resources(
+        &self,
+        req: Request<v1beta1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
+        let claims = req.into_inner().claims.into_iter().map(claim_v1).collect();
+        let claims = self
+            .prepare(claims)
+            .await
+            .into_iter()
+            .map(|(k, r)| {
+                let devices = r
+                    .devices
+                    .into_iter()
+                    .map(|d| v1beta1::Device {
+                        request_names: d.request_names,
+                        pool_name: d.pool_name,
+                        device_name: d.device_name,
+                        cdi_device_ids: d.cdi_device_ids,
+                    })
+                    .collect();
+                (
+                    k,
+                    v1beta1::NodePrepareResourceResponse {
+                        devices,
+                        error: r.error,
+                    },
+                )
+            })
+            .collect();
+        Ok(Response::new(v1beta1::NodePrepareResourcesResponse {
+            claims,
+        }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        req: Request<v1beta1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
+        let claims = req.into_inner().claims.into_iter().map(claim_v1).collect();
+        let claims = self
+            .unprepare(claims)
+            .await
+            .into_iter()
+            .map(|(k, r)| (k, v1beta1::NodeUnprepareResourceResponse { error: r.error }))
+            .collect();
+        Ok(Response::new(v1beta1::NodeUnprepareResourcesResponse {
+            claims,
+        }))
+    }
+}
+
+pub struct RegistrationService {
+    endpoint: PathBuf,
+    state: Arc<Mutex<RegistrationState>>,
+}
+
+#[tonic::async_trait]
+impl reg::registration_server::Registration for RegistrationService {
+    async fn get_info(
+        &self,
+        _: Request<reg::InfoRequest>,
+    ) -> Result<Response<reg::PluginInfo>, Status> {
+        Ok(Response::new(reg::PluginInfo {
+            r#type: reg::DRA_PLUGIN.to_string(),
+            name: DRIVER_NAME.to_string(),
+            endpoint: self.endpoint.display().to_string(),
+            supported_versions: vec![v1::SERVICE.to_string(), v1beta1::SERVICE.to_string()],
+        }))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        req: Request<reg::RegistrationStatus>,
+    ) -> Result<Response<reg::RegistrationStatusResponse>, Status> {
+        let r = req.into_inner();
+        if r.plugin_registered {
+            tracing::info!("registered with the kubelet");
+        } else {
+            tracing::error!(error = %r.error, "the kubelet refused the registration");
+        }
+        let mut st = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        st.registered = r.plugin_registered;
+        st.error = r.error;
+        st.notifications += 1;
+        Ok(Response::new(reg::RegistrationStatusResponse {}))
+    }
+}
+
+/// The two sockets.
+#[derive(Debug, Clone)]
+pub struct Sockets {
+    /// `<plugins>/vcuda.tencent.com/dra.sock`.
+    pub plugin: PathBuf,
+    /// `<plugins_registry>/vcuda.tencent.com-reg.sock`.
+    pub registration: PathBuf,
+}
+
+impl Sockets {
+    pub fn new(plugins_dir: &Path, registry_dir: &Path) -> Sockets {
+        Sockets {
+            plugin: plugins_dir.join(DRIVER_NAME).join("dra.sock"),
+            registration: registry_dir.join(format!("{DRIVER_NAME}-reg.sock")),
+        }
+    }
+}
+
+fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    // A socket left by a previous run (the kubelet re-registers on the new one).
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    UnixListener::bind(path)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("binding {}: {e}", path.display())))
+}
+
+/// Serves the plugin socket first, then the registration socket (so the
+/// kubelet never finds an endpoint that is not listening), until `cancel`.
+/// Returns the registration state the kubelet's notifications update.
+pub async fn serve(
+    driver: Arc<Driver>,
+    sockets: &Sockets,
+    cancel: CancellationToken,
+) -> std::io::Result<Arc<Mutex<RegistrationState>>> {
+    let plugin = Plugin::new(driver);
+    let l = bind(&sockets.plugin)?;
+    let c = cancel.clone();
+    let p = plugin.clone();
+    tokio::spawn(async move {
+        let r = tonic::transport::Server::builder()
+            .add_service(v1::dra_plugin_server::DraPluginServer::new(p.clone()))
+            .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(p))
+            .serve_with_incoming_shutdown(uds_authority::incoming(l), c.cancelled_owned())
+            .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "DRA plugin socket");
+        }
+    });
+    let state = Arc::new(Mutex::new(RegistrationState::default()));
+    let svc = RegistrationService {
+        endpoint: sockets.plugin.clone(),
+        state: state.clone(),
+    };
+    let l = bind(&sockets.registration)?;
+    tokio::spawn(async move {
+        let r = tonic::transport::Server::builder()
+            .add_service(reg::registration_server::RegistrationServer::new(svc))
+            .serve_with_incoming_shutdown(uds_authority::incoming(l), cancel.cancelled_owned())
+            .await;
+        // The socket files stay: a restarted driver binds over them, and
+        // removing them here could race with its new ones.
+        if let Err(e) = r {
+            tracing::error!(error = %e, "registration socket");
+        }
+    });
+    Ok(state)
+}

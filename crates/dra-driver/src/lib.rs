@@ -1,0 +1,37 @@
+//! vcuda as a Kubernetes DRA (Dynamic Resource Allocation) driver, the
+//! alternative to the device-plugin mode on a node (one or the other):
+//!
+//! * [`slices`]: the node's ResourceSlice (a device per GPU with consumable
+//!   `cores` and `memory`, multiple allocations allowed) and the
+//!   DeviceClasses (pure); [`publish`] keeps it current.
+//! * [`plan`]: an allocated ResourceClaim -> devices to prepare (pure), with
+//!   [`params`] (opaque per-claim parameters: soft limits) and [`quantity`].
+//! * [`driver`]: prepare / unprepare: vm directories (`vcuda.config`, the
+//!   ledger, `vcuda.sock` via gpu-manager's `VmDirs` and `Registry`), the
+//!   [`cdi`] spec, the [`checkpoint`].
+//! * [`grpc`]: the kubelet plugin (`DRAPlugin` v1 and v1beta1) and the
+//!   plugin-registration service on unix sockets.
+//! * [`kube_api`]: the API server behind [`driver::ClaimSource`] and
+//!   [`publish::SliceApi`].
+
+pub mod cdi;
+pub mod checkpoint;
+pub mod daemon;
+pub mod driver;
+pub mod grpc;
+pub mod kube_api;
+pub mod params;
+pub mod plan;
+pub mod publish;
+pub mod quantity;
+pub mod slices;
+
+/// The driver name: ResourceSlices' `spec.driver`, allocation results'
+/// `driver`, the registration name.
+pub const DRIVER_NAME: &str = "vcuda.tencent.com";
+/// The CDI kind of its devices (`vcuda.tencent.com/gpu=<name>`).
+pub const CDI_KIND: &str = "vcuda.tencent.com/gpu";
+/// Consumable capacity: percent of the GPU's compute (100 = all).
+pub const CAPACITY_CORES: &str = "cores";
+/// Consumable capacity: bytes of GPU memory, in 256 MiB steps.
+pub const CAPACITY_MEMORY: &str = "memory";

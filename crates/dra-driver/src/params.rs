@@ -1,0 +1,106 @@
+//! Opaque per-claim (or per-class) parameters for vcuda devices, the
+//! equivalent of the device-plugin mode's `tencent.com/vcuda-core-limit`:
+//!
+//! ```yaml
+//! config:
+//! - opaque:
+//!     driver: vcuda.tencent.com
+//!     parameters: {apiVersion: vcuda.tencent.com/v1alpha1, kind: GpuConfig, coreLimit: 60}
+//! ```
+//!
+//! `coreLimit` makes the compute limit soft: the share may burst up to it
+//! while the GPU is otherwise idle. `exclusive: true` (set by the whole-GPU
+//! DeviceClass) asks for the untouched driver and refuses partial shares.
+
+use serde::Deserialize;
+
+pub const API_VERSION: &str = "vcuda.tencent.com/v1alpha1";
+pub const KIND: &str = "GpuConfig";
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuConfig {
+    pub api_version: String,
+    pub kind: String,
+    #[serde(default)]
+    pub core_limit: Option<u32>,
+    #[serde(default)]
+    pub exclusive: Option<bool>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ParamsError {
+    #[error("opaque parameters for {driver}: {problem}")]
+    Invalid {
+        driver: &'static str,
+        problem: String,
+    },
+}
+
+fn invalid(problem: String) -> ParamsError {
+    ParamsError::Invalid {
+        driver: crate::DRIVER_NAME,
+        problem,
+    }
+}
+
+impl GpuConfig {
+    pub fn parse(v: &serde_json::Value) -> Result<GpuConfig, ParamsError> {
+        let c: GpuConfig = serde_json::from_value(v.clone()).map_err(|e| invalid(e.to_string()))?;
+        if c.api_version != API_VERSION || c.kind != KIND {
+            return Err(invalid(format!(
+                "apiVersion/kind {}/{} is not {API_VERSION}/{KIND}",
+                c.api_version, c.kind
+            )));
+        }
+        if let Some(l) = c.core_limit
+            && !(1..=100).contains(&l)
+        {
+            return Err(invalid(format!("coreLimit {l} is not within 1..=100")));
+        }
+        Ok(c)
+    }
+
+    /// `other` (later: the claim's over the class's) wins where it says something.
+    pub fn merge(self, other: GpuConfig) -> GpuConfig {
+        GpuConfig {
+            core_limit: other.core_limit.or(self.core_limit),
+            exclusive: other.exclusive.or(self.exclusive),
+            ..other
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn parse_and_refuse() {
+        let ok = json!({"apiVersion": API_VERSION, "kind": KIND, "coreLimit": 60});
+        assert_eq!(GpuConfig::parse(&ok).unwrap().core_limit, Some(60));
+        let e =
+            GpuConfig::parse(&json!({"apiVersion": API_VERSION, "kind": KIND, "corelimit": 60}))
+                .unwrap_err();
+        assert!(e.to_string().contains("unknown field `corelimit`"), "{e}");
+        let e =
+            GpuConfig::parse(&json!({"apiVersion": API_VERSION, "kind": KIND, "coreLimit": 150}))
+                .unwrap_err();
+        assert!(e.to_string().contains("coreLimit 150"), "{e}");
+        let e = GpuConfig::parse(&json!({"apiVersion": "v1", "kind": KIND})).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("is not vcuda.tencent.com/v1alpha1/GpuConfig"),
+            "{e}"
+        );
+        let class =
+            GpuConfig::parse(&json!({"apiVersion": API_VERSION, "kind": KIND, "exclusive": true}))
+                .unwrap();
+        let merged = class.merge(GpuConfig::parse(&ok).unwrap());
+        assert_eq!(
+            (merged.exclusive, merged.core_limit),
+            (Some(true), Some(60))
+        );
+    }
+}

@@ -1,0 +1,270 @@
+//! A ResourceClaim's allocation -> what to prepare on this node (pure).
+//! Each allocation result of this driver in this node's pool becomes one
+//! [`PlannedDevice`]: the GPU, the consumed cores and memory (defaults:
+//! the whole GPU), the soft limit from opaque parameters. Anything wrong
+//! is an error naming the claim and the field.
+
+use gpu_allocator::{GpuInfo, MEMORY_UNIT_BYTES};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use serde::{Deserialize, Serialize};
+
+use crate::params::GpuConfig;
+use crate::{CAPACITY_CORES, CAPACITY_MEMORY, DRIVER_NAME, quantity, slices};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlannedDevice {
+    /// The request the device was allocated for ("gpu" or "gpu/sub").
+    pub request: String,
+    pub pool: String,
+    pub device: String,
+    pub gpu_index: usize,
+    pub gpu_uuid: String,
+    pub cores: u32,
+    pub memory_bytes: u64,
+    /// A soft compute limit (`coreLimit`), above `cores`.
+    pub soft_limit: Option<u32>,
+    /// The whole GPU with the untouched driver (no interposer).
+    pub whole: bool,
+    pub share_id: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("claim {claim}: {problem}")]
+pub struct PlanError {
+    pub claim: String,
+    pub problem: String,
+}
+
+/// Plans `claim` (which the kubelet named with `uid`) on `node`.
+pub fn plan(
+    claim: &ResourceClaim,
+    uid: &str,
+    node: &str,
+    gpus: &[GpuInfo],
+) -> Result<Vec<PlannedDevice>, PlanError> {
+    let who = format!(
+        "{}/{}",
+        claim.metadata.namespace.as_deref().unwrap_or(""),
+        claim.metadata.name.as_deref().unwrap_or("")
+    );
+    let err = |problem: String| PlanError {
+        claim: who.clone(),
+        problem,
+    };
+    if claim.metadata.uid.as_deref() != Some(uid) {
+        return Err(err(format!(
+            "the API server has UID {:?}, the kubelet asked for {uid:?} (deleted and re-created?)",
+            claim.metadata.uid.as_deref().unwrap_or("")
+        )));
+    }
+    let alloc = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .ok_or_else(|| err("is not allocated (no status.allocation.devices)".into()))?;
+    let mut out = Vec::new();
+    for r in alloc.results.iter().flatten() {
+        if r.driver != DRIVER_NAME {
+            continue;
+        }
+        if r.pool != node {
+            return Err(err(format!(
+                "request {:?} was allocated from pool {:?}, not this node's {node:?}",
+                r.request, r.pool
+            )));
+        }
+        let gpu = gpus
+            .iter()
+            .find(|g| slices::device_name(g.index) == r.device)
+            .ok_or_else(|| {
+                err(format!(
+                    "request {:?}: no device {:?} on this node",
+                    r.request, r.device
+                ))
+            })?;
+        let full_memory = gpu.memory_units() * MEMORY_UNIT_BYTES;
+        let consumed = |name: &str| -> Result<Option<u64>, PlanError> {
+            match r.consumed_capacity.as_ref().and_then(|c| c.get(name)) {
+                None => Ok(None),
+                Some(q) => quantity::parse(&q.0).map(Some).map_err(|e| {
+                    err(format!(
+                        "request {:?}: consumedCapacity.{name}: {e}",
+                        r.request
+                    ))
+                }),
+            }
+        };
+        let cores = consumed(CAPACITY_CORES)?.unwrap_or(100);
+        let memory = consumed(CAPACITY_MEMORY)?.unwrap_or(full_memory);
+        if cores == 0 || cores > 100 {
+            return Err(err(format!(
+                "request {:?}: cores {cores} is not within 1..=100",
+                r.request
+            )));
+        }
+        if memory == 0 || memory > full_memory || !memory.is_multiple_of(MEMORY_UNIT_BYTES) {
+            return Err(err(format!(
+                "request {:?}: memory {memory} is not a multiple of 256 MiB within the GPU's {full_memory}",
+                r.request
+            )));
+        }
+        // Class configs come first, then the claim's: later ones win.
+        let mut config = GpuConfig::default();
+        for c in alloc.config.iter().flatten() {
+            let Some(o) = c.opaque.as_ref().filter(|o| o.driver == DRIVER_NAME) else {
+                continue;
+            };
+            let applies = c.requests.as_ref().is_none_or(|rs| {
+                rs.is_empty()
+                    || rs
+                        .iter()
+                        .any(|x| *x == r.request || r.request.starts_with(&format!("{x}/")))
+            });
+            if applies {
+                let parsed = GpuConfig::parse(&o.parameters.0).map_err(|e| err(e.to_string()))?;
+                config = config.merge(parsed);
+            }
+        }
+        let whole = cores == 100 && memory == full_memory;
+        if config.exclusive == Some(true) && !whole {
+            return Err(err(format!(
+                "request {:?} is for a whole GPU (exclusive) but consumed {cores} cores / {memory} bytes",
+                r.request
+            )));
+        }
+        let soft_limit = match config.core_limit {
+            Some(l) if whole => {
+                return Err(err(format!(
+                    "request {:?}: coreLimit {l} applies to shares, not whole GPUs",
+                    r.request
+                )));
+            }
+            Some(l) if u64::from(l) < cores => {
+                return Err(err(format!(
+                    "request {:?}: coreLimit {l} is below the {cores} cores consumed",
+                    r.request
+                )));
+            }
+            Some(l) if u64::from(l) == cores => None,
+            l => l,
+        };
+        out.push(PlannedDevice {
+            request: r.request.clone(),
+            pool: r.pool.clone(),
+            device: r.device.clone(),
+            gpu_index: gpu.index,
+            gpu_uuid: gpu.uuid.clone(),
+            cores: cores as u32,
+            memory_bytes: memory,
+            soft_limit,
+            whole,
+            share_id: r.share_id.clone(),
+        });
+    }
+    if out.is_empty() {
+        return Err(err(format!("has no devices of {DRIVER_NAME} allocated")));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn gpus() -> Vec<GpuInfo> {
+        vec![GpuInfo {
+            index: 0,
+            uuid: "GPU-0".into(),
+            minor: 0,
+            memory_bytes: 16 << 30,
+            numa_node: None,
+            pci_bus_id: "00000000:3B:00.0".into(),
+        }]
+    }
+
+    fn claim(results: serde_json::Value, config: serde_json::Value) -> ResourceClaim {
+        serde_json::from_value(json!({
+            "metadata": {"name": "c1", "namespace": "ns", "uid": "u1"},
+            "spec": {},
+            "status": {"allocation": {"devices": {"results": results, "config": config}}}
+        }))
+        .unwrap()
+    }
+
+    fn result(cap: serde_json::Value) -> serde_json::Value {
+        json!([{"request": "gpu", "driver": DRIVER_NAME, "pool": "n1", "device": "gpu-0",
+                "shareID": "s1", "consumedCapacity": cap}])
+    }
+
+    #[test]
+    fn share_whole_and_soft() {
+        let c = claim(result(json!({"cores": "30", "memory": "1Gi"})), json!([]));
+        let p = plan(&c, "u1", "n1", &gpus()).unwrap();
+        assert_eq!(
+            (p[0].cores, p[0].memory_bytes, p[0].whole),
+            (30, 1 << 30, false)
+        );
+        assert_eq!(p[0].share_id.as_deref(), Some("s1"));
+
+        let whole = claim(result(json!(null)), json!([]));
+        assert!(plan(&whole, "u1", "n1", &gpus()).unwrap()[0].whole);
+
+        let cfg = json!([{"source": "FromClaim", "requests": ["gpu"], "opaque": {"driver": DRIVER_NAME,
+            "parameters": {"apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig", "coreLimit": 60}}}]);
+        let soft = claim(result(json!({"cores": "30", "memory": "1Gi"})), cfg);
+        assert_eq!(
+            plan(&soft, "u1", "n1", &gpus()).unwrap()[0].soft_limit,
+            Some(60)
+        );
+    }
+
+    #[test]
+    fn errors_name_the_problem() {
+        let c = claim(result(json!({"cores": "30", "memory": "1Gi"})), json!([]));
+        let e = plan(&c, "other", "n1", &gpus()).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("claim ns/c1: the API server has UID"),
+            "{e}"
+        );
+        let e = plan(&c, "u1", "n2", &gpus()).unwrap_err();
+        assert!(e.to_string().contains("not this node's \"n2\""), "{e}");
+        let bad = claim(result(json!({"cores": "30", "memory": "100Mi"})), json!([]));
+        assert!(
+            plan(&bad, "u1", "n1", &gpus())
+                .unwrap_err()
+                .to_string()
+                .contains("multiple of 256 MiB")
+        );
+        let cfg = json!([{"source": "FromClaim", "opaque": {"driver": DRIVER_NAME,
+            "parameters": {"apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig", "coreLimit": 20}}}]);
+        let low = claim(result(json!({"cores": "30", "memory": "1Gi"})), cfg);
+        assert!(
+            plan(&low, "u1", "n1", &gpus())
+                .unwrap_err()
+                .to_string()
+                .contains("below the 30 cores")
+        );
+        let cfg = json!([{"source": "FromClass", "opaque": {"driver": DRIVER_NAME,
+            "parameters": {"apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig", "exclusive": true}}}]);
+        let part = claim(result(json!({"cores": "30", "memory": "1Gi"})), cfg);
+        assert!(
+            plan(&part, "u1", "n1", &gpus())
+                .unwrap_err()
+                .to_string()
+                .contains("exclusive")
+        );
+        let none: ResourceClaim = serde_json::from_value(
+            json!({"metadata": {"name": "c1", "namespace": "ns", "uid": "u1"}, "spec": {}}),
+        )
+        .unwrap();
+        assert!(
+            plan(&none, "u1", "n1", &gpus())
+                .unwrap_err()
+                .to_string()
+                .contains("not allocated")
+        );
+    }
+}

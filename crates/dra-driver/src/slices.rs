@@ -1,0 +1,293 @@
+//! What the driver publishes (pure): one ResourceSlice per node holding a
+//! device per healthy GPU, and the DeviceClasses users select.
+//!
+//! Every device allows multiple allocations and offers consumable capacity
+//! `cores` (100 = the whole GPU) and `memory` (bytes, in 256 MiB steps), so
+//! the scheduler packs several claims onto one GPU (KEP-5075, beta in
+//! 1.36). A claim that asks for no capacity gets the defaults, which are
+//! the whole GPU. A GPU with a recent critical Xid is left out of the slice
+//! until it is healthy again; claims already prepared on it are untouched.
+
+use std::collections::BTreeMap;
+
+use gpu_allocator::{GpuInfo, MEMORY_UNIT_BYTES};
+use k8s_openapi::api::resource::v1::{
+    CELDeviceSelector, CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute,
+    DeviceCapacity, DeviceClass, DeviceClassConfiguration, DeviceClassSpec, DeviceSelector,
+    OpaqueDeviceConfiguration, ResourcePool, ResourceSlice, ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+
+use crate::{CAPACITY_CORES, CAPACITY_MEMORY, DRIVER_NAME, quantity};
+
+/// One GPU as discovery and health see it.
+#[derive(Debug, Clone)]
+pub struct GpuDevice {
+    pub info: GpuInfo,
+    pub model: String,
+    pub healthy: bool,
+}
+
+/// The device name of GPU `index` in the slice and in allocation results.
+pub fn device_name(index: usize) -> String {
+    format!("gpu-{index}")
+}
+
+/// The slice's name: one per node and driver, so a restart replaces it
+/// rather than adding another.
+pub fn slice_name(node: &str) -> String {
+    format!("{node}-{DRIVER_NAME}")
+}
+
+fn string(s: &str) -> DeviceAttribute {
+    DeviceAttribute {
+        string: Some(s.to_string()),
+        ..Default::default()
+    }
+}
+
+fn int(i: i64) -> DeviceAttribute {
+    DeviceAttribute {
+        int: Some(i),
+        ..Default::default()
+    }
+}
+
+/// A driver version as a semantic version attribute ("550.54.15"; "550.54"
+/// gets ".0"), or a string where it is not numeric.
+fn version(v: &str) -> DeviceAttribute {
+    let parts: Vec<&str> = v.split('.').collect();
+    if parts
+        .iter()
+        .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+    {
+        let mut p: Vec<String> = parts
+            .iter()
+            .map(|p| p.trim_start_matches('0').to_string())
+            .collect();
+        for x in &mut p {
+            if x.is_empty() {
+                *x = "0".into();
+            }
+        }
+        p.resize(3.max(p.len()), "0".into());
+        if p.len() == 3 {
+            return DeviceAttribute {
+                version: Some(p.join(".")),
+                ..Default::default()
+            };
+        }
+    }
+    string(v)
+}
+
+fn device(g: &GpuDevice, driver_version: &str) -> Device {
+    let i = &g.info;
+    let mut attributes = BTreeMap::from([
+        ("model".to_string(), string(&g.model)),
+        ("uuid".to_string(), string(&i.uuid)),
+        (
+            "pciBusID".to_string(),
+            string(&i.pci_bus_id.to_ascii_lowercase()),
+        ),
+        ("index".to_string(), int(i.index as i64)),
+        ("minor".to_string(), int(i.minor as i64)),
+        ("driverVersion".to_string(), version(driver_version)),
+    ]);
+    if let Some(n) = i.numa_node {
+        attributes.insert("numaNode".to_string(), int(n as i64));
+    }
+    // Whole 256 MiB units: what a share's memory is carved in.
+    let memory = i.memory_units() * MEMORY_UNIT_BYTES;
+    let capacity = BTreeMap::from([
+        (
+            CAPACITY_CORES.to_string(),
+            DeviceCapacity {
+                value: Quantity("100".into()),
+                request_policy: Some(CapacityRequestPolicy {
+                    default: Some(Quantity("100".into())),
+                    valid_range: Some(CapacityRequestPolicyRange {
+                        min: Quantity("1".into()),
+                        max: Some(Quantity("100".into())),
+                        step: Some(Quantity("1".into())),
+                    }),
+                    valid_values: None,
+                }),
+            },
+        ),
+        (
+            CAPACITY_MEMORY.to_string(),
+            DeviceCapacity {
+                value: Quantity(quantity::bytes(memory)),
+                request_policy: Some(CapacityRequestPolicy {
+                    default: Some(Quantity(quantity::bytes(memory))),
+                    valid_range: Some(CapacityRequestPolicyRange {
+                        min: Quantity(quantity::bytes(MEMORY_UNIT_BYTES)),
+                        max: Some(Quantity(quantity::bytes(memory))),
+                        step: Some(Quantity(quantity::bytes(MEMORY_UNIT_BYTES))),
+                    }),
+                    valid_values: None,
+                }),
+            },
+        ),
+    ]);
+    Device {
+        name: device_name(i.index),
+        allow_multiple_allocations: Some(true),
+        attributes: Some(attributes),
+        capacity: Some(capacity),
+        ..Default::default()
+    }
+}
+
+/// The node's slice at pool generation `generation`.
+pub fn build(
+    node: &str,
+    gpus: &[GpuDevice],
+    driver_version: &str,
+    generation: i64,
+) -> ResourceSlice {
+    ResourceSlice {
+        metadata: ObjectMeta {
+            name: Some(slice_name(node)),
+            ..Default::default()
+        },
+        spec: ResourceSliceSpec {
+            driver: DRIVER_NAME.to_string(),
+            node_name: Some(node.to_string()),
+            pool: ResourcePool {
+                name: node.to_string(),
+                generation,
+                resource_slice_count: 1,
+            },
+            devices: Some(
+                gpus.iter()
+                    .filter(|g| g.healthy)
+                    .map(|g| device(g, driver_version))
+                    .collect(),
+            ),
+            ..Default::default()
+        },
+    }
+}
+
+/// Whether two slice specs publish the same devices (the generation aside).
+pub fn same_devices(a: &ResourceSliceSpec, b: &ResourceSliceSpec) -> bool {
+    let strip = |s: &ResourceSliceSpec| {
+        let mut s = s.clone();
+        s.pool.generation = 0;
+        serde_json::to_value(s).unwrap_or_default()
+    };
+    strip(a) == strip(b)
+}
+
+/// DeviceClass for shares: any vcuda GPU; the claim says how much with
+/// `capacity.requests` (`cores`, `memory`).
+pub const SHARE_CLASS: &str = "vcuda-share.vcuda.tencent.com";
+/// DeviceClass for whole GPUs: the defaults (all cores, all memory), the
+/// untouched driver; the driver refuses a partial allocation under it.
+pub const WHOLE_CLASS: &str = "vcuda-gpu.vcuda.tencent.com";
+
+fn class(name: &str, config: Option<serde_json::Value>) -> DeviceClass {
+    DeviceClass {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            ..Default::default()
+        },
+        spec: DeviceClassSpec {
+            selectors: Some(vec![DeviceSelector {
+                cel: Some(CELDeviceSelector {
+                    expression: format!("device.driver == '{DRIVER_NAME}'"),
+                }),
+            }]),
+            config: config.map(|p| {
+                vec![DeviceClassConfiguration {
+                    opaque: Some(OpaqueDeviceConfiguration {
+                        driver: DRIVER_NAME.to_string(),
+                        parameters: RawExtension(p),
+                    }),
+                }]
+            }),
+            ..Default::default()
+        },
+    }
+}
+
+pub fn device_classes() -> Vec<DeviceClass> {
+    vec![
+        class(SHARE_CLASS, None),
+        class(
+            WHOLE_CLASS,
+            Some(serde_json::json!({
+                "apiVersion": crate::params::API_VERSION,
+                "kind": crate::params::KIND,
+                "exclusive": true,
+            })),
+        ),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(index: usize, healthy: bool) -> GpuDevice {
+        GpuDevice {
+            info: GpuInfo {
+                index,
+                uuid: format!("GPU-{index}"),
+                minor: index as u32,
+                memory_bytes: (15 << 30) + (100 << 20),
+                numa_node: Some(0),
+                pci_bus_id: format!("00000000:3{index}:00.0"),
+            },
+            model: "Tesla T4".into(),
+            healthy,
+        }
+    }
+
+    #[test]
+    fn slice_shape() {
+        let s = build("node-a", &[gpu(0, true), gpu(1, false)], "550.54.15", 3);
+        assert_eq!(s.metadata.name.as_deref(), Some("node-a-vcuda.tencent.com"));
+        assert_eq!(s.spec.pool.generation, 3);
+        let devs = s.spec.devices.as_ref().unwrap();
+        assert_eq!(devs.len(), 1, "the unhealthy GPU is left out");
+        let d = &devs[0];
+        assert_eq!(d.name, "gpu-0");
+        assert_eq!(d.allow_multiple_allocations, Some(true));
+        let a = d.attributes.as_ref().unwrap();
+        assert_eq!(a["driverVersion"].version.as_deref(), Some("550.54.15"));
+        assert_eq!(a["pciBusID"].string.as_deref(), Some("00000000:30:00.0"));
+        assert_eq!(a["numaNode"].int, Some(0));
+        let c = d.capacity.as_ref().unwrap();
+        assert_eq!(c["cores"].value.0, "100");
+        // 15 GiB + 100 MiB: whole 256 MiB units only.
+        assert_eq!(c["memory"].value.0, "15Gi");
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(
+            json.pointer("/spec/devices/0/capacity/memory/requestPolicy/validRange/step"),
+            Some(&serde_json::json!("256Mi"))
+        );
+        assert!(same_devices(
+            &s.spec,
+            &build("node-a", &[gpu(0, true)], "550.54.15", 9).spec
+        ));
+        assert!(!same_devices(
+            &s.spec,
+            &build("node-a", &[gpu(0, true), gpu(1, true)], "550.54.15", 3).spec
+        ));
+    }
+
+    #[test]
+    fn versions_and_classes() {
+        assert_eq!(version("550.54").version.as_deref(), Some("550.54.0"));
+        assert_eq!(version("580.65.06").version.as_deref(), Some("580.65.6"));
+        assert_eq!(version("r550").string.as_deref(), Some("r550"));
+        let classes = device_classes();
+        assert_eq!(classes.len(), 2);
+        assert!(classes[1].spec.config.is_some());
+    }
+}
