@@ -3,7 +3,7 @@
 //! health propagation, kubelet restart, allocation, and input validation.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use device_plugin::api::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
@@ -156,25 +156,17 @@ async fn two_resources_register_from_one_process() {
 async fn health_change_reaches_list_and_watch() {
     let (a, b) = default_node();
     let node = node(a, b).await;
-    let t = Instant::now();
+    // Seen by kubelet within WAIT (how fast: device_plugin_bench).
     assert!(node.vcore.devices.set_health("vcore-42", false));
     node.emu
         .wait_for(WAIT, |v| !v.resources[VCORE].devices["vcore-42"].healthy)
         .await
         .expect("unhealthy device seen by kubelet");
-    let down = t.elapsed();
-    let t = Instant::now();
     node.vcore.devices.set_health("vcore-42", true);
     node.emu
         .wait_for(WAIT, |v| v.resources[VCORE].devices["vcore-42"].healthy)
         .await
-        .unwrap();
-    let up = t.elapsed();
-    println!("health change -> kubelet view: unhealthy in {down:?}, healthy again in {up:?}");
-    assert!(
-        down < Duration::from_millis(500) && up < Duration::from_millis(500),
-        "{down:?} {up:?}"
-    );
+        .expect("healthy again seen by kubelet");
 
     // A count change (GPU lost) is streamed too.
     node.vmem
@@ -200,10 +192,9 @@ async fn kubelet_restart_reregisters_and_keeps_allocations() {
         .unwrap();
     let p1_ids = first[VCORE].envs["DEMO_DEVICES"].clone();
 
-    let t = Instant::now();
     node.emu.restart().await.unwrap();
-    let restarted = t.elapsed();
-    // Plugins notice the deleted sockets by themselves.
+    // Plugins notice the deleted sockets by themselves, within WAIT (how
+    // fast: device_plugin_bench).
     node.emu
         .wait_for(WAIT, |v| {
             [VCORE, VMEM]
@@ -212,14 +203,6 @@ async fn kubelet_restart_reregisters_and_keeps_allocations() {
         })
         .await
         .expect("both plugins re-registered after kubelet restart");
-    let rereg = t.elapsed();
-    println!(
-        "kubelet restart (stop, delete sockets, start) took {restarted:?}; both plugins re-registered {rereg:?} after it began"
-    );
-    assert!(
-        rereg < Duration::from_secs(1),
-        "re-registration took {rereg:?}"
-    );
     for res in [VCORE, VMEM] {
         let st = node
             .handle
@@ -500,7 +483,6 @@ async fn registration_retries_until_kubelet_appears() {
     );
 
     tokio::time::sleep(Duration::from_millis(700)).await; // let the backoff grow
-    let t = Instant::now();
     let emu = KubeletEmulator::start(&dir, tmp.path().join("pr.sock"))
         .await
         .unwrap();
@@ -510,10 +492,7 @@ async fn registration_retries_until_kubelet_appears() {
             .is_some_and(|r| r.connected)
     })
     .await
-    .unwrap();
-    let late = t.elapsed();
-    println!("kubelet appeared; plugin registered {late:?} later");
-    assert!(late < Duration::from_secs(1), "{late:?}");
+    .expect("registered within WAIT of kubelet appearing (how fast: device_plugin_bench)");
 
     // Graceful shutdown removes the plugin socket and ends the stream.
     cancel.cancel();
