@@ -328,6 +328,53 @@ fn the_daemonset_fits_the_design() {
 }
 
 #[test]
+fn every_runtime_socket_auto_looks_for_is_mounted_at_its_host_path() {
+    let m = manifests();
+    let cfg = manager_config(&m);
+    let runtime = cfg["container-runtime"].as_str().unwrap();
+    assert_eq!(
+        gpu_manager::runtime::Kind::parse(runtime),
+        Some(gpu_manager::runtime::Kind::Auto)
+    );
+    let pod = m
+        .daemonset
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .clone()
+        .unwrap();
+    let volumes: BTreeMap<_, _> = pod
+        .volumes
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|v| (v.name.clone(), v))
+        .collect();
+    let mounts = pod.containers[0].volume_mounts.clone().unwrap();
+    for kind in [
+        gpu_manager::runtime::Kind::Containerd,
+        gpu_manager::runtime::Kind::CriO,
+        gpu_manager::runtime::Kind::Docker,
+    ] {
+        let endpoint = kind.default_endpoint().unwrap();
+        let sock = endpoint.strip_prefix("unix://").unwrap();
+        // The manager looks the socket up at the host's path: a hostPath
+        // mounted at its own path must hold it.
+        let m = mounts
+            .iter()
+            .find(|vm| sock.starts_with(&format!("{}/", vm.mount_path)))
+            .unwrap_or_else(|| panic!("{kind:?}: no mount holds {sock}"));
+        let host = volumes[&m.name].host_path.as_ref().unwrap();
+        assert_eq!(
+            host.path, m.mount_path,
+            "{kind:?}: {sock} is elsewhere on the host"
+        );
+    }
+}
+
+#[test]
 fn service_and_monitor_select_the_manager() {
     let m = manifests();
     let pod_labels = m

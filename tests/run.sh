@@ -37,6 +37,9 @@ command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
 command -v strace >/dev/null 2>&1 || need+=(strace)
 command -v gcc >/dev/null 2>&1 || need+=(gcc)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+# CRI recovery (tests/manager_cri.rs) against a private containerd.
+command -v containerd >/dev/null 2>&1 || need+=(containerd)
+command -v runc >/dev/null 2>&1 || need+=(runc)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
@@ -101,6 +104,14 @@ log "docker engine"
 source tests/docker/engine.sh
 start_docker_engine
 export VCUDA_REQUIRE_DOCKER=1
+
+log "containerd (CRI recovery tests)"
+# Its own socket, state, root and runc root (/run/vcuda-test-containerd),
+# apart from any containerd kubelet or Docker uses.
+source tests/containerd/start.sh
+start_test_containerd
+export VCUDA_REQUIRE_CONTAINERD=1
+
 # Every test must run here: one that cannot (not root, no unshare, no
 # second filesystem at /dev/shm) fails instead of skipping.
 export VCUDA_REQUIRE_ALL=1
