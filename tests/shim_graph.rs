@@ -126,11 +126,12 @@ fn check_graphs(c: &Container, prog: &Path, direct: bool) {
         "{t}"
     );
     assert_eq!((num(&e, "allocs", &t), num(&e, "frees", &t)), (2, 1), "{t}");
-    // Four 1 ms kernels on the simulated timeline (plus the host's delay
-    // between recording the start event and launching).
+    // Four 1 ms kernels on the simulated timeline, plus the host's delay
+    // between recording the start event and launching (only bounded
+    // loosely: the host's scheduling is not what this checks).
     let us = num(&e, "elapsed_us", &t);
     assert!(
-        (4000..40000).contains(&us),
+        (4000..5_000_000).contains(&us),
         "explicit graph took {us} us:\n{t}"
     );
     if direct {
@@ -155,7 +156,7 @@ fn check_graphs(c: &Container, prog: &Path, direct: bool) {
     assert_eq!(num(&g, "alloc_bytes", &t), 16 * MIB, "{t}");
     let us = num(&g, "elapsed_us", &t);
     assert!(
-        (6000..60000).contains(&us),
+        (6000..5_000_000).contains(&us),
         "captured graph took {us} us:\n{t}"
     );
     if direct {

@@ -428,7 +428,8 @@ mod tests {
             "{ns} ns in {e:?}"
         );
         assert!(e >= Duration::from_millis(18), "{e:?}");
-        assert!(e < Duration::from_millis(500), "{e:?}");
+        // Loose: the host's scheduling is not what this checks.
+        assert!(e < Duration::from_secs(5), "{e:?}");
     }
 
     #[test]
