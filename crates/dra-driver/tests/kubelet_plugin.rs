@@ -1,0 +1,312 @@
+//! The driver through the emulated kubelet over the real protobuf on unix
+//! sockets, against the API server emulator: registration, publishing,
+//! two 30 % / 1 GiB claims packed on one GPU, idempotent prepare, soft
+//! limits and bad parameters, a driver restart keeping prepared claims,
+//! unprepare, a v1beta1 kubelet. No GPU simulator: the GPUs are given.
+
+mod common;
+
+use std::os::unix::fs::MetadataExt;
+
+use apiserver_emulator::{ApiServer, Kind};
+use common::*;
+use dra_driver::publish::{Published, Publisher};
+use dra_driver::slices::{self, GpuDevice};
+use dra_kubelet_emulator::{allocator, cdi, plugin};
+use serde_json::json;
+
+fn devices(healthy: [bool; 2]) -> Vec<GpuDevice> {
+    gpus()
+        .into_iter()
+        .zip(healthy)
+        .map(|(info, healthy)| GpuDevice {
+            info,
+            model: "Tesla T4".into(),
+            healthy,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_once_bump_on_health_never_duplicate() {
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    let api = kube(&server, dirs.tmp.path()).await;
+    let p = Publisher {
+        node: NODE.into(),
+        driver_version: "550.54.15".into(),
+    };
+    p.ensure_classes(&api).await.unwrap();
+    p.ensure_classes(&api).await.unwrap();
+    assert_eq!(server.list(Kind::DeviceClass).len(), 2);
+
+    assert_eq!(
+        p.reconcile(&api, &devices([true, true])).await,
+        Ok(Published::Created { generation: 1 })
+    );
+    // A restart on the same hardware writes nothing.
+    assert_eq!(
+        p.reconcile(&api, &devices([true, true])).await,
+        Ok(Published::Unchanged { generation: 1 })
+    );
+    // An Xid on GPU 1: the device leaves the slice, the pool generation goes up.
+    assert_eq!(
+        p.reconcile(&api, &devices([true, false])).await,
+        Ok(Published::Replaced { generation: 2 })
+    );
+    let s = server
+        .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
+        .unwrap();
+    assert_eq!(s["spec"]["pool"]["generation"], 2);
+    assert_eq!(s["spec"]["devices"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        p.reconcile(&api, &devices([true, true])).await,
+        Ok(Published::Replaced { generation: 3 })
+    );
+    // A stray slice of this driver on this node (an older name) is removed.
+    let mut stray =
+        serde_json::to_value(slices::build(NODE, &devices([true, true]), "550.54.15", 1)).unwrap();
+    stray["metadata"]["name"] = json!("node-a-old");
+    server.create(Kind::ResourceSlice, None, stray).unwrap();
+    assert_eq!(
+        p.reconcile(&api, &devices([true, true])).await,
+        Ok(Published::Unchanged { generation: 3 })
+    );
+    let ours: Vec<_> = server.list(Kind::ResourceSlice);
+    assert_eq!(ours.len(), 1, "never two slices for one node");
+    let kinds: Vec<&str> = server
+        .changes(Kind::ResourceSlice)
+        .into_iter()
+        .filter(|(_, o)| o["metadata"]["name"] == slices::slice_name(NODE).as_str())
+        .map(|(t, _)| t)
+        .collect();
+    assert_eq!(kinds, ["ADDED", "MODIFIED", "MODIFIED"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_pack_restart_unprepare() {
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    let api = kube(&server, dirs.tmp.path()).await;
+    let p = Publisher {
+        node: NODE.into(),
+        driver_version: "550.54.15".into(),
+    };
+    p.ensure_classes(&api).await.unwrap();
+    p.reconcile(&api, &devices([true, true])).await.unwrap();
+    let run = start(&dirs, gpus(), &api).await;
+    let kubelet = kubelet(&dirs, false).await;
+    assert_eq!(kubelet.name, "vcuda.tencent.com");
+    assert_eq!(kubelet.version, plugin::Version::V1);
+    until(10, "the registration notification", || {
+        run.registration.lock().unwrap().registered
+    })
+    .await;
+
+    // Two 30 % / 1 GiB claims: the allocator packs them on gpu-0.
+    let c1 = share_claim(&server, "c1", 30, "1Gi", None);
+    let c2 = share_claim(&server, "c2", 30, "1Gi", None);
+    let a1 = allocator::allocate(&server, NS, "c1", NODE).unwrap();
+    let a2 = allocator::allocate(&server, NS, "c2", NODE).unwrap();
+    assert_eq!(a1["devices"]["results"][0]["device"], "gpu-0");
+    assert_eq!(a2["devices"]["results"][0]["device"], "gpu-0");
+    assert_eq!(
+        a2["devices"]["results"][0]["consumedCapacity"],
+        json!({"cores": "30", "memory": "1Gi"})
+    );
+
+    let claims = [
+        plugin::claim(NS, "c1", &uid(&c1)),
+        plugin::claim(NS, "c2", &uid(&c2)),
+    ];
+    let r = kubelet.prepare(&claims).await.unwrap();
+    for c in &claims {
+        let one = &r.claims[&c.uid];
+        assert_eq!(one.error, "", "{}", c.name);
+        let d = &one.devices[0];
+        assert_eq!(
+            (
+                d.request_names.as_slice(),
+                d.device_name.as_str(),
+                d.pool_name.as_str()
+            ),
+            (&["gpu".to_string()][..], "gpu-0", NODE)
+        );
+        assert!(d.share_id.is_some());
+        let id = &d.cdi_device_ids[0];
+        assert_eq!(id, &format!("vcuda.tencent.com/gpu={}-gpu", c.uid));
+        // The runtime's view: the spec validates and the ID resolves.
+        let edits = cdi::resolve(&dirs.p("cdi"), id).unwrap();
+        let mounts: Vec<&str> = edits["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["containerPath"].as_str().unwrap())
+            .collect();
+        assert_eq!(mounts, ["/usr/local/nvidia", "/etc/vcuda"]);
+        assert_eq!(
+            edits["mounts"][0]["hostPath"],
+            dirs.p("vdriver/nvidia").display().to_string()
+        );
+        assert!(
+            edits["env"]
+                .as_array()
+                .unwrap()
+                .contains(&json!("NVIDIA_VISIBLE_DEVICES=GPU-00000000"))
+        );
+        assert_eq!(edits["deviceNodes"][0]["path"], "/dev/nvidia0");
+        let vm = dirs.p("vm").join(&c.uid).join("gpu");
+        let data = quota_config::read_config(&vm.join(quota_config::CONFIG_FILE)).unwrap();
+        assert_eq!(
+            (
+                data.gpu_memory,
+                data.utilization,
+                data.limit,
+                data.hard_limit,
+                data.enable
+            ),
+            (1 << 30, 30, 30, true, true)
+        );
+        assert_eq!(data.pod_uid, c.uid);
+        assert!(vm.join(quota_config::SOCKET_FILE).exists());
+        assert!(vm.join(container_ledger_file()).exists());
+    }
+
+    // Idempotent: preparing again answers the same and rewrites nothing.
+    let cfg1 = dirs
+        .p("vm")
+        .join(uid(&c1))
+        .join("gpu")
+        .join(quota_config::CONFIG_FILE);
+    let ino = std::fs::metadata(&cfg1).unwrap().ino();
+    let again = kubelet.prepare(&claims[..1]).await.unwrap();
+    assert_eq!(again.claims[&uid(&c1)], r.claims[&uid(&c1)]);
+    assert_eq!(std::fs::metadata(&cfg1).unwrap().ino(), ino);
+
+    // Soft limit from opaque parameters; bad parameters fail only their claim.
+    let params = |v| {
+        Some(
+            json!({"apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig", "coreLimit": v}),
+        )
+    };
+    let soft = share_claim(&server, "soft", 20, "512Mi", params(json!(60)));
+    let bad = share_claim(&server, "bad", 20, "512Mi", params(json!("lots")));
+    allocator::allocate(&server, NS, "soft", NODE).unwrap();
+    allocator::allocate(&server, NS, "bad", NODE).unwrap();
+    let unallocated = share_claim(&server, "pending", 10, "256Mi", None);
+    let r = kubelet
+        .prepare(&[
+            plugin::claim(NS, "soft", &uid(&soft)),
+            plugin::claim(NS, "bad", &uid(&bad)),
+            plugin::claim(NS, "pending", &uid(&unallocated)),
+            plugin::claim(NS, "c1", "not-the-uid"),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(r.claims[&uid(&soft)].error, "");
+    let data = quota_config::read_config(
+        &dirs
+            .p("vm")
+            .join(uid(&soft))
+            .join("gpu")
+            .join(quota_config::CONFIG_FILE),
+    )
+    .unwrap();
+    assert_eq!(
+        (data.utilization, data.limit, data.hard_limit),
+        (20, 60, false)
+    );
+    let e = &r.claims[&uid(&bad)].error;
+    assert!(
+        e.starts_with(
+            "claim team/bad: opaque parameters for vcuda.tencent.com: invalid type: string \"lots\""
+        ),
+        "{e}"
+    );
+    assert!(
+        r.claims[&uid(&unallocated)]
+            .error
+            .contains("is not allocated")
+    );
+    assert!(
+        r.claims["not-the-uid"]
+            .error
+            .contains("the kubelet asked for \"not-the-uid\"")
+    );
+    assert!(
+        !dirs.p("vm").join(uid(&bad)).exists(),
+        "a failed claim leaves nothing behind"
+    );
+
+    // A driver restart: the claims stay prepared, their files untouched;
+    // prepare answers from the checkpoint even with the claim gone from the
+    // API server.
+    run.cancel.cancel();
+    drop(run);
+    drop(kubelet);
+    server.delete(Kind::ResourceClaim, Some(NS), "c2").unwrap();
+    let run = start(&dirs, gpus(), &api).await;
+    let kubelet = common::kubelet(&dirs, false).await;
+    assert_eq!(std::fs::metadata(&cfg1).unwrap().ino(), ino);
+    let r2 = kubelet.prepare(&claims[1..]).await.unwrap();
+    assert_eq!(r2.claims[&uid(&c2)].error, "");
+    assert_eq!(r2.claims[&uid(&c2)].devices[0].device_name, "gpu-0");
+    let sock = dirs
+        .p("vm")
+        .join(uid(&c2))
+        .join("gpu")
+        .join(quota_config::SOCKET_FILE);
+    until(10, "vcuda.sock served again", || {
+        std::os::unix::net::UnixStream::connect(&sock).is_ok()
+    })
+    .await;
+    assert_eq!(run.driver.prepared().await.len(), 3);
+
+    // Unprepare releases everything; again is fine.
+    let u = kubelet.unprepare(&claims[1..]).await.unwrap();
+    assert_eq!(u.claims[&uid(&c2)].error, "");
+    assert!(!dirs.p("vm").join(uid(&c2)).exists());
+    assert!(
+        !dirs
+            .p("cdi")
+            .join(format!("vcuda.tencent.com-{}.json", uid(&c2)))
+            .exists()
+    );
+    assert!(
+        cdi::resolve(
+            &dirs.p("cdi"),
+            &format!("vcuda.tencent.com/gpu={}-gpu", uid(&c2))
+        )
+        .is_err()
+    );
+    assert_eq!(
+        kubelet.unprepare(&claims[1..]).await.unwrap().claims[&uid(&c2)].error,
+        ""
+    );
+    let ck: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dirs.p("state/checkpoint.json")).unwrap()).unwrap();
+    assert!(ck["claims"].get(uid(&c2)).is_none() && ck["claims"].get(uid(&c1)).is_some());
+
+    // A kubelet that speaks v1beta1 only.
+    let old = kubelet_beta(&dirs).await;
+    assert_eq!(old.version, plugin::Version::V1beta1);
+    let r = old.prepare(&claims[..1]).await.unwrap();
+    assert_eq!(
+        r.claims[&uid(&c1)].devices[0].cdi_device_ids,
+        again.claims[&uid(&c1)].devices[0].cdi_device_ids
+    );
+    assert_eq!(
+        old.unprepare(&claims[..1]).await.unwrap().claims[&uid(&c1)].error,
+        ""
+    );
+    assert!(!dirs.p("vm").join(uid(&c1)).exists());
+    run.cancel.cancel();
+}
+
+fn container_ledger_file() -> &'static str {
+    container_ledger::LEDGER_FILE
+}
+
+async fn kubelet_beta(dirs: &Dirs) -> plugin::DraPlugin {
+    common::kubelet(dirs, true).await
+}

@@ -1,0 +1,337 @@
+//! A stand-in for the scheduler's DRA allocator, enough for one node and
+//! `exactly` requests (count 1) whose DeviceClass selects by driver:
+//! first fit over the node's published devices, honouring consumable
+//! capacity (KEP-5075): a request's `capacity.requests` or the device's
+//! request policy default, rounded up to the policy's step, must fit in
+//! what the claims already allocated there left over; a device without
+//! `allowMultipleAllocations` goes to one claim. The allocation (results
+//! with `consumedCapacity` and `shareID`, class then claim configs) is
+//! written to the claim's status as the scheduler would.
+
+use std::collections::BTreeMap;
+
+use apiserver_emulator::{ApiServer, Kind};
+use serde_json::{Value, json};
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AllocError {
+    #[error("ResourceClaim {0} not found")]
+    NoClaim(String),
+    #[error("claim {claim}: {problem}")]
+    Unsupported { claim: String, problem: String },
+    #[error("claim {claim}: request {request:?} fits on no device of node {node}")]
+    NoFit {
+        claim: String,
+        request: String,
+        node: String,
+    },
+}
+
+/// Whole numbers with binary or decimal suffixes (what the tests use).
+fn qty(v: &Value) -> Option<u128> {
+    let s = v
+        .as_str()
+        .map(str::to_string)
+        .or_else(|| v.as_u64().map(|n| n.to_string()))?;
+    let i = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let n: u128 = s[..i].parse().ok()?;
+    let m: u128 = match &s[i..] {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        _ => return None,
+    };
+    Some(n * m)
+}
+
+type DeviceKey = (String, String, String);
+
+/// Capacity already allocated per device (driver, pool, device) and
+/// whether any allocation there is exclusive.
+fn in_use(
+    api: &ApiServer,
+    except_uid: &str,
+) -> BTreeMap<DeviceKey, (BTreeMap<String, u128>, bool)> {
+    let mut used: BTreeMap<DeviceKey, (BTreeMap<String, u128>, bool)> = BTreeMap::new();
+    for c in api.list(Kind::ResourceClaim) {
+        if c.pointer("/metadata/uid").and_then(Value::as_str) == Some(except_uid) {
+            continue;
+        }
+        let results = c
+            .pointer("/status/allocation/devices/results")
+            .and_then(Value::as_array);
+        for r in results.into_iter().flatten() {
+            let s = |k: &str| r.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+            let e = used
+                .entry((s("driver"), s("pool"), s("device")))
+                .or_default();
+            match r.get("consumedCapacity").and_then(Value::as_object) {
+                Some(cc) => {
+                    for (k, v) in cc {
+                        *e.0.entry(k.clone()).or_default() += qty(v).unwrap_or(0);
+                    }
+                }
+                None => e.1 = true,
+            }
+        }
+    }
+    used
+}
+
+/// The driver a class selects, from `device.driver == '<name>'`.
+fn class_driver(class: &Value) -> Option<String> {
+    let sels = class.pointer("/spec/selectors").and_then(Value::as_array)?;
+    sels.iter().find_map(|s| {
+        let e = s.pointer("/cel/expression")?.as_str()?;
+        let rest = e
+            .trim()
+            .strip_prefix("device.driver")?
+            .trim()
+            .strip_prefix("==")?
+            .trim();
+        Some(rest.trim_matches(|c| c == '\'' || c == '"').to_string())
+    })
+}
+
+/// What a request consumes of one capacity, or None when it cannot.
+fn consume(cap: &Value, asked: Option<u128>) -> Option<u128> {
+    let value = qty(cap.get("value")?)?;
+    let policy = cap.get("requestPolicy");
+    let want = asked
+        .or_else(|| policy.and_then(|p| p.get("default")).and_then(qty))
+        .unwrap_or(value);
+    let Some(range) = policy.and_then(|p| p.get("validRange")) else {
+        return (want <= value).then_some(want);
+    };
+    let min = range.get("min").and_then(qty).unwrap_or(0);
+    let max = range.get("max").and_then(qty).unwrap_or(value);
+    let mut q = want.max(min);
+    if let Some(step) = range.get("step").and_then(qty).filter(|&s| s > 0) {
+        q = min + (q - min).div_ceil(step) * step;
+    }
+    (q <= max).then_some(q)
+}
+
+fn print_qty(n: u128) -> String {
+    for (suffix, shift) in [("Gi", 30), ("Mi", 20)] {
+        if n != 0 && n.is_multiple_of(1u128 << shift) {
+            return format!("{}{suffix}", n >> shift);
+        }
+    }
+    n.to_string()
+}
+
+/// Allocates claim `namespace/name` on `node` and writes the allocation;
+/// an allocated claim is returned as it is.
+pub fn allocate(
+    api: &ApiServer,
+    namespace: &str,
+    name: &str,
+    node: &str,
+) -> Result<Value, AllocError> {
+    let who = format!("{namespace}/{name}");
+    let claim = api
+        .get(Kind::ResourceClaim, Some(namespace), name)
+        .ok_or_else(|| AllocError::NoClaim(who.clone()))?;
+    if let Some(a) = claim.pointer("/status/allocation") {
+        return Ok(a.clone());
+    }
+    let unsupported = |problem: String| AllocError::Unsupported {
+        claim: who.clone(),
+        problem,
+    };
+    let uid = claim
+        .pointer("/metadata/uid")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    let mut used = in_use(api, uid);
+    let slices: Vec<Value> = api
+        .list(Kind::ResourceSlice)
+        .into_iter()
+        .filter(|s| s.pointer("/spec/nodeName").and_then(Value::as_str) == Some(node))
+        .collect();
+    let mut results = Vec::new();
+    let mut config = Vec::new();
+    let requests = claim
+        .pointer("/spec/devices/requests")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    for (n, req) in requests.iter().enumerate() {
+        let rname = req
+            .get("name")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        let ex = req
+            .get("exactly")
+            .ok_or_else(|| unsupported(format!("request {rname:?} is not an `exactly` request")))?;
+        if ex.get("count").and_then(Value::as_u64).unwrap_or(1) != 1 {
+            return Err(unsupported(format!(
+                "request {rname:?}: only count 1 is emulated"
+            )));
+        }
+        let class_name = ex
+            .get("deviceClassName")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let class = api
+            .get(Kind::DeviceClass, None, class_name)
+            .ok_or_else(|| {
+                unsupported(format!(
+                    "request {rname:?}: DeviceClass {class_name:?} not found"
+                ))
+            })?;
+        let driver = class_driver(&class).ok_or_else(|| {
+            unsupported(format!(
+                "DeviceClass {class_name:?}: only `device.driver == '...'` selectors are emulated"
+            ))
+        })?;
+        let asked = ex
+            .pointer("/capacity/requests")
+            .and_then(Value::as_object)
+            .cloned()
+            .unwrap_or_default();
+        let mut chosen = None;
+        'devices: for s in slices
+            .iter()
+            .filter(|s| s.pointer("/spec/driver").and_then(Value::as_str) == Some(driver.as_str()))
+        {
+            let pool = s
+                .pointer("/spec/pool/name")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string();
+            for d in s
+                .pointer("/spec/devices")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
+                let dname = d
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string();
+                let key = (driver.clone(), pool.clone(), dname.clone());
+                let (already, exclusive) = used.get(&key).cloned().unwrap_or_default();
+                if exclusive {
+                    continue;
+                }
+                let multiple =
+                    d.get("allowMultipleAllocations").and_then(Value::as_bool) == Some(true);
+                if !multiple {
+                    if already.is_empty() && !used.contains_key(&key) {
+                        chosen = Some((pool, dname, None));
+                        break 'devices;
+                    }
+                    continue;
+                }
+                let mut consumed = BTreeMap::new();
+                for (cname, cap) in d
+                    .get("capacity")
+                    .and_then(Value::as_object)
+                    .into_iter()
+                    .flatten()
+                {
+                    let Some(q) = consume(cap, asked.get(cname).and_then(qty)) else {
+                        continue 'devices;
+                    };
+                    let total = cap.get("value").and_then(qty).unwrap_or(0);
+                    if already.get(cname).copied().unwrap_or(0) + q > total {
+                        continue 'devices;
+                    }
+                    consumed.insert(cname.clone(), q);
+                }
+                chosen = Some((pool, dname, Some(consumed)));
+                break 'devices;
+            }
+        }
+        let Some((pool, device, consumed)) = chosen else {
+            return Err(AllocError::NoFit {
+                claim: who,
+                request: rname,
+                node: node.to_string(),
+            });
+        };
+        let key = (driver.clone(), pool.clone(), device.clone());
+        let mut r = json!({"request": rname, "driver": driver, "pool": pool, "device": device});
+        match &consumed {
+            Some(c) => {
+                let e = used.entry(key).or_default();
+                for (k, v) in c {
+                    *e.0.entry(k.clone()).or_default() += v;
+                }
+                r["consumedCapacity"] = json!(
+                    c.iter()
+                        .map(|(k, v)| (k.clone(), print_qty(*v)))
+                        .collect::<BTreeMap<_, _>>()
+                );
+                r["shareID"] = json!(format!(
+                    "{:08x}-0000-4000-8000-{:012x}",
+                    n + 1,
+                    uid.len() as u64 * 1000 + results.len() as u64
+                ));
+            }
+            None => {
+                used.entry(key).or_default().1 = true;
+            }
+        }
+        results.push(r);
+        for c in class
+            .pointer("/spec/config")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let mut c = c.clone();
+            c["source"] = json!("FromClass");
+            c["requests"] = json!([rname]);
+            config.push(c);
+        }
+    }
+    for c in claim
+        .pointer("/spec/devices/config")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let mut c = c.clone();
+        c["source"] = json!("FromClaim");
+        config.push(c);
+    }
+    let allocation = json!({
+        "devices": {"results": results, "config": config},
+        "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [node]}]}]}
+    });
+    api.patch(
+        Kind::ResourceClaim,
+        Some(namespace),
+        name,
+        &json!({"status": {"allocation": allocation}}),
+    )
+    .map_err(|e| unsupported(e.to_string()))?;
+    Ok(allocation)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn consumption_rounds_to_the_step() {
+        let cap = json!({"value": "16Gi", "requestPolicy": {"default": "16Gi",
+            "validRange": {"min": "256Mi", "max": "16Gi", "step": "256Mi"}}});
+        assert_eq!(consume(&cap, Some(1 << 30)), Some(1 << 30));
+        assert_eq!(consume(&cap, Some(300 << 20)), Some(512 << 20));
+        assert_eq!(consume(&cap, None), Some(16 << 30));
+        assert_eq!(consume(&cap, Some(17 << 30)), None);
+        assert_eq!(print_qty(1 << 30), "1Gi");
+    }
+}

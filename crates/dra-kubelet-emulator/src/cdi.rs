@@ -1,0 +1,116 @@
+//! CDI device resolution as a runtime does it (containerd's `enable_cdi`):
+//! a fully qualified ID `vendor/class=name` names a device in one of the
+//! spec files (`*.json`) of the CDI directories, whose `kind` is
+//! `vendor/class`; the container gets that device's `containerEdits`.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum CdiError {
+    #[error("{0:?} is not a qualified CDI device ID (vendor/class=name)")]
+    BadId(String),
+    #[error("CDI device {0:?} is in no spec")]
+    Unresolved(String),
+    #[error("CDI spec {path}: {problem}")]
+    BadSpec { path: String, problem: String },
+}
+
+/// Checks a spec's shape (the parts of the CDI schema runtimes rely on):
+/// `cdiVersion`, `kind` as `vendor/class`, devices with a name and edits
+/// whose device nodes have a path and mounts host and container paths.
+pub fn validate(spec: &Value) -> Result<(), String> {
+    let s = |p: &str| spec.pointer(p).and_then(Value::as_str);
+    let version = s("/cdiVersion").ok_or("cdiVersion missing")?;
+    if !version.split('.').all(|p| p.parse::<u32>().is_ok()) || version.split('.').count() != 3 {
+        return Err(format!("cdiVersion {version:?} is not a version"));
+    }
+    let kind = s("/kind").ok_or("kind missing")?;
+    if kind.split('/').count() != 2 || kind.split('/').any(str::is_empty) {
+        return Err(format!("kind {kind:?} is not vendor/class"));
+    }
+    let devices = spec
+        .get("devices")
+        .and_then(Value::as_array)
+        .ok_or("devices missing")?;
+    for d in devices {
+        let name = d
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or("a device without a name")?;
+        if name.is_empty()
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_.:-".contains(c))
+        {
+            return Err(format!(
+                "device name {name:?} has characters CDI does not allow"
+            ));
+        }
+        let e = d
+            .get("containerEdits")
+            .ok_or(format!("device {name}: containerEdits missing"))?;
+        for n in e
+            .get("deviceNodes")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            n.get("path")
+                .and_then(Value::as_str)
+                .ok_or(format!("device {name}: a deviceNode without path"))?;
+        }
+        for m in e
+            .get("mounts")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            for f in ["hostPath", "containerPath"] {
+                m.get(f)
+                    .and_then(Value::as_str)
+                    .ok_or(format!("device {name}: a mount without {f}"))?;
+            }
+        }
+        for v in e.get("env").and_then(Value::as_array).into_iter().flatten() {
+            if !v.as_str().is_some_and(|v| v.contains('=')) {
+                return Err(format!("device {name}: env entry {v} is not KEY=VALUE"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The container edits of `id` from the specs in `dir`.
+pub fn resolve(dir: &Path, id: &str) -> Result<Value, CdiError> {
+    let (kind, name) = id
+        .split_once('=')
+        .ok_or_else(|| CdiError::BadId(id.into()))?;
+    if !kind.contains('/') {
+        return Err(CdiError::BadId(id.into()));
+    }
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.extension().is_none_or(|x| x != "json") {
+            continue;
+        }
+        let bad = |problem: String| CdiError::BadSpec {
+            path: p.display().to_string(),
+            problem,
+        };
+        let spec: Value =
+            serde_json::from_slice(&std::fs::read(&p).map_err(|e| bad(e.to_string()))?)
+                .map_err(|e| bad(e.to_string()))?;
+        validate(&spec).map_err(bad)?;
+        if spec.get("kind").and_then(Value::as_str) != Some(kind) {
+            continue;
+        }
+        for d in spec["devices"].as_array().into_iter().flatten() {
+            if d.get("name").and_then(Value::as_str) == Some(name) {
+                return Ok(d["containerEdits"].clone());
+            }
+        }
+    }
+    Err(CdiError::Unresolved(id.into()))
+}
