@@ -387,10 +387,15 @@ impl HostManager {
             w.mgr.join("display.sock").to_str().unwrap(),
             "--query-port",
             &MANAGER_PORT.to_string(),
-            // containerd: no CRI backend yet; kubelet and the API server
-            // are the recovery sources.
+            // The node's containerd through CRI, with kubelet and the API
+            // server, is what recovery asks.
             "--container-runtime",
-            "none",
+            "containerd",
+            "--container-runtime-endpoint",
+            &format!(
+                "unix://{}",
+                c.dir.join("containerd/containerd.sock").display()
+            ),
             "--allocation-check-period",
             "5",
         ]
@@ -735,7 +740,11 @@ fn real_node_suite() {
         .unwrap()
         .replace("@SIM_ROOT@", w.sim.to_str().unwrap())
         .replace("@API_HOST@", "198.51.100.1")
-        .replace("@API_PORT@", "26443");
+        .replace("@API_PORT@", "26443")
+        .replace(
+            "@CONTAINERD_DIR@",
+            c.dir.join("containerd").to_str().unwrap(),
+        );
     c.kubectl_ok(&[
         "-n",
         "kube-system",
@@ -845,6 +854,11 @@ fn real_node_suite() {
     {
         eprintln!("k8s_node: DaemonSet manager: {l}");
     }
+    assert!(
+        !mlog.contains("no container runtime socket"),
+        "the DaemonSet's manager found no runtime (the overlay mounts the node's containerd at /run/containerd):\n{}",
+        tail(&mlog, 40)
+    );
     assert!(
         !mlog.contains("forbidden") && !mlog.contains("Forbidden"),
         "the manager was refused by the RBAC authorizer:\n{}",
@@ -1066,6 +1080,20 @@ fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         .next_back()
         .and_then(|l| kv(l).get("recovery_ms").cloned())
         .unwrap_or_else(|| "?".into());
+    let rec_line = m
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("recovery finished"))
+        .next_back()
+        .unwrap_or("")
+        .to_string();
+    let rk = kv(&rec_line);
+    assert!(
+        rk.get("kept")
+            .is_some_and(|k| k.parse::<usize>().unwrap_or(0) >= n)
+            && rk.get("unreachable").is_some_and(|u| u == "[]"),
+        "recovery kept every live pod, every source reachable (containerd through CRI, kubelet, API server): {rec_line}"
+    );
     figures.push(format!(
         "recovery with {n} live pods: /readyz {:.2} s after the restart (recovery_ms={recovery_ms})",
         recovery.as_secs_f64()
