@@ -1,0 +1,264 @@
+//! The whole driver (`daemon::run`) on a simulated node (gpu-sim, NVML and
+//! Xids included), the interposer mirrored as the shares' libcuda, the API
+//! server emulator and the emulated kubelet: two 30 % / 1 GiB claims are
+//! packed on the GPU; a C program run with what their CDI specs inject
+//! sees 1024 MiB and is refused past it; an Xid takes the GPU out of the
+//! slice (generation bump) and the quiet period brings it back; deleting
+//! the pod (unprepare) releases the claim. Prints claim-to-running latency.
+//!
+//! Needs `cargo build --workspace` first (gpu-sim, its cdylibs, libvcuda.so).
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use apiserver_emulator::{ApiServer, Kind};
+use common::*;
+use dra_driver::daemon::{Settings, run};
+use dra_driver::slices;
+use dra_kubelet_emulator::{allocator, cdi, plugin};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+const MIB: u64 = 1 << 20;
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// `target/<profile>` of this test binary (`target/<profile>/deps/...`).
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().and_then(Path::parent).unwrap().to_path_buf()
+}
+
+fn artifact(name: &str) -> PathBuf {
+    let p = profile_dir().join(name);
+    assert!(
+        p.is_file(),
+        "{} missing: run `cargo build --workspace` first",
+        p.display()
+    );
+    p
+}
+
+fn sh(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn kv(out: &str) -> HashMap<String, String> {
+    out.split_whitespace()
+        .filter_map(|w| w.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// What a runtime does with the CDI edits, without a mount namespace: the
+/// env with container mount paths mapped to their host paths, and the
+/// interposer pointed at the vm directory mounted at /etc/vcuda.
+fn container_env(edits: &Value) -> Vec<(String, String)> {
+    let mounts: Vec<(String, String)> = edits["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["containerPath"].as_str().unwrap().to_string(),
+                m["hostPath"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let mut env: Vec<(String, String)> = edits["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let (k, v) = e.as_str().unwrap().split_once('=').unwrap();
+            let mut v = v.to_string();
+            for (c, h) in &mounts {
+                if let Some(rest) = v.strip_prefix(c.as_str()) {
+                    v = format!("{h}{rest}");
+                }
+            }
+            (k.to_string(), v)
+        })
+        .collect();
+    let vm = mounts.iter().find(|(c, _)| c == "/etc/vcuda").unwrap();
+    env.push(("VCUDA_CONFIG_DIR".into(), vm.1.clone()));
+    env
+}
+
+fn slice_generation(server: &ApiServer) -> Option<(i64, usize)> {
+    let s = server.get(Kind::ResourceSlice, None, &slices::slice_name(NODE))?;
+    Some((
+        s["spec"]["pool"]["generation"].as_i64()?,
+        s["spec"]["devices"].as_array()?.len(),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_on_a_simulated_node_under_the_interposer() {
+    let gpu_sim = artifact("gpu-sim");
+    let shim = artifact("libvcuda.so");
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    let sim = dirs.p("sim");
+    sh(Command::new(&gpu_sim)
+        .args(["install", "--node"])
+        .arg(workspace().join("config/nodes/sim-1gpu.toml"))
+        .arg("--root")
+        .arg(&sim));
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    let settings = Settings {
+        node: NODE.into(),
+        host_root: sim.clone(),
+        nvml_library: None,
+        volume_config: workspace().join("config/volume.conf"),
+        interposer: Some(shim),
+        // Inside the sim root, so the sim's libraries find their state.
+        vdriver_dir: sim.join("vdriver"),
+        vm_dir: dirs.p("vm"),
+        cdi_dir: dirs.p("cdi"),
+        state_dir: dirs.p("state"),
+        plugins_dir: dirs.p("plugins"),
+        registry_dir: dirs.p("plugins_registry"),
+        kubeconfig: Some(dirs.p("kubeconfig")),
+        xid_quiet_period: Duration::from_secs(2),
+        ignored_xids: vec![13, 31, 43, 45, 68, 109],
+        resync_period: Duration::from_secs(60),
+        extra_devices: vec![],
+    };
+    let cancel = CancellationToken::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let daemon = tokio::spawn(run(settings, cancel.clone(), Some(tx)));
+    tokio::time::timeout(Duration::from_secs(60), rx)
+        .await
+        .unwrap()
+        .unwrap();
+    let kubelet =
+        plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(20), false)
+            .await
+            .unwrap();
+    assert_eq!(slice_generation(&server), Some((1, 1)));
+    let s = server
+        .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
+        .unwrap();
+    let attrs = &s["spec"]["devices"][0]["attributes"];
+    assert_eq!(attrs["model"]["string"], "NVIDIA A100-SXM4-40GB");
+    assert_eq!(attrs["driverVersion"]["version"], "580.95.5");
+    assert_eq!(
+        s["spec"]["devices"][0]["capacity"]["memory"]["value"],
+        "40Gi"
+    );
+
+    // Two 30 % / 1 GiB claims, packed on the one GPU, prepared; a program
+    // in each sees 1024 MiB and is refused past it.
+    let client = dirs.p("shim_client");
+    sh(Command::new("gcc")
+        .args(["-O1", "-o"])
+        .arg(&client)
+        .arg(workspace().join("tests/c/shim_client.c"))
+        .arg("-L")
+        .arg(sim.join("usr/lib/x86_64-linux-gnu"))
+        .arg("-lcuda"));
+    let mut claims = Vec::new();
+    for name in ["train-a", "train-b"] {
+        let t0 = Instant::now();
+        let c = share_claim(&server, name, 30, "1Gi", None);
+        let a = allocator::allocate(&server, NS, name, NODE).unwrap();
+        assert_eq!(a["devices"]["results"][0]["device"], "gpu-0");
+        let claim = plugin::claim(NS, name, &uid(&c));
+        let r = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+        let one = &r.claims[&claim.uid];
+        assert_eq!(one.error, "");
+        let prepared = t0.elapsed();
+        let edits = cdi::resolve(&dirs.p("cdi"), &one.devices[0].cdi_device_ids[0]).unwrap();
+        let env = container_env(&edits);
+        let out = sh(Command::new(&client)
+            .arg("init")
+            .envs(env.iter().cloned())
+            .env_remove("LOGGER_LEVEL"));
+        assert_eq!(kv(&out)["cuInit"], "0");
+        println!(
+            "claim {name}: claim-to-prepared {:.1} ms, claim-to-running (cuInit answered under the interposer) {:.1} ms",
+            prepared.as_secs_f64() * 1e3,
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+        let out = sh(Command::new(&client)
+            .args(["quota", "64"])
+            .envs(env.iter().cloned())
+            .env_remove("LOGGER_LEVEL"));
+        let r = kv(&out);
+        let get = |k: &str| r[k].parse::<u64>().unwrap();
+        assert_eq!(
+            get("start_total"),
+            1024 * MIB,
+            "cuMemGetInfo total = the claim's 1 GiB: {out}"
+        );
+        assert_eq!(get("start_device_total"), 1024 * MIB, "{out}");
+        assert_eq!(
+            get("last"),
+            2,
+            "refused past the quota (CUDA_ERROR_OUT_OF_MEMORY): {out}"
+        );
+        assert!(get("allocated") * 64 * MIB <= get("start_free"), "{out}");
+        assert!(get("full_free") < 64 * MIB, "{out}");
+        // The program reserved through the ledger the driver passed it over
+        // the claim's vcuda.sock, up to the quota and no further.
+        let ledger = dirs
+            .p("vm")
+            .join(&claim.uid)
+            .join("gpu")
+            .join(container_ledger::LEDGER_FILE);
+        let (l, _) = container_ledger::Ledger::open(&ledger).unwrap();
+        assert!(
+            l.peak() > 1024 * MIB - 64 * MIB && l.peak() <= 1024 * MIB,
+            "peak {}",
+            l.peak()
+        );
+        until(10, "the process's slot released", || l.used() == 0).await;
+        claims.push(claim);
+    }
+
+    // A critical Xid: the GPU leaves the slice (generation 2), and comes
+    // back after the quiet period (generation 3); one slice throughout.
+    sh(Command::new(&gpu_sim)
+        .arg("xid")
+        .arg("--root")
+        .arg(&sim)
+        .args(["--gpu", "0", "--code", "79"]));
+    until(30, "the GPU out of the slice", || {
+        slice_generation(&server) == Some((2, 0))
+    })
+    .await;
+    until(30, "the GPU back in the slice", || {
+        slice_generation(&server) == Some((3, 1))
+    })
+    .await;
+    assert_eq!(server.list(Kind::ResourceSlice).len(), 1);
+    // Prepared claims were not touched by the health change.
+    assert!(
+        dirs.p("vm")
+            .join(&claims[0].uid)
+            .join("gpu")
+            .join(quota_config::CONFIG_FILE)
+            .exists()
+    );
+
+    // Deleting the pod: the kubelet unprepares its claim.
+    let u = kubelet.unprepare(&claims[..1]).await.unwrap();
+    assert_eq!(u.claims[&claims[0].uid].error, "");
+    assert!(!dirs.p("vm").join(&claims[0].uid).exists());
+    assert!(dirs.p("vm").join(&claims[1].uid).exists());
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+}
