@@ -382,16 +382,11 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
     for slot in gpu_manager::checkpoint::SLOT_FILES {
         std::fs::write(cp.join(slot), b"vcuda-checkpoint v2 gen=0000").unwrap();
     }
-    let args: Vec<String> = args
-        .into_iter()
-        .filter(|a| !a.contains("nonexistent"))
-        .collect();
+    // Back to the test's engine: the nonexistent endpoint appended last goes
+    // (the first --container-runtime-endpoint, the engine's, stays).
     let mut args = args;
-    if let Some(i) = args
-        .iter()
-        .position(|a| a == "--container-runtime-endpoint")
-    {
-        args.remove(i);
+    if args.last().is_some_and(|a| a.contains("nonexistent")) {
+        args.truncate(args.len() - 2);
     }
     respawn(&mut env, &args, &[]).await;
     let log = env.log_text();

@@ -118,14 +118,22 @@ pub struct Options {
     /// Container runtime reconciled with at start and in the periodic check:
     /// "auto" (containerd's socket if it exists, else CRI-O's, else
     /// Docker's, else none), "containerd", "cri-o", "docker", or "none"
-    /// [default: auto].
-    #[arg(long, env = "GPU_MANAGER_CONTAINER_RUNTIME")]
+    /// [default: auto]. Given twice, the last wins.
+    #[arg(
+        long,
+        env = "GPU_MANAGER_CONTAINER_RUNTIME",
+        overrides_with = "container_runtime"
+    )]
     pub container_runtime: Option<String>,
     /// The runtime's socket [default: the runtime's own:
     /// unix:///run/containerd/containerd.sock, unix:///var/run/crio/crio.sock,
     /// unix:///var/run/docker.sock]. With "auto", an endpoint that answers
-    /// CRI is a CRI runtime, any other is Docker.
-    #[arg(long, env = "GPU_MANAGER_CONTAINER_RUNTIME_ENDPOINT")]
+    /// CRI is a CRI runtime, any other is Docker. Given twice, the last wins.
+    #[arg(
+        long,
+        env = "GPU_MANAGER_CONTAINER_RUNTIME_ENDPOINT",
+        overrides_with = "container_runtime_endpoint"
+    )]
     pub container_runtime_endpoint: Option<String>,
 }
 
@@ -418,6 +426,23 @@ mod tests {
         };
         let e = Settings::resolve(o).unwrap_err().to_string();
         assert!(e.contains("\"rkt\"") && e.contains("containerd"), "{e}");
+        // A restart that appends a flag to the same command line changes it.
+        let o = Options::parse_from([
+            "gpu-manager",
+            "--container-runtime-endpoint",
+            "unix:///a.sock",
+            "--container-runtime",
+            "docker",
+            "--container-runtime-endpoint",
+            "unix:///b.sock",
+            "--container-runtime",
+            "containerd",
+        ]);
+        assert_eq!(
+            o.container_runtime_endpoint.as_deref(),
+            Some("unix:///b.sock")
+        );
+        assert_eq!(o.container_runtime.as_deref(), Some("containerd"));
     }
 
     #[test]
