@@ -8,6 +8,7 @@
 //! Needs the private containerd of `tests/containerd/start.sh`
 //! (`VCUDA_CONTAINERD_ENDPOINT`); tests/run.sh starts it and sets
 //! `VCUDA_REQUIRE_CONTAINERD=1`, so there a missing one fails the test.
+//! The `auto` test also needs the Docker engine of `tests/docker/engine.sh`.
 
 #[path = "manager_env.rs"]
 mod manager_env;
@@ -581,4 +582,61 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
         assert_eq!(rebuilt[&id(&a)][k], now[&id(&a)][k], "{k} rebuilt");
     }
     ctrd.remove_leftovers().await;
+}
+
+/// `auto` against real runtimes: a CRI endpoint is named by what it says
+/// it is; Docker's own containerd (CRI plugin disabled) is passed over for
+/// Docker; containerd comes before Docker; no socket at all is none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_picks_the_runtime_that_serves_cri_else_docker_else_none() {
+    use gpu_manager::runtime::{Kind, Sockets, detect, select};
+    let Some(ctrd) = Containerd::get().await else {
+        return;
+    };
+    let Some(docker) = vcuda_tests::Docker::get() else {
+        return;
+    };
+    let cri = select(Kind::Auto, &ctrd.endpoint).await;
+    assert_eq!(
+        cri.describe(),
+        format!("containerd (CRI) at {}", ctrd.endpoint)
+    );
+    let docker_sock = docker.host.trim_start_matches("unix://").to_string();
+    // tests/docker/engine.sh's engine runs its own containerd under its
+    // exec root, with `disabled_plugins = ["cri"]`.
+    let docker_containerd = std::path::Path::new(&docker_sock)
+        .with_file_name("exec/containerd/containerd.sock")
+        .display()
+        .to_string();
+    if !std::path::Path::new(&docker_containerd).exists() {
+        vcuda_tests::cannot_run(&format!(
+            "no containerd of the Docker engine at {docker_containerd}"
+        ));
+        return;
+    }
+    let nowhere = "/nonexistent/vcuda/runtime.sock".to_string();
+    let picked = detect(&Sockets {
+        containerd: docker_containerd,
+        crio: nowhere.clone(),
+        docker: docker_sock.clone(),
+    })
+    .await;
+    assert_eq!(picked.describe(), format!("docker at unix://{docker_sock}"));
+    let picked = detect(&Sockets {
+        containerd: ctrd.endpoint.trim_start_matches("unix://").into(),
+        crio: nowhere.clone(),
+        docker: docker_sock,
+    })
+    .await;
+    assert_eq!(
+        picked.describe(),
+        format!("containerd (CRI) at {}", ctrd.endpoint)
+    );
+    let picked = detect(&Sockets {
+        containerd: nowhere.clone(),
+        crio: nowhere.clone(),
+        docker: nowhere,
+    })
+    .await;
+    assert_eq!(picked.describe(), "none");
 }

@@ -8,7 +8,7 @@ mod cri;
 mod select;
 
 pub use cri::{Cri, gpus_from_info, kubernetes_container};
-pub use select::{Kind, select};
+pub use select::{Kind, Sockets, detect, select};
 
 use std::collections::HashMap;
 use std::path::PathBuf;

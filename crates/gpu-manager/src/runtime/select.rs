@@ -93,7 +93,7 @@ pub async fn select(kind: Kind, endpoint: &str) -> Arc<dyn ContainerRuntime> {
         }
         Kind::Auto => match given {
             Some(ep) => probe_endpoint(&ep).await,
-            None => detect().await,
+            None => detect(&Sockets::default()).await,
         },
     };
     tracing::info!(
@@ -117,9 +117,27 @@ async fn probe_endpoint(ep: &str) -> Arc<dyn ContainerRuntime> {
     }
 }
 
+/// Where `auto` looks (tests point it at their own runtimes).
+#[derive(Debug, Clone)]
+pub struct Sockets {
+    pub containerd: String,
+    pub crio: String,
+    pub docker: String,
+}
+
+impl Default for Sockets {
+    fn default() -> Self {
+        Sockets {
+            containerd: CONTAINERD_SOCKET.into(),
+            crio: CRIO_SOCKET.into(),
+            docker: DOCKER_SOCKET.into(),
+        }
+    }
+}
+
 /// `auto` without an endpoint: the first runtime whose socket exists.
-async fn detect() -> Arc<dyn ContainerRuntime> {
-    for (name, path) in [("containerd", CONTAINERD_SOCKET), ("cri-o", CRIO_SOCKET)] {
+pub async fn detect(at: &Sockets) -> Arc<dyn ContainerRuntime> {
+    for (name, path) in [("containerd", &at.containerd), ("cri-o", &at.crio)] {
         if !is_socket(Path::new(path)) {
             continue;
         }
@@ -138,18 +156,22 @@ async fn detect() -> Arc<dyn ContainerRuntime> {
             }
             Ok(_) => {}
         }
-        if is_socket(Path::new(DOCKER_SOCKET)) {
+        if is_socket(Path::new(&at.docker)) {
             tracing::warn!(
-                "auto: Docker's socket {DOCKER_SOCKET} exists too; if kubelet drives Docker (cri-dockerd), pass --container-runtime docker"
+                "auto: Docker's socket {} exists too; if kubelet drives Docker (cri-dockerd), pass --container-runtime docker",
+                at.docker
             );
         }
         return Arc::new(cri);
     }
-    if is_socket(Path::new(DOCKER_SOCKET)) {
-        return Arc::new(Docker::new(&format!("unix://{DOCKER_SOCKET}")));
+    if is_socket(Path::new(&at.docker)) {
+        return Arc::new(Docker::new(&format!("unix://{}", at.docker)));
     }
     tracing::warn!(
-        "auto: no container runtime socket ({CONTAINERD_SOCKET}, {CRIO_SOCKET}, {DOCKER_SOCKET}); reconciling with kubelet and the API server only"
+        "auto: no container runtime socket ({}, {}, {}); reconciling with kubelet and the API server only",
+        at.containerd,
+        at.crio,
+        at.docker
     );
     Arc::new(NoRuntime)
 }
