@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
+use crate::display::DraSource;
 use crate::driver::{Config, Driver};
 use crate::grpc::{self, Sockets};
 use crate::kube_api::KubeApi;
@@ -37,6 +38,16 @@ pub struct Settings {
     pub ignored_xids: Vec<u64>,
     pub resync_period: Duration,
     pub extra_devices: Vec<String>,
+    /// The display service (gRPC socket, HTTP address; port 0 picks one):
+    /// claims shown like containers. None: not served.
+    pub display: Option<(PathBuf, std::net::SocketAddr)>,
+    pub sample_period: Duration,
+}
+
+/// What a running driver tells its starter.
+pub struct Ready {
+    /// The display's HTTP address, when served.
+    pub display_http: Option<std::net::SocketAddr>,
 }
 
 fn nvml_path(s: &Settings) -> anyhow::Result<PathBuf> {
@@ -75,7 +86,7 @@ async fn kube_client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kub
 pub async fn run(
     s: Settings,
     cancel: CancellationToken,
-    ready: Option<tokio::sync::oneshot::Sender<()>>,
+    ready: Option<tokio::sync::oneshot::Sender<Ready>>,
 ) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let nvml_path = nvml_path(&s)?;
@@ -138,8 +149,38 @@ pub async fn run(
     let sockets = Sockets::new(&s.plugins_dir, &s.registry_dir);
     grpc::serve(driver.clone(), &sockets, cancel.clone()).await?;
     tracing::info!(ms = t0.elapsed().as_millis() as u64, plugin = %sockets.plugin.display(), registration = %sockets.registration.display(), "DRA driver serving");
+    let healthy = Arc::new(std::sync::Mutex::new(vec![true; gpus.len()]));
+    let mut display_http = None;
+    let _display = match &s.display {
+        None => None,
+        Some((socket, addr)) => {
+            let display = gpu_display::Display::new(Arc::new(DraSource {
+                driver: driver.clone(),
+                node: s.node.clone(),
+                models: found.names.clone(),
+                healthy: healthy.clone(),
+            }));
+            let reader = gpu_display::NvmlReader::new(nvml.clone(), s.sample_period);
+            let running = display
+                .start(
+                    &gpu_display::DisplayOptions {
+                        socket: socket.clone(),
+                        query_addr: *addr,
+                        sample_period: s.sample_period,
+                        ..Default::default()
+                    },
+                    Some(Box::new(reader)),
+                    cancel.clone(),
+                )
+                .await
+                .context("starting the display service")?;
+            display.set_ready(true);
+            display_http = Some(running.http_addr);
+            Some((display, running))
+        }
+    };
     if let Some(r) = ready {
-        let _ = r.send(());
+        let _ = r.send(Ready { display_http });
     }
 
     let (xtx, mut xrx) = tokio::sync::mpsc::unbounded_channel();
@@ -188,6 +229,10 @@ pub async fn run(
             }
         }
         if changed {
+            *healthy
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                devices.iter().map(|d| d.healthy).collect();
             match publisher.reconcile(&api, &devices).await {
                 Ok(p) => tracing::debug!(?p, "ResourceSlice reconciled"),
                 Err(e) => {

@@ -65,7 +65,10 @@ pub struct Driver {
     vm: VmDirs,
     registry: Registry,
     store: Store,
+    /// Held across a whole prepare or unprepare (one at a time).
     state: tokio::sync::Mutex<Checkpoint>,
+    /// A copy of the prepared claims for synchronous readers (display).
+    view: std::sync::Mutex<Vec<PreparedClaim>>,
 }
 
 fn now() -> u64 {
@@ -123,6 +126,7 @@ impl Driver {
             claims,
             store,
             state: tokio::sync::Mutex::new(Checkpoint::default()),
+            view: std::sync::Mutex::new(ck.claims.values().cloned().collect()),
         };
         for c in ck.claims.values() {
             for dev in &c.devices {
@@ -151,9 +155,25 @@ impl Driver {
         &self.registry
     }
 
-    /// Prepared claims, for display and metrics.
-    pub async fn prepared(&self) -> Vec<PreparedClaim> {
-        self.state.lock().await.claims.values().cloned().collect()
+    /// Prepared claims, for display and metrics (never waits on a prepare).
+    pub fn prepared(&self) -> Vec<PreparedClaim> {
+        self.view
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn publish_view(&self, ck: &Checkpoint) {
+        *self
+            .view
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            ck.claims.values().cloned().collect();
+    }
+
+    /// The registry id of a prepared device (its PIDs and ledger counters).
+    pub fn registry_id(uid: &str, request: &str) -> String {
+        registry_id(uid, request)
     }
 
     fn resource_data(&self, uid: &str, d: &PlannedDevice) -> Result<ResourceData, String> {
@@ -267,6 +287,7 @@ impl Driver {
             self.release(&c.uid, &done);
             return Err(format!("claim {}/{}: {e}", c.namespace, c.name));
         }
+        self.publish_view(&st);
         tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, devices = prepared.devices.len(), "claim prepared");
         Ok(outputs(&prepared))
     }
@@ -281,6 +302,7 @@ impl Driver {
             st.claims.insert(c.uid.clone(), p);
             return Err(format!("claim {}/{}: {e}", c.namespace, c.name));
         }
+        self.publish_view(&st);
         self.release(&c.uid, &p.devices);
         tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, "claim unprepared");
         Ok(())

@@ -17,6 +17,7 @@
 pub mod cdi;
 pub mod checkpoint;
 pub mod daemon;
+pub mod display;
 pub mod driver;
 pub mod grpc;
 pub mod kube_api;

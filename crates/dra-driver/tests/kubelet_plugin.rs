@@ -260,7 +260,7 @@ async fn prepare_pack_restart_unprepare() {
         std::os::unix::net::UnixStream::connect(&sock).is_ok()
     })
     .await;
-    assert_eq!(run.driver.prepared().await.len(), 3);
+    assert_eq!(run.driver.prepared().len(), 3);
 
     // Unprepare releases everything; again is fine.
     let u = kubelet.unprepare(&claims[1..]).await.unwrap();
@@ -309,4 +309,59 @@ fn container_ledger_file() -> &'static str {
 
 async fn kubelet_beta(dirs: &Dirs) -> plugin::DraPlugin {
     common::kubelet(dirs, true).await
+}
+
+/// Not a timed test: prints NodePrepareResources latency (one claim per
+/// call, through the emulated kubelet, the claim read from the API server
+/// emulator over HTTP, files and the fsynced checkpoint written) with 100
+/// claims prepared one after another, and NodeUnprepareResources.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_prepare_latency_printout() {
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    let api = kube(&server, dirs.tmp.path()).await;
+    let p = Publisher {
+        node: NODE.into(),
+        driver_version: "550.54.15".into(),
+    };
+    p.ensure_classes(&api).await.unwrap();
+    p.reconcile(&api, &devices([true, true])).await.unwrap();
+    let run = start(&dirs, gpus(), &api).await;
+    let kubelet = common::kubelet(&dirs, false).await;
+    const N: usize = 100;
+    let mut claims = Vec::new();
+    for i in 0..N {
+        let name = format!("c{i}");
+        let c = share_claim(&server, &name, 1, "256Mi", None);
+        allocator::allocate(&server, NS, &name, NODE).unwrap();
+        claims.push(plugin::claim(NS, &name, &uid(&c)));
+    }
+    let mut prep = Vec::new();
+    for c in &claims {
+        let t = std::time::Instant::now();
+        let r = kubelet.prepare(std::slice::from_ref(c)).await.unwrap();
+        prep.push(t.elapsed().as_secs_f64() * 1e3);
+        assert_eq!(r.claims[&c.uid].error, "");
+    }
+    let mut unprep = Vec::new();
+    for c in &claims {
+        let t = std::time::Instant::now();
+        let r = kubelet.unprepare(std::slice::from_ref(c)).await.unwrap();
+        unprep.push(t.elapsed().as_secs_f64() * 1e3);
+        assert_eq!(r.claims[&c.uid].error, "");
+    }
+    let pct = |v: &mut Vec<f64>, q: f64| {
+        v.sort_by(f64::total_cmp);
+        v[((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1]
+    };
+    println!(
+        "NodePrepareResources over {N} claims: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; NodeUnprepareResources: p50 {:.2} ms, p99 {:.2} ms",
+        pct(&mut prep, 0.5),
+        pct(&mut prep, 0.99),
+        pct(&mut prep, 1.0),
+        pct(&mut unprep, 0.5),
+        pct(&mut unprep, 0.99),
+    );
+    assert!(run.driver.prepared().is_empty());
+    run.cancel.cancel();
 }

@@ -97,6 +97,17 @@ fn container_env(edits: &Value) -> Vec<(String, String)> {
     env
 }
 
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
 fn slice_generation(server: &ApiServer) -> Option<(i64, usize)> {
     let s = server.get(Kind::ResourceSlice, None, &slices::slice_name(NODE))?;
     Some((
@@ -136,14 +147,17 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
         ignored_xids: vec![13, 31, 43, 45, 68, 109],
         resync_period: Duration::from_secs(60),
         extra_devices: vec![],
+        display: Some((dirs.p("display.sock"), "127.0.0.1:0".parse().unwrap())),
+        sample_period: Duration::from_secs(1),
     };
     let cancel = CancellationToken::new();
     let (tx, rx) = tokio::sync::oneshot::channel();
     let daemon = tokio::spawn(run(settings, cancel.clone(), Some(tx)));
-    tokio::time::timeout(Duration::from_secs(60), rx)
+    let ready = tokio::time::timeout(Duration::from_secs(60), rx)
         .await
         .unwrap()
         .unwrap();
+    let http = ready.display_http.unwrap();
     let kubelet =
         plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(20), false)
             .await
@@ -228,6 +242,17 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
         until(10, "the process's slot released", || l.used() == 0).await;
         claims.push(claim);
     }
+
+    // The display lists the claims like containers.
+    let usage = http_get(http, "/usage").await;
+    for name in ["train-a", "train-b"] {
+        assert!(usage.contains(name), "{usage}");
+    }
+    let graph = http_get(http, "/graph").await;
+    assert!(
+        graph.contains("cores 60/100, memory 2048/40960 MiB, 2 claim device(s)"),
+        "{graph}"
+    );
 
     // A critical Xid: the GPU leaves the slice (generation 2), and comes
     // back after the quiet period (generation 3); one slice throughout.

@@ -198,7 +198,7 @@ pub fn allocate(
             .cloned()
             .unwrap_or_default();
         let mut chosen = None;
-        'devices: for s in slices
+        'slices: for s in slices
             .iter()
             .filter(|s| s.pointer("/spec/driver").and_then(Value::as_str) == Some(driver.as_str()))
         {
@@ -207,7 +207,7 @@ pub fn allocate(
                 .and_then(Value::as_str)
                 .unwrap_or("")
                 .to_string();
-            for d in s
+            'devices: for d in s
                 .pointer("/spec/devices")
                 .and_then(Value::as_array)
                 .into_iter()
@@ -228,7 +228,7 @@ pub fn allocate(
                 if !multiple {
                     if already.is_empty() && !used.contains_key(&key) {
                         chosen = Some((pool, dname, None));
-                        break 'devices;
+                        break 'slices;
                     }
                     continue;
                 }
@@ -249,7 +249,7 @@ pub fn allocate(
                     consumed.insert(cname.clone(), q);
                 }
                 chosen = Some((pool, dname, Some(consumed)));
-                break 'devices;
+                break 'slices;
             }
         }
         let Some((pool, device, consumed)) = chosen else {

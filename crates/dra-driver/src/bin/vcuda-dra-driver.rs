@@ -53,6 +53,15 @@ struct Args {
     /// Device nodes every GPU container also gets.
     #[arg(long, value_delimiter = ',')]
     extra_devices: Vec<String>,
+    /// The display service's gRPC socket (vcudactl); "" to serve none.
+    #[arg(long, default_value = gpu_display::DEFAULT_SOCKET)]
+    display_socket: PathBuf,
+    /// The display service's HTTP address (/usage, /metrics).
+    #[arg(long, default_value = "127.0.0.1:5678")]
+    query_addr: std::net::SocketAddr,
+    /// NVML sampling period of the display, in seconds.
+    #[arg(long, default_value_t = 1)]
+    sample_period: u64,
 }
 
 #[tokio::main]
@@ -93,6 +102,9 @@ async fn main() -> anyhow::Result<()> {
             ignored_xids: a.ignored_xids,
             resync_period: Duration::from_secs(a.resync_period),
             extra_devices: a.extra_devices,
+            display: (!a.display_socket.as_os_str().is_empty())
+                .then_some((a.display_socket, a.query_addr)),
+            sample_period: Duration::from_secs(a.sample_period.max(1)),
         },
         cancel,
         None,

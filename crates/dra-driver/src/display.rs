@@ -1,0 +1,117 @@
+//! The display service's view of a DRA node: every prepared claim device is
+//! shown like a container (namespace, claim name as the pod, request as the
+//! container, claim UID as the pod UID), so `vcudactl`, `/usage` and the
+//! metrics list claims the way they list device-plugin containers.
+
+use std::fmt::Write;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use gpu_display::{ContainerView, DisplaySource, GpuRef, GpuView};
+
+use crate::driver::Driver;
+
+pub struct DraSource {
+    pub driver: Arc<Driver>,
+    pub node: String,
+    pub models: Vec<String>,
+    /// Per GPU index: published (no recent critical Xid).
+    pub healthy: Arc<Mutex<Vec<bool>>>,
+}
+
+impl DisplaySource for DraSource {
+    fn node_name(&self) -> String {
+        self.node.clone()
+    }
+
+    fn graph_text(&self) -> String {
+        let mut out = String::new();
+        for g in self.gpus() {
+            let _ = writeln!(
+                out,
+                "GPU {} {} {}: cores {}/100, memory {}/{} MiB, {} claim device(s){}",
+                g.index,
+                g.model,
+                g.uuid,
+                g.allocated_cores,
+                g.allocated_memory_bytes >> 20,
+                g.memory_total_bytes >> 20,
+                g.tenants,
+                if g.healthy {
+                    ""
+                } else {
+                    ", unhealthy (not published)"
+                }
+            );
+        }
+        out
+    }
+
+    fn gpus(&self) -> Vec<GpuView> {
+        let claims = self.driver.prepared();
+        let healthy = self
+            .healthy
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        self.driver
+            .gpus()
+            .iter()
+            .map(|g| {
+                let on: Vec<_> = claims
+                    .iter()
+                    .flat_map(|c| &c.devices)
+                    .filter(|d| d.gpu_index == g.index)
+                    .collect();
+                GpuView {
+                    index: g.index as u32,
+                    uuid: g.uuid.clone(),
+                    bus_id: g.pci_bus_id.clone(),
+                    model: self.models.get(g.index).cloned().unwrap_or_default(),
+                    memory_total_bytes: g.memory_bytes,
+                    allocated_cores: on.iter().map(|d| d.cores).sum::<u32>().min(100),
+                    allocated_memory_bytes: on.iter().map(|d| d.memory_bytes).sum(),
+                    healthy: healthy.get(g.index).copied().unwrap_or(true),
+                    tenants: on.len() as u32,
+                }
+            })
+            .collect()
+    }
+
+    fn containers(&self) -> Vec<ContainerView> {
+        let gpus = self.driver.gpus();
+        let reg = self.driver.registry();
+        let mut out = Vec::new();
+        for c in self.driver.prepared() {
+            for d in &c.devices {
+                let id = Driver::registry_id(&c.uid, &d.request);
+                let counters = reg.ledger_counters(&id);
+                let g = &gpus[d.gpu_index];
+                out.push(ContainerView {
+                    pod_uid: c.uid.clone(),
+                    pod_name: c.name.clone(),
+                    namespace: c.namespace.clone(),
+                    container: d.request.clone(),
+                    gpus: vec![GpuRef {
+                        index: g.index as u32,
+                        uuid: g.uuid.clone(),
+                        bus_id: g.pci_bus_id.clone(),
+                    }],
+                    core_quota: d.cores,
+                    memory_quota_bytes: d.memory_bytes,
+                    host_pids: reg
+                        .pids(&id)
+                        .into_iter()
+                        .filter_map(|p| u32::try_from(p).ok())
+                        .collect(),
+                    exclusive: d.whole,
+                    throttled_seconds: counters.map(|c| c.throttled_ns as f64 / 1e9),
+                    refused_allocations: counters.map(|c| c.refused_allocations),
+                    compute_unattributed: counters.map(|c| c.compute_unattributed),
+                    user: String::new(),
+                    cluster: String::new(),
+                });
+            }
+        }
+        out
+    }
+}
