@@ -848,10 +848,12 @@ fn real_node_suite() {
     let mlog = c
         .kubectl(&["-n", "kube-system", "logs", &mgr_pod])
         .unwrap_or_default();
-    for l in mlog
-        .lines()
-        .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
-    {
+    for l in mlog.lines().filter(|l| {
+        l.contains(" WARN ")
+            || l.contains(" ERROR ")
+            || l.contains("container runtime for recovery")
+            || l.contains("recovery finished")
+    }) {
         eprintln!("k8s_node: DaemonSet manager: {l}");
     }
     assert!(
