@@ -1,7 +1,7 @@
 //! Where the world plugs into the manager: one trait per outside party,
 //! so that the manager's decisions can be driven by in-memory doubles
 //! ([`crate::doubles`]) in unit tests and a backend can be swapped (the
-//! container runtime: Docker today, CRI v1 next) without touching them.
+//! container runtime: Docker or CRI v1 (containerd, CRI-O)) without touching them.
 //!
 //! Every source of evidence may be unreachable. The rule the manager
 //! keeps: an unreachable source degrades (its evidence is skipped), it

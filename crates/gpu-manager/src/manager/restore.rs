@@ -41,8 +41,11 @@ impl Manager {
         Option<Vec<Held>>,
         Option<Vec<LiveContainer>>,
         Vec<String>,
+        // The runtime is configured but could not be asked.
+        bool,
     ) {
         let mut unreachable = Vec::new();
+        let mut runtime_blind = false;
         let api = (self.pods.health() == ApiHealth::Ok).then(|| {
             self.pods
                 .pods()
@@ -85,10 +88,11 @@ impl Manager {
             Ok(r) => r,
             Err(e) => {
                 unreachable.push(e.to_string());
+                runtime_blind = true;
                 None
             }
         };
-        (api, kubelet, runtime, unreachable)
+        (api, kubelet, runtime, unreachable, runtime_blind)
     }
 
     /// Recovery at start: the checkpoint (an unreadable one is set aside),
@@ -125,7 +129,7 @@ impl Manager {
                 "checkpoint was written for other GPUs; allocations on GPUs whose UUID changed are dropped"
             );
         }
-        let (api, kubelet, runtime, unreachable) = self.gather().await;
+        let (api, kubelet, runtime, unreachable, runtime_blind) = self.gather().await;
         for u in &unreachable {
             tracing::warn!(
                 source = %u,
@@ -246,6 +250,14 @@ impl Manager {
                 tracing::warn!(
                     id,
                     "vm directory of a live container without an allocation is kept"
+                );
+                continue;
+            }
+            if runtime_blind {
+                // Whether a container still mounts it cannot be told now.
+                tracing::warn!(
+                    id,
+                    "vm directory without an allocation is kept: the container runtime is unreachable"
                 );
                 continue;
             }

@@ -93,7 +93,7 @@ impl Manager {
     pub async fn check_allocations(&self, grace: Duration) {
         self.release_deleted_pods();
         let snapshot: Vec<Allocation> = self.allocations();
-        let (api, kubelet, runtime, unreachable) = self.gather().await;
+        let (api, kubelet, runtime, unreachable, _) = self.gather().await;
         for u in &unreachable {
             tracing::debug!(source = %u, "periodic check: source unreachable");
         }

@@ -602,3 +602,16 @@ async fn restore_drops_allocations_on_gpus_that_changed_and_removes_orphan_direc
     let (uuids, saved) = rig.checkpoint.saved().unwrap();
     assert_eq!((uuids[0].as_str(), saved.len()), ("GPU-0", 0));
 }
+
+#[tokio::test]
+async fn restore_keeps_orphan_directories_while_the_runtime_is_unreachable() {
+    // No checkpoint and a blind runtime: a live container may still mount
+    // the directory, so it must not be pulled away.
+    let rig = Rig::new();
+    rig.runtime.set_unreachable();
+    let dir = rig.vm_dir("uid-live", "c");
+    std::fs::create_dir_all(&dir).unwrap();
+    let report = rig.mgr.restore().await;
+    assert_eq!(report.orphans_removed, 0);
+    assert!(dir.exists());
+}
