@@ -18,6 +18,7 @@
 //!   `cuDeviceGraphMemTrim`, so it stays reserved until then ("cached"); a
 //!   later instantiation on that device takes from the cache first.
 
+use crate::arg;
 use crate::config::ENFORCING;
 use crate::log::log;
 use crate::real::{Lib, real_cuda, sym};
@@ -322,32 +323,49 @@ fn ended(stream: Ptr, ptsz: bool, r: CUresult) -> CUresult {
 cuda_exports! {
     fn cuGraphInstantiate(out: *mut Ptr, graph: Ptr, err: *mut Ptr, log: *mut u8, len: usize) {
         let f = real_cuda!(cuGraphInstantiate: Instantiate5);
-        instantiate(out, graph, || f(out, graph, err, log, len))
+        // SAFETY: `out` is our caller's out-pointer, NULL or valid (CUDA ABI), as
+        // `instantiate` requires; `f` is the real driver's function of this
+        // signature, resolved by name, given the caller's arguments unchanged.
+        unsafe { instantiate(out, graph, || f(out, graph, err, log, len)) }
     }
 
     fn cuGraphInstantiate_v2(out: *mut Ptr, graph: Ptr, err: *mut Ptr, log: *mut u8, len: usize) {
         let f = real_cuda!(cuGraphInstantiate_v2: Instantiate5);
-        instantiate(out, graph, || f(out, graph, err, log, len))
+        // SAFETY: `out` is our caller's out-pointer, NULL or valid (CUDA ABI), as
+        // `instantiate` requires; `f` is the real driver's function of this
+        // signature, resolved by name, given the caller's arguments unchanged.
+        unsafe { instantiate(out, graph, || f(out, graph, err, log, len)) }
     }
 
     fn cuGraphInstantiateWithFlags(out: *mut Ptr, graph: Ptr, flags: u64) {
         let f = real_cuda!(cuGraphInstantiateWithFlags: InstantiateFlags);
-        instantiate(out, graph, || f(out, graph, flags))
+        // SAFETY: `out` is our caller's out-pointer, NULL or valid (CUDA ABI), as
+        // `instantiate` requires; `f` is the real driver's function of this
+        // signature, resolved by name, given the caller's arguments unchanged.
+        unsafe { instantiate(out, graph, || f(out, graph, flags)) }
     }
 
     fn cuGraphInstantiateWithParams(out: *mut Ptr, graph: Ptr, params: Ptr) {
         let f = real_cuda!(cuGraphInstantiateWithParams: InstantiateParams);
-        instantiate(out, graph, || f(out, graph, params))
+        // SAFETY: `out` is our caller's out-pointer, NULL or valid (CUDA ABI), as
+        // `instantiate` requires; `f` is the real driver's function of this
+        // signature, resolved by name, given the caller's arguments unchanged.
+        unsafe { instantiate(out, graph, || f(out, graph, params)) }
     }
 
     fn cuGraphInstantiateWithParams_ptsz(out: *mut Ptr, graph: Ptr, params: Ptr) {
         let f = real_cuda!(cuGraphInstantiateWithParams_ptsz: InstantiateParams);
-        instantiate(out, graph, || f(out, graph, params))
+        // SAFETY: `out` is our caller's out-pointer, NULL or valid (CUDA ABI), as
+        // `instantiate` requires; `f` is the real driver's function of this
+        // signature, resolved by name, given the caller's arguments unchanged.
+        unsafe { instantiate(out, graph, || f(out, graph, params)) }
     }
 
     fn cuGraphExecUpdate(exec: Ptr, graph: Ptr, err: *mut Ptr, result: *mut i32) {
         let f = real_cuda!(cuGraphExecUpdate: unsafe extern "C" fn(Ptr, Ptr, *mut Ptr, *mut i32) -> CUresult);
-        let r = f(exec, graph, err, result);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(exec, graph, err, result) };
         if r == CUDA_SUCCESS {
             updated(exec, graph);
         }
@@ -356,7 +374,9 @@ cuda_exports! {
 
     fn cuGraphExecUpdate_v2(exec: Ptr, graph: Ptr, info: Ptr) {
         let f = real_cuda!(cuGraphExecUpdate_v2: unsafe extern "C" fn(Ptr, Ptr, Ptr) -> CUresult);
-        let r = f(exec, graph, info);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(exec, graph, info) };
         if r == CUDA_SUCCESS {
             updated(exec, graph);
         }
@@ -365,7 +385,9 @@ cuda_exports! {
 
     fn cuGraphExecKernelNodeSetParams(exec: Ptr, node: Ptr, params: *const KernelHead) {
         let f = real_cuda!(cuGraphExecKernelNodeSetParams: SetKernel);
-        let r = f(exec, node, params);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(exec, node, params) };
         if r == CUDA_SUCCESS && !params.is_null() {
             node_changed(exec, node, kernel_head_cost(params));
         }
@@ -374,7 +396,9 @@ cuda_exports! {
 
     fn cuGraphExecKernelNodeSetParams_v2(exec: Ptr, node: Ptr, params: *const KernelHead) {
         let f = real_cuda!(cuGraphExecKernelNodeSetParams_v2: SetKernel);
-        let r = f(exec, node, params);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(exec, node, params) };
         if r == CUDA_SUCCESS && !params.is_null() {
             node_changed(exec, node, kernel_head_cost(params));
         }
@@ -383,8 +407,10 @@ cuda_exports! {
 
     fn cuGraphExecNodeSetParams(exec: Ptr, node: Ptr, params: *mut NodeParams) {
         let f = real_cuda!(cuGraphExecNodeSetParams: unsafe extern "C" fn(Ptr, Ptr, *mut NodeParams) -> CUresult);
-        let r = f(exec, node, params);
-        if r == CUDA_SUCCESS && let Some(p) = params.as_ref() {
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(exec, node, params) };
+        if r == CUDA_SUCCESS && let Some(p) = arg(params) {
             match p.kind {
                 NODE_KERNEL => node_changed(exec, node, kernel_head_cost(p.body.as_ptr().cast())),
                 NODE_GRAPH => {
@@ -400,7 +426,9 @@ cuda_exports! {
 
     fn cuGraphExecChildGraphNodeSetParams(exec: Ptr, node: Ptr, child: Ptr) {
         let f = real_cuda!(cuGraphExecChildGraphNodeSetParams: unsafe extern "C" fn(Ptr, Ptr, Ptr) -> CUresult);
-        let r = f(exec, node, child);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(exec, node, child) };
         if r == CUDA_SUCCESS && let Ok(w) = walk(child, 1) {
             node_changed(exec, node, w.cost);
         }
@@ -409,7 +437,9 @@ cuda_exports! {
 
     fn cuGraphExecDestroy(exec: Ptr) {
         let f = real_cuda!(cuGraphExecDestroy: unsafe extern "C" fn(Ptr) -> CUresult);
-        let r = f(exec);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(exec) };
         if r == CUDA_SUCCESS {
             let mut t = table();
             if let Some(e) = t.execs.remove(&(exec as usize))
@@ -424,7 +454,9 @@ cuda_exports! {
 
     fn cuDeviceGraphMemTrim(device: i32) {
         let f = real_cuda!(cuDeviceGraphMemTrim: unsafe extern "C" fn(i32) -> CUresult);
-        let r = f(device);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(device) };
         if r == CUDA_SUCCESS {
             let freed = table().cached.remove(&device).unwrap_or(0);
             crate::mem::release_reserved(freed);
@@ -434,41 +466,57 @@ cuda_exports! {
 
     fn cuStreamBeginCapture(stream: Ptr) {
         let f = real_cuda!(cuStreamBeginCapture: unsafe extern "C" fn(Ptr) -> CUresult);
-        began(f(stream))
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        began(unsafe { f(stream) })
     }
 
     fn cuStreamBeginCapture_ptsz(stream: Ptr) {
         let f = real_cuda!(cuStreamBeginCapture_ptsz: unsafe extern "C" fn(Ptr) -> CUresult);
-        began(f(stream))
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        began(unsafe { f(stream) })
     }
 
     fn cuStreamBeginCapture_v2(stream: Ptr, mode: u32) {
         let f = real_cuda!(cuStreamBeginCapture_v2: Capture);
-        began(f(stream, mode))
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        began(unsafe { f(stream, mode) })
     }
 
     fn cuStreamBeginCapture_v2_ptsz(stream: Ptr, mode: u32) {
         let f = real_cuda!(cuStreamBeginCapture_v2_ptsz: Capture);
-        began(f(stream, mode))
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        began(unsafe { f(stream, mode) })
     }
 
     fn cuStreamBeginCaptureToGraph(stream: Ptr, graph: Ptr, deps: Ptr, edges: Ptr, n: usize, mode: u32) {
         let f = real_cuda!(cuStreamBeginCaptureToGraph: unsafe extern "C" fn(Ptr, Ptr, Ptr, Ptr, usize, u32) -> CUresult);
-        began(f(stream, graph, deps, edges, n, mode))
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        began(unsafe { f(stream, graph, deps, edges, n, mode) })
     }
 
     fn cuStreamBeginCaptureToGraph_ptsz(stream: Ptr, graph: Ptr, deps: Ptr, edges: Ptr, n: usize, mode: u32) {
         let f = real_cuda!(cuStreamBeginCaptureToGraph_ptsz: unsafe extern "C" fn(Ptr, Ptr, Ptr, Ptr, usize, u32) -> CUresult);
-        began(f(stream, graph, deps, edges, n, mode))
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        began(unsafe { f(stream, graph, deps, edges, n, mode) })
     }
 
     fn cuStreamEndCapture(stream: Ptr, graph: *mut Ptr) {
         let f = real_cuda!(cuStreamEndCapture: EndCapture);
-        ended(stream, false, f(stream, graph))
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        ended(stream, false, unsafe { f(stream, graph) })
     }
 
     fn cuStreamEndCapture_ptsz(stream: Ptr, graph: *mut Ptr) {
         let f = real_cuda!(cuStreamEndCapture_ptsz: EndCapture);
-        ended(stream, true, f(stream, graph))
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        ended(stream, true, unsafe { f(stream, graph) })
     }
 }

@@ -31,7 +31,9 @@ cuda_exports! {
             return cuda_abi::CUDA_ERROR_NO_DEVICE;
         }
         let f = real_cuda!(cuInit: unsafe extern "C" fn(u32) -> CUresult);
-        f(flags)
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { f(flags) }
     }
 }
 

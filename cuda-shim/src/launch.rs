@@ -5,6 +5,7 @@
 //! Hot path: one relaxed load, the hook (plus one relaxed load, active
 //! captures, when a compute limit applies), one indirect call.
 
+use crate::arg;
 use crate::config::ENFORCING;
 use crate::graph::{captured, launch_cost};
 use crate::real::real_cuda;
@@ -51,74 +52,98 @@ cuda_exports! {
     fn cuLaunchKernel(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernel: LaunchKernel);
         hook_on(stream, false, || kernel_cost([gx, gy, gz], [bx, by, bz]));
-        real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) }
     }
 
     fn cuLaunchKernel_ptsz(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernel_ptsz: LaunchKernel);
         hook_on(stream, true, || kernel_cost([gx, gy, gz], [bx, by, bz]));
-        real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) }
     }
 
     fn cuLaunchCooperativeKernel(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params) {
         let real = real_cuda!(cuLaunchCooperativeKernel: LaunchCoop);
         hook_on(stream, false, || kernel_cost([gx, gy, gz], [bx, by, bz]));
-        real(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params) }
     }
 
     fn cuLaunchCooperativeKernel_ptsz(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params) {
         let real = real_cuda!(cuLaunchCooperativeKernel_ptsz: LaunchCoop);
         hook_on(stream, true, || kernel_cost([gx, gy, gz], [bx, by, bz]));
-        real(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params) }
     }
 
     fn cuLaunchKernelEx(config: *const LaunchConfig, f: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernelEx: LaunchEx);
-        let stream = config.as_ref().map_or(std::ptr::null_mut(), |c| c.stream);
-        hook_on(stream, false, || config.as_ref().map_or(0, |c| kernel_cost(c.grid, c.block)));
-        real(config, f, params, extra)
+        let stream = arg(config).map_or(std::ptr::null_mut(), |c| c.stream);
+        hook_on(stream, false, || arg(config).map_or(0, |c| kernel_cost(c.grid, c.block)));
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { real(config, f, params, extra) }
     }
 
     fn cuLaunchKernelEx_ptsz(config: *const LaunchConfig, f: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernelEx_ptsz: LaunchEx);
-        let stream = config.as_ref().map_or(std::ptr::null_mut(), |c| c.stream);
-        hook_on(stream, true, || config.as_ref().map_or(0, |c| kernel_cost(c.grid, c.block)));
-        real(config, f, params, extra)
+        let stream = arg(config).map_or(std::ptr::null_mut(), |c| c.stream);
+        hook_on(stream, true, || arg(config).map_or(0, |c| kernel_cost(c.grid, c.block)));
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { real(config, f, params, extra) }
     }
 
     fn cuLaunchCooperativeKernelMultiDevice(params: Ptr, num_devices: u32, flags: u32) {
         let real = real_cuda!(cuLaunchCooperativeKernelMultiDevice: unsafe extern "C" fn(Ptr, u32, u32) -> CUresult);
         hook(|| 0);
-        real(params, num_devices, flags)
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { real(params, num_devices, flags) }
     }
 
     fn cuGraphLaunch(exec: Ptr, stream: Ptr) {
         let real = real_cuda!(cuGraphLaunch: GraphLaunch);
         hook_on(stream, false, || launch_cost(exec));
-        real(exec, stream)
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { real(exec, stream) }
     }
 
     fn cuGraphLaunch_ptsz(exec: Ptr, stream: Ptr) {
         let real = real_cuda!(cuGraphLaunch_ptsz: GraphLaunch);
         hook_on(stream, true, || launch_cost(exec));
-        real(exec, stream)
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { real(exec, stream) }
     }
 
     fn cuLaunch(f: Ptr) {
         let real = real_cuda!(cuLaunch: unsafe extern "C" fn(Ptr) -> CUresult);
         hook(|| 0);
-        real(f)
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { real(f) }
     }
 
     fn cuLaunchGrid(f: Ptr, w: i32, h: i32) {
         let real = real_cuda!(cuLaunchGrid: unsafe extern "C" fn(Ptr, i32, i32) -> CUresult);
         hook(|| kernel_cost([w.max(1) as u32, h.max(1) as u32, 1], [1, 1, 1]));
-        real(f, w, h)
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { real(f, w, h) }
     }
 
     fn cuLaunchGridAsync(f: Ptr, w: i32, h: i32, stream: Ptr) {
         let real = real_cuda!(cuLaunchGridAsync: unsafe extern "C" fn(Ptr, i32, i32, Ptr) -> CUresult);
         hook_on(stream, false, || kernel_cost([w.max(1) as u32, h.max(1) as u32, 1], [1, 1, 1]));
-        real(f, w, h, stream)
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { real(f, w, h, stream) }
     }
 }

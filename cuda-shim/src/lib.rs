@@ -15,6 +15,8 @@
 //! No export unwinds into C: each body runs under `catch_unwind`.
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 /// Defines exported CUDA functions; the body evaluates to a `CUresult`.
 macro_rules! cuda_exports {
@@ -23,8 +25,7 @@ macro_rules! cuda_exports {
         pub unsafe extern "C" fn $name($($arg: $ty),*) -> cuda_abi::CUresult {
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(
                 || -> cuda_abi::CUresult {
-                    #[allow(unused_unsafe)]
-                    unsafe { $body }
+                    $body
                 },
             )) {
                 Ok(r) => r,
@@ -41,8 +42,7 @@ macro_rules! nvml_exports {
         pub unsafe extern "C" fn $name($($arg: $ty),*) -> i32 {
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(
                 || -> i32 {
-                    #[allow(unused_unsafe)]
-                    unsafe { $body }
+                    $body
                 },
             )) {
                 Ok(r) => r,
@@ -50,6 +50,51 @@ macro_rules! nvml_exports {
             }
         }
     )*};
+}
+
+/// Reads what the real driver stored through an out-pointer of our caller's;
+/// call only once the driver returned success for it. `None` on NULL.
+#[inline]
+pub(crate) fn written<T: Copy>(p: *const T) -> Option<T> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: `p` is an out-parameter the caller handed to a driver call that
+    // returned success, so (CUDA/NVML ABI) it points to a T the driver just
+    // initialized; NULL is excluded above. `read_unaligned`: no alignment
+    // assumption about the caller's memory.
+    Some(unsafe { p.read_unaligned() })
+}
+
+/// Stores `v` through an out-pointer of our caller; false on NULL.
+#[inline]
+pub(crate) fn out<T>(p: *mut T, v: T) -> bool {
+    if p.is_null() {
+        return false;
+    }
+    // SAFETY: the caller (CUDA/NVML ABI) passes a pointer to writable storage
+    // for a T, or NULL; checked for NULL above.
+    unsafe { p.write_unaligned(v) };
+    true
+}
+
+/// A struct argument of our caller's (a descriptor, a config), borrowed for
+/// the call; `None` on NULL.
+#[inline]
+pub(crate) fn arg<'a, T>(p: *const T) -> Option<&'a T> {
+    // SAFETY: the caller (CUDA/NVML ABI) passes a valid, aligned pointer to an
+    // initialized T that stays alive and unmodified for the duration of the
+    // call, or NULL (`as_ref` maps NULL to None); the borrow is used only
+    // inside the export that received it.
+    unsafe { p.as_ref() }
+}
+
+/// Like [`arg`], for a struct the driver filled and we adjust in place.
+#[inline]
+pub(crate) fn arg_mut<'a, T>(p: *mut T) -> Option<&'a mut T> {
+    // SAFETY: as for [`arg`]: a valid, aligned pointer to a T that the caller
+    // lent us exclusively for the call, or NULL (mapped to None).
+    unsafe { p.as_mut() }
 }
 
 pub mod config;

@@ -9,6 +9,7 @@
 
 pub mod tenants;
 
+use crate::arg_mut;
 use crate::config::{self, Mode};
 use crate::real::real_nvml;
 use crate::registration::{container_pids, proc};
@@ -189,8 +190,10 @@ const INFO_V2: usize = 24;
 nvml_exports! {
     fn nvmlDeviceGetMemoryInfo(dev: Device, mem: *mut Memory) {
         let f = real_nvml!(nvmlDeviceGetMemoryInfo: unsafe extern "C" fn(Device, *mut Memory) -> i32);
-        let r = f(dev, mem);
-        if r == NVML_SUCCESS && let Some(m) = mem.as_mut()
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(dev, mem) };
+        if r == NVML_SUCCESS && let Some(m) = arg_mut(mem)
             && let Some((total, used)) = virtual_memory(dev, m.total, m.used)
         {
             m.total = total;
@@ -202,8 +205,10 @@ nvml_exports! {
 
     fn nvmlDeviceGetMemoryInfo_v2(dev: Device, mem: *mut MemoryV2) {
         let f = real_nvml!(nvmlDeviceGetMemoryInfo_v2: unsafe extern "C" fn(Device, *mut MemoryV2) -> i32);
-        let r = f(dev, mem);
-        if r == NVML_SUCCESS && let Some(m) = mem.as_mut()
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(dev, mem) };
+        if r == NVML_SUCCESS && let Some(m) = arg_mut(mem)
             && let Some((total, used)) = virtual_memory(dev, m.total, m.used.saturating_add(m.reserved))
         {
             // The driver's reservation is the card's business, not ours.
@@ -217,47 +222,74 @@ nvml_exports! {
 
     fn nvmlDeviceGetComputeRunningProcesses(dev: Device, count: *mut u32, infos: *mut c_void) {
         let f = real_nvml!(nvmlDeviceGetComputeRunningProcesses: ProcList);
-        filtered(f, dev, count, infos, INFO_V1)
+        // SAFETY: `count` and `infos` are our caller's (NVML ABI: NULL or valid for
+        // `*count` entries), as `filtered` requires; `f` is the real NVML function
+        // of this signature, resolved by name.
+        unsafe { filtered(f, dev, count, infos, INFO_V1) }
     }
 
     fn nvmlDeviceGetComputeRunningProcesses_v2(dev: Device, count: *mut u32, infos: *mut c_void) {
         let f = real_nvml!(nvmlDeviceGetComputeRunningProcesses_v2: ProcList);
-        filtered(f, dev, count, infos, INFO_V2)
+        // SAFETY: `count` and `infos` are our caller's (NVML ABI: NULL or valid for
+        // `*count` entries), as `filtered` requires; `f` is the real NVML function
+        // of this signature, resolved by name.
+        unsafe { filtered(f, dev, count, infos, INFO_V2) }
     }
 
     fn nvmlDeviceGetComputeRunningProcesses_v3(dev: Device, count: *mut u32, infos: *mut c_void) {
         let f = real_nvml!(nvmlDeviceGetComputeRunningProcesses_v3: ProcList);
-        filtered(f, dev, count, infos, INFO_V2)
+        // SAFETY: `count` and `infos` are our caller's (NVML ABI: NULL or valid for
+        // `*count` entries), as `filtered` requires; `f` is the real NVML function
+        // of this signature, resolved by name.
+        unsafe { filtered(f, dev, count, infos, INFO_V2) }
     }
 
     fn nvmlDeviceGetGraphicsRunningProcesses(dev: Device, count: *mut u32, infos: *mut c_void) {
         let f = real_nvml!(nvmlDeviceGetGraphicsRunningProcesses: ProcList);
-        filtered(f, dev, count, infos, INFO_V1)
+        // SAFETY: `count` and `infos` are our caller's (NVML ABI: NULL or valid for
+        // `*count` entries), as `filtered` requires; `f` is the real NVML function
+        // of this signature, resolved by name.
+        unsafe { filtered(f, dev, count, infos, INFO_V1) }
     }
 
     fn nvmlDeviceGetGraphicsRunningProcesses_v2(dev: Device, count: *mut u32, infos: *mut c_void) {
         let f = real_nvml!(nvmlDeviceGetGraphicsRunningProcesses_v2: ProcList);
-        filtered(f, dev, count, infos, INFO_V2)
+        // SAFETY: `count` and `infos` are our caller's (NVML ABI: NULL or valid for
+        // `*count` entries), as `filtered` requires; `f` is the real NVML function
+        // of this signature, resolved by name.
+        unsafe { filtered(f, dev, count, infos, INFO_V2) }
     }
 
     fn nvmlDeviceGetGraphicsRunningProcesses_v3(dev: Device, count: *mut u32, infos: *mut c_void) {
         let f = real_nvml!(nvmlDeviceGetGraphicsRunningProcesses_v3: ProcList);
-        filtered(f, dev, count, infos, INFO_V2)
+        // SAFETY: `count` and `infos` are our caller's (NVML ABI: NULL or valid for
+        // `*count` entries), as `filtered` requires; `f` is the real NVML function
+        // of this signature, resolved by name.
+        unsafe { filtered(f, dev, count, infos, INFO_V2) }
     }
 
     fn nvmlDeviceGetMPSComputeRunningProcesses(dev: Device, count: *mut u32, infos: *mut c_void) {
         let f = real_nvml!(nvmlDeviceGetMPSComputeRunningProcesses: ProcList);
-        filtered(f, dev, count, infos, INFO_V1)
+        // SAFETY: `count` and `infos` are our caller's (NVML ABI: NULL or valid for
+        // `*count` entries), as `filtered` requires; `f` is the real NVML function
+        // of this signature, resolved by name.
+        unsafe { filtered(f, dev, count, infos, INFO_V1) }
     }
 
     fn nvmlDeviceGetMPSComputeRunningProcesses_v2(dev: Device, count: *mut u32, infos: *mut c_void) {
         let f = real_nvml!(nvmlDeviceGetMPSComputeRunningProcesses_v2: ProcList);
-        filtered(f, dev, count, infos, INFO_V2)
+        // SAFETY: `count` and `infos` are our caller's (NVML ABI: NULL or valid for
+        // `*count` entries), as `filtered` requires; `f` is the real NVML function
+        // of this signature, resolved by name.
+        unsafe { filtered(f, dev, count, infos, INFO_V2) }
     }
 
     fn nvmlDeviceGetMPSComputeRunningProcesses_v3(dev: Device, count: *mut u32, infos: *mut c_void) {
         let f = real_nvml!(nvmlDeviceGetMPSComputeRunningProcesses_v3: ProcList);
-        filtered(f, dev, count, infos, INFO_V2)
+        // SAFETY: `count` and `infos` are our caller's (NVML ABI: NULL or valid for
+        // `*count` entries), as `filtered` requires; `f` is the real NVML function
+        // of this signature, resolved by name.
+        unsafe { filtered(f, dev, count, infos, INFO_V2) }
     }
 }
 

@@ -152,23 +152,35 @@ unsafe fn substitute(
 cuda_exports! {
     fn cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64, status: *mut i32) {
         let f = real_cuda!(cuGetProcAddress_v2: GetProcV2);
-        let r = f(symbol, pfn, version, flags, status);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(symbol, pfn, version, flags, status) };
         let ask = |v: i32| {
             let mut p = std::ptr::null_mut();
             let mut s = 0;
-            (f(symbol, &mut p, v, flags, &mut s) == CUDA_SUCCESS).then_some(p as usize)
+            // SAFETY: the real driver's function of this exact signature, resolved by
+            // name; pointers are our caller's (passed on unchanged) or our own locals.
+            (unsafe { f(symbol, &mut p, v, flags, &mut s) } == CUDA_SUCCESS).then_some(p as usize)
         };
-        substitute(r, symbol, pfn, version, flags, status, ask)
+        // SAFETY: `symbol`, `pfn` and `status` are our caller's, NULL or valid
+        // (CUDA ABI), as `substitute` requires.
+        unsafe { substitute(r, symbol, pfn, version, flags, status, ask) }
     }
 
     fn cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64) {
         let f = real_cuda!(cuGetProcAddress: GetProcV1);
-        let r = f(symbol, pfn, version, flags);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(symbol, pfn, version, flags) };
         let ask = |v: i32| {
             let mut p = std::ptr::null_mut();
-            (f(symbol, &mut p, v, flags) == CUDA_SUCCESS).then_some(p as usize)
+            // SAFETY: the real driver's function of this exact signature, resolved by
+            // name; pointers are our caller's (passed on unchanged) or our own locals.
+            (unsafe { f(symbol, &mut p, v, flags) } == CUDA_SUCCESS).then_some(p as usize)
         };
-        substitute(r, symbol, pfn, version, flags, std::ptr::null_mut(), ask)
+        // SAFETY: `symbol`, `pfn` and `status` are our caller's, NULL or valid
+        // (CUDA ABI), as `substitute` requires.
+        unsafe { substitute(r, symbol, pfn, version, flags, std::ptr::null_mut(), ask) }
     }
 }
 

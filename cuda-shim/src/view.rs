@@ -5,6 +5,7 @@
 use crate::config;
 use crate::real::real_cuda;
 use crate::registration::proc;
+use crate::{out, written};
 use cuda_abi::{CUDA_SUCCESS, CUresult};
 
 /// (free, total) as the container sees them, from the real ones.
@@ -37,11 +38,15 @@ pub fn virtual_total(real_total: u64) -> u64 {
 cuda_exports! {
     fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) {
         let f = real_cuda!(cuMemGetInfo_v2: unsafe extern "C" fn(*mut usize, *mut usize) -> CUresult);
-        let r = f(free, total);
-        if r == CUDA_SUCCESS && !free.is_null() && !total.is_null() {
-            let (fr, to) = virtual_mem(*free as u64, *total as u64);
-            *free = fr as usize;
-            *total = to as usize;
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(free, total) };
+        if r == CUDA_SUCCESS
+            && let (Some(fr), Some(to)) = (written(free), written(total))
+        {
+            let (fr, to) = virtual_mem(fr as u64, to as u64);
+            out(free, fr as usize);
+            out(total, to as usize);
         }
         r
     }
@@ -53,20 +58,24 @@ cuda_exports! {
             return cuda_abi::CUDA_ERROR_INVALID_VALUE;
         }
         let (mut fr, mut to) = (0usize, 0usize);
-        let r = f(&mut fr, &mut to);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(&mut fr, &mut to) };
         if r == CUDA_SUCCESS {
             let (fr, to) = virtual_mem(fr as u64, to as u64);
-            *free = fr.min(u32::MAX as u64) as u32;
-            *total = to.min(u32::MAX as u64) as u32;
+            out(free, fr.min(u32::MAX as u64) as u32);
+            out(total, to.min(u32::MAX as u64) as u32);
         }
         r
     }
 
     fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: i32) {
         let f = real_cuda!(cuDeviceTotalMem_v2: unsafe extern "C" fn(*mut usize, i32) -> CUresult);
-        let r = f(bytes, dev);
-        if r == CUDA_SUCCESS && !bytes.is_null() {
-            *bytes = virtual_total(*bytes as u64) as usize;
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(bytes, dev) };
+        if r == CUDA_SUCCESS && let Some(b) = written(bytes) {
+            out(bytes, virtual_total(b as u64) as usize);
         }
         r
     }
@@ -77,9 +86,11 @@ cuda_exports! {
             return cuda_abi::CUDA_ERROR_INVALID_VALUE;
         }
         let mut b = 0usize;
-        let r = f(&mut b, dev);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(&mut b, dev) };
         if r == CUDA_SUCCESS {
-            *bytes = virtual_total(b as u64).min(u32::MAX as u64) as u32;
+            out(bytes, virtual_total(b as u64).min(u32::MAX as u64) as u32);
         }
         r
     }

@@ -12,8 +12,10 @@ use super::{
     NVML_ERROR_ARGUMENT_VERSION_MISMATCH, NVML_ERROR_INSUFFICIENT_SIZE, NVML_ERROR_NOT_FOUND,
     NVML_SUCCESS, filtering,
 };
+use crate::nvml::NVML_ERROR_INVALID_ARGUMENT;
 use crate::real::real_nvml;
 use crate::registration::container_pids;
+use crate::{arg, arg_mut};
 use std::ffi::{c_char, c_void};
 use std::sync::Mutex;
 
@@ -161,17 +163,24 @@ nvml_exports! {
     fn nvmlDeviceGetProcessUtilization(dev: Device, samples: *mut u8, count: *mut u32, last_seen: u64) {
         let f = real_nvml!(nvmlDeviceGetProcessUtilization: ProcUtil);
         if !filtering() || count.is_null() {
-            return f(dev, samples, count, last_seen);
+            // SAFETY: the real driver's function of this exact signature, resolved by
+            // name; pointers are our caller's (passed on unchanged) or our own locals.
+            return unsafe { f(dev, samples, count, last_seen) };
         }
         let key = (dev as usize, last_seen, "samples");
         let mine = match samples_for(key, !samples.is_null(), || {
-            fetch_all(SAMPLE, |b, n| f(dev, b, n, last_seen)).map(|all| keep_ours(&all, SAMPLE, 0))
+            // SAFETY: the real driver's function of this exact signature, resolved by
+            // name; pointers are our caller's (passed on unchanged) or our own locals.
+            fetch_all(SAMPLE, |b, n| unsafe { f(dev, b, n, last_seen) }).map(|all| keep_ours(&all, SAMPLE, 0))
         }) {
             Ok(m) => m,
             // No samples at all: the same answer, for us too.
             Err(e) => return e,
         };
-        let r = hand_out(&mine, SAMPLE, &mut *count, samples, NVML_ERROR_NOT_FOUND);
+        let Some(count) = arg_mut(count) else { return NVML_ERROR_INVALID_ARGUMENT };
+        // SAFETY: `samples` is our caller's array of `*count` entries or NULL
+        // (NVML ABI), as `hand_out` requires.
+        let r = unsafe { hand_out(&mine, SAMPLE, count, samples, NVML_ERROR_NOT_FOUND) };
         if r == NVML_ERROR_INSUFFICIENT_SIZE {
             remember(key, &mine);
         }
@@ -181,9 +190,11 @@ nvml_exports! {
     fn nvmlDeviceGetProcessesUtilizationInfo(dev: Device, info: *mut ProcessesUtilizationInfo) {
         let f = real_nvml!(nvmlDeviceGetProcessesUtilizationInfo: ProcsUtilInfo);
         if !filtering() || info.is_null() {
-            return f(dev, info);
+            // SAFETY: the real driver's function of this exact signature, resolved by
+            // name; pointers are our caller's (passed on unchanged) or our own locals.
+            return unsafe { f(dev, info) };
         }
-        let info = &mut *info;
+        let Some(info) = arg_mut(info) else { return NVML_ERROR_INVALID_ARGUMENT };
         if info.version != PROCESSES_UTILIZATION_INFO_V1 {
             // A layout we cannot filter: never hand it out.
             return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
@@ -192,7 +203,9 @@ nvml_exports! {
         let mine = match samples_for(key, !info.array.is_null(), || {
             fetch_all(UTIL_INFO, |b, n| {
                 let mut q = ProcessesUtilizationInfo { version: info.version, count: *n, last_seen: info.last_seen, array: b };
-                let r = f(dev, &mut q);
+                // SAFETY: the real driver's function of this exact signature, resolved by
+                // name; pointers are our caller's (passed on unchanged) or our own locals.
+                let r = unsafe { f(dev, &mut q) };
                 *n = q.count;
                 r
             })
@@ -201,7 +214,9 @@ nvml_exports! {
             Ok(m) => m,
             Err(e) => return e,
         };
-        let r = hand_out(&mine, UTIL_INFO, &mut info.count, info.array, NVML_ERROR_NOT_FOUND);
+        // SAFETY: `info.array` is our caller's array of `info.count` entries or
+        // NULL (NVML ABI), as `hand_out` requires.
+        let r = unsafe { hand_out(&mine, UTIL_INFO, &mut info.count, info.array, NVML_ERROR_NOT_FOUND) };
         if r == NVML_ERROR_INSUFFICIENT_SIZE {
             remember(key, &mine);
         }
@@ -211,20 +226,26 @@ nvml_exports! {
     fn nvmlDeviceGetRunningProcessDetailList(dev: Device, list: *mut ProcessDetailList) {
         let f = real_nvml!(nvmlDeviceGetRunningProcessDetailList: DetailList);
         if !filtering() || list.is_null() {
-            return f(dev, list);
+            // SAFETY: the real driver's function of this exact signature, resolved by
+            // name; pointers are our caller's (passed on unchanged) or our own locals.
+            return unsafe { f(dev, list) };
         }
-        let list = &mut *list;
+        let Some(list) = arg_mut(list) else { return NVML_ERROR_INVALID_ARGUMENT };
         if list.version != PROCESS_DETAIL_LIST_V1 {
             return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
         }
         let all = fetch_all(DETAIL, |b, n| {
             let mut q = ProcessDetailList { version: list.version, mode: list.mode, count: *n, array: b };
-            let r = f(dev, &mut q);
+            // SAFETY: the real driver's function of this exact signature, resolved by
+            // name; pointers are our caller's (passed on unchanged) or our own locals.
+            let r = unsafe { f(dev, &mut q) };
             *n = q.count;
             r
         });
         match all {
-            Ok(all) => hand_out(&keep_ours(&all, DETAIL, 0), DETAIL, &mut list.count, list.array, NVML_SUCCESS),
+            // SAFETY: `list.array` is our caller's array of `list.count` entries
+            // or NULL (NVML ABI), as `hand_out` requires.
+            Ok(all) => unsafe { hand_out(&keep_ours(&all, DETAIL, 0), DETAIL, &mut list.count, list.array, NVML_SUCCESS) },
             Err(e) => e,
         }
     }
@@ -232,10 +253,17 @@ nvml_exports! {
     fn nvmlDeviceGetAccountingPids(dev: Device, count: *mut u32, pids: *mut u32) {
         let f = real_nvml!(nvmlDeviceGetAccountingPids: AccountingPids);
         if !filtering() || count.is_null() {
-            return f(dev, count, pids);
+            // SAFETY: the real driver's function of this exact signature, resolved by
+            // name; pointers are our caller's (passed on unchanged) or our own locals.
+            return unsafe { f(dev, count, pids) };
         }
-        match fetch_all(4, |b, n| f(dev, n, b.cast())) {
-            Ok(all) => hand_out(&keep_ours(&all, 4, 0), 4, &mut *count, pids.cast(), NVML_SUCCESS),
+        let Some(count) = arg_mut(count) else { return NVML_ERROR_INVALID_ARGUMENT };
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        match fetch_all(4, |b, n| unsafe { f(dev, n, b.cast()) }) {
+            // SAFETY: `pids` is our caller's array of `*count` entries or NULL
+            // (NVML ABI), as `hand_out` requires.
+            Ok(all) => unsafe { hand_out(&keep_ours(&all, 4, 0), 4, count, pids.cast(), NVML_SUCCESS) },
             Err(e) => e,
         }
     }
@@ -245,16 +273,20 @@ nvml_exports! {
         if filtering() && !stats.is_null() && !ours(pid) {
             return NVML_ERROR_NOT_FOUND;
         }
-        f(dev, pid, stats)
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { f(dev, pid, stats) }
     }
 
     fn nvmlDeviceGetAccountingStats_v2(dev: Device, stats: *mut c_void) {
         // `nvmlAccountingStats_v2_t` starts with the pid asked about.
         let f = real_nvml!(nvmlDeviceGetAccountingStats_v2: AccountingStatsV2);
-        if filtering() && !stats.is_null() && !ours(*(stats as *const u32)) {
+        if filtering() && arg(stats.cast::<u32>()).is_some_and(|&pid| !ours(pid)) {
             return NVML_ERROR_NOT_FOUND;
         }
-        f(dev, stats)
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { f(dev, stats) }
     }
 
     fn nvmlSystemGetProcessName(pid: u32, name: *mut c_char, len: u32) {
@@ -262,7 +294,9 @@ nvml_exports! {
         if filtering() && !ours(pid) {
             return NVML_ERROR_NOT_FOUND;
         }
-        f(pid, name, len)
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        unsafe { f(pid, name, len) }
     }
 }
 
