@@ -16,6 +16,7 @@
 
 pub mod cdi;
 pub mod checkpoint;
+pub mod cli;
 pub mod daemon;
 pub mod display;
 pub mod driver;
