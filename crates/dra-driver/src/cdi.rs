@@ -149,6 +149,17 @@ pub fn write(cdi_dir: &Path, claim_uid: &str, spec: &Spec) -> std::io::Result<Pa
     Ok(path)
 }
 
+/// [`write`] unless the file already holds this spec; true when written.
+pub fn write_if_changed(cdi_dir: &Path, claim_uid: &str, spec: &Spec) -> std::io::Result<bool> {
+    let path = spec_path(cdi_dir, claim_uid);
+    let body = serde_json::to_vec_pretty(spec).map_err(std::io::Error::other)?;
+    if std::fs::read(&path).is_ok_and(|b| b == body) {
+        return Ok(false);
+    }
+    write(cdi_dir, claim_uid, spec)?;
+    Ok(true)
+}
+
 pub fn remove(cdi_dir: &Path, claim_uid: &str) -> std::io::Result<()> {
     match std::fs::remove_file(spec_path(cdi_dir, claim_uid)) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),

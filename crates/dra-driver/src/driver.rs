@@ -129,10 +129,8 @@ impl Driver {
             view: std::sync::Mutex::new(ck.claims.values().cloned().collect()),
         };
         for c in ck.claims.values() {
-            for dev in &c.devices {
-                if let Err(e) = d.materialize(&c.uid, dev) {
-                    tracing::error!(claim = %format!("{}/{}", c.namespace, c.name), request = %dev.request, error = %e, "restoring a prepared claim");
-                }
+            if let Err(e) = d.restore(c) {
+                tracing::error!(claim = %format!("{}/{}", c.namespace, c.name), error = %e, "restoring a prepared claim");
             }
         }
         tracing::info!(
@@ -213,6 +211,40 @@ impl Driver {
         Ok(dir)
     }
 
+    fn cdi_device(&self, uid: &str, d: &PlannedDevice, dir: &std::path::Path) -> cdi::CdiDevice {
+        cdi::CdiDevice {
+            name: cdi::device_name(uid, &d.request),
+            container_edits: cdi::edits(&cdi::EditsInput {
+                gpu: &self.gpus[d.gpu_index],
+                cores: d.cores,
+                memory_bytes: d.memory_bytes,
+                shared: !d.whole,
+                vdriver_dir: &self.cfg.vdriver_dir,
+                vm_dir: dir,
+                extra_devices: &self.cfg.extra_devices,
+            }),
+        }
+    }
+
+    /// A prepared claim after a restart: its vm directories and sockets,
+    /// and its CDI spec where it is missing or differs (a container
+    /// restarting later needs it); unchanged files are not rewritten.
+    fn restore(&self, c: &PreparedClaim) -> Result<(), String> {
+        let mut devices = Vec::new();
+        for d in &c.devices {
+            let dir = self.materialize(&c.uid, d)?;
+            devices.push(self.cdi_device(&c.uid, d, &dir));
+        }
+        cdi::write_if_changed(&self.cfg.cdi_dir, &c.uid, &cdi::spec(devices))
+            .map(|_| ())
+            .map_err(|e| {
+                format!(
+                    "writing the CDI spec in {}: {e}",
+                    self.cfg.cdi_dir.display()
+                )
+            })
+    }
+
     fn release(&self, uid: &str, devices: &[PlannedDevice]) {
         for d in devices {
             self.registry.stop(&registry_id(uid, &d.request));
@@ -247,19 +279,7 @@ impl Driver {
             for d in &planned {
                 let dir = self.materialize(&c.uid, d)?;
                 done.push(d.clone());
-                let gpu = &self.gpus[d.gpu_index];
-                devices.push(cdi::CdiDevice {
-                    name: cdi::device_name(&c.uid, &d.request),
-                    container_edits: cdi::edits(&cdi::EditsInput {
-                        gpu,
-                        cores: d.cores,
-                        memory_bytes: d.memory_bytes,
-                        shared: !d.whole,
-                        vdriver_dir: &self.cfg.vdriver_dir,
-                        vm_dir: &dir,
-                        extra_devices: &self.cfg.extra_devices,
-                    }),
-                });
+                devices.push(self.cdi_device(&c.uid, d, &dir));
             }
             cdi::write(&self.cfg.cdi_dir, &c.uid, &cdi::spec(devices)).map_err(|e| {
                 format!(

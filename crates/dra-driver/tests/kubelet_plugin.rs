@@ -245,7 +245,25 @@ async fn prepare_pack_restart_unprepare() {
     drop(run);
     drop(kubelet);
     server.delete(Kind::ResourceClaim, Some(NS), "c2").unwrap();
+    // A CDI spec lost while the driver was down comes back; the others are
+    // not rewritten.
+    let spec1 = dirs
+        .p("cdi")
+        .join(format!("vcuda.tencent.com-{}.json", uid(&c1)));
+    let spec2 = dirs
+        .p("cdi")
+        .join(format!("vcuda.tencent.com-{}.json", uid(&c2)));
+    let spec1_ino = std::fs::metadata(&spec1).unwrap().ino();
+    std::fs::remove_file(&spec2).unwrap();
     let run = start(&dirs, gpus(), &api).await;
+    assert_eq!(std::fs::metadata(&spec1).unwrap().ino(), spec1_ino);
+    assert!(
+        cdi::resolve(
+            &dirs.p("cdi"),
+            &format!("vcuda.tencent.com/gpu={}-gpu", uid(&c2))
+        )
+        .is_ok()
+    );
     let kubelet = common::kubelet(&dirs, false).await;
     assert_eq!(std::fs::metadata(&cfg1).unwrap().ino(), ino);
     let r2 = kubelet.prepare(&claims[1..]).await.unwrap();

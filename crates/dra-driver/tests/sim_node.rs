@@ -248,6 +248,19 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
     for name in ["train-a", "train-b"] {
         assert!(usage.contains(name), "{usage}");
     }
+    let metrics = http_get(http, "/metrics").await;
+    assert!(metrics.contains("train-a"), "{metrics}");
+    let vcudactl = profile_dir().join("vcudactl");
+    if vcudactl.is_file() {
+        let out = sh(Command::new(&vcudactl)
+            .arg("--socket")
+            .arg(dirs.p("display.sock"))
+            .arg("usage"));
+        assert!(
+            out.contains("train-a") && out.contains("train-b") && out.contains(NS),
+            "{out}"
+        );
+    }
     let graph = http_get(http, "/graph").await;
     assert!(
         graph.contains("cores 60/100, memory 2048/40960 MiB, 2 claim device(s)"),
