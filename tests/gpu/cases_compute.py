@@ -6,8 +6,25 @@ measured in the same run (a container without a compute limit):
   from the baseline's CUDA events;
 * graph30: units = replays of a CUDA graph of 8192² fp16 matmuls (PyTorch);
 * kmix30: units = launches of a 1-block and a 10,000-block kernel (kmix.cu,
-  nvcc; on the simulated node any image, kernels last by shape), and every
-  launch call returns within 1.25 × its kernel's device time ÷ 0.30 + 1 ms.
+  nvcc; on the simulated node any image, kernels last by shape), and no
+  launch waits longer than its cost takes to earn at the quota (issue 12):
+  1.25 × its waves × the mix's device time per wave ÷ 0.30 + 1 ms, where the
+  wait is the call's wall time less the thread's runqueue delay.
+
+The wait bound is per wave, not per kernel: the interposer charges waves and
+learns one device time per wave for the container (an average over its
+kernels), so a kernel whose waves are shorter than the mix's average (B on a
+GPU: 0.1 ms waves beside A's 1 ms one) legitimately waits longer than its own
+device time ÷ 0.30. 1.25: the controller's rate moves around the quota. 1 ms:
+timer slack (50 µs), the bucket's shortest sleep (50 µs), the ctypes call.
+The runqueue delay (time the thread was runnable but not running) is the
+host's: on a loaded machine nanosleep wakes up to 100+ ms late for any
+sleeper, throttled or not; the raw longest call is reported beside. What the
+host adds beyond that (timer and vCPU latency: several ms on a loaded VM) is
+measured by a control process sleeping alongside the launches (kmix.py):
+where its plain sleeps overslept by more than the slack, launches over the
+bound pass as long as they are no more frequent than 2 × the control's
+rate + 2.
 """
 
 import glob
@@ -24,6 +41,7 @@ QUOTA = 8 << 30
 START_S = 120
 MATMULS = 8
 A_NS, B_NS = 1_000_000, 100_000  # ~1 ms each on an H100 (B: ~10 waves of 0.1 ms)
+SLACK_MS = 1.0  # launch waits: timer slack, the bucket's shortest sleep, the ctypes call
 
 
 def _run(node, name, util, script, args, timeout):
@@ -75,19 +93,37 @@ def kmix30(node):
     secs, warm = node.compute_seconds, node.compute_warmup
     base = _run(node, "kmix-base", 0, "kmix.py", [image, "baseline", 2, 0.5, A_NS, B_NS], 120)
     d = {k: base[k]["ms"] for k in ("A", "B")}
-    thr = _run(node, "kmix-30", TARGET, "kmix.py", [image, "mixed", secs, warm, A_NS, B_NS], secs + warm + 60)
+    # The control sleeps as long as the longer kernel should wait (waves at the mix's average).
+    bw = base["waves"]
+    control_ms = max(bw.values()) * sum(d.values()) / sum(bw.values()) / (TARGET / 100)
+    thr = _run(node, "kmix-30", TARGET, "kmix.py", [image, "mixed", secs, warm, A_NS, B_NS, control_ms],
+               secs + warm + 60)
     counts, window = thr["counts"], thr["window_ms"]
     share = sum(counts[k] * d[k] for k in d) / window * 100
     label = "1-block + 10,000-block kernel mix" + (" (sim: fake image)" if image == "fake" else "")
     rows = [_share_row(f"{label}, hard {TARGET} %", share,
                        f"A {counts['A']} × {d['A']:.3f} ms + B {counts['B']} × {d['B']:.3f} ms in "
                        f"{window / 1000:.1f} s; unthrottled mix {base['unthrottled_share']:.0f} %")]
-    bound = {k: 1.25 * d[k] / (TARGET / 100) + 1.0 for k in d}
-    worst = {k: v["max"] for k, v in thr["call_ms"].items()}
-    ok = all(worst[k] <= bound[k] for k in d)
+    waves = thr["waves"]
+    per_wave = sum(counts[k] * d[k] for k in d) / sum(counts[k] * waves[k] for k in d)
+    bound = {k: 1.25 * waves[k] * per_wave / (TARGET / 100) + SLACK_MS for k in d}
+    calls, ctl = thr["call_ms"], thr["control"]
+    over = {k: sum(w > bound[k] for w in calls[k]["wait_top"]) for k in d}
+    ctl_over = sum(x > SLACK_MS for x in ctl["late_top"])
+    # Host-made overstays expected among the launches, at the control's rate.
+    allowed = 2 * ctl_over * sum(counts.values()) / max(1, ctl["n"]) + 2 if ctl_over else 0
+    ok = sum(over.values()) <= allowed
+    rq = "" if thr["runqueue_known"] else " (no schedstat: runqueue delay unknown, counted as wait)"
     rows.append(Row(f"{label}: launch waits, hard {TARGET} %",
-                    "every launch call ≤ 1.25 × its kernel's device time ÷ 0.30 + 1 ms",
-                    "; ".join(f"{k}: longest {worst[k]:.2f} ms, p99 {thr['call_ms'][k]['p99']:.2f} (bound "
-                              f"{bound[k]:.2f}; unthrottled longest {base['call_ms'][k]['max']:.2f})" for k in d),
+                    f"every launch's wait (call less runqueue delay) ≤ 1.25 × its waves × {per_wave:.3f} ms "
+                    f"(device time per wave, the mix's) ÷ 0.30 + {SLACK_MS:g} ms; where plain sleeps overslept "
+                    f"by > {SLACK_MS:g} ms, over it no more often than 2 × theirs + 2",
+                    "; ".join(f"{k} ({waves[k]} waves): longest {calls[k]['wait_max']:.2f} ms, p99 "
+                              f"{calls[k]['wait_p99']:.2f}, {over[k]}{'+' if over[k] >= len(calls[k]['wait_top']) else ''}"
+                              f" over (bound {bound[k]:.2f}; wall longest {calls[k]['max']:.2f}, p99 "
+                              f"{calls[k]['p99']:.2f}; unthrottled wall longest {base['call_ms'][k]['max']:.2f})"
+                              for k in d)
+                    + f"; control sleeps of {control_ms:.2f} ms: {ctl_over} of {ctl['n']} late by > {SLACK_MS:g} ms, "
+                    f"latest {max(ctl['late_top'], default=0):.2f} (allowed over: {allowed:.1f})" + rq,
                     PASS if ok else FAIL))
     return rows

@@ -28,6 +28,7 @@ class CudaError(RuntimeError):
 _CU = {
     "cuInit": [c_uint],
     "cuDeviceGet": [POINTER(c_int), c_int],
+    "cuDeviceGetAttribute": [POINTER(c_int), c_int, c_int],
     "cuCtxCreate_v2": [POINTER(c_void_p), c_uint, c_int],
     "cuMemAlloc_v2": [POINTER(c_uint64), c_size_t],
     "cuMemFree_v2": [c_uint64],
@@ -73,6 +74,11 @@ class Driver:
         r = self.fn[name](*args)
         if r != CUDA_SUCCESS:
             raise CudaError(name, r)
+
+    def attribute(self, attr):
+        v = c_int()
+        self.ok("cuDeviceGetAttribute", byref(v), attr, self.dev)
+        return v.value
 
     def mem_get_info(self):
         free, total = c_size_t(), c_size_t()
