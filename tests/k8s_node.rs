@@ -1071,6 +1071,7 @@ fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
 
     // The manager killed with -9 and restarted.
     m.kill9();
+    let log_mark = m.log_text().len();
     let t_restart = Instant::now();
     m.spawn();
     m.wait_ready(120);
@@ -1109,8 +1110,40 @@ fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         sim_procs(&state) >= n,
         "the live pods' processes still hold their memory"
     );
+    // The live processes reconnect to the restarted manager by themselves.
+    let registered_since = |uid: &str| -> usize {
+        let text = m.log_text();
+        text.get(log_mark..)
+            .unwrap_or("")
+            .lines()
+            .filter(|l| l.contains("interposer registered") && l.contains(uid))
+            .count()
+    };
+    let t_rereg = Instant::now();
+    wait("every live pod's process registered again", 120, || {
+        let missing: Vec<&String> = before
+            .iter()
+            .filter(|(_, (uid, _))| registered_since(uid) == 0)
+            .map(|(name, _)| name)
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("not yet: {missing:?}"))
+        }
+    });
+    figures.push(format!(
+        "after the kill -9: all {n} live processes registered again {:.2} s after /readyz",
+        t_rereg.elapsed().as_secs_f64()
+    ));
     // A new process in a live pod registers and sees its quota.
+    let live0 = before["live-0"].0.clone();
+    let regs0 = registered_since(&live0);
     let out = c.kubectl_ok(&["exec", "live-0", "--", "/work/shim_client", "quota", "64"]);
+    assert!(
+        registered_since(&live0) > regs0,
+        "the exec'd process registered with the restarted manager"
+    );
     let e = kv(&out);
     assert_eq!(
         get_u64(&e, "start_total", &out),
