@@ -15,7 +15,7 @@
 
 use crate::ctx::Target;
 use crate::graph::{self, CUDA_ERROR_ILLEGAL_STATE, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, Kind};
-use crate::{R, drv, put};
+use crate::{R, drv, get, put, put_opt};
 use cuda_abi::*;
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -251,7 +251,7 @@ unsafe fn end(h: *mut c_void, out: *mut *mut c_void, ptsz: bool) -> R {
     CAPTURING.fetch_sub(before - c.streams.len(), Relaxed);
     c.events.retain(|_, (s, _)| *s != seq);
     let graph = c.seqs.remove(&seq).unwrap().graph;
-    unsafe { put(out, graph as *mut c_void) }
+    put(out, graph as *mut c_void)
 }
 
 /// Status (`CUstreamCaptureStatus`: NONE 0, ACTIVE 1), capture id, graph
@@ -274,22 +274,12 @@ unsafe fn info(
     let st = graph::state();
     let c = &st.capture;
     let cs = key(t).and_then(|k| c.streams.get(&k));
-    unsafe {
-        *status = cs.is_some() as i32;
-        let Some(cs) = cs else { return Ok(()) };
-        if !id.is_null() {
-            *id = cs.seq;
-        }
-        if !graph.is_null() {
-            *graph = c.seqs[&cs.seq].graph as *mut c_void;
-        }
-        if !deps.is_null() {
-            *deps = cs.deps.as_ptr();
-        }
-        if !count.is_null() {
-            *count = cs.deps.len();
-        }
-    }
+    put(status, cs.is_some() as i32)?;
+    let Some(cs) = cs else { return Ok(()) };
+    put_opt(id, cs.seq);
+    put_opt(graph, c.seqs[&cs.seq].graph as *mut c_void);
+    put_opt(deps, cs.deps.as_ptr());
+    put_opt(count, cs.deps.len());
     Ok(())
 }
 
@@ -302,74 +292,125 @@ type P = *mut c_void;
 type NodeList = *mut *const u64;
 
 cuda_fn! {
-    fn cuStreamBeginCapture(h: P) { begin(h, 0, false, None) }
-    fn cuStreamBeginCapture_ptsz(h: P) { begin(h, 0, true, None) }
-    fn cuStreamBeginCapture_v2(h: P, mode: u32) { begin(h, mode, false, None) }
-    fn cuStreamBeginCapture_v2_ptsz(h: P, mode: u32) { begin(h, mode, true, None) }
+    // SAFETY: `begin` gets the pointers and handles our caller passed in, which the CUDA
+    // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuStreamBeginCapture(h: P) { unsafe { begin(h, 0, false, None) } }
+    // SAFETY: `begin` gets the pointers and handles our caller passed in, which the CUDA
+    // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuStreamBeginCapture_ptsz(h: P) { unsafe { begin(h, 0, true, None) } }
+    // SAFETY: `begin` gets the pointers and handles our caller passed in, which the CUDA
+    // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuStreamBeginCapture_v2(h: P, mode: u32) { unsafe { begin(h, mode, false, None) } }
+    // SAFETY: `begin` gets the pointers and handles our caller passed in, which the CUDA
+    // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuStreamBeginCapture_v2_ptsz(h: P, mode: u32) { unsafe { begin(h, mode, true, None) } }
 
     fn cuStreamBeginCaptureToGraph(h: P, g: P, deps: *const P, _edges: *const c_void, n: usize, mode: u32) {
         let g = graph::graph_id(g)?;
-        let d = graph_deps(deps, n)?;
-        begin(h, mode, false, Some((g, d)))
+        // SAFETY: `graph_deps` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        let d = unsafe { graph_deps(deps, n) }?;
+        // SAFETY: `begin` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { begin(h, mode, false, Some((g, d))) }
     }
 
     fn cuStreamBeginCaptureToGraph_ptsz(h: P, g: P, deps: *const P, _edges: *const c_void, n: usize, mode: u32) {
         let g = graph::graph_id(g)?;
-        let d = graph_deps(deps, n)?;
-        begin(h, mode, true, Some((g, d)))
+        // SAFETY: `graph_deps` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        let d = unsafe { graph_deps(deps, n) }?;
+        // SAFETY: `begin` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { begin(h, mode, true, Some((g, d))) }
     }
 
-    fn cuStreamEndCapture(h: P, out: *mut P) { end(h, out, false) }
-    fn cuStreamEndCapture_ptsz(h: P, out: *mut P) { end(h, out, true) }
+    // SAFETY: `end` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuStreamEndCapture(h: P, out: *mut P) { unsafe { end(h, out, false) } }
+    // SAFETY: `end` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuStreamEndCapture_ptsz(h: P, out: *mut P) { unsafe { end(h, out, true) } }
 
     fn cuStreamIsCapturing(h: P, status: *mut i32) {
-        info(h, false, status, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut())
+        // SAFETY: `info` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { info(h, false, status, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut()) }
     }
 
     fn cuStreamIsCapturing_ptsz(h: P, status: *mut i32) {
-        info(h, true, status, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut())
+        // SAFETY: `info` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { info(h, true, status, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut()) }
     }
 
     fn cuStreamGetCaptureInfo(h: P, status: *mut i32, id: *mut u64) {
-        info(h, false, status, id, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut())
+        // SAFETY: `info` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { info(h, false, status, id, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut()) }
     }
 
     fn cuStreamGetCaptureInfo_ptsz(h: P, status: *mut i32, id: *mut u64) {
-        info(h, true, status, id, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut())
+        // SAFETY: `info` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { info(h, true, status, id, std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut()) }
     }
 
     fn cuStreamGetCaptureInfo_v2(h: P, status: *mut i32, id: *mut u64, g: *mut P, deps: NodeList, n: *mut usize) {
-        info(h, false, status, id, g, deps, n)
+        // SAFETY: `info` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { info(h, false, status, id, g, deps, n) }
     }
 
     fn cuStreamGetCaptureInfo_v2_ptsz(h: P, status: *mut i32, id: *mut u64, g: *mut P, deps: NodeList, n: *mut usize) {
-        info(h, true, status, id, g, deps, n)
+        // SAFETY: `info` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { info(h, true, status, id, g, deps, n) }
     }
 
     fn cuStreamGetCaptureInfo_v3(
         h: P, status: *mut i32, id: *mut u64, g: *mut P, deps: NodeList, edges: *mut *const c_void, n: *mut usize,
     ) {
         // Every captured edge is a default one: no edge data.
-        if !edges.is_null() {
-            *edges = std::ptr::null();
-        }
-        info(h, false, status, id, g, deps, n)
+        put_opt(edges, std::ptr::null());
+        // SAFETY: `info` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { info(h, false, status, id, g, deps, n) }
     }
 
     fn cuStreamGetCaptureInfo_v3_ptsz(
         h: P, status: *mut i32, id: *mut u64, g: *mut P, deps: NodeList, edges: *mut *const c_void, n: *mut usize,
     ) {
-        if !edges.is_null() {
-            *edges = std::ptr::null();
-        }
-        info(h, true, status, id, g, deps, n)
+        put_opt(edges, std::ptr::null());
+        // SAFETY: `info` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { info(h, true, status, id, g, deps, n) }
     }
 
     fn cuThreadExchangeStreamCaptureMode(mode: *mut u32) {
-        if mode.is_null() || *mode > 2 {
+        let new = get(mode)?;
+        if new > 2 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        *mode = MODE.with(|m| m.replace(*mode));
+        put(mode, MODE.with(|m| m.replace(new)))?;
         Ok(())
     }
 }

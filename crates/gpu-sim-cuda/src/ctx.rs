@@ -6,7 +6,7 @@
 //! The launch path is atomics, thread-locals and a vDSO clock read: no lock,
 //! no allocation, no syscall.
 
-use crate::{R, drv, put};
+use crate::{R, arg, drv, put, put_opt};
 use cuda_abi::*;
 use gpu_sim_core::state::now_ns;
 use std::cell::{Cell, RefCell};
@@ -379,23 +379,38 @@ unsafe fn primary_reset(dev: i32) -> R {
 
 cuda_fn! {
     fn cuCtxCreate_v2(out: *mut *mut c_void, flags: u32, dev: i32) {
-        ctx_create(out, flags, dev)
+        // SAFETY: `ctx_create` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { ctx_create(out, flags, dev) }
     }
 
     fn cuCtxCreate_v3(out: *mut *mut c_void, _params: *mut c_void, _n: i32, flags: u32, dev: i32) {
-        ctx_create(out, flags, dev)
+        // SAFETY: `ctx_create` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { ctx_create(out, flags, dev) }
     }
 
     fn cuCtxCreate_v4(out: *mut *mut c_void, _params: *mut c_void, flags: u32, dev: i32) {
-        ctx_create(out, flags, dev)
+        // SAFETY: `ctx_create` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { ctx_create(out, flags, dev) }
     }
 
     fn cuCtxDestroy(ctx: *mut c_void) {
-        ctx_destroy(ctx)
+        // SAFETY: `ctx_destroy` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { ctx_destroy(ctx) }
     }
 
     fn cuCtxDestroy_v2(ctx: *mut c_void) {
-        ctx_destroy(ctx)
+        // SAFETY: `ctx_destroy` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { ctx_destroy(ctx) }
     }
 
     fn cuCtxSetCurrent(ctx: *mut c_void) {
@@ -404,7 +419,10 @@ cuda_fn! {
             pop();
             return Ok(());
         }
-        let c = Ctx::from_handle(ctx)?;
+        // SAFETY: `Ctx::from_handle` gets the pointers and handles our caller passed in,
+        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
+        // are ones this driver handed out or are rejected by their magic.
+        let c = unsafe { Ctx::from_handle(ctx) }?;
         set_current(c);
         Ok(())
     }
@@ -416,13 +434,19 @@ cuda_fn! {
 
     fn cuCtxPushCurrent(ctx: *mut c_void) {
         drv()?;
-        push(Ctx::from_handle(ctx)?);
+        // SAFETY: `Ctx::from_handle` gets the pointers and handles our caller passed in,
+        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
+        // are ones this driver handed out or are rejected by their magic.
+        push(unsafe { Ctx::from_handle(ctx) }?);
         Ok(())
     }
 
     fn cuCtxPushCurrent_v2(ctx: *mut c_void) {
         drv()?;
-        push(Ctx::from_handle(ctx)?);
+        // SAFETY: `Ctx::from_handle` gets the pointers and handles our caller passed in,
+        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
+        // are ones this driver handed out or are rejected by their magic.
+        push(unsafe { Ctx::from_handle(ctx) }?);
         Ok(())
     }
 
@@ -430,9 +454,7 @@ cuda_fn! {
         drv()?;
         current()?;
         let c = pop();
-        if !out.is_null() {
-            *out = c as *mut c_void;
-        }
+        put_opt(out, c as *mut c_void);
         Ok(())
     }
 
@@ -440,9 +462,7 @@ cuda_fn! {
         drv()?;
         current()?;
         let c = pop();
-        if !out.is_null() {
-            *out = c as *mut c_void;
-        }
+        put_opt(out, c as *mut c_void);
         Ok(())
     }
 
@@ -453,7 +473,10 @@ cuda_fn! {
 
     fn cuCtxGetDevice_v2(dev: *mut i32, ctx: *mut c_void) {
         drv()?;
-        let c = if ctx.is_null() { current()? } else { Ctx::from_handle(ctx)? };
+        // SAFETY: `Ctx::from_handle` gets the pointers and handles our caller passed in,
+        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
+        // are ones this driver handed out or are rejected by their magic.
+        let c = if ctx.is_null() { current()? } else { unsafe { Ctx::from_handle(ctx) }? };
         put(dev, c.ordinal)
     }
 
@@ -466,7 +489,10 @@ cuda_fn! {
 
     fn cuCtxSynchronize_v2(ctx: *mut c_void) {
         drv()?;
-        let c = if ctx.is_null() { current()? } else { Ctx::from_handle(ctx)? };
+        // SAFETY: `Ctx::from_handle` gets the pointers and handles our caller passed in,
+        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
+        // are ones this driver handed out or are rejected by their magic.
+        let c = if ctx.is_null() { current()? } else { unsafe { Ctx::from_handle(ctx) }? };
         c.synchronize();
         crate::pool::at_sync(drv()?);
         Ok(())
@@ -486,25 +512,27 @@ cuda_fn! {
     fn cuCtxGetApiVersion(ctx: *mut c_void, version: *mut u32) {
         drv()?;
         if !ctx.is_null() {
-            Ctx::from_handle(ctx)?;
+            // SAFETY: `Ctx::from_handle` gets the pointers and handles our caller passed
+            // in, which the CUDA ABI makes valid for this call (or NULL, checked there);
+            // handles are ones this driver handed out or are rejected by their magic.
+            unsafe { Ctx::from_handle(ctx) }?;
         }
         put(version, 3020)
     }
 
     fn cuCtxGetStreamPriorityRange(least: *mut i32, greatest: *mut i32) {
         drv()?;
-        if !least.is_null() {
-            *least = 0;
-        }
-        if !greatest.is_null() {
-            *greatest = -5;
-        }
+        put_opt(least, 0);
+        put_opt(greatest, -5);
         Ok(())
     }
 
     fn cuCtxEnablePeerAccess(peer: *mut c_void, _flags: u32) {
         drv()?;
-        Ctx::from_handle(peer)?;
+        // SAFETY: `Ctx::from_handle` gets the pointers and handles our caller passed in,
+        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
+        // are ones this driver handed out or are rejected by their magic.
+        unsafe { Ctx::from_handle(peer) }?;
         current()?;
         Ok(())
     }
@@ -518,24 +546,36 @@ cuda_fn! {
         crate::charge::activate(d, dev.primary)?;
         dev.primary.retained.fetch_add(1, AcqRel);
         d.state.set_active(d.me, dev.gpu);
-        *out = dev.primary.handle();
+        put(out, dev.primary.handle())?;
         Ok(())
     }
 
     fn cuDevicePrimaryCtxRelease(dev: i32) {
-        primary_release(dev)
+        // SAFETY: `primary_release` gets the pointers and handles our caller passed in,
+        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
+        // are ones this driver handed out or are rejected by their magic.
+        unsafe { primary_release(dev) }
     }
 
     fn cuDevicePrimaryCtxRelease_v2(dev: i32) {
-        primary_release(dev)
+        // SAFETY: `primary_release` gets the pointers and handles our caller passed in,
+        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
+        // are ones this driver handed out or are rejected by their magic.
+        unsafe { primary_release(dev) }
     }
 
     fn cuDevicePrimaryCtxReset(dev: i32) {
-        primary_reset(dev)
+        // SAFETY: `primary_reset` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { primary_reset(dev) }
     }
 
     fn cuDevicePrimaryCtxReset_v2(dev: i32) {
-        primary_reset(dev)
+        // SAFETY: `primary_reset` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { primary_reset(dev) }
     }
 
     fn cuDevicePrimaryCtxSetFlags(dev: i32, flags: u32) {
@@ -560,112 +600,178 @@ cuda_fn! {
         f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
         _shared: u32, stream: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void,
     ) {
-        launch(f, [gx, gy, gz], [bx, by, bz], stream, false)
+        // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], stream, false) }
     }
 
     fn cuLaunchKernel_ptsz(
         f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
         _shared: u32, stream: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void,
     ) {
-        launch(f, [gx, gy, gz], [bx, by, bz], stream, true)
+        // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], stream, true) }
     }
 
     fn cuLaunchCooperativeKernel(
         f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
         _shared: u32, stream: *mut c_void, _params: *mut *mut c_void,
     ) {
-        launch(f, [gx, gy, gz], [bx, by, bz], stream, false)
+        // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], stream, false) }
     }
 
     fn cuLaunchCooperativeKernel_ptsz(
         f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
         _shared: u32, stream: *mut c_void, _params: *mut *mut c_void,
     ) {
-        launch(f, [gx, gy, gz], [bx, by, bz], stream, true)
+        // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], stream, true) }
     }
 
     fn cuLaunchKernelEx(config: *const LaunchConfig, f: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void) {
-        let c = config.as_ref().ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        launch(f, c.grid, c.block, c.stream, false)
+        let c = arg(config).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { launch(f, c.grid, c.block, c.stream, false) }
     }
 
     fn cuLaunchKernelEx_ptsz(config: *const LaunchConfig, f: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void) {
-        let c = config.as_ref().ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        launch(f, c.grid, c.block, c.stream, true)
+        let c = arg(config).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { launch(f, c.grid, c.block, c.stream, true) }
     }
 
     // ---- streams ----
 
     fn cuStreamCreate(out: *mut *mut c_void, flags: u32) {
-        stream_create(out, flags, 0)
+        // SAFETY: `stream_create` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { stream_create(out, flags, 0) }
     }
 
     fn cuStreamCreateWithPriority(out: *mut *mut c_void, flags: u32, priority: i32) {
-        stream_create(out, flags, priority)
+        // SAFETY: `stream_create` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { stream_create(out, flags, priority) }
     }
 
     fn cuStreamDestroy(h: *mut c_void) {
-        stream_destroy(h)
+        // SAFETY: `stream_destroy` gets the pointers and handles our caller passed in,
+        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
+        // are ones this driver handed out or are rejected by their magic.
+        unsafe { stream_destroy(h) }
     }
 
     fn cuStreamDestroy_v2(h: *mut c_void) {
-        stream_destroy(h)
+        // SAFETY: `stream_destroy` gets the pointers and handles our caller passed in,
+        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
+        // are ones this driver handed out or are rejected by their magic.
+        unsafe { stream_destroy(h) }
     }
 
     fn cuStreamSynchronize(h: *mut c_void) {
-        stream_sync(h, false)
+        // SAFETY: `stream_sync` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { stream_sync(h, false) }
     }
 
     fn cuStreamSynchronize_ptsz(h: *mut c_void) {
-        stream_sync(h, true)
+        // SAFETY: `stream_sync` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { stream_sync(h, true) }
     }
 
     fn cuStreamQuery(h: *mut c_void) {
-        stream_query(h, false)
+        // SAFETY: `stream_query` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { stream_query(h, false) }
     }
 
     fn cuStreamQuery_ptsz(h: *mut c_void) {
-        stream_query(h, true)
+        // SAFETY: `stream_query` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { stream_query(h, true) }
     }
 
     fn cuStreamGetFlags(h: *mut c_void, flags: *mut u32) {
         drv()?;
-        let f = match Target::of(h, false)? { Target::Stream(s) => s.flags, _ => 0 };
+        // SAFETY: `Target::of` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        let f = match unsafe { Target::of(h, false) }? { Target::Stream(s) => s.flags, _ => 0 };
         put(flags, f)
     }
 
     fn cuStreamGetFlags_ptsz(h: *mut c_void, flags: *mut u32) {
         drv()?;
-        let f = match Target::of(h, true)? { Target::Stream(s) => s.flags, _ => 0 };
+        // SAFETY: `Target::of` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        let f = match unsafe { Target::of(h, true) }? { Target::Stream(s) => s.flags, _ => 0 };
         put(flags, f)
     }
 
     fn cuStreamGetPriority(h: *mut c_void, priority: *mut i32) {
         drv()?;
-        let p = match Target::of(h, false)? { Target::Stream(s) => s.priority, _ => 0 };
+        // SAFETY: `Target::of` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        let p = match unsafe { Target::of(h, false) }? { Target::Stream(s) => s.priority, _ => 0 };
         put(priority, p)
     }
 
     fn cuStreamGetPriority_ptsz(h: *mut c_void, priority: *mut i32) {
         drv()?;
-        let p = match Target::of(h, true)? { Target::Stream(s) => s.priority, _ => 0 };
+        // SAFETY: `Target::of` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        let p = match unsafe { Target::of(h, true) }? { Target::Stream(s) => s.priority, _ => 0 };
         put(priority, p)
     }
 
     fn cuStreamGetCtx(h: *mut c_void, ctx: *mut *mut c_void) {
         drv()?;
-        put(ctx, Target::of(h, false)?.ctx().handle())
+        // SAFETY: `Target::of` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        put(ctx, unsafe { Target::of(h, false) }?.ctx().handle())
     }
 
     fn cuStreamGetCtx_ptsz(h: *mut c_void, ctx: *mut *mut c_void) {
         drv()?;
-        put(ctx, Target::of(h, true)?.ctx().handle())
+        // SAFETY: `Target::of` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        put(ctx, unsafe { Target::of(h, true) }?.ctx().handle())
     }
 
     fn cuStreamWaitEvent(h: *mut c_void, ev: *mut c_void, _flags: u32) {
         drv()?;
-        let e = event(ev)?;
-        let t = Target::of(h, false)?;
+        // SAFETY: `event` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        let e = unsafe { event(ev) }?;
+        // SAFETY: `Target::of` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        let t = unsafe { Target::of(h, false) }?;
         if crate::capture::wait_event(t, ev)? {
             return Ok(());
         }
@@ -675,8 +781,14 @@ cuda_fn! {
 
     fn cuStreamWaitEvent_ptsz(h: *mut c_void, ev: *mut c_void, _flags: u32) {
         drv()?;
-        let e = event(ev)?;
-        let t = Target::of(h, true)?;
+        // SAFETY: `event` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        let e = unsafe { event(ev) }?;
+        // SAFETY: `Target::of` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        let t = unsafe { Target::of(h, true) }?;
         if crate::capture::wait_event(t, ev)? {
             return Ok(());
         }
@@ -693,29 +805,44 @@ cuda_fn! {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let e = Box::new(Event { magic: EVENT_MAGIC, flags, time: AtomicU64::new(0) });
-        *out = Box::into_raw(e).cast();
+        put(out, Box::into_raw(e).cast())?;
         Ok(())
     }
 
     fn cuEventRecord(ev: *mut c_void, stream: *mut c_void) {
-        event_record(ev, stream, false)
+        // SAFETY: `event_record` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { event_record(ev, stream, false) }
     }
 
     fn cuEventRecord_ptsz(ev: *mut c_void, stream: *mut c_void) {
-        event_record(ev, stream, true)
+        // SAFETY: `event_record` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { event_record(ev, stream, true) }
     }
 
     fn cuEventRecordWithFlags(ev: *mut c_void, stream: *mut c_void, _flags: u32) {
-        event_record(ev, stream, false)
+        // SAFETY: `event_record` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { event_record(ev, stream, false) }
     }
 
     fn cuEventRecordWithFlags_ptsz(ev: *mut c_void, stream: *mut c_void, _flags: u32) {
-        event_record(ev, stream, true)
+        // SAFETY: `event_record` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { event_record(ev, stream, true) }
     }
 
     fn cuEventQuery(ev: *mut c_void) {
         drv()?;
-        if event(ev)?.time.load(Acquire) > now_ns() {
+        // SAFETY: `event` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        if unsafe { event(ev) }?.time.load(Acquire) > now_ns() {
             return Err(CUDA_ERROR_NOT_READY);
         }
         Ok(())
@@ -723,25 +850,40 @@ cuda_fn! {
 
     fn cuEventSynchronize(ev: *mut c_void) {
         let d = drv()?;
-        wait_until(event(ev)?.time.load(Acquire));
+        // SAFETY: `event` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        wait_until(unsafe { event(ev) }?.time.load(Acquire));
         crate::pool::at_sync(d);
         Ok(())
     }
 
     fn cuEventElapsedTime(ms: *mut f32, start: *mut c_void, end: *mut c_void) {
-        elapsed(ms, start, end)
+        // SAFETY: `elapsed` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { elapsed(ms, start, end) }
     }
 
     fn cuEventElapsedTime_v2(ms: *mut f32, start: *mut c_void, end: *mut c_void) {
-        elapsed(ms, start, end)
+        // SAFETY: `elapsed` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { elapsed(ms, start, end) }
     }
 
     fn cuEventDestroy(ev: *mut c_void) {
-        event_destroy(ev)
+        // SAFETY: `event_destroy` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { event_destroy(ev) }
     }
 
     fn cuEventDestroy_v2(ev: *mut c_void) {
-        event_destroy(ev)
+        // SAFETY: `event_destroy` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { event_destroy(ev) }
     }
 }
 

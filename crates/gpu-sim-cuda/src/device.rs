@@ -1,11 +1,11 @@
 //! Devices: visibility, properties, attributes.
 
 use crate::ctx::Ctx;
-use crate::{R, drv, put};
+use crate::{R, cstr, drv, put};
 use cuda_abi::attr::*;
 use cuda_abi::*;
 use gpu_sim_core::{GpuSpec, SharedState};
-use std::ffi::{CStr, c_char};
+use std::ffi::c_char;
 
 pub(crate) struct Device {
     pub ordinal: i32,
@@ -169,7 +169,10 @@ cuda_fn! {
     }
 
     fn cuDeviceGetName(name: *mut c_char, len: i32, dev: i32) {
-        write_cstr(name, len, &spec(dev)?.name)
+        // SAFETY: `write_cstr` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { write_cstr(name, len, &spec(dev)?.name) }
     }
 
     fn cuDeviceGetUuid(uuid: *mut [u8; 16], dev: i32) {
@@ -198,14 +201,17 @@ cuda_fn! {
     }
 
     fn cuDeviceGetPCIBusId(out: *mut c_char, len: i32, dev: i32) {
-        write_cstr(out, len, &bus_id(spec(dev)?))
+        // SAFETY: `write_cstr` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { write_cstr(out, len, &bus_id(spec(dev)?)) }
     }
 
     fn cuDeviceGetByPCIBusId(dev: *mut i32, id: *const c_char) {
         if dev.is_null() || id.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let want = CStr::from_ptr(id).to_str().ok().and_then(parse_bus_id).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let want = cstr(id)?.to_str().ok().and_then(parse_bus_id).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let d = drv()?;
         let found = d
             .devices

@@ -25,7 +25,7 @@
 use crate::capture;
 use crate::ctx::FUNC_MAGIC;
 use crate::graph_exec::{Exec, Pool};
-use crate::{R, drv, lock, put};
+use crate::{R, drv, get, lock, put};
 use cuda_abi::*;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -361,7 +361,7 @@ unsafe fn add_node(
     let mut st = state();
     let kind = kind(&mut st)?;
     let node = st.add(g, &deps, kind)?;
-    unsafe { put(out, node as *mut c_void) }
+    put(out, node as *mut c_void)
 }
 
 unsafe fn mem_alloc_node(p: *mut AllocParams) -> R<Kind> {
@@ -444,37 +444,61 @@ cuda_fn! {
     }
 
     fn cuGraphAddKernelNode(out: *mut NodeH, graph: *mut c_void, dep: *const NodeH, n: usize, p: *const c_void) {
-        add_node(out, graph, dep, n, |_| Ok(Kind::Kernel(read_kernel(p, false)?)))
+        // SAFETY: `add_node` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { add_node(out, graph, dep, n, |_| Ok(Kind::Kernel(read_kernel(p, false)?))) }
     }
 
     fn cuGraphAddKernelNode_v2(out: *mut NodeH, graph: *mut c_void, dep: *const NodeH, n: usize, p: *const c_void) {
-        add_node(out, graph, dep, n, |_| Ok(Kind::Kernel(read_kernel(p, true)?)))
+        // SAFETY: `add_node` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { add_node(out, graph, dep, n, |_| Ok(Kind::Kernel(read_kernel(p, true)?))) }
     }
 
     fn cuGraphAddMemAllocNode(out: *mut NodeH, graph: *mut c_void, dep: *const NodeH, n: usize, p: *mut AllocParams) {
-        add_node(out, graph, dep, n, |_| mem_alloc_node(p))
+        // SAFETY: `add_node` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { add_node(out, graph, dep, n, |_| mem_alloc_node(p)) }
     }
 
     fn cuGraphAddMemFreeNode(out: *mut NodeH, graph: *mut c_void, dep: *const NodeH, n: usize, dptr: u64) {
-        add_node(out, graph, dep, n, |_| Ok(Kind::Free(dptr)))
+        // SAFETY: `add_node` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { add_node(out, graph, dep, n, |_| Ok(Kind::Free(dptr))) }
     }
 
     fn cuGraphAddEmptyNode(out: *mut NodeH, graph: *mut c_void, dep: *const NodeH, n: usize) {
-        add_node(out, graph, dep, n, |_| Ok(Kind::Empty))
+        // SAFETY: `add_node` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { add_node(out, graph, dep, n, |_| Ok(Kind::Empty)) }
     }
 
     fn cuGraphAddChildGraphNode(out: *mut NodeH, graph: *mut c_void, dep: *const NodeH, n: usize, child: *mut c_void) {
-        add_node(out, graph, dep, n, |st| Ok(Kind::Child(st.clone_graph(graph_id(child)?)?)))
+        // SAFETY: `add_node` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { add_node(out, graph, dep, n, |st| Ok(Kind::Child(st.clone_graph(graph_id(child)?)?))) }
     }
 
     fn cuGraphAddNode(out: *mut NodeH, graph: *mut c_void, dep: *const NodeH, n: usize, p: *mut NodeParams) {
-        add_node(out, graph, dep, n, |st| generic_node(st, p))
+        // SAFETY: `add_node` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { add_node(out, graph, dep, n, |st| generic_node(st, p)) }
     }
 
     fn cuGraphAddNode_v2(
         out: *mut NodeH, graph: *mut c_void, dep: *const NodeH, _edges: *const c_void, n: usize, p: *mut NodeParams,
     ) {
-        add_node(out, graph, dep, n, |st| generic_node(st, p))
+        // SAFETY: `add_node` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { add_node(out, graph, dep, n, |st| generic_node(st, p)) }
     }
 
     fn cuGraphGetNodes(graph: *mut c_void, nodes: *mut NodeH, count: *mut usize) {
@@ -486,13 +510,16 @@ cuda_fn! {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         if nodes.is_null() {
-            *count = list.len();
-            return Ok(());
+            return put(count, list.len());
         }
-        for i in 0..*count {
-            *nodes.add(i) = list.get(i).map_or(std::ptr::null_mut(), |&n| n as NodeH);
+        let n = get(count)?;
+        for i in 0..n {
+            let v = list.get(i).map_or(std::ptr::null_mut(), |&n| n as NodeH);
+            // SAFETY: `nodes` is non-NULL and the caller's array of `*count`
+            // handles (CUDA ABI); `i < *count`.
+            unsafe { nodes.add(i).write(v) };
         }
-        *count = (*count).min(list.len());
+        put(count, n.min(list.len()))?;
         Ok(())
     }
 
@@ -507,11 +534,17 @@ cuda_fn! {
     }
 
     fn cuGraphKernelNodeGetParams(node: NodeH, out: *mut c_void) {
-        kernel_params(node, out, false)
+        // SAFETY: `kernel_params` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { kernel_params(node, out, false) }
     }
 
     fn cuGraphKernelNodeGetParams_v2(node: NodeH, out: *mut c_void) {
-        kernel_params(node, out, true)
+        // SAFETY: `kernel_params` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { kernel_params(node, out, true) }
     }
 
     fn cuGraphMemAllocNodeGetParams(node: NodeH, out: *mut AllocParams) {

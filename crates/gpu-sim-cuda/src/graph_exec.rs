@@ -3,7 +3,7 @@
 
 use crate::ctx::{Target, current};
 use crate::graph::*;
-use crate::{Driver, R, drv, put};
+use crate::{Driver, R, arg_mut, drv, get, put, put_opt};
 use cuda_abi::*;
 use gpu_sim_core::state::now_ns;
 use std::collections::HashMap;
@@ -120,7 +120,7 @@ unsafe fn instantiate(out: *mut *mut c_void, graph: *mut c_void, flags: u64) -> 
     let e = st.build_exec(g, gpu)?;
     let h = st.fresh(EXEC_TAG);
     st.execs.insert(h, e);
-    unsafe { put(out, h as *mut c_void) }
+    put(out, h as *mut c_void)
 }
 
 /// `cuGraphExecUpdate`: same node types in the same order, same graph
@@ -227,53 +227,60 @@ cuda_fn! {
     // ---- executables ----
 
     fn cuGraphInstantiate(out: *mut *mut c_void, graph: *mut c_void, err_node: *mut NodeH, log: *mut u8, log_len: usize) {
-        if !err_node.is_null() {
-            *err_node = std::ptr::null_mut();
+        put_opt(err_node, std::ptr::null_mut());
+        if log_len > 0 {
+            put_opt(log, 0);
         }
-        if !log.is_null() && log_len > 0 {
-            *log = 0;
-        }
-        instantiate(out, graph, 0)
+        // SAFETY: `instantiate` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { instantiate(out, graph, 0) }
     }
 
     fn cuGraphInstantiate_v2(out: *mut *mut c_void, graph: *mut c_void, err_node: *mut NodeH, log: *mut u8, log_len: usize) {
-        if !err_node.is_null() {
-            *err_node = std::ptr::null_mut();
+        put_opt(err_node, std::ptr::null_mut());
+        if log_len > 0 {
+            put_opt(log, 0);
         }
-        if !log.is_null() && log_len > 0 {
-            *log = 0;
-        }
-        instantiate(out, graph, 0)
+        // SAFETY: `instantiate` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { instantiate(out, graph, 0) }
     }
 
     fn cuGraphInstantiateWithFlags(out: *mut *mut c_void, graph: *mut c_void, flags: u64) {
-        instantiate(out, graph, flags)
+        // SAFETY: `instantiate` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { instantiate(out, graph, flags) }
     }
 
     fn cuGraphInstantiateWithParams(out: *mut *mut c_void, graph: *mut c_void, p: *mut InstantiateParams) {
-        instantiate_with_params(out, graph, p, false)
+        // SAFETY: `instantiate_with_params` gets the pointers and handles our caller passed
+        // in, which the CUDA ABI makes valid for this call (or NULL, checked there);
+        // handles are ones this driver handed out or are rejected by their magic.
+        unsafe { instantiate_with_params(out, graph, p, false) }
     }
 
     fn cuGraphInstantiateWithParams_ptsz(out: *mut *mut c_void, graph: *mut c_void, p: *mut InstantiateParams) {
-        instantiate_with_params(out, graph, p, true)
+        // SAFETY: `instantiate_with_params` gets the pointers and handles our caller passed
+        // in, which the CUDA ABI makes valid for this call (or NULL, checked there);
+        // handles are ones this driver handed out or are rejected by their magic.
+        unsafe { instantiate_with_params(out, graph, p, true) }
     }
 
     fn cuGraphExecUpdate(exec: *mut c_void, graph: *mut c_void, err_node: *mut NodeH, result: *mut i32) {
         drv()?;
-        if !err_node.is_null() {
-            *err_node = std::ptr::null_mut();
-        }
+        put_opt(err_node, std::ptr::null_mut());
         let r = exec_update(exec, graph);
-        if !result.is_null() {
-            *result = r.err().unwrap_or(0);
-        }
+        put_opt(result, r.err().unwrap_or(0));
         r.map_err(|_| CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE)
     }
 
     fn cuGraphExecUpdate_v2(exec: *mut c_void, graph: *mut c_void, info: *mut UpdateResultInfo) {
         drv()?;
         let r = exec_update(exec, graph);
-        if let Some(i) = info.as_mut() {
+        if let Some(i) = arg_mut(info) {
             *i = UpdateResultInfo {
                 result: r.err().unwrap_or(0),
                 error_node: std::ptr::null_mut(),
@@ -284,27 +291,45 @@ cuda_fn! {
     }
 
     fn cuGraphExecKernelNodeSetParams(exec: *mut c_void, node: NodeH, p: *const c_void) {
-        exec_set_kernel(exec, node, p, false)
+        // SAFETY: `exec_set_kernel` gets the pointers and handles our caller passed in,
+        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
+        // are ones this driver handed out or are rejected by their magic.
+        unsafe { exec_set_kernel(exec, node, p, false) }
     }
 
     fn cuGraphExecKernelNodeSetParams_v2(exec: *mut c_void, node: NodeH, p: *const c_void) {
-        exec_set_kernel(exec, node, p, true)
+        // SAFETY: `exec_set_kernel` gets the pointers and handles our caller passed in,
+        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
+        // are ones this driver handed out or are rejected by their magic.
+        unsafe { exec_set_kernel(exec, node, p, true) }
     }
 
     fn cuGraphLaunch(exec: *mut c_void, stream: *mut c_void) {
-        launch(exec, stream, false)
+        // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { launch(exec, stream, false) }
     }
 
     fn cuGraphLaunch_ptsz(exec: *mut c_void, stream: *mut c_void) {
-        launch(exec, stream, true)
+        // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { launch(exec, stream, true) }
     }
 
     fn cuGraphUpload(exec: *mut c_void, stream: *mut c_void) {
-        upload(exec, stream, false)
+        // SAFETY: `upload` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { upload(exec, stream, false) }
     }
 
     fn cuGraphUpload_ptsz(exec: *mut c_void, stream: *mut c_void) {
-        upload(exec, stream, true)
+        // SAFETY: `upload` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { upload(exec, stream, true) }
     }
 
     fn cuGraphExecDestroy(exec: *mut c_void) {
@@ -337,7 +362,7 @@ cuda_fn! {
         let d = drv()?;
         let gpu = d.device(dev)?.gpu;
         // Only the high watermarks can be set, and only to 0 (a reset).
-        if value.is_null() || *value != 0 {
+        if get(value)? != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let mut st = state();

@@ -6,6 +6,8 @@
 //! build.rs as stubs returning `CUDA_ERROR_NOT_SUPPORTED`.
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 use cuda_abi::*;
 use gpu_sim_core::{Attached, NodeSpec, SharedState, SimRoot};
@@ -21,8 +23,7 @@ macro_rules! cuda_fn {
         pub unsafe extern "C" fn $name($($arg: $ty),*) -> cuda_abi::CUresult {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(
                 || -> Result<(), cuda_abi::CUresult> {
-                    #[allow(unused_unsafe)]
-                    unsafe { $body }
+                    $body
                 },
             ));
             match r {
@@ -34,8 +35,8 @@ macro_rules! cuda_fn {
     )*};
 }
 
-pub mod charge;
 pub mod capture;
+pub mod charge;
 pub mod ctx;
 pub mod device;
 pub mod graph;
@@ -48,13 +49,61 @@ include!(concat!(env!("OUT_DIR"), "/exports.rs"));
 
 pub(crate) type R<T = ()> = Result<T, CUresult>;
 
-/// Writes `v` through an out-pointer, or fails with INVALID_VALUE on NULL.
-pub(crate) unsafe fn put<T>(p: *mut T, v: T) -> R {
+/// Writes `v` through an out-pointer of our caller's, or fails with
+/// INVALID_VALUE on NULL.
+pub(crate) fn put<T>(p: *mut T, v: T) -> R {
     if p.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    // SAFETY: the caller (CUDA ABI) passes a pointer to writable storage for
+    // a T, or NULL; checked for NULL above.
     unsafe { p.write(v) };
     Ok(())
+}
+
+/// [`put`] for an optional out-pointer: NULL means the caller does not want
+/// the value.
+pub(crate) fn put_opt<T>(p: *mut T, v: T) {
+    let _ = put(p, v);
+}
+
+/// Reads an input value through a pointer of our caller's, or fails with
+/// INVALID_VALUE on NULL.
+pub(crate) fn get<T: Copy>(p: *const T) -> R<T> {
+    if p.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: the caller (CUDA ABI) passes a pointer to an initialized T, or
+    // NULL; checked for NULL above. Unaligned read: no assumption about the
+    // caller's memory beyond the ABI's.
+    Ok(unsafe { p.read_unaligned() })
+}
+
+/// A NUL-terminated string argument of our caller's; INVALID_VALUE on NULL.
+pub(crate) fn cstr<'a>(p: *const c_char) -> R<&'a CStr> {
+    if p.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: the caller (CUDA ABI) passes a NUL-terminated string that
+    // outlives the call; NULL is excluded above.
+    Ok(unsafe { CStr::from_ptr(p) })
+}
+
+/// A struct argument of our caller's (a descriptor, a config), borrowed for
+/// the call; `None` on NULL.
+pub(crate) fn arg<'a, T>(p: *const T) -> Option<&'a T> {
+    // SAFETY: the caller (CUDA ABI) passes a valid, aligned pointer to an
+    // initialized T that stays alive and unmodified for the duration of the
+    // call, or NULL (`as_ref` maps it to None); the borrow does not outlive
+    // the export that received it.
+    unsafe { p.as_ref() }
+}
+
+/// Like [`arg`], for a struct the caller lends us to fill in.
+pub(crate) fn arg_mut<'a, T>(p: *mut T) -> Option<&'a mut T> {
+    // SAFETY: as for [`arg`]: a valid, aligned pointer to a T lent to us
+    // exclusively for the call, or NULL (mapped to None).
+    unsafe { p.as_mut() }
 }
 
 /// Locks, ignoring poisoning: a panic in one call must not wedge the driver.
@@ -271,7 +320,10 @@ cuda_fn! {
     }
 
     fn cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, cuda_version: i32, flags: u64) {
-        proc_address(symbol, pfn, cuda_version, flags, std::ptr::null_mut())
+        // SAFETY: `proc_address` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { proc_address(symbol, pfn, cuda_version, flags, std::ptr::null_mut()) }
     }
 
     fn cuGetProcAddress_v2(
@@ -281,7 +333,10 @@ cuda_fn! {
         flags: u64,
         status: *mut i32,
     ) {
-        proc_address(symbol, pfn, cuda_version, flags, status)
+        // SAFETY: `proc_address` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { proc_address(symbol, pfn, cuda_version, flags, status) }
     }
 
     fn cuGetErrorName(error: CUresult, out: *mut *const c_char) {
@@ -298,7 +353,7 @@ cuda_fn! {
         match names.binary_search_by_key(&error, |(v, _)| *v) {
             Ok(i) => put(out, names[i].1.as_ptr()),
             Err(_) => {
-                *out = std::ptr::null();
+                put(out, std::ptr::null())?;
                 Err(CUDA_ERROR_INVALID_VALUE)
             }
         }
@@ -318,7 +373,7 @@ cuda_fn! {
         match strings.binary_search_by_key(&error, |(v, _)| *v) {
             Ok(i) => put(out, strings[i].1.as_ptr()),
             Err(_) => {
-                *out = std::ptr::null();
+                put(out, std::ptr::null())?;
                 Err(CUDA_ERROR_INVALID_VALUE)
             }
         }

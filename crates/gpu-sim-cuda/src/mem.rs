@@ -5,7 +5,7 @@
 
 use crate::ctx::{Ctx, Target, current};
 use crate::pool::Pool;
-use crate::{Driver, R, drv, lock, put};
+use crate::{Driver, R, arg, drv, lock, put, put_opt};
 use cuda_abi::*;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
@@ -439,7 +439,7 @@ cuda_fn! {
         }
         let p = round_up(width, 512);
         let ptr = d.mem.alloc(d, c, p * height)?;
-        *pitch = p;
+        put(pitch, p)?;
         put(out, ptr)
     }
 
@@ -454,35 +454,39 @@ cuda_fn! {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let t = d.state.memory_total(c.gpu);
-        *total = t as usize;
-        *free = t.saturating_sub(d.state.memory_used(c.gpu)) as usize;
+        put(total, t as usize)?;
+        put(free, t.saturating_sub(d.state.memory_used(c.gpu)) as usize)?;
         Ok(())
     }
 
     fn cuMemGetAddressRange_v2(base: *mut u64, size: *mut usize, ptr: u64) {
         let d = drv()?;
         let (b, s) = d.mem.containing(ptr).ok_or(CUDA_ERROR_NOT_FOUND)?;
-        if !base.is_null() {
-            *base = b;
-        }
-        if !size.is_null() {
-            *size = s;
-        }
+        put_opt(base, b);
+        put_opt(size, s);
         Ok(())
     }
 
     fn cuMemAllocHost_v2(out: *mut *mut c_void, size: usize) {
-        host_alloc(out, size)
+        // SAFETY: `host_alloc` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { host_alloc(out, size) }
     }
 
     fn cuMemHostAlloc(out: *mut *mut c_void, size: usize, _flags: u32) {
-        host_alloc(out, size)
+        // SAFETY: `host_alloc` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { host_alloc(out, size) }
     }
 
     fn cuMemFreeHost(p: *mut c_void) {
         let d = drv()?;
         let len = lock(&d.mem.host).remove(&(p as u64)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        libc::munmap(p, len);
+        // SAFETY: `p`/`len` is a mapping `host_alloc` made and recorded in
+        // `host`; removing the record above makes this its only unmap.
+        unsafe { libc::munmap(p, len) };
         Ok(())
     }
 
@@ -512,70 +516,199 @@ cuda_fn! {
 
     // ---- copies ----
 
-    fn cuMemcpy(dst: u64, src: u64, n: usize) { any(dst, src, n) }
-    fn cuMemcpy_ptds(dst: u64, src: u64, n: usize) { any(dst, src, n) }
-    fn cuMemcpyAsync(dst: u64, src: u64, n: usize, s: *mut c_void) { on(s, false)?; any(dst, src, n) }
-    fn cuMemcpyAsync_ptsz(dst: u64, src: u64, n: usize, s: *mut c_void) { on(s, true)?; any(dst, src, n) }
-    fn cuMemcpyPeer(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize) { any(dst, src, n) }
-    fn cuMemcpyPeer_ptds(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize) { any(dst, src, n) }
+    // SAFETY: `any` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemcpy(dst: u64, src: u64, n: usize) { unsafe { any(dst, src, n) } }
+    // SAFETY: `any` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemcpy_ptds(dst: u64, src: u64, n: usize) { unsafe { any(dst, src, n) } }
+    // SAFETY: `on`, `any` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemcpyAsync(dst: u64, src: u64, n: usize, s: *mut c_void) { unsafe { on(s, false) }?; unsafe { any(dst, src, n) } }
+    // SAFETY: `on`, `any` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemcpyAsync_ptsz(dst: u64, src: u64, n: usize, s: *mut c_void) { unsafe { on(s, true) }?; unsafe { any(dst, src, n) } }
+    // SAFETY: `any` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemcpyPeer(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize) { unsafe { any(dst, src, n) } }
+    // SAFETY: `any` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemcpyPeer_ptds(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize) { unsafe { any(dst, src, n) } }
     fn cuMemcpyPeerAsync(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize, s: *mut c_void) {
-        on(s, false)?;
-        any(dst, src, n)
+        // SAFETY: `on` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { on(s, false) }?;
+        // SAFETY: `any` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { any(dst, src, n) }
     }
     fn cuMemcpyPeerAsync_ptsz(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize, s: *mut c_void) {
-        on(s, true)?;
-        any(dst, src, n)
+        // SAFETY: `on` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { on(s, true) }?;
+        // SAFETY: `any` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { any(dst, src, n) }
     }
-    fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, n: usize) { htod(dst, src, n) }
-    fn cuMemcpyHtoD_v2_ptds(dst: u64, src: *const c_void, n: usize) { htod(dst, src, n) }
-    fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, n: usize, s: *mut c_void) { on(s, false)?; htod(dst, src, n) }
-    fn cuMemcpyHtoDAsync_v2_ptsz(dst: u64, src: *const c_void, n: usize, s: *mut c_void) { on(s, true)?; htod(dst, src, n) }
-    fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, n: usize) { dtoh(dst, src, n) }
-    fn cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: u64, n: usize) { dtoh(dst, src, n) }
-    fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: u64, n: usize, s: *mut c_void) { on(s, false)?; dtoh(dst, src, n) }
-    fn cuMemcpyDtoHAsync_v2_ptsz(dst: *mut c_void, src: u64, n: usize, s: *mut c_void) { on(s, true)?; dtoh(dst, src, n) }
-    fn cuMemcpyDtoD_v2(dst: u64, src: u64, n: usize) { dtod(dst, src, n) }
-    fn cuMemcpyDtoD_v2_ptds(dst: u64, src: u64, n: usize) { dtod(dst, src, n) }
-    fn cuMemcpyDtoDAsync_v2(dst: u64, src: u64, n: usize, s: *mut c_void) { on(s, false)?; dtod(dst, src, n) }
-    fn cuMemcpyDtoDAsync_v2_ptsz(dst: u64, src: u64, n: usize, s: *mut c_void) { on(s, true)?; dtod(dst, src, n) }
+    // SAFETY: `htod` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, n: usize) { unsafe { htod(dst, src, n) } }
+    // SAFETY: `htod` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemcpyHtoD_v2_ptds(dst: u64, src: *const c_void, n: usize) { unsafe { htod(dst, src, n) } }
+    // SAFETY: `on`, `htod` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, n: usize, s: *mut c_void) { unsafe { on(s, false) }?; unsafe { htod(dst, src, n) } }
+    // SAFETY: `on`, `htod` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemcpyHtoDAsync_v2_ptsz(dst: u64, src: *const c_void, n: usize, s: *mut c_void) { unsafe { on(s, true) }?; unsafe { htod(dst, src, n) } }
+    // SAFETY: `dtoh` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, n: usize) { unsafe { dtoh(dst, src, n) } }
+    // SAFETY: `dtoh` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: u64, n: usize) { unsafe { dtoh(dst, src, n) } }
+    // SAFETY: `on`, `dtoh` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: u64, n: usize, s: *mut c_void) { unsafe { on(s, false) }?; unsafe { dtoh(dst, src, n) } }
+    // SAFETY: `on`, `dtoh` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemcpyDtoHAsync_v2_ptsz(dst: *mut c_void, src: u64, n: usize, s: *mut c_void) { unsafe { on(s, true) }?; unsafe { dtoh(dst, src, n) } }
+    // SAFETY: `dtod` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemcpyDtoD_v2(dst: u64, src: u64, n: usize) { unsafe { dtod(dst, src, n) } }
+    // SAFETY: `dtod` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemcpyDtoD_v2_ptds(dst: u64, src: u64, n: usize) { unsafe { dtod(dst, src, n) } }
+    // SAFETY: `on`, `dtod` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemcpyDtoDAsync_v2(dst: u64, src: u64, n: usize, s: *mut c_void) { unsafe { on(s, false) }?; unsafe { dtod(dst, src, n) } }
+    // SAFETY: `on`, `dtod` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemcpyDtoDAsync_v2_ptsz(dst: u64, src: u64, n: usize, s: *mut c_void) { unsafe { on(s, true) }?; unsafe { dtod(dst, src, n) } }
 
-    fn cuMemsetD8_v2(dst: u64, v: u8, n: usize) { set(dst, v, n) }
-    fn cuMemsetD8_v2_ptds(dst: u64, v: u8, n: usize) { set(dst, v, n) }
-    fn cuMemsetD16_v2(dst: u64, v: u16, n: usize) { set(dst, v, n) }
-    fn cuMemsetD16_v2_ptds(dst: u64, v: u16, n: usize) { set(dst, v, n) }
-    fn cuMemsetD32_v2(dst: u64, v: u32, n: usize) { set(dst, v, n) }
-    fn cuMemsetD32_v2_ptds(dst: u64, v: u32, n: usize) { set(dst, v, n) }
-    fn cuMemsetD8Async(dst: u64, v: u8, n: usize, s: *mut c_void) { on(s, false)?; set(dst, v, n) }
-    fn cuMemsetD8Async_ptsz(dst: u64, v: u8, n: usize, s: *mut c_void) { on(s, true)?; set(dst, v, n) }
-    fn cuMemsetD16Async(dst: u64, v: u16, n: usize, s: *mut c_void) { on(s, false)?; set(dst, v, n) }
-    fn cuMemsetD16Async_ptsz(dst: u64, v: u16, n: usize, s: *mut c_void) { on(s, true)?; set(dst, v, n) }
-    fn cuMemsetD32Async(dst: u64, v: u32, n: usize, s: *mut c_void) { on(s, false)?; set(dst, v, n) }
-    fn cuMemsetD32Async_ptsz(dst: u64, v: u32, n: usize, s: *mut c_void) { on(s, true)?; set(dst, v, n) }
-    fn cuMemsetD2D8_v2(dst: u64, pitch: usize, v: u8, w: usize, h: usize) { set2d(dst, pitch, v, w, h) }
-    fn cuMemsetD2D8_v2_ptds(dst: u64, pitch: usize, v: u8, w: usize, h: usize) { set2d(dst, pitch, v, w, h) }
-    fn cuMemsetD2D16_v2(dst: u64, pitch: usize, v: u16, w: usize, h: usize) { set2d(dst, pitch, v, w, h) }
-    fn cuMemsetD2D16_v2_ptds(dst: u64, pitch: usize, v: u16, w: usize, h: usize) { set2d(dst, pitch, v, w, h) }
-    fn cuMemsetD2D32_v2(dst: u64, pitch: usize, v: u32, w: usize, h: usize) { set2d(dst, pitch, v, w, h) }
-    fn cuMemsetD2D32_v2_ptds(dst: u64, pitch: usize, v: u32, w: usize, h: usize) { set2d(dst, pitch, v, w, h) }
+    // SAFETY: `set` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemsetD8_v2(dst: u64, v: u8, n: usize) { unsafe { set(dst, v, n) } }
+    // SAFETY: `set` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemsetD8_v2_ptds(dst: u64, v: u8, n: usize) { unsafe { set(dst, v, n) } }
+    // SAFETY: `set` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemsetD16_v2(dst: u64, v: u16, n: usize) { unsafe { set(dst, v, n) } }
+    // SAFETY: `set` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemsetD16_v2_ptds(dst: u64, v: u16, n: usize) { unsafe { set(dst, v, n) } }
+    // SAFETY: `set` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemsetD32_v2(dst: u64, v: u32, n: usize) { unsafe { set(dst, v, n) } }
+    // SAFETY: `set` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemsetD32_v2_ptds(dst: u64, v: u32, n: usize) { unsafe { set(dst, v, n) } }
+    // SAFETY: `on`, `set` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemsetD8Async(dst: u64, v: u8, n: usize, s: *mut c_void) { unsafe { on(s, false) }?; unsafe { set(dst, v, n) } }
+    // SAFETY: `on`, `set` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemsetD8Async_ptsz(dst: u64, v: u8, n: usize, s: *mut c_void) { unsafe { on(s, true) }?; unsafe { set(dst, v, n) } }
+    // SAFETY: `on`, `set` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemsetD16Async(dst: u64, v: u16, n: usize, s: *mut c_void) { unsafe { on(s, false) }?; unsafe { set(dst, v, n) } }
+    // SAFETY: `on`, `set` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemsetD16Async_ptsz(dst: u64, v: u16, n: usize, s: *mut c_void) { unsafe { on(s, true) }?; unsafe { set(dst, v, n) } }
+    // SAFETY: `on`, `set` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemsetD32Async(dst: u64, v: u32, n: usize, s: *mut c_void) { unsafe { on(s, false) }?; unsafe { set(dst, v, n) } }
+    // SAFETY: `on`, `set` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemsetD32Async_ptsz(dst: u64, v: u32, n: usize, s: *mut c_void) { unsafe { on(s, true) }?; unsafe { set(dst, v, n) } }
+    // SAFETY: `set2d` gets the pointers and handles our caller passed in, which the CUDA
+    // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemsetD2D8_v2(dst: u64, pitch: usize, v: u8, w: usize, h: usize) { unsafe { set2d(dst, pitch, v, w, h) } }
+    // SAFETY: `set2d` gets the pointers and handles our caller passed in, which the CUDA
+    // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemsetD2D8_v2_ptds(dst: u64, pitch: usize, v: u8, w: usize, h: usize) { unsafe { set2d(dst, pitch, v, w, h) } }
+    // SAFETY: `set2d` gets the pointers and handles our caller passed in, which the CUDA
+    // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemsetD2D16_v2(dst: u64, pitch: usize, v: u16, w: usize, h: usize) { unsafe { set2d(dst, pitch, v, w, h) } }
+    // SAFETY: `set2d` gets the pointers and handles our caller passed in, which the CUDA
+    // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemsetD2D16_v2_ptds(dst: u64, pitch: usize, v: u16, w: usize, h: usize) { unsafe { set2d(dst, pitch, v, w, h) } }
+    // SAFETY: `set2d` gets the pointers and handles our caller passed in, which the CUDA
+    // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemsetD2D32_v2(dst: u64, pitch: usize, v: u32, w: usize, h: usize) { unsafe { set2d(dst, pitch, v, w, h) } }
+    // SAFETY: `set2d` gets the pointers and handles our caller passed in, which the CUDA
+    // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
+    // handed out or are rejected by their magic.
+    fn cuMemsetD2D32_v2_ptds(dst: u64, pitch: usize, v: u32, w: usize, h: usize) { unsafe { set2d(dst, pitch, v, w, h) } }
 
     // ---- arrays ----
 
     fn cuArrayCreate_v2(out: *mut *mut c_void, desc: *const ArrayDesc) {
-        let d = desc.as_ref().ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        array_create(out, array_bytes(d.width, d.height, 1, d.format, d.channels))
+        let d = arg(desc).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        // SAFETY: `array_create` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { array_create(out, array_bytes(d.width, d.height, 1, d.format, d.channels)) }
     }
 
     fn cuArray3DCreate_v2(out: *mut *mut c_void, desc: *const Array3dDesc) {
-        let d = desc.as_ref().ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        array_create(out, array_bytes(d.width, d.height, d.depth, d.format, d.channels))
+        let d = arg(desc).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        // SAFETY: `array_create` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { array_create(out, array_bytes(d.width, d.height, d.depth, d.format, d.channels)) }
     }
 
     fn cuArrayDestroy(a: *mut c_void) {
-        array_destroy(a)
+        // SAFETY: `array_destroy` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { array_destroy(a) }
     }
 
     fn cuMipmappedArrayCreate(out: *mut *mut c_void, desc: *const Array3dDesc, levels: u32) {
-        let d = desc.as_ref().ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let d = arg(desc).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         if levels == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -591,11 +724,17 @@ cuda_fn! {
                 z = z.max(1);
             }
         }
-        array_create(out, Ok(total))
+        // SAFETY: `array_create` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { array_create(out, Ok(total)) }
     }
 
     fn cuMipmappedArrayDestroy(a: *mut c_void) {
-        array_destroy(a)
+        // SAFETY: `array_destroy` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { array_destroy(a) }
     }
 
     // ---- virtual memory management ----
@@ -615,10 +754,13 @@ cuda_fn! {
         if let Some(gpu) = gpu {
             d.state.try_alloc(d.me, gpu, size as u64).map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
         }
-        let fd = libc::memfd_create(c"gpu-sim-vmm".as_ptr(), libc::MFD_CLOEXEC);
-        if fd < 0 || libc::ftruncate(fd, size as i64) != 0 {
+        // SAFETY: a NUL-terminated literal name; plain syscall, no memory handed over.
+        let fd = unsafe { libc::memfd_create(c"gpu-sim-vmm".as_ptr(), libc::MFD_CLOEXEC) };
+        // SAFETY: `fd` is the memfd just created (checked >= 0 first).
+        if fd < 0 || unsafe { libc::ftruncate(fd, size as i64) } != 0 {
             if fd >= 0 {
-                libc::close(fd);
+                // SAFETY: our own memfd, closed once, on this failure path only.
+                unsafe { libc::close(fd) };
             }
             if let Some(gpu) = gpu {
                 d.state.free(d.me, gpu, size as u64);
@@ -626,13 +768,16 @@ cuda_fn! {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         let p = Box::new(Phys { magic: PHYS_MAGIC, gpu, size, fd, life: Mutex::new((0, false)) });
-        *out = Box::into_raw(p) as u64;
+        put(out, Box::into_raw(p) as u64)?;
         Ok(())
     }
 
     fn cuMemRelease(h: u64) {
         let d = drv()?;
-        let p = phys(h)?;
+        // SAFETY: `phys` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        let p = unsafe { phys(h) }?;
         {
             let mut l = lock(&p.life);
             if l.1 {
@@ -641,7 +786,10 @@ cuda_fn! {
             l.1 = true;
         }
         // Mapped: the memory stays (and counts) until the last unmap.
-        phys_settle(d, h);
+        // SAFETY: `phys_settle` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { phys_settle(d, h) };
         Ok(())
     }
 
@@ -652,7 +800,10 @@ cuda_fn! {
         }
         let align = align.max(GRANULARITY);
         let raw_len = size + align;
-        let raw = map_anon(raw_len, libc::PROT_NONE)? as usize;
+        // SAFETY: `map_anon` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        let raw = unsafe { map_anon(raw_len, libc::PROT_NONE) }? as usize;
         let base = round_up(raw, align) as u64;
         lock(&d.mem.reserved).insert(base, (raw, raw_len));
         put(out, base)
@@ -661,7 +812,9 @@ cuda_fn! {
     fn cuMemAddressFree(ptr: u64, _size: usize) {
         let d = drv()?;
         let (raw, len) = lock(&d.mem.reserved).remove(&ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        libc::munmap(raw as *mut c_void, len);
+        // SAFETY: `raw`/`len` is the reservation `cuMemAddressReserve` mapped
+        // and recorded; removing the record above makes this its only unmap.
+        unsafe { libc::munmap(raw as *mut c_void, len) };
         let mut gone = Vec::new();
         lock(&d.mem.mapped).retain(|&a, &mut (_, h)| {
             let inside = a >= ptr && a < ptr + len as u64;
@@ -671,14 +824,20 @@ cuda_fn! {
             !inside
         });
         for h in gone {
-            phys_unmapped(d, h);
+            // SAFETY: `phys_unmapped` gets the pointers and handles our caller passed in,
+            // which the CUDA ABI makes valid for this call (or NULL, checked there);
+            // handles are ones this driver handed out or are rejected by their magic.
+            unsafe { phys_unmapped(d, h) };
         }
         Ok(())
     }
 
     fn cuMemMap(ptr: u64, size: usize, offset: usize, h: u64, flags: u64) {
         let d = drv()?;
-        let p = phys(h)?;
+        // SAFETY: `phys` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        let p = unsafe { phys(h) }?;
         if lock(&p.life).1 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -692,20 +851,28 @@ cuda_fn! {
                 return Err(CUDA_ERROR_INVALID_VALUE);
             }
         }
-        let m = libc::mmap(
-            ptr as *mut c_void,
-            size,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | libc::MAP_FIXED,
-            p.fd,
-            offset as i64,
-        );
+        // SAFETY: MAP_FIXED only inside a reservation of ours (range checked
+        // against `reserved` above), so no other mapping is replaced; `p.fd` is
+        // the handle's memfd and `offset + size <= p.size` is checked above.
+        let m = unsafe {
+            libc::mmap(
+                ptr as *mut c_void,
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                p.fd,
+                offset as i64,
+            )
+        };
         if m == libc::MAP_FAILED {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         lock(&p.life).0 += 1;
         if let Some((_, old)) = lock(&d.mem.mapped).insert(ptr, (size, h)) {
-            phys_unmapped(d, old);
+            // SAFETY: `phys_unmapped` gets the pointers and handles our caller passed in,
+            // which the CUDA ABI makes valid for this call (or NULL, checked there);
+            // handles are ones this driver handed out or are rejected by their magic.
+            unsafe { phys_unmapped(d, old) };
         }
         Ok(())
     }
@@ -713,15 +880,23 @@ cuda_fn! {
     fn cuMemUnmap(ptr: u64, size: usize) {
         let d = drv()?;
         let (_, h) = lock(&d.mem.mapped).remove(&ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        libc::mmap(
-            ptr as *mut c_void,
-            size,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
-            -1,
-            0,
-        );
-        phys_unmapped(d, h);
+        // SAFETY: `ptr` was mapped by our `cuMemMap` inside a reservation of
+        // ours (recorded in `mapped`, removed above); putting PROT_NONE
+        // anonymous memory back over it returns it to the reservation.
+        unsafe {
+            libc::mmap(
+                ptr as *mut c_void,
+                size,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        // SAFETY: `phys_unmapped` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { phys_unmapped(d, h) };
         Ok(())
     }
 

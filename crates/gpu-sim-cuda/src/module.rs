@@ -5,10 +5,11 @@
 
 use crate::charge;
 use crate::ctx::{FUNC_MAGIC, current};
-use crate::{R, drv, lock, put};
+use crate::{R, cstr, drv, lock, put};
 use cuda_abi::*;
 use std::collections::HashMap;
 use std::ffi::{CStr, c_char, c_void};
+use std::os::unix::ffi::OsStrExt;
 use std::sync::Mutex;
 
 const MODULE_MAGIC: u64 = 0x5349_4d4d_4f44_0001;
@@ -74,7 +75,7 @@ unsafe fn get_function(out: *mut *mut c_void, m: *mut c_void, name: *const c_cha
             name: name.into(),
         })
     });
-    unsafe { put(out, &**f as *const Func as *mut c_void) }
+    put(out, &**f as *const Func as *mut c_void)
 }
 
 unsafe fn unload(m: *mut c_void) -> R {
@@ -107,12 +108,15 @@ cuda_fn! {
         if fname.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let path = std::ffi::OsStr::from_encoded_bytes_unchecked(CStr::from_ptr(fname).to_bytes());
+        let path = std::ffi::OsStr::from_bytes(cstr(fname)?.to_bytes());
         let meta = std::fs::metadata(path)
             .ok()
             .filter(|m| m.is_file())
             .ok_or(CUDA_ERROR_FILE_NOT_FOUND)?;
-        load(out, meta.len().div_ceil(4096) * 4096)
+        // SAFETY: `load` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { load(out, meta.len().div_ceil(4096) * 4096) }
     }
 
     fn cuModuleLoadData(out: *mut *mut c_void, image: *const c_void) {
@@ -120,7 +124,10 @@ cuda_fn! {
         if image.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        load(out, charge::image_bytes(image.cast()))
+        // SAFETY: `load` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { load(out, charge::image_bytes(image.cast())) }
     }
 
     fn cuModuleLoadDataEx(out: *mut *mut c_void, image: *const c_void, _n: u32, _opts: *mut c_void, _vals: *mut *mut c_void) {
@@ -128,7 +135,10 @@ cuda_fn! {
         if image.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        load(out, charge::image_bytes(image.cast()))
+        // SAFETY: `load` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { load(out, charge::image_bytes(image.cast())) }
     }
 
     fn cuModuleLoadFatBinary(out: *mut *mut c_void, image: *const c_void) {
@@ -136,15 +146,24 @@ cuda_fn! {
         if image.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        load(out, charge::image_bytes(image.cast()))
+        // SAFETY: `load` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { load(out, charge::image_bytes(image.cast())) }
     }
 
     fn cuModuleUnload(m: *mut c_void) {
-        unload(m)
+        // SAFETY: `unload` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { unload(m) }
     }
 
     fn cuModuleGetFunction(out: *mut *mut c_void, m: *mut c_void, name: *const c_char) {
-        get_function(out, m, name)
+        // SAFETY: `get_function` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { get_function(out, m, name) }
     }
 
     fn cuLibraryLoadData(
@@ -154,26 +173,41 @@ cuda_fn! {
         if code.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        load(out, charge::image_bytes(code.cast()))
+        // SAFETY: `load` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { load(out, charge::image_bytes(code.cast())) }
     }
 
     fn cuLibraryUnload(lib: *mut c_void) {
-        unload(lib)
+        // SAFETY: `unload` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { unload(lib) }
     }
 
     fn cuLibraryGetKernel(out: *mut *mut c_void, lib: *mut c_void, name: *const c_char) {
-        get_function(out, lib, name)
+        // SAFETY: `get_function` gets the pointers and handles our caller passed in, which
+        // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { get_function(out, lib, name) }
     }
 
     fn cuKernelGetFunction(out: *mut *mut c_void, kernel: *mut c_void) {
         drv()?;
-        func(kernel)?;
+        // SAFETY: `func` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { func(kernel) }?;
         put(out, kernel)
     }
 
     fn cuFuncGetName(out: *mut *const c_char, f: *mut c_void) {
         drv()?;
-        let f = func(f)?;
+        // SAFETY: `func` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        let f = unsafe { func(f) }?;
         // Names are stored without NUL; keep a C copy per function, leaked
         // once (bounded by the number of functions).
         static NAMES: Mutex<Option<HashMap<usize, std::ffi::CString>>> = Mutex::new(None);
@@ -187,7 +221,10 @@ cuda_fn! {
 
     fn cuFuncGetAttribute(value: *mut i32, attr: i32, f: *mut c_void) {
         drv()?;
-        func(f)?;
+        // SAFETY: `func` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { func(f) }?;
         // CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK 0, NUM_REGS 4, PTX/BINARY_VERSION 5/6.
         let v = match attr {
             0 => 1024,
@@ -201,13 +238,19 @@ cuda_fn! {
 
     fn cuFuncSetAttribute(f: *mut c_void, _attr: i32, _value: i32) {
         drv()?;
-        func(f)?;
+        // SAFETY: `func` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { func(f) }?;
         Ok(())
     }
 
     fn cuFuncSetCacheConfig(f: *mut c_void, _config: i32) {
         drv()?;
-        func(f)?;
+        // SAFETY: `func` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { func(f) }?;
         Ok(())
     }
 }

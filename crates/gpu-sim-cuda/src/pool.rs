@@ -8,7 +8,7 @@
 //! memory count.
 
 use crate::ctx::Target;
-use crate::{Driver, R, drv, lock, put};
+use crate::{Driver, R, arg, drv, get, lock, put};
 use cuda_abi::*;
 use gpu_sim_core::node::MAX_GPUS;
 use std::ffi::c_void;
@@ -156,11 +156,11 @@ unsafe fn alloc_async(out: *mut u64, size: usize, stream: *mut c_void, ptsz: boo
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     if let Some(p) = crate::capture::alloc(t, size)? {
-        return unsafe { put(out, p) };
+        return put(out, p);
     }
     let ctx = t.ctx();
     let p = d.mem.alloc_in(d, ctx, size, Some(current_pool(ctx.gpu)))?;
-    unsafe { put(out, p) }
+    put(out, p)
 }
 
 unsafe fn alloc_from_pool(
@@ -187,7 +187,7 @@ unsafe fn alloc_from_pool(
             .primary
     };
     let p = d.mem.alloc_in(d, ctx, size, Some(pl))?;
-    unsafe { put(out, p) }
+    put(out, p)
 }
 
 unsafe fn free_async(ptr: u64, stream: *mut c_void, ptsz: bool) -> R {
@@ -209,32 +209,53 @@ pub struct PoolProps {
 }
 
 cuda_fn! {
-    fn cuMemAllocAsync(out: *mut u64, size: usize, s: *mut c_void) { alloc_async(out, size, s, false) }
-    fn cuMemAllocAsync_ptsz(out: *mut u64, size: usize, s: *mut c_void) { alloc_async(out, size, s, true) }
-    fn cuMemFreeAsync(ptr: u64, s: *mut c_void) { free_async(ptr, s, false) }
-    fn cuMemFreeAsync_ptsz(ptr: u64, s: *mut c_void) { free_async(ptr, s, true) }
+    // SAFETY: `alloc_async` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemAllocAsync(out: *mut u64, size: usize, s: *mut c_void) { unsafe { alloc_async(out, size, s, false) } }
+    // SAFETY: `alloc_async` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemAllocAsync_ptsz(out: *mut u64, size: usize, s: *mut c_void) { unsafe { alloc_async(out, size, s, true) } }
+    // SAFETY: `free_async` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemFreeAsync(ptr: u64, s: *mut c_void) { unsafe { free_async(ptr, s, false) } }
+    // SAFETY: `free_async` gets the pointers and handles our caller passed in, which the
+    // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
+    // driver handed out or are rejected by their magic.
+    fn cuMemFreeAsync_ptsz(ptr: u64, s: *mut c_void) { unsafe { free_async(ptr, s, true) } }
     fn cuMemAllocFromPoolAsync(out: *mut u64, size: usize, p: *mut c_void, s: *mut c_void) {
-        alloc_from_pool(out, size, p, s, false)
+        // SAFETY: `alloc_from_pool` gets the pointers and handles our caller passed in,
+        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
+        // are ones this driver handed out or are rejected by their magic.
+        unsafe { alloc_from_pool(out, size, p, s, false) }
     }
     fn cuMemAllocFromPoolAsync_ptsz(out: *mut u64, size: usize, p: *mut c_void, s: *mut c_void) {
-        alloc_from_pool(out, size, p, s, true)
+        // SAFETY: `alloc_from_pool` gets the pointers and handles our caller passed in,
+        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
+        // are ones this driver handed out or are rejected by their magic.
+        unsafe { alloc_from_pool(out, size, p, s, true) }
     }
 
     fn cuMemPoolCreate(out: *mut *mut c_void, props: *const PoolProps) {
         let d = drv()?;
-        let p = props.as_ref().ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let p = arg(props).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         // CU_MEM_LOCATION_TYPE_DEVICE
         if p.location_type != 1 || out.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let gpu = d.device(p.location_id).map_err(|_| CUDA_ERROR_INVALID_DEVICE)?.gpu;
-        *out = Pool::leak(gpu).handle();
+        put(out, Pool::leak(gpu).handle())?;
         Ok(())
     }
 
     fn cuMemPoolDestroy(p: *mut c_void) {
         let d = drv()?;
-        let pl = pool(p)?;
+        // SAFETY: `pool` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        let pl = unsafe { pool(p) }?;
         if default_pool(pl.gpu) == p {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -249,24 +270,30 @@ cuda_fn! {
 
     fn cuMemPoolTrimTo(p: *mut c_void, keep: usize) {
         let d = drv()?;
-        let pl = pool(p)?;
+        // SAFETY: `pool` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        let pl = unsafe { pool(p) }?;
         Pool::trim(d, pl.gpu, &mut lock(&pl.usage), keep as u64);
         Ok(())
     }
 
     fn cuMemPoolSetAttribute(p: *mut c_void, attr: i32, value: *mut c_void) {
         drv()?;
-        let pl = pool(p)?;
+        // SAFETY: `pool` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        let pl = unsafe { pool(p) }?;
         if value.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let mut u = lock(&pl.usage);
         match attr {
-            1..=3 => u.reuse[attr as usize - 1] = *(value as *const i32),
-            4 => u.threshold = *(value as *const u64),
+            1..=3 => u.reuse[attr as usize - 1] = get(value as *const i32)?,
+            4 => u.threshold = get(value as *const u64)?,
             // The high-water marks can only be reset (to the current value).
-            6 if *(value as *const u64) == 0 => u.reserved_high = u.reserved,
-            8 if *(value as *const u64) == 0 => u.used_high = u.used,
+            6 if get(value as *const u64)? == 0 => u.reserved_high = u.reserved,
+            8 if get(value as *const u64)? == 0 => u.used_high = u.used,
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
         }
         Ok(())
@@ -274,14 +301,17 @@ cuda_fn! {
 
     fn cuMemPoolGetAttribute(p: *mut c_void, attr: i32, value: *mut c_void) {
         drv()?;
-        let pl = pool(p)?;
+        // SAFETY: `pool` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        let pl = unsafe { pool(p) }?;
         if value.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let u = lock(&pl.usage);
         let v = match attr {
             1..=3 => {
-                *(value as *mut i32) = u.reuse[attr as usize - 1];
+                put(value as *mut i32, u.reuse[attr as usize - 1])?;
                 return Ok(());
             }
             4 => u.threshold,
@@ -291,7 +321,7 @@ cuda_fn! {
             8 => u.used_high,
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
         };
-        *(value as *mut u64) = v;
+        put(value as *mut u64, v)?;
         Ok(())
     }
 
@@ -304,7 +334,10 @@ cuda_fn! {
     fn cuDeviceSetMemPool(dev: i32, p: *mut c_void) {
         let d = drv()?;
         let gpu = d.device(dev)?.gpu;
-        let pl: &'static Pool = pool(p)?;
+        // SAFETY: `pool` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        let pl: &'static Pool = unsafe { pool(p) }?;
         if pl.gpu != gpu {
             return Err(CUDA_ERROR_INVALID_DEVICE);
         }
@@ -314,7 +347,10 @@ cuda_fn! {
 
     fn cuMemPoolGetAccess(flags: *mut u32, p: *mut c_void, _location: *mut c_void) {
         drv()?;
-        pool(p)?;
+        // SAFETY: `pool` gets the pointers and handles our caller passed in, which the CUDA
+        // ABI makes valid for this call (or NULL, checked there); handles are ones this
+        // driver handed out or are rejected by their magic.
+        unsafe { pool(p) }?;
         // CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         put(flags, 3)
     }
