@@ -203,6 +203,7 @@ pub async fn run(
             ev = xrx.recv() => {
                 let Some(ev) = ev else { break };
                 last_xid.insert(ev.gpu, Instant::now());
+                driver.set_healthy(ev.gpu, false);
                 if let Some(d) = devices.get_mut(ev.gpu) && d.healthy {
                     tracing::warn!(gpu = ev.gpu, xid = ev.xid, "GPU unhealthy after a critical Xid: taken out of the ResourceSlice");
                     d.healthy = false;
@@ -215,6 +216,7 @@ pub async fn run(
                     if now.duration_since(*t) < s.xid_quiet_period {
                         return true;
                     }
+                    driver.set_healthy(gpu, true);
                     if let Some(d) = devices.get_mut(gpu) {
                         tracing::info!(gpu, "no critical Xid for the quiet period: GPU back in the ResourceSlice");
                         d.healthy = true;

@@ -69,6 +69,9 @@ pub struct Driver {
     state: tokio::sync::Mutex<Checkpoint>,
     /// A copy of the prepared claims for synchronous readers (display).
     view: std::sync::Mutex<Vec<PreparedClaim>>,
+    /// Per GPU: no recent critical Xid. A claim the scheduler placed on a
+    /// GPU just before it left the slice is refused rather than started.
+    healthy: std::sync::Mutex<Vec<bool>>,
 }
 
 fn now() -> u64 {
@@ -117,6 +120,7 @@ impl Driver {
         claims: Arc<dyn ClaimSource>,
     ) -> Result<Driver, CheckpointError> {
         let store = Store::new(&cfg.state_dir);
+        let gpus_len = gpus.len();
         let ck = store.load(&cfg.node)?;
         let d = Driver {
             vm: VmDirs::new(&cfg.vm_root),
@@ -127,6 +131,7 @@ impl Driver {
             store,
             state: tokio::sync::Mutex::new(Checkpoint::default()),
             view: std::sync::Mutex::new(ck.claims.values().cloned().collect()),
+            healthy: std::sync::Mutex::new(vec![true; gpus_len]),
         };
         for c in ck.claims.values() {
             if let Err(e) = d.restore(c) {
@@ -159,6 +164,18 @@ impl Driver {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
+    }
+
+    /// Health from the Xid watch; prepared claims are not touched.
+    pub fn set_healthy(&self, gpu: usize, healthy: bool) {
+        if let Some(h) = self
+            .healthy
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get_mut(gpu)
+        {
+            *h = healthy;
+        }
     }
 
     fn publish_view(&self, ck: &Checkpoint) {
@@ -273,6 +290,20 @@ impl Driver {
             })?;
         let planned =
             plan::plan(&claim, &c.uid, &self.cfg.node, &self.gpus).map_err(|e| e.to_string())?;
+        let healthy = self
+            .healthy
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        if let Some(d) = planned
+            .iter()
+            .find(|d| !healthy.get(d.gpu_index).copied().unwrap_or(true))
+        {
+            return Err(format!(
+                "claim {}/{}: {} ({}) had a critical Xid and is out of the ResourceSlice until it is healthy again",
+                c.namespace, c.name, d.device, d.gpu_uuid
+            ));
+        }
         let mut devices = Vec::new();
         let mut done = Vec::new();
         let r = (|| {
@@ -326,5 +357,107 @@ impl Driver {
         self.release(&c.uid, &p.devices);
         tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, "claim unprepared");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// Claims in memory; a missing one answers like a 404.
+    #[derive(Default)]
+    struct MapClaims(std::sync::Mutex<HashMap<(String, String), ResourceClaim>>);
+
+    #[async_trait::async_trait]
+    impl ClaimSource for MapClaims {
+        async fn claim(&self, ns: &str, name: &str) -> Result<ResourceClaim, String> {
+            self.0
+                .lock()
+                .unwrap()
+                .get(&(ns.to_string(), name.to_string()))
+                .cloned()
+                .ok_or_else(|| format!("resourceclaims {name:?} not found"))
+        }
+    }
+
+    fn gpu() -> GpuInfo {
+        GpuInfo {
+            index: 0,
+            uuid: "GPU-a".into(),
+            minor: 0,
+            memory_bytes: 16 << 30,
+            numa_node: None,
+            pci_bus_id: "00000000:3B:00.0".into(),
+        }
+    }
+
+    fn claim(name: &str, uid: &str) -> ResourceClaim {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "ns", "uid": uid},
+            "spec": {},
+            "status": {"allocation": {"devices": {"results": [{
+                "request": "gpu", "driver": crate::DRIVER_NAME, "pool": "n1", "device": "gpu-0",
+                "consumedCapacity": {"cores": "30", "memory": "1Gi"}}]}}}
+        }))
+        .unwrap()
+    }
+
+    fn driver(tmp: &std::path::Path, claims: Arc<MapClaims>) -> Driver {
+        let cfg = Config {
+            node: "n1".into(),
+            vm_root: tmp.join("vm"),
+            vdriver_dir: tmp.join("vdriver"),
+            cdi_dir: tmp.join("cdi"),
+            state_dir: tmp.join("state"),
+            driver_version: (550, 54),
+            extra_devices: vec![],
+        };
+        Driver::start(cfg, vec![gpu()], claims).unwrap()
+    }
+
+    fn r(name: &str, uid: &str) -> ClaimRef {
+        ClaimRef {
+            namespace: "ns".into(),
+            uid: uid.into(),
+            name: name.into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn unreadable_unhealthy_and_unwritable() {
+        let tmp = tempfile::tempdir().unwrap();
+        let claims = Arc::new(MapClaims::default());
+        let d = driver(tmp.path(), claims.clone());
+        let e = d.prepare(&r("gone", "u0")).await.unwrap_err();
+        assert_eq!(
+            e,
+            "claim ns/gone: reading it from the API server: resourceclaims \"gone\" not found"
+        );
+
+        claims
+            .0
+            .lock()
+            .unwrap()
+            .insert(("ns".into(), "a".into()), claim("a", "u1"));
+        d.set_healthy(0, false);
+        let e = d.prepare(&r("a", "u1")).await.unwrap_err();
+        assert!(e.contains("gpu-0 (GPU-a) had a critical Xid"), "{e}");
+        d.set_healthy(0, true);
+
+        // A checkpoint that cannot be written fails the claim and leaves nothing.
+        std::fs::write(tmp.path().join("state"), b"not a directory").unwrap();
+        let e = d.prepare(&r("a", "u1")).await.unwrap_err();
+        assert!(e.starts_with("claim ns/a: checkpoint"), "{e}");
+        assert!(!tmp.path().join("vm/u1").exists());
+        assert!(!cdi::spec_path(&tmp.path().join("cdi"), "u1").exists());
+        assert!(d.prepared().is_empty());
+        std::fs::remove_file(tmp.path().join("state")).unwrap();
+        assert_eq!(d.prepare(&r("a", "u1")).await.unwrap().len(), 1);
+        assert_eq!(d.prepared().len(), 1);
+        // An unknown claim is already unprepared.
+        d.unprepare(&r("other", "u9")).await.unwrap();
+        d.unprepare(&r("a", "u1")).await.unwrap();
+        assert!(d.prepared().is_empty() && !tmp.path().join("vm/u1").exists());
     }
 }
