@@ -21,13 +21,20 @@ pub fn send_frame(sock: BorrowedFd<'_>, body: &[u8], fd: Option<BorrowedFd<'_>>)
             iov_len: buf.len() - off,
         };
         let mut cmsg_buf = [0u64; 4];
+        // SAFETY: `msghdr` is integers and raw pointers: all-zero is valid
+        // (NULL name/control, empty lengths).
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         msg.msg_iov = &mut iov;
         msg.msg_iovlen = 1;
         if let Some(raw) = pass {
+            // SAFETY: pure arithmetic on a length, no memory touched.
             let space = unsafe { libc::CMSG_SPACE(4) } as usize;
             msg.msg_control = cmsg_buf.as_mut_ptr().cast();
             msg.msg_controllen = space as _;
+            // SAFETY: `msg_control` is `cmsg_buf` (32 bytes, 8-aligned, live for
+            // the loop body) and `msg_controllen` = CMSG_SPACE(4) (24) fits
+            // in it, so CMSG_FIRSTHDR is non-NULL and the header plus 4 data
+            // bytes lie inside the buffer.
             unsafe {
                 let c = libc::CMSG_FIRSTHDR(&msg);
                 (*c).cmsg_level = libc::SOL_SOCKET;
@@ -36,6 +43,8 @@ pub fn send_frame(sock: BorrowedFd<'_>, body: &[u8], fd: Option<BorrowedFd<'_>>)
                 (libc::CMSG_DATA(c) as *mut i32).write_unaligned(raw);
             }
         }
+        // SAFETY: `msg` points at `iov` (inside `buf`, live) and at `cmsg_buf`
+        // when a descriptor rides along; the kernel only reads them.
         let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
         if n < 0 {
             let e = io::Error::last_os_error();
@@ -77,11 +86,14 @@ fn recv_exact(sock: BorrowedFd<'_>, buf: &mut [u8], got: &mut Option<OwnedFd>) -
             iov_len: buf.len() - off,
         };
         let mut cmsg_buf = [0u64; 8];
+        // SAFETY: `msghdr` is integers and raw pointers: all-zero is valid.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         msg.msg_iov = &mut iov;
         msg.msg_iovlen = 1;
         msg.msg_control = cmsg_buf.as_mut_ptr().cast();
         msg.msg_controllen = std::mem::size_of_val(&cmsg_buf) as _;
+        // SAFETY: `msg` points at `iov` (the unfilled tail of `buf`) and at
+        // `cmsg_buf` with their true lengths; the kernel writes within them.
         let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
         if n < 0 {
             let e = io::Error::last_os_error();
@@ -90,6 +102,11 @@ fn recv_exact(sock: BorrowedFd<'_>, buf: &mut [u8], got: &mut Option<OwnedFd>) -
             }
             return Err(e);
         }
+        // SAFETY: the CMSG_* walk stays within `cmsg_buf` as the kernel
+        // filled it (`msg_controllen` was set by recvmsg; CMSG_NXTHDR returns
+        // NULL past the end); each SCM_RIGHTS entry's `cmsg_len` bounds its
+        // data, read unaligned. Descriptors received with SCM_RIGHTS are new
+        // ones the kernel installed for us, so each is owned exactly once.
         unsafe {
             let mut c = libc::CMSG_FIRSTHDR(&msg);
             while !c.is_null() {

@@ -37,6 +37,9 @@
 //! from there, by old and new processes alike (an old interposer simply
 //! never bumps them).
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 pub mod fdpass;
 
 use std::fs::{File, OpenOptions};
@@ -144,8 +147,13 @@ pub struct Ledger {
     base: *mut u8,
 }
 
-// The mapping is only accessed through atomics.
+// SAFETY: `base` is a MAP_SHARED mapping owned by the Ledger (unmapped only
+// in Drop); after set-up every access is an atomic through `u64_at` /
+// `slot_pid` / `compute_words`, which other threads (and processes) may race
+// with safely. The header's plain u32/byte fields are written only in
+// `init_header`, before the Ledger is returned to anyone.
 unsafe impl Send for Ledger {}
+// SAFETY: as for Send: shared access is atomics only.
 unsafe impl Sync for Ledger {}
 
 impl std::fmt::Debug for Ledger {
@@ -228,6 +236,8 @@ impl Ledger {
         if len != FILE_SIZE as u64 {
             return Err(LedgerError::Size { len });
         }
+        // SAFETY: a fresh mapping (NULL hint, no MAP_FIXED) replaces nothing;
+        // the file's length was checked to be FILE_SIZE just above.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -241,7 +251,8 @@ impl Ledger {
         if p == libc::MAP_FAILED {
             return Err(io("mmap ledger", std::io::Error::last_os_error()));
         }
-        // Read-only: only the readers below touch it; Drop unmaps.
+        // Read-only: only the readers below touch it (atomic loads, never a
+        // store, which would fault on PROT_READ); Drop unmaps.
         let l = Ledger { base: p.cast() };
         l.check_header()?;
         Ok((l.quota(), l.used()))
@@ -250,7 +261,9 @@ impl Ledger {
     /// Maps the ledger behind `fd` (read-write) and checks its header. The
     /// descriptor may be closed afterwards.
     pub fn from_fd(fd: BorrowedFd<'_>) -> Result<Ledger, LedgerError> {
+        // SAFETY: `libc::stat` is plain integers, for which all-zero is valid.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `fd` is a live borrowed descriptor; `st` is a local to fill.
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
             return Err(io("fstat ledger", std::io::Error::last_os_error()));
         }
@@ -264,7 +277,11 @@ impl Ledger {
         Ok(l)
     }
 
+    /// Callers make sure the file is FILE_SIZE bytes (set or checked) first.
     fn map(fd: BorrowedFd<'_>) -> Result<Ledger, LedgerError> {
+        // SAFETY: a fresh mapping (NULL hint, no MAP_FIXED) replaces nothing;
+        // `fd` is a live descriptor of a FILE_SIZE-byte file (every caller
+        // sets or checks the length first), so all FILE_SIZE bytes are backed.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -282,6 +299,10 @@ impl Ledger {
     }
 
     fn init_header(&self) {
+        // SAFETY: only on a freshly created file, before the Ledger is shared:
+        // no other reference into the mapping exists yet. All offsets are
+        // constants inside the header (< HEADER_SIZE <= FILE_SIZE); the u32
+        // fields are 4-byte aligned offsets from a page-aligned base.
         unsafe {
             std::ptr::copy_nonoverlapping(MAGIC.as_ptr(), self.base.add(OFF_MAGIC), 8);
             (self.base.add(OFF_VERSION) as *mut u32).write(VERSION);
@@ -292,7 +313,12 @@ impl Ledger {
     }
 
     fn check_header(&self) -> Result<(), LedgerError> {
+        // SAFETY: `off` is one of the header's constant, 4-aligned u32 offsets
+        // (< HEADER_SIZE) in our live FILE_SIZE-byte mapping of a page-aligned
+        // base. Header fields are written once at creation, before sharing.
         let u32_at = |off: usize| unsafe { (self.base.add(off) as *const u32).read() };
+        // SAFETY: bytes 0..8 of our live mapping, borrowed only for the
+        // comparison below while `self` keeps the mapping alive.
         let magic = unsafe { std::slice::from_raw_parts(self.base.add(OFF_MAGIC), 8) };
         if magic != MAGIC {
             return Err(LedgerError::Magic);
@@ -319,6 +345,11 @@ impl Ledger {
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
         debug_assert!(off + 8 <= FILE_SIZE && off.is_multiple_of(8));
+        // SAFETY: `off` is a constant or slot offset, 8-aligned and within the
+        // FILE_SIZE bytes mapped (asserted above; slot_off checks the slot
+        // index), and the base is page-aligned, so this is an aligned u64 in
+        // the mapping, which lives as long as `&self`. AtomicU64 has u64's
+        // layout, and every process touches these words only atomically.
         unsafe { &*(self.base.add(off) as *const AtomicU64) }
     }
 
@@ -328,6 +359,10 @@ impl Ledger {
     }
 
     fn slot_pid(&self, slot: usize) -> &AtomicI32 {
+        // SAFETY: `slot_off` asserts `slot < SLOTS`, so the slot's first 4
+        // bytes are inside the mapping and 64-byte aligned; the reference
+        // lives no longer than `&self` (the mapping), and the word is only
+        // ever accessed atomically.
         unsafe { &*(self.base.add(Self::slot_off(slot) + SLOT_PID) as *const AtomicI32) }
     }
 
@@ -556,12 +591,17 @@ impl Ledger {
     /// The compute-quota controller's shared words (zero in a new ledger).
     /// Their meaning is the controller's; nothing else touches them.
     pub fn compute_words(&self) -> &[AtomicU64; COMPUTE_WORDS] {
+        // SAFETY: COMPUTE_OFFSET..HEADER_SIZE is inside the mapping and
+        // 8-aligned (COMPUTE_WORDS is defined to fit exactly); the reference
+        // lives no longer than `&self`, and the words are atomics only.
         unsafe { &*(self.base.add(COMPUTE_OFFSET) as *const [AtomicU64; COMPUTE_WORDS]) }
     }
 }
 
 impl Drop for Ledger {
     fn drop(&mut self) {
+        // SAFETY: `base` is our FILE_SIZE-byte mapping, unmapped once, here;
+        // `&mut self` means no reference into it is still alive.
         unsafe { libc::munmap(self.base.cast(), FILE_SIZE) };
     }
 }
@@ -586,10 +626,12 @@ impl AsFdBorrowed for File {
 
 /// Duplicates `fd` with close-on-exec (for passing the ledger on).
 pub fn dup_cloexec(fd: BorrowedFd<'_>) -> std::io::Result<OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC on a live borrowed descriptor; no memory passed.
     let n = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
     if n < 0 {
         return Err(std::io::Error::last_os_error());
     }
+    // SAFETY: `n` is the new descriptor fcntl just returned; nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(n) })
 }
 
