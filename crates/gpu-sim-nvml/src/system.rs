@@ -241,8 +241,10 @@ mod tests {
 
     #[test]
     fn error_strings_are_nul_terminated() {
+        // SAFETY: nvmlErrorString returns a static NUL-terminated string.
         let s = unsafe { std::ffi::CStr::from_ptr(nvmlErrorString(7)) };
         assert_eq!(s.to_str().unwrap(), "Insufficient Size");
+        // SAFETY: as above, for an unknown code too.
         let s = unsafe { std::ffi::CStr::from_ptr(nvmlErrorString(12345)) };
         assert_eq!(s.to_str().unwrap(), "Unknown Error");
     }
@@ -251,6 +253,7 @@ mod tests {
     fn uninitialized_calls_fail_cleanly() {
         let mut n = 0u32;
         assert_eq!(
+            // SAFETY: a valid out-pointer to a local.
             unsafe { nvmlDeviceGetCount_v2(&mut n) },
             NVML_ERROR_UNINITIALIZED
         );
