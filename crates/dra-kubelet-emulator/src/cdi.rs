@@ -17,7 +17,8 @@ pub enum CdiError {
     BadSpec { path: String, problem: String },
 }
 
-/// Checks a spec's shape (the parts of the CDI schema runtimes rely on):
+/// Checks a spec's shape against what the CDI JSON schema
+/// (container-device-interface `schema/schema.json`, `defs.json`) requires:
 /// `cdiVersion`, `kind` as `vendor/class`, devices with a name and edits
 /// whose device nodes have a path and mounts host and container paths.
 pub fn validate(spec: &Value) -> Result<(), String> {
@@ -60,6 +61,15 @@ pub fn validate(spec: &Value) -> Result<(), String> {
             n.get("path")
                 .and_then(Value::as_str)
                 .ok_or(format!("device {name}: a deviceNode without path"))?;
+            if let Some(p) = n.get("permissions")
+                && !p
+                    .as_str()
+                    .is_some_and(|p| p.chars().all(|c| "rwm".contains(c)))
+            {
+                return Err(format!(
+                    "device {name}: deviceNode permissions {p} are not of r, w, m"
+                ));
+            }
         }
         for m in e
             .get("mounts")
@@ -67,6 +77,13 @@ pub fn validate(spec: &Value) -> Result<(), String> {
             .into_iter()
             .flatten()
         {
+            if let Some(o) = m.get("options")
+                && !o.as_array().is_some_and(|o| o.iter().all(Value::is_string))
+            {
+                return Err(format!(
+                    "device {name}: mount options {o} are not an array of strings"
+                ));
+            }
             for f in ["hostPath", "containerPath"] {
                 m.get(f)
                     .and_then(Value::as_str)
@@ -113,4 +130,48 @@ pub fn resolve(dir: &Path, id: &str) -> Result<Value, CdiError> {
         }
     }
     Err(CdiError::Unresolved(id.into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn schema_requirements() {
+        let good = json!({"cdiVersion": "0.6.0", "kind": "vcuda.tencent.com/gpu", "devices": [{
+            "name": "u1-gpu", "containerEdits": {"env": ["A=b"],
+            "deviceNodes": [{"path": "/dev/nvidia0", "permissions": "rwm"}],
+            "mounts": [{"hostPath": "/h", "containerPath": "/c", "options": ["ro", "rbind"]}]}}]});
+        assert_eq!(validate(&good), Ok(()));
+        let break_at = |ptr: &str, v: Value| {
+            let mut s = good.clone();
+            *s.pointer_mut(ptr).unwrap() = v;
+            validate(&s).unwrap_err()
+        };
+        assert!(break_at("/kind", json!("gpu")).contains("vendor/class"));
+        assert!(break_at("/cdiVersion", json!("six")).contains("cdiVersion"));
+        assert!(break_at("/devices/0/name", json!("a/b")).contains("characters"));
+        assert!(
+            break_at("/devices/0/containerEdits/env/0", json!("novalue")).contains("KEY=VALUE")
+        );
+        assert!(
+            break_at("/devices/0/containerEdits/mounts/0/options", json!("ro"))
+                .contains("array of strings")
+        );
+        assert!(
+            break_at(
+                "/devices/0/containerEdits/deviceNodes/0/permissions",
+                json!("x")
+            )
+            .contains("r, w, m")
+        );
+        assert!(
+            break_at(
+                "/devices/0/containerEdits/mounts/0",
+                json!({"hostPath": "/h"})
+            )
+            .contains("containerPath")
+        );
+    }
 }
