@@ -180,32 +180,49 @@ fn walk(graph: Ptr, depth: u32) -> Result<Walk, CUresult> {
         )
     };
     let mut n = 0usize;
+    // SAFETY: the real driver's function of this exact signature, resolved by name; its pointer
+    // arguments are to our own live locals.
     ok(unsafe { get_nodes(graph, std::ptr::null_mut(), &mut n) })?;
     let mut nodes = vec![std::ptr::null_mut(); n];
+    // SAFETY: as above; `nodes` holds `n` entries, the count the driver gave.
     ok(unsafe { get_nodes(graph, nodes.as_mut_ptr(), &mut n) })?;
     nodes.truncate(n);
     let mut w = Walk::default();
     for node in nodes {
         let mut t = -1;
+        // SAFETY: the real driver's function of this exact signature, resolved by name; its
+        // pointer arguments are to our own live locals.
         ok(unsafe { node_type(node, &mut t) })?;
         let cost = match t {
             NODE_KERNEL if d.kernel_params != 0 => {
+                // SAFETY: `kernel_params` was resolved by name for the real function of this C
+                // signature (checked non-zero above).
                 let f = unsafe { std::mem::transmute::<usize, Params>(d.kernel_params) };
                 let mut buf = [0u64; KERNEL_PARAMS_BYTES / 8];
+                // SAFETY: the real cuGraphKernelNodeGetParams writes at most
+                // KERNEL_PARAMS_BYTES into `buf`, which is that size and 8-aligned.
                 ok(unsafe { f(node, buf.as_mut_ptr().cast()) })?;
                 kernel_head_cost(buf.as_ptr().cast())
             }
             NODE_GRAPH if d.child_graph != 0 => {
+                // SAFETY: `child_graph` was resolved by name for the real function of this C
+                // signature (checked non-zero above).
                 let f = unsafe { std::mem::transmute::<usize, Child>(d.child_graph) };
                 let mut child = std::ptr::null_mut();
+                // SAFETY: the real driver's function of this exact signature, resolved by name;
+                // its pointer arguments are to our own live locals.
                 ok(unsafe { f(node, &mut child) })?;
                 let inner = walk(child, depth + 1)?;
                 w.bytes = w.bytes.saturating_add(inner.bytes);
                 inner.cost
             }
             NODE_MEM_ALLOC if d.alloc_params != 0 => {
+                // SAFETY: `alloc_params` was resolved by name for the real function of this C
+                // signature (checked non-zero above).
                 let f = unsafe { std::mem::transmute::<usize, Params>(d.alloc_params) };
                 let mut buf = [0u64; ALLOC_PARAMS_BYTES / 8];
+                // SAFETY: the real cuGraphMemAllocNodeGetParams writes at most
+                // ALLOC_PARAMS_BYTES into `buf`, which is that size and 8-aligned.
                 ok(unsafe { f(node, buf.as_mut_ptr().cast()) })?;
                 w.bytes = w.bytes.saturating_add(buf[ALLOC_BYTESIZE_AT / 8]);
                 continue;

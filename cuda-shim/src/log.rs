@@ -44,6 +44,8 @@ pub fn enabled(l: Level) -> bool {
 /// processes do not interleave.
 pub fn write_line(msg: &str) {
     let line = format!("vcuda[{}]: {msg}\n", std::process::id());
+    // SAFETY: write(2) reads `line.len()` bytes of the live `line`; fd 2 is only written, never
+    // closed here.
     unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
 }
 

@@ -72,6 +72,7 @@ fn virtual_memory(dev: Device, real_total: u64, real_used: u64) -> Option<(u64, 
     // Without the ledger: the driver's per-process use of the container's
     // PIDs; failing that, the card's use, capped (an over-estimate, never
     // an under-estimate).
+    // SAFETY: `dev` is the caller's handle, passed on to the real NVML as is.
     let used = unsafe { driver_use_of_container(dev) }.unwrap_or(real_used);
     Some((total, used.min(total)))
 }
@@ -85,6 +86,8 @@ unsafe fn driver_use_of_container(dev: Device) -> Option<u64> {
     if sym == 0 {
         return None;
     }
+    // SAFETY: `sym` is the non-zero address of the real function of this C signature, resolved
+    // by name.
     let f: ProcList = unsafe { std::mem::transmute(sym) };
     let pids = container_pids();
     let mut n = 0u32;
@@ -97,6 +100,8 @@ unsafe fn driver_use_of_container(dev: Device) -> Option<u64> {
         } else {
             buf.as_mut_ptr().cast()
         };
+        // SAFETY: the real NVML function; `ptr` is NULL with m == 0, or `buf` with room for `m`
+        // entries of INFO_V2 bytes.
         match unsafe { f(dev, &mut m, ptr) } {
             NVML_SUCCESS => {
                 buf.truncate(m.min(n) as usize * INFO_V2);
@@ -127,12 +132,15 @@ unsafe fn filtered(
     stride: usize,
 ) -> i32 {
     if count.is_null() {
+        // SAFETY: `f` is the real NVML function; our caller's pointers are passed on unchanged.
         return unsafe { f(dev, count, infos) };
     }
     if !filtering() {
+        // SAFETY: `f` is the real NVML function; our caller's pointers are passed on unchanged.
         return unsafe { f(dev, count, infos) };
     }
     let mut n: u32 = 0;
+    // SAFETY: the real NVML function; a size query with our local `n` and no array.
     let r = unsafe { f(dev, &mut n, std::ptr::null_mut()) };
     let mut buf: Vec<u8> = Vec::new();
     let mut got = 0u32;
@@ -145,6 +153,7 @@ unsafe fn filtered(
                 let cap = n + 8;
                 buf = vec![0u8; cap as usize * stride];
                 let mut m = cap;
+                // SAFETY: the real NVML function; `buf` holds `m` entries of `stride` bytes.
                 match unsafe { f(dev, &mut m, buf.as_mut_ptr().cast()) } {
                     NVML_SUCCESS => {
                         got = m;
@@ -167,7 +176,10 @@ unsafe fn filtered(
         .take(got as usize)
         .filter(|e| pids.contains(&i32::from_ne_bytes(e[..4].try_into().unwrap())))
         .collect();
+    // SAFETY: `count` is non-NULL (checked on entry) and the caller's u32, per `filtered`'s
+    // contract.
     let cap = unsafe { *count } as usize;
+    // SAFETY: as above.
     unsafe { *count = mine.len() as u32 };
     if mine.is_empty() {
         return NVML_SUCCESS;
@@ -176,6 +188,8 @@ unsafe fn filtered(
         return NVML_ERROR_INSUFFICIENT_SIZE;
     }
     for (i, e) in mine.iter().enumerate() {
+        // SAFETY: `infos` is non-NULL and holds `cap` >= mine.len() entries of `stride` bytes
+        // (checked above; the caller's contract), and does not overlap our `buf`.
         unsafe {
             std::ptr::copy_nonoverlapping(e.as_ptr(), (infos as *mut u8).add(i * stride), stride)
         };
@@ -300,7 +314,10 @@ pub unsafe extern "C" fn nvmlErrorString(result: i32) -> *const c_char {
     std::panic::catch_unwind(|| {
         let sym = crate::real::sym(crate::real::Lib::Nvml, c"nvmlErrorString");
         if sym != 0 {
+            // SAFETY: `sym` is the non-zero address of the real nvmlErrorString, whose C
+            // signature this is.
             let f: unsafe extern "C" fn(i32) -> *const c_char = unsafe { std::mem::transmute(sym) };
+            // SAFETY: the real nvmlErrorString takes a plain int.
             unsafe { f(result) }
         } else {
             c"Unknown Error (the real NVML library is not loadable)".as_ptr()

@@ -112,12 +112,16 @@ unsafe fn substitute(
     status: *mut i32,
     ask: impl Fn(i32) -> Option<usize>,
 ) -> CUresult {
+    // SAFETY: `pfn` is non-NULL (checked just before) and the caller's out-pointer, which the
+    // real driver filled.
     if r != CUDA_SUCCESS || symbol.is_null() || pfn.is_null() || unsafe { *pfn }.is_null() {
         return r;
     }
     if matches!(config::mode(), Mode::PassThrough) {
         return r;
     }
+    // SAFETY: `symbol` is non-NULL (checked above) and the caller's NUL-terminated name (CUDA
+    // ABI).
     let name = unsafe { CStr::from_ptr(symbol) };
     let Ok(n) = name.to_str() else {
         return r;
@@ -125,11 +129,14 @@ unsafe fn substitute(
     let why = match decide(n, version, flags) {
         Decision::Keep => return r,
         Decision::Ours(w) => {
+            // SAFETY: `pfn` is non-NULL (checked above) and the caller's out-pointer.
             unsafe { *pfn = w as *mut c_void };
             return r;
         }
         Decision::OursIfSameAs { ours, known } => {
+            // SAFETY: `pfn` is non-NULL (checked above) and the caller's out-pointer.
             if ask(known) == Some(unsafe { *pfn } as usize) {
+                // SAFETY: `pfn` is non-NULL (checked above) and the caller's out-pointer.
                 unsafe { *pfn = ours as *mut c_void };
                 return r;
             }
@@ -142,8 +149,10 @@ unsafe fn substitute(
         "cuGetProcAddress({name:?}, {version}, {flags}): {why}; refusing it rather than \
          handing out an unenforced function"
     );
+    // SAFETY: `pfn` is non-NULL (checked on entry) and the caller's out-pointer.
     unsafe { *pfn = std::ptr::null_mut() };
     if !status.is_null() {
+        // SAFETY: `status` is non-NULL (checked just above) and the caller's out-pointer.
         unsafe { *status = cuda_abi::ProcStatus::SymbolNotFound as i32 };
     }
     CUDA_ERROR_NOT_FOUND

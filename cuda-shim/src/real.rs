@@ -32,7 +32,9 @@ impl Lib {
 /// A loaded library handle (never closed).
 #[derive(Debug, Clone, Copy)]
 pub struct Handle(pub *mut c_void);
+// SAFETY: the handle is an opaque dlopen handle, never closed; dlsym on it is thread-safe.
 unsafe impl Send for Handle {}
+// SAFETY: as for Send.
 unsafe impl Sync for Handle {}
 
 static CUDA: OnceLock<Result<Handle, String>> = OnceLock::new();
@@ -71,6 +73,7 @@ pub fn try_handle(lib: Lib) -> Result<Handle, &'static str> {
 /// loadable.
 pub fn sym(lib: Lib, name: &CStr) -> usize {
     match handle(lib) {
+        // SAFETY: `h` is a live dlopen handle (never closed) and `name` a NUL-terminated CStr.
         Ok(h) => unsafe { libc::dlsym(h.0, name.as_ptr()) as usize },
         Err(_) => 0,
     }
@@ -109,6 +112,8 @@ macro_rules! real_cuda {
                 return cuda_abi::CUDA_ERROR_NOT_FOUND;
             }
         }
+        // SAFETY: `p` is the non-zero address dlsym gave for `$name` in the real driver, whose
+        // C signature `$ty` is at every call site.
         unsafe { std::mem::transmute::<usize, $ty>(p) }
     }};
 }
@@ -120,6 +125,7 @@ macro_rules! real_nvml {
         static CACHE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let mut p = CACHE.load(std::sync::atomic::Ordering::Acquire);
         if p == 0 {
+            // SAFETY: literal with a NUL appended.
             p = $crate::real::resolve_into(&CACHE, $crate::real::Lib::Nvml, unsafe {
                 std::ffi::CStr::from_bytes_with_nul_unchecked(
                     concat!(stringify!($name), "\0").as_bytes(),
@@ -129,6 +135,8 @@ macro_rules! real_nvml {
                 return $crate::nvml::NVML_ERROR_FUNCTION_NOT_FOUND;
             }
         }
+        // SAFETY: `p` is the non-zero address dlsym gave for `$name` in the real NVML, whose C
+        // signature `$ty` is at every call site.
         unsafe { std::mem::transmute::<usize, $ty>(p) }
     }};
 }
@@ -136,11 +144,15 @@ pub(crate) use real_nvml;
 
 /// Path of this library as the dynamic linker loaded it.
 pub fn own_path() -> Option<PathBuf> {
+    // SAFETY: `Dl_info` is pointers and integers, for which all-zero is valid.
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
     let addr = own_path as *const c_void;
+    // SAFETY: dladdr on an address inside this library, filling our local.
     if unsafe { libc::dladdr(addr, &mut info) } == 0 || info.dli_fname.is_null() {
         return None;
     }
+    // SAFETY: dladdr succeeded and `dli_fname` is non-NULL (checked above): a NUL-terminated
+    // path the loader owns.
     let s = unsafe { CStr::from_ptr(info.dli_fname) };
     use std::os::unix::ffi::OsStrExt;
     Some(PathBuf::from(std::ffi::OsStr::from_bytes(s.to_bytes())))
@@ -232,6 +244,9 @@ fn claim_soname(own: &Path, soname: &CStr) {
     let Ok(own_c) = CString::new(own.as_os_str().as_encoded_bytes()) else {
         return;
     };
+    // SAFETY: dlopen/dlclose with NUL-terminated CStrings that outlive the calls; a handle we
+    // get from the bare-name dlopen that is not our own is closed once, and ours (RTLD_NOLOAD)
+    // is only compared.
     unsafe {
         let me = libc::dlopen(own_c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
         let h = libc::dlopen(soname.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
@@ -291,12 +306,16 @@ fn load(lib: Lib) -> Result<Handle, String> {
                 let path = dir.join(&name);
                 let c =
                     CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+                // SAFETY: dlopen with a NUL-terminated CString that outlives the call.
                 let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
                 if h.is_null() {
+                    // SAFETY: dlerror takes no arguments; its string is read at once, below.
                     let err = unsafe { libc::dlerror() };
                     let msg = if err.is_null() {
                         "unknown error".into()
                     } else {
+                        // SAFETY: `err` is non-NULL (checked above): dlerror's NUL-terminated
+                        // message, copied before any other dl call.
                         unsafe { CStr::from_ptr(err) }
                             .to_string_lossy()
                             .into_owned()

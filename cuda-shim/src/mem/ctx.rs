@@ -51,6 +51,8 @@ pub(crate) fn retained(dev: i32, ctx: u64) {
 fn primary_active(dev: i32) -> bool {
     fn state(dev: i32, flags: &mut u32, active: &mut i32) -> CUresult {
         let f = real_cuda!(cuDevicePrimaryCtxGetState: unsafe extern "C" fn(i32, *mut u32, *mut i32) -> CUresult);
+        // SAFETY: the real driver's function of this exact signature, resolved by name; its
+        // pointer arguments are to our own live locals.
         unsafe { f(dev, flags, active) }
     }
     let (mut flags, mut active) = (0, 1);
@@ -102,6 +104,8 @@ pub(crate) fn hidden(call: impl FnOnce() -> CUresult, undo: impl FnOnce()) -> CU
 pub(crate) fn destroy(ctx: *mut c_void) {
     fn d(ctx: *mut c_void) -> CUresult {
         let f = real_cuda!(cuCtxDestroy_v2: unsafe extern "C" fn(*mut c_void) -> CUresult);
+        // SAFETY: the real cuCtxDestroy_v2, resolved by name, given a context handle the driver
+        // handed out; no memory of ours is passed.
         unsafe { f(ctx) }
     }
     d(ctx);

@@ -25,6 +25,8 @@ static LOCAL: AtomicPtr<Local> = AtomicPtr::new(std::ptr::null_mut());
 pub(crate) fn local() -> &'static Local {
     let p = LOCAL.load(Ordering::Acquire);
     if !p.is_null() {
+        // SAFETY: a non-NULL LOCAL came from Box::into_raw (init or after_fork_child) and is
+        // never freed, so it is valid for 'static.
         return unsafe { &*p };
     }
     init()
@@ -33,6 +35,8 @@ pub(crate) fn local() -> &'static Local {
 #[cold]
 fn init() -> &'static Local {
     static ATFORK: Once = Once::new();
+    // SAFETY: pthread_atfork with a plain extern "C" handler that lives as long as the process;
+    // registered once.
     ATFORK.call_once(|| unsafe {
         libc::pthread_atfork(None, None, Some(after_fork_child));
     });
@@ -43,9 +47,14 @@ fn init() -> &'static Local {
         Ordering::AcqRel,
         Ordering::Acquire,
     ) {
+        // SAFETY: `fresh` came from Box::into_raw just above and is now published in LOCAL,
+        // never freed: valid for 'static.
         Ok(_) => unsafe { &*fresh },
         Err(existing) => {
+            // SAFETY: `fresh` came from Box::into_raw above and lost the race, so no one else
+            // has seen it: freed once, here.
             drop(unsafe { Box::from_raw(fresh) });
+            // SAFETY: `existing` is the published LOCAL: from Box::into_raw, never freed.
             unsafe { &*existing }
         }
     }

@@ -55,6 +55,8 @@ fn lock() -> Guard {
 fn attr(pool: Pool, which: i32) -> Option<u64> {
     fn get(pool: Pool, which: i32, v: &mut u64) -> CUresult {
         let f = real_cuda!(cuMemPoolGetAttribute: unsafe extern "C" fn(*mut c_void, i32, *mut c_void) -> CUresult);
+        // SAFETY: the real cuMemPoolGetAttribute, resolved by name; every attribute asked for
+        // here is a u64 and `v` is our live u64.
         unsafe { f(pool as *mut c_void, which, (v as *mut u64).cast()) }
     }
     let mut v = 0u64;
@@ -65,11 +67,15 @@ fn attr(pool: Pool, which: i32) -> Option<u64> {
 fn device_pool() -> Option<Pool> {
     fn dev(d: &mut i32) -> CUresult {
         let f = real_cuda!(cuCtxGetDevice: unsafe extern "C" fn(*mut i32) -> CUresult);
+        // SAFETY: the real driver's function of this exact signature, resolved by name; its
+        // pointer arguments are to our own live locals.
         unsafe { f(d) }
     }
     fn pool(p: &mut *mut c_void, d: i32) -> CUresult {
         let f =
             real_cuda!(cuDeviceGetMemPool: unsafe extern "C" fn(*mut *mut c_void, i32) -> CUresult);
+        // SAFETY: the real driver's function of this exact signature, resolved by name; its
+        // pointer arguments are to our own live locals.
         unsafe { f(p, d) }
     }
     let mut d = 0;

@@ -47,6 +47,8 @@ impl Drop for InFlight {
 pub(crate) fn current_ctx() -> u64 {
     fn get(out: &mut *mut c_void) -> CUresult {
         let f = real_cuda!(cuCtxGetCurrent: unsafe extern "C" fn(*mut *mut c_void) -> CUresult);
+        // SAFETY: the real driver's function of this exact signature, resolved by name; its
+        // pointer arguments are to our own live locals.
         unsafe { f(out) }
     }
     let mut c = std::ptr::null_mut();

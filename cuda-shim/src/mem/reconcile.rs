@@ -46,7 +46,10 @@ struct Nvml {
     procs: Procs,
 }
 
+// SAFETY: `dev` is an opaque NVML device handle, valid process-wide and for any thread once
+// obtained; NVML is thread-safe. `procs` is a plain fn pointer.
 unsafe impl Send for Nvml {}
+// SAFETY: as for Send: NVML calls are thread-safe and the struct is never mutated after `open`.
 unsafe impl Sync for Nvml {}
 
 const NVML_SUCCESS: i32 = 0;
@@ -58,12 +61,15 @@ fn f<T: Copy>(name: &str) -> Result<T, String> {
     if p == 0 {
         return Err(format!("the real NVML has no {name}"));
     }
+    // SAFETY: every caller names T as the `unsafe extern "C" fn` type of the symbol's C
+    // signature (pointer-sized), and `p` is that symbol's non-zero address.
     Ok(unsafe { std::mem::transmute_copy::<usize, T>(&p) })
 }
 
 fn open(bus_id: &str) -> Result<Nvml, String> {
     try_handle(Lib::Nvml).map_err(str::to_string)?;
     let init: unsafe extern "C" fn() -> i32 = f("nvmlInit_v2")?;
+    // SAFETY: the real nvmlInit_v2, resolved by name; no arguments.
     let r = unsafe { init() };
     if r != NVML_SUCCESS {
         return Err(format!("nvmlInit_v2 returned {r}"));
@@ -74,8 +80,11 @@ fn open(bus_id: &str) -> Result<Nvml, String> {
         f("nvmlDeviceGetHandleByIndex_v2")?;
     let mut dev = std::ptr::null_mut();
     let id = CString::new(bus_id).unwrap_or_default();
+    // SAFETY: the real NVML lookups, resolved by name; `id` is a live NUL-terminated CString
+    // and `dev` our local.
     if bus_id.is_empty() || unsafe { by_bus(id.as_ptr().cast(), &mut dev) } != NVML_SUCCESS {
         // A container sees its own GPU only.
+        // SAFETY: the real nvmlDeviceGetHandleByIndex_v2, resolved by name; `dev` is our local.
         let r = unsafe { by_index(0, &mut dev) };
         if r != NVML_SUCCESS {
             return Err(format!("no GPU {bus_id:?} (first GPU: {r})"));
@@ -110,6 +119,8 @@ fn measure(n: &Nvml, pid: i32) -> Option<u64> {
     let mut buf = vec![ProcInfo::default(); 64];
     for _ in 0..4 {
         let mut count = buf.len() as u32;
+        // SAFETY: the real process-list query, resolved by name; `count` is the capacity of
+        // `buf`, which holds that many ProcInfo entries (the v2/v3 layout).
         let r = unsafe { (n.procs)(n.dev, &mut count, buf.as_mut_ptr()) };
         if r == NVML_ERROR_INSUFFICIENT_SIZE {
             buf.resize(count as usize + 16, ProcInfo::default());

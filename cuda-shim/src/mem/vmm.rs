@@ -31,6 +31,8 @@ pub(crate) unsafe fn host_location(prop: *const std::ffi::c_void) -> bool {
     if prop.is_null() {
         return false;
     }
+    // SAFETY: the caller guarantees a `CUmemAllocationProp`, NULL excluded above;
+    // `location.type` is its third u32 word, read unaligned.
     let t = unsafe { (prop as *const u32).add(2).read_unaligned() };
     (2..=4).contains(&t)
 }

@@ -106,6 +106,8 @@ unsafe fn hand_out(mine: &[u8], stride: usize, count: &mut u32, array: *mut u8, 
     if cap < n {
         return NVML_ERROR_INSUFFICIENT_SIZE;
     }
+    // SAFETY: `array` is non-NULL with room for `cap` >= n entries of `stride` bytes (the
+    // caller's contract), and does not overlap `mine` (ours).
     unsafe { std::ptr::copy_nonoverlapping(mine.as_ptr(), array, mine.len()) };
     NVML_SUCCESS
 }
@@ -309,18 +311,22 @@ mod tests {
     fn hand_out_keeps_the_size_protocol() {
         let mine = vec![1u8; 3 * 8];
         let mut n = 0;
+        // SAFETY: a NULL array: hand_out only sets the count.
         let r = unsafe { hand_out(&mine, 8, &mut n, std::ptr::null_mut(), NVML_SUCCESS) };
         assert_eq!((r, n), (NVML_ERROR_INSUFFICIENT_SIZE, 3));
         let mut buf = vec![0u8; 2 * 8];
         let mut n = 2;
+        // SAFETY: `buf` holds `n` entries of 8 bytes.
         let r = unsafe { hand_out(&mine, 8, &mut n, buf.as_mut_ptr(), NVML_SUCCESS) };
         assert_eq!((r, n), (NVML_ERROR_INSUFFICIENT_SIZE, 3));
         let mut buf = vec![0u8; 4 * 8];
         let mut n = 4;
+        // SAFETY: `buf` holds `n` entries of 8 bytes.
         let r = unsafe { hand_out(&mine, 8, &mut n, buf.as_mut_ptr(), NVML_SUCCESS) };
         assert_eq!((r, n), (NVML_SUCCESS, 3));
         assert_eq!(&buf[..24], &mine[..]);
         let mut n = 4;
+        // SAFETY: `buf` holds `n` entries of 8 bytes.
         let r = unsafe { hand_out(&[], 8, &mut n, buf.as_mut_ptr(), NVML_ERROR_NOT_FOUND) };
         assert_eq!((r, n), (NVML_ERROR_NOT_FOUND, 0));
     }
@@ -337,6 +343,8 @@ mod tests {
                 return NVML_ERROR_INSUFFICIENT_SIZE;
             }
             for i in 0..len {
+                // SAFETY: `b` is non-NULL with room for `*n` >= len u32 entries (checked
+                // above).
                 unsafe { (b as *mut u32).add(i).write(i as u32) };
             }
             *n = len as u32;
