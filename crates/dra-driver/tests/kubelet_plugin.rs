@@ -383,3 +383,74 @@ async fn node_prepare_latency_printout() {
     assert!(run.driver.prepared().is_empty());
     run.cancel.cancel();
 }
+
+/// The whole-GPU class: a claim asking no capacity takes a whole free GPU
+/// (the shares' GPU is passed over), gets the untouched driver volume, a
+/// disabled `vcuda.config` and no socket; asking a part of a GPU under the
+/// whole-GPU class is refused at prepare.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_gpu_class() {
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    let api = kube(&server, dirs.tmp.path()).await;
+    let p = Publisher {
+        node: NODE.into(),
+        driver_version: "550.54.15".into(),
+    };
+    p.ensure_classes(&api).await.unwrap();
+    p.reconcile(&api, &devices([true, true])).await.unwrap();
+    let run = start(&dirs, gpus(), &api).await;
+    let kubelet = common::kubelet(&dirs, false).await;
+    let share = share_claim(&server, "share", 30, "1Gi", None);
+    allocator::allocate(&server, NS, "share", NODE).unwrap();
+    let whole = server
+        .create(
+            Kind::ResourceClaim,
+            Some(NS),
+            json!({"metadata": {"name": "whole"}, "spec": {"devices": {"requests": [{"name": "gpu",
+                "exactly": {"deviceClassName": slices::WHOLE_CLASS}}]}}}),
+        )
+        .unwrap();
+    let a = allocator::allocate(&server, NS, "whole", NODE).unwrap();
+    assert_eq!(a["devices"]["results"][0]["device"], "gpu-1");
+    assert_eq!(a["devices"]["config"][0]["source"], "FromClass");
+    let partial = server
+        .create(
+            Kind::ResourceClaim,
+            Some(NS),
+            json!({"metadata": {"name": "partial"}, "spec": {"devices": {"requests": [{"name": "gpu",
+                "exactly": {"deviceClassName": slices::WHOLE_CLASS,
+                            "capacity": {"requests": {"cores": "50", "memory": "1Gi"}}}}]}}}),
+        )
+        .unwrap();
+    allocator::allocate(&server, NS, "partial", NODE).unwrap();
+    let r = kubelet
+        .prepare(&[
+            plugin::claim(NS, "share", &uid(&share)),
+            plugin::claim(NS, "whole", &uid(&whole)),
+            plugin::claim(NS, "partial", &uid(&partial)),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(r.claims[&uid(&whole)].error, "");
+    let edits = cdi::resolve(
+        &dirs.p("cdi"),
+        &r.claims[&uid(&whole)].devices[0].cdi_device_ids[0],
+    )
+    .unwrap();
+    assert_eq!(
+        edits["mounts"][0]["hostPath"],
+        dirs.p("vdriver/origin").display().to_string()
+    );
+    assert_eq!(edits["deviceNodes"][0]["path"], "/dev/nvidia1");
+    let vm = dirs.p("vm").join(uid(&whole)).join("gpu");
+    let data = quota_config::read_config(&vm.join(quota_config::CONFIG_FILE)).unwrap();
+    assert!(!data.enable);
+    assert!(!vm.join(quota_config::SOCKET_FILE).exists());
+    let e = &r.claims[&uid(&partial)].error;
+    assert!(
+        e.contains("is for a whole GPU (exclusive) but consumed 50 cores"),
+        "{e}"
+    );
+    run.cancel.cancel();
+}
