@@ -2,17 +2,17 @@
 //! ([`crate::throttle::before_launch`]) when the process enforces quotas,
 //! unless it is being captured into a graph ([`crate::graph`]); a graph
 //! launch is charged its kernel nodes.
-//! Hot path: one relaxed load, the hook (plus one relaxed load, active
-//! captures, when a compute limit applies), one indirect call.
+//! Hot path: one load (the bucket: null without a compute limit, and only
+//! an enforcing process has one), one indirect call; with a limit also one
+//! relaxed load (active captures), the cost and the bucket's ticket.
 
 use crate::arg;
-use crate::config::ENFORCING;
 use crate::graph::{captured, launch_cost};
 use crate::real::real_cuda;
+use crate::registration::proc;
 use crate::throttle::{before_launch, before_launch_unless, kernel_cost};
 use cuda_abi::CUresult;
 use std::ffi::c_void;
-use std::sync::atomic::Ordering;
 
 type Ptr = *mut c_void;
 type Params = *mut *mut c_void;
@@ -32,19 +32,29 @@ pub struct LaunchConfig {
     pub stream: Ptr,
 }
 
+/// No `ENFORCING` check: only an enforcing process gets a bucket, and the
+/// hook's first load is the bucket.
 #[inline(always)]
 fn hook(cost: impl FnOnce() -> u64) {
-    if ENFORCING.load(Ordering::Relaxed) {
-        before_launch(cost);
-    }
+    before_launch(cost, register);
 }
 
 /// [`hook`] for launches onto a stream: work recorded into a capture is
 /// not charged (its graph's launches are). `ptsz`: a per-thread variant.
 #[inline(always)]
 fn hook_on(stream: Ptr, ptsz: bool, cost: impl FnOnce() -> u64) {
-    if ENFORCING.load(Ordering::Relaxed) {
-        before_launch_unless(|| captured(stream, ptsz), cost);
+    before_launch_unless(|| captured(stream, ptsz), cost, register);
+}
+
+/// A process that throttles but is not registered (a fork child that only
+/// launches) registers when a launch first waits: the manager then lists
+/// it in pids.config, so the controller counts its utilisation, and its own
+/// watcher starts.
+#[cold]
+fn register() {
+    let p = proc();
+    if !p.is_registered() {
+        let _ = p.ensure_registered();
     }
 }
 

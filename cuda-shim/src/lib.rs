@@ -6,7 +6,8 @@
 //! * the real driver is the versioned file beside this one ([`real`]);
 //! * `vcuda.config` decides the mode ([`config`]); enforcing processes
 //!   register with the manager and share the container ledger
-//!   ([`registration`]);
+//!   ([`registration`]); a watcher thread keeps the connection and drives
+//!   the quotas' periodic work ([`watcher`]);
 //! * every allocation path reserves in the ledger first ([`mem`]); memory
 //!   queries show the quota ([`view`], [`nvml`]); entry-point lookups hand
 //!   out the wrappers ([`procaddr`]); launches pass through the
@@ -111,3 +112,4 @@ pub mod table;
 pub mod throttle;
 pub mod trampoline;
 pub mod view;
+pub mod watcher;

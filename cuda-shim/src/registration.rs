@@ -9,15 +9,15 @@
 //! and, when the connection closes, clears the process's ledger slot: a dead
 //! process's memory was freed by the driver.
 //!
-//! The watcher thread (one per process, blocking I/O, no async runtime)
-//! waits on the connection; when the manager goes away it reconnects and
-//! re-registers with the slot it held, then reconciles the slot with what
-//! this process really holds. It also drives the compute controller's
-//! periodic work ([`crate::throttle::tick`]).
+//! What happens around a registration is not this module's business: the
+//! connection, a new ledger attachment and a fork go to [`Hooks`], which
+//! `crate::watcher` installs (the watcher thread keeps the connection,
+//! re-registers through [`Proc::reregister`] and drives the quotas'
+//! periodic work). This module imports neither the watcher nor the quotas.
 //!
-//! Fork: the child gets a fresh, unregistered state (a new `Proc`), closes
-//! its copy of the parent's connection and registers on its own at its next
-//! CUDA call, which also starts its own watcher.
+//! Fork: the child gets a fresh, unregistered state (a new `Proc`) and
+//! registers on its own at its next CUDA call, which also starts its own
+//! watcher.
 
 use crate::config::{self, Enforce};
 use crate::log::{self, log};
@@ -26,7 +26,7 @@ use container_ledger::{Ledger, fdpass};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::{Mutex, Once, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 use thiserror::Error;
@@ -56,8 +56,37 @@ pub struct Proc {
 }
 
 static PROC: AtomicPtr<Proc> = AtomicPtr::new(std::ptr::null_mut());
-/// The connection's descriptor, for the fork child to close its copy.
-static SOCK_FD: AtomicI32 = AtomicI32::new(-1);
+
+/// What the rest of the interposer does around a registration.
+pub struct Hooks {
+    /// The process got (or changed) its ledger and slot (under the
+    /// attachment's write lock: no allocation is in flight).
+    pub attached: fn(&Ledger, usize),
+    /// The first registration succeeded: the connection, to keep open for
+    /// the life of the process (the manager clears the slot when it closes).
+    pub registered: fn(UnixStream),
+    /// In a fork child, after its state was replaced (single-threaded: no
+    /// locks another thread may hold).
+    pub forked: fn(),
+}
+
+/// Until [`set_hooks`]: the connection is leaked (kept open), nothing else.
+static NO_HOOKS: Hooks = Hooks {
+    attached: |_, _| {},
+    registered: |s| std::mem::forget(s),
+    forked: || {},
+};
+static HOOKS: AtomicPtr<Hooks> = AtomicPtr::new(&NO_HOOKS as *const Hooks as *mut Hooks);
+
+/// Installs the hooks (once, before the first registration).
+pub fn set_hooks(h: &'static Hooks) {
+    HOOKS.store(h as *const Hooks as *mut Hooks, Ordering::Release);
+}
+
+fn hooks() -> &'static Hooks {
+    // SAFETY: only ever set to a `&'static Hooks`.
+    unsafe { &*HOOKS.load(Ordering::Acquire) }
+}
 
 impl Proc {
     fn new() -> Proc {
@@ -111,7 +140,7 @@ impl Proc {
                             resp.host_pid,
                             resp.ledger_slot
                         );
-                        start_watcher(sock);
+                        (hooks().registered)(sock);
                         return Ok(());
                     }
                     Err(e) => {
@@ -169,7 +198,7 @@ impl Proc {
         }
         // No allocation is in flight in this process (write lock).
         ledger.reconcile(slot, self.local_used.load(Ordering::Acquire));
-        crate::throttle::on_attach(&ledger, slot);
+        (hooks().attached)(&ledger, slot);
         *w = Some(Attach {
             ledger,
             slot,
@@ -187,6 +216,19 @@ impl Proc {
 
     pub fn is_registered(&self) -> bool {
         self.registered.load(Ordering::Acquire)
+    }
+
+    /// Registers again after the manager went away, asking for the slot
+    /// this process held, and installs the reply: the new connection.
+    pub fn reregister(&self) -> Result<(UnixStream, RegisterResponse), RegError> {
+        let Some(enf) = config::enforce() else {
+            return Err(RegError::Protocol("not enforcing".into()));
+        };
+        let prev = self.attach().as_ref().map(|a| a.slot);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let (sock, resp, fd) = register_once(enf, prev, deadline)?;
+        self.install(&resp, fd)?;
+        Ok((sock, resp))
     }
 }
 
@@ -222,19 +264,13 @@ fn proc_init() -> &'static Proc {
 }
 
 /// In the child of fork(): only this thread exists. The parent's state
-/// (its registration, slot and allocations) is not ours; start afresh and
-/// drop our copy of the parent's connection so the manager sees the
-/// parent's close when the parent exits. The old state is leaked: another
-/// thread may have held its locks at fork time.
+/// (its registration, slot and allocations) is not ours; start afresh (the
+/// hooks drop the child's copy of the parent's connection). The old state
+/// is leaked: another thread may have held its locks at fork time.
 extern "C" fn atfork_child() {
-    let fd = SOCK_FD.swap(-1, Ordering::AcqRel);
-    if fd >= 0 {
-        unsafe { libc::close(fd) };
-    }
     let fresh = Box::into_raw(Box::new(Proc::new()));
     PROC.store(fresh, Ordering::Release);
-    watcher_forgotten();
-    crate::throttle::after_fork_child();
+    (hooks().forked)();
 }
 
 fn file_id(fd: &OwnedFd) -> (u64, u64) {
@@ -320,107 +356,6 @@ fn register_once(
     sock.set_read_timeout(None).map_err(RegError::Io)?;
     sock.set_write_timeout(None).map_err(RegError::Io)?;
     Ok((sock, resp, fd))
-}
-
-static WATCHING: AtomicBool = AtomicBool::new(false);
-
-fn start_watcher(sock: UnixStream) {
-    SOCK_FD.store(sock.as_raw_fd(), Ordering::Release);
-    // One watcher per process; a fork child's flag is reset with its state.
-    let r = std::thread::Builder::new()
-        .name("vcuda-watcher".into())
-        .spawn(move || watch(sock));
-    if let Err(e) = r {
-        log!(Error, "cannot start the watcher thread: {e}");
-    } else {
-        WATCHING.store(true, Ordering::Release);
-    }
-}
-
-/// Reset in the fork child (its watcher thread does not exist).
-pub(crate) fn watcher_forgotten() {
-    WATCHING.store(false, Ordering::Release);
-}
-
-/// Whether this process's watcher thread runs.
-pub fn watching() -> bool {
-    WATCHING.load(Ordering::Acquire)
-}
-
-fn watch(mut sock: UnixStream) {
-    let my_proc = PROC.load(Ordering::Acquire);
-    loop {
-        let tick = crate::throttle::tick_interval();
-        let mut pfd = libc::pollfd {
-            fd: sock.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let n = unsafe { libc::poll(&mut pfd, 1, tick.as_millis().min(60_000) as i32) };
-        crate::throttle::tick();
-        // Memory the driver took on its own (contexts, pools): NVML reconcile.
-        crate::mem::reconcile_tick();
-        if n <= 0 {
-            continue;
-        }
-        // The manager sends nothing yet: data is read and dropped; EOF or
-        // an error means it went away.
-        let mut buf = [0u8; 512];
-        let r = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if r > 0 {
-            continue;
-        }
-        if r < 0 {
-            let e = std::io::Error::last_os_error();
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
-            ) {
-                continue;
-            }
-        }
-        log!(
-            Warn,
-            "the GPU manager closed the connection; re-registering"
-        );
-        SOCK_FD.store(-1, Ordering::Release);
-        drop(sock);
-        sock = reconnect(my_proc);
-        SOCK_FD.store(sock.as_raw_fd(), Ordering::Release);
-    }
-}
-
-/// Reconnects until the manager is back, keeping the ledger slot.
-fn reconnect(my_proc: *mut Proc) -> UnixStream {
-    let Some(enf) = config::enforce() else {
-        unreachable!("the watcher runs only when enforcing")
-    };
-    let p = unsafe { &*my_proc };
-    let mut backoff = Duration::from_millis(50);
-    loop {
-        std::thread::sleep(backoff);
-        crate::throttle::tick();
-        let prev = p.attach().as_ref().map(|a| a.slot);
-        let deadline = Instant::now() + Duration::from_secs(2);
-        match register_once(enf, prev, deadline).and_then(|(s, resp, fd)| {
-            p.install(&resp, fd)?;
-            Ok((s, resp))
-        }) {
-            Ok((s, resp)) => {
-                log!(
-                    Info,
-                    "re-registered: host pid {}, ledger slot {:?}",
-                    resp.host_pid,
-                    resp.ledger_slot
-                );
-                return s;
-            }
-            Err(e) => {
-                log!(Debug, "re-registration failed: {e}");
-                backoff = (backoff * 2).min(Duration::from_secs(1));
-            }
-        }
-    }
 }
 
 /// Host PIDs of the container's processes: the manager's `pids.config`

@@ -20,7 +20,11 @@
 //!   a re-registration that replaces the ledger).
 //! * [`after_fork_child`]: the child keeps drawing from the same bucket
 //!   (the mapping is inherited) under a new lease identity; its first
-//!   throttled launch registers it, which starts its own watcher.
+//!   throttled launch registers it (the caller's `register`, see
+//!   `crate::launch`), which starts its own watcher.
+//!
+//! The watcher (`crate::watcher`) calls in here; this module knows nothing
+//! of registration.
 //!
 //! See README.md, "Compute quota".
 
@@ -53,18 +57,24 @@ const IDLE_TICK: Duration = Duration::from_millis(100);
 
 /// Called before each kernel launch. `cost`: the launch's
 /// [`kernel_cost`] (a sum of them for a graph), 0 when unknown; asked only
-/// when the container has a compute limit. Must stay cheap: the launch
-/// path budget is a few ns over the driver.
+/// when the container has a compute limit. `register`: called when the
+/// launch first has to sleep (a process that throttles unregistered, a
+/// fork child that only launches, registers then). Must stay cheap: the
+/// launch path budget is a few ns over the driver.
 #[inline(always)]
-pub fn before_launch(cost: impl FnOnce() -> u64) {
-    before_launch_unless(|| false, cost)
+pub fn before_launch(cost: impl FnOnce() -> u64, register: fn()) {
+    before_launch_unless(|| false, cost, register)
 }
 
 /// [`before_launch`] for a launch onto a stream: `captured` (is it being
 /// recorded into a graph, not run? see `crate::graph`) is asked only when
 /// the container has a compute limit; a captured launch is not charged.
 #[inline(always)]
-pub fn before_launch_unless(captured: impl FnOnce() -> bool, cost: impl FnOnce() -> u64) {
+pub fn before_launch_unless(
+    captured: impl FnOnce() -> bool,
+    cost: impl FnOnce() -> u64,
+    register: fn(),
+) {
     let p = BUCKET.load(Ordering::Acquire);
     if p.is_null() || captured() {
         return;
@@ -72,9 +82,16 @@ pub fn before_launch_unless(captured: impl FnOnce() -> bool, cost: impl FnOnce()
     // SAFETY: set only to a mapping that is never unmapped.
     let b = unsafe { Bucket::at(p) };
     if let Some(ticket) = b.take(cost()) {
-        // The clock is read only here, off the fast path.
-        count_throttled(b.wait(ticket, arm_watcher));
+        throttled(b, ticket, register);
     }
+}
+
+/// Out of line: the launch path keeps only the branch to it. The clock is
+/// read only here.
+#[cold]
+#[inline(never)]
+fn throttled(b: Bucket, ticket: bucket::Ticket, register: fn()) {
+    count_throttled(b.wait(ticket, register));
 }
 
 /// Adds the time a launch slept for tokens to the container's ledger.
@@ -84,17 +101,6 @@ fn count_throttled(ns: u64) {
     if ns > 0 && !p.is_null() {
         // SAFETY: set only to a word of a mapping that is never unmapped.
         unsafe { &*p }.fetch_add(ns, Ordering::Relaxed);
-    }
-}
-
-/// A process that throttles but is not registered (a fork child that only
-/// launches) registers now: the manager then lists it in pids.config, so
-/// the controller counts its utilisation, and its own watcher starts.
-#[cold]
-fn arm_watcher() {
-    let p = crate::registration::proc();
-    if !p.is_registered() {
-        let _ = p.ensure_registered();
     }
 }
 
@@ -124,10 +130,11 @@ fn quota() -> Option<Quota> {
     quota_of(&crate::config::enforce()?.data)
 }
 
-/// Periodic work on the watcher thread. Never unwinds (the watcher must
-/// survive a bug here).
-pub fn tick() {
-    let _ = std::panic::catch_unwind(tick_inner);
+/// Periodic work on the watcher thread. `pids`: the host PIDs of the
+/// container's processes (whose NVML samples are the container's own).
+/// Never unwinds (the watcher must survive a bug here).
+pub fn tick(pids: fn() -> Vec<i32>) {
+    let _ = std::panic::catch_unwind(|| tick_inner(pids));
 }
 
 /// How often [`tick`] runs.
@@ -262,7 +269,7 @@ thread_local! {
     static CTL: RefCell<Option<Ctl>> = const { RefCell::new(None) };
 }
 
-fn tick_inner() {
+fn tick_inner(pids: fn() -> Vec<i32>) {
     let Some(b) = bucket() else { return };
     let now = now_ns();
     b.refill(now);
@@ -289,11 +296,11 @@ fn tick_inner() {
                 blind: None,
             }
         });
-        control(ctl, b, now);
+        control(ctl, b, now, pids);
     });
 }
 
-fn control(ctl: &mut Ctl, b: Bucket, now: u64) {
+fn control(ctl: &mut Ctl, b: Bucket, now: u64, pids: fn() -> Vec<i32>) {
     ctl.ctrl.record_launched(now, b.launched());
     if ctl.sampler.is_none() && !ctl.sampler_error {
         let bus = crate::config::enforce()
@@ -315,7 +322,7 @@ fn control(ctl: &mut Ctl, b: Bucket, now: u64) {
         b.set_rate(d.rate, d.units_per_ms);
         b.publish(d.target, d.achieved);
     }
-    for r in s.poll(crate::registration::container_pids) {
+    for r in s.poll(pids) {
         let start = r.end_ns.saturating_sub(r.len_ns);
         let p = Period {
             end_ns: r.end_ns,
