@@ -83,6 +83,8 @@ impl Bucket {
     #[inline(always)]
     pub unsafe fn at(p: *const AtomicU64) -> Bucket {
         Bucket {
+            // SAFETY: the caller guarantees (# Safety) `p` is the compute words of a mapping
+            // never unmapped: COMPUTE_WORDS aligned atomics, valid for 'static.
             w: unsafe { &*(p as *const [AtomicU64; container_ledger::COMPUTE_WORDS]) },
         }
     }
@@ -349,6 +351,7 @@ pub fn now_ns() -> u64 {
         tv_sec: 0,
         tv_nsec: 0,
     };
+    // SAFETY: clock_gettime writes only our local `ts`.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
@@ -361,6 +364,8 @@ mod tests {
     fn bucket() -> (tempfile::TempDir, Ledger, Bucket) {
         let d = tempfile::tempdir().unwrap();
         let (l, _f) = Ledger::create(&d.path().join("ledger"), 0).unwrap();
+        // SAFETY: the ledger `l` is returned with the bucket and outlives it in every test that
+        // uses them.
         let b = unsafe { Bucket::at(l.compute_words().as_ptr()) };
         b.init();
         (d, l, b)

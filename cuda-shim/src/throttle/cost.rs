@@ -104,6 +104,8 @@ pub fn waves(sms: u64, per_sm_threads: u64, grid: [u32; 3], block: [u32; 3]) -> 
 fn shape() -> Option<&'static Shape> {
     let p = SHAPE.load(Ordering::Acquire);
     if !p.is_null() {
+        // SAFETY: a non-NULL SHAPE came from Box::into_raw and is published once, never freed:
+        // valid for 'static.
         return Some(unsafe { &*p });
     }
     let (sms, per_sm_threads) = query()?;
@@ -114,10 +116,14 @@ fn shape() -> Option<&'static Shape> {
         Ordering::AcqRel,
         Ordering::Acquire,
     ) {
+        // SAFETY: `new` came from Box::into_raw above and is now published, never freed.
         Ok(_) => Some(unsafe { &*new }),
         Err(other) => {
             // Another thread published first.
+            // SAFETY: `new` lost the race, so no one else has seen it: from Box::into_raw,
+            // freed once, here.
             drop(unsafe { Box::from_raw(new) });
+            // SAFETY: `other` is the published SHAPE: from Box::into_raw, never freed.
             Some(unsafe { &*other })
         }
     }
@@ -151,13 +157,19 @@ fn query() -> Option<(u64, u64)> {
     let get: GetAttr = unsafe { std::mem::transmute::<usize, GetAttr>(get) };
     let mut dev = 0i32;
     if ctx_dev != 0 {
+        // SAFETY: `ctx_dev` is the non-zero address of the real cuCtxGetDevice, whose C
+        // signature this is.
         let f: CtxGetDevice = unsafe { std::mem::transmute::<usize, CtxGetDevice>(ctx_dev) };
+        // SAFETY: the real driver's function of this C signature, resolved by name; its pointer
+        // arguments are our own live locals.
         if unsafe { f(&mut dev) } != 0 {
             dev = 0;
         }
     }
     let attr = |a: i32| {
         let mut v = 0i32;
+        // SAFETY: the real driver's function of this C signature, resolved by name; its pointer
+        // arguments are our own live locals.
         (unsafe { get(&mut v, a, dev) } == 0 && v > 0).then_some(v as u64)
     };
     let sms = attr(cuda_abi::attr::MULTIPROCESSOR_COUNT)?;

@@ -47,6 +47,8 @@ pub struct Sampler {
 }
 
 // The device handle is only used on the thread that owns the sampler.
+// SAFETY: the NVML device handle is opaque and valid from any thread (NVML is thread-safe);
+// `get` is a plain fn pointer; a Sampler is used by one thread at a time.
 unsafe impl Send for Sampler {}
 
 fn f<T: Copy>(name: &str) -> Result<T, String> {
@@ -56,6 +58,8 @@ fn f<T: Copy>(name: &str) -> Result<T, String> {
         return Err(format!("the real NVML has no {name}"));
     }
     assert_eq!(size_of::<T>(), size_of::<usize>());
+    // SAFETY: T is pointer-sized (asserted) and every caller names it as the `unsafe extern "C"
+    // fn` type of the symbol's C signature; `p` is its non-zero address.
     Ok(unsafe { std::mem::transmute_copy::<usize, T>(&p) })
 }
 
@@ -65,6 +69,7 @@ impl Sampler {
     /// own).
     pub fn open(bus_id: &str) -> Result<Sampler, String> {
         let init: unsafe extern "C" fn() -> i32 = f("nvmlInit_v2")?;
+        // SAFETY: the real nvmlInit_v2, resolved by name; no arguments.
         let r = unsafe { init() };
         if r != NVML_SUCCESS {
             return Err(format!("nvmlInit_v2 returned {r}"));
@@ -76,8 +81,12 @@ impl Sampler {
             f("nvmlDeviceGetHandleByIndex_v2")?;
         let mut dev: Device = std::ptr::null_mut();
         let id = CString::new(bus_id).unwrap_or_default();
+        // SAFETY: the real NVML lookups, resolved by name; `id` is a live NUL-terminated
+        // CString and `dev` our local.
         if bus_id.is_empty() || unsafe { by_bus(id.as_ptr().cast(), &mut dev) } != NVML_SUCCESS {
             let mut n = 0;
+            // SAFETY: the real driver's function of this C signature, resolved by name; its
+            // pointer arguments are our own live locals.
             let r = unsafe { count(&mut n) };
             if r != NVML_SUCCESS || n == 0 {
                 return Err(format!("no GPU {bus_id:?} and no GPU at all (count: {r})"));
@@ -88,6 +97,8 @@ impl Sampler {
                     "GPU {bus_id:?} not found among {n} GPUs; throttling by the first"
                 );
             }
+            // SAFETY: the real driver's function of this C signature, resolved by name; its
+            // pointer arguments are our own live locals.
             let r = unsafe { by_index(0, &mut dev) };
             if r != NVML_SUCCESS {
                 return Err(format!("nvmlDeviceGetHandleByIndex_v2(0) returned {r}"));
@@ -108,6 +119,8 @@ impl Sampler {
     /// PID -> belongs to the container (asked only when samples arrived).
     pub fn poll(&mut self, own_pids: impl FnOnce() -> Vec<i32>) -> Vec<Reported> {
         let mut n: u32 = 0;
+        // SAFETY: the real nvmlDeviceGetProcessUtilization, resolved by name: a size query
+        // (NULL array) into our local `n`.
         let r = unsafe { (self.get)(self.dev, std::ptr::null_mut(), &mut n, self.last_seen_us) };
         if r == NVML_ERROR_NOT_FOUND || (r != NVML_ERROR_INSUFFICIENT_SIZE && r != NVML_SUCCESS) {
             return Vec::new();
@@ -118,6 +131,7 @@ impl Sampler {
         self.buf.clear();
         self.buf.resize(n as usize + 8, Sample::default());
         let mut n = self.buf.len() as u32;
+        // SAFETY: as above; `buf` holds `n` samples.
         let r = unsafe { (self.get)(self.dev, self.buf.as_mut_ptr(), &mut n, self.last_seen_us) };
         if r != NVML_SUCCESS {
             return Vec::new();
@@ -169,6 +183,7 @@ fn clock(id: libc::clockid_t) -> i128 {
         tv_sec: 0,
         tv_nsec: 0,
     };
+    // SAFETY: clock_gettime writes only our local `ts`.
     unsafe { libc::clock_gettime(id, &mut ts) };
     ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128
 }
