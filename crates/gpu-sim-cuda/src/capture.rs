@@ -198,6 +198,8 @@ unsafe fn begin(h: *mut c_void, mode: u32, ptsz: bool, into: Option<(u64, Vec<u6
     if mode > 2 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
     let t = unsafe { Target::of(h, ptsz)? };
     let k = key(t).ok_or(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)?;
     let mut st = graph::state();
@@ -238,6 +240,8 @@ unsafe fn end(h: *mut c_void, out: *mut *mut c_void, ptsz: bool) -> R {
     if out.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
     let t = unsafe { Target::of(h, ptsz)? };
     let k = key(t).ok_or(CUDA_ERROR_ILLEGAL_STATE)?;
     let mut st = graph::state();
@@ -267,6 +271,8 @@ unsafe fn info(
     count: *mut usize,
 ) -> R {
     drv()?;
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
     let t = unsafe { Target::of(h, ptsz)? };
     if status.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
@@ -422,6 +428,8 @@ unsafe fn graph_deps(p: *const P, n: usize) -> R<Vec<u64>> {
     if p.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    // SAFETY: `p` is non-NULL (checked above) and, per the CUDA ABI, the caller's array of `n`
+    // node handles, read only during this call.
     Ok(unsafe { std::slice::from_raw_parts(p, n) }
         .iter()
         .map(|&h| h as u64)

@@ -137,8 +137,12 @@ pub(crate) unsafe fn image_bytes(image: *const u8) -> u64 {
     const FATBIN_WRAPPER: u32 = 0x466243b1;
     const FATBIN: u32 = 0xba55ed50;
     const ELF: u32 = 0x464c457f;
+    // SAFETY: `image` is a module image as cuModuleLoadData accepts it (this fn's contract):
+    // its header fields at these offsets are in bounds; read unaligned.
     let rd32 = |p: *const u8, off: usize| unsafe { (p.add(off) as *const u32).read_unaligned() };
+    // SAFETY: as for rd32.
     let rd64 = |p: *const u8, off: usize| unsafe { (p.add(off) as *const u64).read_unaligned() };
+    // SAFETY: as for rd32.
     let rd16 = |p: *const u8, off: usize| unsafe { (p.add(off) as *const u16).read_unaligned() };
     let mut p = image;
     if rd32(p, 0) == FATBIN_WRAPPER {
@@ -155,6 +159,7 @@ pub(crate) unsafe fn image_bytes(image: *const u8) -> u64 {
             sh.max(ph)
         }
         _ => {
+            // SAFETY: neither fatbinary nor ELF: the contract makes it NUL-terminated PTX text.
             unsafe { std::ffi::CStr::from_ptr(p.cast()) }
                 .to_bytes()
                 .len() as u64
@@ -201,15 +206,18 @@ mod tests {
     #[test]
     fn image_sizes() {
         let ptx = c".version 8.0\n.target sm_80\n";
+        // SAFETY: a NUL-terminated PTX string.
         assert_eq!(unsafe { image_bytes(ptx.as_ptr().cast()) }, 4096);
         let mut fat = [0u8; 16];
         fat[..4].copy_from_slice(&0xba55ed50u32.to_le_bytes());
         fat[6..8].copy_from_slice(&16u16.to_le_bytes());
         fat[8..16].copy_from_slice(&(3u64 << 20).to_le_bytes());
+        // SAFETY: a fatbinary header with its size fields, as image_bytes reads it.
         assert_eq!(unsafe { image_bytes(fat.as_ptr()) }, (3 << 20) + 4096);
         let mut wrapper = [0u8; 24];
         wrapper[..4].copy_from_slice(&0x466243b1u32.to_le_bytes());
         wrapper[8..16].copy_from_slice(&(fat.as_ptr() as u64).to_le_bytes());
+        // SAFETY: a wrapper whose data pointer is the live fatbinary above.
         assert_eq!(unsafe { image_bytes(wrapper.as_ptr()) }, (3 << 20) + 4096);
     }
 }

@@ -60,9 +60,15 @@ impl Ctx {
 
     pub unsafe fn from_handle(h: *mut c_void) -> R<&'static Ctx> {
         let c = h as *const Ctx;
+        // SAFETY: a non-NULL handle of this type is, per the CUDA ABI, one this driver handed
+        // out (a Box it leaked); the magic word tells the types apart, and destroy zeroes it so
+        // a stale handle fails here.
         if c.is_null() || unsafe { (*c).magic } != CTX_MAGIC {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
+        // SAFETY: checked just above: the live object this driver leaked for the handle; it
+        // stays until its destroy call (use after that is the caller's bug, as with the real
+        // driver).
         let c = unsafe { &*c };
         if !c.alive.load(Acquire) {
             return Err(CUDA_ERROR_CONTEXT_IS_DESTROYED);
@@ -141,6 +147,9 @@ impl Target {
             STREAM_PER_THREAD => Ok(Target::PerThread(current()?)),
             _ => {
                 let s = h as *const Stream;
+                // SAFETY: a non-NULL handle of this type is, per the CUDA ABI, one this driver
+                // handed out (a Box it leaked); the magic word tells the types apart, and
+                // destroy zeroes it so a stale handle fails here.
                 if unsafe { (*s).magic } != STREAM_MAGIC {
                     return Err(CUDA_ERROR_INVALID_HANDLE);
                 }
@@ -195,6 +204,8 @@ pub(crate) unsafe fn launch(
 ) -> R {
     let d = drv()?;
     let func = f as *const u64;
+    // SAFETY: `f` is non-NULL here and, per the CUDA ABI, a CUfunction this driver handed out,
+    // whose first word is its magic (checked).
     if func.is_null() || unsafe { *func } != FUNC_MAGIC {
         return Err(CUDA_ERROR_INVALID_HANDLE);
     }
@@ -210,6 +221,8 @@ pub(crate) unsafe fn launch(
     if grid[1] > 65535 || grid[2] > 65535 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
     let t = unsafe { Target::of(stream, ptsz)? };
     if crate::capture::kernel(t, f, grid, block)? {
         return Ok(());
@@ -223,6 +236,8 @@ pub(crate) unsafe fn launch(
 
 unsafe fn stream_sync(h: *mut c_void, ptsz: bool) -> R {
     let d = drv()?;
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
     wait_until(unsafe { Target::of(h, ptsz)? }.tail());
     crate::pool::at_sync(d);
     Ok(())
@@ -230,6 +245,8 @@ unsafe fn stream_sync(h: *mut c_void, ptsz: bool) -> R {
 
 unsafe fn stream_query(h: *mut c_void, ptsz: bool) -> R {
     drv()?;
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
     if unsafe { Target::of(h, ptsz)? }.tail() > now_ns() {
         return Err(CUDA_ERROR_NOT_READY);
     }
@@ -249,17 +266,21 @@ unsafe fn stream_create(out: *mut *mut c_void, flags: u32, priority: i32) -> R {
         flags,
         priority: priority.clamp(-5, 0),
     });
-    unsafe { *out = Box::into_raw(s).cast() };
+    put(out, Box::into_raw(s).cast())?;
     Ok(())
 }
 
 unsafe fn stream_destroy(h: *mut c_void) -> R {
     drv()?;
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
     match unsafe { Target::of(h, false)? } {
         t @ Target::Stream(s) => {
             crate::capture::stream_destroyed(t);
             // Work still queued completes on the simulated device anyway.
             let s = s as *const Stream as *mut Stream;
+            // SAFETY: the handle passed its magic check, so it is a Box this driver leaked; the
+            // magic is zeroed and the Box freed once, here, under the destroy call.
             unsafe {
                 (*s).magic = 0;
                 drop(Box::from_raw(s));
@@ -279,15 +300,24 @@ pub(crate) struct Event {
 
 unsafe fn event<'a>(h: *mut c_void) -> R<&'a Event> {
     let e = h as *const Event;
+    // SAFETY: a non-NULL handle of this type is, per the CUDA ABI, one this driver handed out
+    // (a Box it leaked); the magic word tells the types apart, and destroy zeroes it so a stale
+    // handle fails here.
     if e.is_null() || unsafe { (*e).magic } != EVENT_MAGIC {
         return Err(CUDA_ERROR_INVALID_HANDLE);
     }
+    // SAFETY: checked just above: the live object this driver leaked for the handle; it stays
+    // until its destroy call (use after that is the caller's bug, as with the real driver).
     Ok(unsafe { &*e })
 }
 
 unsafe fn event_record(ev: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
     drv()?;
+    // SAFETY: `ev`/`start`/`end` are our caller's event handles, passed on under this
+    // function's own contract; `event` checks their magic.
     let e = unsafe { event(ev)? };
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
     let t = unsafe { Target::of(stream, ptsz)? };
     if crate::capture::event_record(ev, t) {
         return Ok(());
@@ -311,7 +341,7 @@ unsafe fn ctx_create(out: *mut *mut c_void, flags: u32, dev: i32) -> R {
     d.state.set_active(d.me, dev.gpu);
     // cuCtxCreate pushes the new context onto the thread's stack.
     push(c);
-    unsafe { *out = c.handle() };
+    put(out, c.handle())?;
     Ok(())
 }
 
@@ -334,6 +364,8 @@ fn pop() -> *const Ctx {
 
 unsafe fn ctx_destroy(h: *mut c_void) -> R {
     let d = drv()?;
+    // SAFETY: `h` is our caller's context handle, passed on under this function's own contract;
+    // `from_handle` checks its magic.
     let c = unsafe { Ctx::from_handle(h)? };
     if c.primary {
         return Err(CUDA_ERROR_INVALID_CONTEXT);
@@ -903,6 +935,8 @@ const EVENT_DISABLE_TIMING: u32 = 2;
 
 unsafe fn elapsed(ms: *mut f32, start: *mut c_void, end: *mut c_void) -> R {
     drv()?;
+    // SAFETY: `ev`/`start`/`end` are our caller's event handles, passed on under this
+    // function's own contract; `event` checks their magic.
     let (a, b) = unsafe { (event(start)?, event(end)?) };
     if ms.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
@@ -917,14 +951,18 @@ unsafe fn elapsed(ms: *mut f32, start: *mut c_void, end: *mut c_void) -> R {
     if ta.max(tb) > now_ns() {
         return Err(CUDA_ERROR_NOT_READY);
     }
-    unsafe { *ms = ((tb as f64 - ta as f64) / 1e6) as f32 };
+    put(ms, ((tb as f64 - ta as f64) / 1e6) as f32)?;
     Ok(())
 }
 
 unsafe fn event_destroy(ev: *mut c_void) -> R {
     drv()?;
+    // SAFETY: `ev`/`start`/`end` are our caller's event handles, passed on under this
+    // function's own contract; `event` checks their magic.
     unsafe { event(ev)? };
     let e = ev as *mut Event;
+    // SAFETY: the handle passed its magic check, so it is a Box this driver leaked; the magic
+    // is zeroed and the Box freed once, here, under the destroy call.
     unsafe {
         (*e).magic = 0;
         drop(Box::from_raw(e));

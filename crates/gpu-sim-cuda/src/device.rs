@@ -145,6 +145,8 @@ unsafe fn write_cstr(dst: *mut c_char, len: i32, s: &str) -> R {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let n = s.len().min(len as usize - 1);
+    // SAFETY: `dst` is non-NULL with `len` > n bytes (checked above; the caller's buffer per
+    // the CUDA ABI), and cannot overlap our `s`.
     unsafe {
         std::ptr::copy_nonoverlapping(s.as_ptr().cast::<c_char>(), dst, n);
         *dst.add(n) = 0;

@@ -25,7 +25,7 @@
 use crate::capture;
 use crate::ctx::FUNC_MAGIC;
 use crate::graph_exec::{Exec, Pool};
-use crate::{R, drv, get, lock, put};
+use crate::{R, arg_mut, drv, get, lock, put};
 use cuda_abi::*;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -91,6 +91,8 @@ pub(crate) struct Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
+        // SAFETY: `addr`/`len` is the region alloc_kind mapped; a Region is dropped once, so
+        // this is its only unmap.
         unsafe { libc::munmap(self.addr as *mut c_void, self.len) };
     }
 }
@@ -255,6 +257,8 @@ impl Graphs {
 unsafe fn kernel_of(p: &KernelParams) -> R<Kernel> {
     let f = if p.func.is_null() { p.kern } else { p.func };
     let magic = f as *const u64;
+    // SAFETY: `f` is non-NULL here and, per the CUDA ABI, a CUfunction this driver handed out,
+    // whose first word is its magic (checked).
     if magic.is_null() || unsafe { *magic } != FUNC_MAGIC {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -277,13 +281,18 @@ pub(crate) unsafe fn read_kernel(p: *const c_void, v2: bool) -> R<Kernel> {
     if p.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    // SAFETY: KernelParams is integers and raw pointers: all-zero is valid.
     let mut k: KernelParams = unsafe { std::mem::zeroed() };
     let n = if v2 {
         size_of::<KernelParams>()
     } else {
         KERNEL_PARAMS_V1
     };
+    // SAFETY: `p` is non-NULL (checked above) and the caller's CUDA_KERNEL_NODE_PARAMS of the
+    // version `v2` says, i.e. at least `n` bytes; `k` is a local of at least `n` bytes.
     unsafe { std::ptr::copy_nonoverlapping(p.cast::<u8>(), (&raw mut k).cast::<u8>(), n) };
+    // SAFETY: `k.func`/`k.kern` are the caller's CUfunction handles, which `kernel_of` checks
+    // by magic.
     unsafe { kernel_of(&k) }
 }
 
@@ -293,6 +302,7 @@ pub(crate) fn alloc_kind(props: [u8; 88], bytes: usize) -> R<Kind> {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let len = bytes.div_ceil(4096) * 4096;
+    // SAFETY: a fresh private anonymous mapping (NULL hint, no MAP_FIXED) replaces nothing.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -339,6 +349,8 @@ unsafe fn deps(p: *const *mut c_void, n: usize) -> R<Vec<u64>> {
     if p.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    // SAFETY: `p` is non-NULL (checked above) and, per the CUDA ABI, the caller's array of `n`
+    // node handles, read only during this call.
     unsafe { std::slice::from_raw_parts(p, n) }
         .iter()
         .map(|&h| id(h, NODE_TAG))
@@ -357,6 +369,8 @@ unsafe fn add_node(
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let g = graph_id(graph)?;
+    // SAFETY: `dep`/`n` are our caller's dependency array, passed on under this function's own
+    // contract.
     let deps = unsafe { deps(dep, n)? };
     let mut st = state();
     let kind = kind(&mut st)?;
@@ -365,7 +379,7 @@ unsafe fn add_node(
 }
 
 unsafe fn mem_alloc_node(p: *mut AllocParams) -> R<Kind> {
-    let p = unsafe { p.as_mut() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let p = arg_mut(p).ok_or(CUDA_ERROR_INVALID_VALUE)?;
     // CUmemPoolProps: allocType PINNED, location DEVICE with a valid ordinal.
     let word = |i: usize| i32::from_ne_bytes(p.pool_props[i..i + 4].try_into().unwrap());
     if word(0) != 1 || word(8) != 1 {
@@ -379,10 +393,14 @@ unsafe fn mem_alloc_node(p: *mut AllocParams) -> R<Kind> {
 
 /// `cuGraphAddNode*`: kernel, memory alloc/free, empty and child graph.
 unsafe fn generic_node(st: &mut Graphs, p: *mut NodeParams) -> R<Kind> {
-    let p = unsafe { p.as_mut() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let p = arg_mut(p).ok_or(CUDA_ERROR_INVALID_VALUE)?;
     let body = p.union.as_mut_ptr().cast::<c_void>();
     match p.kind {
+        // SAFETY: `body` is the node-params union inside the caller's struct, sized for the v2
+        // kernel params.
         NODE_KERNEL => Ok(Kind::Kernel(unsafe { read_kernel(body, true)? })),
+        // SAFETY: `body` is the node-params union inside the caller's struct, which holds
+        // CUDA_MEM_ALLOC_NODE_PARAMS for this kind.
         NODE_MEM_ALLOC => unsafe { mem_alloc_node(body.cast()) },
         NODE_MEM_FREE => Ok(Kind::Free(p.union[0])),
         NODE_EMPTY => Ok(Kind::Empty),
@@ -417,6 +435,8 @@ unsafe fn kernel_params(node: *mut c_void, out: *mut c_void, v2: bool) -> R {
     } else {
         KERNEL_PARAMS_V1
     };
+    // SAFETY: `out` is non-NULL (checked above) and the caller's CUDA_KERNEL_NODE_PARAMS of the
+    // version `v2` says, so it has room for `n` bytes; `p` is our local.
     unsafe { std::ptr::copy_nonoverlapping((&raw const p).cast::<u8>(), out.cast::<u8>(), n) };
     Ok(())
 }

@@ -149,6 +149,8 @@ fn exec_update(exec: *mut c_void, graph: *mut c_void) -> Result<(), i32> {
 
 unsafe fn exec_set_kernel(exec: *mut c_void, node: *mut c_void, p: *const c_void, v2: bool) -> R {
     drv()?;
+    // SAFETY: `p` is our caller's kernel-params pointer of version `v2`, passed on under this
+    // function's own contract.
     let k = unsafe { read_kernel(p, v2)? };
     let n = id(node, NODE_TAG)?;
     let mut st = state();
@@ -160,6 +162,8 @@ unsafe fn exec_set_kernel(exec: *mut c_void, node: *mut c_void, p: *const c_void
 
 unsafe fn launch(exec: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
     let d = drv()?;
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
     let t = unsafe { Target::of(stream, ptsz)? };
     let mut st = state();
     if st.capture.is_capturing(t) {
@@ -184,6 +188,8 @@ unsafe fn launch(exec: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
 
 unsafe fn upload(exec: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
     let d = drv()?;
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
     unsafe { Target::of(stream, ptsz)? };
     state().map(d, exec)
 }
@@ -399,14 +405,17 @@ unsafe fn instantiate_with_params(
     p: *mut InstantiateParams,
     ptsz: bool,
 ) -> R {
-    let p = unsafe { p.as_mut() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let p = arg_mut(p).ok_or(CUDA_ERROR_INVALID_VALUE)?;
     p.err_node = std::ptr::null_mut();
+    // SAFETY: `out` is our caller's out-pointer, passed on under this function's own contract.
     let r = unsafe { instantiate(out, graph, p.flags) };
     // CUDA_GRAPH_INSTANTIATE_SUCCESS / _ERROR.
     p.result = r.is_err() as i32;
     r?;
     // CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD.
     if p.flags & 2 != 0 {
+        // SAFETY: `instantiate` succeeded, so it wrote the exec handle to `*out` (non-NULL);
+        // `upload_stream` is the caller's stream handle, checked by magic.
         unsafe { upload(*out, p.upload_stream, ptsz)? };
     }
     Ok(())

@@ -191,6 +191,8 @@ fn init() -> Result<Driver, CUresult> {
         .map(|(ordinal, gpu)| device::Device::new(ordinal as i32, gpu))
         .collect();
     static ATFORK: std::sync::Once = std::sync::Once::new();
+    // SAFETY: pthread_atfork with a plain extern "C" handler that lives as long as the process;
+    // registered once.
     ATFORK.call_once(|| unsafe {
         libc::pthread_atfork(None, None, Some(after_fork_child));
     });
@@ -252,19 +254,15 @@ unsafe fn proc_address(
     if pfn.is_null() || symbol.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    unsafe { *pfn = std::ptr::null_mut() };
-    let set_status = |s: i32| {
-        if !status.is_null() {
-            unsafe { *status = s };
-        }
-    };
+    put(pfn, std::ptr::null_mut())?;
+    let set_status = |s: i32| put_opt(status, s);
     if flags & !(CU_GET_PROC_ADDRESS_LEGACY_STREAM | CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)
         != 0
         || driver_version().is_some_and(|v| cuda_version > v)
     {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    let name = unsafe { CStr::from_ptr(symbol) };
+    let name = cstr(symbol)?;
     let resolved = name
         .to_str()
         .map_err(|_| ProcStatus::SymbolNotFound)
@@ -274,7 +272,7 @@ unsafe fn proc_address(
             let p = internal(exported.as_bytes())
                 .or_else(|| lookup(exported.as_bytes()))
                 .ok_or(CUDA_ERROR_NOT_FOUND)?;
-            unsafe { *pfn = p as *mut c_void };
+            put(pfn, p as *mut c_void)?;
             set_status(0);
             Ok(())
         }
@@ -293,6 +291,8 @@ pub unsafe extern "C" fn gpusim_cuda_internal_entry(name: *const c_char) -> *con
     if name.is_null() {
         return std::ptr::null();
     }
+    // SAFETY: `name` is non-NULL (checked above) and a NUL-terminated symbol name, the caller's
+    // contract.
     internal(unsafe { CStr::from_ptr(name) }.to_bytes()).unwrap_or(std::ptr::null())
 }
 

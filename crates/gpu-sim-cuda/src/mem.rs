@@ -48,6 +48,7 @@ fn round_up(n: usize, to: usize) -> usize {
 }
 
 unsafe fn map_anon(len: usize, prot: i32) -> R<*mut c_void> {
+    // SAFETY: a fresh private anonymous mapping (NULL hint, no MAP_FIXED) replaces nothing.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -90,6 +91,7 @@ impl Memory {
                 .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?,
         }
         let len = round_up(size, PAGE);
+        // SAFETY: plain anonymous mapping of `len` bytes; see map_anon.
         let p = match unsafe { map_anon(len, libc::PROT_READ | libc::PROT_WRITE) } {
             Ok(p) => p,
             Err(e) => {
@@ -123,6 +125,8 @@ impl Memory {
     }
 
     fn release(d: &Driver, ptr: u64, a: Alloc) {
+        // SAFETY: `ptr`/`a.len` is an allocation `alloc_in` mapped; its record was removed from
+        // `allocs` by the caller, so this is its only unmap.
         unsafe { libc::munmap(ptr as *mut c_void, a.len) };
         match a.pool {
             Some(p) => p.put_back(d, a.size as u64),
@@ -183,6 +187,8 @@ fn ctx_and_driver() -> R<(&'static Driver, &'static Ctx)> {
 
 unsafe fn copy(dst: u64, src: u64, n: usize) {
     if n > 0 {
+        // SAFETY: the callers checked both ranges: device ranges with `mem.check`, host ranges
+        // are the CUDA caller's (valid for `n` bytes per the ABI); `copy` allows overlap.
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
     }
 }
@@ -194,6 +200,8 @@ unsafe fn htod(dst: u64, src: *const c_void, n: usize) -> R {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     d.mem.check(dst, n)?;
+    // SAFETY: `dst`..+n was checked as device memory of ours, and `src` is the caller's host
+    // buffer of `n` bytes (non-NULL, checked above).
     unsafe { copy(dst, src as u64, n) };
     Ok(())
 }
@@ -205,6 +213,8 @@ unsafe fn dtoh(dst: *mut c_void, src: u64, n: usize) -> R {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     d.mem.check(src, n)?;
+    // SAFETY: `src`..+n was checked as device memory of ours, and `dst` is the caller's host
+    // buffer of `n` bytes (non-NULL, checked above).
     unsafe { copy(dst as u64, src, n) };
     Ok(())
 }
@@ -214,6 +224,7 @@ unsafe fn dtod(dst: u64, src: u64, n: usize) -> R {
     current()?;
     d.mem.check(src, n)?;
     d.mem.check(dst, n)?;
+    // SAFETY: both ranges were checked as device memory of ours just above.
     unsafe { copy(dst, src, n) };
     Ok(())
 }
@@ -225,6 +236,8 @@ unsafe fn any(dst: u64, src: u64, n: usize) -> R {
     if (dst == 0 || src == 0) && n > 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    // SAFETY: unified addressing: either side is device memory of ours or the caller's host
+    // memory, valid for `n` bytes per the CUDA ABI; NULL rejected above.
     unsafe { copy(dst, src, n) };
     Ok(())
 }
@@ -232,6 +245,8 @@ unsafe fn any(dst: u64, src: u64, n: usize) -> R {
 /// Async copies and sets complete at once: the simulator charges time only to
 /// kernels. The stream handle is still checked.
 unsafe fn on(stream: *mut c_void, ptsz: bool) -> R {
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
     unsafe { Target::of(stream, ptsz) }.map(|_| ())
 }
 
@@ -244,6 +259,8 @@ unsafe fn set<T: Copy>(dst: u64, v: T, n: usize) -> R {
     }
     let p = dst as *mut T;
     for i in 0..n {
+        // SAFETY: `dst`..+n*size_of::<T>() was checked as device memory of ours and `dst` is
+        // T-aligned (both checked above).
         unsafe { p.add(i).write(v) };
     }
     Ok(())
@@ -251,6 +268,8 @@ unsafe fn set<T: Copy>(dst: u64, v: T, n: usize) -> R {
 
 unsafe fn set2d<T: Copy>(dst: u64, pitch: usize, v: T, w: usize, h: usize) -> R {
     for row in 0..h {
+        // SAFETY: each row starts inside the caller's pitched 2D range; `set` checks every row
+        // against our allocations.
         unsafe { set(dst + (row * pitch) as u64, v, w)? };
     }
     Ok(())
@@ -273,7 +292,7 @@ const LOCATION_HOST: std::ops::RangeInclusive<u32> = 2..=4;
 
 /// The GPU a VMM allocation lives on; `None` for host memory.
 fn prop_location(d: &Driver, p: *const AllocProp) -> R<Option<usize>> {
-    let pr = unsafe { p.as_ref() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let pr = arg(p).ok_or(CUDA_ERROR_INVALID_VALUE)?;
     if LOCATION_HOST.contains(&pr.location_type) {
         return Ok(None);
     }
@@ -281,7 +300,7 @@ fn prop_location(d: &Driver, p: *const AllocProp) -> R<Option<usize>> {
 }
 
 fn prop_device(d: &Driver, p: *const AllocProp) -> R<usize> {
-    let p = unsafe { p.as_ref() }.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let p = arg(p).ok_or(CUDA_ERROR_INVALID_VALUE)?;
     if p.location_type != LOCATION_DEVICE {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -352,16 +371,21 @@ unsafe fn array_create(out: *mut *mut c_void, bytes: R<u64>) -> R {
         gpu: c.gpu,
         bytes,
     });
-    unsafe { *out = Box::into_raw(a).cast() };
+    put(out, Box::into_raw(a).cast())?;
     Ok(())
 }
 
 unsafe fn array_destroy(h: *mut c_void) -> R {
     let d = drv()?;
     let a = h as *mut ArrayObj;
+    // SAFETY: a non-NULL handle of this type is, per the CUDA ABI, one this driver handed out
+    // (a Box it leaked); the magic word tells the types apart, and destroy zeroes it so a stale
+    // handle fails here.
     if a.is_null() || unsafe { (*a).magic } != ARRAY_MAGIC {
         return Err(CUDA_ERROR_INVALID_HANDLE);
     }
+    // SAFETY: the handle passed its magic check, so it is a Box this driver leaked; freed once,
+    // here, under cuArrayDestroy.
     let a = unsafe { Box::from_raw(a) };
     d.state.free(d.me, a.gpu, a.bytes);
     Ok(())
@@ -383,13 +407,18 @@ struct Phys {
 /// Frees a handle once it is released and no longer mapped.
 unsafe fn phys_settle(d: &Driver, h: u64) {
     let done = {
+        // SAFETY: `h` is a VMM handle this driver handed out (the callers looked it up in
+        // `mapped` or checked it with `phys`), still alive: only this function frees it.
         let p = unsafe { &*(h as *const Phys) };
         let l = lock(&p.life);
         l.0 == 0 && l.1
     };
     if done {
+        // SAFETY: released and no longer mapped: no one else can reach the Box any more; freed
+        // once, here.
         let mut p = unsafe { Box::from_raw(h as *mut Phys) };
         p.magic = 0;
+        // SAFETY: the handle's own memfd, closed once, with it.
         unsafe { libc::close(p.fd) };
         if let Some(gpu) = p.gpu {
             d.state.free(d.me, gpu, p.size as u64);
@@ -400,18 +429,25 @@ unsafe fn phys_settle(d: &Driver, h: u64) {
 /// A mapping of `h` went away.
 unsafe fn phys_unmapped(d: &Driver, h: u64) {
     {
+        // SAFETY: as in phys_settle: a live VMM handle of ours, still mapped.
         let p = unsafe { &*(h as *const Phys) };
         let mut l = lock(&p.life);
         l.0 = l.0.saturating_sub(1);
     }
+    // SAFETY: `h` is a live VMM handle of ours (see above).
     unsafe { phys_settle(d, h) };
 }
 
 unsafe fn phys<'a>(h: u64) -> R<&'a Phys> {
     let p = h as *const Phys;
+    // SAFETY: a non-NULL handle of this type is, per the CUDA ABI, one this driver handed out
+    // (a Box it leaked); the magic word tells the types apart, and destroy zeroes it so a stale
+    // handle fails here.
     if p.is_null() || unsafe { (*p).magic } != PHYS_MAGIC {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    // SAFETY: checked just above: the live object this driver leaked for the handle; it stays
+    // until its destroy call (use after that is the caller's bug, as with the real driver).
     Ok(unsafe { &*p })
 }
 
@@ -916,9 +952,10 @@ unsafe fn host_alloc(out: *mut *mut c_void, size: usize) -> R {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let len = round_up(size, PAGE);
+    // SAFETY: plain anonymous mapping of `len` bytes; see map_anon.
     let p = unsafe { map_anon(len, libc::PROT_READ | libc::PROT_WRITE)? };
     lock(&d.mem.host).insert(p as u64, len);
-    unsafe { *out = p };
+    put(out, p)?;
     Ok(())
 }
 

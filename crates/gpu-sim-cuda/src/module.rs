@@ -41,27 +41,38 @@ unsafe fn load(out: *mut *mut c_void, bytes: u64) -> R {
     if current().is_ok()
         && let Err(e) = charge::charge_module(d, m as usize, bytes)
     {
+        // SAFETY: `m` came from Box::into_raw just above and was never handed out: freed once,
+        // here.
         drop(unsafe { Box::from_raw(m) });
         return Err(e);
     }
-    unsafe { *out = m.cast() };
+    put(out, m.cast())?;
     Ok(())
 }
 
 unsafe fn module<'a>(h: *mut c_void) -> R<&'a Module> {
     let m = h as *const Module;
+    // SAFETY: a non-NULL handle of this type is, per the CUDA ABI, one this driver handed out
+    // (a Box it leaked); the magic word tells the types apart, and destroy zeroes it so a stale
+    // handle fails here.
     if m.is_null() || unsafe { (*m).magic } != MODULE_MAGIC {
         return Err(CUDA_ERROR_INVALID_HANDLE);
     }
+    // SAFETY: checked just above: the live object this driver leaked for the handle; it stays
+    // until its destroy call (use after that is the caller's bug, as with the real driver).
     Ok(unsafe { &*m })
 }
 
 unsafe fn get_function(out: *mut *mut c_void, m: *mut c_void, name: *const c_char) -> R {
     drv()?;
+    // SAFETY: `m` is our caller's module handle, passed on under this function's own contract;
+    // `module` checks its magic.
     let m = unsafe { module(m)? };
     if out.is_null() || name.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    // SAFETY: `name` is non-NULL (checked above) and, per the CUDA ABI, a NUL-terminated
+    // string.
     let name = unsafe { CStr::from_ptr(name) }
         .to_str()
         .map_err(|_| CUDA_ERROR_NOT_FOUND)?;
@@ -80,9 +91,13 @@ unsafe fn get_function(out: *mut *mut c_void, m: *mut c_void, name: *const c_cha
 
 unsafe fn unload(m: *mut c_void) -> R {
     let d = drv()?;
+    // SAFETY: `m` is our caller's module handle, passed on under this function's own contract;
+    // `module` checks its magic.
     unsafe { module(m)? };
     d.mem.charges.drop_one(d, charge::What::Module, m as usize);
     let m = m as *mut Module;
+    // SAFETY: the handle passed its magic check, so it is a Box this driver leaked; the magic
+    // is zeroed and the Box freed once, here, under the destroy call.
     let m = unsafe {
         (*m).magic = 0;
         Box::from_raw(m)
@@ -95,9 +110,14 @@ unsafe fn unload(m: *mut c_void) -> R {
 
 unsafe fn func<'a>(f: *mut c_void) -> R<&'a Func> {
     let p = f as *const Func;
+    // SAFETY: a non-NULL handle of this type is, per the CUDA ABI, one this driver handed out
+    // (a Box it leaked); the magic word tells the types apart, and destroy zeroes it so a stale
+    // handle fails here.
     if p.is_null() || unsafe { (*p).magic } != FUNC_MAGIC {
         return Err(CUDA_ERROR_INVALID_HANDLE);
     }
+    // SAFETY: checked just above: the live object this driver leaked for the handle; it stays
+    // until its destroy call (use after that is the caller's bug, as with the real driver).
     Ok(unsafe { &*p })
 }
 

@@ -125,6 +125,8 @@ fn current_pool(gpu: usize) -> &'static Pool {
     } else {
         p
     };
+    // SAFETY: CURRENT only ever holds 0 or the address of a leaked, never-freed Pool
+    // (set_current_pool / default_pool take &'static Pool).
     unsafe { &*(p as *const Pool) }
 }
 
@@ -139,9 +141,14 @@ fn static_current(gpu: usize) -> &'static AtomicUsize {
 
 unsafe fn pool<'a>(h: *mut c_void) -> R<&'a Pool> {
     let p = h as *const Pool;
+    // SAFETY: a non-NULL handle of this type is, per the CUDA ABI, one this driver handed out
+    // (a Box it leaked); the magic word tells the types apart, and destroy zeroes it so a stale
+    // handle fails here.
     if p.is_null() || unsafe { (*p).magic } != POOL_MAGIC {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    // SAFETY: checked just above: the live object this driver leaked for the handle; it stays
+    // until its destroy call (use after that is the caller's bug, as with the real driver).
     let p = unsafe { &*p };
     if lock(&p.usage).destroyed {
         return Err(CUDA_ERROR_INVALID_VALUE);
@@ -151,6 +158,8 @@ unsafe fn pool<'a>(h: *mut c_void) -> R<&'a Pool> {
 
 unsafe fn alloc_async(out: *mut u64, size: usize, stream: *mut c_void, ptsz: bool) -> R {
     let d = drv()?;
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
     let t = unsafe { Target::of(stream, ptsz)? };
     if out.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
@@ -171,7 +180,11 @@ unsafe fn alloc_from_pool(
     ptsz: bool,
 ) -> R {
     let d = drv()?;
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
     let t = unsafe { Target::of(stream, ptsz)? };
+    // SAFETY: `pl` is our caller's pool handle, passed on under this function's own contract;
+    // `pool` checks its magic.
     let pl: &'static Pool = unsafe { pool(pl)? };
     if out.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
@@ -192,6 +205,8 @@ unsafe fn alloc_from_pool(
 
 unsafe fn free_async(ptr: u64, stream: *mut c_void, ptsz: bool) -> R {
     let d = drv()?;
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
     let t = unsafe { Target::of(stream, ptsz)? };
     if crate::capture::free(t, ptr)? {
         return Ok(());
