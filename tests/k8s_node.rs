@@ -62,8 +62,12 @@ fn k8s_bin() -> Option<PathBuf> {
     found.pop()
 }
 
+/// CI (tests/run.sh) says the suite must run: `VCUDA_REQUIRE_K8S=1`, or
+/// `VCUDA_REQUIRE_ALL=1` (every test must run).
 fn required() -> bool {
-    std::env::var("VCUDA_REQUIRE_K8S").as_deref() == Ok("1")
+    ["VCUDA_REQUIRE_K8S", "VCUDA_REQUIRE_ALL"]
+        .iter()
+        .any(|v| std::env::var(v).as_deref() == Ok("1"))
 }
 
 /// Polls `f` every 200 ms until it gives a value; panics after `secs`
@@ -652,14 +656,19 @@ fn real_node_suite() {
         let msg = "no Kubernetes binaries (VCUDA_K8S_BIN unset and no /var/cache/vcuda/k8s-*/bin/kubelet): \
                    run tests/k8s/build-kubernetes.sh (tests/run.sh does)";
         if required() {
-            panic!("VCUDA_REQUIRE_K8S=1 but {msg}");
+            panic!(
+                "the real-node suite must run here (VCUDA_REQUIRE_K8S=1 or VCUDA_REQUIRE_ALL=1) but {msg}"
+            );
         }
         eprintln!("skipped: {msg}");
         return;
     };
     // SAFETY: plain libc query.
     if unsafe { libc::geteuid() } != 0 {
-        assert!(!required(), "VCUDA_REQUIRE_K8S=1 but not root");
+        assert!(
+            !required(),
+            "the real-node suite must run here (VCUDA_REQUIRE_K8S=1 or VCUDA_REQUIRE_ALL=1) but this is not root"
+        );
         eprintln!("skipped: the real node needs root");
         return;
     }
