@@ -400,6 +400,8 @@ impl HostManager {
                 "unix://{}",
                 c.dir.join("containerd/containerd.sock").display()
             ),
+            "--xid-quiet-period",
+            "5",
             "--allocation-check-period",
             "5",
         ]
@@ -1032,6 +1034,40 @@ fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         load.trim()
     );
     c.kubectl_ok(&["delete", "pod", "share30", "share70", "--wait=false"]);
+
+    // Health through ListAndWatch: a critical Xid on GPU 3 takes its 100
+    // cores and 60 memory units out of kubelet's allocatable; after the
+    // quiet period (5 s here) they are back.
+    let xid = Command::new(target_dir().join("gpu-sim"))
+        .args([
+            "xid",
+            "--root",
+            w.sim.to_str().unwrap(),
+            "--gpu",
+            "3",
+            "--code",
+            "79",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        xid.status.success(),
+        "gpu-sim xid: {}",
+        String::from_utf8_lossy(&xid.stderr)
+    );
+    let t_xid = Instant::now();
+    c.wait_allocatable(
+        "GPU 3 out of the node's allocatable after Xid 79",
+        (300, 180),
+        60,
+    );
+    let t_out = t_xid.elapsed();
+    c.wait_allocatable("GPU 3 back after the quiet period", (400, 240), 90);
+    figures.push(format!(
+        "Xid 79 on GPU 3: out of kubelet's allocatable after {:.2} s, back {:.2} s after the Xid (quiet period 5 s) (ListAndWatch updates through kubelet 1.20)",
+        t_out.as_secs_f64(),
+        t_xid.elapsed().as_secs_f64()
+    ));
 
     // ------------------------------------------------ phase 2: restarts
     eprintln!("k8s_node: phase 2: 20 live pods, manager kill -9, kubelet restart, deletion");
