@@ -237,6 +237,8 @@ impl Proc {
 pub fn proc() -> &'static Proc {
     let p = PROC.load(Ordering::Acquire);
     if !p.is_null() {
+        // SAFETY: a non-NULL PROC came from Box::into_raw (proc_init or atfork_child) and is
+        // never freed (a replaced one is leaked), so it is valid for 'static.
         return unsafe { &*p };
     }
     proc_init()
@@ -245,6 +247,8 @@ pub fn proc() -> &'static Proc {
 #[cold]
 fn proc_init() -> &'static Proc {
     static ATFORK: Once = Once::new();
+    // SAFETY: pthread_atfork with a plain extern "C" handler that lives as long as the process;
+    // registered once.
     ATFORK.call_once(|| unsafe {
         libc::pthread_atfork(None, None, Some(atfork_child));
     });
@@ -255,9 +259,14 @@ fn proc_init() -> &'static Proc {
         Ordering::AcqRel,
         Ordering::Acquire,
     ) {
+        // SAFETY: `fresh` came from Box::into_raw just above and is now published in PROC,
+        // never freed: valid for 'static.
         Ok(_) => unsafe { &*fresh },
         Err(existing) => {
+            // SAFETY: `fresh` came from Box::into_raw above and lost the race, so no one else
+            // has seen it: freed once, here.
             drop(unsafe { Box::from_raw(fresh) });
+            // SAFETY: `existing` is the published PROC: from Box::into_raw, never freed.
             unsafe { &*existing }
         }
     }
@@ -274,7 +283,9 @@ extern "C" fn atfork_child() {
 }
 
 fn file_id(fd: &OwnedFd) -> (u64, u64) {
+    // SAFETY: `libc::stat` is plain integers, for which all-zero is valid.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat on a descriptor we own, filling our local `st`.
     unsafe { libc::fstat(fd.as_raw_fd(), &mut st) };
     (st.st_dev, st.st_ino)
 }
