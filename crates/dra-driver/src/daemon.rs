@@ -227,6 +227,11 @@ pub async fn run(
                 if now.duration_since(resync) >= s.resync_period {
                     resync = now;
                     changed = true;
+                    // A backstop: closed connections release PIDs already.
+                    let pruned = driver.registry().prune();
+                    if pruned > 0 {
+                        tracing::info!(pruned, "dead PIDs removed from pids.config");
+                    }
                 }
             }
         }
@@ -243,5 +248,6 @@ pub async fn run(
             }
         }
     }
+    driver.shutdown();
     Ok(())
 }

@@ -166,6 +166,17 @@ impl Driver {
             .clone()
     }
 
+    /// Closes every `vcuda.sock` and its connections, as the process's exit
+    /// would: the interposers keep their quota and ledger slot and register
+    /// again with the next driver; `pids.config` is kept for it.
+    pub fn shutdown(&self) {
+        for c in self.prepared() {
+            for d in c.devices.iter().filter(|d| !d.whole) {
+                self.registry.stop(&registry_id(&c.uid, &d.request));
+            }
+        }
+    }
+
     /// Health from the Xid watch; prepared claims are not touched.
     pub fn set_healthy(&self, gpu: usize, healthy: bool) {
         if let Some(h) = self

@@ -12,7 +12,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use apiserver_emulator::{ApiServer, Kind};
@@ -152,7 +152,7 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
     };
     let cancel = CancellationToken::new();
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let daemon = tokio::spawn(run(settings, cancel.clone(), Some(tx)));
+    let daemon = tokio::spawn(run(settings.clone(), cancel.clone(), Some(tx)));
     let ready = tokio::time::timeout(Duration::from_secs(60), rx)
         .await
         .unwrap()
@@ -291,6 +291,95 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
             .join(quota_config::CONFIG_FILE)
             .exists()
     );
+
+    // A driver restart with a process holding 256 MiB of claim B: it
+    // registers again with the new driver, keeps its bytes, and the quota
+    // still holds (256 more fit, the next 256 do not).
+    let env_b = container_env(
+        &cdi::resolve(
+            &dirs.p("cdi"),
+            &format!("vcuda.tencent.com/gpu={}-gpu", claims[1].uid),
+        )
+        .unwrap(),
+    );
+    let mut hold = Command::new(&client)
+        .args(["hold", "256"])
+        .envs(env_b.iter().cloned())
+        .env_remove("LOGGER_LEVEL")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .env("LOGGER_LEVEL", "3")
+        .spawn()
+        .unwrap();
+    // The interposer's log (info): how the test sees it register again.
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    {
+        use std::io::BufRead;
+        let (log, err) = (log.clone(), hold.stderr.take().unwrap());
+        std::thread::spawn(move || {
+            for l in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+                log.lock().unwrap().push_str(&(l + "\n"));
+            }
+        });
+    }
+    let vm_b = dirs.p("vm").join(&claims[1].uid).join("gpu");
+    let (ledger_b, _) =
+        container_ledger::Ledger::open(&vm_b.join(container_ledger::LEDGER_FILE)).unwrap();
+    until(10, "the held 256 MiB", || ledger_b.used() > 256 * MIB).await;
+    let held = ledger_b.used();
+    let pid = hold.id() as i32;
+    let pids = || {
+        std::fs::read(vm_b.join(quota_config::PIDS_FILE))
+            .ok()
+            .and_then(|b| quota_config::decode_pids(&b).ok())
+            .unwrap_or_default()
+    };
+    assert_eq!(pids(), [pid]);
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+    let cancel = CancellationToken::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let daemon = tokio::spawn(run(settings, cancel.clone(), Some(tx)));
+    tokio::time::timeout(Duration::from_secs(60), rx)
+        .await
+        .unwrap()
+        .unwrap();
+    let kubelet =
+        plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(20), false)
+            .await
+            .unwrap();
+    assert_eq!(
+        slice_generation(&server),
+        Some((3, 1)),
+        "a restart on the same GPUs writes no new generation"
+    );
+    let sock = vm_b.join(quota_config::SOCKET_FILE);
+    until(10, "vcuda.sock served again", || {
+        std::os::unix::net::UnixStream::connect(&sock).is_ok()
+    })
+    .await;
+    until(20, "the process registered again", || {
+        log.lock().unwrap().contains("re-registered")
+    })
+    .await;
+    assert_eq!(pids(), [pid]);
+    assert_eq!(ledger_b.used(), held, "its bytes are still counted");
+    {
+        use std::io::Write;
+        let stdin = hold.stdin.as_mut().unwrap();
+        stdin.write_all(b"alloc\nalloc\n").unwrap();
+    }
+    drop(hold.stdin.take());
+    let out = hold.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("alloc=0\nalloc=2"), "{stdout}");
+    // Only a process registered with the new driver is released by it on
+    // exit (its PID leaves pids.config, its ledger slot is cleared).
+    until(10, "the process's bytes released", || {
+        ledger_b.used() == 0 && pids().is_empty()
+    })
+    .await;
 
     // Deleting the pod: the kubelet unprepares its claim.
     let u = kubelet.unprepare(&claims[..1]).await.unwrap();
