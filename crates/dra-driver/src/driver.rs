@@ -138,6 +138,7 @@ impl Driver {
                 tracing::error!(claim = %format!("{}/{}", c.namespace, c.name), error = %e, "restoring a prepared claim");
             }
         }
+        d.sweep_cdi(&ck);
         tracing::info!(
             claims = ck.claims.len(),
             "prepared claims restored from the checkpoint"
@@ -271,6 +272,33 @@ impl Driver {
                     self.cfg.cdi_dir.display()
                 )
             })
+    }
+
+    /// Removes this driver's CDI specs of claims the checkpoint does not
+    /// hold (a prepare that failed half-way before a crash): the runtime
+    /// must not inject devices nobody accounts for. Vm directories are left
+    /// alone: their root may be shared with a misconfigured device plugin.
+    fn sweep_cdi(&self, ck: &Checkpoint) {
+        let prefix = format!("{}-", crate::DRIVER_NAME);
+        for e in std::fs::read_dir(&self.cfg.cdi_dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(uid) = name
+                .strip_prefix(&prefix)
+                .and_then(|n| n.strip_suffix(".json"))
+            else {
+                continue;
+            };
+            if !ck.claims.contains_key(uid) {
+                tracing::info!(spec = %e.path().display(), "removing the CDI spec of a claim that is not prepared");
+                if let Err(err) = std::fs::remove_file(e.path()) {
+                    tracing::warn!(spec = %e.path().display(), error = %err, "removing a stray CDI spec");
+                }
+            }
+        }
     }
 
     fn release(&self, uid: &str, devices: &[PlannedDevice]) {

@@ -242,6 +242,7 @@ async fn prepare_pack_restart_unprepare() {
     // prepare answers from the checkpoint even with the claim gone from the
     // API server.
     run.cancel.cancel();
+    run.driver.shutdown();
     drop(run);
     drop(kubelet);
     server.delete(Kind::ResourceClaim, Some(NS), "c2").unwrap();
@@ -255,7 +256,16 @@ async fn prepare_pack_restart_unprepare() {
         .join(format!("vcuda.tencent.com-{}.json", uid(&c2)));
     let spec1_ino = std::fs::metadata(&spec1).unwrap().ino();
     std::fs::remove_file(&spec2).unwrap();
+    // A spec of a claim that never made it into the checkpoint goes.
+    let stray = dirs
+        .p("cdi")
+        .join("vcuda.tencent.com-00000000-dead-4000-8000-000000000000.json");
+    std::fs::write(&stray, b"{}").unwrap();
+    let foreign = dirs.p("cdi").join("nvidia.com-gpu.json");
+    std::fs::write(&foreign, b"{}").unwrap();
     let run = start(&dirs, gpus(), &api).await;
+    assert!(!stray.exists() && foreign.exists());
+    std::fs::remove_file(&foreign).unwrap();
     assert_eq!(std::fs::metadata(&spec1).unwrap().ino(), spec1_ino);
     assert!(
         cdi::resolve(
