@@ -32,7 +32,7 @@ use std::sync::{LazyLock, Mutex, MutexGuard, OnceLock};
 type Ptr = *mut c_void;
 
 /// Stream captures this process began and has not ended.
-pub static CAPTURES: AtomicUsize = AtomicUsize::new(0);
+pub(crate) static CAPTURES: AtomicUsize = AtomicUsize::new(0);
 
 /// `CUgraphNodeType` values the walk looks at.
 const NODE_KERNEL: i32 = 0;

@@ -33,7 +33,7 @@ pub mod controller;
 pub mod cost;
 pub mod sampler;
 
-pub use cost::kernel_cost;
+pub(crate) use cost::kernel_cost;
 
 use bucket::{Bucket, now_ns};
 use container_ledger::Ledger;
@@ -61,8 +61,12 @@ const IDLE_TICK: Duration = Duration::from_millis(100);
 /// launch first has to sleep (a process that throttles unregistered, a
 /// fork child that only launches, registers then). Must stay cheap: the
 /// launch path budget is a few ns over the driver.
+///
+/// Crate-private, as is everything the launch path touches: an item other
+/// crates could inline is an exported symbol, which the cdylib then reaches
+/// through the GOT (one more dependent load per static, an indirect call).
 #[inline(always)]
-pub fn before_launch(cost: impl FnOnce() -> u64, register: fn()) {
+pub(crate) fn before_launch(cost: impl FnOnce() -> u64, register: fn()) {
     before_launch_unless(|| false, cost, register)
 }
 
@@ -70,7 +74,7 @@ pub fn before_launch(cost: impl FnOnce() -> u64, register: fn()) {
 /// recorded into a graph, not run? see `crate::graph`) is asked only when
 /// the container has a compute limit; a captured launch is not charged.
 #[inline(always)]
-pub fn before_launch_unless(
+pub(crate) fn before_launch_unless(
     captured: impl FnOnce() -> bool,
     cost: impl FnOnce() -> u64,
     register: fn(),

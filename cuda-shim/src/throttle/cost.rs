@@ -42,25 +42,25 @@ static SHAPE: AtomicPtr<Shape> = AtomicPtr::new(std::ptr::null_mut());
 /// The cost of launching `grid` blocks of `block` threads (0 dimensions
 /// count as 1: the driver rejects them anyway).
 #[inline(always)]
-pub fn kernel_cost(grid: [u32; 3], block: [u32; 3]) -> u64 {
+pub(crate) fn kernel_cost(grid: [u32; 3], block: [u32; 3]) -> u64 {
+    // Scalars all the way (the cold call too): arrays would be built on
+    // the stack on the launch path for the slow path's sake.
+    let [gx, gy, gz] = grid;
+    let [bx, by, bz] = block;
     let p = SHAPE.load(Ordering::Acquire);
     if p.is_null() {
-        return slow_cost(grid, block);
+        return slow_cost(gx, gy, gz, bx, by, bz);
     }
     // SAFETY: published once, never freed.
     let s = unsafe { &*p };
-    let t = u64::from(block[0].max(1)) * u64::from(block[1].max(1));
-    let blocks = (u64::from(grid[0].max(1)) * u64::from(grid[1].max(1)))
-        .saturating_mul(u64::from(grid[2].max(1)));
-    if t > MAX_BLOCK_THREADS as u64 || block[2] > MAX_BLOCK_THREADS as u32 || blocks >= FAST_BLOCKS
-    {
-        return slow_cost(grid, block);
+    let blocks = (u64::from(gx.max(1)) * u64::from(gy.max(1))).saturating_mul(u64::from(gz.max(1)));
+    // One check for the table's range: each factor is below 2^32, so only
+    // the last product can overflow, and saturating keeps it out of range.
+    let t = (u64::from(bx.max(1)) * u64::from(by.max(1))).saturating_mul(u64::from(bz.max(1)));
+    if t > MAX_BLOCK_THREADS as u64 || blocks >= FAST_BLOCKS {
+        return slow_cost(gx, gy, gz, bx, by, bz);
     }
-    let t = (t * u64::from(block[2].max(1))) as usize;
-    if t > MAX_BLOCK_THREADS {
-        return slow_cost(grid, block);
-    }
-    let (c, inv) = s.by_threads[t];
+    let (c, inv) = s.by_threads[t as usize];
     if blocks <= c {
         // One wave (reductions, small kernels): no arithmetic on the path
         // to the bucket's fetch_add, which needs the cost.
@@ -80,10 +80,10 @@ pub fn kernel_cost(grid: [u32; 3], block: [u32; 3]) -> u64 {
 /// Outside the table (first launches, odd shapes): divides.
 #[cold]
 #[inline(never)]
-fn slow_cost(grid: [u32; 3], block: [u32; 3]) -> u64 {
+fn slow_cost(gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32) -> u64 {
     let s = shape();
     let (sms, per_sm) = s.map_or(FALLBACK, |s| (s.sms, s.per_sm_threads));
-    waves(sms, per_sm, grid, block).saturating_mul(WAVE_UNITS)
+    waves(sms, per_sm, [gx, gy, gz], [bx, by, bz]).saturating_mul(WAVE_UNITS)
 }
 
 /// Waves of `grid` x `block` on a device of `sms` SMs of `per_sm_threads`.
