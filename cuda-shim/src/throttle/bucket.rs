@@ -185,8 +185,7 @@ impl Bucket {
                 on_first_sleep();
                 continue;
             }
-            let ns = ((t.end - g) as f64 / rate).clamp(MIN_SLEEP_NS, MAX_SLEEP_NS);
-            sleep(ns as u64);
+            sleep(sleep_for(t.end - g, rate));
         };
         if slept_since.is_some() {
             self.w[WAITING].fetch_sub(t.cost, Ordering::AcqRel);
@@ -343,6 +342,26 @@ impl Bucket {
             self.w[ACHIEVED_X100].load(Ordering::Relaxed) as f64 / 100.0,
         )
     }
+}
+
+/// How long to sleep for `deficit` units at `rate`: the shortest time whose
+/// refill covers it (refills grant `floor(rate x elapsed)`), so one sleep
+/// does it. A truncated division left it a unit short now and then, and
+/// the second, shortest sleep cost another wakeup: on a loaded host each
+/// wakeup may come milliseconds late. At least [`MIN_SLEEP_NS`] (timer slack
+/// is 50 us anyway; the surplus stays in the bucket), at most
+/// [`MAX_SLEEP_NS`] (then it looks again).
+fn sleep_for(deficit: u64, rate: f64) -> u64 {
+    let d = deficit as f64;
+    let mut ns = (d / rate).ceil();
+    // Rounding of the product: a few ulps at most.
+    for _ in 0..4 {
+        if (rate * ns).floor() >= d {
+            break;
+        }
+        ns += (ns * 4.0 * f64::EPSILON).max(1.0);
+    }
+    ns.clamp(MIN_SLEEP_NS, MAX_SLEEP_NS) as u64
 }
 
 /// CLOCK_MONOTONIC ns (vDSO, no syscall).
@@ -503,6 +522,44 @@ mod tests {
         let t = b.take(20_000).unwrap();
         let w = sim.wait(&b, t);
         assert!((20_000_000..20_100_000).contains(&w), "{w}");
+    }
+
+    /// tests/gpu's kernel mix (1-wave and 12-wave launches back to back
+    /// from one thread) on a host that wakes sleepers late now and then:
+    /// each wait asks for one sleep of at most its own cost's time at the
+    /// rate (or the shortest sleep), and a late wakeup never lengthens a
+    /// later wait (what it leaves behind is tokens, not debt).
+    #[test]
+    fn each_wait_asks_for_its_own_cost_whatever_the_wakeups() {
+        // 30 % of a device whose waves take 10 us, and odd rates around it.
+        for rate in [0.3 * 16.0 / 10_000.0, 3.7e-4, 1.234e-3, 7.77e-5] {
+            let (_d, _l, b, sim) = drained(1_000);
+            b.set_rate(rate, 1.0);
+            let mut waits = 0;
+            for i in 0..4000u64 {
+                let cost = if i % 2 == 0 { 16 } else { 12 * 16 };
+                let Some(t) = b.take(cost) else { continue };
+                waits += 1;
+                // Every 50th wait wakes 20 ms late.
+                let late = if waits % 50 == 0 { 20_000_000 } else { 0 };
+                let mut asked = Vec::new();
+                b.wait_with(
+                    t,
+                    || sim.0.get(),
+                    |ns| {
+                        asked.push(ns);
+                        sim.0.set(sim.0.get() + ns + late);
+                    },
+                    || {},
+                );
+                let own = ((cost as f64 / rate).ceil() as u64 + 1).max(MIN_SLEEP_NS as u64);
+                assert!(
+                    asked.len() == 1 && asked[0] <= own,
+                    "rate {rate}, launch {i} (cost {cost}, {own} ns at the rate): slept {asked:?}"
+                );
+            }
+            assert!(waits > 500, "rate {rate}: {waits}");
+        }
     }
 
     #[test]
