@@ -58,6 +58,7 @@ command -v runc >/dev/null 2>&1 || k8s_need+=(runc)
 command -v openssl >/dev/null 2>&1 || k8s_need+=(openssl)
 command -v curl >/dev/null 2>&1 || k8s_need+=(curl)
 command -v ip >/dev/null 2>&1 || k8s_need+=(iproute2)
+command -v pgrep >/dev/null 2>&1 || k8s_need+=(procps)
 [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || k8s_need+=(libc6-dev)
 if [ ${#k8s_need[@]} -gt 0 ]; then
   apt-get update -qq

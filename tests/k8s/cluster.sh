@@ -81,11 +81,11 @@ wait_for() {
 
 need_tools() {
   local missing=()
-  for t in etcd containerd runc ctr openssl gcc; do
+  for t in etcd containerd runc ctr openssl gcc curl ip pgrep; do
     command -v "$t" >/dev/null 2>&1 || missing+=("$t")
   done
   [ -x /usr/lib/cni/bridge ] || missing+=("/usr/lib/cni/bridge (containernetworking-plugins)")
-  [ ${#missing[@]} -eq 0 ] || die "missing: ${missing[*]} (apt-get install etcd-server containerd runc containernetworking-plugins openssl gcc)"
+  [ ${#missing[@]} -eq 0 ] || die "missing: ${missing[*]} (apt-get install etcd-server containerd runc containernetworking-plugins openssl gcc libc6-dev curl iproute2 procps)"
 }
 
 # ---------------------------------------------------------------- PKI
