@@ -779,55 +779,92 @@ fn real_node_suite() {
         "nvidia-device-enable=enable",
         "--overwrite",
     ]);
-    let mgr_pod = wait("the DaemonSet's pod Ready", 240, || {
-        let l = c.json(&[
-            "-n",
-            "kube-system",
-            "pods",
-            "-l",
-            "app.kubernetes.io/name=gpu-manager",
-        ])?;
-        let items = l["items"].as_array().cloned().unwrap_or_default();
-        for p in &items {
-            let ready = p["status"]["conditions"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .any(|c| c["type"] == "Ready" && c["status"] == "True");
-            if ready {
-                return Ok(p["metadata"]["name"].as_str().unwrap().to_string());
-            }
-        }
-        Err(format!(
-            "{}",
-            items
-                .iter()
-                .map(|p| p["status"].to_string())
-                .collect::<Vec<_>>()
-                .join("\n")
-        ))
-    });
+    let mgr_pod = ds_ready_pod(&c, None);
     let ds_ready = t_ds.elapsed();
     figures.push(format!(
         "DaemonSet: pod Ready {:.2} s after the node was labelled (image built locally, RBAC authorizer)",
         ds_ready.as_secs_f64()
     ));
     c.wait_allocatable("resources from the DaemonSet's manager", (400, 240), 120);
-    let log = c.run_pod(
-        &pod_yaml(
-            &w,
-            "ds-share",
-            30,
-            8,
-            "/work/shim_client quota 256 && echo --- && /work/cudart_loader 256",
-            "",
-        ),
+    // A share served by it, which then stays, holding memory.
+    c.apply(&pod_yaml(
+        &w,
         "ds-share",
-    );
-    let (lcuda, cudart) = log.split_once("---").expect("both programs' output");
+        30,
+        8,
+        "/work/shim_client quota 256 && echo --- && /work/cudart_loader 256 && echo --- \
+         && sleep 1000000 | /work/shim_client hold 64",
+        "",
+    ));
+    let share = c.wait_phase("ds-share", &["Running"], 120);
+    let log = wait("ds-share's programs done and holding", 120, || {
+        let l = c.logs("ds-share");
+        if l.contains("holding pid=") {
+            Ok(l)
+        } else {
+            Err(l)
+        }
+    });
+    let parts: Vec<&str> = log.split("---").collect();
+    let (lcuda, cudart) = (parts[0], parts[1]);
     assert_eq!(get_u64(&kv(lcuda), "start_total", &log), quota, "{log}");
     assert_eq!(get_u64(&kv(lcuda), "last", &log), 2, "{log}");
     assert_eq!(get_u64(&kv(cudart), "total", &log), quota, "{log}");
+    assert_eq!(get_u64(&kv(cudart), "last", &log), 2, "{log}");
+
+    // The manager's pod deleted: the DaemonSet's new pod recovers the live
+    // share (checkpoint on the host path, kubelet, API server, containerd
+    // through CRI) and its process registers again.
+    let share_uid = share["metadata"]["uid"].as_str().unwrap().to_string();
+    let t_re = Instant::now();
+    c.kubectl_ok(&[
+        "-n",
+        "kube-system",
+        "delete",
+        "pod",
+        &mgr_pod,
+        "--wait=false",
+    ]);
+    let mgr_pod = ds_ready_pod(&c, Some(&mgr_pod));
+    let re_ready = t_re.elapsed();
+    let mlog_of = |pod: &str| {
+        c.kubectl(&["-n", "kube-system", "logs", pod])
+            .unwrap_or_default()
+    };
+    let rec = wait("the new manager pod's recovery line", 60, || {
+        let l = mlog_of(&mgr_pod);
+        l.lines()
+            .find(|l| l.contains("recovery finished"))
+            .map(str::to_string)
+            .ok_or_else(|| tail(&l, 5))
+    });
+    let rk = kv(&rec);
+    assert!(
+        rk.get("kept").is_some_and(|k| k == "1")
+            && rk.get("unreachable").is_some_and(|u| u == "[]"),
+        "the new manager pod kept the live share, every source reachable: {rec}"
+    );
+    wait(
+        "ds-share's process registered with the new manager pod",
+        60,
+        || {
+            let l = mlog_of(&mgr_pod);
+            if l.lines()
+                .any(|l| l.contains("interposer registered") && l.contains(&share_uid))
+            {
+                Ok(())
+            } else {
+                Err(tail(&l, 5))
+            }
+        },
+    );
+    let out = c.kubectl_ok(&["exec", "ds-share", "--", "/work/shim_client", "quota", "64"]);
+    assert_eq!(get_u64(&kv(&out), "start_total", &out), quota, "{out}");
+    figures.push(format!(
+        "DaemonSet pod deleted with a live share: the new pod Ready after {:.2} s ({rec_ms}), the share's process registered again",
+        re_ready.as_secs_f64(),
+        rec_ms = rk.get("recovery_ms").map(|v| format!("recovery_ms={v}")).unwrap_or_default()
+    ));
     // A refused request becomes a Warning Event on the pod (events.k8s.io/v1
     // create, the ClusterRole's only events verb).
     c.apply(&pod_yaml(&w, "refused", 30, 0, "true", ""));
@@ -1316,6 +1353,36 @@ fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         percentile(&all, 0.99) as f64 / 1000.0
     ));
     m.stop();
+}
+
+/// The DaemonSet's Ready pod (another than `not`).
+fn ds_ready_pod(c: &Cluster, not: Option<&str>) -> String {
+    wait("the DaemonSet's pod Ready", 240, || {
+        let l = c.json(&[
+            "-n",
+            "kube-system",
+            "pods",
+            "-l",
+            "app.kubernetes.io/name=gpu-manager",
+        ])?;
+        let items = l["items"].as_array().cloned().unwrap_or_default();
+        for p in &items {
+            let name = p["metadata"]["name"].as_str().unwrap_or("");
+            let ready = p["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Ready" && c["status"] == "True");
+            if ready && Some(name) != not {
+                return Ok(name.to_string());
+            }
+        }
+        Err(items
+            .iter()
+            .map(|p| p["status"].to_string())
+            .collect::<Vec<_>>()
+            .join("\n"))
+    })
 }
 
 /// Removes a directory the test created on the host (/etc/gpu-manager).

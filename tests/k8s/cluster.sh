@@ -430,7 +430,8 @@ down() {
   done
   ip link del "$BRIDGE" 2>/dev/null || true
   ip addr del "$NODE_IP/32" dev lo 2>/dev/null || true
-  rm -rf "$KUBELET_ROOT" "$D"
+  # Never into a mount that survived the unmounts (a pod volume, a host path).
+  rm -rf --one-file-system "$KUBELET_ROOT" "$D"
   # kubelet's QoS cgroups
   local c
   for c in /sys/fs/cgroup/*/kubepods; do
