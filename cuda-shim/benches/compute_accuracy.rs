@@ -16,9 +16,12 @@
 //!
 //! Launch cost: `cargo bench -p cuda-shim --bench overhead`.
 //! A benchmark, never a test: it prints and asserts nothing. About 2.5 min.
+//! Ends with the results as markdown rows (cuda-shim/README.md's figures).
 //! `cargo build --release --workspace && cargo bench -p cuda-shim --bench compute_accuracy`
 //! (gpu-sim falls back to target/debug).
 
+#[path = "../testsupport/report.rs"]
+mod report;
 #[path = "../testsupport/server.rs"]
 mod server;
 #[path = "../testsupport/simnode.rs"]
@@ -65,12 +68,24 @@ fn main() {
         "{:<34} {:>8} {:>9} {:>8} {:>6}",
         "case", "quota", "achieved", "error", "±2"
     );
+    let md = std::cell::RefCell::new(report::Markdown::new(&[
+        "case (sim A100)",
+        "quota",
+        "achieved",
+        "error",
+    ]));
     let row = |case: &str, quota: f64, got: f64| {
         let err = got - quota;
         println!(
             "{case:<34} {quota:>7.0}% {got:>8.1}% {err:>+8.1} {:>6}",
             if err.abs() <= 2.0 { "ok" } else { "MISS" }
         );
+        md.borrow_mut().row(vec![
+            case.to_string(),
+            format!("{quota:.0} %"),
+            format!("{got:.1} %"),
+            format!("{err:+.1}"),
+        ]);
     };
     for l in LIMITS {
         let (n, prog) = node();
@@ -115,5 +130,15 @@ fn main() {
             got - 30.0,
             if got > 30.0 { "burst" } else { "NO" }
         );
+        md.borrow_mut().row(vec![
+            "soft 30 (limit 100), alone: bursts".into(),
+            "30 %".into(),
+            format!("{got:.1} %"),
+            format!("{:+.1}", got - 30.0),
+        ]);
     }
+    md.borrow().print(
+        "cargo bench -p cuda-shim --bench compute_accuracy",
+        &format!("simulated A100 node (sim-1gpu), {WARMUP_S} s warm-up, {WINDOW_S} s windows, ground truth from the sim's timeline"),
+    );
 }

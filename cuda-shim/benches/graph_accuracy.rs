@@ -17,6 +17,8 @@
 //! `cargo build --release --workspace && cargo bench -p cuda-shim --bench graph_accuracy`
 //! (gpu-sim falls back to target/debug).
 
+#[path = "../testsupport/report.rs"]
+mod report;
 #[path = "../testsupport/server.rs"]
 mod server;
 #[path = "../testsupport/simnode.rs"]
@@ -55,12 +57,19 @@ fn main() {
         "{:<44} {:>8} {:>9} {:>8} {:>6}",
         "case", "quota", "achieved", "error", "±2"
     );
-    let row = |case: &str, got: f64| {
+    let mut md = report::Markdown::new(&["case (sim A100)", "quota", "achieved", "error"]);
+    let mut row = |case: &str, got: f64| {
         let err = got - LIMIT as f64;
         println!(
             "{case:<44} {LIMIT:>7}% {got:>8.1}% {err:>+8.1} {:>6}",
             if err.abs() <= 2.0 { "ok" } else { "MISS" }
         );
+        md.row(vec![
+            case.to_string(),
+            format!("hard {LIMIT} %"),
+            format!("{got:.1} %"),
+            format!("{err:+.1}"),
+        ]);
     };
     let cases: [(&str, &str, &[&str]); 3] = [
         (
@@ -86,4 +95,8 @@ fn main() {
         let got = workload::measure(&n, &[&c], &prog, args, (WARMUP_S, WINDOW_S))[0];
         row(case, got);
     }
+    md.print(
+        "cargo bench -p cuda-shim --bench graph_accuracy",
+        &format!("simulated A100 node (sim-1gpu), {WARMUP_S} s warm-up, {WINDOW_S} s window, ground truth from the sim's timeline"),
+    );
 }

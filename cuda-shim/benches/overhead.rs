@@ -19,6 +19,8 @@
 //! `cargo build --release --workspace && cargo bench -p cuda-shim --bench overhead`
 //! (gpu-sim and the sim's libraries fall back to target/debug).
 
+#[path = "../testsupport/report.rs"]
+mod report;
 #[path = "../testsupport/server.rs"]
 mod server;
 #[path = "../testsupport/simnode.rs"]
@@ -38,6 +40,15 @@ const QUOTA: i32 = 50;
 type Sample = (f64, f64, f64);
 /// A table row: name, samples compared with the direct ones, field, budget.
 type Row<'a> = (&'static str, &'a [Sample], fn(&Sample) -> f64, f64);
+
+/// ns, or µs / ms where that reads better.
+fn ns(v: f64) -> String {
+    match v.abs() {
+        x if x >= 1e6 => format!("{:.2} ms", v / 1e6),
+        x if x >= 1e4 => format!("{:.1} µs", v / 1e3),
+        _ => format!("{v:.1} ns"),
+    }
+}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -67,6 +78,14 @@ fn run(c: &Container, client: &Path) -> Sample {
 }
 
 fn main() {
+    // Created first: its load average is the one at the start.
+    let mut md = report::Markdown::new(&[
+        "call (median)",
+        "sim directly",
+        "interposer",
+        "added",
+        "budget",
+    ]);
     // `cargo bench` passes --bench; nothing else is accepted.
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let n = ShimNode::install(
@@ -128,8 +147,22 @@ fn main() {
             sm / dm,
             if added <= budget { "ok" } else { "OVER" }
         );
+        md.row(vec![
+            name.to_string(),
+            ns(dm),
+            ns(sm),
+            format!("+{}", ns(added)).replace("+-", "−"),
+            ns(budget),
+        ]);
     }
     let rate = bucket.rate();
+    md.print(
+        "cargo bench -p cuda-shim --bench overhead",
+        &format!(
+            "simulated A100 node (sim-1gpu), medians of {RUNS} runs, launches waited for tokens: {}",
+            bucket.waits()
+        ),
+    );
     println!(
         "compute quota: hard {QUOTA} %, learned rate {:.1} one-wave launches/ms; launches that waited for tokens: {}, asleep {:.1} ms{}",
         rate * 1e6 / vcuda::throttle::cost::WAVE_UNITS as f64,
