@@ -111,6 +111,8 @@ fn count_throttled(ns: u64) {
 /// The bucket, if this process throttles.
 pub fn bucket() -> Option<Bucket> {
     let p = BUCKET.load(Ordering::Acquire);
+    // SAFETY: BUCKET is NULL or points at the compute words of a mapping never unmapped
+    // (private_words' mremap copy, or a leaked local array), as Bucket::at requires.
     (!p.is_null()).then(|| unsafe { Bucket::at(p) })
 }
 
@@ -168,6 +170,7 @@ pub fn on_attach(ledger: &Ledger, slot: usize) {
         THROTTLED_NS.store(std::ptr::null_mut(), Ordering::Release);
         return;
     };
+    // SAFETY: `p` is the compute words of private_words' mapping, which is never unmapped.
     let b = unsafe { Bucket::at(p) };
     b.init();
     THROTTLED_NS.store(throttled_word(p).cast_mut(), Ordering::Release);
@@ -177,7 +180,10 @@ pub fn on_attach(ledger: &Ledger, slot: usize) {
 /// The ledger's `throttled_ns` counter in the mapping whose compute words
 /// start at `words` (the header page holds both).
 fn throttled_word(words: *const AtomicU64) -> *const AtomicU64 {
+    // SAFETY: `words` is at COMPUTE_OFFSET in a mapped ledger header page (private_words keeps
+    // the page's offset), so the header start is in the same mapping.
     let header = unsafe { words.cast::<u8>().sub(container_ledger::COMPUTE_OFFSET) };
+    // SAFETY: THROTTLED_NS_OFFSET (8-aligned) is inside that header page.
     unsafe { header.add(container_ledger::THROTTLED_NS_OFFSET) }.cast()
 }
 
@@ -209,7 +215,10 @@ fn report_blind(ctl: &mut Ctl) {
     // The header is mapped (shared) exactly when the throttled counter is.
     let t = THROTTLED_NS.load(Ordering::Acquire);
     if !t.is_null() {
+        // SAFETY: `t` is the throttled_ns word at THROTTLED_NS_OFFSET of a header page that is
+        // never unmapped (see throttled_word).
         let header = unsafe { t.cast::<u8>().sub(container_ledger::THROTTLED_NS_OFFSET) };
+        // SAFETY: COMPUTE_UNATTRIBUTED_OFFSET (8-aligned) is inside the same header page.
         let w = unsafe { header.add(container_ledger::COMPUTE_UNATTRIBUTED_OFFSET) };
         // SAFETY: a word of the never-unmapped header page.
         unsafe { &*w.cast::<AtomicU64>() }.store(now.map_or(0, |x| x as u64), Ordering::Relaxed);
@@ -225,10 +234,15 @@ fn private_words(ledger: &Ledger) -> Option<*const AtomicU64> {
     let page = 4096usize;
     let off = words as usize % page;
     let base = (words as usize - off) as *mut libc::c_void;
+    // SAFETY: `base` is the page-aligned start of the ledger's live MAP_SHARED mapping page
+    // holding the compute words (`ledger` borrows it for the call); old size 0 with MAYMOVE
+    // creates a new mapping of that page and touches no existing one.
     let p = unsafe { libc::mremap(base, 0, page, libc::MREMAP_MAYMOVE) };
     if p == libc::MAP_FAILED {
         return None;
     }
+    // SAFETY: `off` < page is the words' offset in the page, so the pointer stays inside the
+    // new one-page mapping, 8-aligned as in the ledger.
     Some(unsafe { (p as *const u8).add(off) } as *const AtomicU64)
 }
 
@@ -401,6 +415,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let (l, _f) = Ledger::create(&d.path().join("ledger"), 0).unwrap();
         let p = private_words(&l).unwrap();
+        // SAFETY: `p` is the compute words of private_words' mapping, which is never unmapped.
         let b = unsafe { Bucket::at(p) };
         b.init();
         b.set_rate(2.0, 1.0);
@@ -408,6 +423,8 @@ mod tests {
             l.compute_words()[11].load(Ordering::Relaxed),
             2.0f64.to_bits()
         );
+        // SAFETY: `throttled_word(p)` is the aligned throttled_ns word in the header page of
+        // the never-unmapped private mapping.
         let t = unsafe { &*throttled_word(p) };
         t.fetch_add(7, Ordering::Relaxed);
         assert_eq!(l.throttled_ns(), 7, "the ledger's counter, shared");
