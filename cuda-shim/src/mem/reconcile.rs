@@ -114,8 +114,12 @@ fn nvml() -> Option<&'static Nvml> {
     .as_ref()
 }
 
-/// The device memory NVML says `pid` uses.
-fn measure(n: &Nvml, pid: i32) -> Option<u64> {
+/// The device memory NVML says this process uses: listed under its host
+/// PID (what real drivers report, from any PID namespace), else under its
+/// own namespace's PID (a driver that cannot see the host's PIDs from inside
+/// the container). `None` when NVML does not list the process at all:
+/// unknown, never taken for zero.
+fn measure(n: &Nvml, host_pid: i32, own_pid: i32) -> Option<u64> {
     let mut buf = vec![ProcInfo::default(); 64];
     for _ in 0..4 {
         let mut count = buf.len() as u32;
@@ -129,14 +133,33 @@ fn measure(n: &Nvml, pid: i32) -> Option<u64> {
         if r != NVML_SUCCESS {
             return None;
         }
-        let used = buf[..count as usize]
-            .iter()
-            .filter(|p| p.pid as i32 == pid)
-            .map(|p| p.used)
-            .max();
-        return Some(used.unwrap_or(0));
+        let listed = &buf[..count as usize];
+        let used_by = |pid: i32| {
+            listed
+                .iter()
+                .filter(|p| p.pid as i32 == pid)
+                .map(|p| p.used)
+                .max()
+        };
+        return used_by(host_pid)
+            .or_else(|| (own_pid != host_pid).then(|| used_by(own_pid)).flatten());
     }
     None
+}
+
+/// Says once that NVML does not list this process (MPS, MIG, a PID
+/// namespace NVML cannot map): what the driver takes on its own is not
+/// counted until it does.
+fn unlisted(host_pid: i32) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        log!(
+            Warn,
+            "NVML does not list this process (host PID {host_pid}, PID {} here): memory the \
+             driver takes on its own (contexts, modules, heap) is not counted until it does",
+            std::process::id()
+        )
+    });
 }
 
 static LAST_NS: AtomicU64 = AtomicU64::new(0);
@@ -165,7 +188,12 @@ fn reconcile() {
         return;
     }
     let used = p.local_used.load(Ordering::Acquire);
-    let Some(measured) = measure(n, a.host_pid) else {
+    let Some(measured) = measure(n, a.host_pid, std::process::id() as i32) else {
+        // Only a process that holds device memory is listed; before its
+        // first context nothing is missing.
+        if used > 0 {
+            unlisted(a.host_pid);
+        }
         return;
     };
     if STARTED.load(Ordering::Acquire) != started || FINISHED.load(Ordering::Acquire) != started {

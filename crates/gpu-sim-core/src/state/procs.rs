@@ -178,6 +178,14 @@ impl SharedState {
                     }
                 }
             }
+            if host <= 0 {
+                // Another namespace's process whose host PID this reader
+                // cannot see (a reader inside a container, before any
+                // reader on the host cached it). Its own-namespace PID
+                // would mean nothing here and could equal one of ours, so
+                // it is left out rather than listed under a wrong PID.
+                continue;
+            }
             let mut name = Vec::with_capacity(32);
             for w in &s.comm {
                 name.extend_from_slice(&w.load(Acquire).to_ne_bytes());
