@@ -247,26 +247,41 @@ pub fn proc() -> &'static Proc {
 #[cold]
 fn proc_init() -> &'static Proc {
     static ATFORK: Once = Once::new();
+    init_per_process(&PROC, &ATFORK, atfork_child, Proc::new)
+}
+
+/// First use of a per-process state kept in `slot` (a leaked object that a
+/// fork child replaces): registers `child` with pthread_atfork (once, as
+/// `atfork` guards), then publishes a fresh `make()` in `slot` unless
+/// another thread published first, and returns whichever is published.
+/// `slot` only ever holds NULL or pointers from Box::into_raw that are
+/// never freed.
+pub(crate) fn init_per_process<T>(
+    slot: &'static AtomicPtr<T>,
+    atfork: &'static Once,
+    child: extern "C" fn(),
+    make: impl FnOnce() -> T,
+) -> &'static T {
     // SAFETY: pthread_atfork with a plain extern "C" handler that lives as long as the process;
     // registered once.
-    ATFORK.call_once(|| unsafe {
-        libc::pthread_atfork(None, None, Some(atfork_child));
+    atfork.call_once(|| unsafe {
+        libc::pthread_atfork(None, None, Some(child));
     });
-    let fresh = Box::into_raw(Box::new(Proc::new()));
-    match PROC.compare_exchange(
+    let fresh = Box::into_raw(Box::new(make()));
+    match slot.compare_exchange(
         std::ptr::null_mut(),
         fresh,
         Ordering::AcqRel,
         Ordering::Acquire,
     ) {
-        // SAFETY: `fresh` came from Box::into_raw just above and is now published in PROC,
+        // SAFETY: `fresh` came from Box::into_raw just above and is now published in `slot`,
         // never freed: valid for 'static.
         Ok(_) => unsafe { &*fresh },
         Err(existing) => {
             // SAFETY: `fresh` came from Box::into_raw above and lost the race, so no one else
             // has seen it: freed once, here.
             drop(unsafe { Box::from_raw(fresh) });
-            // SAFETY: `existing` is the published PROC: from Box::into_raw, never freed.
+            // SAFETY: `existing` is the published one: from Box::into_raw, never freed.
             unsafe { &*existing }
         }
     }

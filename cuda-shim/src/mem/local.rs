@@ -8,6 +8,7 @@ use super::ctx::Primary;
 use super::pool::Pools;
 use super::quota::{FINISHED, STARTED};
 use super::vmm::Maps;
+use crate::registration::init_per_process;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Mutex, MutexGuard, Once};
 
@@ -35,29 +36,7 @@ pub(crate) fn local() -> &'static Local {
 #[cold]
 fn init() -> &'static Local {
     static ATFORK: Once = Once::new();
-    // SAFETY: pthread_atfork with a plain extern "C" handler that lives as long as the process;
-    // registered once.
-    ATFORK.call_once(|| unsafe {
-        libc::pthread_atfork(None, None, Some(after_fork_child));
-    });
-    let fresh = Box::into_raw(Box::<Local>::default());
-    match LOCAL.compare_exchange(
-        std::ptr::null_mut(),
-        fresh,
-        Ordering::AcqRel,
-        Ordering::Acquire,
-    ) {
-        // SAFETY: `fresh` came from Box::into_raw just above and is now published in LOCAL,
-        // never freed: valid for 'static.
-        Ok(_) => unsafe { &*fresh },
-        Err(existing) => {
-            // SAFETY: `fresh` came from Box::into_raw above and lost the race, so no one else
-            // has seen it: freed once, here.
-            drop(unsafe { Box::from_raw(fresh) });
-            // SAFETY: `existing` is the published LOCAL: from Box::into_raw, never freed.
-            unsafe { &*existing }
-        }
-    }
+    init_per_process(&LOCAL, &ATFORK, after_fork_child, Local::default)
 }
 
 /// Only this thread exists in the child: a fresh state, and no allocation
