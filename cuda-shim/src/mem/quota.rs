@@ -14,7 +14,7 @@
 use crate::config;
 use crate::log::log;
 use crate::real::real_cuda;
-use crate::registration::{Attach, REFUSED, proc};
+use crate::registration::{Attach, Proc, REFUSED, proc};
 use crate::table::{Entry, Kind};
 use cuda_abi::{CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CUresult};
 use std::ffi::c_void;
@@ -119,56 +119,50 @@ pub(crate) fn alloc_sized(
     if config::enforce().is_none() {
         return call();
     }
-    let p = proc();
-    if let Err(e) = p.ensure_registered() {
-        return e;
-    }
-    let guard = p.attach();
-    let Some(a) = guard.as_ref() else {
-        return REFUSED;
-    };
-    if estimate == 0 {
-        // The driver rejects empty allocations; nothing to reserve.
-        return call();
-    }
-    let _f = InFlight::begin();
-    if let Err(e) = try_take(a, estimate, "allocation") {
-        return e;
-    }
-    let r = call();
-    if r != CUDA_SUCCESS {
-        give_back(Some(a), estimate);
-        return r;
-    }
-    let (key, actual) = result();
-    if actual > estimate {
-        if let Err(e) = try_take(a, actual - estimate, "allocation after padding") {
-            undo(key);
-            give_back(Some(a), estimate);
+    attached(|p, a| {
+        if estimate == 0 {
+            // The driver rejects empty allocations; nothing to reserve.
+            return call();
+        }
+        let _f = InFlight::begin();
+        if let Err(e) = try_take(a, estimate, "allocation") {
             return e;
         }
-    } else {
-        give_back(Some(a), estimate - actual);
-    }
-    // VMM handles outlive contexts; everything else dies with its context.
-    let ctx = if kind == Kind::Generic {
-        0
-    } else {
-        current_ctx()
-    };
-    let e = Entry { bytes: actual, ctx };
-    if let Some(old) = p.table.insert(kind, key, e) {
-        // The driver handed out a key we still held: the old allocation is
-        // gone (its context was reset behind our back). Not counted twice.
-        log!(
-            Debug,
-            "{kind:?} {key:#x} reused; giving back its old {} bytes",
-            old.bytes
-        );
-        give_back(Some(a), old.bytes);
-        super::vmm::forget(kind, key);
-    }
-    r
+        let r = call();
+        if r != CUDA_SUCCESS {
+            give_back(Some(a), estimate);
+            return r;
+        }
+        let (key, actual) = result();
+        if actual > estimate {
+            if let Err(e) = try_take(a, actual - estimate, "allocation after padding") {
+                undo(key);
+                give_back(Some(a), estimate);
+                return e;
+            }
+        } else {
+            give_back(Some(a), estimate - actual);
+        }
+        // VMM handles outlive contexts; everything else dies with its context.
+        let ctx = if kind == Kind::Generic {
+            0
+        } else {
+            current_ctx()
+        };
+        let e = Entry { bytes: actual, ctx };
+        if let Some(old) = p.table.insert(kind, key, e) {
+            // The driver handed out a key we still held: the old allocation is
+            // gone (its context was reset behind our back). Not counted twice.
+            log!(
+                Debug,
+                "{kind:?} {key:#x} reused; giving back its old {} bytes",
+                old.bytes
+            );
+            give_back(Some(a), old.bytes);
+            super::vmm::forget(kind, key);
+        }
+        r
+    })
 }
 
 /// Runs the free `call` and gives the allocation's bytes back on success.
@@ -203,6 +197,24 @@ pub(crate) fn reserve_for(bytes: u64, call: impl FnOnce() -> CUresult) -> CUresu
     if config::enforce().is_none() || bytes == 0 {
         return call();
     }
+    attached(|_, a| {
+        let _f = InFlight::begin();
+        if let Err(e) = try_take(a, bytes, "graph memory") {
+            return e;
+        }
+        let r = call();
+        if r != CUDA_SUCCESS {
+            give_back(Some(a), bytes);
+        }
+        r
+    })
+}
+
+/// Runs `f` with this process registered and its attachment held (read
+/// lock) for the whole call; the registration's error, or REFUSED without
+/// an attachment, is returned without running it.
+#[inline]
+fn attached(f: impl FnOnce(&'static Proc, &Attach) -> CUresult) -> CUresult {
     let p = proc();
     if let Err(e) = p.ensure_registered() {
         return e;
@@ -211,15 +223,7 @@ pub(crate) fn reserve_for(bytes: u64, call: impl FnOnce() -> CUresult) -> CUresu
     let Some(a) = guard.as_ref() else {
         return REFUSED;
     };
-    let _f = InFlight::begin();
-    if let Err(e) = try_take(a, bytes, "graph memory") {
-        return e;
-    }
-    let r = call();
-    if r != CUDA_SUCCESS {
-        give_back(Some(a), bytes);
-    }
-    r
+    f(p, a)
 }
 
 /// Gives back bytes taken with [`reserve_for`].
