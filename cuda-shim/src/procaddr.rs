@@ -202,33 +202,24 @@ mod tests {
         crate::trampoline::wrapper(name.as_bytes()).unwrap() as usize
     }
 
+    /// `name` asked for at `version` with `flags` is our wrapper `symbol`.
+    fn assert_ours(name: &str, version: i32, flags: u64, symbol: &str) {
+        assert_eq!(
+            decide(name, version, flags),
+            Decision::Ours(ours(symbol)),
+            "{name} {version} {flags:#x}"
+        );
+    }
+
     #[test]
     fn enforced_entries_map_to_the_wrapper_of_the_requested_variant() {
-        assert_eq!(
-            decide("cuMemAlloc", 12000, 0),
-            Decision::Ours(ours("cuMemAlloc_v2"))
-        );
-        assert_eq!(
-            decide("cuMemAlloc", 2000, 0),
-            Decision::Ours(ours("cuMemAlloc"))
-        );
-        assert_eq!(
-            decide("cuLaunchKernel", 12000, PTDS),
-            Decision::Ours(ours("cuLaunchKernel_ptsz"))
-        );
-        assert_eq!(
-            decide("cuLaunchKernel", 12000, 0),
-            Decision::Ours(ours("cuLaunchKernel"))
-        );
-        assert_eq!(
-            decide("cuGetProcAddress", 12000, 0),
-            Decision::Ours(ours("cuGetProcAddress_v2"))
-        );
+        assert_ours("cuMemAlloc", 12000, 0, "cuMemAlloc_v2");
+        assert_ours("cuMemAlloc", 2000, 0, "cuMemAlloc");
+        assert_ours("cuLaunchKernel", 12000, PTDS, "cuLaunchKernel_ptsz");
+        assert_ours("cuLaunchKernel", 12000, 0, "cuLaunchKernel");
+        assert_ours("cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2");
         // A full symbol name, if a driver accepts it, is that symbol.
-        assert_eq!(
-            decide("cuMemAlloc_v2", 12000, 0),
-            Decision::Ours(ours("cuMemAlloc_v2"))
-        );
+        assert_ours("cuMemAlloc_v2", 12000, 0, "cuMemAlloc_v2");
     }
 
     #[test]
