@@ -74,7 +74,7 @@ fn main() {
         let load = cuda::module::cuModuleLoadData;
         let get_fn = cuda::module::cuModuleGetFunction;
         // Through a pointer the optimiser cannot see through, as after dlsym.
-        let launch: Launch = black_box(cuda::ctx::cuLaunchKernel);
+        let launch: Launch = black_box(cuda::launch::cuLaunchKernel);
         check(init(0), "cuInit");
         let mut ctx = std::ptr::null_mut();
         check(ctx_create(&mut ctx, 0, 0), "cuCtxCreate");

@@ -13,8 +13,8 @@
 //! answer CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED. Capture modes are accepted
 //! and reported but not enforced.
 
-use crate::ctx::Target;
 use crate::graph::{self, CUDA_ERROR_ILLEGAL_STATE, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, Kind};
+use crate::stream::Target;
 use crate::{R, drv, get, put, put_opt};
 use cuda_abi::*;
 use std::cell::Cell;

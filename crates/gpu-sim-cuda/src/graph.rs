@@ -23,8 +23,8 @@
 //!   exec holds and unmaps idle execs (they map again at their next launch).
 
 use crate::capture;
-use crate::ctx::FUNC_MAGIC;
 use crate::graph_exec::{Exec, Pool};
+use crate::launch::FUNC_MAGIC;
 use crate::{R, arg_mut, drv, get, lock, put};
 use cuda_abi::*;
 use std::collections::HashMap;

@@ -1,8 +1,9 @@
 //! Graph executables: instantiation, update, launch, and the per-device
 //! graph memory pool (see [`crate::graph`] for what is modelled).
 
-use crate::ctx::{Target, current};
+use crate::ctx::current;
 use crate::graph::*;
+use crate::stream::Target;
 use crate::{Driver, R, arg_mut, drv, get, put, put_opt};
 use cuda_abi::*;
 use gpu_sim_core::state::now_ns;

@@ -35,15 +35,24 @@ macro_rules! cuda_fn {
     )*};
 }
 
+pub mod array;
 pub mod capture;
 pub mod charge;
 pub mod ctx;
 pub mod device;
+pub mod event;
 pub mod graph;
 pub mod graph_exec;
+pub mod host;
+pub mod launch;
 pub mod mem;
+pub mod memcpy;
+pub mod memset;
 pub mod module;
 pub mod pool;
+pub mod primary;
+pub mod stream;
+pub mod vmm;
 
 include!(concat!(env!("OUT_DIR"), "/exports.rs"));
 

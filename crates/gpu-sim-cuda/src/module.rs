@@ -4,7 +4,8 @@
 //! context, see `charge.rs`) until unloaded.
 
 use crate::charge;
-use crate::ctx::{FUNC_MAGIC, current};
+use crate::ctx::current;
+use crate::launch::FUNC_MAGIC;
 use crate::{R, cstr, drv, lock, put};
 use cuda_abi::*;
 use std::collections::HashMap;

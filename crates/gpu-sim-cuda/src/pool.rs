@@ -7,7 +7,7 @@
 //! reserves is what the device, `cuMemGetInfo` and NVML's per-process used
 //! memory count.
 
-use crate::ctx::Target;
+use crate::stream::Target;
 use crate::{Driver, R, arg, drv, get, lock, put};
 use cuda_abi::*;
 use gpu_sim_core::node::MAX_GPUS;

@@ -1,0 +1,125 @@
+//! Kernel launches: the simulated timeline's hot path.
+//!
+//! Each launch takes its duration from the launch shape, queues on the
+//! device's shared timeline (behind every process's kernels) and records the
+//! simulated end as its stream's tail. Synchronising sleeps until the tail.
+//! The launch path is atomics, thread-locals and a vDSO clock read: no lock,
+//! no allocation, no syscall.
+
+use crate::stream::Target;
+use crate::{R, arg, drv};
+use cuda_abi::*;
+use std::ffi::c_void;
+
+pub(crate) const FUNC_MAGIC: u64 = 0x5349_4d46_554e_0001;
+
+/// A kernel launch: the hot path.
+#[inline]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn launch(
+    f: *mut c_void,
+    grid: [u32; 3],
+    block: [u32; 3],
+    stream: *mut c_void,
+    ptsz: bool,
+) -> R {
+    let d = drv()?;
+    let func = f as *const u64;
+    // SAFETY: `f` is non-NULL here and, per the CUDA ABI, a CUfunction this driver handed out,
+    // whose first word is its magic (checked).
+    if func.is_null() || unsafe { *func } != FUNC_MAGIC {
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
+    if grid.contains(&0) || block.contains(&0) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if block[0] > 1024 || block[1] > 1024 || block[2] > 64 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if block[0] as u64 * block[1] as u64 * block[2] as u64 > 1024 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if grid[1] > 65535 || grid[2] > 65535 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
+    // this function's own contract; `Target::of` checks its magic.
+    let t = unsafe { Target::of(stream, ptsz)? };
+    if crate::capture::kernel(t, f, grid, block)? {
+        return Ok(());
+    }
+    let ctx = t.ctx();
+    let dur = d.node().kernel_duration_ns(ctx.gpu, grid, block);
+    let (_, end) = d.state.launch(d.me, ctx.gpu, dur, t.tail());
+    t.set_tail(end);
+    Ok(())
+}
+
+/// `CUlaunchConfig` (x86_64 layout).
+#[repr(C)]
+pub struct LaunchConfig {
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared: u32,
+    stream: *mut c_void,
+    attrs: *mut c_void,
+    num_attrs: u32,
+}
+
+cuda_fn! {
+    fn cuLaunchKernel(
+        f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
+        _shared: u32, stream: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void,
+    ) {
+        // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], stream, false) }
+    }
+
+    fn cuLaunchKernel_ptsz(
+        f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
+        _shared: u32, stream: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void,
+    ) {
+        // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], stream, true) }
+    }
+
+    fn cuLaunchCooperativeKernel(
+        f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
+        _shared: u32, stream: *mut c_void, _params: *mut *mut c_void,
+    ) {
+        // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], stream, false) }
+    }
+
+    fn cuLaunchCooperativeKernel_ptsz(
+        f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
+        _shared: u32, stream: *mut c_void, _params: *mut *mut c_void,
+    ) {
+        // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], stream, true) }
+    }
+
+    fn cuLaunchKernelEx(config: *const LaunchConfig, f: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void) {
+        let c = arg(config).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { launch(f, c.grid, c.block, c.stream, false) }
+    }
+
+    fn cuLaunchKernelEx_ptsz(config: *const LaunchConfig, f: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void) {
+        let c = arg(config).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
+        // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
+        // this driver handed out or are rejected by their magic.
+        unsafe { launch(f, c.grid, c.block, c.stream, true) }
+    }
+}
