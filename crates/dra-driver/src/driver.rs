@@ -9,9 +9,9 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use gpu_allocator::GpuInfo;
+use gpu_manager::manager::{now, short_bus_id};
 use gpu_manager::registry::Registry;
 use gpu_manager::vm::VmDirs;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -72,23 +72,6 @@ pub struct Driver {
     /// Per GPU: no recent critical Xid. A claim the scheduler placed on a
     /// GPU just before it left the slice is refused rather than started.
     healthy: std::sync::Mutex<Vec<bool>>,
-}
-
-fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
-/// The 4-digit-domain bus id `resource_data_t` carries (NVML gives 8).
-fn short_bus_id(bus: &str) -> String {
-    let b = bus.trim_end_matches('\0');
-    if b.len() > 15 && b.starts_with("0000") {
-        b[4..].to_string()
-    } else {
-        b.to_string()
-    }
 }
 
 /// The vm directory's "container" name of a request.

@@ -86,7 +86,8 @@ pub struct ManagerParts {
     pub world: World,
 }
 
-fn now() -> u64 {
+/// Seconds since the Unix epoch (0 if the clock is before it).
+pub fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -94,8 +95,9 @@ fn now() -> u64 {
 }
 
 /// The 16-byte `bus_id` field holds at most 15 characters: drop NVML's
-/// 8-digit domain to the usual 4 ("0000:3B:00.0").
-fn short_bus_id(bus: &str) -> String {
+/// 8-digit domain to the usual 4 ("0000:3B:00.0"), as `resource_data_t`
+/// carries it.
+pub fn short_bus_id(bus: &str) -> String {
     let b = bus.trim_end_matches('\0');
     if b.len() > 15 && b.starts_with("0000") {
         b[4..].to_string()
