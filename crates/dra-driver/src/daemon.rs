@@ -95,19 +95,12 @@ pub async fn run(
     let gpus: Vec<_> = found.topology.gpus().to_vec();
     let volumes = vdriver::VolumeConfig::load(&s.volume_config)
         .with_context(|| format!("loading --volume-config {}", s.volume_config.display()))?;
-    vdriver::mirror(
+    gpu_manager::daemon::mirror_driver(
         &s.host_root,
         &volumes,
         &s.vdriver_dir,
         s.interposer.as_deref(),
-    )
-    .with_context(|| {
-        format!(
-            "mirroring the driver of {} into {}",
-            s.host_root.display(),
-            s.vdriver_dir.display()
-        )
-    })?;
+    )?;
     let api = KubeApi {
         client: kube_client(s.kubeconfig.as_deref()).await?,
     };

@@ -2,6 +2,7 @@
 //! prerequisite stops the daemon with one error that says what to fix.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,6 +40,22 @@ fn label_value(s: &str) -> String {
         .chars()
         .take(63)
         .collect()
+}
+
+/// [`vdriver::mirror`], its error naming the host root and the destination.
+pub fn mirror_driver(
+    host_root: &Path,
+    volumes: &vdriver::VolumeConfig,
+    dest: &Path,
+    interposer: Option<&Path>,
+) -> anyhow::Result<vdriver::MirrorReport> {
+    vdriver::mirror(host_root, volumes, dest, interposer).with_context(|| {
+        format!(
+            "mirroring the NVIDIA driver of host root {} into {}",
+            host_root.display(),
+            dest.display()
+        )
+    })
 }
 
 pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Result<()> {
@@ -92,19 +109,12 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
 
     // 3. Driver mirror (its time is reported apart: it depends on the driver's size).
     let tm = Instant::now();
-    let report = vdriver::mirror(
+    let report = mirror_driver(
         &s.host_root,
         &volumes,
         &s.vdriver_path,
         s.interposer.as_deref(),
-    )
-    .with_context(|| {
-        format!(
-            "mirroring the NVIDIA driver of host root {} into {}",
-            s.host_root.display(),
-            s.vdriver_path.display()
-        )
-    })?;
+    )?;
     let mirror_ms = tm.elapsed().as_millis() as u64;
     tracing::info!(ms = t0.elapsed().as_millis() as u64, mirror_ms, driver = %report.driver_version, "step 3/6: driver mirrored");
 
