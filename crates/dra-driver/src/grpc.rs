@@ -41,12 +41,7 @@ impl Plugin {
         claims: Vec<v1::Claim>,
     ) -> HashMap<String, v1::NodePrepareResourceResponse> {
         let mut out = HashMap::new();
-        for c in claims {
-            let r = ClaimRef {
-                namespace: c.namespace,
-                uid: c.uid.clone(),
-                name: c.name,
-            };
+        for (uid, r) in refs(claims) {
             let resp = match self.driver.prepare(&r).await {
                 Ok(devs) => v1::NodePrepareResourceResponse {
                     devices: devs
@@ -69,7 +64,7 @@ impl Plugin {
                     }
                 }
             };
-            out.insert(c.uid, resp);
+            out.insert(uid, resp);
         }
         out
     }
@@ -79,17 +74,24 @@ impl Plugin {
         claims: Vec<v1::Claim>,
     ) -> HashMap<String, v1::NodeUnprepareResourceResponse> {
         let mut out = HashMap::new();
-        for c in claims {
-            let r = ClaimRef {
-                namespace: c.namespace,
-                uid: c.uid.clone(),
-                name: c.name,
-            };
+        for (uid, r) in refs(claims) {
             let error = self.driver.unprepare(&r).await.err().unwrap_or_default();
-            out.insert(c.uid, v1::NodeUnprepareResourceResponse { error });
+            out.insert(uid, v1::NodeUnprepareResourceResponse { error });
         }
         out
     }
+}
+
+/// Each claim's UID and reference.
+fn refs(claims: Vec<v1::Claim>) -> impl Iterator<Item = (String, ClaimRef)> {
+    claims.into_iter().map(|c| {
+        let r = ClaimRef {
+            namespace: c.namespace,
+            uid: c.uid.clone(),
+            name: c.name,
+        };
+        (c.uid, r)
+    })
 }
 
 #[tonic::async_trait]
