@@ -10,6 +10,7 @@ use std::os::unix::fs::MetadataExt;
 
 use apiserver_emulator::{ApiServer, Kind};
 use common::*;
+use dra_driver::kube_api::KubeApi;
 use dra_driver::publish::{Published, Publisher};
 use dra_driver::slices::{self, GpuDevice};
 use dra_kubelet_emulator::{allocator, cdi, plugin};
@@ -83,8 +84,9 @@ async fn publish_once_bump_on_health_never_duplicate() {
     assert_eq!(kinds, ["ADDED", "MODIFIED", "MODIFIED"]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prepare_pack_restart_unprepare() {
+/// The API server emulator with both GPUs published on [`NODE`], the driver
+/// started on them and a v1 kubelet connected to it.
+async fn node_with_driver() -> (ApiServer, Dirs, KubeApi, Running, plugin::DraPlugin) {
     let server = ApiServer::start("127.0.0.1:0").await.unwrap();
     let dirs = Dirs::new();
     let api = kube(&server, dirs.tmp.path()).await;
@@ -96,6 +98,12 @@ async fn prepare_pack_restart_unprepare() {
     p.reconcile(&api, &devices([true, true])).await.unwrap();
     let run = start(&dirs, gpus(), &api).await;
     let kubelet = kubelet(&dirs, false).await;
+    (server, dirs, api, run, kubelet)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_pack_restart_unprepare() {
+    let (server, dirs, api, run, kubelet) = node_with_driver().await;
     assert_eq!(kubelet.name, "vcuda.tencent.com");
     assert_eq!(kubelet.version, plugin::Version::V1);
     until(10, "the registration notification", || {
@@ -345,17 +353,7 @@ async fn kubelet_beta(dirs: &Dirs) -> plugin::DraPlugin {
 /// claims prepared one after another, and NodeUnprepareResources.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_prepare_latency_printout() {
-    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
-    let dirs = Dirs::new();
-    let api = kube(&server, dirs.tmp.path()).await;
-    let p = Publisher {
-        node: NODE.into(),
-        driver_version: "550.54.15".into(),
-    };
-    p.ensure_classes(&api).await.unwrap();
-    p.reconcile(&api, &devices([true, true])).await.unwrap();
-    let run = start(&dirs, gpus(), &api).await;
-    let kubelet = common::kubelet(&dirs, false).await;
+    let (server, _dirs, _api, run, kubelet) = node_with_driver().await;
     const N: usize = 100;
     let mut claims = Vec::new();
     for i in 0..N {
@@ -400,17 +398,7 @@ async fn node_prepare_latency_printout() {
 /// whole-GPU class is refused at prepare.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn whole_gpu_class() {
-    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
-    let dirs = Dirs::new();
-    let api = kube(&server, dirs.tmp.path()).await;
-    let p = Publisher {
-        node: NODE.into(),
-        driver_version: "550.54.15".into(),
-    };
-    p.ensure_classes(&api).await.unwrap();
-    p.reconcile(&api, &devices([true, true])).await.unwrap();
-    let run = start(&dirs, gpus(), &api).await;
-    let kubelet = common::kubelet(&dirs, false).await;
+    let (server, dirs, _api, run, kubelet) = node_with_driver().await;
     let share = share_claim(&server, "share", 30, "1Gi", None);
     allocator::allocate(&server, NS, "share", NODE).unwrap();
     let whole = server
