@@ -158,6 +158,17 @@ fn vmemory_ids(n: u64) -> Vec<String> {
     (0..n).map(|k| ids::vmemory_id(0, k)).collect()
 }
 
+/// How many vcore device IDs the plugin lists as not healthy.
+fn unhealthy_vcore_ids(rig: &Rig) -> usize {
+    rig.mgr
+        .vcore
+        .subscribe()
+        .borrow()
+        .iter()
+        .filter(|d| d.health != "Healthy")
+        .count()
+}
+
 fn holds(rig: &Rig, name: &str, resource: &str, ids: &[String]) {
     rig.kubelet.record(
         PodKey::Name {
@@ -536,15 +547,7 @@ async fn a_bad_soft_limit_annotation_is_refused_and_names_it() {
 async fn an_unhealthy_gpu_takes_no_new_placements_and_its_ids_go_unhealthy() {
     let rig = Rig::new();
     rig.mgr.set_gpu_health(0, false);
-    let unhealthy = rig
-        .mgr
-        .vcore
-        .subscribe()
-        .borrow()
-        .iter()
-        .filter(|d| d.health != "Healthy")
-        .count();
-    assert_eq!(unhealthy, 100);
+    assert_eq!(unhealthy_vcore_ids(&rig), 100);
     rig.pods.put(pod("a", 30, 4, json!({})));
     rig.mgr.allocate_vcore(vcore_ids(1, 30)).await.unwrap();
     assert!(matches!(
@@ -552,15 +555,7 @@ async fn an_unhealthy_gpu_takes_no_new_placements_and_its_ids_go_unhealthy() {
         PlacementRecord::Share { gpu: 1, .. }
     ));
     rig.mgr.set_gpu_health(0, true);
-    let unhealthy = rig
-        .mgr
-        .vcore
-        .subscribe()
-        .borrow()
-        .iter()
-        .filter(|d| d.health != "Healthy")
-        .count();
-    assert_eq!(unhealthy, 0);
+    assert_eq!(unhealthy_vcore_ids(&rig), 0);
 }
 
 #[tokio::test]
