@@ -118,6 +118,24 @@ pub struct Shared {
     uid_seq: AtomicU64,
 }
 
+fn resource_version(obj: &Value) -> Option<&str> {
+    obj.pointer("/metadata/resourceVersion")
+        .and_then(Value::as_str)
+}
+
+/// `obj` names a resourceVersion, and not `current`'s (optimistic
+/// concurrency: a write naming one must name the current one).
+fn stale(obj: &Value, current: &Value) -> bool {
+    resource_version(obj).is_some_and(|want| resource_version(current) != Some(want))
+}
+
+fn not_found(kind: Kind, name: &str) -> StoreError {
+    StoreError::NotFound {
+        kind: kind.kind(),
+        name: name.to_string(),
+    }
+}
+
 fn name_of(obj: &Value) -> Option<String> {
     obj.pointer("/metadata/name")
         .and_then(Value::as_str)
@@ -304,10 +322,7 @@ impl Shared {
         let mut st = self.store.lock().unwrap();
         let key = Self::key(kind, ns, name);
         let Some(current) = st.objects.get(&key).cloned() else {
-            return Err(StoreError::NotFound {
-                kind: kind.kind(),
-                name: name.to_string(),
-            });
+            return Err(not_found(kind, name));
         };
         let conflict = StoreError::Conflict {
             plural: kind.plural(),
@@ -318,14 +333,7 @@ impl Shared {
             return Err(conflict);
         }
         // Optimistic concurrency: a patch naming a resourceVersion must name the current one.
-        if let Some(want) = patch
-            .pointer("/metadata/resourceVersion")
-            .and_then(Value::as_str)
-            && current
-                .pointer("/metadata/resourceVersion")
-                .and_then(Value::as_str)
-                != Some(want)
-        {
+        if stale(patch, &current) {
             return Err(conflict);
         }
         let mut obj = current.clone();
@@ -362,24 +370,14 @@ impl Shared {
         let mut st = self.store.lock().unwrap();
         let key = Self::key(kind, ns, name);
         let Some(current) = st.objects.get(&key).cloned() else {
-            return Err(StoreError::NotFound {
-                kind: kind.kind(),
-                name: name.to_string(),
-            });
+            return Err(not_found(kind, name));
         };
         if name_of(&obj).is_some_and(|n| n != name) {
             return Err(StoreError::Invalid(format!(
                 "metadata.name does not match the URL's {name:?}"
             )));
         }
-        if let Some(want) = obj
-            .pointer("/metadata/resourceVersion")
-            .and_then(Value::as_str)
-            && current
-                .pointer("/metadata/resourceVersion")
-                .and_then(Value::as_str)
-                != Some(want)
-        {
+        if stale(&obj, &current) {
             return Err(StoreError::Conflict {
                 plural: kind.plural(),
                 name: name.to_string(),
@@ -427,10 +425,7 @@ impl Shared {
         let mut st = self.store.lock().unwrap();
         let key = Self::key(kind, ns, name);
         let Some(mut obj) = st.objects.remove(&key) else {
-            return Err(StoreError::NotFound {
-                kind: kind.kind(),
-                name: name.to_string(),
-            });
+            return Err(not_found(kind, name));
         };
         st.rv += 1;
         obj["metadata"]["resourceVersion"] = json!(st.rv.to_string());
