@@ -1,26 +1,18 @@
 //! The emulator against the real `kube` client: list, reflector watch,
 //! merge patch (with conflicts), get, nodes.
 
+mod common;
+
 use std::time::Duration;
 
 use apiserver_emulator::ApiServer;
+use common::client;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
-use kube::{Api, Client};
+use kube::Api;
 use serde_json::json;
-
-async fn client(server: &ApiServer) -> Client {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("kubeconfig");
-    server.write_kubeconfig(&path).unwrap();
-    let kc = kube::config::Kubeconfig::read_from(&path).unwrap();
-    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-        .await
-        .unwrap();
-    Client::try_from(cfg).unwrap()
-}
 
 fn pod(name: &str, node: &str) -> serde_json::Value {
     json!({"metadata": {"name": name, "namespace": "ns1"},

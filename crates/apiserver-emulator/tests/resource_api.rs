@@ -2,26 +2,18 @@
 //! types: ResourceSlices (create, replace with generation and conflicts,
 //! list by field, watch), DeviceClasses, ResourceClaims and their status.
 
+mod common;
+
 use std::time::Duration;
 
 use apiserver_emulator::{ApiServer, Kind};
+use common::client;
 use futures::StreamExt;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Client};
+use kube::Api;
 use serde_json::json;
-
-async fn client(server: &ApiServer) -> Client {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("kubeconfig");
-    server.write_kubeconfig(&path).unwrap();
-    let kc = kube::config::Kubeconfig::read_from(&path).unwrap();
-    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-        .await
-        .unwrap();
-    Client::try_from(cfg).unwrap()
-}
 
 fn slice(name: &str, node: &str, generation: i64) -> ResourceSlice {
     serde_json::from_value(json!({
