@@ -129,6 +129,21 @@ fn stale(obj: &Value, current: &Value) -> bool {
     resource_version(obj).is_some_and(|want| resource_version(current) != Some(want))
 }
 
+/// Identity is not writable: `obj` gets `current`'s name, namespace, uid
+/// and creation time (or none where `current` has none).
+fn keep_identity(obj: &mut Value, current: &Value) {
+    for f in ["name", "namespace", "uid", "creationTimestamp"] {
+        match current["metadata"].get(f) {
+            Some(v) => obj["metadata"][f] = v.clone(),
+            None => {
+                if let Some(m) = obj["metadata"].as_object_mut() {
+                    m.remove(f);
+                }
+            }
+        }
+    }
+}
+
 fn not_found(kind: Kind, name: &str) -> StoreError {
     StoreError::NotFound {
         kind: kind.kind(),
@@ -339,16 +354,7 @@ impl Shared {
         let mut obj = current.clone();
         merge_patch(&mut obj, patch);
         // Identity is not patchable.
-        for f in ["name", "namespace", "uid", "creationTimestamp"] {
-            match current["metadata"].get(f) {
-                Some(v) => obj["metadata"][f] = v.clone(),
-                None => {
-                    if let Some(m) = obj["metadata"].as_object_mut() {
-                        m.remove(f);
-                    }
-                }
-            }
-        }
+        keep_identity(&mut obj, &current);
         st.rv += 1;
         obj["metadata"]["resourceVersion"] = json!(st.rv.to_string());
         st.objects.insert(key, obj.clone());
@@ -402,16 +408,7 @@ impl Shared {
                 obj["metadata"]["generation"] = json!(if bump { g + 1 } else { g });
             }
         }
-        for f in ["name", "namespace", "uid", "creationTimestamp"] {
-            match current["metadata"].get(f) {
-                Some(v) => obj["metadata"][f] = v.clone(),
-                None => {
-                    if let Some(m) = obj["metadata"].as_object_mut() {
-                        m.remove(f);
-                    }
-                }
-            }
-        }
+        keep_identity(&mut obj, &current);
         obj["kind"] = json!(kind.kind());
         obj["apiVersion"] = json!(kind.api_version());
         st.rv += 1;
