@@ -15,6 +15,7 @@ use kubelet_emulator::demo::DemoPlugin;
 use kubelet_emulator::{KubeletEmulator, PodRef, View};
 use tonic::Code;
 use vcuda_api::podresources::v1 as pr;
+use vcuda_tests::kubelet_with_plugin;
 
 const VCORE: &str = "tencent.com/vcuda-core";
 const VMEM: &str = "tencent.com/vcuda-memory";
@@ -483,16 +484,8 @@ async fn registration_retries_until_kubelet_appears() {
     );
 
     tokio::time::sleep(Duration::from_millis(700)).await; // let the backoff grow
-    let emu = KubeletEmulator::start(&dir, tmp.path().join("pr.sock"))
-        .await
-        .unwrap();
-    emu.wait_for(WAIT, |v| {
-        v.resources
-            .get("example.com/demo")
-            .is_some_and(|r| r.connected)
-    })
-    .await
-    .expect("registered within WAIT of kubelet appearing (how fast: device_plugin_bench)");
+    // How fast: device_plugin_bench.
+    let emu = kubelet_with_plugin(&dir, tmp.path().join("pr.sock"), "example.com/demo", WAIT).await;
 
     // Graceful shutdown removes the plugin socket and ends the stream.
     cancel.cancel();

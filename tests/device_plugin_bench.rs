@@ -14,10 +14,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use device_plugin::api::{Empty, device_plugin_client::DevicePluginClient};
+use device_plugin::api::device_plugin_client::DevicePluginClient;
 use device_plugin::{CancellationToken, PluginRuntime, RuntimeHandle, connect_unix};
 use kubelet_emulator::demo::DemoPlugin;
 use kubelet_emulator::{KubeletEmulator, View};
+use vcuda_tests::{kubelet_with_plugin, options_rpc_floor};
 
 const VCORE: &str = "tencent.com/vcuda-core";
 const VMEM: &str = "tencent.com/vcuda-memory";
@@ -98,12 +99,7 @@ async fn main() {
             .await
             .unwrap(),
     );
-    let mut floor = Vec::new();
-    for _ in 0..100 {
-        let t = Instant::now();
-        client.get_device_plugin_options(Empty {}).await.unwrap();
-        floor.push(t.elapsed());
-    }
+    let mut floor = options_rpc_floor(&mut client, 100).await;
     println!(
         "baseline: GetDevicePluginOptions RPC on vcore.sock {}",
         summary(&mut floor)
@@ -186,16 +182,8 @@ async fn main() {
             .unwrap();
         tokio::time::sleep(Duration::from_millis(700)).await; // let the backoff grow
         let t = Instant::now();
-        let emu = KubeletEmulator::start(&dir, tmp.path().join("pr.sock"))
-            .await
-            .unwrap();
-        emu.wait_for(WAIT, |v| {
-            v.resources
-                .get("example.com/demo")
-                .is_some_and(|r| r.connected)
-        })
-        .await
-        .expect("registered once kubelet appeared");
+        let emu =
+            kubelet_with_plugin(&dir, tmp.path().join("pr.sock"), "example.com/demo", WAIT).await;
         late.push(t.elapsed());
         cancel.cancel();
         handle.wait().await.unwrap();

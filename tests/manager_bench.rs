@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 
 use manager_env::{Env, Options};
 use vcuda_api::deviceplugin::v1beta1::{
-    AllocateRequest, ContainerAllocateRequest, Empty, device_plugin_client::DevicePluginClient,
+    AllocateRequest, ContainerAllocateRequest, device_plugin_client::DevicePluginClient,
 };
+use vcuda_tests::options_rpc_floor;
 
 fn pct(v: &mut [Duration], p: f64) -> Duration {
     v.sort();
@@ -82,12 +83,7 @@ async fn main() {
         .unwrap();
     let mut client = DevicePluginClient::new(ch);
     // The floor: an RPC that does nothing in the manager, same socket.
-    let mut floor = Vec::new();
-    for _ in 0..100 {
-        let t = Instant::now();
-        client.get_device_plugin_options(Empty {}).await.unwrap();
-        floor.push(t.elapsed());
-    }
+    let mut floor = options_rpc_floor(&mut client, 100).await;
     println!(
         "GetDevicePluginOptions RPC (floor, vcore.sock) n={}: p50 {:?} p90 {:?} p99 {:?}",
         floor.len(),

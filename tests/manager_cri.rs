@@ -13,7 +13,7 @@
 #[path = "manager_env.rs"]
 mod manager_env;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -28,7 +28,6 @@ use cri_api::v1::{
 use gpu_manager::world::ContainerRuntime;
 use kubelet_emulator::PodRef;
 use manager_env::{Env, Options};
-use serde_json::Value;
 use tonic::transport::Channel;
 use vcuda_api::deviceplugin::v1beta1::ContainerAllocateResponse;
 use vcuda_tests::cmdline;
@@ -336,43 +335,7 @@ async fn respawn(env: &mut Env, base: &[String], extra: &[&str], restarts: usize
         .unwrap();
     env.wait_registered().await;
     // Registered comes after recovery; its summary is logged once a start.
-    wait_log(env, "recovery finished", restarts + 2).await;
-}
-
-/// Waits until `needle` appears `n` times in the manager's log.
-async fn wait_log(env: &Env, needle: &str, n: usize) -> String {
-    let t = Instant::now();
-    loop {
-        let log = env.log_text();
-        if log.matches(needle).count() >= n {
-            return log;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "no {n}x {needle:?} in the manager's log:\n{log}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// The checkpoint's allocations by pod UID/container, without what may
-/// legitimately change (the verification flag).
-fn allocs(env: &Env) -> BTreeMap<String, Value> {
-    env.checkpoint()["allocations"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|mut a| {
-            a.as_object_mut().unwrap().remove("verified");
-            let id = format!(
-                "{}/{}",
-                a["pod_uid"].as_str().unwrap(),
-                a["container"].as_str().unwrap()
-            );
-            (id, a)
-        })
-        .collect()
+    env.wait_log("recovery finished", restarts + 2).await;
 }
 
 /// Allocate on vcore.sock directly (not through the emulator, which would
@@ -435,7 +398,7 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
         resps.push(r);
     }
     let [(a, _), (b, ib), (c, ic), (d, id_)] = <[_; 4]>::try_from(refs).ok().unwrap();
-    let before = allocs(&env);
+    let before = env.allocations_by_container();
     assert_eq!(before.len(), 4);
 
     // The backend itself, on A: kubelet's labels, alive, the /etc/vcuda
@@ -484,7 +447,7 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
     env.kubelet.release_pod(&d.uid).unwrap();
     respawn(&mut env, &base, &[], 0).await;
 
-    let after = allocs(&env);
+    let after = env.allocations_by_container();
     let mut expect = before.clone();
     expect.remove(&id(&c));
     expect.remove(&id(&d));
@@ -529,7 +492,7 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
     // devices go, but with no runtime to confirm, nothing is released.
     // (Stopped after the kill: a running manager's periodic check would
     // rightly release B first.)
-    let before = allocs(&env);
+    let before = env.allocations_by_container();
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
     pods.stop(ib).await;
@@ -549,12 +512,17 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
     assert!(log.contains("/nonexistent/containerd.sock"), "{log}");
     // Two periodic checks (1 s period) pass with the runtime unreachable.
     let unreachable = "periodic check: source unreachable";
-    wait_log(&env, unreachable, log.matches(unreachable).count() + 2).await;
-    assert_eq!(allocs(&env), before, "nothing released while unreachable");
+    env.wait_log(unreachable, log.matches(unreachable).count() + 2)
+        .await;
+    assert_eq!(
+        env.allocations_by_container(),
+        before,
+        "nothing released while unreachable"
+    );
 
     // containerd back: B's exit is confirmed and B released; A kept.
     kill9_and_restart(&mut env, &base, &[], 2).await;
-    let now = allocs(&env);
+    let now = env.allocations_by_container();
     assert_eq!(now.keys().cloned().collect::<Vec<_>>(), vec![id(&a)]);
 
     // Checkpoint lost: A rebuilt from containerd's view (labels, the
@@ -571,7 +539,7 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
         log.contains("recovery: allocation rebuilt from the node"),
         "{log}"
     );
-    let rebuilt = allocs(&env);
+    let rebuilt = env.allocations_by_container();
     for k in [
         "placement",
         "cores",

@@ -156,6 +156,23 @@ impl Env {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Waits (30 s at most) until `needle` appears `n` times in the
+    /// manager's log; the log then.
+    pub async fn wait_log(&self, needle: &str, n: usize) -> String {
+        let t = Instant::now();
+        loop {
+            let log = self.log_text();
+            if log.matches(needle).count() >= n {
+                return log;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "no {n}x {needle:?} in the manager's log:\n{log}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// The address of the manager's "display: HTTP on <addr>, socket <path>" line.
     pub fn logged_http_addr(&self) -> Option<SocketAddr> {
         let log = self.log_text();
@@ -256,6 +273,26 @@ impl Env {
 
     pub fn checkpoint_dir(&self) -> PathBuf {
         self.tmp.path().join("checkpoint")
+    }
+
+    /// The checkpoint's allocations by `pod_uid/container`, without what
+    /// may legitimately change (the verification flag).
+    pub fn allocations_by_container(&self) -> BTreeMap<String, Value> {
+        self.checkpoint()["allocations"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|mut a| {
+                a.as_object_mut().unwrap().remove("verified");
+                let id = format!(
+                    "{}/{}",
+                    a["pod_uid"].as_str().unwrap(),
+                    a["container"].as_str().unwrap()
+                );
+                (id, a)
+            })
+            .collect()
     }
 
     pub fn allocation_count(&self) -> usize {

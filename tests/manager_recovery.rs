@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 
 use kubelet_emulator::PodRef;
 use manager_env::{Env, Options};
-use serde_json::Value;
 use vcuda_api::deviceplugin::v1beta1::ContainerAllocateResponse;
 use vcuda_tests::{Docker, cmdline, compile_c, target_dir};
 
@@ -49,23 +48,7 @@ async fn respawn(env: &mut Env, args: &[String], extra: &[&str]) {
         .unwrap();
     env.wait_registered().await;
     // Registered comes after recovery; wait for its summary line too.
-    wait_log(env, "recovery finished", 2).await;
-}
-
-/// Waits until `needle` appears `n` times in the manager's log.
-async fn wait_log(env: &Env, needle: &str, n: usize) -> String {
-    let t = Instant::now();
-    loop {
-        let log = env.log_text();
-        if log.matches(needle).count() >= n {
-            return log;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "no {n}x {needle:?} in the manager's log:\n{log}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    env.wait_log("recovery finished", 2).await;
 }
 
 /// Allocations of the checkpoint by id, without what may legitimately
@@ -92,24 +75,6 @@ async fn settled(env: &Env) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-fn allocs(env: &Env) -> BTreeMap<String, Value> {
-    env.checkpoint()["allocations"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|mut a| {
-            a.as_object_mut().unwrap().remove("verified");
-            let id = format!(
-                "{}/{}",
-                a["pod_uid"].as_str().unwrap(),
-                a["container"].as_str().unwrap()
-            );
-            (id, a)
-        })
-        .collect()
 }
 
 struct Workload {
@@ -283,9 +248,11 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
     );
 
     let pid_a = w.host_pid(&name_a);
-    let log = wait_log(&env, &format!("interposer registered pid={pid_a}"), 1).await;
+    let log = env
+        .wait_log(&format!("interposer registered pid={pid_a}"), 1)
+        .await;
     assert!(log.contains("interposer registered"));
-    let before = allocs(&env);
+    let before = env.allocations_by_container();
     assert_eq!(before.len(), 3);
     let vdriver = env.tmp.path().join("vdriver/nvidia/lib64");
     let lib_inodes: BTreeMap<String, u64> = std::fs::read_dir(&vdriver)
@@ -312,7 +279,7 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
     // its ledger, so a second process may not take another GiB.
     respawn(&mut env, &args, &[]).await;
 
-    let after = allocs(&env);
+    let after = env.allocations_by_container();
     let mut expect = before.clone();
     expect.remove(&format!("{}/main", c.uid));
     assert_eq!(after, expect, "allocation state after the restart");
@@ -339,7 +306,8 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
     assert_eq!(std::fs::metadata(&cfg_a).unwrap().ino(), cfg_ino);
 
     // A's interposer re-registered on its own with the restarted manager.
-    wait_log(&env, &format!("interposer registered pid={pid_a}"), 2).await;
+    env.wait_log(&format!("interposer registered pid={pid_a}"), 2)
+        .await;
     // And the quota holds: 1447 MiB held, 2 GiB quota; another process's
     // context fits (423 MiB), another GiB does not, 128 MiB do.
     let (ok, out) = w.exec(&name_a, &["/work/shim_client", "hold", "1024"]);
@@ -359,7 +327,7 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
     env.api.delete_pod(&e.namespace, &e.name).unwrap();
 
     // Docker socket missing: degraded (logged), nothing released.
-    let before = allocs(&env);
+    let before = env.allocations_by_container();
     kill9_and_restart(
         &mut env,
         &[
@@ -370,7 +338,7 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
     .await;
     let log = env.log_text();
     assert!(log.contains("recovery: source unreachable"), "{log}");
-    assert_eq!(allocs(&env), before);
+    assert_eq!(env.allocations_by_container(), before);
 
     // Corrupt checkpoint: set aside, A and B rebuilt from Docker, kubelet
     // and their vm directories.
@@ -391,7 +359,7 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
     respawn(&mut env, &args, &[]).await;
     let log = env.log_text();
     assert!(log.contains("checkpoint is unreadable; set aside"), "{log}");
-    let rebuilt = allocs(&env);
+    let rebuilt = env.allocations_by_container();
     for p in [&a, &b] {
         let id = format!("{}/main", p.uid);
         let (x, y) = (&rebuilt[&id], &before[&id]);
@@ -474,7 +442,7 @@ async fn kubelet_restart_during_load_loses_no_allocation() {
     assert_eq!(env.kubelet.view().borrow().restarts, 1);
     env.wait_registered().await;
     tokio::time::sleep(Duration::from_secs(3)).await; // two periodic checks
-    let mine = allocs(&env);
+    let mine = env.allocations_by_container();
     assert_eq!(mine.len(), admitted, "manager lost an allocation");
     let held: std::collections::BTreeSet<String> = env
         .kubelet
@@ -568,7 +536,7 @@ async fn single_file_checkpoint_of_an_earlier_version_is_migrated() {
     let args = argv(&env);
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
-    let before = allocs(&env);
+    let before = env.allocations_by_container();
     assert_eq!(before.len(), 1);
     // As earlier versions wrote it: one JSON file, no slot files.
     let dir = env.checkpoint_dir();
@@ -579,7 +547,11 @@ async fn single_file_checkpoint_of_an_earlier_version_is_migrated() {
     }
     std::fs::write(dir.join(CHECKPOINT_FILE), serde_json::to_vec(&old).unwrap()).unwrap();
     respawn(&mut env, &args, &[]).await;
-    assert_eq!(allocs(&env), before, "allocation kept across the migration");
+    assert_eq!(
+        env.allocations_by_container(),
+        before,
+        "allocation kept across the migration"
+    );
     assert!(dir.join(SLOT_FILES[0]).is_file());
     assert!(!dir.join(CHECKPOINT_FILE).exists(), "old file removed");
     assert!(env.log_text().contains("checkpoint migrated to slot files"));

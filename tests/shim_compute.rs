@@ -28,14 +28,7 @@ use vcuda_tests::{target_dir, workspace_root};
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn node() -> (ShimNode, PathBuf) {
-    let n = ShimNode::install(
-        &workspace_root(),
-        &target_dir().join("gpu-sim"),
-        &target_dir().join("libvcuda.so"),
-        "sim-1gpu",
-    );
-    let prog = n.compile_c(&workspace_root().join("tests/c/shim_compute.c"));
-    (n, prog)
+    ShimNode::sample(&workspace_root(), &target_dir(), "shim_compute.c")
 }
 
 struct Out {

@@ -33,13 +33,7 @@ struct Node {
 
 impl Node {
     fn new() -> Node {
-        let sim = ShimNode::install(
-            &workspace_root(),
-            &target_dir().join("gpu-sim"),
-            &target_dir().join("libvcuda.so"),
-            "sim-1gpu",
-        );
-        let entry = sim.compile_c(&workspace_root().join("tests/c/shim_entry.c"));
+        let (sim, entry) = ShimNode::sample(&workspace_root(), &target_dir(), "shim_entry.c");
         Node {
             vm: sim.vm_dir(),
             sim,

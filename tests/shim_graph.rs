@@ -27,14 +27,7 @@ const GIB: u64 = 1 << 30;
 const REQUESTED_WORD: usize = 8;
 
 fn node() -> (ShimNode, PathBuf) {
-    let n = ShimNode::install(
-        &workspace_root(),
-        &target_dir().join("gpu-sim"),
-        &target_dir().join("libvcuda.so"),
-        "sim-1gpu",
-    );
-    let prog = n.compile_c(&workspace_root().join("tests/c/shim_graph.c"));
-    (n, prog)
+    ShimNode::sample(&workspace_root(), &target_dir(), "shim_graph.c")
 }
 
 fn kv(text: &str) -> HashMap<String, String> {

@@ -20,19 +20,10 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use vcuda_tests::{target_dir, workspace_root};
+use vcuda_tests::{sample_ctx_cost, target_dir, workspace_root};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
-
-/// One context on the sample node: its overhead and its 8 MiB heap.
-fn ctx_cost() -> u64 {
-    let spec =
-        gpu_sim_core::NodeSpec::load(&workspace_root().join("config/nodes/sim-1gpu.toml")).unwrap();
-    let c = spec.gpus[0].context_overhead_bytes() + 8 * MIB;
-    assert!(c > 8 * MIB, "the sample node gives contexts a cost");
-    c
-}
 
 struct Node {
     sim: ShimNode,
@@ -41,13 +32,7 @@ struct Node {
 
 impl Node {
     fn new() -> Node {
-        let sim = ShimNode::install(
-            &workspace_root(),
-            &target_dir().join("gpu-sim"),
-            &target_dir().join("libvcuda.so"),
-            "sim-1gpu",
-        );
-        let client = sim.compile_c(&workspace_root().join("tests/c/shim_memory.c"));
+        let (sim, client) = ShimNode::sample(&workspace_root(), &target_dir(), "shim_memory.c");
         Node { sim, client }
     }
 
@@ -178,7 +163,7 @@ fn a_process_whose_context_costs_memory_is_never_physically_over_its_quota() {
     let allocated = kv.get("allocated") as u64 * 64 * MIB;
     assert_eq!(
         allocated,
-        (quota - ctx_cost()) / (64 * MIB) * 64 * MIB,
+        (quota - sample_ctx_cost()) / (64 * MIB) * 64 * MIB,
         "the context's cost is what is not left to allocate"
     );
     drop(child.stdin.take());
@@ -203,7 +188,7 @@ fn a_pool_that_keeps_freed_memory_keeps_it_charged_until_trimmed() {
     assert_eq!(d.get("kept_by_pool"), 0);
     assert_eq!(d.get("charged_while_kept"), 0);
     // The interposer: room for the context and one chunk and a bit.
-    let (c, m) = n.container(ctx_cost() + GIB);
+    let (c, m) = n.container(sample_ctx_cost() + GIB);
     let r = n.run_in(&c, &m, &["pool", "2048", "768"]);
     assert_eq!(r.get("charged_while_kept") as u64, chunk);
     assert_eq!(r.get("plain_while_kept"), 2, "the pool still holds it");
@@ -214,13 +199,13 @@ fn a_pool_that_keeps_freed_memory_keeps_it_charged_until_trimmed() {
     );
     assert_eq!(r.get("charged_after_trim"), 0, "the trim gave it back");
     assert_eq!(r.get("plain_after_trim"), 0);
-    assert!(m.ledger().peak() <= ctx_cost() + GIB);
+    assert!(m.ledger().peak() <= sample_ctx_cost() + GIB);
 }
 
 #[test]
 fn a_host_located_vmm_handle_takes_no_quota() {
     let n = Node::new();
-    let (c, m) = n.container(ctx_cost() + 512 * MIB);
+    let (c, m) = n.container(sample_ctx_cost() + 512 * MIB);
     let r = n.run_in(&c, &m, &["vmmhost", "1024"]);
     assert_eq!(
         r.get("host_create"),
@@ -242,7 +227,7 @@ fn a_handle_released_while_mapped_is_charged_until_unmapped() {
     let d = n.run_direct(&["mapped", "512"]);
     assert_eq!(d.get("charged_after_release") as u64, 512 * MIB);
     assert_eq!(d.get("charged_after_unmap"), 0);
-    let (c, m) = n.container(ctx_cost() + GIB);
+    let (c, m) = n.container(sample_ctx_cost() + GIB);
     let r = n.run_in(&c, &m, &["mapped", "512"]);
     assert_eq!(r.get("charged_after_release") as u64, 512 * MIB);
     assert_eq!(r.get("charged_after_unmap"), 0);
@@ -251,7 +236,7 @@ fn a_handle_released_while_mapped_is_charged_until_unmapped() {
 #[test]
 fn context_destroy_and_reset_give_everything_back_and_reused_addresses_count_once() {
     let n = Node::new();
-    let (c, m) = n.container(4 * GIB + 3 * ctx_cost());
+    let (c, m) = n.container(4 * GIB + 3 * sample_ctx_cost());
     let r = n.run_in(&c, &m, &["reset", "256"]);
     assert_eq!(r.get("primary_kept_after_reset"), 0);
     assert_eq!(r.get("charged_after_realloc") as u64, 256 * MIB);
@@ -279,7 +264,7 @@ fn the_device_heap_and_module_images_are_charged() {
     let d = n.run_direct(&["module", "300"]);
     assert_eq!(d.get("module_charged") as u64, 300 * MIB);
     assert_eq!(d.get("module_after_unload"), 0);
-    let (c, m) = n.container(ctx_cost() + 512 * MIB);
+    let (c, m) = n.container(sample_ctx_cost() + 512 * MIB);
     let r = n.run_in(&c, &m, &["heap", "1024", "256"]);
     assert_eq!(r.get("heap_big"), 2, "a heap over the quota is refused");
     assert_eq!(r.get("heap_small"), 0);
@@ -299,7 +284,7 @@ fn the_device_heap_and_module_images_are_charged() {
 fn without_the_real_nvml_a_memory_quota_counts_what_is_asked_and_says_so() {
     let n = Node::new();
     let lib64 = n.sim.lib64_without("libnvidia-ml.so.");
-    let (c, m) = n.container(ctx_cost() + 512 * MIB);
+    let (c, m) = n.container(sample_ctx_cost() + 512 * MIB);
     let _m = m;
     let c = c.with_lib64(lib64);
     let mut cmd = c.command(&n.client);

@@ -18,20 +18,10 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use vcuda_tests::{target_dir, workspace_root};
+use vcuda_tests::{sample_ctx_cost, target_dir, workspace_root};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
-
-/// What one context costs on the sample node (its overhead and its 8 MiB
-/// device heap): the interposer charges it through the NVML reconcile.
-fn ctx_cost() -> u64 {
-    let spec =
-        gpu_sim_core::NodeSpec::load(&workspace_root().join("config/nodes/sim-1gpu.toml")).unwrap();
-    let c = spec.gpus[0].context_overhead_bytes() + 8 * MIB;
-    assert!(c > 8 * MIB, "the sample node gives contexts a cost");
-    c
-}
 
 /// A sim node with its vdriver mirror (the interposer as libcuda.so.1), one
 /// container vm dir (empty until a test writes its config) and the compiled
@@ -44,13 +34,7 @@ struct Node {
 
 impl Node {
     fn new() -> Node {
-        let sim = ShimNode::install(
-            &workspace_root(),
-            &target_dir().join("gpu-sim"),
-            &target_dir().join("libvcuda.so"),
-            "sim-1gpu",
-        );
-        let client = sim.compile_c(&workspace_root().join("tests/c/shim_client.c"));
+        let (sim, client) = ShimNode::sample(&workspace_root(), &target_dir(), "shim_client.c");
         Node {
             vm: sim.vm_dir(),
             sim,
@@ -138,7 +122,7 @@ impl Run {
 fn cumemalloc_up_to_the_quota_then_oom_and_the_view_shows_the_quota() {
     let n = Node::new();
     // The quota leaves 4 GiB beside the program's context.
-    let quota = 4 * GIB + ctx_cost();
+    let quota = 4 * GIB + sample_ctx_cost();
     let m = n.manager(quota);
     let r = n.run(&["quota", "1024"]);
     r.assert_ok();
@@ -164,7 +148,7 @@ fn cumemalloc_up_to_the_quota_then_oom_and_the_view_shows_the_quota() {
 #[test]
 fn vmm_and_stream_ordered_pools_are_held_to_the_quota() {
     let n = Node::new();
-    let _m = n.manager(4 * GIB + ctx_cost());
+    let _m = n.manager(4 * GIB + sample_ctx_cost());
     let r = n.run(&["vmm", "512"]);
     r.assert_ok();
     assert_eq!((r.get("allocated"), r.get("last")), (8, 2));
@@ -202,7 +186,7 @@ fn every_other_allocation_path_is_charged_and_given_back() {
 fn four_processes_of_eight_threads_never_hold_more_than_the_quota() {
     let n = Node::new();
     // 1 GiB to race for beside the four contexts.
-    let quota = GIB + 4 * ctx_cost();
+    let quota = GIB + 4 * sample_ctx_cost();
     let m = n.manager(quota);
     let base = n.sim_used();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -286,7 +270,7 @@ fn four_processes_of_eight_threads_never_hold_more_than_the_quota() {
 fn a_fork_child_registers_on_its_own_and_its_memory_comes_back() {
     let n = Node::new();
     // Parent and child each have a context.
-    let m = n.manager(4 * GIB + 2 * ctx_cost());
+    let m = n.manager(4 * GIB + 2 * sample_ctx_cost());
     let r = n.run(&["fork", "1024"]);
     r.assert_ok();
     let (parent, child) = (r.get("parent_pid") as i32, r.get("child_pid") as i32);
@@ -314,7 +298,7 @@ fn a_fork_child_registers_on_its_own_and_its_memory_comes_back() {
     assert!(ev.contains(&Event::Closed {
         pid: child,
         slot: cs,
-        freed: GIB + ctx_cost()
+        freed: GIB + sample_ctx_cost()
     }));
     assert_eq!(m.ledger().used(), 0);
 }
@@ -444,7 +428,7 @@ fn after_a_manager_restart_the_process_re_registers_and_keeps_its_bytes() {
         Event::Registered { pid, slot, .. } => (*pid, *slot),
         e => panic!("{e:?}"),
     };
-    let held = GIB + ctx_cost();
+    let held = GIB + sample_ctx_cost();
     let t = Instant::now();
     while m.ledger().used() != held {
         assert!(t.elapsed() < Duration::from_secs(5), "hold never allocated");

@@ -82,6 +82,20 @@ impl ShimNode {
         }
     }
 
+    /// The sample node `sim-1gpu` of `workspace` with the `gpu-sim` and
+    /// `libvcuda.so` built in `target`, and `tests/c/<program>` compiled
+    /// against it: what the shim tests under tests/ run on.
+    pub fn sample(workspace: &Path, target: &Path, program: &str) -> (ShimNode, PathBuf) {
+        let n = ShimNode::install(
+            workspace,
+            &target.join("gpu-sim"),
+            &target.join("libvcuda.so"),
+            "sim-1gpu",
+        );
+        let prog = n.compile_c(&workspace.join("tests/c").join(program));
+        (n, prog)
+    }
+
     pub fn root(&self) -> &Path {
         self.sim.path()
     }

@@ -15,6 +15,19 @@ typedef void *CUfunction;
 typedef void *CUstream;
 typedef unsigned long long CUdeviceptr;
 
+/* Memory pools and VMM handles (shim_client.c, shim_memory.c). */
+typedef void *CUmemoryPool;
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+typedef struct {
+  int type, requestedHandleTypes;
+  struct {
+    int type, id;
+  } location;
+  void *win32HandleMetaData;
+  unsigned char allocFlags[8];
+} CUmemAllocationProp;
+
 CUresult cuInit(unsigned int flags);
 CUresult cuDeviceGet(CUdevice *dev, int ordinal);
 CUresult cuDeviceGetCount(int *count);

@@ -12,21 +12,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cuda_driver.h"
+#include "shim_common.h"
 
 typedef void *CUarray;
 typedef void *CUmipmappedArray;
-typedef void *CUmemoryPool;
-typedef unsigned long long CUmemGenericAllocationHandle;
-
-typedef struct {
-  int type, requestedHandleTypes;
-  struct {
-    int type, id;
-  } location;
-  void *win32HandleMetaData;
-  unsigned char allocFlags[8];
-} CUmemAllocationProp;
 
 typedef struct {
   int allocType, handleTypes;
@@ -71,14 +60,6 @@ CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool pool, CU
 
 #define MIB (1024ULL * 1024ULL)
 #define MAXP 4096
-
-static void check(CUresult r, const char *what) {
-  if (r != 0) {
-    printf("error %s=%d\n", what, r);
-    fflush(stdout);
-    exit(1);
-  }
-}
 
 static CUcontext setup(void) {
   CUdevice dev;

@@ -1,7 +1,7 @@
 // A saturating CUDA workload for the compute-quota tests and benchmark:
 // 1 ms kernels (86400 blocks of 256 threads: 100 waves of 10 us on the
 // sim's A100) launched back to back on one stream, synchronising every few
-// launches as real training loops do. Driver declarations: cuda_driver.h.
+// launches as real training loops do. Driver declarations: cuda_driver.h (via shim_common.h).
 //
 // usage: shim_compute saturate SECONDS [SYNC_EVERY]
 //        shim_compute mixed SECONDS [SYNC_EVERY]
@@ -33,15 +33,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cuda_driver.h"
-
-static void check(CUresult r, const char *what) {
-  if (r != 0) {
-    printf("error %s=%d\n", what, r);
-    fflush(stdout);
-    exit(1);
-  }
-}
+#include "shim_common.h"
 
 static long long now_ns(void) {
   struct timespec t;
@@ -54,20 +46,6 @@ static long long cpu_ns(void) {
   getrusage(RUSAGE_SELF, &u);
   return (u.ru_utime.tv_sec + u.ru_stime.tv_sec) * 1000000000LL +
          (u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1000LL;
-}
-
-// A context on device 0, a stream, and the fake module's kernel `name`.
-static void setup(const char *name, CUfunction *f, CUstream *s) {
-  CUdevice dev;
-  CUcontext ctx;
-  CUmodule m;
-  static const char image[] = "fake image";
-  check(cuInit(0), "cuInit");
-  check(cuDeviceGet(&dev, 0), "cuDeviceGet");
-  check(cuCtxCreate_v2(&ctx, 0, dev), "cuCtxCreate");
-  check(cuModuleLoadData(&m, image), "cuModuleLoadData");
-  check(cuModuleGetFunction(f, m, name), "cuModuleGetFunction");
-  check(cuStreamCreate(s, 0), "cuStreamCreate");
 }
 
 // mixed 1: launch i is a 1 ms kernel when i % 6 == 0, else a 0.1 ms one;
@@ -96,7 +74,7 @@ static int saturate_from(CUfunction f, CUstream s, double seconds, int sync_ever
 static int saturate(double seconds, int sync_every, int mixed) {
   CUfunction f;
   CUstream s;
-  setup("busy", &f, &s);
+  setup_kernel("busy", &f, &s);
   printf("pid=%d start_ns=%lld\n", getpid(), now_ns());
   fflush(stdout);
   return saturate_from(f, s, seconds, sync_every, mixed, 0);
@@ -105,7 +83,7 @@ static int saturate(double seconds, int sync_every, int mixed) {
 static int tiny(double seconds) {
   CUfunction f;
   CUstream s;
-  setup("busy", &f, &s);
+  setup_kernel("busy", &f, &s);
   printf("pid=%d start_ns=%lld\n", getpid(), now_ns());
   long long end = now_ns() + (long long)(seconds * 1e9), n = 0;
   struct timespec nap = {0, 60000000};
@@ -129,7 +107,7 @@ static void first_timeout(int sig) {
 static int first(double seconds) {
   CUfunction f;
   CUstream s;
-  setup("busy", &f, &s);
+  setup_kernel("busy", &f, &s);
   printf("pid=%d start_ns=%lld\n", getpid(), now_ns());
   signal(SIGALRM, first_timeout);
   alarm(30);

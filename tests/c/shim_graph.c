@@ -1,7 +1,7 @@
 // CUDA graphs for tests/shim_graph.rs and the graph_accuracy bench, on the
 // simulated node (directly or under the interposer). Kernels are the sim's
 // 1 ms shape (86400 blocks of 256 threads: 100 waves of 10 us on its A100).
-// Driver declarations: cuda_driver.h; the graph API's below.
+// Driver declarations: cuda_driver.h (via shim_common.h); the graph API's below.
 //
 // usage: shim_graph explicit      graph built node by node; launched once
 //        shim_graph capture       graph captured from two streams; launched once
@@ -26,7 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cuda_driver.h"
+#include "shim_common.h"
 
 typedef void *CUgraph;
 typedef void *CUgraphNode;
@@ -96,28 +96,11 @@ CUresult cuGraphDestroy(CUgraph g);
 CUresult cuDeviceGraphMemTrim(CUdevice d);
 CUresult cuDeviceGetGraphMemAttribute(CUdevice d, int attr, void *value);
 
-static void check(CUresult r, const char *what) {
-  if (r != 0) {
-    printf("error %s=%d\n", what, r);
-    fflush(stdout);
-    exit(1);
-  }
-}
-
 static CUfunction f;
 static CUstream s, s2;
 
 static void setup(void) {
-  CUdevice dev;
-  CUcontext ctx;
-  CUmodule m;
-  static const char image[] = "fake image";
-  check(cuInit(0), "cuInit");
-  check(cuDeviceGet(&dev, 0), "cuDeviceGet");
-  check(cuCtxCreate_v2(&ctx, 0, dev), "cuCtxCreate");
-  check(cuModuleLoadData(&m, image), "cuModuleLoadData");
-  check(cuModuleGetFunction(&f, m, "kernel"), "cuModuleGetFunction");
-  check(cuStreamCreate(&s, 0), "cuStreamCreate");
+  setup_kernel("kernel", &f, &s);
   check(cuStreamCreate(&s2, 0), "cuStreamCreate");
 }
 

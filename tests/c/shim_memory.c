@@ -9,19 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "cuda_driver.h"
-
-typedef void *CUmemoryPool;
-typedef unsigned long long CUmemGenericAllocationHandle;
-
-typedef struct {
-  int type, requestedHandleTypes;
-  struct {
-    int type, id;
-  } location;
-  void *win32HandleMetaData;
-  unsigned char allocFlags[8];
-} CUmemAllocationProp;
+#include "shim_common.h"
 
 typedef struct {
   struct {
@@ -57,14 +45,6 @@ CUresult cuModuleUnload(CUmodule m);
 #define CU_LIMIT_MALLOC_HEAP_SIZE 2
 #define RELEASE_THRESHOLD 4
 #define RESERVED_MEM_CURRENT 5
-
-static void check(CUresult r, const char *what) {
-  if (r != 0) {
-    printf("error %s=%d\n", what, r);
-    fflush(stdout);
-    exit(1);
-  }
-}
 
 static CUdevice dev;
 

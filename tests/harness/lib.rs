@@ -23,6 +23,18 @@ pub fn target_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// What one context costs on the sample node `sim-1gpu` (its overhead and
+/// its 8 MiB device heap): the interposer charges it through the NVML
+/// reconcile.
+pub fn sample_ctx_cost() -> u64 {
+    const MIB: u64 = 1 << 20;
+    let spec =
+        gpu_sim_core::NodeSpec::load(&workspace_root().join("config/nodes/sim-1gpu.toml")).unwrap();
+    let c = spec.gpus[0].context_overhead_bytes() + 8 * MIB;
+    assert!(c > 8 * MIB, "the sample node gives contexts a cost");
+    c
+}
+
 /// The interposer the deploy image ships: the glibc-2.17 build that
 /// `cargo zigbuild -p cuda-shim --release --target
 /// x86_64-unknown-linux-gnu.2.17` leaves in the same target dir (see
@@ -229,4 +241,46 @@ impl Docker {
         }
         v
     }
+}
+
+/// Starts a kubelet emulator in `dir` (pod resources on `pod_resources`)
+/// and waits up to `wait` until `resource`'s plugin has registered and is
+/// connected.
+pub async fn kubelet_with_plugin(
+    dir: &Path,
+    pod_resources: PathBuf,
+    resource: &str,
+    wait: Duration,
+) -> kubelet_emulator::KubeletEmulator {
+    let emu = kubelet_emulator::KubeletEmulator::start(dir, pod_resources)
+        .await
+        .unwrap();
+    emu.wait_for(wait, |v| {
+        v.resources.get(resource).is_some_and(|r| r.connected)
+    })
+    .await
+    .unwrap_or_else(|e| {
+        panic!("{resource} not registered within {wait:?} of kubelet appearing: {e}")
+    });
+    emu
+}
+
+/// `n` timings of GetDevicePluginOptions, an RPC that does nothing in the
+/// plugin: the floor of any RPC on `client`'s socket.
+pub async fn options_rpc_floor(
+    client: &mut device_plugin::api::device_plugin_client::DevicePluginClient<
+        tonic::transport::Channel,
+    >,
+    n: usize,
+) -> Vec<Duration> {
+    let mut floor = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = std::time::Instant::now();
+        client
+            .get_device_plugin_options(device_plugin::api::Empty {})
+            .await
+            .unwrap();
+        floor.push(t.elapsed());
+    }
+    floor
 }

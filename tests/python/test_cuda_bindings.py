@@ -18,6 +18,16 @@ def ok(res):
     err, *rest = res if isinstance(res, tuple) else (res,)
     assert err == d.CUresult.CUDA_SUCCESS, err
     return rest[0] if len(rest) == 1 else rest
+
+def kernel_setup():
+    # cuInit, a context on device 0, the sim's fake module's `kernel` and a
+    # stream: (dev, ctx, f, s).
+    ok(d.cuInit(0))
+    dev = ok(d.cuDeviceGet(0))
+    ctx = ok(d.cuCtxCreate(None, 0, dev))
+    mod = ok(d.cuModuleLoadData(b"not a real cubin"))
+    f = ok(d.cuModuleGetFunction(mod, b"kernel"))
+    return dev, ctx, f, ok(d.cuStreamCreate(0))
 """
 
 
@@ -102,11 +112,7 @@ def test_launch_and_stream_sync(sim_root):
         sim_root,
         """
         import time
-        ok(d.cuInit(0))
-        ctx = ok(d.cuCtxCreate(None, 0, ok(d.cuDeviceGet(0))))
-        mod = ok(d.cuModuleLoadData(b"not a real cubin"))
-        f = ok(d.cuModuleGetFunction(mod, b"kernel"))
-        s = ok(d.cuStreamCreate(0))
+        dev, ctx, f, s = kernel_setup()
         t0 = time.monotonic()
         for _ in range(10):  # 100 waves of 10 us each = 1 ms per launch
             ok(d.cuLaunchKernel(f, 86400, 1, 1, 256, 1, 1, 0, s, 0, 0))

@@ -13,12 +13,7 @@ def test_capture_instantiate_launch(sim_root):
     out = client(
         sim_root,
         """
-        ok(d.cuInit(0))
-        dev = ok(d.cuDeviceGet(0))
-        ctx = ok(d.cuCtxCreate(None, 0, dev))
-        mod = ok(d.cuModuleLoadData(b"not a real cubin"))
-        f = ok(d.cuModuleGetFunction(mod, b"kernel"))
-        s = ok(d.cuStreamCreate(0))
+        dev, ctx, f, s = kernel_setup()
         ok(d.cuStreamBeginCapture(s, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
         capturing = int(ok(d.cuStreamIsCapturing(s)))
         info = d.cuStreamGetCaptureInfo(s)
@@ -69,11 +64,7 @@ def test_explicit_kernel_nodes_and_update(sim_root):
     out = client(
         sim_root,
         """
-        ok(d.cuInit(0))
-        ctx = ok(d.cuCtxCreate(None, 0, ok(d.cuDeviceGet(0))))
-        mod = ok(d.cuModuleLoadData(b"not a real cubin"))
-        f = ok(d.cuModuleGetFunction(mod, b"kernel"))
-        s = ok(d.cuStreamCreate(0))
+        dev, ctx, f, s = kernel_setup()
         def kernel(grid):
             p = d.CUDA_KERNEL_NODE_PARAMS()
             p.func = f

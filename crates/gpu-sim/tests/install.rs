@@ -31,12 +31,31 @@ fn fake_artifacts(dir: &Path) {
     fs::write(dir.join("nvidia-smi"), "#!/bin/sh\necho fake\n").unwrap();
 }
 
+/// As root, a temporary directory with [`fake_artifacts`] in `<tmp>/art`;
+/// otherwise None, after [`cannot_run`] said why (`why`: what needs root).
+fn artifacts_as_root(why: &str) -> Option<(tempfile::TempDir, PathBuf)> {
+    if !is_root() {
+        cannot_run(why);
+        return None;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let art = tmp.path().join("art");
+    fs::create_dir_all(&art).unwrap();
+    fake_artifacts(&art);
+    Some((tmp, art))
+}
+
 fn run(args: &[&str]) -> Output {
     Command::new(GPU_SIM).args(args).output().unwrap()
 }
 
 fn install(node: &Path, root: &Path, artifacts: &Path) -> Output {
-    run(&[
+    install_with(node, root, artifacts, &[])
+}
+
+/// [`install`] with `extra` arguments after the usual ones.
+fn install_with(node: &Path, root: &Path, artifacts: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
         "install",
         "--node",
         node.to_str().unwrap(),
@@ -44,7 +63,9 @@ fn install(node: &Path, root: &Path, artifacts: &Path) -> Output {
         root.to_str().unwrap(),
         "--artifacts",
         artifacts.to_str().unwrap(),
-    ])
+    ];
+    args.extend_from_slice(extra);
+    run(&args)
 }
 
 fn is_root() -> bool {
@@ -83,14 +104,9 @@ fn every_shipped_node_description_parses() {
 
 #[test]
 fn install_lays_out_a_driver_root_and_is_idempotent() {
-    if !is_root() {
-        cannot_run("ldconfig -r needs root");
+    let Some((tmp, art)) = artifacts_as_root("ldconfig -r needs root") else {
         return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let art = tmp.path().join("art");
-    fs::create_dir_all(&art).unwrap();
-    fake_artifacts(&art);
+    };
     let root = tmp.path().join("root");
     let node = repo().join("config/nodes/sim-4gpu-pcie.toml");
 
@@ -250,14 +266,9 @@ fn missing_artifacts_and_bad_node_files_are_clear_errors() {
 /// driver's 195:N node stands for one here).
 #[test]
 fn host_dev_creates_the_device_nodes_and_never_replaces_others() {
-    if !is_root() {
-        cannot_run("needs root (mknod, ldconfig -r)");
+    let Some((tmp, art)) = artifacts_as_root("needs root (mknod, ldconfig -r)") else {
         return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let art = tmp.path().join("art");
-    fs::create_dir_all(&art).unwrap();
-    fake_artifacts(&art);
+    };
     let node = repo().join("config/nodes/sim-4gpu-pcie.toml");
     let root = tmp.path().join("root");
     let dev = tmp.path().join("dev");
@@ -270,17 +281,7 @@ fn host_dev_creates_the_device_nodes_and_never_replaces_others() {
     fs::write(dev.join("nvidia-uvm"), b"not a device").unwrap();
 
     let host_dev = format!("--host-dev={}", dev.display());
-    let args = [
-        "install",
-        "--node",
-        node.to_str().unwrap(),
-        "--root",
-        root.to_str().unwrap(),
-        "--artifacts",
-        art.to_str().unwrap(),
-        &host_dev,
-    ];
-    let out = run(&args);
+    let out = install_with(&node, &root, &art, &[&host_dev]);
     assert!(
         out.status.success(),
         "{}",
@@ -316,7 +317,7 @@ fn host_dev_creates_the_device_nodes_and_never_replaces_others() {
     assert!(stderr.contains("nvidia-uvm exists"), "{stderr}");
 
     // Again: its own nodes are kept.
-    let out = run(&args);
+    let out = install_with(&node, &root, &art, &[&host_dev]);
     assert!(
         out.status.success(),
         "{}",
