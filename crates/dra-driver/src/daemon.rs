@@ -153,20 +153,15 @@ pub async fn run(
                 models: found.names.clone(),
                 healthy: healthy.clone(),
             }));
-            let reader = gpu_display::NvmlReader::new(nvml.clone(), s.sample_period);
-            let running = display
-                .start(
-                    &gpu_display::DisplayOptions {
-                        socket: socket.clone(),
-                        query_addr: *addr,
-                        sample_period: s.sample_period,
-                        ..Default::default()
-                    },
-                    Some(Box::new(reader)),
-                    cancel.clone(),
-                )
-                .await
-                .context("starting the display service")?;
+            let running = gpu_manager::daemon::start_display(
+                &display,
+                &nvml,
+                socket.clone(),
+                *addr,
+                s.sample_period,
+                &cancel,
+            )
+            .await?;
             display.set_ready(true);
             display_http = Some(running.http_addr);
             Some((display, running))

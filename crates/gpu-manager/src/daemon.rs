@@ -2,7 +2,8 @@
 //! prerequisite stops the daemon with one error that says what to fix.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -56,6 +57,32 @@ pub fn mirror_driver(
             dest.display()
         )
     })
+}
+
+/// Starts `display` (gRPC on `socket`, HTTP on `query_addr`), sampling
+/// the GPUs through `nvml` every `sample_period`.
+pub async fn start_display(
+    display: &gpu_display::Display,
+    nvml: &Arc<nvml_wrapper::Nvml>,
+    socket: PathBuf,
+    query_addr: SocketAddr,
+    sample_period: Duration,
+    cancel: &CancellationToken,
+) -> anyhow::Result<gpu_display::Running> {
+    let reader = gpu_display::NvmlReader::new(nvml.clone(), sample_period);
+    display
+        .start(
+            &gpu_display::DisplayOptions {
+                socket,
+                query_addr,
+                sample_period,
+                ..Default::default()
+            },
+            Some(Box::new(reader)),
+            cancel.clone(),
+        )
+        .await
+        .context("starting the display service")
 }
 
 pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Result<()> {
@@ -205,20 +232,15 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
                 s.query_addr
             )
         })?;
-    let reader = gpu_display::NvmlReader::new(nvml.clone(), s.sample_period);
-    let running = display
-        .start(
-            &gpu_display::DisplayOptions {
-                socket: s.display_socket.clone(),
-                query_addr,
-                sample_period: s.sample_period,
-                ..Default::default()
-            },
-            Some(Box::new(reader)),
-            cancel.clone(),
-        )
-        .await
-        .context("starting the display service")?;
+    let running = start_display(
+        &display,
+        &nvml,
+        s.display_socket.clone(),
+        query_addr,
+        s.sample_period,
+        &cancel,
+    )
+    .await?;
     tracing::info!(
         "display: HTTP on {}, socket {}",
         running.http_addr,
