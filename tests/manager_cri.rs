@@ -338,27 +338,6 @@ async fn respawn(env: &mut Env, base: &[String], extra: &[&str], restarts: usize
     env.wait_log("recovery finished", restarts + 2).await;
 }
 
-/// Allocate on vcore.sock directly (not through the emulator, which would
-/// refuse first for lack of free IDs): the manager's own capacity check.
-async fn direct_allocate(env: &Env, ids: std::ops::Range<usize>) -> Result<(), tonic::Status> {
-    use vcuda_api::deviceplugin::v1beta1::{
-        AllocateRequest, ContainerAllocateRequest, device_plugin_client::DevicePluginClient,
-    };
-    let ch =
-        device_plugin::connect_unix(env.kubelet.dir().join("vcore.sock"), Duration::from_secs(2))
-            .await
-            .unwrap();
-    DevicePluginClient::new(ch)
-        .allocate(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest {
-                // IDs no allocation holds.
-                devices_ids: ids.map(|k| format!("vcore-0-{k:02}")).collect(),
-            }],
-        })
-        .await
-        .map(|_| ())
-}
-
 fn id(p: &PodRef) -> String {
     format!("{}/main", p.uid)
 }
@@ -478,7 +457,7 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
     let e = env.pod(&[("main", 10, 155)], &[]);
     let t = Instant::now();
     loop {
-        match direct_allocate(&env, 90..100).await {
+        match env.direct_allocate(90..100).await {
             Err(s) if s.code() == tonic::Code::ResourceExhausted => break,
             Ok(()) => panic!("A and B forgotten: 155 units allocated next to them"),
             // Not seen by the manager's pod watch yet.

@@ -295,6 +295,30 @@ impl Env {
             .collect()
     }
 
+    /// Allocate on vcore.sock directly (not through the emulator, which
+    /// would refuse first for lack of free IDs): the manager's own capacity
+    /// check. `ids` are of GPU 0's vcores no allocation holds (held ones
+    /// would tell the manager that kubelet let their holder go).
+    pub async fn direct_allocate(&self, ids: std::ops::Range<usize>) -> Result<(), tonic::Status> {
+        use vcuda_api::deviceplugin::v1beta1::{
+            AllocateRequest, ContainerAllocateRequest, device_plugin_client::DevicePluginClient,
+        };
+        let ch = device_plugin::connect_unix(
+            self.kubelet.dir().join("vcore.sock"),
+            Duration::from_secs(2),
+        )
+        .await
+        .unwrap();
+        DevicePluginClient::new(ch)
+            .allocate(AllocateRequest {
+                container_requests: vec![ContainerAllocateRequest {
+                    devices_ids: ids.map(|k| format!("vcore-0-{k:02}")).collect(),
+                }],
+            })
+            .await
+            .map(|_| ())
+    }
+
     pub fn allocation_count(&self) -> usize {
         self.checkpoint()["allocations"]
             .as_array()

@@ -322,7 +322,7 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
     // request for 150 fits only if the restarted manager forgot them.
     // (Allocate waits for a just-created pod to reach the manager.)
     let e = env.pod(&[("main", 10, 150)], &[]);
-    let err = direct_allocate(&env, 90..100).await.unwrap_err();
+    let err = env.direct_allocate(90..100).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
     env.api.delete_pod(&e.namespace, &e.name).unwrap();
 
@@ -380,30 +380,6 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
             .any(|e| e.file_name().to_string_lossy().contains(".corrupt-")),
         "the corrupt checkpoint is kept aside"
     );
-}
-
-/// Allocate on vcore.sock directly (not through the emulator, which would
-/// refuse first for lack of free IDs): the manager's own capacity check.
-async fn direct_allocate(env: &Env, ids: std::ops::Range<usize>) -> Result<(), tonic::Status> {
-    use vcuda_api::deviceplugin::v1beta1::{
-        AllocateRequest, ContainerAllocateRequest, device_plugin_client::DevicePluginClient,
-    };
-    let ch = device_plugin::connect_unix(
-        &env.kubelet.dir().join("vcore.sock"),
-        Duration::from_secs(2),
-    )
-    .await
-    .unwrap();
-    DevicePluginClient::new(ch)
-        .allocate(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest {
-                // IDs no allocation holds (held ones would tell the manager
-                // that kubelet let their holder go).
-                devices_ids: ids.map(|k| format!("vcore-0-{k:02}")).collect(),
-            }],
-        })
-        .await
-        .map(|_| ())
 }
 
 /// A container name unique per test run.

@@ -68,6 +68,17 @@ fn install_with(node: &Path, root: &Path, artifacts: &Path, extra: &[&str]) -> O
     run(&args)
 }
 
+/// [`install_with`], which must succeed.
+fn install_ok(node: &Path, root: &Path, artifacts: &Path, extra: &[&str]) -> Output {
+    let out = install_with(node, root, artifacts, extra);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
@@ -110,12 +121,7 @@ fn install_lays_out_a_driver_root_and_is_idempotent() {
     let root = tmp.path().join("root");
     let node = repo().join("config/nodes/sim-4gpu-pcie.toml");
 
-    let out = install(&node, &root, &art);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = install_ok(&node, &root, &art, &[]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.contains("4 GPUs") && stdout.contains("created"),
@@ -180,12 +186,7 @@ fn install_lays_out_a_driver_root_and_is_idempotent() {
         .unwrap()
         .replace("550.54.15", "560.35.03");
     fs::write(&upgraded, text).unwrap();
-    let out = install(&upgraded, &root, &art);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    install_ok(&upgraded, &root, &art, &[]);
     assert!(lib.join("libcuda.so.560.35.03").is_file());
     assert!(!lib.join("libcuda.so.550.54.15").exists());
     assert!(!lib.join("libnvidia-ml.so.550.54.15").exists());
@@ -281,12 +282,7 @@ fn host_dev_creates_the_device_nodes_and_never_replaces_others() {
     fs::write(dev.join("nvidia-uvm"), b"not a device").unwrap();
 
     let host_dev = format!("--host-dev={}", dev.display());
-    let out = install_with(&node, &root, &art, &[&host_dev]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = install_ok(&node, &root, &art, &[&host_dev]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     use std::os::unix::fs::MetadataExt;
@@ -317,12 +313,7 @@ fn host_dev_creates_the_device_nodes_and_never_replaces_others() {
     assert!(stderr.contains("nvidia-uvm exists"), "{stderr}");
 
     // Again: its own nodes are kept.
-    let out = install_with(&node, &root, &art, &[&host_dev]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = install_ok(&node, &root, &art, &[&host_dev]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.contains(&format!("{}/nvidia0 kept", dev.display())),
