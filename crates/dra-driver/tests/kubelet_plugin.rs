@@ -30,13 +30,8 @@ fn devices(healthy: [bool; 2]) -> Vec<GpuDevice> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_once_bump_on_health_never_duplicate() {
-    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
-    let dirs = Dirs::new();
-    let api = kube(&server, dirs.tmp.path()).await;
-    let p = Publisher {
-        node: NODE.into(),
-        driver_version: "550.54.15".into(),
-    };
+    let (server, _dirs, api) = emulator().await;
+    let p = publisher();
     p.ensure_classes(&api).await.unwrap();
     p.ensure_classes(&api).await.unwrap();
     assert_eq!(server.list(Kind::DeviceClass).len(), 2);
@@ -84,16 +79,26 @@ async fn publish_once_bump_on_health_never_duplicate() {
     assert_eq!(kinds, ["ADDED", "MODIFIED", "MODIFIED"]);
 }
 
-/// The API server emulator with both GPUs published on [`NODE`], the driver
-/// started on them and a v1 kubelet connected to it.
-async fn node_with_driver() -> (ApiServer, Dirs, KubeApi, Running, plugin::DraPlugin) {
+/// The API server emulator, the test's directories and a client of it.
+async fn emulator() -> (ApiServer, Dirs, KubeApi) {
     let server = ApiServer::start("127.0.0.1:0").await.unwrap();
     let dirs = Dirs::new();
     let api = kube(&server, dirs.tmp.path()).await;
-    let p = Publisher {
+    (server, dirs, api)
+}
+
+fn publisher() -> Publisher {
+    Publisher {
         node: NODE.into(),
         driver_version: "550.54.15".into(),
-    };
+    }
+}
+
+/// The API server emulator with both GPUs published on [`NODE`], the driver
+/// started on them and a v1 kubelet connected to it.
+async fn node_with_driver() -> (ApiServer, Dirs, KubeApi, Running, plugin::DraPlugin) {
+    let (server, dirs, api) = emulator().await;
+    let p = publisher();
     p.ensure_classes(&api).await.unwrap();
     p.reconcile(&api, &devices([true, true])).await.unwrap();
     let run = start(&dirs, gpus(), &api).await;
