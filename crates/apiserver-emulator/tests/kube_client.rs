@@ -9,9 +9,9 @@ use apiserver_emulator::ApiServer;
 use common::client;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Api;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
-use kube::Api;
 use serde_json::json;
 
 fn pod(name: &str, node: &str) -> serde_json::Value {

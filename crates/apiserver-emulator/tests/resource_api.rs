@@ -10,9 +10,9 @@ use apiserver_emulator::{ApiServer, Kind};
 use common::client;
 use futures::StreamExt;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use kube::Api;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::Api;
 use serde_json::json;
 
 fn slice(name: &str, node: &str, generation: i64) -> ResourceSlice {
