@@ -9,7 +9,7 @@
 //! [`incoming`] wraps each accepted connection in [`Fixed`], which rewrites
 //! such values to `localhost` below h2 (see [`rewrite`]).
 //!
-//! ```ignore
+//! ```text
 //! Server::builder()
 //!     .add_service(svc)
 //!     .serve_with_incoming(uds_authority::incoming(UnixListener::bind(path)?))
