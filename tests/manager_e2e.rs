@@ -287,9 +287,11 @@ async fn bad_requests_are_refused_and_change_nothing() {
         },
         Bad {
             what: "memory over any GPU",
-            containers: vec![("main", 30, 61)],
+            // Not 30 cores: the previous case's deleted pod can still be in
+            // the manager's view for a moment, and Allocate matches by cores.
+            containers: vec![("main", 31, 61)],
             annotations: vec![],
-            cores: 30,
+            cores: 31,
             memory: 61,
             code: tonic::Code::InvalidArgument,
             message: "largest GPU",
