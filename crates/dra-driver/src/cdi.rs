@@ -7,7 +7,12 @@
 //! `LD_LIBRARY_PATH` and `NVIDIA_VISIBLE_DEVICES`.
 //!
 //! One spec file per claim, `<cdi dir>/vcuda.tencent.com-<claim uid>.json`,
-//! written atomically; its device names are `<claim uid>-<request>`.
+//! written atomically; its device names are `<claim uid>-<request>-<device>`.
+//! What a container needs once whatever the claim holds (the two mounts,
+//! the env, `nvidiactl`, `nvidia-uvm`) is the spec's own `containerEdits`,
+//! which a runtime applies once per spec; a device adds only its
+//! `/dev/nvidiaN`. Per-device copies would mount `/etc/vcuda` twice and
+//! set `NVIDIA_VISIBLE_DEVICES` to one GPU for a claim of two.
 
 use std::path::{Path, PathBuf};
 
@@ -23,6 +28,8 @@ pub const CDI_VERSION: &str = "0.6.0";
 pub struct Spec {
     pub cdi_version: String,
     pub kind: String,
+    #[serde(default, skip_serializing_if = "ContainerEdits::is_empty")]
+    pub container_edits: ContainerEdits,
     pub devices: Vec<CdiDevice>,
 }
 
@@ -42,6 +49,12 @@ pub struct ContainerEdits {
     pub device_nodes: Vec<DeviceNode>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mounts: Vec<CdiMount>,
+}
+
+impl ContainerEdits {
+    pub fn is_empty(&self) -> bool {
+        self.env.is_empty() && self.device_nodes.is_empty() && self.mounts.is_empty()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -65,10 +78,11 @@ pub struct CdiMount {
     pub r#type: Option<String>,
 }
 
-/// A device's CDI name: `<claim uid>-<request>` with a subrequest's '/'
-/// as '-' (CDI names allow `[A-Za-z0-9_.:-]`).
-pub fn device_name(claim_uid: &str, request: &str) -> String {
-    format!("{claim_uid}-{}", request.replace('/', "-"))
+/// A device's CDI name: `<claim uid>-<request>-<device>` with a
+/// subrequest's '/' as '-' (CDI names allow `[A-Za-z0-9_.:-]`); the device
+/// keeps two results of one request (`count: 2`) apart.
+pub fn device_name(claim_uid: &str, request: &str, device: &str) -> String {
+    format!("{claim_uid}-{}-{device}", request.replace('/', "-"))
 }
 
 /// The fully qualified ID the kubelet hands the runtime.
@@ -80,9 +94,10 @@ pub fn spec_path(cdi_dir: &Path, claim_uid: &str) -> PathBuf {
     cdi_dir.join(format!("{}-{claim_uid}.json", crate::DRIVER_NAME))
 }
 
-/// What one device needs to build its edits.
-pub struct EditsInput<'a> {
-    pub gpu: &'a GpuInfo,
+/// What a claim's spec is built from: its GPUs (in result order, with
+/// their CDI device names), one share or whole GPUs, and its vm directory.
+pub struct ClaimInput<'a> {
+    pub devices: Vec<(String, &'a GpuInfo)>,
     pub cores: u32,
     pub memory_bytes: u64,
     pub shared: bool,
@@ -91,9 +106,19 @@ pub struct EditsInput<'a> {
     pub extra_devices: &'a [String],
 }
 
-pub fn edits(i: &EditsInput<'_>) -> ContainerEdits {
+fn node(d: device_plugin::api::DeviceSpec) -> DeviceNode {
+    DeviceNode {
+        path: d.container_path,
+        host_path: Some(d.host_path),
+        permissions: Some(d.permissions),
+    }
+}
+
+/// The claim's spec: the device plugin's Allocate response for all of its
+/// GPUs, split into the spec's common edits and one node per device.
+pub fn claim_spec(i: &ClaimInput<'_>) -> Spec {
     let r = gpu_manager::response::build(&gpu_manager::response::ResponseInput {
-        gpus: vec![i.gpu],
+        gpus: i.devices.iter().map(|(_, g)| *g).collect(),
         cores: i.cores,
         memory_units: i.memory_bytes / gpu_allocator::MEMORY_UNIT_BYTES,
         shared: i.shared,
@@ -101,18 +126,20 @@ pub fn edits(i: &EditsInput<'_>) -> ContainerEdits {
         vm_dir: i.vm_dir,
         extra_devices: i.extra_devices,
     });
+    let own: Vec<String> = i
+        .devices
+        .iter()
+        .map(|(_, g)| format!("/dev/nvidia{}", g.minor))
+        .collect();
     let mut env: Vec<String> = r.envs.iter().map(|(k, v)| format!("{k}={v}")).collect();
     env.sort();
-    ContainerEdits {
+    let common = ContainerEdits {
         env,
         device_nodes: r
             .devices
             .into_iter()
-            .map(|d| DeviceNode {
-                path: d.container_path,
-                host_path: Some(d.host_path),
-                permissions: Some(d.permissions),
-            })
+            .filter(|d| !own.contains(&d.container_path))
+            .map(node)
             .collect(),
         mounts: r
             .mounts
@@ -128,13 +155,27 @@ pub fn edits(i: &EditsInput<'_>) -> ContainerEdits {
                 r#type: Some("bind".into()),
             })
             .collect(),
-    }
-}
-
-pub fn spec(devices: Vec<CdiDevice>) -> Spec {
+    };
+    let devices = i
+        .devices
+        .iter()
+        .zip(own)
+        .map(|((name, _), path)| CdiDevice {
+            name: name.clone(),
+            container_edits: ContainerEdits {
+                device_nodes: vec![node(device_plugin::api::DeviceSpec {
+                    host_path: path.clone(),
+                    container_path: path,
+                    permissions: "rwm".into(),
+                })],
+                ..ContainerEdits::default()
+            },
+        })
+        .collect();
     Spec {
         cdi_version: CDI_VERSION.to_string(),
         kind: CDI_KIND.to_string(),
+        container_edits: common,
         devices,
     }
 }
@@ -171,18 +212,22 @@ pub fn remove(cdi_dir: &Path, claim_uid: &str) -> std::io::Result<()> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn share_edits() {
-        let g = GpuInfo {
-            index: 0,
-            uuid: "GPU-a".into(),
-            minor: 2,
+    fn gpu(index: usize, minor: u32) -> GpuInfo {
+        GpuInfo {
+            index,
+            uuid: format!("GPU-{index}"),
+            minor,
             memory_bytes: 16 << 30,
             numa_node: None,
             pci_bus_id: "00000000:3B:00.0".into(),
-        };
-        let e = edits(&EditsInput {
-            gpu: &g,
+        }
+    }
+
+    #[test]
+    fn share_spec() {
+        let g = gpu(0, 2);
+        let s = claim_spec(&ClaimInput {
+            devices: vec![(device_name("u", "gpu", "gpu-0"), &g)],
             cores: 30,
             memory_bytes: 1 << 30,
             shared: true,
@@ -190,15 +235,16 @@ mod tests {
             vm_dir: Path::new("/etc/gpu-manager/vm/u/gpu"),
             extra_devices: &[],
         });
+        let e = &s.container_edits;
         assert_eq!(
             e.env,
             [
                 "LD_LIBRARY_PATH=/usr/local/nvidia/lib64",
-                "NVIDIA_VISIBLE_DEVICES=GPU-a"
+                "NVIDIA_VISIBLE_DEVICES=GPU-0"
             ]
         );
         let nodes: Vec<_> = e.device_nodes.iter().map(|d| d.path.as_str()).collect();
-        assert_eq!(nodes, ["/dev/nvidia2", "/dev/nvidiactl", "/dev/nvidia-uvm"]);
+        assert_eq!(nodes, ["/dev/nvidiactl", "/dev/nvidia-uvm"]);
         assert_eq!(e.mounts[0].host_path, "/etc/gpu-manager/vdriver/nvidia");
         assert_eq!(e.mounts[0].container_path, "/usr/local/nvidia");
         assert_eq!(e.mounts[1].container_path, "/etc/vcuda");
@@ -207,7 +253,59 @@ mod tests {
                 .iter()
                 .all(|m| m.options.contains(&"ro".to_string()))
         );
-        assert_eq!(device_name("u1", "gpu/sub"), "u1-gpu-sub");
-        assert_eq!(qualified("u1-gpu"), "vcuda.tencent.com/gpu=u1-gpu");
+        assert_eq!(s.devices.len(), 1);
+        assert_eq!(s.devices[0].name, "u-gpu-gpu-0");
+        assert_eq!(
+            s.devices[0].container_edits.device_nodes[0].path,
+            "/dev/nvidia2"
+        );
+        assert!(s.devices[0].container_edits.mounts.is_empty());
+        assert_eq!(device_name("u1", "gpu/sub", "gpu-1"), "u1-gpu-sub-gpu-1");
+        assert_eq!(
+            qualified("u1-gpu-gpu-0"),
+            "vcuda.tencent.com/gpu=u1-gpu-gpu-0"
+        );
+    }
+
+    /// Two whole GPUs of one request: one `/etc/vcuda`, both GPUs visible,
+    /// each device its own node.
+    #[test]
+    fn two_whole_gpus_share_the_common_edits() {
+        let (a, b) = (gpu(0, 0), gpu(1, 1));
+        let s = claim_spec(&ClaimInput {
+            devices: vec![
+                (device_name("u", "gpu", "gpu-0"), &a),
+                (device_name("u", "gpu", "gpu-1"), &b),
+            ],
+            cores: 200,
+            memory_bytes: 32 << 30,
+            shared: false,
+            vdriver_dir: Path::new("/v"),
+            vm_dir: Path::new("/vm/u/gpu"),
+            extra_devices: &[],
+        });
+        let vcuda = s
+            .container_edits
+            .mounts
+            .iter()
+            .filter(|m| m.container_path == "/etc/vcuda")
+            .count();
+        assert_eq!(vcuda, 1);
+        assert_eq!(s.container_edits.mounts[0].host_path, "/v/origin");
+        assert!(
+            s.container_edits
+                .env
+                .contains(&"NVIDIA_VISIBLE_DEVICES=GPU-0,GPU-1".to_string())
+        );
+        let names: Vec<_> = s.devices.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["u-gpu-gpu-0", "u-gpu-gpu-1"]);
+        let nodes: Vec<_> = s
+            .devices
+            .iter()
+            .map(|d| d.container_edits.device_nodes[0].path.as_str())
+            .collect();
+        assert_eq!(nodes, ["/dev/nvidia0", "/dev/nvidia1"]);
+        let body = serde_json::to_value(&s).unwrap();
+        assert!(body["containerEdits"]["mounts"].is_array(), "{body}");
     }
 }

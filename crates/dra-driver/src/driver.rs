@@ -1,7 +1,8 @@
 //! NodePrepareResources / NodeUnprepareResources, protocol aside: a
-//! prepared claim is its planned devices, a vm directory per device
-//! (`<vm>/<claim uid>/<request>/`: `vcuda.config`, the ledger, `vcuda.sock`
-//! served by the manager's [`Registry`]), one CDI spec, and an entry in
+//! prepared claim is its planned devices (one share, or whole GPUs), one vm
+//! directory (`<vm>/<claim uid>/<first request>/`: `vcuda.config`, the
+//! ledger, and for a share `vcuda.sock` served by the manager's
+//! [`Registry`]), one CDI spec, and an entry in
 //! the checkpoint. Prepare is idempotent (a prepared claim answers from
 //! the checkpoint); a restarted driver re-serves the checkpoint's claims
 //! and leaves their files as they are (unchanged bytes are not rewritten,
@@ -83,12 +84,17 @@ fn registry_id(uid: &str, request: &str) -> String {
     format!("dra/{uid}/{}", slot_name(request))
 }
 
+/// The request whose name the claim's vm directory and socket carry.
+fn slot_request(devices: &[PlannedDevice]) -> &str {
+    devices.first().map_or("claim", |d| d.request.as_str())
+}
+
 fn outputs(c: &PreparedClaim) -> Vec<PreparedDevice> {
     c.devices
         .iter()
         .map(|d| PreparedDevice {
             planned: d.clone(),
-            cdi_id: cdi::qualified(&cdi::device_name(&c.uid, &d.request)),
+            cdi_id: cdi::qualified(&cdi::device_name(&c.uid, &d.request, &d.device)),
         })
         .collect()
 }
@@ -155,9 +161,8 @@ impl Driver {
     /// again with the next driver; `pids.config` is kept for it.
     pub fn shutdown(&self) {
         for c in self.prepared() {
-            for d in c.devices.iter().filter(|d| !d.whole) {
-                self.registry.stop(&registry_id(&c.uid, &d.request));
-            }
+            self.registry
+                .stop(&registry_id(&c.uid, slot_request(&c.devices)));
         }
     }
 
@@ -186,7 +191,8 @@ impl Driver {
         registry_id(uid, request)
     }
 
-    fn resource_data(&self, uid: &str, d: &PlannedDevice) -> Result<ResourceData, String> {
+    fn resource_data(&self, uid: &str, devices: &[PlannedDevice]) -> Result<ResourceData, String> {
+        let d = devices.first().ok_or("no devices")?;
         let gpu = self
             .gpus
             .get(d.gpu_index)
@@ -204,15 +210,18 @@ impl Driver {
         })
     }
 
-    /// Writes one device's vm directory and, for a share, serves its socket.
-    fn materialize(&self, uid: &str, d: &PlannedDevice) -> Result<PathBuf, String> {
-        let data = self.resource_data(uid, d)?;
-        let quota = (!d.whole).then_some(d.memory_bytes);
-        let (dir, ledger) = self.vm.prepare(&data, quota).map_err(|e| e.to_string())?;
-        if !d.whole {
+    /// Writes the claim's vm directory and, for a share, serves its socket.
+    fn materialize(&self, uid: &str, devices: &[PlannedDevice]) -> Result<PathBuf, String> {
+        let data = self.resource_data(uid, devices)?;
+        let share = devices.iter().find(|d| !d.whole);
+        let (dir, ledger) = self
+            .vm
+            .prepare(&data, share.map(|d| d.memory_bytes))
+            .map_err(|e| e.to_string())?;
+        if share.is_some() {
             self.registry
                 .serve(
-                    &registry_id(uid, &d.request),
+                    &registry_id(uid, slot_request(devices)),
                     &dir,
                     uid,
                     &data.container_name,
@@ -223,31 +232,34 @@ impl Driver {
         Ok(dir)
     }
 
-    fn cdi_device(&self, uid: &str, d: &PlannedDevice, dir: &std::path::Path) -> cdi::CdiDevice {
-        cdi::CdiDevice {
-            name: cdi::device_name(uid, &d.request),
-            container_edits: cdi::edits(&cdi::EditsInput {
-                gpu: &self.gpus[d.gpu_index],
-                cores: d.cores,
-                memory_bytes: d.memory_bytes,
-                shared: !d.whole,
-                vdriver_dir: &self.cfg.vdriver_dir,
-                vm_dir: dir,
-                extra_devices: &self.cfg.extra_devices,
-            }),
-        }
+    fn claim_spec(&self, uid: &str, devices: &[PlannedDevice], dir: &std::path::Path) -> cdi::Spec {
+        let share = devices.iter().find(|d| !d.whole);
+        cdi::claim_spec(&cdi::ClaimInput {
+            devices: devices
+                .iter()
+                .map(|d| {
+                    (
+                        cdi::device_name(uid, &d.request, &d.device),
+                        &self.gpus[d.gpu_index],
+                    )
+                })
+                .collect(),
+            cores: devices.iter().map(|d| d.cores).sum(),
+            memory_bytes: devices.iter().map(|d| d.memory_bytes).sum(),
+            shared: share.is_some(),
+            vdriver_dir: &self.cfg.vdriver_dir,
+            vm_dir: dir,
+            extra_devices: &self.cfg.extra_devices,
+        })
     }
 
     /// A prepared claim after a restart: its vm directories and sockets,
     /// and its CDI spec where it is missing or differs (a container
     /// restarting later needs it); unchanged files are not rewritten.
     fn restore(&self, c: &PreparedClaim) -> Result<(), String> {
-        let mut devices = Vec::new();
-        for d in &c.devices {
-            let dir = self.materialize(&c.uid, d)?;
-            devices.push(self.cdi_device(&c.uid, d, &dir));
-        }
-        cdi::write_if_changed(&self.cfg.cdi_dir, &c.uid, &cdi::spec(devices))
+        let dir = self.materialize(&c.uid, &c.devices)?;
+        let spec = self.claim_spec(&c.uid, &c.devices, &dir);
+        cdi::write_if_changed(&self.cfg.cdi_dir, &c.uid, &spec)
             .map(|_| ())
             .map_err(|e| {
                 format!(
@@ -285,9 +297,9 @@ impl Driver {
     }
 
     fn release(&self, uid: &str, devices: &[PlannedDevice]) {
-        for d in devices {
-            self.registry.stop(&registry_id(uid, &d.request));
-            self.vm.remove(uid, &slot_name(&d.request));
+        if !devices.is_empty() {
+            self.registry.stop(&registry_id(uid, slot_request(devices)));
+            self.vm.remove(uid, &slot_name(slot_request(devices)));
         }
         if let Err(e) = cdi::remove(&self.cfg.cdi_dir, uid) {
             tracing::warn!(claim = uid, error = %e, "removing the CDI spec");
@@ -326,15 +338,11 @@ impl Driver {
                 c.namespace, c.name, d.device, d.gpu_uuid
             ));
         }
-        let mut devices = Vec::new();
-        let mut done = Vec::new();
+        // On failure everything of this claim goes (release is idempotent).
         let r = (|| {
-            for d in &planned {
-                let dir = self.materialize(&c.uid, d)?;
-                done.push(d.clone());
-                devices.push(self.cdi_device(&c.uid, d, &dir));
-            }
-            cdi::write(&self.cfg.cdi_dir, &c.uid, &cdi::spec(devices)).map_err(|e| {
+            let dir = self.materialize(&c.uid, &planned)?;
+            let spec = self.claim_spec(&c.uid, &planned, &dir);
+            cdi::write(&self.cfg.cdi_dir, &c.uid, &spec).map_err(|e| {
                 format!(
                     "writing the CDI spec in {}: {e}",
                     self.cfg.cdi_dir.display()
@@ -357,7 +365,7 @@ impl Driver {
             })
         });
         if let Err(e) = r {
-            self.release(&c.uid, &done);
+            self.release(&c.uid, &prepared.devices);
             return Err(format!("claim {}/{}: {e}", c.namespace, c.name));
         }
         self.publish_view(&st);

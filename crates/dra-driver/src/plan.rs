@@ -165,6 +165,32 @@ pub fn plan(
     if out.is_empty() {
         return Err(err(format!("has no devices of {DRIVER_NAME} allocated")));
     }
+    for (i, d) in out.iter().enumerate() {
+        if out[..i].iter().any(|e| e.device == d.device) {
+            return Err(err(format!(
+                "{} is allocated twice (requests {:?} and {:?}); ask for more capacity in one request",
+                d.device,
+                out[..i]
+                    .iter()
+                    .find(|e| e.device == d.device)
+                    .map(|e| &e.request)
+                    .unwrap_or(&d.request),
+                d.request
+            )));
+        }
+    }
+    // One vcuda.config, one quota: a container's interposer enforces a
+    // single GPU share (as `vcuda-core` below 100 is in the device plugin).
+    if out.len() > 1
+        && let Some(s) = out.iter().find(|d| !d.whole)
+    {
+        return Err(err(format!(
+            "request {:?} is a share of {} but the claim holds {} devices: a share must be the claim's only device (ask for whole GPUs, or one share per claim)",
+            s.request,
+            s.device,
+            out.len()
+        )));
+    }
     Ok(out)
 }
 
@@ -218,6 +244,50 @@ mod tests {
             plan(&soft, "u1", "n1", &gpus()).unwrap()[0].soft_limit,
             Some(60)
         );
+    }
+
+    #[test]
+    fn a_share_is_alone_and_devices_are_distinct() {
+        let mut g = gpus();
+        g.push(GpuInfo {
+            index: 1,
+            uuid: "GPU-1".into(),
+            ..g[0].clone()
+        });
+        let r = |req: &str, dev: &str, cap: serde_json::Value| {
+            json!({"request": req, "driver": DRIVER_NAME, "pool": "n1", "device": dev,
+                   "consumedCapacity": cap})
+        };
+        let two_whole = claim(
+            json!([
+                r("gpu", "gpu-0", json!(null)),
+                r("gpu", "gpu-1", json!(null))
+            ]),
+            json!([]),
+        );
+        let p = plan(&two_whole, "u1", "n1", &g).unwrap();
+        assert_eq!(p.len(), 2);
+        assert!(p.iter().all(|d| d.whole));
+
+        let mixed = claim(
+            json!([
+                r("a", "gpu-0", json!({"cores": "30", "memory": "1Gi"})),
+                r("b", "gpu-1", json!(null))
+            ]),
+            json!([]),
+        );
+        let e = plan(&mixed, "u1", "n1", &g).unwrap_err().to_string();
+        assert!(e.contains("request \"a\" is a share of gpu-0"), "{e}");
+
+        let twice = claim(
+            json!([
+                r("a", "gpu-0", json!({"cores": "30", "memory": "1Gi"})),
+                r("b", "gpu-0", json!({"cores": "20", "memory": "1Gi"}))
+            ]),
+            json!([]),
+        );
+        let e = plan(&twice, "u1", "n1", &g).unwrap_err().to_string();
+        assert!(e.contains("gpu-0 is allocated twice"), "{e}");
     }
 
     #[test]

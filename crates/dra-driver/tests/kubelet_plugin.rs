@@ -147,7 +147,7 @@ async fn prepare_pack_restart_unprepare() {
         );
         assert!(d.share_id.is_some());
         let id = &d.cdi_device_ids[0];
-        assert_eq!(id, &format!("vcuda.tencent.com/gpu={}-gpu", c.uid));
+        assert_eq!(id, &format!("vcuda.tencent.com/gpu={}-gpu-gpu-0", c.uid));
         // The runtime's view: the spec validates and the ID resolves.
         let edits = cdi::resolve(&dirs.p("cdi"), id).unwrap();
         let mounts: Vec<&str> = edits["mounts"]
@@ -167,7 +167,13 @@ async fn prepare_pack_restart_unprepare() {
                 .unwrap()
                 .contains(&json!("NVIDIA_VISIBLE_DEVICES=GPU-00000000"))
         );
-        assert_eq!(edits["deviceNodes"][0]["path"], "/dev/nvidia0");
+        let nodes: Vec<&str> = edits["deviceNodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["path"].as_str().unwrap())
+            .collect();
+        assert_eq!(nodes, ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia0"]);
         let vm = dirs.p("vm").join(&c.uid).join("gpu");
         let data = quota_config::read_config(&vm.join(quota_config::CONFIG_FILE)).unwrap();
         assert_eq!(
@@ -283,7 +289,7 @@ async fn prepare_pack_restart_unprepare() {
     assert!(
         cdi::resolve(
             &dirs.p("cdi"),
-            &format!("vcuda.tencent.com/gpu={}-gpu", uid(&c2))
+            &format!("vcuda.tencent.com/gpu={}-gpu-gpu-0", uid(&c2))
         )
         .is_ok()
     );
@@ -316,7 +322,7 @@ async fn prepare_pack_restart_unprepare() {
     assert!(
         cdi::resolve(
             &dirs.p("cdi"),
-            &format!("vcuda.tencent.com/gpu={}-gpu", uid(&c2))
+            &format!("vcuda.tencent.com/gpu={}-gpu-gpu-0", uid(&c2))
         )
         .is_err()
     );
@@ -445,7 +451,13 @@ async fn whole_gpu_class() {
         edits["mounts"][0]["hostPath"],
         dirs.p("vdriver/origin").display().to_string()
     );
-    assert_eq!(edits["deviceNodes"][0]["path"], "/dev/nvidia1");
+    let nodes: Vec<&str> = edits["deviceNodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(nodes, ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia1"]);
     let vm = dirs.p("vm").join(uid(&whole)).join("gpu");
     let data = quota_config::read_config(&vm.join(quota_config::CONFIG_FILE)).unwrap();
     assert!(!data.enable);

@@ -298,7 +298,7 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
     let env_b = container_env(
         &cdi::resolve(
             &dirs.p("cdi"),
-            &format!("vcuda.tencent.com/gpu={}-gpu", claims[1].uid),
+            &format!("vcuda.tencent.com/gpu={}-gpu-gpu-0", claims[1].uid),
         )
         .unwrap(),
     );

@@ -1,7 +1,8 @@
 //! CDI device resolution as a runtime does it (containerd's `enable_cdi`):
 //! a fully qualified ID `vendor/class=name` names a device in one of the
 //! spec files (`*.json`) of the CDI directories, whose `kind` is
-//! `vendor/class`; the container gets that device's `containerEdits`.
+//! `vendor/class`; the container gets the spec's own `containerEdits`
+//! (once per spec) and then that device's.
 
 use std::path::Path;
 
@@ -52,48 +53,57 @@ pub fn validate(spec: &Value) -> Result<(), String> {
         let e = d
             .get("containerEdits")
             .ok_or(format!("device {name}: containerEdits missing"))?;
-        for n in e
-            .get("deviceNodes")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
+        validate_edits(&format!("device {name}"), e)?;
+    }
+    if let Some(e) = spec.get("containerEdits") {
+        validate_edits("the spec's containerEdits", e)?;
+    }
+    Ok(())
+}
+
+/// The checks on one `containerEdits` (a device's or the spec's own).
+fn validate_edits(who: &str, e: &Value) -> Result<(), String> {
+    for n in e
+        .get("deviceNodes")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        n.get("path")
+            .and_then(Value::as_str)
+            .ok_or(format!("{who}: a deviceNode without path"))?;
+        if let Some(p) = n.get("permissions")
+            && !p
+                .as_str()
+                .is_some_and(|p| p.chars().all(|c| "rwm".contains(c)))
         {
-            n.get("path")
+            return Err(format!(
+                "{who}: deviceNode permissions {p} are not of r, w, m"
+            ));
+        }
+    }
+    for m in e
+        .get("mounts")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        if let Some(o) = m.get("options")
+            && !o.as_array().is_some_and(|o| o.iter().all(Value::is_string))
+        {
+            return Err(format!(
+                "{who}: mount options {o} are not an array of strings"
+            ));
+        }
+        for f in ["hostPath", "containerPath"] {
+            m.get(f)
                 .and_then(Value::as_str)
-                .ok_or(format!("device {name}: a deviceNode without path"))?;
-            if let Some(p) = n.get("permissions")
-                && !p
-                    .as_str()
-                    .is_some_and(|p| p.chars().all(|c| "rwm".contains(c)))
-            {
-                return Err(format!(
-                    "device {name}: deviceNode permissions {p} are not of r, w, m"
-                ));
-            }
+                .ok_or(format!("{who}: a mount without {f}"))?;
         }
-        for m in e
-            .get("mounts")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
-            if let Some(o) = m.get("options")
-                && !o.as_array().is_some_and(|o| o.iter().all(Value::is_string))
-            {
-                return Err(format!(
-                    "device {name}: mount options {o} are not an array of strings"
-                ));
-            }
-            for f in ["hostPath", "containerPath"] {
-                m.get(f)
-                    .and_then(Value::as_str)
-                    .ok_or(format!("device {name}: a mount without {f}"))?;
-            }
-        }
-        for v in e.get("env").and_then(Value::as_array).into_iter().flatten() {
-            if !v.as_str().is_some_and(|v| v.contains('=')) {
-                return Err(format!("device {name}: env entry {v} is not KEY=VALUE"));
-            }
+    }
+    for v in e.get("env").and_then(Value::as_array).into_iter().flatten() {
+        if !v.as_str().is_some_and(|v| v.contains('=')) {
+            return Err(format!("{who}: env entry {v} is not KEY=VALUE"));
         }
     }
     Ok(())
@@ -125,11 +135,25 @@ pub fn resolve(dir: &Path, id: &str) -> Result<Value, CdiError> {
         }
         for d in spec["devices"].as_array().into_iter().flatten() {
             if d.get("name").and_then(Value::as_str) == Some(name) {
-                return Ok(d["containerEdits"].clone());
+                return Ok(merge(spec.get("containerEdits"), &d["containerEdits"]));
             }
         }
     }
     Err(CdiError::Unresolved(id.into()))
+}
+
+/// The spec's edits, then the device's: lists are concatenated.
+fn merge(common: Option<&Value>, device: &Value) -> Value {
+    let mut out = serde_json::Map::new();
+    for e in common.into_iter().chain([device]) {
+        for (k, v) in e.as_object().into_iter().flatten() {
+            let list = out.entry(k.clone()).or_insert_with(|| Value::Array(vec![]));
+            if let (Some(l), Some(v)) = (list.as_array_mut(), v.as_array()) {
+                l.extend(v.iter().cloned());
+            }
+        }
+    }
+    Value::Object(out)
 }
 
 #[cfg(test)]
@@ -172,6 +196,30 @@ mod tests {
                 json!({"hostPath": "/h"})
             )
             .contains("containerPath")
+        );
+    }
+
+    /// The spec's own edits come with every device of it, before the
+    /// device's, and are checked like a device's.
+    #[test]
+    fn spec_edits_come_with_each_device() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = json!({"cdiVersion": "0.6.0", "kind": "v.io/gpu",
+            "containerEdits": {"env": ["A=1"], "mounts": [{"hostPath": "/h", "containerPath": "/etc/vcuda"}]},
+            "devices": [
+                {"name": "d0", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}]}},
+                {"name": "d1", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia1"}], "env": ["B=2"]}}]});
+        std::fs::write(dir.path().join("s.json"), spec.to_string()).unwrap();
+        let e = resolve(dir.path(), "v.io/gpu=d1").unwrap();
+        assert_eq!(e["env"], json!(["A=1", "B=2"]));
+        assert_eq!(e["mounts"][0]["containerPath"], "/etc/vcuda");
+        assert_eq!(e["deviceNodes"], json!([{"path": "/dev/nvidia1"}]));
+        let mut bad = spec.clone();
+        bad["containerEdits"]["env"] = json!(["novalue"]);
+        assert!(
+            validate(&bad)
+                .unwrap_err()
+                .starts_with("the spec's containerEdits")
         );
     }
 }
