@@ -40,6 +40,9 @@ command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 # CRI recovery (tests/manager_cri.rs) against a private containerd.
 command -v containerd >/dev/null 2>&1 || need+=(containerd)
 command -v runc >/dev/null 2>&1 || need+=(runc)
+# trixie's containerd 1.7 (CDI) is unpacked from its .deb (tests/containerd/cdi.sh).
+command -v xz >/dev/null 2>&1 || need+=(xz-utils)
+command -v curl >/dev/null 2>&1 || need+=(curl)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
@@ -111,6 +114,13 @@ log "containerd (CRI recovery tests)"
 # apart from any containerd kubelet or Docker uses.
 source tests/containerd/start.sh
 start_test_containerd
+
+log "containerd 1.7 with CDI (the DRA driver's specs, injected)"
+# A second private containerd (/run/vcuda-test-containerd-cdi): trixie's 1.7,
+# unpacked into $VCUDA_CACHE/containerd-<version> (bookworm's 1.6 has no
+# CDI), enable_cdi on its own spec directory (crates/dra-driver/tests/cdi_containerd.rs).
+source tests/containerd/cdi.sh
+start_test_containerd_cdi
 export VCUDA_REQUIRE_CONTAINERD=1
 
 # Every test must run here: one that cannot (not root, no unshare, no

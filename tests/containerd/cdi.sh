@@ -1,0 +1,162 @@
+# Sourced by tests/run.sh after tests/containerd/start.sh (whose image
+# helpers it uses), and usable by hand: a SECOND private containerd, Debian
+# trixie's 1.7 (bookworm's 1.6 has no CDI), with CDI injection on
+# (`enable_cdi`) reading one spec directory of its own. It backs
+# crates/dra-driver/tests/cdi_containerd.rs: the DRA driver writes its CDI
+# specs there and a real runtime injects them.
+#
+# trixie's containerd .deb is downloaded once (its SHA256 checked against
+# trixie's Packages index) and its binaries unpacked, not installed, into
+# $VCUDA_CACHE/containerd-<version>/: the system containerd 1.6 the other
+# tests use stays as it is. Bookworm's runc (1.1.5) runs its containers.
+#
+#   VCUDA_CDI_CONTAINERD_DIR   socket, state, root, logs, cdi/
+#                              (default /run/vcuda-test-containerd-cdi)
+#   VCUDA_TRIXIE_MIRROR        default http://deb.debian.org/debian
+# Exports VCUDA_CDI_CONTAINERD_ENDPOINT (unix://.../containerd.sock) and
+# VCUDA_CDI_SPEC_DIR (the one directory it reads CDI specs from).
+
+VCUDA_CDI_CONTAINERD_DIR=${VCUDA_CDI_CONTAINERD_DIR:-/run/vcuda-test-containerd-cdi}
+VCUDA_TRIXIE_MIRROR=${VCUDA_TRIXIE_MIRROR:-http://deb.debian.org/debian}
+
+# Prints the directory holding trixie's containerd, containerd-shim-runc-v2
+# and ctr, fetching and unpacking them the first time.
+vcuda_trixie_containerd() {
+  local cache=${VCUDA_CACHE:-/var/cache/vcuda}
+  local have
+  # A cached copy of any version: no network needed on later runs.
+  have=$(ls -d "$cache"/containerd-1.7* 2>/dev/null | grep -v '\.partial$' | sort -V | tail -n1) || true
+  if [ -n "$have" ] && [ -x "$have/containerd" ] && [ -x "$have/containerd-shim-runc-v2" ] && [ -x "$have/ctr" ]; then
+    echo "$have"
+    return 0
+  fi
+  local tmp stanza file sha version dir
+  tmp=$(mktemp -d)
+  if ! curl -fsSL --retry 3 -o "$tmp/Packages.xz" "$VCUDA_TRIXIE_MIRROR/dists/trixie/main/binary-amd64/Packages.xz"; then
+    echo "tests/containerd/cdi.sh: cannot fetch trixie's Packages index from $VCUDA_TRIXIE_MIRROR" >&2
+    rm -rf "$tmp"
+    return 1
+  fi
+  stanza=$(xz -dc "$tmp/Packages.xz" | awk '/^Package: containerd$/{p=1} p&&/^$/{exit} p')
+  version=$(awk '/^Version: /{print $2}' <<<"$stanza")
+  file=$(awk '/^Filename: /{print $2}' <<<"$stanza")
+  sha=$(awk '/^SHA256: /{print $2}' <<<"$stanza")
+  if [ -z "$version" ] || [ -z "$file" ] || [ -z "$sha" ]; then
+    echo "tests/containerd/cdi.sh: no containerd in trixie's Packages index" >&2
+    rm -rf "$tmp"
+    return 1
+  fi
+  dir="$cache/containerd-$version"
+  if ! curl -fsSL --retry 3 -o "$tmp/containerd.deb" "$VCUDA_TRIXIE_MIRROR/$file"; then
+    echo "tests/containerd/cdi.sh: cannot download $VCUDA_TRIXIE_MIRROR/$file" >&2
+    rm -rf "$tmp"
+    return 1
+  fi
+  if [ "$(sha256sum "$tmp/containerd.deb" | cut -d' ' -f1)" != "$sha" ]; then
+    echo "tests/containerd/cdi.sh: $file does not match the SHA256 trixie's index gives ($sha)" >&2
+    rm -rf "$tmp"
+    return 1
+  fi
+  dpkg-deb -x "$tmp/containerd.deb" "$tmp/x"
+  # Into .partial, renamed when complete: a cut-off run leaves no half copy.
+  rm -rf "$dir.partial"
+  mkdir -p "$dir.partial"
+  cp "$tmp/x/usr/bin/containerd" "$tmp/x/usr/bin/containerd-shim-runc-v2" "$tmp/x/usr/bin/ctr" "$dir.partial/"
+  rm -rf "$tmp"
+  if ! "$dir.partial/containerd" --version >/dev/null; then
+    echo "tests/containerd/cdi.sh: trixie's containerd $version does not run here" >&2
+    return 1
+  fi
+  rm -rf "$dir"
+  mv "$dir.partial" "$dir"
+  echo "$dir"
+}
+
+vcuda_cdi_ctr() {
+  "$VCUDA_CDI_CONTAINERD_BIN/ctr" --address "$VCUDA_CDI_CONTAINERD_DIR/containerd.sock" -n k8s.io "$@"
+}
+
+start_test_containerd_cdi() {
+  local d=$VCUDA_CDI_CONTAINERD_DIR
+  local sock="$d/containerd.sock"
+  VCUDA_CDI_CONTAINERD_BIN=$(vcuda_trixie_containerd) || return 1
+  mkdir -p "$d/cdi"
+  export VCUDA_CDI_CONTAINERD_ENDPOINT="unix://$sock"
+  export VCUDA_CDI_SPEC_DIR="$d/cdi"
+  export VCUDA_CRI_IMAGE
+  if ! vcuda_cdi_ctr version >/dev/null 2>&1; then
+    cat >"$d/config.toml" <<EOF
+version = 2
+root = "$d/root"
+state = "$d/state"
+disabled_plugins = ["io.containerd.internal.v1.opt"]
+[grpc]
+  address = "$sock"
+[ttrpc]
+  address = "$sock.ttrpc"
+[debug]
+  level = "info"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "$VCUDA_CRI_PAUSE"
+  restrict_oom_score_adj = true
+  enable_selinux = false
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  # CDI: devices named in CreateContainer (the CDI_devices field or
+  # cdi.k8s.io/ annotations) are resolved against this directory only.
+  enable_cdi = true
+  cdi_spec_dirs = ["$d/cdi"]
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        Root = "$d/runc"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "$d/cni"
+EOF
+    mkdir -p "$d/cni"
+    # Its shim (containerd-shim-runc-v2 1.7) first in this process's PATH
+    # only; runc is the system's.
+    PATH="$VCUDA_CDI_CONTAINERD_BIN:$PATH" nohup "$VCUDA_CDI_CONTAINERD_BIN/containerd" \
+      --config "$d/config.toml" >"$d/containerd.log" 2>&1 &
+    echo $! >"$d/containerd.pid"
+    local i
+    for i in $(seq 1 60); do
+      vcuda_cdi_ctr version >/dev/null 2>&1 && break
+      sleep 1
+    done
+    if ! vcuda_cdi_ctr version >/dev/null 2>&1; then
+      echo "containerd (CDI) did not come up within 60 s; its log ($d/containerd.log):" >&2
+      tail -n 30 "$d/containerd.log" >&2
+      return 1
+    fi
+  fi
+  local have
+  have=$(vcuda_cdi_ctr images ls -q)
+  if ! grep -qx "$VCUDA_CRI_IMAGE" <<<"$have" || ! grep -qx "$VCUDA_CRI_PAUSE" <<<"$have"; then
+    local tmp applet
+    tmp=$(mktemp -d)
+    mkdir -p "$tmp/rootfs"/{bin,dev,etc,proc,sys,tmp,run}
+    cp /bin/busybox "$tmp/rootfs/bin/busybox"
+    for applet in sh ls cat echo sleep env test true false grep head wc stat; do
+      ln -s busybox "$tmp/rootfs/bin/$applet"
+    done
+    vcuda_image_tar "$VCUDA_CRI_IMAGE" "$tmp/rootfs" "$tmp/busybox.tar" /bin/sh
+    vcuda_image_tar "$VCUDA_CRI_PAUSE" "$tmp/rootfs" "$tmp/pause.tar" /bin/sleep 2147483647
+    vcuda_cdi_ctr images import "$tmp/busybox.tar" >/dev/null
+    vcuda_cdi_ctr images import "$tmp/pause.tar" >/dev/null
+    rm -rf "$tmp"
+  fi
+  echo "containerd with CDI ready at $VCUDA_CDI_CONTAINERD_ENDPOINT ($(vcuda_cdi_ctr version 2>/dev/null | awk '/Server/{s=1} s&&/Version/{print $2; exit}')), CDI specs from $VCUDA_CDI_SPEC_DIR"
+}
+
+# Stops the containerd start_test_containerd_cdi started (by its pid file).
+stop_test_containerd_cdi() {
+  local p
+  p=$(cat "$VCUDA_CDI_CONTAINERD_DIR/containerd.pid" 2>/dev/null) || return 0
+  kill "$p" 2>/dev/null || true
+  rm -f "$VCUDA_CDI_CONTAINERD_DIR/containerd.pid"
+}
