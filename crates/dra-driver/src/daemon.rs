@@ -89,6 +89,8 @@ pub async fn run(
     ready: Option<tokio::sync::oneshot::Sender<Ready>>,
 ) -> anyhow::Result<()> {
     let t0 = Instant::now();
+    gpu_manager::mode::refuse_if_device_plugins_serving(&s.registry_dir)
+        .map_err(anyhow::Error::msg)?;
     let nvml_path = nvml_path(&s)?;
     let nvml = gpu_manager::nvml::load(&nvml_path)?;
     let found = gpu_manager::nvml::discover(&nvml)?;

@@ -308,6 +308,7 @@ impl Driver {
 
     /// Prepares one claim; the error is what the kubelet reports for it.
     pub async fn prepare(&self, c: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
+        let t0 = std::time::Instant::now();
         let mut st = self.state.lock().await;
         if let Some(p) = st.claims.get(&c.uid) {
             return Ok(outputs(p));
@@ -369,12 +370,13 @@ impl Driver {
             return Err(format!("claim {}/{}: {e}", c.namespace, c.name));
         }
         self.publish_view(&st);
-        tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, devices = prepared.devices.len(), "claim prepared");
+        tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, devices = prepared.devices.len(), ms = t0.elapsed().as_secs_f64() * 1e3, "claim prepared");
         Ok(outputs(&prepared))
     }
 
     /// Unprepares one claim; an unknown one is already unprepared.
     pub async fn unprepare(&self, c: &ClaimRef) -> Result<(), String> {
+        let t0 = std::time::Instant::now();
         let mut st = self.state.lock().await;
         let Some(p) = st.claims.remove(&c.uid) else {
             return Ok(());
@@ -385,7 +387,7 @@ impl Driver {
         }
         self.publish_view(&st);
         self.release(&c.uid, &p.devices);
-        tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, "claim unprepared");
+        tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, ms = t0.elapsed().as_secs_f64() * 1e3, "claim unprepared");
         Ok(())
     }
 }

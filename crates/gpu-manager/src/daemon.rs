@@ -97,6 +97,7 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
             s.device_plugin_path.display()
         );
     }
+    crate::mode::refuse_if_dra_serving(&s.device_plugin_path).map_err(anyhow::Error::msg)?;
     let volumes = vdriver::VolumeConfig::load(&s.volume_config)
         .with_context(|| format!("loading --volume-config {}", s.volume_config.display()))?;
     let extra = match &s.extra_config {

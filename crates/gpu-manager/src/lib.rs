@@ -31,6 +31,7 @@ pub mod ids;
 pub mod kube_api;
 pub mod kubelet;
 pub mod manager;
+pub mod mode;
 pub mod nvml;
 pub mod plugin;
 pub mod pods;

@@ -1,0 +1,92 @@
+//! A node runs one mode: the device plugins (`gpu-manager`) or the DRA
+//! driver (`vcuda-dra-driver`). Both would hand the same GPUs out twice, so
+//! each refuses to start while the other's kubelet socket accepts
+//! connections; a stale socket file (the other was killed) does not count.
+
+use std::path::{Path, PathBuf};
+
+use crate::ids::{VCORE_SOCKET, VMEMORY_SOCKET};
+
+/// The DRA driver's registration socket in the kubelet's `plugins_registry`.
+pub const DRA_REGISTRATION_SOCKET: &str = "vcuda.tencent.com-reg.sock";
+
+/// Whether something accepts connections on `sock`.
+pub fn serving(sock: &Path) -> bool {
+    std::os::unix::net::UnixStream::connect(sock).is_ok()
+}
+
+/// The DRA driver's registration socket beside a kubelet device-plugin
+/// directory (`/var/lib/kubelet/device-plugins` → `.../plugins_registry`).
+pub fn dra_socket_beside(device_plugin_dir: &Path) -> PathBuf {
+    device_plugin_dir
+        .parent()
+        .unwrap_or(Path::new("/"))
+        .join("plugins_registry")
+        .join(DRA_REGISTRATION_SOCKET)
+}
+
+/// The manager's device-plugin sockets beside a kubelet `plugins_registry`.
+pub fn device_plugin_sockets_beside(registry_dir: &Path) -> [PathBuf; 2] {
+    let d = registry_dir
+        .parent()
+        .unwrap_or(Path::new("/"))
+        .join("device-plugins");
+    [d.join(VCORE_SOCKET), d.join(VMEMORY_SOCKET)]
+}
+
+/// For the manager: an error naming the live DRA driver's socket.
+pub fn refuse_if_dra_serving(device_plugin_dir: &Path) -> Result<(), String> {
+    let s = dra_socket_beside(device_plugin_dir);
+    if serving(&s) {
+        return Err(format!(
+            "the vcuda DRA driver is serving on this node ({} accepts connections): a node runs one mode, device plugins or DRA; stop vcuda-dra-driver first",
+            s.display()
+        ));
+    }
+    Ok(())
+}
+
+/// For the DRA driver: an error naming the manager's live plugin socket.
+pub fn refuse_if_device_plugins_serving(registry_dir: &Path) -> Result<(), String> {
+    for s in device_plugin_sockets_beside(registry_dir) {
+        if serving(&s) {
+            return Err(format!(
+                "gpu-manager's device plugins are serving on this node ({} accepts connections): a node runs one mode, device plugins or DRA; stop gpu-manager first",
+                s.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_live_socket_refuses_a_stale_one_does_not() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dp, reg) = (
+            tmp.path().join("device-plugins"),
+            tmp.path().join("plugins_registry"),
+        );
+        std::fs::create_dir_all(&dp).unwrap();
+        std::fs::create_dir_all(&reg).unwrap();
+        assert_eq!(refuse_if_dra_serving(&dp), Ok(()));
+        assert_eq!(refuse_if_device_plugins_serving(&reg), Ok(()));
+
+        let dra =
+            std::os::unix::net::UnixListener::bind(reg.join(DRA_REGISTRATION_SOCKET)).unwrap();
+        let e = refuse_if_dra_serving(&dp).unwrap_err();
+        assert!(
+            e.contains("vcuda.tencent.com-reg.sock accepts connections"),
+            "{e}"
+        );
+        drop(dra); // the file stays, nobody listens: stale
+        assert_eq!(refuse_if_dra_serving(&dp), Ok(()));
+
+        let _vmem = std::os::unix::net::UnixListener::bind(dp.join(VMEMORY_SOCKET)).unwrap();
+        let e = refuse_if_device_plugins_serving(&reg).unwrap_err();
+        assert!(e.contains("vmemory.sock accepts connections"), "{e}");
+    }
+}
