@@ -8,12 +8,8 @@ use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    // Colours only on a terminal: `kubectl logs` shows no escape codes.
+    device_plugin::init_logging();
     let settings = resolve(Args::parse())?;
     let cancel = CancellationToken::new();
     let c = cancel.clone();
