@@ -30,6 +30,9 @@
 //! and NodePrepareResources p50 / p99.
 
 #[allow(dead_code)]
+#[path = "k8s/cluster.rs"]
+mod cluster;
+#[allow(dead_code)]
 #[path = "k8s/util.rs"]
 mod util;
 
@@ -47,6 +50,7 @@ use vcuda_tests::{target_dir, workspace_root};
 const NS: &str = "vcuda-dra-test";
 const DRIVER: &str = "vcuda.tencent.com";
 const CDI_DIR: &str = "/var/run/cdi";
+const DRA_IMAGE: &str = "docker.io/vcuda-test/vcuda-dra-driver:local";
 
 struct Node {
     kubeconfig: PathBuf,
@@ -108,8 +112,25 @@ fn sh(cmd: &mut Command) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// The busybox image (host glibc is mounted at run time), as a one-layer
-/// archive made by tests/containerd/start.sh's `vcuda_image_tar`.
+/// A one-layer image of `root`, made by tests/containerd/start.sh's
+/// `vcuda_image_tar` and imported into the node's containerd.
+fn import(n: &Node, tag: &str, root: &Path, entry: &str) {
+    let tar = root.with_extension("tar");
+    let script = workspace_root().join("tests/containerd/start.sh");
+    sh(Command::new("bash").arg("-c").arg(format!(
+        "source {} && vcuda_image_tar {tag} {} {} {entry}",
+        script.display(),
+        root.display(),
+        tar.display()
+    )));
+    sh(Command::new("ctr")
+        .arg("--address")
+        .arg(&n.containerd)
+        .args(["-n", "k8s.io", "images", "import"])
+        .arg(&tar));
+}
+
+/// The busybox image; the host's glibc is mounted at run time.
 fn import_busybox(n: &Node, dir: &Path) {
     let root = dir.join("busybox-rootfs");
     for d in [
@@ -130,19 +151,7 @@ fn import_busybox(n: &Node, dir: &Path) {
     ] {
         let _ = std::os::unix::fs::symlink("busybox", root.join("bin").join(a));
     }
-    let tar = dir.join("busybox.tar");
-    let script = workspace_root().join("tests/containerd/start.sh");
-    sh(Command::new("bash").arg("-c").arg(format!(
-        "source {} && vcuda_image_tar {IMAGE} {} {} /bin/sh",
-        script.display(),
-        root.display(),
-        tar.display()
-    )));
-    sh(Command::new("ctr")
-        .arg("--address")
-        .arg(&n.containerd)
-        .args(["-n", "k8s.io", "images", "import"])
-        .arg(&tar));
+    import(n, IMAGE, &root, "/bin/sh");
 }
 
 /// The driver binary on the host, as a DaemonSet would run it.
@@ -697,5 +706,163 @@ fn dra_on_a_real_node() {
         percentile(&unprep, 0.5) as f64 / 1000.0
     );
     drv.kill9();
-    let _ = n.kubectl(&["delete", "resourceslice", &slice_name]);
+    n.ok(&["delete", "resourceslice", &slice_name]);
+
+    daemonset_phase(&n, &node, w, &sim, &bin);
+}
+
+/// deploy/dra/driver.yaml applied as users apply it, with the test overlay
+/// (local image, host paths of the simulated root): the DaemonSet Ready
+/// under the RBAC authorizer with only its ClusterRole's verbs, a share
+/// served, nothing forbidden in its log, everything removed after.
+fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
+    eprintln!("k8s_dra: deploy/dra/driver.yaml under RBAC");
+    let etc = Path::new("/etc/gpu-manager");
+    let _etc = util::Cleanup((!etc.exists()).then(|| etc.to_path_buf()));
+    let root = cluster::daemon_rootfs(w, "vcuda-dra-driver");
+    import(n, DRA_IMAGE, &root, "/usr/bin/vcuda-dra-driver");
+    let deploy = workspace_root().join("deploy");
+    for f in ["configmap.yaml", "dra/driver.yaml"] {
+        n.ok(&["apply", "-f", deploy.join(f).to_str().unwrap()]);
+    }
+    let server = n.ok(&[
+        "config",
+        "view",
+        "--raw",
+        "-o",
+        "jsonpath={.clusters[0].cluster.server}",
+    ]);
+    let (host, port) = server
+        .trim_start_matches("https://")
+        .rsplit_once(':')
+        .expect("https://host:port");
+    let patch = fs::read_to_string(deploy.join("test/dra-driver-sim-patch.yaml"))
+        .unwrap()
+        .replace("@SIM_ROOT@", sim.to_str().unwrap())
+        .replace("@API_HOST@", host)
+        .replace("@API_PORT@", port);
+    n.ok(&[
+        "-n",
+        "kube-system",
+        "patch",
+        "daemonset",
+        "vcuda-dra-driver",
+        "--type",
+        "strategic",
+        "-p",
+        &patch,
+    ]);
+    let t0 = Instant::now();
+    n.ok(&[
+        "label",
+        "node",
+        node,
+        "vcuda.tencent.com/mode=dra",
+        "--overwrite",
+    ]);
+    let pod_name = wait("the driver's DaemonSet pod Ready", 180, || {
+        let l = n.json(&[
+            "-n",
+            "kube-system",
+            "get",
+            "pods",
+            "-l",
+            "app.kubernetes.io/name=vcuda-dra-driver",
+        ])?;
+        for p in l["items"].as_array().into_iter().flatten() {
+            let ready = p["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Ready" && c["status"] == "True");
+            if ready {
+                return Ok(p["metadata"]["name"].as_str().unwrap().to_string());
+            }
+        }
+        Err(format!(
+            "{}",
+            l["items"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|p| p["status"].to_string())
+                .collect::<Vec<_>>()
+                .join("; ")
+        ))
+    });
+    eprintln!(
+        "k8s_dra: DaemonSet pod Ready {:.2} s after the node was labelled",
+        t0.elapsed().as_secs_f64()
+    );
+    let logs = || {
+        n.kubectl(&["-n", "kube-system", "logs", &pod_name])
+            .unwrap_or_default()
+    };
+    wait(
+        "the DaemonSet's driver registered with the kubelet",
+        60,
+        || {
+            let l = logs();
+            if l.contains("registered with the kubelet") {
+                Ok(())
+            } else {
+                Err(tail(&l, 5))
+            }
+        },
+    );
+    n.ok(&["create", "namespace", NS]);
+    n.apply(&claim_template("gpu-30-1g", 30, "1Gi"));
+    n.apply(&pod(
+        "ds-share",
+        "gpu-30-1g",
+        "/work/shim_client quota 256; echo ---done; sleep 100000",
+        bin,
+        sim,
+    ));
+    wait_running(n, "ds-share", 120);
+    check_quota(&log_with(n, "ds-share", "---done"), "ds-share");
+    n.ok(&["delete", "namespace", NS, "--wait=true", "--timeout=120s"]);
+    wait("the DaemonSet's driver unprepared the claim", 60, || {
+        let l = logs();
+        if l.contains("claim unprepared") {
+            Ok(())
+        } else {
+            Err(tail(&l, 5))
+        }
+    });
+    let l = logs();
+    assert!(
+        !l.to_lowercase().contains("forbidden") && !l.contains("ERROR"),
+        "the driver under its ClusterRole:\n{}",
+        tail(&l, 30)
+    );
+    assert!(!l.contains("\u{1b}["), "no colour codes in the pod's log");
+    n.ok(&["label", "node", node, "vcuda.tencent.com/mode-"]);
+    n.ok(&[
+        "delete",
+        "-f",
+        deploy.join("dra/driver.yaml").to_str().unwrap(),
+        "--wait=true",
+    ]);
+    n.ok(&[
+        "delete",
+        "-f",
+        deploy.join("configmap.yaml").to_str().unwrap(),
+    ]);
+    wait("the driver's pod gone", 120, || {
+        let l = n.json(&[
+            "-n",
+            "kube-system",
+            "get",
+            "pods",
+            "-l",
+            "app.kubernetes.io/name=vcuda-dra-driver",
+        ])?;
+        if l["items"].as_array().is_none_or(Vec::is_empty) {
+            Ok(())
+        } else {
+            Err("still there".into())
+        }
+    });
+    let _ = n.kubectl(&["delete", "resourceslice", &format!("{node}-{DRIVER}")]);
 }

@@ -324,7 +324,15 @@ pub fn busybox_image(c: &Cluster, dir: &Path) {
 /// shared libraries (from ldd) and the interposer where the ConfigMap
 /// expects it, as deploy/Dockerfile lays them out.
 pub fn manager_image(c: &Cluster, dir: &Path) {
-    let root = dir.join("manager-rootfs");
+    let root = daemon_rootfs(dir, "gpu-manager");
+    import_image(c, MANAGER_IMAGE, &root, &["/usr/bin/gpu-manager"]);
+}
+
+/// `<dir>/<binary>-rootfs`: the workspace's `binary` at /usr/bin, its
+/// shared libraries (from ldd) and the interposer at
+/// /usr/lib/vcuda/libvcuda.so, as deploy/Dockerfile lays them out.
+pub fn daemon_rootfs(dir: &Path, binary: &str) -> PathBuf {
+    let root = dir.join(format!("{binary}-rootfs"));
     let t = target_dir();
     for d in [
         "usr/bin",
@@ -335,16 +343,13 @@ pub fn manager_image(c: &Cluster, dir: &Path) {
     ] {
         fs::create_dir_all(root.join(d)).unwrap();
     }
-    fs::copy(t.join("gpu-manager"), root.join("usr/bin/gpu-manager")).unwrap();
+    fs::copy(t.join(binary), root.join("usr/bin").join(binary)).unwrap();
     fs::copy(
         t.join("libvcuda.so"),
         root.join("usr/lib/vcuda/libvcuda.so"),
     )
     .unwrap();
-    let ldd = Command::new("ldd")
-        .arg(t.join("gpu-manager"))
-        .output()
-        .unwrap();
+    let ldd = Command::new("ldd").arg(t.join(binary)).output().unwrap();
     for line in String::from_utf8_lossy(&ldd.stdout).lines() {
         let path = line
             .split_whitespace()
@@ -356,5 +361,5 @@ pub fn manager_image(c: &Cluster, dir: &Path) {
         fs::create_dir_all(dest.parent().unwrap()).unwrap();
         fs::copy(&real, &dest).unwrap();
     }
-    import_image(c, MANAGER_IMAGE, &root, &["/usr/bin/gpu-manager"]);
+    root
 }
