@@ -21,7 +21,9 @@
 //! `enable_cdi` reading `/var/run/cdi`, `DRAConsumableCapacity` on (beta,
 //! on by default, in 1.36). Checked: the slice and classes; a critical Xid
 //! takes a GPU out of the slice (generation + 1), the scheduler places
-//! around it, and it comes back after the quiet period; two 30 % /
+//! around it, and it comes back after the quiet period; a claim of two
+//! whole GPUs gets both device nodes and one `/etc/vcuda`; a share beside
+//! another device in one claim is refused, named in the pod's events; two 30 % /
 //! 1 GiB claims packed onto one GPU by the scheduler; each pod's `-lcuda`
 //! program sees 1024 MiB and is refused past it; a driver kill -9 and
 //! restart keeps both prepared claims (same files, a process in a running
@@ -45,7 +47,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
-use util::{HostDevCleanup, MachineLock, NODE_FILE, percentile, tail, wait};
+use util::{HostDevCleanup, MachineLock, NODE_FILE, kv, percentile, tail, wait};
 use vcuda_tests::{target_dir, workspace_root};
 
 #[test]
@@ -240,6 +242,68 @@ fn dra_on_a_real_node() {
     });
     let generation = Value::from(gen0 + 2);
 
+    // ------------------------------------------------ several devices in a claim
+    // Two whole GPUs from one spec: the runtime applies the spec's common
+    // edits once (one /etc/vcuda) and each device's node.
+    n.apply(&two_whole_template("two-whole"));
+    n.apply(&pod(
+        "two-whole",
+        "two-whole",
+        "ls /dev; echo visible=$NVIDIA_VISIBLE_DEVICES; \
+         echo etc_vcuda=$(grep -c ' /etc/vcuda ' /proc/self/mountinfo); \
+         test -f /etc/vcuda/vcuda.config && echo config=yes; echo ---done; sleep 100000",
+        &bin,
+        &sim,
+    ));
+    to_running.push(wait_running(&n, "two-whole", 120));
+    let out = log_with(&n, "two-whole", "---done");
+    let c = pod_claim(&n, "two-whole").unwrap();
+    let results = c["status"]["allocation"]["devices"]["results"]
+        .as_array()
+        .unwrap();
+    assert_eq!(results.len(), 2, "{c}");
+    for r in results {
+        let i = r["device"].as_str().unwrap().trim_start_matches("gpu-");
+        assert!(
+            out.lines().any(|l| l == format!("nvidia{i}")),
+            "/dev/nvidia{i} injected:\n{out}"
+        );
+    }
+    let visible = kv(&out).get("visible").cloned().unwrap_or_default();
+    assert_eq!(visible.split(',').count(), 2, "both GPUs visible:\n{out}");
+    assert!(
+        out.contains("etc_vcuda=1"),
+        "/etc/vcuda mounted once:\n{out}"
+    );
+    assert!(out.contains("config=yes"), "{out}");
+    n.ok(&["-n", NS, "delete", "pod", "two-whole", "--wait=true"]);
+    // A share beside another device: refused at prepare, named in the
+    // pod's events by the real kubelet; the pod never starts.
+    n.apply(&mixed_template("mixed"));
+    n.apply(&pod("mixed", "mixed", "true", &bin, &sim));
+    wait(
+        "the refusal of the mixed claim in the pod's events",
+        90,
+        || {
+            let ev = n.kubectl(&[
+                "-n",
+                NS,
+                "get",
+                "events",
+                "--field-selector",
+                "involvedObject.name=mixed",
+            ])?;
+            if ev.contains("a share must be the claim's only device") {
+                Ok(())
+            } else {
+                Err(tail(&ev, 5))
+            }
+        },
+    );
+    let phase = n.json(&["-n", NS, "get", "pod", "mixed"]).unwrap()["status"]["phase"].clone();
+    assert_eq!(phase, "Pending", "the refused pod never started");
+    n.ok(&["-n", NS, "delete", "pod", "mixed", "--wait=true"]);
+
     // ------------------------------------------------ two 30 % / 1 GiB claims
     let cmd = "/work/shim_client quota 256; echo ---done; sleep 100000";
     for p in ["share-a", "share-b"] {
@@ -329,7 +393,7 @@ fn dra_on_a_real_node() {
 
     // ------------------------------------------------ a batch for the figures
     n.apply(&claim_template("gpu-5", 5, "256Mi"));
-    let batch: Vec<String> = (0..40).map(|i| format!("batch-{i}")).collect();
+    let batch: Vec<String> = (0..39).map(|i| format!("batch-{i}")).collect();
     for p in &batch {
         n.apply(&pod(p, "gpu-5", "echo up; sleep 100000", &bin, &sim));
         to_running.push(wait_running(&n, p, 120));

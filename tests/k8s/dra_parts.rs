@@ -306,3 +306,45 @@ pub fn check_quota(out: &str, who: &str) {
         "{who}: 3 × 256 MiB fit\n{out}"
     );
 }
+
+/// A template of two whole GPUs (the whole-GPU class, `count: 2`).
+pub fn two_whole_template(name: &str) -> String {
+    format!(
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpus
+        exactly:
+          deviceClassName: vcuda-gpu.vcuda.tencent.com
+          allocationMode: ExactCount
+          count: 2
+"#
+    )
+}
+
+/// A template of a share and a whole GPU in one claim, which the driver
+/// refuses at prepare (one `vcuda.config` per container).
+pub fn mixed_template(name: &str) -> String {
+    format!(
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: share
+        exactly:
+          deviceClassName: vcuda-share.vcuda.tencent.com
+          capacity:
+            requests: {{cores: "30", memory: 1Gi}}
+      - name: whole
+        exactly:
+          deviceClassName: vcuda-gpu.vcuda.tencent.com
+"#
+    )
+}
