@@ -98,6 +98,9 @@ fn dra_on_a_real_node() {
         "k8s_dra: node {node}, server {}, kubelet {kubelet_version}, {runtime}",
         version["serverVersion"]["gitVersion"]
     );
+    // What a killed earlier run's DaemonSet phase left would be a second
+    // driver on the node.
+    remove_daemonset(&n, &node);
 
     let tmp = tempfile::tempdir().unwrap();
     let w = tmp.path();
@@ -129,8 +132,9 @@ fn dra_on_a_real_node() {
         .arg(sim.join("usr/lib/x86_64-linux-gnu"))
         .arg("-lcuda"));
     import_busybox(&n, w);
-    let _ = n.kubectl(&["delete", "namespace", NS, "--wait=true"]);
-    n.ok(&["create", "namespace", NS]);
+    // A namespace a killed earlier run left: its pods' claims can only be
+    // unprepared by a running driver, so it goes once the driver is up.
+    let _ = n.kubectl(&["delete", "namespace", NS, "--wait=false"]);
 
     // ------------------------------------------------ the driver
     let vm = w.join("vm");
@@ -206,6 +210,14 @@ fn dra_on_a_real_node() {
             Err(tail(&drv.text(), 5))
         }
     });
+
+    wait("an earlier run's namespace gone", 180, || {
+        match n.kubectl(&["get", "namespace", NS]) {
+            Ok(s) => Err(s),
+            Err(_) => Ok(()),
+        }
+    });
+    n.ok(&["create", "namespace", NS]);
 
     // ------------------------------------------------ a critical Xid
     // gpu-0 leaves the slice (generation + 1), the real scheduler places a
@@ -391,6 +403,14 @@ fn dra_on_a_real_node() {
     to_running.push(wait_running(&n, "share-c", 120));
     check_quota(&log_with(&n, "share-c", "---done"), "share-c");
 
+    // ------------------------------------------------ kubelet restart
+    match std::env::var("VCUDA_DRA_KUBELET_RESTART") {
+        Ok(restart) => kubelet_restart(&n, &drv, &restart),
+        Err(_) => eprintln!(
+            "k8s_dra: kubelet restart not checked (set VCUDA_DRA_KUBELET_RESTART to a command that restarts the node's kubelet)"
+        ),
+    }
+
     // ------------------------------------------------ a batch for the figures
     n.apply(&claim_template("gpu-5", 5, "256Mi"));
     let batch: Vec<String> = (0..39).map(|i| format!("batch-{i}")).collect();
@@ -479,6 +499,76 @@ fn dra_on_a_real_node() {
     daemonset_phase(&n, &node, w, &sim, &bin);
 }
 
+/// The node's kubelet restarted under running claims: the driver is
+/// registered again, the pods run on untouched (same containers, no
+/// restarts), a new process in one is still held to 1 GiB.
+fn kubelet_restart(n: &Node, drv: &DriverProc, restart: &str) {
+    let containers = || -> Vec<(String, i64)> {
+        ["share-a", "share-b", "share-c"]
+            .iter()
+            .map(|p| {
+                let j = n.json(&["-n", NS, "get", "pod", p]).unwrap();
+                let c = &j["status"]["containerStatuses"][0];
+                (
+                    c["containerID"].as_str().unwrap_or("").to_string(),
+                    c["restartCount"].as_i64().unwrap_or(-1),
+                )
+            })
+            .collect()
+    };
+    let before = containers();
+    let registered = drv.count("registered with the kubelet");
+    let t0 = Instant::now();
+    sh(Command::new("sh").arg("-c").arg(restart));
+    wait(
+        "the driver registered with the restarted kubelet",
+        120,
+        || {
+            if drv.count("registered with the kubelet") > registered {
+                Ok(())
+            } else {
+                Err(tail(&drv.text(), 5))
+            }
+        },
+    );
+    eprintln!(
+        "k8s_dra: kubelet restart to the driver registered again {:.2} s",
+        t0.elapsed().as_secs_f64()
+    );
+    wait("the node Ready again", 120, || {
+        let j = n.json(&["get", "nodes"])?;
+        let ready = j["items"][0]["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|c| c["type"] == "Ready" && c["status"] == "True");
+        if ready {
+            Ok(())
+        } else {
+            Err("NotReady".into())
+        }
+    });
+    assert_eq!(
+        containers(),
+        before,
+        "the pods' containers after the kubelet restart"
+    );
+    // The restarted kubelet answers exec once it has its pods again.
+    let again = wait("exec in share-b after the kubelet restart", 60, || {
+        n.kubectl(&[
+            "-n",
+            NS,
+            "exec",
+            "share-b",
+            "--",
+            "/work/shim_client",
+            "quota",
+            "256",
+        ])
+    });
+    check_quota(&again, "share-b after the kubelet restart");
+}
+
 /// deploy/dra/driver.yaml applied as users apply it, with the test overlay
 /// (local image, host paths of the simulated root): the DaemonSet Ready
 /// under the RBAC authorizer with only its ClusterRole's verbs, a share
@@ -487,6 +577,10 @@ fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
     eprintln!("k8s_dra: deploy/dra/driver.yaml under RBAC");
     let etc = Path::new("/etc/gpu-manager");
     let _etc = util::Cleanup((!etc.exists()).then(|| etc.to_path_buf()));
+    let ds = DaemonSetCleanup {
+        n,
+        node: node.to_string(),
+    };
     let root = cluster::daemon_rootfs(w, "vcuda-dra-driver");
     import(n, DRA_IMAGE, &root, "/usr/bin/vcuda-dra-driver");
     let deploy = workspace_root().join("deploy");
@@ -602,19 +696,35 @@ fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
         tail(&l, 30)
     );
     assert!(!l.contains("\u{1b}["), "no colour codes in the pod's log");
-    n.ok(&["label", "node", node, "vcuda.tencent.com/mode-"]);
-    n.ok(&[
-        "delete",
-        "-f",
-        deploy.join("dra/driver.yaml").to_str().unwrap(),
-        "--wait=true",
-    ]);
-    n.ok(&[
-        "delete",
-        "-f",
-        deploy.join("configmap.yaml").to_str().unwrap(),
-    ]);
-    wait("the driver's pod gone", 120, || {
+    drop(ds);
+}
+
+/// Removes what the DaemonSet phase applied (also when a run fails half
+/// way, and at the start, for what a killed run left).
+struct DaemonSetCleanup<'a> {
+    n: &'a Node,
+    node: String,
+}
+
+impl Drop for DaemonSetCleanup<'_> {
+    fn drop(&mut self) {
+        remove_daemonset(self.n, &self.node);
+    }
+}
+
+fn remove_daemonset(n: &Node, node: &str) {
+    let deploy = workspace_root().join("deploy");
+    let _ = n.kubectl(&["label", "node", node, "vcuda.tencent.com/mode-"]);
+    for f in ["dra/driver.yaml", "configmap.yaml"] {
+        let _ = n.kubectl(&[
+            "delete",
+            "-f",
+            deploy.join(f).to_str().unwrap(),
+            "--ignore-not-found",
+            "--wait=true",
+        ]);
+    }
+    wait("the driver's DaemonSet pods gone", 120, || {
         let l = n.json(&[
             "-n",
             "kube-system",

@@ -273,7 +273,23 @@ pub fn wait_running(n: &Node, pod: &str, secs: u64) -> Duration {
             )),
         }
     });
-    t0.elapsed()
+    let took = t0.elapsed();
+    if took > Duration::from_secs(5) {
+        eprintln!(
+            "k8s_dra: pod {pod} took {:.1} s to Running; its events:\n{}",
+            took.as_secs_f64(),
+            n.kubectl(&[
+                "-n",
+                NS,
+                "get",
+                "events",
+                "--field-selector",
+                &format!("involvedObject.name={pod}"),
+            ])
+            .unwrap_or_default()
+        );
+    }
+    took
 }
 
 /// Waits until the pod's log has `marker`, then returns the log.

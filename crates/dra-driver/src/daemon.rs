@@ -2,7 +2,8 @@
 //! the driver with the interposer (the device plugin's vdriver volumes),
 //! create the DeviceClasses, publish the slice, restore prepared claims
 //! from the checkpoint, serve the kubelet plugin and registration sockets,
-//! and republish on health changes (critical Xids) and periodically.
+//! and republish on health changes (critical Xids), whenever the slice is
+//! changed or deleted behind the driver's back (a watch), and periodically.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -106,10 +107,7 @@ pub async fn run(
     let api = KubeApi {
         client: kube_client(s.kubeconfig.as_deref()).await?,
     };
-    let publisher = Publisher {
-        node: s.node.clone(),
-        driver_version: found.driver_version.clone(),
-    };
+    let publisher = Publisher::new(&s.node, &found.driver_version);
     publisher
         .ensure_classes(&api)
         .await
@@ -173,6 +171,8 @@ pub async fn run(
         let _ = r.send(Ready { display_http });
     }
 
+    let (stx, mut srx) = tokio::sync::mpsc::unbounded_channel();
+    crate::kube_api::watch_slices(api.client.clone(), &s.node, stx, cancel.clone());
     let (xtx, mut xrx) = tokio::sync::mpsc::unbounded_channel();
     let uuids = gpus.iter().map(|g| g.uuid.clone()).collect();
     gpu_manager::nvml::watch_xids(
@@ -199,6 +199,10 @@ pub async fn run(
                     d.healthy = false;
                     changed = true;
                 }
+            }
+            Some(()) = srx.recv() => {
+                while srx.try_recv().is_ok() {}
+                changed = true;
             }
             _ = timer.tick() => {
                 let now = Instant::now();

@@ -1,9 +1,12 @@
 //! The API server through `kube`: claims to prepare, slices and classes to
 //! publish.
 
+use futures::StreamExt;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
+use tokio_util::sync::CancellationToken;
 
 use crate::DRIVER_NAME;
 use crate::driver::ClaimSource;
@@ -71,4 +74,45 @@ impl SliceApi for KubeApi {
             Err(e) => Err(format!("creating DeviceClass {name}: {e}")),
         }
     }
+}
+
+/// Watches this driver's slices on `node` and sends a unit on every change
+/// and every (re)list: someone else may delete or edit the slice (the
+/// kubelet deletes all of its node's slices when it starts, and a driver's
+/// after its plugin has been gone a while), and the driver must put it
+/// back at once, not at the next resync. Our own writes come back too; the
+/// reconcile they cause finds nothing to do.
+pub fn watch_slices(
+    client: Client,
+    node: &str,
+    tx: tokio::sync::mpsc::UnboundedSender<()>,
+    cancel: CancellationToken,
+) {
+    let cfg = watcher::Config::default()
+        .fields(&format!("spec.nodeName={node},spec.driver={DRIVER_NAME}"));
+    let mut events = watcher(Api::<ResourceSlice>::all(client), cfg)
+        .default_backoff()
+        .boxed();
+    tokio::spawn(async move {
+        loop {
+            let ev = tokio::select! {
+                _ = cancel.cancelled() => break,
+                ev = events.next() => ev,
+            };
+            match ev {
+                Some(Ok(
+                    watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone,
+                )) => {
+                    if tx.send(()).is_err() {
+                        break;
+                    }
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "watching this node's ResourceSlice (retrying)")
+                }
+                None => break,
+            }
+        }
+    });
 }

@@ -34,6 +34,25 @@ pub enum Published {
 pub struct Publisher {
     pub node: String,
     pub driver_version: String,
+    /// The highest pool generation this process published: a slice
+    /// deleted behind its back comes back above it, so a scheduler still
+    /// holding the old one in its cache prefers the new.
+    pub last_generation: std::sync::atomic::AtomicI64,
+}
+
+impl Publisher {
+    pub fn new(node: &str, driver_version: &str) -> Publisher {
+        Publisher {
+            node: node.to_string(),
+            driver_version: driver_version.to_string(),
+            last_generation: std::sync::atomic::AtomicI64::new(0),
+        }
+    }
+
+    fn seen(&self, generation: i64) {
+        self.last_generation
+            .fetch_max(generation, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Publisher {
@@ -60,12 +79,18 @@ impl Publisher {
             .find(|s| s.metadata.name.as_deref() == Some(name.as_str()));
         match ours {
             None => {
-                let s = slices::build(&self.node, gpus, &self.driver_version, 1);
+                let generation = self
+                    .last_generation
+                    .load(std::sync::atomic::Ordering::Relaxed)
+                    + 1;
+                let s = slices::build(&self.node, gpus, &self.driver_version, generation);
                 api.create(&s).await?;
-                Ok(Published::Created { generation: 1 })
+                self.seen(generation);
+                Ok(Published::Created { generation })
             }
             Some(cur) => {
                 let generation = cur.spec.pool.generation;
+                self.seen(generation);
                 let want = slices::build(&self.node, gpus, &self.driver_version, generation);
                 if slices::same_devices(&cur.spec, &want.spec) {
                     return Ok(Published::Unchanged { generation });
@@ -74,6 +99,7 @@ impl Publisher {
                     slices::build(&self.node, gpus, &self.driver_version, generation + 1);
                 next.metadata.resource_version = cur.metadata.resource_version.clone();
                 api.replace(&next).await?;
+                self.seen(generation + 1);
                 Ok(Published::Replaced {
                     generation: generation + 1,
                 })

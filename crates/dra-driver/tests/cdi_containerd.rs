@@ -374,10 +374,7 @@ async fn inject(cri: RuntimeServiceClient<Channel>, spec_dir: PathBuf, image: St
     let server = ApiServer::start("127.0.0.1:0").await.unwrap();
     let dirs = Dirs::new();
     let api = kube(&server, dirs.tmp.path()).await;
-    let publisher = Publisher {
-        node: NODE.into(),
-        driver_version: "550.54.15".into(),
-    };
+    let publisher = Publisher::new(NODE, "550.54.15");
     publisher.ensure_classes(&api).await.unwrap();
     let devices: Vec<GpuDevice> = gpus()
         .into_iter()

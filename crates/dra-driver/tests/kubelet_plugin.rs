@@ -88,10 +88,7 @@ async fn emulator() -> (ApiServer, Dirs, KubeApi) {
 }
 
 fn publisher() -> Publisher {
-    Publisher {
-        node: NODE.into(),
-        driver_version: "550.54.15".into(),
-    }
+    Publisher::new(NODE, "550.54.15")
 }
 
 /// The API server emulator with both GPUs published on [`NODE`], the driver

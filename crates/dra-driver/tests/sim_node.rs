@@ -283,6 +283,21 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
     })
     .await;
     assert_eq!(server.list(Kind::ResourceSlice).len(), 1);
+    // The slice deleted behind the driver's back, as a starting kubelet
+    // deletes all of its node's slices: back well before the 60 s resync,
+    // above the last generation.
+    let t_wipe = Instant::now();
+    server
+        .delete(Kind::ResourceSlice, None, &slices::slice_name(NODE))
+        .unwrap();
+    until(10, "the deleted slice published again", || {
+        slice_generation(&server) == Some((4, 1))
+    })
+    .await;
+    println!(
+        "slice deleted -> published again: {:.0} ms",
+        t_wipe.elapsed().as_secs_f64() * 1e3
+    );
     // Prepared claims were not touched by the health change.
     assert!(
         dirs.p("vm")
@@ -351,7 +366,7 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
             .unwrap();
     assert_eq!(
         slice_generation(&server),
-        Some((3, 1)),
+        Some((4, 1)),
         "a restart on the same GPUs writes no new generation"
     );
     let sock = vm_b.join(quota_config::SOCKET_FILE);
