@@ -20,8 +20,9 @@
 //! The node: one node, kubelet root `/var/lib/kubelet`, containerd with
 //! `enable_cdi` reading `/var/run/cdi`, `DRAConsumableCapacity` on (beta,
 //! on by default, in 1.36). Checked: the slice and classes; a critical Xid
-//! takes a GPU out of the slice (generation + 1), the scheduler places
-//! around it, and it comes back after the quiet period; a claim of two
+//! takes a running pod's GPU out of the slice (generation + 1), the kubelet
+//! shows the pod's device Unhealthy, the scheduler places around it, and it
+//! comes back, Healthy, after the quiet period; a claim of two
 //! whole GPUs gets both device nodes and one `/etc/vcuda`; a share beside
 //! another device in one claim is refused, named in the pod's events; two 30 % /
 //! 1 GiB claims packed onto one GPU by the scheduler; each pod's `-lcuda`
@@ -220,8 +221,10 @@ fn dra_on_a_real_node() {
     n.ok(&["create", "namespace", NS]);
 
     // ------------------------------------------------ a critical Xid
-    // gpu-0 leaves the slice (generation + 1), the real scheduler places a
-    // claim elsewhere, and the quiet period brings gpu-0 back (+ 2).
+    // On the GPU of a running pod: it leaves the slice (generation + 1),
+    // the kubelet shows the pod's device Unhealthy (the driver's health
+    // stream), the real scheduler places a new claim elsewhere, and the
+    // quiet period brings the GPU back (+ 2), Healthy.
     let ours = |want_gen: i64, want_devices: usize| {
         let s = n.json(&["get", "resourceslice", &slice_name])?;
         let g = s["spec"]["pool"]["generation"].as_i64().unwrap_or(0);
@@ -232,26 +235,69 @@ fn dra_on_a_real_node() {
             Err(format!("generation {g}, {d} devices"))
         }
     };
+    n.apply(&claim_template("gpu-30-1g", 30, "1Gi"));
+    let mut to_running = Vec::new();
+    n.apply(&pod("xid-victim", "gpu-30-1g", "sleep 100000", &bin, &sim));
+    to_running.push(wait_running(&n, "xid-victim", 120));
+    let victim = pod_claim(&n, "xid-victim").unwrap();
+    let bad = victim["status"]["allocation"]["devices"]["results"][0]["device"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // The kubelet names a resource by its CDI ID, `...=<claim uid>-<request>-<device>`.
+    let health_of = |want: &str| {
+        let p = n.json(&["-n", NS, "get", "pod", "xid-victim"])?;
+        let st = &p["status"]["containerStatuses"][0]["allocatedResourcesStatus"];
+        let found = st
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|r| r["resources"].as_array().cloned().unwrap_or_default())
+            .any(|r| {
+                r["resourceID"]
+                    .as_str()
+                    .is_some_and(|id| id.ends_with(&format!("-{bad}")))
+                    && r["health"] == want
+            });
+        if found { Ok(()) } else { Err(st.to_string()) }
+    };
+    wait(
+        "the kubelet's health of the victim's device: Healthy",
+        60,
+        || health_of("Healthy"),
+    );
     sh(Command::new(target_dir().join("gpu-sim"))
         .arg("xid")
         .arg("--root")
         .arg(&sim)
-        .args(["--gpu", "0", "--code", "79"]));
-    wait("gpu-0 out of the slice", 30, || ours(gen0 + 1, 3));
-    n.apply(&claim_template("gpu-30-1g", 30, "1Gi"));
-    let mut to_running = Vec::new();
+        .args(["--gpu", bad.trim_start_matches("gpu-"), "--code", "79"]));
+    wait("the GPU out of the slice", 30, || ours(gen0 + 1, 3));
+    wait(
+        "the kubelet's health of the victim's device: Unhealthy",
+        30,
+        || health_of("Unhealthy"),
+    );
     n.apply(&pod("xid-probe", "gpu-30-1g", "sleep 100000", &bin, &sim));
     to_running.push(wait_running(&n, "xid-probe", 120));
     let probe = pod_claim(&n, "xid-probe").unwrap();
     let probe_dev = &probe["status"]["allocation"]["devices"]["results"][0]["device"];
     assert_ne!(
-        probe_dev, "gpu-0",
+        probe_dev,
+        bad.as_str(),
         "the scheduler placed a claim on a GPU out of the slice: {probe}"
     );
     n.ok(&["-n", NS, "delete", "pod", "xid-probe", "--wait=true"]);
-    wait("gpu-0 back in the slice after the quiet period", 60, || {
-        ours(gen0 + 2, 4)
-    });
+    wait(
+        "the GPU back in the slice after the quiet period",
+        60,
+        || ours(gen0 + 2, 4),
+    );
+    wait(
+        "the kubelet's health of the victim's device: Healthy again",
+        60,
+        || health_of("Healthy"),
+    );
+    n.ok(&["-n", NS, "delete", "pod", "xid-victim", "--wait=true"]);
     let generation = Value::from(gen0 + 2);
 
     // ------------------------------------------------ several devices in a claim
@@ -466,8 +512,8 @@ fn dra_on_a_real_node() {
     let mut prep = drv.millis("claim prepared");
     prep.sort_unstable();
     assert!(
-        prep.len() >= 44,
-        "44 claims prepared with their ms in the driver's log:\n{}",
+        prep.len() >= 45,
+        "45 claims prepared with their ms in the driver's log:\n{}",
         tail(&drv.text(), 20)
     );
     let mut unprep = drv.millis("claim unprepared");

@@ -4,6 +4,8 @@
 //!   NodeUnprepareResources), served by the driver. Kubelets from 1.34 call
 //!   v1; older ones v1beta1. The messages are the same apart from
 //!   `Device.share_id` (v1 only).
+//! * [`dra_health`]: `DRAResourceHealth` (NodeWatchResources), the
+//!   devices' health streamed to kubelets with `ResourceHealthStatus`.
 //! * [`pluginregistration`]: `Registration` (GetInfo,
 //!   NotifyRegistrationStatus), served by the driver on a socket in the
 //!   kubelet's `plugins_registry` directory.
@@ -21,6 +23,10 @@ pub mod dra {
         /// The service name listed in `PluginInfo.supported_versions`.
         pub const SERVICE: &str = "v1beta1.DRAPlugin";
     }
+}
+
+pub mod dra_health {
+    tonic::include_proto!("v1alpha1");
 }
 
 pub mod pluginregistration {

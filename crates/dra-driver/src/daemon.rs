@@ -193,7 +193,15 @@ pub async fn run(
             ev = xrx.recv() => {
                 let Some(ev) = ev else { break };
                 last_xid.insert(ev.gpu, Instant::now());
-                driver.set_healthy(ev.gpu, false);
+                driver.set_healthy(
+                    ev.gpu,
+                    false,
+                    &format!(
+                        "critical Xid {}: out of the ResourceSlice until {} s pass without another",
+                        ev.xid,
+                        s.xid_quiet_period.as_secs()
+                    ),
+                );
                 if let Some(d) = devices.get_mut(ev.gpu) && d.healthy {
                     tracing::warn!(gpu = ev.gpu, xid = ev.xid, "GPU unhealthy after a critical Xid: taken out of the ResourceSlice");
                     d.healthy = false;
@@ -210,7 +218,7 @@ pub async fn run(
                     if now.duration_since(*t) < s.xid_quiet_period {
                         return true;
                     }
-                    driver.set_healthy(gpu, true);
+                    driver.set_healthy(gpu, true, "");
                     if let Some(d) = devices.get_mut(gpu) {
                         tracing::info!(gpu, "no critical Xid for the quiet period: GPU back in the ResourceSlice");
                         d.healthy = true;

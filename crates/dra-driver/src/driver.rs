@@ -73,6 +73,25 @@ pub struct Driver {
     /// Per GPU: no recent critical Xid. A claim the scheduler placed on a
     /// GPU just before it left the slice is refused rather than started.
     healthy: std::sync::Mutex<Vec<bool>>,
+    /// The same with the reason, for the kubelet's health stream.
+    health: tokio::sync::watch::Sender<Vec<GpuHealth>>,
+}
+
+/// One GPU's health as the kubelet's health stream reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuHealth {
+    pub healthy: bool,
+    /// Why it is unhealthy (empty when healthy).
+    pub message: String,
+}
+
+impl Default for GpuHealth {
+    fn default() -> GpuHealth {
+        GpuHealth {
+            healthy: true,
+            message: String::new(),
+        }
+    }
 }
 
 /// The vm directory's "container" name of a request.
@@ -121,6 +140,7 @@ impl Driver {
             state: tokio::sync::Mutex::new(Checkpoint::default()),
             view: std::sync::Mutex::new(ck.claims.values().cloned().collect()),
             healthy: std::sync::Mutex::new(vec![true; gpus_len]),
+            health: tokio::sync::watch::Sender::new(vec![GpuHealth::default(); gpus_len]),
         };
         for c in ck.claims.values() {
             if let Err(e) = d.restore(c) {
@@ -166,8 +186,9 @@ impl Driver {
         }
     }
 
-    /// Health from the Xid watch; prepared claims are not touched.
-    pub fn set_healthy(&self, gpu: usize, healthy: bool) {
+    /// Health from the Xid watch, with the reason; prepared claims are not
+    /// touched.
+    pub fn set_healthy(&self, gpu: usize, healthy: bool, message: &str) {
         if let Some(h) = self
             .healthy
             .lock()
@@ -176,6 +197,21 @@ impl Driver {
         {
             *h = healthy;
         }
+        self.health.send_if_modified(|all| match all.get_mut(gpu) {
+            Some(g) if g.healthy != healthy || g.message != message => {
+                *g = GpuHealth {
+                    healthy,
+                    message: message.to_string(),
+                };
+                true
+            }
+            _ => false,
+        });
+    }
+
+    /// Every GPU's health, updated as it changes.
+    pub fn health_watch(&self) -> tokio::sync::watch::Receiver<Vec<GpuHealth>> {
+        self.health.subscribe()
     }
 
     fn publish_view(&self, ck: &Checkpoint) {
@@ -472,10 +508,10 @@ mod tests {
             .lock()
             .unwrap()
             .insert(("ns".into(), "a".into()), claim("a", "u1"));
-        d.set_healthy(0, false);
+        d.set_healthy(0, false, "Xid 79");
         let e = d.prepare(&r("a", "u1")).await.unwrap_err();
         assert!(e.contains("gpu-0 (GPU-a) had a critical Xid"), "{e}");
-        d.set_healthy(0, true);
+        d.set_healthy(0, true, "");
 
         // A checkpoint that cannot be written fails the claim and leaves nothing.
         std::fs::write(tmp.path().join("state"), b"not a directory").unwrap();

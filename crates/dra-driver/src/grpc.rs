@@ -1,4 +1,5 @@
-//! The kubelet plugin: `DRAPlugin` v1 and v1beta1 on the plugin socket, and
+//! The kubelet plugin: `DRAPlugin` v1 and v1beta1 and the health stream
+//! ([`crate::health`]) on the plugin socket, and
 //! `pluginregistration.Registration` on a socket in the kubelet's
 //! `plugins_registry` directory (the kubelet finds it there, asks GetInfo,
 //! connects to the plugin socket). Both sockets accept any `:authority`
@@ -261,7 +262,12 @@ pub async fn serve(
     tokio::spawn(async move {
         let r = tonic::transport::Server::builder()
             .add_service(v1::dra_plugin_server::DraPluginServer::new(p.clone()))
-            .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(p))
+            .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(p.clone()))
+            .add_service(
+                dra_api::dra_health::dra_resource_health_server::DraResourceHealthServer::new(
+                    crate::health::HealthService { driver: p.driver },
+                ),
+            )
             .serve_with_incoming_shutdown(uds_authority::incoming(l), c.cancelled_owned())
             .await;
         if let Err(e) = r {

@@ -21,6 +21,7 @@ pub mod daemon;
 pub mod display;
 pub mod driver;
 pub mod grpc;
+pub mod health;
 pub mod kube_api;
 pub mod params;
 pub mod plan;

@@ -269,6 +269,25 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
 
     // A critical Xid: the GPU leaves the slice (generation 2), and comes
     // back after the quiet period (generation 3); one slice throughout.
+    // The kubelet's health stream says so too, with the reason.
+    let mut health = kubelet.watch_health().await.unwrap();
+    let next_health = async |s: &mut tonic::Streaming<_>| -> (i32, String) {
+        let m: dra_api::dra_health::NodeWatchResourcesResponse =
+            tokio::time::timeout(Duration::from_secs(30), s.message())
+                .await
+                .expect("a health message within 30 s")
+                .unwrap()
+                .unwrap();
+        let d = &m.devices[0];
+        assert_eq!(d.device.as_ref().unwrap().pool_name, NODE);
+        assert_eq!(d.device.as_ref().unwrap().device_name, "gpu-0");
+        (d.health, d.message.clone())
+    };
+    use dra_api::dra_health::HealthStatus;
+    assert_eq!(
+        next_health(&mut health).await,
+        (HealthStatus::Healthy as i32, String::new())
+    );
     sh(Command::new(&gpu_sim)
         .arg("xid")
         .arg("--root")
@@ -278,6 +297,14 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
         slice_generation(&server) == Some((2, 0))
     })
     .await;
+    let (state, why) = next_health(&mut health).await;
+    assert_eq!(state, HealthStatus::Unhealthy as i32, "{why}");
+    assert!(why.starts_with("critical Xid 79"), "{why}");
+    assert_eq!(
+        next_health(&mut health).await,
+        (HealthStatus::Healthy as i32, String::new()),
+        "healthy again after the quiet period"
+    );
     until(30, "the GPU back in the slice", || {
         slice_generation(&server) == Some((3, 1))
     })

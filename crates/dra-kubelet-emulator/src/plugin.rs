@@ -190,6 +190,21 @@ pub async fn wait_and_register(
 }
 
 /// A claim as the kubelet names it to the driver.
+impl DraPlugin {
+    /// The plugin's health stream (`v1alpha1.DRAResourceHealth`), opened
+    /// as kubelets with `ResourceHealthStatus` open it on the plugin socket.
+    pub async fn watch_health(
+        &self,
+    ) -> Result<tonic::Streaming<dra_api::dra_health::NodeWatchResourcesResponse>, tonic::Status>
+    {
+        use dra_api::dra_health as h;
+        h::dra_resource_health_client::DraResourceHealthClient::new(self.channel.clone())
+            .node_watch_resources(h::NodeWatchResourcesRequest {})
+            .await
+            .map(tonic::Response::into_inner)
+    }
+}
+
 pub fn claim(namespace: &str, name: &str, uid: &str) -> v1::Claim {
     v1::Claim {
         namespace: namespace.into(),

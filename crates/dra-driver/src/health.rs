@@ -1,0 +1,114 @@
+//! The kubelet's resource-health stream (`v1alpha1.DRAResourceHealth`,
+//! KEP-4680) on the plugin socket: each of the node's GPUs HEALTHY, or
+//! UNHEALTHY with the critical Xid that took it out of the slice. Kubelets
+//! with `ResourceHealthStatus` show it in the pod status of containers
+//! holding the device (`allocatedResourcesStatus`), so an operator sees
+//! which pods sit on a failed GPU. The stream sends the whole list at
+//! once, on every change, and every [`REFRESH`] so the kubelet's
+//! [`TIMEOUT_SECS`] never turns a quiet device UNKNOWN.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dra_api::dra_health as h;
+use futures::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::driver::{Driver, GpuHealth};
+use crate::slices;
+
+pub const REFRESH: Duration = Duration::from_secs(20);
+pub const TIMEOUT_SECS: i64 = 60;
+
+pub struct HealthService {
+    pub driver: Arc<Driver>,
+}
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+/// The message for `gpus` in pool `pool` (the node's name).
+pub fn response(pool: &str, gpus: &[GpuHealth]) -> h::NodeWatchResourcesResponse {
+    let now = unix_now();
+    h::NodeWatchResourcesResponse {
+        devices: gpus
+            .iter()
+            .enumerate()
+            .map(|(i, g)| h::DeviceHealth {
+                device: Some(h::DeviceIdentifier {
+                    pool_name: pool.to_string(),
+                    device_name: slices::device_name(i),
+                }),
+                health: if g.healthy {
+                    h::HealthStatus::Healthy
+                } else {
+                    h::HealthStatus::Unhealthy
+                } as i32,
+                last_updated_time: now,
+                health_check_timeout_seconds: TIMEOUT_SECS,
+                message: g.message.chars().take(1024).collect(),
+            })
+            .collect(),
+    }
+}
+
+type HealthStream =
+    Pin<Box<dyn Stream<Item = Result<h::NodeWatchResourcesResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl h::dra_resource_health_server::DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = HealthStream;
+
+    async fn node_watch_resources(
+        &self,
+        _: Request<h::NodeWatchResourcesRequest>,
+    ) -> Result<Response<HealthStream>, Status> {
+        let pool = self.driver.config().node.clone();
+        let rx = self.driver.health_watch();
+        let s = futures::stream::unfold((rx, true), move |(mut rx, first)| {
+            let pool = pool.clone();
+            async move {
+                if !first {
+                    tokio::select! {
+                        r = rx.changed() => r.ok()?,
+                        _ = tokio::time::sleep(REFRESH) => {}
+                    }
+                }
+                let msg = response(&pool, &rx.borrow_and_update());
+                Some((Ok(msg), (rx, false)))
+            }
+        });
+        Ok(Response::new(Box::pin(s)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states_and_identifiers() {
+        let r = response(
+            "node-a",
+            &[
+                GpuHealth::default(),
+                GpuHealth {
+                    healthy: false,
+                    message: "x".repeat(2000),
+                },
+            ],
+        );
+        let d = &r.devices;
+        assert_eq!(d[0].device.as_ref().unwrap().device_name, "gpu-0");
+        assert_eq!(d[1].device.as_ref().unwrap().pool_name, "node-a");
+        assert_eq!(d[0].health, h::HealthStatus::Healthy as i32);
+        assert_eq!(d[1].health, h::HealthStatus::Unhealthy as i32);
+        assert_eq!(d[1].message.len(), 1024);
+        assert_eq!(d[0].health_check_timeout_seconds, TIMEOUT_SECS);
+        assert!(d[0].last_updated_time > 1_700_000_000);
+    }
+}
