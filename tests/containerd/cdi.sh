@@ -78,78 +78,15 @@ vcuda_cdi_ctr() {
 
 start_test_containerd_cdi() {
   local d=$VCUDA_CDI_CONTAINERD_DIR
-  local sock="$d/containerd.sock"
   VCUDA_CDI_CONTAINERD_BIN=$(vcuda_trixie_containerd) || return 1
   mkdir -p "$d/cdi"
-  export VCUDA_CDI_CONTAINERD_ENDPOINT="unix://$sock"
+  export VCUDA_CDI_CONTAINERD_ENDPOINT="unix://$d/containerd.sock"
   export VCUDA_CDI_SPEC_DIR="$d/cdi"
   export VCUDA_CRI_IMAGE
-  if ! vcuda_cdi_ctr version >/dev/null 2>&1; then
-    cat >"$d/config.toml" <<EOF
-version = 2
-root = "$d/root"
-state = "$d/state"
-disabled_plugins = ["io.containerd.internal.v1.opt"]
-[grpc]
-  address = "$sock"
-[ttrpc]
-  address = "$sock.ttrpc"
-[debug]
-  level = "info"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "$VCUDA_CRI_PAUSE"
-  restrict_oom_score_adj = true
-  enable_selinux = false
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
   # CDI: devices named in CreateContainer (the CDI_devices field or
   # cdi.k8s.io/ annotations) are resolved against this directory only.
-  enable_cdi = true
-  cdi_spec_dirs = ["$d/cdi"]
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        Root = "$d/runc"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
-    conf_dir = "$d/cni"
-EOF
-    mkdir -p "$d/cni"
-    # Its shim (containerd-shim-runc-v2 1.7) first in this process's PATH
-    # only; runc is the system's.
-    PATH="$VCUDA_CDI_CONTAINERD_BIN:$PATH" nohup "$VCUDA_CDI_CONTAINERD_BIN/containerd" \
-      --config "$d/config.toml" >"$d/containerd.log" 2>&1 &
-    echo $! >"$d/containerd.pid"
-    local i
-    for i in $(seq 1 60); do
-      vcuda_cdi_ctr version >/dev/null 2>&1 && break
-      sleep 1
-    done
-    if ! vcuda_cdi_ctr version >/dev/null 2>&1; then
-      echo "containerd (CDI) did not come up within 60 s; its log ($d/containerd.log):" >&2
-      tail -n 30 "$d/containerd.log" >&2
-      return 1
-    fi
-  fi
-  local have
-  have=$(vcuda_cdi_ctr images ls -q)
-  if ! grep -qx "$VCUDA_CRI_IMAGE" <<<"$have" || ! grep -qx "$VCUDA_CRI_PAUSE" <<<"$have"; then
-    local tmp applet
-    tmp=$(mktemp -d)
-    mkdir -p "$tmp/rootfs"/{bin,dev,etc,proc,sys,tmp,run}
-    cp /bin/busybox "$tmp/rootfs/bin/busybox"
-    for applet in sh ls cat echo sleep env test true false grep head wc stat; do
-      ln -s busybox "$tmp/rootfs/bin/$applet"
-    done
-    vcuda_image_tar "$VCUDA_CRI_IMAGE" "$tmp/rootfs" "$tmp/busybox.tar" /bin/sh
-    vcuda_image_tar "$VCUDA_CRI_PAUSE" "$tmp/rootfs" "$tmp/pause.tar" /bin/sleep 2147483647
-    vcuda_cdi_ctr images import "$tmp/busybox.tar" >/dev/null
-    vcuda_cdi_ctr images import "$tmp/pause.tar" >/dev/null
-    rm -rf "$tmp"
-  fi
+  vcuda_containerd_up "$d" "$VCUDA_CDI_CONTAINERD_BIN" "  enable_cdi = true
+  cdi_spec_dirs = [\"$d/cdi\"]" || return 1
   echo "containerd with CDI ready at $VCUDA_CDI_CONTAINERD_ENDPOINT ($(vcuda_cdi_ctr version 2>/dev/null | awk '/Server/{s=1} s&&/Version/{print $2; exit}')), CDI specs from $VCUDA_CDI_SPEC_DIR"
 }
 

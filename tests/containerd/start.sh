@@ -36,13 +36,19 @@ vcuda_image_tar() {
   rm -rf "$tmp"
 }
 
-start_test_containerd() {
-  local d=$VCUDA_CONTAINERD_DIR
+# Starts a private containerd in DIR (socket, state, root, runc root, CNI
+# and config of its own) unless one answers there, and imports the test
+# images into its k8s.io namespace:
+#   vcuda_containerd_up DIR BINDIR "EXTRA CRI TOML"
+# BINDIR holds containerd, its shim and ctr ("" for the system's); the
+# extra lines go into the CRI plugin's table (e.g. enable_cdi).
+vcuda_containerd_up() {
+  local d=$1 bin=$2 extra=$3
   local sock="$d/containerd.sock"
+  local ctr=(ctr --address "$sock" -n k8s.io)
+  [ -z "$bin" ] || ctr=("$bin/ctr" --address "$sock" -n k8s.io)
   mkdir -p "$d"
-  export VCUDA_CONTAINERD_ENDPOINT="unix://$sock"
-  export VCUDA_CRI_IMAGE
-  if ! vcuda_ctr version >/dev/null 2>&1; then
+  if ! "${ctr[@]}" version >/dev/null 2>&1; then
     cat >"$d/config.toml" <<EOF
 version = 2
 root = "$d/root"
@@ -62,6 +68,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt"]
   enable_selinux = false
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
+$extra
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
@@ -75,35 +82,43 @@ disabled_plugins = ["io.containerd.internal.v1.opt"]
     conf_dir = "$d/cni"
 EOF
     mkdir -p "$d/cni"
-    nohup containerd --config "$d/config.toml" >"$d/containerd.log" 2>&1 &
+    # BINDIR first in this process's PATH only, for its shim; runc is the system's.
+    PATH="${bin:+$bin:}$PATH" nohup "${bin:+$bin/}containerd" --config "$d/config.toml" \
+      >"$d/containerd.log" 2>&1 &
     echo $! >"$d/containerd.pid"
     local i
     for i in $(seq 1 60); do
-      vcuda_ctr version >/dev/null 2>&1 && break
+      "${ctr[@]}" version >/dev/null 2>&1 && break
       sleep 1
     done
-    if ! vcuda_ctr version >/dev/null 2>&1; then
-      echo "containerd did not come up within 60 s; its log ($d/containerd.log):" >&2
+    if ! "${ctr[@]}" version >/dev/null 2>&1; then
+      echo "containerd in $d did not come up within 60 s; its log ($d/containerd.log):" >&2
       tail -n 30 "$d/containerd.log" >&2
       return 1
     fi
   fi
   local have
-  have=$(vcuda_ctr images ls -q)
+  have=$("${ctr[@]}" images ls -q)
   if ! grep -qx "$VCUDA_CRI_IMAGE" <<<"$have" || ! grep -qx "$VCUDA_CRI_PAUSE" <<<"$have"; then
     local tmp applet
     tmp=$(mktemp -d)
     mkdir -p "$tmp/rootfs"/{bin,dev,etc,proc,sys,tmp,run}
     cp /bin/busybox "$tmp/rootfs/bin/busybox"
-    for applet in sh ls cat echo sleep env test true false grep head; do
+    for applet in sh ls cat echo sleep env test true false grep head wc stat; do
       ln -s busybox "$tmp/rootfs/bin/$applet"
     done
     vcuda_image_tar "$VCUDA_CRI_IMAGE" "$tmp/rootfs" "$tmp/busybox.tar" /bin/sh
     vcuda_image_tar "$VCUDA_CRI_PAUSE" "$tmp/rootfs" "$tmp/pause.tar" /bin/sleep 2147483647
-    vcuda_ctr images import "$tmp/busybox.tar" >/dev/null
-    vcuda_ctr images import "$tmp/pause.tar" >/dev/null
+    "${ctr[@]}" images import "$tmp/busybox.tar" >/dev/null
+    "${ctr[@]}" images import "$tmp/pause.tar" >/dev/null
     rm -rf "$tmp"
   fi
+}
+
+start_test_containerd() {
+  export VCUDA_CONTAINERD_ENDPOINT="unix://$VCUDA_CONTAINERD_DIR/containerd.sock"
+  export VCUDA_CRI_IMAGE
+  vcuda_containerd_up "$VCUDA_CONTAINERD_DIR" "" "" || return 1
   echo "containerd ready at $VCUDA_CONTAINERD_ENDPOINT ($(vcuda_ctr version 2>/dev/null | awk '/Server/{s=1} s&&/Version/{print $2; exit}')), images $VCUDA_CRI_IMAGE, $VCUDA_CRI_PAUSE"
 }
 
