@@ -20,10 +20,10 @@ use std::time::{Duration, Instant};
 use cri_api::v1::runtime_service_client::RuntimeServiceClient;
 use cri_api::v1::{
     ContainerConfig, ContainerMetadata, CreateContainerRequest, Device, ImageSpec, KeyValue,
-    LinuxPodSandboxConfig, LinuxSandboxSecurityContext, ListPodSandboxRequest, Mount,
-    NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxFilter, PodSandboxMetadata,
-    RemoveContainerRequest, RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest,
-    StopContainerRequest, StopPodSandboxRequest, VersionRequest,
+    LinuxPodSandboxConfig, LinuxSandboxSecurityContext, Mount, NamespaceMode, NamespaceOption,
+    PodSandboxConfig, PodSandboxMetadata, RemoveContainerRequest, RemovePodSandboxRequest,
+    RunPodSandboxRequest, StartContainerRequest, StopContainerRequest, StopPodSandboxRequest,
+    VersionRequest,
 };
 use gpu_manager::world::ContainerRuntime;
 use kubelet_emulator::PodRef;
@@ -87,31 +87,9 @@ impl Containerd {
     /// the API server emulator's UIDs repeat, and so would sandbox names).
     async fn remove_leftovers(&self) {
         let mut cri = self.client().await.unwrap();
-        let selector: HashMap<String, String> = [(TEST_LABEL.to_string(), "1".to_string())].into();
-        let sandboxes = cri
-            .list_pod_sandbox(ListPodSandboxRequest {
-                filter: Some(PodSandboxFilter {
-                    label_selector: selector,
-                    ..Default::default()
-                }),
-            })
+        cri_api::remove_labelled_sandboxes(&mut cri, TEST_LABEL, "1")
             .await
-            .unwrap()
-            .into_inner()
-            .items;
-        for s in sandboxes {
-            let _ = cri
-                .stop_pod_sandbox(StopPodSandboxRequest {
-                    pod_sandbox_id: s.id.clone(),
-                })
-                .await;
-            // Removing the sandbox removes its containers.
-            let _ = cri
-                .remove_pod_sandbox(RemovePodSandboxRequest {
-                    pod_sandbox_id: s.id,
-                })
-                .await;
-        }
+            .unwrap();
     }
 
     fn manager_args(&self, endpoint: &str) -> Vec<std::ffi::OsString> {

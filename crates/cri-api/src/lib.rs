@@ -14,3 +14,38 @@ pub mod runtime {
 }
 
 pub use runtime::v1;
+
+/// Stops and removes every pod sandbox labelled `key=value`, and with them
+/// their containers: what a test (or a killed run of it) left behind.
+/// Errors on single sandboxes are ignored (another cleaner got there
+/// first); the list itself must succeed.
+pub async fn remove_labelled_sandboxes(
+    cri: &mut v1::runtime_service_client::RuntimeServiceClient<tonic::transport::Channel>,
+    key: &str,
+    value: &str,
+) -> Result<usize, tonic::Status> {
+    let selector = std::collections::HashMap::from([(key.to_string(), value.to_string())]);
+    let items = cri
+        .list_pod_sandbox(v1::ListPodSandboxRequest {
+            filter: Some(v1::PodSandboxFilter {
+                label_selector: selector,
+                ..Default::default()
+            }),
+        })
+        .await?
+        .into_inner()
+        .items;
+    for s in &items {
+        let _ = cri
+            .stop_pod_sandbox(v1::StopPodSandboxRequest {
+                pod_sandbox_id: s.id.clone(),
+            })
+            .await;
+        let _ = cri
+            .remove_pod_sandbox(v1::RemovePodSandboxRequest {
+                pod_sandbox_id: s.id.clone(),
+            })
+            .await;
+    }
+    Ok(items.len())
+}

@@ -33,9 +33,8 @@ use cri_api::v1::runtime_service_client::RuntimeServiceClient;
 use cri_api::v1::{
     CdiDevice, ContainerConfig, ContainerMetadata, ContainerState, ContainerStatusRequest,
     CreateContainerRequest, ImageSpec, LinuxPodSandboxConfig, LinuxSandboxSecurityContext,
-    ListPodSandboxRequest, NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxFilter,
-    PodSandboxMetadata, RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest,
-    StopPodSandboxRequest, VersionRequest,
+    NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxMetadata, RunPodSandboxRequest,
+    StartContainerRequest, VersionRequest,
 };
 use dra_driver::driver::Driver;
 use dra_driver::grpc;
@@ -161,34 +160,6 @@ impl Drop for HostDevs {
                 let _ = std::fs::remove_file(p);
             }
         }
-    }
-}
-
-/// Stops and removes this test's sandboxes (and so their containers).
-async fn remove_sandboxes(cri: &mut RuntimeServiceClient<Channel>) {
-    let selector: HashMap<String, String> = [(TEST_LABEL.to_string(), "1".to_string())].into();
-    let items = cri
-        .list_pod_sandbox(ListPodSandboxRequest {
-            filter: Some(PodSandboxFilter {
-                label_selector: selector,
-                ..Default::default()
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .items;
-    for s in items {
-        let _ = cri
-            .stop_pod_sandbox(StopPodSandboxRequest {
-                pod_sandbox_id: s.id.clone(),
-            })
-            .await;
-        let _ = cri
-            .remove_pod_sandbox(RemovePodSandboxRequest {
-                pod_sandbox_id: s.id,
-            })
-            .await;
     }
 }
 
@@ -359,11 +330,15 @@ async fn containerd_injects_the_prepared_cdi_device() {
     let Some((mut cri, spec_dir, image)) = runtime().await else {
         return;
     };
-    remove_sandboxes(&mut cri).await;
+    cri_api::remove_labelled_sandboxes(&mut cri, TEST_LABEL, "1")
+        .await
+        .unwrap();
     // In a task: a failed assertion still stops the pod (its shim and
     // sleeping "pause" would outlive the test).
     let result = tokio::spawn(inject(cri.clone(), spec_dir, image)).await;
-    remove_sandboxes(&mut cri).await;
+    cri_api::remove_labelled_sandboxes(&mut cri, TEST_LABEL, "1")
+        .await
+        .unwrap();
     if let Err(e) = result {
         std::panic::resume_unwind(e.into_panic());
     }
