@@ -204,13 +204,12 @@ fn dra_on_a_real_node() {
     ] {
         n.json(&["get", "deviceclass", class]).unwrap();
     }
-    wait("the kubelet to register the plugin", 60, || {
-        if drv.count("registered with the kubelet") > 0 {
-            Ok(())
-        } else {
-            Err(tail(&drv.text(), 5))
-        }
-    });
+    drv.wait_for(
+        "the kubelet to register the plugin",
+        "registered with the kubelet",
+        1,
+        60,
+    );
 
     wait("an earlier run's namespace gone", 180, || {
         match n.kubectl(&["get", "namespace", NS]) {
@@ -395,20 +394,13 @@ fn dra_on_a_real_node() {
     drv.kill9();
     let t_restart = Instant::now();
     drv.spawn();
-    wait("the restarted driver serving", 60, || {
-        if drv.count("DRA driver serving") >= 2 {
-            Ok(())
-        } else {
-            Err(tail(&drv.text(), 5))
-        }
-    });
-    wait("the kubelet to register the restarted driver", 60, || {
-        if drv.count("registered with the kubelet") >= 2 {
-            Ok(())
-        } else {
-            Err(tail(&drv.text(), 5))
-        }
-    });
+    drv.wait_for("the restarted driver serving", "DRA driver serving", 2, 60);
+    drv.wait_for(
+        "the kubelet to register the restarted driver",
+        "registered with the kubelet",
+        2,
+        60,
+    );
     eprintln!(
         "k8s_dra: restart to serving {:.2} s",
         t_restart.elapsed().as_secs_f64()
@@ -566,16 +558,11 @@ fn kubelet_restart(n: &Node, drv: &DriverProc, restart: &str) {
     let registered = drv.count("registered with the kubelet");
     let t0 = Instant::now();
     sh(Command::new("sh").arg("-c").arg(restart));
-    wait(
+    drv.wait_for(
         "the driver registered with the restarted kubelet",
+        "registered with the kubelet",
+        registered + 1,
         120,
-        || {
-            if drv.count("registered with the kubelet") > registered {
-                Ok(())
-            } else {
-                Err(tail(&drv.text(), 5))
-            }
-        },
     );
     eprintln!(
         "k8s_dra: kubelet restart to the driver registered again {:.2} s",

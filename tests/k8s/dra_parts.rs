@@ -157,6 +157,17 @@ impl DriverProc {
         self.text().matches(needle).count()
     }
 
+    /// Waits until the log has `needle` at least `times` times.
+    pub fn wait_for(&self, what: &str, needle: &str, times: usize, secs: u64) {
+        wait(what, secs, || {
+            if self.count(needle) >= times {
+                Ok(())
+            } else {
+                Err(tail(&self.text(), 5))
+            }
+        });
+    }
+
     /// `ms=` of every line with `needle`.
     pub fn millis(&self, needle: &str) -> Vec<u64> {
         self.text()

@@ -128,6 +128,8 @@ fn driver_manifest() {
     let want: BTreeSet<(String, String)> = [
         ("resourceclaims", "get"),
         ("resourceslices", "list"),
+        // The driver watches its slice: a starting kubelet deletes it.
+        ("resourceslices", "watch"),
         ("resourceslices", "create"),
         ("resourceslices", "update"),
         ("resourceslices", "delete"),
