@@ -19,8 +19,7 @@ use std::time::{Duration, Instant};
 
 use cri_api::v1::runtime_service_client::RuntimeServiceClient;
 use cri_api::v1::{
-    ContainerConfig, ContainerMetadata, CreateContainerRequest, Device, ImageSpec, KeyValue,
-    LinuxPodSandboxConfig, LinuxSandboxSecurityContext, Mount, NamespaceMode, NamespaceOption,
+    ContainerConfig, ContainerMetadata, CreateContainerRequest, Device, ImageSpec, KeyValue, Mount,
     PodSandboxConfig, PodSandboxMetadata, RemoveContainerRequest, RemovePodSandboxRequest,
     RunPodSandboxRequest, StartContainerRequest, StopContainerRequest, StopPodSandboxRequest,
     VersionRequest,
@@ -152,19 +151,8 @@ impl Pods {
                 attempt: 0,
             }),
             labels: kubelet_labels(pod, None),
-            linux: Some(LinuxPodSandboxConfig {
-                cgroup_parent: String::new(),
-                security_context: Some(LinuxSandboxSecurityContext {
-                    // The host network: no CNI on the test machine.
-                    namespace_options: Some(NamespaceOption {
-                        network: NamespaceMode::Node as i32,
-                        pid: NamespaceMode::Container as i32,
-                        ipc: NamespaceMode::Pod as i32,
-                        target_id: String::new(),
-                    }),
-                    ..Default::default()
-                }),
-            }),
+            // The host network: no CNI on the test machine.
+            linux: Some(cri_api::host_network_linux()),
             ..Default::default()
         };
         let sandbox = self

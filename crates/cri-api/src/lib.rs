@@ -49,3 +49,20 @@ pub async fn remove_labelled_sandboxes(
     }
     Ok(items.len())
 }
+
+/// A sandbox's Linux config for the node's network (no CNI needed), its
+/// own PID namespace and a pod IPC namespace: what the tests' pods use.
+pub fn host_network_linux() -> v1::LinuxPodSandboxConfig {
+    v1::LinuxPodSandboxConfig {
+        cgroup_parent: String::new(),
+        security_context: Some(v1::LinuxSandboxSecurityContext {
+            namespace_options: Some(v1::NamespaceOption {
+                network: v1::NamespaceMode::Node as i32,
+                pid: v1::NamespaceMode::Container as i32,
+                ipc: v1::NamespaceMode::Pod as i32,
+                target_id: String::new(),
+            }),
+            ..Default::default()
+        }),
+    }
+}

@@ -32,8 +32,7 @@ use common::*;
 use cri_api::v1::runtime_service_client::RuntimeServiceClient;
 use cri_api::v1::{
     CdiDevice, ContainerConfig, ContainerMetadata, ContainerState, ContainerStatusRequest,
-    CreateContainerRequest, ImageSpec, LinuxPodSandboxConfig, LinuxSandboxSecurityContext,
-    NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxMetadata, RunPodSandboxRequest,
+    CreateContainerRequest, ImageSpec, PodSandboxConfig, PodSandboxMetadata, RunPodSandboxRequest,
     StartContainerRequest, VersionRequest,
 };
 use dra_driver::driver::Driver;
@@ -446,18 +445,7 @@ async fn inject(cri: RuntimeServiceClient<Channel>, spec_dir: PathBuf, image: St
         }),
         log_directory: logs.display().to_string(),
         labels: [(TEST_LABEL.to_string(), "1".to_string())].into(),
-        linux: Some(LinuxPodSandboxConfig {
-            cgroup_parent: String::new(),
-            security_context: Some(LinuxSandboxSecurityContext {
-                namespace_options: Some(NamespaceOption {
-                    network: NamespaceMode::Node as i32,
-                    pid: NamespaceMode::Container as i32,
-                    ipc: NamespaceMode::Pod as i32,
-                    target_id: String::new(),
-                }),
-                ..Default::default()
-            }),
-        }),
+        linux: Some(cri_api::host_network_linux()),
         ..Default::default()
     };
     let mut cri = cri;
