@@ -656,15 +656,8 @@ fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
         "--overwrite",
     ]);
     let pod_name = wait("the driver's DaemonSet pod Ready", 180, || {
-        let l = n.json(&[
-            "-n",
-            "kube-system",
-            "get",
-            "pods",
-            "-l",
-            "app.kubernetes.io/name=vcuda-dra-driver",
-        ])?;
-        for p in l["items"].as_array().into_iter().flatten() {
+        let pods = n.driver_pods()?;
+        for p in &pods {
             let ready = p["status"]["conditions"]
                 .as_array()
                 .into_iter()
@@ -674,10 +667,8 @@ fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
                 return Ok(p["metadata"]["name"].as_str().unwrap().to_string());
             }
         }
-        Err(l["items"]
-            .as_array()
-            .into_iter()
-            .flatten()
+        Err(pods
+            .iter()
             .map(|p| p["status"].to_string())
             .collect::<Vec<_>>()
             .join("; "))
@@ -758,15 +749,7 @@ fn remove_daemonset(n: &Node, node: &str) {
         ]);
     }
     wait("the driver's DaemonSet pods gone", 120, || {
-        let l = n.json(&[
-            "-n",
-            "kube-system",
-            "get",
-            "pods",
-            "-l",
-            "app.kubernetes.io/name=vcuda-dra-driver",
-        ])?;
-        if l["items"].as_array().is_none_or(Vec::is_empty) {
+        if n.driver_pods()?.is_empty() {
             Ok(())
         } else {
             Err("still there".into())

@@ -21,6 +21,19 @@ pub struct Node {
 }
 
 impl Node {
+    /// The driver DaemonSet's pods.
+    pub fn driver_pods(&self) -> Result<Vec<Value>, String> {
+        let l = self.json(&[
+            "-n",
+            "kube-system",
+            "get",
+            "pods",
+            "-l",
+            "app.kubernetes.io/name=vcuda-dra-driver",
+        ])?;
+        Ok(l["items"].as_array().cloned().unwrap_or_default())
+    }
+
     pub fn kubectl(&self, args: &[&str]) -> Result<String, String> {
         let out = Command::new("kubectl")
             .env("KUBECONFIG", &self.kubeconfig)
