@@ -126,21 +126,22 @@ pub fn claim_spec(i: &ClaimInput<'_>) -> Spec {
         vm_dir: i.vm_dir,
         extra_devices: i.extra_devices,
     });
+    // The Allocate response's node of each of the claim's GPUs goes to its
+    // device; the rest (nvidiactl, nvidia-uvm, extras) are common.
     let own: Vec<String> = i
         .devices
         .iter()
         .map(|(_, g)| format!("/dev/nvidia{}", g.minor))
         .collect();
+    let (mine, common_nodes): (Vec<_>, Vec<_>) = r
+        .devices
+        .into_iter()
+        .partition(|d| own.contains(&d.container_path));
     let mut env: Vec<String> = r.envs.iter().map(|(k, v)| format!("{k}={v}")).collect();
     env.sort();
     let common = ContainerEdits {
         env,
-        device_nodes: r
-            .devices
-            .into_iter()
-            .filter(|d| !own.contains(&d.container_path))
-            .map(node)
-            .collect(),
+        device_nodes: common_nodes.into_iter().map(node).collect(),
         mounts: r
             .mounts
             .into_iter()
@@ -163,11 +164,13 @@ pub fn claim_spec(i: &ClaimInput<'_>) -> Spec {
         .map(|((name, _), path)| CdiDevice {
             name: name.clone(),
             container_edits: ContainerEdits {
-                device_nodes: vec![node(device_plugin::api::DeviceSpec {
-                    host_path: path.clone(),
-                    container_path: path,
-                    permissions: "rwm".into(),
-                })],
+                device_nodes: mine
+                    .iter()
+                    .find(|d| d.container_path == path)
+                    .cloned()
+                    .map(node)
+                    .into_iter()
+                    .collect(),
                 ..ContainerEdits::default()
             },
         })

@@ -70,10 +70,9 @@ pub struct Driver {
     state: tokio::sync::Mutex<Checkpoint>,
     /// A copy of the prepared claims for synchronous readers (display).
     view: std::sync::Mutex<Vec<PreparedClaim>>,
-    /// Per GPU: no recent critical Xid. A claim the scheduler placed on a
-    /// GPU just before it left the slice is refused rather than started.
-    healthy: std::sync::Mutex<Vec<bool>>,
-    /// The same with the reason, for the kubelet's health stream.
+    /// Per GPU: no recent critical Xid, and why not. A claim the scheduler
+    /// placed on a GPU just before it left the slice is refused rather than
+    /// started; the kubelet's health stream watches it.
     health: tokio::sync::watch::Sender<Vec<GpuHealth>>,
 }
 
@@ -139,7 +138,6 @@ impl Driver {
             store,
             state: tokio::sync::Mutex::new(Checkpoint::default()),
             view: std::sync::Mutex::new(ck.claims.values().cloned().collect()),
-            healthy: std::sync::Mutex::new(vec![true; gpus_len]),
             health: tokio::sync::watch::Sender::new(vec![GpuHealth::default(); gpus_len]),
         };
         for c in ck.claims.values() {
@@ -189,14 +187,6 @@ impl Driver {
     /// Health from the Xid watch, with the reason; prepared claims are not
     /// touched.
     pub fn set_healthy(&self, gpu: usize, healthy: bool, message: &str) {
-        if let Some(h) = self
-            .healthy
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get_mut(gpu)
-        {
-            *h = healthy;
-        }
         self.health.send_if_modified(|all| match all.get_mut(gpu) {
             Some(g) if g.healthy != healthy || g.message != message => {
                 *g = GpuHealth {
@@ -361,15 +351,13 @@ impl Driver {
             })?;
         let planned =
             plan::plan(&claim, &c.uid, &self.cfg.node, &self.gpus).map_err(|e| e.to_string())?;
-        let healthy = self
-            .healthy
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        if let Some(d) = planned
-            .iter()
-            .find(|d| !healthy.get(d.gpu_index).copied().unwrap_or(true))
-        {
+        let unhealthy = planned.iter().find(|d| {
+            self.health
+                .borrow()
+                .get(d.gpu_index)
+                .is_some_and(|g| !g.healthy)
+        });
+        if let Some(d) = unhealthy {
             return Err(format!(
                 "claim {}/{}: {} ({}) had a critical Xid and is out of the ResourceSlice until it is healthy again",
                 c.namespace, c.name, d.device, d.gpu_uuid

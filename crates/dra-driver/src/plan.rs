@@ -166,16 +166,10 @@ pub fn plan(
         return Err(err(format!("has no devices of {DRIVER_NAME} allocated")));
     }
     for (i, d) in out.iter().enumerate() {
-        if out[..i].iter().any(|e| e.device == d.device) {
+        if let Some(e) = out[..i].iter().find(|e| e.device == d.device) {
             return Err(err(format!(
                 "{} is allocated twice (requests {:?} and {:?}); ask for more capacity in one request",
-                d.device,
-                out[..i]
-                    .iter()
-                    .find(|e| e.device == d.device)
-                    .map(|e| &e.request)
-                    .unwrap_or(&d.request),
-                d.request
+                d.device, e.request, d.request
             )));
         }
     }
