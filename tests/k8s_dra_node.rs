@@ -113,17 +113,7 @@ fn dra_on_a_real_node() {
         .arg("--root")
         .arg(&sim)
         .arg("--host-dev"));
-    let _host_dev = HostDevCleanup(
-        installed
-            .lines()
-            .filter_map(|l| l.strip_prefix("host device node "))
-            .filter_map(|l| {
-                l.strip_suffix(" created (1:3)")
-                    .or_else(|| l.strip_suffix(" kept (1:3)"))
-            })
-            .map(PathBuf::from)
-            .collect(),
-    );
+    let _host_dev = HostDevCleanup::from_install_output(&installed);
     sh(Command::new("gcc")
         .args(["-O1", "-o"])
         .arg(bin.join("shim_client"))

@@ -118,19 +118,11 @@ fn real_node_suite() {
     eprint!("{installed}");
     // The sim's host device nodes go again at the end (those this install
     // created, and any a killed earlier run left: only this suite makes them).
-    let _host_dev = HostDevCleanup(if c.keep {
-        Vec::new()
+    let _host_dev = if c.keep {
+        HostDevCleanup(Vec::new())
     } else {
-        installed
-            .lines()
-            .filter_map(|l| l.strip_prefix("host device node "))
-            .filter_map(|l| {
-                l.strip_suffix(" created (1:3)")
-                    .or_else(|| l.strip_suffix(" kept (1:3)"))
-            })
-            .map(PathBuf::from)
-            .collect()
-    });
+        HostDevCleanup::from_install_output(&installed)
+    };
     let tc = workspace_root().join("tests/c");
     compile(&w, &tc.join("shim_client.c"), "shim_client", true);
     compile(&w, &tc.join("shim_compute.c"), "shim_compute", true);

@@ -138,6 +138,23 @@ impl Drop for Cleanup {
 /// they are still the sim's 1:3 nodes.
 pub struct HostDevCleanup(pub Vec<PathBuf>);
 
+impl HostDevCleanup {
+    /// The nodes `gpu-sim install --host-dev` reports (created, or kept
+    /// from a killed earlier run: only these suites make them).
+    pub fn from_install_output(out: &str) -> HostDevCleanup {
+        HostDevCleanup(
+            out.lines()
+                .filter_map(|l| l.strip_prefix("host device node "))
+                .filter_map(|l| {
+                    l.strip_suffix(" created (1:3)")
+                        .or_else(|| l.strip_suffix(" kept (1:3)"))
+                })
+                .map(PathBuf::from)
+                .collect(),
+        )
+    }
+}
+
 impl Drop for HostDevCleanup {
     fn drop(&mut self) {
         use std::os::unix::fs::{FileTypeExt, MetadataExt};

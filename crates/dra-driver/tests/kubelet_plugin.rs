@@ -87,6 +87,16 @@ async fn emulator() -> (ApiServer, Dirs, KubeApi) {
     (server, dirs, api)
 }
 
+/// The container paths of resolved edits' device nodes.
+fn node_paths(edits: &serde_json::Value) -> Vec<&str> {
+    edits["deviceNodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["path"].as_str().unwrap())
+        .collect()
+}
+
 fn publisher() -> Publisher {
     Publisher::new(NODE, "550.54.15")
 }
@@ -164,12 +174,7 @@ async fn prepare_pack_restart_unprepare() {
                 .unwrap()
                 .contains(&json!("NVIDIA_VISIBLE_DEVICES=GPU-00000000"))
         );
-        let nodes: Vec<&str> = edits["deviceNodes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|d| d["path"].as_str().unwrap())
-            .collect();
+        let nodes = node_paths(&edits);
         assert_eq!(nodes, ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia0"]);
         let vm = dirs.p("vm").join(&c.uid).join("gpu");
         let data = quota_config::read_config(&vm.join(quota_config::CONFIG_FILE)).unwrap();
@@ -448,12 +453,7 @@ async fn whole_gpu_class() {
         edits["mounts"][0]["hostPath"],
         dirs.p("vdriver/origin").display().to_string()
     );
-    let nodes: Vec<&str> = edits["deviceNodes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d["path"].as_str().unwrap())
-        .collect();
+    let nodes = node_paths(&edits);
     assert_eq!(nodes, ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia1"]);
     let vm = dirs.p("vm").join(uid(&whole)).join("gpu");
     let data = quota_config::read_config(&vm.join(quota_config::CONFIG_FILE)).unwrap();
