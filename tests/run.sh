@@ -104,6 +104,10 @@ if [ ! -x "$old_root/usr/bin/ldd" ]; then
 fi
 export VCUDA_OLD_GLIBC_ROOT="$old_root"
 
+log "NVIDIA's user-space drivers 535 and 550 (Debian non-free; the oracle, tests/nvidia)"
+source tests/nvidia/fetch.sh
+fetch_nvidia_drivers
+
 log "docker engine"
 source tests/docker/engine.sh
 start_docker_engine
