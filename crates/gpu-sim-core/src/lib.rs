@@ -4,6 +4,7 @@
 //! The simulated `libcuda` and `libnvidia-ml` are thin C-ABI layers over this
 //! crate; `gpu-sim install` writes what they read.
 
+pub mod law;
 pub mod node;
 pub mod state;
 

@@ -32,7 +32,7 @@ use thiserror::Error;
 /// Most GPUs one node description may hold (sizes the shared state).
 pub const MAX_GPUS: usize = 32;
 
-/// Default simulated time one wave of thread blocks occupies the device.
+/// Default block time of the default kernel law (see [`crate::law`]).
 pub const DEFAULT_WAVE_NS: u64 = 10_000;
 
 #[derive(Debug, Error)]
@@ -197,7 +197,8 @@ pub struct NodeSpec {
     pub driver_version: String,
     /// CUDA driver API version as cuDriverGetVersion reports it, e.g. 12040.
     pub cuda_version: i32,
-    /// Simulated time of one wave of thread blocks.
+    /// Block time of the law of kernels that declare none
+    /// ([`crate::law::Law::default_for`]).
     pub kernel_wave_ns: u64,
     pub gpus: Vec<GpuSpec>,
     /// `pcie[i][j]`: PCIe level between GPU i and j.
@@ -439,20 +440,6 @@ impl NodeSpec {
             (self.cuda_version % 1000) / 10
         )
     }
-
-    /// Simulated time a launch of this shape occupies GPU `gpu`.
-    ///
-    /// Blocks run in waves: each SM holds as many blocks as its thread limit
-    /// allows (at least one, at most 32, as real hardware caps resident
-    /// blocks), and every wave takes `kernel_wave_ns`.
-    pub fn kernel_duration_ns(&self, gpu: usize, grid: [u32; 3], block: [u32; 3]) -> u64 {
-        let g = &self.gpus[gpu];
-        let blocks: u64 = grid.iter().map(|&x| x.max(1) as u64).product();
-        let threads: u64 = block.iter().map(|&x| x.max(1) as u64).product();
-        let per_sm = (g.max_threads_per_sm as u64 / threads).clamp(1, 32);
-        let concurrent = g.sm_count as u64 * per_sm;
-        blocks.div_ceil(concurrent) * self.kernel_wave_ns
-    }
 }
 
 fn parse_cuda_version(s: &str) -> Option<i32> {
@@ -599,24 +586,6 @@ nvlink = 4
         let text = TWO.replace("gpus = [0, 1]", "gpus = [0, 5]");
         let err = NodeSpec::parse(&text, "x").unwrap_err().to_string();
         assert!(err.contains("link[0].gpus"), "{err}");
-    }
-
-    #[test]
-    fn kernel_duration_counts_waves() {
-        let n = NodeSpec::parse(TWO, "x").unwrap();
-        // 4 SMs x (2048/256 = 8 blocks) = 32 blocks per wave.
-        assert_eq!(
-            n.kernel_duration_ns(0, [32, 1, 1], [256, 1, 1]),
-            DEFAULT_WAVE_NS
-        );
-        assert_eq!(
-            n.kernel_duration_ns(0, [33, 1, 1], [256, 1, 1]),
-            2 * DEFAULT_WAVE_NS
-        );
-        assert_eq!(
-            n.kernel_duration_ns(0, [0, 0, 0], [0, 0, 0]),
-            DEFAULT_WAVE_NS
-        );
     }
 
     #[test]

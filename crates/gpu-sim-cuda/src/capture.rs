@@ -79,7 +79,13 @@ fn record(t: Target, kind: impl FnOnce() -> R<Kind>) -> R<Option<u64>> {
 
 /// Launch hook: true when the launch was captured instead of run.
 #[inline]
-pub(crate) fn kernel(t: Target, f: *mut c_void, grid: [u32; 3], block: [u32; 3]) -> R<bool> {
+pub(crate) fn kernel(
+    t: Target,
+    f: *mut c_void,
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared: u32,
+) -> R<bool> {
     if CAPTURING.load(Relaxed) == 0 {
         return Ok(false);
     }
@@ -87,7 +93,7 @@ pub(crate) fn kernel(t: Target, f: *mut c_void, grid: [u32; 3], block: [u32; 3])
         func: f as usize,
         grid,
         block,
-        shared: 0,
+        shared,
     };
     Ok(record(t, || Ok(Kind::Kernel(k)))?.is_some())
 }

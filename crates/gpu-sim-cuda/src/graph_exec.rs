@@ -6,6 +6,7 @@ use crate::graph::*;
 use crate::stream::Target;
 use crate::{Driver, R, arg_mut, drv, get, put, put_opt};
 use cuda_abi::*;
+use gpu_sim_core::law::Launch;
 use gpu_sim_core::state::now_ns;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -174,10 +175,18 @@ unsafe fn launch(exec: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
     st.map(d, exec)?;
     let gpu = t.ctx().gpu;
     let e = st.exec(exec)?;
+    // Each kernel node by its own law, as if launched one by one.
+    let spec = &d.node().gpus[gpu];
     let dur: u64 = e
         .kernels
         .iter()
-        .map(|k| d.node().kernel_duration_ns(gpu, k.grid, k.block))
+        .map(|k| {
+            crate::module::law_of(k.func, d.node().kernel_wave_ns).duration_ns(
+                spec,
+                Launch::new(k.grid, k.block, k.shared),
+                crate::launch::random(),
+            )
+        })
         .sum();
     if dur > 0 {
         let (_, end) = d.state.launch(d.me, gpu, dur, t.tail());

@@ -1,17 +1,40 @@
 //! Kernel launches: the simulated timeline's hot path.
 //!
-//! Each launch takes its duration from the launch shape, queues on the
-//! device's shared timeline (behind every process's kernels) and records the
-//! simulated end as its stream's tail. Synchronising sleeps until the tail.
+//! Each launch takes its duration from its kernel's law (declared in the
+//! module image, `gpu_sim_core::law`), queues on the device's shared
+//! timeline (behind every process's kernels) and records the simulated end
+//! as its stream's tail. Synchronising sleeps until the tail.
 //! The launch path is atomics, thread-locals and a vDSO clock read: no lock,
 //! no allocation, no syscall.
 
+use crate::module::Func;
 use crate::stream::Target;
 use crate::{R, arg, drv};
 use cuda_abi::*;
+use gpu_sim_core::law::Launch;
+use std::cell::Cell;
 use std::ffi::c_void;
 
 pub(crate) const FUNC_MAGIC: u64 = 0x5349_4d46_554e_0001;
+
+thread_local! {
+    /// xorshift64* state for kernel-time jitter, seeded per thread.
+    static RNG: Cell<u64> = Cell::new(
+        (gpu_sim_core::state::now_ns() ^ (std::process::id() as u64) << 32) | 1,
+    );
+}
+
+/// A uniformly random word (kernel-time jitter: data the shape hides).
+pub(crate) fn random() -> u64 {
+    RNG.with(|r| {
+        let mut x = r.get();
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        r.set(x);
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    })
+}
 
 /// A kernel launch: the hot path.
 #[inline]
@@ -20,6 +43,7 @@ pub(crate) unsafe fn launch(
     f: *mut c_void,
     grid: [u32; 3],
     block: [u32; 3],
+    shared: u32,
     stream: *mut c_void,
     ptsz: bool,
 ) -> R {
@@ -45,11 +69,17 @@ pub(crate) unsafe fn launch(
     // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
     // this function's own contract; `Target::of` checks its magic.
     let t = unsafe { Target::of(stream, ptsz)? };
-    if crate::capture::kernel(t, f, grid, block)? {
+    if crate::capture::kernel(t, f, grid, block, shared)? {
         return Ok(());
     }
     let ctx = t.ctx();
-    let dur = d.node().kernel_duration_ns(ctx.gpu, grid, block);
+    // SAFETY: checked above: a live Func this driver handed out.
+    let law = unsafe { &*(f as *const Func) }.law;
+    let dur = law.duration_ns(
+        &d.node().gpus[ctx.gpu],
+        Launch::new(grid, block, shared),
+        random(),
+    );
     let (_, end) = d.state.launch(d.me, ctx.gpu, dur, t.tail());
     t.set_tail(end);
     Ok(())
@@ -69,42 +99,42 @@ pub struct LaunchConfig {
 cuda_fn! {
     fn cuLaunchKernel(
         f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
-        _shared: u32, stream: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void,
+        shared: u32, stream: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void,
     ) {
         // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], stream, false) }
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, false) }
     }
 
     fn cuLaunchKernel_ptsz(
         f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
-        _shared: u32, stream: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void,
+        shared: u32, stream: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void,
     ) {
         // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], stream, true) }
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, true) }
     }
 
     fn cuLaunchCooperativeKernel(
         f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
-        _shared: u32, stream: *mut c_void, _params: *mut *mut c_void,
+        shared: u32, stream: *mut c_void, _params: *mut *mut c_void,
     ) {
         // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], stream, false) }
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, false) }
     }
 
     fn cuLaunchCooperativeKernel_ptsz(
         f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
-        _shared: u32, stream: *mut c_void, _params: *mut *mut c_void,
+        shared: u32, stream: *mut c_void, _params: *mut *mut c_void,
     ) {
         // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], stream, true) }
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, true) }
     }
 
     fn cuLaunchKernelEx(config: *const LaunchConfig, f: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void) {
@@ -112,7 +142,7 @@ cuda_fn! {
         // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        unsafe { launch(f, c.grid, c.block, c.stream, false) }
+        unsafe { launch(f, c.grid, c.block, c.shared, c.stream, false) }
     }
 
     fn cuLaunchKernelEx_ptsz(config: *const LaunchConfig, f: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void) {
@@ -120,6 +150,6 @@ cuda_fn! {
         // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        unsafe { launch(f, c.grid, c.block, c.stream, true) }
+        unsafe { launch(f, c.grid, c.block, c.shared, c.stream, true) }
     }
 }

@@ -1,19 +1,23 @@
 //! Modules, libraries and functions. Any image is accepted (there is no GPU
 //! to run it); functions are looked up by name and are what launches take.
 //! A loaded image takes its size in device memory (charged to the current
-//! context, see `charge.rs`) until unloaded.
+//! context, see `charge.rs`) until unloaded. A text image may declare each
+//! kernel's timing law (`gpu_sim_core::law`); a kernel it does not name,
+//! and every kernel of a binary image, follows the node's default law.
 
 use crate::charge;
 use crate::ctx::current;
 use crate::launch::FUNC_MAGIC;
 use crate::{R, cstr, drv, lock, put};
 use cuda_abi::*;
+use gpu_sim_core::law::{self, Law};
 use std::collections::HashMap;
 use std::ffi::{CStr, c_char, c_void};
 use std::os::unix::ffi::OsStrExt;
 use std::sync::Mutex;
 
 const MODULE_MAGIC: u64 = 0x5349_4d4d_4f44_0001;
+const CUDA_ERROR_INVALID_PTX: CUresult = 218;
 
 /// A function (also used as `CUkernel`, which the real driver lets callers
 /// pass where a `CUfunction` is expected). `magic` first: launches check it.
@@ -21,16 +25,67 @@ const MODULE_MAGIC: u64 = 0x5349_4d4d_4f44_0001;
 pub(crate) struct Func {
     magic: u64,
     name: Box<str>,
+    /// How long its launches run (the device's secret).
+    pub(crate) law: Law,
 }
 
 struct Module {
     magic: u64,
     funcs: Mutex<HashMap<Box<str>, Box<Func>>>,
+    /// Laws the image declared, by kernel name.
+    laws: HashMap<Box<str>, Law>,
 }
 
-/// Loads a module of `bytes` device bytes (charged to the current context,
-/// if any: libraries load without one).
-unsafe fn load(out: *mut *mut c_void, bytes: u64) -> R {
+/// The laws a text image declares; a malformed declaration makes the image
+/// invalid, as malformed PTX is. Binary images (fatbinary, ELF) declare none.
+fn laws_of(image: &[u8]) -> R<HashMap<Box<str>, Law>> {
+    const BINARY: [u32; 3] = [0x466243b1, 0xba55ed50, 0x464c457f];
+    let magic = image.first_chunk::<4>().map(|m| u32::from_le_bytes(*m));
+    if magic.is_some_and(|m| BINARY.contains(&m)) {
+        return Ok(HashMap::new());
+    }
+    let (laws, errors) = law::declared(&String::from_utf8_lossy(image));
+    if let Some(e) = errors.first() {
+        eprintln!("gpu-sim: module image: {e}");
+        return Err(CUDA_ERROR_INVALID_PTX);
+    }
+    Ok(laws.into_iter().map(|(n, l)| (n.into(), l)).collect())
+}
+
+/// The text of an in-memory image up to its NUL; nothing for a binary
+/// image (a fatbinary, its wrapper, an ELF cubin: declared by their magic).
+///
+/// # Safety
+/// `image` points to a module image as `cuModuleLoadData` accepts it.
+unsafe fn image_text<'a>(image: *const u8) -> &'a [u8] {
+    const BINARY: [u32; 3] = [0x466243b1, 0xba55ed50, 0x464c457f];
+    let mut head = [0u8; 4];
+    for (i, b) in head.iter_mut().enumerate() {
+        // SAFETY: the contract: a binary image has its 4-byte magic and a text image is
+        // NUL-terminated; reading stops at the first NUL.
+        *b = unsafe { *image.add(i) };
+        if *b == 0 {
+            return &[];
+        }
+    }
+    if BINARY.contains(&u32::from_le_bytes(head)) {
+        return &[];
+    }
+    // SAFETY: not binary, so NUL-terminated text (the contract).
+    unsafe { CStr::from_ptr(image.cast()) }.to_bytes()
+}
+
+/// The law of a `CUfunction` a graph node kept (the default once its module
+/// is gone).
+pub(crate) fn law_of(f: usize, default_block_ns: u64) -> Law {
+    // SAFETY: `f` was a CUfunction this driver handed out; `func` checks its magic, and a
+    // function's Box lives until its module is unloaded (its magic zeroed then).
+    unsafe { func(f as *mut c_void) }.map_or(Law::default_for(default_block_ns), |f| f.law)
+}
+
+/// Loads a module of `bytes` device bytes with the kernel laws `laws`
+/// (charged to the current context, if any: libraries load without one).
+unsafe fn load(out: *mut *mut c_void, bytes: u64, laws: HashMap<Box<str>, Law>) -> R {
     let d = drv()?;
     if out.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
@@ -38,6 +93,7 @@ unsafe fn load(out: *mut *mut c_void, bytes: u64) -> R {
     let m = Box::into_raw(Box::new(Module {
         magic: MODULE_MAGIC,
         funcs: Mutex::new(HashMap::new()),
+        laws,
     }));
     if current().is_ok()
         && let Err(e) = charge::charge_module(d, m as usize, bytes)
@@ -65,7 +121,7 @@ unsafe fn module<'a>(h: *mut c_void) -> R<&'a Module> {
 }
 
 unsafe fn get_function(out: *mut *mut c_void, m: *mut c_void, name: *const c_char) -> R {
-    drv()?;
+    let d = drv()?;
     // SAFETY: `m` is our caller's module handle, passed on under this function's own contract;
     // `module` checks its magic.
     let m = unsafe { module(m)? };
@@ -80,11 +136,17 @@ unsafe fn get_function(out: *mut *mut c_void, m: *mut c_void, name: *const c_cha
     if name.is_empty() {
         return Err(CUDA_ERROR_NOT_FOUND);
     }
+    let law = m
+        .laws
+        .get(name)
+        .copied()
+        .unwrap_or_else(|| Law::default_for(d.node().kernel_wave_ns));
     let mut funcs = lock(&m.funcs);
     let f = funcs.entry(name.into()).or_insert_with(|| {
         Box::new(Func {
             magic: FUNC_MAGIC,
             name: name.into(),
+            law,
         })
     });
     put(out, &**f as *const Func as *mut c_void)
@@ -134,10 +196,11 @@ cuda_fn! {
             .ok()
             .filter(|m| m.is_file())
             .ok_or(CUDA_ERROR_FILE_NOT_FOUND)?;
+        let laws = laws_of(&std::fs::read(path).map_err(|_| CUDA_ERROR_FILE_NOT_FOUND)?)?;
         // SAFETY: `load` gets the pointers and handles our caller passed in, which the CUDA
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
         // driver handed out or are rejected by their magic.
-        unsafe { load(out, meta.len().div_ceil(4096) * 4096) }
+        unsafe { load(out, meta.len().div_ceil(4096) * 4096, laws) }
     }
 
     fn cuModuleLoadData(out: *mut *mut c_void, image: *const c_void) {
@@ -148,7 +211,7 @@ cuda_fn! {
         // SAFETY: `load` gets the pointers and handles our caller passed in, which the CUDA
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
         // driver handed out or are rejected by their magic.
-        unsafe { load(out, charge::image_bytes(image.cast())) }
+        unsafe { load(out, charge::image_bytes(image.cast()), laws_of(image_text(image.cast()))?) }
     }
 
     fn cuModuleLoadDataEx(out: *mut *mut c_void, image: *const c_void, _n: u32, _opts: *mut c_void, _vals: *mut *mut c_void) {
@@ -159,7 +222,7 @@ cuda_fn! {
         // SAFETY: `load` gets the pointers and handles our caller passed in, which the CUDA
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
         // driver handed out or are rejected by their magic.
-        unsafe { load(out, charge::image_bytes(image.cast())) }
+        unsafe { load(out, charge::image_bytes(image.cast()), laws_of(image_text(image.cast()))?) }
     }
 
     fn cuModuleLoadFatBinary(out: *mut *mut c_void, image: *const c_void) {
@@ -170,7 +233,7 @@ cuda_fn! {
         // SAFETY: `load` gets the pointers and handles our caller passed in, which the CUDA
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
         // driver handed out or are rejected by their magic.
-        unsafe { load(out, charge::image_bytes(image.cast())) }
+        unsafe { load(out, charge::image_bytes(image.cast()), laws_of(image_text(image.cast()))?) }
     }
 
     fn cuModuleUnload(m: *mut c_void) {
@@ -197,7 +260,7 @@ cuda_fn! {
         // SAFETY: `load` gets the pointers and handles our caller passed in, which the CUDA
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
         // driver handed out or are rejected by their magic.
-        unsafe { load(out, charge::image_bytes(code.cast())) }
+        unsafe { load(out, charge::image_bytes(code.cast()), laws_of(image_text(code.cast()))?) }
     }
 
     fn cuLibraryUnload(lib: *mut c_void) {
@@ -245,11 +308,13 @@ cuda_fn! {
         // SAFETY: `func` gets the pointers and handles our caller passed in, which the CUDA
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
         // driver handed out or are rejected by their magic.
-        unsafe { func(f) }?;
-        // CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK 0, NUM_REGS 4, PTX/BINARY_VERSION 5/6.
+        let f = unsafe { func(f) }?;
+        // CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK 0, SHARED_SIZE_BYTES 1,
+        // NUM_REGS 4, PTX/BINARY_VERSION 5/6: what the image declared.
         let v = match attr {
             0 => 1024,
-            4 => 32,
+            1 => f.law.smem as i32,
+            4 => f.law.regs as i32,
             5 | 6 => 80,
             1..=10 => 0,
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
