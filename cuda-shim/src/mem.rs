@@ -388,6 +388,15 @@ cuda_exports! {
 
     // ---- contexts ----
 
+    // The CUDA 2.0 entry (cuda.h's signature is _v2's): NVIDIA's drivers still
+    // hand it out for cuGetProcAddress("cuCtxCreate", < 3020).
+    fn cuCtxCreate(out: *mut *mut c_void, flags: u32, dev: i32) {
+        let f = real_cuda!(cuCtxCreate: unsafe extern "C" fn(*mut *mut c_void, u32, i32) -> CUresult);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        ctx::hidden(|| unsafe { f(out, flags, dev) }, || ctx::destroy(written(out).unwrap_or(std::ptr::null_mut())))
+    }
+
     fn cuCtxCreate_v2(out: *mut *mut c_void, flags: u32, dev: i32) {
         let f = real_cuda!(cuCtxCreate_v2: unsafe extern "C" fn(*mut *mut c_void, u32, i32) -> CUresult);
         // SAFETY: the real driver's function of this exact signature, resolved by

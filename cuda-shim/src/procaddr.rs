@@ -4,22 +4,27 @@
 //! in the ABI variant the caller asked for, or the quota is bypassed.
 //!
 //! The real driver answers first (its checks on version and flags, its
-//! status codes stay exact). A successful answer is then replaced by the
-//! *identity of the requested entry*: (name, version, per-thread flag) →
-//! the ABI variant cuda-abi's table says the driver hands out → our wrapper
-//! of that variant. The driver's pointer is never compared with `dlsym` of
-//! the same name: real drivers hand out internal entry points that differ
-//! from their exports. A base name we enforce whose variant we do not wrap
-//! (or a request newer than our table whose answer differs from the newest
-//! variant we know: the driver may have added one) is refused — NULL,
-//! `CUDA_ERROR_NOT_FOUND` — never let through unenforced.
+//! status codes stay exact). A successful answer is then replaced by our
+//! wrapper of *the variant the driver handed out*. Which variant that is:
+//! first, the exported symbol the driver's pointer equals — NVIDIA's 535 and
+//! 550 drivers hand out their own exports for every name, version and flag
+//! (tests/nvidia_procaddr.rs asks them all), and that answer beats any table:
+//! a 12.2 driver asked at 12.8 hands out `cuCtxCreate_v3`, not the `_v4` a
+//! table of CUDA 12.8's headers names, and `cuGraphInstantiate` at 12.0 is
+//! `cuGraphInstantiate_v2`, not `cuGraphInstantiateWithFlags`. Only a pointer
+//! that is no export (a driver handing out internal entry points) falls
+//! back to cuda-abi's table, at the driver's own CUDA version at most. A
+//! base name we enforce whose variant we do not wrap (or a request newer
+//! than our table whose answer differs from the newest variant we know: the
+//! driver may have added one) is refused — NULL, `CUDA_ERROR_NOT_FOUND` —
+//! never let through unenforced.
 
 use crate::config::{self, Mode};
 use crate::log::log;
-use crate::real::real_cuda;
+use crate::real::{Lib, real_cuda};
 use cuda_abi::{CUDA_ERROR_NOT_FOUND, CUDA_SUCCESS, CUresult};
-use std::collections::HashMap;
-use std::ffi::{CStr, c_char, c_void};
+use std::collections::{HashMap, HashSet};
+use std::ffi::{CStr, CString, c_char, c_void};
 use std::sync::OnceLock;
 
 type GetProcV1 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, i32, u64) -> CUresult;
@@ -30,6 +35,8 @@ type GetProcV2 =
 /// variant the table knows and our wrapper of it (None: not wrapped).
 struct Entries {
     bases: HashMap<&'static str, Vec<(&'static str, Option<usize>)>>,
+    /// Every variant of those base names, wrapped or not.
+    variants: HashSet<&'static str>,
     /// The newest CUDA version any entry of the table was introduced in:
     /// above it the driver may hand out a variant we do not know.
     newest: i32,
@@ -57,7 +64,12 @@ fn entries() -> &'static Entries {
                 bases.insert(p.name, variants);
             }
         }
-        Entries { bases, newest }
+        let variants = bases.values().flatten().map(|&(n, _)| n).collect();
+        Entries {
+            bases,
+            variants,
+            newest,
+        }
     })
 }
 
@@ -75,6 +87,55 @@ enum Decision {
     Refuse(&'static str),
 }
 
+/// The answer for a driver pointer that is the real library's export
+/// `exported`: our wrapper of it; refused if it is a variant of an enforced
+/// base we do not wrap; the driver's own pointer otherwise.
+fn decide_export(exported: &str) -> Decision {
+    match crate::trampoline::wrapper(exported.as_bytes()) {
+        Some(w) => Decision::Ours(w as usize),
+        None if entries().variants.contains(exported) => {
+            Decision::Refuse("no wrapper for the variant the driver handed out")
+        }
+        None => Decision::Keep,
+    }
+}
+
+/// The real libcuda's exported function at address `p`, if any.
+fn exported_at(p: usize) -> Option<&'static str> {
+    static BY_ADDRESS: OnceLock<HashMap<usize, &'static str>> = OnceLock::new();
+    BY_ADDRESS
+        .get_or_init(|| {
+            cuda_abi::libcuda_symbols()
+                .filter_map(|n| {
+                    let a = crate::real::sym(Lib::Cuda, &CString::new(n).ok()?);
+                    (a != 0).then_some((a, n))
+                })
+                .collect()
+        })
+        .get(&p)
+        .copied()
+}
+
+/// The real driver's CUDA version (cuDriverGetVersion), 0 if it will not say.
+fn driver_cuda_version() -> i32 {
+    static V: OnceLock<i32> = OnceLock::new();
+    *V.get_or_init(|| {
+        type DriverGetVersion = unsafe extern "C" fn(*mut i32) -> CUresult;
+        let f = real_cuda!(cuDriverGetVersion: DriverGetVersion);
+        let mut v = 0;
+        // SAFETY: the real driver's function of this exact signature, resolved by name;
+        // `v` is our local.
+        if unsafe { f(&mut v) } == CUDA_SUCCESS {
+            v
+        } else {
+            0
+        }
+    })
+}
+
+/// The table's answer, for a driver pointer that is no export of the real
+/// library. A driver answers a version above its own with its newest
+/// variant (NVIDIA 535/550): so does the table, capped at that version.
 fn decide(name: &str, version: i32, flags: u64) -> Decision {
     let e = entries();
     let Some(variants) = e.bases.get(name) else {
@@ -126,7 +187,16 @@ unsafe fn substitute(
     let Ok(n) = name.to_str() else {
         return r;
     };
-    let why = match decide(n, version, flags) {
+    // SAFETY: `pfn` is non-NULL (checked above) and the caller's out-pointer.
+    let given = unsafe { *pfn } as usize;
+    let decision = match exported_at(given) {
+        Some(exported) => decide_export(exported),
+        None => match driver_cuda_version() {
+            0 => decide(n, version, flags),
+            driver => decide(n, version.min(driver), flags),
+        },
+    };
+    let why = match decision {
         Decision::Keep => return r,
         Decision::Ours(w) => {
             // SAFETY: `pfn` is non-NULL (checked above) and the caller's out-pointer.

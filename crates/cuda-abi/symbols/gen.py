@@ -95,6 +95,12 @@ DEBUGGER_FUNCTIONS = ["cudbgApiAttach", "cudbgApiDetach", "cudbgApiInit", "cudbg
                       "cudbgGetAPIVersion", "cudbgMain", "cudbgReportDriverApiError",
                       "cudbgReportDriverInternalError"]
 exports.update(DEBUGGER_FUNCTIONS)
+# Functions NVIDIA's 535 and 550 libcuda.so export that no header of CUDA
+# 12.9/13.5 declares (found by tests/nvidia_exports.rs against the real
+# drivers): EGL interop's initialiser and a memory-attribute query kept for
+# old binaries. Exported so a program that links them still loads.
+UNDECLARED_FUNCTIONS = ["cuEGLApiInit", "cuMemGetAttribute", "cuMemGetAttribute_v2"]
+exports.update(UNDECLARED_FUNCTIONS)
 
 here = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(here, "libcuda.txt"), "w") as f:
