@@ -52,6 +52,26 @@ pub fn start(c: &Container, prog: &Path, args: &[&str]) -> Running {
     }
 }
 
+impl Running {
+    /// Reads the workload's output until a line has `key=N`; N.
+    pub fn wait_for(&mut self, key: &str) -> u64 {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(
+                self.out.read_line(&mut line).unwrap() > 0,
+                "workload ended before printing {key}="
+            );
+            if let Some(v) = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix(&format!("{key}=")))
+            {
+                return v.parse().unwrap();
+            }
+        }
+    }
+}
+
 /// Waits for the workload to exit successfully; its remaining output.
 pub fn finish(mut r: Running) -> String {
     let mut s = String::new();

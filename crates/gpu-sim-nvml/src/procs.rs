@@ -210,6 +210,11 @@ pub const HISTORY_NS: u64 = 5_000_000_000;
 /// (what the interposer's compute quota must notice). Unset: real PIDs.
 pub const SAMPLE_PID_OFFSET_ENV: &str = "GPU_SIM_NVML_SAMPLE_PID_OFFSET";
 
+/// Test knob: while this file exists in the sim's state directory
+/// (`run/gpu-sim/`), no process reports utilization samples, as when the
+/// driver's sampling stalls: what feedback-less throttling looks like.
+pub const SAMPLES_OFF_FILE: &str = "nvml-samples-off";
+
 fn sample_pid_offset() -> u32 {
     std::env::var(SAMPLE_PID_OFFSET_ENV)
         .ok()
@@ -225,6 +230,9 @@ pub(crate) fn samples(
     sim: usize,
     last_seen_us: u64,
 ) -> Vec<nvmlProcessUtilizationSample_t> {
+    if c.state.root().state_dir().join(SAMPLES_OFF_FILE).exists() {
+        return Vec::new();
+    }
     let now = now_ns();
     let newest_end = now / SAMPLE_NS * SAMPLE_NS;
     let mut since = now.saturating_sub(HISTORY_NS);
