@@ -57,16 +57,10 @@ pub fn try_handle(lib: Lib) -> Result<Handle, &'static str> {
         Lib::Cuda => &CUDA,
         Lib::Nvml => &NVML,
     };
-    cell.get_or_init(|| {
-        let r = load(lib);
-        if r.is_ok() {
-            crate::log::log!(Debug, "loaded the real {}", lib.prefix());
-        }
-        r
-    })
-    .as_ref()
-    .copied()
-    .map_err(String::as_str)
+    cell.get_or_init(|| load(lib))
+        .as_ref()
+        .copied()
+        .map_err(String::as_str)
 }
 
 /// `dlsym` in the real library; 0 when missing or the library is not
@@ -325,6 +319,7 @@ fn load(lib: Lib) -> Result<Handle, String> {
                         path.display()
                     ));
                 }
+                crate::log::log!(Debug, "loaded the real driver {}", path.display());
                 return Ok(Handle(h));
             }
             Err(e) => errors.push(format!("in {}: {e}", dir.display())),
