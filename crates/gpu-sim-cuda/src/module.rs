@@ -277,6 +277,15 @@ cuda_fn! {
         unsafe { get_function(out, lib, name) }
     }
 
+    fn cuLibraryGetModule(out: *mut *mut c_void, lib: *mut c_void) {
+        drv()?;
+        // SAFETY: `module` checks the magic of our caller's library handle.
+        unsafe { module(lib) }?;
+        // A library is loaded as one module here: the runtime (lazy loading)
+        // gets its module this way.
+        put(out, lib)
+    }
+
     fn cuKernelGetFunction(out: *mut *mut c_void, kernel: *mut c_void) {
         drv()?;
         // SAFETY: `func` gets the pointers and handles our caller passed in, which the CUDA
