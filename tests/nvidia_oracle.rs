@@ -219,10 +219,23 @@ fn oracle_binary() -> PathBuf {
 }
 
 fn ask(oracle: &Path, lib: &Path, config_dir: &Path, q: &[Query]) -> Vec<Answer> {
+    ask_with(oracle, lib, config_dir, q, &[]).0
+}
+
+/// [`ask`] with extra environment; also returns the library's
+/// cuDriverGetVersion.
+fn ask_with(
+    oracle: &Path,
+    lib: &Path,
+    config_dir: &Path,
+    q: &[Query],
+    env: &[(&str, &std::ffi::OsStr)],
+) -> (Vec<Answer>, i32) {
     use std::io::Write;
     let mut child = Command::new(oracle)
         .arg(lib)
         .env("VCUDA_CONFIG_DIR", config_dir)
+        .envs(env.iter().copied())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -260,7 +273,12 @@ fn ask(oracle: &Path, lib: &Path, config_dir: &Path, q: &[Query]) -> Vec<Answer>
         "oracle on {}: {stderr}",
         lib.display()
     );
-    answers
+    let cuda = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("cuDriverGetVersion: 0 "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{}: no cuDriverGetVersion: {stderr}", lib.display()));
+    (answers, cuda)
 }
 
 /// A container's view of one real driver: the interposer as libcuda.so.1 and
@@ -393,6 +411,116 @@ fn get_proc_address_answers_as_the_real_driver() {
             "driver {}: {} queries, {answered} answered by the driver, {enforced} with the interposer's wrapper",
             d.version,
             q.len()
+        );
+    }
+}
+
+/// The recording the simulator answers from (crates/gpu-sim-cuda/procaddr/,
+/// format in crates/gpu-sim-cuda/src/procaddr.rs): per base name and flag,
+/// the answer at each version where it changes; names the driver never
+/// finds are left out, flag 1 where it equals no flag.
+fn recording(d: &NvidiaDriver, cuda: i32, q: &[Query], real: &[Answer]) -> String {
+    let bases: BTreeSet<&str> = cuda_abi::procs().iter().map(|p| p.name).collect();
+    let mut by: BTreeMap<(&str, u64), Vec<(i32, String)>> = BTreeMap::new();
+    for ((name, version, flags), a) in q.iter().zip(real) {
+        if *flags > 2 || !bases.contains(name.as_str()) {
+            continue;
+        }
+        let answer = match a.what2.split_once('@') {
+            Some((symbol, _)) => symbol.to_string(),
+            None => format!("!{}", a.status),
+        };
+        by.entry((name, *flags))
+            .or_default()
+            .push((*version, answer));
+    }
+    let mut out = format!(
+        "# cuGetProcAddress_v2 of NVIDIA's driver {} (Debian non-free), as it answered\n\
+         # tests/nvidia_oracle.rs, which writes this file (VCUDA_RECORD=1) and checks it\n\
+         # against the driver on every run. Do not edit.\n\
+         # NAME FLAGS FROM_CUDA_VERSION (SYMBOL | !1 not found | !2 version not sufficient)\n\
+         cuda {cuda}\n",
+        d.version
+    );
+    let steps = |name: &str, flags: u64| -> Vec<(i32, String)> {
+        let mut v = by.get(&(name, flags)).cloned().unwrap_or_default();
+        v.sort();
+        v.dedup_by(|b, a| a.1 == b.1);
+        v
+    };
+    for name in &bases {
+        let s0 = steps(name, 0);
+        if s0.iter().all(|(_, a)| a == "!1") && steps(name, 2).iter().all(|(_, a)| a == "!1") {
+            continue;
+        }
+        for flags in [0, 1, 2] {
+            let s = steps(name, flags);
+            if flags == 1 && s == s0 {
+                continue;
+            }
+            for (v, a) in s {
+                out.push_str(&format!("{name} {flags} {v} {a}\n"));
+            }
+        }
+    }
+    out
+}
+
+/// "S@file" / "internal:S@file" -> S; anything else as it is.
+fn symbol_of(what: &str) -> &str {
+    match what.split_once('@') {
+        Some((s, _)) if !what.starts_with("internal@") => s.strip_prefix("internal:").unwrap_or(s),
+        _ => what,
+    }
+}
+
+#[test]
+fn the_simulator_answers_get_proc_address_as_the_real_drivers() {
+    let drivers = nvidia_drivers();
+    if drivers.is_empty() {
+        return;
+    }
+    let oracle = oracle_binary();
+    let q = queries();
+    // A node of each recorded branch (config/nodes/).
+    let nodes = [("535", "sim-16gpu"), ("550", "sim-4gpu-pcie")];
+    for d in &drivers {
+        let none = tempfile::tempdir().unwrap();
+        let (real, cuda) = ask_with(&oracle, &d.libcuda(), none.path(), &q, &[]);
+        let text = recording(d, cuda, &q, &real);
+        let file = workspace_root().join(format!("crates/gpu-sim-cuda/procaddr/{}.txt", d.major()));
+        if std::env::var("VCUDA_RECORD").as_deref() == Ok("1") {
+            std::fs::write(&file, &text).unwrap();
+        }
+        let committed = std::fs::read_to_string(&file).unwrap_or_default();
+        assert!(
+            committed == text,
+            "{} is not what driver {} answers now: run this test with VCUDA_RECORD=1 and review the diff",
+            file.display(),
+            d.version
+        );
+        let node_name = nodes.iter().find(|(m, _)| *m == d.major()).map(|(_, n)| *n);
+        let node = vcuda_tests::SimNode::install(node_name.expect("a sim node of this branch"));
+        let sim_lib = node.lib_dir().join("libcuda.so.1");
+        let (sim, _) = ask_with(&oracle, &sim_lib, none.path(), &q, &[]);
+        let wrong: Vec<String> = q
+            .iter()
+            .zip(real.iter().zip(&sim))
+            .filter(|(_, (r, s))| {
+                (r.r2, r.status, r.r1) != (s.r2, s.status, s.r1)
+                    || symbol_of(&r.what2) != symbol_of(&s.what2)
+                    || symbol_of(&r.what1) != symbol_of(&s.what1)
+            })
+            .map(|(q, (r, s))| format!("{q:?}: real {r:?}, sim {s:?}"))
+            .collect();
+        assert!(
+            wrong.is_empty(),
+            "the simulated {} node answers {} of {} queries unlike driver {}, first: {:#?}",
+            node_name.unwrap(),
+            wrong.len(),
+            q.len(),
+            d.version,
+            &wrong[..wrong.len().min(20)]
         );
     }
 }

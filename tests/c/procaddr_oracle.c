@@ -10,11 +10,13 @@
  * (-1 when it did not write it); R1: the CUDA 11.3 cuGetProcAddress's
  * CUresult. WHAT: "null", or "SYMBOL@FILE" where the pointer is exactly an
  * exported symbol of a loaded object (dladdr; FILE is the object's basename),
- * or "internal@FILE+0xOFFSET" where it is inside an object but no exported
+ * "internal:SYMBOL@FILE" where it is a `jmp` thunk to an export, or
+ * "internal@FILE+0xOFFSET" where it is inside an object but no exported
  * symbol starts there, or "untouched" when it was not written. Signatures: cuda.h of CUDA 12.x
  * (cuGetProcAddress_v2(const char*, void**, int, cuuint64_t,
  * CUdriverProcAddressQueryResult*)). cuInit is called first when argv[2] is
- * "init" (its status is printed on stderr).
+ * "init" (its status is printed on stderr, as cuDriverGetVersion's always is:
+ * "cuDriverGetVersion: RESULT VERSION").
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -25,6 +27,7 @@
 typedef int (*get_v1)(const char *, void **, int, uint64_t);
 typedef int (*get_v2)(const char *, void **, int, uint64_t, int *);
 typedef int (*init_fn)(unsigned);
+typedef int (*version_fn)(int *);
 
 /* What the out-pointer holds before the call: "untouched" if left so. */
 #define UNTOUCHED ((void *)0x1)
@@ -45,9 +48,22 @@ static void describe(void *p, char *out, size_t n) {
     }
     const char *file = strrchr(info.dli_fname, '/');
     file = file ? file + 1 : info.dli_fname;
-    if (info.dli_sname && info.dli_saddr == p)
+    if (info.dli_sname && info.dli_saddr == p) {
         snprintf(out, n, "%s@%s", info.dli_sname, file);
-    else
+        return;
+    }
+    /* A thunk `jmp rel32` to an export (the simulator's internal entries). */
+    Dl_info to;
+    const unsigned char *c = p;
+    if (c[0] == 0xE9) {
+        int32_t rel;
+        memcpy(&rel, c + 1, 4);
+        void *t = (void *)(c + 5 + rel);
+        if (dladdr(t, &to) && to.dli_sname && to.dli_saddr == t) {
+            snprintf(out, n, "internal:%s@%s", to.dli_sname, file);
+            return;
+        }
+    }
         snprintf(out, n, "internal@%s+0x%lx", file,
                  (unsigned long)((char *)p - (char *)info.dli_fbase));
 }
@@ -68,6 +84,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "%s exports no cuGetProcAddress/_v2\n", argv[1]);
         return 2;
     }
+    version_fn dv = (version_fn)dlsym(h, "cuDriverGetVersion");
+    int driver = 0;
+    int dr = dv ? dv(&driver) : -999;
+    fprintf(stderr, "cuDriverGetVersion: %d %d\n", dr, driver);
     if (argc > 2 && strcmp(argv[2], "init") == 0) {
         init_fn init = (init_fn)dlsym(h, "cuInit");
         fprintf(stderr, "cuInit: %d\n", init ? init(0) : -999);

@@ -53,6 +53,7 @@ pub mod memset;
 pub mod module;
 pub mod pool;
 pub mod primary;
+mod procaddr;
 pub mod stream;
 pub mod vmm;
 
@@ -240,57 +241,69 @@ extern "C" fn after_fork_child() {
 
 const CUDA_ERROR_OPERATING_SYSTEM: CUresult = 304;
 
-/// The simulated node's CUDA version without initialising (cuDriverGetVersion
-/// and cuGetProcAddress work before cuInit).
-fn driver_version() -> Option<i32> {
-    static VERSION: OnceLock<Option<i32>> = OnceLock::new();
+/// The simulated node's (CUDA version, driver branch) without initialising
+/// (cuDriverGetVersion and cuGetProcAddress work before cuInit).
+fn node_versions() -> Option<(i32, u32)> {
+    static VERSIONS: OnceLock<Option<(i32, u32)>> = OnceLock::new();
+    let of = |n: &NodeSpec| {
+        let branch = n.driver_version.split('.').next()?.parse().ok()?;
+        Some((n.cuda_version, branch))
+    };
     if let Some(Ok(d)) = DRIVER.get() {
-        return Some(d.node().cuda_version);
+        return of(d.node());
     }
-    *VERSION.get_or_init(|| {
+    *VERSIONS.get_or_init(|| {
         let root = locate().ok()?;
-        NodeSpec::load(&root.node_file())
-            .ok()
-            .map(|n| n.cuda_version)
+        of(&NodeSpec::load(&root.node_file()).ok()?)
     })
 }
 
+fn driver_version() -> Option<i32> {
+    node_versions().map(|(cuda, _)| cuda)
+}
+
+/// NVIDIA's drivers' answers (procaddr.rs has what the recordings showed):
+/// `_v2` (`status` given or `v2`) reports a missing name through
+/// `symbolStatus` with CUDA_SUCCESS and a NULL pointer; the CUDA 11.3 entry
+/// with CUDA_ERROR_NOT_FOUND, leaving the pointer as it was.
 unsafe fn proc_address(
     symbol: *const c_char,
     pfn: *mut *mut c_void,
     cuda_version: i32,
     flags: u64,
     status: *mut i32,
+    v2: bool,
 ) -> R {
     if pfn.is_null() || symbol.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    put(pfn, std::ptr::null_mut())?;
-    let set_status = |s: i32| put_opt(status, s);
     if flags & !(CU_GET_PROC_ADDRESS_LEGACY_STREAM | CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)
         != 0
-        || driver_version().is_some_and(|v| cuda_version > v)
     {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    // No node to read (cuInit will say so): answered as the newest recording.
+    let (node_cuda, branch) = node_versions().unwrap_or((0, u32::MAX));
     let name = cstr(symbol)?;
-    let resolved = name
+    let answer = name
         .to_str()
         .map_err(|_| ProcStatus::SymbolNotFound)
-        .and_then(|n| resolve(n, cuda_version, flags));
-    match resolved {
+        .and_then(|n| procaddr::answer(n, cuda_version, flags, branch, node_cuda));
+    match answer {
         Ok(exported) => {
             let p = internal(exported.as_bytes())
                 .or_else(|| lookup(exported.as_bytes()))
                 .ok_or(CUDA_ERROR_NOT_FOUND)?;
             put(pfn, p as *mut c_void)?;
-            set_status(0);
+            put_opt(status, 0);
             Ok(())
         }
-        Err(s) => {
-            set_status(s as i32);
-            Err(CUDA_ERROR_NOT_FOUND)
+        Err(s) if v2 => {
+            put(pfn, std::ptr::null_mut())?;
+            put_opt(status, s as i32);
+            Ok(())
         }
+        Err(_) => Err(CUDA_ERROR_NOT_FOUND),
     }
 }
 
@@ -334,7 +347,7 @@ cuda_fn! {
         // SAFETY: `proc_address` gets the pointers and handles our caller passed in, which
         // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        unsafe { proc_address(symbol, pfn, cuda_version, flags, std::ptr::null_mut()) }
+        unsafe { proc_address(symbol, pfn, cuda_version, flags, std::ptr::null_mut(), false) }
     }
 
     fn cuGetProcAddress_v2(
@@ -347,7 +360,7 @@ cuda_fn! {
         // SAFETY: `proc_address` gets the pointers and handles our caller passed in, which
         // the CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        unsafe { proc_address(symbol, pfn, cuda_version, flags, status) }
+        unsafe { proc_address(symbol, pfn, cuda_version, flags, status, true) }
     }
 
     fn cuGetErrorName(error: CUresult, out: *mut *const c_char) {
