@@ -18,6 +18,10 @@
 //! numa_node = 0
 //! context_overhead_mib = 415   # device memory each context takes (default 0)
 //!
+//! # optional, top level: kernel_wave_ns (block time of kernels that declare
+//! # no law, see `law`; default 10 µs), context_switch_ns (idle device time
+//! # when contexts of two processes take turns; default 20 µs)
+//!
 //! [[link]]                 # optional; pairs not listed are NODE (same NUMA
 //! gpus = [0, 1]            # node) or SYS (different NUMA nodes)
 //! pcie = "PIX"             # PIX | PXB | PHB | NODE | SYS
@@ -34,6 +38,10 @@ pub const MAX_GPUS: usize = 32;
 
 /// Default block time of the default kernel law (see [`crate::law`]).
 pub const DEFAULT_WAVE_NS: u64 = 10_000;
+
+/// Default device time lost when the device switches from one process's
+/// context to another's while both have work (time-slicing, no MPS).
+pub const DEFAULT_SWITCH_NS: u64 = 20_000;
 
 #[derive(Debug, Error)]
 pub enum NodeError {
@@ -179,6 +187,8 @@ struct RawNode {
     cuda_version: String,
     #[serde(default = "default_wave_ns")]
     kernel_wave_ns: u64,
+    #[serde(default = "default_switch_ns")]
+    context_switch_ns: u64,
     #[serde(default)]
     gpu: Vec<toml::Spanned<GpuSpec>>,
     #[serde(default)]
@@ -187,6 +197,9 @@ struct RawNode {
 
 fn default_wave_ns() -> u64 {
     DEFAULT_WAVE_NS
+}
+fn default_switch_ns() -> u64 {
+    DEFAULT_SWITCH_NS
 }
 
 /// A parsed and validated node description.
@@ -200,6 +213,8 @@ pub struct NodeSpec {
     /// Block time of the law of kernels that declare none
     /// ([`crate::law::Law::default_for`]).
     pub kernel_wave_ns: u64,
+    /// Idle device time of a switch between processes' contexts.
+    pub context_switch_ns: u64,
     pub gpus: Vec<GpuSpec>,
     /// `pcie[i][j]`: PCIe level between GPU i and j.
     pcie: Vec<Vec<PcieLevel>>,
@@ -410,6 +425,7 @@ impl NodeSpec {
             driver_version: raw.driver_version,
             cuda_version,
             kernel_wave_ns: raw.kernel_wave_ns,
+            context_switch_ns: raw.context_switch_ns,
             gpus,
             pcie,
             nvlink,

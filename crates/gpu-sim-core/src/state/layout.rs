@@ -50,7 +50,9 @@ pub(super) struct DeviceBlock {
     pub(super) used: AtomicU64,
     pub(super) busy_until: AtomicU64,
     pub(super) ring_head: AtomicU64,
-    _pad: [u64; 5],
+    /// Owner of the last kernel queued (whose context the device holds).
+    pub(super) last_owner: AtomicU64,
+    _pad: [u64; 4],
     pub(super) ring: [Interval; RING],
 }
 

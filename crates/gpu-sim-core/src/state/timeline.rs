@@ -8,8 +8,10 @@ use std::sync::atomic::Ordering::*;
 impl SharedState {
     /// Queues a kernel of `duration_ns` on `gpu`'s timeline, not before
     /// `not_before_ns` (the end of the previous work on the caller's stream).
-    /// Returns its simulated (start, end). Atomics and a vDSO clock read
-    /// only: no syscall.
+    /// Kernels never overlap (no MPS: contexts time-slice), and one that
+    /// waits behind another process's work pays the node's
+    /// `context_switch_ns` of idle device time first. Returns its simulated
+    /// (start, end). Atomics and a vDSO clock read only: no syscall.
     pub fn launch(
         &self,
         me: Attached,
@@ -19,10 +21,19 @@ impl SharedState {
     ) -> (u64, u64) {
         let dev = self.device(gpu);
         let now = now_ns();
+        let ready = now.max(not_before_ns);
+        // Contexts of different processes time-slice: a kernel that waits
+        // behind another process's work starts after a context switch.
+        let prev = dev.last_owner.swap(me.owner(), AcqRel);
+        let switch = if prev != me.owner() {
+            self.node().context_switch_ns
+        } else {
+            0
+        };
         let mut start = 0;
         let mut end = 0;
         let _ = dev.busy_until.fetch_update(AcqRel, Acquire, |busy| {
-            start = busy.max(now).max(not_before_ns);
+            start = if busy > ready { busy + switch } else { ready };
             end = start + duration_ns;
             Some(end)
         });
@@ -143,5 +154,26 @@ mod tests {
         let per = s.process_utilization(0, s1, e2);
         assert_eq!(per.len(), 1);
         assert!((per[0].1 - 100.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn another_process_waits_for_a_context_switch() {
+        let (_d, root) = installed();
+        let (a, b) = (
+            SharedState::open(&root).unwrap(),
+            SharedState::open(&root).unwrap(),
+        );
+        let (ma, mb) = (a.attach().unwrap(), b.attach().unwrap());
+        assert_ne!(ma.owner(), mb.owner());
+        let switch = a.node().context_switch_ns;
+        assert!(switch > 0);
+        let (_, e1) = a.launch(ma, 0, 5_000_000, 0);
+        let (s2, e2) = b.launch(mb, 0, 1_000_000, 0);
+        assert_eq!(s2, e1 + switch, "behind another context: a switch first");
+        let (s3, _) = b.launch(mb, 0, 1_000_000, 0);
+        assert_eq!(s3, e2, "same context: back to back");
+        // The switch is nobody's: idle device time.
+        let u = a.utilization(0, e1, s2);
+        assert!(u.abs() < 1e-9, "{u}");
     }
 }
