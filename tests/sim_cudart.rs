@@ -1,0 +1,261 @@
+//! NVIDIA's real CUDA runtime (`libcudart.so.12`, unmodified) on the
+//! simulated node, directly and under the interposer: the C program
+//! `tests/c/sim_cudart.c` (a fatbinary registered and launched the way
+//! nvcc's host code does it) linked with each runtime the suite carries:
+//!
+//! * 12.4.127 from Debian trixie's `libcudart12` (tests/nvidia/fetch.sh,
+//!   `VCUDA_NVIDIA_ROOTS`);
+//! * the newest 12.x from PyPI's `nvidia-cuda-runtime-cu12` wheel
+//!   (tests/python/requirements.txt).
+//!
+//! The runtime needs the driver's private export tables first
+//! (`crates/gpu-sim-cuda/src/export_table.rs`); without them it answers
+//! cudaErrorNotSupported to everything. Missing runtimes fail the test
+//! under `VCUDA_REQUIRE_ALL=1` (tests/run.sh).
+//!
+//! Needs `cargo build --workspace` first (gpu-sim, the sim's cdylibs and
+//! libvcuda.so) and gcc.
+
+#[path = "../cuda-shim/testsupport/server.rs"]
+mod server;
+#[path = "../cuda-shim/testsupport/simnode.rs"]
+mod simnode;
+
+use gpu_sim_core::NodeSpec;
+use simnode::{Container, ShimNode};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use vcuda_tests::{cannot_run, nvidia_drivers, target_dir, workspace_root};
+
+/// One runtime: where it comes from, and the program linked with it (run
+/// path to a directory holding only that runtime).
+struct Runtime {
+    label: String,
+    prog: PathBuf,
+}
+
+/// The runtimes the suite carries, each with `sim_cudart.c` built against
+/// it under `dir`. Missing ones are said through [`cannot_run`].
+fn runtimes(dir: &Path) -> Vec<Runtime> {
+    let mut found = Vec::new();
+    let debian = nvidia_drivers().into_iter().find_map(|d| d.libcudart());
+    match debian {
+        Some(p) => found.push(("debian-trixie", p)),
+        None => {
+            cannot_run("no libcudart.so.12 in VCUDA_NVIDIA_ROOTS (Debian trixie's libcudart12)")
+        }
+    }
+    match wheel_runtime() {
+        Some(p) => found.push(("pypi-nvidia-cuda-runtime-cu12", p)),
+        None => cannot_run(
+            "python3 cannot import nvidia.cuda_runtime: pip install -r tests/python/requirements.txt",
+        ),
+    }
+    found
+        .into_iter()
+        .map(|(label, lib)| build(dir, label, &lib))
+        .collect()
+}
+
+/// `libcudart.so.12` of the `nvidia-cuda-runtime-cu12` wheel installed for
+/// python3.
+fn wheel_runtime() -> Option<PathBuf> {
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import nvidia.cuda_runtime as m; print(list(m.__path__)[0])",
+        ])
+        .output()
+        .ok()?;
+    let dir = String::from_utf8(out.stdout).ok()?;
+    let lib = Path::new(dir.trim()).join("lib/libcudart.so.12");
+    (out.status.success() && lib.is_file()).then_some(lib)
+}
+
+fn build(dir: &Path, label: &str, lib: &Path) -> Runtime {
+    let rt_dir = dir.join(label);
+    std::fs::create_dir_all(&rt_dir).unwrap();
+    // A private copy: the run path must not bring other libraries along.
+    std::fs::copy(lib, rt_dir.join("libcudart.so.12")).unwrap();
+    let prog = rt_dir.join("sim_cudart");
+    let src = workspace_root().join("tests/c/sim_cudart.c");
+    let st = Command::new("gcc")
+        .args(["-O1", "-Wall", "-o"])
+        .arg(&prog)
+        .arg(&src)
+        .arg("-L")
+        .arg(&rt_dir)
+        .arg("-l:libcudart.so.12")
+        .arg(format!("-Wl,-rpath,{}", rt_dir.display()))
+        .status()
+        .expect("gcc");
+    assert!(
+        st.success(),
+        "compiling {} against {}",
+        src.display(),
+        lib.display()
+    );
+    Runtime {
+        label: label.into(),
+        prog,
+    }
+}
+
+/// Runs a mode of the program in `c`; its `key=value` lines.
+fn run(rt: &Runtime, c: &Container, args: &[&str]) -> Kv {
+    let out = c.command(&rt.prog).args(args).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{} {args:?}: {}", rt.label, stdout.replace('\n', " "));
+    assert!(
+        out.status.success() && stdout.ends_with("ok\n"),
+        "{} {args:?} failed ({}): {stdout}{stderr}",
+        rt.label,
+        out.status
+    );
+    Kv(stdout)
+}
+
+struct Kv(String);
+
+impl Kv {
+    fn str(&self, key: &str) -> &str {
+        self.0
+            .lines()
+            .find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+            .unwrap_or_else(|| panic!("no {key}= in:\n{}", self.0))
+    }
+    fn num(&self, key: &str) -> f64 {
+        self.str(key)
+            .parse()
+            .unwrap_or_else(|_| panic!("{key} not a number in:\n{}", self.0))
+    }
+}
+
+fn node() -> ShimNode {
+    let target = target_dir();
+    ShimNode::install(
+        &workspace_root(),
+        &target.join("gpu-sim"),
+        &target.join("libvcuda.so"),
+        "sim-1gpu",
+    )
+}
+
+fn spec() -> NodeSpec {
+    NodeSpec::load(&workspace_root().join("config/nodes/sim-1gpu.toml")).unwrap()
+}
+
+/// Device count, properties, versions and memory info: what the runtime
+/// learns through the export tables, cuGetProcAddress and the device
+/// queries. `total_mib`: the card's, or the quota under the interposer.
+fn check_info(rt: &Runtime, c: &Container, total_mib: u64) -> Kv {
+    let spec = spec();
+    let kv = run(rt, c, &["info"]);
+    assert_eq!(kv.str("count"), "1", "{}", rt.label);
+    assert_eq!(kv.num("driver") as i32, spec.cuda_version);
+    assert!(kv.num("runtime") >= 12000.0, "{}: {}", rt.label, kv.0);
+    let gpu = &spec.gpus[0];
+    assert_eq!(kv.str("dev0.name"), gpu.name);
+    assert_eq!(kv.num("dev0.total_mib") as u64, total_mib, "{}", rt.label);
+    assert_eq!(kv.str("dev0.sms"), gpu.sm_count.to_string());
+    assert_eq!(kv.str("dev0.cc"), gpu.compute_capability);
+    assert_eq!(kv.num("total_mib") as u64, total_mib, "{}", rt.label);
+    assert!(
+        kv.num("free_mib") < total_mib as f64,
+        "the context costs memory"
+    );
+    kv
+}
+
+/// cudaMalloc of `chunk` MiB until refused: the runtime sees
+/// cudaErrorMemoryAllocation within a chunk of what was free, recovers,
+/// and frees everything.
+fn check_oom(rt: &Runtime, c: &Container, chunk: u64) -> Kv {
+    let kv = run(rt, c, &["oom", &chunk.to_string()]);
+    assert_eq!(
+        kv.str("refused"),
+        "cudaErrorMemoryAllocation",
+        "{}",
+        rt.label
+    );
+    let free = kv.num("free_mib");
+    let got = kv.num("allocated_mib");
+    assert!(
+        got <= free && got > free - chunk as f64,
+        "{}: {got} MiB allocated of {free} MiB free",
+        rt.label
+    );
+    assert_eq!(kv.num("free_end_mib"), free, "{}: all freed", rt.label);
+    kv
+}
+
+/// Kernels from the fatbinary, timed by the simulator: events see device
+/// time, and the sim's own timeline agrees.
+fn check_kernel(rt: &Runtime, node: &ShimNode, c: &Container, launches: u32) -> f64 {
+    let from = simnode::now_ns();
+    let kv = run(rt, c, &["kernel", &launches.to_string()]);
+    let to = simnode::now_ns();
+    assert_eq!(kv.num("launches") as u32, launches);
+    let device_ms = kv.num("device_ms");
+    assert!(device_ms > 0.0, "{}: kernels took no device time", rt.label);
+    // The device's timeline (the process has exited: no per-process view).
+    let busy_ms = node.state().utilization(0, from, to) / 100.0 * (to - from) as f64 / 1e6;
+    assert!(
+        (busy_ms - device_ms).abs() <= 0.1 * device_ms + 0.5,
+        "{}: the sim's timeline has {busy_ms:.3} ms busy, the events {device_ms:.3} ms",
+        rt.label
+    );
+    device_ms / f64::from(launches)
+}
+
+/// A capture of `n` launches replayed `k` times: n nodes, n * k kernels'
+/// device time.
+fn check_graph(rt: &Runtime, c: &Container, per_kernel_ms: f64) {
+    let (n, k) = (5, 8);
+    let kv = run(rt, c, &["graph", &n.to_string(), &k.to_string()]);
+    assert_eq!(kv.num("nodes") as u32, n, "{}", rt.label);
+    let want = per_kernel_ms * f64::from(n * k);
+    let got = kv.num("device_ms");
+    assert!(
+        (got - want).abs() <= 0.25 * want,
+        "{}: {n} x {k} replayed kernels took {got:.3} ms, one launch {per_kernel_ms:.4} ms",
+        rt.label
+    );
+}
+
+#[test]
+fn real_runtime_runs_directly_on_the_simulated_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let rts = runtimes(dir.path());
+    let node = node();
+    let c = node.direct();
+    for rt in &rts {
+        check_info(rt, &c, spec().gpus[0].memory_mib as u64);
+        check_oom(rt, &c, 1024);
+        let per = check_kernel(rt, &node, &c, 200);
+        check_graph(rt, &c, per);
+        assert_eq!(node.memory_used(), 0, "{}: everything given back", rt.label);
+    }
+}
+
+#[test]
+fn real_runtime_runs_under_the_interposer_with_a_quota() {
+    let dir = tempfile::tempdir().unwrap();
+    let rts = runtimes(dir.path());
+    let node = node();
+    // 4 GiB of memory, no compute limit.
+    let c = node.container(100, true, 0);
+    for rt in &rts {
+        check_info(rt, &c, 4096);
+        let kv = check_oom(rt, &c, 256);
+        assert!(
+            kv.num("free_after_mib") < 256.0,
+            "{}: refused at the quota, not before: {}",
+            rt.label,
+            kv.0
+        );
+        let per = check_kernel(rt, &node, &c, 200);
+        check_graph(rt, &c, per);
+    }
+}
