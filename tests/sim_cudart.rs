@@ -259,3 +259,27 @@ fn real_runtime_runs_under_the_interposer_with_a_quota() {
         check_graph(rt, &c, per);
     }
 }
+
+/// A hard 30 % compute quota holds a real runtime's saturating loop
+/// (launches synchronized every 64, 4 s) to about 30 % of the device, after
+/// the first second (the controller's warm-up), as the interposer's own
+/// compute tests measure (tests/shim_compute.rs).
+#[test]
+fn real_runtime_kernels_are_throttled_to_the_compute_quota() {
+    let dir = tempfile::tempdir().unwrap();
+    let rts = runtimes(dir.path());
+    let node = node();
+    for rt in &rts {
+        let c = node.container(30, true, 0);
+        let start = simnode::now_ns();
+        run(rt, &c, &["saturate", "4"]);
+        let end = simnode::now_ns();
+        let busy = node.state().utilization(0, start + 1_000_000_000, end);
+        eprintln!("{}: {busy:.1} % busy under a hard 30 %", rt.label);
+        assert!(
+            busy > 15.0 && busy < 45.0,
+            "{}: {busy:.1} % busy under a hard 30 %",
+            rt.label
+        );
+    }
+}

@@ -14,6 +14,8 @@
  *   oom MIB       cudaMalloc MIB-sized blocks until one fails
  *   kernel N      N launches of 4096 blocks x 256 threads, timed by events
  *   graph N K     N launches captured into a graph, replayed K times
+ *   saturate S    launches for S seconds, synchronizing every 64 (a loop
+ *                 that waits for its results, as training steps do)
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -250,6 +252,19 @@ static void graph(int n, int k) {
     CHECK(cudaFree(p));
 }
 
+static void saturate(double seconds) {
+    float *p = device_buffer();
+    double t0 = now_ms();
+    long n = 0;
+    while (now_ms() - t0 < seconds * 1e3) {
+        for (int i = 0; i < 64; i++) launch(0, p, 1 << 18);
+        CHECK(cudaStreamSynchronize(0));
+        n += 64;
+    }
+    printf("launches=%ld\nwall_ms=%.3f\n", n, now_ms() - t0);
+    CHECK(cudaFree(p));
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, 0, _IONBF, 0);
     const char *mode = argc > 1 ? argv[1] : "info";
@@ -261,8 +276,10 @@ int main(int argc, char **argv) {
         kernel(atoi(argv[2]));
     } else if (!strcmp(mode, "graph") && argc > 3) {
         graph(atoi(argv[2]), atoi(argv[3]));
+    } else if (!strcmp(mode, "saturate") && argc > 2) {
+        saturate(atof(argv[2]));
     } else {
-        fprintf(stderr, "usage: sim_cudart info | oom MIB | kernel N | graph N K\n");
+        fprintf(stderr, "usage: sim_cudart info | oom MIB | kernel N | graph N K | saturate S\n");
         return 2;
     }
     printf("ok\n");
