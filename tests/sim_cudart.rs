@@ -231,7 +231,7 @@ fn real_runtime_runs_directly_on_the_simulated_node() {
     let node = node();
     let c = node.direct();
     for rt in &rts {
-        check_info(rt, &c, spec().gpus[0].memory_mib as u64);
+        check_info(rt, &c, spec().gpus[0].memory_mib);
         check_oom(rt, &c, 1024);
         let per = check_kernel(rt, &node, &c, 200);
         check_graph(rt, &c, per);
