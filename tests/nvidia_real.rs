@@ -173,11 +173,27 @@ fn lib_path(dirs: &[&Path]) -> String {
     std::env::join_paths(dirs).unwrap().into_string().unwrap()
 }
 
+/// nvidia-smi command lines: the default table and the queries tools and
+/// people run (each its own path through NVML before the driver is found
+/// missing).
+const SMI_ARGS: [&[&str]; 6] = [
+    &[],
+    &["-L"],
+    &["-q"],
+    &["--query-gpu=name,memory.total,memory.used", "--format=csv"],
+    &["topo", "-m"],
+    &["pmon", "-c", "1"],
+];
+
 /// The real nvidia-smi over its own real NVML, without a GPU. nvidia-smi(1),
 /// RETURN VALUE: "Return code 9 - NVIDIA driver is not loaded".
-fn smi_oracle(smi: &Path, lib64: &Path) -> Outcome {
-    let o = outcome(cmd(smi).env("LD_LIBRARY_PATH", lib64));
-    assert_eq!(o.code, Some(9), "the oracle itself: {o:#?}");
+fn smi_oracle(d: &NvidiaDriver, args: &[&str]) -> Outcome {
+    let o = outcome(
+        cmd(&d.nvidia_smi())
+            .args(args)
+            .env("LD_LIBRARY_PATH", d.lib_dir()),
+    );
+    assert_eq!(o.code, Some(9), "the oracle itself, {args:?}: {o:#?}");
     assert!(
         o.stdout
             .contains("couldn't communicate with the NVIDIA driver"),
@@ -186,18 +202,22 @@ fn smi_oracle(smi: &Path, lib64: &Path) -> Outcome {
     o
 }
 
-/// `smi` over the interposer in `lib64` answers exactly `oracle` in every
-/// container mode (NVML never registers, so a missing config does not
-/// change nvidia-smi's answer either), and it was the interposer that
-/// answered: with logging on it says which real NVML it loaded.
-fn check_smi(what: &str, smi: &Path, lib64: &Path, d: &NvidiaDriver, oracle: &Outcome) {
+/// `smi` over the interposer in `lib64` answers exactly as the real one
+/// over the real NVML, for each of [`SMI_ARGS`], in every container mode
+/// (NVML never registers, so a missing config does not change nvidia-smi's
+/// answer either), and it was the interposer that answered: with logging on
+/// it says which real NVML it loaded.
+fn check_smi(what: &str, smi: &Path, lib64: &Path, d: &NvidiaDriver) {
     let lp = lib_path(&[lib64]);
-    for mode in [Mode::NoConfig, Mode::PassThrough, Mode::Enforcing] {
-        let vm = Vm::new(mode, d);
-        let got = outcome(&mut vm.command(smi, &lp));
-        assert_eq!(&got, oracle, "{what}: nvidia-smi {mode:?}");
-        assert_no_link_error(what, &got);
-        assert!(vm.registered().is_empty(), "{what}: NVML registered");
+    for args in SMI_ARGS {
+        let oracle = smi_oracle(d, args);
+        for mode in [Mode::NoConfig, Mode::PassThrough, Mode::Enforcing] {
+            let vm = Vm::new(mode, d);
+            let got = outcome(vm.command(smi, &lp).args(args));
+            assert_eq!(got, oracle, "{what}: nvidia-smi {args:?} {mode:?}");
+            assert_no_link_error(what, &got);
+            assert!(vm.registered().is_empty(), "{what}: NVML registered");
+        }
     }
     let vm = Vm::new(Mode::Enforcing, d);
     let traced = outcome(vm.command(smi, &lp).env("LOGGER_LEVEL", "debug"));
@@ -216,9 +236,9 @@ fn nvidia_smi_over_the_interposer_fails_as_over_the_real_library() {
     let drivers = nvidia_drivers();
     let work = tempfile::tempdir().unwrap();
     for d in &drivers {
-        let oracle = smi_oracle(&d.nvidia_smi(), &d.lib_dir());
         let lib64 = shim_dir(work.path(), d);
-        check_smi(&d.version, &d.nvidia_smi(), &lib64, d, &oracle);
+        check_smi(&d.version, &d.nvidia_smi(), &lib64, d);
+        let oracle = smi_oracle(d, &[]);
         eprintln!(
             "{}: nvidia-smi exit {:?}, {:?} (real NVML and interposer alike)",
             d.version,
@@ -433,10 +453,9 @@ fn check_mirror(
     // it and answers as NVIDIA's own libraries do.
     let shared = report.volume("nvidia").unwrap().path.clone();
     let origin = report.volume("origin").unwrap().path.clone();
-    let oracle = smi_oracle(&d.nvidia_smi(), &d.lib_dir());
     assert_eq!(
         outcome(cmd(&origin.join("bin/nvidia-smi")).env("LD_LIBRARY_PATH", origin.join("lib64"))),
-        oracle,
+        smi_oracle(d, &[]),
         "{what}: origin"
     );
     check_smi(
@@ -444,7 +463,6 @@ fn check_mirror(
         &shared.join("bin/nvidia-smi"),
         &shared.join("lib64"),
         d,
-        &oracle,
     );
     if let Some((prog, cudart_dir)) = cudart {
         let oracle = cudart_oracle(prog, cudart_dir, d);
