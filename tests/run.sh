@@ -73,6 +73,18 @@ export VCUDA_REQUIRE_K8S=1
 
 log "python packages"
 python3 -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+# NVIDIA's CUDA runtime from PyPI (libcudart.so.12 of the newest 12.x; tests/sim_cudart.rs
+# runs it on the simulated node), the wheel cached in $VCUDA_CACHE/wheels.
+CUDART_WHEEL="nvidia-cuda-runtime-cu12==12.9.79"
+cudart_install() {
+  python3 -m pip install -q --disable-pip-version-check --no-deps --no-index \
+    --find-links "$VCUDA_CACHE/wheels" "$CUDART_WHEEL"
+}
+if ! cudart_install 2>/dev/null; then
+  python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    -d "$VCUDA_CACHE/wheels" "$CUDART_WHEEL"
+  cudart_install
+fi
 # zig, the linker of the glibc-2.17 interposer build (cargo-zigbuild runs it
 # as `python3 -m ziglang` when no zig is on PATH; so does tests/glibc_floor.rs).
 python3 -m pip install -q --disable-pip-version-check "ziglang==$ZIGLANG_VERSION"
@@ -151,7 +163,7 @@ log "interposer tests again, on the shipped glibc-2.17 build"
 # and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real).
 VCUDA_INTERPOSER="$shipped_interposer" cargo test -p vcuda-tests --no-fail-fast \
   --test shim_quota --test shim_compute --test shim_graph --test shim_entry \
-  --test nvidia_real
+  --test nvidia_real --test sim_cudart
 
 log "python tests"
 export VCUDA_TARGET_DIR="$REPO/target/debug"
