@@ -63,6 +63,19 @@ pub fn cases() -> Vec<Case> {
     out
 }
 
+/// The cases whose name contains one of the `|`-separated parts of
+/// `$VCUDA_ACCURACY_ONLY` (all when unset): a few rows of the matrix at a
+/// time while looking into them.
+pub fn selected(cases: Vec<Case>) -> Vec<Case> {
+    match std::env::var("VCUDA_ACCURACY_ONLY") {
+        Ok(only) if !only.is_empty() => cases
+            .into_iter()
+            .filter(|c| only.split('|').any(|o| c.name.contains(o)))
+            .collect(),
+        _ => cases,
+    }
+}
+
 /// What a case's tenants achieved, in percent of the device, in order.
 #[derive(Debug, Clone)]
 pub struct Outcome {

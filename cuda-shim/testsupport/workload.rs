@@ -23,6 +23,11 @@ pub fn start(c: &Container, prog: &Path, args: &[&str]) -> Running {
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
+        // The interposer's log level while looking into a figure (off unless set).
+        .env(
+            "LOGGER_LEVEL",
+            std::env::var("VCUDA_ACCURACY_LOG").unwrap_or_default(),
+        )
         .spawn()
         .unwrap();
     let mut out = BufReader::new(child.stdout.take().unwrap());

@@ -21,6 +21,7 @@ mod health;
 mod info;
 mod memory;
 mod procs;
+mod schedule;
 mod system;
 mod topology;
 

@@ -1,6 +1,7 @@
 //! Running processes and per-process utilization samples.
 
 use crate::*;
+use crate::schedule;
 use gpu_sim_core::state::{epoch_us_to_mono, mono_to_epoch_us, now_ns};
 use std::ffi::{c_uint, c_ulonglong};
 
@@ -201,7 +202,8 @@ pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v3(
 
 // ---- utilization samples ------------------------------------------------
 
-/// The driver's sampling period: one sample per process per period.
+/// The driver's nominal sampling period: one sample per process per period
+/// (see `schedule.rs` for how real periods wander).
 pub const SAMPLE_NS: u64 = 100_000_000;
 /// How far back samples reach (the real driver's buffer is bounded too).
 pub const HISTORY_NS: u64 = 5_000_000_000;
@@ -222,9 +224,11 @@ fn sample_pid_offset() -> u32 {
         .unwrap_or(0)
 }
 
-/// Samples of periods that ended after `last_seen_us` (epoch µs) and within
-/// the history, oldest first: one per process that ran in the period, with
-/// its share of the period in smUtil.
+/// Samples of periods that ended after `last_seen_us` (epoch µs), within
+/// the history and already published, oldest first: one per process that
+/// ran in the sample's window, with its whole-percent share of the window
+/// in smUtil. The schedule (`schedule.rs`) wanders, publishes late and
+/// skips a period now and then, as the real driver's does.
 pub(crate) fn samples(
     c: &Ctx,
     sim: usize,
@@ -234,30 +238,31 @@ pub(crate) fn samples(
         return Vec::new();
     }
     let now = now_ns();
-    let newest_end = now / SAMPLE_NS * SAMPLE_NS;
     let mut since = now.saturating_sub(HISTORY_NS);
     if last_seen_us > 0 {
         since = since.max(epoch_us_to_mono(last_seen_us));
     }
     let mut out = Vec::new();
     let pid_offset = sample_pid_offset();
-    let mut end = (since / SAMPLE_NS + 1) * SAMPLE_NS;
-    while end <= newest_end {
-        let start = end - SAMPLE_NS;
-        let ts = mono_to_epoch_us(end);
-        if ts > last_seen_us {
-            for (p, pct) in c.state.process_utilization(sim, start, end) {
-                out.push(nvmlProcessUtilizationSample_t {
-                    pid: p.pid().wrapping_add(pid_offset),
-                    timeStamp: ts,
-                    smUtil: pct.round() as c_uint,
-                    memUtil: (pct / 2.0).round() as c_uint,
-                    encUtil: 0,
-                    decUtil: 0,
-                });
-            }
+    for k in (since / SAMPLE_NS).max(1)..=now / SAMPLE_NS {
+        let (start, end) = schedule::window(sim, k);
+        if schedule::skipped(sim, k) || schedule::published(sim, k) > now {
+            continue;
         }
-        end += SAMPLE_NS;
+        let ts = mono_to_epoch_us(end);
+        if ts <= last_seen_us {
+            continue;
+        }
+        for (p, pct) in c.state.process_utilization(sim, start, end) {
+            out.push(nvmlProcessUtilizationSample_t {
+                pid: p.pid().wrapping_add(pid_offset),
+                timeStamp: ts,
+                smUtil: pct.round() as c_uint,
+                memUtil: (pct / 2.0).round() as c_uint,
+                encUtil: 0,
+                decUtil: 0,
+            });
+        }
     }
     out
 }
