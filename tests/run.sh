@@ -73,18 +73,20 @@ export VCUDA_REQUIRE_K8S=1
 
 log "python packages"
 python3 -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
-# NVIDIA's CUDA runtime from PyPI (libcudart.so.12 of the newest 12.x; tests/sim_cudart.rs
-# runs it on the simulated node), the wheel cached in $VCUDA_CACHE/wheels.
-CUDART_WHEEL="nvidia-cuda-runtime-cu12==12.9.79"
-cudart_install() {
+# NVIDIA's CUDA runtimes from PyPI (libcudart.so.12 of the newest 12.x and
+# libcudart.so.13; tests/sim_cudart.rs runs them on the simulated node), the
+# wheels cached in $VCUDA_CACHE/wheels.
+wheel_install() {
   python3 -m pip install -q --disable-pip-version-check --no-deps --no-index \
-    --find-links "$VCUDA_CACHE/wheels" "$CUDART_WHEEL"
+    --find-links "$VCUDA_CACHE/wheels" "$1"
 }
-if ! cudart_install 2>/dev/null; then
-  python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
-    -d "$VCUDA_CACHE/wheels" "$CUDART_WHEEL"
-  cudart_install
-fi
+for wheel in "nvidia-cuda-runtime-cu12==12.9.79" "nvidia-cuda-runtime==13.5.37"; do
+  if ! wheel_install "$wheel" 2>/dev/null; then
+    python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+      -d "$VCUDA_CACHE/wheels" "$wheel"
+    wheel_install "$wheel"
+  fi
+done
 # zig, the linker of the glibc-2.17 interposer build (cargo-zigbuild runs it
 # as `python3 -m ziglang` when no zig is on PATH; so does tests/glibc_floor.rs).
 python3 -m pip install -q --disable-pip-version-check "ziglang==$ZIGLANG_VERSION"

@@ -1,12 +1,14 @@
-//! NVIDIA's real CUDA runtime (`libcudart.so.12`, unmodified) on the
+//! NVIDIA's real CUDA runtime (`libcudart.so.12` and `.13`, unmodified) on the
 //! simulated node, directly and under the interposer: the C program
 //! `tests/c/sim_cudart.c` (a fatbinary registered and launched the way
 //! nvcc's host code does it) linked with each runtime the suite carries:
 //!
 //! * 12.4.127 from Debian trixie's `libcudart12` (tests/nvidia/fetch.sh,
 //!   `VCUDA_NVIDIA_ROOTS`);
-//! * the newest 12.x from PyPI's `nvidia-cuda-runtime-cu12` wheel
-//!   (tests/python/requirements.txt).
+//! * 12.9.79 from PyPI's `nvidia-cuda-runtime-cu12` wheel and 13.5.37 from
+//!   its `nvidia-cuda-runtime` (CUDA 13) wheel (tests/run.sh caches both
+//!   in `$VCUDA_CACHE/wheels` and installs them for python3); 13.5 runs on
+//!   the node's CUDA 13.0 driver by minor-version compatibility.
 //!
 //! The runtime needs the driver's private export tables first
 //! (`crates/gpu-sim-cuda/src/export_table.rs`); without them it answers
@@ -45,11 +47,24 @@ fn runtimes(dir: &Path) -> Vec<Runtime> {
             cannot_run("no libcudart.so.12 in VCUDA_NVIDIA_ROOTS (Debian trixie's libcudart12)")
         }
     }
-    match wheel_runtime() {
-        Some(p) => found.push(("pypi-nvidia-cuda-runtime-cu12", p)),
-        None => cannot_run(
-            "python3 cannot import nvidia.cuda_runtime: pip install -r tests/python/requirements.txt",
+    for (label, module, lib) in [
+        (
+            "pypi-nvidia-cuda-runtime-cu12",
+            "nvidia.cuda_runtime",
+            "lib/libcudart.so.12",
         ),
+        (
+            "pypi-nvidia-cuda-runtime-13",
+            "nvidia.cu13",
+            "lib/libcudart.so.13",
+        ),
+    ] {
+        match wheel_runtime(module, lib) {
+            Some(p) => found.push((label, p)),
+            None => cannot_run(&format!(
+                "python3 has no {module}/{lib}: tests/run.sh installs {label}'s wheel"
+            )),
+        }
     }
     found
         .into_iter()
@@ -57,18 +72,15 @@ fn runtimes(dir: &Path) -> Vec<Runtime> {
         .collect()
 }
 
-/// `libcudart.so.12` of the `nvidia-cuda-runtime-cu12` wheel installed for
-/// python3.
-fn wheel_runtime() -> Option<PathBuf> {
+/// `lib` in the package `module` of a wheel installed for python3.
+fn wheel_runtime(module: &str, lib: &str) -> Option<PathBuf> {
     let out = Command::new("python3")
-        .args([
-            "-c",
-            "import nvidia.cuda_runtime as m; print(list(m.__path__)[0])",
-        ])
+        .arg("-c")
+        .arg(format!("import {module} as m; print(list(m.__path__)[0])"))
         .output()
         .ok()?;
     let dir = String::from_utf8(out.stdout).ok()?;
-    let lib = Path::new(dir.trim()).join("lib/libcudart.so.12");
+    let lib = Path::new(dir.trim()).join(lib);
     (out.status.success() && lib.is_file()).then_some(lib)
 }
 
@@ -76,7 +88,8 @@ fn build(dir: &Path, label: &str, lib: &Path) -> Runtime {
     let rt_dir = dir.join(label);
     std::fs::create_dir_all(&rt_dir).unwrap();
     // A private copy: the run path must not bring other libraries along.
-    std::fs::copy(lib, rt_dir.join("libcudart.so.12")).unwrap();
+    let name = lib.file_name().unwrap();
+    std::fs::copy(lib, rt_dir.join(name)).unwrap();
     let prog = rt_dir.join("sim_cudart");
     let src = workspace_root().join("tests/c/sim_cudart.c");
     let st = Command::new("gcc")
@@ -85,7 +98,7 @@ fn build(dir: &Path, label: &str, lib: &Path) -> Runtime {
         .arg(&src)
         .arg("-L")
         .arg(&rt_dir)
-        .arg("-l:libcudart.so.12")
+        .arg(format!("-l:{}", name.to_string_lossy()))
         .arg(format!("-Wl,-rpath,{}", rt_dir.display()))
         .status()
         .expect("gcc");
@@ -154,7 +167,9 @@ fn check_info(rt: &Runtime, c: &Container, total_mib: u64) -> Kv {
     let kv = run(rt, c, &["info"]);
     assert_eq!(kv.str("count"), "1", "{}", rt.label);
     assert_eq!(kv.num("driver") as i32, spec.cuda_version);
-    assert!(kv.num("runtime") >= 12000.0, "{}: {}", rt.label, kv.0);
+    let runtime = kv.num("runtime");
+    assert!(runtime >= 12000.0, "{}: {}", rt.label, kv.0);
+    assert!(runtime < 14000.0, "{}: {}", rt.label, kv.0);
     let gpu = &spec.gpus[0];
     assert_eq!(kv.str("dev0.name"), gpu.name);
     assert_eq!(kv.num("dev0.total_mib") as u64, total_mib, "{}", rt.label);

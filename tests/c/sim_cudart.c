@@ -1,4 +1,4 @@
-/* A program of NVIDIA's CUDA runtime (linked with the real libcudart.so.12,
+/* A program of NVIDIA's CUDA runtime (linked with the real libcudart.so.12 or .13,
  * no CUDA headers needed): what tests/sim_cudart.rs runs on the simulated
  * node, directly and under the interposer.
  *
@@ -17,6 +17,8 @@
  *   saturate S    launches for S seconds, synchronizing every 64 (a loop
  *                 that waits for its results, as training steps do)
  */
+#define _GNU_SOURCE
+#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,7 +29,6 @@ typedef struct { unsigned x, y, z; } dim3;
 typedef void *stream_t;
 
 extern int cudaGetDeviceCount(int *);
-extern int cudaGetDeviceProperties_v2(void *, int);
 extern int cudaDeviceGetAttribute(int *, int, int);
 extern int cudaMemGetInfo(size_t *, size_t *);
 extern int cudaMalloc(void **, size_t);
@@ -171,9 +172,13 @@ static void info(void) {
     CHECK(cudaRuntimeGetVersion(&runtime));
     printf("count=%d\ndriver=%d\nruntime=%d\n", count, driver, runtime);
     for (int d = 0; d < count; d++) {
-        /* cudaDeviceProp of CUDA 12 (1032 bytes): name at 0, totalGlobalMem at 288. */
+        /* cudaDeviceProp of CUDA 12 and 13: name at 0, totalGlobalMem at 288.
+         * 12's headers call cudaGetDeviceProperties_v2 (the unsuffixed one is
+         * 11's), 13 has only the unsuffixed one. */
         static char prop[4096];
-        CHECK(cudaGetDeviceProperties_v2(prop, d));
+        int (*get_props)(void *, int) = dlsym(RTLD_DEFAULT, "cudaGetDeviceProperties_v2");
+        if (!get_props) get_props = dlsym(RTLD_DEFAULT, "cudaGetDeviceProperties");
+        CHECK(get_props(prop, d));
         size_t total_mem;
         memcpy(&total_mem, prop + 288, sizeof total_mem);
         int sms = 0, major = 0, minor = 0;

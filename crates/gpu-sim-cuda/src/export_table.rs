@@ -58,14 +58,23 @@ macro_rules! u {
     };
 }
 
+/// A table whose slots are all of unknown use: its size word, then
+/// [`unknown`] for each slot listed.
+macro_rules! unknown_table {
+    ($t:expr; $($s:literal)*) => {
+        Table([size_word(1 + [$($s),*].len()), $(u!($t, $s)),*])
+    };
+}
+
 const CUDART: usize = 0;
 const TOOLS_TLS: usize = 1;
 const TOOLS_HOOKS: usize = 2;
 const DEVICE_EXT: usize = 5;
 const INTEGRITY: usize = 6;
 const CTX_CHECKS: usize = 7;
+const RUNTIME13: usize = 8;
 
-const NAMES: [&str; 8] = [
+const NAMES: [&str; 9] = [
     "CUDART_INTERFACE {6BD5FB6C-5BF4-E74A-8987-D93912FD9DF9}",
     "TOOLS_TLS {42D85A81-23F6-CB47-8298-F6E78A3AECDC}",
     "TOOLS_RUNTIME_CALLBACK_HOOKS {A094798C-2E74-2E74-93F2-0800200C0A66}",
@@ -74,6 +83,7 @@ const NAMES: [&str; 8] = [
     "DEVICE_EXTENDED_RT {B10541E1-F7C7-C74A-9F64-F223BE99F1E2}",
     "INTEGRITY_CHECK {D4082055-BDE6-704B-8D34-BA123C66E1F2}",
     "CONTEXT_CHECKS {263E8860-7CD2-6143-92F6-BBD5006DFA7E}",
+    "RUNTIME13 {21318C60-9714-3248-8CA6-41FF7324C8F2}",
 ];
 
 /// The runtime's interface: module loading from its registered fatbins and
@@ -118,36 +128,16 @@ static CLS_TABLE: Table<4> = Table([
 static CTX_BYPASS_TABLE: Table<2> = Table([size_word(2), ctx_create_bypass as *const c_void]);
 
 /// 28 slots as in 550; none known to be needed by the runtime on Linux.
-static DEVICE_EXT_TABLE: Table<28> = Table([
-    size_word(28),
-    u!(DEVICE_EXT, 1),
-    u!(DEVICE_EXT, 2),
-    u!(DEVICE_EXT, 3),
-    u!(DEVICE_EXT, 4),
-    u!(DEVICE_EXT, 5),
-    u!(DEVICE_EXT, 6),
-    u!(DEVICE_EXT, 7),
-    u!(DEVICE_EXT, 8),
-    u!(DEVICE_EXT, 9),
-    u!(DEVICE_EXT, 10),
-    u!(DEVICE_EXT, 11),
-    u!(DEVICE_EXT, 12),
-    u!(DEVICE_EXT, 13),
-    u!(DEVICE_EXT, 14),
-    u!(DEVICE_EXT, 15),
-    u!(DEVICE_EXT, 16),
-    u!(DEVICE_EXT, 17),
-    u!(DEVICE_EXT, 18),
-    u!(DEVICE_EXT, 19),
-    u!(DEVICE_EXT, 20),
-    u!(DEVICE_EXT, 21),
-    u!(DEVICE_EXT, 22),
-    u!(DEVICE_EXT, 23),
-    u!(DEVICE_EXT, 24),
-    u!(DEVICE_EXT, 25),
-    u!(DEVICE_EXT, 26),
-    u!(DEVICE_EXT, 27),
-]);
+static DEVICE_EXT_TABLE: Table<28> = unknown_table!(DEVICE_EXT;
+    1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27);
+
+/// Unknown to ZLUDA; CUDA 13 runtimes give up (cudaErrorInvalidValue from
+/// everything) when the driver lacks it, but called none of its slots in
+/// our tests. 86 slots as in 550 (535 has 77).
+static RUNTIME13_TABLE: Table<86> = unknown_table!(RUNTIME13;
+    1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30
+    31 32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58
+    59 60 61 62 63 64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85);
 
 static INTEGRITY_TABLE: Table<3> = Table([
     size_word(3),
@@ -168,7 +158,7 @@ fn lookup(id: &[u8; 16]) -> Option<*const c_void> {
     const fn uuid(s: u128) -> [u8; 16] {
         s.to_be_bytes()
     }
-    let tables: [([u8; 16], *const c_void); 8] = [
+    let tables: [([u8; 16], *const c_void); 9] = [
         (
             uuid(0x6BD5FB6C_5BF4_E74A_8987_D93912FD9DF9),
             CUDART_TABLE.addr(),
@@ -200,6 +190,10 @@ fn lookup(id: &[u8; 16]) -> Option<*const c_void> {
         (
             uuid(0x263E8860_7CD2_6143_92F6_BBD5006DFA7E),
             CTX_CHECKS_TABLE.addr(),
+        ),
+        (
+            uuid(0x21318C60_9714_3248_8CA6_41FF7324C8F2),
+            RUNTIME13_TABLE.addr(),
         ),
     ];
     tables.iter().find(|(u, _)| u == id).map(|&(_, t)| t)
@@ -366,5 +360,55 @@ cuda_fn! {
         // The real drivers answer INVALID_VALUE for a UUID they do not know.
         let table = lookup(&id).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         put(out, table)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(uuid: u128) -> Result<*const usize, CUresult> {
+        let mut out: *const c_void = 1 as *const c_void;
+        let id = uuid.to_be_bytes();
+        // SAFETY: a valid out-pointer and a 16-byte UUID.
+        match unsafe { cuGetExportTable(&mut out, &id) } {
+            CUDA_SUCCESS => Ok(out.cast()),
+            e => {
+                assert!(out.is_null(), "a refused table is NULL");
+                Err(e)
+            }
+        }
+    }
+
+    /// The size words NVIDIA's 550 driver answers (CUDART: 550 has 12
+    /// slots, CUDA 13 runtimes use a 13th).
+    #[test]
+    fn tables_carry_their_size_and_unknown_ids_are_refused() {
+        for (uuid, bytes) in [
+            (0x6BD5FB6C_5BF4_E74A_8987_D93912FD9DF9, 104),
+            (0x42D85A81_23F6_CB47_8298_F6E78A3AECDC, 24),
+            (0xA094798C_2E74_2E74_93F2_0800200C0A66, 56),
+            (0x0CA50B8C_1004_929A_89A7_D0DF10E77286, 16),
+            (0xB10541E1_F7C7_C74A_9F64_F223BE99F1E2, 224),
+            (0xD4082055_BDE6_704B_8D34_BA123C66E1F2, 24),
+            (0x263E8860_7CD2_6143_92F6_BBD5006DFA7E, 40),
+            (0x21318C60_9714_3248_8CA6_41FF7324C8F2, 688),
+        ] {
+            let t = table(uuid).unwrap();
+            // SAFETY: the tables are statics of at least one word.
+            assert_eq!(unsafe { *t }, bytes, "{uuid:032X}");
+        }
+        // Context-local storage: functions from the first word, no size.
+        let cls = table(0xC693336E_1121_DF11_A8C3_68F355D89593).unwrap();
+        // SAFETY: as above.
+        assert_eq!(unsafe { *cls }, cls::put_value as usize);
+        // What NVIDIA's Linux drivers do not know either (ZLUDA's heap and
+        // Windows hybrid-runtime tables).
+        for uuid in [
+            0x195BCBF4_D67D_024A_ACC5_1D29CEA631AE,
+            0xDD9E98A4_F410_4844_99B0_E2AEB7B432B5,
+        ] {
+            assert_eq!(table(uuid), Err(CUDA_ERROR_INVALID_VALUE));
+        }
     }
 }
