@@ -239,6 +239,19 @@ fn check_graph(rt: &Runtime, c: &Container, per_kernel_ms: f64) {
     );
 }
 
+/// cudaDeviceReset between two kernels: the runtime drops its state (kept
+/// in the driver's context-local storage), resets the primary context and
+/// loads its fatbinary again; memory comes back.
+fn check_reset(rt: &Runtime, c: &Container) {
+    let kv = run(rt, c, &["reset"]);
+    let (a, b) = (kv.num("free_mib"), kv.num("free_again_mib"));
+    assert!(
+        (a - b).abs() <= 2.0,
+        "{}: {a} MiB free, {b} after a reset",
+        rt.label
+    );
+}
+
 #[test]
 fn real_runtime_runs_directly_on_the_simulated_node() {
     let dir = tempfile::tempdir().unwrap();
@@ -250,6 +263,7 @@ fn real_runtime_runs_directly_on_the_simulated_node() {
         check_oom(rt, &c, 1024);
         let per = check_kernel(rt, &node, &c, 200);
         check_graph(rt, &c, per);
+        check_reset(rt, &c);
         assert_eq!(node.memory_used(), 0, "{}: everything given back", rt.label);
     }
 }
@@ -272,6 +286,7 @@ fn real_runtime_runs_under_the_interposer_with_a_quota() {
         );
         let per = check_kernel(rt, &node, &c, 200);
         check_graph(rt, &c, per);
+        check_reset(rt, &c);
     }
 }
 

@@ -16,6 +16,8 @@
  *   graph N K     N launches captured into a graph, replayed K times
  *   saturate S    launches for S seconds, synchronizing every 64 (a loop
  *                 that waits for its results, as training steps do)
+ *   reset         a kernel, cudaDeviceReset, the kernel again (the runtime
+ *                 drops its context state and reloads its modules)
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -36,6 +38,7 @@ extern int cudaFree(void *);
 extern int cudaDriverGetVersion(int *);
 extern int cudaRuntimeGetVersion(int *);
 extern int cudaDeviceSynchronize(void);
+extern int cudaDeviceReset(void);
 extern int cudaGetLastError(void);
 extern const char *cudaGetErrorName(int);
 extern int cudaStreamCreate(stream_t *);
@@ -270,6 +273,18 @@ static void saturate(double seconds) {
     CHECK(cudaFree(p));
 }
 
+static void reset(void) {
+    size_t before = 0, after = 0, total = 0;
+    for (int round = 0; round < 2; round++) {
+        float *p = device_buffer();
+        launch(0, p, 1 << 18);
+        CHECK(cudaDeviceSynchronize());
+        CHECK(cudaMemGetInfo(round ? &after : &before, &total));
+        CHECK(cudaDeviceReset());
+    }
+    printf("free_mib=%zu\nfree_again_mib=%zu\n", before >> 20, after >> 20);
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, 0, _IONBF, 0);
     const char *mode = argc > 1 ? argv[1] : "info";
@@ -281,10 +296,12 @@ int main(int argc, char **argv) {
         kernel(atoi(argv[2]));
     } else if (!strcmp(mode, "graph") && argc > 3) {
         graph(atoi(argv[2]), atoi(argv[3]));
+    } else if (!strcmp(mode, "reset")) {
+        reset();
     } else if (!strcmp(mode, "saturate") && argc > 2) {
         saturate(atof(argv[2]));
     } else {
-        fprintf(stderr, "usage: sim_cudart info | oom MIB | kernel N | graph N K | saturate S\n");
+        fprintf(stderr, "usage: sim_cudart info | oom MIB | kernel N | graph N K | saturate S | reset\n");
         return 2;
     }
     printf("ok\n");
