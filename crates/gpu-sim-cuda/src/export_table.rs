@@ -368,7 +368,7 @@ mod tests {
     use super::*;
 
     fn table(uuid: u128) -> Result<*const usize, CUresult> {
-        let mut out: *const c_void = 1 as *const c_void;
+        let mut out: *const c_void = std::ptr::dangling();
         let id = uuid.to_be_bytes();
         // SAFETY: a valid out-pointer and a 16-byte UUID.
         match unsafe { cuGetExportTable(&mut out, &id) } {
@@ -401,7 +401,7 @@ mod tests {
         // Context-local storage: functions from the first word, no size.
         let cls = table(0xC693336E_1121_DF11_A8C3_68F355D89593).unwrap();
         // SAFETY: as above.
-        assert_eq!(unsafe { *cls }, cls::put_value as usize);
+        assert_eq!(unsafe { *cls }, cls::put_value as *const () as usize);
         // What NVIDIA's Linux drivers do not know either (ZLUDA's heap and
         // Windows hybrid-runtime tables).
         for uuid in [
