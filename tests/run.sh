@@ -164,7 +164,7 @@ log "interposer tests again, on the shipped glibc-2.17 build"
 # quota tests and entry-point tests, on the library containers actually get;
 # and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real).
 VCUDA_INTERPOSER="$shipped_interposer" cargo test -p vcuda-tests --no-fail-fast \
-  --test shim_quota --test shim_compute --test shim_graph --test shim_entry \
+  --test shim_quota --test shim_compute --test shim_graph --test shim_capture --test shim_entry \
   --test nvidia_real --test sim_cudart
 
 log "python tests"

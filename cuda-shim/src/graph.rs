@@ -11,6 +11,13 @@
 //!   captures this process began; only while it is non-zero does a launch
 //!   ask the driver whether its stream captures (a capture spreads to other
 //!   streams through events, so the stream alone cannot tell).
+//! * Capture modes: the interposer's own driver calls must not invalidate
+//!   the application's captures (a GLOBAL-mode capture forbids "potentially
+//!   unsafe" calls from every thread in GLOBAL mode, pool attribute reads
+//!   included). [`relaxed`] runs bookkeeping calls in RELAXED mode, as
+//!   PyTorch's allocator does around its own cudaMalloc; the watcher thread,
+//!   which never captures, runs in THREAD_LOCAL mode ([`thread_local_mode`],
+//!   as PyTorch's NCCL watchdog since pytorch#148594).
 //! * Memory: an exec's graph memory (alloc nodes, captured
 //!   `cuMemAllocAsync`) is reserved in the ledger at instantiation
 //!   (CUDA_ERROR_OUT_OF_MEMORY over quota, without instantiating). The
@@ -93,6 +100,39 @@ pub(crate) fn stream_capturing(stream: Ptr, ptsz: bool) -> bool {
     r == CUDA_SUCCESS && status != 0
 }
 
+/// `CUstreamCaptureMode` values.
+const CAPTURE_MODE_THREAD_LOCAL: u32 = 1;
+const CAPTURE_MODE_RELAXED: u32 = 2;
+
+/// Sets this thread's capture mode through the real driver; the previous
+/// one (None: the driver has no such call).
+fn exchange_mode(mode: u32) -> Option<u32> {
+    type Exchange = unsafe extern "C" fn(*mut u32) -> CUresult;
+    let f = drv().exchange_mode?;
+    let mut m = mode;
+    // SAFETY: the real cuThreadExchangeStreamCaptureMode, resolved by name; `m` is our local.
+    let r = unsafe { std::mem::transmute::<usize, Exchange>(f)(&mut m) };
+    (r == CUDA_SUCCESS).then_some(m)
+}
+
+/// Runs `f`, the interposer's own driver calls (bookkeeping the application
+/// did not ask for), in RELAXED capture mode, then restores the thread's
+/// mode: they never invalidate an open capture of the process.
+pub(crate) fn relaxed<T>(f: impl FnOnce() -> T) -> T {
+    let prev = exchange_mode(CAPTURE_MODE_RELAXED);
+    let r = f();
+    if let Some(p) = prev {
+        exchange_mode(p);
+    }
+    r
+}
+
+/// For a thread that never captures (the watcher): other threads'
+/// captures no longer restrict it.
+pub(crate) fn thread_local_mode() {
+    exchange_mode(CAPTURE_MODE_THREAD_LOCAL);
+}
+
 /// True when some capture is active and `stream` is part of one: the
 /// launch path's check (one relaxed load while nothing captures).
 #[inline(always)]
@@ -110,6 +150,7 @@ struct Drv {
     ctx_device: usize,
     is_capturing: Option<usize>,
     is_capturing_ptsz: Option<usize>,
+    exchange_mode: Option<usize>,
 }
 
 fn drv() -> &'static Drv {
@@ -126,6 +167,7 @@ fn drv() -> &'static Drv {
             ctx_device: sym(Lib::Cuda, c"cuCtxGetDevice"),
             is_capturing: nz(sym(Lib::Cuda, c"cuStreamIsCapturing")),
             is_capturing_ptsz: nz(sym(Lib::Cuda, c"cuStreamIsCapturing_ptsz")),
+            exchange_mode: nz(sym(Lib::Cuda, c"cuThreadExchangeStreamCaptureMode")),
         }
     })
 }

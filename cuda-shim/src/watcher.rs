@@ -81,6 +81,10 @@ fn tick() {
 }
 
 fn watch(mut sock: UnixStream) {
+    // This thread never captures: the application's GLOBAL-mode captures
+    // must not make its driver calls (pool attributes on the tick) prohibited,
+    // which would invalidate them.
+    crate::graph::thread_local_mode();
     let my_proc = registration::proc();
     loop {
         let interval = throttle::tick_interval();

@@ -10,14 +10,16 @@
 //! are not reported as an error here).
 //!
 //! Only created streams capture: the legacy and per-thread default streams
-//! answer CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED. Capture modes are accepted
-//! and reported but not enforced.
+//! answer CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED. Capture modes are enforced
+//! as the driver does (`crate::capture_mode`): a prohibited call invalidates
+//! the capture, whose end then fails with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+//! a non-RELAXED capture ends only on the thread that began it.
 
+use crate::capture_mode::{self, RELAXED, ctx_key, thread_id};
 use crate::graph::{self, CUDA_ERROR_ILLEGAL_STATE, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, Kind};
 use crate::stream::Target;
 use crate::{R, drv, get, put, put_opt};
 use cuda_abi::*;
-use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -28,18 +30,29 @@ pub(crate) static CAPTURING: AtomicUsize = AtomicUsize::new(0);
 
 const CUDA_ERROR_STREAM_CAPTURE_MERGE: CUresult = 902;
 const CUDA_ERROR_STREAM_CAPTURE_UNMATCHED: CUresult = 903;
+const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CUresult = 901;
+const CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD: CUresult = 908;
 
-struct CapStream {
+pub(crate) struct CapStream {
     seq: u64,
     /// The nodes the stream's next captured work depends on.
     deps: Vec<u64>,
+    /// The stream's context (`capture_mode::ctx_key`).
+    pub ctx: usize,
+    /// Not CU_STREAM_NON_BLOCKING: the legacy stream encompasses it.
+    pub blocking: bool,
 }
 
-struct Seq {
+pub(crate) struct Seq {
     graph: u64,
     origin: usize,
     /// cuStreamBeginCaptureToGraph: the graph is the caller's.
     into_existing: bool,
+    /// The mode it began with, and the thread that began it.
+    pub mode: u32,
+    pub thread: u64,
+    /// A prohibited call happened: the capture can only be ended, with an error.
+    invalidated: bool,
 }
 
 #[derive(Default)]
@@ -62,6 +75,52 @@ impl Captures {
     pub fn is_capturing(&self, t: Target) -> bool {
         key(t).is_some_and(|k| self.streams.contains_key(&k))
     }
+
+    /// Invalidates every open capture `hit` selects; whether there was one.
+    pub fn invalidate(&mut self, hit: impl Fn(&Seq) -> bool) -> bool {
+        let mut any = false;
+        for s in self.seqs.values_mut().filter(|s| hit(s)) {
+            s.invalidated = true;
+            any = true;
+        }
+        any
+    }
+
+    /// Invalidates the captures of the streams `hit` selects.
+    pub fn invalidate_streams(&mut self, hit: impl Fn(&CapStream) -> bool) -> bool {
+        let seqs: Vec<u64> = self
+            .streams
+            .values()
+            .filter(|s| hit(s))
+            .map(|s| s.seq)
+            .collect();
+        for q in &seqs {
+            if let Some(s) = self.seqs.get_mut(q) {
+                s.invalidated = true;
+            }
+        }
+        !seqs.is_empty()
+    }
+
+    /// Invalidates `t`'s capture, if it captures.
+    pub fn invalidate_stream(&mut self, t: Target) -> bool {
+        let Some(seq) = key(t).and_then(|k| self.streams.get(&k)).map(|s| s.seq) else {
+            return false;
+        };
+        self.seqs.get_mut(&seq).unwrap().invalidated = true;
+        true
+    }
+
+    /// Invalidates the capture event `ev` was recorded in, if open.
+    pub fn invalidate_event(&mut self, ev: usize) -> bool {
+        let Some(seq) = self.events.get(&ev).map(|e| e.0) else {
+            return false;
+        };
+        self.seqs
+            .get_mut(&seq)
+            .map(|s| s.invalidated = true)
+            .is_some()
+    }
 }
 
 /// Appends `kind` to the capture of `t`'s stream; None when not capturing.
@@ -71,7 +130,11 @@ fn record(t: Target, kind: impl FnOnce() -> R<Kind>) -> R<Option<u64>> {
     let Some(cs) = st.capture.streams.get(&k) else {
         return Ok(None);
     };
-    let (graph, deps) = (st.capture.seqs[&cs.seq].graph, cs.deps.clone());
+    let seq = &st.capture.seqs[&cs.seq];
+    if seq.invalidated {
+        return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    }
+    let (graph, deps) = (seq.graph, cs.deps.clone());
     let node = st.add(graph, &deps, kind()?)?;
     st.capture.streams.get_mut(&k).unwrap().deps = vec![node];
     Ok(Some(node))
@@ -89,6 +152,7 @@ pub(crate) fn kernel(
     if CAPTURING.load(Relaxed) == 0 {
         return Ok(false);
     }
+    capture_mode::legacy_use(t)?;
     let k = graph::Kernel {
         func: f as usize,
         grid,
@@ -167,7 +231,7 @@ pub(crate) fn wait_event(t: Target, ev: *mut c_void) -> R<bool> {
             }
         }
         None => {
-            c.streams.insert(k, CapStream { seq, deps });
+            c.streams.insert(k, cap_stream(t, seq, deps));
             CAPTURING.fetch_add(1, Relaxed);
         }
     }
@@ -234,9 +298,12 @@ unsafe fn begin(h: *mut c_void, mode: u32, ptsz: bool, into: Option<(u64, Vec<u6
             graph,
             origin: k,
             into_existing: existing,
+            mode,
+            thread: thread_id(),
+            invalidated: false,
         },
     );
-    c.streams.insert(k, CapStream { seq, deps });
+    c.streams.insert(k, cap_stream(t, seq, deps));
     CAPTURING.fetch_add(1, Relaxed);
     Ok(())
 }
@@ -253,15 +320,35 @@ unsafe fn end(h: *mut c_void, out: *mut *mut c_void, ptsz: bool) -> R {
     let mut st = graph::state();
     let c = &mut st.capture;
     let seq = c.streams.get(&k).ok_or(CUDA_ERROR_ILLEGAL_STATE)?.seq;
-    if c.seqs[&seq].origin != k {
+    let s = &c.seqs[&seq];
+    if s.origin != k {
         return Err(CUDA_ERROR_STREAM_CAPTURE_UNMATCHED);
+    }
+    if s.mode != RELAXED && s.thread != thread_id() {
+        return Err(CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD);
     }
     let before = c.streams.len();
     c.streams.retain(|_, s| s.seq != seq);
     CAPTURING.fetch_sub(before - c.streams.len(), Relaxed);
     c.events.retain(|_, (s, _)| *s != seq);
-    let graph = c.seqs.remove(&seq).unwrap().graph;
-    put(out, graph as *mut c_void)
+    let s = c.seqs.remove(&seq).unwrap();
+    if s.invalidated {
+        if !s.into_existing {
+            st.destroy_graph(s.graph);
+        }
+        put(out, std::ptr::null_mut())?;
+        return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    }
+    put(out, s.graph as *mut c_void)
+}
+
+fn cap_stream(t: Target, seq: u64, deps: Vec<u64>) -> CapStream {
+    CapStream {
+        seq,
+        deps,
+        ctx: ctx_key(t.ctx()),
+        blocking: t.blocking(),
+    }
 }
 
 /// Status (`CUstreamCaptureStatus`: NONE 0, ACTIVE 1), capture id, graph
@@ -286,18 +373,15 @@ unsafe fn info(
     let st = graph::state();
     let c = &st.capture;
     let cs = key(t).and_then(|k| c.streams.get(&k));
-    put(status, cs.is_some() as i32)?;
+    // CU_STREAM_CAPTURE_STATUS_NONE / ACTIVE / INVALIDATED.
+    let st_code = cs.map_or(0, |cs| if c.seqs[&cs.seq].invalidated { 2 } else { 1 });
+    put(status, st_code)?;
     let Some(cs) = cs else { return Ok(()) };
     put_opt(id, cs.seq);
     put_opt(graph, c.seqs[&cs.seq].graph as *mut c_void);
     put_opt(deps, cs.deps.as_ptr());
     put_opt(count, cs.deps.len());
     Ok(())
-}
-
-thread_local! {
-    /// This thread's `CUstreamCaptureMode` (cuThreadExchangeStreamCaptureMode).
-    static MODE: Cell<u32> = const { Cell::new(0) };
 }
 
 type P = *mut c_void;
@@ -422,7 +506,7 @@ cuda_fn! {
         if new > 2 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        put(mode, MODE.with(|m| m.replace(new)))?;
+        put(mode, capture_mode::exchange(new))?;
         Ok(())
     }
 }

@@ -268,7 +268,9 @@ cuda_fn! {
 
     fn cuCtxSynchronize() {
         let d = drv()?;
-        current()?.synchronize();
+        let c = current()?;
+        crate::capture_mode::ctx_sync(c)?;
+        c.synchronize();
         crate::pool::at_sync(d);
         Ok(())
     }
@@ -279,6 +281,7 @@ cuda_fn! {
         // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
         // are ones this driver handed out or are rejected by their magic.
         let c = if ctx.is_null() { current()? } else { unsafe { Ctx::from_handle(ctx) }? };
+        crate::capture_mode::ctx_sync(c)?;
         c.synchronize();
         crate::pool::at_sync(drv()?);
         Ok(())

@@ -38,6 +38,7 @@ unsafe fn event_record(ev: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
     // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
     // this function's own contract; `Target::of` checks its magic.
     let t = unsafe { Target::of(stream, ptsz)? };
+    crate::capture_mode::legacy_use(t)?;
     if crate::capture::event_record(ev, t) {
         return Ok(());
     }
@@ -127,6 +128,7 @@ cuda_fn! {
 
     fn cuEventQuery(ev: *mut c_void) {
         drv()?;
+        crate::capture_mode::event_sync_point(ev)?;
         // SAFETY: `event` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
@@ -138,6 +140,7 @@ cuda_fn! {
 
     fn cuEventSynchronize(ev: *mut c_void) {
         let d = drv()?;
+        crate::capture_mode::event_sync_point(ev)?;
         // SAFETY: `event` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.

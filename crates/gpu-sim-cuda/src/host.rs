@@ -10,6 +10,7 @@ use std::ffi::c_void;
 unsafe fn host_alloc(out: *mut *mut c_void, size: usize) -> R {
     let d = drv()?;
     current()?;
+    crate::capture_mode::unsafe_call()?;
     if out.is_null() || size == 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -38,6 +39,7 @@ cuda_fn! {
 
     fn cuMemFreeHost(p: *mut c_void) {
         let d = drv()?;
+        crate::capture_mode::unsafe_call()?;
         let len = lock(&d.mem.host).remove(&(p as u64)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         // SAFETY: `p`/`len` is a mapping `host_alloc` made and recorded in
         // `host`; removing the record above makes this its only unmap.

@@ -37,6 +37,7 @@ macro_rules! cuda_fn {
 
 pub mod array;
 pub mod capture;
+mod capture_mode;
 pub mod charge;
 pub mod ctx;
 pub mod device;

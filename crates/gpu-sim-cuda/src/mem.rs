@@ -187,6 +187,7 @@ pub(crate) fn ctx_and_driver() -> R<(&'static Driver, &'static Ctx)> {
 cuda_fn! {
     fn cuMemAlloc_v2(out: *mut u64, size: usize) {
         let (d, c) = ctx_and_driver()?;
+        crate::capture_mode::unsafe_call()?;
         if out.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -195,6 +196,7 @@ cuda_fn! {
 
     fn cuMemAllocManaged(out: *mut u64, size: usize, flags: u32) {
         let (d, c) = ctx_and_driver()?;
+        crate::capture_mode::unsafe_call()?;
         if out.is_null() || !matches!(flags, 1 | 2) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -203,6 +205,7 @@ cuda_fn! {
 
     fn cuMemAllocPitch_v2(out: *mut u64, pitch: *mut usize, width: usize, height: usize, elem: u32) {
         let (d, c) = ctx_and_driver()?;
+        crate::capture_mode::unsafe_call()?;
         if out.is_null() || pitch.is_null() || !matches!(elem, 4 | 8 | 16) || width == 0 || height == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -214,6 +217,7 @@ cuda_fn! {
 
     fn cuMemFree_v2(ptr: u64) {
         let d = drv()?;
+        crate::capture_mode::unsafe_call()?;
         d.mem.free(d, ptr)
     }
 

@@ -76,11 +76,11 @@ cuda_fn! {
     // SAFETY: `any` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemcpy(dst: u64, src: u64, n: usize) { unsafe { any(dst, src, n) } }
+    fn cuMemcpy(dst: u64, src: u64, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { any(dst, src, n) } }
     // SAFETY: `any` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemcpy_ptds(dst: u64, src: u64, n: usize) { unsafe { any(dst, src, n) } }
+    fn cuMemcpy_ptds(dst: u64, src: u64, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { any(dst, src, n) } }
     // SAFETY: `on`, `any` gets the pointers and handles our caller passed in, which the
     // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
     // driver handed out or are rejected by their magic.
@@ -92,11 +92,11 @@ cuda_fn! {
     // SAFETY: `any` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemcpyPeer(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize) { unsafe { any(dst, src, n) } }
+    fn cuMemcpyPeer(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { any(dst, src, n) } }
     // SAFETY: `any` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemcpyPeer_ptds(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize) { unsafe { any(dst, src, n) } }
+    fn cuMemcpyPeer_ptds(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { any(dst, src, n) } }
     fn cuMemcpyPeerAsync(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize, s: *mut c_void) {
         // SAFETY: `on` gets the pointers and handles our caller passed in, which the CUDA
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
@@ -120,11 +120,11 @@ cuda_fn! {
     // SAFETY: `htod` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, n: usize) { unsafe { htod(dst, src, n) } }
+    fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { htod(dst, src, n) } }
     // SAFETY: `htod` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemcpyHtoD_v2_ptds(dst: u64, src: *const c_void, n: usize) { unsafe { htod(dst, src, n) } }
+    fn cuMemcpyHtoD_v2_ptds(dst: u64, src: *const c_void, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { htod(dst, src, n) } }
     // SAFETY: `on`, `htod` gets the pointers and handles our caller passed in, which the
     // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
     // driver handed out or are rejected by their magic.
@@ -136,11 +136,11 @@ cuda_fn! {
     // SAFETY: `dtoh` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, n: usize) { unsafe { dtoh(dst, src, n) } }
+    fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { dtoh(dst, src, n) } }
     // SAFETY: `dtoh` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: u64, n: usize) { unsafe { dtoh(dst, src, n) } }
+    fn cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: u64, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { dtoh(dst, src, n) } }
     // SAFETY: `on`, `dtoh` gets the pointers and handles our caller passed in, which the
     // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
     // driver handed out or are rejected by their magic.
@@ -152,11 +152,11 @@ cuda_fn! {
     // SAFETY: `dtod` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemcpyDtoD_v2(dst: u64, src: u64, n: usize) { unsafe { dtod(dst, src, n) } }
+    fn cuMemcpyDtoD_v2(dst: u64, src: u64, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { dtod(dst, src, n) } }
     // SAFETY: `dtod` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemcpyDtoD_v2_ptds(dst: u64, src: u64, n: usize) { unsafe { dtod(dst, src, n) } }
+    fn cuMemcpyDtoD_v2_ptds(dst: u64, src: u64, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { dtod(dst, src, n) } }
     // SAFETY: `on`, `dtod` gets the pointers and handles our caller passed in, which the
     // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
     // driver handed out or are rejected by their magic.

@@ -36,27 +36,27 @@ cuda_fn! {
     // SAFETY: `set` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemsetD8_v2(dst: u64, v: u8, n: usize) { unsafe { set(dst, v, n) } }
+    fn cuMemsetD8_v2(dst: u64, v: u8, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { set(dst, v, n) } }
     // SAFETY: `set` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemsetD8_v2_ptds(dst: u64, v: u8, n: usize) { unsafe { set(dst, v, n) } }
+    fn cuMemsetD8_v2_ptds(dst: u64, v: u8, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { set(dst, v, n) } }
     // SAFETY: `set` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemsetD16_v2(dst: u64, v: u16, n: usize) { unsafe { set(dst, v, n) } }
+    fn cuMemsetD16_v2(dst: u64, v: u16, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { set(dst, v, n) } }
     // SAFETY: `set` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemsetD16_v2_ptds(dst: u64, v: u16, n: usize) { unsafe { set(dst, v, n) } }
+    fn cuMemsetD16_v2_ptds(dst: u64, v: u16, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { set(dst, v, n) } }
     // SAFETY: `set` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemsetD32_v2(dst: u64, v: u32, n: usize) { unsafe { set(dst, v, n) } }
+    fn cuMemsetD32_v2(dst: u64, v: u32, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { set(dst, v, n) } }
     // SAFETY: `set` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemsetD32_v2_ptds(dst: u64, v: u32, n: usize) { unsafe { set(dst, v, n) } }
+    fn cuMemsetD32_v2_ptds(dst: u64, v: u32, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { set(dst, v, n) } }
     // SAFETY: `on`, `set` gets the pointers and handles our caller passed in, which the
     // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
     // driver handed out or are rejected by their magic.
@@ -84,25 +84,25 @@ cuda_fn! {
     // SAFETY: `set2d` gets the pointers and handles our caller passed in, which the CUDA
     // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemsetD2D8_v2(dst: u64, pitch: usize, v: u8, w: usize, h: usize) { unsafe { set2d(dst, pitch, v, w, h) } }
+    fn cuMemsetD2D8_v2(dst: u64, pitch: usize, v: u8, w: usize, h: usize) { crate::capture_mode::unsafe_call()?; unsafe { set2d(dst, pitch, v, w, h) } }
     // SAFETY: `set2d` gets the pointers and handles our caller passed in, which the CUDA
     // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemsetD2D8_v2_ptds(dst: u64, pitch: usize, v: u8, w: usize, h: usize) { unsafe { set2d(dst, pitch, v, w, h) } }
+    fn cuMemsetD2D8_v2_ptds(dst: u64, pitch: usize, v: u8, w: usize, h: usize) { crate::capture_mode::unsafe_call()?; unsafe { set2d(dst, pitch, v, w, h) } }
     // SAFETY: `set2d` gets the pointers and handles our caller passed in, which the CUDA
     // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemsetD2D16_v2(dst: u64, pitch: usize, v: u16, w: usize, h: usize) { unsafe { set2d(dst, pitch, v, w, h) } }
+    fn cuMemsetD2D16_v2(dst: u64, pitch: usize, v: u16, w: usize, h: usize) { crate::capture_mode::unsafe_call()?; unsafe { set2d(dst, pitch, v, w, h) } }
     // SAFETY: `set2d` gets the pointers and handles our caller passed in, which the CUDA
     // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemsetD2D16_v2_ptds(dst: u64, pitch: usize, v: u16, w: usize, h: usize) { unsafe { set2d(dst, pitch, v, w, h) } }
+    fn cuMemsetD2D16_v2_ptds(dst: u64, pitch: usize, v: u16, w: usize, h: usize) { crate::capture_mode::unsafe_call()?; unsafe { set2d(dst, pitch, v, w, h) } }
     // SAFETY: `set2d` gets the pointers and handles our caller passed in, which the CUDA
     // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemsetD2D32_v2(dst: u64, pitch: usize, v: u32, w: usize, h: usize) { unsafe { set2d(dst, pitch, v, w, h) } }
+    fn cuMemsetD2D32_v2(dst: u64, pitch: usize, v: u32, w: usize, h: usize) { crate::capture_mode::unsafe_call()?; unsafe { set2d(dst, pitch, v, w, h) } }
     // SAFETY: `set2d` gets the pointers and handles our caller passed in, which the CUDA
     // ABI makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemsetD2D32_v2_ptds(dst: u64, pitch: usize, v: u32, w: usize, h: usize) { unsafe { set2d(dst, pitch, v, w, h) } }
+    fn cuMemsetD2D32_v2_ptds(dst: u64, pitch: usize, v: u32, w: usize, h: usize) { crate::capture_mode::unsafe_call()?; unsafe { set2d(dst, pitch, v, w, h) } }
 }

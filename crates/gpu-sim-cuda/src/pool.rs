@@ -295,6 +295,7 @@ cuda_fn! {
 
     fn cuMemPoolSetAttribute(p: *mut c_void, attr: i32, value: *mut c_void) {
         drv()?;
+        crate::capture_mode::unsafe_call()?;
         // SAFETY: `pool` gets the pointers and handles our caller passed in, which the CUDA
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
         // driver handed out or are rejected by their magic.
@@ -316,6 +317,7 @@ cuda_fn! {
 
     fn cuMemPoolGetAttribute(p: *mut c_void, attr: i32, value: *mut c_void) {
         drv()?;
+        crate::capture_mode::unsafe_call()?;
         // SAFETY: `pool` gets the pointers and handles our caller passed in, which the CUDA
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
         // driver handed out or are rejected by their magic.

@@ -62,6 +62,12 @@ impl Target {
         }
     }
 
+    /// A created stream without CU_STREAM_NON_BLOCKING: the legacy stream
+    /// synchronises with it.
+    pub fn blocking(self) -> bool {
+        matches!(self, Target::Stream(s) if s.flags & 1 == 0)
+    }
+
     #[inline]
     pub fn ctx(self) -> &'static Ctx {
         match self {
@@ -98,7 +104,9 @@ unsafe fn stream_sync(h: *mut c_void, ptsz: bool) -> R {
     let d = drv()?;
     // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
     // this function's own contract; `Target::of` checks its magic.
-    wait_until(unsafe { Target::of(h, ptsz)? }.tail());
+    let t = unsafe { Target::of(h, ptsz)? };
+    crate::capture_mode::sync_point(t)?;
+    wait_until(t.tail());
     crate::pool::at_sync(d);
     Ok(())
 }
@@ -107,7 +115,9 @@ unsafe fn stream_query(h: *mut c_void, ptsz: bool) -> R {
     drv()?;
     // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
     // this function's own contract; `Target::of` checks its magic.
-    if unsafe { Target::of(h, ptsz)? }.tail() > now_ns() {
+    let t = unsafe { Target::of(h, ptsz)? };
+    crate::capture_mode::sync_point(t)?;
+    if t.tail() > now_ns() {
         return Err(CUDA_ERROR_NOT_READY);
     }
     Ok(())

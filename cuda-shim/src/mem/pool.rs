@@ -60,7 +60,8 @@ fn attr(pool: Pool, which: i32) -> Option<u64> {
         unsafe { f(pool as *mut c_void, which, (v as *mut u64).cast()) }
     }
     let mut v = 0u64;
-    (get(pool, which, &mut v) == CUDA_SUCCESS).then_some(v)
+    // Bookkeeping: never a prohibited call during the application's captures.
+    (crate::graph::relaxed(|| get(pool, which, &mut v)) == CUDA_SUCCESS).then_some(v)
 }
 
 /// The pool `cuMemAllocAsync` takes from: the current device's.
@@ -80,8 +81,10 @@ fn device_pool() -> Option<Pool> {
     }
     let mut d = 0;
     let mut p = std::ptr::null_mut();
-    (dev(&mut d) == CUDA_SUCCESS && pool(&mut p, d) == CUDA_SUCCESS && !p.is_null())
-        .then_some(p as Pool)
+    crate::graph::relaxed(|| {
+        dev(&mut d) == CUDA_SUCCESS && pool(&mut p, d) == CUDA_SUCCESS && !p.is_null()
+    })
+    .then_some(p as Pool)
 }
 
 /// Brings the ledger in line with what `pool` reserves now.
