@@ -36,6 +36,8 @@ command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
 [ -x /bin/busybox ] || need+=(busybox-static)
 command -v strace >/dev/null 2>&1 || need+=(strace)
 command -v gcc >/dev/null 2>&1 || need+=(gcc)
+# nvcc's host compiler (tests/sim_cudart.rs builds a CUDA C++ program).
+command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 # CRI recovery (tests/manager_cri.rs) against a private containerd.
 command -v containerd >/dev/null 2>&1 || need+=(containerd)
@@ -74,13 +76,15 @@ export VCUDA_REQUIRE_K8S=1
 log "python packages"
 python3 -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
 # NVIDIA's CUDA runtimes from PyPI (libcudart.so.12 of the newest 12.x and
-# libcudart.so.13; tests/sim_cudart.rs runs them on the simulated node), the
-# wheels cached in $VCUDA_CACHE/wheels.
+# libcudart.so.13) and CUDA 13's nvcc (nvcc, cicc, the crt headers):
+# tests/sim_cudart.rs runs them on the simulated node; the wheels (about
+# 120 MB) cached in $VCUDA_CACHE/wheels.
 wheel_install() {
   python3 -m pip install -q --disable-pip-version-check --no-deps --no-index \
     --find-links "$VCUDA_CACHE/wheels" "$1"
 }
-for wheel in "nvidia-cuda-runtime-cu12==12.9.79" "nvidia-cuda-runtime==13.5.37"; do
+for wheel in "nvidia-cuda-runtime-cu12==12.9.79" "nvidia-cuda-runtime==13.5.37" \
+    "nvidia-cuda-nvcc==13.5.37" "nvidia-nvvm==13.5.37" "nvidia-cuda-crt==13.5.37"; do
   if ! wheel_install "$wheel" 2>/dev/null; then
     python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
       -d "$VCUDA_CACHE/wheels" "$wheel"

@@ -10,6 +10,11 @@
 //!   in `$VCUDA_CACHE/wheels` and installs them for python3); 13.5 runs on
 //!   the node's CUDA 13.0 driver by minor-version compatibility.
 //!
+//! And a CUDA C++ program compiled by NVIDIA's nvcc
+//! (`tests/c/sim_cudart_nvcc.cu`, PyPI's CUDA 13.5 toolchain wheels
+//! `nvidia-cuda-nvcc`, `nvidia-nvvm`, `nvidia-cuda-crt`): a real sm_80 cubin
+//! in nvcc's fatbinary, launched by nvcc's host code.
+//!
 //! The runtime needs the driver's private export tables first
 //! (`crates/gpu-sim-cuda/src/export_table.rs`); without them it answers
 //! cudaErrorNotSupported to everything. Missing runtimes fail the test
@@ -112,6 +117,52 @@ fn build(dir: &Path, label: &str, lib: &Path) -> Runtime {
         label: label.into(),
         prog,
     }
+}
+
+/// `tests/c/sim_cudart_nvcc.cu` compiled by the CUDA 13 nvcc of the wheels
+/// installed for python3, linked with their `libcudart.so.13`.
+fn nvcc_program(dir: &Path) -> Option<Runtime> {
+    let Some(nvcc) = wheel_runtime("nvidia.cu13", "bin/nvcc") else {
+        cannot_run("python3 has no nvidia.cu13/bin/nvcc: tests/run.sh installs nvcc's wheels");
+        return None;
+    };
+    let Some(lib) = wheel_runtime("nvidia.cu13", "lib/libcudart.so.13") else {
+        cannot_run("python3 has no nvidia.cu13/lib/libcudart.so.13");
+        return None;
+    };
+    let out_dir = dir.join("nvcc");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    std::fs::copy(&lib, out_dir.join("libcudart.so.13")).unwrap();
+    let src = workspace_root().join("tests/c/sim_cudart_nvcc.cu");
+    let obj = out_dir.join("sim_cudart_nvcc.o");
+    let st = Command::new(&nvcc)
+        .args([
+            "-c",
+            "-gencode",
+            "arch=compute_80,code=[sm_80,compute_80]",
+            "-o",
+        ])
+        .arg(&obj)
+        .arg(&src)
+        .status()
+        .expect("nvcc");
+    assert!(st.success(), "nvcc {}", src.display());
+    let prog = out_dir.join("sim_cudart_nvcc");
+    let st = Command::new("g++")
+        .arg("-o")
+        .arg(&prog)
+        .arg(&obj)
+        .arg("-L")
+        .arg(&out_dir)
+        .arg("-l:libcudart.so.13")
+        .arg(format!("-Wl,-rpath,{}", out_dir.display()))
+        .status()
+        .expect("g++");
+    assert!(st.success(), "linking {}", prog.display());
+    Some(Runtime {
+        label: "nvcc-13.5".into(),
+        prog,
+    })
 }
 
 /// Runs a mode of the program in `c`; its `key=value` lines.
@@ -311,5 +362,20 @@ fn real_runtime_kernels_are_throttled_to_the_compute_quota() {
             "{}: {busy:.1} % busy under a hard 30 %",
             rt.label
         );
+    }
+}
+
+/// nvcc's own fatbinary and host code: kernels and a captured graph,
+/// directly and under the interposer.
+#[test]
+fn an_nvcc_compiled_program_runs_directly_and_under_the_interposer() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(rt) = nvcc_program(dir.path()) else {
+        return;
+    };
+    let node = node();
+    for c in [node.direct(), node.container(100, true, 0)] {
+        let per = check_kernel(&rt, &node, &c, 200);
+        check_graph(&rt, &c, per);
     }
 }
