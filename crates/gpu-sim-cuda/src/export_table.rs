@@ -9,6 +9,13 @@
 //! it has one). Slots whose meaning is not known are filled with functions
 //! that say which slot was called and fail with CUDA_ERROR_NOT_SUPPORTED, so
 //! a runtime that needs one names it instead of jumping to NULL.
+//!
+//! What runtimes 12.4, 12.9 and 13.5 call (tests/sim_cudart.rs, traced):
+//! CUDART slot 2 (and 12 from 13.x), the context-local storage, the tools
+//! buffers (slots 2 and 6), the integrity check, context checks slots 2 and
+//! 3; not the fatbin-loading slots (their fatbins go through
+//! cuLibraryLoadData, with lazy or eager loading). CUDA 13 runtimes also
+//! require `{21318C60-...}` to exist.
 
 mod cls;
 mod integrity;
