@@ -350,6 +350,70 @@ fn cudart_over_the_interposer_answers_as_the_real_driver() {
     }
 }
 
+/// tests/c/driver_nodev.c: every wrapped driver-API and NVML entry point,
+/// before and after a failing cuInit / nvmlInit_v2, through whatever
+/// libcuda.so.1 / libnvidia-ml.so.1 the library path gives.
+fn driver_program(out: &Path) -> PathBuf {
+    let src = workspace_root().join("tests/c/driver_nodev.c");
+    let bin = out.join("driver_nodev");
+    let st = Command::new("gcc")
+        .args(["-O1", "-o"])
+        .arg(&bin)
+        .arg(&src)
+        .arg("-ldl")
+        .status()
+        .expect("gcc");
+    assert!(st.success(), "compiling {}", src.display());
+    bin
+}
+
+/// The interposer's wrappers hand the real driver's statuses back
+/// unchanged: NOT_INITIALIZED (3) before cuInit, INVALID_HANDLE (400) or
+/// NOT_INITIALIZED after cuInit's NO_DEVICE (100), NVML's UNINITIALIZED
+/// (1) — also where they withhold an answer (another tenant's PID) or
+/// reserve quota before calling the driver. Enforcing (the first enforced
+/// call registers) and pass-through, line for line the real driver's.
+#[test]
+fn driver_api_statuses_over_the_interposer_are_the_real_drivers() {
+    let drivers = nvidia_drivers();
+    let work = tempfile::tempdir().unwrap();
+    let prog = driver_program(work.path());
+    for d in &drivers {
+        let oracle = outcome(cmd(&prog).env("LD_LIBRARY_PATH", d.lib_dir()));
+        assert_clean(&format!("{} oracle", d.version), &oracle);
+        let lib64 = shim_dir(work.path(), d);
+        let lp = lib_path(&[&lib64]);
+        for mode in [Mode::Enforcing, Mode::PassThrough] {
+            let vm = Vm::new(mode, d);
+            let got = outcome(&mut vm.command(&prog, &lp));
+            let differ: Vec<(&str, &str)> = oracle
+                .stdout
+                .lines()
+                .zip(got.stdout.lines())
+                .filter(|(a, b)| a != b)
+                .collect();
+            assert!(
+                differ.is_empty(),
+                "{}: {mode:?}: (NVIDIA's, ours): {differ:#?}",
+                d.version
+            );
+            assert_eq!(got, oracle, "{}: driver API {mode:?}", d.version);
+            if mode == Mode::Enforcing {
+                assert!(
+                    !vm.registered().is_empty(),
+                    "{}: no registration",
+                    d.version
+                );
+            }
+        }
+        eprintln!(
+            "{}: {} driver-API / NVML statuses as the real driver's",
+            d.version,
+            oracle.stdout.lines().count() - 1
+        );
+    }
+}
+
 fn ino(p: &Path) -> (u64, u64) {
     let m = fs::metadata(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     (m.dev(), m.ino())

@@ -161,6 +161,16 @@ fn ours(pid: u32) -> bool {
     container_pids().contains(&(pid as i32))
 }
 
+/// The answer about another tenant's PID, from the real NVML's status on a
+/// private buffer: its errors as they are, its success as NOT_FOUND.
+fn foreign(real: i32) -> i32 {
+    if real == NVML_SUCCESS {
+        NVML_ERROR_NOT_FOUND
+    } else {
+        real
+    }
+}
+
 nvml_exports! {
     fn nvmlDeviceGetProcessUtilization(dev: Device, samples: *mut u8, count: *mut u32, last_seen: u64) {
         let f = real_nvml!(nvmlDeviceGetProcessUtilization: ProcUtil);
@@ -273,7 +283,14 @@ nvml_exports! {
     fn nvmlDeviceGetAccountingStats(dev: Device, pid: u32, stats: *mut c_void) {
         let f = real_nvml!(nvmlDeviceGetAccountingStats: AccountingStats);
         if filtering() && !stats.is_null() && !ours(pid) {
-            return NVML_ERROR_NOT_FOUND;
+            // Another tenant's PID: the real answer into a private buffer
+            // (`nvmlAccountingStats_t` is 56 bytes), so that its failures
+            // (UNINITIALIZED, a bad handle) pass through unchanged, as the
+            // real NVML gives them; only its success is hidden.
+            let mut private = [0u64; 16];
+            // SAFETY: the real driver's function of this exact signature; `private` has room
+            // for the struct.
+            return foreign(unsafe { f(dev, pid, private.as_mut_ptr().cast()) });
         }
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
@@ -294,7 +311,13 @@ nvml_exports! {
     fn nvmlSystemGetProcessName(pid: u32, name: *mut c_char, len: u32) {
         let f = real_nvml!(nvmlSystemGetProcessName: ProcessName);
         if filtering() && !ours(pid) {
-            return NVML_ERROR_NOT_FOUND;
+            // As for the accounting stats: the real status, never the name.
+            let len = len.min(4096);
+            let mut private = vec![0 as c_char; len.max(1) as usize];
+            let buf = if name.is_null() { std::ptr::null_mut() } else { private.as_mut_ptr() };
+            // SAFETY: the real driver's function of this exact signature; `buf` is NULL as the
+            // caller's was, or `private` with room for `len` bytes.
+            return foreign(unsafe { f(pid, buf, len) });
         }
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
