@@ -7,6 +7,8 @@
 //! * the real `nvidia-smi` over the interposer as `libnvidia-ml.so.1`;
 //! * NVIDIA's real CUDA runtime (`libcudart.so.12`, 12.4) over the
 //!   interposer as `libcuda.so.1` (tests/c/cudart_nodev.c);
+//! * every wrapped driver-API and NVML entry point's status
+//!   (tests/c/driver_nodev.c);
 //! * the vdriver mirror of a Debian host (`nvidia/current` behind the
 //!   `nvidia` alternative) and of a .run-installer host, and the same two
 //!   programs over the mirrored tree.
