@@ -97,7 +97,7 @@ fn shim_dir(parent: &Path, d: &NvidiaDriver) -> PathBuf {
     fs::create_dir_all(&dir).unwrap();
     let shim = dir.join("libvcuda.so");
     fs::copy(interposer(), &shim).unwrap();
-    for name in plan_names() {
+    for name in INTERPOSED {
         fs::hard_link(&shim, dir.join(name)).unwrap();
     }
     fs::remove_file(&shim).unwrap();
@@ -110,9 +110,14 @@ fn shim_dir(parent: &Path, d: &NvidiaDriver) -> PathBuf {
     dir
 }
 
-fn plan_names() -> [&'static str; 4] {
-    vdriver::plan::INTERPOSED
-}
+/// The names the interposer takes in a shared volume (cuda-shim/README.md),
+/// spelled out here rather than taken from vdriver's plan under test.
+const INTERPOSED: [&str; 4] = [
+    "libcuda.so.1",
+    "libcuda.so",
+    "libnvidia-ml.so.1",
+    "libnvidia-ml.so",
+];
 
 /// The container the interposer runs in: its `VCUDA_CONFIG_DIR`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -489,7 +494,7 @@ fn check_mirror(
         for rel in &want {
             let p = dir.join(rel);
             let name = rel.file_name().unwrap().to_str().unwrap();
-            let interposed = vol == "nvidia" && plan_names().contains(&name);
+            let interposed = vol == "nvidia" && INTERPOSED.contains(&name);
             let meta = fs::symlink_metadata(&p).unwrap();
             if interposed {
                 // The interposer, one inode under the four names.
