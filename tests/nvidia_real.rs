@@ -386,39 +386,40 @@ fn driver_api_statuses_over_the_interposer_are_the_real_drivers() {
     let work = tempfile::tempdir().unwrap();
     let prog = driver_program(work.path());
     for d in &drivers {
-        let oracle = outcome(cmd(&prog).env("LD_LIBRARY_PATH", d.lib_dir()));
-        assert_clean(&format!("{} oracle", d.version), &oracle);
         let lib64 = shim_dir(work.path(), d);
-        let lp = lib_path(&[&lib64]);
-        for mode in [Mode::Enforcing, Mode::PassThrough] {
-            let vm = Vm::new(mode, d);
-            let got = outcome(&mut vm.command(&prog, &lp));
-            let differ: Vec<(&str, &str)> = oracle
-                .stdout
-                .lines()
-                .zip(got.stdout.lines())
-                .filter(|(a, b)| a != b)
-                .collect();
-            assert!(
-                differ.is_empty(),
-                "{}: {mode:?}: (NVIDIA's, ours): {differ:#?}",
-                d.version
-            );
-            assert_eq!(got, oracle, "{}: driver API {mode:?}", d.version);
-            if mode == Mode::Enforcing {
-                assert!(
-                    !vm.registered().is_empty(),
-                    "{}: no registration",
-                    d.version
-                );
-            }
-        }
+        let n = check_driver_api(&d.version, &prog, &lib64, d);
         eprintln!(
-            "{}: {} driver-API / NVML statuses as the real driver's",
-            d.version,
-            oracle.stdout.lines().count() - 1
+            "{}: {n} driver-API / NVML statuses as the real driver's",
+            d.version
         );
     }
+}
+
+/// driver_nodev over the interposer in `lib64` prints the real driver's
+/// lines; returns how many statuses were compared.
+fn check_driver_api(what: &str, prog: &Path, lib64: &Path, d: &NvidiaDriver) -> usize {
+    let oracle = outcome(cmd(prog).env("LD_LIBRARY_PATH", d.lib_dir()));
+    assert_clean(&format!("{what} oracle"), &oracle);
+    let lp = lib_path(&[lib64]);
+    for mode in [Mode::Enforcing, Mode::PassThrough] {
+        let vm = Vm::new(mode, d);
+        let got = outcome(&mut vm.command(prog, &lp));
+        let differ: Vec<(&str, &str)> = oracle
+            .stdout
+            .lines()
+            .zip(got.stdout.lines())
+            .filter(|(a, b)| a != b)
+            .collect();
+        assert!(
+            differ.is_empty(),
+            "{what}: {mode:?}: (NVIDIA's, ours): {differ:#?}"
+        );
+        assert_eq!(got, oracle, "{what}: driver API {mode:?}");
+        if mode == Mode::Enforcing {
+            assert!(!vm.registered().is_empty(), "{what}: no registration");
+        }
+    }
+    oracle.stdout.lines().count() - 1
 }
 
 fn ino(p: &Path) -> (u64, u64) {
@@ -461,14 +462,8 @@ fn expected_files(d: &NvidiaDriver) -> BTreeSet<PathBuf> {
 
 /// Mirrors `root` as the manager does (`vdriver::mirror` with
 /// config/volume.conf and the interposer) and checks both volumes file by
-/// file, then runs nvidia-smi and the runtime program over the mirror.
-fn check_mirror(
-    layout: &str,
-    root: &Path,
-    d: &NvidiaDriver,
-    work: &Path,
-    cudart: Option<&(PathBuf, PathBuf)>,
-) {
+/// file, then runs nvidia-smi and the two C programs over the mirror.
+fn check_mirror(layout: &str, root: &Path, d: &NvidiaDriver, work: &Path, progs: &Programs) {
     let what = format!("{layout} {}", d.version);
     let shim = work.join(format!("libvcuda-{layout}-{}.so", d.version));
     fs::copy(interposer(), &shim).unwrap();
@@ -535,10 +530,18 @@ fn check_mirror(
         &shared.join("lib64"),
         d,
     );
-    if let Some((prog, cudart_dir)) = cudart {
+    check_driver_api(&what, &progs.driver, &shared.join("lib64"), d);
+    if let Some((prog, cudart_dir)) = &progs.cudart {
         let oracle = cudart_oracle(prog, cudart_dir, d);
         check_cudart(&what, prog, cudart_dir, &shared.join("lib64"), d, &oracle);
     }
+}
+
+/// The C programs run over a mirrored tree.
+struct Programs {
+    driver: PathBuf,
+    /// cudart_nodev and the directory of the `libcudart.so.12` it links.
+    cudart: Option<(PathBuf, PathBuf)>,
 }
 
 fn mirror_layout(layout: &str, build: fn(&Path, &NvidiaDriver) -> PathBuf) {
@@ -546,18 +549,22 @@ fn mirror_layout(layout: &str, build: fn(&Path, &NvidiaDriver) -> PathBuf) {
     if drivers.is_empty() {
         return;
     }
+    // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         cannot_run("ldconfig -r needs root");
         return;
     }
     let work = tempfile::tempdir().unwrap();
-    let cudart = drivers.iter().find_map(NvidiaDriver::libcudart).map(|c| {
-        let prog = cudart_program(&c, work.path());
-        (prog, c.parent().unwrap().to_path_buf())
-    });
+    let progs = Programs {
+        driver: driver_program(work.path()),
+        cudart: drivers.iter().find_map(NvidiaDriver::libcudart).map(|c| {
+            let prog = cudart_program(&c, work.path());
+            (prog, c.parent().unwrap().to_path_buf())
+        }),
+    };
     for d in &drivers {
         let root = build(work.path(), d);
-        check_mirror(layout, &root, d, work.path(), cudart.as_ref());
+        check_mirror(layout, &root, d, work.path(), &progs);
     }
 }
 
