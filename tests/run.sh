@@ -76,17 +76,19 @@ export VCUDA_REQUIRE_K8S=1
 log "python packages"
 python3 -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
 # NVIDIA's CUDA runtimes from PyPI (libcudart.so.12 of the newest 12.x and
-# libcudart.so.13) and CUDA 13's nvcc (nvcc, cicc, the crt headers):
-# tests/sim_cudart.rs runs them on the simulated node; the wheels (about
-# 120 MB) cached in $VCUDA_CACHE/wheels.
+# libcudart.so.13), CUDA 13's nvcc (nvcc, cicc, the crt headers) and CuPy
+# over CUDA 13 with NVRTC: tests/sim_cudart.rs and tests/python/test_cupy.py
+# run them on the simulated node; the wheels and their dependencies (about
+# 250 MB) cached in $VCUDA_CACHE/wheels.
 wheel_install() {
-  python3 -m pip install -q --disable-pip-version-check --no-deps --no-index \
+  python3 -m pip install -q --disable-pip-version-check --no-index \
     --find-links "$VCUDA_CACHE/wheels" "$1"
 }
 for wheel in "nvidia-cuda-runtime-cu12==12.9.79" "nvidia-cuda-runtime==13.5.37" \
-    "nvidia-cuda-nvcc==13.5.37" "nvidia-nvvm==13.5.37" "nvidia-cuda-crt==13.5.37"; do
+    "nvidia-cuda-nvcc==13.5.37" "nvidia-nvvm==13.5.37" "nvidia-cuda-crt==13.5.37" \
+    "nvidia-cuda-nvrtc==13.5.37" "cupy-cuda13x==14.2.0"; do
   if ! wheel_install "$wheel" 2>/dev/null; then
-    python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    python3 -m pip download -q --disable-pip-version-check --only-binary=:all: \
       -d "$VCUDA_CACHE/wheels" "$wheel"
     wheel_install "$wheel"
   fi
@@ -166,11 +168,10 @@ log "interposer tests again, on the shipped glibc-2.17 build"
 # The harness (cuda-shim/testsupport/simnode.rs) mirrors $VCUDA_INTERPOSER
 # instead of this profile's host build: the same memory, compute and graph
 # quota tests and entry-point tests, on the library containers actually get;
-# and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real,
-# nvidia_oracle: exports and cuGetProcAddress).
+# and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real).
 VCUDA_INTERPOSER="$shipped_interposer" cargo test -p vcuda-tests --no-fail-fast \
   --test shim_quota --test shim_compute --test shim_graph --test shim_capture --test shim_entry \
-  --test nvidia_real --test nvidia_oracle --test sim_cudart
+  --test nvidia_real --test sim_cudart
 
 log "python tests"
 export VCUDA_TARGET_DIR="$REPO/target/debug"
