@@ -168,10 +168,11 @@ log "interposer tests again, on the shipped glibc-2.17 build"
 # The harness (cuda-shim/testsupport/simnode.rs) mirrors $VCUDA_INTERPOSER
 # instead of this profile's host build: the same memory, compute and graph
 # quota tests and entry-point tests, on the library containers actually get;
-# and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real).
+# and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real,
+# nvidia_oracle: exports and cuGetProcAddress).
 VCUDA_INTERPOSER="$shipped_interposer" cargo test -p vcuda-tests --no-fail-fast \
   --test shim_quota --test shim_compute --test shim_graph --test shim_capture --test shim_entry \
-  --test nvidia_real --test sim_cudart
+  --test nvidia_real --test nvidia_oracle --test sim_cudart
 
 log "python tests"
 export VCUDA_TARGET_DIR="$REPO/target/debug"
