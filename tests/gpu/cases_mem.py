@@ -5,7 +5,7 @@ import subprocess
 import time
 
 from container import Container, outside_env
-from harness import FAIL, PASS, NotRun, Row, Sampler, Worker, check_nvml_peak, mib
+from harness import FAIL, PASS, PIDNS, NotRun, Row, Sampler, Worker, check_nvml_peak, mib
 
 GIB = 1 << 30
 QUOTA = 4 * GIB
@@ -26,14 +26,18 @@ def _fill_rows(node, name, api, n_workers=1, refill=False):
     extra = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"} if api == "torch-async" else {}
     args = [api, BLOCK, QUOTA + 4 * BLOCK] + (["--refill"] if refill else [])
     with Container(node, name, QUOTA) as c, Sampler(node.nvml) as s:
-        workers = [Worker(node, "alloc.py", args, c.env(extra)) for _ in range(n_workers)]
+        workers, readies = [], []
         try:
-            readies = [w.wait_for("ready", START_S) for w in workers]
+            # One after the other until ready (each one's new NVML PID is its own
+            # where NVML speaks of another namespace); released together.
+            for _ in range(n_workers):
+                workers.append(Worker(node, "alloc.py", args, c.env(extra)))
+                readies.append(workers[-1].wait_for("ready", START_S))
             for w in workers:  # racers start together
                 w.go()
             results = [w.wait_for("result", 120)["result"] for w in workers]
-            pids = [w.pid for w in workers]
-            registered = c.wait_pids(pids, 2.0)
+            pids = [w.pids for w in workers]
+            registered = c.wait_pids([p.local for p in pids], 2.0)
             time.sleep(0.5)  # samples of everything held at once
         finally:
             for w in workers:
@@ -45,8 +49,12 @@ def _judge_fill(results, s, pids, registered, refill=False):
     """(status, measured) against: every worker stopped with OOM, the real
     per-process memory (NVML) never above the quota and, at the OOM, within one
     block (+ SLACK) of it."""
-    ok_nvml, nvml_txt = check_nvml_peak(s, pids, QUOTA)
-    peak, _, _ = s.peak(pids)
+    unmapped = [p for p in pids if p.nvml is None]
+    if unmapped:
+        return FAIL, f"no NVML PID for worker {unmapped[0].own}: {unmapped[0].how}"
+    nvml = [p.nvml for p in pids]
+    ok_nvml, nvml_txt = check_nvml_peak(s, nvml, QUOTA)
+    peak, _, _ = s.peak(nvml)
     blocks = [r["blocks"] for r in results]
     stops = {r["stop"] for r in results}
     ok = stops == {"OOM"} and ok_nvml and peak > QUOTA - BLOCK - SLACK and registered
@@ -58,6 +66,8 @@ def _judge_fill(results, s, pids, registered, refill=False):
         parts.append(f"refill {'+'.join(map(str, again))}")
     if not registered:
         parts.append("not all workers in pids.config")
+    if any(p.own != p.nvml for p in pids):
+        parts.append("PIDs own→NVML " + ", ".join(f"{p} ({p.how})" for p in pids))
     return (PASS if ok else FAIL), "; ".join(parts)
 
 
@@ -112,30 +122,32 @@ def nvidia_smi(node):
     smi = node.bin / "nvidia-smi"
     if not smi.is_file():
         raise NotRun(f"no nvidia-smi in the mirror ({node.bin})")
-    with Container(node, "smi", QUOTA) as c, \
-            Worker(node, "holder.py", [GIB], c.env()) as inside, \
-            Worker(node, "holder.py", [512 << 20], outside_env(node)) as outside:
-        for w in (inside, outside):
-            w.wait_for("ready", START_S)
-            w.go()
-            w.wait_for("result", 30)
+    with Container(node, "smi", QUOTA) as c, Worker(node, "holder.py", [GIB], c.env()) as inside:
+        inside.wait_for("ready", START_S)  # before the outsider starts: its new NVML PID is its own
+        with Worker(node, "holder.py", [512 << 20], outside_env(node)) as outside:
+            for w in (inside, outside):
+                w.wait_for("ready", START_S)
+                w.go()
+                w.wait_for("result", 30)
 
-        def smi_run(*args):
-            p = subprocess.run([str(smi), *args], env=c.env(), capture_output=True, text=True, timeout=60)
-            if p.returncode != 0:
-                raise RuntimeError(f"nvidia-smi {' '.join(args)}: rc {p.returncode}: {p.stderr.strip()[-300:]}")
-            return p.stdout
+            def smi_run(*args):
+                ns = PIDNS if node.pidns else []  # nvidia-smi in the container's namespace too
+                p = subprocess.run([*ns, str(smi), *args], env=c.env(), capture_output=True, text=True, timeout=60)
+                if p.returncode != 0:
+                    raise RuntimeError(f"nvidia-smi {' '.join(args)}: rc {p.returncode}: {p.stderr.strip()[-300:]}")
+                return p.stdout
 
-        gpu = smi_run("--query-gpu=memory.total,memory.used", "--format=csv,noheader,nounits")
-        apps = smi_run("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
-        table = smi_run()
+            gpu = smi_run("--query-gpu=memory.total,memory.used", "--format=csv,noheader,nounits")
+            apps = smi_run("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
+            table = smi_run()
     total, used = (int(float(x)) for x in gpu.strip().splitlines()[0].split(","))
     # One "pid, used" line per process; anything else (a "No running processes" note) lists none.
     listed = {int(f) for f in (line.split(",")[0].strip() for line in apps.splitlines()) if f.isdigit()}
     quota_mib = QUOTA >> 20
-    ok = total == quota_mib and 1024 <= used <= quota_mib and listed == {inside.pid} \
+    # nvidia-smi lists NVML's PIDs (the host's, from any namespace).
+    ok = total == quota_mib and 1024 <= used <= quota_mib and listed == {inside.pids.nvml} \
         and f"{quota_mib}MiB" in table.replace(" ", "")
     return Row("nvidia-smi in the share",
                f"memory.total = {quota_mib} MiB, 1024 <= used <= total, apps = the container's only; table shows it",
-               f"total {total} MiB, used {used} MiB, apps {sorted(listed)} (inside {inside.pid}, "
-               f"outside {outside.pid})", PASS if ok else FAIL)
+               f"total {total} MiB, used {used} MiB, apps {sorted(listed)} (inside {inside.pids} "
+               f"[{inside.pids.how}], outside {outside.pids})", PASS if ok else FAIL)

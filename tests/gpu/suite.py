@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,7 @@ class Node:
         self.work = work
         self.libdir, self.workers = HERE / "lib", HERE / "workers"
         self.sim = a.sim
+        self.pidns = a.pidns
         self.compute_seconds, self.compute_warmup = a.compute_seconds, a.compute_warmup
         art = pathlib.Path(a.artifacts)
         self.interposer = art / "libvcuda.so"
@@ -88,10 +90,64 @@ class Node:
                    f"interposer linked: {is_shim}, real driver beside: {real.is_file()}", PASS if ok else FAIL)
 
 
+HEADER = "| case | expectation | measured | result |\n|---|---|---|---|"
+
+
+def row_line(r):
+    return f"| {r.case} | {r.expect} | {r.measured} | **{r.status}** |"
+
+
+class Deadline(BaseException):
+    """The suite's --deadline passed: the running case is abandoned (its
+    `with` blocks stop its workers and container). Not an Exception, so a
+    case's own error handling cannot swallow it."""
+
+
+class _Clock:
+    in_case = False  # a case (or the setup) runs: the deadline cuts it
+    expired = False
+
+
+def _deadline(_sig, _frame):
+    _Clock.expired = True
+    if _Clock.in_case:
+        raise Deadline()
+
+
+def _guarded(fn, *args):
+    """fn(*args) where the deadline may cut it."""
+    _Clock.in_case = True
+    try:
+        if _Clock.expired:
+            raise Deadline()
+        return fn(*args)
+    finally:
+        _Clock.in_case = False
+
+
+class Partial:
+    """Rows as cases finish: each printed at once (stdout, flushed) under a
+    header, and the JSON file rewritten, so a run killed from outside still
+    leaves every finished row behind."""
+
+    def __init__(self, json_path):
+        self.json_path, self.rows = json_path, []
+        print("rows as cases finish (the full table follows at the end):\n" + HEADER, flush=True)
+
+    def add(self, rows):
+        self.rows.extend(rows)
+        for r in rows:
+            print(row_line(r), flush=True)
+        if self.json_path:
+            tmp = pathlib.Path(str(self.json_path) + ".tmp")
+            tmp.write_text(json.dumps([r.__dict__ for r in self.rows], indent=1))
+            os.replace(tmp, self.json_path)
+
+
 def print_table(rows):
-    print("\n| case | expectation | measured | result |\n|---|---|---|---|")
+    print("\n" + HEADER)
     for r in rows:
-        print(f"| {r.case} | {r.expect} | {r.measured} | **{r.status}** |")
+        print(row_line(r))
     counts = {s: sum(r.status == s for r in rows) for s in (PASS, FAIL, NOT_RUN)}
     print(f"\n{counts[PASS]} passed, {counts[FAIL]} failed, {counts[NOT_RUN]} not run")
 
@@ -109,9 +165,21 @@ def main():
     ap.add_argument("--compute-warmup", type=float, default=4.0, help="throttled run before that window")
     ap.add_argument("--budget", type=float, default=420.0,
                     help="start no case after this many seconds (the device machine allows 600 per command)")
+    ap.add_argument("--deadline", type=float, default=540.0,
+                    help="abandon the running case after this many seconds and print the table (0: none)")
+    ap.add_argument("--quick", action="store_true",
+                    help="first contact: compute window 5 s after 2 s of warm-up (unless given), budget 300 s")
+    ap.add_argument("--pidns", action="store_true",
+                    help="run each worker in a new PID namespace (`unshare --pid --fork --mount-proc`, root): "
+                    "a container without hostPID, whose own PIDs are not NVML's")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     a = ap.parse_args()
+    if a.quick:
+        given = " ".join(sys.argv[1:])
+        a.compute_seconds = a.compute_seconds if "--compute-seconds" in given else 5.0
+        a.compute_warmup = a.compute_warmup if "--compute-warmup" in given else 2.0
+        a.budget = min(a.budget, 300.0)
     only = [x for x in a.only.split(",") if x]
     if a.sim and a.host_root == "/":
         ap.error("--sim needs --host-root (a gpu-sim install root)")
@@ -119,42 +187,52 @@ def main():
     if unknown:
         ap.error(f"unknown case ids {sorted(unknown)}")
     work = pathlib.Path(tempfile.mkdtemp(prefix="vcuda-gpu-suite-"))
-    rows, node, t_start = [], None, time.monotonic()
+    node, t_start = None, time.monotonic()
+    out = Partial(a.json)
+    rows = out.rows
+    if a.deadline > 0:
+        signal.signal(signal.SIGALRM, _deadline)
+        signal.setitimer(signal.ITIMER_REAL, a.deadline)
     try:
         try:
-            node = Node(a, work)
-            rows.append(node.mirror_row())
+            node = _guarded(Node, a, work)
+            out.add([node.mirror_row()])
         except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
-            rows.append(Row("setup: mirror, real NVML", "mirror and NVML work", f"{type(e).__name__}: {e}", FAIL))
+            out.add([Row("setup: mirror, real NVML", "mirror and NVML work", f"{type(e).__name__}: {e}", FAIL)])
+        except Deadline:
+            pass
         for cid, label, fn in CASES:
             if only and cid not in only:
                 continue
             t0 = time.monotonic()
-            if node is None:
-                rows.append(Row(label, "", "setup failed", NOT_RUN))
+            if node is None or _Clock.expired:
+                why = f"the suite's {a.deadline:.0f} s deadline passed" if _Clock.expired else "setup failed"
+                out.add([Row(label, "", why, NOT_RUN)])
                 continue
             if time.monotonic() - t_start > a.budget:
-                rows.append(Row(label, "", f"the suite's {a.budget:.0f} s budget was spent", NOT_RUN))
+                out.add([Row(label, "", f"the suite's {a.budget:.0f} s budget was spent", NOT_RUN)])
                 continue
             try:
-                got = fn(node)
+                got = _guarded(fn, node)
             except NotRun as e:
                 got = Row(label, "", str(e), NOT_RUN)
+            except Deadline:
+                got = Row(label, "", f"cut by the suite's {a.deadline:.0f} s deadline after "
+                          f"{time.monotonic() - t0:.0f} s", FAIL)
             except Exception as e:  # noqa: BLE001 - a case that breaks is a FAIL row
                 got = Row(label, "", f"{type(e).__name__}: {e}", FAIL)
             got = got if isinstance(got, list) else [got]
-            rows.extend(got)
+            out.add(got)
             print(f"[{time.monotonic() - t_start:5.0f} s] {cid}: {'/'.join(r.status for r in got)} "
                   f"({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         if node is not None and node.sim and not a.keep:
             shutil.rmtree(node.mirror_out, ignore_errors=True)
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
     print_table(rows)
     print(f"({time.monotonic() - t_start:.0f} s; host root {a.host_root}; artifacts {a.artifacts})")
-    if a.json:
-        pathlib.Path(a.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))
     if any(r.status == FAIL for r in rows):
         return 1
     if any(r.status == NOT_RUN for r in rows) and not a.allow_not_run:

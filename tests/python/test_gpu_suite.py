@@ -5,6 +5,7 @@ that need PyTorch or nvcc must say NOT RUN (never PASS)."""
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -86,3 +87,34 @@ def test_suite_on_the_simulated_node(artifacts, tmp_path):
             assert row(prefix)["status"] == "NOT RUN", row(prefix)
     # Exit status follows the rows: 1 with any FAIL, 0 otherwise (NOT RUN allowed in --sim).
     assert p.returncode == (1 if any(r["status"] == "FAIL" for r in rows) else 0), log
+
+
+def test_suite_with_workers_in_pid_namespaces(artifacts, tmp_path):
+    # A container without hostPID: every worker (and nvidia-smi) in its own
+    # PID namespace, where it is PID 1; NVML, the registration stand-in and
+    # pids.config speak of the host's PIDs. The harness maps them (NSpid) and
+    # the interposer's per-process views filter by them: the rows that
+    # compare PIDs pass only if nothing assumes a worker's own PID is NVML's.
+    p = subprocess.run(["bash", str(REPO / "tests" / "gpu" / "run.sh"), "--sim", "--pidns", "--quick",
+                        "--artifacts", str(artifacts), "--only", "oom-driver,race-driver,pool-driver,smi",
+                        "--json", str(tmp_path / "rows.json")], capture_output=True, text=True, timeout=240)
+    log = p.stdout + p.stderr
+    assert (tmp_path / "rows.json").exists(), log
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["status"] for r in rows] == ["PASS"] * 5, log
+    for r in rows[1:4]:
+        assert re.search(r"PIDs own→NVML 1→\d+ \(NSpid\)", r["measured"]), r
+    assert re.search(r"inside 1→\d+ \[NSpid\]", rows[4]["measured"]), rows[4]
+
+
+def test_pid_map_correlates_when_nvml_speaks_of_an_unseen_namespace():
+    # Inside a container NVML lists host PIDs that /proc here does not show:
+    # the one PID that appeared while the worker created its context is its.
+    import pidmap
+
+    me = pidmap.resolve(os.getpid(), os.getpid(), {os.getpid(), 7}, {7})
+    assert (me.nvml, me.how) == (os.getpid(), "same")
+    hidden = pidmap.resolve(os.getpid(), os.getpid(), {7, 900001}, {7})
+    assert (hidden.local, hidden.nvml, hidden.how) == (os.getpid(), 900001, "correlated")
+    both = pidmap.resolve(os.getpid(), os.getpid(), {7, 900001, 900002}, {7})
+    assert both.nvml is None and "unknown" in both.how

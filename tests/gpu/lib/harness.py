@@ -7,6 +7,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import pidmap
+
 PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
 
 
@@ -26,15 +28,32 @@ class WorkerError(RuntimeError):
     pass
 
 
+# A new PID namespace (and /proc) per worker: a container without hostPID.
+PIDNS = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+
+
+def _nvml_pids(node):
+    nvml = getattr(node, "nvml", None)
+    try:
+        return set(nvml.processes()) if nvml else set()
+    except RuntimeError:
+        return set()
+
+
 class Worker:
-    """A worker script (tests/gpu/workers/) speaking lib/proto.py's protocol."""
+    """A worker script (tests/gpu/workers/) speaking lib/proto.py's protocol.
+    `pids` (lib/pidmap.py): its own, local and NVML PIDs, known once it said
+    "ready" (its context exists by then)."""
 
     def __init__(self, node, script, args, env, python=None):
         cmd = [python or sys.executable, str(node.workers / script), *map(str, args)]
-        self.name = script
+        if getattr(node, "pidns", False):
+            cmd = PIDNS + cmd
+        self.name, self.node = script, node
+        self._nvml_before = _nvml_pids(node)
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
-        self.pid = self.proc.pid
+        self.pids = None
         self.msgs, self.cv = [], threading.Condition()
         self.err_tail = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -64,6 +83,9 @@ class Worker:
             while True:
                 for m in self.msgs:
                     if key in m:
+                        if key == "ready" and self.pids is None and "pid" in m:
+                            self.pids = pidmap.resolve(self.proc.pid, m["pid"], _nvml_pids(self.node),
+                                                       self._nvml_before)
                         return m
                     if "error" in m or "eof" in m:
                         time.sleep(0.2)  # let stderr's reader catch up
@@ -94,8 +116,10 @@ class Worker:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.finish()
+    def __exit__(self, exc_type, *exc):
+        # The suite's deadline (a BaseException, not an Exception): no grace.
+        cut = exc_type is not None and not issubclass(exc_type, Exception)
+        self.finish(timeout=1 if cut else 30)
 
 
 class Sampler:
