@@ -59,15 +59,23 @@ pub struct Law {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Shape {
-    Waves { block_ns: f64, tail: f64 },
-    PerBlock { ns: f64, launch_ns: f64 },
+    Waves {
+        block_ns: f64,
+        tail: f64,
+    },
+    PerBlock {
+        ns: f64,
+        launch_ns: f64,
+    },
     Bandwidth {
         bytes_per_block: f64,
         gbps: f64,
         saturate_threads: f64,
         launch_ns: f64,
     },
-    Fixed { ns: f64 },
+    Fixed {
+        ns: f64,
+    },
 }
 
 /// A launch as the device sees it.
@@ -149,6 +157,14 @@ impl Law {
         (t * jitter).max(1.0) as u64
     }
 
+    /// The share of `gpu` a launch occupies while it runs (its blocks over
+    /// the blocks the device holds at once, at most 1): kernels of one
+    /// process on different streams run side by side while they fit.
+    pub fn occupancy(&self, gpu: &GpuSpec, l: Launch) -> f64 {
+        let resident = gpu.sm_count as u64 * self.blocks_per_sm(gpu, l);
+        (l.blocks() as f64 / resident as f64).min(1.0)
+    }
+
     /// Blocks one SM holds at once: the tightest of threads, registers and
     /// shared memory, 1 to 32.
     fn blocks_per_sm(&self, gpu: &GpuSpec, l: Launch) -> u64 {
@@ -176,7 +192,9 @@ impl Law {
         let mut kv = std::collections::HashMap::new();
         for w in words {
             let (k, v) = w.split_once('=').ok_or(format!("{w:?} is not key=value"))?;
-            let v: f64 = v.parse().map_err(|_| format!("{k}: {v:?} is not a number"))?;
+            let v: f64 = v
+                .parse()
+                .map_err(|_| format!("{k}: {v:?} is not a number"))?;
             if !v.is_finite() || v < 0.0 {
                 return Err(format!("{k}: {v} must be a finite number >= 0"));
             }
@@ -268,7 +286,11 @@ mod tests {
 
     fn t(law: &str, grid: u32, threads: u32, shared: u32) -> u64 {
         let (_, l) = Law::parse(&format!("k {law}")).unwrap();
-        l.duration_ns(&a100(), Launch::new([grid, 1, 1], [threads, 1, 1], shared), 0)
+        l.duration_ns(
+            &a100(),
+            Launch::new([grid, 1, 1], [threads, 1, 1], shared),
+            0,
+        )
     }
 
     #[test]
@@ -292,8 +314,20 @@ mod tests {
     }
 
     #[test]
+    fn occupancy_is_the_share_of_resident_blocks() {
+        let l = Law::default_for(10_000);
+        let occ = |g, t| l.occupancy(&a100(), Launch::new([g, 1, 1], [t, 1, 1], 0));
+        assert_eq!(occ(432, 256), 0.5);
+        assert_eq!(occ(86_400, 256), 1.0);
+        assert!(occ(1, 32) < 0.001);
+    }
+
+    #[test]
     fn other_laws() {
-        assert_eq!(t("per_block ns=100 launch_ns=1000", 10_000, 256, 0), 1_001_000);
+        assert_eq!(
+            t("per_block ns=100 launch_ns=1000", 10_000, 256, 0),
+            1_001_000
+        );
         assert_eq!(t("fixed ns=7000", 1, 1, 0), 7_000);
         assert_eq!(t("fixed ns=7000", 100_000, 1024, 0), 7_000);
         // 1 GB/s = 1 byte/ns; 1000 threads saturate.
@@ -309,7 +343,9 @@ mod tests {
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
         let mut sum = 0;
         for _ in 0..10_000 {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let d = l.duration_ns(&a100(), Launch::new([1; 3], [1; 3], 0), x);
             assert!((500..=1500).contains(&d), "{d}");
             sum += d;

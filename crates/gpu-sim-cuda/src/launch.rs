@@ -75,12 +75,15 @@ pub(crate) unsafe fn launch(
     let ctx = t.ctx();
     // SAFETY: checked above: a live Func this driver handed out.
     let law = unsafe { &*(f as *const Func) }.law;
-    let dur = law.duration_ns(
-        &d.node().gpus[ctx.gpu],
-        Launch::new(grid, block, shared),
-        random(),
-    );
-    let (_, end) = d.state.launch(d.me, ctx.gpu, dur, t.tail());
+    let (gpu, l) = (&d.node().gpus[ctx.gpu], Launch::new(grid, block, shared));
+    let dur = law.duration_ns(gpu, l, random());
+    // The legacy default stream orders itself against every other blocking
+    // stream: its kernels neither run beside others nor let others beside.
+    let share = match t {
+        Target::Legacy(_) => 1.0,
+        _ => law.occupancy(gpu, l),
+    };
+    let (_, end) = d.state.launch_with(d.me, ctx.gpu, dur, t.tail(), share);
     t.set_tail(end);
     Ok(())
 }

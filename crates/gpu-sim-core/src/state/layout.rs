@@ -52,7 +52,11 @@ pub(super) struct DeviceBlock {
     pub(super) ring_head: AtomicU64,
     /// Owner of the last kernel queued (whose context the device holds).
     pub(super) last_owner: AtomicU64,
-    _pad: [u64; 4],
+    /// Start of the last kernel queued in order, and the device capacity
+    /// (of `timeline::FULL`) it and the kernels beside it leave free.
+    pub(super) group_start: AtomicU64,
+    pub(super) group_room: AtomicU64,
+    _pad: [u64; 2],
     pub(super) ring: [Interval; RING],
 }
 

@@ -5,13 +5,29 @@ use super::layout::{DeviceBlock, RING};
 use super::{Attached, ProcessInfo, SharedState, now_ns};
 use std::sync::atomic::Ordering::*;
 
+/// A whole device's capacity, in the units kernels' shares are counted in.
+pub(super) const FULL: u64 = 1 << 16;
+
+/// A kernel that would queue behind its own process's work (from another
+/// stream) runs beside it instead, from the start of the group it joins,
+/// when the group leaves room for it; `None`: it queues.
+fn beside(dev: &DeviceBlock, ready: u64, need: u64, duration_ns: u64) -> Option<(u64, u64)> {
+    if ready >= dev.busy_until.load(Acquire) {
+        return None;
+    }
+    dev.group_room
+        .fetch_update(AcqRel, Acquire, |room| room.checked_sub(need))
+        .ok()?;
+    let start = ready.max(dev.group_start.load(Acquire));
+    let end = start + duration_ns;
+    dev.busy_until.fetch_max(end, AcqRel);
+    Some((start, end))
+}
+
 impl SharedState {
-    /// Queues a kernel of `duration_ns` on `gpu`'s timeline, not before
-    /// `not_before_ns` (the end of the previous work on the caller's stream).
-    /// Kernels never overlap (no MPS: contexts time-slice), and one that
-    /// waits behind another process's work pays the node's
-    /// `context_switch_ns` of idle device time first. Returns its simulated
-    /// (start, end). Atomics and a vDSO clock read only: no syscall.
+    /// Queues a kernel of `duration_ns` that fills `gpu` on its timeline,
+    /// not before `not_before_ns` (the end of the previous work on the
+    /// caller's stream). See [`Self::launch_with`].
     pub fn launch(
         &self,
         me: Attached,
@@ -19,12 +35,34 @@ impl SharedState {
         duration_ns: u64,
         not_before_ns: u64,
     ) -> (u64, u64) {
+        self.launch_with(me, gpu, duration_ns, not_before_ns, 1.0)
+    }
+
+    /// Queues a kernel of `duration_ns` occupying `share` (0..=1) of `gpu`.
+    /// Kernels of different processes never overlap (no MPS: contexts
+    /// time-slice), and one that waits behind another process's work pays
+    /// the node's `context_switch_ns` of idle device time first. A kernel
+    /// of the process whose work the device runs, from another stream, runs
+    /// beside that work while the device has room for it. Returns its
+    /// simulated (start, end). Atomics and a vDSO clock read only.
+    pub fn launch_with(
+        &self,
+        me: Attached,
+        gpu: usize,
+        duration_ns: u64,
+        not_before_ns: u64,
+        share: f64,
+    ) -> (u64, u64) {
         let dev = self.device(gpu);
-        let now = now_ns();
-        let ready = now.max(not_before_ns);
-        // Contexts of different processes time-slice: a kernel that waits
-        // behind another process's work starts after a context switch.
+        let ready = now_ns().max(not_before_ns);
+        let need = ((share.clamp(0.0, 1.0) * FULL as f64).ceil() as u64).max(1);
         let prev = dev.last_owner.swap(me.owner(), AcqRel);
+        if prev == me.owner()
+            && let Some((start, end)) = beside(dev, ready, need, duration_ns)
+        {
+            self.record(dev, me.owner(), start, end);
+            return (start, end);
+        }
         let switch = if prev != me.owner() {
             self.node().context_switch_ns
         } else {
@@ -37,23 +75,24 @@ impl SharedState {
             end = start + duration_ns;
             Some(end)
         });
+        dev.group_start.store(start, Release);
+        dev.group_room.store(FULL.saturating_sub(need), Release);
         self.record(dev, me.owner(), start, end);
         (start, end)
     }
 
     fn record(&self, dev: &DeviceBlock, owner: u64, start: u64, end: u64) {
-        // Back-to-back kernels of one process extend its last interval, so a
-        // saturating process costs one ring entry, not one per launch.
+        // Back-to-back (or side-by-side) kernels of one process extend its
+        // last interval, so a saturating process costs one ring entry, not
+        // one per launch, and overlapping kernels count once.
         let head = dev.ring_head.load(Acquire);
         if head > 0 {
             let last = &dev.ring[((head - 1) as usize) % RING];
             if last.seq.load(Acquire) == head
                 && last.owner.load(Acquire) == owner
-                && last
-                    .end
-                    .compare_exchange(start, end, AcqRel, Acquire)
-                    .is_ok()
+                && (last.start.load(Acquire)..=last.end.load(Acquire)).contains(&start)
             {
+                last.end.fetch_max(end, AcqRel);
                 return;
             }
         }
@@ -154,6 +193,29 @@ mod tests {
         let per = s.process_utilization(0, s1, e2);
         assert_eq!(per.len(), 1);
         assert!((per[0].1 - 100.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn streams_of_one_process_share_the_device_while_they_fit() {
+        let (_d, root) = installed();
+        let s = SharedState::open(&root).unwrap();
+        let me = s.attach().unwrap();
+        s.set_active(me, 0);
+        let (s1, e1) = s.launch_with(me, 0, 1_000_000, 0, 0.5);
+        // Another stream (ready now): beside the first, not behind it.
+        let (s2, e2) = s.launch_with(me, 0, 1_000_000, 0, 0.5);
+        assert!(s2 < e1 && s2 >= s1, "{s1} {e1} {s2}");
+        // The device is full: the next one queues.
+        let (s3, e3) = s.launch_with(me, 0, 1_000_000, 0, 0.1);
+        assert_eq!(s3, e2.max(e1));
+        // Its own stream's tail: after it, whatever the room.
+        let (s4, _) = s.launch_with(me, 0, 1_000, e3, 0.1);
+        assert_eq!(s4, e3);
+        // Overlapping kernels count once.
+        let u = s.utilization(0, s1, e3);
+        assert!((u - 100.0).abs() < 1e-9, "{u}");
+        let per = s.process_utilization(0, s1, e3);
+        assert!((per[0].1 - 100.0).abs() < 1e-9, "{per:?}");
     }
 
     #[test]
