@@ -189,11 +189,13 @@ static void outside_fail(CUresult r) {
 // Another thread, GLOBAL mode (the default): launches on its own stream
 // (throttled), stream-ordered allocations on it; synchronous allocations
 // in RELAXED mode, as PyTorch's caching allocator makes them during a
-// capture. For `secs` seconds.
+// capture. For `secs` seconds and at least MIN_OPS rounds (the watcher
+// ticks every 20-100 ms meanwhile).
+#define MIN_OPS 20
 static void *outside(void *arg) {
   double secs = *(double *)arg, t0 = now_s();
   check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
-  while (now_s() - t0 < secs) {
+  while (now_s() - t0 < secs || outside_ops < MIN_OPS) {
     CUdeviceptr p;
     outside_fail(launch(s2));
     CUresult r = cuMemAllocAsync(&p, 4 << 20, s2);
@@ -224,7 +226,7 @@ static void shim(void) {
   int n = 0;
   check(cuStreamBeginCapture_v2(s, GLOBAL), "cuStreamBeginCapture");
   pthread_create(&t, NULL, outside, &secs);
-  while (!outside_done) {
+  while (!outside_done || n < MIN_OPS) {
     check(launch(s), "cuLaunchKernel(captured)");
     n++;
     if (n % 8 == 0) {
