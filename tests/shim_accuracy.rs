@@ -25,7 +25,6 @@ mod matrix;
 mod server;
 #[path = "../cuda-shim/testsupport/simnode.rs"]
 mod simnode;
-#[allow(dead_code)]
 #[path = "../cuda-shim/testsupport/workload.rs"]
 mod workload;
 
@@ -134,4 +133,68 @@ fn a_wave_priced_bucket_without_feedback_misses_the_quota_and_feedback_holds_it(
         "with feedback: {:.1} % after the mix changed",
         closed.1
     );
+}
+
+/// The gate above means something only while the simulator's timing is its
+/// own: no simulator crate may depend on the interposer (directly or
+/// through another crate), and no simulator source may name the
+/// interposer's price (`kernel_cost`, `WAVE_UNITS`, `throttle::`).
+#[test]
+fn the_simulator_shares_no_pricing_code_with_the_interposer() {
+    let root = workspace_root();
+    for krate in ["gpu-sim-core", "gpu-sim-cuda", "gpu-sim-nvml", "gpu-sim"] {
+        let out = std::process::Command::new(env!("CARGO"))
+            .args([
+                "tree",
+                "--offline",
+                "-e",
+                "normal,build",
+                "--prefix",
+                "none",
+            ])
+            .args(["-p", krate])
+            .current_dir(&root)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "cargo tree -p {krate}: {out:?}");
+        let tree = String::from_utf8_lossy(&out.stdout);
+        let deps: Vec<&str> = tree.lines().filter_map(|l| l.split(' ').next()).collect();
+        assert!(deps.contains(&krate), "{tree}");
+        assert!(
+            !deps.contains(&"cuda-shim"),
+            "{krate} depends on cuda-shim:\n{tree}"
+        );
+    }
+    let mut sources = Vec::new();
+    for dir in ["gpu-sim-core", "gpu-sim-cuda", "gpu-sim-nvml", "gpu-sim"] {
+        rust_files(&root.join("crates").join(dir).join("src"), &mut sources);
+    }
+    assert!(sources.len() > 10, "{sources:?}");
+    for f in sources {
+        let text = std::fs::read_to_string(&f).unwrap();
+        for word in [
+            "kernel_cost",
+            "WAVE_UNITS",
+            "throttle::",
+            "cuda_shim",
+            "vcuda::throttle",
+        ] {
+            assert!(
+                !text.contains(word),
+                "{} names the interposer's {word}",
+                f.display()
+            );
+        }
+    }
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
 }

@@ -19,7 +19,6 @@ mod report;
 mod server;
 #[path = "../testsupport/simnode.rs"]
 mod simnode;
-#[allow(dead_code)]
 #[path = "../testsupport/workload.rs"]
 mod workload;
 

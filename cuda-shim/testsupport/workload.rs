@@ -3,6 +3,8 @@
 //! accuracy benchmarks. The program prints `pid=N start_ns=T` when it
 //! starts launching, runs for the seconds it is given, then exits 0.
 
+#![allow(dead_code)]
+
 use crate::simnode::{self, Container, ShimNode};
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;

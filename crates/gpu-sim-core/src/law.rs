@@ -172,11 +172,7 @@ impl Law {
         let by_threads = gpu.max_threads_per_sm as u64 / threads;
         let by_regs = REGS_PER_SM / (u64::from(self.regs.max(1)) * threads);
         let smem = u64::from(self.smem) + u64::from(l.shared);
-        let by_smem = if smem == 0 {
-            u64::MAX
-        } else {
-            shared_per_sm(gpu) / smem
-        };
+        let by_smem = shared_per_sm(gpu).checked_div(smem).unwrap_or(u64::MAX);
         by_threads
             .min(by_regs)
             .min(by_smem)

@@ -325,7 +325,7 @@ cuda_fn! {
             1 => f.law.smem as i32,
             4 => f.law.regs as i32,
             5 | 6 => 80,
-            1..=10 => 0,
+            2 | 3 | 7..=10 => 0,
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
         };
         put(value, v)

@@ -38,7 +38,7 @@ pub(crate) fn published(gpu: usize, k: u64) -> u64 {
 
 /// Whether the driver skips period `k` (its time goes into the next one).
 pub(crate) fn skipped(gpu: usize, k: u64) -> bool {
-    mix(gpu, k, 3) % SKIP_ONE_IN == 0
+    mix(gpu, k, 3).is_multiple_of(SKIP_ONE_IN)
 }
 
 /// The window the sample ending period `k` covers: back to the last
