@@ -57,4 +57,20 @@ if ! command -v nvidia-smi >/dev/null && [ ! -e /dev/nvidiactl ]; then
   echo "run.sh: no NVIDIA driver here (no nvidia-smi, no /dev/nvidiactl); use --sim for the simulated node" >&2
   exit 2
 fi
+# The mirror (like the manager) finds the driver through ld.so.cache. GPU
+# containers often reach it only through LD_LIBRARY_PATH (/usr/local/nvidia/
+# lib64, mounted by the runtime): as root, add that directory to the cache
+# (what the host's driver install does) rather than fail the whole run.
+if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 .*x86-64'; then
+  for d in ${LD_LIBRARY_PATH//:/ } /usr/local/nvidia/lib64 /usr/lib64 /usr/local/cuda/compat; do
+    if [ -e "$d/libcuda.so.1" ]; then
+      if [ "$(id -u)" = 0 ] && echo "$d" >/etc/ld.so.conf.d/zz-vcuda-gpu-suite.conf && ldconfig; then
+        echo "run.sh: libcuda.so.1 was not in ld.so.cache; added $d (/etc/ld.so.conf.d/zz-vcuda-gpu-suite.conf)" >&2
+      else
+        echo "run.sh: libcuda.so.1 is in $d but not in ld.so.cache, which the mirror reads; run ldconfig $d as root" >&2
+      fi
+      break
+    fi
+  done
+fi
 "$python" tests/gpu/suite.py --artifacts "$artifacts" "${rest[@]}"
