@@ -168,7 +168,7 @@ def main():
     ap.add_argument("--deadline", type=float, default=540.0,
                     help="abandon the running case after this many seconds and print the table (0: none)")
     ap.add_argument("--quick", action="store_true",
-                    help="first contact: compute window 5 s after 2 s of warm-up (unless given), budget 300 s")
+                    help="first contact: compute window 5 s after 3 s of warm-up (unless given), budget 300 s")
     ap.add_argument("--pidns", action="store_true",
                     help="run each worker in a new PID namespace (`unshare --pid --fork --mount-proc`, root): "
                     "a container without hostPID, whose own PIDs are not NVML's")
@@ -178,7 +178,7 @@ def main():
     if a.quick:
         given = " ".join(sys.argv[1:])
         a.compute_seconds = a.compute_seconds if "--compute-seconds" in given else 5.0
-        a.compute_warmup = a.compute_warmup if "--compute-warmup" in given else 2.0
+        a.compute_warmup = a.compute_warmup if "--compute-warmup" in given else 3.0
         a.budget = min(a.budget, 300.0)
     only = [x for x in a.only.split(",") if x]
     if a.sim and a.host_root == "/":
