@@ -8,7 +8,8 @@
 //!   {10, 30, 50, 70, 90} x five mixes alone, and 30 + 70, 20 + 20 + 60 on
 //!   one GPU; every tenant within ±3 points of its quota over a
 //!   [`WINDOW_S`] window after [`WARMUP_S`] of warm-up (ground truth: the
-//!   sim's timeline). [`JOBS`] cases run at once, each on its own node.
+//!   sim's timeline). [`JOBS`] single-tenant cases run at once, each on its
+//!   own node; each shared GPU then runs alone.
 //! * the model really disagrees with the price: with NVML's samples cut
 //!   off after calibrating on one mix, the bucket keeps the wave-priced rate
 //!   it learned and misses the quota on another mix by tens of points;
@@ -35,8 +36,9 @@ use vcuda_tests::{target_dir, workspace_root};
 
 const WARMUP_S: f64 = 3.0;
 const WINDOW_S: f64 = 5.0;
-/// Cases at once: the workloads sleep on the device or the bucket most of
-/// the time, so three fit on two cores; more made the 90 % cases starve.
+/// Single-tenant cases at once: the workloads sleep on the device or the
+/// bucket most of the time, so three fit on two cores (each keeps 3 rounds
+/// queued: a late wake-up does not idle its device).
 const JOBS: usize = 3;
 /// Points a tenant may be off its quota.
 const BOUND: f64 = 3.0;

@@ -142,24 +142,28 @@ pub fn compile(s: &Setup, into: &Path) -> PathBuf {
     prog
 }
 
-/// Runs `cases`, `s.jobs` at a time; outcomes in the cases' order.
+/// Runs `cases`, outcomes in the cases' order: single tenants `s.jobs` at a
+/// time, then each shared GPU alone (its tenants together need the whole
+/// device, so a loaded host shows in them first).
 pub fn run_all(s: &Setup, cases: &[Case]) -> Vec<Outcome> {
     let dir = tempfile::tempdir().unwrap();
     let prog = compile(s, dir.path());
-    let next = AtomicUsize::new(0);
     let out: Mutex<Vec<Option<Outcome>>> = Mutex::new(vec![None; cases.len()]);
-    std::thread::scope(|scope| {
-        for _ in 0..s.jobs.max(1) {
-            scope.spawn(|| {
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(case) = cases.get(i) else { break };
-                    let o = run_case(s, case, &prog);
-                    out.lock().unwrap()[i] = Some(o);
-                }
-            });
-        }
-    });
+    let (alone, shared): (Vec<usize>, Vec<usize>) =
+        (0..cases.len()).partition(|&i| cases[i].tenants.len() == 1);
+    for (batch, jobs) in [(alone, s.jobs), (shared, 1)] {
+        let next = AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..jobs.max(1) {
+                scope.spawn(|| {
+                    while let Some(&i) = batch.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        let o = run_case(s, &cases[i], &prog);
+                        out.lock().unwrap()[i] = Some(o);
+                    }
+                });
+            }
+        });
+    }
     out.into_inner()
         .unwrap()
         .into_iter()
