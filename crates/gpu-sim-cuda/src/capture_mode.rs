@@ -93,9 +93,9 @@ pub(crate) fn sync_point(t: Target) -> R {
     unsafe_call()
 }
 
-/// Work enqueued on `t` or a sync of it that necessarily conflicts with
-/// an open capture: `t` is the legacy stream and a blocking stream of its
-/// context captures, or (`own`) `t` itself captures.
+/// Work enqueued on `t`, or a sync of it, that necessarily conflicts with an
+/// open capture (whatever the mode): `t` is the legacy stream and a blocking
+/// stream of its context captures, or `t` itself captures.
 fn conflict(t: Target) -> R {
     let mut st = graph::state();
     let hit = match t {
