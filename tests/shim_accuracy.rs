@@ -85,7 +85,7 @@ fn every_case_of_the_matrix_holds_its_quota_within_3_points() {
 /// samples stop (the sim's knob) the moment the mix changes, so the bucket
 /// keeps the rate learned on the first mix: a wave-priced bucket, open loop.
 fn phases(s: &matrix::Setup, prog: &Path, feedback: bool) -> (f64, f64) {
-    let n = ShimNode::install(&s.workspace, &s.gpu_sim, &s.shim, "sim-1gpu");
+    let n = ShimNode::install(&s.workspace, &s.gpu_sim, &s.shim, matrix::NODE);
     let c = n.container(50, true, 0);
     let mut r = workload::start(&c, prog, &["phases", "14"]);
     let switch = r.wait_for("phase_ns");

@@ -72,8 +72,9 @@ fn main() {
     md.print(
         "cargo bench -p cuda-shim --bench accuracy_matrix",
         &format!(
-            "simulated A100 node (sim-1gpu) with law-timed kernels and NVML's wandering samples, \
-             {WARMUP_S} s warm-up, {WINDOW_S} s windows, {jobs} cases at a time, ground truth from the sim's timeline"
+            "simulated A100 node ({}) with law-timed kernels and a real driver's NVML sampling, \
+             {WARMUP_S} s warm-up, {WINDOW_S} s windows, {jobs} cases at a time, ground truth from the sim's timeline",
+            matrix::NODE
         ),
     );
 }

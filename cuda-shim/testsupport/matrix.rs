@@ -18,6 +18,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub const LIMITS: [i32; 5] = [10, 30, 50, 70, 90];
+/// An A100 whose NVML samples as a real driver does (late, wandering,
+/// skipping a period now and then): `config/nodes/<NODE>.toml`.
+pub const NODE: &str = "sim-1gpu-driver-sampling";
 pub const MIXES: [&str; 5] = ["uniform", "blockmix", "saturate", "graph", "gridless"];
 
 /// One container: its hard limit and the mix its workload runs.
@@ -107,7 +110,7 @@ pub struct Setup {
 
 /// Runs one case on a fresh node; `prog` is shim_laws, compiled once.
 pub fn run_case(s: &Setup, case: &Case, prog: &Path) -> Outcome {
-    let n = ShimNode::install(&s.workspace, &s.gpu_sim, &s.shim, "sim-1gpu");
+    let n = ShimNode::install(&s.workspace, &s.gpu_sim, &s.shim, NODE);
     let containers: Vec<Container> = case
         .tenants
         .iter()
@@ -135,7 +138,7 @@ pub fn run_case(s: &Setup, case: &Case, prog: &Path) -> Outcome {
 /// Compiles shim_laws once (into a node that is then dropped: the binary
 /// links `-lcuda` by name and finds each node's through LD_LIBRARY_PATH).
 pub fn compile(s: &Setup, into: &Path) -> PathBuf {
-    let n = ShimNode::install(&s.workspace, &s.gpu_sim, &s.shim, "sim-1gpu");
+    let n = ShimNode::install(&s.workspace, &s.gpu_sim, &s.shim, NODE);
     let built = n.compile_c(&s.workspace.join("tests/c/shim_laws.c"));
     let prog = into.join("shim_laws");
     std::fs::copy(&built, &prog).unwrap();

@@ -8,7 +8,7 @@ pub mod law;
 pub mod node;
 pub mod state;
 
-pub use node::{GpuSpec, NodeError, NodeSpec, PcieLevel};
+pub use node::{GpuSpec, NodeError, NodeSpec, NvmlSampling, PcieLevel};
 pub use state::{
     Attached, InstallOutcome, OutOfMemory, ProcessInfo, SharedState, SimRoot, StateError, XidEvent,
 };

@@ -20,7 +20,8 @@
 //!
 //! # optional, top level: kernel_wave_ns (block time of kernels that declare
 //! # no law, see `law`; default 10 µs), context_switch_ns (idle device time
-//! # when contexts of two processes take turns; default 20 µs)
+//! # when contexts of two processes take turns; default 20 µs), and an
+//! # [nvml_sampling] table (see `NvmlSampling`)
 //!
 //! [[link]]                 # optional; pairs not listed are NODE (same NUMA
 //! gpus = [0, 1]            # node) or SYS (different NUMA nodes)
@@ -169,6 +170,25 @@ impl GpuSpec {
     }
 }
 
+/// How the simulated NVML takes and publishes per-process utilization
+/// samples (`[nvml_sampling]`; all 0 by default: on a 100 ms grid, at once,
+/// none skipped). A real driver's wander, come late and skip a period now
+/// and then (`config/nodes/sim-1gpu-driver-sampling.toml`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NvmlSampling {
+    /// Most a period's end comes after its nominal time, ns (below 50 ms).
+    #[serde(default)]
+    pub wander_ns: u64,
+    /// Most a sample is published after its period ends, ns (below 1 s).
+    #[serde(default)]
+    pub late_ns: u64,
+    /// One period in this many is skipped, its time folded into the next
+    /// sample (0: never).
+    #[serde(default)]
+    pub skip_one_in: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LinkSpec {
@@ -189,6 +209,8 @@ struct RawNode {
     kernel_wave_ns: u64,
     #[serde(default = "default_switch_ns")]
     context_switch_ns: u64,
+    #[serde(default)]
+    nvml_sampling: NvmlSampling,
     #[serde(default)]
     gpu: Vec<toml::Spanned<GpuSpec>>,
     #[serde(default)]
@@ -215,6 +237,7 @@ pub struct NodeSpec {
     pub kernel_wave_ns: u64,
     /// Idle device time of a switch between processes' contexts.
     pub context_switch_ns: u64,
+    pub nvml_sampling: NvmlSampling,
     pub gpus: Vec<GpuSpec>,
     /// `pcie[i][j]`: PCIe level between GPU i and j.
     pcie: Vec<Vec<PcieLevel>>,
@@ -281,6 +304,15 @@ impl NodeSpec {
                     "{} GPUs; the simulator supports at most {MAX_GPUS}",
                     raw.gpu.len()
                 ),
+            ));
+        }
+        let ns = raw.nvml_sampling;
+        if ns.wander_ns >= 50_000_000 || ns.late_ns >= 1_000_000_000 {
+            let at = text.find("nvml_sampling").unwrap_or(0);
+            return Err(invalid(
+                at,
+                "nvml_sampling",
+                "wander_ns must be below 50 ms and late_ns below 1 s".into(),
             ));
         }
         if raw.kernel_wave_ns == 0 {
@@ -426,6 +458,7 @@ impl NodeSpec {
             cuda_version,
             kernel_wave_ns: raw.kernel_wave_ns,
             context_switch_ns: raw.context_switch_ns,
+            nvml_sampling: raw.nvml_sampling,
             gpus,
             pcie,
             nvlink,

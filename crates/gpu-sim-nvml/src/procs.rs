@@ -1,7 +1,7 @@
 //! Running processes and per-process utilization samples.
 
-use crate::*;
 use crate::schedule;
+use crate::*;
 use gpu_sim_core::state::{epoch_us_to_mono, mono_to_epoch_us, now_ns};
 use std::ffi::{c_uint, c_ulonglong};
 
@@ -227,8 +227,8 @@ fn sample_pid_offset() -> u32 {
 /// Samples of periods that ended after `last_seen_us` (epoch µs), within
 /// the history and already published, oldest first: one per process that
 /// ran in the sample's window, with its whole-percent share of the window
-/// in smUtil. The schedule (`schedule.rs`) wanders, publishes late and
-/// skips a period now and then, as the real driver's does.
+/// in smUtil. The node's schedule (`schedule.rs`) may wander, publish late
+/// and skip a period now and then, as a real driver's does.
 pub(crate) fn samples(
     c: &Ctx,
     sim: usize,
@@ -244,9 +244,10 @@ pub(crate) fn samples(
     }
     let mut out = Vec::new();
     let pid_offset = sample_pid_offset();
+    let sched = &c.state.node().nvml_sampling;
     for k in (since / SAMPLE_NS).max(1)..=now / SAMPLE_NS {
-        let (start, end) = schedule::window(sim, k);
-        if schedule::skipped(sim, k) || schedule::published(sim, k) > now {
+        let (start, end) = schedule::window(sched, sim, k);
+        if schedule::skipped(sched, sim, k) || schedule::published(sched, sim, k) > now {
             continue;
         }
         let ts = mono_to_epoch_us(end);

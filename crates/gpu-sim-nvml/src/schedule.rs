@@ -1,20 +1,19 @@
-//! When the simulated driver takes its per-process utilization samples,
-//! as a real one does: a nominal period (`SAMPLE_NS`) whose boundaries
-//! wander by up to a fifth of it, each sample published some tens of
-//! milliseconds after its period ends, and now and then a period skipped,
-//! its time folded into the next sample. All of it derives from the period's
-//! index, so every process sees the same schedule.
+//! When the simulated driver takes its per-process utilization samples.
+//! By default on a grid of `SAMPLE_NS`, each published as its period ends.
+//! A node's `[nvml_sampling]` makes it a real driver's schedule: period ends
+//! that wander after their nominal time, samples published some tens of
+//! milliseconds late, and now and then a period skipped, its time folded
+//! into the next sample. All of it derives from the period's index, so every
+//! process sees the same schedule.
+//!
+//! Readers that take the shortest gap between samples for the period read
+//! low by the wander's share of a period, and by a period's share whenever
+//! a skipped one is folded: gpu-display's sampler showed 19.7 % for a
+//! process the timeline had at 25.2 % with 20 ms of wander and one period
+//! in 11 skipped (its `tests/display_metrics.rs` runs on the default grid).
 
 use crate::procs::SAMPLE_NS;
-
-/// Most a boundary comes after its nominal time.
-const JITTER_NS: u64 = SAMPLE_NS / 5;
-/// A sample is published this long after its period ends, plus up to
-/// `LATE_SPREAD_NS` more.
-const LATE_NS: u64 = 10_000_000;
-const LATE_SPREAD_NS: u64 = 50_000_000;
-/// One period in this many is skipped.
-const SKIP_ONE_IN: u64 = 11;
+use gpu_sim_core::NvmlSampling;
 
 fn mix(gpu: usize, k: u64, salt: u64) -> u64 {
     // splitmix64 of (period, GPU, what is asked).
@@ -27,28 +26,31 @@ fn mix(gpu: usize, k: u64, salt: u64) -> u64 {
 }
 
 /// End of period `k` (CLOCK_MONOTONIC ns).
-pub(crate) fn boundary(gpu: usize, k: u64) -> u64 {
-    k * SAMPLE_NS + mix(gpu, k, 1) % JITTER_NS
+pub(crate) fn boundary(s: &NvmlSampling, gpu: usize, k: u64) -> u64 {
+    k * SAMPLE_NS + mix(gpu, k, 1).checked_rem(s.wander_ns).unwrap_or(0)
 }
 
-/// When the sample of period `k` can be read.
-pub(crate) fn published(gpu: usize, k: u64) -> u64 {
-    boundary(gpu, k) + LATE_NS + mix(gpu, k, 2) % LATE_SPREAD_NS
+/// When the sample of period `k` can be read: between a fifth of the
+/// configured lateness and all of it after the period ends.
+pub(crate) fn published(s: &NvmlSampling, gpu: usize, k: u64) -> u64 {
+    let least = s.late_ns / 5;
+    let more = mix(gpu, k, 2).checked_rem(s.late_ns - least).unwrap_or(0);
+    boundary(s, gpu, k) + least + more
 }
 
 /// Whether the driver skips period `k` (its time goes into the next one).
-pub(crate) fn skipped(gpu: usize, k: u64) -> bool {
-    mix(gpu, k, 3).is_multiple_of(SKIP_ONE_IN)
+pub(crate) fn skipped(s: &NvmlSampling, gpu: usize, k: u64) -> bool {
+    s.skip_one_in > 0 && mix(gpu, k, 3).is_multiple_of(s.skip_one_in)
 }
 
 /// The window the sample ending period `k` covers: back to the last
 /// period not skipped (at most three back).
-pub(crate) fn window(gpu: usize, k: u64) -> (u64, u64) {
+pub(crate) fn window(s: &NvmlSampling, gpu: usize, k: u64) -> (u64, u64) {
     let mut j = k.saturating_sub(1);
-    while j + 3 > k && j > 0 && skipped(gpu, j) {
+    while j + 3 > k && j > 0 && skipped(s, gpu, j) {
         j -= 1;
     }
-    (boundary(gpu, j), boundary(gpu, k))
+    (boundary(s, gpu, j), boundary(s, gpu, k))
 }
 
 #[cfg(test)]
@@ -56,20 +58,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn periods_wander_arrive_late_and_sometimes_skip() {
+    fn by_default_a_plain_grid() {
+        let s = NvmlSampling::default();
+        for k in 1..100 {
+            assert_eq!(window(&s, 0, k), ((k - 1) * SAMPLE_NS, k * SAMPLE_NS));
+            assert_eq!(published(&s, 0, k), k * SAMPLE_NS);
+            assert!(!skipped(&s, 0, k));
+        }
+    }
+
+    #[test]
+    fn a_drivers_periods_wander_arrive_late_and_sometimes_skip() {
+        let s = NvmlSampling {
+            wander_ns: 20_000_000,
+            late_ns: 60_000_000,
+            skip_one_in: 11,
+        };
         let ks = 1000..3000u64;
-        let skips = ks.clone().filter(|&k| skipped(0, k)).count();
+        let skips = ks.clone().filter(|&k| skipped(&s, 0, k)).count();
         assert!((100..300).contains(&skips), "{skips}");
         for k in ks {
-            let (from, to) = window(0, k);
+            let (from, to) = window(&s, 0, k);
             assert!(from < to && to - from <= 4 * SAMPLE_NS);
-            assert!(to >= k * SAMPLE_NS && to < k * SAMPLE_NS + JITTER_NS);
-            let late = published(0, k) - to;
-            assert!((LATE_NS..LATE_NS + LATE_SPREAD_NS).contains(&late));
-            if !skipped(0, k - 1) {
-                assert_eq!(from, boundary(0, k - 1));
+            assert!(to >= k * SAMPLE_NS && to < k * SAMPLE_NS + s.wander_ns);
+            let late = published(&s, 0, k) - to;
+            assert!((12_000_000..60_000_000).contains(&late), "{late}");
+            assert!(published(&s, 0, k) < published(&s, 0, k + 1));
+            if !skipped(&s, 0, k - 1) {
+                assert_eq!(from, boundary(&s, 0, k - 1));
             }
         }
-        assert_ne!(boundary(0, 5), boundary(1, 5), "GPUs sample apart");
+        assert_ne!(boundary(&s, 0, 5), boundary(&s, 1, 5), "GPUs sample apart");
     }
 }
