@@ -159,6 +159,8 @@ log "format and lints"
 # errors over every target (~3 min on 2 cores after the build).
 cargo fmt --all --check
 cargo clippy -q --workspace --all-targets -- -D warnings
+
+log "the shipped interposer"
 # The interposer as shipped (deploy/Dockerfile): release, glibc 2.17. Same
 # target dir; it lands in target/x86_64-unknown-linux-gnu/release/.
 t0=$SECONDS
