@@ -98,6 +98,11 @@ impl Host {
             fs::create_dir_all(root.join(d)).unwrap();
         }
         let has32 = gcc_m32_works(dir.path());
+        if !has32 {
+            // The 32-bit half of every check would be dropped: say so (and
+            // fail where every test must run).
+            vcuda_tests::cannot_run("gcc -m32 -nostdlib -shared cannot build a 32-bit object here");
+        }
         fs::write(root.join("etc/ld.so.conf"), format!("/{LIB64}\n/{LIB32}\n")).unwrap();
         let l64 = root.join(LIB64);
         // Not NVIDIA's: a Mesa-like EGL (blacklisted), GLVND's dispatcher and libGL (kept),
