@@ -165,8 +165,9 @@ impl Stepped {
 
 /// A GLOBAL capture stays valid while the interposer throttles launches
 /// into it and beside it, charges stream-ordered and synchronous
-/// allocations of another thread, and its watcher ticks (NVML, pools); the
-/// graph's replays are charged its kernels.
+/// allocations of another thread, walks and charges that thread's graph
+/// instantiations and replays, and its watcher ticks (NVML, pools); the
+/// captured graph's replays are charged its kernels.
 #[test]
 fn a_global_capture_survives_the_interposer() {
     let (n, prog) = node();

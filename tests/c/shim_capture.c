@@ -8,7 +8,8 @@
 //        shim_capture shim    (each step acknowledged on stdin) a GLOBAL
 //                             capture on this thread, launching and
 //                             allocating into it, while another thread
-//                             launches and allocates outside it (through the
+//                             launches, allocates and replays a graph outside
+//                             it (through the
 //                             interposer's quotas, its watcher ticking);
 //                             then the graph launched 3 times, then one
 //                             kernel directly
@@ -46,6 +47,7 @@ CUresult cuEventQuery(CUevent e);
 CUresult cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags);
 CUresult cuGraphLaunch(CUgraphExec e, CUstream s);
 CUresult cuGraphDestroy(CUgraph g);
+CUresult cuGraphExecDestroy(CUgraphExec e);
 
 static CUfunction f;
 static CUstream s, s2;
@@ -186,11 +188,14 @@ static void outside_fail(CUresult r) {
   outside_errors += r != 0;
 }
 
+static CUgraph outside_graph; // 2 kernels, captured on s2 before
+
 // Another thread, GLOBAL mode (the default): launches on its own stream
 // (throttled), stream-ordered allocations on it; synchronous allocations
 // in RELAXED mode, as PyTorch's caching allocator makes them during a
-// capture. For `secs` seconds and at least MIN_OPS rounds (the watcher
-// ticks every 20-100 ms meanwhile).
+// capture; every 4th round a graph instantiated (the interposer walks it),
+// launched (charged its kernels) and destroyed. For `secs` seconds and at
+// least MIN_OPS rounds (the watcher ticks every 20-100 ms meanwhile).
 #define MIN_OPS 20
 static void *outside(void *arg) {
   double secs = *(double *)arg, t0 = now_s();
@@ -206,6 +211,15 @@ static void *outside(void *arg) {
     cuThreadExchangeStreamCaptureMode(&m);
     outside_fail(alloc_free());
     cuThreadExchangeStreamCaptureMode(&m);
+    if (outside_ops % 4 == 0) {
+      CUgraphExec ex;
+      r = cuGraphInstantiateWithFlags(&ex, outside_graph, 0);
+      outside_fail(r);
+      if (!r) {
+        outside_fail(cuGraphLaunch(ex, s2));
+        outside_fail(cuGraphExecDestroy(ex));
+      }
+    }
     outside_ops++;
     usleep(2000);
   }
@@ -219,6 +233,10 @@ static void shim(void) {
   check(cuMemAllocAsync(&p, 8 << 20, s2), "cuMemAllocAsync");
   check(cuMemFreeAsync(p, s2), "cuMemFreeAsync");
   check(cuStreamSynchronize(s2), "cuStreamSynchronize");
+  check(cuStreamBeginCapture_v2(s2, GLOBAL), "cuStreamBeginCapture");
+  check(launch(s2), "cuLaunchKernel(captured)");
+  check(launch(s2), "cuLaunchKernel(captured)");
+  check(cuStreamEndCapture(s2, &outside_graph), "cuStreamEndCapture");
   phase("ready");
   double secs = 0.6;
   pthread_t t;
