@@ -9,8 +9,8 @@
 //                             capture on this thread, launching and
 //                             allocating into it, while another thread
 //                             launches, allocates and replays a graph outside
-//                             it (through the
-//                             interposer's quotas, its watcher ticking);
+//                             it (through the interposer's quotas, its
+//                             watcher ticking);
 //                             then the graph launched 3 times, then one
 //                             kernel directly
 // Prints key=value words; `phase=NAME` lines wait for a line on stdin.
