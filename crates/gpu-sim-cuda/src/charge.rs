@@ -192,6 +192,9 @@ cuda_fn! {
     fn cuCtxGetLimit(value: *mut usize, limit: i32) {
         let d = drv()?;
         let c = current()?;
+        if let Some(v) = crate::limits::read_only(d, c, limit) {
+            return put(value, v);
+        }
         if !(0..LIMIT_DEFAULTS.len() as i32).contains(&limit) {
             return Err(CUDA_ERROR_UNSUPPORTED_LIMIT);
         }

@@ -19,6 +19,7 @@
 
 mod cls;
 mod integrity;
+mod tools;
 
 use crate::{R, drv, put};
 use cuda_abi::*;
@@ -34,6 +35,12 @@ struct Table<const N: usize>([*const c_void; N]);
 unsafe impl<const N: usize> Sync for Table<N> {}
 
 impl<const N: usize> Table<N> {
+    /// The table with slot `i` known.
+    const fn with(mut self, i: usize, f: *const c_void) -> Self {
+        self.0[i] = f;
+        self
+    }
+
     const fn addr(&'static self) -> *const c_void {
         self as *const Self as *const c_void
     }
@@ -112,7 +119,12 @@ static CUDART_TABLE: Table<13> = Table([
     load_compilers as *const c_void,
 ]);
 
-static TOOLS_TLS_TABLE: Table<3> = Table([size_word(3), u!(TOOLS_TLS, 1), u!(TOOLS_TLS, 2)]);
+/// Slot 2: the current context (cuBLASLt 13, `tools.rs`).
+static TOOLS_TLS_TABLE: Table<3> = Table([
+    size_word(3),
+    u!(TOOLS_TLS, 1),
+    tools::current_context as *const c_void,
+]);
 
 static TOOLS_HOOKS_TABLE: Table<7> = Table([
     size_word(7),
@@ -140,11 +152,13 @@ static DEVICE_EXT_TABLE: Table<28> = unknown_table!(DEVICE_EXT;
 
 /// Unknown to ZLUDA; CUDA 13 runtimes give up (cudaErrorInvalidValue from
 /// everything) when the driver lacks it, but called none of its slots in
-/// our tests. 86 slots as in 550 (535 has 77).
+/// our tests; cuBLASLt 13 calls slot 4, a context's id (`tools.rs`). 86
+/// slots as in 550 (535 has 77).
 static RUNTIME13_TABLE: Table<86> = unknown_table!(RUNTIME13;
     1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30
     31 32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58
-    59 60 61 62 63 64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85);
+    59 60 61 62 63 64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85)
+.with(4, tools::context_id as *const c_void);
 
 static INTEGRITY_TABLE: Table<3> = Table([
     size_word(3),

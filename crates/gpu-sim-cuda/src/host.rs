@@ -40,6 +40,9 @@ cuda_fn! {
     fn cuMemFreeHost(p: *mut c_void) {
         let d = drv()?;
         crate::capture_mode::unsafe_call()?;
+        if p.is_null() {
+            return Ok(()); // free(NULL) semantics, as NVIDIA's driver
+        }
         let len = lock(&d.mem.host).remove(&(p as u64)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         // SAFETY: `p`/`len` is a mapping `host_alloc` made and recorded in
         // `host`; removing the record above makes this its only unmap.

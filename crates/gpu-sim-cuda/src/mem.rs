@@ -176,6 +176,9 @@ impl Memory {
         {
             return Ok(());
         }
+        if crate::globals::contains(ptr, end) {
+            return Ok(());
+        }
         Err(CUDA_ERROR_INVALID_VALUE)
     }
 }
@@ -218,6 +221,11 @@ cuda_fn! {
     fn cuMemFree_v2(ptr: u64) {
         let d = drv()?;
         crate::capture_mode::unsafe_call()?;
+        // free(NULL) semantics, as NVIDIA's driver: runtimes pass
+        // cudaFree(0) (the context-creating idiom, cublasCreate's) through.
+        if ptr == 0 {
+            return Ok(());
+        }
         d.mem.free(d, ptr)
     }
 

@@ -120,6 +120,15 @@ unsafe fn module<'a>(h: *mut c_void) -> R<&'a Module> {
     Ok(unsafe { &*m })
 }
 
+/// Checks a module or library handle (for `globals.rs`).
+///
+/// # Safety
+/// `h` is a handle our caller was passed (CUDA ABI); see [`module`].
+pub(crate) unsafe fn module_handle(h: *mut c_void) -> R {
+    // SAFETY: forwarded contract.
+    unsafe { module(h) }.map(|_| ())
+}
+
 unsafe fn get_function(out: *mut *mut c_void, m: *mut c_void, name: *const c_char) -> R {
     let d = drv()?;
     // SAFETY: `m` is our caller's module handle, passed on under this function's own contract;
@@ -158,6 +167,7 @@ unsafe fn unload(m: *mut c_void) -> R {
     // `module` checks its magic.
     unsafe { module(m)? };
     d.mem.charges.drop_one(d, charge::What::Module, m as usize);
+    crate::globals::drop_module(m as usize);
     let m = m as *mut Module;
     // SAFETY: the handle passed its magic check, so it is a Box this driver leaked; the magic
     // is zeroed and the Box freed once, here, under the destroy call.
