@@ -30,8 +30,10 @@
 //!   work queue, a cooperative kernel spinning on a flag).
 //!
 //! and on any law `noise=f`: each launch's time is multiplied by a factor
-//! uniform in `[1 - f, 1 + f]` (data-dependent work the launch shape does
-//! not show). Kernels no line names follow [`Law::default_for`].
+//! uniform in `[1 - f, 1 + f]`, and `arg_ns=t`: each launch takes `t` more
+//! per unit of its first kernel parameter (read as a 32-bit integer: a
+//! length, a sequence size), work the launch shape does not show. Kernels
+//! no line names follow [`Law::default_for`].
 //!
 //! Nothing here knows how `cuda-shim` prices a launch, and nothing may:
 //! the point is a device whose timing the interposer can only observe.
@@ -51,6 +53,8 @@ pub struct Law {
     pub shape: Shape,
     /// Relative half-width of the per-launch jitter (0 = deterministic).
     pub noise: f64,
+    /// Device time per unit of the launch's first parameter.
+    pub arg_ns: f64,
     /// Registers per thread (`CU_FUNC_ATTRIBUTE_NUM_REGS`).
     pub regs: u32,
     /// Static shared memory per block (`CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES`).
@@ -85,6 +89,8 @@ pub struct Launch {
     pub block: [u32; 3],
     /// Dynamic shared memory per block.
     pub shared: u32,
+    /// The first kernel parameter as a 32-bit integer (0 when unknown).
+    pub arg: u32,
 }
 
 impl Launch {
@@ -93,7 +99,12 @@ impl Launch {
             grid,
             block,
             shared,
+            arg: 0,
         }
+    }
+    /// The same launch with its first parameter's value.
+    pub fn with_arg(self, arg: u32) -> Launch {
+        Launch { arg, ..self }
     }
     fn blocks(&self) -> u64 {
         self.grid.iter().map(|&x| u64::from(x.max(1))).product()
@@ -114,6 +125,7 @@ impl Law {
                 tail: 0.5,
             },
             noise: 0.0,
+            arg_ns: 0.0,
             regs: 32,
             smem: 0,
         }
@@ -154,7 +166,7 @@ impl Law {
         } else {
             1.0
         };
-        (t * jitter).max(1.0) as u64
+        ((t + self.arg_ns * f64::from(l.arg)) * jitter).max(1.0) as u64
     }
 
     /// The share of `gpu` a launch occupies while it runs (its blocks over
@@ -200,6 +212,7 @@ impl Law {
         let regs = take("regs", 32.0).clamp(1.0, 255.0) as u32;
         let smem = take("smem", 0.0) as u32;
         let noise = take("noise", 0.0).min(0.99);
+        let arg_ns = take("arg_ns", 0.0);
         let shape = match kind {
             "waves" => Shape::Waves {
                 block_ns: take("block_ns", 10_000.0),
@@ -228,6 +241,7 @@ impl Law {
             Law {
                 shape,
                 noise,
+                arg_ns,
                 regs,
                 smem,
             },
@@ -347,6 +361,14 @@ mod tests {
             sum += d;
         }
         assert!((sum as f64 / 10_000.0 - 1000.0).abs() < 20.0);
+    }
+
+    #[test]
+    fn data_dependent_time_follows_the_first_parameter() {
+        let (_, l) = Law::parse("k fixed ns=1000 arg_ns=10").unwrap();
+        let d = |arg| l.duration_ns(&a100(), Launch::new([1; 3], [1; 3], 0).with_arg(arg), 0);
+        assert_eq!(d(0), 1_000);
+        assert_eq!(d(500), 6_000, "same shape, more data");
     }
 
     #[test]

@@ -46,6 +46,7 @@ pub(crate) unsafe fn launch(
     shared: u32,
     stream: *mut c_void,
     ptsz: bool,
+    params: *mut *mut c_void,
 ) -> R {
     let d = drv()?;
     let func = f as *const u64;
@@ -75,7 +76,16 @@ pub(crate) unsafe fn launch(
     let ctx = t.ctx();
     // SAFETY: checked above: a live Func this driver handed out.
     let law = unsafe { &*(f as *const Func) }.law;
-    let (gpu, l) = (&d.node().gpus[ctx.gpu], Launch::new(grid, block, shared));
+    let l = Launch::new(grid, block, shared);
+    // Read only for a law that declares its first parameter an integer.
+    let l = if law.arg_ns > 0.0 {
+        // SAFETY: `params` is the caller's kernelParams (CUDA ABI: NULL or an array whose
+        // first entry points at the first argument).
+        l.with_arg(unsafe { first_param(params) })
+    } else {
+        l
+    };
+    let gpu = &d.node().gpus[ctx.gpu];
     let dur = law.duration_ns(gpu, l, random());
     // The legacy default stream orders itself against every other blocking
     // stream: its kernels neither run beside others nor let others beside.
@@ -86,6 +96,26 @@ pub(crate) unsafe fn launch(
     let (_, end) = d.state.launch_with(d.me, ctx.gpu, dur, t.tail(), share);
     t.set_tail(end);
     Ok(())
+}
+
+/// The first kernel parameter as a 32-bit integer; 0 without parameters.
+///
+/// # Safety
+/// `params` is NULL or, per the CUDA ABI, an array whose first entry is NULL
+/// or points at the kernel's first argument (at least 4 bytes for a kernel
+/// whose law reads it).
+unsafe fn first_param(params: *mut *mut c_void) -> u32 {
+    if params.is_null() {
+        return 0;
+    }
+    // SAFETY: the contract above.
+    let p = unsafe { *params } as *const u32;
+    if p.is_null() {
+        0
+    } else {
+        // SAFETY: the contract above; arguments need not be aligned for us.
+        unsafe { p.read_unaligned() }
+    }
 }
 
 /// `CUlaunchConfig` (x86_64 layout).
@@ -102,57 +132,57 @@ pub struct LaunchConfig {
 cuda_fn! {
     fn cuLaunchKernel(
         f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
-        shared: u32, stream: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void,
+        shared: u32, stream: *mut c_void, params: *mut *mut c_void, _extra: *mut *mut c_void,
     ) {
         // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, false) }
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, false, params) }
     }
 
     fn cuLaunchKernel_ptsz(
         f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
-        shared: u32, stream: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void,
+        shared: u32, stream: *mut c_void, params: *mut *mut c_void, _extra: *mut *mut c_void,
     ) {
         // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, true) }
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, true, params) }
     }
 
     fn cuLaunchCooperativeKernel(
         f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
-        shared: u32, stream: *mut c_void, _params: *mut *mut c_void,
+        shared: u32, stream: *mut c_void, params: *mut *mut c_void,
     ) {
         // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, false) }
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, false, params) }
     }
 
     fn cuLaunchCooperativeKernel_ptsz(
         f: *mut c_void, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32,
-        shared: u32, stream: *mut c_void, _params: *mut *mut c_void,
+        shared: u32, stream: *mut c_void, params: *mut *mut c_void,
     ) {
         // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, true) }
+        unsafe { launch(f, [gx, gy, gz], [bx, by, bz], shared, stream, true, params) }
     }
 
-    fn cuLaunchKernelEx(config: *const LaunchConfig, f: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void) {
+    fn cuLaunchKernelEx(config: *const LaunchConfig, f: *mut c_void, params: *mut *mut c_void, _extra: *mut *mut c_void) {
         let c = arg(config).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        unsafe { launch(f, c.grid, c.block, c.shared, c.stream, false) }
+        unsafe { launch(f, c.grid, c.block, c.shared, c.stream, false, params) }
     }
 
-    fn cuLaunchKernelEx_ptsz(config: *const LaunchConfig, f: *mut c_void, _params: *mut *mut c_void, _extra: *mut *mut c_void) {
+    fn cuLaunchKernelEx_ptsz(config: *const LaunchConfig, f: *mut c_void, params: *mut *mut c_void, _extra: *mut *mut c_void) {
         let c = arg(config).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         // SAFETY: `launch` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        unsafe { launch(f, c.grid, c.block, c.shared, c.stream, true) }
+        unsafe { launch(f, c.grid, c.block, c.shared, c.stream, true, params) }
     }
 }
