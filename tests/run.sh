@@ -93,6 +93,29 @@ for wheel in "nvidia-cuda-runtime-cu12==12.9.79" "nvidia-cuda-runtime==13.5.37" 
     wheel_install "$wheel"
   fi
 done
+# PyTorch from PyPI (torch 2.15.0 over CUDA 13.2: NVIDIA's runtime, cuBLAS,
+# cuDNN, NCCL ... wheels, 3.0 GB in 29 wheels, cached in $VCUDA_CACHE/wheels)
+# for tests/python/test_torch.py. In a directory of its own, put on
+# PYTHONPATH by the test: torch pins NVIDIA's 13.2 wheels, CuPy's above are
+# 13.5. Installed once per version (~40 s, 5.3 GB; renamed when complete).
+TORCH_VERSION=2.15.0
+export VCUDA_TORCH_SITE="$VCUDA_CACHE/torch-$TORCH_VERSION-site"
+if [ ! -f "$VCUDA_TORCH_SITE/torch/version.py" ]; then
+  t0=$SECONDS
+  torch_install() {
+    rm -rf --one-file-system "$VCUDA_TORCH_SITE.partial"
+    python3 -m pip install -q --disable-pip-version-check --no-index \
+      --find-links "$VCUDA_CACHE/wheels" --target "$VCUDA_TORCH_SITE.partial" "torch==$TORCH_VERSION"
+  }
+  if ! torch_install 2>/dev/null; then
+    python3 -m pip download -q --disable-pip-version-check --only-binary=:all: \
+      -d "$VCUDA_CACHE/wheels" "torch==$TORCH_VERSION"
+    torch_install
+  fi
+  rm -rf --one-file-system "$VCUDA_TORCH_SITE"
+  mv "$VCUDA_TORCH_SITE.partial" "$VCUDA_TORCH_SITE"
+  echo "torch $TORCH_VERSION installed in $((SECONDS - t0)) s into $VCUDA_TORCH_SITE"
+fi
 # zig, the linker of the glibc-2.17 interposer build (cargo-zigbuild runs it
 # as `python3 -m ziglang` when no zig is on PATH; so does tests/glibc_floor.rs).
 python3 -m pip install -q --disable-pip-version-check "ziglang==$ZIGLANG_VERSION"
@@ -185,5 +208,7 @@ VCUDA_INTERPOSER="$shipped_interposer" cargo test -p vcuda-tests --no-fail-fast 
 log "python tests"
 export VCUDA_TARGET_DIR="$REPO/target/debug"
 python3 -m pytest -q tests/python
-# NVIDIA's own clients (pynvml, cuda-bindings) on the shipped glibc-2.17 build.
-VCUDA_INTERPOSER="$shipped_interposer" python3 -m pytest -q tests/python/test_shim_clients.py
+# NVIDIA's own clients (pynvml, cuda-bindings) and PyTorch on the shipped
+# glibc-2.17 build.
+VCUDA_INTERPOSER="$shipped_interposer" python3 -m pytest -q tests/python/test_shim_clients.py \
+  tests/python/test_torch.py
