@@ -3,8 +3,9 @@ libcudart 13, cuBLAS/cuBLASLt 13, cuDNN 9 ... from their wheels), on the
 simulated node (sim-1gpu: A100 40GB, a CUDA 13.0 driver), directly and under
 the interposer with a memory quota: CUDA available, device count and
 properties, memory info (the quota under the interposer), real kernels
-(fill, add, a cuBLAS matmul, a reduction; the simulator times them and
-computes nothing, so values are garbage and not checked), allocation to
+(fill, add, cuBLAS matmuls in float and half, a reduction, a scan, a cuDNN
+convolution; the simulator times them and computes nothing, so values are
+garbage and not checked), allocation to
 torch.cuda.OutOfMemoryError (at the quota under the interposer), a CUDA graph
 captured with torch.cuda.graph and replayed.
 
@@ -12,7 +13,9 @@ What the simulator needed for it (crates/gpu-sim-cuda): cuMemFree(0) as
 free(NULL) (cublasCreate's cudaFree(0)), module globals (cuLibraryGetGlobal:
 cuBLASLt's deviceConstants), CU_LIMIT_SHMEM_SIZE (cuBLASLt's per-context
 shared memory), TOOLS_TLS slot 2 and RUNTIME13 slot 4 (cuBLASLt's
-per-context state; export_table/tools.rs).
+per-context state; export_table/tools.rs), cuKernelGet/SetAttribute,
+cluster function attributes and occupancy queries (CUB scans, cuBLASLt's
+half-precision matmuls).
 
 tests/run.sh downloads the wheels once into $VCUDA_CACHE/wheels and installs
 them into their own directory ($VCUDA_TORCH_SITE, put on PYTHONPATH here):
@@ -44,8 +47,16 @@ y = x + x
 a = torch.randn(512, 512, device="cuda")
 c = a @ a  # cuBLAS (cuBLASLt underneath)
 c.sum().item()  # a reduction, and a copy back
+(a.half() @ a.half()).float()  # cuBLASLt's half-precision kernels
+torch.cumsum(x, 0)  # CUB's scan (occupancy queries)
+img = torch.randn(8, 3, 32, 32, device="cuda")
+torch.nn.functional.conv2d(img, torch.randn(16, 3, 3, 3, device="cuda"))  # cuDNN
 torch.cuda.synchronize()
 out["kernels"] = True
+# Not yet: torch.fft (cuFFT 12.2 asks the driver for an export table the
+# simulator does not know, {6E163FBE-B958-444D-835C-E182AFF1991E}, and given
+# one of unknown slots calls slot 7 with (context, ?, callback, data),
+# success being 1; cufftCreate fails with CUFFT_INTERNAL_ERROR without it).
 out["free"], out["total"] = torch.cuda.mem_get_info()
 blocks = []
 try:

@@ -129,6 +129,15 @@ pub(crate) unsafe fn module_handle(h: *mut c_void) -> R {
     unsafe { module(h) }.map(|_| ())
 }
 
+/// Checks a function (or kernel) handle (for `occupancy.rs`).
+///
+/// # Safety
+/// `f` is a handle our caller was passed (CUDA ABI); see [`func`].
+pub(crate) unsafe fn func_handle(f: *mut c_void) -> R {
+    // SAFETY: forwarded contract.
+    unsafe { func(f) }.map(|_| ())
+}
+
 unsafe fn get_function(out: *mut *mut c_void, m: *mut c_void, name: *const c_char) -> R {
     let d = drv()?;
     // SAFETY: `m` is our caller's module handle, passed on under this function's own contract;
@@ -336,6 +345,9 @@ cuda_fn! {
             4 => f.law.regs as i32,
             5 | 6 => 80,
             2 | 3 | 7..=10 => 0,
+            // Cluster attributes (CUDA 11.8): no cluster required, none
+            // allowed beyond the portable size (cudaFuncGetAttributes asks).
+            11..=15 => 0,
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
         };
         put(value, v)
