@@ -53,10 +53,12 @@ img = torch.randn(8, 3, 32, 32, device="cuda")
 torch.nn.functional.conv2d(img, torch.randn(16, 3, 3, 3, device="cuda"))  # cuDNN
 torch.cuda.synchronize()
 out["kernels"] = True
-# Not yet: torch.fft (cuFFT 12.2 asks the driver for an export table the
-# simulator does not know, {6E163FBE-B958-444D-835C-E182AFF1991E}, and given
-# one of unknown slots calls slot 7 with (context, ?, callback, data),
-# success being 1; cufftCreate fails with CUFFT_INTERNAL_ERROR without it).
+# Not yet: torch.fft. cuFFT 12.2 asks the driver for an export table the
+# simulator does not know, {6E163FBE-B958-444D-835C-E182AFF1991E}, and
+# fails (CUFFT_INTERNAL_ERROR) without it. Given one of unknown slots it
+# calls slot 7 (context, an object of cuFFT's, callback, data), wants 1
+# back and a non-NULL value handed to callback(data, value): answering 1
+# without a value still fails; what that value is was not found.
 out["free"], out["total"] = torch.cuda.mem_get_info()
 blocks = []
 try:
