@@ -215,6 +215,7 @@ fn demo_in_docker_containers() {
 
 #[test]
 fn demo_as_processes_in_mount_namespaces() {
+    // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         vcuda_tests::cannot_run("the demo without Docker needs root (mount namespaces)");
         return;

@@ -272,6 +272,7 @@ impl Pods {
 /// appending to the log; waits for the recovery summary (`restarts`: how
 /// many restarts came before).
 async fn kill9_and_restart(env: &mut Env, base: &[String], extra: &[&str], restarts: usize) {
+    // SAFETY: SIGKILL to our own child, not yet reaped (its PID is still ours).
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
     respawn(env, base, extra, restarts).await;
@@ -383,6 +384,7 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
     assert_eq!(gpus.devices, want);
 
     let base = cmdline(env.manager.id());
+    // SAFETY: SIGKILL to our own child, not yet reaped.
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
     env.api.delete_pod(&c.namespace, &c.name).unwrap();
@@ -438,6 +440,7 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
     // (Stopped after the kill: a running manager's periodic check would
     // rightly release B first.)
     let before = env.allocations_by_container();
+    // SAFETY: SIGKILL to our own child, not yet reaped.
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
     pods.stop(ib).await;
@@ -473,6 +476,7 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
     // Checkpoint lost: A rebuilt from containerd's view (labels, the
     // /etc/vcuda mount, NVIDIA_VISIBLE_DEVICES from the verbose status),
     // kubelet's IDs and its vm directory.
+    // SAFETY: SIGKILL to our own child, not yet reaped.
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
     for slot in gpu_manager::checkpoint::SLOT_FILES {

@@ -250,6 +250,7 @@ async fn manager_removes_its_display_socket_on_shutdown() {
     let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
     let sock = env.display_socket.clone();
     assert!(sock.exists());
+    // SAFETY: SIGTERM to our own child, not yet reaped.
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGTERM) };
     let t = Instant::now();
     let status = loop {

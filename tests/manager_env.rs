@@ -342,6 +342,7 @@ impl Env {
 
 impl Drop for Env {
     fn drop(&mut self) {
+        // SAFETY: SIGTERM to our own child, not yet reaped.
         unsafe { libc::kill(self.manager.id() as i32, libc::SIGTERM) };
         let t = Instant::now();
         while t.elapsed() < Duration::from_secs(5) {

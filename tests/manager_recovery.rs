@@ -25,6 +25,7 @@ fn argv(env: &Env) -> Vec<String> {
 /// SIGKILL, then the same command line (plus `extra`), appending to the log.
 async fn kill9_and_restart(env: &mut Env, extra: &[&str]) {
     let args = argv(env);
+    // SAFETY: SIGKILL to our own child, not yet reaped.
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
     respawn(env, &args, extra).await;
@@ -270,6 +271,7 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
 
     // The manager dies; C's pod is deleted and its container removed meanwhile.
     let args = argv(&env);
+    // SAFETY: SIGKILL to our own child, not yet reaped.
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
     env.api.delete_pod(&c.namespace, &c.name).unwrap();
@@ -344,6 +346,7 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
     // and their vm directories.
     let cp = env.checkpoint_dir();
     let args = argv(&env);
+    // SAFETY: SIGKILL to our own child, not yet reaped.
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
     // Both slots damaged (one alone would be ignored for the other).
@@ -436,6 +439,7 @@ async fn kubelet_restart_during_load_loses_no_allocation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_only_checkpoint_dir_refuses_allocate_and_keeps_the_previous_file() {
+    // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         vcuda_tests::cannot_run("needs root for a read-only bind mount");
         return;
@@ -510,6 +514,7 @@ async fn single_file_checkpoint_of_an_earlier_version_is_migrated() {
     // The lazy write (vcuda-memory IDs, verified) lands first.
     settled(&env).await;
     let args = argv(&env);
+    // SAFETY: SIGKILL to our own child, not yet reaped.
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
     let before = env.allocations_by_container();

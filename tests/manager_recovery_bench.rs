@@ -30,6 +30,7 @@ fn recovery_ms(log: &str) -> Vec<u64> {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let Some(docker) = Docker::get() else { return };
+    // SAFETY: set before any other thread of this process reads the environment.
     unsafe { std::env::set_var("GPU_MANAGER_CONTAINER_RUNTIME_ENDPOINT", &docker.host) };
     let mut env = Env::start("sim-8gpu-nvlink", Options::default()).await;
     let n = 100;
@@ -91,6 +92,7 @@ async fn main() {
     println!("{n} containers admitted and started in {:?}", t.elapsed());
     let args = cmdline(env.manager.id());
     for round in 0..3 {
+        // SAFETY: SIGKILL to our own child, not yet reaped.
         unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
         let _ = env.manager.wait();
         let log = std::fs::OpenOptions::new()

@@ -581,6 +581,7 @@ fn missing_state_is_a_clear_init_error() {
     assert!(matches!(r, Err(NvmlError::DriverNotLoaded)), "{r:?}");
     // Raw calls: a stub and an implemented function before init.
     let c = std::ffi::CString::new(lib.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: dlopen/dlsym of the simulated NVML with NUL-terminated names; each symbol is called with its C signature.
     unsafe {
         let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOW);
         assert!(!h.is_null());

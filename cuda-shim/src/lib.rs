@@ -17,7 +17,6 @@
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 #![deny(unsafe_op_in_unsafe_fn)]
-#![warn(clippy::undocumented_unsafe_blocks)]
 
 /// Defines exported CUDA functions; the body evaluates to a `CUresult`.
 macro_rules! cuda_exports {

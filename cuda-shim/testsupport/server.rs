@@ -160,6 +160,7 @@ impl TestManager {
 
     fn halt(&mut self) {
         self.shared.stopping.store(true, Ordering::Release);
+        // SAFETY: shutdown on the listener fd this manager owns and has not closed.
         unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
         for c in self.shared.conns.lock().unwrap().drain(..) {
             let _ = c.shutdown(std::net::Shutdown::Both);
@@ -178,8 +179,10 @@ impl Drop for TestManager {
 }
 
 fn peer_pid(s: &UnixStream) -> i32 {
+    // SAFETY: ucred is plain integers: all-zero is a valid value.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED fills at most `len` bytes of our local ucred.
     let r = unsafe {
         libc::getsockopt(
             s.as_raw_fd(),

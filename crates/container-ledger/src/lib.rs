@@ -38,7 +38,6 @@
 //! never bumps them).
 
 #![deny(unsafe_op_in_unsafe_fn)]
-#![warn(clippy::undocumented_unsafe_blocks)]
 
 mod compute;
 pub mod fdpass;

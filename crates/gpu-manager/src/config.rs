@@ -239,6 +239,7 @@ fn parse_labels(s: &str) -> Result<Vec<(String, String)>, ConfigError> {
 
 fn hostname() -> String {
     let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into our local buffer.
     let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
     if r != 0 {
         return String::new();

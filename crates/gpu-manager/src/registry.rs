@@ -102,6 +102,7 @@ pub fn alive(pid: i32) -> bool {
     if pid <= 0 {
         return false;
     }
+    // SAFETY: kill with signal 0 only checks that the PID exists; it sends nothing.
     let r = unsafe { libc::kill(pid, 0) };
     r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }

@@ -82,6 +82,7 @@ pub struct SharedState {
 
 // SAFETY: the mapping is only accessed through atomics.
 unsafe impl Send for SharedState {}
+// SAFETY: as for Send: every access to the mapping is atomic.
 unsafe impl Sync for SharedState {}
 
 impl Drop for SharedState {
@@ -114,6 +115,7 @@ impl SharedState {
                 // SAFETY: valid C string.
                 let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
                 if fd >= 0 {
+                    // SAFETY: closing the fd just opened, which nothing else holds.
                     unsafe { libc::close(fd) };
                     true
                 } else {

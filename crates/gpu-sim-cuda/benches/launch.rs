@@ -68,6 +68,7 @@ fn main() {
     unsafe { std::env::set_var("GPU_SIM_ROOT", dir.path()) };
 
     // The exports, called directly (the rlib of the same code as the cdylib).
+    // SAFETY: the driver's exports with the argument types of their C declarations; every pointer is a local or a handle this driver returned.
     unsafe {
         let init = cuda::cuInit;
         let ctx_create = cuda::ctx::cuCtxCreate_v2;

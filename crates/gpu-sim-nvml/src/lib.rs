@@ -12,7 +12,6 @@
 // they are `unsafe extern "C"` by nature, documented once here.
 #![allow(clippy::missing_safety_doc)]
 #![deny(unsafe_op_in_unsafe_fn)]
-#![warn(clippy::undocumented_unsafe_blocks)]
 
 mod accounting;
 mod device;

@@ -80,6 +80,7 @@ fn install_ok(node: &Path, root: &Path, artifacts: &Path, extra: &[&str]) -> Out
 }
 
 fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
 }
 

@@ -348,6 +348,7 @@ impl Manager {
         if let Ok(Some(st)) = self.child.try_wait() {
             return (false, format!("had already exited ({st})"));
         }
+        // SAFETY: SIGTERM to our own child, which we have not reaped yet (its PID is still ours).
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let t = Instant::now();
         while t.elapsed() < grace {

@@ -342,6 +342,7 @@ fn preflight(opts: &Options) -> Result<(), DemoError> {
 }
 
 fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
 }
 

@@ -330,6 +330,7 @@ impl Runtime {
             Runtime::Namespaces { .. } => {
                 for s in started.iter() {
                     if let Handle::Process { child, .. } = &s.handle {
+                        // SAFETY: SIGTERM to our own child, not yet reaped (its PID is still ours).
                         unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
                     }
                 }
@@ -497,6 +498,7 @@ fn enter(p: &NsPlan) -> std::io::Result<()> {
         }
     }
     let null = std::ptr::null::<libc::c_char>();
+    // SAFETY: runs in the forked child before exec: only async-signal-safe calls (unshare, mount) on NUL-terminated literals and NULL.
     unsafe {
         ok(libc::unshare(libc::CLONE_NEWNS))?;
         // Nothing mounted here may propagate back to the host.

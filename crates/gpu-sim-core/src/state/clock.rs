@@ -19,6 +19,7 @@ pub fn mono_to_epoch_us(mono_ns: u64) -> u64 {
         tv_sec: 0,
         tv_nsec: 0,
     };
+    // SAFETY: clock_gettime writes our local timespec.
     unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut rt) };
     let rt_ns = rt.tv_sec as u64 * 1_000_000_000 + rt.tv_nsec as u64;
     let now = now_ns();
@@ -31,6 +32,7 @@ pub fn epoch_us_to_mono(epoch_us: u64) -> u64 {
         tv_sec: 0,
         tv_nsec: 0,
     };
+    // SAFETY: clock_gettime writes our local timespec.
     unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut rt) };
     let rt_ns = rt.tv_sec as i128 * 1_000_000_000 + rt.tv_nsec as i128;
     let now = now_ns() as i128;

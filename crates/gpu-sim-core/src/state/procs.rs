@@ -47,6 +47,7 @@ impl Attached {
 
 impl SharedState {
     fn lock_byte(&self, slot: usize, cmd: libc::c_int, kind: libc::c_short) -> libc::flock {
+        // SAFETY: flock is plain integers: all-zero is a valid value.
         let mut fl: libc::flock = unsafe { std::mem::zeroed() };
         fl.l_type = kind;
         fl.l_whence = libc::SEEK_SET as libc::c_short;

@@ -82,6 +82,7 @@ impl SimRoot {
 /// Path of the shared object that contains `addr` (dladdr), so a library can
 /// find where it was loaded from.
 pub fn object_path_of(addr: usize) -> Option<PathBuf> {
+    // SAFETY: Dl_info is pointers and integers: all-zero (NULL) is a valid value.
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
     // SAFETY: dladdr only reads the loader's tables.
     if unsafe { libc::dladdr(addr as *const libc::c_void, &mut info) } == 0
@@ -89,6 +90,7 @@ pub fn object_path_of(addr: usize) -> Option<PathBuf> {
     {
         return None;
     }
+    // SAFETY: dladdr succeeded and dli_fname was checked non-NULL: the loader's NUL-terminated path, alive while the object is loaded.
     let name = unsafe { CStr::from_ptr(info.dli_fname) };
     Some(PathBuf::from(std::ffi::OsStr::from_bytes(name.to_bytes())))
 }
