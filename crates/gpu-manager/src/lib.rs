@@ -15,7 +15,8 @@
 //! * [`vm`], [`registry`]: per-container vm directories and `vcuda.sock`.
 //! * [`display`]: the manager's state for the display service and metrics.
 //! * [`recovery`], [`runtime`]: reconciliation at start and in the periodic
-//!   check with kubelet, the API server and the container runtime (Docker).
+//!   check with kubelet, the API server and the container runtime (Docker or
+//!   CRI v1).
 //! * [`events`]: refusals and wrong guesses as Warning Events on the Pod.
 //! * [`checkpoint`], [`response`], [`extra`], [`health`].
 

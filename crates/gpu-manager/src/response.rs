@@ -1,5 +1,7 @@
-//! The `ContainerAllocateResponse` contract (DESIGN.md): devices, env, the
-//! two read-only mounts and the annotations.
+//! The `ContainerAllocateResponse` contract other programs rely on (the
+//! project's original brief; docs/architecture.md, "A request, from Allocate
+//! to the interposer"): devices, env, the two read-only mounts and the
+//! annotations.
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -47,9 +47,10 @@ pub trait KubeletSource: Send + Sync {
 }
 
 /// The container runtime's view of the node's Kubernetes containers.
-/// Implementations: Docker ([`crate::runtime::Docker`]), none
-/// ([`crate::runtime::NoRuntime`]); CRI v1 fits the same shape (its
-/// `ListContainers` + `ContainerStatus` give labels, state and mounts).
+/// Implementations: Docker ([`crate::runtime::Docker`]), CRI v1
+/// (containerd, CRI-O: [`crate::runtime::Cri`], from `ListContainers` +
+/// `ContainerStatus`'s labels, state and mounts), none
+/// ([`crate::runtime::NoRuntime`]).
 #[async_trait::async_trait]
 pub trait ContainerRuntime: Send + Sync {
     /// For logs and errors ("docker at unix:///run/docker.sock").
