@@ -155,9 +155,9 @@ pub fn tick_interval() -> Duration {
 /// The process got (or changed) its ledger and slot.
 pub fn on_attach(ledger: &Ledger, slot: usize) {
     let _ = slot;
-    if quota().is_none() {
+    let Some(q) = quota() else {
         return;
-    }
+    };
     let Some(p) = private_words(ledger) else {
         crate::log::log!(
             Error,
@@ -166,6 +166,8 @@ pub fn on_attach(ledger: &Ledger, slot: usize) {
         let local = Box::leak(Box::new(
             [const { AtomicU64::new(0) }; container_ledger::COMPUTE_WORDS],
         ));
+        // SAFETY: leaked, never freed.
+        unsafe { Bucket::at(local.as_ptr()) }.start(controller::startup_rate(q));
         BUCKET.store(local.as_mut_ptr(), Ordering::Release);
         THROTTLED_NS.store(std::ptr::null_mut(), Ordering::Release);
         return;
@@ -173,6 +175,9 @@ pub fn on_attach(ledger: &Ledger, slot: usize) {
     // SAFETY: `p` is the compute words of private_words' mapping, which is never unmapped.
     let b = unsafe { Bucket::at(p) };
     b.init();
+    // From the first launch on, never free: launches queued before the
+    // first NVML sample would run after it, whatever the rate then says.
+    b.start(controller::startup_rate(q));
     THROTTLED_NS.store(throttled_word(p).cast_mut(), Ordering::Release);
     BUCKET.store(p.cast_mut(), Ordering::Release);
 }

@@ -19,6 +19,12 @@
 //             launched with 1, 100, 10,000 and 100,000 blocks
 //   phases    uniform for SECONDS / 2, then gridless (prints phase_ns=T at
 //             the switch): the open-loop check's calibration and test mixes
+//   burst     a fresh process that queues short 1-block kernels (50 us,
+//             the price says 1 wave) as fast as it can and never waits
+//             for them: the start-up check (the first launches, before the
+//             quota's controller has any NVML sample)
+//   burstlong the same with a kernel of one 0.4 ms wave (8 times what the
+//             interposer assumes a wave takes before it has measured one)
 // Prints `pid=N start_ns=T` when it starts launching, `launches=N` at exit.
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -46,7 +52,8 @@ static const char image[] =
     "// gpu-sim kernel reduce fixed ns=150000 noise=0.2\n"
     "// gpu-sim kernel stream bandwidth bytes_per_block=131072 gbps=1500 "
     "saturate_threads=884736 launch_ns=3000\n"
-    "// gpu-sim kernel spin fixed ns=400000 noise=0.3\n";
+    "// gpu-sim kernel spin fixed ns=400000 noise=0.3\n"
+    "// gpu-sim kernel tick fixed ns=50000 noise=0.1\n";
 
 static long long now_ns(void) {
   struct timespec t;
@@ -54,7 +61,7 @@ static long long now_ns(void) {
   return t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-static CUfunction gemm, reduce_, stream_, spin;
+static CUfunction gemm, reduce_, stream_, spin, tick;
 static CUstream s;
 
 static void launch(CUfunction f, unsigned grid, unsigned threads) {
@@ -112,7 +119,7 @@ static CUgraphExec capture(void) {
 int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   if (argc < 3) {
-    fprintf(stderr, "usage: shim_laws uniform|blockmix|saturate|graph|gridless|phases SECONDS\n");
+    fprintf(stderr, "usage: shim_laws uniform|blockmix|saturate|graph|gridless|phases|burst|burstlong SECONDS\n");
     return 2;
   }
   const char *mix = argv[1];
@@ -128,6 +135,7 @@ int main(int argc, char **argv) {
   check(cuModuleGetFunction(&reduce_, m, "reduce"), "cuModuleGetFunction");
   check(cuModuleGetFunction(&stream_, m, "stream"), "cuModuleGetFunction");
   check(cuModuleGetFunction(&spin, m, "spin"), "cuModuleGetFunction");
+  check(cuModuleGetFunction(&tick, m, "tick"), "cuModuleGetFunction");
   check(cuStreamCreate(&s, 0), "cuStreamCreate");
   CUgraphExec g = !strcmp(mix, "graph") ? capture() : NULL;
   long long t0 = now_ns(), end = t0 + (long long)(seconds * 1e9);
@@ -135,6 +143,23 @@ int main(int argc, char **argv) {
   printf("pid=%d start_ns=%lld\n", getpid(), t0);
   long long rounds = 0;
   int switched = 0;
+  if (!strncmp(mix, "burst", 5)) {
+    // No sync until the end: only the driver's launch queue and the
+    // quota's bucket hold the launches back.
+    // At most 6 s of device time in all (120,000 launches of 50 us):
+    // unthrottled, a queue without bound would take that long to drain.
+    int lng = !strcmp(mix, "burstlong");
+    CUfunction k = lng ? spin : tick;
+    long long cap = lng ? 15000 : 120000;
+    while (now_ns() < end && rounds < cap) {
+      launch(k, 1, 128);
+      rounds++;
+    }
+    printf("launched_ns=%lld\n", now_ns());
+    check(cuStreamSynchronize(s), "cuStreamSynchronize");
+    printf("rounds=%lld\n", rounds);
+    return 0;
+  }
   while (now_ns() < end) {
     const char *now_mix = mix;
     if (phase) {

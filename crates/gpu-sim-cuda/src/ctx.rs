@@ -25,6 +25,8 @@ pub(crate) struct Ctx {
     pub null_tail: AtomicU64,
     /// Latest simulated end of any work in this context (ctx synchronize).
     pub tail: AtomicU64,
+    /// Launches pending on the device (bounded, as a real GPU's queue).
+    pub queue: crate::queue::LaunchQueue,
 }
 
 impl Ctx {
@@ -41,6 +43,7 @@ impl Ctx {
             retained: AtomicU32::new(0),
             null_tail: AtomicU64::new(0),
             tail: AtomicU64::new(0),
+            queue: crate::queue::LaunchQueue::new(),
         }))
     }
 

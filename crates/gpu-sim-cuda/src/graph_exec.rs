@@ -167,6 +167,9 @@ unsafe fn launch(exec: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
     // SAFETY: the stream handle is the one our caller got from the CUDA caller, passed on under
     // this function's own contract; `Target::of` checks its magic.
     let t = unsafe { Target::of(stream, ptsz)? };
+    // One entry of the context's launch queue; taken before the lock, as
+    // a full queue sleeps.
+    let slot = t.ctx().queue.admit();
     let mut st = state();
     if st.capture.is_capturing(t) {
         // Launching a graph into a capture (a child graph node): not modelled.
@@ -190,6 +193,7 @@ unsafe fn launch(exec: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
         .sum();
     if dur > 0 {
         let (_, end) = d.state.launch(d.me, gpu, dur, t.tail());
+        t.ctx().queue.record(slot, end);
         t.set_tail(end);
         e.busy_until = end;
     }

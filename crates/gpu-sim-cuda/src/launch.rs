@@ -5,7 +5,8 @@
 //! timeline (behind every process's kernels) and records the simulated end
 //! as its stream's tail. Synchronising sleeps until the tail.
 //! The launch path is atomics, thread-locals and a vDSO clock read: no lock,
-//! no allocation, no syscall.
+//! no allocation, no syscall, unless the context's pending-launch queue is
+//! full (`queue.rs`): then the launch sleeps until the device drains one.
 
 use crate::module::Func;
 use crate::stream::Target;
@@ -93,7 +94,10 @@ pub(crate) unsafe fn launch(
         Target::Legacy(_) => 1.0,
         _ => law.occupancy(gpu, l),
     };
+    // A full launch queue blocks the caller until the device drains one.
+    let slot = ctx.queue.admit();
     let (_, end) = d.state.launch_with(d.me, ctx.gpu, dur, t.tail(), share);
+    ctx.queue.record(slot, end);
     t.set_tail(end);
     Ok(())
 }

@@ -59,6 +59,7 @@ pub mod occupancy;
 pub mod pool;
 pub mod primary;
 mod procaddr;
+mod queue;
 pub mod stream;
 pub mod vmm;
 

@@ -55,9 +55,10 @@ const MAX_REFILL_NS: u64 = 1_000_000_000;
 const DEFAULT_UNKNOWN_COST: u64 = 100 * super::cost::WAVE_UNITS;
 /// Bigger launches are charged this (keeps the counters far from wrapping).
 const MAX_COST: u64 = 1 << 40;
-/// While the rate is unknown (a new container, first ~100 ms), launches
-/// run free and grant themselves this much ahead so they take the fast
-/// path; the first rate clamps it away.
+/// While no rate is set at all (only where [`Bucket::start`] was not
+/// called: a container's bucket gets its start-up rate when a process
+/// attaches), launches run free and grant themselves this much ahead so
+/// they take the fast path; the first rate clamps it away.
 const LEARNING_SLACK: u64 = 1 << 32;
 const MIN_SLEEP_NS: f64 = 50e3;
 const MAX_SLEEP_NS: f64 = 20e6;
@@ -258,6 +259,25 @@ impl Bucket {
         f64::from_bits(self.w[RATE].load(Ordering::Acquire))
     }
 
+    /// A fresh container's rate before its controller has measured
+    /// anything (`rate` from an assumed wave time, see
+    /// `controller::STARTUP_WAVE_NS`), with a burst's worth of tokens so
+    /// the first launches do not wait. Only while no rate is set: a later
+    /// process of the container keeps the learned one.
+    pub fn start(&self, rate: f64) {
+        if !(rate.is_finite() && rate > 0.0) {
+            return;
+        }
+        if self.w[RATE]
+            .compare_exchange(0, rate.to_bits(), Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return;
+        }
+        let q = self.w[REQUESTED].load(Ordering::Acquire);
+        self.w[GRANTED].fetch_max(q.saturating_add((rate * BURST_NS) as u64), Ordering::AcqRel);
+    }
+
     /// Sets the rate (controller). Tokens beyond the burst cap of the new
     /// rate are taken back (this also ends the learning phase's slack).
     pub fn set_rate(&self, rate: f64, units_per_ms: f64) {
@@ -407,6 +427,20 @@ mod tests {
         assert_eq!(b.launched(), 200);
         assert!(b.take(50_000_000).is_none());
         assert!(b.take(1).is_some(), "beyond the cap");
+    }
+
+    #[test]
+    fn a_fresh_bucket_starts_at_its_start_up_rate_with_a_burst() {
+        let (_d, _l, b) = bucket();
+        b.start(1e-3);
+        assert_eq!(b.rate(), 1e-3);
+        // 50 ms at 1 unit/us pass at once, the next launch waits.
+        assert!(b.take(50_000).is_none());
+        assert!(b.take(1).is_some());
+        // A learned rate is kept by a later process's start.
+        b.set_rate(2e-3, 1.0);
+        b.start(1e-3);
+        assert_eq!(b.rate(), 2e-3);
     }
 
     #[test]

@@ -54,6 +54,15 @@ const NO_SAMPLES_NS: u64 = 2_000_000_000;
 /// was learned: longer than most real waves, so the error is a quota held
 /// too tight, not one left open.
 pub const ASSUMED_WAVE_NS: f64 = 50_000.0;
+/// Device time of a wave assumed before the controller has measured any
+/// (a fresh container's first sample period, 0.1-0.2 s): the bucket starts
+/// at the quota's rate for waves this long. Long on purpose: a process
+/// that queues launches without waiting for them would otherwise fill the
+/// driver's launch queue with work the quota cannot take back (a kernel of
+/// one 0.4 ms wave at a 50 us assumption ran at 100 % for its first 0.6 s
+/// and 45 % over its first 2 s at a 30 % quota); too long costs a short
+/// kernel a slow first period, no more.
+pub const STARTUP_WAVE_NS: f64 = 500_000.0;
 /// A period is assumed to last this long when the previous one is unknown
 /// (the driver samples every 100 ms on the sim; real drivers ~ 1/6 s).
 pub const DEFAULT_PERIOD_NS: u64 = 100_000_000;
@@ -311,6 +320,12 @@ impl Controller {
     pub fn integral(&self) -> f64 {
         self.m
     }
+}
+
+/// The bucket's rate (units per ns) before the first decision: the
+/// guarantee at [`STARTUP_WAVE_NS`] per wave.
+pub fn startup_rate(q: Quota) -> f64 {
+    q.utilization / 100.0 * super::cost::WAVE_UNITS as f64 / STARTUP_WAVE_NS
 }
 
 /// Time-weighted average of `f` over periods.
