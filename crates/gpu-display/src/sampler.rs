@@ -193,11 +193,20 @@ pub type RawSample = (u32, u64, u32);
 /// Folds one batch of per-period samples (those newer than
 /// `state.last_seen_us`) into per-PID percentages of the window they cover.
 ///
-/// Each sample is one process's share of one driver period; a process that
-/// did not run in a period has no sample there. So a PID's utilization over
-/// the window is the sum of its samples times the period, divided by the
-/// window. The window ends at the newest timestamp consumed, so periods are
-/// never counted twice nor lost between ticks.
+/// Each sample is one process's share of the driver's window that ends at
+/// its timestamp and began where the previous sample's window ended (NVML's
+/// `lastSeenTimeStamp` semantics: a timestamp is the end of the period the
+/// sample covers); a process that did not run in a period has no sample
+/// there. A real driver's periods are not a grid: their ends wander, and a
+/// skipped period is folded into the next sample, whose window is then two
+/// periods long. So each sample is weighted by its own window (the gap to
+/// the previous timestamp, capped at [`MAX_WINDOW_PERIODS`] typical periods,
+/// beyond which the gap was idle device time with no sample at all), and a
+/// PID's utilization is the sum of its samples times their windows over the
+/// window since the last batch. Taking the shortest gap as every sample's
+/// window read 19.7 % for a process at 25.2 % (20 ms of wander, one period
+/// in 11 folded). The window ends at the newest timestamp consumed, so
+/// periods are never counted twice nor lost between ticks.
 pub fn fold_samples(
     state: &mut WindowState,
     samples: &[RawSample],
@@ -208,13 +217,7 @@ pub fn fold_samples(
     let mut stamps: Vec<u64> = samples.iter().map(|s| s.1).collect();
     stamps.sort_unstable();
     stamps.dedup();
-    // Learn the period: the smallest gap between distinct timestamps.
-    for w in stamps.windows(2) {
-        let gap = w[1] - w[0];
-        if gap > 0 && (state.period_us == 0 || gap < state.period_us) {
-            state.period_us = gap;
-        }
-    }
+    learn_period(state, &stamps);
     let start = if state.last_seen_us == 0 {
         now_us.saturating_sub(first_window_us)
     } else {
@@ -232,24 +235,62 @@ pub fn fold_samples(
         }
         return (out, None);
     };
-    let window = newest.saturating_sub(start);
     let period = state.period_us;
-    for &(pid, _, sm) in samples {
-        *out.entry(pid).or_insert(0.0) += sm as f64;
+    if period == 0 {
+        // One period seen and none learnt yet: the batch is one sample.
+        for &(pid, _, sm) in samples {
+            *out.entry(pid).or_insert(0.0) += sm as f64 / stamps.len() as f64;
+        }
+    } else {
+        let window = newest.saturating_sub(start).max(period);
+        for &(pid, ts, sm) in samples {
+            let own = own_window(state.last_seen_us, &stamps, ts, period);
+            *out.entry(pid).or_insert(0.0) += sm as f64 * own as f64 / window as f64;
+        }
     }
     for v in out.values_mut() {
-        *v = if period == 0 || window == 0 {
-            // One period seen and none learnt yet: the batch is one sample.
-            *v / stamps.len() as f64
-        } else {
-            // Windows shorter than one period happen when the first batch
-            // starts mid-period.
-            *v * period as f64 / window.max(period) as f64
-        }
-        .min(100.0);
+        *v = v.min(100.0);
     }
     state.last_seen_us = newest;
     (out, Some((start, newest)))
+}
+
+/// A gap between timestamps longer than this many typical periods was idle
+/// device time (no process ran, no sample), not one sample's window: a
+/// driver folds a skipped period into the next sample (two periods) and
+/// its period ends wander by a fraction of one.
+pub const MAX_WINDOW_PERIODS: f64 = 2.5;
+
+/// The window of the sample stamped `ts`: back to the previous timestamp
+/// (of this batch, else the newest one consumed before it), at most
+/// [`MAX_WINDOW_PERIODS`] periods; a typical period for the first sample
+/// ever.
+fn own_window(last_seen_us: u64, stamps: &[u64], ts: u64, period: u64) -> u64 {
+    let i = stamps.partition_point(|&t| t < ts);
+    let prev = match i {
+        0 if last_seen_us > 0 => last_seen_us,
+        0 => ts.saturating_sub(period),
+        _ => stamps[i - 1],
+    };
+    let cap = (period as f64 * MAX_WINDOW_PERIODS) as u64;
+    ts.saturating_sub(prev).min(cap)
+}
+
+/// The driver's typical period: the median gap between a batch's distinct
+/// timestamps (wander and folded periods move the shortest and the mean,
+/// not the median); from a batch with a single gap, the shortest seen.
+fn learn_period(state: &mut WindowState, stamps: &[u64]) {
+    let mut gaps: Vec<u64> = stamps.windows(2).map(|w| w[1] - w[0]).collect();
+    gaps.sort_unstable();
+    match gaps.len() {
+        0 => {}
+        1 => {
+            if state.period_us == 0 || gaps[0] < state.period_us {
+                state.period_us = gaps[0];
+            }
+        }
+        n => state.period_us = gaps[(n - 1) / 2],
+    }
 }
 
 /// Samples the GPUs through NVML.
@@ -401,6 +442,40 @@ mod tests {
         // The next busy period is not diluted by the idle ones.
         let (u, _) = fold_samples(&mut st, &[(3, 30 * P, 80)], 30 * P + 1, P);
         assert!((u[&3] - 80.0).abs() < 1e-9);
+    }
+
+    /// A real driver's schedule (as gpu-sim's `[nvml_sampling]`): period
+    /// ends wander by up to 20 ms, one period in 11 is skipped and folded
+    /// into the next sample. A process busy 25 % of the time reports 25 in
+    /// each sample, of whatever window; folded over 1 s batches it reads
+    /// 25 ± 0.6, where the shortest gap taken for the period read ~20.
+    #[test]
+    fn wandering_and_skipped_periods_are_weighted_by_their_own_windows() {
+        let end = |k: u64| k * P + (k * 7919 % 20) * 1000; // 0..20 ms late
+        let skipped = |k: u64| k % 11 == 5;
+        let mut st = WindowState::default();
+        let mut got = Vec::new();
+        let mut batch = Vec::new();
+        for k in 10..=70u64 {
+            if skipped(k) {
+                continue;
+            }
+            batch.push((4, end(k), 25));
+            if k % 10 == 0 {
+                let (u, _) = fold_samples(&mut st, &batch, end(k) + 30_000, 2 * P);
+                got.push(u[&4]);
+                batch.clear();
+            }
+        }
+        assert!(
+            (90_000..=110_000).contains(&st.period_us),
+            "{}",
+            st.period_us
+        );
+        // The first batch looks back a guessed window; the rest are exact.
+        for u in &got[1..] {
+            assert!((u - 25.0).abs() < 0.6, "{got:?}");
+        }
     }
 
     #[test]
