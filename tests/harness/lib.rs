@@ -305,7 +305,8 @@ impl NvidiaDriver {
         self.lib_dir().join(format!("libcuda.so.{}", self.version))
     }
     pub fn libnvml(&self) -> PathBuf {
-        self.lib_dir().join(format!("libnvidia-ml.so.{}", self.version))
+        self.lib_dir()
+            .join(format!("libnvidia-ml.so.{}", self.version))
     }
     pub fn nvidia_smi(&self) -> PathBuf {
         self.root.join("usr/lib/nvidia/current/nvidia-smi")
