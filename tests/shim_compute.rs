@@ -238,11 +238,12 @@ fn a_big_kernel_after_tiny_ones_launches_within_seconds() {
     };
     let (st, text) = out(&["tiny", "2.5"]);
     assert!(st.success(), "the tiny-kernel process failed:\n{text}");
-    // The compute words' rate (bucket word 11, f64 bits): A must have left
-    // one, or B would run free while learning and this would prove nothing.
+    // The compute words' learned scale (bucket word 12, units per ms): A
+    // must have left one, or B would start at the start-up rate and this
+    // would prove nothing.
     let ledger = c.manager.as_ref().unwrap().ledger();
-    let rate = f64::from_bits(ledger.compute_words()[11].load(Ordering::Relaxed));
-    assert!(rate > 0.0, "no rate learned from the tiny kernels:\n{text}");
+    let scale = ledger.compute_words()[12].load(Ordering::Relaxed);
+    assert!(scale > 0, "no scale learned from the tiny kernels:\n{text}");
     let (st, text) = out(&["first", "1.0"]);
     let first = kv(&text).get("first_ns").cloned().unwrap_or_default();
     assert!(

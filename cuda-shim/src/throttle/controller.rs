@@ -61,7 +61,8 @@ pub const ASSUMED_WAVE_NS: f64 = 50_000.0;
 /// driver's launch queue with work the quota cannot take back (a kernel of
 /// one 0.4 ms wave at a 50 us assumption ran at 100 % for its first 0.6 s
 /// and 45 % over its first 2 s at a 30 % quota); too long costs a short
-/// kernel a slow first period, no more.
+/// kernel a slow first period, no more (and where its work is too little
+/// for NVML to show at all, [`Controller::ramp`] speeds the start up).
 pub const STARTUP_WAVE_NS: f64 = 500_000.0;
 /// A period is assumed to last this long when the previous one is unknown
 /// (the driver samples every 100 ms on the sim; real drivers ~ 1/6 s).
@@ -140,6 +141,9 @@ pub struct Controller {
     /// The scale came from the previous controller (see [`Self::seed_scale`]).
     seeded: bool,
     m: f64,
+    /// Periods the container launched in while NVML never showed it busy
+    /// (no scale yet): the start-up rate doubles with each ([`Self::ramp`]).
+    unseen: u32,
     /// Periods since the first decision: the integral starts once the
     /// error window holds only periods run under a decided rate (the
     /// unthrottled learning periods would wind it down).
@@ -158,6 +162,7 @@ impl Controller {
             scale: None,
             seeded: false,
             m: 1.0,
+            unseen: 0,
             decided: 0,
         }
     }
@@ -225,7 +230,9 @@ impl Controller {
         if units > 0 && busy > 0.0 && (!self.seeded || known >= SEEDED_MIN_PERIODS) {
             self.scale = Some(busy / units as f64);
         }
-        let scale = self.scale?;
+        let Some(scale) = self.scale else {
+            return self.ramp(&p);
+        };
         let others = avg(self.periods.iter().rev().take(OTHERS_WINDOW), |q| q.others);
         let target = self.quota.target(others);
         let achieved = avg(self.periods.iter().rev().take(ERROR_WINDOW), |q| {
@@ -242,6 +249,29 @@ impl Controller {
             target,
             units_per_ms: 1e6 / scale,
             achieved,
+        })
+    }
+
+    /// No scale yet although the container launched in `p`: its work at
+    /// the start-up rate was too little for NVML's whole percents (waves
+    /// much shorter than [`STARTUP_WAVE_NS`]). Doubles the start-up rate
+    /// per such period, up to the rate for [`ASSUMED_WAVE_NS`] waves (4
+    /// periods), so a container of tiny kernels is seen and learns its
+    /// scale instead of staying at a rate sized for long waves.
+    fn ramp(&mut self, p: &Period) -> Option<Decision> {
+        if p.cost.is_none_or(|c| c == 0) {
+            return None;
+        }
+        self.unseen = (self.unseen + 1).min(16);
+        let most =
+            self.quota.utilization / 100.0 * super::cost::WAVE_UNITS as f64 / ASSUMED_WAVE_NS;
+        let rate = (startup_rate(self.quota) * f64::from(1u32 << self.unseen)).min(most);
+        Some(Decision {
+            rate,
+            target: self.quota.utilization,
+            // Nothing learned: the bucket keeps pricing unknown shapes as before.
+            units_per_ms: 0.0,
+            achieved: p.own,
         })
     }
 
@@ -593,6 +623,42 @@ mod tests {
             }
         }
         assert!((c.scale().unwrap() - 90.0).abs() < 1e-9);
+    }
+
+    /// Waves of 5 us at a start-up rate sized for 0.5 ms waves: 0.3 % of
+    /// the device, which NVML rounds to 0. The rate doubles per such
+    /// period up to the 50 us-wave rate, where NVML shows the container
+    /// (3 %) and the controller learns its scale.
+    #[test]
+    fn a_start_too_slow_for_nvml_to_see_ramps_up_until_it_is_seen() {
+        let q = Quota {
+            utilization: 30.0,
+            soft_limit: None,
+        };
+        let k = 5_000.0 / super::super::cost::WAVE_UNITS as f64; // ns per unit
+        let mut c = Controller::new(q);
+        let (mut t, mut units, mut rate) = (0u64, 0.0, startup_rate(q));
+        c.record_launched(0, 0);
+        let mut rates = vec![rate];
+        for _ in 0..8 {
+            t += P;
+            units += rate * P as f64;
+            c.record_launched(t, units as u64);
+            let own = (rate * k * 100.0).round();
+            let p = Period {
+                end_ns: t,
+                len_ns: P,
+                own,
+                others: 0.0,
+                cost: c.cost_between(t - P, t),
+            };
+            rate = c.add_period(p, true).unwrap().rate;
+            rates.push(rate);
+        }
+        assert!(rates[1] > rates[0] && rates[2] > rates[1], "{rates:?}");
+        assert!(c.scale().is_some(), "never seen: {rates:?}");
+        let own = rate * k * 100.0;
+        assert!((own - 30.0).abs() < 3.0, "{own} {rates:?}");
     }
 
     #[test]
