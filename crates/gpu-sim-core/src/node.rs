@@ -187,6 +187,30 @@ pub struct NvmlSampling {
     /// sample (0: never).
     #[serde(default)]
     pub skip_one_in: u64,
+    /// Device utilization (`nvmlDeviceGetUtilizationRates`) is the busy
+    /// share of the last period of this length that ended and was
+    /// published (half of `late_ns` after its end), as NVML documents it
+    /// ("over the past sample period", 1/6 s to 1 s by product); 0: the
+    /// last second up to now.
+    #[serde(default)]
+    pub device_period_ns: u64,
+}
+
+impl NvmlSampling {
+    /// The window `nvmlDeviceGetUtilizationRates` reports at `now`
+    /// (CLOCK_MONOTONIC ns). NVML documents it as "the past sample period",
+    /// between 1/6 s and 1 s by product (`nvmlUtilization_t` in the NVML API
+    /// reference): with a `device_period_ns`, the last period of that grid
+    /// whose value is published (half the node's lateness after its end);
+    /// without, the last second up to `now`.
+    pub fn device_window(&self, now: u64) -> (u64, u64) {
+        let d = self.device_period_ns;
+        if d == 0 {
+            return (now.saturating_sub(1_000_000_000), now);
+        }
+        let k = now.saturating_sub(self.late_ns / 2) / d;
+        (k.saturating_sub(1) * d, k * d)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -307,12 +331,16 @@ impl NodeSpec {
             ));
         }
         let ns = raw.nvml_sampling;
-        if ns.wander_ns >= 50_000_000 || ns.late_ns >= 1_000_000_000 {
+        if ns.wander_ns >= 50_000_000
+            || ns.late_ns >= 1_000_000_000
+            || ns.device_period_ns > 1_000_000_000
+        {
             let at = text.find("nvml_sampling").unwrap_or(0);
             return Err(invalid(
                 at,
                 "nvml_sampling",
-                "wander_ns must be below 50 ms and late_ns below 1 s".into(),
+                "wander_ns must be below 50 ms, late_ns below 1 s, device_period_ns at most 1 s"
+                    .into(),
             ));
         }
         if raw.kernel_wave_ns == 0 {

@@ -241,12 +241,13 @@ pub(crate) fn check_version<T>(p: *mut T, want: std::ffi::c_uint) -> R {
     Ok(())
 }
 
-/// Device utilization over the last second of the simulated timeline.
+/// Device utilization in whole percents over the node's device sampling
+/// window (`NvmlSampling::device_window`: the last published period of
+/// `[nvml_sampling] device_period_ns`, else the last second).
 pub(crate) fn recent_util(c: &Ctx, sim: usize) -> u32 {
     let now = gpu_sim_core::state::now_ns();
-    c.state
-        .utilization(sim, now.saturating_sub(1_000_000_000), now)
-        .round() as u32
+    let (from, to) = c.state.node().nvml_sampling.device_window(now);
+    c.state.utilization(sim, from, to).round() as u32
 }
 
 mod stubs {

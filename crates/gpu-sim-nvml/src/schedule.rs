@@ -10,7 +10,10 @@
 //! low by the wander's share of a period, and by a period's share whenever
 //! a skipped one is folded: gpu-display's sampler showed 19.7 % for a
 //! process the timeline had at 25.2 % with 20 ms of wander and one period
-//! in 11 skipped (its `tests/display_metrics.rs` runs on the default grid).
+//! in 11 skipped, until it weighted each sample by its own window. Every
+//! sample node in config/nodes/ samples this way.
+//!
+//! Device utilization has a window of its own (`NvmlSampling::device_window`).
 
 use crate::procs::SAMPLE_NS;
 use gpu_sim_core::NvmlSampling;
@@ -73,6 +76,7 @@ mod tests {
             wander_ns: 20_000_000,
             late_ns: 60_000_000,
             skip_one_in: 11,
+            device_period_ns: 0,
         };
         let ks = 1000..3000u64;
         let skips = ks.clone().filter(|&k| skipped(&s, 0, k)).count();
@@ -89,5 +93,23 @@ mod tests {
             }
         }
         assert_ne!(boundary(&s, 0, 5), boundary(&s, 1, 5), "GPUs sample apart");
+    }
+
+    #[test]
+    fn device_utilization_covers_its_own_published_period() {
+        let plain = NvmlSampling::default();
+        assert_eq!(
+            plain.device_window(5_000_000_000),
+            (4_000_000_000, 5_000_000_000)
+        );
+        let s = NvmlSampling {
+            late_ns: 60_000_000,
+            device_period_ns: 166_666_667,
+            ..plain
+        };
+        let d = s.device_period_ns;
+        // Just after a period ends it is not published yet: the one before.
+        assert_eq!(s.device_window(6 * d + 10_000_000), (4 * d, 5 * d));
+        assert_eq!(s.device_window(6 * d + 31_000_000), (5 * d, 6 * d));
     }
 }
