@@ -202,6 +202,39 @@ fn a_fresh_process_that_never_synchronises_holds_its_quota_from_the_first_launch
     );
 }
 
+/// A soft share (guarantee 30, cap 70: `vcuda-core-limit`) bursts to its
+/// cap while alone; when a hard-70 neighbour starts on its GPU, it is back
+/// to its guarantee (every later 0.5 s window ≤ 33 %) within
+/// [`matrix::SETTLE_S`], and from then on the neighbour gets its 70 ± 3.
+/// Windows of 3 s (alone, and after settling).
+#[test]
+fn a_soft_share_bursts_alone_and_yields_to_a_neighbour_within_2_s() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut s = setup(1);
+    s.window_s = 3.0;
+    let dir = tempfile::tempdir().unwrap();
+    let prog = matrix::compile(&s, dir.path());
+    let a = matrix::arrival(&s, &prog, "uniform", "gridless");
+    eprintln!(
+        "soft 30 (cap 70) alone {:.1} %; hard 70 arrives: back to the guarantee after {}; \
+         from {} s on soft {:.1} %, neighbour {:.1} %",
+        a.alone,
+        a.to_guarantee_s
+            .map_or("never".into(), |t| format!("{t:.1} s")),
+        matrix::SETTLE_S,
+        a.soft_after,
+        a.neighbour
+    );
+    assert!((a.alone - 70.0).abs() <= BOUND, "alone: {a:?}");
+    assert!(
+        a.to_guarantee_s.is_some_and(|t| t <= matrix::SETTLE_S),
+        "not back to its guarantee within {} s: {a:?}",
+        matrix::SETTLE_S
+    );
+    assert!(a.soft_after <= 30.0 + BOUND, "{a:?}");
+    assert!((a.neighbour - 70.0).abs() <= BOUND, "{a:?}");
+}
+
 /// The gate above means something only while the simulator's timing is its
 /// own: no simulator crate may depend on the interposer (directly or
 /// through another crate), and no simulator source may name the

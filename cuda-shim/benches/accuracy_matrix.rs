@@ -55,7 +55,7 @@ fn main() {
         for ((t, err), got) in o.errors().zip(&o.achieved) {
             md.row(vec![
                 matrix::tenant_name(&o.case, t),
-                format!("{} %", t.quota),
+                format!("{} %", t.expected()),
                 format!("{got:.1} %"),
                 format!("{err:+.1}"),
             ]);

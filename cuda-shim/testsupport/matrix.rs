@@ -23,11 +23,27 @@ pub const LIMITS: [i32; 5] = [10, 30, 50, 70, 90];
 pub const NODE: &str = "sim-1gpu-driver-sampling";
 pub const MIXES: [&str; 5] = ["uniform", "blockmix", "saturate", "graph", "gridless"];
 
-/// One container: its hard limit and the mix its workload runs.
+/// One container: its limit and the mix its workload runs.
 #[derive(Debug, Clone, Copy)]
 pub struct Tenant {
+    /// The guarantee (`vcuda-core`).
     pub quota: i32,
+    /// A soft share's cap (`vcuda-core-limit`); 0: a hard limit.
+    pub cap: i32,
     pub mix: &'static str,
+}
+
+impl Tenant {
+    /// What it should get alone on its GPU, or beside tenants whose hard
+    /// limits add up to 100 with it: the cap of a soft share (bursting),
+    /// else the quota.
+    pub fn expected(&self) -> f64 {
+        if self.cap > 0 { self.cap } else { self.quota }.into()
+    }
+
+    fn hard(quota: i32, mix: &'static str) -> Tenant {
+        Tenant { quota, cap: 0, mix }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -44,7 +60,7 @@ pub fn cases() -> Vec<Case> {
         for quota in LIMITS {
             out.push(Case {
                 name: format!("hard {quota}, {mix}, alone"),
-                tenants: vec![Tenant { quota, mix }],
+                tenants: vec![Tenant::hard(quota, mix)],
             });
         }
     }
@@ -52,9 +68,20 @@ pub fn cases() -> Vec<Case> {
         name: name.into(),
         tenants: t
             .iter()
-            .map(|&(quota, mix)| Tenant { quota, mix })
+            .map(|&(quota, mix)| Tenant::hard(quota, mix))
             .collect(),
     };
+    // Soft shares alone burst to their cap (`vcuda-core-limit`).
+    for mix in ["uniform", "gridless"] {
+        out.push(Case {
+            name: format!("soft 30 (cap 70), {mix}, alone"),
+            tenants: vec![Tenant {
+                quota: 30,
+                cap: 70,
+                mix,
+            }],
+        });
+    }
     out.push(shared(
         "30 + 70 (uniform, gridless)",
         &[(30, "uniform"), (70, "gridless")],
@@ -93,7 +120,7 @@ impl Outcome {
             .tenants
             .iter()
             .zip(&self.achieved)
-            .map(|(t, a)| (*t, a - t.quota as f64))
+            .map(|(t, a)| (*t, a - t.expected()))
     }
 }
 
@@ -114,7 +141,7 @@ pub fn run_case(s: &Setup, case: &Case, prog: &Path) -> Outcome {
     let containers: Vec<Container> = case
         .tenants
         .iter()
-        .map(|t| n.container(t.quota, true, 0))
+        .map(|t| n.container(t.quota, t.cap == 0, t.cap))
         .collect();
     let secs = format!("{}", s.warmup_s + s.window_s + 0.5);
     let runs: Vec<workload::Running> = containers
@@ -180,7 +207,7 @@ pub fn print(outcomes: &[Outcome], bound: f64) -> Vec<String> {
     println!(
         "{:<44} {:>6} {:>9} {:>7} {:>6}",
         "case",
-        "quota",
+        "target",
         "achieved",
         "error",
         format!("±{bound}")
@@ -192,7 +219,7 @@ pub fn print(outcomes: &[Outcome], bound: f64) -> Vec<String> {
             let line = format!(
                 "{:<44} {:>5}% {:>8.1}% {:>+7.1} {:>6}",
                 tenant_name(&o.case, t),
-                t.quota,
+                t.expected(),
                 got,
                 err,
                 if ok { "ok" } else { "MISS" }
@@ -212,5 +239,79 @@ pub fn tenant_name(case: &Case, t: Tenant) -> String {
         case.name.clone()
     } else {
         format!("{}: {} {}", case.name, t.quota, t.mix)
+    }
+}
+
+/// A soft share's neighbour arrives: what [`arrival`] measured.
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival {
+    /// The soft share alone (its warm-up over), percent.
+    pub alone: f64,
+    /// Seconds from the neighbour's first launch until every later 0.5 s
+    /// window holds the soft share within 3 points of its guarantee;
+    /// `None`: never within the run.
+    pub to_guarantee_s: Option<f64>,
+    /// The soft share and the neighbour over the window that starts
+    /// [`SETTLE_S`] after the neighbour's first launch.
+    pub soft_after: f64,
+    pub neighbour: f64,
+}
+
+/// How long a soft share may take to give the device back.
+pub const SETTLE_S: f64 = 2.0;
+const BIN_NS: u64 = 100_000_000;
+
+/// A soft share (guarantee 30, cap 70, `soft_mix`) runs alone for the
+/// warm-up and `s.window_s`; then a hard-70 neighbour (`hard_mix`) starts
+/// on the same GPU. Its share is read in 100 ms bins as they end (the
+/// sim's timeline keeps a bounded history).
+pub fn arrival(s: &Setup, prog: &Path, soft_mix: &str, hard_mix: &str) -> Arrival {
+    let n = ShimNode::install(&s.workspace, &s.gpu_sim, &s.shim, NODE);
+    let soft = n.container(30, false, 70);
+    let hard = n.container(70, true, 0);
+    let total = s.warmup_s + s.window_s + SETTLE_S + s.window_s + 1.0;
+    let a = workload::start(&soft, prog, &[soft_mix, &format!("{total}")]);
+    let from = a.start + workload::s(s.warmup_s);
+    let to = from + workload::s(s.window_s);
+    workload::sleep_until(to + 20_000_000);
+    let alone = n.busy(&[a.pid], from, to);
+    let rest = format!("{}", SETTLE_S + s.window_s + 0.5);
+    let b = workload::start(&hard, prog, &[hard_mix, &rest]);
+    let bins = (workload::s(SETTLE_S + s.window_s) / BIN_NS) as usize;
+    let (mut soft_bins, mut hard_bins) = (Vec::new(), Vec::new());
+    for i in 0..bins as u64 {
+        let end = b.start + (i + 1) * BIN_NS;
+        workload::sleep_until(end + 20_000_000);
+        soft_bins.push(n.busy(&[a.pid], end - BIN_NS, end));
+        hard_bins.push(n.busy(&[b.pid], end - BIN_NS, end));
+    }
+    if std::env::var_os("VCUDA_ACCURACY_BINS").is_some() {
+        eprintln!("soft {soft_bins:.0?}\nhard {hard_bins:.0?}");
+    }
+    workload::finish(b);
+    workload::finish(a);
+    let settle = (workload::s(SETTLE_S) / BIN_NS) as usize;
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    Arrival {
+        alone,
+        to_guarantee_s: settled_at(&soft_bins, 30.0 + 3.0).map(|i| i as f64 * BIN_NS as f64 / 1e9),
+        soft_after: mean(&soft_bins[settle..]),
+        neighbour: mean(&hard_bins[settle..]),
+    }
+}
+
+/// The first bin from which every 5-bin (0.5 s) window averages at most
+/// `bound`.
+fn settled_at(bins: &[f64], bound: f64) -> Option<usize> {
+    let w = 5;
+    let over: Vec<bool> = bins
+        .windows(w)
+        .map(|x| x.iter().sum::<f64>() / w as f64 > bound)
+        .collect();
+    let last_over = over.iter().rposition(|&o| o);
+    match last_over {
+        None => Some(0),
+        Some(i) if i + 1 < over.len() => Some(i + 1),
+        Some(_) => None,
     }
 }

@@ -33,6 +33,14 @@ const SCALE_WINDOW: usize = 10;
 const ERROR_WINDOW: usize = 5;
 /// Periods the soft limit looks back for other containers' use.
 const OTHERS_WINDOW: usize = 3;
+/// Device busy share (own + others, one period) at which a soft share
+/// counts the device as full (context switches between tenants idle it by
+/// a few percent).
+const SATURATED: f64 = 90.0;
+/// Points the others' use must grow by, over their average of the periods
+/// before, for a full device to count as contended (NVML's whole percents
+/// and the laws' jitter move it by 1-2).
+const GROWTH: f64 = 3.0;
 /// Integral gain per period, per unit of relative error.
 const KI: f64 = 0.08;
 /// Bounds of the integral correction.
@@ -234,7 +242,7 @@ impl Controller {
             return self.ramp(&p);
         };
         let others = avg(self.periods.iter().rev().take(OTHERS_WINDOW), |q| q.others);
-        let target = self.quota.target(others);
+        let target = self.soft_target(others);
         let achieved = avg(self.periods.iter().rev().take(ERROR_WINDOW), |q| {
             self.seen(q)
         });
@@ -250,6 +258,42 @@ impl Controller {
             units_per_ms: 1e6 / scale,
             achieved,
         })
+    }
+
+    /// The newest period had the device full ([`SATURATED`]) with others
+    /// on it.
+    fn full(&self) -> bool {
+        self.periods
+            .back()
+            .is_some_and(|p| p.others >= 1.0 && self.seen(p) + p.others >= SATURATED)
+    }
+
+    /// The target: the quota's ([`Quota::target`]: what others leave, for
+    /// a soft share) while the device has idle time. On a full device
+    /// ([`SATURATED`], others on it) nothing is left: contexts time-slice in
+    /// proportion to what each submits, so "what others leave" is what the
+    /// soft share leaves them, and taking it would hold a neighbour below
+    /// what it wants. A soft share then never grows past what it uses, and
+    /// when the others' use grows ([`GROWTH`] points over the periods
+    /// before: a neighbour that takes what it is given wants more) it falls
+    /// back to its guarantee at once. Idle time it leaves is taken back
+    /// within a few periods (what others leave).
+    fn soft_target(&self, others: f64) -> f64 {
+        let t = self.quota.target(others);
+        let mut newest = self.periods.iter().rev();
+        let (Some(p), Some(_)) = (newest.next(), self.quota.soft_limit) else {
+            return t;
+        };
+        if !self.full() {
+            return t;
+        }
+        let own = self.seen(p);
+        let before: Vec<f64> = newest.take(OTHERS_WINDOW).map(|q| q.others).collect();
+        let grew = p.others - before.iter().sum::<f64>() / before.len().max(1) as f64;
+        if grew >= GROWTH {
+            return self.quota.utilization;
+        }
+        t.min(own).max(self.quota.utilization)
     }
 
     /// No scale yet although the container launched in `p`: its work at
@@ -453,6 +497,58 @@ mod tests {
         assert!((own - 60.0).abs() < 0.5, "{own}");
         let (_, own) = run(q, 0.02, f64::INFINITY, 50.0, 30);
         assert!((own - 50.0).abs() < 0.5, "{own}");
+    }
+
+    /// A soft share (30, cap 70) alone at its cap; a neighbour arrives
+    /// that submits `wants` percent worth. On a full device each gets its
+    /// share of what both submit (contexts time-slice). Returns the soft
+    /// share's use per period after the arrival.
+    fn neighbour_arrives(wants: f64) -> Vec<f64> {
+        let q = Quota {
+            utilization: 30.0,
+            soft_limit: Some(70.0),
+        };
+        let k = 0.01;
+        let mut c = Controller::new(q);
+        let (mut t, mut units, mut rate) = (0u64, 0.0, f64::INFINITY);
+        c.record_launched(0, 0);
+        let mut after = Vec::new();
+        for i in 0..60 {
+            let submits = (rate * k * 100.0).min(100.0);
+            let other = if i < 20 { 0.0 } else { wants };
+            let scale = (100.0 / (submits + other)).min(1.0);
+            let (own, others) = (submits * scale, other * scale);
+            t += P;
+            units += own / 100.0 / k * P as f64;
+            c.record_launched(t, units as u64);
+            let p = Period {
+                end_ns: t,
+                len_ns: P,
+                own,
+                others,
+                cost: c.cost_between(t - P, t),
+            };
+            rate = c.add_period(p, true).map_or(rate, |d| d.rate);
+            if i >= 20 {
+                after.push(own);
+            }
+        }
+        after
+    }
+
+    #[test]
+    fn a_soft_share_yields_to_a_neighbour_that_wants_more_and_keeps_what_is_left() {
+        let greedy = neighbour_arrives(70.0);
+        assert!(
+            greedy[5..].iter().all(|&o| o <= 31.0),
+            "soft share beside a neighbour that wants 70: {greedy:.1?}"
+        );
+        let modest = neighbour_arrives(40.0);
+        let end = modest[30..].iter().sum::<f64>() / 10.0;
+        assert!(
+            end >= 55.0,
+            "soft share beside a neighbour at 40: {modest:.1?}"
+        );
     }
 
     #[test]
