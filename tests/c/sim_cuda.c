@@ -6,7 +6,7 @@
  *   saturate MS          launches ~1 ms kernels back to back for MS ms, prints
  *                        "done", then waits for stdin (to stay listed)
  *   procaddr             cuGetProcAddress / _v2: versions, flags, statuses
- *   nosyscall N          N launches between two getppid() markers
+ *   nosyscall N          N launches, in rounds of 1000 between getppid() markers
  *   init                 cuInit only; prints its result
  * Declares the entry points it needs itself (the common ones in
  * cuda_driver.h): the driver ABI is stable C. */
@@ -295,17 +295,27 @@ static int procaddr(void) {
   return 0;
 }
 
+/* The launch path makes no system call while the context's launch queue
+ * has room: N launches in rounds of 1000 (below the 1024 pending launches a
+ * real GPU queues before the launch call blocks), each round between two
+ * getppid() markers, the queue drained between rounds. */
 static int nosyscall(long n) {
   CUfunction f;
   setup(&f);
   /* Warm up: thread-locals, lazily bound PLT entries. */
   check(cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL), "warm-up launch");
-  getppid(); /* marker: start */
-  for (long i = 0; i < n; i++) {
-    CUresult r = cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
-    if (r) return 1;
+  check(cuCtxSynchronize(), "warm-up sync");
+  for (long done = 0; done < n;) {
+    long round = n - done < 1000 ? n - done : 1000;
+    getppid(); /* marker: start */
+    for (long i = 0; i < round; i++) {
+      CUresult r = cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
+      if (r) return 1;
+    }
+    getppid(); /* marker: end */
+    done += round;
+    check(cuCtxSynchronize(), "drain between rounds");
   }
-  getppid(); /* marker: end */
   printf("launched %ld\n", n);
   return 0;
 }
