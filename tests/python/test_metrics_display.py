@@ -172,8 +172,13 @@ def test_metrics_parse_with_types_and_match_duty_cycles(served):
                   pod_name="pod-a", gpu_memory="gpu0")
     expected = 256 + context_cost() / (1 << 20)
     assert expected <= held < expected + 1, (held, expected)
+    # NVML's device utilization covers one driver period (1/6 s on the sim's
+    # nodes, as on real GPUs): these 100 ms duty cycles read 55 on average
+    # but 33 to 66 in one period (each burst falls in it once or twice).
+    # tests/display_metrics.rs
+    # checks the value against the sim's timeline over that very period.
     gpu = sample(fams, "vcuda_gpu_utilization_ratio", "vcuda_gpu_utilization_ratio", gpu="0")
-    assert abs(gpu * 100 - 55) <= 5, gpu
+    assert 30 <= gpu * 100 <= 80, gpu
 
     # The original's path is kept for its scrapers.
     _, _, alias = get(served["base"] + "/metric")
