@@ -175,8 +175,8 @@ def test_metrics_parse_with_types_and_match_duty_cycles(served):
     # NVML's device utilization covers one driver period (1/6 s on the sim's
     # nodes, as on real GPUs): these 100 ms duty cycles read 55 on average
     # but 33 to 66 in one period (each burst falls in it once or twice).
-    # tests/display_metrics.rs
-    # checks the value against the sim's timeline over that very period.
+    # tests/display_metrics.rs checks the value against the sim's timeline
+    # over that very period.
     gpu = sample(fams, "vcuda_gpu_utilization_ratio", "vcuda_gpu_utilization_ratio", gpu="0")
     assert 30 <= gpu * 100 <= 80, gpu
 
