@@ -154,7 +154,7 @@ pub struct Controller {
     unseen: u32,
     /// Periods since the first decision: the integral starts once the
     /// error window holds only periods run under a decided rate (the
-    /// unthrottled learning periods would wind it down).
+    /// start-up periods, at an assumed rate, would wind it off).
     decided: usize,
 }
 
