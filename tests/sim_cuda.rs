@@ -329,7 +329,11 @@ fn launch_path_makes_no_syscall() {
     let marks: Vec<usize> = (0..lines.len())
         .filter(|&i| lines[i].contains("getppid("))
         .collect();
-    assert_eq!(marks.len(), 200, "100 pairs of markers expected in:\n{text}");
+    assert_eq!(
+        marks.len(),
+        200,
+        "100 pairs of markers expected in:\n{text}"
+    );
     for pair in marks.chunks(2) {
         let between = &lines[pair[0] + 1..pair[1]];
         assert!(
