@@ -251,33 +251,39 @@ pub struct Arrival {
     /// window holds the soft share within 3 points of its guarantee;
     /// `None`: never within the run.
     pub to_guarantee_s: Option<f64>,
-    /// The soft share and the neighbour over the window that starts
-    /// [`SETTLE_S`] after the neighbour's first launch.
+    /// The soft share and the neighbour over the [`AFTER_S`] window that
+    /// starts [`SETTLE_S`] after the neighbour's first launch.
     pub soft_after: f64,
     pub neighbour: f64,
 }
 
 /// How long a soft share may take to give the device back.
 pub const SETTLE_S: f64 = 2.0;
+/// The window after [`SETTLE_S`]: the newcomer's own controller still
+/// settles (it overshoots for ~1 s, then undershoots by 3-5 points for
+/// ~1.5 s as the scale it learned while queued behind the soft share's
+/// work is forgotten), so a longer one than the matrix's.
+pub const AFTER_S: f64 = 5.0;
 const BIN_NS: u64 = 100_000_000;
 
 /// A soft share (guarantee 30, cap 70, `soft_mix`) runs alone for the
-/// warm-up and `s.window_s`; then a hard-70 neighbour (`hard_mix`) starts
+/// warm-up and `s.window_s` (its share alone is read over the latter);
+/// then a hard-70 neighbour (`hard_mix`) starts
 /// on the same GPU. Its share is read in 100 ms bins as they end (the
 /// sim's timeline keeps a bounded history).
 pub fn arrival(s: &Setup, prog: &Path, soft_mix: &str, hard_mix: &str) -> Arrival {
     let n = ShimNode::install(&s.workspace, &s.gpu_sim, &s.shim, NODE);
     let soft = n.container(30, false, 70);
     let hard = n.container(70, true, 0);
-    let total = s.warmup_s + s.window_s + SETTLE_S + s.window_s + 1.0;
+    let total = s.warmup_s + s.window_s + SETTLE_S + AFTER_S + 1.0;
     let a = workload::start(&soft, prog, &[soft_mix, &format!("{total}")]);
     let from = a.start + workload::s(s.warmup_s);
     let to = from + workload::s(s.window_s);
     workload::sleep_until(to + 20_000_000);
     let alone = n.busy(&[a.pid], from, to);
-    let rest = format!("{}", SETTLE_S + s.window_s + 0.5);
+    let rest = format!("{}", SETTLE_S + AFTER_S + 0.5);
     let b = workload::start(&hard, prog, &[hard_mix, &rest]);
-    let bins = (workload::s(SETTLE_S + s.window_s) / BIN_NS) as usize;
+    let bins = (workload::s(SETTLE_S + AFTER_S) / BIN_NS) as usize;
     let (mut soft_bins, mut hard_bins) = (Vec::new(), Vec::new());
     for i in 0..bins as u64 {
         let end = b.start + (i + 1) * BIN_NS;

@@ -149,6 +149,9 @@ pub struct Controller {
     /// The scale came from the previous controller (see [`Self::seed_scale`]).
     seeded: bool,
     m: f64,
+    /// A soft share's target while the device is full (see
+    /// [`Self::soft_target`]).
+    held: Option<f64>,
     /// Periods the container launched in while NVML never showed it busy
     /// (no scale yet): the start-up rate doubles with each ([`Self::ramp`]).
     unseen: u32,
@@ -170,6 +173,7 @@ impl Controller {
             scale: None,
             seeded: false,
             m: 1.0,
+            held: None,
             unseen: 0,
             decided: 0,
         }
@@ -272,28 +276,33 @@ impl Controller {
     /// a soft share) while the device has idle time. On a full device
     /// ([`SATURATED`], others on it) nothing is left: contexts time-slice in
     /// proportion to what each submits, so "what others leave" is what the
-    /// soft share leaves them, and taking it would hold a neighbour below
-    /// what it wants. A soft share then never grows past what it uses, and
-    /// when the others' use grows ([`GROWTH`] points over the periods
-    /// before: a neighbour that takes what it is given wants more) it falls
-    /// back to its guarantee at once. Idle time it leaves is taken back
-    /// within a few periods (what others leave).
-    fn soft_target(&self, others: f64) -> f64 {
+    /// soft share leaves them, and its own use is no anchor either (its
+    /// scale, learned while queued behind others' work, reads low, and the
+    /// share crept from 30 to 40 % over 5 s beside a hard-70 neighbour). A
+    /// soft share then holds the target it had when the device filled (it
+    /// only goes down), and when the others' use grows ([`GROWTH`] points
+    /// over the periods before: a neighbour that takes what it is given
+    /// wants more) it falls back to its guarantee. Idle time it leaves is
+    /// taken back within a few periods (what others leave).
+    fn soft_target(&mut self, others: f64) -> f64 {
         let t = self.quota.target(others);
+        let q = self.quota.utilization;
+        if self.quota.soft_limit.is_none() || !self.full() {
+            self.held = None;
+            return t;
+        }
         let mut newest = self.periods.iter().rev();
-        let (Some(p), Some(_)) = (newest.next(), self.quota.soft_limit) else {
-            return t;
+        let own = newest.next().map_or(0.0, |p| self.seen(p));
+        let now = self.periods.back().map_or(0.0, |p| p.others);
+        let before: Vec<f64> = newest.take(OTHERS_WINDOW).map(|p| p.others).collect();
+        let grew = now - before.iter().sum::<f64>() / before.len().max(1) as f64;
+        let held = if grew >= GROWTH {
+            q
+        } else {
+            self.held.unwrap_or(own).min(t).max(q)
         };
-        if !self.full() {
-            return t;
-        }
-        let own = self.seen(p);
-        let before: Vec<f64> = newest.take(OTHERS_WINDOW).map(|q| q.others).collect();
-        let grew = p.others - before.iter().sum::<f64>() / before.len().max(1) as f64;
-        if grew >= GROWTH {
-            return self.quota.utilization;
-        }
-        t.min(own).max(self.quota.utilization)
+        self.held = Some(held);
+        held
     }
 
     /// No scale yet although the container launched in `p`: its work at
