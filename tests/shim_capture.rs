@@ -10,13 +10,14 @@
 mod server;
 #[path = "../cuda-shim/testsupport/simnode.rs"]
 mod simnode;
+#[path = "../cuda-shim/testsupport/stepped.rs"]
+mod stepped;
 
 use simnode::{Container, ShimNode};
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Stdio};
 use std::sync::atomic::Ordering;
+use stepped::Stepped;
 use vcuda_tests::{target_dir, workspace_root};
 
 /// The bucket's `requested` word in the ledger's compute area
@@ -110,57 +111,6 @@ fn the_sim_driver_enforces_capture_modes() {
 fn the_interposer_passes_capture_mode_rules_through() {
     let (n, prog) = node();
     rules(&n.container(50, true, 0), &prog);
-}
-
-/// A run that stops at each `phase=` line until told to go on.
-struct Stepped {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    text: String,
-}
-
-impl Stepped {
-    fn start(c: &Container, prog: &Path, args: &[&str]) -> Stepped {
-        let mut child = c
-            .command(prog)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        Stepped {
-            stdin: child.stdin.take().unwrap(),
-            stdout: BufReader::new(child.stdout.take().unwrap()),
-            child,
-            text: String::new(),
-        }
-    }
-
-    fn reach(&mut self, name: &str) {
-        let want = format!("phase={name}");
-        loop {
-            let mut line = String::new();
-            let n = self.stdout.read_line(&mut line).unwrap();
-            self.text.push_str(&line);
-            assert!(n > 0, "ended before {want}:\n{}", self.text);
-            if line.trim() == want {
-                return;
-            }
-        }
-    }
-
-    fn resume(&mut self) {
-        self.stdin.write_all(b"\n").unwrap();
-    }
-
-    fn finish(mut self) {
-        self.resume();
-        drop(self.stdin);
-        self.stdout.read_to_string(&mut self.text).unwrap();
-        assert!(self.child.wait().unwrap().success(), "{}", self.text);
-    }
 }
 
 /// A GLOBAL capture stays valid while the interposer throttles launches
