@@ -13,7 +13,7 @@ mod simnode;
 #[path = "../cuda-shim/testsupport/stepped.rs"]
 mod stepped;
 
-use simnode::{Container, ShimNode};
+use simnode::{Container, ShimNode, kv};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -29,13 +29,6 @@ const WRONG_THREAD: &str = "908";
 
 fn node() -> (ShimNode, PathBuf) {
     ShimNode::sample(&workspace_root(), &target_dir(), "shim_capture.c")
-}
-
-fn kv(text: &str) -> HashMap<String, String> {
-    text.split_whitespace()
-        .filter_map(|w| w.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
 }
 
 /// One capture-mode case of `shim_capture rules`: the prohibited call's

@@ -13,7 +13,7 @@ mod server;
 #[path = "../cuda-shim/testsupport/simnode.rs"]
 mod simnode;
 
-use simnode::{Container, ShimNode};
+use simnode::{Container, ShimNode, kv};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -44,13 +44,6 @@ impl Out {
             .parse()
             .unwrap()
     }
-}
-
-fn kv(text: &str) -> HashMap<String, String> {
-    text.split_whitespace()
-        .filter_map(|w| w.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
 }
 
 /// Runs the workload and measures, while it still runs (the sim forgets

@@ -62,11 +62,7 @@ fn run(mut c: Command) -> HashMap<String, String> {
         "{c:?} failed ({}):\n{stdout}\nstderr:\n{stderr}",
         out.status
     );
-    let mut kv: HashMap<String, String> = stdout
-        .split_whitespace()
-        .filter_map(|w| w.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+    let mut kv = simnode::kv(&stdout);
     kv.insert("_stdout".into(), stdout);
     kv.insert("_stderr".into(), stderr.into_owned());
     kv

@@ -14,7 +14,7 @@ mod simnode;
 #[path = "../cuda-shim/testsupport/stepped.rs"]
 mod stepped;
 
-use simnode::{Container, ShimNode};
+use simnode::{Container, ShimNode, kv};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -29,13 +29,6 @@ const REQUESTED_WORD: usize = 8;
 
 fn node() -> (ShimNode, PathBuf) {
     ShimNode::sample(&workspace_root(), &target_dir(), "shim_graph.c")
-}
-
-fn kv(text: &str) -> HashMap<String, String> {
-    text.split_whitespace()
-        .filter_map(|w| w.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
 }
 
 /// Runs `shim_graph args` to the end; its key=value words.

@@ -112,11 +112,7 @@ fn run(mut cmd: Command) -> Kv {
 
 impl Kv {
     fn parse(out: String, err: String) -> Kv {
-        let map = out
-            .split_whitespace()
-            .filter_map(|w| w.split_once('='))
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let map = simnode::kv(&out);
         Kv { out, err, map }
     }
 

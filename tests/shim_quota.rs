@@ -88,11 +88,7 @@ struct Run {
 
 impl Run {
     fn kv(&self) -> HashMap<String, String> {
-        self.stdout
-            .split_whitespace()
-            .filter_map(|w| w.split_once('='))
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
+        simnode::kv(&self.stdout)
     }
 
     fn get(&self, k: &str) -> u64 {

@@ -292,6 +292,14 @@ pub fn artifact(name: &str) -> PathBuf {
     debug
 }
 
+/// The `key=value` words a test workload printed (tests/c/shim_*.c).
+pub fn kv(text: &str) -> std::collections::HashMap<String, String> {
+    text.split_whitespace()
+        .filter_map(|w| w.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
 /// CLOCK_MONOTONIC ns, the sim's clock.
 pub fn now_ns() -> u64 {
     gpu_sim_core::state::now_ns()
