@@ -286,200 +286,14 @@ impl NodeSpec {
             path: origin.to_string(),
             message: e.to_string().trim_end().to_string(),
         })?;
-        let line_of = |offset: usize| text[..offset.min(text.len())].matches('\n').count() + 1;
-        let invalid = |offset: usize, field: &str, message: String| NodeError::Invalid {
-            path: origin.to_string(),
-            line: line_of(offset),
-            field: field.to_string(),
-            message,
-        };
-
-        let cuda_version = parse_cuda_version(&raw.cuda_version).ok_or_else(|| {
-            let at = text.find("cuda_version").unwrap_or(0);
-            invalid(
-                at,
-                "cuda_version",
-                format!("{:?} is not MAJOR.MINOR (e.g. \"12.4\")", raw.cuda_version),
-            )
-        })?;
-        if !is_driver_version(&raw.driver_version) {
-            let at = text.find("driver_version").unwrap_or(0);
-            return Err(invalid(
-                at,
-                "driver_version",
-                format!(
-                    "{:?} is not a dotted driver version (e.g. \"550.54.15\")",
-                    raw.driver_version
-                ),
-            ));
-        }
-        if raw.gpu.is_empty() {
-            return Err(invalid(
-                0,
-                "gpu",
-                "at least one [[gpu]] table is required".into(),
-            ));
-        }
-        if raw.gpu.len() > MAX_GPUS {
-            return Err(invalid(
-                raw.gpu[MAX_GPUS].span().start,
-                "gpu",
-                format!(
-                    "{} GPUs; the simulator supports at most {MAX_GPUS}",
-                    raw.gpu.len()
-                ),
-            ));
-        }
-        let ns = raw.nvml_sampling;
-        if ns.wander_ns >= 50_000_000
-            || ns.late_ns >= 1_000_000_000
-            || ns.device_period_ns > 1_000_000_000
-        {
-            let at = text.find("nvml_sampling").unwrap_or(0);
-            return Err(invalid(
-                at,
-                "nvml_sampling",
-                "wander_ns must be below 50 ms, late_ns below 1 s, device_period_ns at most 1 s"
-                    .into(),
-            ));
-        }
-        if raw.kernel_wave_ns == 0 {
-            let at = text.find("kernel_wave_ns").unwrap_or(0);
-            return Err(invalid(at, "kernel_wave_ns", "must be above 0".into()));
-        }
-
-        let mut gpus = Vec::with_capacity(raw.gpu.len());
+        let src = Source { text, origin };
+        let cuda_version = src.check_node(&raw)?;
+        let mut gpus: Vec<GpuSpec> = Vec::with_capacity(raw.gpu.len());
         for (i, g) in raw.gpu.iter().enumerate() {
-            let spec = g.get_ref();
-            let field = |f: &str| format!("gpu[{i}].{f}");
-            // Point at the offending key's own line when it is written out.
-            let span = g.span();
-            // The span may cover only the `[[gpu]]` header: the table runs
-            // to the next header.
-            let rest = &text[span.start.min(text.len())..];
-            let table = &rest[..rest[1..].find("\n[").map_or(rest.len(), |e| e + 1)];
-            let key_at = |key: &str| {
-                table
-                    .match_indices(key)
-                    .find(|(k, _)| table[k + key.len()..].trim_start().starts_with('='))
-                    .map_or(span.start, |(k, _)| span.start + k)
-            };
-            if spec.memory_mib == 0 {
-                return Err(invalid(
-                    key_at("memory_mib"),
-                    &field("memory_mib"),
-                    "must be above 0".into(),
-                ));
-            }
-            if spec.context_overhead_mib >= spec.memory_mib {
-                return Err(invalid(
-                    key_at("context_overhead_mib"),
-                    &field("context_overhead_mib"),
-                    format!("must be below memory_mib ({})", spec.memory_mib),
-                ));
-            }
-            if spec.sm_count == 0 {
-                return Err(invalid(
-                    key_at("sm_count"),
-                    &field("sm_count"),
-                    "must be above 0".into(),
-                ));
-            }
-            if spec.max_threads_per_sm == 0 {
-                return Err(invalid(
-                    key_at("max_threads_per_sm"),
-                    &field("max_threads_per_sm"),
-                    "must be above 0".into(),
-                ));
-            }
-            if parse_cc(&spec.compute_capability).is_none() {
-                return Err(invalid(
-                    key_at("compute_capability"),
-                    &field("compute_capability"),
-                    format!("{:?} is not MAJOR.MINOR", spec.compute_capability),
-                ));
-            }
-            if parse_bus_id(&spec.pci_bus_id).is_none() {
-                return Err(invalid(
-                    key_at("pci_bus_id"),
-                    &field("pci_bus_id"),
-                    format!("{:?} is not DDDDDDDD:BB:DD.F", spec.pci_bus_id),
-                ));
-            }
-            if !spec.uuid.starts_with("GPU-") || spec.uuid.len() > 80 {
-                return Err(invalid(
-                    key_at("uuid"),
-                    &field("uuid"),
-                    format!("{:?} must look like GPU-xxxxxxxx-xxxx-...", spec.uuid),
-                ));
-            }
-            if spec.name.len() >= 96 {
-                return Err(invalid(
-                    key_at("name"),
-                    &field("name"),
-                    "longer than 95 bytes".into(),
-                ));
-            }
-            for (j, other) in gpus.iter().enumerate() {
-                let other: &GpuSpec = other;
-                if other.uuid == spec.uuid {
-                    return Err(invalid(
-                        key_at("uuid"),
-                        &field("uuid"),
-                        format!("same as gpu[{j}]"),
-                    ));
-                }
-                if other.minor == spec.minor {
-                    return Err(invalid(
-                        key_at("minor"),
-                        &field("minor"),
-                        format!("same as gpu[{j}]"),
-                    ));
-                }
-                if other.pci_bus_id.eq_ignore_ascii_case(&spec.pci_bus_id) {
-                    return Err(invalid(
-                        key_at("pci_bus_id"),
-                        &field("pci_bus_id"),
-                        format!("same as gpu[{j}]"),
-                    ));
-                }
-            }
-            gpus.push(spec.clone());
+            src.check_gpu(i, g, &gpus)?;
+            gpus.push(g.get_ref().clone());
         }
-
-        let n = gpus.len();
-        let mut pcie = vec![vec![PcieLevel::System; n]; n];
-        let mut nvlink = vec![vec![0u32; n]; n];
-        for i in 0..n {
-            for j in 0..n {
-                pcie[i][j] = if i == j {
-                    PcieLevel::Internal
-                } else if gpus[i].numa_node == gpus[j].numa_node {
-                    PcieLevel::Node
-                } else {
-                    PcieLevel::System
-                };
-            }
-        }
-        for (k, l) in raw.link.iter().enumerate() {
-            let at = l.span().start;
-            let link = l.get_ref();
-            let [a, b] = link.gpus;
-            if a >= n || b >= n || a == b {
-                return Err(invalid(
-                    at,
-                    &format!("link[{k}].gpus"),
-                    format!("[{a}, {b}] must name two different GPUs below {n}"),
-                ));
-            }
-            if let Some(level) = link.pcie {
-                pcie[a][b] = level;
-                pcie[b][a] = level;
-            }
-            nvlink[a][b] = link.nvlink;
-            nvlink[b][a] = link.nvlink;
-        }
-
+        let (pcie, nvlink) = src.topology(&gpus, &raw.link)?;
         Ok(NodeSpec {
             name: raw.name,
             driver_version: raw.driver_version,
@@ -558,6 +372,230 @@ pub fn parse_bus_id(s: &str) -> Option<(u32, u32, u32, u32)> {
         u32::from_str_radix(dev, 16).ok()?,
         u32::from_str_radix(func, 16).ok()?,
     ))
+}
+
+/// The text a node file was parsed from, for errors that name the line.
+struct Source<'a> {
+    text: &'a str,
+    origin: &'a str,
+}
+
+impl Source<'_> {
+    fn invalid(&self, offset: usize, field: &str, message: String) -> NodeError {
+        let text = self.text;
+        NodeError::Invalid {
+            path: self.origin.to_string(),
+            line: text[..offset.min(text.len())].matches('\n').count() + 1,
+            field: field.to_string(),
+            message,
+        }
+    }
+
+    /// The node-wide keys; returns the CUDA version.
+    fn check_node(&self, raw: &RawNode) -> Result<i32, NodeError> {
+        let (text, invalid) = (self.text, |o, f: &str, m| self.invalid(o, f, m));
+        let cuda_version = parse_cuda_version(&raw.cuda_version).ok_or_else(|| {
+            let at = text.find("cuda_version").unwrap_or(0);
+            invalid(
+                at,
+                "cuda_version",
+                format!("{:?} is not MAJOR.MINOR (e.g. \"12.4\")", raw.cuda_version),
+            )
+        })?;
+        if !is_driver_version(&raw.driver_version) {
+            let at = text.find("driver_version").unwrap_or(0);
+            return Err(invalid(
+                at,
+                "driver_version",
+                format!(
+                    "{:?} is not a dotted driver version (e.g. \"550.54.15\")",
+                    raw.driver_version
+                ),
+            ));
+        }
+        if raw.gpu.is_empty() {
+            return Err(invalid(
+                0,
+                "gpu",
+                "at least one [[gpu]] table is required".into(),
+            ));
+        }
+        if raw.gpu.len() > MAX_GPUS {
+            return Err(invalid(
+                raw.gpu[MAX_GPUS].span().start,
+                "gpu",
+                format!(
+                    "{} GPUs; the simulator supports at most {MAX_GPUS}",
+                    raw.gpu.len()
+                ),
+            ));
+        }
+        let ns = raw.nvml_sampling;
+        if ns.wander_ns >= 50_000_000
+            || ns.late_ns >= 1_000_000_000
+            || ns.device_period_ns > 1_000_000_000
+        {
+            let at = text.find("nvml_sampling").unwrap_or(0);
+            return Err(invalid(
+                at,
+                "nvml_sampling",
+                "wander_ns must be below 50 ms, late_ns below 1 s, device_period_ns at most 1 s"
+                    .into(),
+            ));
+        }
+        if raw.kernel_wave_ns == 0 {
+            let at = text.find("kernel_wave_ns").unwrap_or(0);
+            return Err(invalid(at, "kernel_wave_ns", "must be above 0".into()));
+        }
+        Ok(cuda_version)
+    }
+
+    /// One `[[gpu]]` table, against those before it.
+    fn check_gpu(
+        &self,
+        i: usize,
+        g: &toml::Spanned<GpuSpec>,
+        gpus: &[GpuSpec],
+    ) -> Result<(), NodeError> {
+        let (text, invalid) = (self.text, |o, f: &str, m| self.invalid(o, f, m));
+        let spec = g.get_ref();
+        let field = |f: &str| format!("gpu[{i}].{f}");
+        // Point at the offending key's own line when it is written out.
+        let span = g.span();
+        // The span may cover only the `[[gpu]]` header: the table runs
+        // to the next header.
+        let rest = &text[span.start.min(text.len())..];
+        let table = &rest[..rest[1..].find("\n[").map_or(rest.len(), |e| e + 1)];
+        let key_at = |key: &str| {
+            table
+                .match_indices(key)
+                .find(|(k, _)| table[k + key.len()..].trim_start().starts_with('='))
+                .map_or(span.start, |(k, _)| span.start + k)
+        };
+        if spec.memory_mib == 0 {
+            return Err(invalid(
+                key_at("memory_mib"),
+                &field("memory_mib"),
+                "must be above 0".into(),
+            ));
+        }
+        if spec.context_overhead_mib >= spec.memory_mib {
+            return Err(invalid(
+                key_at("context_overhead_mib"),
+                &field("context_overhead_mib"),
+                format!("must be below memory_mib ({})", spec.memory_mib),
+            ));
+        }
+        if spec.sm_count == 0 {
+            return Err(invalid(
+                key_at("sm_count"),
+                &field("sm_count"),
+                "must be above 0".into(),
+            ));
+        }
+        if spec.max_threads_per_sm == 0 {
+            return Err(invalid(
+                key_at("max_threads_per_sm"),
+                &field("max_threads_per_sm"),
+                "must be above 0".into(),
+            ));
+        }
+        if parse_cc(&spec.compute_capability).is_none() {
+            return Err(invalid(
+                key_at("compute_capability"),
+                &field("compute_capability"),
+                format!("{:?} is not MAJOR.MINOR", spec.compute_capability),
+            ));
+        }
+        if parse_bus_id(&spec.pci_bus_id).is_none() {
+            return Err(invalid(
+                key_at("pci_bus_id"),
+                &field("pci_bus_id"),
+                format!("{:?} is not DDDDDDDD:BB:DD.F", spec.pci_bus_id),
+            ));
+        }
+        if !spec.uuid.starts_with("GPU-") || spec.uuid.len() > 80 {
+            return Err(invalid(
+                key_at("uuid"),
+                &field("uuid"),
+                format!("{:?} must look like GPU-xxxxxxxx-xxxx-...", spec.uuid),
+            ));
+        }
+        if spec.name.len() >= 96 {
+            return Err(invalid(
+                key_at("name"),
+                &field("name"),
+                "longer than 95 bytes".into(),
+            ));
+        }
+        for (j, other) in gpus.iter().enumerate() {
+            let other: &GpuSpec = other;
+            if other.uuid == spec.uuid {
+                return Err(invalid(
+                    key_at("uuid"),
+                    &field("uuid"),
+                    format!("same as gpu[{j}]"),
+                ));
+            }
+            if other.minor == spec.minor {
+                return Err(invalid(
+                    key_at("minor"),
+                    &field("minor"),
+                    format!("same as gpu[{j}]"),
+                ));
+            }
+            if other.pci_bus_id.eq_ignore_ascii_case(&spec.pci_bus_id) {
+                return Err(invalid(
+                    key_at("pci_bus_id"),
+                    &field("pci_bus_id"),
+                    format!("same as gpu[{j}]"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// PCIe levels from NUMA nodes and `[[link]]`s; NVLink bandwidths.
+    #[allow(clippy::type_complexity)]
+    fn topology(
+        &self,
+        gpus: &[GpuSpec],
+        links: &[toml::Spanned<LinkSpec>],
+    ) -> Result<(Vec<Vec<PcieLevel>>, Vec<Vec<u32>>), NodeError> {
+        let n = gpus.len();
+        let mut pcie = vec![vec![PcieLevel::System; n]; n];
+        let mut nvlink = vec![vec![0u32; n]; n];
+        for i in 0..n {
+            for j in 0..n {
+                pcie[i][j] = if i == j {
+                    PcieLevel::Internal
+                } else if gpus[i].numa_node == gpus[j].numa_node {
+                    PcieLevel::Node
+                } else {
+                    PcieLevel::System
+                };
+            }
+        }
+        for (k, l) in links.iter().enumerate() {
+            let at = l.span().start;
+            let link = l.get_ref();
+            let [a, b] = link.gpus;
+            if a >= n || b >= n || a == b {
+                return Err(self.invalid(
+                    at,
+                    &format!("link[{k}].gpus"),
+                    format!("[{a}, {b}] must name two different GPUs below {n}"),
+                ));
+            }
+            if let Some(level) = link.pcie {
+                pcie[a][b] = level;
+                pcie[b][a] = level;
+            }
+            nvlink[a][b] = link.nvlink;
+            nvlink[b][a] = link.nvlink;
+        }
+        Ok((pcie, nvlink))
+    }
 }
 
 #[cfg(test)]
