@@ -199,13 +199,14 @@ struct Answer {
     what1: String,
 }
 
-fn oracle_binary() -> PathBuf {
+/// tests/c/procaddr_oracle.c, built into a directory removed when the
+/// returned guard drops.
+fn oracle_binary() -> (tempfile::TempDir, PathBuf) {
     let out = tempfile::Builder::new()
         .prefix("procaddr-oracle")
         .tempdir()
-        .unwrap()
-        .keep();
-    let bin = out.join("procaddr_oracle");
+        .unwrap();
+    let bin = out.path().join("procaddr_oracle");
     let src = workspace_root().join("tests/c/procaddr_oracle.c");
     let st = Command::new("gcc")
         .args(["-O1", "-Wall", "-Werror", "-o"])
@@ -215,7 +216,7 @@ fn oracle_binary() -> PathBuf {
         .status()
         .expect("gcc");
     assert!(st.success(), "gcc {}", src.display());
-    bin
+    (out, bin)
 }
 
 fn ask(oracle: &Path, lib: &Path, config_dir: &Path, q: &[Query]) -> Vec<Answer> {
@@ -330,15 +331,10 @@ fn container(d: &NvidiaDriver) -> Container {
     }
 }
 
-/// Why the interposer's answer `ours` to `q` is wrong, given the real
-/// driver's `real`; `wrapped(symbol)`: the interposer defines a wrapper for
-/// it (not a 6-byte forwarding trampoline).
-fn judge(
-    q: &Query,
-    real: &Answer,
-    ours: &Answer,
-    wrapped: &dyn Fn(&str) -> bool,
-) -> Option<String> {
+/// Why the interposer's answer `ours` is wrong, given the real driver's
+/// `real`; `wrapped(symbol)`: the interposer defines a wrapper for it (not a
+/// 6-byte forwarding trampoline).
+fn judge(real: &Answer, ours: &Answer, wrapped: &dyn Fn(&str) -> bool) -> Option<String> {
     if (real.r2, real.status, real.r1) != (ours.r2, ours.status, ours.r1) {
         return Some(format!(
             "status: real (v2 {}, symbolStatus {}, v1 {}), interposer (v2 {}, symbolStatus {}, v1 {})",
@@ -366,7 +362,6 @@ fn judge(
             ));
         }
     }
-    let _ = q;
     None
 }
 
@@ -376,7 +371,7 @@ fn get_proc_address_answers_as_the_real_driver() {
     if drivers.is_empty() {
         return;
     }
-    let oracle = oracle_binary();
+    let (_oracle_dir, oracle) = oracle_binary();
     let ours = dynamic_symbols(&interposer());
     let wrapped = |s: &str| ours.get(s).is_some_and(|&(func, size)| func && size != 6);
     let q = queries();
@@ -393,7 +388,7 @@ fn get_proc_address_answers_as_the_real_driver() {
         let wrong: Vec<String> = q
             .iter()
             .zip(real.iter().zip(&mine))
-            .filter_map(|(q, (r, o))| judge(q, r, o, &wrapped).map(|why| format!("{q:?}: {why}")))
+            .filter_map(|(q, (r, o))| judge(r, o, &wrapped).map(|why| format!("{q:?}: {why}")))
             .collect();
         assert!(
             wrong.is_empty(),
@@ -480,7 +475,7 @@ fn the_simulator_answers_get_proc_address_as_the_real_drivers() {
     if drivers.is_empty() {
         return;
     }
-    let oracle = oracle_binary();
+    let (_oracle_dir, oracle) = oracle_binary();
     let q = queries();
     // A node of each recorded branch (config/nodes/).
     let nodes = [("535", "sim-16gpu"), ("550", "sim-4gpu-pcie")];
