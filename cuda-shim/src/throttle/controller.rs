@@ -316,9 +316,8 @@ impl Controller {
             return None;
         }
         self.unseen = (self.unseen + 1).min(16);
-        let most =
-            self.quota.utilization / 100.0 * super::cost::WAVE_UNITS as f64 / ASSUMED_WAVE_NS;
-        let rate = (startup_rate(self.quota) * f64::from(1u32 << self.unseen)).min(most);
+        let rate =
+            (startup_rate(self.quota) * f64::from(1u32 << self.unseen)).min(self.ramp_ceiling());
         Some(Decision {
             rate,
             target: self.quota.utilization,
@@ -326,6 +325,23 @@ impl Controller {
             units_per_ms: 0.0,
             achieved: p.own,
         })
+    }
+
+    /// The ramp's highest rate (units per ns): the quota at
+    /// [`ASSUMED_WAVE_NS`] per wave.
+    fn ramp_ceiling(&self) -> f64 {
+        self.quota.utilization / 100.0 * super::cost::WAVE_UNITS as f64 / ASSUMED_WAVE_NS
+    }
+
+    /// Admitted units `p` needs to count towards blindness:
+    /// [`BLIND_MIN_UNITS`], or half of what the ramp's ceiling admits in the
+    /// period where that is less. Before a scale is learned the ramp caps the
+    /// rate, and a hard 30 % tops out at 600 waves per 100 ms (a quota of 25 %
+    /// or less never reached 500): its periods must still count, or samples
+    /// naming none of its PIDs go unnoticed for good.
+    fn blind_min_units(&self, p: &Period) -> u64 {
+        let ceiling = self.ramp_ceiling() * p.len_ns as f64;
+        BLIND_MIN_UNITS.min((ceiling / 2.0) as u64)
     }
 
     /// The container's use in `q` as the controller counts it: its own
@@ -342,7 +358,7 @@ impl Controller {
         if p.own > 0.0 {
             self.dark = 0;
             self.blind = None;
-        } else if p.others > 0.0 && p.cost.is_some_and(|c| c >= BLIND_MIN_UNITS) {
+        } else if p.others > 0.0 && p.cost.is_some_and(|c| c >= self.blind_min_units(p)) {
             self.dark += 1;
             if self.dark >= BLIND_PERIODS {
                 self.blind = Some(Blind::OtherPids);
@@ -674,6 +690,37 @@ mod tests {
         };
         c.add_period(p, false);
         assert_eq!(c.blind(), None);
+    }
+
+    /// A small quota, from the start-up rate as the bucket really starts:
+    /// the ramp tops out below [`BLIND_MIN_UNITS`] per period, and samples
+    /// that never name the container's PIDs must be noticed all the same.
+    #[test]
+    fn a_small_quota_from_its_start_up_rate_notices_unattributed_samples() {
+        let q = Quota {
+            utilization: 10.0,
+            soft_limit: None,
+        };
+        let mut c = Controller::new(q);
+        let k = 10_000.0 / 16.0; // ns per unit: 10 us waves
+        let (mut t, mut units, mut rate) = (0u64, 0.0, startup_rate(q));
+        c.record_launched(0, 0);
+        for _ in 0..40 {
+            t += P;
+            units += rate * P as f64;
+            c.record_launched(t, units as u64);
+            let p = Period {
+                end_ns: t,
+                len_ns: P,
+                own: 0.0,
+                others: (rate * k * 100.0).round(),
+                cost: c.cost_between(t - P, t),
+            };
+            if let Some(d) = c.add_period(p, true) {
+                rate = d.rate;
+            }
+        }
+        assert_eq!(c.blind(), Some(Blind::OtherPids));
     }
 
     #[test]
