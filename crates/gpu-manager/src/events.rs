@@ -7,6 +7,15 @@
 //! the RPC path); the ClusterRole grants `create` on them and nothing more.
 //! The same message for the same pod is posted once a minute at most,
 //! since kubelet may retry a refused request in a loop.
+//!
+//! Why not kube-runtime's `events::Recorder`: it keys a series on (pod,
+//! reason, action) without the note, so a second refusal of the same pod
+//! for another reason ("no GPU has 80 cores free", later "predicate index
+//! 3 is gone") would patch the first Event's count and drop the new
+//! message, the one an operator needs; and it patches once per repeat,
+//! an API write per kubelet retry, which needs `patch` on events too. Here
+//! each distinct message is its own Event, repeats cost nothing, and the
+//! ClusterRole keeps `create` only.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -149,18 +158,21 @@ pub fn to_event(ev: &PodEvent, instance: &str) -> Event {
 }
 
 /// Keeps what was posted (tests), with the same repeat suppression.
+#[cfg(test)]
 #[derive(Default)]
 pub struct MemoryEvents {
     posted: Mutex<Vec<PodEvent>>,
     dedup: Dedup,
 }
 
+#[cfg(test)]
 impl MemoryEvents {
     pub fn posted(&self) -> Vec<PodEvent> {
         self.posted.lock().unwrap().clone()
     }
 }
 
+#[cfg(test)]
 impl EventSink for MemoryEvents {
     fn post(&self, ev: PodEvent) {
         if self.dedup.first(&ev) {
