@@ -14,7 +14,7 @@ use prometheus::{
 
 use crate::sampler::{SamplerStats, Snapshot};
 use crate::source::{ContainerView, GpuView};
-use crate::usage::container_use;
+use crate::usage::{GpuUse, container_use};
 
 const MIB: f64 = 1024.0 * 1024.0;
 
@@ -176,7 +176,8 @@ fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> CounterVec 
 }
 
 /// Families built from the current state: per GPU, per container, the
-/// original's four gauges, and the sampler's own figures.
+/// original's four gauges, and the sampler's own figures. A fresh registry
+/// each scrape, so containers that left simply disappear.
 fn scrape_families(
     node: &str,
     gpus: &[GpuView],
@@ -185,154 +186,175 @@ fn scrape_families(
     stats: &SamplerStats,
 ) -> Vec<MetricFamily> {
     let r = Registry::new();
-    const G: &[&str] = &["node", "gpu", "uuid"];
-    let gpu_util = gauge(
-        &r,
-        "vcuda_gpu_utilization_ratio",
-        "Fraction of time the GPU ran kernels (NVML utilization.gpu / 100).",
-        G,
-    );
-    let gpu_mem_used = gauge(
-        &r,
-        "vcuda_gpu_memory_used_bytes",
-        "GPU memory in use, all processes (NVML).",
-        G,
-    );
-    let gpu_mem_total = gauge(&r, "vcuda_gpu_memory_total_bytes", "GPU memory size.", G);
-    let gpu_cores = gauge(
-        &r,
-        "vcuda_gpu_allocated_cores_ratio",
-        "Fraction of the GPU's cores handed out to containers (vcuda-core / 100).",
-        G,
-    );
-    let gpu_mem_alloc = gauge(
-        &r,
-        "vcuda_gpu_allocated_memory_bytes",
-        "GPU memory handed out to containers as quotas.",
-        G,
-    );
-    let gpu_healthy = gauge(
-        &r,
-        "vcuda_gpu_healthy",
-        "1 if the GPU is healthy (no fatal Xid), 0 if the manager took it out.",
-        G,
-    );
-    let gpu_tenants = gauge(
-        &r,
-        "vcuda_gpu_tenants",
-        "Containers holding a share or all of the GPU.",
-        G,
-    );
+    let per_gpu = GpuGauges::register(&r);
     for g in gpus {
+        per_gpu.record(node, g, snap);
+    }
+    let per_container = ContainerGauges::register(&r);
+    let legacy = LegacyGauges::register(&r);
+    for c in containers {
+        let uses = container_use(c, snap);
+        per_container.record(node, c, &uses);
+        legacy.record(node, c, &uses);
+    }
+    record_sampler(&r, stats, snap);
+    r.gather()
+}
+
+/// `vcuda_gpu_*`: one series per GPU, labelled node, index, UUID.
+struct GpuGauges {
+    util: GaugeVec,
+    mem_used: GaugeVec,
+    mem_total: GaugeVec,
+    cores: GaugeVec,
+    mem_alloc: GaugeVec,
+    healthy: GaugeVec,
+    tenants: GaugeVec,
+}
+
+impl GpuGauges {
+    fn register(r: &Registry) -> GpuGauges {
+        const G: &[&str] = &["node", "gpu", "uuid"];
+        GpuGauges {
+            util: gauge(
+                r,
+                "vcuda_gpu_utilization_ratio",
+                "Fraction of time the GPU ran kernels (NVML utilization.gpu / 100).",
+                G,
+            ),
+            mem_used: gauge(
+                r,
+                "vcuda_gpu_memory_used_bytes",
+                "GPU memory in use, all processes (NVML).",
+                G,
+            ),
+            mem_total: gauge(r, "vcuda_gpu_memory_total_bytes", "GPU memory size.", G),
+            cores: gauge(
+                r,
+                "vcuda_gpu_allocated_cores_ratio",
+                "Fraction of the GPU's cores handed out to containers (vcuda-core / 100).",
+                G,
+            ),
+            mem_alloc: gauge(
+                r,
+                "vcuda_gpu_allocated_memory_bytes",
+                "GPU memory handed out to containers as quotas.",
+                G,
+            ),
+            healthy: gauge(
+                r,
+                "vcuda_gpu_healthy",
+                "1 if the GPU is healthy (no fatal Xid), 0 if the manager took it out.",
+                G,
+            ),
+            tenants: gauge(
+                r,
+                "vcuda_gpu_tenants",
+                "Containers holding a share or all of the GPU.",
+                G,
+            ),
+        }
+    }
+
+    /// The manager's view of `g` plus the sampler's figures (0 while the
+    /// sampler has none for it).
+    fn record(&self, node: &str, g: &GpuView, snap: &Snapshot) {
         let idx = g.index.to_string();
         let l = [node, idx.as_str(), g.uuid.as_str()];
         let s = snap.gpu(g.index);
-        gpu_util
+        self.util
             .with_label_values(&l)
             .set(s.map(|s| s.utilization_percent / 100.0).unwrap_or(0.0));
-        gpu_mem_used
+        self.mem_used
             .with_label_values(&l)
             .set(s.map(|s| s.memory_used_bytes as f64).unwrap_or(0.0));
-        gpu_mem_total
+        self.mem_total
             .with_label_values(&l)
             .set(g.memory_total_bytes as f64);
-        gpu_cores
+        self.cores
             .with_label_values(&l)
             .set(g.allocated_cores as f64 / 100.0);
-        gpu_mem_alloc
+        self.mem_alloc
             .with_label_values(&l)
             .set(g.allocated_memory_bytes as f64);
-        gpu_healthy
+        self.healthy
             .with_label_values(&l)
             .set(if g.healthy { 1.0 } else { 0.0 });
-        gpu_tenants.with_label_values(&l).set(g.tenants as f64);
+        self.tenants.with_label_values(&l).set(g.tenants as f64);
+    }
+}
+
+/// `vcuda_container_*`: use per (container, GPU), quotas and the
+/// interposer's ledger per container.
+struct ContainerGauges {
+    util: GaugeVec,
+    mem: GaugeVec,
+    core_quota: GaugeVec,
+    mem_quota: GaugeVec,
+    throttled: CounterVec,
+    refused: CounterVec,
+    unattributed: GaugeVec,
+}
+
+impl ContainerGauges {
+    fn register(r: &Registry) -> ContainerGauges {
+        const C: &[&str] = &["node", "namespace", "pod", "container"];
+        const CG: &[&str] = &["node", "namespace", "pod", "container", "gpu", "uuid"];
+        ContainerGauges {
+            util: gauge(
+                r,
+                "vcuda_container_gpu_utilization_ratio",
+                "Fraction of the GPU's time the container's processes ran kernels (NVML process samples of its host PIDs).",
+                CG,
+            ),
+            mem: gauge(
+                r,
+                "vcuda_container_gpu_memory_used_bytes",
+                "GPU memory held by the container's processes (NVML).",
+                CG,
+            ),
+            core_quota: gauge(
+                r,
+                "vcuda_container_core_quota_ratio",
+                "The container's core quota in GPUs (vcuda-core / 100).",
+                C,
+            ),
+            mem_quota: gauge(
+                r,
+                "vcuda_container_memory_quota_bytes",
+                "The container's GPU memory quota.",
+                C,
+            ),
+            throttled: counter(
+                r,
+                "vcuda_container_throttled_seconds_total",
+                "Time the interposer held the container's kernel launches back for its core quota.",
+                C,
+            ),
+            refused: counter(
+                r,
+                "vcuda_container_allocations_refused_total",
+                "GPU memory allocations the interposer refused for the container's memory quota.",
+                C,
+            ),
+            unattributed: gauge(
+                r,
+                "vcuda_container_compute_unattributed",
+                "1 while the interposer's compute quota cannot attribute NVML samples to the container (PID namespace, MPS, MIG) and holds it by a fallback.",
+                C,
+            ),
+        }
     }
 
-    const C: &[&str] = &["node", "namespace", "pod", "container"];
-    const CG: &[&str] = &["node", "namespace", "pod", "container", "gpu", "uuid"];
-    let c_util = gauge(
-        &r,
-        "vcuda_container_gpu_utilization_ratio",
-        "Fraction of the GPU's time the container's processes ran kernels (NVML process samples of its host PIDs).",
-        CG,
-    );
-    let c_mem = gauge(
-        &r,
-        "vcuda_container_gpu_memory_used_bytes",
-        "GPU memory held by the container's processes (NVML).",
-        CG,
-    );
-    let c_core_q = gauge(
-        &r,
-        "vcuda_container_core_quota_ratio",
-        "The container's core quota in GPUs (vcuda-core / 100).",
-        C,
-    );
-    let c_mem_q = gauge(
-        &r,
-        "vcuda_container_memory_quota_bytes",
-        "The container's GPU memory quota.",
-        C,
-    );
-    let c_thr = counter(
-        &r,
-        "vcuda_container_throttled_seconds_total",
-        "Time the interposer held the container's kernel launches back for its core quota.",
-        C,
-    );
-    let c_ref = counter(
-        &r,
-        "vcuda_container_allocations_refused_total",
-        "GPU memory allocations the interposer refused for the container's memory quota.",
-        C,
-    );
-    let c_blind = gauge(
-        &r,
-        "vcuda_container_compute_unattributed",
-        "1 while the interposer's compute quota cannot attribute NVML samples to the container (PID namespace, MPS, MIG) and holds it by a fallback.",
-        C,
-    );
-    // The original gpu-manager's four gauges, with its labels and units.
-    const L: &[&str] = &["pod_name", "namespace", "node", "container_name"];
-    let l_util = gauge(
-        &r,
-        "container_gpu_utilization",
-        "gpu utilization",
-        &[L, &["gpu"]].concat(),
-    );
-    let l_mem = gauge(
-        &r,
-        "container_gpu_memory_total",
-        "gpu memory usage in MiB",
-        &[L, &["gpu_memory"]].concat(),
-    );
-    let l_req_util = gauge(
-        &r,
-        "container_request_gpu_utilization",
-        "request of gpu utilization",
-        &[L, &["req_of_gpu"]].concat(),
-    );
-    let l_req_mem = gauge(
-        &r,
-        "container_request_gpu_memory",
-        "request of gpu memory in MiB",
-        &[L, &["req_of_gpu_memory"]].concat(),
-    );
-    for c in containers {
+    /// Ledger figures the interposer does not keep (`None`) get no series.
+    fn record(&self, node: &str, c: &ContainerView, uses: &[GpuUse]) {
         let cl = [
             node,
             c.namespace.as_str(),
             c.pod_name.as_str(),
             c.container.as_str(),
         ];
-        let ll = [
-            c.pod_name.as_str(),
-            c.namespace.as_str(),
-            node,
-            c.container.as_str(),
-        ];
-        let (mut util_total, mut mem_total) = (0.0, 0.0);
-        for u in container_use(c, snap) {
+        for u in uses {
             let idx = u.gpu.index.to_string();
             let l = [
                 cl[0],
@@ -342,98 +364,157 @@ fn scrape_families(
                 idx.as_str(),
                 u.gpu.uuid.as_str(),
             ];
-            c_util
+            self.util
                 .with_label_values(&l)
                 .set(u.utilization_percent / 100.0);
-            c_mem.with_label_values(&l).set(u.memory_used_bytes as f64);
-            let card = format!("gpu{idx}");
-            let (pct, mib) = (u.utilization_percent, u.memory_used_bytes as f64 / MIB);
-            util_total += pct;
-            mem_total += mib;
-            l_util
-                .with_label_values(&[ll[0], ll[1], ll[2], ll[3], card.as_str()])
-                .set(pct);
-            l_mem
-                .with_label_values(&[ll[0], ll[1], ll[2], ll[3], card.as_str()])
-                .set(mib);
+            self.mem
+                .with_label_values(&l)
+                .set(u.memory_used_bytes as f64);
         }
-        l_util
-            .with_label_values(&[ll[0], ll[1], ll[2], ll[3], "total"])
-            .set(util_total);
-        l_mem
-            .with_label_values(&[ll[0], ll[1], ll[2], ll[3], "total"])
-            .set(mem_total);
-        l_req_util
-            .with_label_values(&[ll[0], ll[1], ll[2], ll[3], "total"])
-            .set(c.core_quota as f64 / 100.0);
-        l_req_mem
-            .with_label_values(&[ll[0], ll[1], ll[2], ll[3], "total"])
-            .set(c.memory_quota_bytes as f64 / MIB);
-        c_core_q
+        self.core_quota
             .with_label_values(&cl)
             .set(c.core_quota as f64 / 100.0);
-        c_mem_q
+        self.mem_quota
             .with_label_values(&cl)
             .set(c.memory_quota_bytes as f64);
         if let Some(t) = c.throttled_seconds {
-            c_thr.with_label_values(&cl).inc_by(t.max(0.0));
+            self.throttled.with_label_values(&cl).inc_by(t.max(0.0));
         }
         if let Some(n) = c.refused_allocations {
-            c_ref.with_label_values(&cl).inc_by(n as f64);
+            self.refused.with_label_values(&cl).inc_by(n as f64);
         }
         if let Some(b) = c.compute_unattributed {
-            c_blind
+            self.unattributed
                 .with_label_values(&cl)
                 .set(if b { 1.0 } else { 0.0 });
         }
     }
+}
 
-    let cpu = counter(
-        &r,
+/// The original gpu-manager's four gauges, with its labels and units
+/// (percent, MiB), so its dashboards keep working.
+struct LegacyGauges {
+    util: GaugeVec,
+    mem: GaugeVec,
+    req_util: GaugeVec,
+    req_mem: GaugeVec,
+}
+
+impl LegacyGauges {
+    fn register(r: &Registry) -> LegacyGauges {
+        const L: &[&str] = &["pod_name", "namespace", "node", "container_name"];
+        LegacyGauges {
+            util: gauge(
+                r,
+                "container_gpu_utilization",
+                "gpu utilization",
+                &[L, &["gpu"]].concat(),
+            ),
+            mem: gauge(
+                r,
+                "container_gpu_memory_total",
+                "gpu memory usage in MiB",
+                &[L, &["gpu_memory"]].concat(),
+            ),
+            req_util: gauge(
+                r,
+                "container_request_gpu_utilization",
+                "request of gpu utilization",
+                &[L, &["req_of_gpu"]].concat(),
+            ),
+            req_mem: gauge(
+                r,
+                "container_request_gpu_memory",
+                "request of gpu memory in MiB",
+                &[L, &["req_of_gpu_memory"]].concat(),
+            ),
+        }
+    }
+
+    /// One series per GPU (`gpu<index>`) and a `total`, as the original.
+    fn record(&self, node: &str, c: &ContainerView, uses: &[GpuUse]) {
+        let ll = [
+            c.pod_name.as_str(),
+            c.namespace.as_str(),
+            node,
+            c.container.as_str(),
+        ];
+        let (mut util_total, mut mem_total) = (0.0, 0.0);
+        for u in uses {
+            let card = format!("gpu{}", u.gpu.index);
+            let (pct, mib) = (u.utilization_percent, u.memory_used_bytes as f64 / MIB);
+            util_total += pct;
+            mem_total += mib;
+            self.util.with_label_values(&plus(ll, &card)).set(pct);
+            self.mem.with_label_values(&plus(ll, &card)).set(mib);
+        }
+        self.util
+            .with_label_values(&plus(ll, "total"))
+            .set(util_total);
+        self.mem
+            .with_label_values(&plus(ll, "total"))
+            .set(mem_total);
+        self.req_util
+            .with_label_values(&plus(ll, "total"))
+            .set(c.core_quota as f64 / 100.0);
+        self.req_mem
+            .with_label_values(&plus(ll, "total"))
+            .set(c.memory_quota_bytes as f64 / MIB);
+    }
+}
+
+/// `labels` and one more.
+fn plus<'a>(labels: [&'a str; 4], last: &'a str) -> [&'a str; 5] {
+    [labels[0], labels[1], labels[2], labels[3], last]
+}
+
+/// `vcuda_display_*`: the sampler's own cost and freshness.
+fn record_sampler(r: &Registry, stats: &SamplerStats, snap: &Snapshot) {
+    let none: &[&str] = &[];
+    counter(
+        r,
         "vcuda_display_sampler_cpu_seconds_total",
         "CPU time the NVML sampler thread used.",
-        &[],
-    );
-    cpu.with_label_values(&[] as &[&str])
-        .inc_by(stats.cpu_ns.load(Ordering::Relaxed) as f64 / 1e9);
-    let ticks = counter(
-        &r,
+        none,
+    )
+    .with_label_values(none)
+    .inc_by(stats.cpu_ns.load(Ordering::Relaxed) as f64 / 1e9);
+    counter(
+        r,
         "vcuda_display_samples_total",
         "NVML sampling rounds.",
-        &[],
-    );
-    ticks
-        .with_label_values(&[] as &[&str])
-        .inc_by(stats.ticks.load(Ordering::Relaxed) as f64);
-    let errors = counter(
-        &r,
+        none,
+    )
+    .with_label_values(none)
+    .inc_by(stats.ticks.load(Ordering::Relaxed) as f64);
+    counter(
+        r,
         "vcuda_display_sample_errors_total",
         "NVML sampling rounds that failed (the previous sample was kept).",
-        &[],
-    );
-    errors
-        .with_label_values(&[] as &[&str])
-        .inc_by(stats.errors.load(Ordering::Relaxed) as f64);
-    let last = gauge(
-        &r,
+        none,
+    )
+    .with_label_values(none)
+    .inc_by(stats.errors.load(Ordering::Relaxed) as f64);
+    gauge(
+        r,
         "vcuda_display_sample_duration_seconds",
         "Wall time of the last NVML sampling round.",
-        &[],
-    );
-    last.with_label_values(&[] as &[&str])
-        .set(stats.last_tick_ns.load(Ordering::Relaxed) as f64 / 1e9);
+        none,
+    )
+    .with_label_values(none)
+    .set(stats.last_tick_ns.load(Ordering::Relaxed) as f64 / 1e9);
     if let Some(t) = snap.taken {
-        let age = gauge(
-            &r,
+        gauge(
+            r,
             "vcuda_display_sample_timestamp_seconds",
             "When the figures were sampled (Unix time).",
-            &[],
-        );
-        age.with_label_values(&[] as &[&str]).set(
+            none,
+        )
+        .with_label_values(none)
+        .set(
             t.duration_since(std::time::UNIX_EPOCH)
                 .unwrap_or_default()
                 .as_secs_f64(),
         );
     }
-    r.gather()
 }
