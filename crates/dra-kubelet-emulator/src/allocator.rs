@@ -141,10 +141,6 @@ pub fn allocate(
     if let Some(a) = claim.pointer("/status/allocation") {
         return Ok(a.clone());
     }
-    let unsupported = |problem: String| AllocError::Unsupported {
-        claim: who.clone(),
-        problem,
-    };
     let uid = claim
         .pointer("/metadata/uid")
         .and_then(Value::as_str)
@@ -157,154 +153,35 @@ pub fn allocate(
         .collect();
     let mut results = Vec::new();
     let mut config = Vec::new();
-    let requests = claim
-        .pointer("/spec/devices/requests")
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default();
-    for (n, req) in requests.iter().enumerate() {
-        let rname = req
-            .get("name")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_string();
-        let ex = req
-            .get("exactly")
-            .ok_or_else(|| unsupported(format!("request {rname:?} is not an `exactly` request")))?;
-        if ex.get("count").and_then(Value::as_u64).unwrap_or(1) != 1 {
-            return Err(unsupported(format!(
-                "request {rname:?}: only count 1 is emulated"
-            )));
-        }
-        let class_name = ex
-            .get("deviceClassName")
-            .and_then(Value::as_str)
-            .unwrap_or("");
-        let class = api
-            .get(Kind::DeviceClass, None, class_name)
-            .ok_or_else(|| {
-                unsupported(format!(
-                    "request {rname:?}: DeviceClass {class_name:?} not found"
-                ))
-            })?;
-        let driver = class_driver(&class).ok_or_else(|| {
-            unsupported(format!(
-                "DeviceClass {class_name:?}: only `device.driver == '...'` selectors are emulated"
-            ))
-        })?;
-        let asked = ex
-            .pointer("/capacity/requests")
-            .and_then(Value::as_object)
-            .cloned()
-            .unwrap_or_default();
-        let mut chosen = None;
-        'slices: for s in slices
-            .iter()
-            .filter(|s| s.pointer("/spec/driver").and_then(Value::as_str) == Some(driver.as_str()))
-        {
-            let pool = s
-                .pointer("/spec/pool/name")
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_string();
-            'devices: for d in s
-                .pointer("/spec/devices")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-            {
-                let dname = d
-                    .get("name")
-                    .and_then(Value::as_str)
-                    .unwrap_or("")
-                    .to_string();
-                let key = (driver.clone(), pool.clone(), dname.clone());
-                let (already, exclusive) = used.get(&key).cloned().unwrap_or_default();
-                if exclusive {
-                    continue;
-                }
-                let multiple =
-                    d.get("allowMultipleAllocations").and_then(Value::as_bool) == Some(true);
-                if !multiple {
-                    if already.is_empty() && !used.contains_key(&key) {
-                        chosen = Some((pool, dname, None));
-                        break 'slices;
-                    }
-                    continue;
-                }
-                let mut consumed = BTreeMap::new();
-                for (cname, cap) in d
-                    .get("capacity")
-                    .and_then(Value::as_object)
-                    .into_iter()
-                    .flatten()
-                {
-                    let Some(q) = consume(cap, asked.get(cname).and_then(qty)) else {
-                        continue 'devices;
-                    };
-                    let total = cap.get("value").and_then(qty).unwrap_or(0);
-                    if already.get(cname).copied().unwrap_or(0) + q > total {
-                        continue 'devices;
-                    }
-                    consumed.insert(cname.clone(), q);
-                }
-                chosen = Some((pool, dname, Some(consumed)));
-                break 'slices;
-            }
-        }
-        let Some((pool, device, consumed)) = chosen else {
+    for (n, req) in array(&claim, "/spec/devices/requests").enumerate() {
+        let req = resolve(api, req, &who)?;
+        let Some(choice) = first_fit(&slices, &used, &req) else {
             return Err(AllocError::NoFit {
                 claim: who,
-                request: rname,
+                request: req.name,
                 node: node.to_string(),
             });
         };
-        let key = (driver.clone(), pool.clone(), device.clone());
-        let mut r = json!({"request": rname, "driver": driver, "pool": pool, "device": device});
-        match &consumed {
-            Some(c) => {
-                let e = used.entry(key).or_default();
-                for (k, v) in c {
-                    *e.0.entry(k.clone()).or_default() += v;
-                }
-                r["consumedCapacity"] = json!(
-                    c.iter()
-                        .map(|(k, v)| (k.clone(), print_qty(*v)))
-                        .collect::<BTreeMap<_, _>>()
-                );
-                r["shareID"] = json!(format!(
-                    "{:08x}-0000-4000-8000-{:012x}",
-                    n + 1,
-                    uid.len() as u64 * 1000 + results.len() as u64
-                ));
-            }
-            None => {
-                used.entry(key).or_default().1 = true;
-            }
-        }
-        results.push(r);
-        for c in class
-            .pointer("/spec/config")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
+        // UUID-shaped and distinct within the claim (the scheduler's are random).
+        let share_id = format!(
+            "{:08x}-0000-4000-8000-{:012x}",
+            n + 1,
+            uid.len() as u64 * 1000 + results.len() as u64
+        );
+        results.push(take(&mut used, &req, choice, share_id));
+        config.extend(array(&req.class, "/spec/config").map(|c| {
             let mut c = c.clone();
             c["source"] = json!("FromClass");
-            c["requests"] = json!([rname]);
-            config.push(c);
-        }
+            c["requests"] = json!([req.name]);
+            c
+        }));
     }
-    for c in claim
-        .pointer("/spec/devices/config")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-    {
+    // Class configs first, then the claim's: drivers let later ones win.
+    config.extend(array(&claim, "/spec/devices/config").map(|c| {
         let mut c = c.clone();
         c["source"] = json!("FromClaim");
-        config.push(c);
-    }
+        c
+    }));
     let allocation = json!({
         "devices": {"results": results, "config": config},
         "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
@@ -316,8 +193,170 @@ pub fn allocate(
         name,
         &json!({"status": {"allocation": allocation}}),
     )
-    .map_err(|e| unsupported(e.to_string()))?;
+    .map_err(|e| unsupported(&who, e.to_string()))?;
     Ok(allocation)
+}
+
+/// The items of the array at `pointer`, none when it is absent.
+fn array<'a>(v: &'a Value, pointer: &str) -> impl Iterator<Item = &'a Value> {
+    v.pointer(pointer)
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+}
+
+fn unsupported(who: &str, problem: String) -> AllocError {
+    AllocError::Unsupported {
+        claim: who.to_string(),
+        problem,
+    }
+}
+
+/// One claim request, checked against what is emulated and resolved to
+/// its DeviceClass.
+struct Request {
+    name: String,
+    class: Value,
+    driver: String,
+    /// `capacity.requests`: what it asks of each consumable capacity.
+    asked: serde_json::Map<String, Value>,
+}
+
+fn resolve(api: &ApiServer, req: &Value, who: &str) -> Result<Request, AllocError> {
+    let name = req
+        .get("name")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let ex = req
+        .get("exactly")
+        .ok_or_else(|| unsupported(who, format!("request {name:?} is not an `exactly` request")))?;
+    if ex.get("count").and_then(Value::as_u64).unwrap_or(1) != 1 {
+        return Err(unsupported(
+            who,
+            format!("request {name:?}: only count 1 is emulated"),
+        ));
+    }
+    let class_name = ex
+        .get("deviceClassName")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    let class = api
+        .get(Kind::DeviceClass, None, class_name)
+        .ok_or_else(|| {
+            unsupported(
+                who,
+                format!("request {name:?}: DeviceClass {class_name:?} not found"),
+            )
+        })?;
+    let driver = class_driver(&class).ok_or_else(|| {
+        unsupported(
+            who,
+            format!(
+                "DeviceClass {class_name:?}: only `device.driver == '...'` selectors are emulated"
+            ),
+        )
+    })?;
+    let asked = ex
+        .pointer("/capacity/requests")
+        .and_then(Value::as_object)
+        .cloned()
+        .unwrap_or_default();
+    Ok(Request {
+        name,
+        class,
+        driver,
+        asked,
+    })
+}
+
+type Used = BTreeMap<DeviceKey, (BTreeMap<String, u128>, bool)>;
+
+/// A device for a request and what it takes of each capacity (`None`:
+/// the whole device, for this claim alone).
+struct Choice {
+    pool: String,
+    device: String,
+    consumed: Option<BTreeMap<String, u128>>,
+}
+
+/// The first device of the request's driver, in slice order, that fits.
+fn first_fit(slices: &[Value], used: &Used, req: &Request) -> Option<Choice> {
+    slices
+        .iter()
+        .filter(|s| s.pointer("/spec/driver").and_then(Value::as_str) == Some(req.driver.as_str()))
+        .find_map(|s| {
+            let pool = s
+                .pointer("/spec/pool/name")
+                .and_then(Value::as_str)
+                .unwrap_or("");
+            array(s, "/spec/devices").find_map(|d| fit(d, pool, used, req))
+        })
+}
+
+/// Whether `d` takes the request: a device without
+/// `allowMultipleAllocations` only while nothing holds it, one with it
+/// while every capacity has room for what the request consumes.
+fn fit(d: &Value, pool: &str, used: &Used, req: &Request) -> Option<Choice> {
+    let device = d.get("name").and_then(Value::as_str).unwrap_or("");
+    let key = (req.driver.clone(), pool.to_string(), device.to_string());
+    let (already, exclusive) = used.get(&key).cloned().unwrap_or_default();
+    if exclusive {
+        return None;
+    }
+    let choice = |consumed| Choice {
+        pool: pool.to_string(),
+        device: device.to_string(),
+        consumed,
+    };
+    if d.get("allowMultipleAllocations").and_then(Value::as_bool) != Some(true) {
+        return (already.is_empty() && !used.contains_key(&key)).then(|| choice(None));
+    }
+    let mut consumed = BTreeMap::new();
+    for (cname, cap) in d
+        .get("capacity")
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+    {
+        let q = consume(cap, req.asked.get(cname).and_then(qty))?;
+        let total = cap.get("value").and_then(qty).unwrap_or(0);
+        if already.get(cname).copied().unwrap_or(0) + q > total {
+            return None;
+        }
+        consumed.insert(cname.clone(), q);
+    }
+    Some(choice(Some(consumed)))
+}
+
+/// Books `choice` in `used` (so the claim's next requests see it) and
+/// returns its allocation result.
+fn take(used: &mut Used, req: &Request, choice: Choice, share_id: String) -> Value {
+    let Choice {
+        pool,
+        device,
+        consumed,
+    } = choice;
+    let key = (req.driver.clone(), pool.clone(), device.clone());
+    let mut r = json!({"request": req.name, "driver": req.driver, "pool": pool, "device": device});
+    match &consumed {
+        Some(c) => {
+            let e = used.entry(key).or_default();
+            for (k, v) in c {
+                *e.0.entry(k.clone()).or_default() += v;
+            }
+            r["consumedCapacity"] = json!(
+                c.iter()
+                    .map(|(k, v)| (k.clone(), print_qty(*v)))
+                    .collect::<BTreeMap<_, _>>()
+            );
+            r["shareID"] = json!(share_id);
+        }
+        None => {
+            used.entry(key).or_default().1 = true;
+        }
+    }
+    r
 }
 
 #[cfg(test)]
