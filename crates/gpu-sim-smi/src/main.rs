@@ -262,16 +262,33 @@ fn now_string() -> String {
 
 /// The default table of the 535+ drivers: 91 columns.
 fn table(nvml: &Nvml, devices: &[Device]) -> String {
-    let mut s = String::new();
-    let rule = format!("+{}+", "-".repeat(89));
     let sep = format!("+{}+{}+{}+", "-".repeat(41), "-".repeat(24), "-".repeat(22));
+    let mut s = table_header(nvml, &sep);
+    for d in devices {
+        gpu_rows(&mut s, d);
+        let _ = writeln!(s, "{sep}");
+    }
+    s.push('\n');
+    processes(&mut s, nvml, devices);
+    s
+}
+
+/// The box of 91 columns the title and the processes sit in.
+fn rule() -> String {
+    format!("+{}+", "-".repeat(89))
+}
+
+/// The time, the title box (driver and CUDA versions) and the GPU
+/// section's column headers, down to its `===` line.
+fn table_header(nvml: &Nvml, sep: &str) -> String {
+    let mut s = String::new();
     let driver = na(nvml.sys_driver_version());
     let cuda = nvml
         .sys_cuda_driver_version()
         .map(|v| format!("{}.{}", v / 1000, (v % 1000) / 10))
         .unwrap_or_else(|_| "N/A".into());
     let _ = writeln!(s, "{:<31}", now_string());
-    let _ = writeln!(s, "{rule}");
+    let _ = writeln!(s, "{}", rule());
     let _ = writeln!(
         s,
         "| NVIDIA-SMI {driver:<23}Driver Version: {driver:<15}CUDA Version: {cuda:<9}|"
@@ -303,79 +320,71 @@ fn table(nvml: &Nvml, devices: &[Device]) -> String {
         "=".repeat(24),
         "=".repeat(22)
     );
-    for d in devices {
-        let mut name = d.name().unwrap_or_else(|_| "Unknown".into());
-        if name.len() > 29 {
-            name = format!("{}...", &name[..26]);
-        }
-        let pm = match d.is_in_persistent_mode() {
-            Ok(true) => "On",
-            Ok(false) => "Off",
-            Err(_) => "N/A",
-        };
-        let bus = d
-            .pci_info()
-            .map(|p| p.bus_id)
-            .unwrap_or_else(|_| "N/A".into());
-        let disp = match d.is_display_active() {
-            Ok(true) => "On",
-            Ok(false) => "Off",
-            Err(_) => "N/A",
-        };
-        let ecc = match d.is_ecc_enabled() {
-            Ok(e) if e.currently_enabled => "0".to_string(),
-            Ok(_) => "Off".into(),
-            Err(_) => "N/A".into(),
-        };
-        let _ = writeln!(
-            s,
-            "| {:>3}  {name:<30}{pm:>3}  | {bus:>18} {disp:>3} | {ecc:>20} |",
-            d.index().unwrap_or(0)
-        );
-        let fan = d
-            .fan_speed(0)
-            .map(|f| format!("{f}%"))
-            .unwrap_or_else(|_| "N/A".into());
-        let temp = d
-            .temperature(TemperatureSensor::Gpu)
-            .map(|t| format!("{t}C"))
-            .unwrap_or_else(|_| "N/A".into());
-        let pwr = d
-            .power_usage()
-            .map(|p| format!("{}W", p / 1000))
-            .unwrap_or_else(|_| "N/A".into());
-        let cap = d
-            .enforced_power_limit()
-            .map(|p| format!("{}W", p / 1000))
-            .unwrap_or_else(|_| "N/A".into());
-        let (used, total) = d
-            .memory_info()
-            .map(|m| {
-                (
-                    format!("{}MiB", m.used / MIB),
-                    format!("{}MiB", m.total / MIB),
-                )
-            })
-            .unwrap_or_else(|_| ("N/A".into(), "N/A".into()));
-        let util = d
-            .utilization_rates()
-            .map(|u| format!("{}%", u.gpu))
-            .unwrap_or_else(|_| "N/A".into());
-        let _ = writeln!(
-            s,
-            "| {fan:>3}   {temp:>3}    {:<2}{pwr:>16} / {cap:>5} | {used:>10} / {total:>9} |{util:>8}{:>13} |",
-            pstate(d),
-            compute_mode(d)
-        );
-        let mig = match d.mig_mode() {
-            Ok(m) if m.current == 1 => "Enabled",
-            Ok(_) => "Disabled",
-            Err(_) => "N/A",
-        };
-        let _ = writeln!(s, "|{:41}|{:24}| {mig:>20} |", "", "");
-        let _ = writeln!(s, "{sep}");
+    s
+}
+
+/// A GPU's three lines: identity, sensors and memory, MIG mode.
+fn gpu_rows(s: &mut String, d: &Device) {
+    let mut name = d.name().unwrap_or_else(|_| "Unknown".into());
+    if name.len() > 29 {
+        name = format!("{}...", &name[..26]);
     }
-    s.push('\n');
+    let on_off = |r: Result<bool, NvmlError>| match r {
+        Ok(true) => "On",
+        Ok(false) => "Off",
+        Err(_) => "N/A",
+    };
+    let pm = on_off(d.is_in_persistent_mode());
+    let bus = d
+        .pci_info()
+        .map(|p| p.bus_id)
+        .unwrap_or_else(|_| "N/A".into());
+    let disp = on_off(d.is_display_active());
+    let ecc = match d.is_ecc_enabled() {
+        Ok(e) if e.currently_enabled => "0".to_string(),
+        Ok(_) => "Off".into(),
+        Err(_) => "N/A".into(),
+    };
+    let _ = writeln!(
+        s,
+        "| {:>3}  {name:<30}{pm:>3}  | {bus:>18} {disp:>3} | {ecc:>20} |",
+        d.index().unwrap_or(0)
+    );
+    let or_na = |r: Result<String, NvmlError>| r.unwrap_or_else(|_| "N/A".into());
+    let fan = or_na(d.fan_speed(0).map(|f| format!("{f}%")));
+    let temp = or_na(
+        d.temperature(TemperatureSensor::Gpu)
+            .map(|t| format!("{t}C")),
+    );
+    let pwr = or_na(d.power_usage().map(|p| format!("{}W", p / 1000)));
+    let cap = or_na(d.enforced_power_limit().map(|p| format!("{}W", p / 1000)));
+    let (used, total) = d
+        .memory_info()
+        .map(|m| {
+            (
+                format!("{}MiB", m.used / MIB),
+                format!("{}MiB", m.total / MIB),
+            )
+        })
+        .unwrap_or_else(|_| ("N/A".into(), "N/A".into()));
+    let util = or_na(d.utilization_rates().map(|u| format!("{}%", u.gpu)));
+    let _ = writeln!(
+        s,
+        "| {fan:>3}   {temp:>3}    {:<2}{pwr:>16} / {cap:>5} | {used:>10} / {total:>9} |{util:>8}{:>13} |",
+        pstate(d),
+        compute_mode(d)
+    );
+    let mig = match d.mig_mode() {
+        Ok(m) if m.current == 1 => "Enabled",
+        Ok(_) => "Disabled",
+        Err(_) => "N/A",
+    };
+    let _ = writeln!(s, "|{:41}|{:24}| {mig:>20} |", "", "");
+}
+
+/// The processes box: compute then graphics processes of each GPU.
+fn processes(s: &mut String, nvml: &Nvml, devices: &[Device]) {
+    let rule = rule();
     let _ = writeln!(s, "{rule}");
     let _ = writeln!(s, "| {:<88}|", "Processes:");
     s.push_str("|  GPU   GI   CI              PID   Type   Process name                        GPU Memory |\n");
@@ -384,36 +393,23 @@ fn table(nvml: &Nvml, devices: &[Device]) -> String {
     let mut any = false;
     for d in devices {
         let idx = d.index().unwrap_or(0);
-        let mut procs: Vec<(u32, &str, UsedGpuMemory)> = Vec::new();
-        for p in d.running_compute_processes().unwrap_or_default() {
-            procs.push((p.pid, "C", p.used_gpu_memory));
-        }
-        for p in d.running_graphics_processes().unwrap_or_default() {
-            procs.push((p.pid, "G", p.used_gpu_memory));
-        }
-        for (pid, kind, mem) in procs {
+        let compute = d.running_compute_processes().unwrap_or_default();
+        let graphics = d.running_graphics_processes().unwrap_or_default();
+        let procs = compute
+            .iter()
+            .map(|p| (p, "C"))
+            .chain(graphics.iter().map(|p| (p, "G")));
+        for (p, kind) in procs {
             any = true;
-            let mut pname = nvml
-                .sys_process_name(pid, 256)
-                .unwrap_or_else(|_| "N/A".into());
-            if pname.chars().count() > 30 {
-                let tail: String = pname
-                    .chars()
-                    .rev()
-                    .take(27)
-                    .collect::<Vec<_>>()
-                    .into_iter()
-                    .rev()
-                    .collect();
-                pname = format!("...{tail}");
-            }
-            let mem = match mem {
-                UsedGpuMemory::Used(b) => format!("{}MiB", b / MIB),
-                UsedGpuMemory::Unavailable => "N/A".into(),
-            };
             let _ = writeln!(
                 s,
-                "|{idx:>5}   N/A  N/A{pid:>16}{kind:>7}   {pname:<30}{mem:>16} |"
+                "|{idx:>5}   N/A  N/A{:>16}{kind:>7}   {:<30}{:>16} |",
+                p.pid,
+                process_name(nvml, p.pid),
+                match p.used_gpu_memory {
+                    UsedGpuMemory::Used(b) => format!("{}MiB", b / MIB),
+                    UsedGpuMemory::Unavailable => "N/A".into(),
+                }
             );
         }
     }
@@ -421,7 +417,26 @@ fn table(nvml: &Nvml, devices: &[Device]) -> String {
         let _ = writeln!(s, "|  {:<87}|", "No running processes found");
     }
     let _ = writeln!(s, "{rule}");
-    s
+}
+
+/// The process's name as nvidia-smi shows it: long names keep their last
+/// 27 characters after `...`.
+fn process_name(nvml: &Nvml, pid: u32) -> String {
+    let name = nvml
+        .sys_process_name(pid, 256)
+        .unwrap_or_else(|_| "N/A".into());
+    if name.chars().count() <= 30 {
+        return name;
+    }
+    let tail: String = name
+        .chars()
+        .rev()
+        .take(27)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    format!("...{tail}")
 }
 
 /// One CSV value of `--query-gpu`: (header, value with unit, bare value).
