@@ -350,29 +350,9 @@ impl KubeletEmulator {
             code: status.code(),
             message: status.message().to_string(),
         };
-        let (mut client, allocated) = {
-            let st = self.inner.state.lock().unwrap();
-            if let Some(e) = st.entries.iter().find(|e| {
-                e.pod_uid == pod.uid && e.container_name == container && e.resource_name == resource
-            }) {
-                let resp =
-                    ContainerAllocateResponse::decode(e.alloc_resp.as_slice()).unwrap_or_default();
-                return Ok((resp, None));
-            }
-            let ep = st.clients.get(resource).ok_or_else(|| {
-                if self.inner.view.borrow().resources.contains_key(resource) {
-                    EmulatorError::NotConnected(resource.to_string())
-                } else {
-                    EmulatorError::UnknownResource(resource.to_string())
-                }
-            })?;
-            let allocated: BTreeSet<String> = st
-                .entries
-                .iter()
-                .filter(|e| e.resource_name == resource)
-                .flat_map(|e| e.device_ids.values().flatten().cloned())
-                .collect();
-            (ep.client.clone(), allocated)
+        let (mut client, allocated) = match self.prior(pod, container, resource)? {
+            Prior::Admitted(resp) => return Ok((resp, None)),
+            Prior::New { client, allocated } => (client, allocated),
         };
         let (options, devices) = {
             let v = self.inner.view.borrow();
@@ -394,73 +374,25 @@ impl KubeletEmulator {
                 available: available.len(),
             });
         }
-
-        // Device choice as kubelet's devicesToAllocate: the plugin's preference
-        // where valid, the rest in order from what is available.
-        let mut chosen: Vec<String> = Vec::with_capacity(count);
-        if options.get_preferred_allocation_available {
-            let mut req = Request::new(PreferredAllocationRequest {
-                container_requests: vec![ContainerPreferredAllocationRequest {
-                    available_device_i_ds: available.clone(),
-                    must_include_device_i_ds: vec![],
-                    allocation_size: count as i32,
-                }],
-            });
-            req.set_timeout(RPC_TIMEOUT);
-            let resp = client
-                .get_preferred_allocation(req)
+        let preferred = if options.get_preferred_allocation_available {
+            preferred_devices(&mut client, &available, count)
                 .await
-                .map_err(|s| rpc_err("GetPreferredAllocation", s))?;
-            if let Some(c) = resp.into_inner().container_responses.first() {
-                for id in &c.device_i_ds {
-                    if chosen.len() < count && available.contains(id) && !chosen.contains(id) {
-                        chosen.push(id.clone());
-                    }
-                }
-            }
-        }
-        for id in &available {
-            if chosen.len() == count {
-                break;
-            }
-            if !chosen.contains(id) {
-                chosen.push(id.clone());
-            }
-        }
-
-        let mut req = Request::new(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest {
-                devices_ids: chosen.clone(),
-            }],
-        });
-        req.set_timeout(RPC_TIMEOUT);
-        let resp = client
-            .allocate(req)
-            .await
-            .map_err(|s| rpc_err("Allocate", s))?
-            .into_inner();
-        let Some(resp) = resp.container_responses.into_iter().next() else {
-            return Err(rpc_err(
-                "Allocate",
-                Status::internal("no container response"),
-            ));
+                .map_err(|s| rpc_err("GetPreferredAllocation", s))?
+        } else {
+            Vec::new()
         };
+        let chosen = choose_devices(&preferred, &available, count);
+        let resp = allocate_devices(&mut client, &chosen)
+            .await
+            .map_err(|s| rpc_err("Allocate", s))?;
 
         // kubelet records the allocation (podDevices, its checkpoint and so
         // pod-resources) as soon as Allocate succeeds, before PreStart.
-        let mut per_numa = DevicesPerNuma::new();
-        for id in &chosen {
-            let numa = devices
-                .get(id)
-                .and_then(|d| d.numa.first().copied())
-                .unwrap_or(-1);
-            per_numa.entry(numa).or_default().push(id.clone());
-        }
         let entry = PodDevicesEntry {
             pod_uid: pod.uid.clone(),
             container_name: container.to_string(),
             resource_name: resource.to_string(),
-            device_ids: per_numa,
+            device_ids: per_numa(&chosen, &devices),
             alloc_resp: resp.encode_to_vec(),
         };
         self.update_entries(|entries| entries.push(entry.clone()))?;
@@ -479,6 +411,36 @@ impl KubeletEmulator {
         }
         tracing::info!(pod = %pod.uid, container, resource, devices = ?chosen, "admitted");
         Ok((resp, Some(entry)))
+    }
+
+    /// The recorded response when the container was admitted before, else
+    /// the plugin's client and the devices the resource has handed out.
+    fn prior(&self, pod: &PodRef, container: &str, resource: &str) -> Result<Prior, EmulatorError> {
+        let st = self.inner.state.lock().unwrap();
+        if let Some(e) = st.entries.iter().find(|e| {
+            e.pod_uid == pod.uid && e.container_name == container && e.resource_name == resource
+        }) {
+            let resp =
+                ContainerAllocateResponse::decode(e.alloc_resp.as_slice()).unwrap_or_default();
+            return Ok(Prior::Admitted(resp));
+        }
+        let ep = st.clients.get(resource).ok_or_else(|| {
+            if self.inner.view.borrow().resources.contains_key(resource) {
+                EmulatorError::NotConnected(resource.to_string())
+            } else {
+                EmulatorError::UnknownResource(resource.to_string())
+            }
+        })?;
+        let allocated = st
+            .entries
+            .iter()
+            .filter(|e| e.resource_name == resource)
+            .flat_map(|e| e.device_ids.values().flatten().cloned())
+            .collect();
+        Ok(Prior::New {
+            client: ep.client.clone(),
+            allocated,
+        })
     }
 
     /// Frees every device of the pod.
@@ -669,4 +631,85 @@ fn remove_sockets(dir: &Path) -> Result<(), EmulatorError> {
         }
     }
     Ok(())
+}
+
+/// What the emulator holds for a container's resource before admitting it.
+enum Prior {
+    /// Admitted before: the recorded Allocate response.
+    Admitted(ContainerAllocateResponse),
+    /// New: the plugin to ask and the devices already handed out.
+    New {
+        client: DevicePluginClient<Channel>,
+        allocated: BTreeSet<String>,
+    },
+}
+
+/// The plugin's GetPreferredAllocation answer for `count` of `available`.
+async fn preferred_devices(
+    client: &mut DevicePluginClient<Channel>,
+    available: &[String],
+    count: usize,
+) -> Result<Vec<String>, Status> {
+    let mut req = Request::new(PreferredAllocationRequest {
+        container_requests: vec![ContainerPreferredAllocationRequest {
+            available_device_i_ds: available.to_vec(),
+            must_include_device_i_ds: vec![],
+            allocation_size: count as i32,
+        }],
+    });
+    req.set_timeout(RPC_TIMEOUT);
+    let resp = client.get_preferred_allocation(req).await?.into_inner();
+    Ok(resp
+        .container_responses
+        .into_iter()
+        .next()
+        .map(|c| c.device_i_ds)
+        .unwrap_or_default())
+}
+
+/// Device choice as kubelet's devicesToAllocate: the plugin's preference
+/// where valid, the rest in order from what is available.
+fn choose_devices(preferred: &[String], available: &[String], count: usize) -> Vec<String> {
+    let mut chosen: Vec<String> = Vec::with_capacity(count);
+    for id in preferred.iter().chain(available) {
+        if chosen.len() == count {
+            break;
+        }
+        if available.contains(id) && !chosen.contains(id) {
+            chosen.push(id.clone());
+        }
+    }
+    chosen
+}
+
+/// Allocate for one container; its one container response.
+async fn allocate_devices(
+    client: &mut DevicePluginClient<Channel>,
+    chosen: &[String],
+) -> Result<ContainerAllocateResponse, Status> {
+    let mut req = Request::new(AllocateRequest {
+        container_requests: vec![ContainerAllocateRequest {
+            devices_ids: chosen.to_vec(),
+        }],
+    });
+    req.set_timeout(RPC_TIMEOUT);
+    let resp = client.allocate(req).await?.into_inner();
+    resp.container_responses
+        .into_iter()
+        .next()
+        .ok_or_else(|| Status::internal("no container response"))
+}
+
+/// The chosen devices by their first NUMA node (-1: none), as kubelet's
+/// checkpoint keeps them.
+fn per_numa(chosen: &[String], devices: &BTreeMap<String, DeviceState>) -> DevicesPerNuma {
+    let mut per_numa = DevicesPerNuma::new();
+    for id in chosen {
+        let numa = devices
+            .get(id)
+            .and_then(|d| d.numa.first().copied())
+            .unwrap_or(-1);
+        per_numa.entry(numa).or_default().push(id.clone());
+    }
+    per_numa
 }
