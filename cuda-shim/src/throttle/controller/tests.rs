@@ -1,0 +1,389 @@
+use super::*;
+
+const P: u64 = DEFAULT_PERIOD_NS;
+
+/// A device model: the container launches at most `rate` units/ns
+/// (or `demand` if lower) and each unit costs `k` ns.
+fn run(quota: Quota, k: f64, demand: f64, others: f64, periods: usize) -> (Controller, f64) {
+    let mut c = Controller::new(quota);
+    let mut rate = f64::INFINITY;
+    let mut units = 0.0;
+    let mut t = 0;
+    let mut own = 0.0;
+    c.record_launched(t, 0);
+    for _ in 0..periods {
+        let r = rate.min(demand);
+        let room = (100.0 - others) / 100.0 / k;
+        let r = r.min(room);
+        // Ticks of 20 ms within the period.
+        for _ in 0..5 {
+            t += P / 5;
+            units += r * (P / 5) as f64;
+            c.record_launched(t, units as u64);
+        }
+        own = r * k * 100.0;
+        let p = Period {
+            end_ns: t,
+            len_ns: P,
+            own,
+            others,
+            cost: c.cost_between(t - P, t),
+        };
+        if let Some(d) = c.add_period(p, rate < demand) {
+            rate = d.rate;
+        }
+    }
+    (c, own)
+}
+
+#[test]
+fn hard_limit_lands_on_the_target_whatever_the_scale() {
+    for k in [1e-3, 0.05, 7.0] {
+        for l in [10.0, 30.0, 90.0] {
+            let q = Quota {
+                utilization: l,
+                soft_limit: None,
+            };
+            let (c, own) = run(q, k, f64::INFINITY, 0.0, 40);
+            assert!((own - l).abs() < 0.5, "k={k} L={l}: {own}");
+            assert!((c.scale().unwrap() - k).abs() / k < 1e-3);
+        }
+    }
+}
+
+#[test]
+fn an_idle_container_does_not_wind_up() {
+    let q = Quota {
+        utilization: 50.0,
+        soft_limit: None,
+    };
+    // Wants only 20% worth of work.
+    let (c, own) = run(q, 0.01, 0.2 / 0.01, 0.0, 50);
+    assert!((own - 20.0).abs() < 0.5, "{own}");
+    assert!((c.integral() - 1.0).abs() < 1e-9, "{}", c.integral());
+}
+
+#[test]
+fn soft_limit_takes_what_others_leave() {
+    let q = Quota {
+        utilization: 30.0,
+        soft_limit: Some(100.0),
+    };
+    assert_eq!(q.target(0.0), 100.0);
+    assert_eq!(q.target(40.0), 60.0);
+    assert_eq!(q.target(90.0), 30.0);
+    let capped = Quota {
+        utilization: 30.0,
+        soft_limit: Some(60.0),
+    };
+    assert_eq!(capped.target(0.0), 60.0);
+    let (_, own) = run(capped, 0.02, f64::INFINITY, 0.0, 30);
+    assert!((own - 60.0).abs() < 0.5, "{own}");
+    let (_, own) = run(q, 0.02, f64::INFINITY, 50.0, 30);
+    assert!((own - 50.0).abs() < 0.5, "{own}");
+}
+
+/// A soft share (30, cap 70) alone at its cap; a neighbour arrives
+/// that submits `wants` percent worth. On a full device each gets its
+/// share of what both submit (contexts time-slice). Returns the soft
+/// share's use per period after the arrival.
+fn neighbour_arrives(wants: f64) -> Vec<f64> {
+    let q = Quota {
+        utilization: 30.0,
+        soft_limit: Some(70.0),
+    };
+    let k = 0.01;
+    let mut c = Controller::new(q);
+    let (mut t, mut units, mut rate) = (0u64, 0.0, f64::INFINITY);
+    c.record_launched(0, 0);
+    let mut after = Vec::new();
+    for i in 0..60 {
+        let submits = (rate * k * 100.0).min(100.0);
+        let other = if i < 20 { 0.0 } else { wants };
+        let scale = (100.0 / (submits + other)).min(1.0);
+        let (own, others) = (submits * scale, other * scale);
+        t += P;
+        units += own / 100.0 / k * P as f64;
+        c.record_launched(t, units as u64);
+        let p = Period {
+            end_ns: t,
+            len_ns: P,
+            own,
+            others,
+            cost: c.cost_between(t - P, t),
+        };
+        rate = c.add_period(p, true).map_or(rate, |d| d.rate);
+        if i >= 20 {
+            after.push(own);
+        }
+    }
+    after
+}
+
+#[test]
+fn a_soft_share_yields_to_a_neighbour_that_wants_more_and_keeps_what_is_left() {
+    let greedy = neighbour_arrives(70.0);
+    assert!(
+        greedy[5..].iter().all(|&o| o <= 31.0),
+        "soft share beside a neighbour that wants 70: {greedy:.1?}"
+    );
+    let modest = neighbour_arrives(40.0);
+    let end = modest[30..].iter().sum::<f64>() / 10.0;
+    assert!(
+        end >= 55.0,
+        "soft share beside a neighbour at 40: {modest:.1?}"
+    );
+}
+
+#[test]
+fn integral_corrects_a_bias() {
+    // Feed-forward misses by 20% (e.g. tokens lost): achieved is 0.8 of
+    // what the rate says; the integral brings it back.
+    let q = Quota {
+        utilization: 40.0,
+        soft_limit: None,
+    };
+    let mut c = Controller::new(q);
+    let (mut t, mut units, mut rate, mut own) = (0u64, 0.0, 1.0, 0.0);
+    c.record_launched(0, 0);
+    for _ in 0..100 {
+        t += P;
+        units += rate * P as f64;
+        c.record_launched(t, units as u64);
+        // k = 0.01 on what was launched, but only 80% of it "counts".
+        own = rate * 0.01 * 100.0 * 0.8;
+        let p = Period {
+            end_ns: t,
+            len_ns: P,
+            own,
+            others: 0.0,
+            cost: c.cost_between(t - P, t),
+        };
+        rate = c.add_period(p, true).unwrap().rate;
+    }
+    assert!((own - 40.0).abs() < 1.0, "{own}");
+}
+
+/// Issue 12: a history of 1-thread kernels (one 10 us wave each, 25%
+/// busy) must not price a 1 ms kernel (100 waves) out of reach: its
+/// first wait is what its device time takes to earn at the quota.
+#[test]
+fn a_scale_learned_on_tiny_kernels_prices_big_ones_by_device_time() {
+    use crate::throttle::cost::{WAVE_UNITS, waves};
+    let cost = |g, b| waves(108, 2048, [g, 1, 1], [b, 1, 1]) * WAVE_UNITS;
+    let (tiny, big) = (cost(1, 1), cost(86_400, 256));
+    let wave_ns = 10_000.0;
+    let mut c = Controller::new(Quota {
+        utilization: 30.0,
+        soft_limit: None,
+    });
+    let (mut t, mut units) = (0u64, 0u64);
+    c.record_launched(0, 0);
+    let mut rate = None;
+    for _ in 0..20 {
+        // 2500 tiny kernels per 100 ms period: 25 ms busy.
+        t += P;
+        units += 2500 * tiny;
+        c.record_launched(t, units);
+        let p = Period {
+            end_ns: t,
+            len_ns: P,
+            own: 2500.0 * wave_ns / P as f64 * 100.0,
+            others: 0.0,
+            cost: c.cost_between(t - P, t),
+        };
+        rate = c.add_period(p, false).map(|d| d.rate);
+    }
+    let wait_ns = big as f64 / rate.unwrap();
+    let earn_ns = 100.0 * wave_ns / 0.30;
+    assert!(
+        wait_ns < 1.5 * earn_ns,
+        "a 1 ms kernel waits {:.1} ms at 30% (earned in {:.1} ms)",
+        wait_ns / 1e6,
+        earn_ns / 1e6
+    );
+}
+
+/// Samples that never name the container's PIDs (its work shows as
+/// "others"): after a second the controller charges it the device's
+/// whole busy time and lands on the quota instead of running open.
+#[test]
+fn unattributed_samples_are_noticed_and_the_quota_still_holds() {
+    let q = Quota {
+        utilization: 30.0,
+        soft_limit: None,
+    };
+    let mut c = Controller::new(q);
+    let k = 10_000.0 / 16.0; // ns per unit: 10 us waves
+    let (mut t, mut units, mut rate, mut true_own) = (0u64, 0.0, f64::INFINITY, 0.0);
+    c.record_launched(0, 0);
+    for i in 0..60 {
+        let r = rate.min(1.0 / k); // at most the whole device
+        t += P;
+        units += r * P as f64;
+        c.record_launched(t, units as u64);
+        true_own = r * k * 100.0;
+        let p = Period {
+            end_ns: t,
+            len_ns: P,
+            own: 0.0,
+            others: true_own,
+            cost: c.cost_between(t - P, t),
+        };
+        if let Some(d) = c.add_period(p, rate < f64::INFINITY) {
+            rate = d.rate;
+        }
+        if i < 5 {
+            assert_eq!(c.blind(), None, "not after {i} periods");
+        }
+    }
+    assert_eq!(c.blind(), Some(Blind::OtherPids));
+    assert!((true_own - 30.0).abs() < 1.0, "achieved {true_own}");
+    // Its own samples come back: attributed again.
+    let p = Period {
+        end_ns: t + P,
+        len_ns: P,
+        own: 30.0,
+        others: 0.0,
+        cost: None,
+    };
+    c.add_period(p, false);
+    assert_eq!(c.blind(), None);
+}
+
+/// A small quota, from the start-up rate as the bucket really starts:
+/// the ramp tops out below [`BLIND_MIN_UNITS`] per period, and samples
+/// that never name the container's PIDs must be noticed all the same.
+#[test]
+fn a_small_quota_from_its_start_up_rate_notices_unattributed_samples() {
+    let q = Quota {
+        utilization: 10.0,
+        soft_limit: None,
+    };
+    let mut c = Controller::new(q);
+    let k = 10_000.0 / 16.0; // ns per unit: 10 us waves
+    let (mut t, mut units, mut rate) = (0u64, 0.0, startup_rate(q));
+    c.record_launched(0, 0);
+    for _ in 0..40 {
+        t += P;
+        units += rate * P as f64;
+        c.record_launched(t, units as u64);
+        let p = Period {
+            end_ns: t,
+            len_ns: P,
+            own: 0.0,
+            others: (rate * k * 100.0).round(),
+            cost: c.cost_between(t - P, t),
+        };
+        if let Some(d) = c.add_period(p, true) {
+            rate = d.rate;
+        }
+    }
+    assert_eq!(c.blind(), Some(Blind::OtherPids));
+}
+
+#[test]
+fn no_samples_at_all_hold_a_rate_never_none() {
+    let q = Quota {
+        utilization: 30.0,
+        soft_limit: None,
+    };
+    let mut c = Controller::new(q);
+    let mut units = 0;
+    for i in 0..=100u64 {
+        units += 100_000;
+        c.record_launched(i * 20_000_000, units);
+        let d = c.check_samples(i * 20_000_000);
+        if i * 20 < 2000 {
+            assert_eq!((d, c.blind()), (None, None), "at {i}");
+        } else {
+            assert_eq!(c.blind(), Some(Blind::NoSamples));
+            let d = d.expect("a rate when none was learned");
+            let expect = 0.30 * super::super::cost::WAVE_UNITS as f64 / ASSUMED_WAVE_NS;
+            assert!((d.rate - expect).abs() < 1e-12, "{d:?}");
+            break;
+        }
+    }
+    assert_eq!(c.check_samples(3_000_000_000), None, "said once");
+}
+
+#[test]
+fn a_seeded_scale_holds_until_three_periods_say_otherwise() {
+    let mut c = Controller::new(Quota {
+        utilization: 50.0,
+        soft_limit: None,
+    });
+    c.seed_scale(2.0);
+    c.record_launched(0, 0);
+    let mut units = 0;
+    for i in 1..=3u64 {
+        units += 1_000_000;
+        c.record_launched(i * P, units);
+        // A noisy estimate (own 90% of 1e6 units: k = 90).
+        let p = Period {
+            end_ns: i * P,
+            len_ns: P,
+            own: 90.0,
+            others: 0.0,
+            cost: c.cost_between((i - 1) * P, i * P),
+        };
+        let d = c.add_period(p, false).unwrap();
+        if i < 3 {
+            assert_eq!(c.scale(), Some(2.0), "period {i}");
+            assert!((d.rate - 0.5 / 2.0).abs() < 1e-12);
+        }
+    }
+    assert!((c.scale().unwrap() - 90.0).abs() < 1e-9);
+}
+
+/// Waves of 5 us at a start-up rate sized for 0.5 ms waves: 0.3 % of
+/// the device, which NVML rounds to 0. The rate doubles per such
+/// period up to the 50 us-wave rate, where NVML shows the container
+/// (3 %) and the controller learns its scale.
+#[test]
+fn a_start_too_slow_for_nvml_to_see_ramps_up_until_it_is_seen() {
+    let q = Quota {
+        utilization: 30.0,
+        soft_limit: None,
+    };
+    let k = 5_000.0 / super::super::cost::WAVE_UNITS as f64; // ns per unit
+    let mut c = Controller::new(q);
+    let (mut t, mut units, mut rate) = (0u64, 0.0, startup_rate(q));
+    c.record_launched(0, 0);
+    let mut rates = vec![rate];
+    for _ in 0..8 {
+        t += P;
+        units += rate * P as f64;
+        c.record_launched(t, units as u64);
+        let own = (rate * k * 100.0).round();
+        let p = Period {
+            end_ns: t,
+            len_ns: P,
+            own,
+            others: 0.0,
+            cost: c.cost_between(t - P, t),
+        };
+        rate = c.add_period(p, true).unwrap().rate;
+        rates.push(rate);
+    }
+    assert!(rates[1] > rates[0] && rates[2] > rates[1], "{rates:?}");
+    assert!(c.scale().is_some(), "never seen: {rates:?}");
+    let own = rate * k * 100.0;
+    assert!((own - 30.0).abs() < 3.0, "{own} {rates:?}");
+}
+
+#[test]
+fn launched_interpolates() {
+    let mut c = Controller::new(Quota {
+        utilization: 10.0,
+        soft_limit: None,
+    });
+    assert_eq!(c.launched_at(5), None);
+    c.record_launched(100, 1000);
+    c.record_launched(200, 2000);
+    c.record_launched(150, 5); // out of order: ignored
+    assert_eq!(c.launched_at(150), Some(1500.0));
+    assert_eq!(c.launched_at(200), Some(2000.0));
+    assert_eq!(c.launched_at(201), None);
+    assert_eq!(c.cost_between(100, 200), Some(1000));
+}
