@@ -319,5 +319,4 @@ fn frame_head(len: usize, kind: u8, flags: u8, stream: u32, out: &mut Vec<u8>) {
 }
 
 #[cfg(test)]
-#[path = "rewrite_tests.rs"]
 mod tests;
