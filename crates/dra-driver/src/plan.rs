@@ -5,7 +5,9 @@
 //! is an error naming the claim and the field.
 
 use gpu_allocator::{GpuInfo, MEMORY_UNIT_BYTES};
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{
+    DeviceAllocationConfiguration, DeviceRequestAllocationResult, ResourceClaim,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::params::GpuConfig;
@@ -42,13 +44,12 @@ pub fn plan(
     node: &str,
     gpus: &[GpuInfo],
 ) -> Result<Vec<PlannedDevice>, PlanError> {
-    let who = format!(
-        "{}/{}",
-        claim.metadata.namespace.as_deref().unwrap_or(""),
-        claim.metadata.name.as_deref().unwrap_or("")
-    );
     let err = |problem: String| PlanError {
-        claim: who.clone(),
+        claim: format!(
+            "{}/{}",
+            claim.metadata.namespace.as_deref().unwrap_or(""),
+            claim.metadata.name.as_deref().unwrap_or("")
+        ),
         problem,
     };
     if claim.metadata.uid.as_deref() != Some(uid) {
@@ -63,114 +64,150 @@ pub fn plan(
         .and_then(|s| s.allocation.as_ref())
         .and_then(|a| a.devices.as_ref())
         .ok_or_else(|| err("is not allocated (no status.allocation.devices)".into()))?;
-    let mut out = Vec::new();
-    for r in alloc.results.iter().flatten() {
-        if r.driver != DRIVER_NAME {
-            continue;
-        }
-        if r.pool != node {
-            return Err(err(format!(
-                "request {:?} was allocated from pool {:?}, not this node's {node:?}",
-                r.request, r.pool
-            )));
-        }
-        let gpu = gpus
-            .iter()
-            .find(|g| slices::device_name(g.index) == r.device)
-            .ok_or_else(|| {
-                err(format!(
-                    "request {:?}: no device {:?} on this node",
-                    r.request, r.device
-                ))
-            })?;
-        let full_memory = gpu.memory_units() * MEMORY_UNIT_BYTES;
-        let consumed = |name: &str| -> Result<Option<u64>, PlanError> {
-            match r.consumed_capacity.as_ref().and_then(|c| c.get(name)) {
-                None => Ok(None),
-                Some(q) => quantity::parse(&q.0).map(Some).map_err(|e| {
-                    err(format!(
-                        "request {:?}: consumedCapacity.{name}: {e}",
-                        r.request
-                    ))
-                }),
-            }
-        };
-        let cores = consumed(CAPACITY_CORES)?.unwrap_or(100);
-        let memory = consumed(CAPACITY_MEMORY)?.unwrap_or(full_memory);
-        if cores == 0 || cores > 100 {
-            return Err(err(format!(
-                "request {:?}: cores {cores} is not within 1..=100",
-                r.request
-            )));
-        }
-        if memory == 0 || memory > full_memory || !memory.is_multiple_of(MEMORY_UNIT_BYTES) {
-            return Err(err(format!(
-                "request {:?}: memory {memory} is not a multiple of 256 MiB within the GPU's {full_memory}",
-                r.request
-            )));
-        }
-        // Class configs come first, then the claim's: later ones win.
-        let mut config = GpuConfig::default();
-        for c in alloc.config.iter().flatten() {
-            let Some(o) = c.opaque.as_ref().filter(|o| o.driver == DRIVER_NAME) else {
-                continue;
-            };
-            let applies = c.requests.as_ref().is_none_or(|rs| {
-                rs.is_empty()
-                    || rs
-                        .iter()
-                        .any(|x| *x == r.request || r.request.starts_with(&format!("{x}/")))
-            });
-            if applies {
-                let parsed = GpuConfig::parse(&o.parameters.0).map_err(|e| err(e.to_string()))?;
-                config = config.merge(parsed);
-            }
-        }
-        let whole = cores == 100 && memory == full_memory;
-        if config.exclusive == Some(true) && !whole {
-            return Err(err(format!(
-                "request {:?} is for a whole GPU (exclusive) but consumed {cores} cores / {memory} bytes",
-                r.request
-            )));
-        }
-        let soft_limit = match config.core_limit {
-            Some(l) if whole => {
-                return Err(err(format!(
-                    "request {:?}: coreLimit {l} applies to shares, not whole GPUs",
-                    r.request
-                )));
-            }
-            Some(l) if u64::from(l) < cores => {
-                return Err(err(format!(
-                    "request {:?}: coreLimit {l} is below the {cores} cores consumed",
-                    r.request
-                )));
-            }
-            Some(l) if u64::from(l) == cores => None,
-            l => l,
-        };
-        out.push(PlannedDevice {
-            request: r.request.clone(),
-            pool: r.pool.clone(),
-            device: r.device.clone(),
-            gpu_index: gpu.index,
-            gpu_uuid: gpu.uuid.clone(),
-            cores: cores as u32,
-            memory_bytes: memory,
-            soft_limit,
-            whole,
-            share_id: r.share_id.clone(),
-        });
+    let configs = alloc.config.as_deref().unwrap_or_default();
+    let out = alloc
+        .results
+        .iter()
+        .flatten()
+        .filter(|r| r.driver == DRIVER_NAME)
+        .map(|r| plan_device(r, configs, node, gpus))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(err)?;
+    check_together(&out).map_err(err)?;
+    Ok(out)
+}
+
+/// One allocation result of this driver: its GPU, the capacity it
+/// consumed and the configs that apply to its request.
+fn plan_device(
+    r: &DeviceRequestAllocationResult,
+    configs: &[DeviceAllocationConfiguration],
+    node: &str,
+    gpus: &[GpuInfo],
+) -> Result<PlannedDevice, String> {
+    let request = &r.request;
+    if r.pool != node {
+        return Err(format!(
+            "request {request:?} was allocated from pool {:?}, not this node's {node:?}",
+            r.pool
+        ));
     }
+    let gpu = gpus
+        .iter()
+        .find(|g| slices::device_name(g.index) == r.device)
+        .ok_or_else(|| format!("request {request:?}: no device {:?} on this node", r.device))?;
+    let full_memory = gpu.memory_units() * MEMORY_UNIT_BYTES;
+    let (cores, memory) = consumed_capacity(r, full_memory)?;
+    let config = request_config(configs, request)?;
+    let whole = cores == 100 && memory == full_memory;
+    if config.exclusive == Some(true) && !whole {
+        return Err(format!(
+            "request {request:?} is for a whole GPU (exclusive) but consumed {cores} cores / {memory} bytes"
+        ));
+    }
+    Ok(PlannedDevice {
+        request: request.clone(),
+        pool: r.pool.clone(),
+        device: r.device.clone(),
+        gpu_index: gpu.index,
+        gpu_uuid: gpu.uuid.clone(),
+        cores: cores as u32,
+        memory_bytes: memory,
+        soft_limit: soft_limit(config.core_limit, whole, cores, request)?,
+        whole,
+        share_id: r.share_id.clone(),
+    })
+}
+
+/// Cores (1..=100) and memory (whole 256 MiB units of the GPU's) the
+/// result consumed; without `consumedCapacity`, the whole GPU.
+fn consumed_capacity(
+    r: &DeviceRequestAllocationResult,
+    full_memory: u64,
+) -> Result<(u64, u64), String> {
+    let consumed = |name: &str| -> Result<Option<u64>, String> {
+        match r.consumed_capacity.as_ref().and_then(|c| c.get(name)) {
+            None => Ok(None),
+            Some(q) => quantity::parse(&q.0)
+                .map(Some)
+                .map_err(|e| format!("request {:?}: consumedCapacity.{name}: {e}", r.request)),
+        }
+    };
+    let cores = consumed(CAPACITY_CORES)?.unwrap_or(100);
+    let memory = consumed(CAPACITY_MEMORY)?.unwrap_or(full_memory);
+    if cores == 0 || cores > 100 {
+        return Err(format!(
+            "request {:?}: cores {cores} is not within 1..=100",
+            r.request
+        ));
+    }
+    if memory == 0 || memory > full_memory || !memory.is_multiple_of(MEMORY_UNIT_BYTES) {
+        return Err(format!(
+            "request {:?}: memory {memory} is not a multiple of 256 MiB within the GPU's {full_memory}",
+            r.request
+        ));
+    }
+    Ok((cores, memory))
+}
+
+/// This driver's opaque configs that name `request` (or its parent
+/// request, or none), merged. Class configs come first, then the
+/// claim's: later ones win.
+fn request_config(
+    configs: &[DeviceAllocationConfiguration],
+    request: &str,
+) -> Result<GpuConfig, String> {
+    let mut config = GpuConfig::default();
+    for c in configs {
+        let Some(o) = c.opaque.as_ref().filter(|o| o.driver == DRIVER_NAME) else {
+            continue;
+        };
+        let applies = c.requests.as_ref().is_none_or(|rs| {
+            rs.is_empty()
+                || rs
+                    .iter()
+                    .any(|x| *x == request || request.starts_with(&format!("{x}/")))
+        });
+        if applies {
+            let parsed = GpuConfig::parse(&o.parameters.0).map_err(|e| e.to_string())?;
+            config = config.merge(parsed);
+        }
+    }
+    Ok(config)
+}
+
+/// The soft limit `coreLimit` asks for: only on a share, not below its
+/// cores; equal to them it is no soft limit at all.
+fn soft_limit(
+    core_limit: Option<u32>,
+    whole: bool,
+    cores: u64,
+    request: &str,
+) -> Result<Option<u32>, String> {
+    match core_limit {
+        Some(l) if whole => Err(format!(
+            "request {request:?}: coreLimit {l} applies to shares, not whole GPUs"
+        )),
+        Some(l) if u64::from(l) < cores => Err(format!(
+            "request {request:?}: coreLimit {l} is below the {cores} cores consumed"
+        )),
+        Some(l) if u64::from(l) == cores => Ok(None),
+        l => Ok(l),
+    }
+}
+
+/// What the claim's devices must be together: at least one, each once,
+/// and a share alone.
+fn check_together(out: &[PlannedDevice]) -> Result<(), String> {
     if out.is_empty() {
-        return Err(err(format!("has no devices of {DRIVER_NAME} allocated")));
+        return Err(format!("has no devices of {DRIVER_NAME} allocated"));
     }
     for (i, d) in out.iter().enumerate() {
         if let Some(e) = out[..i].iter().find(|e| e.device == d.device) {
-            return Err(err(format!(
+            return Err(format!(
                 "{} is allocated twice (requests {:?} and {:?}); ask for more capacity in one request",
                 d.device, e.request, d.request
-            )));
+            ));
         }
     }
     // One vcuda.config, one quota: a container's interposer enforces a
@@ -178,14 +215,14 @@ pub fn plan(
     if out.len() > 1
         && let Some(s) = out.iter().find(|d| !d.whole)
     {
-        return Err(err(format!(
+        return Err(format!(
             "request {:?} is a share of {} but the claim holds {} devices: a share must be the claim's only device (ask for whole GPUs, or one share per claim)",
             s.request,
             s.device,
             out.len()
-        )));
+        ));
     }
-    Ok(out)
+    Ok(())
 }
 
 #[cfg(test)]
