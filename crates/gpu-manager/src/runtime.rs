@@ -26,22 +26,20 @@ pub const LABEL_CONTAINER: &str = "io.kubernetes.container.name";
 /// Where the AllocateResponse mounts the container's vm directory.
 pub const VM_MOUNT: &str = "/etc/vcuda";
 
+/// Why a runtime could not be asked, in neutral terms: each backend turns
+/// its client's errors into these, so callers see no client types.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
-    #[error(
-        "container runtime {endpoint}: {source}; is Docker running and --container-runtime-endpoint right?"
-    )]
-    Docker {
-        endpoint: String,
-        #[source]
-        source: bollard::errors::Error,
-    },
     #[error("container runtime {endpoint}: no answer within {0:?}", TIMEOUT)]
     Timeout { endpoint: String },
-    /// Any other backend that could not be asked (CRI: not listening, no
-    /// answer in time, an error status; a test double).
+    /// The runtime could not be asked (not listening, refused, an error
+    /// answer; a test double), with the backend's reason.
     #[error("container runtime {endpoint}: {reason}")]
     Unreachable { endpoint: String, reason: String },
+    /// It answers but does not serve the call (a containerd whose CRI
+    /// plugin is disabled, as in Docker's own).
+    #[error("container runtime {endpoint}: {reason}")]
+    Unsupported { endpoint: String, reason: String },
 }
 
 const TIMEOUT: Duration = Duration::from_secs(5);
@@ -126,10 +124,7 @@ impl Docker {
     /// restarted or upgraded engine may answer differently).
     async fn negotiated(&self) -> Result<bollard::Docker, RuntimeError> {
         let endpoint = &self.endpoint;
-        let err = |source| RuntimeError::Docker {
-            endpoint: endpoint.clone(),
-            source,
-        };
+        let err = |e| docker_error(endpoint, e);
         // Connected per use: the engine may restart, move or be upgraded;
         // the API version is negotiated down to what it speaks (Debian's
         // 20.10 tops at 1.41, bollard asks 1.53 by default).
@@ -149,6 +144,15 @@ impl Docker {
     }
 }
 
+/// A bollard error as the neutral [`RuntimeError`], with the operator's
+/// hint.
+fn docker_error(endpoint: &str, e: bollard::errors::Error) -> RuntimeError {
+    RuntimeError::Unreachable {
+        endpoint: endpoint.to_string(),
+        reason: format!("{e}; is Docker running and --container-runtime-endpoint right?"),
+    }
+}
+
 #[async_trait::async_trait]
 impl ContainerRuntime for Docker {
     fn describe(&self) -> String {
@@ -164,10 +168,7 @@ impl ContainerRuntime for Docker {
             .filters(&filters)
             .build();
         let list = match tokio::time::timeout(TIMEOUT, d.list_containers(Some(opts))).await {
-            Ok(r) => r.map_err(|source| RuntimeError::Docker {
-                endpoint: endpoint.clone(),
-                source,
-            })?,
+            Ok(r) => r.map_err(|e| docker_error(&endpoint, e))?,
             Err(_) => return Err(RuntimeError::Timeout { endpoint }),
         };
         Ok(Some(
@@ -218,10 +219,7 @@ impl ContainerRuntime for Docker {
         )
         .await
         {
-            Ok(r) => r.map_err(|source| RuntimeError::Docker {
-                endpoint: endpoint.clone(),
-                source,
-            })?,
+            Ok(r) => r.map_err(|e| docker_error(&endpoint, e))?,
             Err(_) => return Err(RuntimeError::Timeout { endpoint }),
         };
         let visible = info

@@ -14,7 +14,8 @@
 //!
 //! Connected per use, like Docker: the runtime restarts and moves. Every
 //! call is bounded; a runtime that cannot be asked is
-//! [`RuntimeError::Unreachable`] (the caller degrades, never releases).
+//! [`RuntimeError::Unreachable`], one that does not serve CRI
+//! [`RuntimeError::Unsupported`] (the caller degrades, never releases).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -100,7 +101,16 @@ impl Cri {
     ) -> Result<T, RuntimeError> {
         match tokio::time::timeout(self.timeout, fut).await {
             Ok(Ok(r)) => Ok(r.into_inner()),
-            Ok(Err(s)) => Err(self.unreachable(format!("{what}: {:?}: {}", s.code(), s.message()))),
+            Ok(Err(s)) => {
+                let reason = format!("{what}: {:?}: {}", s.code(), s.message());
+                Err(match s.code() {
+                    tonic::Code::Unimplemented => RuntimeError::Unsupported {
+                        endpoint: self.describe(),
+                        reason,
+                    },
+                    _ => self.unreachable(reason),
+                })
+            }
             Err(_) => Err(self.unreachable(format!("{what}: no answer within {:?}", self.timeout))),
         }
     }
@@ -300,5 +310,4 @@ pub fn gpus_from_info(info: &str) -> Result<ContainerGpus, String> {
 }
 
 #[cfg(test)]
-#[path = "cri_tests.rs"]
 mod tests;

@@ -144,7 +144,7 @@ pub async fn detect(at: &Sockets) -> Arc<dyn ContainerRuntime> {
         let ep = format!("unix://{path}");
         let cri = Cri::new(name, &ep);
         match cri.version().await {
-            Err(RuntimeError::Unreachable { reason, .. }) if reason.contains("Unimplemented") => {
+            Err(RuntimeError::Unsupported { reason, .. }) => {
                 tracing::info!(
                     endpoint = %ep, %reason,
                     "auto: {name}'s socket does not serve CRI (its CRI plugin is disabled, as in Docker's own containerd); passed over"
