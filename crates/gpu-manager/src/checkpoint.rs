@@ -346,9 +346,8 @@ impl Checkpoint {
         self.write(&encode(gpus, allocations))
     }
 
-    /// [`Checkpoint::store`] of a payload made by [`encode`] (so that the
-    /// caller can serialise outside its locks).
-    pub fn write(&self, payload: &[u8]) -> Result<(), CheckpointError> {
+    /// [`Checkpoint::store`] of a payload made by [`encode`].
+    fn write(&self, payload: &[u8]) -> Result<(), CheckpointError> {
         let mut cur = self.cursor();
         if !cur.scanned {
             drop(cur);
@@ -438,8 +437,8 @@ impl CheckpointStore for Checkpoint {
         Checkpoint::load(self)
     }
 
-    fn write(&self, payload: &[u8]) -> Result<(), CheckpointError> {
-        Checkpoint::write(self, payload)
+    fn store(&self, gpus: &[String], allocations: &[Allocation]) -> Result<(), CheckpointError> {
+        Checkpoint::store(self, gpus, allocations)
     }
 
     fn set_aside(&self) -> Result<Vec<PathBuf>, CheckpointError> {
@@ -447,7 +446,8 @@ impl CheckpointStore for Checkpoint {
     }
 }
 
-/// The JSON payload of a checkpoint.
+/// The JSON payload of a checkpoint: with [`parse`], the one place the
+/// record's format is known (every [`CheckpointStore`] goes through both).
 pub fn encode<'a>(
     gpus: &[String],
     allocations: impl IntoIterator<Item = &'a Allocation>,
@@ -461,7 +461,8 @@ pub fn encode<'a>(
     serde_json::to_vec(&f).expect("serialisable")
 }
 
-pub(crate) fn parse(payload: &[u8]) -> Result<Saved, String> {
+/// A payload made by [`encode`], or why it is not one.
+pub fn parse(payload: &[u8]) -> Result<Saved, String> {
     let f: File = serde_json::from_slice(payload).map_err(|e| e.to_string())?;
     if f.version != VERSION {
         return Err(format!(

@@ -19,7 +19,7 @@ use crate::extra::ExtraConfig;
 use crate::ids::{VCORE_RESOURCE, VCORE_SOCKET, VMEMORY_RESOURCE, VMEMORY_SOCKET};
 use crate::kube_api::{self, Patcher, PodWatch};
 use crate::kubelet::KubeletRecords;
-use crate::manager::{Manager, ManagerParts};
+use crate::manager::{Manager, ManagerConfig, ManagerParts};
 use crate::plugin::{VcorePlugin, VmemoryPlugin};
 use crate::runtime;
 use crate::world::{ContainerRuntime, World};
@@ -177,7 +177,12 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
     let runtime: Arc<dyn ContainerRuntime> =
         runtime::select(kind, &s.container_runtime_endpoint).await;
     let mgr = Manager::new(ManagerParts {
-        settings: s.clone(),
+        config: ManagerConfig {
+            node_name: s.node_name.clone(),
+            share_mode: s.share_mode,
+            vm_root: s.virtual_manager_path.clone(),
+            vdriver_dir: s.vdriver_path.clone(),
+        },
         allocator,
         driver_version: nvml::driver_major_minor(&found.driver_version),
         extra,

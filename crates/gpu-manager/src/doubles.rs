@@ -9,7 +9,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use tokio::sync::watch;
 
-use crate::checkpoint::{self, CheckpointError, Saved};
+use crate::checkpoint::{self, Allocation, CheckpointError, Saved};
 use crate::kube_api::{ApiHealth, PatchJob};
 use crate::kubelet::{Held, Holder, PodKey};
 use crate::runtime::{ContainerGpus, LiveContainer, RuntimeError};
@@ -218,7 +218,8 @@ impl ContainerRuntime for MemoryRuntime {
     }
 }
 
-/// The checkpoint as the last payload written; writes can be made to fail.
+/// The checkpoint as the payload last stored (in the real format, so that
+/// a test can start from garbage); writes can be made to fail.
 #[derive(Default)]
 pub struct MemoryCheckpoint {
     payload: Mutex<Option<Vec<u8>>>,
@@ -268,14 +269,14 @@ impl CheckpointStore for MemoryCheckpoint {
         }
     }
 
-    fn write(&self, payload: &[u8]) -> Result<(), CheckpointError> {
+    fn store(&self, gpus: &[String], allocations: &[Allocation]) -> Result<(), CheckpointError> {
         if let Some(reason) = &*lock(&self.fail) {
             return Err(CheckpointError::Io {
                 path: self.location(),
                 source: std::io::Error::other(reason.clone()),
             });
         }
-        *lock(&self.payload) = Some(payload.to_vec());
+        *lock(&self.payload) = Some(checkpoint::encode(gpus, allocations));
         *lock(&self.writes) += 1;
         Ok(())
     }

@@ -8,7 +8,7 @@
 //! * [`manager`]: allocation state, Allocate / PreStartContainer decisions,
 //!   recovery and releases, one module per job.
 //! * [`world`]: the traits where the world plugs in (API server, kubelet,
-//!   container runtime, checkpoint store); [`doubles`]: in-memory ones.
+//!   container runtime, checkpoint store); `doubles` (tests only): in-memory ones.
 //! * [`plugin`]: the two device plugins.
 //! * [`pods`], [`kube_api`]: which pod is asking; reflector and patches.
 //! * [`kubelet`]: what kubelet recorded (pod-resources, checkpoint).
@@ -24,6 +24,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod daemon;
 pub mod display;
+#[cfg(test)]
 pub mod doubles;
 pub mod events;
 pub mod extra;

@@ -1,7 +1,9 @@
 //! Where the world plugs into the manager: one trait per outside party,
 //! so that the manager's decisions can be driven by in-memory doubles
-//! ([`crate::doubles`]) in unit tests and a backend can be swapped (the
-//! container runtime: Docker or CRI v1 (containerd, CRI-O)) without touching them.
+//! (`crate::doubles`, built for tests only) and a backend can be swapped
+//! (the container runtime: Docker or CRI v1 (containerd, CRI-O)) without
+//! touching them. The signatures name only this crate's types: each
+//! implementation turns its client's errors into them.
 //!
 //! Every source of evidence may be unreachable. The rule the manager
 //! keeps: an unreachable source degrades (its evidence is skipped), it
@@ -13,7 +15,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 
-use crate::checkpoint::{CheckpointError, Saved};
+use crate::checkpoint::{Allocation, CheckpointError, Saved};
 use crate::kube_api::{ApiHealth, PatchJob};
 use crate::kubelet::{Held, Holder};
 use crate::runtime::{ContainerGpus, LiveContainer, RuntimeError};
@@ -63,17 +65,17 @@ pub trait ContainerRuntime: Send + Sync {
     async fn gpus(&self, id: &str) -> Result<ContainerGpus, RuntimeError>;
 }
 
-/// The durable record of the allocations. Called off the async threads
-/// (writes sync to disk).
+/// The durable record of the allocations, typed both ways (the format is
+/// [`crate::checkpoint::encode`] and [`crate::checkpoint::parse`]'s).
+/// Called off the async threads (writes sync to disk).
 pub trait CheckpointStore: Send + Sync {
     /// Where it lives, for messages.
     fn location(&self) -> String;
-    /// The saved allocations; `None` when there is none yet.
+    /// The saved GPU UUIDs and allocations; `None` when there is none yet.
     fn load(&self) -> Result<Option<Saved>, CheckpointError>;
-    /// Replaces the record with `payload` (made by
-    /// [`crate::checkpoint::encode`]) durably; on failure the previous
-    /// record stays intact.
-    fn write(&self, payload: &[u8]) -> Result<(), CheckpointError>;
+    /// Replaces the record with `gpus` and `allocations` durably; on
+    /// failure the previous record stays intact.
+    fn store(&self, gpus: &[String], allocations: &[Allocation]) -> Result<(), CheckpointError>;
     /// Moves an unreadable record out of the way; where it went.
     fn set_aside(&self) -> Result<Vec<PathBuf>, CheckpointError>;
 }

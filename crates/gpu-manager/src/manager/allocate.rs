@@ -37,6 +37,26 @@ fn alloc_status(e: AllocError) -> Status {
     }
 }
 
+/// The pod's soft limit ceiling (`tencent.com/vcuda-core-limit`), if it
+/// has one; a value that is not 1..100 is refused, naming it.
+fn soft_limit(pod: &Pod) -> Result<Option<u32>, Status> {
+    let Some(v) = pods::annotation(pod, pods::VCORE_LIMIT) else {
+        return Ok(None);
+    };
+    let (ns, name) = (pods::namespace(pod), pods::name(pod));
+    v.trim()
+        .parse::<u32>()
+        .ok()
+        .filter(|l| (1..=100).contains(l))
+        .map(Some)
+        .ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "pod {ns}/{name}: annotation {}={v:?} must be a number 1..100",
+                pods::VCORE_LIMIT
+            ))
+        })
+}
+
 impl Manager {
     async fn find_candidate(&self, cores: u64) -> Result<pods::Candidate, Status> {
         let deadline = Instant::now() + POD_WAIT;
@@ -64,13 +84,13 @@ impl Manager {
                 if let ApiHealth::Failing(e) = self.pods.health() {
                     return Err(Status::unavailable(format!(
                         "no pending pod on node {} asks for vcuda-core {cores}, and the API server is unreachable ({e}); kubelet will retry",
-                        self.settings.node_name
+                        self.config.node_name
                     )));
                 }
                 return Err(Status::failed_precondition(format!(
                     "no pending, unassigned pod on node {} has a container asking for vcuda-core {cores} \
                      (pending GPU containers: {}); was the pod deleted, or already allocated?",
-                    self.settings.node_name,
+                    self.config.node_name,
                     pods::describe_pending(&pods)
                 )));
             }
@@ -187,43 +207,16 @@ impl Manager {
         vm::check_pod_uid(uid).map_err(|e| Status::invalid_argument(e.to_string()))?;
         vm::check_container_name(&cand.container)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let soft_limit = match pods::annotation(&pod, pods::VCORE_LIMIT) {
-            None => None,
-            Some(v) => Some(
-                v.trim()
-                    .parse::<u32>()
-                    .ok()
-                    .filter(|l| (1..=100).contains(l))
-                    .ok_or_else(|| {
-                        Status::invalid_argument(format!(
-                            "pod {ns}/{name}: annotation {}={v:?} must be a number 1..100",
-                            pods::VCORE_LIMIT
-                        ))
-                    })?,
-            ),
-        };
+        let soft_limit = soft_limit(&pod)?;
         let req = Request {
             cores: u32::try_from(cores).unwrap_or(u32::MAX),
             memory_units: cand.memory_units,
-            share_mode: self.settings.share_mode,
+            share_mode: self.config.share_mode,
         };
         let id = alloc_id(uid, &cand.container);
         let ctx = format!("pod {ns}/{name} container {}", cand.container);
         // 1. Decide and reserve the capacity, under the state lock.
-        let placement = {
-            let mut st = self.st();
-            let ours = st.allocator.evaluate(&req).map_err(|e| {
-                let s = alloc_status(e);
-                Status::new(s.code(), format!("{ctx}: {}", s.message()))
-            })?;
-            let placement = self
-                .predicated(&st, &pod, &cand, &req, &ours)?
-                .unwrap_or(ours);
-            st.allocator
-                .commit(id.clone(), &placement)
-                .map_err(alloc_status)?;
-            placement
-        };
+        let placement = self.reserve(&ctx, &cand, &req, &id)?;
         let shared = !placement.is_exclusive();
         let gpus: Vec<&GpuInfo> = placement.gpus().iter().map(|&g| &self.gpus[g]).collect();
         let mut alloc = Allocation {
@@ -260,19 +253,7 @@ impl Manager {
         };
         // 3. Recorded, then durable before answering; Allocate calls stay
         // serialised.
-        let want = {
-            let mut st = self.st();
-            let memory_limit = alloc.memory_limit;
-            if let Some(i) = st
-                .orphan_memory
-                .iter()
-                .position(|m| m.len() as u64 == memory_limit)
-            {
-                alloc.vmemory_ids = st.orphan_memory.remove(i);
-            }
-            st.allocs.insert(id.clone(), alloc.clone());
-            st.changed()
-        };
+        let want = self.record(&mut alloc);
         let synced = Instant::now();
         if let Err(e) = self.persist(want).await {
             {
@@ -302,10 +283,50 @@ impl Manager {
             cores: req.cores,
             memory_units: alloc.memory_units,
             shared,
-            vdriver_dir: &self.settings.vdriver_path,
+            vdriver_dir: &self.config.vdriver_dir,
             vm_dir: &dir,
             extra_devices: &self.extra.devices,
         }))
+    }
+
+    /// Decides where the request goes (the allocator's choice, or
+    /// gpu-admission's when it made one) and reserves that capacity, under
+    /// the state lock.
+    fn reserve(
+        &self,
+        ctx: &str,
+        cand: &pods::Candidate,
+        req: &Request,
+        id: &str,
+    ) -> Result<Placement, Status> {
+        let mut st = self.st();
+        let ours = st.allocator.evaluate(req).map_err(|e| {
+            let s = alloc_status(e);
+            Status::new(s.code(), format!("{ctx}: {}", s.message()))
+        })?;
+        let placement = self
+            .predicated(&st, &cand.pod, cand, req, &ours)?
+            .unwrap_or(ours);
+        st.allocator
+            .commit(id.to_string(), &placement)
+            .map_err(alloc_status)?;
+        Ok(placement)
+    }
+
+    /// Records a new allocation, with vcuda-memory IDs that came before it
+    /// (of its size); the state version a write must reach to cover it.
+    fn record(&self, alloc: &mut Allocation) -> u64 {
+        let mut st = self.st();
+        let memory_limit = alloc.memory_limit;
+        if let Some(i) = st
+            .orphan_memory
+            .iter()
+            .position(|m| m.len() as u64 == memory_limit)
+        {
+            alloc.vmemory_ids = st.orphan_memory.remove(i);
+        }
+        st.allocs.insert(alloc.id(), alloc.clone());
+        st.changed()
     }
 
     /// kubelet hands out only IDs it considers free: an allocation still

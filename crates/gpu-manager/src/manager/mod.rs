@@ -4,14 +4,15 @@
 //! * [`state`]: what one `Mutex<State>` guards, and how a poisoned lock is
 //!   handled.
 //! * [`persist`]: group-commit writes of the checkpoint.
-//! * [`restore`]: recovery at start (checkpoint reconciled with the node).
+//! * [`restore`]: recovery at start (checkpoint reconciled with the node);
+//!   [`rebuild`]: an allocation the checkpoint lost, from the node.
 //! * [`allocate`]: Allocate for vcuda-core and vcuda-memory.
 //! * [`prestart`]: PreStartContainer's check of the guessed pod.
 //! * [`sweep`]: releases (deleted pods, dead containers) and GPU health.
 //!
 //! The outside parties (API server, kubelet, container runtime, checkpoint
 //! store, events) come in as [`World`] traits, so the decisions have unit
-//! tests of their own ([`tests`], with [`crate::doubles`]).
+//! tests of their own (`tests`, with `crate::doubles`).
 //!
 //! Locks: the state lock is never held across an await, a disk sync or
 //! other file-system work (vm directories, ledgers, sockets are handled
@@ -21,12 +22,14 @@
 mod allocate;
 mod persist;
 mod prestart;
+mod rebuild;
 mod restore;
 mod state;
 mod sweep;
 #[cfg(test)]
 mod tests;
 
+use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -36,7 +39,6 @@ use gpu_allocator::{Allocator, GpuInfo, MEMORY_UNIT_BYTES, Placement};
 use quota_config::ResourceData;
 
 use crate::checkpoint::Allocation;
-use crate::config::Settings;
 use crate::events::EventSink;
 use crate::extra::ExtraConfig;
 use crate::ids;
@@ -49,8 +51,21 @@ use crate::world::{
 pub use restore::RecoveryReport;
 use state::State;
 
+/// What the manager needs of the node's settings.
+#[derive(Debug, Clone)]
+pub struct ManagerConfig {
+    /// This node, for messages.
+    pub node_name: String,
+    /// `--share-mode`: hand out shares of GPUs (vcuda-core 1..99).
+    pub share_mode: bool,
+    /// Where the per-container vm directories live.
+    pub vm_root: PathBuf,
+    /// The mirrored driver volumes the Allocate response mounts.
+    pub vdriver_dir: PathBuf,
+}
+
 pub struct Manager {
-    settings: Arc<Settings>,
+    config: ManagerConfig,
     gpus: Vec<GpuInfo>,
     driver_version: (i32, i32),
     state: Mutex<State>,
@@ -79,7 +94,7 @@ pub struct Manager {
 }
 
 pub struct ManagerParts {
-    pub settings: Arc<Settings>,
+    pub config: ManagerConfig,
     pub allocator: Allocator,
     pub driver_version: (i32, i32),
     pub extra: ExtraConfig,
@@ -113,7 +128,7 @@ impl Manager {
         Arc::new(Manager {
             vcore: DeviceList::new(ids::vcore_devices(&gpus, |_| true)),
             vmemory: DeviceList::new(ids::vmemory_devices(&gpus, |_| true)),
-            vm: VmDirs::new(&p.settings.virtual_manager_path),
+            vm: VmDirs::new(&p.config.vm_root),
             registry: Registry::default(),
             state: Mutex::new(State::new(p.allocator, gpus.len())),
             gpus,
@@ -130,7 +145,7 @@ impl Manager {
             checkpoint: w.checkpoint,
             runtime: w.runtime,
             extra: p.extra,
-            settings: p.settings,
+            config: p.config,
         })
     }
 

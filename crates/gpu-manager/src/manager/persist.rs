@@ -14,7 +14,7 @@ use tonic::Status;
 
 use super::Manager;
 use super::state::State;
-use crate::checkpoint::{self, CheckpointError};
+use crate::checkpoint::CheckpointError;
 
 /// Changes without a sync of their own are written once no Allocate has
 /// come for this long (an Allocate's write covers them anyway), so that
@@ -47,7 +47,7 @@ impl Manager {
         };
         let (cp, uuids) = (self.checkpoint.clone(), self.uuids());
         let location = self.checkpoint.location();
-        let r = tokio::task::spawn_blocking(move || cp.write(&checkpoint::encode(&uuids, &allocs)))
+        let r = tokio::task::spawn_blocking(move || cp.store(&uuids, &allocs))
             .await
             .unwrap_or_else(|e| {
                 Err(CheckpointError::Io {

@@ -13,7 +13,7 @@ use crate::checkpoint::Allocation;
 use crate::ids;
 use crate::kube_api::ApiHealth;
 use crate::pods;
-use crate::recovery::{self, Evidence, Verdict};
+use crate::recovery::{self, Verdict};
 
 impl Manager {
     /// Marks a GPU (un)healthy: its advertised IDs and new placements.
@@ -93,15 +93,11 @@ impl Manager {
     pub async fn check_allocations(&self, grace: Duration) {
         self.release_deleted_pods();
         let snapshot: Vec<Allocation> = self.allocations();
-        let (api, kubelet, runtime, unreachable, _) = self.gather().await;
-        for u in &unreachable {
+        let sources = self.gather().await;
+        for u in &sources.unreachable {
             tracing::debug!(source = %u, "periodic check: source unreachable");
         }
-        let ev = Evidence {
-            api: api.as_ref(),
-            kubelet: kubelet.as_deref(),
-            runtime: runtime.as_deref(),
-        };
+        let ev = sources.evidence();
         let now = now();
         for a in &snapshot {
             if let Verdict::Release(why) =

@@ -12,7 +12,6 @@ use tonic::Code;
 
 use super::*;
 use crate::checkpoint::{self, PlacementRecord};
-use crate::config::Settings;
 use crate::doubles::{MemoryCheckpoint, MemoryKubelet, MemoryPatches, MemoryPods, MemoryRuntime};
 use crate::events::{self, MemoryEvents};
 use crate::kube_api::ApiHealth;
@@ -45,32 +44,12 @@ fn gpus(n: usize) -> Vec<GpuInfo> {
         .collect()
 }
 
-fn settings(root: &std::path::Path) -> Settings {
-    Settings {
-        extra_config: None,
-        volume_config: root.join("volume.conf"),
-        query_addr: "127.0.0.1".into(),
-        query_port: 0,
-        display_socket: root.join("display.sock"),
-        kubeconfig: None,
-        sample_period: Duration::from_secs(1),
-        node_labels: vec![],
+fn config(root: &std::path::Path) -> ManagerConfig {
+    ManagerConfig {
         node_name: "node-1".into(),
-        virtual_manager_path: root.join("vm"),
-        vdriver_path: root.join("vdriver"),
-        device_plugin_path: root.join("device-plugins"),
-        checkpoint_path: root.join("checkpoint"),
         share_mode: true,
-        allocation_check_period: Duration::from_secs(30),
-        host_root: root.join("host"),
-        nvml_library: None,
-        pod_resources_socket: root.join("pod-resources.sock"),
-        interposer: None,
-        xid_quiet_period: Duration::from_secs(60),
-        ignored_xids: vec![],
-        api_timeout: Duration::from_secs(5),
-        container_runtime: "none".into(),
-        container_runtime_endpoint: String::new(),
+        vm_root: root.join("vm"),
+        vdriver_dir: root.join("vdriver"),
     }
 }
 
@@ -93,7 +72,7 @@ impl Rig {
             Arc::new(MemoryRuntime::default()),
         );
         let mgr = Manager::new(ManagerParts {
-            settings: Arc::new(settings(tmp.path())),
+            config: config(tmp.path()),
             allocator: Allocator::new(topo),
             driver_version: (550, 54),
             extra: Default::default(),
@@ -609,4 +588,27 @@ async fn restore_keeps_orphan_directories_while_the_runtime_is_unreachable() {
     let report = rig.mgr.restore().await;
     assert_eq!(report.orphans_removed, 0);
     assert!(dir.exists());
+}
+
+#[tokio::test]
+async fn restore_rebuilds_no_container_of_a_finished_pod_but_keeps_the_directory_it_mounts() {
+    let rig = Rig::new();
+    let mut finished = pod("done", 30, 4, json!({}));
+    finished.status = Some(k8s_openapi::api::core::v1::PodStatus {
+        phase: Some("Succeeded".into()),
+        ..Default::default()
+    });
+    rig.pods.put(finished);
+    holds(&rig, "done", ids::VCORE_RESOURCE, &vcore_ids(0, 30));
+    let gpus = ContainerGpus {
+        visible: vec!["GPU-0".into()],
+        devices: vec![],
+    };
+    rig.runtime.add(rig.live("uid-done", "done", "c"), gpus);
+    let dir = rig.vm_dir("uid-done", "c");
+    std::fs::create_dir_all(&dir).unwrap();
+    let report = rig.mgr.restore().await;
+    assert_eq!((report.rebuilt, report.orphans_removed), (0, 0));
+    assert!(rig.mgr.allocations().is_empty());
+    assert!(dir.exists(), "a live container still mounts it");
 }
