@@ -1,10 +1,10 @@
 //! CDI specs (Container Device Interface, cdiVersion 0.6.0): what the
-//! container runtime injects for a prepared device. The edits are the
-//! device plugin's Allocate contract ([`gpu_manager::response::build`]):
-//! the GPU's device node plus `nvidiactl` / `nvidia-uvm`, the driver volume
-//! read-only at `/usr/local/nvidia` (the interposer's `nvidia` for shares,
-//! `origin` for whole GPUs), the vm directory read-only at `/etc/vcuda`,
-//! `LD_LIBRARY_PATH` and `NVIDIA_VISIBLE_DEVICES`.
+//! container runtime injects for a prepared device: the container edits
+//! both modes give ([`node_agent::edits`]: the GPU's device node plus
+//! `nvidiactl` / `nvidia-uvm`, the driver volume read-only at
+//! `/usr/local/nvidia` (the interposer's `nvidia` for shares, `origin` for
+//! whole GPUs), the vm directory read-only at `/etc/vcuda`,
+//! `LD_LIBRARY_PATH` and `NVIDIA_VISIBLE_DEVICES`), rendered in CDI.
 //!
 //! One spec file per claim, `<cdi dir>/vcuda.tencent.com-<claim uid>.json`,
 //! written atomically; its device names are `<claim uid>-<request>-<device>`.
@@ -17,6 +17,7 @@
 use std::path::{Path, PathBuf};
 
 use gpu_allocator::GpuInfo;
+use node_agent::edits::{self, EditsInput, GpuEdits};
 use serde::{Deserialize, Serialize};
 
 use crate::CDI_KIND;
@@ -98,79 +99,53 @@ pub fn spec_path(cdi_dir: &Path, claim_uid: &str) -> PathBuf {
 /// their CDI device names), one share or whole GPUs, and its vm directory.
 pub struct ClaimInput<'a> {
     pub devices: Vec<(String, &'a GpuInfo)>,
-    pub cores: u32,
-    pub memory_bytes: u64,
     pub shared: bool,
     pub vdriver_dir: &'a Path,
     pub vm_dir: &'a Path,
     pub extra_devices: &'a [String],
 }
 
-fn node(d: device_plugin::api::DeviceSpec) -> DeviceNode {
+fn node(d: &edits::DeviceNode) -> DeviceNode {
     DeviceNode {
-        path: d.container_path,
-        host_path: Some(d.host_path),
-        permissions: Some(d.permissions),
+        path: d.path.clone(),
+        host_path: Some(d.path.clone()),
+        permissions: Some(d.permissions.clone()),
     }
 }
 
-/// The claim's spec: the device plugin's Allocate response for all of its
-/// GPUs, split into the spec's common edits and one node per device.
-pub fn claim_spec(i: &ClaimInput<'_>) -> Spec {
-    let r = gpu_manager::response::build(&gpu_manager::response::ResponseInput {
-        gpus: i.devices.iter().map(|(_, g)| *g).collect(),
-        cores: i.cores,
-        memory_units: i.memory_bytes / gpu_allocator::MEMORY_UNIT_BYTES,
-        shared: i.shared,
-        vdriver_dir: i.vdriver_dir,
-        vm_dir: i.vm_dir,
-        extra_devices: i.extra_devices,
-    });
-    // The Allocate response's node of each of the claim's GPUs goes to its
-    // device; the rest (nvidiactl, nvidia-uvm, extras) are common.
-    let own: Vec<String> = i
-        .devices
-        .iter()
-        .map(|(_, g)| format!("/dev/nvidia{}", g.minor))
-        .collect();
-    let (mine, common_nodes): (Vec<_>, Vec<_>) = r
-        .devices
-        .into_iter()
-        .partition(|d| own.contains(&d.container_path));
-    let mut env: Vec<String> = r.envs.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    env.sort();
+fn mount(m: &edits::Mount) -> CdiMount {
+    let mut options = vec!["nosuid".into(), "nodev".into(), "rbind".into()];
+    if m.read_only {
+        options.insert(0, "ro".into());
+    }
+    CdiMount {
+        host_path: m.host_path.clone(),
+        container_path: m.container_path.clone(),
+        options,
+        r#type: Some("bind".into()),
+    }
+}
+
+/// The edits in CDI: what the container needs once is the spec's own
+/// edits, each GPU's node goes to the device named beside it.
+pub fn render(e: &GpuEdits, names: &[String]) -> Spec {
     let common = ContainerEdits {
-        env,
-        device_nodes: common_nodes.into_iter().map(node).collect(),
-        mounts: r
-            .mounts
-            .into_iter()
-            .map(|m| CdiMount {
-                host_path: m.host_path,
-                container_path: m.container_path,
-                options: if m.read_only {
-                    vec!["ro".into(), "nosuid".into(), "nodev".into(), "rbind".into()]
-                } else {
-                    vec!["nosuid".into(), "nodev".into(), "rbind".into()]
-                },
-                r#type: Some("bind".into()),
-            })
+        env: e
+            .common
+            .env
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
             .collect(),
+        device_nodes: e.common.device_nodes.iter().map(node).collect(),
+        mounts: e.common.mounts.iter().map(mount).collect(),
     };
-    let devices = i
-        .devices
+    let devices = names
         .iter()
-        .zip(own)
-        .map(|((name, _), path)| CdiDevice {
+        .zip(&e.gpus)
+        .map(|(name, n)| CdiDevice {
             name: name.clone(),
             container_edits: ContainerEdits {
-                device_nodes: mine
-                    .iter()
-                    .find(|d| d.container_path == path)
-                    .cloned()
-                    .map(node)
-                    .into_iter()
-                    .collect(),
+                device_nodes: vec![node(n)],
                 ..ContainerEdits::default()
             },
         })
@@ -181,6 +156,20 @@ pub fn claim_spec(i: &ClaimInput<'_>) -> Spec {
         container_edits: common,
         devices,
     }
+}
+
+/// The claim's spec: the container edits of all of its GPUs.
+pub fn claim_spec(i: &ClaimInput<'_>) -> Spec {
+    let gpus: Vec<&GpuInfo> = i.devices.iter().map(|(_, g)| *g).collect();
+    let e = edits::for_gpus(&EditsInput {
+        gpus: &gpus,
+        shared: i.shared,
+        vdriver_dir: i.vdriver_dir,
+        vm_dir: i.vm_dir,
+        extra_devices: i.extra_devices,
+    });
+    let names: Vec<String> = i.devices.iter().map(|(n, _)| n.clone()).collect();
+    render(&e, &names)
 }
 
 /// Writes the claim's spec atomically (temp + fsync + rename): the runtime
@@ -231,8 +220,6 @@ mod tests {
         let g = gpu(0, 2);
         let s = claim_spec(&ClaimInput {
             devices: vec![(device_name("u", "gpu", "gpu-0"), &g)],
-            cores: 30,
-            memory_bytes: 1 << 30,
             shared: true,
             vdriver_dir: Path::new("/etc/gpu-manager/vdriver"),
             vm_dir: Path::new("/etc/gpu-manager/vm/u/gpu"),
@@ -280,8 +267,6 @@ mod tests {
                 (device_name("u", "gpu", "gpu-0"), &a),
                 (device_name("u", "gpu", "gpu-1"), &b),
             ],
-            cores: 200,
-            memory_bytes: 32 << 30,
             shared: false,
             vdriver_dir: Path::new("/v"),
             vm_dir: Path::new("/vm/u/gpu"),
@@ -310,5 +295,63 @@ mod tests {
         assert_eq!(nodes, ["/dev/nvidia0", "/dev/nvidia1"]);
         let body = serde_json::to_value(&s).unwrap();
         assert!(body["containerEdits"]["mounts"].is_array(), "{body}");
+    }
+
+    /// Every node, mount and variable of the edits, each once: the GPUs'
+    /// nodes on their devices, the rest in the spec's own edits.
+    #[test]
+    fn renders_the_edits_as_they_are() {
+        let (a, b) = (gpu(0, 4), gpu(1, 5));
+        let extra = ["/dev/nvidia-uvm-tools".to_string()];
+        let e = edits::for_gpus(&EditsInput {
+            gpus: &[&a, &b],
+            shared: false,
+            vdriver_dir: Path::new("/v"),
+            vm_dir: Path::new("/vm/u/c"),
+            extra_devices: &extra,
+        });
+        let s = render(&e, &["d0".into(), "d1".into()]);
+        let mut nodes: Vec<_> = s
+            .devices
+            .iter()
+            .flat_map(|d| &d.container_edits.device_nodes)
+            .chain(&s.container_edits.device_nodes)
+            .map(|n| n.path.as_str())
+            .collect();
+        let want: Vec<_> = e.device_nodes().map(|d| d.path.as_str()).collect();
+        assert_eq!(nodes, want);
+        nodes.dedup();
+        assert_eq!(nodes.len(), want.len());
+        let env: Vec<_> = e
+            .common
+            .env
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        assert_eq!(s.container_edits.env, env);
+        let mounts: Vec<_> = s
+            .container_edits
+            .mounts
+            .iter()
+            .map(|m| {
+                (
+                    m.host_path.as_str(),
+                    m.container_path.as_str(),
+                    m.options[0] == "ro",
+                )
+            })
+            .collect();
+        let want: Vec<_> = e
+            .common
+            .mounts
+            .iter()
+            .map(|m| (m.host_path.as_str(), m.container_path.as_str(), m.read_only))
+            .collect();
+        assert_eq!(mounts, want);
+        assert!(
+            s.devices
+                .iter()
+                .all(|d| d.container_edits.mounts.is_empty())
+        );
     }
 }

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use gpu_manager::config::Options;
+use node_agent::config::{NodeConfig, Options};
 
 use crate::daemon::Settings;
 
@@ -81,59 +81,53 @@ pub struct Args {
     pub sample_period: Option<u64>,
 }
 
-fn host_name() -> Option<String> {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-}
-
-/// Flags over the manager's file over defaults.
+/// Flags over the manager's file over the node's defaults
+/// ([`node_agent::config`]); the DRA driver's own settings after them.
 pub fn resolve(a: Args) -> anyhow::Result<Settings> {
     let f = match &a.manager_config {
         Some(p) => Options::from_toml(p)?,
         None => Options::default(),
     };
-    let node = a
-        .node_name
-        .or(f.hostname_override)
-        .or_else(host_name)
-        .ok_or_else(|| anyhow::anyhow!("no node name: pass --node-name or set NODE_NAME"))?;
-    let extra_devices = match a.extra_config.or(f.extra_config) {
-        Some(p) => gpu_manager::extra::ExtraConfig::load(&p)?.devices,
+    let flags = Options {
+        // NODE_NAME (the downward API) is the node's name when set.
+        hostname_override: a.node_name,
+        host_root: a.host_root,
+        nvml_library: a.nvml_library,
+        volume_config: a.volume_config,
+        interposer: a.interposer,
+        vdriver_path: a.vdriver_dir,
+        virtual_manager_path: a.vm_dir,
+        kubeconfig: a.kubeconfig,
+        xid_quiet_period: a.xid_quiet_period,
+        ignored_xids: a.ignored_xids,
+        extra_config: a.extra_config,
+        display_socket: a.display_socket,
+        sample_period: a.sample_period,
+        ..Options::default()
+    };
+    let n = NodeConfig::resolve(&flags.over(f))?;
+    let extra_devices = match &n.extra_config {
+        Some(p) => node_agent::extra::ExtraConfig::load(p)?.devices,
         None => vec![],
     };
-    let query_addr = match (a.query_addr, f.query_addr, f.query_port) {
-        (Some(q), _, _) => q,
-        (None, addr, port) => {
-            let ip = addr.unwrap_or_else(|| gpu_display::DEFAULT_QUERY_ADDR.into());
-            let ip: std::net::IpAddr = ip
-                .parse()
-                .map_err(|e| anyhow::anyhow!("query-addr {ip:?} in the manager's file: {e}"))?;
-            SocketAddr::new(ip, port.unwrap_or(gpu_display::DEFAULT_QUERY_PORT))
+    let query_addr = match a.query_addr {
+        Some(q) => q,
+        None => {
+            let ip: std::net::IpAddr = n.query_addr.parse().map_err(|e| {
+                anyhow::anyhow!("query-addr {:?} in the manager's file: {e}", n.query_addr)
+            })?;
+            SocketAddr::new(ip, n.query_port)
         }
     };
-    let display_socket = a
-        .display_socket
-        .or(f.display_socket)
-        .unwrap_or_else(|| gpu_display::DEFAULT_SOCKET.into());
+    let display_socket = n.display_socket;
     Ok(Settings {
-        node,
-        host_root: a.host_root.or(f.host_root).unwrap_or_else(|| "/".into()),
-        nvml_library: a.nvml_library.or(f.nvml_library),
-        volume_config: a
-            .volume_config
-            .or(f.volume_config)
-            .unwrap_or_else(|| "/etc/gpu-manager/volume.conf".into()),
-        interposer: a.interposer.or(f.interposer),
-        vdriver_dir: a
-            .vdriver_dir
-            .or(f.vdriver_path)
-            .unwrap_or_else(|| "/etc/gpu-manager/vdriver".into()),
-        vm_dir: a
-            .vm_dir
-            .or(f.virtual_manager_path)
-            .unwrap_or_else(|| "/etc/gpu-manager/vm".into()),
+        node: n.node_name,
+        host_root: n.host_root,
+        nvml_library: n.nvml_library,
+        volume_config: n.volume_config,
+        interposer: n.interposer,
+        vdriver_dir: n.vdriver_path,
+        vm_dir: n.virtual_manager_path,
         cdi_dir: a.cdi_dir.unwrap_or_else(|| "/var/run/cdi".into()),
         state_dir: a.state_dir.unwrap_or_else(|| {
             PathBuf::from(dra_api::pluginregistration::PLUGINS_DIR).join(crate::DRIVER_NAME)
@@ -144,18 +138,13 @@ pub fn resolve(a: Args) -> anyhow::Result<Settings> {
         registry_dir: a
             .registry_dir
             .unwrap_or_else(|| dra_api::pluginregistration::REGISTRY_DIR.into()),
-        kubeconfig: a.kubeconfig.or(f.kubeconfig),
-        xid_quiet_period: Duration::from_secs(
-            a.xid_quiet_period.or(f.xid_quiet_period).unwrap_or(300),
-        ),
-        ignored_xids: a
-            .ignored_xids
-            .or(f.ignored_xids)
-            .unwrap_or_else(|| vec![13, 31, 43, 45, 68, 109]),
+        kubeconfig: n.kubeconfig,
+        xid_quiet_period: n.xid_quiet_period,
+        ignored_xids: n.ignored_xids,
         resync_period: Duration::from_secs(a.resync_period.unwrap_or(60).max(1)),
         extra_devices,
         display: (display_socket.as_os_str() != "none").then_some((display_socket, query_addr)),
-        sample_period: Duration::from_secs(a.sample_period.or(f.sample_period).unwrap_or(1).max(1)),
+        sample_period: n.sample_period,
     })
 }
 

@@ -12,10 +12,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use gpu_allocator::GpuInfo;
-use gpu_manager::manager::{now, short_bus_id};
-use gpu_manager::registry::Registry;
-use gpu_manager::vm::VmDirs;
 use k8s_openapi::api::resource::v1::ResourceClaim;
+use node_agent::registry::Registry;
+use node_agent::vm::VmDirs;
+use node_agent::{now, short_bus_id};
 use quota_config::ResourceData;
 
 use crate::cdi;
@@ -270,8 +270,6 @@ impl Driver {
                     )
                 })
                 .collect(),
-            cores: devices.iter().map(|d| d.cores).sum(),
-            memory_bytes: devices.iter().map(|d| d.memory_bytes).sum(),
             shared: share.is_some(),
             vdriver_dir: &self.cfg.vdriver_dir,
             vm_dir: dir,

@@ -229,7 +229,7 @@ impl Sockets {
     pub fn new(plugins_dir: &Path, registry_dir: &Path) -> Sockets {
         Sockets {
             plugin: plugins_dir.join(DRIVER_NAME).join("dra.sock"),
-            registration: registry_dir.join(gpu_manager::mode::DRA_REGISTRATION_SOCKET),
+            registration: registry_dir.join(node_agent::mode::DRA_REGISTRATION_SOCKET),
         }
     }
 }

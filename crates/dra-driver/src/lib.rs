@@ -7,16 +7,20 @@
 //! * [`plan`]: an allocated ResourceClaim -> devices to prepare (pure), with
 //!   [`params`] (opaque per-claim parameters: soft limits) and [`quantity`].
 //! * [`driver`]: prepare / unprepare: vm directories (`vcuda.config`, the
-//!   ledger, `vcuda.sock` via gpu-manager's `VmDirs` and `Registry`), the
-//!   [`cdi`] spec, the [`checkpoint`].
+//!   ledger, `vcuda.sock` via node-agent's `VmDirs` and `Registry`), the
+//!   [`cdi`] spec (node-agent's container edits in CDI), the [`checkpoint`].
 //! * [`grpc`]: the kubelet plugin (`DRAPlugin` v1 and v1beta1) and the
 //!   plugin-registration service on unix sockets.
 //! * [`kube_api`]: the API server behind [`driver::ClaimSource`] and
 //!   [`publish::SliceApi`].
+//! * [`controller`]: the slice controller (health and the slice watch into
+//!   the published slice); [`daemon`] starts everything, [`cli`] resolves
+//!   the settings over node-agent's configuration.
 
 pub mod cdi;
 pub mod checkpoint;
 pub mod cli;
+pub mod controller;
 pub mod daemon;
 pub mod display;
 pub mod driver;

@@ -1,14 +1,14 @@
 //! Startup in order, each step logged with its time; a missing
 //! prerequisite stops the daemon with one error that says what to fix.
+//! Each step is a function; the long-running jobs are [`crate::tasks`].
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use device_plugin::PluginRuntime;
+use device_plugin::{PluginRuntime, RuntimeHandle};
+use node_agent::nvml::{self, Discovered};
 use tokio_util::sync::CancellationToken;
 
 use crate::checkpoint::Checkpoint;
@@ -22,8 +22,8 @@ use crate::kubelet::KubeletRecords;
 use crate::manager::{Manager, ManagerConfig, ManagerParts};
 use crate::plugin::{VcorePlugin, VmemoryPlugin};
 use crate::runtime;
+use crate::tasks::{AllocationCheck, PodRelease};
 use crate::world::{ContainerRuntime, World};
-use crate::{health, nvml};
 
 /// A Kubernetes label value from free text (GPU model names have spaces).
 fn label_value(s: &str) -> String {
@@ -43,61 +43,89 @@ fn label_value(s: &str) -> String {
         .collect()
 }
 
-/// [`vdriver::mirror`], its error naming the host root and the destination.
-pub fn mirror_driver(
-    host_root: &Path,
-    volumes: &vdriver::VolumeConfig,
-    dest: &Path,
-    interposer: Option<&Path>,
-) -> anyhow::Result<vdriver::MirrorReport> {
-    vdriver::mirror(host_root, volumes, dest, interposer).with_context(|| {
-        format!(
-            "mirroring the NVIDIA driver of host root {} into {}",
-            host_root.display(),
-            dest.display()
-        )
-    })
-}
-
-/// Starts `display` (gRPC on `socket`, HTTP on `query_addr`), sampling
-/// the GPUs through `nvml` every `sample_period`.
-pub async fn start_display(
-    display: &gpu_display::Display,
-    nvml: &Arc<nvml_wrapper::Nvml>,
-    socket: PathBuf,
-    query_addr: SocketAddr,
-    sample_period: Duration,
-    cancel: &CancellationToken,
-) -> anyhow::Result<gpu_display::Running> {
-    let reader = gpu_display::NvmlReader::new(nvml.clone(), sample_period);
-    display
-        .start(
-            &gpu_display::DisplayOptions {
-                socket,
-                query_addr,
-                sample_period,
-                ..Default::default()
-            },
-            Some(Box::new(reader)),
-            cancel.clone(),
-        )
-        .await
-        .context("starting the display service")
+fn ms(t0: Instant) -> u64 {
+    t0.elapsed().as_millis() as u64
 }
 
 pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let s = Arc::new(settings);
     tracing::info!(node = %s.node_name, share_mode = s.share_mode, host_root = %s.host_root.display(), "gpu-manager starting");
+    let (volumes, extra) = check_configuration(&s)?;
+    tracing::info!(ms = ms(t0), "step 1/6: configuration checked");
+    let (nvml, found) = discover(&s, t0)?;
+    let allocator = gpu_allocator::Allocator::new(found.topology.clone());
+    eprintln!("{}", allocator.render());
+    // The mirror's time is reported apart: it depends on the driver's size.
+    let tm = Instant::now();
+    let report = node_agent::mirror_driver(
+        &s.host_root,
+        &volumes,
+        &s.vdriver_path,
+        s.interposer.as_deref(),
+    )?;
+    let mirror_ms = ms(tm);
+    tracing::info!(ms = ms(t0), mirror_ms, driver = %report.driver_version, "step 3/6: driver mirrored");
+    let (client, pods) = sync_api(&s, &found, &cancel).await?;
+    tracing::info!(
+        ms = ms(t0),
+        pods = pods.pods().len(),
+        "step 4/6: API server in sync"
+    );
 
-    // 1. Prerequisites that need nothing else.
+    let mgr = build_manager(&s, allocator, &found, extra, client, pods).await;
+    let (recovery, restored) = restore(&mgr).await;
+    let health = node_agent::health::watch(
+        nvml.clone(),
+        mgr.gpus().iter().map(|g| g.uuid.clone()).collect(),
+        s.ignored_xids.clone(),
+        s.xid_quiet_period,
+        &cancel,
+    );
+    crate::health::spawn(mgr.clone(), health, cancel.clone());
+    let (display, running) = start_display(&s, &mgr, &found, &nvml, &cancel).await?;
+    AllocationCheck {
+        mgr: mgr.clone(),
+        period: s.allocation_check_period,
+    }
+    .spawn(cancel.clone());
+    mgr.spawn_lazy_flush(cancel.clone());
+    PodRelease { mgr: mgr.clone() }.spawn(cancel.clone());
+    tracing::info!(ms = ms(t0), restored, "step 5/6: state ready");
+
+    let metrics = display.metrics();
+    let handle = start_plugins(&s, &mgr, &metrics, &cancel)?;
+    if registered(&handle, &cancel).await {
+        let ms = ms(t0);
+        tracing::info!(
+            ms,
+            mirror_ms,
+            ready_excluding_mirror_ms = ms.saturating_sub(mirror_ms),
+            "step 6/6: registered with kubelet; ready"
+        );
+        metrics.set_recovery_duration(recovery);
+        display.set_ready(true);
+    }
+    cancel.cancelled().await;
+    tracing::info!("shutting down");
+    // Releases not yet written (they wait for the next write).
+    let _ = mgr.flush().await;
+    display.set_ready(false);
+    let plugins = handle.wait().await.context("stopping the device plugins");
+    running.wait().await;
+    plugins?;
+    Ok(())
+}
+
+/// Step 1: the prerequisites that need nothing else.
+fn check_configuration(s: &Settings) -> anyhow::Result<(vdriver::VolumeConfig, ExtraConfig)> {
     if !s.device_plugin_path.is_dir() {
         bail!(
             "kubelet's device-plugin directory {} does not exist: is kubelet running on this node, and is --device-plugin-path right?",
             s.device_plugin_path.display()
         );
     }
-    crate::mode::refuse_if_dra_serving(&s.device_plugin_path).map_err(anyhow::Error::msg)?;
+    node_agent::mode::refuse_if_dra_serving(&s.device_plugin_path).map_err(anyhow::Error::msg)?;
     let volumes = vdriver::VolumeConfig::load(&s.volume_config)
         .with_context(|| format!("loading --volume-config {}", s.volume_config.display()))?;
     let extra = match &s.extra_config {
@@ -112,12 +140,11 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
             i.display()
         );
     }
-    tracing::info!(
-        ms = t0.elapsed().as_millis() as u64,
-        "step 1/6: configuration checked"
-    );
+    Ok((volumes, extra))
+}
 
-    // 2. GPUs.
+/// Step 2: the GPUs, from NVML.
+fn discover(s: &Settings, t0: Instant) -> anyhow::Result<(Arc<nvml_wrapper::Nvml>, Discovered)> {
     let nvml_path = s.nvml_path()?;
     let nvml = nvml::load(&nvml_path)?;
     let found = nvml::discover(&nvml)?;
@@ -129,24 +156,19 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         );
     }
     tracing::info!(
-        ms = t0.elapsed().as_millis() as u64, gpus = topo.len(), nvlink = topo.has_nvlink(),
+        ms = ms(t0), gpus = topo.len(), nvlink = topo.has_nvlink(),
         driver = %found.driver_version, nvml = %nvml_path.display(), "step 2/6: GPUs discovered"
     );
-    let allocator = gpu_allocator::Allocator::new(found.topology.clone());
-    eprintln!("{}", allocator.render());
+    Ok((nvml, found))
+}
 
-    // 3. Driver mirror (its time is reported apart: it depends on the driver's size).
-    let tm = Instant::now();
-    let report = mirror_driver(
-        &s.host_root,
-        &volumes,
-        &s.vdriver_path,
-        s.interposer.as_deref(),
-    )?;
-    let mirror_ms = tm.elapsed().as_millis() as u64;
-    tracing::info!(ms = t0.elapsed().as_millis() as u64, mirror_ms, driver = %report.driver_version, "step 3/6: driver mirrored");
-
-    // 4. API server: this node's pods.
+/// Step 4: this node's pods from the API server (degraded without it) and
+/// the node's labels.
+async fn sync_api(
+    s: &Settings,
+    found: &Discovered,
+    cancel: &CancellationToken,
+) -> anyhow::Result<(kube::Client, PodWatch)> {
     let client = kube_api::client(s.kubeconfig.as_deref()).await?;
     let pods = PodWatch::start(client.clone(), &s.node_name, cancel.clone());
     if let Err(e) = pods.ready(s.api_timeout).await {
@@ -165,18 +187,23 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
             .or_insert_with(|| label_value(model));
     }
     kube_api::label_node(&client, &s.node_name, &labels).await;
-    tracing::info!(
-        ms = t0.elapsed().as_millis() as u64,
-        pods = pods.pods().len(),
-        "step 4/6: API server in sync"
-    );
+    Ok((client, pods))
+}
 
-    // 5. State: recovery (checkpoint reconciled with the node), health,
-    // display and samples, pod-deletion watch, periodic checks.
+/// Step 5: the manager over the world (API server, kubelet, checkpoint,
+/// container runtime).
+async fn build_manager(
+    s: &Settings,
+    allocator: gpu_allocator::Allocator,
+    found: &Discovered,
+    extra: ExtraConfig,
+    client: kube::Client,
+    pods: PodWatch,
+) -> Arc<Manager> {
     let kind = runtime::Kind::parse(&s.container_runtime).unwrap_or(runtime::Kind::Auto);
     let runtime: Arc<dyn ContainerRuntime> =
         runtime::select(kind, &s.container_runtime_endpoint).await;
-    let mgr = Manager::new(ManagerParts {
+    Manager::new(ManagerParts {
         config: ManagerConfig {
             node_name: s.node_name.clone(),
             share_mode: s.share_mode,
@@ -197,11 +224,15 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
             checkpoint: Arc::new(Checkpoint::new(&s.checkpoint_path)),
             runtime,
         },
-    });
+    })
+}
+
+/// Recovery: the checkpoint reconciled with the node. Its time and the
+/// containers restored.
+async fn restore(mgr: &Manager) -> (Duration, usize) {
     let tr = Instant::now();
     let report = mgr.restore().await;
     let recovery = tr.elapsed();
-    let restored = report.kept + report.rebuilt;
     tracing::info!(
         recovery_ms = recovery.as_millis() as u64,
         kept = report.kept,
@@ -212,22 +243,22 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         unreachable = ?report.unreachable,
         "recovery finished"
     );
-    let (xtx, xrx) = tokio::sync::mpsc::unbounded_channel();
-    let uuids = mgr.gpus().iter().map(|g| g.uuid.clone()).collect();
-    nvml::watch_xids(
-        nvml.clone(),
-        uuids,
-        s.ignored_xids.clone(),
-        xtx,
-        cancel.clone(),
-    );
-    health::spawn(mgr.clone(), xrx, s.xid_quiet_period, cancel.clone());
+    (recovery, report.kept + report.rebuilt)
+}
+
+/// The display service over the manager's state.
+async fn start_display(
+    s: &Settings,
+    mgr: &Arc<Manager>,
+    found: &Discovered,
+    nvml: &Arc<nvml_wrapper::Nvml>,
+    cancel: &CancellationToken,
+) -> anyhow::Result<(gpu_display::Display, gpu_display::Running)> {
     let display = gpu_display::Display::new(Arc::new(ManagerSource {
         mgr: mgr.clone(),
         node: s.node_name.clone(),
         models: found.names.clone(),
     }));
-    let metrics = display.metrics();
     let query_addr = tokio::net::lookup_host((s.query_addr.as_str(), s.query_port))
         .await
         .ok()
@@ -238,13 +269,13 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
                 s.query_addr
             )
         })?;
-    let running = start_display(
+    let running = node_agent::display::start(
         &display,
-        &nvml,
+        nvml,
         s.display_socket.clone(),
         query_addr,
         s.sample_period,
-        &cancel,
+        cancel,
     )
     .await?;
     tracing::info!(
@@ -252,43 +283,17 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         running.http_addr,
         running.socket.display()
     );
-    {
-        let (mgr, c, period) = (mgr.clone(), cancel.clone(), s.allocation_check_period);
-        // A fresh allocation has no container yet: "no container, no kubelet
-        // record" counts only after this long.
-        let grace = (period * 2).max(Duration::from_secs(10));
-        tokio::spawn(async move {
-            let mut t = tokio::time::interval(period);
-            t.tick().await;
-            loop {
-                tokio::select! {
-                    _ = c.cancelled() => return,
-                    _ = t.tick() => mgr.check_allocations(grace).await,
-                }
-            }
-        });
-    }
-    mgr.spawn_lazy_flush(cancel.clone());
-    {
-        // Deleted pods free their capacity as soon as the watch sees it.
-        let (mgr, c) = (mgr.clone(), cancel.clone());
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = c.cancelled() => return,
-                    _ = mgr.pod_changes() => { mgr.release_deleted_pods(); }
-                }
-            }
-        });
-    }
-    tracing::info!(
-        ms = t0.elapsed().as_millis() as u64,
-        restored,
-        "step 5/6: state ready"
-    );
+    Ok((display, running))
+}
 
-    // 6. Device plugins.
-    let handle = PluginRuntime::new(&s.device_plugin_path)
+/// Step 6: the two device plugins.
+fn start_plugins(
+    s: &Settings,
+    mgr: &Arc<Manager>,
+    metrics: &gpu_display::ManagerMetrics,
+    cancel: &CancellationToken,
+) -> anyhow::Result<RuntimeHandle> {
+    PluginRuntime::new(&s.device_plugin_path)
         .plugin(
             VCORE_RESOURCE,
             VCORE_SOCKET,
@@ -300,7 +305,11 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
             Arc::new(VmemoryPlugin(mgr.clone(), metrics.clone())),
         )
         .start(cancel.clone())
-        .context("starting the device plugins")?;
+        .context("starting the device plugins")
+}
+
+/// Whether kubelet accepted both registrations (false: cancelled first).
+async fn registered(handle: &RuntimeHandle, cancel: &CancellationToken) -> bool {
     let mut statuses: Vec<_> = [VCORE_RESOURCE, VMEMORY_RESOURCE]
         .iter()
         .filter_map(|r| handle.status(r))
@@ -311,7 +320,7 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         }
     };
     tokio::pin!(registered);
-    let ready = tokio::select! {
+    tokio::select! {
         _ = &mut registered => true,
         _ = tokio::time::sleep(Duration::from_secs(5)) => {
             tracing::warn!("kubelet has not accepted the registration within 5 s; still trying (is kubelet running?)");
@@ -321,25 +330,5 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
             }
         }
         _ = cancel.cancelled() => false,
-    };
-    if ready {
-        let ms = t0.elapsed().as_millis() as u64;
-        tracing::info!(
-            ms,
-            mirror_ms,
-            ready_excluding_mirror_ms = ms.saturating_sub(mirror_ms),
-            "step 6/6: registered with kubelet; ready"
-        );
-        metrics.set_recovery_duration(recovery);
-        display.set_ready(true);
     }
-    cancel.cancelled().await;
-    tracing::info!("shutting down");
-    // Releases not yet written (they wait for the next write).
-    let _ = mgr.flush().await;
-    display.set_ready(false);
-    let plugins = handle.wait().await.context("stopping the device plugins");
-    running.wait().await;
-    plugins?;
-    Ok(())
 }

@@ -8,8 +8,7 @@ use gpu_allocator::{GpuInfo, WHOLE_GPU_CORES};
 
 pub const VCORE_RESOURCE: &str = "tencent.com/vcuda-core";
 pub const VMEMORY_RESOURCE: &str = "tencent.com/vcuda-memory";
-pub const VCORE_SOCKET: &str = "vcore.sock";
-pub const VMEMORY_SOCKET: &str = "vmemory.sock";
+pub use node_agent::mode::{VCORE_SOCKET, VMEMORY_SOCKET};
 
 pub fn vcore_id(gpu: usize, k: u32) -> String {
     format!("vcore-{gpu}-{k:02}")

@@ -2,8 +2,11 @@
 //! parts. The binary (`src/main.rs`) only parses settings and calls
 //! [`daemon::run`].
 //!
-//! * [`config`]: flags, environment, TOML file.
-//! * [`nvml`]: GPU discovery (PCIe levels and NVLink), Xid events.
+//! What either mode needs (NVML, driver mirror, vm directories, `vcuda.sock`,
+//! container edits, mode exclusion, the node's configuration) is
+//! `node-agent`'s; this crate is the device-plugin mode on it.
+//!
+//! * [`config`]: the node's configuration plus the device-plugin settings.
 //! * [`ids`]: the advertised device IDs.
 //! * [`manager`]: allocation state, Allocate / PreStartContainer decisions,
 //!   recovery and releases, one module per job.
@@ -12,13 +15,14 @@
 //! * [`plugin`]: the two device plugins.
 //! * [`pods`], [`kube_api`]: which pod is asking; reflector and patches.
 //! * [`kubelet`]: what kubelet recorded (pod-resources, checkpoint).
-//! * [`vm`], [`registry`]: per-container vm directories and `vcuda.sock`.
 //! * [`display`]: the manager's state for the display service and metrics.
 //! * [`recovery`], [`runtime`]: reconciliation at start and in the periodic
 //!   check with kubelet, the API server and the container runtime (Docker or
 //!   CRI v1).
 //! * [`events`]: refusals and wrong guesses as Warning Events on the Pod.
-//! * [`checkpoint`], [`response`], [`extra`], [`health`].
+//! * [`tasks`]: the long-running jobs (pod release, allocation check).
+//! * [`checkpoint`]; [`response`]: the Allocate response from the
+//!   container edits; [`health`]: Xid health into the advertised devices.
 
 pub mod checkpoint;
 pub mod config;
@@ -27,19 +31,19 @@ pub mod display;
 #[cfg(test)]
 pub mod doubles;
 pub mod events;
-pub mod extra;
 pub mod health;
 pub mod ids;
 pub mod kube_api;
 pub mod kubelet;
 pub mod manager;
-pub mod mode;
-pub mod nvml;
 pub mod plugin;
 pub mod pods;
 pub mod recovery;
-pub mod registry;
 pub mod response;
 pub mod runtime;
-pub mod vm;
+pub mod tasks;
 pub mod world;
+
+// The node agent's parts, at their old paths (tests and the manager use
+// `gpu_manager::vm::...`).
+pub use node_agent::{extra, mode, nvml, registry, vm};

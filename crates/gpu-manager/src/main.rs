@@ -1,11 +1,12 @@
 //! `gpu-manager`: parse settings, log, run until SIGTERM/SIGINT.
 
 use anyhow::Context;
+use node_agent::process;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    device_plugin::init_logging();
+    process::init_logging();
     let settings = gpu_manager::config::Settings::load()?;
-    let cancel = device_plugin::cancel_on_signals().context("installing signal handlers")?;
+    let cancel = process::cancel_on_signals().context("installing signal handlers")?;
     gpu_manager::daemon::run(settings, cancel).await
 }

@@ -1,19 +1,19 @@
-//! The `ContainerAllocateResponse` contract other programs rely on (the
-//! project's original brief; docs/architecture.md, "A request, from Allocate
-//! to the interposer"): devices, env, the two read-only mounts and the
-//! annotations.
+//! The `ContainerAllocateResponse` contract other programs rely on
+//! (docs/architecture.md, "A request, from Allocate to the interposer"): the
+//! container edits ([`node_agent::edits`]: devices, env, the two read-only
+//! mounts) rendered for kubelet, plus the annotations.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use device_plugin::api::{ContainerAllocateResponse, DeviceSpec, Mount};
 use gpu_allocator::{GpuInfo, MEMORY_UNIT_BYTES};
+pub use node_agent::edits::DRIVER_MOUNT;
+use node_agent::edits::{self, EditsInput, GpuEdits};
 
 pub const ANNOTATION_VCORE: &str = "tencent.com/vcuda-core";
 pub const ANNOTATION_VMEMORY: &str = "tencent.com/vcuda-memory";
 pub const ANNOTATION_VDEVICE: &str = "tencent.com/vcuda-device";
-/// Where the driver volume is mounted in containers.
-pub const DRIVER_MOUNT: &str = "/usr/local/nvidia";
 
 pub struct ResponseInput<'a> {
     pub gpus: Vec<&'a GpuInfo>,
@@ -26,46 +26,42 @@ pub struct ResponseInput<'a> {
     pub extra_devices: &'a [String],
 }
 
-fn dev(path: &str) -> DeviceSpec {
-    DeviceSpec {
-        container_path: path.to_string(),
-        host_path: path.to_string(),
-        permissions: "rwm".to_string(),
+/// The edits as kubelet takes them; `annotations` added as they are.
+pub fn render(e: &GpuEdits, annotations: HashMap<String, String>) -> ContainerAllocateResponse {
+    ContainerAllocateResponse {
+        envs: e.common.env.iter().cloned().collect(),
+        mounts: e
+            .common
+            .mounts
+            .iter()
+            .map(|m| Mount {
+                container_path: m.container_path.clone(),
+                host_path: m.host_path.clone(),
+                read_only: m.read_only,
+            })
+            .collect(),
+        devices: e
+            .device_nodes()
+            .map(|d| DeviceSpec {
+                container_path: d.path.clone(),
+                host_path: d.path.clone(),
+                permissions: d.permissions.clone(),
+            })
+            .collect(),
+        annotations,
+        cdi_devices: vec![],
     }
 }
 
 pub fn build(input: &ResponseInput<'_>) -> ContainerAllocateResponse {
-    let minors: Vec<String> = input
-        .gpus
-        .iter()
-        .map(|g| format!("/dev/nvidia{}", g.minor))
-        .collect();
-    let mut devices: Vec<DeviceSpec> = minors.iter().map(|m| dev(m)).collect();
-    devices.push(dev("/dev/nvidiactl"));
-    devices.push(dev("/dev/nvidia-uvm"));
-    devices.extend(input.extra_devices.iter().map(|d| dev(d)));
-
-    let uuids: Vec<&str> = input.gpus.iter().map(|g| g.uuid.as_str()).collect();
-    let envs = HashMap::from([
-        (
-            "LD_LIBRARY_PATH".to_string(),
-            format!("{DRIVER_MOUNT}/lib64"),
-        ),
-        ("NVIDIA_VISIBLE_DEVICES".to_string(), uuids.join(",")),
-    ]);
-    let volume = if input.shared { "nvidia" } else { "origin" };
-    let mounts = vec![
-        Mount {
-            container_path: DRIVER_MOUNT.to_string(),
-            host_path: input.vdriver_dir.join(volume).display().to_string(),
-            read_only: true,
-        },
-        Mount {
-            container_path: quota_config::CONTAINER_DIR.to_string(),
-            host_path: input.vm_dir.display().to_string(),
-            read_only: true,
-        },
-    ];
+    let e = edits::for_gpus(&EditsInput {
+        gpus: &input.gpus,
+        shared: input.shared,
+        vdriver_dir: input.vdriver_dir,
+        vm_dir: input.vm_dir,
+        extra_devices: input.extra_devices,
+    });
+    let minors: Vec<&str> = e.gpus.iter().map(|d| d.path.as_str()).collect();
     let annotations = HashMap::from([
         (ANNOTATION_VCORE.to_string(), input.cores.to_string()),
         (
@@ -74,13 +70,7 @@ pub fn build(input: &ResponseInput<'_>) -> ContainerAllocateResponse {
         ),
         (ANNOTATION_VDEVICE.to_string(), minors.join(",")),
     ]);
-    ContainerAllocateResponse {
-        envs,
-        mounts,
-        devices,
-        annotations,
-        cdi_devices: vec![],
-    }
+    render(&e, annotations)
 }
 
 #[cfg(test)]
@@ -123,5 +113,54 @@ mod tests {
         assert_eq!(r.mounts[1].container_path, "/etc/vcuda");
         assert_eq!(r.annotations[ANNOTATION_VMEMORY], (8u64 << 28).to_string());
         assert_eq!(r.annotations[ANNOTATION_VDEVICE], "/dev/nvidia3");
+    }
+
+    /// Every node, mount and variable of the edits, as they are.
+    #[test]
+    fn renders_the_edits_as_they_are() {
+        let gpus: Vec<GpuInfo> = (0..2)
+            .map(|i| GpuInfo {
+                index: i,
+                uuid: format!("GPU-{i}"),
+                minor: i as u32 + 4,
+                memory_bytes: 16 << 30,
+                numa_node: None,
+                pci_bus_id: "00000000:3B:00.0".into(),
+            })
+            .collect();
+        let extra = ["/dev/nvidia-uvm-tools".to_string()];
+        let e = edits::for_gpus(&EditsInput {
+            gpus: &[&gpus[0], &gpus[1]],
+            shared: false,
+            vdriver_dir: Path::new("/v"),
+            vm_dir: Path::new("/vm/u/c"),
+            extra_devices: &extra,
+        });
+        let r = render(&e, HashMap::new());
+        let nodes: Vec<_> = e.device_nodes().map(|d| d.path.as_str()).collect();
+        let devices: Vec<_> = r
+            .devices
+            .iter()
+            .map(|d| d.container_path.as_str())
+            .collect();
+        assert_eq!(devices, nodes);
+        assert!(r.devices.iter().all(|d| d.host_path == d.container_path));
+        assert_eq!(r.envs.len(), e.common.env.len());
+        for (k, v) in &e.common.env {
+            assert_eq!(&r.envs[k], v);
+        }
+        let mounts: Vec<_> = r
+            .mounts
+            .iter()
+            .map(|m| (m.host_path.as_str(), m.container_path.as_str(), m.read_only))
+            .collect();
+        let want: Vec<_> = e
+            .common
+            .mounts
+            .iter()
+            .map(|m| (m.host_path.as_str(), m.container_path.as_str(), m.read_only))
+            .collect();
+        assert_eq!(mounts, want);
+        assert!(r.annotations.is_empty() && r.cdi_devices.is_empty());
     }
 }

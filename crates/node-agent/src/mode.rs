@@ -5,10 +5,11 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::ids::{VCORE_SOCKET, VMEMORY_SOCKET};
-
 /// The DRA driver's registration socket in the kubelet's `plugins_registry`.
 pub const DRA_REGISTRATION_SOCKET: &str = "vcuda.tencent.com-reg.sock";
+/// The device plugins' sockets in the kubelet's `device-plugins` directory.
+pub const VCORE_SOCKET: &str = "vcore.sock";
+pub const VMEMORY_SOCKET: &str = "vmemory.sock";
 
 /// Whether something accepts connections on `sock`.
 pub fn serving(sock: &Path) -> bool {
