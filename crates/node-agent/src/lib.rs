@@ -35,7 +35,7 @@ pub mod process {
     pub use device_plugin::{cancel_on_signals, init_logging};
 }
 
-/// Seconds since the epoch.
+/// Seconds since the Unix epoch (0 if the clock is before it).
 pub fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

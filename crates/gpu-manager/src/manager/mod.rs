@@ -32,7 +32,6 @@ mod tests;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use device_plugin::DeviceList;
 use gpu_allocator::{Allocator, GpuInfo, MEMORY_UNIT_BYTES, Placement};
@@ -101,25 +100,8 @@ pub struct ManagerParts {
     pub world: World,
 }
 
-/// Seconds since the Unix epoch (0 if the clock is before it).
-pub fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
-/// The 16-byte `bus_id` field holds at most 15 characters: drop NVML's
-/// 8-digit domain to the usual 4 ("0000:3B:00.0"), as `resource_data_t`
-/// carries it.
-pub fn short_bus_id(bus: &str) -> String {
-    let b = bus.trim_end_matches('\0');
-    if b.len() > 15 && b.starts_with("0000") {
-        b[4..].to_string()
-    } else {
-        b.to_string()
-    }
-}
+// Shared with the DRA driver.
+pub use node_agent::{now, short_bus_id};
 
 impl Manager {
     pub fn new(p: ManagerParts) -> Arc<Manager> {
