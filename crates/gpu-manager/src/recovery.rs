@@ -221,7 +221,7 @@ mod tests {
             // Too new to tell.
             assert!(keep(&judge(&a, &ev, 1, 10)));
         }
-        // Docker unreachable, or kubelet unreachable: kept.
+        // The runtime unreachable, or kubelet unreachable: kept.
         let ev = Evidence {
             api: None,
             kubelet: Some(&none),

@@ -195,6 +195,10 @@ impl Manager {
         r
     }
 
+    /// Allocate for the container that asks: checked names and soft limit,
+    /// then (1) the capacity reserved, (2) its files and socket, (3) the
+    /// allocation recorded and durable (each undone if a later one fails),
+    /// the pod's patch submitted, the answer.
     async fn allocate_for(
         &self,
         cand: pods::Candidate,
