@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 use std::time::Instant;
-use vcuda_tests::{Docker, target_dir, workspace_root};
+use test_support::{Capability, Docker, target_dir, workspace_root};
 
 /// One demo at a time: each measures GPU time and wants the CPUs.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -215,9 +215,11 @@ fn demo_in_docker_containers() {
 
 #[test]
 fn demo_as_processes_in_mount_namespaces() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        vcuda_tests::cannot_run("the demo without Docker needs root (mount namespaces)");
+    if !test_support::is_root() {
+        test_support::missing(
+            Capability::Root,
+            "the demo without Docker needs root (mount namespaces)",
+        );
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
 fn deploy_dir() -> PathBuf {
-    vcuda_tests::workspace_root().join("deploy")
+    test_support::workspace_root().join("deploy")
 }
 
 /// Every YAML document in deploy/, with the file it came from.
@@ -177,7 +177,7 @@ fn the_config_map_is_what_the_manager_reads() {
     let m = manifests();
     let data = m.configmap.data.as_ref().unwrap();
     let repo_volume =
-        std::fs::read_to_string(vcuda_tests::workspace_root().join("config/volume.conf")).unwrap();
+        std::fs::read_to_string(test_support::workspace_root().join("config/volume.conf")).unwrap();
     assert_eq!(
         data["volume.conf"].trim_end(),
         repo_volume.trim_end(),
@@ -476,7 +476,7 @@ fn sample_pod_asks_for_a_share() {
 
 #[test]
 fn dockerfile_builds_what_exists() {
-    let root = vcuda_tests::workspace_root();
+    let root = test_support::workspace_root();
     let text = std::fs::read_to_string(root.join("deploy/Dockerfile")).unwrap();
     // Packages it builds are workspace members.
     let build = text.lines().find(|l| l.contains("cargo build")).unwrap();

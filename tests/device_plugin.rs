@@ -13,9 +13,9 @@ use device_plugin::{CancellationToken, PluginRuntime, RuntimeHandle, connect_uni
 use kubelet_emulator::checkpoint::CheckpointData;
 use kubelet_emulator::demo::DemoPlugin;
 use kubelet_emulator::{KubeletEmulator, PodRef, View};
+use test_support::kubelet_with_plugin;
 use tonic::Code;
 use vcuda_api::podresources::v1 as pr;
-use vcuda_tests::kubelet_with_plugin;
 
 const VCORE: &str = "tencent.com/vcuda-core";
 const VMEM: &str = "tencent.com/vcuda-memory";

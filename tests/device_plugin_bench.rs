@@ -18,7 +18,7 @@ use device_plugin::api::device_plugin_client::DevicePluginClient;
 use device_plugin::{CancellationToken, PluginRuntime, RuntimeHandle, connect_unix};
 use kubelet_emulator::demo::DemoPlugin;
 use kubelet_emulator::{KubeletEmulator, View};
-use vcuda_tests::{kubelet_with_plugin, options_rpc_floor};
+use test_support::{kubelet_with_plugin, options_rpc_floor};
 
 const VCORE: &str = "tencent.com/vcuda-core";
 const VMEM: &str = "tencent.com/vcuda-memory";

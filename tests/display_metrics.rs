@@ -19,8 +19,8 @@ use gpu_display::{ContainerView, Display, DisplayOptions, GpuRef, GpuView, NvmlR
 use gpu_display_fixture::{FixtureState, StaticSource};
 use gpu_sim_core::state::epoch_us_to_mono;
 use gpu_sim_core::{SharedState, SimRoot};
+use test_support::{SimNode, compile_c, http_get, target_dir};
 use tokio_util::sync::CancellationToken;
-use vcuda_tests::{SimNode, compile_c, http_get, target_dir};
 
 const MIB: u64 = 1 << 20;
 

@@ -15,9 +15,9 @@ use std::time::Duration;
 use gpu_display::sampler::{GpuSample, ProcSample};
 use gpu_display::{ContainerView, Display, DisplayOptions, GpuRef, GpuView, Running, Snapshot};
 use gpu_display_fixture::{FixtureState, StaticSource};
+use test_support::target_dir;
 use tokio_util::sync::CancellationToken;
 use vcuda_api::display::gpu_display_client::GpuDisplayClient;
-use vcuda_tests::target_dir;
 
 fn fixture() -> FixtureState {
     let g = GpuRef {

@@ -20,7 +20,7 @@ use goblin::elf::sym::{STB_GLOBAL, STB_WEAK, STT_FUNC};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use vcuda_tests::{shipped_interposer, target_dir, workspace_root};
+use test_support::{shipped_interposer, target_dir, workspace_root};
 
 /// The oldest glibc the interposer must load under (CentOS 7).
 const FLOOR: (u32, u32) = (2, 17);

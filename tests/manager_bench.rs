@@ -4,16 +4,13 @@
 //! `cargo build --workspace && cargo bench --profile dev -p vcuda-tests --bench manager_bench`
 //! (the dev profile, so it drives the binaries `cargo build` made).
 
-#[path = "manager_env.rs"]
-mod manager_env;
-
 use std::time::{Duration, Instant};
 
-use manager_env::{Env, Options};
+use test_support::manager::{Env, Options};
+use test_support::options_rpc_floor;
 use vcuda_api::deviceplugin::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, device_plugin_client::DevicePluginClient,
 };
-use vcuda_tests::options_rpc_floor;
 
 fn pct(v: &mut [Duration], p: f64) -> Duration {
     v.sort();

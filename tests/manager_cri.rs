@@ -10,9 +10,6 @@
 //! `VCUDA_REQUIRE_CONTAINERD=1`, so there a missing one fails the test.
 //! The `auto` test also needs the Docker engine of `tests/docker/engine.sh`.
 
-#[path = "manager_env.rs"]
-mod manager_env;
-
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -26,10 +23,10 @@ use cri_api::v1::{
 };
 use gpu_manager::world::ContainerRuntime;
 use kubelet_emulator::PodRef;
-use manager_env::{Env, Options};
+use test_support::manager::{self, Env, Options};
+use test_support::{Capability, cmdline};
 use tonic::transport::Channel;
 use vcuda_api::deviceplugin::v1beta1::ContainerAllocateResponse;
-use vcuda_tests::cmdline;
 
 /// The test's containerd, if one answers CRI.
 struct Containerd {
@@ -61,14 +58,10 @@ impl Containerd {
             Ok(()) => Some(c),
             Err(e) => {
                 let why = format!(
-                    "no containerd answers CRI at VCUDA_CONTAINERD_ENDPOINT={:?} ({e}); \
-                     start one with `source tests/containerd/start.sh && start_test_containerd`",
+                    "no containerd answers CRI at VCUDA_CONTAINERD_ENDPOINT={:?} ({e})",
                     c.endpoint
                 );
-                if std::env::var("VCUDA_REQUIRE_CONTAINERD").as_deref() == Ok("1") {
-                    panic!("VCUDA_REQUIRE_CONTAINERD=1 but {why}");
-                }
-                vcuda_tests::cannot_run(&why);
+                test_support::missing(Capability::Containerd, &why);
                 None
             }
         }
@@ -339,7 +332,7 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
     for cores in [30, 20, 25, 15] {
         let p = env.pod(&[("main", cores, 4)], &[]);
         let r = env.admit(&p, "main", cores as usize, 4).await.unwrap();
-        let i = pods.run(&env, &p, "main", &r[manager_env::VCORE]).await;
+        let i = pods.run(&env, &p, "main", &r[manager::VCORE]).await;
         refs.push((p, i));
         resps.push(r);
     }
@@ -368,7 +361,7 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
         la.vm_source.as_deref(),
         Some(env.vm_dir().join(&a.uid).join("main").as_path())
     );
-    let ra = &resps[0][manager_env::VCORE];
+    let ra = &resps[0][manager::VCORE];
     let gpus = rt.gpus(&la.id).await.unwrap();
     assert_eq!(
         gpus.visible.join(","),
@@ -510,7 +503,7 @@ async fn auto_picks_the_runtime_that_serves_cri_else_docker_else_none() {
     let Some(ctrd) = Containerd::get().await else {
         return;
     };
-    let Some(docker) = vcuda_tests::Docker::get() else {
+    let Some(docker) = test_support::Docker::get() else {
         return;
     };
     let cri = select(Kind::Auto, &ctrd.endpoint).await;
@@ -526,9 +519,10 @@ async fn auto_picks_the_runtime_that_serves_cri_else_docker_else_none() {
         .display()
         .to_string();
     if !std::path::Path::new(&docker_containerd).exists() {
-        vcuda_tests::cannot_run(&format!(
-            "no containerd of the Docker engine at {docker_containerd}"
-        ));
+        test_support::missing(
+            Capability::Docker,
+            &format!("no containerd of the Docker engine at {docker_containerd}"),
+        );
         return;
     }
     let nowhere = "/nonexistent/vcuda/runtime.sock".to_string();

@@ -1,17 +1,14 @@
 //! The display service wired into the real manager: the `gpu-manager`
-//! binary on a simulated node (see `manager_env.rs`), its HTTP query port
+//! binary on a simulated node (see test-support's `manager`), its HTTP query port
 //! (`/readyz`, `/graph`, `/usage`, `/metrics`) and `vcudactl` on its
 //! display socket. Needs `cargo build --workspace` first.
-
-#[path = "manager_env.rs"]
-mod manager_env;
 
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use manager_env::{Env, Options, VCORE};
-use vcuda_tests::{http_get, target_dir};
+use test_support::manager::{Env, Options, VCORE};
+use test_support::{http_get, target_dir};
 
 /// The value of the one sample of `name` whose labels include all of `labels`.
 fn sample(metrics: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {

@@ -3,16 +3,13 @@
 //! PreStartContainer, pod-resources) and the API server emulator (pods,
 //! annotations). Needs `cargo build --workspace` first.
 
-#[path = "manager_env.rs"]
-mod manager_env;
-
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use gpu_allocator::{Allocator, Request};
 use kubelet_emulator::EmulatorError;
-use manager_env::{Env, Options, VCORE, VMEM};
 use prost::Message;
+use test_support::manager::{Env, Options, VCORE, VMEM};
 use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, register_response::Status};
 
 /// The allocator the manager should agree with: same topology (through the
@@ -564,7 +561,7 @@ async fn xid_takes_a_gpu_out_until_the_quiet_period_ends() {
         })
     };
     let xid = |code: &str| {
-        let st = std::process::Command::new(vcuda_tests::target_dir().join("gpu-sim"))
+        let st = std::process::Command::new(test_support::target_dir().join("gpu-sim"))
             .args(["xid", "--root"])
             .arg(env.sim_root())
             .args(["--gpu", "1", "--code", code])

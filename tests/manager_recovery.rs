@@ -3,18 +3,15 @@
 //! mounts, env, `io.kubernetes.*` labels) and interposed CUDA workloads;
 //! the manager is killed with SIGKILL and started again.
 
-#[path = "manager_env.rs"]
-mod manager_env;
-
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kubelet_emulator::PodRef;
-use manager_env::{Env, Options};
+use test_support::manager::{self, Env, Options};
+use test_support::{Capability, Docker, cmdline, compile_c, target_dir};
 use vcuda_api::deviceplugin::v1beta1::ContainerAllocateResponse;
-use vcuda_tests::{Docker, cmdline, compile_c, target_dir};
 
 /// The manager's argv, read back from /proc, so a restart runs the same
 /// command line.
@@ -226,27 +223,15 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
         &env,
         &a,
         "main",
-        &ra[manager_env::VCORE],
+        &ra[manager::VCORE],
         &["/work/shim_client", "hold", "1024"],
     );
     let b = env.pod(&[("main", 20, 4)], &[]);
     let rb = env.admit(&b, "main", 20, 4).await.unwrap();
-    w.run(
-        &env,
-        &b,
-        "main",
-        &rb[manager_env::VCORE],
-        &["sleep", "3600"],
-    );
+    w.run(&env, &b, "main", &rb[manager::VCORE], &["sleep", "3600"]);
     let c = env.pod(&[("main", 20, 4)], &[]);
     let rc = env.admit(&c, "main", 20, 4).await.unwrap();
-    let name_c = w.run(
-        &env,
-        &c,
-        "main",
-        &rc[manager_env::VCORE],
-        &["sleep", "3600"],
-    );
+    let name_c = w.run(&env, &c, "main", &rc[manager::VCORE], &["sleep", "3600"]);
 
     let pid_a = w.host_pid(&name_a);
     let log = env
@@ -427,7 +412,7 @@ async fn kubelet_restart_during_load_loses_no_allocation() {
         .kubelet
         .allocations()
         .into_iter()
-        .filter(|e| e.resource_name == manager_env::VCORE)
+        .filter(|e| e.resource_name == manager::VCORE)
         .map(|e| format!("{}/{}", e.pod_uid, e.container_name))
         .collect();
     assert_eq!(
@@ -439,9 +424,8 @@ async fn kubelet_restart_during_load_loses_no_allocation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_only_checkpoint_dir_refuses_allocate_and_keeps_the_previous_file() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        vcuda_tests::cannot_run("needs root for a read-only bind mount");
+    if !test_support::is_root() {
+        test_support::missing(Capability::Root, "needs root for a read-only bind mount");
         return;
     }
     let mut env = Env::start("sim-1gpu", Options::default()).await;

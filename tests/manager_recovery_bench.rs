@@ -4,14 +4,11 @@
 //! vcuda-tests --bench manager_recovery_bench` (DOCKER_HOST from
 //! tests/docker/engine.sh).
 
-#[path = "manager_env.rs"]
-mod manager_env;
-
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use manager_env::{Env, Options, VCORE};
-use vcuda_tests::{Docker, cmdline};
+use test_support::manager::{Env, Options, VCORE};
+use test_support::{Docker, cmdline};
 
 fn recovery_ms(log: &str) -> Vec<u64> {
     log.lines()

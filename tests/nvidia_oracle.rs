@@ -22,7 +22,7 @@ use goblin::elf::sym::{STB_GLOBAL, STB_WEAK, STT_FUNC, STT_OBJECT};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use vcuda_tests::{NvidiaDriver, nvidia_drivers, target_dir, workspace_root};
+use test_support::{NvidiaDriver, nvidia_drivers, target_dir, workspace_root};
 
 /// The real libcuda's data objects, which the interposer does not export on
 /// purpose (crates/cuda-abi/symbols/gen.py): the CUDA debugger's variables,
@@ -495,7 +495,7 @@ fn the_simulator_answers_get_proc_address_as_the_real_drivers() {
             d.version
         );
         let node_name = nodes.iter().find(|(m, _)| *m == d.major()).map(|(_, n)| *n);
-        let node = vcuda_tests::SimNode::install(node_name.expect("a sim node of this branch"));
+        let node = test_support::SimNode::install(node_name.expect("a sim node of this branch"));
         let sim_lib = node.lib_dir().join("libcuda.so.1");
         let (sim, _) = ask_with(&oracle, &sim_lib, none.path(), &q, &[]);
         let wrong: Vec<String> = q

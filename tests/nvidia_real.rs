@@ -15,11 +15,6 @@
 //!
 //! Needs `cargo build -p cuda-shim` (libvcuda.so) and root for `ldconfig -r`.
 
-#[path = "nvidia/hosts.rs"]
-mod hosts;
-#[path = "../cuda-shim/testsupport/server.rs"]
-mod server;
-
 use server::{Event, TestManager};
 use std::collections::BTreeSet;
 use std::fs;
@@ -27,7 +22,9 @@ use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use vcuda_tests::{NvidiaDriver, cannot_run, nvidia_drivers, target_dir, workspace_root};
+use test_support::nvidia::hosts;
+use test_support::shim::server;
+use test_support::{Capability, NvidiaDriver, missing, nvidia_drivers, target_dir, workspace_root};
 
 const GIB: u64 = 1 << 30;
 
@@ -337,7 +334,10 @@ fn cudart_over_the_interposer_answers_as_the_real_driver() {
     let drivers = nvidia_drivers();
     let Some(cudart) = drivers.iter().find_map(NvidiaDriver::libcudart) else {
         if !drivers.is_empty() {
-            cannot_run("no libcudart.so.12 in VCUDA_NVIDIA_ROOTS (trixie's root carries it)");
+            missing(
+                Capability::NvidiaDrivers,
+                "no libcudart.so.12 in VCUDA_NVIDIA_ROOTS (trixie's root carries it)",
+            );
         }
         return;
     };
@@ -549,9 +549,8 @@ fn mirror_layout(layout: &str, build: fn(&Path, &NvidiaDriver) -> PathBuf) {
     if drivers.is_empty() {
         return;
     }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        cannot_run("ldconfig -r needs root");
+    if !test_support::is_root() {
+        missing(Capability::Root, "ldconfig -r needs root");
         return;
     }
     let work = tempfile::tempdir().unwrap();

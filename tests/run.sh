@@ -51,7 +51,7 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 log "kubernetes (the real-node suite, tests/k8s)"
-# A real single node (tests/k8s_node.rs): Debian's etcd, containerd, runc and
+# A real single node (tests/k8s_node/): Debian's etcd, containerd, runc and
 # CNI plugins, and kubelet/apiserver/scheduler/controller-manager/kubectl
 # built from Debian's kubernetes source package, cached by version outside
 # the checkout (/var/cache/vcuda/k8s-<version>; a cold build is ~10-15 min).
@@ -196,7 +196,7 @@ log "cargo tests"
 cargo test --workspace --no-fail-fast
 
 log "interposer tests again, on the shipped glibc-2.17 build"
-# The harness (cuda-shim/testsupport/simnode.rs) mirrors $VCUDA_INTERPOSER
+# test-support (crates/test-support/src/shim/simnode.rs) mirrors $VCUDA_INTERPOSER
 # instead of this profile's host build: the same memory, compute and graph
 # quota tests and entry-point tests, on the library containers actually get;
 # and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real,

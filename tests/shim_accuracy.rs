@@ -4,7 +4,7 @@
 //! interposer prices a launch by its waves, the device times it otherwise,
 //! and only NVML's samples tell the controller what a unit really costs.
 //!
-//! * the matrix (`cuda-shim/testsupport/matrix.rs`): hard limits
+//! * the matrix (`crates/test-support/src/shim/matrix.rs`): hard limits
 //!   {10, 30, 50, 70, 90} x five mixes alone, and 30 + 70, 20 + 20 + 60 on
 //!   one GPU; every tenant within ±3 points of its quota over a
 //!   [`WINDOW_S`] window after [`WARMUP_S`] of warm-up (ground truth: the
@@ -20,19 +20,11 @@
 //! so 3 s of warm-up; 5 s windows average NVML's whole-percent samples and
 //! the laws' jitter well inside ±3. Needs `cargo build --workspace` first.
 
-#[path = "../cuda-shim/testsupport/matrix.rs"]
-mod matrix;
-#[path = "../cuda-shim/testsupport/server.rs"]
-mod server;
-#[path = "../cuda-shim/testsupport/simnode.rs"]
-mod simnode;
-#[path = "../cuda-shim/testsupport/workload.rs"]
-mod workload;
-
 use simnode::ShimNode;
 use std::path::Path;
 use std::sync::Mutex;
-use vcuda_tests::{target_dir, workspace_root};
+use test_support::shim::{matrix, simnode, workload};
+use test_support::{target_dir, workspace_root};
 
 const WARMUP_S: f64 = 3.0;
 const WINDOW_S: f64 = 5.0;

@@ -6,19 +6,14 @@
 //!
 //! Needs `cargo build --workspace` first.
 
-#[path = "../cuda-shim/testsupport/server.rs"]
-mod server;
-#[path = "../cuda-shim/testsupport/simnode.rs"]
-mod simnode;
-#[path = "../cuda-shim/testsupport/stepped.rs"]
-mod stepped;
-
-use simnode::{Container, ShimNode, kv};
+use simnode::{Container, ShimNode};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use stepped::Stepped;
-use vcuda_tests::{target_dir, workspace_root};
+use test_support::kv;
+use test_support::shim::{simnode, stepped};
+use test_support::{target_dir, workspace_root};
 
 /// The bucket's `requested` word in the ledger's compute area
 /// (cuda-shim/src/throttle/bucket.rs): cost units every launch asked for.

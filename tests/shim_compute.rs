@@ -8,12 +8,7 @@
 //! `cargo bench -p cuda-shim --bench compute_accuracy`. Needs
 //! `cargo build --workspace` first.
 
-#[path = "../cuda-shim/testsupport/server.rs"]
-mod server;
-#[path = "../cuda-shim/testsupport/simnode.rs"]
-mod simnode;
-
-use simnode::{Container, ShimNode, kv};
+use simnode::{Container, ShimNode};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -21,7 +16,9 @@ use std::process::Stdio;
 use std::sync::Mutex;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
-use vcuda_tests::{target_dir, workspace_root};
+use test_support::kv;
+use test_support::shim::simnode;
+use test_support::{target_dir, workspace_root};
 
 /// One saturating workload at a time: the machine has few cores and a
 /// CPU-starved launcher would make the lower bounds flaky.

@@ -8,11 +8,6 @@
 //! Needs `cargo build --workspace` first (gpu-sim, the sim's cdylibs and
 //! libvcuda.so).
 
-#[path = "../cuda-shim/testsupport/server.rs"]
-mod server;
-#[path = "../cuda-shim/testsupport/simnode.rs"]
-mod simnode;
-
 use server::{Event, TestManager};
 use simnode::{Container, ShimNode};
 use std::collections::HashMap;
@@ -20,7 +15,8 @@ use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use vcuda_tests::{target_dir, workspace_root};
+use test_support::shim::{server, simnode};
+use test_support::{target_dir, workspace_root};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -62,7 +58,7 @@ fn run(mut c: Command) -> HashMap<String, String> {
         "{c:?} failed ({}):\n{stdout}\nstderr:\n{stderr}",
         out.status
     );
-    let mut kv = simnode::kv(&stdout);
+    let mut kv = test_support::kv(&stdout);
     kv.insert("_stdout".into(), stdout);
     kv.insert("_stderr".into(), stderr.into_owned());
     kv

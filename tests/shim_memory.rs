@@ -9,18 +9,14 @@
 //! Needs `cargo build --workspace` first (gpu-sim, the sim's cdylibs and
 //! libvcuda.so).
 
-#[path = "../cuda-shim/testsupport/server.rs"]
-mod server;
-#[path = "../cuda-shim/testsupport/simnode.rs"]
-mod simnode;
-
 use server::{Event, TestManager};
 use simnode::{Container, ShimNode};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use vcuda_tests::{sample_ctx_cost, target_dir, workspace_root};
+use test_support::shim::{server, simnode};
+use test_support::{sample_ctx_cost, target_dir, workspace_root};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -112,7 +108,7 @@ fn run(mut cmd: Command) -> Kv {
 
 impl Kv {
     fn parse(out: String, err: String) -> Kv {
-        let map = simnode::kv(&out);
+        let map = test_support::kv(&out);
         Kv { out, err, map }
     }
 

@@ -1,15 +1,10 @@
 //! The interposer (cuda-shim) in real processes on a simulated node: C
 //! programs linked with `-lcuda` run against a vdriver mirror of the sim
 //! whose libcuda.so.1 / libnvidia-ml.so.1 are the interposer, registering
-//! with a test manager (cuda-shim/testsupport/server.rs) over vcuda.sock.
+//! with a test manager (crates/test-support/src/shim/server.rs) over vcuda.sock.
 //!
 //! Needs `cargo build --workspace` first (gpu-sim, the sim's cdylibs and
 //! libvcuda.so).
-
-#[path = "../cuda-shim/testsupport/server.rs"]
-mod server;
-#[path = "../cuda-shim/testsupport/simnode.rs"]
-mod simnode;
 
 use server::{Event, TestManager};
 use simnode::{Container, ShimNode};
@@ -18,7 +13,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use vcuda_tests::{sample_ctx_cost, target_dir, workspace_root};
+use test_support::shim::{server, simnode};
+use test_support::{sample_ctx_cost, target_dir, workspace_root};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -88,7 +84,7 @@ struct Run {
 
 impl Run {
     fn kv(&self) -> HashMap<String, String> {
-        simnode::kv(&self.stdout)
+        test_support::kv(&self.stdout)
     }
 
     fn get(&self, k: &str) -> u64 {

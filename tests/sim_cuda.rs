@@ -9,7 +9,7 @@ use gpu_sim_core::{NodeSpec, SharedState, SimRoot};
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
-use vcuda_tests::{SimNode, compile_c};
+use test_support::{SimNode, compile_c};
 
 struct Setup {
     node: SimNode,
@@ -67,7 +67,7 @@ fn value<'a>(out: &'a str, key: &str) -> &'a str {
 }
 
 fn node_spec(name: &str) -> NodeSpec {
-    let path = vcuda_tests::workspace_root().join(format!("config/nodes/{name}.toml"));
+    let path = test_support::workspace_root().join(format!("config/nodes/{name}.toml"));
     NodeSpec::load(&path).unwrap()
 }
 

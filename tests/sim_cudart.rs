@@ -23,16 +23,12 @@
 //! Needs `cargo build --workspace` first (gpu-sim, the sim's cdylibs and
 //! libvcuda.so) and gcc.
 
-#[path = "../cuda-shim/testsupport/server.rs"]
-mod server;
-#[path = "../cuda-shim/testsupport/simnode.rs"]
-mod simnode;
-
 use gpu_sim_core::NodeSpec;
 use simnode::{Container, ShimNode};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use vcuda_tests::{cannot_run, nvidia_drivers, target_dir, workspace_root};
+use test_support::shim::simnode;
+use test_support::{Capability, missing, nvidia_drivers, target_dir, workspace_root};
 
 /// One runtime: where it comes from, and the program linked with it (run
 /// path to a directory holding only that runtime).
@@ -42,15 +38,16 @@ struct Runtime {
 }
 
 /// The runtimes the suite carries, each with `sim_cudart.c` built against
-/// it under `dir`. Missing ones are said through [`cannot_run`].
+/// it under `dir`. Missing ones are said through [`missing`].
 fn runtimes(dir: &Path) -> Vec<Runtime> {
     let mut found = Vec::new();
     let debian = nvidia_drivers().into_iter().find_map(|d| d.libcudart());
     match debian {
         Some(p) => found.push(("debian-trixie", p)),
-        None => {
-            cannot_run("no libcudart.so.12 in VCUDA_NVIDIA_ROOTS (Debian trixie's libcudart12)")
-        }
+        None => missing(
+            Capability::NvidiaDrivers,
+            "no libcudart.so.12 in VCUDA_NVIDIA_ROOTS (Debian trixie's libcudart12)",
+        ),
     }
     for (label, module, lib) in [
         (
@@ -66,9 +63,10 @@ fn runtimes(dir: &Path) -> Vec<Runtime> {
     ] {
         match wheel_runtime(module, lib) {
             Some(p) => found.push((label, p)),
-            None => cannot_run(&format!(
-                "python3 has no {module}/{lib}: tests/run.sh installs {label}'s wheel"
-            )),
+            None => missing(
+                Capability::CudaWheels,
+                &format!("python3 has no {module}/{lib}: tests/run.sh installs {label}'s wheel"),
+            ),
         }
     }
     found
@@ -123,11 +121,17 @@ fn build(dir: &Path, label: &str, lib: &Path) -> Runtime {
 /// installed for python3, linked with their `libcudart.so.13`.
 fn nvcc_program(dir: &Path) -> Option<Runtime> {
     let Some(nvcc) = wheel_runtime("nvidia.cu13", "bin/nvcc") else {
-        cannot_run("python3 has no nvidia.cu13/bin/nvcc: tests/run.sh installs nvcc's wheels");
+        missing(
+            Capability::CudaWheels,
+            "python3 has no nvidia.cu13/bin/nvcc: tests/run.sh installs nvcc's wheels",
+        );
         return None;
     };
     let Some(lib) = wheel_runtime("nvidia.cu13", "lib/libcudart.so.13") else {
-        cannot_run("python3 has no nvidia.cu13/lib/libcudart.so.13");
+        missing(
+            Capability::CudaWheels,
+            "python3 has no nvidia.cu13/lib/libcudart.so.13",
+        );
         return None;
     };
     let out_dir = dir.join("nvcc");

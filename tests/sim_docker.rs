@@ -6,7 +6,7 @@ use gpu_sim_core::{SharedState, SimRoot};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::time::{Duration, Instant};
-use vcuda_tests::{Docker, SimNode, compile_c};
+use test_support::{Docker, SimNode, compile_c};
 
 /// `docker run` arguments for a busybox container that runs `bin/hold_memory`
 /// on the simulated node with `devices` passed in, as the device plugin's

@@ -2,10 +2,9 @@
 //! (crates/gpu-sim-smi) against an installed root, through the real Rust
 //! client the manager uses (`nvml-wrapper`, loading the library by path).
 //!
-//! Load comes from helper processes — this test binary re-executed with
-//! `SIM_NVML_HELPER` set — that drive the shared state the way the simulated
-//! libcuda does (attach, allocate, queue kernels), so the checks do not depend
-//! on the CUDA library.
+//! Load comes from helper processes (`sim-nvml-load`, tests/bin) that drive
+//! the shared state the way the simulated libcuda does (attach, allocate,
+//! queue kernels), so the checks do not depend on the CUDA library.
 //!
 //! Needs the workspace built (`cargo build --workspace`): the library is a
 //! cdylib that `cargo test` alone does not build.
@@ -18,11 +17,11 @@ use nvml_wrapper::enum_wrappers::device::TopologyLevel;
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use vcuda_tests::{SimNode, target_dir};
+use test_support::{Capability, SimNode, require, target_dir};
 
 const LIB_DIR: &str = "usr/lib/x86_64-linux-gnu";
 
@@ -159,27 +158,20 @@ impl Drop for Helper {
     }
 }
 
-/// Starts this test binary as a helper doing `mode` against `root`, and
-/// waits until it reports it is attached.
+/// Starts the load helper (tests/bin/sim-nvml-load.rs) doing `mode`
+/// against `root`, and waits until it reports it is attached.
 fn helper(root: &Root, mode: &str, prefix: &[&str]) -> Helper {
-    let exe = std::env::current_exe().unwrap();
+    let exe = env!("CARGO_BIN_EXE_sim-nvml-load");
     let mut cmd = if prefix.is_empty() {
-        Command::new(&exe)
+        Command::new(exe)
     } else {
         let mut c = Command::new(prefix[0]);
-        c.args(&prefix[1..]).arg(&exe);
+        c.args(&prefix[1..]).arg(exe);
         c
     };
     let mut child = cmd
-        .args([
-            "--exact",
-            "helper_process",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("SIM_NVML_HELPER", mode)
-        .env("SIM_NVML_ROOT", &root.root)
+        .arg(&root.root)
+        .arg(mode)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -191,84 +183,13 @@ fn helper(root: &Root, mode: &str, prefix: &[&str]) -> Helper {
             .next()
             .unwrap_or_else(|| panic!("helper {mode} exited before attaching"))
             .unwrap();
-        // libtest's "test helper_process ... " may precede it on the line.
-        if let Some((_, p)) = line.split_once("ready host_pid=") {
+        if let Some(p) = line.strip_prefix("ready host_pid=") {
             break p.trim().parse().unwrap();
         }
     };
     // Keep draining so the helper never blocks on a full pipe.
     std::thread::spawn(move || for _ in lines {});
     Helper { child, host_pid }
-}
-
-/// PID of this process in the initial namespace, read from a /proc mounted
-/// there: the first NSpid entry.
-fn own_host_pid() -> u32 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("NSpid:"))
-        .and_then(|l| l.split_whitespace().next())
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(std::process::id)
-}
-
-fn sleep_until_mono(t: u64) {
-    let now = now_ns();
-    if t > now {
-        std::thread::sleep(Duration::from_nanos(t - now));
-    }
-}
-
-/// Entry point of helper processes (a no-op in a normal test run).
-///
-/// Modes: `hold:GPU:BYTES` allocates and idles; `saturate:GPU` keeps ~20 ms
-/// of 1 ms kernels queued; `half:GPU` runs a 10 ms kernel at the start of
-/// every 20 ms period. Each runs until its stdin closes.
-#[test]
-#[ignore = "a helper process the other tests start (with --ignored), not a test"]
-fn helper_process() {
-    let mode = std::env::var("SIM_NVML_HELPER")
-        .expect("helper_process runs only as the other tests' helper, with SIM_NVML_HELPER set");
-    let root = SimRoot::new(std::env::var("SIM_NVML_ROOT").unwrap());
-    let state = SharedState::open(&root).unwrap();
-    let me = state.attach().unwrap();
-    let parts: Vec<&str> = mode.split(':').collect();
-    let gpu: usize = parts[1].parse().unwrap();
-    state.set_active(me, gpu);
-    if parts[0] == "hold" {
-        state.try_alloc(me, gpu, parts[2].parse().unwrap()).unwrap();
-    }
-    println!("ready host_pid={}", own_host_pid());
-    // Stop when the parent goes away.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let s2 = stop.clone();
-    std::thread::spawn(move || {
-        let _ = std::io::stdin().read_to_end(&mut Vec::new());
-        s2.store(true, std::sync::atomic::Ordering::SeqCst);
-    });
-    const MS: u64 = 1_000_000;
-    let t0 = now_ns();
-    let mut period = 0u64;
-    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-        match parts[0] {
-            "hold" => std::thread::sleep(Duration::from_millis(20)),
-            "saturate" => {
-                // 20 ms queued: a descheduled helper leaves no gap.
-                let (_, end) = state.launch(me, gpu, MS, 0);
-                sleep_until_mono(end.saturating_sub(20 * MS));
-            }
-            "half" => {
-                // Anchored to absolute periods, so wake-up jitter does not
-                // stretch the idle part.
-                let start = t0 + period * 20 * MS;
-                state.launch(me, gpu, 10 * MS, start);
-                period += 1;
-                sleep_until_mono(t0 + period * 20 * MS - 5 * MS);
-            }
-            other => panic!("unknown helper mode {other}"),
-        }
-    }
 }
 
 // ---- tests -----------------------------------------------------------------
@@ -408,12 +329,7 @@ fn processes_see_each_others_memory_by_host_pid() {
 /// its host PID.
 #[test]
 fn container_process_is_reported_by_host_pid() {
-    let ok = Command::new("unshare")
-        .args(["--pid", "--fork", "true"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        vcuda_tests::cannot_run("cannot create a PID namespace here (unshare --pid)");
+    if !require(Capability::PidNamespace) {
         return;
     }
     let r = install(NODE3);

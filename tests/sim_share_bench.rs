@@ -13,7 +13,7 @@ use gpu_sim_core::state::now_ns;
 use gpu_sim_core::{SharedState, SimRoot};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
-use vcuda_tests::{SimNode, compile_c};
+use test_support::{SimNode, compile_c};
 
 const RUNS: usize = 5;
 

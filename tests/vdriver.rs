@@ -12,6 +12,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
+use test_support::{Capability, require};
 use vdriver::{Error, VolumeConfig};
 
 const V1: &str = "550.54.15";
@@ -51,17 +52,6 @@ fn build_so(out: &Path, soname: Option<&str>, src: &str, m32: bool, extra: &[&st
     fs::rename(&tmp, out).unwrap();
 }
 
-fn gcc_m32_works(dir: &Path) -> bool {
-    let c = dir.join("m32.c");
-    fs::write(&c, "int f(void) { return 1; }\n").unwrap();
-    Command::new("gcc")
-        .args(["-m32", "-nostdlib", "-shared", "-fPIC", "-o"])
-        .arg(dir.join("m32.so"))
-        .arg(&c)
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
 fn link(target: &str, at: &Path) {
     let _ = fs::remove_file(at);
     symlink(target, at).unwrap();
@@ -97,12 +87,9 @@ impl Host {
         for d in [LIB64, LIB32, "etc", "usr/bin", "bin"] {
             fs::create_dir_all(root.join(d)).unwrap();
         }
-        let has32 = gcc_m32_works(dir.path());
-        if !has32 {
-            // The 32-bit half of every check would be dropped: say so (and
-            // fail where every test must run).
-            vcuda_tests::cannot_run("gcc -m32 -nostdlib -shared cannot build a 32-bit object here");
-        }
+        // Without it the 32-bit half of every check is dropped: said (and
+        // a failure where CI requires it).
+        let has32 = require(Capability::Gcc32);
         fs::write(root.join("etc/ld.so.conf"), format!("/{LIB64}\n/{LIB32}\n")).unwrap();
         let l64 = root.join(LIB64);
         // Not NVIDIA's: a Mesa-like EGL (blacklisted), GLVND's dispatcher and libGL (kept),
@@ -283,7 +270,7 @@ fn with_driver(host: &Host, work: &Path) -> (PathBuf, PathBuf) {
 }
 
 fn config() -> VolumeConfig {
-    VolumeConfig::load(&vcuda_tests::workspace_root().join("config/volume.conf")).unwrap()
+    VolumeConfig::load(&test_support::workspace_root().join("config/volume.conf")).unwrap()
 }
 
 fn soname(path: &Path) -> Option<String> {
@@ -603,12 +590,15 @@ fn remirror_leaves_a_running_process_intact_copies() {
     // Host root on another filesystem than the vdriver dir: hard links fail, files are
     // copied. Skipped where /dev/shm is not a separate filesystem.
     let work = tempfile::tempdir().unwrap();
-    let shm = Path::new("/dev/shm");
-    if !shm.is_dir() || fs::metadata(shm).unwrap().dev() == fs::metadata(work.path()).unwrap().dev()
-    {
-        vcuda_tests::cannot_run("no second filesystem at /dev/shm");
+    if !require(Capability::ShmFilesystem) {
         return;
     }
+    let shm = Path::new("/dev/shm");
+    assert_ne!(
+        fs::metadata(shm).unwrap().dev(),
+        fs::metadata(work.path()).unwrap().dev(),
+        "/dev/shm and the work dir share a filesystem"
+    );
     let host = Host::new_in(shm);
     host.install_driver(V1, 550);
     host.ldconfig("new");
@@ -696,7 +686,7 @@ fn rerun_is_idempotent_and_a_driver_upgrade_removes_stale_files() {
 fn bad_volume_conf_names_the_unknown_key() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("volume.conf");
-    let text = fs::read_to_string(vcuda_tests::workspace_root().join("config/volume.conf"))
+    let text = fs::read_to_string(test_support::workspace_root().join("config/volume.conf"))
         .unwrap()
         .replacen("\"components\"", "\"compnents\"", 1);
     fs::write(&path, text).unwrap();
@@ -732,9 +722,10 @@ fn a_host_without_the_driver_is_a_clear_error_and_touches_nothing() {
 #[test]
 fn mirrors_a_gpu_sim_root() {
     // The simulated node's driver root, laid out by the real `gpu-sim install`.
-    let node = vcuda_tests::SimNode::install("sim-1gpu");
-    let spec = fs::read_to_string(vcuda_tests::workspace_root().join("config/nodes/sim-1gpu.toml"))
-        .unwrap();
+    let node = test_support::SimNode::install("sim-1gpu");
+    let spec =
+        fs::read_to_string(test_support::workspace_root().join("config/nodes/sim-1gpu.toml"))
+            .unwrap();
     let version = spec
         .lines()
         .find_map(|l| l.strip_prefix("driver_version = "))

@@ -1,6 +1,6 @@
 //! The compute accuracy matrix at bench precision: every case of
-//! `testsupport/matrix.rs` (hard limits {10, 30, 50, 70, 90} x five kernel
-//! mixes timed by laws the interposer cannot see, alone; 30 + 70 and
+//! test-support's `shim::matrix` (hard limits {10, 30, 50, 70, 90} x five
+//! kernel mixes timed by laws the interposer cannot see, alone; 30 + 70 and
 //! 20 + 20 + 60 on one GPU) over 10 s windows after 4 s of warm-up, each
 //! tenant against a ±0.5-point target. CI gates the same matrix at ±3
 //! points over 5 s windows (`tests/shim_accuracy.rs`).
@@ -11,18 +11,8 @@
 //! cargo bench -p cuda-shim --bench accuracy_matrix` (gpu-sim falls back to
 //! target/debug).
 
-#[path = "../testsupport/matrix.rs"]
-mod matrix;
-#[path = "../testsupport/report.rs"]
-mod report;
-#[path = "../testsupport/server.rs"]
-mod server;
-#[path = "../testsupport/simnode.rs"]
-mod simnode;
-#[path = "../testsupport/workload.rs"]
-mod workload;
-
 use std::path::Path;
+use test_support::shim::{matrix, report};
 
 const WARMUP_S: f64 = 4.0;
 const WINDOW_S: f64 = 10.0;
@@ -38,8 +28,8 @@ fn main() {
             .parent()
             .unwrap()
             .to_path_buf(),
-        gpu_sim: simnode::artifact("gpu-sim"),
-        shim: simnode::profile_dir().join("libvcuda.so"),
+        gpu_sim: test_support::artifact("gpu-sim"),
+        shim: test_support::target_dir().join("libvcuda.so"),
         warmup_s: WARMUP_S,
         window_s: WINDOW_S,
         jobs,

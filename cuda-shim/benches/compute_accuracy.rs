@@ -20,17 +20,9 @@
 //! `cargo build --release --workspace && cargo bench -p cuda-shim --bench compute_accuracy`
 //! (gpu-sim falls back to target/debug).
 
-#[path = "../testsupport/report.rs"]
-mod report;
-#[path = "../testsupport/server.rs"]
-mod server;
-#[path = "../testsupport/simnode.rs"]
-mod simnode;
-#[path = "../testsupport/workload.rs"]
-mod workload;
-
 use simnode::{Container, ShimNode};
 use std::path::{Path, PathBuf};
+use test_support::shim::{report, simnode, workload};
 
 const WARMUP_S: f64 = 3.0;
 const WINDOW_S: f64 = 10.0;
@@ -46,8 +38,8 @@ fn workspace() -> PathBuf {
 fn node() -> (ShimNode, PathBuf) {
     let n = ShimNode::install(
         &workspace(),
-        &simnode::artifact("gpu-sim"),
-        &simnode::profile_dir().join("libvcuda.so"),
+        &test_support::artifact("gpu-sim"),
+        &test_support::target_dir().join("libvcuda.so"),
         "sim-1gpu",
     );
     let prog = n.compile_c(&workspace().join("tests/c/shim_compute.c"));

@@ -17,17 +17,9 @@
 //! `cargo build --release --workspace && cargo bench -p cuda-shim --bench graph_accuracy`
 //! (gpu-sim falls back to target/debug).
 
-#[path = "../testsupport/report.rs"]
-mod report;
-#[path = "../testsupport/server.rs"]
-mod server;
-#[path = "../testsupport/simnode.rs"]
-mod simnode;
-#[path = "../testsupport/workload.rs"]
-mod workload;
-
 use simnode::ShimNode;
 use std::path::{Path, PathBuf};
+use test_support::shim::{report, simnode, workload};
 
 const WARMUP_S: f64 = 3.0;
 const WINDOW_S: f64 = 10.0;
@@ -43,8 +35,8 @@ fn workspace() -> PathBuf {
 fn node() -> ShimNode {
     ShimNode::install(
         &workspace(),
-        &simnode::artifact("gpu-sim"),
-        &simnode::profile_dir().join("libvcuda.so"),
+        &test_support::artifact("gpu-sim"),
+        &test_support::target_dir().join("libvcuda.so"),
         "sim-1gpu",
     )
 }

@@ -1,7 +1,8 @@
 //! What the interposer costs, measured against calling the simulated driver
 //! directly in the same run: the same C program (tests/c/shim_client.c,
 //! `bench` mode) runs alternately on the sim's own driver directory and
-//! under the interposer (a vdriver mirror of the sim, `testsupport/simnode.rs`)
+//! under the interposer (a vdriver mirror of the sim: test-support's
+//! `shim::simnode`)
 //! in two enforced containers registered with a stand-in manager: memory
 //! quota without a compute limit, and memory quota with a hard compute
 //! quota. Prints medians over runs, the difference and the ratio, against
@@ -19,15 +20,9 @@
 //! `cargo build --release --workspace && cargo bench -p cuda-shim --bench overhead`
 //! (gpu-sim and the sim's libraries fall back to target/debug).
 
-#[path = "../testsupport/report.rs"]
-mod report;
-#[path = "../testsupport/server.rs"]
-mod server;
-#[path = "../testsupport/simnode.rs"]
-mod simnode;
-
 use simnode::{Container, ShimNode};
 use std::path::Path;
+use test_support::shim::{report, simnode};
 use vcuda::throttle::bucket::Bucket;
 
 const RUNS: usize = 11;
@@ -90,8 +85,8 @@ fn main() {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let n = ShimNode::install(
         workspace,
-        &simnode::artifact("gpu-sim"),
-        &simnode::profile_dir().join("libvcuda.so"),
+        &test_support::artifact("gpu-sim"),
+        &test_support::target_dir().join("libvcuda.so"),
         "sim-1gpu",
     );
     let client = n.compile_c(&workspace.join("tests/c/shim_client.c"));

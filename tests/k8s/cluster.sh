@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real single-node Kubernetes 1.20 cluster on this machine, for the
-# real-node suite (tests/k8s_node.rs): etcd, kube-apiserver (Node,RBAC),
+# real-node suite (tests/k8s_node/main.rs): etcd, kube-apiserver (Node,RBAC),
 # kube-controller-manager, kube-scheduler, containerd (CRI) with runc and a
 # CNI bridge, and kubelet. Everything lives in $VCUDA_K8S_DIR except what
 # kubelet 1.20 fixes: /var/lib/kubelet (its device-plugin directory is always

@@ -18,8 +18,6 @@
 //! removed again). tests/run.sh sets `VCUDA_REQUIRE_CONTAINERD=1`: there a
 //! missing runtime fails the test instead of skipping it.
 
-mod common;
-
 use std::collections::HashMap;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -28,7 +26,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use apiserver_emulator::{ApiServer, Kind};
-use common::*;
 use cri_api::v1::runtime_service_client::RuntimeServiceClient;
 use cri_api::v1::{
     CdiDevice, ContainerConfig, ContainerMetadata, ContainerState, ContainerStatusRequest,
@@ -41,6 +38,8 @@ use dra_driver::publish::Publisher;
 use dra_driver::slices::GpuDevice;
 use dra_kubelet_emulator::{allocator, cdi, plugin};
 use serde_json::{Value, json};
+use test_support::dra::*;
+use test_support::{Capability, missing};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
@@ -61,19 +60,6 @@ elif ( : >/etc/vcuda/probe ) 2>/dev/null; then echo etc_vcuda=rw; else echo etc_
 echo done=1
 "#;
 
-fn required() -> bool {
-    std::env::var("VCUDA_REQUIRE_CONTAINERD").as_deref() == Ok("1")
-        || std::env::var("VCUDA_REQUIRE_ALL").as_deref() == Ok("1")
-}
-
-/// Skips (or, when required, fails) with `why`.
-fn cannot_run(why: &str) {
-    if required() {
-        panic!("VCUDA_REQUIRE_CONTAINERD=1 (or VCUDA_REQUIRE_ALL=1) but {why}");
-    }
-    eprintln!("cdi_containerd: skipped: {why}");
-}
-
 async fn cri_client(endpoint: &str) -> Result<RuntimeServiceClient<Channel>, String> {
     let path = endpoint.trim_start_matches("unix://");
     device_plugin::connect_unix(path, Duration::from_secs(5))
@@ -86,18 +72,20 @@ async fn cri_client(endpoint: &str) -> Result<RuntimeServiceClient<Channel>, Str
 async fn runtime() -> Option<(RuntimeServiceClient<Channel>, PathBuf, String)> {
     let endpoint = std::env::var("VCUDA_CDI_CONTAINERD_ENDPOINT").unwrap_or_default();
     let spec_dir = std::env::var("VCUDA_CDI_SPEC_DIR").unwrap_or_default();
-    let hint = "start one with `source tests/containerd/start.sh; \
-                source tests/containerd/cdi.sh; start_test_containerd_cdi`";
     if endpoint.is_empty() || spec_dir.is_empty() {
-        cannot_run(&format!(
-            "VCUDA_CDI_CONTAINERD_ENDPOINT or VCUDA_CDI_SPEC_DIR is not set ({hint})"
-        ));
+        missing(
+            Capability::Containerd,
+            "VCUDA_CDI_CONTAINERD_ENDPOINT or VCUDA_CDI_SPEC_DIR is not set",
+        );
         return None;
     }
     let mut cri = match cri_client(&endpoint).await {
         Ok(c) => c,
         Err(e) => {
-            cannot_run(&format!("no CRI at {endpoint:?}: {e} ({hint})"));
+            missing(
+                Capability::Containerd,
+                &format!("no CRI at {endpoint:?}: {e}"),
+            );
             return None;
         }
     };
@@ -107,7 +95,10 @@ async fn runtime() -> Option<(RuntimeServiceClient<Channel>, PathBuf, String)> {
         })
         .await
     {
-        cannot_run(&format!("CRI Version at {endpoint:?}: {s} ({hint})"));
+        missing(
+            Capability::Containerd,
+            &format!("CRI Version at {endpoint:?}: {s}"),
+        );
         return None;
     }
     if std::fs::metadata("/proc/self")
@@ -115,7 +106,10 @@ async fn runtime() -> Option<(RuntimeServiceClient<Channel>, PathBuf, String)> {
         .unwrap_or(1)
         != 0
     {
-        cannot_run("not root: the spec's device nodes must exist on the host (mknod)");
+        missing(
+            Capability::Containerd,
+            "not root: the spec's device nodes must exist on the host (mknod)",
+        );
         return None;
     }
     let image = std::env::var("VCUDA_CRI_IMAGE").unwrap_or_else(|_| IMAGE_DEFAULT.into());

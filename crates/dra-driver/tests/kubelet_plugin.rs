@@ -4,17 +4,15 @@
 //! limits and bad parameters, a driver restart keeping prepared claims,
 //! unprepare, a v1beta1 kubelet. No GPU simulator: the GPUs are given.
 
-mod common;
-
 use std::os::unix::fs::MetadataExt;
 
 use apiserver_emulator::{ApiServer, Kind};
-use common::*;
 use dra_driver::kube_api::KubeApi;
 use dra_driver::publish::{Published, Publisher};
 use dra_driver::slices::{self, GpuDevice};
 use dra_kubelet_emulator::{allocator, cdi, plugin};
 use serde_json::json;
+use test_support::dra::{self, *};
 
 fn devices(healthy: [bool; 2]) -> Vec<GpuDevice> {
     gpus()
@@ -295,7 +293,7 @@ async fn prepare_pack_restart_unprepare() {
         )
         .is_ok()
     );
-    let kubelet = common::kubelet(&dirs, false).await;
+    let kubelet = dra::kubelet(&dirs, false).await;
     assert_eq!(std::fs::metadata(&cfg1).unwrap().ino(), ino);
     let r2 = kubelet.prepare(&claims[1..]).await.unwrap();
     assert_eq!(r2.claims[&uid(&c2)].error, "");
@@ -357,7 +355,7 @@ fn container_ledger_file() -> &'static str {
 }
 
 async fn kubelet_beta(dirs: &Dirs) -> plugin::DraPlugin {
-    common::kubelet(dirs, true).await
+    dra::kubelet(dirs, true).await
 }
 
 /// Not a timed test: prints NodePrepareResources latency (one claim per

@@ -8,19 +8,17 @@
 //!
 //! Needs `cargo build --workspace` first (gpu-sim, its cdylibs, libvcuda.so).
 
-mod common;
-
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use apiserver_emulator::{ApiServer, Kind};
-use common::*;
 use dra_driver::daemon::{Settings, run};
 use dra_driver::slices;
 use dra_kubelet_emulator::{allocator, cdi, plugin};
 use serde_json::Value;
+use test_support::dra::*;
 use tokio_util::sync::CancellationToken;
 
 const MIB: u64 = 1 << 20;

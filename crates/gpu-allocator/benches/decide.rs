@@ -9,14 +9,11 @@
 //!
 //! Target: p99 under 1 ms for the share decision with 1,000 shares.
 
-#[path = "../tests/support/node_file.rs"]
-mod node_file;
-
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use gpu_allocator::{Allocator, Placement, Request};
-use node_file::node;
+use test_support::allocator::node;
 
 const WARMUP: usize = 2_000;
 const SAMPLES: usize = 50_000;

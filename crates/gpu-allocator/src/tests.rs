@@ -1,13 +1,15 @@
 //! Unit tests: every rule and every error on small synthetic topologies.
 //! Sequences on the simulated node files are in tests/nodes.rs.
 
-#[path = "../tests/support/sets.rs"]
-mod sets;
-
 use crate::*;
-use sets::{links, subsets};
+use test_support::sets::subsets;
 
 const GIB: u64 = 1 << 30;
+
+/// NVLink links inside `set` on `a`'s topology.
+fn links(a: &Allocator, set: &[usize]) -> u32 {
+    test_support::sets::links(set, |x, y| a.topology().nvlink_count(x, y))
+}
 
 fn gpu(i: usize, memory_gib: u64) -> GpuInfo {
     GpuInfo {

@@ -1,14 +1,14 @@
 //! Sequences on the simulated node descriptions (config/nodes/*.toml), the
 //! NVLink best-bandwidth property, and randomized invariants.
 
-#[path = "support/node_file.rs"]
-mod node_file;
-#[path = "support/sets.rs"]
-mod sets;
-
 use gpu_allocator::{AllocError, Allocator, ErrorKind, PcieLevel, Placement, Request};
-use node_file::node;
-use sets::{links, subsets};
+use test_support::allocator::node;
+use test_support::sets::subsets;
+
+/// NVLink links inside `set` on `a`'s topology.
+fn links(a: &Allocator, set: &[usize]) -> u32 {
+    test_support::sets::links(set, |x, y| a.topology().nvlink_count(x, y))
+}
 
 /// Allocates and returns the GPUs, or the error.
 fn alloc(a: &mut Allocator, id: &str, req: Request) -> Result<Vec<usize>, AllocError> {

@@ -4,6 +4,7 @@ use std::fs;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use test_support::{Capability, is_root, missing};
 
 const GPU_SIM: &str = env!("CARGO_BIN_EXE_gpu-sim");
 
@@ -32,10 +33,10 @@ fn fake_artifacts(dir: &Path) {
 }
 
 /// As root, a temporary directory with [`fake_artifacts`] in `<tmp>/art`;
-/// otherwise None, after [`cannot_run`] said why (`why`: what needs root).
+/// otherwise None, after [`missing`] said why (`why`: what needs root).
 fn artifacts_as_root(why: &str) -> Option<(tempfile::TempDir, PathBuf)> {
     if !is_root() {
-        cannot_run(why);
+        missing(Capability::Root, why);
         return None;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -77,20 +78,6 @@ fn install_ok(node: &Path, root: &Path, artifacts: &Path, extra: &[&str]) -> Out
         String::from_utf8_lossy(&out.stderr)
     );
     out
-}
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// Where tests/run.sh (CI) says everything must run (`VCUDA_REQUIRE_ALL=1`)
-/// a test that cannot run fails; elsewhere it says why it skips.
-fn cannot_run(reason: &str) {
-    if std::env::var("VCUDA_REQUIRE_ALL").as_deref() == Ok("1") {
-        panic!("VCUDA_REQUIRE_ALL=1 but this test cannot run here: {reason}");
-    }
-    eprintln!("skipped: {reason}");
 }
 
 #[test]

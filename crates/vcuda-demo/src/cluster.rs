@@ -1,6 +1,6 @@
 //! A one-node cluster on a simulated GPU node: `gpu-sim install`, the API
 //! server and kubelet emulators in this process, and the real `gpu-manager`
-//! binary against them (the same set-up as `tests/manager_env.rs`, plus the
+//! binary against them (the same set-up as `crates/test-support/src/manager.rs`, plus the
 //! interposer and the query port).
 
 use crate::DemoError;

@@ -2,7 +2,7 @@
  * does: never linked with -lcuda; dlopen("libcuda.so.1"), one dlsym of
  * cuGetProcAddress_v2, and every other entry point through it at the
  * runtime's CUDA version. Run in a pod of the real-node suite
- * (tests/k8s_node.rs): prints key=value words.
+ * (tests/k8s_node/main.rs): prints key=value words.
  *
  * usage: cudart_loader CHUNK_MIB
  *   total= device_total= free=  what the card looks like (the quota for a share)

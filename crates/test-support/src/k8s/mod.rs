@@ -1,0 +1,9 @@
+//! A real single-node Kubernetes (tests/k8s/cluster.sh, binaries from
+//! tests/k8s/build-kubernetes.sh) and what the suites run on it share: the
+//! constants, polling, the machine lock, clean-ups ([`util`]); the cluster,
+//! kubectl, pods and images ([`cluster`]).
+
+pub mod cluster;
+pub mod util;
+
+pub use util::k8s_bin;

@@ -1,0 +1,356 @@
+//! A simulated GPU node with the real `gpu-manager` binary, the kubelet
+//! emulator and the API server emulator: shared by the manager tests and
+//! the benchmark harness.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::paths::{target_dir, workspace_root};
+use crate::sim::SimNode;
+use apiserver_emulator::ApiServer;
+use kubelet_emulator::{KubeletEmulator, PodRef};
+use serde_json::{Value, json};
+use vcuda_api::deviceplugin::v1beta1::ContainerAllocateResponse;
+
+pub const VCORE: &str = "tencent.com/vcuda-core";
+pub const VMEM: &str = "tencent.com/vcuda-memory";
+pub const NODE: &str = "sim-node";
+
+pub struct Env {
+    pub sim: SimNode,
+    pub tmp: tempfile::TempDir,
+    pub api: ApiServer,
+    pub kubelet: KubeletEmulator,
+    pub manager: Child,
+    pub log: PathBuf,
+    pub started: Instant,
+    /// The display service's gRPC socket (`--display-socket`).
+    pub display_socket: PathBuf,
+    /// Its HTTP address (`--query-port 0`: the manager picks one and logs it).
+    pub http_addr: SocketAddr,
+    seq: u32,
+}
+
+pub struct Options {
+    pub share_mode: bool,
+    pub quiet_s: u64,
+    /// More manager flags (a restart from its argv keeps them).
+    pub extra_args: Vec<std::ffi::OsString>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            share_mode: true,
+            quiet_s: 2,
+            extra_args: Vec::new(),
+        }
+    }
+}
+
+impl Env {
+    pub async fn start(node: &str, opts: Options) -> Env {
+        let sim = SimNode::install(node);
+        let tmp = tempfile::tempdir().unwrap();
+        let dp = tmp.path().join("device-plugins");
+        std::fs::create_dir_all(&dp).unwrap();
+        let api = ApiServer::start("127.0.0.1:0").await.unwrap();
+        api.create_node(json!({"metadata": {"name": NODE}}))
+            .unwrap();
+        let kubeconfig = tmp.path().join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig).unwrap();
+        let pr = tmp.path().join("pod-resources/kubelet.sock");
+        let kubelet = KubeletEmulator::start(&dp, &pr).await.unwrap();
+        let bin = target_dir().join("gpu-manager");
+        assert!(
+            bin.is_file(),
+            "{} missing: run `cargo build --workspace` first",
+            bin.display()
+        );
+        let log = tmp.path().join("manager.log");
+        let display_socket = tmp.path().join("display.sock");
+        let mut cmd = Command::new(&bin);
+        cmd.arg("--host-root")
+            .arg(sim.root())
+            .arg("--volume-config")
+            .arg(workspace_root().join("config/volume.conf"))
+            .arg("--vdriver-path")
+            .arg(tmp.path().join("vdriver"))
+            .arg("--virtual-manager-path")
+            .arg(tmp.path().join("vm"))
+            .arg("--checkpoint-path")
+            .arg(tmp.path().join("checkpoint"))
+            .arg("--device-plugin-path")
+            .arg(&dp)
+            .arg("--pod-resources-socket")
+            .arg(&pr)
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .arg("--hostname-override")
+            .arg(NODE)
+            .arg("--xid-quiet-period")
+            .arg(opts.quiet_s.to_string())
+            .arg("--allocation-check-period")
+            .arg("1")
+            .arg("--api-timeout")
+            .arg("10")
+            // Concurrent managers must not collide on port 5678 or the socket.
+            .arg("--query-port")
+            .arg("0")
+            .arg("--display-socket")
+            .arg(&display_socket)
+            .env("RUST_LOG", "info,gpu_manager=debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        if opts.share_mode {
+            cmd.arg("--share-mode");
+        }
+        cmd.args(&opts.extra_args);
+        let started = Instant::now();
+        let manager = cmd.spawn().unwrap();
+        let mut env = Env {
+            sim,
+            tmp,
+            api,
+            kubelet,
+            manager,
+            log,
+            started,
+            display_socket,
+            http_addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            seq: 0,
+        };
+        env.wait_registered().await;
+        // The display starts before the plugins register, so it is logged by now.
+        env.http_addr = env.logged_http_addr().unwrap_or_else(|| {
+            panic!(
+                "manager logged no \"display: HTTP on\"; its log:\n{}",
+                env.log_text()
+            )
+        });
+        env
+    }
+
+    pub async fn wait_registered(&self) {
+        let r = self
+            .kubelet
+            .wait_for(Duration::from_secs(30), |v| {
+                [VCORE, VMEM].iter().all(|r| {
+                    v.resources
+                        .get(*r)
+                        .is_some_and(|x| x.connected && !x.devices.is_empty())
+                })
+            })
+            .await;
+        if r.is_err() {
+            panic!("manager never registered; its log:\n{}", self.log_text());
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits (30 s at most) until `needle` appears `n` times in the
+    /// manager's log; the log then.
+    pub async fn wait_log(&self, needle: &str, n: usize) -> String {
+        let t = Instant::now();
+        loop {
+            let log = self.log_text();
+            if log.matches(needle).count() >= n {
+                return log;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "no {n}x {needle:?} in the manager's log:\n{log}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The address of the manager's "display: HTTP on <addr>, socket <path>" line.
+    pub fn logged_http_addr(&self) -> Option<SocketAddr> {
+        let log = self.log_text();
+        let rest = log.rsplit_once("display: HTTP on ")?.1;
+        rest.split([',', ' ', '\n']).next()?.parse().ok()
+    }
+
+    pub fn vm_dir(&self) -> PathBuf {
+        self.tmp.path().join("vm")
+    }
+
+    /// Creates a pending pod on this node; returns its reference.
+    pub fn pod(&mut self, containers: &[(&str, u64, u64)], annotations: &[(&str, &str)]) -> PodRef {
+        self.seq += 1;
+        let name = format!("pod-{}", self.seq);
+        let cs: Vec<Value> = containers
+            .iter()
+            .map(|(n, core, mem)| {
+                let mut l = serde_json::Map::new();
+                if *core > 0 {
+                    l.insert(VCORE.into(), json!(core.to_string()));
+                }
+                if *mem > 0 {
+                    l.insert(VMEM.into(), json!(mem.to_string()));
+                }
+                json!({"name": n, "image": "cuda", "resources": {"limits": l}})
+            })
+            .collect();
+        let ann: serde_json::Map<String, Value> = annotations
+            .iter()
+            .map(|(k, v)| (k.to_string(), json!(v)))
+            .collect();
+        let p = self
+            .api
+            .create_pod(json!({
+                "metadata": {"name": name, "namespace": "default", "annotations": ann},
+                "spec": {"nodeName": NODE, "containers": cs},
+                "status": {"phase": "Pending"}
+            }))
+            .unwrap();
+        PodRef {
+            uid: p["metadata"]["uid"].as_str().unwrap().to_string(),
+            name,
+            namespace: "default".into(),
+        }
+    }
+
+    /// Admits a container through the kubelet emulator (Allocate and
+    /// PreStartContainer for each resource asked).
+    pub async fn admit(
+        &self,
+        pod: &PodRef,
+        container: &str,
+        cores: usize,
+        mem: usize,
+    ) -> Result<BTreeMap<String, ContainerAllocateResponse>, kubelet_emulator::EmulatorError> {
+        let mut req = vec![(VCORE, cores)];
+        if mem > 0 {
+            req.push((VMEM, mem));
+        }
+        self.kubelet.admit(pod, container, &req).await
+    }
+
+    /// The GPU minors of an admitted container (`tencent.com/vcuda-device`).
+    pub fn minors(resp: &BTreeMap<String, ContainerAllocateResponse>) -> Vec<u32> {
+        resp[VCORE].annotations["tencent.com/vcuda-device"]
+            .split(',')
+            .map(|d| d.trim_start_matches("/dev/nvidia").parse().unwrap())
+            .collect()
+    }
+
+    /// Deletes the pod from the API server and kubelet; waits until the
+    /// manager has released it.
+    pub async fn delete(&self, pod: &PodRef) {
+        self.api.delete_pod(&pod.namespace, &pod.name).unwrap();
+        self.kubelet.release_pod(&pod.uid).unwrap();
+        let dir = self.vm_dir().join(&pod.uid);
+        let t = Instant::now();
+        while dir.exists() && t.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            !dir.exists(),
+            "manager kept {} after the pod was deleted",
+            dir.display()
+        );
+    }
+
+    /// The manager's checkpoint as it would load it (the newest slot that
+    /// verifies), as JSON; no allocations when there is none.
+    pub fn checkpoint(&self) -> Value {
+        let cp = gpu_manager::checkpoint::Checkpoint::new(&self.checkpoint_dir());
+        match cp.load() {
+            Ok(Some((gpus, allocations))) => json!({"gpus": gpus, "allocations": allocations}),
+            _ => json!({"allocations": []}),
+        }
+    }
+
+    pub fn checkpoint_dir(&self) -> PathBuf {
+        self.tmp.path().join("checkpoint")
+    }
+
+    /// The checkpoint's allocations by `pod_uid/container`, without what
+    /// may legitimately change (the verification flag).
+    pub fn allocations_by_container(&self) -> BTreeMap<String, Value> {
+        self.checkpoint()["allocations"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|mut a| {
+                a.as_object_mut().unwrap().remove("verified");
+                let id = format!(
+                    "{}/{}",
+                    a["pod_uid"].as_str().unwrap(),
+                    a["container"].as_str().unwrap()
+                );
+                (id, a)
+            })
+            .collect()
+    }
+
+    /// Allocate on vcore.sock directly (not through the emulator, which
+    /// would refuse first for lack of free IDs): the manager's own capacity
+    /// check. `ids` are of GPU 0's vcores no allocation holds (held ones
+    /// would tell the manager that kubelet let their holder go).
+    pub async fn direct_allocate(&self, ids: std::ops::Range<usize>) -> Result<(), tonic::Status> {
+        use vcuda_api::deviceplugin::v1beta1::{
+            AllocateRequest, ContainerAllocateRequest, device_plugin_client::DevicePluginClient,
+        };
+        let ch = device_plugin::connect_unix(
+            self.kubelet.dir().join("vcore.sock"),
+            Duration::from_secs(2),
+        )
+        .await
+        .unwrap();
+        DevicePluginClient::new(ch)
+            .allocate(AllocateRequest {
+                container_requests: vec![ContainerAllocateRequest {
+                    devices_ids: ids.map(|k| format!("vcore-0-{k:02}")).collect(),
+                }],
+            })
+            .await
+            .map(|_| ())
+    }
+
+    pub fn allocation_count(&self) -> usize {
+        self.checkpoint()["allocations"]
+            .as_array()
+            .map_or(0, |a| a.len())
+    }
+
+    pub fn rss_kib(&self) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.manager.id()))
+            .unwrap_or_default();
+        s.lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
+    pub fn sim_root(&self) -> &Path {
+        self.sim.root()
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        // SAFETY: SIGTERM to our own child, not yet reaped.
+        unsafe { libc::kill(self.manager.id() as i32, libc::SIGTERM) };
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(5) {
+            if let Ok(Some(_)) = self.manager.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.manager.kill();
+        let _ = self.manager.wait();
+    }
+}

@@ -1,0 +1,47 @@
+//! Processes and sockets: a process's command line, what a program
+//! printed as `key=value` words, one HTTP GET.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+/// One HTTP/1.1 GET with `Connection: close`: the status code (0 when the
+/// answer has none) and the body.
+pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let code = raw.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map(|x| x.1)
+        .unwrap_or("")
+        .to_string();
+    (code, body)
+}
+
+/// The command line of process `pid`, read back from /proc.
+pub fn cmdline(pid: u32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .unwrap()
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect()
+}
+
+/// The `key=value` words a program printed (tests/c/*.c print their
+/// figures so).
+pub fn kv(text: &str) -> std::collections::HashMap<String, String> {
+    text.split_whitespace()
+        .filter_map(|w| w.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}

@@ -1,0 +1,264 @@
+//! The manager's side of the registration protocol, minimal, for tests and
+//! benchmarks (the real manager reuses `container-ledger` the same way):
+//!
+//! * bind `<dir>/vcuda.sock`, create the ledger (`<dir>/ledger` here; the
+//!   real manager keeps it in the container's vm directory);
+//! * per connection: read a `RegisterRequest`, take the peer's PID from
+//!   SO_PEERCRED, claim a ledger slot (the previous one when the process
+//!   re-registers), rewrite `pids.config`, reply `ACCEPTED` with the slot and
+//!   the ledger descriptor (SCM_RIGHTS);
+//! * on EOF: clear the slot (the process died or closed), rewrite pids.
+//!
+//! Used by cuda-shim's example `test_manager` (for tests/python), its
+//! benches and the workspace tests.
+
+use container_ledger::{Ledger, fdpass};
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, frame, register_response::Status};
+
+/// What the server saw, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Registered {
+        pid: i32,
+        slot: usize,
+        previous_slot: Option<u32>,
+        program: String,
+    },
+    Closed {
+        pid: i32,
+        slot: usize,
+        freed: u64,
+    },
+}
+
+struct Shared {
+    dir: PathBuf,
+    ledger: Ledger,
+    ledger_file: std::fs::File,
+    live: Mutex<BTreeMap<i32, usize>>,
+    conns: Mutex<Vec<UnixStream>>,
+    events: Mutex<Vec<Event>>,
+    stopping: AtomicBool,
+    /// Reply REJECTED to everyone (tests of the refusal path).
+    reject: AtomicBool,
+}
+
+pub struct TestManager {
+    shared: Arc<Shared>,
+    listener_fd: i32,
+    accept: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Writes `<dir>/vcuda.config` for an enforced container.
+pub fn write_config(dir: &Path, quota: u64, driver_version: (i32, i32), enable: bool) {
+    let d = quota_config::ResourceData {
+        pod_uid: "pod-uid-1".into(),
+        container_name: "main".into(),
+        bus_id: "0000:01:00.0".into(),
+        gpu_memory: quota,
+        utilization: 50,
+        hard_limit: true,
+        driver_version,
+        enable,
+        ..Default::default()
+    };
+    quota_config::write_atomic(
+        &dir.join(quota_config::CONFIG_FILE),
+        &d.to_bytes().unwrap(),
+        0o644,
+    )
+    .unwrap();
+}
+
+impl TestManager {
+    /// Serves `<dir>/vcuda.sock` with a ledger of `quota` bytes
+    /// (`<dir>/ledger`, kept if present: a restarted manager keeps state).
+    pub fn start(dir: &Path, quota: u64) -> TestManager {
+        let sock = dir.join(quota_config::SOCKET_FILE);
+        let _ = std::fs::remove_file(&sock);
+        let (ledger, ledger_file) =
+            Ledger::create(&dir.join(container_ledger::LEDGER_FILE), quota).unwrap();
+        let listener = UnixListener::bind(&sock).unwrap();
+        let listener_fd = listener.as_raw_fd();
+        let shared = Arc::new(Shared {
+            dir: dir.to_path_buf(),
+            ledger,
+            ledger_file,
+            live: Mutex::new(BTreeMap::new()),
+            conns: Mutex::new(Vec::new()),
+            events: Mutex::new(Vec::new()),
+            stopping: AtomicBool::new(false),
+            reject: AtomicBool::new(false),
+        });
+        let s2 = Arc::clone(&shared);
+        let accept = std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if s2.stopping.load(Ordering::Acquire) {
+                    break;
+                }
+                let Ok(conn) = conn else { break };
+                if let Ok(c) = conn.try_clone() {
+                    s2.conns.lock().unwrap().push(c);
+                }
+                let s3 = Arc::clone(&s2);
+                std::thread::spawn(move || serve(&s3, conn));
+            }
+        });
+        TestManager {
+            shared,
+            listener_fd,
+            accept: Some(accept),
+        }
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.shared.ledger
+    }
+
+    pub fn events(&self) -> Vec<Event> {
+        self.shared.events.lock().unwrap().clone()
+    }
+
+    /// Host PIDs with an open registration.
+    pub fn live(&self) -> BTreeMap<i32, usize> {
+        self.shared.live.lock().unwrap().clone()
+    }
+
+    pub fn set_reject(&self, on: bool) {
+        self.shared.reject.store(on, Ordering::Release);
+    }
+
+    /// Waits until `pred` holds on the events (or panics after `secs`).
+    pub fn wait_for(&self, secs: u64, what: &str, pred: impl Fn(&[Event]) -> bool) {
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+        loop {
+            if pred(&self.events()) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < end,
+                "timed out waiting for {what}; events: {:?}",
+                self.events()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
+    /// Stops like a crashing manager: connections drop, slots are kept.
+    pub fn crash(mut self) {
+        self.halt();
+    }
+
+    fn halt(&mut self) {
+        self.shared.stopping.store(true, Ordering::Release);
+        // SAFETY: shutdown on the listener fd this manager owns and has not closed.
+        unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
+        for c in self.shared.conns.lock().unwrap().drain(..) {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(self.shared.dir.join(quota_config::SOCKET_FILE));
+    }
+}
+
+impl Drop for TestManager {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+fn peer_pid(s: &UnixStream) -> i32 {
+    // SAFETY: ucred is plain integers: all-zero is a valid value.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED fills at most `len` bytes of our local ucred.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(r, 0, "SO_PEERCRED");
+    cred.pid
+}
+
+fn write_pids(sh: &Shared) {
+    let pids: Vec<i32> = sh.live.lock().unwrap().keys().copied().collect();
+    let _ = quota_config::write_atomic(
+        &sh.dir.join(quota_config::PIDS_FILE),
+        &quota_config::encode_pids(&pids),
+        0o644,
+    );
+}
+
+fn serve(sh: &Shared, mut conn: UnixStream) {
+    let pid = peer_pid(&conn);
+    let Ok(req) = frame::read::<RegisterRequest>(&mut conn) else {
+        return;
+    };
+    if sh.reject.load(Ordering::Acquire) {
+        let resp = RegisterResponse {
+            status: Status::Rejected as i32,
+            message: "test manager rejects everyone".into(),
+            host_pid: pid,
+            ledger_slot: None,
+        };
+        let _ = frame::write(&mut conn, &resp);
+        return;
+    }
+    let Some(slot) = sh
+        .ledger
+        .claim_slot(pid, req.previous_slot.map(|s| s as usize))
+    else {
+        return;
+    };
+    sh.live.lock().unwrap().insert(pid, slot);
+    sh.events.lock().unwrap().push(Event::Registered {
+        pid,
+        slot,
+        previous_slot: req.previous_slot,
+        program: req.program.clone(),
+    });
+    let resp = RegisterResponse {
+        status: Status::Accepted as i32,
+        message: String::new(),
+        host_pid: pid,
+        ledger_slot: Some(slot as u32),
+    };
+    let body = prost::Message::encode_to_vec(&resp);
+    if fdpass::send_frame(conn.as_fd(), &body, Some(sh.ledger_file.as_fd())).is_err() {
+        return;
+    }
+    // After the reply: the fsyncs of pids.config need not delay cuInit
+    // (the interposer counts its own PID in anyway).
+    write_pids(sh);
+    // The connection lives as long as the process.
+    let mut buf = [0u8; 64];
+    loop {
+        match std::io::Read::read(&mut conn, &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+    }
+    if sh.stopping.load(Ordering::Acquire) {
+        return;
+    }
+    let freed = sh.ledger.clear_slot(slot);
+    sh.live.lock().unwrap().remove(&pid);
+    write_pids(sh);
+    sh.events
+        .lock()
+        .unwrap()
+        .push(Event::Closed { pid, slot, freed });
+}

@@ -1,0 +1,123 @@
+//! Running a saturating C workload under the interposer and measuring what
+//! it achieved from the sim's timeline (the ground truth), for the
+//! accuracy benchmarks. The program prints `pid=N start_ns=T` when it
+//! starts launching, runs for the seconds it is given, then exits 0.
+
+use super::simnode::{self, Container, ShimNode};
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+pub struct Running {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+    pub pid: i32,
+    pub start: u64,
+}
+
+/// Starts `prog args` in `c`; returns once it printed `start_ns=`.
+pub fn start(c: &Container, prog: &Path, args: &[&str]) -> Running {
+    let mut child = c
+        .command(prog)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        // The interposer's log level while looking into a figure (off unless set).
+        .env(
+            "LOGGER_LEVEL",
+            std::env::var("VCUDA_ACCURACY_LOG").unwrap_or_default(),
+        )
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "workload ended early"
+        );
+        if line.contains("start_ns=") {
+            break;
+        }
+    }
+    let get = |k: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{k}=")))
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    Running {
+        pid: get("pid") as i32,
+        start: get("start_ns"),
+        child,
+        out,
+    }
+}
+
+impl Running {
+    /// Reads the workload's output until a line has `key=N`; N.
+    pub fn wait_for(&mut self, key: &str) -> u64 {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(
+                self.out.read_line(&mut line).unwrap() > 0,
+                "workload ended before printing {key}="
+            );
+            if let Some(v) = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix(&format!("{key}=")))
+            {
+                return v.parse().unwrap();
+            }
+        }
+    }
+}
+
+/// Waits for the workload to exit successfully; its remaining output.
+pub fn finish(mut r: Running) -> String {
+    let mut s = String::new();
+    r.out.read_to_string(&mut s).unwrap();
+    assert!(r.child.wait().unwrap().success(), "workload failed: {s}");
+    s
+}
+
+pub fn sleep_until(t: u64) {
+    let now = simnode::now_ns();
+    if t > now {
+        std::thread::sleep(Duration::from_nanos(t - now));
+    }
+}
+
+pub const fn s(x: f64) -> u64 {
+    (x * 1e9) as u64
+}
+
+/// Achieved percent of each workload over the same `window_s` window after
+/// `warmup_s`. Each runs `prog args`, where the argument `{secs}` becomes
+/// the run's length (warm-up + window + 0.5 s).
+pub fn measure(
+    n: &ShimNode,
+    c: &[&Container],
+    prog: &Path,
+    args: &[&str],
+    (warmup_s, window_s): (f64, f64),
+) -> Vec<f64> {
+    let secs = format!("{}", warmup_s + window_s + 0.5);
+    let args: Vec<&str> = args
+        .iter()
+        .map(|a| if *a == "{secs}" { secs.as_str() } else { *a })
+        .collect();
+    let runs: Vec<Running> = c.iter().map(|c| start(c, prog, &args)).collect();
+    let from = runs.iter().map(|r| r.start).max().unwrap() + s(warmup_s);
+    let to = from + s(window_s);
+    sleep_until(to + 20_000_000);
+    let got = runs.iter().map(|r| n.busy(&[r.pid], from, to)).collect();
+    for r in runs {
+        finish(r);
+    }
+    got
+}

@@ -1,0 +1,90 @@
+//! A simulated GPU node installed by the real `gpu-sim install`, and C
+//! programs built against its libcuda.
+
+use crate::paths::{target_dir, workspace_root};
+use std::path::{Path, PathBuf};
+
+/// What one context costs on the sample node `sim-1gpu` (its overhead and
+/// its 8 MiB device heap): the interposer charges it through the NVML
+/// reconcile.
+pub fn sample_ctx_cost() -> u64 {
+    const MIB: u64 = 1 << 20;
+    let spec =
+        gpu_sim_core::NodeSpec::load(&workspace_root().join("config/nodes/sim-1gpu.toml")).unwrap();
+    let c = spec.gpus[0].context_overhead_bytes() + 8 * MIB;
+    assert!(c > 8 * MIB, "the sample node gives contexts a cost");
+    c
+}
+
+/// A simulated node installed in a temporary directory by the real
+/// `gpu-sim install`. Removed when dropped.
+pub struct SimNode {
+    pub dir: tempfile::TempDir,
+}
+
+impl SimNode {
+    /// Installs `config/nodes/<name>.toml`. Needs the workspace built
+    /// (`cargo build --workspace`): the libraries are cdylibs that `cargo
+    /// test` alone does not build.
+    pub fn install(name: &str) -> SimNode {
+        let node = workspace_root()
+            .join("config/nodes")
+            .join(format!("{name}.toml"));
+        Self::install_file(&node)
+    }
+
+    pub fn install_file(node: &Path) -> SimNode {
+        let dir = tempfile::Builder::new()
+            .prefix("gpu-sim-")
+            .tempdir()
+            .unwrap();
+        let gpu_sim = target_dir().join("gpu-sim");
+        assert!(
+            gpu_sim.is_file(),
+            "{} missing: run `cargo build --workspace` first",
+            gpu_sim.display()
+        );
+        let out = std::process::Command::new(&gpu_sim)
+            .arg("install")
+            .arg("--node")
+            .arg(node)
+            .arg("--root")
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "gpu-sim install failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        SimNode { dir }
+    }
+
+    pub fn root(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The multiarch library directory holding libcuda.so.1 and libnvidia-ml.so.1.
+    pub fn lib_dir(&self) -> PathBuf {
+        self.root().join("usr/lib/x86_64-linux-gnu")
+    }
+}
+
+/// Compiles a C test program from `tests/c/<name>.c` against the node's
+/// libcuda (`-lcuda`), into `out_dir`.
+pub fn compile_c(name: &str, node: &SimNode, out_dir: &Path) -> PathBuf {
+    let src = workspace_root().join("tests/c").join(format!("{name}.c"));
+    let out = out_dir.join(name);
+    let st = std::process::Command::new("gcc")
+        .arg("-O1")
+        .arg("-o")
+        .arg(&out)
+        .arg(&src)
+        .arg("-L")
+        .arg(node.lib_dir())
+        .arg("-lcuda")
+        .status()
+        .expect("gcc");
+    assert!(st.success(), "compiling {}", src.display());
+    out
+}

@@ -1,0 +1,391 @@
+//! The DRA real-node test's parts (tests/k8s_dra_node/main.rs): kubectl
+//! against the node, images into its containerd, the driver binary on the
+//! host, the claim and pod manifests, the quota check.
+
+use serde_json::Value;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+use test_support::k8s::util::{IMAGE, MIB, get_u64, tail, wait};
+use test_support::kv;
+use test_support::{target_dir, workspace_root};
+
+pub const NS: &str = "vcuda-dra-test";
+pub const DRIVER: &str = "vcuda.tencent.com";
+pub const CDI_DIR: &str = "/var/run/cdi";
+pub const DRA_IMAGE: &str = "docker.io/vcuda-test/vcuda-dra-driver:local";
+
+pub struct Node {
+    pub kubeconfig: PathBuf,
+    pub containerd: PathBuf,
+}
+
+impl Node {
+    /// The driver DaemonSet's pods.
+    pub fn driver_pods(&self) -> Result<Vec<Value>, String> {
+        let l = self.json(&[
+            "-n",
+            "kube-system",
+            "get",
+            "pods",
+            "-l",
+            "app.kubernetes.io/name=vcuda-dra-driver",
+        ])?;
+        Ok(l["items"].as_array().cloned().unwrap_or_default())
+    }
+
+    pub fn kubectl(&self, args: &[&str]) -> Result<String, String> {
+        let out = Command::new("kubectl")
+            .env("KUBECONFIG", &self.kubeconfig)
+            .env("PATH", path_with_kubectl())
+            .args(args)
+            .output()
+            .map_err(|e| format!("kubectl: {e}"))?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(format!(
+                "kubectl {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            ))
+        }
+    }
+
+    pub fn ok(&self, args: &[&str]) -> String {
+        self.kubectl(args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub fn json(&self, args: &[&str]) -> Result<Value, String> {
+        let mut a = args.to_vec();
+        a.extend(["-o", "json"]);
+        serde_json::from_str(&self.kubectl(&a)?).map_err(|e| e.to_string())
+    }
+
+    pub fn apply(&self, yaml: &str) {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        fs::write(f.path(), yaml).unwrap();
+        self.ok(&["apply", "-f", f.path().to_str().unwrap()]);
+    }
+}
+
+/// kubectl from the node's binaries when it is not on PATH.
+pub fn path_with_kubectl() -> String {
+    let path = std::env::var("PATH").unwrap_or_default();
+    match std::env::var("VCUDA_DRA_KUBECTL_DIR") {
+        Ok(d) => format!("{d}:{path}"),
+        Err(_) => path,
+    }
+}
+
+pub fn sh(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A one-layer image of `root`, made by tests/containerd/start.sh's
+/// `vcuda_image_tar` and imported into the node's containerd.
+pub fn import(n: &Node, tag: &str, root: &Path, entry: &str) {
+    let tar = root.with_extension("tar");
+    let script = workspace_root().join("tests/containerd/start.sh");
+    sh(Command::new("bash").arg("-c").arg(format!(
+        "source {} && vcuda_image_tar {tag} {} {} {entry}",
+        script.display(),
+        root.display(),
+        tar.display()
+    )));
+    sh(Command::new("ctr")
+        .arg("--address")
+        .arg(&n.containerd)
+        .args(["-n", "k8s.io", "images", "import"])
+        .arg(&tar));
+}
+
+/// The busybox image; the host's glibc is mounted at run time.
+pub fn import_busybox(n: &Node, dir: &Path) {
+    let root = dir.join("busybox-rootfs");
+    for d in [
+        "bin",
+        "tmp",
+        "proc",
+        "sys",
+        "dev",
+        "etc",
+        "run",
+        "usr/local",
+    ] {
+        fs::create_dir_all(root.join(d)).unwrap();
+    }
+    fs::copy("/bin/busybox", root.join("bin/busybox")).expect("/bin/busybox (busybox-static)");
+    for a in [
+        "sh", "ls", "cat", "echo", "sleep", "env", "test", "true", "grep", "head",
+    ] {
+        let _ = std::os::unix::fs::symlink("busybox", root.join("bin").join(a));
+    }
+    import(n, IMAGE, &root, "/bin/sh");
+}
+
+/// The driver binary on the host, as a DaemonSet would run it.
+pub struct DriverProc {
+    pub child: Option<Child>,
+    pub args: Vec<String>,
+    pub log: PathBuf,
+}
+
+impl DriverProc {
+    pub fn spawn(&mut self) {
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        self.child = Some(
+            Command::new(target_dir().join("vcuda-dra-driver"))
+                .args(&self.args)
+                .env("RUST_LOG", "info")
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .expect("vcuda-dra-driver (cargo build --workspace)"),
+        );
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn count(&self, needle: &str) -> usize {
+        self.text().matches(needle).count()
+    }
+
+    /// Waits until the log has `needle` at least `times` times.
+    pub fn wait_for(&self, what: &str, needle: &str, times: usize, secs: u64) {
+        wait(what, secs, || {
+            if self.count(needle) >= times {
+                Ok(())
+            } else {
+                Err(tail(&self.text(), 5))
+            }
+        });
+    }
+
+    /// `ms=` of every line with `needle`.
+    pub fn millis(&self, needle: &str) -> Vec<u64> {
+        self.text()
+            .lines()
+            .filter(|l| l.contains(needle))
+            .filter_map(|l| {
+                l.split_whitespace()
+                    .find_map(|w| w.strip_prefix("ms="))
+                    .and_then(|v| v.parse::<f64>().ok())
+            })
+            .map(|v| (v * 1000.0) as u64)
+            .collect()
+    }
+}
+
+impl Drop for DriverProc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+pub fn claim_template(name: &str, cores: u32, memory: &str) -> String {
+    format!(
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpu
+        exactly:
+          deviceClassName: vcuda-share.vcuda.tencent.com
+          capacity:
+            requests: {{cores: "{cores}", memory: {memory}}}
+"#
+    )
+}
+
+/// A pod of the busybox image with the host's glibc, the test programs at
+/// /work and the simulated driver's state at /run/gpu-sim, holding one
+/// claim from `template`.
+pub fn pod(name: &str, template: &str, cmd: &str, bin: &Path, sim: &Path) -> String {
+    let lib64 = Path::new("/usr/lib64").exists();
+    format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  resourceClaims:
+  - name: gpu
+    resourceClaimTemplateName: {template}
+  containers:
+  - name: main
+    image: {IMAGE}
+    imagePullPolicy: Never
+    command: ["/bin/sh", "-c", {cmd:?}]
+    resources:
+      claims: [{{name: gpu}}]
+    volumeMounts:
+    - {{name: glibc, mountPath: /lib/x86_64-linux-gnu, readOnly: true}}
+{m64}    - {{name: work, mountPath: /work, readOnly: true}}
+    - {{name: gpu-sim, mountPath: /run/gpu-sim}}
+  volumes:
+  - {{name: glibc, hostPath: {{path: /usr/lib/x86_64-linux-gnu}}}}
+{v64}  - {{name: work, hostPath: {{path: {bin}}}}}
+  - {{name: gpu-sim, hostPath: {{path: {state}}}}}
+"#,
+        m64 = if lib64 {
+            "    - {name: lib64, mountPath: /lib64, readOnly: true}\n"
+        } else {
+            ""
+        },
+        v64 = if lib64 {
+            "  - {name: lib64, hostPath: {path: /usr/lib64}}\n"
+        } else {
+            ""
+        },
+        bin = bin.display(),
+        state = sim.join("run/gpu-sim").display(),
+    )
+}
+
+/// The pod's claim (made from its template) as the API server has it.
+pub fn pod_claim(n: &Node, pod: &str) -> Result<Value, String> {
+    let p = n.json(&["-n", NS, "get", "pod", pod])?;
+    let name = p["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+        .as_str()
+        .ok_or("no resourceClaimStatuses yet")?
+        .to_string();
+    n.json(&["-n", NS, "get", "resourceclaim", &name])
+}
+
+pub fn wait_running(n: &Node, pod: &str, secs: u64) -> Duration {
+    let t0 = Instant::now();
+    wait(&format!("pod {pod} Running"), secs, || {
+        let p = n.json(&["-n", NS, "get", "pod", pod])?;
+        match p["status"]["phase"].as_str() {
+            Some("Running") => Ok(()),
+            Some("Failed") => panic!(
+                "pod {pod} failed: {}\n{}",
+                p["status"],
+                n.kubectl(&["-n", NS, "describe", "pod", pod])
+                    .unwrap_or_default()
+            ),
+            other => Err(format!(
+                "{other:?}; events: {}",
+                tail(
+                    &n.kubectl(&["-n", NS, "get", "events"]).unwrap_or_default(),
+                    5
+                )
+            )),
+        }
+    });
+    let took = t0.elapsed();
+    if took > Duration::from_secs(5) {
+        eprintln!(
+            "k8s_dra: pod {pod} took {:.1} s to Running; its events:\n{}",
+            took.as_secs_f64(),
+            n.kubectl(&[
+                "-n",
+                NS,
+                "get",
+                "events",
+                "--field-selector",
+                &format!("involvedObject.name={pod}"),
+            ])
+            .unwrap_or_default()
+        );
+    }
+    took
+}
+
+/// Waits until the pod's log has `marker`, then returns the log.
+pub fn log_with(n: &Node, pod: &str, marker: &str) -> String {
+    wait(&format!("pod {pod}'s log to show {marker:?}"), 60, || {
+        let l = n.kubectl(&["-n", NS, "logs", pod])?;
+        if l.contains(marker) { Ok(l) } else { Err(l) }
+    })
+}
+
+pub fn check_quota(out: &str, who: &str) {
+    let a = kv(out);
+    assert_eq!(
+        get_u64(&a, "start_total", out),
+        1024 * MIB,
+        "{who}: total = 1 GiB\n{out}"
+    );
+    assert_eq!(
+        get_u64(&a, "start_device_total", out),
+        1024 * MIB,
+        "{who}\n{out}"
+    );
+    assert_eq!(
+        get_u64(&a, "last", out),
+        2,
+        "{who}: refused past 1 GiB (OOM)\n{out}"
+    );
+    assert!(
+        get_u64(&a, "allocated", out) >= 3,
+        "{who}: 3 × 256 MiB fit\n{out}"
+    );
+}
+
+/// A template of two whole GPUs (the whole-GPU class, `count: 2`).
+pub fn two_whole_template(name: &str) -> String {
+    format!(
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpus
+        exactly:
+          deviceClassName: vcuda-gpu.vcuda.tencent.com
+          allocationMode: ExactCount
+          count: 2
+"#
+    )
+}
+
+/// A template of a share and a whole GPU in one claim, which the driver
+/// refuses at prepare (one `vcuda.config` per container).
+pub fn mixed_template(name: &str) -> String {
+    format!(
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: share
+        exactly:
+          deviceClassName: vcuda-share.vcuda.tencent.com
+          capacity:
+            requests: {{cores: "30", memory: 1Gi}}
+      - name: whole
+        exactly:
+          deviceClassName: vcuda-gpu.vcuda.tencent.com
+"#
+    )
+}

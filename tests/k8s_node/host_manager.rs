@@ -1,0 +1,158 @@
+//! The real `gpu-manager` binary on the host (phases 1 and 2).
+
+use std::fs;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+use test_support::k8s::cluster::{Cluster, Work};
+use test_support::k8s::util::{MANAGER_PORT, tail, wait};
+use test_support::kv;
+use test_support::{http_get, target_dir, workspace_root};
+
+/// The real gpu-manager binary on the host, against the real kubelet.
+pub struct HostManager {
+    child: Option<Child>,
+    log: PathBuf,
+    args: Vec<String>,
+}
+
+impl HostManager {
+    pub fn start(c: &Cluster, w: &Work) -> HostManager {
+        let t = target_dir();
+        let args: Vec<String> = [
+            "--share-mode",
+            "--hostname-override",
+            &c.node,
+            "--host-root",
+            w.sim.to_str().unwrap(),
+            "--volume-config",
+            workspace_root()
+                .join("config/volume.conf")
+                .to_str()
+                .unwrap(),
+            "--interposer",
+            t.join("libvcuda.so").to_str().unwrap(),
+            "--kubeconfig",
+            c.kubeconfig().to_str().unwrap(),
+            "--vdriver-path",
+            w.mgr.join("vdriver").to_str().unwrap(),
+            "--virtual-manager-path",
+            w.vm().to_str().unwrap(),
+            "--checkpoint-path",
+            w.mgr.join("checkpoint").to_str().unwrap(),
+            "--display-socket",
+            w.mgr.join("display.sock").to_str().unwrap(),
+            "--query-port",
+            &MANAGER_PORT.to_string(),
+            // The node's containerd through CRI, with kubelet and the API
+            // server, is what recovery asks.
+            "--container-runtime",
+            "containerd",
+            "--container-runtime-endpoint",
+            &format!(
+                "unix://{}",
+                c.dir.join("containerd/containerd.sock").display()
+            ),
+            "--xid-quiet-period",
+            "5",
+            "--allocation-check-period",
+            "5",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let mut m = HostManager {
+            child: None,
+            log: w.mgr.join("gpu-manager.log"),
+            args,
+        };
+        m.spawn();
+        m
+    }
+
+    pub fn spawn(&mut self) {
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(target_dir().join("gpu-manager"))
+            .args(&self.args)
+            .env("RUST_LOG", "info")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("gpu-manager (cargo build --workspace)");
+        self.child = Some(child);
+    }
+
+    pub fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn count(&self, needle: &str) -> usize {
+        self.log_text().matches(needle).count()
+    }
+
+    pub fn ready(&self) -> bool {
+        let addr: SocketAddr = ([127, 0, 0, 1], MANAGER_PORT).into();
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_ok()
+            && http_get(addr, "/readyz").0 == 200
+    }
+
+    pub fn wait_ready(&mut self, secs: u64) {
+        wait("gpu-manager /readyz", secs, || {
+            if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!(
+                    "gpu-manager exited ({st}); log:\n{}",
+                    tail(&self.log_text(), 40)
+                );
+            }
+            if self.ready() {
+                Ok(())
+            } else {
+                Err(tail(&self.log_text(), 5))
+            }
+        });
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: our own child's pid.
+            unsafe { libc::kill(c.id() as i32, libc::SIGKILL) };
+            c.wait().unwrap();
+        }
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: our own child's pid.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while c.try_wait().unwrap().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// `took_us` of every "allocated" line so far.
+    pub fn allocate_us(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = self
+            .log_text()
+            .lines()
+            .filter(|l| l.contains(" allocated "))
+            .filter_map(|l| kv(l).get("took_us").and_then(|x| x.parse().ok()))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+}
+
+impl Drop for HostManager {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
