@@ -12,12 +12,11 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_util::sync::CancellationToken;
 
 use crate::driver::Driver;
-use crate::kube_api::KubeApi;
-use crate::publish::Publisher;
+use crate::publish::{Publisher, SliceApi};
 use crate::slices::GpuDevice;
 
 pub struct SliceController {
-    pub api: KubeApi,
+    pub api: Arc<dyn SliceApi>,
     pub publisher: Publisher,
     pub driver: Arc<Driver>,
     /// The node's GPUs as published.
@@ -106,11 +105,146 @@ impl SliceController {
     async fn publish(&self) {
         *self.healthy.lock().unwrap_or_else(PoisonError::into_inner) =
             self.devices.iter().map(|d| d.healthy).collect();
-        match self.publisher.reconcile(&self.api, &self.devices).await {
+        match self
+            .publisher
+            .reconcile(self.api.as_ref(), &self.devices)
+            .await
+        {
             Ok(p) => tracing::debug!(?p, "ResourceSlice reconciled"),
             Err(e) => {
                 tracing::warn!(error = %e, "publishing the ResourceSlice (retried at the next resync)")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+    use tokio::sync::mpsc::unbounded_channel;
+
+    use crate::driver::{ClaimSource, Config};
+
+    /// The API server's slices in memory.
+    #[derive(Default)]
+    struct Slices(Mutex<Vec<ResourceSlice>>);
+
+    #[async_trait::async_trait]
+    impl SliceApi for Slices {
+        async fn list(&self, _: &str) -> Result<Vec<ResourceSlice>, String> {
+            Ok(self.0.lock().unwrap().clone())
+        }
+        async fn create(&self, s: &ResourceSlice) -> Result<ResourceSlice, String> {
+            self.0.lock().unwrap().push(s.clone());
+            Ok(s.clone())
+        }
+        async fn replace(&self, s: &ResourceSlice) -> Result<ResourceSlice, String> {
+            *self.0.lock().unwrap() = vec![s.clone()];
+            Ok(s.clone())
+        }
+        async fn delete(&self, _: &str) -> Result<(), String> {
+            self.0.lock().unwrap().clear();
+            Ok(())
+        }
+        async fn ensure_class(&self, _: &DeviceClass) -> Result<(), String> {
+            Ok(())
+        }
+    }
+
+    struct NoClaims;
+
+    #[async_trait::async_trait]
+    impl ClaimSource for NoClaims {
+        async fn claim(&self, _: &str, name: &str) -> Result<ResourceClaim, String> {
+            Err(format!("resourceclaims {name:?} not found"))
+        }
+    }
+
+    impl Slices {
+        /// The published devices, once a slice exists.
+        fn devices(&self) -> Option<usize> {
+            let all = self.0.lock().unwrap();
+            all.first()
+                .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+        }
+
+        async fn until(&self, want: Option<usize>) {
+            let wait = async {
+                while self.devices() != want {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(5), wait)
+                .await
+                .unwrap_or_else(|_| panic!("{:?} devices, not {want:?}", self.devices()));
+        }
+    }
+
+    #[tokio::test]
+    async fn health_and_the_slice_watch_republish() {
+        let tmp = tempfile::tempdir().unwrap();
+        let gpu = gpu_allocator::GpuInfo {
+            index: 0,
+            uuid: "GPU-a".into(),
+            minor: 0,
+            memory_bytes: 16 << 30,
+            numa_node: None,
+            pci_bus_id: "00000000:3B:00.0".into(),
+        };
+        let p = |d: &str| tmp.path().join(d);
+        let cfg = Config {
+            node: "n1".into(),
+            vm_root: p("vm"),
+            vdriver_dir: p("vdriver"),
+            cdi_dir: p("cdi"),
+            state_dir: p("state"),
+            driver_version: (550, 54),
+            extra_devices: vec![],
+        };
+        let driver = Arc::new(Driver::start(cfg, vec![gpu.clone()], Arc::new(NoClaims)).unwrap());
+        let api = Arc::new(Slices::default());
+        let healthy = Arc::new(Mutex::new(vec![true]));
+        let (htx, hrx) = unbounded_channel();
+        let (stx, srx) = unbounded_channel();
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(
+            SliceController {
+                api: api.clone(),
+                publisher: Publisher::new("n1", "550.54.15"),
+                driver: driver.clone(),
+                devices: vec![GpuDevice {
+                    info: gpu,
+                    model: "A100".into(),
+                    healthy: true,
+                }],
+                healthy: healthy.clone(),
+                xid_quiet_period: Duration::from_secs(300),
+                resync_period: Duration::from_secs(3600),
+            }
+            .run(hrx, srx, cancel.clone()),
+        );
+
+        htx.send(HealthChange::Unhealthy { gpu: 0, xid: 79 })
+            .unwrap();
+        api.until(Some(0)).await;
+        assert_eq!(*healthy.lock().unwrap(), [false]);
+        let h = driver.health_watch().borrow().clone();
+        assert!(
+            !h[0].healthy && h[0].message.starts_with("critical Xid 79"),
+            "{h:?}"
+        );
+
+        htx.send(HealthChange::Healthy { gpu: 0 }).unwrap();
+        api.until(Some(1)).await;
+        assert!(driver.health_watch().borrow()[0].healthy);
+
+        // Deleted behind the driver's back: the watch's notice brings it back.
+        api.0.lock().unwrap().clear();
+        stx.send(()).unwrap();
+        api.until(Some(1)).await;
+
+        cancel.cancel();
+        task.await.unwrap();
     }
 }

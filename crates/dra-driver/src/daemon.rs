@@ -110,7 +110,7 @@ pub async fn run(
         &cancel,
     );
     SliceController {
-        api,
+        api: Arc::new(api),
         publisher,
         driver: driver.clone(),
         devices,
