@@ -72,25 +72,27 @@ impl Capability {
     pub fn hint(self) -> &'static str {
         match self {
             Capability::Root | Capability::PidNamespace => {
-                "run the tests as root (tests/run.sh does)"
+                "Run the tests as root (tests/run.sh does)"
             }
-            Capability::ShmFilesystem => "mount a tmpfs at /dev/shm",
-            Capability::Gcc32 => "install gcc-multilib (gcc -m32)",
+            Capability::ShmFilesystem => "Mount a tmpfs at /dev/shm",
+            Capability::Gcc32 => "Install gcc-multilib",
             Capability::Docker => {
-                "start one with `source tests/docker/engine.sh && start_docker_engine` and set DOCKER_HOST"
+                "Start one with `source tests/docker/engine.sh && start_docker_engine` (it sets DOCKER_HOST)"
             }
             Capability::Containerd => {
-                "start one with `source tests/containerd/start.sh && start_test_containerd` \
-                 (CDI: `source tests/containerd/cdi.sh && start_test_containerd_cdi`)"
+                "Start one with `source tests/containerd/start.sh && start_test_containerd`; \
+                 with CDI, `source tests/containerd/cdi.sh && start_test_containerd_cdi`"
             }
             Capability::Kubernetes => {
-                "build them with tests/k8s/build-kubernetes.sh and set VCUDA_K8S_BIN (tests/k8s/README.md)"
+                "Build them with tests/k8s/build-kubernetes.sh, set VCUDA_K8S_BIN, run as root (tests/k8s/README.md)"
             }
             Capability::NvidiaDrivers => {
                 "`source tests/nvidia/fetch.sh && fetch_nvidia_drivers` unpacks NVIDIA's drivers \
                  535 and 550 from Debian non-free and sets VCUDA_NVIDIA_ROOTS"
             }
-            Capability::CudaWheels => "install NVIDIA's CUDA 13 wheels as tests/run.sh does",
+            Capability::CudaWheels => {
+                "Install NVIDIA's CUDA wheels for python3 as tests/run.sh does"
+            }
         }
     }
 
@@ -166,13 +168,13 @@ pub fn require(cap: Capability) -> bool {
 pub fn missing(cap: Capability, detail: &str) {
     if let Some(var) = cap.required_by() {
         panic!(
-            "this test needs {cap}, required here ({var}=1, as tests/run.sh and so CI set it), \
-             but it is missing: {detail}; {}",
+            "this test needs {cap}, required here by {var}=1 (tests/run.sh, so CI, sets it), \
+             but it is missing: {detail}. {}.",
             cap.hint()
         );
     }
     eprintln!(
-        "skipped: needs {cap}: {detail} ({}; {}=1 makes this a failure)",
+        "skipped: needs {cap}: {detail}. {}; {}=1 or VCUDA_REQUIRE_ALL=1 makes this a failure.",
         cap.hint(),
         cap.env()
     );
