@@ -24,7 +24,7 @@ pub struct Args {
     /// The manager's TOML configuration, read for what is not given here.
     #[arg(long, env = "GPU_MANAGER_CONFIG")]
     pub manager_config: Option<PathBuf>,
-    /// This node's name [default: the file's hostname-override, else $NODE_NAME, else the host name].
+    /// This node's name, lower-cased [default: the file's hostname-override, else the host name].
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
     /// The host's root as mounted here [default: /].
