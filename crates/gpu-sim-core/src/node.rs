@@ -318,6 +318,22 @@ impl NodeSpec {
         self.nvlink[a][b]
     }
 
+    /// Whether GPU `a` can map GPU `b`'s memory (peer access): over NVLink,
+    /// or over PCIe without a host bridge between NUMA nodes' root
+    /// complexes in the way (PIX, PXB, PHB), as the driver reports through
+    /// `cuDeviceCanAccessPeer`. Never a GPU with itself.
+    pub fn peer_capable(&self, a: usize, b: usize) -> bool {
+        a != b
+            && (self.nvlink[a][b] > 0
+                || matches!(
+                    self.pcie[a][b],
+                    PcieLevel::Internal
+                        | PcieLevel::Single
+                        | PcieLevel::Multiple
+                        | PcieLevel::HostBridge
+                ))
+    }
+
     /// Index of the GPU with this minor number.
     pub fn gpu_by_minor(&self, minor: u32) -> Option<usize> {
         self.gpus.iter().position(|g| g.minor == minor)
@@ -644,6 +660,12 @@ nvlink = 4
         assert_eq!(n.nvlink_count(1, 0), 4);
         assert_eq!(n.gpus[0].pci_location(), (0, 7, 0, 0));
         assert_eq!(n.gpu_by_minor(1), Some(1));
+        assert!(n.peer_capable(0, 1), "NVLink joins them across NUMA nodes");
+        assert!(!n.peer_capable(1, 1), "never a GPU with itself");
+        let pcie_only = NodeSpec::parse(&TWO.replace("nvlink = 4", "nvlink = 0"), "t").unwrap();
+        assert!(!pcie_only.peer_capable(0, 1), "SYS: no PCIe peer access");
+        let switch = NodeSpec::parse(&TWO.replace("nvlink = 4", "pcie = \"PIX\""), "t").unwrap();
+        assert!(switch.peer_capable(1, 0), "one PCIe switch");
     }
 
     #[test]

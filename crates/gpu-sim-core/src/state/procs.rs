@@ -145,6 +145,17 @@ impl SharedState {
         Err(StateError::TooManyProcesses)
     }
 
+    /// Whether the process registered as `a` is still alive (its slot not
+    /// reclaimed nor reused): what shared files named after it hang on.
+    pub fn is_live(&self, a: Attached) -> bool {
+        if a.slot as usize >= MAX_PROCS {
+            return false;
+        }
+        self.reap_dead();
+        let s = self.slot(a.slot as usize);
+        s.state.load(Acquire) == SLOT_LIVE && s.generation.load(Acquire) & 0xffff == a.generation
+    }
+
     /// Marks that the process has a context on `gpu` (it then shows in
     /// process lists even before it allocates).
     pub fn set_active(&self, me: Attached, gpu: usize) {
@@ -275,8 +286,10 @@ mod tests {
         a.try_alloc(me, 0, 1000).unwrap();
         let b = SharedState::open(&root).unwrap();
         assert_eq!(b.memory_used(0), 1000, "a's lock keeps its slot alive");
+        assert!(b.is_live(me));
         drop(a); // closes the lock fd: like the process dying
         assert_eq!(b.memory_used(0), 0, "reclaimed");
         assert!(b.processes(0).is_empty());
+        assert!(!b.is_live(me), "its shared files may go");
     }
 }

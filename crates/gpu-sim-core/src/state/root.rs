@@ -32,6 +32,11 @@ impl SimRoot {
     pub fn lock_file(&self) -> PathBuf {
         self.state_dir().join("procs.lock")
     }
+    /// Where memory and events shared between processes live (CUDA IPC
+    /// handles, fabric handles): one file each, named by its handle's id.
+    pub fn ipc_dir(&self) -> PathBuf {
+        self.state_dir().join("ipc")
+    }
     pub fn dev_dir(&self) -> PathBuf {
         self.root.join("dev")
     }
