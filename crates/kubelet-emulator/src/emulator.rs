@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use device_plugin::api::{
     AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse,
     ContainerPreferredAllocationRequest, DevicePluginOptions, Empty, HEALTHY, KUBELET_SOCKET,
-    PreStartContainerRequest, PreferredAllocationRequest, RegisterRequest, VERSION,
+    ListAndWatchResponse, PreStartContainerRequest, PreferredAllocationRequest, RegisterRequest,
+    VERSION,
     device_plugin_client::DevicePluginClient,
     registration_server::{Registration, RegistrationServer},
 };
@@ -19,12 +20,14 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::Channel;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 use vcuda_api::podresources::v1 as pr;
 
 use crate::checkpoint::{CheckpointData, CheckpointError, DevicesPerNuma, PodDevicesEntry};
 
+mod plugin_calls;
 mod services;
+use plugin_calls::{allocate_devices, device_states, dial_plugin, preferred_devices};
 use services::{PodResourcesSvc, RegistrationSvc};
 
 /// File name of kubelet's device-manager checkpoint in the device-plugin dir.
@@ -493,27 +496,8 @@ impl KubeletEmulator {
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
             + 1;
         let path = self.inner.dir.join(&req.endpoint);
-        let ch = match connect_unix(&path, RPC_TIMEOUT).await {
-            Ok(ch) => ch,
-            Err(e) => {
-                tracing::warn!(%resource, error = %e, "cannot dial plugin back");
-                return;
-            }
-        };
-        let mut client = DevicePluginClient::new(ch);
-        let options = match client.get_device_plugin_options(Empty {}).await {
-            Ok(o) => o.into_inner(),
-            Err(s) => {
-                tracing::warn!(%resource, status = %s, "GetDevicePluginOptions failed");
-                return;
-            }
-        };
-        let mut stream = match client.list_and_watch(Empty {}).await {
-            Ok(s) => s.into_inner(),
-            Err(s) => {
-                tracing::warn!(%resource, status = %s, "ListAndWatch failed");
-                return;
-            }
+        let Some((client, options, stream)) = dial_plugin(&path, &resource).await else {
+            return;
         };
         let ep_cancel = cancel.child_token();
         {
@@ -522,7 +506,7 @@ impl KubeletEmulator {
                 resource.clone(),
                 Endpoint {
                     seq,
-                    client: client.clone(),
+                    client,
                     cancel: ep_cancel.clone(),
                 },
             ) {
@@ -550,33 +534,40 @@ impl KubeletEmulator {
             r.registered_at = Some(Instant::now());
         });
         tracing::info!(%resource, endpoint = %req.endpoint, "plugin connected");
+        self.follow_devices(&resource, stream, &ep_cancel).await;
+        // Only the newest registration of the resource may mark it gone.
+        let mut st = self.inner.state.lock().unwrap();
+        if st.clients.get(&resource).is_some_and(|e| e.seq == seq) {
+            st.clients.remove(&resource);
+            drop(st);
+            self.inner.view.send_modify(|v| {
+                if let Some(r) = v.resources.get_mut(&resource) {
+                    r.connected = false;
+                }
+            });
+            tracing::info!(%resource, "plugin disconnected");
+        }
+    }
+
+    /// Takes each ListAndWatch list as the resource's devices (and writes
+    /// the checkpoint) until the stream ends or `cancel` fires.
+    async fn follow_devices(
+        &self,
+        resource: &str,
+        mut stream: Streaming<ListAndWatchResponse>,
+        cancel: &CancellationToken,
+    ) {
         loop {
             let msg = tokio::select! {
                 m = stream.message() => m,
-                () = ep_cancel.cancelled() => break,
+                () = cancel.cancelled() => break,
             };
             match msg {
                 Ok(Some(list)) => {
                     let now = Instant::now();
-                    let devices: BTreeMap<String, DeviceState> = list
-                        .devices
-                        .into_iter()
-                        .map(|d| {
-                            let numa = d
-                                .topology
-                                .map(|t| t.nodes.iter().map(|n| n.id).collect())
-                                .unwrap_or_default();
-                            (
-                                d.id,
-                                DeviceState {
-                                    healthy: d.health == HEALTHY,
-                                    numa,
-                                },
-                            )
-                        })
-                        .collect();
+                    let devices = device_states(list);
                     self.inner.view.send_modify(|v| {
-                        if let Some(r) = v.resources.get_mut(&resource) {
+                        if let Some(r) = v.resources.get_mut(resource) {
                             r.devices = devices;
                             r.updates += 1;
                             r.last_update = Some(now);
@@ -592,17 +583,6 @@ impl KubeletEmulator {
                     break;
                 }
             }
-        }
-        let mut st = self.inner.state.lock().unwrap();
-        if st.clients.get(&resource).is_some_and(|e| e.seq == seq) {
-            st.clients.remove(&resource);
-            drop(st);
-            self.inner.view.send_modify(|v| {
-                if let Some(r) = v.resources.get_mut(&resource) {
-                    r.connected = false;
-                }
-            });
-            tracing::info!(%resource, "plugin disconnected");
         }
     }
 }
@@ -644,29 +624,6 @@ enum Prior {
     },
 }
 
-/// The plugin's GetPreferredAllocation answer for `count` of `available`.
-async fn preferred_devices(
-    client: &mut DevicePluginClient<Channel>,
-    available: &[String],
-    count: usize,
-) -> Result<Vec<String>, Status> {
-    let mut req = Request::new(PreferredAllocationRequest {
-        container_requests: vec![ContainerPreferredAllocationRequest {
-            available_device_i_ds: available.to_vec(),
-            must_include_device_i_ds: vec![],
-            allocation_size: count as i32,
-        }],
-    });
-    req.set_timeout(RPC_TIMEOUT);
-    let resp = client.get_preferred_allocation(req).await?.into_inner();
-    Ok(resp
-        .container_responses
-        .into_iter()
-        .next()
-        .map(|c| c.device_i_ds)
-        .unwrap_or_default())
-}
-
 /// Device choice as kubelet's devicesToAllocate: the plugin's preference
 /// where valid, the rest in order from what is available.
 fn choose_devices(preferred: &[String], available: &[String], count: usize) -> Vec<String> {
@@ -680,24 +637,6 @@ fn choose_devices(preferred: &[String], available: &[String], count: usize) -> V
         }
     }
     chosen
-}
-
-/// Allocate for one container; its one container response.
-async fn allocate_devices(
-    client: &mut DevicePluginClient<Channel>,
-    chosen: &[String],
-) -> Result<ContainerAllocateResponse, Status> {
-    let mut req = Request::new(AllocateRequest {
-        container_requests: vec![ContainerAllocateRequest {
-            devices_ids: chosen.to_vec(),
-        }],
-    });
-    req.set_timeout(RPC_TIMEOUT);
-    let resp = client.allocate(req).await?.into_inner();
-    resp.container_responses
-        .into_iter()
-        .next()
-        .ok_or_else(|| Status::internal("no container response"))
 }
 
 /// The chosen devices by their first NUMA node (-1: none), as kubelet's
