@@ -140,49 +140,13 @@ fn main() -> ExitCode {
         eprintln!("Failed to initialize NVML: Unknown Error");
         return ExitCode::from(255);
     }
-    let count = match nvml.device_count() {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("Unable to determine the device count: {e}");
-            return ExitCode::from(15);
-        }
+    let devices = match all_devices(&nvml).and_then(|all| match &args.ids {
+        Some(ids) => select(&nvml, all, ids),
+        None => Ok(all),
+    }) {
+        Ok(d) => d,
+        Err(code) => return code,
     };
-    let mut devices = Vec::new();
-    for i in 0..count {
-        match nvml.device_by_index(i) {
-            Ok(d) => devices.push(d),
-            Err(e) => {
-                eprintln!("Unable to determine the device handle for GPU {i}: {e}");
-                return ExitCode::from(15);
-            }
-        }
-    }
-    if let Some(ids) = &args.ids {
-        let mut chosen = Vec::new();
-        for id in ids {
-            let found = devices.iter().position(|d| {
-                id.parse::<u32>().ok() == d.index().ok()
-                    || d.uuid().is_ok_and(|u| &u == id)
-                    || d.pci_info()
-                        .is_ok_and(|p| p.bus_id.eq_ignore_ascii_case(id))
-            });
-            match found {
-                Some(k) => chosen.push(k),
-                None => {
-                    eprintln!("No devices were found with ID {id}");
-                    return ExitCode::from(6);
-                }
-            }
-        }
-        let indices: Vec<u32> = chosen
-            .iter()
-            .map(|&k| devices[k].index().unwrap_or(0))
-            .collect();
-        devices = indices
-            .into_iter()
-            .filter_map(|i| nvml.device_by_index(i).ok())
-            .collect();
-    }
     if devices.is_empty() && args.query_gpu.is_none() && args.query_apps.is_none() {
         println!("No devices were found");
         return ExitCode::from(6);
@@ -206,6 +170,55 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// Every device, or the real tool's message and exit code for the first
+/// that NVML cannot count or open.
+fn all_devices(nvml: &Nvml) -> Result<Vec<Device<'_>>, ExitCode> {
+    let count = nvml.device_count().map_err(|e| {
+        eprintln!("Unable to determine the device count: {e}");
+        ExitCode::from(15)
+    })?;
+    (0..count)
+        .map(|i| {
+            nvml.device_by_index(i).map_err(|e| {
+                eprintln!("Unable to determine the device handle for GPU {i}: {e}");
+                ExitCode::from(15)
+            })
+        })
+        .collect()
+}
+
+/// The devices `-i` names (index, UUID or PCI bus id), in its order.
+fn select<'n>(
+    nvml: &'n Nvml,
+    devices: Vec<Device<'n>>,
+    ids: &[String],
+) -> Result<Vec<Device<'n>>, ExitCode> {
+    let mut chosen = Vec::new();
+    for id in ids {
+        let found = devices.iter().position(|d| {
+            id.parse::<u32>().ok() == d.index().ok()
+                || d.uuid().is_ok_and(|u| &u == id)
+                || d.pci_info()
+                    .is_ok_and(|p| p.bus_id.eq_ignore_ascii_case(id))
+        });
+        match found {
+            Some(k) => chosen.push(k),
+            None => {
+                eprintln!("No devices were found with ID {id}");
+                return Err(ExitCode::from(6));
+            }
+        }
+    }
+    let indices: Vec<u32> = chosen
+        .iter()
+        .map(|&k| devices[k].index().unwrap_or(0))
+        .collect();
+    Ok(indices
+        .into_iter()
+        .filter_map(|i| nvml.device_by_index(i).ok())
+        .collect())
 }
 
 fn list(devices: &[Device]) -> String {
