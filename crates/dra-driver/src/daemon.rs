@@ -52,18 +52,6 @@ pub struct Ready {
     pub display_http: Option<std::net::SocketAddr>,
 }
 
-async fn kube_client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kube::Client> {
-    let cfg = match kubeconfig {
-        Some(p) => {
-            let kc = kube::config::Kubeconfig::read_from(p)
-                .with_context(|| format!("reading kubeconfig {}", p.display()))?;
-            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
-        }
-        None => kube::Config::infer().await?,
-    };
-    Ok(kube::Client::try_from(cfg)?)
-}
-
 /// Runs until `cancel`; returns once the sockets are served through `ready`.
 pub async fn run(
     s: Settings,
@@ -85,7 +73,7 @@ pub async fn run(
         s.interposer.as_deref(),
     )?;
     let api = KubeApi {
-        client: kube_client(s.kubeconfig.as_deref()).await?,
+        client: node_agent::apiserver::client(s.kubeconfig.as_deref()).await?,
     };
     let (publisher, devices) = publish(&s, &api, &found).await?;
     let driver = Arc::new(start_driver(&s, &api, &found)?);

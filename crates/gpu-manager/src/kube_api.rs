@@ -2,7 +2,6 @@
 //! annotation patcher (retried on conflict and transient errors).
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,42 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::world::{PodPatcher, PodSource};
 
-#[derive(Debug, thiserror::Error)]
-pub enum KubeError {
-    #[error("reading kubeconfig {path}: {source}")]
-    Kubeconfig {
-        path: String,
-        #[source]
-        source: kube::config::KubeconfigError,
-    },
-    #[error(
-        "no API server configuration: not in a cluster and no kubeconfig ({0}); pass --kubeconfig"
-    )]
-    Infer(#[source] kube::config::InferConfigError),
-    #[error("building the API client: {0}")]
-    Client(#[source] kube::Error),
-}
-
-pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, KubeError> {
-    let mut cfg = match kubeconfig {
-        Some(p) => {
-            let kc =
-                kube::config::Kubeconfig::read_from(p).map_err(|source| KubeError::Kubeconfig {
-                    path: p.display().to_string(),
-                    source,
-                })?;
-            kube::Config::from_custom_kubeconfig(kc, &Default::default())
-                .await
-                .map_err(|source| KubeError::Kubeconfig {
-                    path: p.display().to_string(),
-                    source,
-                })?
-        }
-        None => kube::Config::infer().await.map_err(KubeError::Infer)?,
-    };
-    cfg.connect_timeout = Some(Duration::from_secs(5));
-    Client::try_from(cfg).map_err(KubeError::Client)
-}
+pub use node_agent::apiserver::{ClientError as KubeError, client};
 
 /// Reachability of the API server as the reflector last saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]

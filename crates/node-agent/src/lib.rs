@@ -10,10 +10,12 @@
 //! * [`vm`], [`registry`]: per-container vm directories and `vcuda.sock`.
 //! * [`edits`]: what a container holding GPUs gets (device nodes, mounts,
 //!   env), rendered by each mode (Allocate response, CDI spec).
+//! * [`apiserver`]: the API server client.
 //! * [`mode`]: one mode per node; [`extra`]: extra devices;
 //!   [`display`]: the display service's wiring; [`process`]: logging and
 //!   signals.
 
+pub mod apiserver;
 pub mod config;
 pub mod display;
 pub mod edits;
