@@ -1,4 +1,4 @@
-//! The compute quota (issue #5): kernel launches draw from a token bucket
+//! The compute quota: kernel launches draw from a token bucket
 //! shared by every process of the container; one process's watcher thread
 //! sets the bucket's rate from NVML feedback.
 //!

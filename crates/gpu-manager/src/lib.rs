@@ -1,5 +1,5 @@
-//! The vcuda manager daemon, as a library so tests and #7/#8 can reach its
-//! parts. The binary (`src/main.rs`) only parses settings and calls
+//! The vcuda manager daemon (device-plugin mode), as a library so tests can
+//! reach its parts. The binary (`src/main.rs`) only parses settings and calls
 //! [`daemon::run`].
 //!
 //! What either mode needs (NVML, driver mirror, vm directories, `vcuda.sock`,
