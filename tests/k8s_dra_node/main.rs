@@ -57,9 +57,7 @@ fn dra_on_a_real_node() {
         kubeconfig: env("VCUDA_DRA_KUBECONFIG"),
         containerd: env("VCUDA_DRA_CONTAINERD"),
     };
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(euid, 0, "the node's host side needs root");
+    assert!(test_support::is_root(), "the node's host side needs root");
     for f in ["vcuda-dra-driver", "gpu-sim", "libvcuda.so", "libcuda.so"] {
         assert!(
             target_dir().join(f).is_file(),
