@@ -27,6 +27,8 @@ pub(crate) struct Ctx {
     pub tail: AtomicU64,
     /// Launches pending on the device (bounded, as a real GPU's queue).
     pub queue: crate::queue::LaunchQueue,
+    /// Bit i: peer access to GPU i's memory enabled from this context.
+    pub peers: AtomicU64,
 }
 
 impl Ctx {
@@ -44,6 +46,7 @@ impl Ctx {
             null_tail: AtomicU64::new(0),
             tail: AtomicU64::new(0),
             queue: crate::queue::LaunchQueue::new(),
+            peers: AtomicU64::new(0),
         }))
     }
 
@@ -164,6 +167,27 @@ unsafe fn ctx_destroy(h: *mut c_void) -> R {
     }
     BELOW.with(|b| b.borrow_mut().retain(|&x| !std::ptr::eq(x, c)));
     Ok(())
+}
+
+/// `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`.
+const PEER_ACCESS_UNSUPPORTED: CUresult = 217;
+
+/// The current context and the bit of `peer`'s GPU, for enabling or
+/// disabling peer access: a GPU the topology lets the current one reach
+/// (`cuDeviceCanAccessPeer`), never its own.
+unsafe fn peer_of(peer: *mut c_void) -> R<(&'static Ctx, u64)> {
+    let d = drv()?;
+    let me = current()?;
+    // SAFETY: our caller's context handle, passed on under this function's contract;
+    // `from_handle` checks its magic.
+    let p = unsafe { Ctx::from_handle(peer) }?;
+    if p.gpu == me.gpu {
+        return Err(CUDA_ERROR_INVALID_DEVICE);
+    }
+    if !d.node().peer_capable(me.gpu, p.gpu) {
+        return Err(PEER_ACCESS_UNSUPPORTED);
+    }
+    Ok((me, 1 << p.gpu))
 }
 
 cuda_fn! {
@@ -319,13 +343,26 @@ cuda_fn! {
         Ok(())
     }
 
-    fn cuCtxEnablePeerAccess(peer: *mut c_void, _flags: u32) {
-        drv()?;
-        // SAFETY: `Ctx::from_handle` gets the pointers and handles our caller passed in,
-        // which the CUDA ABI makes valid for this call (or NULL, checked there); handles
-        // are ones this driver handed out or are rejected by their magic.
-        unsafe { Ctx::from_handle(peer) }?;
-        current()?;
+    fn cuCtxEnablePeerAccess(peer: *mut c_void, flags: u32) {
+        // SAFETY: `peer_of` gets the context handle our caller passed in; `from_handle`
+        // checks its magic.
+        let (me, bit) = unsafe { peer_of(peer) }?;
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if me.peers.fetch_or(bit, AcqRel) & bit != 0 {
+            return Err(CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED);
+        }
         Ok(())
     }
+
+    fn cuCtxDisablePeerAccess(peer: *mut c_void) {
+        // SAFETY: as in cuCtxEnablePeerAccess.
+        let (me, bit) = unsafe { peer_of(peer) }?;
+        if me.peers.fetch_and(!bit, AcqRel) & bit == 0 {
+            return Err(CUDA_ERROR_PEER_ACCESS_NOT_ENABLED);
+        }
+        Ok(())
+    }
+
 }

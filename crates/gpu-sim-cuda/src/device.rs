@@ -193,6 +193,10 @@ cuda_fn! {
         if value.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        if attrib == crate::share::ATTR_FABRIC_SUPPORTED {
+            let d = drv()?;
+            return put(value, crate::share::fabric_supported(d, d.device(dev)?.gpu) as i32);
+        }
         put(value, attribute(spec(dev)?, dev, attrib)?)
     }
 
@@ -229,7 +233,7 @@ cuda_fn! {
     fn cuDeviceCanAccessPeer(can: *mut i32, dev: i32, peer: i32) {
         let d = drv()?;
         let (a, b) = (d.device(dev)?, d.device(peer)?);
-        put(can, (a.gpu != b.gpu) as i32)
+        put(can, d.node().peer_capable(a.gpu, b.gpu) as i32)
     }
 
     fn cuDeviceGetDefaultMemPool(pool: *mut *mut c_void, dev: i32) {

@@ -6,15 +6,44 @@ use crate::{R, drv, put};
 use cuda_abi::*;
 use gpu_sim_core::state::now_ns;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering::*};
 
 const EVENT_MAGIC: u64 = 0x5349_4d45_5654_0001;
 
 pub(crate) struct Event {
     magic: u64,
-    flags: u32,
+    pub flags: u32,
     /// Simulated completion time of the recorded work; 0 = never recorded.
-    pub time: AtomicU64,
+    pub own_time: AtomicU64,
+    /// Once shared over CUDA IPC (`ipc.rs`): the time's cell in a page
+    /// every process holding the event maps, used instead of `own_time`.
+    pub shared: AtomicPtr<AtomicU64>,
+    /// The IPC handle's id, in the process that exported it (0 otherwise).
+    pub ipc_id: AtomicU64,
+}
+
+impl Event {
+    pub fn new(flags: u32) -> Box<Event> {
+        Box::new(Event {
+            magic: EVENT_MAGIC,
+            flags,
+            own_time: AtomicU64::new(0),
+            shared: AtomicPtr::new(std::ptr::null_mut()),
+            ipc_id: AtomicU64::new(0),
+        })
+    }
+
+    /// Where the event's time is: the shared cell once it has one.
+    pub fn time(&self) -> &AtomicU64 {
+        let p = self.shared.load(Acquire);
+        if p.is_null() {
+            &self.own_time
+        } else {
+            // SAFETY: a page mapped by `ipc.rs` for this event, unmapped only when the event is
+            // destroyed (using it after that is the caller's bug, as with the real driver).
+            unsafe { &*p }
+        }
+    }
 }
 
 pub(crate) unsafe fn event<'a>(h: *mut c_void) -> R<&'a Event> {
@@ -42,7 +71,7 @@ unsafe fn event_record(ev: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
     if crate::capture::event_record(ev, t) {
         return Ok(());
     }
-    e.time.store(t.tail().max(now_ns()).max(1), Release);
+    e.time().store(t.tail().max(now_ns()).max(1), Release);
     Ok(())
 }
 
@@ -60,7 +89,7 @@ unsafe fn elapsed(ms: *mut f32, start: *mut c_void, end: *mut c_void) -> R {
     if (a.flags | b.flags) & EVENT_DISABLE_TIMING != 0 {
         return Err(CUDA_ERROR_INVALID_HANDLE);
     }
-    let (ta, tb) = (a.time.load(Acquire), b.time.load(Acquire));
+    let (ta, tb) = (a.time().load(Acquire), b.time().load(Acquire));
     if ta == 0 || tb == 0 {
         return Err(CUDA_ERROR_INVALID_HANDLE);
     }
@@ -72,10 +101,10 @@ unsafe fn elapsed(ms: *mut f32, start: *mut c_void, end: *mut c_void) -> R {
 }
 
 unsafe fn event_destroy(ev: *mut c_void) -> R {
-    drv()?;
+    let d = drv()?;
     // SAFETY: `ev`/`start`/`end` are our caller's event handles, passed on under this
     // function's own contract; `event` checks their magic.
-    unsafe { event(ev)? };
+    crate::ipc::drop_event(d, unsafe { event(ev)? });
     let e = ev as *mut Event;
     // SAFETY: the handle passed its magic check, so it is a Box this driver leaked; the magic
     // is zeroed and the Box freed once, here, under the destroy call.
@@ -93,8 +122,7 @@ cuda_fn! {
         if out.is_null() || flags & !0xf != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let e = Box::new(Event { magic: EVENT_MAGIC, flags, time: AtomicU64::new(0) });
-        put(out, Box::into_raw(e).cast())?;
+        put(out, Box::into_raw(Event::new(flags)).cast())?;
         Ok(())
     }
 
@@ -132,7 +160,7 @@ cuda_fn! {
         // SAFETY: `event` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        if unsafe { event(ev) }?.time.load(Acquire) > now_ns() {
+        if unsafe { event(ev) }?.time().load(Acquire) > now_ns() {
             return Err(CUDA_ERROR_NOT_READY);
         }
         Ok(())
@@ -144,7 +172,7 @@ cuda_fn! {
         // SAFETY: `event` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        wait_until(unsafe { event(ev) }?.time.load(Acquire));
+        wait_until(unsafe { event(ev) }?.time().load(Acquire));
         crate::pool::at_sync(d);
         Ok(())
     }

@@ -47,6 +47,7 @@ pub mod globals;
 pub mod graph;
 pub mod graph_exec;
 pub mod host;
+pub mod ipc;
 pub mod kernel_attr;
 pub mod launch;
 mod limits;
@@ -60,6 +61,7 @@ pub mod pool;
 pub mod primary;
 mod procaddr;
 mod queue;
+pub mod share;
 pub mod stream;
 pub mod vmm;
 

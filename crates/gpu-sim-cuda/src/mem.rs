@@ -16,16 +16,19 @@ use std::sync::Mutex;
 
 pub(crate) const PAGE: usize = 4096;
 
-struct Alloc {
-    gpu: usize,
+pub(crate) struct Alloc {
+    pub gpu: usize,
     /// Bytes asked for (and counted).
-    size: usize,
+    pub size: usize,
     /// Bytes mapped (size rounded up to pages).
-    len: usize,
+    pub len: usize,
     /// Context it belongs to (freed with it); address only.
     ctx: usize,
     /// The pool it came from: its bytes go back there, not to the device.
     pool: Option<&'static Pool>,
+    /// Id of its CUDA IPC handle once exported (`ipc.rs`): its bytes then
+    /// live in a shared file, removed when the allocation is freed.
+    pub ipc: Option<u64>,
 }
 
 #[derive(Default)]
@@ -40,6 +43,9 @@ pub(crate) struct Memory {
     pub mapped: Mutex<BTreeMap<u64, (usize, u64)>>,
     /// Contexts' overhead, heaps and module images.
     pub charges: crate::charge::Charges,
+    /// Other processes' allocations opened with cuIpcOpenMemHandle: base ->
+    /// the mapping (counted by their creator, not here).
+    pub opened: Mutex<BTreeMap<u64, crate::ipc::Opened>>,
 }
 
 pub(crate) fn round_up(n: usize, to: usize) -> usize {
@@ -110,6 +116,7 @@ impl Memory {
                 len,
                 ctx: ctx as *const Ctx as usize,
                 pool,
+                ipc: None,
             },
         );
         Ok(addr)
@@ -124,6 +131,9 @@ impl Memory {
     }
 
     fn release(d: &Driver, ptr: u64, a: Alloc) {
+        if let Some(id) = a.ipc {
+            crate::ipc::unlink(d, &crate::ipc::name(crate::ipc::MEM, id, ""));
+        }
         // SAFETY: `ptr`/`a.len` is an allocation `alloc_in` mapped; its record was removed from
         // `allocs` by the caller, so this is its only unmap.
         unsafe { libc::munmap(ptr as *mut c_void, a.len) };
@@ -152,11 +162,35 @@ impl Memory {
         }
     }
 
-    /// The allocation containing `ptr`: (base, size).
+    /// The allocation containing `ptr` (this process's own or one opened
+    /// from another's IPC handle): (base, size).
     pub fn containing(&self, ptr: u64) -> Option<(u64, usize)> {
-        let m = lock(&self.allocs);
-        let (&base, a) = m.range(..=ptr).next_back()?;
-        (ptr < base + a.size as u64).then_some((base, a.size))
+        let own = {
+            let m = lock(&self.allocs);
+            m.range(..=ptr).next_back().map(|(&base, a)| (base, a.size))
+        };
+        let opened = {
+            let m = lock(&self.opened);
+            m.range(..=ptr).next_back().map(|(&base, o)| (base, o.size))
+        };
+        [own, opened]
+            .into_iter()
+            .flatten()
+            .find(|&(base, size)| ptr < base + size as u64)
+    }
+
+    /// Runs `f` on the own, unpooled allocation containing `ptr` (what a
+    /// CUDA IPC handle may export): its base and record.
+    pub(crate) fn with_alloc<T>(&self, ptr: u64, f: impl FnOnce(u64, &mut Alloc) -> R<T>) -> R<T> {
+        let mut m = lock(&self.allocs);
+        let (&base, a) = m
+            .range_mut(..=ptr)
+            .next_back()
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if ptr >= base + a.size as u64 || a.pool.is_some() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        f(base, a)
     }
 
     /// Checks that [ptr, ptr+n) is device memory of this process.

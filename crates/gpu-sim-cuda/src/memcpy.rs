@@ -1,7 +1,7 @@
 //! Memory copies: host to device, device to host, device to device, and
 //! unified (`cuMemcpy`, either side host or device), synchronous and async.
 
-use crate::ctx::current;
+use crate::ctx::{Ctx, current};
 use crate::stream::Target;
 use crate::{R, drv};
 use cuda_abi::*;
@@ -64,6 +64,20 @@ unsafe fn any(dst: u64, src: u64, n: usize) -> R {
     Ok(())
 }
 
+/// cuMemcpyPeer: device memory in two contexts (both checked). The driver
+/// copies between any two devices, staging through the host where they are
+/// not peers, so peer access is not asked for (only kernels need it).
+unsafe fn peer(dst: u64, dc: *mut c_void, src: u64, sc: *mut c_void, n: usize) -> R {
+    let d = drv()?;
+    // SAFETY: our caller's context handles, passed on; `from_handle` checks their magic.
+    unsafe { (Ctx::from_handle(dc)?, Ctx::from_handle(sc)?) };
+    d.mem.check(src, n)?;
+    d.mem.check(dst, n)?;
+    // SAFETY: both ranges were checked as device memory of ours just above.
+    unsafe { copy(dst, src, n) };
+    Ok(())
+}
+
 /// Async copies and sets complete at once: the simulator charges time only to
 /// kernels. The stream handle is still checked.
 pub(crate) unsafe fn on(stream: *mut c_void, ptsz: bool) -> R {
@@ -89,33 +103,33 @@ cuda_fn! {
     // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones this
     // driver handed out or are rejected by their magic.
     fn cuMemcpyAsync_ptsz(dst: u64, src: u64, n: usize, s: *mut c_void) { unsafe { on(s, true) }?; unsafe { any(dst, src, n) } }
-    // SAFETY: `any` gets the pointers and handles our caller passed in, which the CUDA ABI
+    // SAFETY: `peer` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemcpyPeer(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { any(dst, src, n) } }
-    // SAFETY: `any` gets the pointers and handles our caller passed in, which the CUDA ABI
+    fn cuMemcpyPeer(dst: u64, dc: *mut c_void, src: u64, sc: *mut c_void, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { peer(dst, dc, src, sc, n) } }
+    // SAFETY: `peer` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver
     // handed out or are rejected by their magic.
-    fn cuMemcpyPeer_ptds(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { any(dst, src, n) } }
-    fn cuMemcpyPeerAsync(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize, s: *mut c_void) {
+    fn cuMemcpyPeer_ptds(dst: u64, dc: *mut c_void, src: u64, sc: *mut c_void, n: usize) { crate::capture_mode::unsafe_call()?; unsafe { peer(dst, dc, src, sc, n) } }
+    fn cuMemcpyPeerAsync(dst: u64, dc: *mut c_void, src: u64, sc: *mut c_void, n: usize, s: *mut c_void) {
         // SAFETY: `on` gets the pointers and handles our caller passed in, which the CUDA
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
         // driver handed out or are rejected by their magic.
         unsafe { on(s, false) }?;
-        // SAFETY: `any` gets the pointers and handles our caller passed in, which the CUDA
+        // SAFETY: `peer` gets the pointers and handles our caller passed in, which the CUDA
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
         // driver handed out or are rejected by their magic.
-        unsafe { any(dst, src, n) }
+        unsafe { peer(dst, dc, src, sc, n) }
     }
-    fn cuMemcpyPeerAsync_ptsz(dst: u64, _dc: *mut c_void, src: u64, _sc: *mut c_void, n: usize, s: *mut c_void) {
+    fn cuMemcpyPeerAsync_ptsz(dst: u64, dc: *mut c_void, src: u64, sc: *mut c_void, n: usize, s: *mut c_void) {
         // SAFETY: `on` gets the pointers and handles our caller passed in, which the CUDA
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
         // driver handed out or are rejected by their magic.
         unsafe { on(s, true) }?;
-        // SAFETY: `any` gets the pointers and handles our caller passed in, which the CUDA
+        // SAFETY: `peer` gets the pointers and handles our caller passed in, which the CUDA
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
         // driver handed out or are rejected by their magic.
-        unsafe { any(dst, src, n) }
+        unsafe { peer(dst, dc, src, sc, n) }
     }
     // SAFETY: `htod` gets the pointers and handles our caller passed in, which the CUDA ABI
     // makes valid for this call (or NULL, checked there); handles are ones this driver

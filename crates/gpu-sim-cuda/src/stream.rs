@@ -283,7 +283,7 @@ cuda_fn! {
         if crate::capture::wait_event(t, ev)? {
             return Ok(());
         }
-        t.set_tail(e.time.load(Acquire));
+        t.set_tail(e.time().load(Acquire));
         Ok(())
     }
 
@@ -300,7 +300,7 @@ cuda_fn! {
         if crate::capture::wait_event(t, ev)? {
             return Ok(());
         }
-        t.set_tail(e.time.load(Acquire));
+        t.set_tail(e.time().load(Acquire));
         Ok(())
     }
 }

@@ -14,17 +14,17 @@ const PHYS_MAGIC: u64 = 0x5349_4d50_4859_0001;
 /// `CUmemLocation` inside CUmemAllocationProp / CUmemPoolProps (offset 8).
 #[repr(C)]
 pub struct AllocProp {
-    kind: u32,
-    handle_types: u32,
-    location_type: u32,
-    location_id: i32,
+    pub kind: u32,
+    pub handle_types: u32,
+    pub location_type: u32,
+    pub location_id: i32,
 }
 
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
-const LOCATION_DEVICE: u32 = 1;
+pub(crate) const LOCATION_DEVICE: u32 = 1;
 
 /// `CU_MEM_LOCATION_TYPE_HOST`, `_HOST_NUMA`, `_HOST_NUMA_CURRENT`.
-const LOCATION_HOST: std::ops::RangeInclusive<u32> = 2..=4;
+pub(crate) const LOCATION_HOST: std::ops::RangeInclusive<u32> = 2..=4;
 
 /// The GPU a VMM allocation lives on; `None` for host memory.
 fn prop_location(d: &Driver, p: *const AllocProp) -> R<Option<usize>> {
@@ -45,15 +45,40 @@ fn prop_device(d: &Driver, p: *const AllocProp) -> R<usize> {
         .gpu)
 }
 
-struct Phys {
+pub(crate) struct Phys {
     magic: u64,
-    /// Device it is counted on; `None` for host memory (not counted).
-    gpu: Option<usize>,
-    size: usize,
-    fd: i32,
-    /// (live mappings, released): the memory stays until both say so, as
+    /// Device it is counted on: its creator's device memory only (host
+    /// memory and imported handles are not counted here).
+    pub gpu: Option<usize>,
+    /// Where it lives: a GPU index, `None` for host memory.
+    pub loc: Option<usize>,
+    pub size: usize,
+    pub fd: i32,
+    /// `CUmemAllocationProp.requestedHandleTypes` (those it may export as).
+    pub types: u32,
+    /// Its fabric file's name (`ipc.rs`) in the process that made it.
+    pub fabric: Option<String>,
+    /// (live mappings, references: its creation or import and each
+    /// retain, less releases): the memory stays until both are zero, as
     /// the driver defers a release until the last unmap.
-    life: Mutex<(u32, bool)>,
+    pub life: Mutex<(u32, u32)>,
+}
+
+impl Phys {
+    /// A new handle (one reference) for memory in `fd`.
+    pub fn leak(gpu: Option<usize>, loc: Option<usize>, size: usize, fd: i32, types: u32) -> u64 {
+        let p = Box::new(Phys {
+            magic: PHYS_MAGIC,
+            gpu,
+            loc,
+            size,
+            fd,
+            types,
+            fabric: None,
+            life: Mutex::new((0, 1)),
+        });
+        Box::into_raw(p) as u64
+    }
 }
 
 /// Frees a handle once it is released and no longer mapped.
@@ -63,7 +88,7 @@ unsafe fn phys_settle(d: &Driver, h: u64) {
         // `mapped` or checked it with `phys`), still alive: only this function frees it.
         let p = unsafe { &*(h as *const Phys) };
         let l = lock(&p.life);
-        l.0 == 0 && l.1
+        l.0 == 0 && l.1 == 0
     };
     if done {
         // SAFETY: released and no longer mapped: no one else can reach the Box any more; freed
@@ -74,6 +99,9 @@ unsafe fn phys_settle(d: &Driver, h: u64) {
         unsafe { libc::close(p.fd) };
         if let Some(gpu) = p.gpu {
             d.state.free(d.me, gpu, p.size as u64);
+        }
+        if let Some(name) = &p.fabric {
+            crate::ipc::unlink(d, name);
         }
     }
 }
@@ -90,7 +118,7 @@ unsafe fn phys_unmapped(d: &Driver, h: u64) {
     unsafe { phys_settle(d, h) };
 }
 
-unsafe fn phys<'a>(h: u64) -> R<&'a Phys> {
+pub(crate) unsafe fn phys<'a>(h: u64) -> R<&'a Phys> {
     let p = h as *const Phys;
     // SAFETY: a non-NULL handle of this type is, per the CUDA ABI, one this driver handed out
     // (a Box it leaked); the magic word tells the types apart, and destroy zeroes it so a stale
@@ -106,7 +134,8 @@ unsafe fn phys<'a>(h: u64) -> R<&'a Phys> {
 cuda_fn! {
     fn cuMemGetAllocationGranularity(out: *mut usize, prop: *const AllocProp, _option: u32) {
         let d = drv()?;
-        prop_device(d, prop)?;
+        // Host locations too: NCCL sizes its host-located cuMemCreate with it.
+        prop_location(d, prop)?;
         put(out, GRANULARITY)
     }
 
@@ -116,24 +145,22 @@ cuda_fn! {
         if out.is_null() || flags != 0 || size == 0 || size & (GRANULARITY - 1) != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        let types = arg(prop).ok_or(CUDA_ERROR_INVALID_VALUE)?.handle_types;
+        crate::share::check_types(d, gpu, types)?;
         if let Some(gpu) = gpu {
             d.state.try_alloc(d.me, gpu, size as u64).map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
         }
-        // SAFETY: a NUL-terminated literal name; plain syscall, no memory handed over.
-        let fd = unsafe { libc::memfd_create(c"gpu-sim-vmm".as_ptr(), libc::MFD_CLOEXEC) };
-        // SAFETY: `fd` is the memfd just created (checked >= 0 first).
-        if fd < 0 || unsafe { libc::ftruncate(fd, size as i64) } != 0 {
-            if fd >= 0 {
-                // SAFETY: our own memfd, closed once, on this failure path only.
-                unsafe { libc::close(fd) };
-            }
+        let backing = crate::share::backing(d, gpu, size, types);
+        let Ok((fd, fabric)) = backing else {
             if let Some(gpu) = gpu {
                 d.state.free(d.me, gpu, size as u64);
             }
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
-        }
-        let p = Box::new(Phys { magic: PHYS_MAGIC, gpu, size, fd, life: Mutex::new((0, false)) });
-        put(out, Box::into_raw(p) as u64)?;
+        };
+        let h = Phys::leak(gpu, gpu, size, fd, types);
+        // SAFETY: the handle just made, not yet handed out.
+        unsafe { &mut *(h as *mut Phys) }.fabric = fabric;
+        put(out, h)?;
         Ok(())
     }
 
@@ -145,10 +172,10 @@ cuda_fn! {
         let p = unsafe { phys(h) }?;
         {
             let mut l = lock(&p.life);
-            if l.1 {
+            if l.1 == 0 {
                 return Err(CUDA_ERROR_INVALID_VALUE);
             }
-            l.1 = true;
+            l.1 -= 1;
         }
         // Mapped: the memory stays (and counts) until the last unmap.
         // SAFETY: `phys_settle` gets the pointers and handles our caller passed in, which
@@ -203,7 +230,7 @@ cuda_fn! {
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
         // driver handed out or are rejected by their magic.
         let p = unsafe { phys(h) }?;
-        if lock(&p.life).1 {
+        if lock(&p.life).1 == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         if flags != 0 || size == 0 || offset.checked_add(size).is_none_or(|e| e > p.size) {
@@ -263,13 +290,5 @@ cuda_fn! {
         // this driver handed out or are rejected by their magic.
         unsafe { phys_unmapped(d, h) };
         Ok(())
-    }
-
-    fn cuMemSetAccess(ptr: u64, size: usize, desc: *const c_void, count: usize) {
-        let d = drv()?;
-        if desc.is_null() || count == 0 || size == 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        d.mem.check(ptr, size)
     }
 }
