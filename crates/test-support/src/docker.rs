@@ -13,10 +13,15 @@ pub struct Docker {
 impl Docker {
     /// The engine, if one answers; otherwise [`missing`] says so (which
     /// fails the test where [`Capability::Docker`] is required).
+    #[track_caller]
     pub fn get() -> Option<Docker> {
-        probe()
-            .map_err(|detail| missing(Capability::Docker, &detail))
-            .ok()
+        match probe() {
+            Ok(d) => Some(d),
+            Err(detail) => {
+                missing(Capability::Docker, &detail);
+                None
+            }
+        }
     }
 
     /// A Docker CLI command aimed at this engine (Debian's client, matching

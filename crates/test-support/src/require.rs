@@ -150,6 +150,7 @@ impl fmt::Display for Capability {
 /// Checks `cap` ([`Capability::probe`]): true when it is there. When it is
 /// not, see [`missing`]: the test fails under CI, else it skips (the caller
 /// returns on false).
+#[track_caller]
 pub fn require(cap: Capability) -> bool {
     match cap.probe() {
         Ok(()) => true,

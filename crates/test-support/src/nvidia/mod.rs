@@ -47,6 +47,7 @@ impl NvidiaDriver {
 /// tests/run.sh through tests/nvidia/fetch.sh), oldest first. Empty, with
 /// [`missing`] said, when the variable is unset: where
 /// [`Capability::NvidiaDrivers`] is required that fails the test.
+#[track_caller]
 pub fn nvidia_drivers() -> Vec<NvidiaDriver> {
     let Some(roots) = std::env::var_os("VCUDA_NVIDIA_ROOTS").filter(|v| !v.is_empty()) else {
         missing(Capability::NvidiaDrivers, "VCUDA_NVIDIA_ROOTS is unset");
