@@ -7,6 +7,8 @@
  *   ipc_pair open SOCK MODE    # opens, checks the bytes, prints `opened`,
  *                              # waits for a line on stdin, closes
  *   ipc_pair peer              # peer access on one process (4-GPU node)
+ *   ipc_pair quota             # device vs host-located cuMemCreate under a
+ *                              # small quota: OUT_OF_MEMORY at the call
  *
  * MODE:
  *   ipc    CUDA IPC memory and event handles: vLLM's custom all-reduce
@@ -32,6 +34,7 @@
  *
  * Prints `key=value` lines; exits 1 with `error WHAT=CODE` on a failed call. */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -123,6 +126,37 @@ static void mem_info(const char *who) {
   size_t free_b, total_b;
   check(cuMemGetInfo_v2(&free_b, &total_b), "cuMemGetInfo");
   printf("%s_free=%zu\n%s_total=%zu\n", who, free_b, who, total_b);
+}
+
+/* What NVML shows this process (dlopen: the node's libnvidia-ml.so.1, the
+ * interposer's where it runs): the device's used memory and the sum of the
+ * per-process numbers listed. */
+static void nvml_view(const char *who) {
+  struct {
+    unsigned long long total, free, used;
+  } mem;
+  struct {
+    unsigned int pid;
+    unsigned long long used;
+    unsigned int gi, ci;
+  } procs[64];
+  void *dev;
+  unsigned int n = 64;
+  void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+  int (*init)(void) = lib ? (int (*)(void))dlsym(lib, "nvmlInit_v2") : NULL;
+  int (*by_index)(unsigned, void **) = lib ? (int (*)(unsigned, void **))dlsym(lib, "nvmlDeviceGetHandleByIndex_v2") : NULL;
+  int (*info)(void *, void *) = lib ? (int (*)(void *, void *))dlsym(lib, "nvmlDeviceGetMemoryInfo") : NULL;
+  int (*list)(void *, unsigned *, void *) =
+      lib ? (int (*)(void *, unsigned *, void *))dlsym(lib, "nvmlDeviceGetComputeRunningProcesses_v3") : NULL;
+  if (!init || !by_index || !info || !list || init() || by_index(0, &dev) || info(dev, &mem) ||
+      list(dev, &n, procs)) {
+    printf("error nvml=1\n");
+    exit(1);
+  }
+  unsigned long long sum = 0;
+  for (unsigned i = 0; i < n; i++)
+    sum += procs[i].used;
+  printf("%s_nvml_used=%llu\n%s_nvml_procs=%u\n%s_nvml_procs_sum=%llu\n", who, mem.used, who, n, who, sum);
 }
 
 /* The primary context of device 0, current: what the CUDA runtime (and so
@@ -291,6 +325,7 @@ static void open_ipc(int s) {
   check(cuIpcOpenEventHandle(&ev, eh), "cuIpcOpenEventHandle");
   check(cuEventSynchronize(ev), "cuEventSynchronize(opened)");
   mem_info("opener");
+  nvml_view("opener");
   pause_opened();
   check(cuIpcCloseMemHandle(p), "cuIpcCloseMemHandle");
   check(cuIpcCloseMemHandle(p), "cuIpcCloseMemHandle(second)");
@@ -399,6 +434,7 @@ static void open_vmm(int s, int type) {
   printf("byte=%d\n", byte_at(p, 0));
   fill(p + 1, 0x44, 1);
   mem_info("opener");
+  nvml_view("opener");
   pause_opened();
   check(cuMemUnmap(p, VMM_BYTES), "cuMemUnmap");
   check(cuMemAddressFree(p, VMM_BYTES), "cuMemAddressFree");
@@ -451,9 +487,33 @@ static void peer(void) {
   expect(cuCtxDisablePeerAccess(c[1]), 705, "disable_1_again");
 }
 
+/* Under a quota that fits a context and a little more: host-located VMM
+ * memory is not device memory (any size goes); device memory over the
+ * quota is CUDA_ERROR_OUT_OF_MEMORY at the call, by every path, and the
+ * process goes on. */
+static void quota(void) {
+  CUmemAllocationProp dev = prop_for(LOC_DEVICE, 0, POSIX_FD);
+  CUmemAllocationProp host = prop_for(LOC_HOST_NUMA, 0, POSIX_FD);
+  CUmemGenericAllocationHandle h;
+  CUdeviceptr p;
+  size_t gran;
+  primary(0);
+  check(cuMemGetAllocationGranularity(&gran, &dev, 0), "cuMemGetAllocationGranularity");
+  mem_info("start");
+  expect(cuMemCreate(&h, 4 * VMM_BYTES, &host, 0), 0, "create_host");
+  mem_info("host");
+  expect(cuMemCreate(&h, VMM_BYTES, &dev, 0), 2, "create_device");
+  expect(cuMemAlloc_v2(&p, VMM_BYTES), 2, "alloc_device");
+  expect(cuMemAlloc_v2(&p, 2 * MIB), 0, "alloc_small");
+  check(cuMemFree_v2(p), "cuMemFree");
+  mem_info("end");
+}
+
 int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
-  if (argc == 2 && !strcmp(argv[1], "peer")) {
+  if (argc == 2 && !strcmp(argv[1], "quota")) {
+    quota();
+  } else if (argc == 2 && !strcmp(argv[1], "peer")) {
     peer();
   } else if (argc == 4) {
     int serve = !strcmp(argv[1], "serve");
