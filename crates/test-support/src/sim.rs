@@ -33,31 +33,11 @@ impl SimNode {
         Self::install_file(&node)
     }
 
+    /// Installs the node file `node` with this profile's `gpu-sim`.
     pub fn install_file(node: &Path) -> SimNode {
-        let dir = tempfile::Builder::new()
-            .prefix("gpu-sim-")
-            .tempdir()
-            .unwrap();
-        let gpu_sim = target_dir().join("gpu-sim");
-        assert!(
-            gpu_sim.is_file(),
-            "{} missing: run `cargo build --workspace` first",
-            gpu_sim.display()
-        );
-        let out = std::process::Command::new(&gpu_sim)
-            .arg("install")
-            .arg("--node")
-            .arg(node)
-            .arg("--root")
-            .arg(dir.path())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "gpu-sim install failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        SimNode { dir }
+        SimNode {
+            dir: gpu_sim_install(&target_dir().join("gpu-sim"), node),
+        }
     }
 
     pub fn root(&self) -> &Path {
@@ -75,16 +55,49 @@ impl SimNode {
 pub fn compile_c(name: &str, node: &SimNode, out_dir: &Path) -> PathBuf {
     let src = workspace_root().join("tests/c").join(format!("{name}.c"));
     let out = out_dir.join(name);
+    gcc_lcuda(&src, &node.lib_dir(), &out);
+    out
+}
+
+/// Runs `gpu_sim install --node <node>` into a new temporary root (the sim's
+/// cdylibs are found beside `gpu_sim`).
+pub fn gpu_sim_install(gpu_sim: &Path, node: &Path) -> tempfile::TempDir {
+    assert!(
+        gpu_sim.is_file(),
+        "{} missing: build the workspace first (cargo build [--release] --workspace)",
+        gpu_sim.display()
+    );
+    let dir = tempfile::Builder::new()
+        .prefix("gpu-sim-")
+        .tempdir()
+        .unwrap();
+    let out = std::process::Command::new(gpu_sim)
+        .arg("install")
+        .arg("--node")
+        .arg(node)
+        .arg("--root")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "gpu-sim install failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    dir
+}
+
+/// `gcc -O1 -o out src -L lib_dir -lcuda`, which must succeed.
+pub fn gcc_lcuda(src: &Path, lib_dir: &Path, out: &Path) {
     let st = std::process::Command::new("gcc")
         .arg("-O1")
         .arg("-o")
-        .arg(&out)
-        .arg(&src)
+        .arg(out)
+        .arg(src)
         .arg("-L")
-        .arg(node.lib_dir())
+        .arg(lib_dir)
         .arg("-lcuda")
         .status()
         .expect("gcc");
     assert!(st.success(), "compiling {}", src.display());
-    out
 }

@@ -27,31 +27,13 @@ impl ShimNode {
     pub fn install(workspace: &Path, gpu_sim: &Path, shim: &Path, node: &str) -> ShimNode {
         let shim_env = std::env::var_os("VCUDA_INTERPOSER").map(PathBuf::from);
         let shim = shim_env.as_deref().unwrap_or(shim);
-        let sim = tempfile::Builder::new()
-            .prefix("gpu-sim-")
-            .tempdir()
-            .unwrap();
-        for f in [gpu_sim, shim] {
-            assert!(
-                f.is_file(),
-                "{} missing: build the workspace first (cargo build [--release] --workspace)",
-                f.display()
-            );
-        }
-        let node_file = workspace.join("config/nodes").join(format!("{node}.toml"));
-        let out = Command::new(gpu_sim)
-            .arg("install")
-            .arg("--node")
-            .arg(&node_file)
-            .arg("--root")
-            .arg(sim.path())
-            .output()
-            .unwrap();
         assert!(
-            out.status.success(),
-            "gpu-sim install failed: {}",
-            String::from_utf8_lossy(&out.stderr)
+            shim.is_file(),
+            "{} missing: build the workspace first (cargo build [--release] --workspace)",
+            shim.display()
         );
+        let node_file = workspace.join("config/nodes").join(format!("{node}.toml"));
+        let sim = crate::sim::gpu_sim_install(gpu_sim, &node_file);
         let config = vdriver::VolumeConfig::load(&workspace.join("config/volume.conf"))
             .expect("config/volume.conf");
         // Inside the sim root, so the sim's libraries find their state.
@@ -95,19 +77,8 @@ impl ShimNode {
 
     /// Compiles `src` against the sim's libcuda (`-lcuda`) into the node.
     pub fn compile_c(&self, src: &Path) -> PathBuf {
-        let name = src.file_stem().unwrap();
-        let out = self.root().join(name);
-        let st = Command::new("gcc")
-            .arg("-O1")
-            .arg("-o")
-            .arg(&out)
-            .arg(src)
-            .arg("-L")
-            .arg(self.root().join("usr/lib/x86_64-linux-gnu"))
-            .arg("-lcuda")
-            .status()
-            .expect("gcc");
-        assert!(st.success(), "compiling {}", src.display());
+        let out = self.root().join(src.file_stem().unwrap());
+        crate::sim::gcc_lcuda(src, &self.root().join("usr/lib/x86_64-linux-gnu"), &out);
         out
     }
 
