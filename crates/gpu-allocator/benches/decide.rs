@@ -89,6 +89,16 @@ fn naive_share(a: &Allocator, allocs: &[Placement], req: &Request) -> Option<usi
                     units[g] = a.usage(g).total_memory_units;
                 }
             }
+            Placement::Shares {
+                gpus,
+                cores: c,
+                memory_units: m,
+            } => {
+                for &g in gpus {
+                    cores[g] += c;
+                    units[g] += m;
+                }
+            }
         }
     }
     (0..n)
@@ -120,6 +130,7 @@ fn main() {
     if std::env::args().any(|a| a == "--test") {
         let a = with_shares(16);
         assert!(a.evaluate(&Request::share(10, 4)).is_ok());
+        assert!(a.evaluate(&Request::shares(2, 10, 4)).is_ok());
         return;
     }
     let share_req = Request::share(10, 4);
@@ -191,6 +202,21 @@ fn main() {
         &s,
         Some(&base_empty),
     );
+
+    // Shares on 2 and 4 GPUs on the loaded node: every GPU has room, so all
+    // C(16, n) sets are ranked.
+    for n in [2, 4] {
+        let req = Request::shares(n, 10, 4);
+        assert!(full.evaluate(&req).is_ok());
+        let s = measure_few(|| {
+            black_box(full.evaluate(black_box(&req))).unwrap();
+        });
+        row(
+            &format!("share on each of {n} GPUs, 1,000 shares"),
+            &s,
+            Some(&base_empty),
+        );
+    }
 
     // A full allocate + release cycle on the loaded node.
     let mut cycle = with_shares(16);

@@ -16,13 +16,24 @@ pub const WHOLE_GPU_CORES: u32 = 100;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Request {
     /// `tencent.com/vcuda-core`: 1..99 is a share of one GPU, a multiple of
-    /// 100 is that many whole GPUs.
+    /// 100 is that many whole GPUs. With `gpus` ≥ 2: the cores of the share
+    /// on each GPU, 1..99.
     pub cores: u32,
     /// `tencent.com/vcuda-memory` in 256 MiB units. Required (≥ 1) for a
-    /// share; ignored for whole GPUs, which get all their memory.
+    /// share; ignored for whole GPUs, which get all their memory. With
+    /// `gpus` ≥ 2: the units on each GPU.
     pub memory_units: u64,
     /// The node's `--share-mode`: without it only whole GPUs are handed out.
     pub share_mode: bool,
+    /// GPUs the share spans: 1 for every request vcuda-core alone can
+    /// express; N ≥ 2 for a share of `cores` and `memory_units` on each of
+    /// N GPUs ([`Request::from_totals`] splits a container's totals).
+    #[serde(default = "one_gpu")]
+    pub gpus: u32,
+}
+
+fn one_gpu() -> u32 {
+    1
 }
 
 impl Request {
@@ -32,6 +43,7 @@ impl Request {
             cores,
             memory_units,
             share_mode: true,
+            gpus: 1,
         }
     }
 
@@ -41,13 +53,26 @@ impl Request {
             cores: gpus * WHOLE_GPU_CORES,
             memory_units: 0,
             share_mode: true,
+            gpus: 1,
+        }
+    }
+
+    /// A share of `cores` and `memory_units` on each of `gpus` GPUs (share
+    /// mode on).
+    pub fn shares(gpus: u32, cores: u32, memory_units: u64) -> Request {
+        Request {
+            cores,
+            memory_units,
+            share_mode: true,
+            gpus,
         }
     }
 }
 
 /// Where a request goes. Also what the manager checkpoints and hands back
-/// to [`Allocator::restore`] (serde: `{"share":{"gpu":2,"cores":30,"memory_units":8}}`
-/// or `{"exclusive":{"gpus":[0,1]}}`).
+/// to [`Allocator::restore`] (serde: `{"share":{"gpu":2,"cores":30,"memory_units":8}}`,
+/// `{"exclusive":{"gpus":[0,1]}}` or
+/// `{"shares":{"gpus":[0,1],"cores":40,"memory_units":80}}`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Placement {
@@ -59,6 +84,13 @@ pub enum Placement {
     },
     /// Whole GPUs (ascending indices), all cores and memory of each.
     Exclusive { gpus: Vec<usize> },
+    /// A share of `cores` and `memory_units` on each of two or more GPUs
+    /// (ascending indices), for one container.
+    Shares {
+        gpus: Vec<usize>,
+        cores: u32,
+        memory_units: u64,
+    },
 }
 
 impl Placement {
@@ -66,8 +98,30 @@ impl Placement {
     pub fn gpus(&self) -> &[usize] {
         match self {
             Placement::Share { gpu, .. } => std::slice::from_ref(gpu),
-            Placement::Exclusive { gpus } => gpus,
+            Placement::Exclusive { gpus } | Placement::Shares { gpus, .. } => gpus,
         }
+    }
+
+    /// The cores and memory units held on `gpu` (a whole GPU: 100 cores and
+    /// `None` for all its memory), or `None` when the placement does not
+    /// use it.
+    pub fn on_gpu(&self, gpu: usize) -> Option<(u32, Option<u64>)> {
+        if !self.gpus().contains(&gpu) {
+            return None;
+        }
+        Some(match self {
+            Placement::Share {
+                cores,
+                memory_units,
+                ..
+            }
+            | Placement::Shares {
+                cores,
+                memory_units,
+                ..
+            } => (*cores, Some(*memory_units)),
+            Placement::Exclusive { .. } => (WHOLE_GPU_CORES, None),
+        })
     }
 
     pub fn is_exclusive(&self) -> bool {
@@ -88,13 +142,26 @@ impl fmt::Display for Placement {
             ),
             Placement::Exclusive { gpus } => {
                 f.write_str("whole ")?;
-                for (i, g) in gpus.iter().enumerate() {
-                    write!(f, "{}GPU{g}", if i > 0 { "," } else { "" })?;
-                }
-                Ok(())
+                write_gpus(f, gpus)
+            }
+            Placement::Shares {
+                gpus,
+                cores,
+                memory_units,
+            } => {
+                f.write_str("shares of ")?;
+                write_gpus(f, gpus)?;
+                write!(f, ": {cores} cores, {memory_units} memory units on each")
             }
         }
     }
+}
+
+fn write_gpus(f: &mut fmt::Formatter<'_>, gpus: &[usize]) -> fmt::Result {
+    for (i, g) in gpus.iter().enumerate() {
+        write!(f, "{}GPU{g}", if i > 0 { "," } else { "" })?;
+    }
+    Ok(())
 }
 
 /// One GPU's accounting, as [`Allocator::usage`] reports it.
@@ -134,9 +201,9 @@ impl GpuUsage {
 #[derive(Debug, Clone)]
 pub struct Allocator {
     topo: Topology,
-    usage: Vec<GpuUsage>,
+    pub(crate) usage: Vec<GpuUsage>,
     allocations: HashMap<String, Placement>,
-    largest_units: u64,
+    pub(crate) largest_units: u64,
 }
 
 impl Allocator {
@@ -193,6 +260,9 @@ impl Allocator {
 
     /// Decides where a request goes, changing nothing.
     pub fn evaluate(&self, req: &Request) -> Result<Placement, AllocError> {
+        if req.gpus != 1 {
+            return self.evaluate_shares(req);
+        }
         let cores = req.cores;
         if cores == 0 || (cores > WHOLE_GPU_CORES && cores % WHOLE_GPU_CORES != 0) {
             return Err(AllocError::InvalidCores { cores });
@@ -319,7 +389,7 @@ impl Allocator {
     }
 
     /// Healthy GPUs with nothing on them.
-    fn fully_free(&self) -> Vec<bool> {
+    pub(crate) fn fully_free(&self) -> Vec<bool> {
         self.usage
             .iter()
             .map(|u| u.healthy && u.is_idle())
@@ -395,55 +465,89 @@ impl Allocator {
     }
 
     fn check_fits(&self, id: &str, placement: &Placement) -> Result<(), AllocError> {
-        let total = self.usage.len();
         let malformed = |detail: String| Err(AllocError::InvalidPlacement { detail });
+        match placement {
+            Placement::Share {
+                gpu,
+                cores,
+                memory_units,
+            } => self.check_share(id, *gpu, *cores, *memory_units),
+            Placement::Exclusive { gpus } => {
+                if gpus.is_empty() {
+                    return malformed("whole-GPU placement names no GPU".into());
+                }
+                self.check_distinct(gpus)?;
+                match gpus.iter().find(|&&g| !self.usage[g].is_idle()) {
+                    Some(gpu) => Err(AllocError::Conflict {
+                        id: id.to_string(),
+                        detail: format!("GPU{gpu} is not free"),
+                    }),
+                    None => Ok(()),
+                }
+            }
+            Placement::Shares {
+                gpus,
+                cores,
+                memory_units,
+            } => {
+                if gpus.len() < 2 {
+                    return malformed(format!(
+                        "shares on several GPUs name {} GPU(s); a share of one GPU is a share placement",
+                        gpus.len()
+                    ));
+                }
+                self.check_distinct(gpus)?;
+                for &gpu in gpus {
+                    self.check_share(id, gpu, *cores, *memory_units)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Every GPU exists and none is named twice.
+    fn check_distinct(&self, gpus: &[usize]) -> Result<(), AllocError> {
+        let total = self.usage.len();
+        for (i, &gpu) in gpus.iter().enumerate() {
+            if gpu >= total {
+                return Err(AllocError::UnknownGpu { gpu, total });
+            }
+            if gpus[..i].contains(&gpu) {
+                return Err(AllocError::InvalidPlacement {
+                    detail: format!("GPU{gpu} is named twice"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// A share of `cores` and `units` still fits on `gpu`.
+    fn check_share(&self, id: &str, gpu: usize, cores: u32, units: u64) -> Result<(), AllocError> {
+        let total = self.usage.len();
+        if gpu >= total {
+            return Err(AllocError::UnknownGpu { gpu, total });
+        }
+        if cores == 0 || cores >= WHOLE_GPU_CORES {
+            return Err(AllocError::InvalidPlacement {
+                detail: format!("a share has 1..99 cores, not {cores}"),
+            });
+        }
         let conflict = |detail: String| {
             Err(AllocError::Conflict {
                 id: id.to_string(),
                 detail,
             })
         };
-        match placement {
-            Placement::Share {
-                gpu,
-                cores,
-                memory_units,
-            } => {
-                let (gpu, cores, units) = (*gpu, *cores, *memory_units);
-                if gpu >= total {
-                    return Err(AllocError::UnknownGpu { gpu, total });
-                }
-                if cores == 0 || cores >= WHOLE_GPU_CORES {
-                    return malformed(format!("a share has 1..99 cores, not {cores}"));
-                }
-                let u = &self.usage[gpu];
-                if u.exclusive {
-                    return conflict(format!("GPU{gpu} is held whole"));
-                }
-                if u.free_cores() < cores || u.free_memory_units() < units {
-                    return conflict(format!(
-                        "GPU{gpu} has {} cores and {} memory units free, the share needs {cores} and {units}",
-                        u.free_cores(),
-                        u.free_memory_units()
-                    ));
-                }
-            }
-            Placement::Exclusive { gpus } => {
-                if gpus.is_empty() {
-                    return malformed("whole-GPU placement names no GPU".into());
-                }
-                for (i, &gpu) in gpus.iter().enumerate() {
-                    if gpu >= total {
-                        return Err(AllocError::UnknownGpu { gpu, total });
-                    }
-                    if gpus[..i].contains(&gpu) {
-                        return malformed(format!("GPU{gpu} is named twice"));
-                    }
-                    if !self.usage[gpu].is_idle() {
-                        return conflict(format!("GPU{gpu} is not free"));
-                    }
-                }
-            }
+        let u = &self.usage[gpu];
+        if u.exclusive {
+            return conflict(format!("GPU{gpu} is held whole"));
+        }
+        if u.free_cores() < cores || u.free_memory_units() < units {
+            return conflict(format!(
+                "GPU{gpu} has {} cores and {} memory units free, the share needs {cores} and {units}",
+                u.free_cores(),
+                u.free_memory_units()
+            ));
         }
         Ok(())
     }
@@ -455,16 +559,14 @@ impl Allocator {
                 gpu,
                 cores,
                 memory_units,
+            } => self.apply_share(*gpu, *cores, *memory_units, add),
+            Placement::Shares {
+                gpus,
+                cores,
+                memory_units,
             } => {
-                let u = &mut self.usage[*gpu];
-                if add {
-                    u.allocated_cores += cores;
-                    u.allocated_memory_units += memory_units;
-                    u.shares += 1;
-                } else {
-                    u.allocated_cores -= cores;
-                    u.allocated_memory_units -= memory_units;
-                    u.shares -= 1;
+                for &gpu in gpus {
+                    self.apply_share(gpu, *cores, *memory_units, add);
                 }
             }
             Placement::Exclusive { gpus } => {
@@ -475,6 +577,19 @@ impl Allocator {
                     u.allocated_memory_units = if add { u.total_memory_units } else { 0 };
                 }
             }
+        }
+    }
+
+    fn apply_share(&mut self, gpu: usize, cores: u32, units: u64, add: bool) {
+        let u = &mut self.usage[gpu];
+        if add {
+            u.allocated_cores += cores;
+            u.allocated_memory_units += units;
+            u.shares += 1;
+        } else {
+            u.allocated_cores -= cores;
+            u.allocated_memory_units -= units;
+            u.shares -= 1;
         }
     }
 }

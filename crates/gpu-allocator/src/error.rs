@@ -60,6 +60,8 @@ pub enum AllocError {
         requested: usize,
         total: usize,
     },
+    #[error("{request} is not a valid request: {problem}")]
+    InvalidShares { request: String, problem: String },
     #[error("not enough free GPU capacity: {detail}")]
     Insufficient { detail: String },
     #[error("allocation {id:?} already exists: release it before committing it again")]
@@ -81,7 +83,8 @@ impl AllocError {
             | AllocError::ShareModeOff { .. }
             | AllocError::ShareWithoutMemory { .. }
             | AllocError::MemoryTooLarge { .. }
-            | AllocError::TooManyGpus { .. } => ErrorKind::InvalidRequest,
+            | AllocError::TooManyGpus { .. }
+            | AllocError::InvalidShares { .. } => ErrorKind::InvalidRequest,
             AllocError::Insufficient { .. } => ErrorKind::Insufficient,
             AllocError::DuplicateAllocation { .. }
             | AllocError::UnknownAllocation { .. }

@@ -8,8 +8,10 @@
 //!   subtree), then the most fragmented neighbourhood, then lowest indices.
 //!   One whole GPU goes to the most fragmented subtree.
 //! * `vcuda-core` 1..99 (share mode on, `vcuda-memory` ≥ 1 unit of 256 MiB):
-//!   the fullest GPU that still fits the cores and the memory; a share never
-//!   spans GPUs.
+//!   the fullest GPU that still fits the cores and the memory.
+//! * A share on each of N ≥ 2 GPUs ([`Request::gpus`], [`Request::from_totals`]):
+//!   the GPUs with room, ranked as whole-GPU sets (NVLink, then PCIe
+//!   closeness), then the fullest set; [`Placement::Shares`].
 //!
 //! See README.md for the rules in full and an example rendering.
 //!
@@ -50,6 +52,7 @@ mod allocator;
 mod error;
 mod render;
 mod select;
+mod shares;
 mod topology;
 
 pub use allocator::{Allocator, GpuUsage, Placement, Request, WHOLE_GPU_CORES};

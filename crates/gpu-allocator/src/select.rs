@@ -1,5 +1,6 @@
-//! Choosing GPUs: the ranking of whole-GPU sets and the fragmentation
-//! measure that shares also use to break ties.
+//! Choosing GPUs: the ranking of GPU sets (whole GPUs, and shares on
+//! several GPUs) and the fragmentation measure that shares also use to
+//! break ties.
 
 use std::cmp::Reverse;
 
@@ -69,15 +70,26 @@ impl<'a> Fragmentation<'a> {
     }
 }
 
-/// Ranking of a whole-GPU set; smaller is better:
-/// most NVLink links inside the set, then the closest PCIe common ancestor,
-/// then the smallest sum of pairwise PCIe levels, then the most fragmented
-/// neighbourhood. Equal keys go to the lowest indices (enumeration order).
-type Key = (Reverse<u64>, usize, u64, Chain);
+/// Free capacity a GPU would keep (cores, memory units), summed over a
+/// set: the fullest set packs shares tightest. All zero for whole GPUs,
+/// where it must not rank anything.
+pub(crate) type Fill = (u64, u64);
 
-fn key(topo: &Topology, frag: &Fragmentation<'_>, set: &[usize]) -> Key {
+/// Ranking of a GPU set; smaller is better:
+/// most NVLink links inside the set, then the closest PCIe common ancestor,
+/// then the smallest sum of pairwise PCIe levels, then the least free
+/// capacity left (shares only), then the most fragmented neighbourhood.
+/// Equal keys go to the lowest indices (enumeration order).
+type Key = (Reverse<u64>, usize, u64, Fill, Chain);
+
+fn fill_of(fill: &[Fill], set: &[usize]) -> Fill {
+    set.iter()
+        .fold((0, 0), |(c, u), &g| (c + fill[g].0, u + fill[g].1))
+}
+
+fn key(topo: &Topology, frag: &Fragmentation<'_>, fill: &[Fill], set: &[usize]) -> Key {
     if let [gpu] = set {
-        return (Reverse(0), 0, 0, frag.of_gpu(*gpu));
+        return (Reverse(0), 0, 0, fill[*gpu], frag.of_gpu(*gpu));
     }
     let tree = topo.tree();
     let mut links = 0u64;
@@ -95,6 +107,7 @@ fn key(topo: &Topology, frag: &Fragmentation<'_>, set: &[usize]) -> Key {
         Reverse(links),
         tree.group(lca).level.rank() + 1,
         pcie,
+        fill_of(fill, set),
         frag.of_group(lca),
     )
 }
@@ -103,23 +116,51 @@ fn key(topo: &Topology, frag: &Fragmentation<'_>, set: &[usize]) -> Key {
 /// fewer than `n` are free.
 pub(crate) fn whole_gpus(topo: &Topology, free: &[bool], n: usize) -> Option<Vec<usize>> {
     let pool: Vec<usize> = (0..free.len()).filter(|&i| free[i]).collect();
+    best_set(topo, free, &pool, &vec![(0, 0); free.len()], n)
+}
+
+/// The best `n` GPUs out of `pool`. Whole GPUs: the fully free ones, no
+/// fill. Shares on several GPUs: the GPUs with room for one, `fill[i]` what
+/// GPU `i` keeps free after its share, so among equally connected sets the
+/// fullest wins. `free`: the fully free GPUs, for the fragmentation
+/// tie-breaker.
+pub(crate) fn best_set(
+    topo: &Topology,
+    free: &[bool],
+    pool: &[usize],
+    fill: &[Fill],
+    n: usize,
+) -> Option<Vec<usize>> {
     if n == 0 || pool.len() < n {
         return None;
     }
     let frag = Fragmentation::new(topo, free);
+    let ctx = Ctx {
+        topo,
+        frag: &frag,
+        fill,
+    };
     if combinations(pool.len() as u64, n as u64) <= EXHAUSTIVE_LIMIT {
-        Some(exhaustive(topo, &frag, &pool, n))
+        Some(exhaustive(&ctx, pool, n))
     } else {
-        Some(greedy(topo, &frag, &pool, n))
+        Some(greedy(&ctx, pool, n))
     }
 }
 
-fn exhaustive(topo: &Topology, frag: &Fragmentation<'_>, pool: &[usize], n: usize) -> Vec<usize> {
+/// What ranking a set needs besides the set.
+struct Ctx<'a> {
+    topo: &'a Topology,
+    frag: &'a Fragmentation<'a>,
+    fill: &'a [Fill],
+}
+
+fn exhaustive(ctx: &Ctx<'_>, pool: &[usize], n: usize) -> Vec<usize> {
+    let (topo, frag, fill) = (ctx.topo, ctx.frag, ctx.fill);
     if n == 1 {
         // Strictly better only, so ties stay with the lowest index.
-        let mut best = (key(topo, frag, &pool[..1]), pool[0]);
+        let mut best = (key(topo, frag, fill, &pool[..1]), pool[0]);
         for &g in &pool[1..] {
-            let k = key(topo, frag, &[g]);
+            let k = key(topo, frag, fill, &[g]);
             if k < best.0 {
                 best = (k, g);
             }
@@ -129,6 +170,7 @@ fn exhaustive(topo: &Topology, frag: &Fragmentation<'_>, pool: &[usize], n: usiz
     let mut search = Search {
         topo,
         pool,
+        fill,
         n,
         chains: (0..topo.tree().groups().len())
             .map(|g| frag.of_group(g))
@@ -136,16 +178,17 @@ fn exhaustive(topo: &Topology, frag: &Fragmentation<'_>, pool: &[usize], n: usiz
         set: Vec::with_capacity(n),
         best: None,
     };
-    search.descend(0, 0, 0, None);
+    search.descend(0, (0, 0), (0, 0), None);
     search.best.expect("pool holds at least n GPUs").1
 }
 
 /// Depth-first over all n-subsets in lexicographic order, carrying the
-/// link and PCIe sums and the common ancestor of the prefix, so each set
-/// costs O(n) instead of O(n^2).
+/// link, PCIe and fill sums and the common ancestor of the prefix, so each
+/// set costs O(n) instead of O(n^2).
 struct Search<'a> {
     topo: &'a Topology,
     pool: &'a [usize],
+    fill: &'a [Fill],
     n: usize,
     chains: Vec<Chain>,
     set: Vec<usize>,
@@ -153,14 +196,17 @@ struct Search<'a> {
 }
 
 impl Search<'_> {
-    fn descend(&mut self, start: usize, links: u64, pcie: u64, lca: Option<usize>) {
+    /// `sums`: (links, PCIe levels) of the prefix; `fill`: its free capacity.
+    fn descend(&mut self, start: usize, sums: (u64, u64), fill: Fill, lca: Option<usize>) {
         let tree = self.topo.tree();
+        let (links, pcie) = sums;
         if self.set.len() == self.n {
             let lca = lca.expect("n >= 1");
             let k = (
                 Reverse(links),
                 tree.group(lca).level.rank() + 1,
                 pcie,
+                fill,
                 self.chains[lca],
             );
             // Strictly better only, so ties stay with the lowest indices.
@@ -179,8 +225,9 @@ impl Search<'_> {
             }
             let parent = tree.parent_of_gpu(g);
             let lca = Some(lca.map_or(parent, |l| tree.lca(l, parent)));
+            let f = (fill.0 + self.fill[g].0, fill.1 + self.fill[g].1);
             self.set.push(g);
-            self.descend(i + 1, links + dl, pcie + dp, lca);
+            self.descend(i + 1, (links + dl, pcie + dp), f, lca);
             self.set.pop();
         }
     }
@@ -189,7 +236,8 @@ impl Search<'_> {
 /// For large nodes: grow a set from every free GPU, each step adding the
 /// GPU with the most links to the set (then the closest by PCIe), and keep
 /// the best-ranked result.
-fn greedy(topo: &Topology, frag: &Fragmentation<'_>, pool: &[usize], n: usize) -> Vec<usize> {
+fn greedy(ctx: &Ctx<'_>, pool: &[usize], n: usize) -> Vec<usize> {
+    let (topo, frag, fill) = (ctx.topo, ctx.frag, ctx.fill);
     let mut best: Option<(Key, Vec<usize>)> = None;
     for &seed in pool {
         let mut set = vec![seed];
@@ -210,7 +258,7 @@ fn greedy(topo: &Topology, frag: &Fragmentation<'_>, pool: &[usize], n: usize) -
             set.push(next);
         }
         set.sort_unstable();
-        let k = key(topo, frag, &set);
+        let k = key(topo, frag, fill, &set);
         if best.as_ref().is_none_or(|(bk, bs)| (&k, &set) < (bk, bs)) {
             best = Some((k, set));
         }

@@ -1,5 +1,6 @@
 //! Unit tests: every rule and every error on small synthetic topologies.
-//! Sequences on the simulated node files are in tests/nodes.rs.
+//! Sequences on the simulated node files are in tests/nodes.rs; shares on
+//! several GPUs in shares/tests.rs, which borrows the nodes built here.
 
 use crate::*;
 use test_support::sets::subsets;
@@ -7,11 +8,11 @@ use test_support::sets::subsets;
 const GIB: u64 = 1 << 30;
 
 /// NVLink links inside `set` on `a`'s topology.
-fn links(a: &Allocator, set: &[usize]) -> u32 {
+pub(crate) fn links(a: &Allocator, set: &[usize]) -> u32 {
     test_support::sets::links(set, |x, y| a.topology().nvlink_count(x, y))
 }
 
-fn gpu(i: usize, memory_gib: u64) -> GpuInfo {
+pub(crate) fn gpu(i: usize, memory_gib: u64) -> GpuInfo {
     GpuInfo {
         index: i,
         uuid: format!("GPU-{i:04}"),
@@ -23,7 +24,7 @@ fn gpu(i: usize, memory_gib: u64) -> GpuInfo {
 }
 
 /// Pairs on a switch, fours on a host bridge, the rest across sockets.
-fn hier(a: usize, b: usize) -> PcieLevel {
+pub(crate) fn hier(a: usize, b: usize) -> PcieLevel {
     if a / 2 == b / 2 {
         PcieLevel::Single
     } else if a / 4 == b / 4 {
@@ -33,12 +34,12 @@ fn hier(a: usize, b: usize) -> PcieLevel {
     }
 }
 
-fn pcie_node(n: usize) -> Allocator {
+pub(crate) fn pcie_node(n: usize) -> Allocator {
     Allocator::new(Topology::from_fn((0..n).map(|i| gpu(i, 16)).collect(), hier, |_, _| 0).unwrap())
 }
 
 /// DGX-1V hybrid cube-mesh: NVLink counts as `nvidia-smi topo -m` shows them.
-const DGX1_NVLINK: [[u32; 8]; 8] = [
+pub(crate) const DGX1_NVLINK: [[u32; 8]; 8] = [
     [0, 1, 1, 2, 2, 0, 0, 0],
     [1, 0, 2, 1, 0, 2, 0, 0],
     [1, 2, 0, 2, 0, 0, 1, 0],
@@ -49,7 +50,7 @@ const DGX1_NVLINK: [[u32; 8]; 8] = [
     [0, 0, 0, 1, 2, 1, 2, 0],
 ];
 
-fn dgx1() -> Allocator {
+pub(crate) fn dgx1() -> Allocator {
     Allocator::new(
         Topology::from_fn((0..8).map(|i| gpu(i, 16)).collect(), hier, |a, b| {
             DGX1_NVLINK[a][b]
@@ -151,6 +152,7 @@ fn share_with_share_mode_off_is_invalid() {
         cores: 50,
         memory_units: 4,
         share_mode: false,
+        gpus: 1,
     };
     let e = a.evaluate(&req).unwrap_err();
     assert_eq!(e, AllocError::ShareModeOff { cores: 50 });
@@ -160,6 +162,7 @@ fn share_with_share_mode_off_is_invalid() {
         cores: 100,
         memory_units: 0,
         share_mode: false,
+        gpus: 1,
     };
     assert!(a.evaluate(&req).is_ok());
 }
@@ -194,6 +197,7 @@ fn bad_requests_change_nothing() {
             cores: 20,
             memory_units: 1,
             share_mode: false,
+            gpus: 1,
         },
     ] {
         assert!(a.allocate(format!("{req:?}"), &req).is_err());
@@ -222,6 +226,7 @@ fn whole_gpu_request_ignores_memory() {
         cores: 200,
         memory_units: 12_345,
         share_mode: true,
+        gpus: 1,
     };
     assert_eq!(
         a.evaluate(&req).unwrap(),

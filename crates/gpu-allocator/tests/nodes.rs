@@ -257,6 +257,17 @@ fn recount(a: &Allocator) -> Vec<(u32, u64, u32, bool)> {
                 v[*gpu].1 += memory_units;
                 v[*gpu].2 += 1;
             }
+            Placement::Shares {
+                gpus,
+                cores,
+                memory_units,
+            } => {
+                for &g in gpus {
+                    v[g].0 += cores;
+                    v[g].1 += memory_units;
+                    v[g].2 += 1;
+                }
+            }
             Placement::Exclusive { gpus } => {
                 for &g in gpus {
                     assert!(!v[g].3, "GPU{g} held whole twice");
@@ -316,10 +327,15 @@ fn random_sequences_keep_invariants() {
                 a.release(&id).unwrap();
                 assert_ne!(a.usages(), before_release.as_slice());
             } else {
-                let req = match rng.below(10) {
+                let req = match rng.below(12) {
                     0..=6 => share(1 + rng.below(99) as u32, 1 + rng.below(max_units / 2)),
                     7 | 8 => whole(1 + rng.below(2) as u32),
-                    _ => whole(1 + rng.below(n.min(8)) as u32),
+                    9 => whole(1 + rng.below(n.min(8)) as u32),
+                    _ => Request::shares(
+                        2 + rng.below(n.min(4) - 1) as u32,
+                        1 + rng.below(60) as u32,
+                        1 + rng.below(max_units / 3),
+                    ),
                 };
                 let before = a.usages().to_vec();
                 let id = format!("a{step}");

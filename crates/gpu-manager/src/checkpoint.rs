@@ -94,6 +94,12 @@ pub enum PlacementRecord {
     Exclusive {
         gpus: Vec<usize>,
     },
+    /// A share on each of several GPUs (docs/multi-gpu.md).
+    Shares {
+        gpus: Vec<usize>,
+        cores: u32,
+        memory_units: u64,
+    },
 }
 
 impl From<&Placement> for PlacementRecord {
@@ -109,6 +115,15 @@ impl From<&Placement> for PlacementRecord {
                 memory_units: *memory_units,
             },
             Placement::Exclusive { gpus } => PlacementRecord::Exclusive { gpus: gpus.clone() },
+            Placement::Shares {
+                gpus,
+                cores,
+                memory_units,
+            } => PlacementRecord::Shares {
+                gpus: gpus.clone(),
+                cores: *cores,
+                memory_units: *memory_units,
+            },
         }
     }
 }
@@ -126,6 +141,15 @@ impl From<&PlacementRecord> for Placement {
                 memory_units: *memory_units,
             },
             PlacementRecord::Exclusive { gpus } => Placement::Exclusive { gpus: gpus.clone() },
+            PlacementRecord::Shares {
+                gpus,
+                cores,
+                memory_units,
+            } => Placement::Shares {
+                gpus: gpus.clone(),
+                cores: *cores,
+                memory_units: *memory_units,
+            },
         }
     }
 }

@@ -72,6 +72,9 @@ impl DisplaySource for ManagerSource {
                     PlacementRecord::Share { gpu, .. } => {
                         (vec![*gpu], false, a.memory_units * MEMORY_UNIT_BYTES)
                     }
+                    PlacementRecord::Shares { gpus: held, .. } => {
+                        (held.clone(), false, a.memory_units * MEMORY_UNIT_BYTES)
+                    }
                     PlacementRecord::Exclusive { gpus: held } => {
                         let bytes = held
                             .iter()

@@ -216,6 +216,8 @@ impl Manager {
             cores: u32::try_from(cores).unwrap_or(u32::MAX),
             memory_units: cand.memory_units,
             share_mode: self.config.share_mode,
+            // Shares on several GPUs are not served yet (docs/multi-gpu.md).
+            gpus: 1,
         };
         let id = alloc_id(uid, &cand.container);
         let ctx = format!("pod {ns}/{name} container {}", cand.container);
