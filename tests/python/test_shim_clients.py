@@ -11,14 +11,13 @@ built by `cargo build --workspace --all-targets`) serving vcuda.sock.
 
 import json
 import os
-import pathlib
 import shutil
 import subprocess
 import textwrap
 
 import pytest
 
-from conftest import context_cost, install_node, lib_dir, run_client, target_dir
+from conftest import context_cost, lib_dir, run_client, start_shim_node
 
 GIB = 1 << 30
 # What a client's context takes (counted through the NVML reconcile).
@@ -30,38 +29,7 @@ QUOTA = 4 * GIB + CTX
 @pytest.fixture(scope="module")
 def shim_node(tmp_path_factory):
     """(sim root, interposer lib dir, config dir) with a manager running."""
-    root = install_node(tmp_path_factory.mktemp("shim-node"))
-    # VCUDA_INTERPOSER: tests/run.sh runs these again on the glibc-2.17 build.
-    shim = pathlib.Path(os.environ.get("VCUDA_INTERPOSER") or target_dir() / "libvcuda.so")
-    manager = target_dir() / "examples" / "test_manager"
-    for p in (shim, manager):
-        if not p.exists():
-            pytest.fail(f"{p} not found: run `cargo build --workspace --all-targets`")
-    # Inside the root, so the sim's libraries (hard links) find their state.
-    lib64 = root / "vdriver" / "nvidia" / "lib64"
-    lib64.mkdir(parents=True)
-    real = lib_dir(root)
-    version = None
-    for f in real.iterdir():
-        if f.is_file() and not f.is_symlink() and (f.name.startswith("libcuda.so.") or f.name.startswith("libnvidia-ml.so.")):
-            os.link(f, lib64 / f.name)
-            if f.name.startswith("libcuda.so."):
-                version = f.name[len("libcuda.so."):]
-    shutil.copy2(shim, lib64 / "libvcuda.so")
-    for name in ("libcuda.so", "libcuda.so.1", "libnvidia-ml.so", "libnvidia-ml.so.1"):
-        os.link(lib64 / "libvcuda.so", lib64 / name)
-    cfg = tmp_path_factory.mktemp("vcuda-config")
-    major_minor = ".".join(version.split(".")[:2])
-    proc = subprocess.Popen(
-        [str(manager), str(cfg), str(QUOTA), major_minor],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout.readline().strip() == "ready"
-    yield root, lib64, cfg
-    proc.stdin.close()
-    proc.wait(timeout=10)
+    yield from start_shim_node(tmp_path_factory, QUOTA)
 
 
 def shim_client(node, body, env=None):
