@@ -3,16 +3,26 @@
 //! interoperate with the original:
 //!
 //! * `vcuda.config`: the packed 8240-byte `resource_data_t` ([`ResourceData`]);
-//! * `pids.config`: native-endian `i32` host PIDs ([`encode_pids`], [`decode_pids`]).
+//! * `pids.config`: native-endian `i32` host PIDs ([`encode_pids`], [`decode_pids`]);
+//! * for a share on several GPUs, `vcuda-gpus.config` beside a `vcuda.config`
+//!   that interposers enforcing one GPU refuse ([`MultiGpuQuota`], [`read_quota`];
+//!   docs/multi-gpu.md).
 //!
-//! No I/O beyond [`write_atomic`] and [`read_config`]; everything else is
-//! pure so both sides test it directly.
+//! No I/O beyond [`write_atomic`], [`write_multi`], [`read_config`] and
+//! [`read_quota`]; everything else is pure so both sides test it directly.
 
 use std::fs;
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use thiserror::Error;
+
+mod multi;
+
+pub use multi::{
+    ENABLE_MULTI_GPU, GPU_RECORD_SIZE, GPUS_FILE, GPUS_HEADER_SIZE, GPUS_MAGIC, GPUS_VERSION,
+    GpuQuota, MAX_GPUS, MultiGpuQuota, Quota, WriteError, ledger_file, read_quota, write_multi,
+};
 
 /// File name of the quota file in a container's vm directory.
 pub const CONFIG_FILE: &str = "vcuda.config";
@@ -53,6 +63,37 @@ pub enum ConfigError {
         field: &'static str,
         problem: String,
     },
+    /// `vcuda-gpus.config` as a whole (header, size, GPU count).
+    #[error("{problem}")]
+    Gpus { problem: String },
+    /// One GPU's record in `vcuda-gpus.config`.
+    #[error("GPU {gpu}: field {field} {problem}")]
+    GpuField {
+        gpu: usize,
+        field: &'static str,
+        problem: String,
+    },
+    /// `vcuda-gpus.config`'s first GPU is not the one `vcuda.config` names.
+    #[error("GPU 0: field {field} is {gpus}, but vcuda.config says {config}")]
+    Mismatch {
+        field: &'static str,
+        config: String,
+        gpus: String,
+    },
+}
+
+impl ConfigError {
+    /// The file the error is about: `vcuda.config`, `vcuda-gpus.config` or
+    /// `pids.config`.
+    pub fn file(&self) -> &'static str {
+        match self {
+            ConfigError::Size { what, .. } => what,
+            ConfigError::Field { .. } => CONFIG_FILE,
+            ConfigError::Gpus { .. }
+            | ConfigError::GpuField { .. }
+            | ConfigError::Mismatch { .. } => GPUS_FILE,
+        }
+    }
 }
 
 #[derive(Debug, Error)]
@@ -143,10 +184,19 @@ fn get_i32(buf: &[u8], off: usize) -> i32 {
     i32::from_ne_bytes(buf[off..off + 4].try_into().unwrap())
 }
 
+fn put_enable(buf: &mut [u8], enable: i32) {
+    buf[ENABLE_OFF..ENABLE_OFF + 4].copy_from_slice(&enable.to_ne_bytes());
+}
+
 impl ResourceData {
     /// The packed `resource_data_t` bytes.
     pub fn to_bytes(&self) -> Result<Vec<u8>, ConfigError> {
         self.validate()?;
+        self.encode()
+    }
+
+    /// The bytes without the value checks (strings are still checked).
+    fn encode(&self) -> Result<Vec<u8>, ConfigError> {
         let mut b = vec![0u8; CONFIG_SIZE];
         put_str(&mut b, POD_UID_OFF, POD_UID_LEN, "pod_uid", &self.pod_uid)?;
         b[LIMIT_OFF..LIMIT_OFF + 4].copy_from_slice(&self.limit.to_ne_bytes());
@@ -166,27 +216,55 @@ impl ResourceData {
             .copy_from_slice(&self.driver_version.0.to_ne_bytes());
         b[DRIVER_MINOR_OFF..DRIVER_MINOR_OFF + 4]
             .copy_from_slice(&self.driver_version.1.to_ne_bytes());
-        b[ENABLE_OFF..ENABLE_OFF + 4].copy_from_slice(&(self.enable as i32).to_ne_bytes());
+        put_enable(&mut b, self.enable as i32);
         Ok(b)
     }
 
-    /// Parses and validates packed `resource_data_t` bytes.
+    /// Parses and validates packed `resource_data_t` bytes of one GPU (or
+    /// pass-through). `enable` 2 (quotas on several GPUs) is refused: this
+    /// reader enforces one GPU's quota; [`read_quota`] reads both kinds.
     pub fn from_bytes(b: &[u8]) -> Result<ResourceData, ConfigError> {
+        let (d, enable) = ResourceData::decode(b)?;
+        if enable == ENABLE_MULTI_GPU {
+            return Err(ConfigError::Field {
+                field: "enable",
+                problem: format!(
+                    "is {ENABLE_MULTI_GPU}: the container's quotas are on several GPUs ({GPUS_FILE}), \
+                     which a one-GPU reader cannot enforce"
+                ),
+            });
+        }
+        if enable != 0 && enable != 1 {
+            return Err(ConfigError::Field {
+                field: "enable",
+                problem: format!("is {enable}; expected 0 or 1"),
+            });
+        }
+        d.validate()?;
+        Ok(d)
+    }
+
+    /// The fields and the raw `enable` word, unvalidated beyond the size,
+    /// the strings and the `hard_limit` flag.
+    fn decode(b: &[u8]) -> Result<(ResourceData, i32), ConfigError> {
         if b.len() != CONFIG_SIZE {
             return Err(ConfigError::Size {
-                what: "vcuda.config",
+                what: CONFIG_FILE,
                 len: b.len(),
                 expected: CONFIG_SIZE,
             });
         }
-        let flag = |off: usize, field: &'static str| match get_i32(b, off) {
-            0 => Ok(false),
-            1 => Ok(true),
-            v => Err(ConfigError::Field {
-                field,
-                problem: format!("is {v}; expected 0 or 1"),
-            }),
+        let hard_limit = match get_i32(b, HARD_LIMIT_OFF) {
+            0 => false,
+            1 => true,
+            v => {
+                return Err(ConfigError::Field {
+                    field: "hard_limit",
+                    problem: format!("is {v}; expected 0 or 1"),
+                });
+            }
         };
+        let enable = get_i32(b, ENABLE_OFF);
         let d = ResourceData {
             pod_uid: get_str(b, POD_UID_OFF, POD_UID_LEN, "pod_uid")?,
             limit: get_i32(b, LIMIT_OFF),
@@ -196,12 +274,11 @@ impl ResourceData {
                 b[GPU_MEMORY_OFF..GPU_MEMORY_OFF + 8].try_into().unwrap(),
             ),
             utilization: get_i32(b, UTILIZATION_OFF),
-            hard_limit: flag(HARD_LIMIT_OFF, "hard_limit")?,
+            hard_limit,
             driver_version: (get_i32(b, DRIVER_MAJOR_OFF), get_i32(b, DRIVER_MINOR_OFF)),
-            enable: flag(ENABLE_OFF, "enable")?,
+            enable: enable != 0,
         };
-        d.validate()?;
-        Ok(d)
+        Ok((d, enable))
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
