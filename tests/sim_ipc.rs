@@ -170,3 +170,20 @@ fn peer_access_follows_the_topology() {
     assert_eq!(get(&m, "can_0_2"), 0, "across NUMA nodes");
     assert_eq!(get(&m, "peer_copied"), 0x21);
 }
+
+#[test]
+fn an_expandable_segment_spans_its_handles() {
+    let (n, prog) = node("sim-1gpu");
+    let o = n.direct().command(&prog).arg("segments").output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let m = test_support::kv(&out);
+    assert_eq!(get(&m, "across"), 0x7e, "a copy across two mappings");
+    assert_eq!(get(&m, "access_past_mapped"), 1, "not past what is mapped");
+    assert_eq!(get(&m, "before_free") - get(&m, "mapped_free"), 64 * MIB);
+    assert_eq!(get(&m, "after_free"), get(&m, "before_free"));
+}

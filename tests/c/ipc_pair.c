@@ -7,6 +7,8 @@
  *   ipc_pair open SOCK MODE    # opens, checks the bytes, prints `opened`,
  *                              # waits for a line on stdin, closes
  *   ipc_pair peer              # peer access on one process (4-GPU node)
+ *   ipc_pair segments          # an expandable segment: handles mapped back
+ *                              # to back, access set and copies across them
  *   ipc_pair quota             # device vs host-located cuMemCreate under a
  *                              # small quota: OUT_OF_MEMORY at the call
  *
@@ -487,6 +489,38 @@ static void peer(void) {
   expect(cuCtxDisablePeerAccess(c[1]), 705, "disable_1_again");
 }
 
+/* PyTorch's expandable segment (c10/cuda/CUDACachingAllocator.cpp,
+ * ExpandableSegment: one address range reserved up front, a handle
+ * created and mapped per step at the end of what is mapped, then one
+ * cuMemSetAccess over the whole newly mapped range; v2.6.0 lines 401-411,
+ * 553 and 559): access and copies span the handles. */
+static void segments(void) {
+  CUmemAllocationProp prop = prop_for(LOC_DEVICE, 0, POSIX_FD);
+  CUmemGenericAllocationHandle h[2];
+  CUmemAccessDesc a = {{LOC_DEVICE, 0}, 3};
+  CUdeviceptr base;
+  size_t gran;
+  primary(0);
+  check(cuMemGetAllocationGranularity(&gran, &prop, 0), "cuMemGetAllocationGranularity");
+  mem_info("before");
+  check(cuMemAddressReserve(&base, 4 * VMM_BYTES, gran, 0, 0), "cuMemAddressReserve");
+  for (int i = 0; i < 2; i++) {
+    check(cuMemCreate(&h[i], VMM_BYTES, &prop, 0), "cuMemCreate");
+    check(cuMemMap(base + i * VMM_BYTES, VMM_BYTES, 0, h[i], 0), "cuMemMap");
+  }
+  check(cuMemSetAccess(base, 2 * VMM_BYTES, &a, 1), "cuMemSetAccess(across)");
+  fill(base + VMM_BYTES - 2048, 0x7e, 4096);
+  printf("across=%d\n", byte_at(base + VMM_BYTES + 1, 0));
+  expect(cuMemSetAccess(base, 3 * VMM_BYTES, &a, 1), 1, "access_past_mapped");
+  mem_info("mapped");
+  for (int i = 0; i < 2; i++) {
+    check(cuMemUnmap(base + i * VMM_BYTES, VMM_BYTES), "cuMemUnmap");
+    check(cuMemRelease(h[i]), "cuMemRelease");
+  }
+  check(cuMemAddressFree(base, 4 * VMM_BYTES), "cuMemAddressFree");
+  mem_info("after");
+}
+
 /* Under a quota that fits a context and a little more: host-located VMM
  * memory is not device memory (any size goes); device memory over the
  * quota is CUDA_ERROR_OUT_OF_MEMORY at the call, by every path, and the
@@ -513,6 +547,8 @@ int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   if (argc == 2 && !strcmp(argv[1], "quota")) {
     quota();
+  } else if (argc == 2 && !strcmp(argv[1], "segments")) {
+    segments();
   } else if (argc == 2 && !strcmp(argv[1], "peer")) {
     peer();
   } else if (argc == 4) {

@@ -179,6 +179,28 @@ impl Memory {
             .find(|&(base, size)| ptr < base + size as u64)
     }
 
+    /// The VMM handles mapped back to back over [ptr, end), in order; `None`
+    /// when a gap or the reservation's end interrupts them. One range may
+    /// span several mappings: PyTorch's expandable segments map a handle per
+    /// 20 MiB and set access (and copy) across them at once.
+    pub fn mapped_cover(&self, ptr: u64, end: u64) -> Option<Vec<u64>> {
+        let m = lock(&self.mapped);
+        let (&first, _) = m.range(..=ptr).next_back()?;
+        let mut at = first;
+        let mut handles = Vec::new();
+        for (&base, &(len, h)) in m.range(first..) {
+            if base != at {
+                return None;
+            }
+            handles.push(h);
+            at = base + len as u64;
+            if end <= at {
+                return (ptr < at).then_some(handles);
+            }
+        }
+        None
+    }
+
     /// Runs `f` on the own, unpooled allocation containing `ptr` (what a
     /// CUDA IPC handle may export): its base and record.
     pub(crate) fn with_alloc<T>(&self, ptr: u64, f: impl FnOnce(u64, &mut Alloc) -> R<T>) -> R<T> {
@@ -204,10 +226,7 @@ impl Memory {
         {
             return Ok(());
         }
-        let m = lock(&self.mapped);
-        if let Some((&base, &(len, _))) = m.range(..=ptr).next_back()
-            && end <= base + len as u64
-        {
+        if self.mapped_cover(ptr, end).is_some() {
             return Ok(());
         }
         if crate::globals::contains(ptr, end) {

@@ -194,27 +194,35 @@ struct AccessDesc {
 
 /// cuMemSetAccess: each device named must be the memory's own or one that
 /// may access it as a peer (the node's topology); INVALID_DEVICE otherwise.
+/// The range may span several mappings (all of them checked).
 fn set_access(d: &Driver, ptr: u64, size: usize, desc: *const AccessDesc, count: usize) -> R {
     if desc.is_null() || count == 0 || size == 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    d.mem.check(ptr, size)?;
+    let end = ptr
+        .checked_add(size as u64)
+        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let handles = d
+        .mem
+        .mapped_cover(ptr, end)
+        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
     // SAFETY: the caller's array of `count` descriptors (CUDA ABI), non-NULL (checked above).
     let descs = unsafe { std::slice::from_raw_parts(desc, count) };
-    let (_, _, h) = mapping_at(d, ptr)?;
-    // SAFETY: a handle recorded in `mapped` is live while mapped.
-    let home = unsafe { phys(h) }?.loc;
-    for a in descs {
-        if a.flags > 3 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        if a.location_type == LOCATION_DEVICE {
-            let g = d.device(a.location_id)?.gpu;
-            if home.is_some_and(|home| home != g && !d.node().peer_capable(home, g)) {
-                return Err(CUDA_ERROR_INVALID_DEVICE);
+    for h in handles {
+        // SAFETY: a handle recorded in `mapped` is live while mapped.
+        let home = unsafe { phys(h) }?.loc;
+        for a in descs {
+            if a.flags > 3 {
+                return Err(CUDA_ERROR_INVALID_VALUE);
             }
-        } else if !LOCATION_HOST.contains(&a.location_type) {
-            return Err(CUDA_ERROR_INVALID_VALUE);
+            if a.location_type == LOCATION_DEVICE {
+                let g = d.device(a.location_id)?.gpu;
+                if home.is_some_and(|home| home != g && !d.node().peer_capable(home, g)) {
+                    return Err(CUDA_ERROR_INVALID_DEVICE);
+                }
+            } else if !LOCATION_HOST.contains(&a.location_type) {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
         }
     }
     Ok(())
