@@ -72,6 +72,25 @@ impl Node {
     }
 }
 
+/// Waits until the manager of `c` has published `pids` as the container's
+/// (`pids.config`, what the interposer's NVML view lists): it rewrites the
+/// file after each registration's reply, so a fresh opener may read it
+/// before its own and its peer's are there.
+fn wait_for_pids(c: &Container, pids: &[u32]) {
+    let path = c.path().join(quota_config::PIDS_FILE);
+    for _ in 0..500 {
+        let listed = std::fs::read(&path)
+            .ok()
+            .and_then(|b| quota_config::decode_pids(&b).ok())
+            .unwrap_or_default();
+        if pids.iter().all(|p| listed.contains(&(*p as i32))) {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("{} never listed {pids:?}", path.display());
+}
+
 fn get(m: &HashMap<String, String>, k: &str) -> u64 {
     m.get(k)
         .unwrap_or_else(|| panic!("no {k} in {m:?}"))
@@ -89,6 +108,7 @@ fn across_containers(mode: &str, shared: u64, written: u64) {
     let small = ctx + 16 * MIB;
     let (b, mb) = n.container("pod-opener", small);
     let sock = n.sim.root().join("ipc.sock");
+    let mut used_b = 0;
     let p = run_pair((&a, &n.prog), (&b, &n.prog), mode, &sock, |p| {
         assert!(
             ma.live().contains_key(&(p.server_pid as i32)),
@@ -115,22 +135,39 @@ fn across_containers(mode: &str, shared: u64, written: u64) {
             "cuMemGetInfo: quota minus what the container holds"
         );
         assert_eq!(get(c, "opener_total"), small);
-        assert_eq!(
-            get(c, "opener_nvml_used"),
-            mb.ledger().used(),
-            "NVML's used inside the share"
-        );
-        assert_eq!(
-            get(c, "opener_nvml_procs"),
-            1,
-            "only the container's process"
-        );
-        assert_eq!(
-            get(c, "opener_nvml_procs_sum"),
-            mb.ledger().used(),
-            "NVML's per-process numbers add up to the same"
-        );
+        used_b = mb.ledger().used();
+        wait_for_pids(&b, &[p.client_pid]);
     });
+    let c = &p.client;
+    assert_eq!(
+        get(c, "opener_nvml_used"),
+        used_b,
+        "NVML's used inside the share"
+    );
+    assert_eq!(
+        get(c, "opener_nvml_procs"),
+        1,
+        "only the container's process"
+    );
+    assert_eq!(
+        get(c, "opener_nvml_procs_sum"),
+        used_b,
+        "NVML's per-process numbers add up to the same"
+    );
+    if mode == "fd" {
+        let s = &p.server;
+        assert_eq!(
+            get(s, "host_after_free"),
+            get(s, "host_before_free"),
+            "host-located VMM memory charges no device quota"
+        );
+        assert_eq!(
+            get(s, "host_nvml_used"),
+            ctx,
+            "in NVML inside the share either"
+        );
+        assert_eq!(get(s, "host_nvml_procs_sum"), ctx);
+    }
     assert_eq!(
         get(&p.server, "exporter_free"),
         GIB - ctx - shared,
@@ -161,15 +198,17 @@ fn shared_memory_counts_once_within_a_container() {
     let ctx = n.ctx();
     let (a, ma) = n.container("pod-both", GIB);
     let sock = n.sim.root().join("ipc.sock");
+    let mut used = 0;
     let p = run_pair((&a, &n.prog), (&a, &n.prog), "ipc", &sock, |p| {
-        let used = ma.ledger().used();
+        used = ma.ledger().used();
         assert_eq!(used, 2 * ctx + 64 * MIB, "two contexts, one allocation");
-        let c = &p.client;
-        assert_eq!(get(c, "opener_free"), GIB - used);
-        assert_eq!(get(c, "opener_nvml_used"), used);
-        assert_eq!(get(c, "opener_nvml_procs"), 2);
-        assert_eq!(get(c, "opener_nvml_procs_sum"), used);
+        assert_eq!(get(&p.client, "opener_free"), GIB - used);
+        wait_for_pids(&a, &[p.server_pid, p.client_pid]);
     });
+    let c = &p.client;
+    assert_eq!(get(c, "opener_nvml_used"), used);
+    assert_eq!(get(c, "opener_nvml_procs"), 2);
+    assert_eq!(get(c, "opener_nvml_procs_sum"), used);
     assert_eq!(get(&p.client, "same_pointer"), 1);
 }
 

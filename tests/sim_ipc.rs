@@ -138,6 +138,12 @@ fn vmm_pair(node_name: &str, mode: &str) {
         get(s, "host_after_free"),
         "host-located memory takes no device memory"
     );
+    assert_eq!(
+        get(s, "host_nvml_used"),
+        ctx,
+        "nor any in NVML: the context only"
+    );
+    assert_eq!(get(s, "host_nvml_procs_sum"), ctx);
     assert_eq!(get(s, "before_free") - get(s, "exporter_free"), 32 * MIB);
     assert_eq!(c["prop_location"], "1:0", "device 0's memory");
     assert_eq!(get(c, "byte"), 0x6b);

@@ -256,7 +256,9 @@ static int recv_fd(int s) {
 }
 
 /* The opener's pause: `opened` is printed, the test inspects the node
- * (ledgers, NVML, the sim's own counts) and answers with a line. */
+ * (ledgers, the sim's own counts), waits until the manager has published
+ * the container's PIDs (what NVML inside the share lists), and answers
+ * with a line; NVML is read right after. */
 static void pause_opened(void) {
   char line[16];
   printf("opened=1\n");
@@ -327,8 +329,8 @@ static void open_ipc(int s) {
   check(cuIpcOpenEventHandle(&ev, eh), "cuIpcOpenEventHandle");
   check(cuEventSynchronize(ev), "cuEventSynchronize(opened)");
   mem_info("opener");
-  nvml_view("opener");
   pause_opened();
+  nvml_view("opener");
   check(cuIpcCloseMemHandle(p), "cuIpcCloseMemHandle");
   check(cuIpcCloseMemHandle(p), "cuIpcCloseMemHandle(second)");
   expect(cuIpcCloseMemHandle(p), 1, "close_third");
@@ -371,6 +373,7 @@ static void host_located(size_t gran) {
   CUdeviceptr p = map_rw(h, VMM_BYTES, hgran > gran ? hgran : gran);
   check(cuMemSetAccess(p, VMM_BYTES, &host, 1), "cuMemSetAccess(host)");
   mem_info("host_after");
+  nvml_view("host");
   check(cuMemUnmap(p, VMM_BYTES), "cuMemUnmap(host)");
   check(cuMemAddressFree(p, VMM_BYTES), "cuMemAddressFree(host)");
   check(cuMemRelease(h), "cuMemRelease(host)");
@@ -436,8 +439,8 @@ static void open_vmm(int s, int type) {
   printf("byte=%d\n", byte_at(p, 0));
   fill(p + 1, 0x44, 1);
   mem_info("opener");
-  nvml_view("opener");
   pause_opened();
+  nvml_view("opener");
   check(cuMemUnmap(p, VMM_BYTES), "cuMemUnmap");
   check(cuMemAddressFree(p, VMM_BYTES), "cuMemAddressFree");
   check(cuMemRelease(h), "cuMemRelease");
