@@ -85,6 +85,14 @@ fn ipc_memory_and_event_handles_count_once_for_the_exporter() {
     let (s, c) = (&p.server, &p.client);
     assert_eq!(get(s, "same_handle"), 1, "one handle per allocation");
     assert_eq!(
+        get(s, "range_start_ok"),
+        1,
+        "an interior pointer's allocation"
+    );
+    assert_eq!(get(s, "range_size"), 64 * MIB);
+    assert_eq!(get(s, "memory_type"), 2, "CU_MEMORYTYPE_DEVICE");
+    assert_eq!(get(s, "pageable_type"), 0, "not the driver's: unregistered");
+    assert_eq!(
         get(s, "open_own"),
         201,
         "INVALID_CONTEXT in the exporting process"

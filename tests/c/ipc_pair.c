@@ -95,6 +95,8 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *o
 CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr);
 CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
                                                 CUmemGenericAllocationHandle h);
+CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p);
+CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUdeviceptr p);
 CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer);
 CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags);
 CUresult cuCtxDisablePeerAccess(CUcontext peer);
@@ -294,7 +296,21 @@ static void serve_ipc(int s) {
   check(cuMemAlloc_v2(&p, IPC_BYTES), "cuMemAlloc");
   fill(p, 0x5a, 4096);
   check(cuIpcGetMemHandle(&h, p), "cuIpcGetMemHandle");
-  check(cuIpcGetMemHandle(&again, p + 4096), "cuIpcGetMemHandle(interior)");
+  /* vLLM's register_graph_buffers: the buffer's allocation from
+   * CU_POINTER_ATTRIBUTE_RANGE_START_ADDR (11), exported, sent with the
+   * buffer's offset in it. */
+  CUdeviceptr base = 0;
+  size_t range = 0;
+  unsigned type = 0;
+  check(cuPointerGetAttribute(&base, 11, p + 4096), "cuPointerGetAttribute(RANGE_START_ADDR)");
+  check(cuPointerGetAttribute(&range, 12, p + 4096), "cuPointerGetAttribute(RANGE_SIZE)");
+  check(cuPointerGetAttribute(&type, 2, p + 4096), "cuPointerGetAttribute(MEMORY_TYPE)");
+  printf("range_start_ok=%d\nrange_size=%zu\nmemory_type=%u\n", base == p, range, type);
+  int attrs[1] = {2};
+  void *outs[1] = {&type};
+  check(cuPointerGetAttributes(1, attrs, outs, (CUdeviceptr)(uintptr_t)&type), "cuPointerGetAttributes(host)");
+  printf("pageable_type=%u\n", type);
+  check(cuIpcGetMemHandle(&again, base), "cuIpcGetMemHandle(base)");
   printf("same_handle=%d\n", memcmp(&h, &again, sizeof h) == 0);
   expect(cuIpcOpenMemHandle_v2(&self, h, 1), 201, "open_own");
   check(cuEventCreate(&plain, 0), "cuEventCreate");

@@ -50,6 +50,8 @@ const EVENT_DISABLE_TIMING: u32 = 2;
 pub(crate) struct Opened {
     pub id: u64,
     pub size: usize,
+    /// The GPU it lives on (the node's index).
+    pub gpu: usize,
     len: usize,
     refs: u32,
 }
@@ -242,6 +244,10 @@ fn parse(d: &Driver, h: &IpcHandle, magic: &[u8; 8]) -> R<(u64, usize)> {
 fn open_mem(d: &Driver, h: &IpcHandle) -> R<u64> {
     current()?;
     let (id, size) = parse(d, h, MEM_MAGIC)?;
+    let gpu = u32::from_le_bytes(h.bytes[24..28].try_into().unwrap()) as usize;
+    if gpu >= d.node().gpus.len() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
     let mut m = lock(&d.mem.opened);
     if let Some((&base, o)) = m.iter_mut().find(|(_, o)| o.id == id) {
         o.refs += 1;
@@ -256,6 +262,7 @@ fn open_mem(d: &Driver, h: &IpcHandle) -> R<u64> {
         Opened {
             id,
             size,
+            gpu,
             len,
             refs: 1,
         },

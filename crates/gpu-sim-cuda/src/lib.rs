@@ -59,6 +59,7 @@ pub mod module;
 pub mod occupancy;
 pub mod pool;
 pub mod primary;
+pub mod pointer;
 mod procaddr;
 mod queue;
 pub mod share;

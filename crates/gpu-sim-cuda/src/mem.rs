@@ -201,6 +201,14 @@ impl Memory {
         None
     }
 
+    /// The own allocation containing `ptr`: (base, size, GPU, context
+    /// address, from a pool).
+    pub(crate) fn own_alloc(&self, ptr: u64) -> Option<(u64, usize, usize, usize, bool)> {
+        let m = lock(&self.allocs);
+        let (&base, a) = m.range(..=ptr).next_back()?;
+        (ptr < base + a.size as u64).then_some((base, a.size, a.gpu, a.ctx, a.pool.is_some()))
+    }
+
     /// Runs `f` on the own, unpooled allocation containing `ptr` (what a
     /// CUDA IPC handle may export): its base and record.
     pub(crate) fn with_alloc<T>(&self, ptr: u64, f: impl FnOnce(u64, &mut Alloc) -> R<T>) -> R<T> {
