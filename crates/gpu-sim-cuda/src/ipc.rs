@@ -102,6 +102,8 @@ pub(crate) fn create(d: &Driver, name: &str, len: usize) -> R<File> {
         .custom_flags(libc::O_CLOEXEC)
         .open(path(d, name))
         .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+    // Whatever the umask: an opener may run as another user.
+    let _ = f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
     f.set_len(len as u64)
         .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
     Ok(f)
