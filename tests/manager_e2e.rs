@@ -40,11 +40,7 @@ async fn sequence(node: &str, steps: &[(usize, usize)]) -> Env {
     let mut live = Vec::new();
     for (i, &(cores, mem)) in steps.iter().enumerate() {
         let pod = env.pod(&[("main", cores as u64, mem as u64)], &[]);
-        let req = Request {
-            cores: cores as u32,
-            memory_units: mem as u64,
-            share_mode: true,
-        };
+        let req = Request::share(cores as u32, mem as u64);
         let expected = want.allocate(format!("{}/main", pod.uid), &req);
         let got = env.admit(&pod, "main", cores, mem).await;
         match (expected, got) {
