@@ -246,3 +246,33 @@ fn host_located_memory_is_free_and_over_quota_is_out_of_memory() {
     assert_eq!(get(&k, "ok"), 1);
     m.wait_for(5, "the close", |e| !e.is_empty());
 }
+
+/// NCCL's ncclCuMemFree (retain, release, unmap, release): the container
+/// holds the handle's bytes until the last release, as the driver does;
+/// they went back at the unmap before.
+#[test]
+fn a_retained_handle_is_held_until_its_last_release() {
+    let n = Node::new();
+    let ctx = n.ctx();
+    let (c, _m) = n.container("pod-nccl", GIB);
+    let o = c.command(&n.prog).arg("ncclfree").output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}\nstderr:\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let k = test_support::kv(&out);
+    assert_eq!(get(&k, "before_free"), GIB - ctx);
+    assert_eq!(get(&k, "mapped_free"), GIB - ctx - 32 * MIB);
+    assert_eq!(
+        get(&k, "unmapped_free"),
+        get(&k, "mapped_free"),
+        "unmapped, but a reference is still out"
+    );
+    assert_eq!(
+        get(&k, "released_free"),
+        GIB - ctx,
+        "back at the last release"
+    );
+}

@@ -201,3 +201,28 @@ fn an_expandable_segment_spans_its_handles() {
     assert_eq!(get(&m, "before_free") - get(&m, "mapped_free"), 64 * MIB);
     assert_eq!(get(&m, "after_free"), get(&m, "before_free"));
 }
+
+#[test]
+fn ncclcumemfree_keeps_the_memory_until_the_last_release() {
+    let (n, prog) = node("sim-1gpu");
+    let o = n.direct().command(&prog).arg("ncclfree").output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let m = test_support::kv(&out);
+    assert_eq!(
+        get(&m, "range_size"),
+        32 * MIB,
+        "cuMemGetAddressRange: the mapping"
+    );
+    assert_eq!(get(&m, "before_free") - get(&m, "mapped_free"), 32 * MIB);
+    assert_eq!(
+        get(&m, "unmapped_free"),
+        get(&m, "mapped_free"),
+        "a reference is out"
+    );
+    assert_eq!(get(&m, "released_free"), get(&m, "before_free"));
+}

@@ -6,7 +6,8 @@
 //! - `arrays.rs`: what arrays and pitched allocations are charged.
 //! - `pool.rs`: stream-ordered pools are charged what they reserve.
 //! - `vmm.rs`: `cuMemCreate` on the host is free; a handle released while
-//!   mapped keeps its bytes until unmapped.
+//!   mapped keeps its bytes until unmapped, a retained one until its last
+//!   release.
 //! - `ctx.rs`: a context that goes away gives its allocations back; calls
 //!   that take hidden memory (contexts, modules, heap) reconcile at once.
 //! - `reconcile.rs`: the reservation is max(counted, NVML's measured).
@@ -204,6 +205,17 @@ cuda_exports! {
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         vmm::release(handle, || unsafe { f(handle) })
+    }
+
+    fn cuMemRetainAllocationHandle(handle: *mut u64, addr: *mut c_void) {
+        let f = real_cuda!(cuMemRetainAllocationHandle: unsafe extern "C" fn(*mut u64, *mut c_void) -> CUresult);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(handle, addr) };
+        if r == cuda_abi::CUDA_SUCCESS {
+            vmm::retained(written(handle).unwrap_or(0));
+        }
+        r
     }
 
     fn cuMemMap(ptr: u64, size: usize, offset: usize, handle: u64, flags: u64) {

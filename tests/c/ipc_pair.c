@@ -7,6 +7,7 @@
  *   ipc_pair open SOCK MODE    # opens, checks the bytes, prints `opened`,
  *                              # waits for a line on stdin, closes
  *   ipc_pair peer              # peer access on one process (4-GPU node)
+ *   ipc_pair ncclfree          # NCCL's cuMem allocation and free sequence
  *   ipc_pair segments          # an expandable segment: handles mapped back
  *                              # to back, access set and copies across them
  *   ipc_pair quota             # device vs host-located cuMemCreate under a
@@ -95,6 +96,7 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *o
 CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr);
 CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
                                                 CUmemGenericAllocationHandle h);
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p);
 CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p);
 CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUdeviceptr p);
 CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer);
@@ -508,6 +510,31 @@ static void peer(void) {
   expect(cuCtxDisablePeerAccess(c[1]), 705, "disable_1_again");
 }
 
+/* NCCL's ncclCuMemAlloc then ncclCuMemFree (src/include/alloc.h @5067397
+ * lines 298-324 and 334-350): the free retains the handle from the address
+ * and releases that reference, asks the mapping's size, unmaps, releases
+ * the handle. The memory stays until that last release. */
+static void ncclfree(void) {
+  CUmemAllocationProp prop = prop_for(LOC_DEVICE, 0, POSIX_FD);
+  CUmemGenericAllocationHandle h, again;
+  size_t gran, size = 0;
+  primary(0);
+  check(cuMemGetAllocationGranularity(&gran, &prop, 0), "cuMemGetAllocationGranularity");
+  mem_info("before");
+  check(cuMemCreate(&h, VMM_BYTES, &prop, 0), "cuMemCreate");
+  CUdeviceptr p = map_rw(h, VMM_BYTES, gran);
+  mem_info("mapped");
+  check(cuMemRetainAllocationHandle(&again, (void *)(uintptr_t)p), "cuMemRetainAllocationHandle");
+  check(cuMemRelease(again), "cuMemRelease(retained)");
+  check(cuMemGetAddressRange_v2(NULL, &size, p), "cuMemGetAddressRange");
+  printf("range_size=%zu\n", size);
+  check(cuMemUnmap(p, size), "cuMemUnmap");
+  mem_info("unmapped");
+  check(cuMemRelease(h), "cuMemRelease");
+  mem_info("released");
+  check(cuMemAddressFree(p, size), "cuMemAddressFree");
+}
+
 /* PyTorch's expandable segment (c10/cuda/CUDACachingAllocator.cpp,
  * ExpandableSegment: one address range reserved up front, a handle
  * created and mapped per step at the end of what is mapped, then one
@@ -566,6 +593,8 @@ int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   if (argc == 2 && !strcmp(argv[1], "quota")) {
     quota();
+  } else if (argc == 2 && !strcmp(argv[1], "ncclfree")) {
+    ncclfree();
   } else if (argc == 2 && !strcmp(argv[1], "segments")) {
     segments();
   } else if (argc == 2 && !strcmp(argv[1], "peer")) {

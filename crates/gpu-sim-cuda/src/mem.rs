@@ -201,6 +201,13 @@ impl Memory {
         None
     }
 
+    /// The VMM mapping containing `ptr`: (base, length).
+    pub fn mapping(&self, ptr: u64) -> Option<(u64, usize)> {
+        let m = lock(&self.mapped);
+        let (&base, &(len, _)) = m.range(..=ptr).next_back()?;
+        (ptr < base + len as u64).then_some((base, len))
+    }
+
     /// The own allocation containing `ptr`: (base, size, GPU, context
     /// address, from a pool).
     pub(crate) fn own_alloc(&self, ptr: u64) -> Option<(u64, usize, usize, usize, bool)> {
@@ -303,7 +310,8 @@ cuda_fn! {
 
     fn cuMemGetAddressRange_v2(base: *mut u64, size: *mut usize, ptr: u64) {
         let d = drv()?;
-        let (b, s) = d.mem.containing(ptr).ok_or(CUDA_ERROR_NOT_FOUND)?;
+        // A VMM address: its mapping (NCCL's ncclCuMemFree unmaps what this says).
+        let (b, s) = d.mem.containing(ptr).or_else(|| d.mem.mapping(ptr)).ok_or(CUDA_ERROR_NOT_FOUND)?;
         put_opt(base, b);
         put_opt(size, s);
         Ok(())

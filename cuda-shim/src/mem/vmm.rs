@@ -1,7 +1,11 @@
 //! Virtual memory management: `cuMemCreate` counts device locations only
 //! (host and host-NUMA handles take no device memory), and a handle
 //! released while still mapped keeps its bytes until its last mapping is
-//! unmapped, as the driver keeps the memory until then.
+//! unmapped, as the driver keeps the memory until then. A reference taken
+//! with `cuMemRetainAllocationHandle` is one more `cuMemRelease` before the
+//! bytes go (NCCL's ncclCuMemFree: retain, release, unmap, release).
+//! Handles imported from another process are not in the table: their
+//! memory is the creator's, never counted here.
 
 use super::quota::{InFlight, give_back};
 use crate::config;
@@ -14,8 +18,9 @@ use std::collections::{BTreeMap, HashMap};
 pub(crate) struct Maps {
     /// Mapped address -> (handle, size).
     at: BTreeMap<u64, (u64, u64)>,
-    /// Handle -> (live mappings, released by the program).
-    handles: HashMap<u64, (u32, bool)>,
+    /// Handle -> (live mappings, released by the program, references
+    /// retained since and not yet released).
+    handles: HashMap<u64, (u32, bool, u32)>,
 }
 
 fn with<T>(f: impl FnOnce(&mut Maps) -> T) -> T {
@@ -62,7 +67,9 @@ pub(crate) fn unmapped(ptr: u64, size: u64) {
             let (h, _) = m.at.remove(&a).unwrap();
             if let Some(e) = m.handles.get_mut(&h) {
                 e.0 = e.0.saturating_sub(1);
-                if e.0 == 0 {
+                // Unmapped with references still out: the bytes stay
+                // until the last release (the table keeps them).
+                if e.0 == 0 && e.2 == 0 {
                     if e.1 {
                         done.push(h);
                     }
@@ -87,8 +94,22 @@ pub(crate) fn release(handle: u64, call: impl FnOnce() -> CUresult) -> CUresult 
     if config::enforce().is_none() {
         return call();
     }
+    // A retained reference going: the handle's bytes stay.
+    let retained = with(|m| m.handles.get(&handle).is_some_and(|e| e.2 > 0));
+    if retained {
+        let r = call();
+        if r == CUDA_SUCCESS {
+            with(|m| {
+                if let Some(e) = m.handles.get_mut(&handle) {
+                    e.2 -= 1;
+                }
+            });
+        }
+        return r;
+    }
     let mapped = with(|m| m.handles.get(&handle).is_some_and(|e| e.0 > 0));
     if !mapped {
+        with(|m| m.handles.remove(&handle));
         return super::quota::free(Kind::Generic, handle, call);
     }
     let r = call();
@@ -100,6 +121,14 @@ pub(crate) fn release(handle: u64, call: impl FnOnce() -> CUresult) -> CUresult 
         });
     }
     r
+}
+
+/// After a successful `cuMemRetainAllocationHandle` of a counted handle.
+pub(crate) fn retained(handle: u64) {
+    if config::enforce().is_none() || proc().table.get(Kind::Generic, handle).is_none() {
+        return;
+    }
+    with(|m| m.handles.entry(handle).or_default().2 += 1);
 }
 
 /// A handle or address the table held was handed out again: whatever we
