@@ -4,7 +4,6 @@
 use crate::device::{nvmlPciInfo_t, pci_info};
 use crate::info;
 use crate::*;
-use gpu_sim_core::PcieLevel;
 use std::ffi::c_uint;
 
 const NVML_NVLINK_MAX_LINKS: c_uint = 36;
@@ -71,7 +70,8 @@ pub unsafe extern "C" fn nvmlDeviceGetP2PStatus(
         let (a, b) = (c.dev(device1)?, c.dev(device2)?);
         let node = c.state.node();
         let nvlink = node.nvlink_count(a, b) > 0;
-        let pcie_ok = node.pcie_level(a, b) <= PcieLevel::HostBridge;
+        // What cuDeviceCanAccessPeer answers on the same node.
+        let peer = node.peer_capable(a, b);
         const OK: c_uint = 0;
         const CHIPSET_NOT_SUPPORTED: c_uint = 1;
         const NOT_SUPPORTED: c_uint = 5;
@@ -79,7 +79,7 @@ pub unsafe extern "C" fn nvmlDeviceGetP2PStatus(
             _ if a == b => NOT_SUPPORTED,
             // read, write, atomics, prop
             0 | 1 | 3 | 4 => {
-                if nvlink || pcie_ok {
+                if peer {
                     OK
                 } else {
                     CHIPSET_NOT_SUPPORTED
