@@ -15,7 +15,7 @@ use test_support::shim::simnode::ShimNode;
 use test_support::{target_dir, workspace_root};
 
 mod ipc_pair;
-use ipc_pair::{Pair, run_pair};
+use ipc_pair::{Pair, run_pair, run_pair_env};
 
 const MIB: u64 = 1 << 20;
 
@@ -225,4 +225,40 @@ fn ncclcumemfree_keeps_the_memory_until_the_last_release() {
         "a reference is out"
     );
     assert_eq!(get(&m, "released_free"), get(&m, "before_free"));
+}
+
+/// vLLM's tensor-parallel ranks: each on its own GPU opens the other's
+/// buffer (custom_all_reduce.py, create_shared_buffer). The memory stays on
+/// the exporter's GPU, counted for the exporter; the opener's GPU holds its
+/// context only.
+#[test]
+fn a_rank_on_another_gpu_opens_the_buffer_without_holding_it() {
+    let (n, prog) = node("sim-8gpu-nvlink");
+    let ctx0 = n.state().node().gpus[0].context_overhead_bytes() + (8 << 20);
+    let ctx1 = n.state().node().gpus[1].context_overhead_bytes() + (8 << 20);
+    let d = n.direct();
+    run_pair_env(
+        (&d, &prog),
+        (&d, &prog),
+        &[("CUDA_VISIBLE_DEVICES", "1")],
+        "ipc",
+        &n.root().join("ipc.sock"),
+        |p| {
+            let st = n.state();
+            let on = |gpu: usize| -> HashMap<u32, u64> {
+                st.processes(gpu)
+                    .into_iter()
+                    .map(|x| (x.pid(), x.used_bytes))
+                    .collect()
+            };
+            assert_eq!(on(0)[&p.server_pid], ctx0 + 64 * MIB);
+            assert!(
+                !on(0).contains_key(&p.client_pid),
+                "the opener has nothing on GPU 0"
+            );
+            assert_eq!(on(1)[&p.client_pid], ctx1, "its context on GPU 1, only");
+            assert_eq!(st.memory_used(1), ctx1);
+        },
+    );
+    assert_eq!(n.memory_used(), 0);
 }

@@ -36,6 +36,19 @@ pub fn run_pair(
     sock: &Path,
     at_pause: impl FnOnce(&Pair),
 ) -> Pair {
+    run_pair_env(server, client, &[], mode, sock, at_pause)
+}
+
+/// [`run_pair`] with `client_env` set for the opener (its
+/// `CUDA_VISIBLE_DEVICES`, say).
+pub fn run_pair_env(
+    server: (&Container, &Path),
+    client: (&Container, &Path),
+    client_env: &[(&str, &str)],
+    mode: &str,
+    sock: &Path,
+    at_pause: impl FnOnce(&Pair),
+) -> Pair {
     let _ = std::fs::remove_file(sock);
     let s = server
         .0
@@ -49,6 +62,7 @@ pub fn run_pair(
         .0
         .command(client.1)
         .args(["open".as_ref(), sock.as_os_str(), mode.as_ref()])
+        .envs(client_env.iter().copied())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
