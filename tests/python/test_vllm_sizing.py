@@ -23,6 +23,9 @@ wheel's files and lines):
    (vllm/v1/worker/utils.py:596; torch.empty here where vLLM zeroes it:
    the simulator's memset writes every byte, 14 s for 2 GiB in a debug
    build, and zeroing changes no memory figure).
+6. profile_cudagraph_memory (vllm/v1/worker/gpu_model_runner.py:6268-6414):
+   graphs of the two largest batch sizes captured into a pool, free memory
+   sampled around each, an estimate for all of them.
 
 Beside it, a second process of the same share holds memory: NVML's
 per-process list seen inside the share shows both and adds up to the used
@@ -234,3 +237,76 @@ def test_nvml_and_mem_get_info_agree_right_after_a_first_launch(share):
     )
     for v in out:
         agree(v, QUOTA)
+
+
+def test_vllm_cudagraph_profile_sees_the_graphs_memory_at_once(share):
+    # vLLM's profile_cudagraph_memory (vllm/v1/worker/gpu_model_runner.py:
+    # 6268-6414): after the profile run, it captures the two largest batch
+    # sizes into a graph pool (:6307, :6330), samples get_memory_info's free
+    # before and after each, synchronised (:6334-6349), and estimates
+    # first + (n - 1) x max(second, 1 MiB) (:6353-6358), which the KV budget
+    # gives up (gpu_worker.py:753-757). HAMi-core #181: that profile ran out
+    # of memory on a slice. Here what it samples must be what the container
+    # holds at that moment, and the estimate must cover the graphs captured.
+    out, _ = torch_run(
+        share,
+        """
+        SIZES = [256, 128, 64, 32, 16, 8]
+        w1 = torch.empty(1024, 4096, device="cuda", dtype=torch.float16)
+        w2 = torch.empty(4096, 1024, device="cuda", dtype=torch.float16)
+
+
+        def model(x):
+            return torch.relu(x @ w1) @ w2
+
+
+        for b in SIZES:  # the profile run: every kernel loaded
+            model(torch.empty(b, 1024, device="cuda", dtype=torch.float16))
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.accelerator.empty_cache()
+        out = {"base": settled(), "samples": [], "at_once": [], "seen": []}
+        pool = torch.cuda.graph_pool_handle()
+        graphs = []
+
+
+        def capture(b):
+            x = torch.empty(b, 1024, device="cuda", dtype=torch.float16)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                model(x)  # warm-up, as torch.cuda.graph's docs ask
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                y = model(x)
+            graphs.append((g, x, y))
+
+
+        for b in SIZES[:2]:
+            before = torch.accelerator.get_memory_info()[0]
+            capture(b)
+            torch.accelerator.synchronize()
+            after = torch.accelerator.get_memory_info()[0]
+            out["samples"].append(before - after)
+            out["at_once"].append(after)
+            out["seen"].append(settled())
+        for b in SIZES[2:]:
+            capture(b)
+        for g, _, _ in graphs:
+            g.replay()
+        torch.cuda.synchronize()
+        out["end"] = settled()
+        out["n"] = len(SIZES)
+        print(json.dumps(out))
+        """,
+    )
+    agree(out["base"], QUOTA)
+    for free, seen in zip(out["at_once"], out["seen"]):
+        agree(seen, QUOTA)
+        assert free == seen["free"], out
+    first, second = out["samples"]
+    assert first > 0, out
+    estimate = first + max(second, MIB) * (out["n"] - 1)
+    agree(out["end"], QUOTA)
+    assert 0 < out["base"]["free"] - out["end"]["free"] <= estimate, out
