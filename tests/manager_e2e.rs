@@ -499,6 +499,7 @@ async fn interposer_registers_over_vcuda_sock() {
             local_pid: 1,
             program: "test".into(),
             previous_slot: None,
+            previous_slots: Vec::new(),
         };
         vcuda_api::vcuda::frame::write(&mut s, &req).unwrap();
         let (body, fd) = container_ledger::fdpass::recv_frame(s.as_fd(), 65536).unwrap();

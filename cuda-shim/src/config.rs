@@ -33,6 +33,13 @@ pub struct Enforce {
     pub dir: PathBuf,
 }
 
+impl Enforce {
+    /// How many GPUs the container's share spans (ledgers it registers for).
+    pub fn gpus(&self) -> usize {
+        1
+    }
+}
+
 /// Set once the mode is Enforce: the launch path reads only this.
 pub static ENFORCING: AtomicBool = AtomicBool::new(false);
 

@@ -9,6 +9,11 @@
 //! and, when the connection closes, clears the process's ledger slot: a dead
 //! process's memory was freed by the driver.
 //!
+//! A container whose share spans several GPUs registers at protocol 2: the
+//! reply carries one ledger descriptor and slot per GPU, in the order of
+//! `vcuda-gpus.config`'s records. A one-GPU container keeps speaking
+//! protocol 1, so it registers with a manager that knows only that.
+//!
 //! What happens around a registration is not this module's business: the
 //! connection, a new ledger attachment and a fork go to [`Hooks`], which
 //! `crate::watcher` installs (the watcher thread keeps the connection,
@@ -130,8 +135,8 @@ impl Proc {
         let timeout = config::register_timeout();
         let deadline = Instant::now() + timeout;
         loop {
-            match register_once(enf, None, deadline) {
-                Ok((sock, resp, fd)) => match self.install(&resp, fd) {
+            match register_once(enf, &[], deadline) {
+                Ok((sock, resp, fds)) => match self.install(&resp, fds) {
                     Ok(()) => {
                         self.registered.store(true, Ordering::Release);
                         log!(
@@ -169,13 +174,15 @@ impl Proc {
 
     /// Maps the ledger the manager passed and makes our slot hold exactly
     /// what this process holds.
-    fn install(&self, resp: &RegisterResponse, fd: Option<OwnedFd>) -> Result<(), RegError> {
+    fn install(&self, resp: &RegisterResponse, fds: Vec<OwnedFd>) -> Result<(), RegError> {
         let slot = resp
             .ledger_slot
             .ok_or_else(|| RegError::Protocol("the reply has no ledger slot".into()))?
             as usize;
-        let fd =
-            fd.ok_or_else(|| RegError::Protocol("the reply carries no ledger descriptor".into()))?;
+        let fd = fds
+            .into_iter()
+            .next()
+            .ok_or_else(|| RegError::Protocol("the reply carries no ledger descriptor".into()))?;
         if slot >= container_ledger::SLOTS {
             return Err(RegError::Protocol(format!(
                 "ledger slot {slot} out of range"
@@ -224,10 +231,10 @@ impl Proc {
         let Some(enf) = config::enforce() else {
             return Err(RegError::Protocol("not enforcing".into()));
         };
-        let prev = self.attach().as_ref().map(|a| a.slot);
+        let prev: Vec<usize> = self.attach().as_ref().map(|a| a.slot).into_iter().collect();
         let deadline = Instant::now() + Duration::from_secs(2);
-        let (sock, resp, fd) = register_once(enf, prev, deadline)?;
-        self.install(&resp, fd)?;
+        let (sock, resp, fds) = register_once(enf, &prev, deadline)?;
+        self.install(&resp, fds)?;
         Ok((sock, resp))
     }
 }
@@ -339,12 +346,14 @@ pub fn socket_path(enf: &Enforce) -> PathBuf {
     enf.dir.join(quota_config::SOCKET_FILE)
 }
 
-/// One registration attempt.
+/// One registration attempt: the connection, the reply and the ledger
+/// descriptors (record order). `previous_slots`: the slot held in each
+/// ledger, when re-registering.
 fn register_once(
     enf: &Enforce,
-    previous_slot: Option<usize>,
+    previous_slots: &[usize],
     deadline: Instant,
-) -> Result<(UnixStream, RegisterResponse, Option<OwnedFd>), RegError> {
+) -> Result<(UnixStream, RegisterResponse, Vec<OwnedFd>), RegError> {
     let sock = UnixStream::connect(socket_path(enf)).map_err(RegError::Connect)?;
     // Bounded handshake; the watcher later waits with poll().
     let left = deadline
@@ -352,8 +361,13 @@ fn register_once(
         .max(Duration::from_millis(500));
     sock.set_read_timeout(Some(left)).map_err(RegError::Io)?;
     sock.set_write_timeout(Some(left)).map_err(RegError::Io)?;
+    let gpus = enf.gpus();
     let req = RegisterRequest {
-        protocol_version: frame::PROTOCOL_VERSION,
+        protocol_version: if gpus > 1 {
+            frame::PROTOCOL_VERSION_MULTI_GPU
+        } else {
+            frame::PROTOCOL_VERSION
+        },
         pod_uid: enf.data.pod_uid.clone(),
         container_name: enf.data.container_name.clone(),
         bus_id: enf.data.bus_id.clone(),
@@ -362,14 +376,20 @@ fn register_once(
             .next()
             .map(|a| a.to_string_lossy().into_owned())
             .unwrap_or_default(),
-        previous_slot: previous_slot.map(|s| s as u32),
+        previous_slot: previous_slots.first().map(|&s| s as u32),
+        previous_slots: if gpus > 1 {
+            previous_slots.iter().map(|&s| s as u32).collect()
+        } else {
+            Vec::new()
+        },
     };
     // sendmsg(MSG_NOSIGNAL), stated rather than left to std's choice of
     // syscall: a manager gone mid-registration must be a retryable EPIPE,
     // never a SIGPIPE that kills a C host with the default disposition.
     let body = prost::Message::encode_to_vec(&req);
     fdpass::send_frame(sock.as_fd(), &body, None).map_err(RegError::Io)?;
-    let (body, fd) = fdpass::recv_frame(sock.as_fd(), frame::MAX_FRAME).map_err(RegError::Io)?;
+    let (body, fds) =
+        fdpass::recv_frame_fds(sock.as_fd(), frame::MAX_FRAME).map_err(RegError::Io)?;
     let resp = <RegisterResponse as prost::Message>::decode(body.as_slice())
         .map_err(|e| RegError::Protocol(e.to_string()))?;
     if resp.status() != Status::Accepted {
@@ -379,9 +399,17 @@ fn register_once(
             resp.message.clone()
         }));
     }
+    if gpus > 1 && (fds.len() != gpus || resp.ledger_slots.len() != gpus) {
+        return Err(RegError::Protocol(format!(
+            "the container's share spans {gpus} GPUs but the reply carries {} ledger \
+             descriptor(s) and {} slot(s)",
+            fds.len(),
+            resp.ledger_slots.len()
+        )));
+    }
     sock.set_read_timeout(None).map_err(RegError::Io)?;
     sock.set_write_timeout(None).map_err(RegError::Io)?;
-    Ok((sock, resp, fd))
+    Ok((sock, resp, fds))
 }
 
 /// Host PIDs of the container's processes: the manager's `pids.config`

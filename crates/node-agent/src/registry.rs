@@ -1,9 +1,15 @@
 //! `vcuda.sock` in every shared container's vm directory: each interposer
 //! process connects once and keeps the connection. The kernel reports the
 //! peer's host PID (SO_PEERCRED), which goes into `pids.config`; the reply
-//! carries the container's ledger descriptor (SCM_RIGHTS) and the process's
-//! ledger slot. When the connection closes the process is gone: its PID
-//! leaves `pids.config` and its ledger slot is cleared.
+//! carries the container's ledger descriptors (SCM_RIGHTS: one per GPU of
+//! its share, in record order) and the process's slot in each. When the
+//! connection closes the process is gone: its PID leaves `pids.config` and
+//! its ledger slots are cleared.
+//!
+//! Protocol 1 is a one-GPU container's (one ledger); a container whose
+//! share spans several GPUs is served only at protocol 2, so an interposer
+//! that enforces one GPU is refused instead of leaving the others unlimited
+//! (docs/multi-gpu.md, "Why an old interposer fails closed").
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -18,7 +24,7 @@ use prost::Message;
 use tokio::io::{AsyncReadExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
-use vcuda_api::vcuda::frame::{MAX_FRAME, PROTOCOL_VERSION};
+use vcuda_api::vcuda::frame::{MAX_FRAME, PROTOCOL_VERSION, PROTOCOL_VERSION_MULTI_GPU};
 use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, register_response::Status};
 
 // Locks here guard maps changed by single inserts and removes: a panic
@@ -35,13 +41,17 @@ struct Procs {
     dir: PathBuf,
     pod_uid: String,
     container: String,
-    ledger: Option<(Ledger, File)>,
-    /// host PID -> (connections, ledger slot)
-    pids: Mutex<BTreeMap<i32, (u32, Option<usize>)>>,
+    /// One per GPU of the share, in record order (empty: no ledger).
+    ledgers: Vec<(Ledger, File)>,
+    /// host PID -> (connections, its slot in each ledger)
+    pids: Mutex<BTreeMap<i32, (u32, Option<Slots>)>>,
 }
 
+/// A process's slot in each of the container's ledgers, in record order.
+type Slots = Vec<usize>;
+
 impl Procs {
-    fn write_pids(&self, pids: &BTreeMap<i32, (u32, Option<usize>)>) {
+    fn write_pids(&self, pids: &BTreeMap<i32, (u32, Option<Slots>)>) {
         let list: Vec<i32> = pids.keys().copied().collect();
         let path = self.dir.join(quota_config::PIDS_FILE);
         // Derived state (rebuilt from live registrations): no fsync.
@@ -50,18 +60,43 @@ impl Procs {
         }
     }
 
-    fn add(&self, pid: i32, prefer: Option<usize>) -> Option<usize> {
+    /// Counts a connection of `pid` and claims its slots (the ones it
+    /// held, `prefer`, in record order, when re-registering). `None` when
+    /// the container keeps no ledger or one of them is full.
+    fn add(&self, pid: i32, prefer: &[usize]) -> Option<Slots> {
         let mut pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
         let e = pids.entry(pid).or_insert((0, None));
         e.0 += 1;
-        if e.1.is_none()
-            && let Some((l, _)) = &self.ledger
-        {
-            e.1 = l.claim_slot(pid, prefer);
+        if e.1.is_none() && !self.ledgers.is_empty() {
+            e.1 = self.claim(pid, prefer);
         }
-        let slot = e.1;
+        let slots = e.1.clone();
         self.write_pids(&pids);
-        slot
+        slots
+    }
+
+    /// A slot in every ledger, or none at all.
+    fn claim(&self, pid: i32, prefer: &[usize]) -> Option<Slots> {
+        let mut got = Vec::with_capacity(self.ledgers.len());
+        for (i, (l, _)) in self.ledgers.iter().enumerate() {
+            match l.claim_slot(pid, prefer.get(i).copied()) {
+                Some(s) => got.push(s),
+                None => {
+                    self.clear(&got);
+                    return None;
+                }
+            }
+        }
+        Some(got)
+    }
+
+    /// Clears a process's slots; returns the bytes given back per ledger.
+    fn clear(&self, slots: &[usize]) -> Vec<u64> {
+        slots
+            .iter()
+            .zip(&self.ledgers)
+            .map(|(&s, (l, _))| l.clear_slot(s))
+            .collect()
     }
 
     fn drop_conn(&self, pid: i32) {
@@ -69,10 +104,10 @@ impl Procs {
         let Some(e) = pids.get_mut(&pid) else { return };
         e.0 -= 1;
         if e.0 == 0 {
-            let (_, slot) = pids.remove(&pid).unwrap();
-            if let (Some(s), Some((l, _))) = (slot, &self.ledger) {
-                let freed = l.clear_slot(s);
-                tracing::debug!(pid, slot = s, freed, "ledger slot cleared");
+            let (_, slots) = pids.remove(&pid).unwrap();
+            if let Some(s) = slots {
+                let freed = self.clear(&s);
+                tracing::debug!(pid, slots = ?s, ?freed, "ledger slots cleared");
             }
             self.write_pids(&pids);
         }
@@ -84,10 +119,8 @@ impl Procs {
         let mut pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
         let dead: Vec<i32> = pids.keys().copied().filter(|&p| !alive(p)).collect();
         for p in &dead {
-            if let Some((_, Some(s))) = pids.remove(p)
-                && let Some((l, _)) = &self.ledger
-            {
-                l.clear_slot(s);
+            if let Some((_, Some(s))) = pids.remove(p) {
+                self.clear(&s);
             }
         }
         if !dead.is_empty() {
@@ -123,9 +156,9 @@ pub struct Registry {
 }
 
 impl Registry {
-    /// Serves `<dir>/vcuda.sock` for the container until [`Registry::stop`].
-    /// PIDs already in `pids.config` that are still alive are kept (a
-    /// restarted manager); the ledger is never truncated.
+    /// Serves `<dir>/vcuda.sock` for a one-GPU container until
+    /// [`Registry::stop`]. PIDs already in `pids.config` that are still
+    /// alive are kept (a restarted manager); the ledger is never truncated.
     pub fn serve(
         &self,
         id: &str,
@@ -134,12 +167,28 @@ impl Registry {
         container: &str,
         ledger: Option<(Ledger, File)>,
     ) -> std::io::Result<()> {
+        self.serve_gpus(id, dir, pod_uid, container, ledger.into_iter().collect())
+    }
+
+    /// [`Registry::serve`] for a container with one ledger per GPU of its
+    /// share, in the order of `vcuda-gpus.config`'s records (the files
+    /// `quota_config::ledger_file(i)`). With two or more, only protocol-2
+    /// clients are accepted; each gets a slot in every ledger and all the
+    /// descriptors, in that order.
+    pub fn serve_gpus(
+        &self,
+        id: &str,
+        dir: &Path,
+        pod_uid: &str,
+        container: &str,
+        ledgers: Vec<(Ledger, File)>,
+    ) -> std::io::Result<()> {
         self.stop(id);
         let sock = dir.join(quota_config::SOCKET_FILE);
         let _ = std::fs::remove_file(&sock);
         let listener = UnixListener::bind(&sock)?;
         std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666))?;
-        let old: BTreeMap<i32, (u32, Option<usize>)> =
+        let old: BTreeMap<i32, (u32, Option<Slots>)> =
             std::fs::read(dir.join(quota_config::PIDS_FILE))
                 .ok()
                 .and_then(|b| quota_config::decode_pids(&b).ok())
@@ -153,7 +202,7 @@ impl Registry {
             dir: dir.to_path_buf(),
             pod_uid: pod_uid.to_string(),
             container: container.to_string(),
-            ledger,
+            ledgers,
             pids: Mutex::new(old),
         });
         procs.prune();
@@ -219,18 +268,22 @@ impl Registry {
     }
 
     /// The container's ledger counters: (ns its launches slept for compute
-    /// tokens, allocations refused for its memory quota). `None` when the
-    /// container is not served or keeps no ledger.
+    /// tokens, allocations refused for its memory quota), summed over the
+    /// GPUs of its share. `None` when the container is not served or keeps
+    /// no ledger.
     pub fn ledger_counters(&self, id: &str) -> Option<LedgerCounters> {
         let eps = self
             .endpoints
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let (l, _) = eps.get(id)?.procs.ledger.as_ref()?;
+        let ledgers = &eps.get(id)?.procs.ledgers;
+        if ledgers.is_empty() {
+            return None;
+        }
         Some(LedgerCounters {
-            throttled_ns: l.throttled_ns(),
-            refused_allocations: l.refused_allocations(),
-            compute_unattributed: l.compute_unattributed() != 0,
+            throttled_ns: ledgers.iter().map(|(l, _)| l.throttled_ns()).sum(),
+            refused_allocations: ledgers.iter().map(|(l, _)| l.refused_allocations()).sum(),
+            compute_unattributed: ledgers.iter().any(|(l, _)| l.compute_unattributed() != 0),
         })
     }
 
@@ -269,17 +322,35 @@ async fn read_request(stream: &mut UnixStream) -> std::io::Result<RegisterReques
 async fn send(
     stream: &UnixStream,
     resp: &RegisterResponse,
-    ledger: Option<&File>,
+    ledgers: &[&File],
 ) -> std::io::Result<()> {
     let body = resp.encode_to_vec();
+    let fds: Vec<_> = ledgers.iter().map(|f| f.as_fd()).collect();
     loop {
         stream.writable().await?;
         match stream.try_io(Interest::WRITABLE, || {
-            container_ledger::fdpass::send_frame(stream.as_fd(), &body, ledger.map(|f| f.as_fd()))
+            container_ledger::fdpass::send_frame_fds(stream.as_fd(), &body, &fds)
         }) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             r => return r,
         }
+    }
+}
+
+/// Why a client speaking `version` cannot register for a container with
+/// `gpus` ledgers, if it cannot.
+fn version_problem(version: u32, gpus: usize) -> Option<String> {
+    match version {
+        PROTOCOL_VERSION if gpus > 1 => Some(format!(
+            "this container's share spans {gpus} GPUs; this interposer enforces one \
+             (registration protocol {PROTOCOL_VERSION}): use an interposer that speaks \
+             protocol {PROTOCOL_VERSION_MULTI_GPU}"
+        )),
+        PROTOCOL_VERSION | PROTOCOL_VERSION_MULTI_GPU => None,
+        v => Some(format!(
+            "protocol version {v} is not supported; the manager speaks \
+             {PROTOCOL_VERSION} and {PROTOCOL_VERSION_MULTI_GPU}"
+        )),
     }
 }
 
@@ -305,13 +376,11 @@ async fn handle(
         message,
         host_pid: pid,
         ledger_slot: None,
+        ledger_slots: Vec::new(),
     };
-    if req.protocol_version != PROTOCOL_VERSION {
-        let m = format!(
-            "protocol version {} is not supported; the manager speaks {PROTOCOL_VERSION}",
-            req.protocol_version
-        );
-        send(&stream, &reject(m), None).await?;
+    if let Some(m) = version_problem(req.protocol_version, procs.ledgers.len()) {
+        tracing::warn!(pid, container = %procs.container, "{m}");
+        send(&stream, &reject(m), &[]).await?;
         return Ok(());
     }
     if req.pod_uid != procs.pod_uid || req.container_name != procs.container {
@@ -320,23 +389,39 @@ async fn handle(
             procs.pod_uid, procs.container, req.pod_uid, req.container_name
         );
         tracing::warn!(pid, "{m}");
-        send(&stream, &reject(m), None).await?;
+        send(&stream, &reject(m), &[]).await?;
         return Ok(());
     }
-    let slot = procs.add(pid, req.previous_slot.map(|s| s as usize));
+    let prefer: Vec<usize> = if req.protocol_version == PROTOCOL_VERSION {
+        req.previous_slot.map(|s| s as usize).into_iter().collect()
+    } else {
+        req.previous_slots.iter().map(|&s| s as usize).collect()
+    };
+    let slots = procs.add(pid, &prefer);
     tracing::info!(
         pid, local_pid = req.local_pid, program = %req.program,
-        pod = %procs.pod_uid, container = %procs.container, slot = ?slot,
+        pod = %procs.pod_uid, container = %procs.container, slots = ?slots,
         "interposer registered"
     );
+    let slots = slots.unwrap_or_default();
     let resp = RegisterResponse {
         status: Status::Accepted as i32,
         message: String::new(),
         host_pid: pid,
-        ledger_slot: slot.map(|s| s as u32),
+        ledger_slot: slots.first().map(|&s| s as u32),
+        ledger_slots: if req.protocol_version == PROTOCOL_VERSION {
+            Vec::new()
+        } else {
+            slots.iter().map(|&s| s as u32).collect()
+        },
     };
-    let ledger = slot.and(procs.ledger.as_ref()).map(|(_, f)| f);
-    let r = send(&stream, &resp, ledger).await;
+    let files: Vec<&File> = procs
+        .ledgers
+        .iter()
+        .map(|(_, f)| f)
+        .take(slots.len())
+        .collect();
+    let r = send(&stream, &resp, &files).await;
     if r.is_ok() {
         // The process holds the connection for its life; EOF means it is gone.
         let mut buf = [0u8; 256];
@@ -356,3 +441,6 @@ async fn handle(
     }
     r
 }
+
+#[cfg(test)]
+mod tests;

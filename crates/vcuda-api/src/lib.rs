@@ -52,8 +52,11 @@ pub mod vcuda {
 
         /// Largest frame either side accepts.
         pub const MAX_FRAME: usize = 64 * 1024;
-        /// Protocol version this build speaks.
+        /// Protocol version of a one-GPU container (one ledger).
         pub const PROTOCOL_VERSION: u32 = 1;
+        /// Protocol version of a container whose share spans several GPUs:
+        /// one ledger (and slot) per GPU, in record order.
+        pub const PROTOCOL_VERSION_MULTI_GPU: u32 = 2;
 
         pub fn write<M: Message>(w: &mut impl Write, msg: &M) -> io::Result<()> {
             let body = msg.encode_to_vec();
@@ -100,6 +103,7 @@ pub mod vcuda {
                     local_pid: 7,
                     program: "train".into(),
                     previous_slot: Some(3),
+                    previous_slots: vec![3, 5],
                 };
                 let mut buf = Vec::new();
                 write(&mut buf, &req).unwrap();

@@ -9,6 +9,11 @@
 //!   the ledger descriptor (SCM_RIGHTS);
 //! * on EOF: clear the slot (the process died or closed), rewrite pids.
 //!
+//! [`TestManager::start_gpus`] serves a container whose share spans several
+//! GPUs: one ledger per GPU (`quota_config::ledger_file(i)`), registration
+//! protocol 2 only (a version-1 client is refused as the real manager
+//! refuses it), a slot in every ledger and all descriptors in record order.
+//!
 //! Used by cuda-shim's example `test_manager` (for tests/python), its
 //! benches and the workspace tests.
 
@@ -39,8 +44,9 @@ pub enum Event {
 
 struct Shared {
     dir: PathBuf,
-    ledger: Ledger,
-    ledger_file: std::fs::File,
+    /// One per GPU, in record order.
+    ledgers: Vec<(Ledger, std::fs::File)>,
+    /// host PID -> its slot in the first ledger
     live: Mutex<BTreeMap<i32, usize>>,
     conns: Mutex<Vec<UnixStream>>,
     events: Mutex<Vec<Event>>,
@@ -80,16 +86,24 @@ impl TestManager {
     /// Serves `<dir>/vcuda.sock` with a ledger of `quota` bytes
     /// (`<dir>/ledger`, kept if present: a restarted manager keeps state).
     pub fn start(dir: &Path, quota: u64) -> TestManager {
+        Self::start_gpus(dir, &[quota])
+    }
+
+    /// Serves a container with one ledger per GPU, `quotas[i]` bytes in
+    /// `<dir>/ledger_file(i)` (kept if present).
+    pub fn start_gpus(dir: &Path, quotas: &[u64]) -> TestManager {
         let sock = dir.join(quota_config::SOCKET_FILE);
         let _ = std::fs::remove_file(&sock);
-        let (ledger, ledger_file) =
-            Ledger::create(&dir.join(container_ledger::LEDGER_FILE), quota).unwrap();
+        let ledgers = quotas
+            .iter()
+            .enumerate()
+            .map(|(i, &q)| Ledger::create(&dir.join(quota_config::ledger_file(i)), q).unwrap())
+            .collect();
         let listener = UnixListener::bind(&sock).unwrap();
         let listener_fd = listener.as_raw_fd();
         let shared = Arc::new(Shared {
             dir: dir.to_path_buf(),
-            ledger,
-            ledger_file,
+            ledgers,
             live: Mutex::new(BTreeMap::new()),
             conns: Mutex::new(Vec::new()),
             events: Mutex::new(Vec::new()),
@@ -117,8 +131,14 @@ impl TestManager {
         }
     }
 
+    /// The first GPU's ledger (a one-GPU container's only one).
     pub fn ledger(&self) -> &Ledger {
-        &self.shared.ledger
+        self.ledger_at(0)
+    }
+
+    /// The ledger of the GPU at `position` in record order.
+    pub fn ledger_at(&self, position: usize) -> &Ledger {
+        &self.shared.ledgers[position].0
     }
 
     pub fn events(&self) -> Vec<Event> {
@@ -207,22 +227,40 @@ fn serve(sh: &Shared, mut conn: UnixStream) {
     let Ok(req) = frame::read::<RegisterRequest>(&mut conn) else {
         return;
     };
-    if sh.reject.load(Ordering::Acquire) {
+    let n = sh.ledgers.len();
+    let refusal = if sh.reject.load(Ordering::Acquire) {
+        Some("test manager rejects everyone".to_string())
+    } else if req.protocol_version == frame::PROTOCOL_VERSION && n > 1 {
+        Some(format!(
+            "this container's share spans {n} GPUs; this interposer enforces one"
+        ))
+    } else {
+        None
+    };
+    if let Some(message) = refusal {
         let resp = RegisterResponse {
             status: Status::Rejected as i32,
-            message: "test manager rejects everyone".into(),
+            message,
             host_pid: pid,
-            ledger_slot: None,
+            ..Default::default()
         };
         let _ = frame::write(&mut conn, &resp);
         return;
     }
-    let Some(slot) = sh
-        .ledger
-        .claim_slot(pid, req.previous_slot.map(|s| s as usize))
-    else {
-        return;
+    let v2 = req.protocol_version == frame::PROTOCOL_VERSION_MULTI_GPU;
+    let prefer: Vec<usize> = if v2 {
+        req.previous_slots.iter().map(|&s| s as usize).collect()
+    } else {
+        req.previous_slot.map(|s| s as usize).into_iter().collect()
     };
+    let mut slots = Vec::with_capacity(n);
+    for (i, (l, _)) in sh.ledgers.iter().enumerate() {
+        let Some(s) = l.claim_slot(pid, prefer.get(i).copied()) else {
+            return;
+        };
+        slots.push(s);
+    }
+    let slot = slots[0];
     sh.live.lock().unwrap().insert(pid, slot);
     sh.events.lock().unwrap().push(Event::Registered {
         pid,
@@ -235,9 +273,15 @@ fn serve(sh: &Shared, mut conn: UnixStream) {
         message: String::new(),
         host_pid: pid,
         ledger_slot: Some(slot as u32),
+        ledger_slots: if v2 {
+            slots.iter().map(|&s| s as u32).collect()
+        } else {
+            Vec::new()
+        },
     };
     let body = prost::Message::encode_to_vec(&resp);
-    if fdpass::send_frame(conn.as_fd(), &body, Some(sh.ledger_file.as_fd())).is_err() {
+    let fds: Vec<_> = sh.ledgers.iter().map(|(_, f)| f.as_fd()).collect();
+    if fdpass::send_frame_fds(conn.as_fd(), &body, &fds).is_err() {
         return;
     }
     // After the reply: the fsyncs of pids.config need not delay cuInit
@@ -254,7 +298,12 @@ fn serve(sh: &Shared, mut conn: UnixStream) {
     if sh.stopping.load(Ordering::Acquire) {
         return;
     }
-    let freed = sh.ledger.clear_slot(slot);
+    let freed = sh
+        .ledgers
+        .iter()
+        .zip(&slots)
+        .map(|((l, _), &s)| l.clear_slot(s))
+        .sum();
     sh.live.lock().unwrap().remove(&pid);
     write_pids(sh);
     sh.events

@@ -1,0 +1,137 @@
+use super::*;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream as StdStream;
+use vcuda_api::vcuda::frame;
+
+fn ledgers(dir: &Path, n: usize) -> Vec<(Ledger, File)> {
+    (0..n)
+        .map(|i| Ledger::create(&dir.join(quota_config::ledger_file(i)), 1 << 30).unwrap())
+        .collect()
+}
+
+fn request(version: u32) -> RegisterRequest {
+    RegisterRequest {
+        protocol_version: version,
+        pod_uid: "uid".into(),
+        container_name: "main".into(),
+        bus_id: "0000:01:00.0".into(),
+        local_pid: 1,
+        program: "test".into(),
+        previous_slot: None,
+        previous_slots: Vec::new(),
+    }
+}
+
+/// Registers over a blocking socket (the interposer's side).
+fn register(dir: &Path, req: RegisterRequest) -> (StdStream, RegisterResponse, Vec<OwnedFd>) {
+    let mut s = StdStream::connect(dir.join(quota_config::SOCKET_FILE)).unwrap();
+    frame::write(&mut s, &req).unwrap();
+    let (body, fds) = container_ledger::fdpass::recv_frame_fds(s.as_fd(), MAX_FRAME).unwrap();
+    (s, RegisterResponse::decode(body.as_slice()).unwrap(), fds)
+}
+
+fn inode(fd: &impl AsRawFd) -> u64 {
+    // SAFETY: `libc::stat` is plain integers, for which all-zero is valid.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat on a live descriptor, filling our local `st`.
+    assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0);
+    st.st_ino
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_gpu_container_gets_every_ledger_in_record_order() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().to_path_buf();
+    let ls = ledgers(&dir, 3);
+    let inodes: Vec<u64> = ls.iter().map(|(_, f)| inode(f)).collect();
+    let reg = Registry::default();
+    reg.serve_gpus("c", &dir, "uid", "main", ls).unwrap();
+
+    let dir2 = dir.clone();
+    let (s, resp, fds) = blocking(move || register(&dir2, request(2))).await;
+    assert_eq!(resp.status, Status::Accepted as i32, "{}", resp.message);
+    assert_eq!(resp.ledger_slots.len(), 3);
+    assert_eq!(resp.ledger_slot, Some(resp.ledger_slots[0]));
+    let got: Vec<u64> = fds.iter().map(inode).collect();
+    assert_eq!(got, inodes, "descriptors in record order");
+    let pid = std::process::id() as i32;
+    assert_eq!(reg.pids("c"), vec![pid]);
+    for (i, fd) in fds.iter().enumerate() {
+        let l = Ledger::from_fd(fd.as_fd()).unwrap();
+        let slot = resp.ledger_slots[i] as usize;
+        assert_eq!(l.slot(slot).unwrap().pid, pid, "ledger {i}");
+    }
+
+    // Closing the connection clears the process's slot in every ledger.
+    let ledgers: Vec<Ledger> = fds
+        .iter()
+        .map(|f| Ledger::from_fd(f.as_fd()).unwrap())
+        .collect();
+    drop(s);
+    for _ in 0..200 {
+        if reg.pids("c").is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(reg.pids("c").is_empty());
+    for (i, l) in ledgers.iter().enumerate() {
+        let slot = resp.ledger_slots[i] as usize;
+        assert!(l.slot(slot).is_none_or(|s| s.pid == 0), "ledger {i}");
+    }
+    reg.stop("c");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_gpu_client_is_refused_for_a_multi_gpu_container() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().to_path_buf();
+    let reg = Registry::default();
+    reg.serve_gpus("c", &dir, "uid", "main", ledgers(&dir, 2))
+        .unwrap();
+    let dir2 = dir.clone();
+    let (_s, resp, fds) = blocking(move || register(&dir2, request(1))).await;
+    assert_eq!(resp.status, Status::Rejected as i32);
+    assert!(
+        resp.message
+            .contains("this container's share spans 2 GPUs; this interposer enforces one"),
+        "{}",
+        resp.message
+    );
+    assert!(fds.is_empty() && resp.ledger_slot.is_none());
+    assert!(reg.pids("c").is_empty());
+    let dir2 = dir.clone();
+    let (_s, resp, _) = blocking(move || register(&dir2, request(3))).await;
+    assert_eq!(resp.status, Status::Rejected as i32);
+    assert!(
+        resp.message.contains("protocol version 3"),
+        "{}",
+        resp.message
+    );
+    reg.stop("c");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_gpu_container_serves_both_versions() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().to_path_buf();
+    let reg = Registry::default();
+    let mut ls = ledgers(&dir, 1);
+    let ino = inode(&ls[0].1);
+    reg.serve("c", &dir, "uid", "main", ls.pop()).unwrap();
+    for version in [1, 2] {
+        let dir2 = dir.clone();
+        let (_s, resp, fds) = blocking(move || register(&dir2, request(version))).await;
+        assert_eq!(resp.status, Status::Accepted as i32, "{}", resp.message);
+        assert!(resp.ledger_slot.is_some());
+        assert_eq!(fds.len(), 1);
+        assert_eq!(inode(&fds[0]), ino);
+        // Version 1's reply is what it always was.
+        assert_eq!(resp.ledger_slots.len(), if version == 1 { 0 } else { 1 });
+    }
+    reg.stop("c");
+}
