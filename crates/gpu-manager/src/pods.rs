@@ -16,6 +16,9 @@ pub const PREDICATE_TIME: &str = "tencent.com/predicate-time";
 pub const PREDICATE_GPU_IDX_PREFIX: &str = "tencent.com/predicate-gpu-idx-";
 pub const GPU_ASSIGNED: &str = "tencent.com/gpu-assigned";
 pub const VCORE_LIMIT: &str = "tencent.com/vcuda-core-limit";
+/// JSON map container name -> number of GPUs its share spans
+/// (docs/multi-gpu.md); containers it does not name span one.
+pub const VCUDA_GPUS: &str = "tencent.com/vcuda-gpus";
 
 /// An integer extended-resource limit of a container (0 when absent).
 pub fn limit(c: &Container, resource: &str) -> u64 {
@@ -95,6 +98,8 @@ pub struct Candidate {
     pub pod: Arc<Pod>,
     pub container_index: usize,
     pub container: String,
+    /// Its `vcuda-core` and `vcuda-memory` limits: the container's totals.
+    pub cores: u64,
     pub memory_units: u64,
 }
 
@@ -132,6 +137,7 @@ pub fn select(
                     pod: p.clone(),
                     container_index: i,
                     container: c.name.clone(),
+                    cores,
                     memory_units: limit(c, VMEMORY_RESOURCE),
                 });
             }
@@ -173,6 +179,54 @@ pub fn predicate_minors(pod: &Pod, container_index: usize) -> Option<Result<Vec<
             })
             .collect(),
     )
+}
+
+/// How many GPUs `container`'s share spans: its count in the pod's
+/// [`VCUDA_GPUS`] map, 1 when the pod has no map or the map does not name
+/// it. The whole map is checked (JSON object of the pod's GPU containers to
+/// integers 1..=`node_gpus`); the error names the pod, the key and the
+/// problem.
+pub fn gpu_count(pod: &Pod, container: &str, node_gpus: usize) -> Result<u32, String> {
+    let Some(v) = annotation(pod, VCUDA_GPUS) else {
+        return Ok(1);
+    };
+    let bad = |problem: String| {
+        format!(
+            "pod {}/{}: annotation {VCUDA_GPUS}={v:?} {problem}",
+            namespace(pod),
+            name(pod)
+        )
+    };
+    let map: BTreeMap<String, serde_json::Value> = serde_json::from_str(v).map_err(|e| {
+        bad(format!(
+            "is not a JSON object of container name to GPU count ({e}), e.g. {{\"main\": 2}}"
+        ))
+    })?;
+    let gpu = gpu_containers(pod);
+    let mut mine = 1;
+    for (c, n) in &map {
+        if !gpu.iter().any(|(_, g)| g == c) {
+            let names: Vec<&str> = gpu.iter().map(|(_, g)| g.as_str()).collect();
+            return Err(bad(format!(
+                "names container {c:?}, which is not one of the pod's containers asking for \
+                 vcuda-core ({})",
+                names.join(", ")
+            )));
+        }
+        let count = n
+            .as_u64()
+            .filter(|&k| k >= 1 && k <= node_gpus as u64)
+            .ok_or_else(|| {
+                bad(format!(
+                    "gives container {c:?} {n}; a GPU count is an integer from 1 to {node_gpus} \
+                     (the GPUs of this node)"
+                ))
+            })?;
+        if c == container {
+            mine = count as u32;
+        }
+    }
+    Ok(mine)
 }
 
 /// Annotations patched once every GPU container of a pod is allocated.
@@ -290,5 +344,47 @@ mod tests {
         let m = assigned_annotations(&BTreeMap::from([(0, vec![1, 3])]));
         assert_eq!(m[&format!("{PREDICATE_GPU_IDX_PREFIX}0")], "1,3");
         assert_eq!(m[GPU_ASSIGNED], "true");
+    }
+
+    #[test]
+    fn gpu_counts_from_the_annotation_and_its_errors() {
+        let with = |v: &str| {
+            let mut p = (*pod("p", None, &[("main", 100, 64), ("side", 0, 0)])).clone();
+            p.metadata
+                .annotations
+                .get_or_insert_default()
+                .insert(VCUDA_GPUS.into(), v.into());
+            p
+        };
+        let plain = pod("q", None, &[("main", 100, 64)]);
+        assert_eq!(gpu_count(&plain, "main", 4), Ok(1));
+        assert_eq!(gpu_count(&with(r#"{"main": 2}"#), "main", 4), Ok(2));
+        assert_eq!(gpu_count(&with("{}"), "main", 4), Ok(1));
+        let err = |v: &str| gpu_count(&with(v), "main", 4).unwrap_err();
+        let e = err("main=2");
+        assert!(
+            e.starts_with(
+                "pod ns/p: annotation tencent.com/vcuda-gpus=\"main=2\" is not a JSON object"
+            ),
+            "{e}"
+        );
+        let e = err(r#"{"mian": 2}"#);
+        assert!(e.contains(r#"names container "mian", which is not one of the pod's containers asking for vcuda-core (main)"#), "{e}");
+        // A container without vcuda-core is not a GPU container either.
+        assert!(err(r#"{"side": 2}"#).contains(r#"names container "side""#));
+        for (v, got) in [
+            (r#"{"main": 0}"#, "0"),
+            (r#"{"main": 5}"#, "5"),
+            (r#"{"main": "2"}"#, "\"2\""),
+            (r#"{"main": 1.5}"#, "1.5"),
+        ] {
+            let e = err(v);
+            assert!(
+                e.contains(&format!(
+                    "gives container \"main\" {got}; a GPU count is an integer from 1 to 4"
+                )),
+                "{v}: {e}"
+            );
+        }
     }
 }

@@ -15,7 +15,11 @@
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use quota_config::{CONFIG_FILE, PIDS_FILE, ResourceData};
+use quota_config::{CONFIG_FILE, GPUS_FILE, MultiGpuQuota, PIDS_FILE, ResourceData, ledger_file};
+
+/// A container's ledger and the open file whose descriptor is passed over
+/// `vcuda.sock`.
+pub type LedgerFile = (container_ledger::Ledger, std::fs::File);
 
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
@@ -129,6 +133,39 @@ impl VmDirs {
         Ok(self.root.join(pod_uid).join(container))
     }
 
+    /// Creates the directory of a share on several GPUs: `vcuda-gpus.config`
+    /// then `vcuda.config` (the order `quota_config::write_multi` keeps, so
+    /// whoever sees `enable` 2 finds the GPUs), an empty `pids.config` (an
+    /// existing one is kept) and one ledger per GPU, `ledger`, `ledger.1`,
+    /// …, in record order, each with that GPU's memory quota.
+    pub fn prepare_multi(&self, q: &MultiGpuQuota) -> Result<(PathBuf, Vec<LedgerFile>), VmError> {
+        let dir = self.dir(&q.pod_uid, &q.container_name)?;
+        mkdir(&self.root)?;
+        mkdir(&dir)?;
+        let (config, gpus) = q.to_files().map_err(|source| VmError::Config {
+            path: dir.display().to_string(),
+            source,
+        })?;
+        replace_if_changed(&dir.join(GPUS_FILE), &gpus, 0o644)?;
+        replace_if_changed(&dir.join(CONFIG_FILE), &config, 0o644)?;
+        let pids = dir.join(PIDS_FILE);
+        if !pids.exists() {
+            replace_file(&pids, &[], 0o644)?;
+        }
+        let mut ledgers = Vec::with_capacity(q.gpus.len());
+        for (i, g) in q.gpus.iter().enumerate() {
+            let p = dir.join(ledger_file(i));
+            let l = container_ledger::Ledger::create(&p, g.gpu_memory).map_err(|source| {
+                VmError::Ledger {
+                    path: p.display().to_string(),
+                    source,
+                }
+            })?;
+            ledgers.push(l);
+        }
+        Ok((dir, ledgers))
+    }
+
     /// Creates the directory and writes `vcuda.config` and an empty
     /// `pids.config` (an existing one is kept: recovery). For shares,
     /// creates or reopens the ledger with the memory quota.
@@ -136,7 +173,7 @@ impl VmDirs {
         &self,
         data: &ResourceData,
         ledger_quota: Option<u64>,
-    ) -> Result<(PathBuf, Option<(container_ledger::Ledger, std::fs::File)>), VmError> {
+    ) -> Result<(PathBuf, Option<LedgerFile>), VmError> {
         let dir = self.dir(&data.pod_uid, &data.container_name)?;
         mkdir(&self.root)?;
         mkdir(&dir)?;
@@ -292,5 +329,40 @@ mod tests {
         vm.remove("uid-1", "c");
         assert!(!dir.exists() && !dir.parent().unwrap().exists());
         assert!(vm.list().is_empty());
+    }
+
+    #[test]
+    fn prepare_multi_writes_both_files_and_a_ledger_per_gpu() {
+        let tmp = tempfile::tempdir().unwrap();
+        let vm = VmDirs::new(&tmp.path().join("vm"));
+        let gpu = |i: usize, memory: u64| quota_config::GpuQuota {
+            bus_id: format!("0000:{:02X}:00.0", i + 1),
+            uuid: format!("GPU-{i}"),
+            gpu_memory: memory,
+            utilization: 50,
+            limit: 50,
+        };
+        let q = MultiGpuQuota {
+            pod_uid: "uid-2".into(),
+            container_name: "main".into(),
+            hard_limit: true,
+            driver_version: (550, 54),
+            gpus: vec![gpu(0, 8 << 30), gpu(1, 4 << 30)],
+        };
+        let (dir, ledgers) = vm.prepare_multi(&q).unwrap();
+        let quotas: Vec<u64> = ledgers.iter().map(|(l, _)| l.quota()).collect();
+        assert_eq!(quotas, vec![8 << 30, 4 << 30]);
+        for name in ["ledger", "ledger.1"] {
+            let md = std::fs::metadata(dir.join(name)).unwrap();
+            assert_eq!(md.mode() & 0o777, 0o600, "{name}");
+        }
+        assert_eq!(
+            quota_config::read_quota(&dir).unwrap(),
+            quota_config::Quota::Multi(q.clone())
+        );
+        // Again (recovery): the same files, the ledgers reopened.
+        let ino = std::fs::metadata(dir.join(GPUS_FILE)).unwrap().ino();
+        assert_eq!(vm.prepare_multi(&q).unwrap().1.len(), 2);
+        assert_eq!(std::fs::metadata(dir.join(GPUS_FILE)).unwrap().ino(), ino);
     }
 }

@@ -144,11 +144,16 @@ impl Manager {
             Placement::Exclusive { gpus: g } if g.len() == gpus.len() => {
                 Placement::Exclusive { gpus }
             }
+            Placement::Shares { gpus: g, .. } if g.len() == gpus.len() => Placement::Shares {
+                gpus,
+                cores: req.cores,
+                memory_units: req.memory_units,
+            },
             _ => {
                 return Err(Status::failed_precondition(format!(
                     "predicate mismatch: gpu-admission chose {theirs} ({key}) for vcuda-core {}, \
                      but that request needs {} GPU(s); the manager would choose {mine}",
-                    req.cores,
+                    cand.cores,
                     ours.gpus().len()
                 )));
             }
@@ -212,15 +217,9 @@ impl Manager {
         vm::check_container_name(&cand.container)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let soft_limit = soft_limit(&pod)?;
-        let req = Request {
-            cores: u32::try_from(cores).unwrap_or(u32::MAX),
-            memory_units: cand.memory_units,
-            share_mode: self.config.share_mode,
-            // Shares on several GPUs are not served yet (docs/multi-gpu.md).
-            gpus: 1,
-        };
-        let id = alloc_id(uid, &cand.container);
         let ctx = format!("pod {ns}/{name} container {}", cand.container);
+        let req = self.request(&ctx, &cand)?;
+        let id = alloc_id(uid, &cand.container);
         // 1. Decide and reserve the capacity, under the state lock.
         let placement = self.reserve(&ctx, &cand, &req, &id)?;
         let shared = !placement.is_exclusive();
@@ -231,11 +230,11 @@ impl Manager {
             pod_name: name.to_string(),
             container: cand.container.clone(),
             container_index: cand.container_index,
-            cores: req.cores,
-            memory_units: if shared {
-                req.memory_units
-            } else {
-                gpus.iter().map(|g| g.memory_units()).sum()
+            // The container's totals (a share on N GPUs: N × each GPU's).
+            cores: u32::try_from(cores).unwrap_or(u32::MAX),
+            memory_units: match &placement {
+                Placement::Exclusive { .. } => gpus.iter().map(|g| g.memory_units()).sum(),
+                p => req.memory_units * p.gpus().len() as u64,
             },
             memory_limit: cand.memory_units,
             placement: (&placement).into(),
@@ -286,13 +285,29 @@ impl Manager {
         );
         Ok(response::build(&ResponseInput {
             gpus,
-            cores: req.cores,
+            cores: alloc.cores,
             memory_units: alloc.memory_units,
             shared,
             vdriver_dir: &self.config.vdriver_dir,
             vm_dir: &dir,
             extra_devices: &self.extra.devices,
         }))
+    }
+
+    /// The allocator's request for the container: its `vcuda-core` and
+    /// `vcuda-memory` totals over the GPUs the pod's `vcuda-gpus`
+    /// annotation gives it (one when it does not name it).
+    fn request(&self, ctx: &str, cand: &pods::Candidate) -> Result<Request, Status> {
+        let n = pods::gpu_count(&cand.pod, &cand.container, self.gpus.len())
+            .map_err(Status::invalid_argument)?;
+        Request::from_totals(cand.cores, cand.memory_units, n, self.config.share_mode).map_err(
+            |e| {
+                Status::invalid_argument(format!(
+                    "{ctx}: annotation {} gives it {n} GPUs: {e}",
+                    pods::VCUDA_GPUS
+                ))
+            },
+        )
     }
 
     /// Decides where the request goes (the allocator's choice, or

@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex};
 
 use device_plugin::DeviceList;
 use gpu_allocator::{Allocator, GpuInfo, MEMORY_UNIT_BYTES, Placement};
-use quota_config::ResourceData;
+use quota_config::{GpuQuota, MultiGpuQuota, ResourceData};
 
 use crate::checkpoint::Allocation;
 use crate::events::EventSink;
@@ -188,21 +188,61 @@ impl Manager {
         }
     }
 
-    /// Writes a container's vm directory (quota file, ledger for shares)
-    /// and serves its socket; outside the state lock. The caller has
-    /// reserved the allocation's capacity.
+    /// The quota files of a share on several GPUs, in placement order
+    /// (`None` for one GPU or whole GPUs).
+    fn multi_quota(&self, a: &Allocation) -> Option<MultiGpuQuota> {
+        let Placement::Shares {
+            gpus,
+            cores,
+            memory_units,
+        } = Placement::from(&a.placement)
+        else {
+            return None;
+        };
+        let limit = a.soft_limit.map_or(cores, |l| l.max(cores)) as i32;
+        Some(MultiGpuQuota {
+            pod_uid: a.pod_uid.clone(),
+            container_name: a.container.clone(),
+            hard_limit: a.soft_limit.is_none(),
+            driver_version: self.driver_version,
+            gpus: gpus
+                .iter()
+                .map(|&g| GpuQuota {
+                    bus_id: short_bus_id(&self.gpus[g].pci_bus_id),
+                    uuid: self.gpus[g].uuid.clone(),
+                    gpu_memory: memory_units * MEMORY_UNIT_BYTES,
+                    utilization: cores as i32,
+                    limit,
+                })
+                .collect(),
+        })
+    }
+
+    /// Writes a container's vm directory (quota files, a ledger per GPU
+    /// for shares) and serves its socket; outside the state lock. The
+    /// caller has reserved the allocation's capacity.
     fn open_files(&self, a: &Allocation) -> Result<std::path::PathBuf, String> {
-        let data = self.resource_data(a);
-        let quota = data.enable.then_some(data.gpu_memory);
         let _files = self.files_lock();
-        let (dir, ledger) = self
-            .vm
-            .prepare(&data, quota)
-            .map_err(|e| format!("vm directory: {e}"))?;
-        if data.enable
-            && let Err(e) = self
-                .registry
-                .serve(&a.id(), &dir, &a.pod_uid, &a.container, ledger)
+        let prepared = match self.multi_quota(a) {
+            Some(q) => self.vm.prepare_multi(&q).map(|(d, l)| (d, Some(l))),
+            None => {
+                let data = self.resource_data(a);
+                let quota = data.enable.then_some(data.gpu_memory);
+                self.vm
+                    .prepare(&data, quota)
+                    .map(|(d, l)| (d, data.enable.then(|| l.into_iter().collect())))
+            }
+        };
+        let (dir, ledgers): (_, Option<Vec<_>>) =
+            prepared.map_err(|e| format!("vm directory: {e}"))?;
+        if let Some(ledgers) = ledgers
+            && let Err(e) = self.registry.serve(
+                &a.id(),
+                &dir,
+                &a.pod_uid,
+                &a.container,
+                ledgers.into_iter().next(),
+            )
         {
             self.vm.remove(&a.pod_uid, &a.container);
             return Err(format!("serving vcuda.sock: {e}"));

@@ -1,11 +1,12 @@
 //! An allocation rebuilt for a live container the checkpoint lost: its
-//! GPUs from what the runtime says it was given, its size from kubelet's
-//! device IDs or its quota file, its pod from the runtime's labels and the
+//! GPUs from what the runtime says it was given (a share on several GPUs:
+//! from its `vcuda-gpus.config`), its size from kubelet's device IDs or
+//! its quota files, its pod from the runtime's labels and the
 //! API server. The GPU and size steps are pure (tested in
 //! `restore::tests`).
 
 use gpu_allocator::{GpuInfo, MEMORY_UNIT_BYTES, Placement};
-use quota_config::ResourceData;
+use quota_config::{MultiGpuQuota, Quota, ResourceData};
 
 use super::{Manager, now, short_bus_id};
 use crate::checkpoint::{Allocation, PlacementRecord};
@@ -112,6 +113,47 @@ impl Size {
             placement,
         })
     }
+
+    /// The size of a share on several GPUs from its quota files (`q`, its
+    /// records matched to this node's GPUs by bus id); kubelet's device
+    /// IDs, when it has them, count the container's totals.
+    pub fn of_multi(
+        gpus: &[GpuInfo],
+        q: &MultiGpuQuota,
+        vcore_ids: &[String],
+        vmemory_ids: &[String],
+    ) -> Result<Size, String> {
+        let on = q
+            .gpus
+            .iter()
+            .map(|r| {
+                gpus.iter()
+                    .position(|g| short_bus_id(&g.pci_bus_id) == r.bus_id)
+                    .ok_or_else(|| format!("its GPU {} ({}) is not on this node", r.uuid, r.bus_id))
+            })
+            .collect::<Result<Vec<usize>, String>>()?;
+        let (first, n) = (&q.gpus[0], q.gpus.len() as u64);
+        let per_gpu_units = first.gpu_memory / MEMORY_UNIT_BYTES;
+        let memory_units = per_gpu_units * n;
+        Ok(Size {
+            cores: if vcore_ids.is_empty() {
+                first.utilization.max(0) as u32 * n as u32
+            } else {
+                vcore_ids.len() as u32
+            },
+            memory_units,
+            memory_limit: if vmemory_ids.is_empty() {
+                memory_units
+            } else {
+                vmemory_ids.len() as u64
+            },
+            placement: Placement::Shares {
+                gpus: on,
+                cores: first.utilization.max(0) as u32,
+                memory_units: per_gpu_units,
+            },
+        })
+    }
 }
 
 impl Manager {
@@ -128,10 +170,14 @@ impl Manager {
             .vm
             .dir(&c.pod_uid, &c.container)
             .map_err(|e| e.to_string())?;
-        let cfg = quota_config::read_config(&dir.join(quota_config::CONFIG_FILE)).ok();
+        let (cfg, multi) = match quota_config::read_quota(&dir) {
+            Ok(Quota::Single(c)) => (Some(c), None),
+            Ok(Quota::Multi(q)) => (None, Some(q)),
+            Err(_) => (None, None),
+        };
         let seen = self.runtime.gpus(&c.id).await.map_err(|e| e.to_string())?;
         let on = gpus_seen(&self.gpus, &seen, cfg.as_ref());
-        if on.is_empty() {
+        if on.is_empty() && multi.is_none() {
             return Err("no GPU found in its environment, devices or vcuda.config".into());
         }
         let probe = Allocation {
@@ -153,17 +199,24 @@ impl Manager {
         let held = kubelet.and_then(|k| recovery::held_by(&probe, k));
         let ids_of = |r: &str| held.and_then(|h| h.ids.get(r).cloned()).unwrap_or_default();
         let (vcore_ids, vmemory_ids) = (ids_of(ids::VCORE_RESOURCE), ids_of(ids::VMEMORY_RESOURCE));
-        let size = Size::of(&self.gpus, &on, cfg.as_ref(), &vcore_ids, &vmemory_ids)?;
+        let size = match &multi {
+            Some(q) => Size::of_multi(&self.gpus, q, &vcore_ids, &vmemory_ids)?,
+            None => Size::of(&self.gpus, &on, cfg.as_ref(), &vcore_ids, &vmemory_ids)?,
+        };
+        let soft_limit = match &multi {
+            Some(q) => (!q.hard_limit).then(|| q.gpus[0].limit.max(0) as u32),
+            None => cfg
+                .as_ref()
+                .filter(|c| !c.hard_limit)
+                .map(|c| c.limit.max(0) as u32),
+        };
         Ok(Allocation {
             container_index: self.container_index(c),
             cores: size.cores,
             memory_units: size.memory_units,
             memory_limit: size.memory_limit,
             placement: (&size.placement).into(),
-            soft_limit: cfg
-                .as_ref()
-                .filter(|c| !c.hard_limit)
-                .map(|c| c.limit.max(0) as u32),
+            soft_limit,
             verified: held.is_some(),
             vcore_ids,
             vmemory_ids,

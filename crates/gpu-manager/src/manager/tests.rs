@@ -18,6 +18,8 @@ use crate::kube_api::ApiHealth;
 use crate::kubelet::PodKey;
 use crate::runtime::{ContainerGpus, LiveContainer};
 
+mod shares;
+
 const GIB: u64 = 1 << 30;
 
 struct Rig {
@@ -59,8 +61,12 @@ impl Rig {
     }
 
     fn with_checkpoint(cp: MemoryCheckpoint) -> Rig {
-        let tmp = tempfile::tempdir().unwrap();
         let topo = Topology::from_fn(gpus(2), |_, _| PcieLevel::Single, |_, _| 0).unwrap();
+        Rig::with(cp, topo)
+    }
+
+    fn with(cp: MemoryCheckpoint, topo: Topology) -> Rig {
+        let tmp = tempfile::tempdir().unwrap();
         let (pods, patches, events) = (
             Arc::new(MemoryPods::default()),
             Arc::new(MemoryPatches::default()),
