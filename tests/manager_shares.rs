@@ -1,0 +1,129 @@
+//! Shares on several GPUs through the device plugins end to end: the real
+//! `gpu-manager` on a simulated node, a pod with
+//! `tencent.com/vcuda-gpus` admitted by the kubelet emulator
+//! (docs/multi-gpu.md). Needs `cargo build --workspace` first.
+
+use std::time::{Duration, Instant};
+
+use quota_config::Quota;
+use test_support::manager::{Env, Options, VCORE, VMEM};
+
+const GIB: u64 = 1 << 30;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tp2_pod_gets_two_gpus_and_a_second_tenant_fits_beside_it() {
+    let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
+    // vcuda-core 100 and vcuda-memory 64 over 2 GPUs: 50 cores and 32
+    // units (8 GiB) on each.
+    let tp = env.pod(
+        &[("main", 100, 64)],
+        &[("tencent.com/vcuda-gpus", r#"{"main": 2}"#)],
+    );
+    let resp = env.admit(&tp, "main", 100, 64).await.unwrap();
+    let r = &resp[VCORE];
+    let mut minors = Env::minors(&resp);
+    minors.sort();
+    // One PCIe switch's pair: {0,1} or {2,3}.
+    assert!(minors == [0, 1] || minors == [2, 3], "{minors:?}");
+    let uuids: Vec<&str> = r.envs["NVIDIA_VISIBLE_DEVICES"].split(',').collect();
+    assert_eq!(uuids.len(), 2, "{:?}", r.envs);
+    let devices: Vec<&str> = r.devices.iter().map(|d| d.host_path.as_str()).collect();
+    assert_eq!(
+        devices,
+        [
+            format!("/dev/nvidia{}", minors[0]).as_str(),
+            &format!("/dev/nvidia{}", minors[1]),
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm"
+        ]
+    );
+    assert!(
+        r.mounts
+            .iter()
+            .any(|m| m.host_path.ends_with("/vdriver/nvidia"))
+    );
+    assert_eq!(r.annotations[VCORE], "100");
+    assert_eq!(r.annotations[VMEM], (64u64 << 28).to_string());
+
+    // The files the interposer reads: each GPU's quota, a ledger per GPU.
+    let dir = env.vm_dir().join(&tp.uid).join("main");
+    let Quota::Multi(q) = quota_config::read_quota(&dir).unwrap() else {
+        panic!("{}: not a quota on several GPUs", dir.display());
+    };
+    assert_eq!(
+        (q.pod_uid.as_str(), q.container_name.as_str()),
+        (tp.uid.as_str(), "main")
+    );
+    let per_gpu: Vec<_> = q
+        .gpus
+        .iter()
+        .map(|g| (g.uuid.as_str(), g.utilization, g.gpu_memory))
+        .collect();
+    assert_eq!(
+        per_gpu,
+        [(uuids[0], 50, 8 * GIB), (uuids[1], 50, 8 * GIB)],
+        "{q:?}"
+    );
+    assert!(dir.join("ledger").is_file() && dir.join("ledger.1").is_file());
+    assert!(dir.join("vcuda.sock").exists());
+    let by = env.allocations_by_container();
+    let a = &by[&format!("{}/main", tp.uid)];
+    assert_eq!(a["placement"]["kind"], "shares", "{a}");
+
+    // gpu-admission's annotation names both GPUs.
+    let t = Instant::now();
+    loop {
+        let p = env.api.pod("default", &tp.name).unwrap();
+        let ann = &p["metadata"]["annotations"];
+        if ann["tencent.com/gpu-assigned"] == "true" {
+            let want = format!("{},{}", minors[0], minors[1]);
+            assert_eq!(ann["tencent.com/predicate-gpu-idx-0"], want.as_str());
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "never annotated: {p}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // A second tenant's share fits beside it, on one of its GPUs (the
+    // fullest that has room): 50 cores and 7 GiB of a 15 GiB T4.
+    let other = env.pod(&[("main", 50, 28)], &[]);
+    let resp = env.admit(&other, "main", 50, 28).await.unwrap();
+    let m = Env::minors(&resp);
+    assert!(minors.contains(&m[0]), "{m:?} beside {minors:?}");
+    assert_eq!(env.allocation_count(), 2);
+
+    // Deleting the TP pod frees both GPUs' part.
+    env.delete(&tp).await;
+    let t = Instant::now();
+    while env.allocation_count() != 1 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            env.checkpoint()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vcuda_gpus_annotation_that_does_not_split_is_refused() {
+    let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
+    let pod = env.pod(
+        &[("main", 81, 64)],
+        &[("tencent.com/vcuda-gpus", r#"{"main": 2}"#)],
+    );
+    let err = env.admit(&pod, "main", 81, 64).await.unwrap_err();
+    let m = err.to_string();
+    assert!(
+        m.contains("InvalidArgument") || m.contains("invalid"),
+        "{m}"
+    );
+    assert!(m.contains(&format!("pod default/{}", pod.name)), "{m}");
+    assert!(m.contains("tencent.com/vcuda-gpus"), "{m}");
+    assert!(m.contains("vcuda-core does not split evenly"), "{m}");
+    assert!(!env.vm_dir().join(&pod.uid).exists());
+    assert_eq!(env.allocation_count(), 0);
+}
