@@ -1,9 +1,9 @@
 //! NodePrepareResources / NodeUnprepareResources, protocol aside: a
-//! prepared claim is its planned devices (one share, or whole GPUs), one vm
-//! directory (`<vm>/<claim uid>/<first request>/`: `vcuda.config`, the
-//! ledger, and for a share `vcuda.sock` served by the manager's
-//! [`Registry`]), one CDI spec, and an entry in
-//! the checkpoint. Prepare is idempotent (a prepared claim answers from
+//! prepared claim is its planned devices (shares of one or several GPUs,
+//! or whole GPUs), one vm directory (`<vm>/<claim uid>/<first request>/`:
+//! `vcuda.config`, for shares on several GPUs `vcuda-gpus.config`, a
+//! ledger per shared GPU, and for shares `vcuda.sock` served by the
+//! manager's [`Registry`]), one CDI spec, and an entry in the checkpoint. Prepare is idempotent (a prepared claim answers from
 //! the checkpoint); a restarted driver re-serves the checkpoint's claims
 //! and leaves their files as they are (unchanged bytes are not rewritten,
 //! the ledger is reopened); unprepare removes all of it.
@@ -16,7 +16,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use node_agent::registry::Registry;
 use node_agent::vm::VmDirs;
 use node_agent::{now, short_bus_id};
-use quota_config::ResourceData;
+use quota_config::{GpuQuota, MultiGpuQuota, ResourceData};
 
 use crate::cdi;
 use crate::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, Store};
@@ -236,22 +236,52 @@ impl Driver {
         })
     }
 
-    /// Writes the claim's vm directory and, for a share, serves its socket.
+    /// The quota files of shares on several GPUs, one record per device in
+    /// the claim's order (`None` for one device or whole GPUs).
+    fn multi_quota(&self, uid: &str, devices: &[PlannedDevice]) -> Option<MultiGpuQuota> {
+        if devices.len() < 2 || devices.iter().any(|d| d.whole) {
+            return None;
+        }
+        Some(MultiGpuQuota {
+            pod_uid: uid.to_string(),
+            container_name: slot_name(slot_request(devices)),
+            hard_limit: devices.iter().all(|d| d.soft_limit.is_none()),
+            driver_version: self.cfg.driver_version,
+            gpus: devices
+                .iter()
+                .map(|d| GpuQuota {
+                    bus_id: short_bus_id(&self.gpus[d.gpu_index].pci_bus_id),
+                    uuid: d.gpu_uuid.clone(),
+                    gpu_memory: d.memory_bytes,
+                    utilization: d.cores as i32,
+                    limit: d.soft_limit.unwrap_or(d.cores) as i32,
+                })
+                .collect(),
+        })
+    }
+
+    /// Writes the claim's vm directory and, for shares, serves its socket
+    /// (with one ledger per GPU).
     fn materialize(&self, uid: &str, devices: &[PlannedDevice]) -> Result<PathBuf, String> {
-        let data = self.resource_data(uid, devices)?;
-        let share = devices.iter().find(|d| !d.whole);
-        let (dir, ledger) = self
-            .vm
-            .prepare(&data, share.map(|d| d.memory_bytes))
-            .map_err(|e| e.to_string())?;
-        if share.is_some() {
+        let share = devices.iter().any(|d| !d.whole);
+        let container = slot_name(slot_request(devices));
+        let (dir, ledgers) = match self.multi_quota(uid, devices) {
+            Some(q) => self.vm.prepare_multi(&q).map_err(|e| e.to_string())?,
+            None => {
+                let data = self.resource_data(uid, devices)?;
+                let quota = share.then_some(data.gpu_memory);
+                let (dir, ledger) = self.vm.prepare(&data, quota).map_err(|e| e.to_string())?;
+                (dir, ledger.into_iter().collect())
+            }
+        };
+        if share {
             self.registry
                 .serve(
                     &registry_id(uid, slot_request(devices)),
                     &dir,
                     uid,
-                    &data.container_name,
-                    ledger,
+                    &container,
+                    ledgers.into_iter().next(),
                 )
                 .map_err(|e| format!("serving {}/vcuda.sock: {e}", dir.display()))?;
         }

@@ -197,7 +197,7 @@ fn soft_limit(
 }
 
 /// What the claim's devices must be together: at least one, each once,
-/// and a share alone.
+/// and shares only beside shares.
 fn check_together(out: &[PlannedDevice]) -> Result<(), String> {
     if out.is_empty() {
         return Err(format!("has no devices of {DRIVER_NAME} allocated"));
@@ -210,16 +210,15 @@ fn check_together(out: &[PlannedDevice]) -> Result<(), String> {
             ));
         }
     }
-    // One vcuda.config, one quota: a container's interposer enforces a
-    // single GPU share (as `vcuda-core` below 100 is in the device plugin).
-    if out.len() > 1
-        && let Some(s) = out.iter().find(|d| !d.whole)
+    // All shares (one container's quotas on N GPUs, docs/multi-gpu.md) or
+    // all whole GPUs: a share beside a whole GPU would need the interposer
+    // and the untouched driver in one container.
+    if let Some(s) = out.iter().find(|d| !d.whole)
+        && let Some(w) = out.iter().find(|d| d.whole)
     {
         return Err(format!(
-            "request {:?} is a share of {} but the claim holds {} devices: a share must be the claim's only device (ask for whole GPUs, or one share per claim)",
-            s.request,
-            s.device,
-            out.len()
+            "request {:?} is a share of {} but the claim also holds {} whole (request {:?}): a share must be the claim's only device, or every device of the claim a share of its own GPU",
+            s.request, s.device, w.device, w.request
         ));
     }
     Ok(())
@@ -309,6 +308,22 @@ mod tests {
         );
         let e = plan(&mixed, "u1", "n1", &g).unwrap_err().to_string();
         assert!(e.contains("request \"a\" is a share of gpu-0"), "{e}");
+        assert!(e.contains("a share must be the claim's only device"), "{e}");
+
+        // Shares of two GPUs: one container's quotas on each.
+        let two_shares = claim(
+            json!([
+                r("gpus", "gpu-0", json!({"cores": "40", "memory": "2Gi"})),
+                r("gpus", "gpu-1", json!({"cores": "40", "memory": "2Gi"}))
+            ]),
+            json!([]),
+        );
+        let p = plan(&two_shares, "u1", "n1", &g).unwrap();
+        let got: Vec<_> = p
+            .iter()
+            .map(|d| (d.gpu_index, d.cores, d.memory_bytes, d.whole))
+            .collect();
+        assert_eq!(got, [(0, 40, 2 << 30, false), (1, 40, 2 << 30, false)]);
 
         let twice = claim(
             json!([

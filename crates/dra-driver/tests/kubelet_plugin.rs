@@ -464,3 +464,125 @@ async fn whole_gpu_class() {
     );
     run.cancel.cancel();
 }
+
+/// A claim for shares of `cores` and `memory` on each of two GPUs (one
+/// request, `count: 2`), allocated on gpu-0 and gpu-1 as the scheduler
+/// would (the emulated allocator places count 1 only).
+fn two_gpu_claim(server: &ApiServer, name: &str, cores: &str, memory: &str) -> String {
+    let c = server
+        .create(
+            Kind::ResourceClaim,
+            Some(NS),
+            json!({
+                "metadata": {"name": name, "namespace": NS},
+                "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
+                    "deviceClassName": slices::SHARE_CLASS, "count": 2,
+                    "capacity": {"requests": {"cores": cores, "memory": memory}}}}]}}
+            }),
+        )
+        .unwrap();
+    let result = |gpu: u32| {
+        json!({"request": "gpus", "driver": "vcuda.tencent.com", "pool": NODE,
+               "device": format!("gpu-{gpu}"),
+               "shareID": format!("0000000{gpu}-0000-4000-8000-000000000000"),
+               "consumedCapacity": {"cores": cores, "memory": memory}})
+    };
+    let allocation = json!({"devices": {"results": [result(0), result(1)], "config": []}});
+    server
+        .patch(
+            Kind::ResourceClaim,
+            Some(NS),
+            name,
+            &json!({"status": {"allocation": allocation}}),
+        )
+        .unwrap();
+    uid(&c)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shares_on_two_gpus_for_one_container() {
+    let (server, dirs, api, run, kubelet) = node_with_driver().await;
+    // Another tenant's share on gpu-0 first.
+    let other = share_claim(&server, "other", 30, "1Gi", None);
+    allocator::allocate(&server, NS, "other", NODE).unwrap();
+    let tp = two_gpu_claim(&server, "tp2", "50", "8Gi");
+    let claims = [
+        plugin::claim(NS, "other", &uid(&other)),
+        plugin::claim(NS, "tp2", &tp),
+    ];
+    let r = kubelet.prepare(&claims).await.unwrap();
+    assert_eq!(r.claims[&uid(&other)].error, "");
+    let one = &r.claims[&tp];
+    assert_eq!(one.error, "");
+    let names: Vec<&str> = one.devices.iter().map(|d| d.device_name.as_str()).collect();
+    assert_eq!(names, ["gpu-0", "gpu-1"]);
+    // The runtime's view of each device: the common edits once (both GPUs
+    // visible, the interposer's volume), each device its own node.
+    for (i, d) in one.devices.iter().enumerate() {
+        let edits = cdi::resolve(&dirs.p("cdi"), &d.cdi_device_ids[0]).unwrap();
+        assert!(
+            edits["env"]
+                .as_array()
+                .unwrap()
+                .contains(&json!("NVIDIA_VISIBLE_DEVICES=GPU-00000000,GPU-00000001")),
+            "{edits}"
+        );
+        assert_eq!(
+            edits["mounts"][0]["hostPath"],
+            dirs.p("vdriver/nvidia").display().to_string()
+        );
+        let nodes = node_paths(&edits);
+        assert_eq!(
+            nodes.last().copied(),
+            Some(format!("/dev/nvidia{i}").as_str())
+        );
+    }
+    // One vm directory: each GPU's quota, a ledger per GPU, one socket.
+    let vm = dirs.p("vm").join(&tp).join("gpus");
+    let quota_config::Quota::Multi(q) = quota_config::read_quota(&vm).unwrap() else {
+        panic!("{}: not a quota on several GPUs", vm.display());
+    };
+    let per_gpu: Vec<_> = q
+        .gpus
+        .iter()
+        .map(|g| (g.uuid.as_str(), g.utilization, g.gpu_memory, g.limit))
+        .collect();
+    assert_eq!(
+        per_gpu,
+        [
+            ("GPU-00000000", 50, 8 << 30, 50),
+            ("GPU-00000001", 50, 8 << 30, 50)
+        ]
+    );
+    assert_eq!((q.pod_uid.as_str(), q.hard_limit), (tp.as_str(), true));
+    assert!(vm.join("ledger").is_file() && vm.join("ledger.1").is_file());
+    assert!(vm.join(quota_config::SOCKET_FILE).exists());
+    let prepared = run.driver.prepared();
+    let held = prepared.iter().find(|c| c.uid == tp).unwrap();
+    assert_eq!(held.devices.len(), 2);
+
+    // A restart re-serves it from the checkpoint.
+    run.cancel.cancel();
+    run.driver.shutdown();
+    drop(run);
+    drop(kubelet);
+    let run = start(&dirs, gpus(), &api).await;
+    let kubelet = dra::kubelet(&dirs, false).await;
+    let sock = vm.join(quota_config::SOCKET_FILE);
+    until(10, "vcuda.sock served again", || {
+        std::os::unix::net::UnixStream::connect(&sock).is_ok()
+    })
+    .await;
+    let again = kubelet.prepare(&claims[1..]).await.unwrap();
+    assert_eq!(again.claims[&tp], r.claims[&tp]);
+    assert!(matches!(
+        quota_config::read_quota(&vm).unwrap(),
+        quota_config::Quota::Multi(_)
+    ));
+
+    // Unprepare removes all of it.
+    let u = kubelet.unprepare(&claims[1..]).await.unwrap();
+    assert_eq!(u.claims[&tp].error, "");
+    assert!(!dirs.p("vm").join(&tp).exists());
+    assert_eq!(run.driver.prepared().len(), 1);
+}
