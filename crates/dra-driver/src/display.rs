@@ -1,6 +1,7 @@
 //! The display service's view of a DRA node: every prepared claim device is
 //! shown like a container (namespace, claim name as the pod, request as the
-//! container, claim UID as the pod UID), so `vcudactl`, `/usage` and the
+//! container, claim UID as the pod UID; a claim's shares on several GPUs
+//! are one container with all of them), so `vcudactl`, `/usage` and the
 //! metrics list claims the way they list device-plugin containers.
 
 use std::fmt::Write;
@@ -9,6 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use gpu_display::{ContainerView, DisplaySource, GpuRef, GpuView};
 
 use crate::driver::Driver;
+use crate::plan::PlannedDevice;
 
 pub struct DraSource {
     pub driver: Arc<Driver>,
@@ -82,22 +84,36 @@ impl DisplaySource for DraSource {
         let reg = self.driver.registry();
         let mut out = Vec::new();
         for c in self.driver.prepared() {
-            for d in &c.devices {
+            // Shares on several GPUs are one container's: one row with its
+            // GPUs and totals, as the device plugin shows them.
+            let multi = c.devices.len() > 1 && c.devices.iter().all(|d| !d.whole);
+            let rows: Vec<&[PlannedDevice]> = if multi {
+                vec![&c.devices[..]]
+            } else {
+                c.devices.chunks(1).collect()
+            };
+            for row in rows {
+                let d = &row[0];
                 let id = Driver::registry_id(&c.uid, &d.request);
                 let counters = reg.ledger_counters(&id);
-                let g = &gpus[d.gpu_index];
                 out.push(ContainerView {
                     pod_uid: c.uid.clone(),
                     pod_name: c.name.clone(),
                     namespace: c.namespace.clone(),
                     container: d.request.clone(),
-                    gpus: vec![GpuRef {
-                        index: g.index as u32,
-                        uuid: g.uuid.clone(),
-                        bus_id: g.pci_bus_id.clone(),
-                    }],
-                    core_quota: d.cores,
-                    memory_quota_bytes: d.memory_bytes,
+                    gpus: row
+                        .iter()
+                        .map(|d| {
+                            let g = &gpus[d.gpu_index];
+                            GpuRef {
+                                index: g.index as u32,
+                                uuid: g.uuid.clone(),
+                                bus_id: g.pci_bus_id.clone(),
+                            }
+                        })
+                        .collect(),
+                    core_quota: row.iter().map(|d| d.cores).sum(),
+                    memory_quota_bytes: row.iter().map(|d| d.memory_bytes).sum(),
                     host_pids: reg
                         .pids(&id)
                         .into_iter()

@@ -560,6 +560,20 @@ async fn shares_on_two_gpus_for_one_container() {
     let prepared = run.driver.prepared();
     let held = prepared.iter().find(|c| c.uid == tp).unwrap();
     assert_eq!(held.devices.len(), 2);
+    // The display lists one container holding both GPUs.
+    let view = dra_driver::display::DraSource {
+        driver: run.driver.clone(),
+        node: NODE.into(),
+        models: vec![],
+        healthy: Default::default(),
+    };
+    let rows = gpu_display::DisplaySource::containers(&view);
+    let row = rows.iter().find(|c| c.pod_uid == tp).unwrap();
+    let on: Vec<u32> = row.gpus.iter().map(|g| g.index).collect();
+    assert_eq!(
+        (on, row.core_quota, row.memory_quota_bytes, row.exclusive),
+        (vec![0, 1], 100, 16 << 30, false)
+    );
 
     // A restart re-serves it from the checkpoint.
     run.cancel.cancel();
