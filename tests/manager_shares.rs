@@ -5,8 +5,13 @@
 
 use std::time::{Duration, Instant};
 
-use quota_config::Quota;
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+
+use prost::Message;
+use quota_config::{MultiGpuQuota, Quota};
 use test_support::manager::{Env, Options, VCORE, VMEM};
+use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, register_response::Status};
 
 const GIB: u64 = 1 << 30;
 
@@ -66,6 +71,7 @@ async fn a_tp2_pod_gets_two_gpus_and_a_second_tenant_fits_beside_it() {
     );
     assert!(dir.join("ledger").is_file() && dir.join("ledger.1").is_file());
     assert!(dir.join("vcuda.sock").exists());
+    register_at_protocol_2(&dir, &tp.uid, &q);
     let by = env.allocations_by_container();
     let a = &by[&format!("{}/main", tp.uid)];
     assert_eq!(a["placement"]["kind"], "shares", "{a}");
@@ -126,4 +132,42 @@ async fn a_vcuda_gpus_annotation_that_does_not_split_is_refused() {
     assert!(m.contains("vcuda-core does not split evenly"), "{m}");
     assert!(!env.vm_dir().join(&pod.uid).exists());
     assert_eq!(env.allocation_count(), 0);
+}
+
+/// What an interposer does for a share on several GPUs: register over
+/// `vcuda.sock` at protocol 2 and get one ledger per GPU, in record order,
+/// each with that GPU's quota; at protocol 1 it is refused.
+fn register_at_protocol_2(dir: &std::path::Path, uid: &str, q: &MultiGpuQuota) {
+    let register = |version: u32| {
+        let mut s = UnixStream::connect(dir.join("vcuda.sock")).unwrap();
+        let req = RegisterRequest {
+            protocol_version: version,
+            pod_uid: uid.to_string(),
+            container_name: "main".into(),
+            bus_id: q.gpus[0].bus_id.clone(),
+            local_pid: 1,
+            program: "test".into(),
+            previous_slot: None,
+            previous_slots: Vec::new(),
+        };
+        vcuda_api::vcuda::frame::write(&mut s, &req).unwrap();
+        let (body, fds) = container_ledger::fdpass::recv_frame_fds(s.as_fd(), 65536).unwrap();
+        (s, RegisterResponse::decode(body.as_slice()).unwrap(), fds)
+    };
+    let (_old, resp, fds) = register(1);
+    assert_eq!(resp.status, Status::Rejected as i32, "{}", resp.message);
+    assert!(resp.message.contains("spans 2 GPUs"), "{}", resp.message);
+    assert!(fds.is_empty());
+    let (_conn, resp, fds) = register(2);
+    assert_eq!(resp.status, Status::Accepted as i32, "{}", resp.message);
+    let quotas: Vec<u64> = fds
+        .iter()
+        .map(|fd| {
+            container_ledger::Ledger::from_fd(fd.as_fd())
+                .unwrap()
+                .quota()
+        })
+        .collect();
+    assert_eq!(quotas, [q.gpus[0].gpu_memory, q.gpus[1].gpu_memory]);
+    assert_eq!(resp.ledger_slots.len(), 2, "{resp:?}");
 }

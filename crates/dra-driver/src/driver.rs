@@ -276,12 +276,12 @@ impl Driver {
         };
         if share {
             self.registry
-                .serve(
+                .serve_gpus(
                     &registry_id(uid, slot_request(devices)),
                     &dir,
                     uid,
                     &container,
-                    ledgers.into_iter().next(),
+                    ledgers,
                 )
                 .map_err(|e| format!("serving {}/vcuda.sock: {e}", dir.display()))?;
         }

@@ -236,13 +236,9 @@ impl Manager {
         let (dir, ledgers): (_, Option<Vec<_>>) =
             prepared.map_err(|e| format!("vm directory: {e}"))?;
         if let Some(ledgers) = ledgers
-            && let Err(e) = self.registry.serve(
-                &a.id(),
-                &dir,
-                &a.pod_uid,
-                &a.container,
-                ledgers.into_iter().next(),
-            )
+            && let Err(e) =
+                self.registry
+                    .serve_gpus(&a.id(), &dir, &a.pod_uid, &a.container, ledgers)
         {
             self.vm.remove(&a.pod_uid, &a.container);
             return Err(format!("serving vcuda.sock: {e}"));
