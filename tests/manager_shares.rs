@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 
+use apiserver_emulator::Kind;
 use prost::Message;
 use quota_config::{MultiGpuQuota, Quota};
-use test_support::manager::{Env, Options, VCORE, VMEM};
+use test_support::manager::{Env, NODE, Options, VCORE, VMEM};
 use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, register_response::Status};
 
 const GIB: u64 = 1 << 30;
@@ -18,6 +19,12 @@ const GIB: u64 = 1 << 30;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tp2_pod_gets_two_gpus_and_a_second_tenant_fits_beside_it() {
     let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
+    // The manager says on its node that it serves such pods.
+    let node = env.api.get(Kind::Node, None, NODE).unwrap();
+    assert_eq!(
+        node["metadata"]["labels"]["tencent.com/vcuda-multi-gpu"], "true",
+        "{node}"
+    );
     // vcuda-core 100 and vcuda-memory 64 over 2 GPUs: 50 cores and 32
     // units (8 GiB) on each.
     let tp = env.pod(

@@ -21,6 +21,7 @@ use crate::kube_api::{self, Patcher, PodWatch};
 use crate::kubelet::KubeletRecords;
 use crate::manager::{Manager, ManagerConfig, ManagerParts};
 use crate::plugin::{VcorePlugin, VmemoryPlugin};
+use crate::pods;
 use crate::runtime;
 use crate::tasks::{AllocationCheck, PodRelease};
 use crate::world::{ContainerRuntime, World};
@@ -185,6 +186,11 @@ async fn sync_api(
         labels
             .entry("tencent.com/gpu-model".into())
             .or_insert_with(|| label_value(model));
+    }
+    if s.share_mode && found.topology.len() >= 2 {
+        // Pods with tencent.com/vcuda-gpus select nodes whose manager
+        // serves shares on several GPUs (docs/multi-gpu.md).
+        labels.insert(pods::MULTI_GPU_LABEL.into(), "true".into());
     }
     kube_api::label_node(&client, &s.node_name, &labels).await;
     Ok((client, pods))

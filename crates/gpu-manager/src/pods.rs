@@ -19,6 +19,9 @@ pub const VCORE_LIMIT: &str = "tencent.com/vcuda-core-limit";
 /// JSON map container name -> number of GPUs its share spans
 /// (docs/multi-gpu.md); containers it does not name span one.
 pub const VCUDA_GPUS: &str = "tencent.com/vcuda-gpus";
+/// The node label of a manager that serves [`VCUDA_GPUS`] (share mode, two
+/// GPUs or more).
+pub const MULTI_GPU_LABEL: &str = "tencent.com/vcuda-multi-gpu";
 
 /// An integer extended-resource limit of a container (0 when absent).
 pub fn limit(c: &Container, resource: &str) -> u64 {
