@@ -1,10 +1,12 @@
-//! What this process must enforce, from the container's `vcuda.config`.
+//! What this process must enforce, from the container's `vcuda.config`
+//! (and `vcuda-gpus.config` when the share spans several GPUs:
+//! docs/multi-gpu.md).
 //!
 //! The interposer is only ever installed into shared containers (whole-GPU
 //! containers get the untouched driver), so a missing or unreadable quota
 //! file means something is wrong: fail closed, never run unlimited.
 
-use quota_config::{CONFIG_FILE, CONTAINER_DIR, ResourceData};
+use quota_config::{CONTAINER_DIR, GpuQuota, Quota, ReadError, ResourceData};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,14 +31,54 @@ pub enum Mode {
 
 #[derive(Debug)]
 pub struct Enforce {
+    /// The container's fields; with a share on several GPUs, the first
+    /// GPU's bus id, memory and cores (what one-GPU code paths see).
     pub data: ResourceData,
     pub dir: PathBuf,
+    /// Each GPU's quota, in record order (the order of the ledgers); one
+    /// entry, from `data`, for a one-GPU container.
+    pub gpus: Vec<GpuQuota>,
 }
 
 impl Enforce {
     /// How many GPUs the container's share spans (ledgers it registers for).
     pub fn gpus(&self) -> usize {
-        1
+        self.gpus.len()
+    }
+
+    fn single(data: ResourceData, dir: &Path) -> Enforce {
+        let gpu = GpuQuota {
+            bus_id: data.bus_id.clone(),
+            uuid: String::new(),
+            gpu_memory: data.gpu_memory,
+            utilization: data.utilization,
+            limit: data.limit,
+        };
+        Enforce {
+            data,
+            dir: dir.to_path_buf(),
+            gpus: vec![gpu],
+        }
+    }
+
+    fn multi(q: quota_config::MultiGpuQuota, dir: &Path) -> Enforce {
+        let first = &q.gpus[0];
+        let data = ResourceData {
+            pod_uid: q.pod_uid.clone(),
+            limit: first.limit,
+            container_name: q.container_name.clone(),
+            bus_id: first.bus_id.clone(),
+            gpu_memory: first.gpu_memory,
+            utilization: first.utilization,
+            hard_limit: q.hard_limit,
+            driver_version: q.driver_version,
+            enable: true,
+        };
+        Enforce {
+            data,
+            dir: dir.to_path_buf(),
+            gpus: q.gpus,
+        }
     }
 }
 
@@ -82,43 +124,64 @@ pub fn enforce() -> Option<&'static Enforce> {
 fn describe(m: &Mode) -> String {
     match m {
         Mode::PassThrough => "pass-through (enable = 0)".into(),
-        Mode::Enforce(e) => format!(
-            "enforcing {} bytes, {}% compute, GPU {}",
-            e.data.gpu_memory, e.data.utilization, e.data.bus_id
-        ),
+        Mode::Enforce(e) => e
+            .gpus
+            .iter()
+            .map(|g| {
+                format!(
+                    "enforcing {} bytes, {}% compute, GPU {}",
+                    g.gpu_memory, g.utilization, g.bus_id
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
         Mode::Closed(r) => format!("closed: {r}"),
     }
 }
 
 pub fn decide(dir: &Path) -> Mode {
-    let path = dir.join(CONFIG_FILE);
-    let bytes = match std::fs::read(&path) {
-        Ok(b) => b,
-        Err(e) => {
-            return Mode::Closed(format!(
-                "no GPU quota for this container: cannot read {}: {e}; \
-                 the GPU manager writes it when the container is allocated \
-                 (refusing CUDA rather than running without limits)",
-                path.display()
-            ));
-        }
-    };
-    match ResourceData::from_bytes(&bytes) {
-        Err(e) => Mode::Closed(format!(
-            "GPU quota file {} is corrupt ({e}); refusing CUDA",
-            path.display()
+    match quota_config::read_quota(dir) {
+        Err(ReadError::Io(e)) => Mode::Closed(format!(
+            "no GPU quota for this container: cannot read {}: {}; \
+             the GPU manager writes it when the container is allocated \
+             (refusing CUDA rather than running without limits)",
+            e.path, e.source
         )),
-        Ok(d) if !d.enable => Mode::PassThrough,
-        Ok(d) => Mode::Enforce(Box::new(Enforce {
-            data: d,
-            dir: dir.to_path_buf(),
-        })),
+        Err(ReadError::Invalid { path, source }) => Mode::Closed(format!(
+            "GPU quota file {path} is corrupt ({source}); refusing CUDA"
+        )),
+        Ok(Quota::Single(d)) if !d.enable => Mode::PassThrough,
+        Ok(Quota::Single(d)) => Mode::Enforce(Box::new(Enforce::single(d, dir))),
+        Ok(Quota::Multi(q)) => match multi_unsupported(&q) {
+            Some(reason) => Mode::Closed(reason),
+            None => Mode::Enforce(Box::new(Enforce::multi(q, dir))),
+        },
     }
+}
+
+/// What of a share on several GPUs this build cannot enforce, if anything.
+fn multi_unsupported(q: &quota_config::MultiGpuQuota) -> Option<String> {
+    let limited: Vec<String> = q
+        .gpus
+        .iter()
+        .filter(|g| g.utilization < 100)
+        .map(|g| format!("{} ({}%)", g.bus_id, g.utilization))
+        .collect();
+    (!limited.is_empty()).then(|| {
+        format!(
+            "this container's share spans {} GPUs with compute quotas on {}; this \
+             interposer enforces memory per GPU but compute on one GPU only; refusing CUDA \
+             rather than leaving GPUs unthrottled",
+            q.gpus.len(),
+            limited.join(", ")
+        )
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use quota_config::CONFIG_FILE;
 
     fn data(enable: bool, mem: u64) -> ResourceData {
         ResourceData {
@@ -155,6 +218,53 @@ mod tests {
         std::fs::write(&p, data(true, 1 << 30).to_bytes().unwrap()).unwrap();
         match decide(d.path()) {
             Mode::Enforce(e) => assert_eq!(e.data.gpu_memory, 1 << 30),
+            m => panic!("{m:?}"),
+        }
+    }
+
+    fn multi(utilization: i32) -> quota_config::MultiGpuQuota {
+        let gpu = |bus: &str, uuid: &str, mem| GpuQuota {
+            bus_id: bus.into(),
+            uuid: uuid.into(),
+            gpu_memory: mem,
+            utilization,
+            limit: utilization,
+        };
+        quota_config::MultiGpuQuota {
+            pod_uid: "uid".into(),
+            container_name: "c".into(),
+            hard_limit: true,
+            driver_version: (550, 54),
+            gpus: vec![
+                gpu("0000:3C:00.0", "GPU-b", 512 << 20),
+                gpu("0000:3B:00.0", "GPU-a", 1 << 30),
+            ],
+        }
+    }
+
+    #[test]
+    fn a_share_on_several_gpus_is_read_with_every_gpu() {
+        let d = tempfile::tempdir().unwrap();
+        quota_config::write_multi(d.path(), &multi(100), 0o644).unwrap();
+        match decide(d.path()) {
+            Mode::Enforce(e) => {
+                assert_eq!(e.gpus(), 2);
+                assert_eq!(e.gpus[1].gpu_memory, 1 << 30);
+                assert_eq!(e.data.bus_id, "0000:3C:00.0", "the first record's");
+                assert_eq!(e.data.gpu_memory, 512 << 20);
+            }
+            m => panic!("{m:?}"),
+        }
+        // Compute per GPU is not enforced yet: closed, saying so.
+        quota_config::write_multi(d.path(), &multi(40), 0o644).unwrap();
+        match decide(d.path()) {
+            Mode::Closed(r) => assert!(r.contains("spans 2 GPUs with compute quotas"), "{r}"),
+            m => panic!("{m:?}"),
+        }
+        // enable = 2 without the GPUs' file: closed, naming it.
+        std::fs::remove_file(d.path().join(quota_config::GPUS_FILE)).unwrap();
+        match decide(d.path()) {
+            Mode::Closed(r) => assert!(r.contains("vcuda-gpus.config"), "{r}"),
             m => panic!("{m:?}"),
         }
     }

@@ -311,7 +311,7 @@ unsafe fn instantiate(out: *mut Ptr, graph: Ptr, call: impl FnOnce() -> CUresult
         *c -= take;
         take
     };
-    let r = crate::mem::reserve_for(w.bytes - cached, call);
+    let r = crate::mem::reserve_for(device, w.bytes - cached, call);
     if r != CUDA_SUCCESS || out.is_null() {
         *table().cached.entry(device).or_default() += cached;
         return r;
@@ -518,7 +518,7 @@ cuda_exports! {
         let r = unsafe { f(device) };
         if r == CUDA_SUCCESS {
             let freed = table().cached.remove(&device).unwrap_or(0);
-            crate::mem::release_reserved(freed);
+            crate::mem::release_reserved(device, freed);
         }
         r
     }

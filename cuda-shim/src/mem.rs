@@ -31,7 +31,7 @@ use crate::table::Kind;
 use crate::{arg, written};
 use arrays::pitch_estimate;
 use cuda_abi::CUresult;
-use quota::{alloc, alloc_sized, free};
+use quota::{alloc, alloc_on, alloc_sized, free};
 use std::ffi::{c_char, c_void};
 
 type Stream = *mut c_void;
@@ -73,6 +73,7 @@ cuda_exports! {
         let f = real_cuda!(cuMemAllocPitch_v2: unsafe extern "C" fn(*mut u64, *mut usize, usize, usize, u32) -> CUresult);
         let free_fn = real_cuda!(cuMemFree_v2: FreeV2);
         alloc_sized(
+            quota::On::Current,
             pitch_estimate(width as u64, height as u64),
             Kind::Ptr,
             // SAFETY: the real driver's function of this exact signature, resolved by
@@ -91,6 +92,7 @@ cuda_exports! {
         let f = real_cuda!(cuMemAllocPitch: unsafe extern "C" fn(*mut u32, *mut u32, u32, u32, u32) -> CUresult);
         let free_fn = real_cuda!(cuMemFree: unsafe extern "C" fn(u32) -> CUresult);
         alloc_sized(
+            quota::On::Current,
             pitch_estimate(width as u64, height as u64),
             Kind::Ptr,
             // SAFETY: the real driver's function of this exact signature, resolved by
@@ -195,9 +197,11 @@ cuda_exports! {
             // name; pointers are our caller's (passed on unchanged) or our own locals.
             return unsafe { f(handle, size, prop, flags) }; // host memory: no device bytes
         }
+        // SAFETY: `prop` is our caller's `CUmemAllocationProp` or NULL (CUDA ABI).
+        let on = unsafe { vmm::location_device(prop) }.map_or(quota::On::Current, quota::On::Device);
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        alloc(size as u64, Kind::Generic, || unsafe { f(handle, size, prop, flags) }, || written(handle).unwrap_or(0))
+        alloc_on(on, size as u64, Kind::Generic, || unsafe { f(handle, size, prop, flags) }, || written(handle).unwrap_or(0))
     }
 
     fn cuMemRelease(handle: u64) {
@@ -403,6 +407,9 @@ cuda_exports! {
     // The CUDA 2.0 entry (cuda.h's signature is _v2's): NVIDIA's drivers still
     // hand it out for cuGetProcAddress("cuCtxCreate", < 3020).
     fn cuCtxCreate(out: *mut *mut c_void, flags: u32, dev: i32) {
+        if let Err(e) = crate::devices::allowed(dev) {
+            return e; // a GPU outside the container's share
+        }
         let f = real_cuda!(cuCtxCreate: unsafe extern "C" fn(*mut *mut c_void, u32, i32) -> CUresult);
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
@@ -410,6 +417,9 @@ cuda_exports! {
     }
 
     fn cuCtxCreate_v2(out: *mut *mut c_void, flags: u32, dev: i32) {
+        if let Err(e) = crate::devices::allowed(dev) {
+            return e; // a GPU outside the container's share
+        }
         let f = real_cuda!(cuCtxCreate_v2: unsafe extern "C" fn(*mut *mut c_void, u32, i32) -> CUresult);
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
@@ -417,6 +427,9 @@ cuda_exports! {
     }
 
     fn cuCtxCreate_v3(out: *mut *mut c_void, params: *mut c_void, n: i32, flags: u32, dev: i32) {
+        if let Err(e) = crate::devices::allowed(dev) {
+            return e; // a GPU outside the container's share
+        }
         let f = real_cuda!(cuCtxCreate_v3: unsafe extern "C" fn(*mut *mut c_void, *mut c_void, i32, u32, i32) -> CUresult);
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
@@ -424,6 +437,9 @@ cuda_exports! {
     }
 
     fn cuCtxCreate_v4(out: *mut *mut c_void, params: *mut c_void, flags: u32, dev: i32) {
+        if let Err(e) = crate::devices::allowed(dev) {
+            return e; // a GPU outside the container's share
+        }
         let f = real_cuda!(cuCtxCreate_v4: unsafe extern "C" fn(*mut *mut c_void, *mut c_void, u32, i32) -> CUresult);
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
@@ -455,6 +471,9 @@ cuda_exports! {
     }
 
     fn cuDevicePrimaryCtxRetain(out: *mut *mut c_void, dev: i32) {
+        if let Err(e) = crate::devices::allowed(dev) {
+            return e; // a GPU outside the container's share
+        }
         let f = real_cuda!(cuDevicePrimaryCtxRetain: unsafe extern "C" fn(*mut *mut c_void, i32) -> CUresult);
         let release = real_cuda!(cuDevicePrimaryCtxRelease_v2: unsafe extern "C" fn(i32) -> CUresult);
         // SAFETY: the real driver's function of this exact signature, resolved by

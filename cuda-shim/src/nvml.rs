@@ -50,25 +50,70 @@ pub struct MemoryV2 {
     pub used: u64,
 }
 
-/// (total, used) for the container, from the real (total, used) of `dev`.
-/// Never registers: a process that registered for CUDA reads its mapped
-/// ledger; any other (an NVML-only tool) reads the ledger file in the
-/// container directory read-only (`Ledger::peek`; the manager mounts it
-/// there, 0600, so root in the container can read it), else sums what the
-/// driver says the container's processes hold.
+/// The GPU of the share NVML's `dev` is (its ledger's position), by bus
+/// id or UUID; always the first in a one-GPU container (which sees only
+/// its GPU). `None`: not one of the share's GPUs.
+fn position(enf: &config::Enforce, dev: Device) -> Option<usize> {
+    if enf.gpus.len() == 1 {
+        return Some(0);
+    }
+    fn uuid_of(dev: Device, buf: &mut [c_char; 96]) -> i32 {
+        let f =
+            real_nvml!(nvmlDeviceGetUUID: unsafe extern "C" fn(Device, *mut c_char, u32) -> i32);
+        // SAFETY: the real NVML function of this signature, resolved by name; `buf` is our
+        // caller's local, one byte longer than the length passed; `dev` is passed on as is.
+        unsafe { f(dev, buf.as_mut_ptr(), buf.len() as u32 - 1) }
+    }
+    fn pci_of(dev: Device, buf: &mut [u8; 128]) -> i32 {
+        let f = real_nvml!(nvmlDeviceGetPciInfo_v3: unsafe extern "C" fn(Device, *mut u8) -> i32);
+        // SAFETY: the real NVML function, resolved by name; `buf` is our caller's local,
+        // larger than the nvmlPciInfo_t it writes; `dev` is passed on as is.
+        unsafe { f(dev, buf.as_mut_ptr()) }
+    }
+    let mut uuid = [0 as c_char; 96];
+    let uuid = if uuid_of(dev, &mut uuid) == NVML_SUCCESS {
+        // SAFETY: NVML wrote a NUL-terminated string; the last byte of the zeroed buffer was
+        // never handed out, so a terminator lies within it.
+        unsafe { std::ffi::CStr::from_ptr(uuid.as_ptr()) }
+            .to_string_lossy()
+            .into_owned()
+    } else {
+        String::new()
+    };
+    // nvmlPciInfo_t: busIdLegacy[16], five u32, busId[32] (68 bytes); room to spare.
+    let mut pci = [0u8; 128];
+    let bus = if pci_of(dev, &mut pci) == NVML_SUCCESS {
+        let id = &pci[36..68];
+        let end = id.iter().position(|&b| b == 0).unwrap_or(id.len());
+        String::from_utf8_lossy(&id[..end]).into_owned()
+    } else {
+        String::new()
+    };
+    crate::devices::record_of(&enf.gpus, &bus, &uuid)
+}
+
+/// (total, used) for the container on NVML's `dev`, from its real (total,
+/// used). Never registers: a process that registered for CUDA reads its
+/// mapped ledger of that GPU; any other (an NVML-only tool) reads the
+/// GPU's ledger file in the container directory read-only
+/// (`Ledger::peek`; the manager mounts it there, 0600, so root in the
+/// container can read it), else sums what the driver says the container's
+/// processes hold. A GPU outside the share is shown as it is.
 fn virtual_memory(dev: Device, real_total: u64, real_used: u64) -> Option<(u64, u64)> {
     let enf = config::enforce()?;
+    let gpu = position(enf, dev)?;
     if let Some(a) = proc().attach().as_ref() {
-        let total = a.ledger.quota().min(real_total);
-        return Some((total, a.ledger.used().min(total)));
+        let h = a.gpu(gpu);
+        let total = h.ledger.quota().min(real_total);
+        return Some((total, h.ledger.used().min(total)));
     }
     if let Ok((quota, used)) =
-        container_ledger::Ledger::peek(&enf.dir.join(container_ledger::LEDGER_FILE))
+        container_ledger::Ledger::peek(&enf.dir.join(quota_config::ledger_file(gpu)))
     {
         let total = quota.min(real_total);
         return Some((total, used.min(total)));
     }
-    let total = enf.data.gpu_memory.min(real_total);
+    let total = enf.gpus[gpu].gpu_memory.min(real_total);
     // Without the ledger: the driver's per-process use of the container's
     // PIDs; failing that, the card's use, capped (an over-estimate, never
     // an under-estimate).

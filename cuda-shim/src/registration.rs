@@ -41,12 +41,31 @@ use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, frame, register_respon
 /// under (no config, corrupt config, no manager).
 pub const REFUSED: cuda_abi::CUresult = cuda_abi::CUDA_ERROR_NOT_PERMITTED;
 
-/// This process's place in the ledger.
-pub struct Attach {
+/// This process's place in one GPU's ledger.
+pub struct Held {
     pub ledger: Ledger,
     pub slot: usize,
-    pub host_pid: i32,
     file_id: (u64, u64),
+}
+
+/// This process's place in the container's ledgers: one per GPU of the
+/// share, in record order (`crate::devices` maps a device to its position).
+pub struct Attach {
+    pub gpus: Vec<Held>,
+    pub host_pid: i32,
+}
+
+impl Attach {
+    /// The first GPU's ledger: a one-GPU container's only one.
+    pub fn first(&self) -> &Held {
+        &self.gpus[0]
+    }
+
+    /// The ledger of the GPU at `position` (positions come from the same
+    /// records the ledgers were checked against; clamped for safety).
+    pub fn gpu(&self, position: usize) -> &Held {
+        &self.gpus[position.min(self.gpus.len() - 1)]
+    }
 }
 
 /// Per-process state; replaced wholesale in a fork child.
@@ -56,8 +75,9 @@ pub struct Proc {
     /// Serialises registration; holds the sticky failure, if any.
     reg: Mutex<Option<String>>,
     pub table: AllocTable,
-    /// Bytes this process holds (what its slot should say).
-    pub local_used: AtomicU64,
+    /// Bytes this process holds on each GPU of the share (what its slot in
+    /// that GPU's ledger should say).
+    pub local_used: Box<[AtomicU64]>,
 }
 
 static PROC: AtomicPtr<Proc> = AtomicPtr::new(std::ptr::null_mut());
@@ -100,7 +120,9 @@ impl Proc {
             registered: AtomicBool::new(false),
             reg: Mutex::new(None),
             table: AllocTable::default(),
-            local_used: AtomicU64::new(0),
+            local_used: (0..config::enforce().map_or(1, |e| e.gpus()))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
         }
     }
 
@@ -141,9 +163,14 @@ impl Proc {
                         self.registered.store(true, Ordering::Release);
                         log!(
                             Info,
-                            "registered: host pid {}, ledger slot {:?}",
+                            "registered: host pid {}, ledger slot {:?}{}",
                             resp.host_pid,
-                            resp.ledger_slot
+                            resp.ledger_slot,
+                            if resp.ledger_slots.len() > 1 {
+                                format!(" (per GPU: {:?})", resp.ledger_slots)
+                            } else {
+                                String::new()
+                            }
                         );
                         (hooks().registered)(sock);
                         return Ok(());
@@ -172,45 +199,72 @@ impl Proc {
         }
     }
 
-    /// Maps the ledger the manager passed and makes our slot hold exactly
-    /// what this process holds.
+    /// Bytes this process holds on the GPU at `position`.
+    pub fn used_on(&self, position: usize) -> &AtomicU64 {
+        &self.local_used[position.min(self.local_used.len() - 1)]
+    }
+
+    /// Maps the ledgers the manager passed (one per GPU, record order) and
+    /// makes our slot in each hold exactly what this process holds there.
     fn install(&self, resp: &RegisterResponse, fds: Vec<OwnedFd>) -> Result<(), RegError> {
-        let slot = resp
-            .ledger_slot
-            .ok_or_else(|| RegError::Protocol("the reply has no ledger slot".into()))?
-            as usize;
-        let fd = fds
-            .into_iter()
-            .next()
-            .ok_or_else(|| RegError::Protocol("the reply carries no ledger descriptor".into()))?;
-        if slot >= container_ledger::SLOTS {
+        let slots: Vec<usize> = if resp.ledger_slots.is_empty() {
+            let slot = resp
+                .ledger_slot
+                .ok_or_else(|| RegError::Protocol("the reply has no ledger slot".into()))?;
+            vec![slot as usize]
+        } else {
+            resp.ledger_slots.iter().map(|&s| s as usize).collect()
+        };
+        if fds.is_empty() {
+            return Err(RegError::Protocol(
+                "the reply carries no ledger descriptor".into(),
+            ));
+        }
+        let want = self.local_used.len();
+        if slots.len() != want || fds.len() < want {
             return Err(RegError::Protocol(format!(
-                "ledger slot {slot} out of range"
+                "the share spans {want} GPU(s) but the reply carries {} ledger(s) and {} slot(s)",
+                fds.len(),
+                slots.len()
             )));
         }
-        let ledger = Ledger::from_fd(fd.as_fd()).map_err(|e| RegError::Ledger(e.to_string()))?;
-        let file_id = file_id(&fd);
-        drop(fd);
+        let mut gpus = Vec::with_capacity(want);
+        for (&slot, fd) in slots.iter().zip(&fds) {
+            if slot >= container_ledger::SLOTS {
+                return Err(RegError::Protocol(format!(
+                    "ledger slot {slot} out of range"
+                )));
+            }
+            let ledger =
+                Ledger::from_fd(fd.as_fd()).map_err(|e| RegError::Ledger(e.to_string()))?;
+            gpus.push(Held {
+                ledger,
+                slot,
+                file_id: file_id(fd),
+            });
+        }
+        drop(fds);
         let mut w = self.attach.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(old) = w.as_ref()
-            && old.file_id == file_id
-            && old.slot != slot
-            && old
-                .ledger
-                .slot(old.slot)
-                .is_some_and(|s| s.pid == old.host_pid)
-        {
-            // Same ledger, new slot: do not leave our bytes counted twice.
-            old.ledger.clear_slot(old.slot);
+        if let Some(old) = w.as_ref() {
+            for (o, n) in old.gpus.iter().zip(&gpus) {
+                if o.file_id == n.file_id
+                    && o.slot != n.slot
+                    && o.ledger.slot(o.slot).is_some_and(|s| s.pid == old.host_pid)
+                {
+                    // Same ledger, new slot: do not leave our bytes counted twice.
+                    o.ledger.clear_slot(o.slot);
+                }
+            }
         }
         // No allocation is in flight in this process (write lock).
-        ledger.reconcile(slot, self.local_used.load(Ordering::Acquire));
-        (hooks().attached)(&ledger, slot);
+        for (i, g) in gpus.iter().enumerate() {
+            g.ledger
+                .reconcile(g.slot, self.local_used[i].load(Ordering::Acquire));
+        }
+        (hooks().attached)(&gpus[0].ledger, gpus[0].slot);
         *w = Some(Attach {
-            ledger,
-            slot,
+            gpus,
             host_pid: resp.host_pid,
-            file_id,
         });
         Ok(())
     }
@@ -231,7 +285,11 @@ impl Proc {
         let Some(enf) = config::enforce() else {
             return Err(RegError::Protocol("not enforcing".into()));
         };
-        let prev: Vec<usize> = self.attach().as_ref().map(|a| a.slot).into_iter().collect();
+        let prev: Vec<usize> = self
+            .attach()
+            .as_ref()
+            .map(|a| a.gpus.iter().map(|g| g.slot).collect())
+            .unwrap_or_default();
         let deadline = Instant::now() + Duration::from_secs(2);
         let (sock, resp, fds) = register_once(enf, &prev, deadline)?;
         self.install(&resp, fds)?;

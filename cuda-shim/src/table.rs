@@ -20,12 +20,14 @@ pub enum Kind {
 
 const SHARDS: usize = 16;
 
-/// One allocation: its bytes and its context (`CUcontext` address, 0 when
-/// none was current).
+/// One allocation: its bytes, its context (`CUcontext` address, 0 when
+/// none was current) and the GPU of the share it lives on (the position of
+/// its ledger, `crate::devices`; 0 in a one-GPU container).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
     pub bytes: u64,
     pub ctx: u64,
+    pub gpu: usize,
 }
 
 type Shard = HashMap<(Kind, u64), Entry>;
@@ -101,7 +103,7 @@ mod tests {
     #[test]
     fn kinds_are_separate() {
         let t = AllocTable::default();
-        let e = |bytes, ctx| Entry { bytes, ctx };
+        let e = |bytes, ctx| Entry { bytes, ctx, gpu: 0 };
         t.insert(Kind::Ptr, 0x1000, e(10, 1));
         t.insert(Kind::Array, 0x1000, e(20, 2));
         assert_eq!(t.len(), 2);

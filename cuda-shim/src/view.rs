@@ -8,8 +8,21 @@ use crate::registration::proc;
 use crate::{out, written};
 use cuda_abi::{CUDA_SUCCESS, CUresult};
 
-/// (free, total) as the container sees them, from the real ones.
+/// (free, total) on the current context's device as the container sees
+/// them, from the real ones.
 pub fn virtual_mem(real_free: u64, real_total: u64) -> (u64, u64) {
+    if config::enforce().is_none() {
+        return (real_free, real_total);
+    }
+    virtual_mem_on(
+        crate::devices::current().unwrap_or(0),
+        real_free,
+        real_total,
+    )
+}
+
+/// (free, total) on the share's GPU at `gpu` (its ledger's position).
+pub fn virtual_mem_on(gpu: usize, real_free: u64, real_total: u64) -> (u64, u64) {
     let Some(enf) = config::enforce() else {
         return (real_free, real_total);
     };
@@ -17,8 +30,8 @@ pub fn virtual_mem(real_free: u64, real_total: u64) -> (u64, u64) {
     let _ = p.ensure_registered();
     let guard = p.attach();
     let (quota, used) = match guard.as_ref() {
-        Some(a) => (a.ledger.quota(), a.ledger.used()),
-        None => (enf.data.gpu_memory, 0),
+        Some(a) => (a.gpu(gpu).ledger.quota(), a.gpu(gpu).ledger.used()),
+        None => (enf.gpus[gpu.min(enf.gpus.len() - 1)].gpu_memory, 0),
     };
     clamp_view(quota, used, real_free, real_total)
 }
@@ -30,9 +43,16 @@ pub fn clamp_view(quota: u64, used: u64, real_free: u64, real_total: u64) -> (u6
     (free, total)
 }
 
-/// The quota as the device's total memory.
-pub fn virtual_total(real_total: u64) -> u64 {
-    virtual_mem(real_total, real_total).1
+/// The quota as device `dev`'s total memory (a device outside the share
+/// is shown as it is: its contexts are refused).
+pub fn virtual_total(dev: i32, real_total: u64) -> u64 {
+    if config::enforce().is_none() {
+        return real_total;
+    }
+    match crate::devices::record(dev) {
+        Ok(gpu) => virtual_mem_on(gpu, real_total, real_total).1,
+        Err(_) => real_total,
+    }
 }
 
 cuda_exports! {
@@ -75,7 +95,7 @@ cuda_exports! {
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(bytes, dev) };
         if r == CUDA_SUCCESS && let Some(b) = written(bytes) {
-            out(bytes, virtual_total(b as u64) as usize);
+            out(bytes, virtual_total(dev, b as u64) as usize);
         }
         r
     }
@@ -90,7 +110,7 @@ cuda_exports! {
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(&mut b, dev) };
         if r == CUDA_SUCCESS {
-            out(bytes, virtual_total(b as u64).min(u32::MAX as u64) as u32);
+            out(bytes, virtual_total(dev, b as u64).min(u32::MAX as u64) as u32);
         }
         r
     }

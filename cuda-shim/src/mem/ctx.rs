@@ -38,7 +38,10 @@ pub(crate) fn drop_ctx(ctx: u64) {
             gone.len()
         );
     }
-    give_back(p.attach().as_ref(), bytes);
+    let guard = p.attach();
+    for (_, _, e) in gone {
+        give_back(guard.as_ref(), e.gpu, e.bytes);
+    }
 }
 
 /// After a successful `cuDevicePrimaryCtxRetain`.

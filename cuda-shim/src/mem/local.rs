@@ -17,8 +17,9 @@ pub(crate) struct Local {
     pub pools: Mutex<Pools>,
     pub maps: Mutex<Maps>,
     pub primary: Mutex<Primary>,
-    /// Bytes reserved beyond what is counted (NVML said more).
-    pub extra: Mutex<u64>,
+    /// Bytes reserved beyond what is counted (NVML said more), per GPU of
+    /// the share (ledger position; shorter when never measured).
+    pub extra: Mutex<Vec<u64>>,
 }
 
 static LOCAL: AtomicPtr<Local> = AtomicPtr::new(std::ptr::null_mut());

@@ -35,6 +35,9 @@ pub(crate) struct Pools {
     charged: HashMap<Pool, u64>,
     /// Stream-ordered allocations: pointer -> (pool, bytes).
     ptrs: HashMap<u64, (Pool, u64)>,
+    /// The GPU of the share (ledger position) each charged pool lives on:
+    /// the current context's device when it was first charged.
+    gpu: HashMap<Pool, usize>,
 }
 
 /// Whether any pool is charged (sync points skip everything otherwise).
@@ -100,16 +103,18 @@ fn settle(ps: &mut Pools, pool: Pool) {
             .sum(),
     };
     let was = ps.charged.get(&pool).copied().unwrap_or(0);
+    let gpu = ps.gpu.get(&pool).copied().unwrap_or(0);
     let guard = proc().attach();
     if now > was {
         if let Some(a) = guard.as_ref() {
-            force_take(a, now - was);
+            force_take(a, gpu, now - was);
         }
     } else {
-        give_back(guard.as_ref(), was - now);
+        give_back(guard.as_ref(), gpu, was - now);
     }
     if now == 0 && !ps.ptrs.values().any(|(p, _)| *p == pool) {
         ps.charged.remove(&pool);
+        ps.gpu.remove(&pool);
     } else {
         ps.charged.insert(pool, now);
     }
@@ -138,6 +143,13 @@ pub(crate) fn alloc(
     let mut g = lock();
     let ps = g.get();
     let _f = InFlight::begin();
+    let gpu = match ps.gpu.get(&pool) {
+        Some(&g) => g,
+        None => match super::quota::position(super::quota::On::Current) {
+            Ok(g) => *ps.gpu.entry(pool).or_insert(g),
+            Err(e) => return e,
+        },
+    };
     settle(ps, pool);
     let guard = p.attach();
     let Some(a) = guard.as_ref() else {
@@ -149,29 +161,35 @@ pub(crate) fn alloc(
         .saturating_sub(reserved.saturating_sub(used))
         .div_ceil(STEP)
         * STEP;
-    if let Err(e) = try_take(a, need, "stream-ordered allocation") {
+    if let Err(e) = try_take(a, gpu, need, "stream-ordered allocation") {
         return e;
     }
     let r = call();
     if r != CUDA_SUCCESS {
-        give_back(Some(a), need);
+        give_back(Some(a), gpu, need);
         return r;
     }
     let ptr = key();
     let now = attr(pool, RESERVED).unwrap_or(reserved + need);
     let grew = now.saturating_sub(reserved);
     if grew > need {
-        if let Err(e) = try_take(a, grew - need, "stream-ordered allocation (pool growth)") {
-            give_back(Some(a), need);
+        if let Err(e) = try_take(
+            a,
+            gpu,
+            grew - need,
+            "stream-ordered allocation (pool growth)",
+        ) {
+            give_back(Some(a), gpu, need);
             undo(ptr);
             drop(guard);
             settle(ps, pool);
             return e;
         }
     } else {
-        give_back(Some(a), need - grew);
+        give_back(Some(a), gpu, need - grew);
     }
     ps.charged.insert(pool, now);
+    ps.gpu.insert(pool, gpu);
     ps.ptrs.insert(ptr, (pool, bytes));
     ANY.store(true, Ordering::Release);
     r

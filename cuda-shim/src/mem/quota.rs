@@ -10,6 +10,11 @@
 //! `Proc::local_used` is everything this process holds in the ledger: the
 //! table's allocations, pools' reservations, graph memory and the NVML
 //! extra (`reconcile.rs`).
+//!
+//! A share on several GPUs keeps one ledger per GPU: every reservation goes
+//! to the ledger of the GPU the memory lives on (the current context's
+//! device for allocations, the location `cuMemCreate` names), and the table
+//! remembers which, so the free gives it back there.
 
 use crate::config;
 use crate::log::log;
@@ -59,37 +64,59 @@ pub(crate) fn current_ctx() -> u64 {
     }
 }
 
-/// Gives bytes back to the ledger and the process's count.
-pub(crate) fn give_back(a: Option<&Attach>, bytes: u64) {
+/// Where an allocation's memory lives.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum On {
+    /// The calling thread's current context's device.
+    Current,
+    /// A device the call names (`cuMemCreate`'s location).
+    Device(i32),
+}
+
+/// The position in the share (the ledger) of `on`; a device outside the
+/// share is refused.
+pub(crate) fn position(on: On) -> Result<usize, CUresult> {
+    match on {
+        // Without a current context the driver fails the call anyway.
+        On::Current => Ok(crate::devices::current().unwrap_or(0)),
+        On::Device(d) => crate::devices::allowed(d),
+    }
+}
+
+/// Gives bytes back to GPU `gpu`'s ledger and the process's count.
+pub(crate) fn give_back(a: Option<&Attach>, gpu: usize, bytes: u64) {
     if bytes == 0 {
         return;
     }
     if let Some(a) = a {
-        a.ledger.release(a.slot, bytes);
+        let h = a.gpu(gpu);
+        h.ledger.release(h.slot, bytes);
     }
-    proc().local_used.fetch_sub(bytes, Ordering::AcqRel);
+    proc().used_on(gpu).fetch_sub(bytes, Ordering::AcqRel);
 }
 
-/// Takes bytes that already exist on the device (no quota check).
-pub(crate) fn force_take(a: &Attach, bytes: u64) {
+/// Takes bytes that already exist on GPU `gpu` (no quota check).
+pub(crate) fn force_take(a: &Attach, gpu: usize, bytes: u64) {
     if bytes == 0 {
         return;
     }
-    a.ledger.force_reserve(a.slot, bytes);
-    proc().local_used.fetch_add(bytes, Ordering::AcqRel);
+    let h = a.gpu(gpu);
+    h.ledger.force_reserve(h.slot, bytes);
+    proc().used_on(gpu).fetch_add(bytes, Ordering::AcqRel);
 }
 
-/// Reserves `bytes` against the quota; counts and logs a refusal.
-pub(crate) fn try_take(a: &Attach, bytes: u64, what: &str) -> Result<(), CUresult> {
+/// Reserves `bytes` against GPU `gpu`'s quota; counts and logs a refusal.
+pub(crate) fn try_take(a: &Attach, gpu: usize, bytes: u64, what: &str) -> Result<(), CUresult> {
     if bytes == 0 {
         return Ok(());
     }
-    if let Err(over) = a.ledger.try_reserve(a.slot, bytes) {
+    let h = a.gpu(gpu);
+    if let Err(over) = h.ledger.try_reserve(h.slot, bytes) {
         log!(Info, "{what} refused: {over}");
-        a.ledger.count_refused_allocation();
+        h.ledger.count_refused_allocation();
         return Err(CUDA_ERROR_OUT_OF_MEMORY);
     }
-    proc().local_used.fetch_add(bytes, Ordering::AcqRel);
+    proc().used_on(gpu).fetch_add(bytes, Ordering::AcqRel);
     Ok(())
 }
 
@@ -102,7 +129,19 @@ pub(crate) fn alloc(
     call: impl FnOnce() -> CUresult,
     key: impl FnOnce() -> u64,
 ) -> CUresult {
-    alloc_sized(bytes, kind, call, || (key(), bytes), |_| {})
+    alloc_sized(On::Current, bytes, kind, call, || (key(), bytes), |_| {})
+}
+
+/// [`alloc`] on the device `on` says.
+#[inline]
+pub(crate) fn alloc_on(
+    on: On,
+    bytes: u64,
+    kind: Kind,
+    call: impl FnOnce() -> CUresult,
+    key: impl FnOnce() -> u64,
+) -> CUresult {
+    alloc_sized(on, bytes, kind, call, || (key(), bytes), |_| {})
 }
 
 /// [`alloc`] for calls whose final size is known only afterwards:
@@ -110,6 +149,7 @@ pub(crate) fn alloc(
 /// difference does not fit, `undo` frees the allocation and the call fails
 /// with OUT_OF_MEMORY.
 pub(crate) fn alloc_sized(
+    on: On,
     estimate: u64,
     kind: Kind,
     call: impl FnOnce() -> CUresult,
@@ -124,24 +164,28 @@ pub(crate) fn alloc_sized(
             // The driver rejects empty allocations; nothing to reserve.
             return call();
         }
+        let gpu = match position(on) {
+            Ok(g) => g,
+            Err(e) => return e,
+        };
         let _f = InFlight::begin();
-        if let Err(e) = try_take(a, estimate, "allocation") {
+        if let Err(e) = try_take(a, gpu, estimate, "allocation") {
             return e;
         }
         let r = call();
         if r != CUDA_SUCCESS {
-            give_back(Some(a), estimate);
+            give_back(Some(a), gpu, estimate);
             return r;
         }
         let (key, actual) = result();
         if actual > estimate {
-            if let Err(e) = try_take(a, actual - estimate, "allocation after padding") {
+            if let Err(e) = try_take(a, gpu, actual - estimate, "allocation after padding") {
                 undo(key);
-                give_back(Some(a), estimate);
+                give_back(Some(a), gpu, estimate);
                 return e;
             }
         } else {
-            give_back(Some(a), estimate - actual);
+            give_back(Some(a), gpu, estimate - actual);
         }
         // VMM handles outlive contexts; everything else dies with its context.
         let ctx = if kind == Kind::Generic {
@@ -149,7 +193,11 @@ pub(crate) fn alloc_sized(
         } else {
             current_ctx()
         };
-        let e = Entry { bytes: actual, ctx };
+        let e = Entry {
+            bytes: actual,
+            ctx,
+            gpu,
+        };
         if let Some(old) = p.table.insert(kind, key, e) {
             // The driver handed out a key we still held: the old allocation is
             // gone (its context was reset behind our back). Not counted twice.
@@ -158,7 +206,7 @@ pub(crate) fn alloc_sized(
                 "{kind:?} {key:#x} reused; giving back its old {} bytes",
                 old.bytes
             );
-            give_back(Some(a), old.bytes);
+            give_back(Some(a), old.gpu, old.bytes);
             super::vmm::forget(kind, key);
         }
         r
@@ -184,27 +232,31 @@ pub(crate) fn free(kind: Kind, key: u64, call: impl FnOnce() -> CUresult) -> CUr
         p.table.insert(kind, key, e);
         return r;
     }
-    give_back(guard.as_ref(), e.bytes);
+    give_back(guard.as_ref(), e.gpu, e.bytes);
     r
 }
 
 /// Reserves `bytes` the driver allocates outside an allocation call (graph
-/// memory, see graph.rs): `call` runs only if they fit (else
-/// OUT_OF_MEMORY, counted as a refusal), and they are given back if it
-/// fails. Not in the allocation table: the caller keeps track and returns
-/// them with [`release_reserved`].
-pub(crate) fn reserve_for(bytes: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+/// memory, see graph.rs) on device `dev`: `call` runs only if they fit
+/// (else OUT_OF_MEMORY, counted as a refusal), and they are given back if
+/// it fails. Not in the allocation table: the caller keeps track and
+/// returns them with [`release_reserved`].
+pub(crate) fn reserve_for(dev: i32, bytes: u64, call: impl FnOnce() -> CUresult) -> CUresult {
     if config::enforce().is_none() || bytes == 0 {
         return call();
     }
     attached(|_, a| {
+        let gpu = match position(On::Device(dev)) {
+            Ok(g) => g,
+            Err(e) => return e,
+        };
         let _f = InFlight::begin();
-        if let Err(e) = try_take(a, bytes, "graph memory") {
+        if let Err(e) = try_take(a, gpu, bytes, "graph memory") {
             return e;
         }
         let r = call();
         if r != CUDA_SUCCESS {
-            give_back(Some(a), bytes);
+            give_back(Some(a), gpu, bytes);
         }
         r
     })
@@ -226,11 +278,12 @@ fn attached(f: impl FnOnce(&'static Proc, &Attach) -> CUresult) -> CUresult {
     f(p, a)
 }
 
-/// Gives back bytes taken with [`reserve_for`].
-pub(crate) fn release_reserved(bytes: u64) {
+/// Gives back bytes taken with [`reserve_for`] on device `dev`.
+pub(crate) fn release_reserved(dev: i32, bytes: u64) {
     if config::enforce().is_none() || bytes == 0 {
         return;
     }
+    let gpu = crate::devices::record(dev).unwrap_or(0);
     let _f = InFlight::begin();
-    give_back(proc().attach().as_ref(), bytes);
+    give_back(proc().attach().as_ref(), gpu, bytes);
 }

@@ -14,6 +14,9 @@
 //! `libnvidia-ml.so.<ver>`) nothing is measured: the quota counts what
 //! programs ask for, pools' reservations and graph memory, and one warning
 //! says so. A compute quota already fails closed without it (`init.rs`).
+//!
+//! A share on several GPUs is measured per GPU: each GPU's NVML device
+//! (found by the record's bus id), each GPU's extra in that GPU's ledger.
 
 use super::local::{local, lock};
 use super::quota::{FINISHED, STARTED, force_take, give_back};
@@ -66,7 +69,10 @@ fn f<T: Copy>(name: &str) -> Result<T, String> {
     Ok(unsafe { std::mem::transmute_copy::<usize, T>(&p) })
 }
 
-fn open(bus_id: &str) -> Result<Nvml, String> {
+/// NVML's device of `bus_id`; with `first_if_unknown` (a one-GPU
+/// container, which sees only its GPU), the first device when the bus id
+/// names none.
+fn open(bus_id: &str, first_if_unknown: bool) -> Result<Nvml, String> {
     try_handle(Lib::Nvml).map_err(str::to_string)?;
     let init: unsafe extern "C" fn() -> i32 = f("nvmlInit_v2")?;
     // SAFETY: the real nvmlInit_v2, resolved by name; no arguments.
@@ -83,6 +89,9 @@ fn open(bus_id: &str) -> Result<Nvml, String> {
     // SAFETY: the real NVML lookups, resolved by name; `id` is a live NUL-terminated CString
     // and `dev` our local.
     if bus_id.is_empty() || unsafe { by_bus(id.as_ptr().cast(), &mut dev) } != NVML_SUCCESS {
+        if !first_if_unknown {
+            return Err(format!("NVML has no GPU {bus_id}"));
+        }
         // A container sees its own GPU only.
         // SAFETY: the real nvmlDeviceGetHandleByIndex_v2, resolved by name; `dev` is our local.
         let r = unsafe { by_index(0, &mut dev) };
@@ -95,23 +104,30 @@ fn open(bus_id: &str) -> Result<Nvml, String> {
     Ok(Nvml { dev, procs })
 }
 
-fn nvml() -> Option<&'static Nvml> {
-    static NVML: OnceLock<Option<Nvml>> = OnceLock::new();
+/// NVML's device of each GPU of the share (record order), where found.
+fn nvml() -> &'static [Option<Nvml>] {
+    static NVML: OnceLock<Vec<Option<Nvml>>> = OnceLock::new();
     NVML.get_or_init(|| {
-        let enf = config::enforce()?;
-        match open(&enf.data.bus_id) {
-            Ok(n) => Some(n),
-            Err(e) => {
-                log!(
-                    Warn,
-                    "memory the driver takes on its own (contexts, modules, heap) is not \
-                     counted against the quota: {e}"
-                );
-                None
-            }
-        }
+        let Some(enf) = config::enforce() else {
+            return Vec::new();
+        };
+        let one = enf.gpus.len() == 1;
+        enf.gpus
+            .iter()
+            .map(|g| match open(&g.bus_id, one) {
+                Ok(n) => Some(n),
+                Err(e) => {
+                    log!(
+                        Warn,
+                        "memory the driver takes on its own (contexts, modules, heap) on GPU \
+                         {} is not counted against its quota: {e}",
+                        g.bus_id
+                    );
+                    None
+                }
+            })
+            .collect()
     })
-    .as_ref()
 }
 
 /// The device memory NVML says this process uses: listed under its host
@@ -164,13 +180,13 @@ fn unlisted(host_pid: i32) {
 
 static LAST_NS: AtomicU64 = AtomicU64::new(0);
 
-/// The extra this process holds in the ledger now.
+/// The extra this process holds in the ledgers now (all GPUs).
 pub fn extra() -> u64 {
-    *lock(&local().extra)
+    lock(&local().extra).iter().sum()
 }
 
-/// One measurement (skipped when nothing can be measured or an allocation
-/// ran meanwhile).
+/// One measurement of each GPU (a GPU is skipped when nothing can be
+/// measured or an allocation ran meanwhile).
 fn reconcile() {
     if config::enforce().is_none() {
         return;
@@ -179,15 +195,26 @@ fn reconcile() {
     if !p.is_registered() {
         return;
     }
-    let Some(n) = nvml() else { return };
+    let devs = nvml();
     let mut extra = lock(&local().extra);
+    let n = devs.len().max(extra.len());
+    extra.resize(n, 0);
     let guard = p.attach();
     let Some(a) = guard.as_ref() else { return };
+    for (gpu, n) in devs.iter().enumerate() {
+        if let Some(n) = n {
+            reconcile_gpu(a, gpu, n, &mut extra[gpu]);
+        }
+    }
+}
+
+fn reconcile_gpu(a: &crate::registration::Attach, gpu: usize, n: &Nvml, extra: &mut u64) {
+    let p = proc();
     let started = STARTED.load(Ordering::Acquire);
     if FINISHED.load(Ordering::Acquire) != started {
         return;
     }
-    let used = p.local_used.load(Ordering::Acquire);
+    let used = p.used_on(gpu).load(Ordering::Acquire);
     let Some(measured) = measure(n, a.host_pid, std::process::id() as i32) else {
         // Only a process that holds device memory is listed; before its
         // first context nothing is missing.
@@ -202,14 +229,14 @@ fn reconcile() {
     let counted = used.saturating_sub(*extra);
     let target = measured.saturating_sub(counted);
     if target > *extra {
-        force_take(a, target - *extra);
+        force_take(a, gpu, target - *extra);
     } else {
-        give_back(Some(a), *extra - target);
+        give_back(Some(a), gpu, *extra - target);
     }
     if target != *extra {
         log!(
             Debug,
-            "NVML says {measured} bytes, counted {counted}: extra {} -> {target}",
+            "GPU {gpu}: NVML says {measured} bytes, counted {counted}: extra {} -> {target}",
             *extra
         );
     }
@@ -233,7 +260,7 @@ pub(crate) fn grew_over_quota(before: u64) -> bool {
     let guard = proc().attach();
     guard
         .as_ref()
-        .is_some_and(|a| a.ledger.used() > a.ledger.quota())
+        .is_some_and(|a| a.gpus.iter().any(|g| g.ledger.used() > g.ledger.quota()))
 }
 
 fn now_ns() -> u64 {

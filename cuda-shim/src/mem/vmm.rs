@@ -42,6 +42,20 @@ pub(crate) unsafe fn host_location(prop: *const std::ffi::c_void) -> bool {
     (2..=4).contains(&t)
 }
 
+/// The device a device-located `CUmemAllocationProp` names
+/// (`location.id`, its fourth u32 word); `None` for a NULL prop.
+///
+/// # Safety
+/// `prop` is NULL or points to a `CUmemAllocationProp`.
+pub(crate) unsafe fn location_device(prop: *const std::ffi::c_void) -> Option<i32> {
+    if prop.is_null() {
+        return None;
+    }
+    // SAFETY: the caller guarantees a `CUmemAllocationProp`, NULL excluded above;
+    // `location.id` is its fourth u32 word (an int), read unaligned.
+    Some(unsafe { (prop as *const i32).add(3).read_unaligned() })
+}
+
 /// After a successful `cuMemMap` of a counted handle.
 pub(crate) fn mapped(ptr: u64, size: u64, handle: u64) {
     if config::enforce().is_none() || proc().table.get(Kind::Generic, handle).is_none() {
@@ -83,7 +97,7 @@ pub(crate) fn unmapped(ptr: u64, size: u64) {
     let _f = InFlight::begin();
     for h in done {
         if let Some(e) = p.table.remove(Kind::Generic, h) {
-            give_back(p.attach().as_ref(), e.bytes);
+            give_back(p.attach().as_ref(), e.gpu, e.bytes);
         }
     }
 }
