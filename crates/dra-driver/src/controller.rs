@@ -217,6 +217,8 @@ mod tests {
                     info: gpu,
                     model: "A100".into(),
                     healthy: true,
+                    pcie_root: None,
+                    nvlink_domain: None,
                 }],
                 healthy: healthy.clone(),
                 xid_quiet_period: Duration::from_secs(300),

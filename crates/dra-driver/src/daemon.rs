@@ -20,6 +20,7 @@ use crate::grpc::{self, Sockets};
 use crate::kube_api::KubeApi;
 use crate::publish::Publisher;
 use crate::slices::GpuDevice;
+use crate::topology;
 
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -123,15 +124,19 @@ async fn publish(
         .ensure_classes(api)
         .await
         .map_err(anyhow::Error::msg)?;
+    let domains = topology::nvlink_domains(&found.topology);
     let devices: Vec<GpuDevice> = found
         .topology
         .gpus()
         .iter()
         .zip(&found.names)
-        .map(|(g, n)| GpuDevice {
+        .zip(domains)
+        .map(|((g, n), nvlink_domain)| GpuDevice {
             info: g.clone(),
             model: n.clone(),
             healthy: true,
+            pcie_root: topology::pcie_root(&s.host_root, &g.pci_bus_id),
+            nvlink_domain,
         })
         .collect();
     let published = publisher

@@ -3,7 +3,8 @@
 //!
 //! * [`slices`]: the node's ResourceSlice (a device per GPU with consumable
 //!   `cores` and `memory`, multiple allocations allowed) and the
-//!   DeviceClasses (pure); [`publish`] keeps it current.
+//!   DeviceClasses (pure), with [`topology`] (the PCIe root and NVLink
+//!   domain attributes); [`publish`] keeps it current.
 //! * [`plan`]: an allocated ResourceClaim -> devices to prepare (pure), with
 //!   [`params`] (opaque per-claim parameters: soft limits) and [`quantity`].
 //! * [`driver`]: prepare / unprepare: vm directories (`vcuda.config`, the
@@ -32,6 +33,7 @@ pub mod plan;
 pub mod publish;
 pub mod quantity;
 pub mod slices;
+pub mod topology;
 
 /// The driver name: ResourceSlices' `spec.driver`, allocation results'
 /// `driver`, the registration name.

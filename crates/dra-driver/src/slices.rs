@@ -20,7 +20,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 
-use crate::{CAPACITY_CORES, CAPACITY_MEMORY, DRIVER_NAME, quantity};
+use crate::{CAPACITY_CORES, CAPACITY_MEMORY, DRIVER_NAME, quantity, topology};
 
 /// One GPU as discovery and health see it.
 #[derive(Debug, Clone)]
@@ -28,6 +28,11 @@ pub struct GpuDevice {
     pub info: GpuInfo,
     pub model: String,
     pub healthy: bool,
+    /// `resource.kubernetes.io/pcieRoot`, where sysfs says
+    /// ([`crate::topology::pcie_root`]).
+    pub pcie_root: Option<String>,
+    /// `nvlinkDomain` ([`crate::topology::nvlink_domains`]).
+    pub nvlink_domain: Option<String>,
 }
 
 /// The device name of GPU `index` in the slice and in allocation results.
@@ -98,6 +103,13 @@ fn device(g: &GpuDevice, driver_version: &str) -> Device {
     ]);
     if let Some(n) = i.numa_node {
         attributes.insert("numaNode".to_string(), int(n as i64));
+    }
+    // What a claim matches to get GPUs close to each other.
+    if let Some(r) = &g.pcie_root {
+        attributes.insert(topology::PCIE_ROOT.to_string(), string(r));
+    }
+    if let Some(d) = &g.nvlink_domain {
+        attributes.insert(topology::NVLINK_DOMAIN.to_string(), string(d));
     }
     // Whole 256 MiB units: what a share's memory is carved in.
     let memory = i.memory_units() * MEMORY_UNIT_BYTES;
@@ -245,6 +257,8 @@ mod tests {
             },
             model: "Tesla T4".into(),
             healthy,
+            pcie_root: None,
+            nvlink_domain: None,
         }
     }
 
@@ -262,6 +276,7 @@ mod tests {
         assert_eq!(a["driverVersion"].version.as_deref(), Some("550.54.15"));
         assert_eq!(a["pciBusID"].string.as_deref(), Some("00000000:30:00.0"));
         assert_eq!(a["numaNode"].int, Some(0));
+        assert!(!a.contains_key(topology::PCIE_ROOT) && !a.contains_key("nvlinkDomain"));
         let c = d.capacity.as_ref().unwrap();
         assert_eq!(c["cores"].value.0, "100");
         // 15 GiB + 100 MiB: whole 256 MiB units only.
@@ -279,6 +294,22 @@ mod tests {
             &s.spec,
             &build("node-a", &[gpu(0, true), gpu(1, true)], "550.54.15", 3).spec
         ));
+    }
+
+    #[test]
+    fn pcie_root_and_nvlink_domain_attributes() {
+        let g = GpuDevice {
+            pcie_root: Some("pci0000:3a".into()),
+            nvlink_domain: Some("GPU-0".into()),
+            ..gpu(0, true)
+        };
+        let s = build("node-a", &[g], "550.54.15", 1);
+        let a = s.spec.devices.unwrap()[0].attributes.clone().unwrap();
+        assert_eq!(
+            a["resource.kubernetes.io/pcieRoot"].string.as_deref(),
+            Some("pci0000:3a")
+        );
+        assert_eq!(a["nvlinkDomain"].string.as_deref(), Some("GPU-0"));
     }
 
     #[test]

@@ -350,6 +350,8 @@ async fn inject(cri: RuntimeServiceClient<Channel>, spec_dir: PathBuf, image: St
             info,
             model: "Tesla T4".into(),
             healthy: true,
+            pcie_root: None,
+            nvlink_domain: None,
         })
         .collect();
     publisher.reconcile(&api, &devices).await.unwrap();

@@ -22,6 +22,8 @@ fn devices(healthy: [bool; 2]) -> Vec<GpuDevice> {
             info,
             model: "Tesla T4".into(),
             healthy,
+            pcie_root: None,
+            nvlink_domain: None,
         })
         .collect()
 }
