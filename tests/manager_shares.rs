@@ -100,6 +100,18 @@ async fn a_tp2_pod_gets_two_gpus_and_a_second_tenant_fits_beside_it() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
+    // /usage lists one container holding both GPUs, with its totals.
+    let (addr, uid) = (env.http_addr, tp.uid.clone());
+    let usage = tokio::task::spawn_blocking(move || test_support::http_get(addr, "/usage"))
+        .await
+        .unwrap();
+    assert_eq!(usage.0, 200);
+    let v: serde_json::Value = serde_json::from_str(&usage.1).unwrap();
+    let u = &v["usage"][&uid];
+    assert_eq!(u["spec"]["main"]["gpu"], 100.0, "{v}");
+    assert_eq!(u["spec"]["main"]["mem"], 16384.0, "{v}");
+    assert_eq!(u["stat"]["main"]["dev"].as_array().unwrap().len(), 2, "{v}");
+
     // A second tenant's share fits beside it, on one of its GPUs (the
     // fullest that has room): 50 cores and 7 GiB of a 15 GiB T4.
     let other = env.pod(&[("main", 50, 28)], &[]);
