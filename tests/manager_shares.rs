@@ -190,3 +190,69 @@ fn register_at_protocol_2(dir: &std::path::Path, uid: &str, q: &MultiGpuQuota) {
     assert_eq!(quotas, [q.gpus[0].gpu_memory, q.gpus[1].gpu_memory]);
     assert_eq!(resp.ledger_slots.len(), 2, "{resp:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_on_two_gpus_survives_a_manager_restart() {
+    use std::os::unix::fs::MetadataExt;
+    let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
+    let tp = env.pod(
+        &[("main", 100, 64)],
+        &[("tencent.com/vcuda-gpus", r#"{"main": 2}"#)],
+    );
+    env.admit(&tp, "main", 100, 64).await.unwrap();
+    let dir = env.vm_dir().join(&tp.uid).join("main");
+    let ino = std::fs::metadata(dir.join("vcuda-gpus.config"))
+        .unwrap()
+        .ino();
+    let before = env.allocations_by_container();
+
+    // SIGKILL, then the same command line.
+    let args = test_support::cmdline(env.manager.id());
+    // SAFETY: SIGKILL to our own child, not yet reaped.
+    unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
+    let _ = env.manager.wait();
+    let log = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&env.log)
+        .unwrap();
+    env.manager = std::process::Command::new(&args[0])
+        .args(&args[1..])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    env.wait_registered().await;
+    env.wait_log("recovery finished", 2).await;
+
+    // Kept on both GPUs, its files as they were, its socket served again
+    // with a ledger per GPU.
+    let id = format!("{}/main", tp.uid);
+    let after = env.allocations_by_container();
+    assert_eq!(after.len(), 1);
+    for field in ["placement", "cores", "memory_units", "vcore_ids"] {
+        assert_eq!(after[&id][field], before[&id][field], "{field}");
+    }
+    assert_eq!(
+        std::fs::metadata(dir.join("vcuda-gpus.config"))
+            .unwrap()
+            .ino(),
+        ino
+    );
+    let Quota::Multi(q) = quota_config::read_quota(&dir).unwrap() else {
+        panic!("not a quota on several GPUs");
+    };
+    register_at_protocol_2(&dir, &tp.uid, &q);
+    // Both GPUs' parts are still booked: a share of 60 cores fits on
+    // neither of them (each has 50 free).
+    let held: Vec<u64> = before[&id]["placement"]["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g.as_u64().unwrap())
+        .collect();
+    let other = env.pod(&[("main", 60, 8)], &[]);
+    let resp = env.admit(&other, "main", 60, 8).await.unwrap();
+    let m = u64::from(Env::minors(&resp)[0]);
+    assert!(!held.contains(&m), "GPU {m} of {held:?} booked twice");
+}
