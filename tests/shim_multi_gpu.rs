@@ -83,14 +83,20 @@ impl Node {
     /// The container with the share on GPUs 1 and 0 (records in that order)
     /// and its manager, one ledger per GPU.
     fn container(&self) -> (Container, TestManager) {
+        self.container_with_cores([100, 100])
+    }
+
+    /// [`Node::container`] with `cores[0]` percent of GPU 1's compute and
+    /// `cores[1]` of GPU 0's (hard limits).
+    fn container_with_cores(&self, cores: [i32; 2]) -> (Container, TestManager) {
         let gpus = self.gpus();
         let c = self.sim.vm_dir();
         let record = |i: usize| quota_config::GpuQuota {
             bus_id: gpus[i].bus.clone(),
             uuid: gpus[i].uuid.clone(),
             gpu_memory: gpus[i].quota.unwrap(),
-            utilization: 100,
-            limit: 100,
+            utilization: cores[1 - i],
+            limit: cores[1 - i],
         };
         let q = quota_config::MultiGpuQuota {
             pod_uid: "pod-tp2".into(),
@@ -259,4 +265,78 @@ fn a_one_gpu_interposer_is_refused_for_a_multi_gpu_container() {
     );
     assert!(m.live().is_empty());
     assert_eq!(m.ledger_at(0).used() + m.ledger_at(1).used(), 0);
+}
+
+/// Percent of `[from, to)` the process `pid` kept the node's GPU `gpu`
+/// busy, from the sim's timeline (ground truth, not NVML's samples).
+fn busy(n: &Node, gpu: usize, pid: i32, from: u64, to: u64) -> f64 {
+    n.sim
+        .state()
+        .process_utilization(gpu, from, to)
+        .into_iter()
+        .filter(|(p, _)| p.host_pid.unwrap_or(p.ns_pid) as i32 == pid || p.ns_pid as i32 == pid)
+        .map(|(_, pct)| pct)
+        .sum()
+}
+
+#[test]
+fn each_gpu_is_held_to_its_own_compute_quota() {
+    use std::io::{BufRead, BufReader, Read};
+    let n = Node::new();
+    // GPU 1 (the first record) 20%, GPU 0 50%; the devices in reverse order.
+    let (c, _m) = n.container_with_cores([20, 50]);
+    let mut child = c
+        .command(&n.prog)
+        .args(["compute", "4.5"])
+        .env("CUDA_VISIBLE_DEVICES", "1,0")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut text = String::new();
+    while !text.contains("start_ns=") {
+        let mut line = String::new();
+        if out.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        text.push_str(&line);
+    }
+    let head = test_support::kv(&text);
+    let start: u64 = head
+        .get("start_ns")
+        .unwrap_or_else(|| panic!("no start_ns in {text}"))
+        .parse()
+        .unwrap();
+    let pid: i32 = head["pid"].parse().unwrap();
+    // Measured while it runs (the sim forgets exited processes).
+    let (from, to) = (start + 1_000_000_000, start + 4_000_000_000);
+    let now = test_support::shim::simnode::now_ns();
+    if to > now {
+        std::thread::sleep(std::time::Duration::from_nanos(to - now + 20_000_000));
+    }
+    let (gpu1, gpu0) = (busy(&n, 1, pid, from, to), busy(&n, 0, pid, from, to));
+    out.read_to_string(&mut text).unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(child.wait().unwrap().success(), "{text}\n{err}");
+    let k = test_support::kv(&text);
+    for d in 0..2 {
+        assert_eq!(k[&format!("d{d}_launch_err")], "0", "{text}\n{err}");
+    }
+    eprintln!("GPU 1 (hard 20%): {gpu1:.1}%, GPU 0 (hard 50%): {gpu0:.1}%");
+    // The tolerance of tests/shim_compute.rs: within half the quota.
+    assert!(
+        gpu1 > 10.0 && gpu1 < 30.0,
+        "GPU 1 achieved {gpu1:.1}% under a hard 20%"
+    );
+    assert!(
+        gpu0 > 25.0 && gpu0 < 75.0,
+        "GPU 0 achieved {gpu0:.1}% under a hard 50%"
+    );
 }

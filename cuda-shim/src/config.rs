@@ -152,30 +152,8 @@ pub fn decide(dir: &Path) -> Mode {
         )),
         Ok(Quota::Single(d)) if !d.enable => Mode::PassThrough,
         Ok(Quota::Single(d)) => Mode::Enforce(Box::new(Enforce::single(d, dir))),
-        Ok(Quota::Multi(q)) => match multi_unsupported(&q) {
-            Some(reason) => Mode::Closed(reason),
-            None => Mode::Enforce(Box::new(Enforce::multi(q, dir))),
-        },
+        Ok(Quota::Multi(q)) => Mode::Enforce(Box::new(Enforce::multi(q, dir))),
     }
-}
-
-/// What of a share on several GPUs this build cannot enforce, if anything.
-fn multi_unsupported(q: &quota_config::MultiGpuQuota) -> Option<String> {
-    let limited: Vec<String> = q
-        .gpus
-        .iter()
-        .filter(|g| g.utilization < 100)
-        .map(|g| format!("{} ({}%)", g.bus_id, g.utilization))
-        .collect();
-    (!limited.is_empty()).then(|| {
-        format!(
-            "this container's share spans {} GPUs with compute quotas on {}; this \
-             interposer enforces memory per GPU but compute on one GPU only; refusing CUDA \
-             rather than leaving GPUs unthrottled",
-            q.gpus.len(),
-            limited.join(", ")
-        )
-    })
 }
 
 #[cfg(test)]
@@ -255,10 +233,9 @@ mod tests {
             }
             m => panic!("{m:?}"),
         }
-        // Compute per GPU is not enforced yet: closed, saying so.
         quota_config::write_multi(d.path(), &multi(40), 0o644).unwrap();
         match decide(d.path()) {
-            Mode::Closed(r) => assert!(r.contains("spans 2 GPUs with compute quotas"), "{r}"),
+            Mode::Enforce(e) => assert!(e.gpus.iter().all(|g| g.utilization == 40)),
             m => panic!("{m:?}"),
         }
         // enable = 2 without the GPUs' file: closed, naming it.

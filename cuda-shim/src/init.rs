@@ -17,7 +17,7 @@ cuda_exports! {
             }
             Mode::Enforce(e) => {
                 // Fail closed before the device is touched.
-                if let Err(reason) = compute_feedback(&e.data) {
+                if let Err(reason) = compute_feedback(e) {
                     log::fail_closed(&reason);
                     return REFUSED;
                 }
@@ -41,8 +41,12 @@ cuda_exports! {
 /// (`throttle::sampler`): without it the bucket never gets a rate and the
 /// container would run unthrottled, so its absence fails closed like a
 /// missing quota file. Loaded here, once, never on the launch path.
-fn compute_feedback(d: &quota_config::ResourceData) -> Result<(), String> {
-    let Some(q) = crate::throttle::quota_of(d) else {
+fn compute_feedback(e: &crate::config::Enforce) -> Result<(), String> {
+    let Some(q) = e
+        .gpus
+        .iter()
+        .find_map(|g| crate::throttle::quota_of_gpu(g, e.data.hard_limit))
+    else {
         return Ok(());
     };
     match crate::real::try_handle(crate::real::Lib::Nvml) {

@@ -84,9 +84,10 @@ static PROC: AtomicPtr<Proc> = AtomicPtr::new(std::ptr::null_mut());
 
 /// What the rest of the interposer does around a registration.
 pub struct Hooks {
-    /// The process got (or changed) its ledger and slot (under the
-    /// attachment's write lock: no allocation is in flight).
-    pub attached: fn(&Ledger, usize),
+    /// The process got (or changed) its ledger and slot on the GPU at a
+    /// position of the share (under the attachment's write lock: no
+    /// allocation is in flight).
+    pub attached: fn(usize, &Ledger, usize),
     /// The first registration succeeded: the connection, to keep open for
     /// the life of the process (the manager clears the slot when it closes).
     pub registered: fn(UnixStream),
@@ -97,7 +98,7 @@ pub struct Hooks {
 
 /// Until [`set_hooks`]: the connection is leaked (kept open), nothing else.
 static NO_HOOKS: Hooks = Hooks {
-    attached: |_, _| {},
+    attached: |_, _, _| {},
     registered: |s| std::mem::forget(s),
     forked: || {},
 };
@@ -261,7 +262,9 @@ impl Proc {
             g.ledger
                 .reconcile(g.slot, self.local_used[i].load(Ordering::Acquire));
         }
-        (hooks().attached)(&gpus[0].ledger, gpus[0].slot);
+        for (i, g) in gpus.iter().enumerate() {
+            (hooks().attached)(i, &g.ledger, g.slot);
+        }
         *w = Some(Attach {
             gpus,
             host_pid: resp.host_pid,

@@ -23,6 +23,11 @@
 //!   throttled launch registers it (the caller's `register`, see
 //!   `crate::launch`), which starts its own watcher.
 //!
+//! A share on several GPUs has one bucket per GPU, in that GPU's ledger,
+//! with its own controller (lease, NVML samples of that GPU): a launch
+//! draws from the bucket of its context's device, the current one (the
+//! driver runs a launch only on a stream of the current context).
+//!
 //! The watcher (`crate::watcher`) calls in here; this module knows nothing
 //! of registration.
 //!
@@ -38,15 +43,25 @@ pub(crate) use cost::kernel_cost;
 use bucket::{Bucket, now_ns};
 use container_ledger::Ledger;
 use controller::{Blind, Controller, Period, Quota};
+use quota_config::MAX_GPUS;
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// The compute words of the container's bucket; null: no compute limit.
+/// With a share on several GPUs: some GPU's bucket (a flag for the launch
+/// path, which then picks its device's in [`BUCKETS`]).
 static BUCKET: AtomicPtr<AtomicU64> = AtomicPtr::new(std::ptr::null_mut());
-/// The ledger's `throttled_ns` counter, in the same never-unmapped page as
-/// the bucket; null: not counted (no compute limit, or no shared mapping).
-static THROTTLED_NS: AtomicPtr<AtomicU64> = AtomicPtr::new(std::ptr::null_mut());
+/// Each GPU's bucket (ledger position); null: no compute limit there.
+static BUCKETS: [AtomicPtr<AtomicU64>; MAX_GPUS] =
+    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_GPUS];
+/// Each GPU's ledger `throttled_ns` counter, in the same never-unmapped
+/// page as its bucket; null: not counted (no compute limit, or no shared
+/// mapping).
+static THROTTLED_NS: [AtomicPtr<AtomicU64>; MAX_GPUS] =
+    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_GPUS];
+/// The share spans several GPUs: a launch's bucket is its device's.
+static MULTI: AtomicBool = AtomicBool::new(false);
 
 /// A controller silent this long loses its lease.
 pub const LEASE_STALE_NS: u64 = 500_000_000;
@@ -83,35 +98,52 @@ pub(crate) fn before_launch_unless(
     if p.is_null() || captured() {
         return;
     }
+    let (p, gpu) = if MULTI.load(Ordering::Relaxed) {
+        match launch_bucket() {
+            Some(x) => x,
+            None => return,
+        }
+    } else {
+        (p, 0)
+    };
     // SAFETY: set only to a mapping that is never unmapped.
     let b = unsafe { Bucket::at(p) };
     if let Some(ticket) = b.take(cost()) {
-        throttled(b, ticket, register);
+        throttled(b, gpu, ticket, register);
     }
+}
+
+/// The bucket of the current context's device, with its GPU's position
+/// (a share on several GPUs). `None`: no context, or no limit there.
+fn launch_bucket() -> Option<(*mut AtomicU64, usize)> {
+    let gpu = crate::devices::current()?;
+    let p = BUCKETS.get(gpu)?.load(Ordering::Acquire);
+    (!p.is_null()).then_some((p, gpu))
 }
 
 /// Out of line: the launch path keeps only the branch to it. The clock is
 /// read only here.
 #[cold]
 #[inline(never)]
-fn throttled(b: Bucket, ticket: bucket::Ticket, register: fn()) {
-    count_throttled(b.wait(ticket, register));
+fn throttled(b: Bucket, gpu: usize, ticket: bucket::Ticket, register: fn()) {
+    count_throttled(gpu, b.wait(ticket, register));
 }
 
-/// Adds the time a launch slept for tokens to the container's ledger.
+/// Adds the time a launch slept for tokens to its GPU's ledger.
 #[cold]
-fn count_throttled(ns: u64) {
-    let p = THROTTLED_NS.load(Ordering::Acquire);
+fn count_throttled(gpu: usize, ns: u64) {
+    let p = THROTTLED_NS[gpu].load(Ordering::Acquire);
     if ns > 0 && !p.is_null() {
         // SAFETY: set only to a word of a mapping that is never unmapped.
         unsafe { &*p }.fetch_add(ns, Ordering::Relaxed);
     }
 }
 
-/// The bucket, if this process throttles.
-pub fn bucket() -> Option<Bucket> {
-    let p = BUCKET.load(Ordering::Acquire);
-    // SAFETY: BUCKET is NULL or points at the compute words of a mapping never unmapped
+/// The bucket of the GPU at `gpu`, if this process throttles there (GPU 0:
+/// a one-GPU container's bucket).
+pub fn bucket(gpu: usize) -> Option<Bucket> {
+    let p = BUCKETS.get(gpu)?.load(Ordering::Acquire);
+    // SAFETY: BUCKETS hold NULL or the compute words of a mapping never unmapped
     // (private_words' mremap copy, or a leaked local array), as Bucket::at requires.
     (!p.is_null()).then(|| unsafe { Bucket::at(p) })
 }
@@ -119,21 +151,32 @@ pub fn bucket() -> Option<Bucket> {
 /// The compute quota of the config; `None`: no limit (whole GPU, 0 or
 /// 100+ percent).
 pub fn quota_of(d: &quota_config::ResourceData) -> Option<Quota> {
-    if d.utilization <= 0 || d.utilization >= 100 {
+    quota_from(d.utilization, d.limit, d.hard_limit)
+}
+
+/// The compute quota of one GPU of a share.
+pub fn quota_of_gpu(g: &quota_config::GpuQuota, hard_limit: bool) -> Option<Quota> {
+    quota_from(g.utilization, g.limit, hard_limit)
+}
+
+fn quota_from(utilization: i32, limit: i32, hard_limit: bool) -> Option<Quota> {
+    if utilization <= 0 || utilization >= 100 {
         return None;
     }
-    let u = d.utilization as f64;
+    let u = utilization as f64;
     Some(Quota {
         utilization: u,
-        soft_limit: (!d.hard_limit).then(|| {
-            let l = if d.limit <= 0 { 100 } else { d.limit.min(100) };
+        soft_limit: (!hard_limit).then(|| {
+            let l = if limit <= 0 { 100 } else { limit.min(100) };
             (l as f64).max(u)
         }),
     })
 }
 
-fn quota() -> Option<Quota> {
-    quota_of(&crate::config::enforce()?.data)
+/// The compute quota of the GPU at `gpu` (ledger position).
+fn quota(gpu: usize) -> Option<Quota> {
+    let e = crate::config::enforce()?;
+    quota_of_gpu(e.gpus.get(gpu)?, e.data.hard_limit)
 }
 
 /// Periodic work on the watcher thread. `pids`: the host PIDs of the
@@ -152,12 +195,19 @@ pub fn tick_interval() -> Duration {
     }
 }
 
-/// The process got (or changed) its ledger and slot.
-pub fn on_attach(ledger: &Ledger, slot: usize) {
+/// The process got (or changed) its ledger and slot on the GPU at `gpu`
+/// (its position in the share; 0 for a one-GPU container).
+pub fn on_attach(gpu: usize, ledger: &Ledger, slot: usize) {
     let _ = slot;
-    let Some(q) = quota() else {
+    let Some(q) = quota(gpu) else {
         return;
     };
+    if gpu >= MAX_GPUS {
+        return;
+    }
+    if crate::config::enforce().is_some_and(|e| e.gpus() > 1) {
+        MULTI.store(true, Ordering::Release);
+    }
     let Some(p) = private_words(ledger) else {
         crate::log::log!(
             Error,
@@ -168,8 +218,8 @@ pub fn on_attach(ledger: &Ledger, slot: usize) {
         ));
         // SAFETY: leaked, never freed.
         unsafe { Bucket::at(local.as_ptr()) }.start(controller::startup_rate(q));
-        BUCKET.store(local.as_mut_ptr(), Ordering::Release);
-        THROTTLED_NS.store(std::ptr::null_mut(), Ordering::Release);
+        THROTTLED_NS[gpu].store(std::ptr::null_mut(), Ordering::Release);
+        publish(gpu, local.as_mut_ptr());
         return;
     };
     // SAFETY: `p` is the compute words of private_words' mapping, which is never unmapped.
@@ -178,8 +228,16 @@ pub fn on_attach(ledger: &Ledger, slot: usize) {
     // From the first launch on, never free: launches queued before the
     // first NVML sample would run after it, whatever the rate then says.
     b.start(controller::startup_rate(q));
-    THROTTLED_NS.store(throttled_word(p).cast_mut(), Ordering::Release);
-    BUCKET.store(p.cast_mut(), Ordering::Release);
+    THROTTLED_NS[gpu].store(throttled_word(p).cast_mut(), Ordering::Release);
+    publish(gpu, p.cast_mut());
+}
+
+/// Makes GPU `gpu`'s bucket the launch path's.
+fn publish(gpu: usize, p: *mut AtomicU64) {
+    BUCKETS[gpu].store(p, Ordering::Release);
+    if gpu == 0 || !MULTI.load(Ordering::Acquire) || BUCKET.load(Ordering::Acquire).is_null() {
+        BUCKET.store(p, Ordering::Release);
+    }
 }
 
 /// The ledger's `throttled_ns` counter in the mapping whose compute words
@@ -194,7 +252,7 @@ fn throttled_word(words: *const AtomicU64) -> *const AtomicU64 {
 
 /// Says, once per change, whether the controller can see the container's
 /// use, in the log and in the ledger's flag (the manager's metrics).
-fn report_blind(ctl: &mut Ctl) {
+fn report_blind(ctl: &mut Ctl, gpu: usize) {
     let now = ctl.ctrl.blind();
     if now == ctl.blind {
         return;
@@ -218,7 +276,7 @@ fn report_blind(ctl: &mut Ctl) {
         ),
     }
     // The header is mapped (shared) exactly when the throttled counter is.
-    let t = THROTTLED_NS.load(Ordering::Acquire);
+    let t = THROTTLED_NS[gpu].load(Ordering::Acquire);
     if !t.is_null() {
         // SAFETY: `t` is the throttled_ns word at THROTTLED_NS_OFFSET of a header page that is
         // never unmapped (see throttled_word).
@@ -289,24 +347,41 @@ struct Ctl {
 }
 
 thread_local! {
-    static CTL: RefCell<Option<Ctl>> = const { RefCell::new(None) };
+    /// Per GPU of the share (ledger position).
+    static CTL: RefCell<Vec<Option<Ctl>>> = const { RefCell::new(Vec::new()) };
 }
 
 fn tick_inner(pids: fn() -> Vec<i32>) {
-    let Some(b) = bucket() else { return };
+    let n = crate::config::enforce()
+        .map_or(1, |e| e.gpus())
+        .min(MAX_GPUS);
+    for gpu in 0..n {
+        tick_gpu(gpu, pids);
+    }
+}
+
+fn tick_gpu(gpu: usize, pids: fn() -> Vec<i32>) {
+    let Some(b) = bucket(gpu) else { return };
     let now = now_ns();
     b.refill(now);
-    let Some(q) = quota() else { return };
+    let Some(q) = quota(gpu) else { return };
     let me = me();
     let leader = b.hold_lease(me, now, LEASE_STALE_NS);
     CTL.with(|c| {
-        let mut c = c.borrow_mut();
+        let mut all = c.borrow_mut();
+        if all.len() <= gpu {
+            all.resize_with(gpu + 1, || None);
+        }
+        let c = &mut all[gpu];
         if !leader {
             *c = None;
             return;
         }
         let ctl = c.get_or_insert_with(|| {
-            crate::log::log!(Info, "compute controller: this process ({q:?})");
+            crate::log::log!(
+                Info,
+                "compute controller of GPU {gpu}: this process ({q:?})"
+            );
             let mut ctrl = Controller::new(q);
             if b.units_per_ms() > 0 {
                 ctrl.seed_scale(1e6 / b.units_per_ms() as f64);
@@ -319,15 +394,16 @@ fn tick_inner(pids: fn() -> Vec<i32>) {
                 blind: None,
             }
         });
-        control(ctl, b, now, pids);
+        control(ctl, gpu, b, now, pids);
     });
 }
 
-fn control(ctl: &mut Ctl, b: Bucket, now: u64, pids: fn() -> Vec<i32>) {
+fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32>) {
     ctl.ctrl.record_launched(now, b.launched());
     if ctl.sampler.is_none() && !ctl.sampler_error {
         let bus = crate::config::enforce()
-            .map(|e| e.data.bus_id.clone())
+            .and_then(|e| e.gpus.get(gpu))
+            .map(|g| g.bus_id.clone())
             .unwrap_or_default();
         match sampler::Sampler::open(&bus) {
             Ok(s) => ctl.sampler = Some(s),
@@ -372,7 +448,7 @@ fn control(ctl: &mut Ctl, b: Bucket, now: u64, pids: fn() -> Vec<i32>) {
             );
         }
     }
-    report_blind(ctl);
+    report_blind(ctl, gpu);
 }
 
 #[cfg(test)]

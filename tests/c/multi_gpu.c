@@ -8,18 +8,28 @@
 //   vmm:   cuMemCreate with location.id = the device, all from the FIRST
 //          device's context (the memory lives where the location says,
 //          not in the current context's device).
+//        multi_gpu compute SECONDS
+//          one thread per visible device, each with its own context and
+//          stream, saturating it with back-to-back 1 ms kernels (16000
+//          blocks of 256 threads: 100 waves of 10 us on the node's T4s,
+//          synchronising every 4 launches) for SECONDS; prints
+//          pid and start_ns first, then dN_launches per device.
 // Prints, per device ordinal D, `dN_KEY=VALUE` lines the test parses:
 // bus (PCI bus id), ctx (the context call's result), total/free (the
 // view after the context), filled (bytes allocated before the refusal),
 // err (the refusal), free_full (the view when full).
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "cuda_driver.h"
 
 CUresult cuDeviceGetPCIBusId(char *id, int len, CUdevice dev);
 CUresult cuCtxSetCurrent(CUcontext ctx);
+CUresult cuStreamCreate(CUstream *s, unsigned int flags);
 CUresult cuMemCreate(unsigned long long *h, size_t n, const CUmemAllocationProp *p,
                      unsigned long long flags);
 
@@ -57,11 +67,76 @@ static unsigned long long fill(int d, const char *mode, int dev, size_t chunk) {
   return n;
 }
 
+static long long now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+struct worker {
+  int dev;
+  long long end;
+  long long launches;
+  CUresult err;
+};
+
+static void *saturate(void *arg) {
+  struct worker *w = arg;
+  CUcontext ctx;
+  CUmodule m;
+  CUfunction f;
+  CUstream s;
+  static const char image[] = "fake image";
+  w->err = cuCtxCreate_v2(&ctx, 0, w->dev);
+  if (!w->err)
+    w->err = cuModuleLoadData(&m, image);
+  if (!w->err)
+    w->err = cuModuleGetFunction(&f, m, "busy");
+  if (!w->err)
+    w->err = cuStreamCreate(&s, 0);
+  while (!w->err && now_ns() < w->end) {
+    w->err = cuLaunchKernel(f, 16000, 1, 1, 256, 1, 1, 0, s, NULL, NULL);
+    if (!w->err && ++w->launches % 4 == 0)
+      w->err = cuStreamSynchronize(s);
+  }
+  if (!w->err)
+    w->err = cuStreamSynchronize(s);
+  return NULL;
+}
+
+static int compute(double seconds) {
+  int count = 0;
+  CUresult r = cuInit(0);
+  printf("init=%d\n", r);
+  if (r != 0)
+    return 1;
+  cuDeviceGetCount(&count);
+  if (count > MAX_DEV)
+    count = MAX_DEV;
+  struct worker w[MAX_DEV];
+  pthread_t t[MAX_DEV];
+  printf("count=%d pid=%d start_ns=%lld\n", count, getpid(), now_ns());
+  fflush(stdout);
+  long long end = now_ns() + (long long)(seconds * 1e9);
+  for (int d = 0; d < count; d++) {
+    w[d] = (struct worker){.dev = d, .end = end};
+    pthread_create(&t[d], NULL, saturate, &w[d]);
+  }
+  for (int d = 0; d < count; d++) {
+    pthread_join(t[d], NULL);
+    printf("d%d_launches=%lld\nd%d_launch_err=%d\n", d, w[d].launches, d, w[d].err);
+  }
+  fflush(stdout);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc < 3) {
-    fprintf(stderr, "usage: multi_gpu alloc|vmm CHUNK_MIB\n");
+    fprintf(stderr, "usage: multi_gpu alloc|vmm CHUNK_MIB | compute SECONDS\n");
     return 2;
   }
+  if (strcmp(argv[1], "compute") == 0)
+    return compute(atof(argv[2]));
   const char *mode = argv[1];
   size_t chunk = (size_t)atoll(argv[2]) * MIB;
   int count = 0;
