@@ -467,40 +467,6 @@ async fn whole_gpu_class() {
     run.cancel.cancel();
 }
 
-/// A claim for shares of `cores` and `memory` on each of two GPUs (one
-/// request, `count: 2`), allocated on gpu-0 and gpu-1 as the scheduler
-/// would (the emulated allocator places count 1 only).
-fn two_gpu_claim(server: &ApiServer, name: &str, cores: &str, memory: &str) -> String {
-    let c = server
-        .create(
-            Kind::ResourceClaim,
-            Some(NS),
-            json!({
-                "metadata": {"name": name, "namespace": NS},
-                "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
-                    "deviceClassName": slices::SHARE_CLASS, "count": 2,
-                    "capacity": {"requests": {"cores": cores, "memory": memory}}}}]}}
-            }),
-        )
-        .unwrap();
-    let result = |gpu: u32| {
-        json!({"request": "gpus", "driver": "vcuda.tencent.com", "pool": NODE,
-               "device": format!("gpu-{gpu}"),
-               "shareID": format!("0000000{gpu}-0000-4000-8000-000000000000"),
-               "consumedCapacity": {"cores": cores, "memory": memory}})
-    };
-    let allocation = json!({"devices": {"results": [result(0), result(1)], "config": []}});
-    server
-        .patch(
-            Kind::ResourceClaim,
-            Some(NS),
-            name,
-            &json!({"status": {"allocation": allocation}}),
-        )
-        .unwrap();
-    uid(&c)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shares_on_two_gpus_for_one_container() {
     let (server, dirs, api, run, kubelet) = node_with_driver().await;

@@ -17,7 +17,6 @@ use apiserver_emulator::{ApiServer, Kind};
 use dra_driver::daemon::{Settings, run};
 use dra_driver::slices;
 use dra_kubelet_emulator::{allocator, cdi, plugin};
-use serde_json::Value;
 use test_support::dra::*;
 use tokio_util::sync::CancellationToken;
 
@@ -58,41 +57,6 @@ fn kv(out: &str) -> HashMap<String, String> {
         .filter_map(|w| w.split_once('='))
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
-}
-
-/// What a runtime does with the CDI edits, without a mount namespace: the
-/// env with container mount paths mapped to their host paths, and the
-/// interposer pointed at the vm directory mounted at /etc/vcuda.
-fn container_env(edits: &Value) -> Vec<(String, String)> {
-    let mounts: Vec<(String, String)> = edits["mounts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| {
-            (
-                m["containerPath"].as_str().unwrap().to_string(),
-                m["hostPath"].as_str().unwrap().to_string(),
-            )
-        })
-        .collect();
-    let mut env: Vec<(String, String)> = edits["env"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| {
-            let (k, v) = e.as_str().unwrap().split_once('=').unwrap();
-            let mut v = v.to_string();
-            for (c, h) in &mounts {
-                if let Some(rest) = v.strip_prefix(c.as_str()) {
-                    v = format!("{h}{rest}");
-                }
-            }
-            (k.to_string(), v)
-        })
-        .collect();
-    let vm = mounts.iter().find(|(c, _)| c == "/etc/vcuda").unwrap();
-    env.push(("VCUDA_CONFIG_DIR".into(), vm.1.clone()));
-    env
 }
 
 async fn http_get(addr: std::net::SocketAddr, path: &str) -> String {

@@ -124,6 +124,40 @@ pub fn share_claim(
     server.create(Kind::ResourceClaim, Some(NS), c).unwrap()
 }
 
+/// A claim for shares of `cores` and `memory` on each of two GPUs (one
+/// request, `count: 2`), allocated on gpu-0 and gpu-1 as the scheduler
+/// would (the emulated allocator places count 1 only).
+pub fn two_gpu_claim(server: &ApiServer, name: &str, cores: &str, memory: &str) -> String {
+    let c = server
+        .create(
+            Kind::ResourceClaim,
+            Some(NS),
+            json!({
+                "metadata": {"name": name, "namespace": NS},
+                "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
+                    "deviceClassName": dra_driver::slices::SHARE_CLASS, "count": 2,
+                    "capacity": {"requests": {"cores": cores, "memory": memory}}}}]}}
+            }),
+        )
+        .unwrap();
+    let result = |gpu: u32| {
+        json!({"request": "gpus", "driver": "vcuda.tencent.com", "pool": NODE,
+               "device": format!("gpu-{gpu}"),
+               "shareID": format!("0000000{gpu}-0000-4000-8000-000000000000"),
+               "consumedCapacity": {"cores": cores, "memory": memory}})
+    };
+    let allocation = json!({"devices": {"results": [result(0), result(1)], "config": []}});
+    server
+        .patch(
+            Kind::ResourceClaim,
+            Some(NS),
+            name,
+            &json!({"status": {"allocation": allocation}}),
+        )
+        .unwrap();
+    uid(&c)
+}
+
 pub fn uid(claim: &Value) -> String {
     claim["metadata"]["uid"].as_str().unwrap().to_string()
 }
@@ -138,4 +172,39 @@ pub async fn until(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// What a runtime does with the CDI edits, without a mount namespace: the
+/// env with container mount paths mapped to their host paths, and the
+/// interposer pointed at the vm directory mounted at /etc/vcuda.
+pub fn container_env(edits: &Value) -> Vec<(String, String)> {
+    let mounts: Vec<(String, String)> = edits["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["containerPath"].as_str().unwrap().to_string(),
+                m["hostPath"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let mut env: Vec<(String, String)> = edits["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let (k, v) = e.as_str().unwrap().split_once('=').unwrap();
+            let mut v = v.to_string();
+            for (c, h) in &mounts {
+                if let Some(rest) = v.strip_prefix(c.as_str()) {
+                    v = format!("{h}{rest}");
+                }
+            }
+            (k.to_string(), v)
+        })
+        .collect();
+    let vm = mounts.iter().find(|(c, _)| c == "/etc/vcuda").unwrap();
+    env.push(("VCUDA_CONFIG_DIR".into(), vm.1.clone()));
+    env
 }
