@@ -5,7 +5,8 @@
 //!
 //! - each GPU's memory is held to its own quota: allocations in a device's
 //!   context run out of memory at that GPU's quota, `cuMemGetInfo` on a
-//!   device shows that GPU's quota and what the container holds there;
+//!   device shows that GPU's quota and what the container holds there, and
+//!   `nvmlDeviceGetMemoryInfo` of the same GPU agrees;
 //! - a `cuMemCreate` charges the GPU its location names, not the current
 //!   context's;
 //! - devices are matched to the records by bus id, whatever
@@ -187,6 +188,14 @@ fn check_per_gpu(n: &Node, mode: &str, visible: Option<&str>, expect_devices: us
         assert_eq!(key("err"), OOM, "{why}");
         assert_eq!(key("full_total"), quota, "{why}");
         assert_eq!(key("full_free"), quota - ctx - filled, "{why}");
+        // NVML's view of the same GPU (found by its bus id) agrees.
+        assert_eq!(key("nvml"), 0, "{why}");
+        assert_eq!(key("nvml_total"), quota, "GPU {bus} through NVML. {why}");
+        assert_eq!(
+            key("nvml_used"),
+            ctx + filled,
+            "GPU {bus} through NVML. {why}"
+        );
     }
     m.wait_for(10, "the process's connection to close", |ev| {
         ev.iter().any(|e| matches!(e, Event::Closed { .. }))

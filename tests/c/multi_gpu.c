@@ -17,7 +17,10 @@
 // Prints, per device ordinal D, `dN_KEY=VALUE` lines the test parses:
 // bus (PCI bus id), ctx (the context call's result), total/free (the
 // view after the context), filled (bytes allocated before the refusal),
-// err (the refusal), free_full (the view when full).
+// err (the refusal), full_free/full_total (the view when full), and
+// nvml_total/nvml_used (nvmlDeviceGetMemoryInfo of the device found by
+// its bus id, when full: the same GPU's view through NVML).
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,6 +44,33 @@ static void view(int d, const char *what) {
   size_t f = 0, t = 0;
   CUresult r = cuMemGetInfo_v2(&f, &t);
   printf("d%d_%sfree=%zu\nd%d_%stotal=%zu\nd%d_%sinfo=%d\n", d, what, f, d, what, t, d, what, r);
+}
+
+typedef struct {
+  unsigned long long total, free, used;
+} nvmlMemory_t;
+
+// NVML's memory view of the device at PCI `bus` (the interposer's NVML,
+// loaded by soname as tools do).
+static void nvml_view(int d, const char *bus) {
+  void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+  if (!h) {
+    printf("d%d_nvml=%s\n", d, dlerror());
+    return;
+  }
+  int (*init)(void) = (int (*)(void))dlsym(h, "nvmlInit_v2");
+  int (*by_bus)(const char *, void **) =
+      (int (*)(const char *, void **))dlsym(h, "nvmlDeviceGetHandleByPciBusId_v2");
+  int (*info)(void *, nvmlMemory_t *) =
+      (int (*)(void *, nvmlMemory_t *))dlsym(h, "nvmlDeviceGetMemoryInfo");
+  void *dev = NULL;
+  nvmlMemory_t m = {0, 0, 0};
+  int r = init ? init() : -1;
+  if (r == 0)
+    r = by_bus(bus, &dev);
+  if (r == 0)
+    r = info(dev, &m);
+  printf("d%d_nvml=%d\nd%d_nvml_total=%llu\nd%d_nvml_used=%llu\n", d, r, d, m.total, d, m.used);
 }
 
 static unsigned long long fill(int d, const char *mode, int dev, size_t chunk) {
@@ -172,8 +202,11 @@ int main(int argc, char **argv) {
   for (int d = 0; d < count && d < MAX_DEV; d++) {
     if (!ctx[d])
       continue;
+    char bus[32] = {0};
     cuCtxSetCurrent(ctx[d]);
     view(d, "full_");
+    cuDeviceGetPCIBusId(bus, sizeof bus, d);
+    nvml_view(d, bus);
   }
   fflush(stdout);
   return 0;
