@@ -14,6 +14,9 @@
 //! - a device of the node outside the share is refused (its contexts);
 //! - an interposer that registers at protocol 1 (a one-GPU reader) is
 //!   refused by the manager of a multi-GPU container, and refuses CUDA.
+//! - one process saturating two GPUs is held to each GPU's compute quota;
+//! - after a manager restart the process re-registers (protocol 2, its
+//!   slot in each ledger) and every GPU's ledger still holds its bytes.
 //!
 //! The program is `tests/c/multi_gpu.c`. Needs `cargo build --workspace`.
 
@@ -348,4 +351,85 @@ fn each_gpu_is_held_to_its_own_compute_quota() {
         gpu0 > 25.0 && gpu0 < 75.0,
         "GPU 0 achieved {gpu0:.1}% under a hard 50%"
     );
+}
+
+#[test]
+fn after_a_manager_restart_the_process_keeps_its_bytes_on_every_gpu() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let n = Node::new();
+    let ctx = n.ctx();
+    let gpus = n.gpus();
+    let quotas = [gpus[1].quota.unwrap(), gpus[0].quota.unwrap()];
+    let (c, m) = n.container();
+    let mut child = c
+        .command(&n.prog)
+        .args(["hold", "128"])
+        .env("CUDA_VISIBLE_DEVICES", "0,1")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut text = String::new();
+    while !text.contains("held=") {
+        let mut line = String::new();
+        if out.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        text.push_str(&line);
+    }
+    assert!(text.contains("held=1"), "{text}");
+    let held = ctx + 128 * MIB;
+    let pid = match &m.events()[0] {
+        Event::Registered { pid, .. } => *pid,
+        e => panic!("{e:?}"),
+    };
+    for i in 0..2 {
+        let t = std::time::Instant::now();
+        while m.ledger_at(i).used() != held {
+            assert!(
+                t.elapsed().as_secs() < 5,
+                "ledger {i}: {}",
+                m.ledger_at(i).used()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+    m.crash();
+    let m2 = TestManager::start_gpus(c.path(), &quotas);
+    m2.wait_for(10, "re-registration", |e| {
+        e.iter().any(
+            |e| matches!(e, Event::Registered { pid: p, previous_slot: Some(_), .. } if *p == pid),
+        )
+    });
+    for i in 0..2 {
+        assert_eq!(m2.ledger_at(i).used(), held, "ledger {i} after the restart");
+    }
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"again\n").unwrap();
+    drop(stdin);
+    out.read_to_string(&mut text).unwrap();
+    assert!(child.wait().unwrap().success(), "{text}");
+    let k = parse_text(&text);
+    assert_eq!(k["d0_again"], "0", "{text}");
+    assert_eq!(k["d1_again"], "0", "{text}");
+    m2.wait_for(5, "the close", |e| {
+        e.iter()
+            .any(|e| matches!(e, Event::Closed { pid: p, .. } if *p == pid))
+    });
+    for i in 0..2 {
+        assert_eq!(
+            m2.ledger_at(i).used(),
+            0,
+            "ledger {i} once the process is gone"
+        );
+    }
+}
+
+fn parse_text(text: &str) -> HashMap<String, String> {
+    text.lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }

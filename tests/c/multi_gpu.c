@@ -8,6 +8,10 @@
 //   vmm:   cuMemCreate with location.id = the device, all from the FIRST
 //          device's context (the memory lives where the location says,
 //          not in the current context's device).
+//        multi_gpu hold MIB
+//          a context and MIB on every visible device, `held=1`, then waits
+//          for a line on stdin (the test restarts the manager meanwhile),
+//          allocates MIB more on each device (dN_again=result) and exits.
 //        multi_gpu compute SECONDS
 //          one thread per visible device, each with its own context and
 //          stream, saturating it with back-to-back 1 ms kernels (16000
@@ -160,6 +164,37 @@ static int compute(double seconds) {
   return 0;
 }
 
+static int hold(size_t bytes) {
+  int count = 0;
+  CUresult r = cuInit(0);
+  printf("init=%d\n", r);
+  if (r != 0)
+    return 1;
+  cuDeviceGetCount(&count);
+  if (count > MAX_DEV)
+    count = MAX_DEV;
+  CUcontext ctx[MAX_DEV];
+  for (int d = 0; d < count; d++) {
+    CUdeviceptr p;
+    r = cuCtxCreate_v2(&ctx[d], 0, d);
+    if (!r)
+      r = cuMemAlloc_v2(&p, bytes);
+    printf("d%d_hold=%d\n", d, r);
+  }
+  printf("count=%d pid=%d held=1\n", count, getpid());
+  fflush(stdout);
+  char line[64];
+  if (!fgets(line, sizeof line, stdin))
+    line[0] = 0;
+  for (int d = 0; d < count; d++) {
+    CUdeviceptr p;
+    cuCtxSetCurrent(ctx[d]);
+    printf("d%d_again=%d\n", d, cuMemAlloc_v2(&p, bytes));
+  }
+  fflush(stdout);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: multi_gpu alloc|vmm CHUNK_MIB | compute SECONDS\n");
@@ -167,6 +202,8 @@ int main(int argc, char **argv) {
   }
   if (strcmp(argv[1], "compute") == 0)
     return compute(atof(argv[2]));
+  if (strcmp(argv[1], "hold") == 0)
+    return hold((size_t)atoll(argv[2]) * MIB);
   const char *mode = argv[1];
   size_t chunk = (size_t)atoll(argv[2]) * MIB;
   int count = 0;
