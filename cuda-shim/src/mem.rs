@@ -25,6 +25,7 @@ pub use arrays::{
 };
 pub(crate) use quota::{release_reserved, reserve_for};
 pub use reconcile::extra as reconciled_extra;
+pub(crate) use reconcile::fresh as measure_if_stale;
 
 use crate::real::real_cuda;
 use crate::table::Kind;

@@ -102,6 +102,7 @@ fn position(enf: &config::Enforce, dev: Device) -> Option<usize> {
 fn virtual_memory(dev: Device, real_total: u64, real_used: u64) -> Option<(u64, u64)> {
     let enf = config::enforce()?;
     let gpu = position(enf, dev)?;
+    crate::mem::measure_if_stale();
     if let Some(a) = proc().attach().as_ref() {
         let h = a.gpu(gpu);
         let total = h.ledger.quota().min(real_total);

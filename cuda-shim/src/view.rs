@@ -28,6 +28,7 @@ pub fn virtual_mem_on(gpu: usize, real_free: u64, real_total: u64) -> (u64, u64)
     };
     let p = proc();
     let _ = p.ensure_registered();
+    crate::mem::measure_if_stale();
     let guard = p.attach();
     let (quota, used) = match guard.as_ref() {
         Some(a) => (a.gpu(gpu).ledger.quota(), a.gpu(gpu).ledger.used()),

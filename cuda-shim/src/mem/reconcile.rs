@@ -243,6 +243,26 @@ fn reconcile_gpu(a: &crate::registration::Attach, gpu: usize, n: &Nvml, extra: &
     *extra = target;
 }
 
+/// How old a measurement may be when a program asks what is free.
+const FRESH: Duration = Duration::from_millis(2);
+
+/// Measures again unless the last measurement is under [`FRESH`] old, for
+/// the memory queries (`cuMemGetInfo`, `nvmlDeviceGetMemoryInfo`): what the
+/// driver took on its own since the last tick (a module loaded lazily at a
+/// kernel's first launch) is then already in the answer, as it is in the
+/// driver's per-process figure. vLLM sizes its KV cache from one such
+/// query right after its warm-up launches.
+pub(crate) fn fresh() {
+    if config::enforce().is_none() {
+        return;
+    }
+    let last = LAST_NS.load(Ordering::Acquire);
+    if last != 0 && now_ns().saturating_sub(last) < FRESH.as_nanos() as u64 {
+        return;
+    }
+    now();
+}
+
 /// Measures now (after a context, module or heap change).
 pub(crate) fn now() {
     LAST_NS.store(now_ns(), Ordering::Release);
