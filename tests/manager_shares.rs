@@ -256,3 +256,90 @@ async fn a_share_on_two_gpus_survives_a_manager_restart() {
     let m = u64::from(Env::minors(&resp)[0]);
     assert!(!held.contains(&m), "GPU {m} of {held:?} booked twice");
 }
+
+/// The TP = 2 serving workload (`test_support::shim::tp`) through the
+/// device plugins: a server pod (vcuda-core 100, vcuda-memory 32 over 2
+/// GPUs: 50 cores and 4 GiB on each) and a second tenant with the same
+/// annotation (50 cores and 2 GiB on each), both admitted by the kubelet
+/// emulator onto the same PCIe pair, each run with what its Allocate
+/// response gives a container (env, mounts, the GPUs it exposes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tp2_server_beside_a_second_tenant_through_the_device_plugins() {
+    use test_support::manager::container_env;
+    use test_support::shim::tp::{Programs, Tenant, Workload, ledgers_by_device, serve_beside};
+    let opts = Options {
+        extra_args: vec![
+            "--interposer".into(),
+            test_support::target_dir().join("libvcuda.so").into(),
+        ],
+        ..Options::default()
+    };
+    let mut env = Env::start("sim-4gpu-pcie", opts).await;
+    let tp2 = [("tencent.com/vcuda-gpus", r#"{"main": 2}"#)];
+    let server = env.pod(&[("main", 100, 32)], &tp2);
+    let rs = env.admit(&server, "main", 100, 32).await.unwrap();
+    let other = env.pod(&[("main", 100, 16)], &tp2);
+    let ro = env.admit(&other, "main", 100, 16).await.unwrap();
+    let mut pair = Env::minors(&rs);
+    pair.sort();
+    let mut beside = Env::minors(&ro);
+    beside.sort();
+    assert_eq!(pair, beside, "the fullest pair with room");
+
+    let (rs, ro) = (rs[VCORE].clone(), ro[VCORE].clone());
+    let state = env.sim.state();
+    // CUDA device r of a container is its r-th GPU in NVIDIA_VISIBLE_DEVICES.
+    let uuids: Vec<String> = rs.envs["NVIDIA_VISIBLE_DEVICES"]
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    let node_gpu = |u: &str| state.node().gpus.iter().position(|g| g.uuid == u).unwrap();
+    let gpus = [node_gpu(&uuids[0]), node_gpu(&uuids[1])];
+    assert_eq!(
+        ro.envs["NVIDIA_VISIBLE_DEVICES"], rs.envs["NVIDIA_VISIBLE_DEVICES"],
+        "both tenants' devices in the same order"
+    );
+    let ledgers = |pod: &kubelet_emulator::PodRef| {
+        ledgers_by_device(&env.vm_dir().join(&pod.uid).join("main"), &uuids)
+    };
+    let (ls, lo) = (ledgers(&server), ledgers(&other));
+    let tmp = tempfile::tempdir().unwrap();
+    let progs = Programs {
+        tp: test_support::compile_c("tp_serve", &env.sim, tmp.path()),
+        load: test_support::compile_c("multi_gpu", &env.sim, tmp.path()),
+        sock: tmp.path().join("tp.sock"),
+    };
+    // The manager's driver mirror lies outside the sim's root: its
+    // libraries find the node's state by GPU_SIM_ROOT.
+    let sim_root = env.sim_root().to_path_buf();
+    let in_container = |r: &vcuda_api::deviceplugin::v1beta1::ContainerAllocateResponse,
+                        p: &std::path::Path| {
+        let mut c = std::process::Command::new(p);
+        c.envs(container_env(r))
+            .env("GPU_SIM_ROOT", &sim_root)
+            .env_remove("LOGGER_LEVEL");
+        c
+    };
+    let ctx = state.node().gpus[gpus[0]].context_overhead_bytes() + 8 * (1 << 20);
+    tokio::task::block_in_place(|| {
+        serve_beside(
+            &state,
+            gpus,
+            &progs,
+            &Tenant {
+                command: &|p| in_container(&rs, p),
+                mem: [4 * GIB, 4 * GIB],
+                cores: [50.0; 2],
+                ledger_used: &|i| ls[i].used(),
+            },
+            &Tenant {
+                command: &|p| in_container(&ro, p),
+                mem: [2 * GIB, 2 * GIB],
+                cores: [50.0; 2],
+                ledger_used: &|i| lo[i].used(),
+            },
+            Workload::default(),
+            ctx,
+        )
+    });
+}

@@ -47,6 +47,7 @@
 #include <unistd.h>
 
 #include "cuda_driver.h"
+#include "ipc_socket.h"
 
 typedef void *CUevent;
 typedef struct {
@@ -175,88 +176,6 @@ static CUcontext primary(int ordinal) {
   check(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
   check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
   return ctx;
-}
-
-/* ---- the socket: bytes, and an fd with SCM_RIGHTS (NCCL's ncclIpcSocket) ---- */
-
-static int listen_on(const char *path) {
-  struct sockaddr_un a = {.sun_family = AF_UNIX};
-  int s = socket(AF_UNIX, SOCK_STREAM, 0);
-  strncpy(a.sun_path, path, sizeof a.sun_path - 1);
-  unlink(path);
-  if (s < 0 || bind(s, (struct sockaddr *)&a, sizeof a) || listen(s, 1)) {
-    perror("listen");
-    exit(1);
-  }
-  int c = accept(s, NULL, NULL);
-  close(s);
-  return c;
-}
-
-static int connect_to(const char *path) {
-  struct sockaddr_un a = {.sun_family = AF_UNIX};
-  strncpy(a.sun_path, path, sizeof a.sun_path - 1);
-  for (int i = 0; i < 500; i++) {
-    int s = socket(AF_UNIX, SOCK_STREAM, 0);
-    if (connect(s, (struct sockaddr *)&a, sizeof a) == 0)
-      return s;
-    close(s);
-    usleep(20000);
-  }
-  fprintf(stderr, "no server at %s\n", path);
-  exit(1);
-}
-
-static void send_all(int s, const void *b, size_t n) {
-  if (write(s, b, n) != (ssize_t)n) {
-    perror("write");
-    exit(1);
-  }
-}
-
-static void recv_all(int s, void *b, size_t n) {
-  size_t got = 0;
-  while (got < n) {
-    ssize_t r = read(s, (char *)b + got, n - got);
-    if (r <= 0) {
-      perror("read");
-      exit(1);
-    }
-    got += r;
-  }
-}
-
-static void send_fd(int s, int fd) {
-  char byte = 'f', ctl[CMSG_SPACE(sizeof(int))] = {0};
-  struct iovec iov = {&byte, 1};
-  struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl, .msg_controllen = sizeof ctl};
-  struct cmsghdr *c = CMSG_FIRSTHDR(&m);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  memcpy(CMSG_DATA(c), &fd, sizeof fd);
-  if (sendmsg(s, &m, 0) != 1) {
-    perror("sendmsg");
-    exit(1);
-  }
-}
-
-static int recv_fd(int s) {
-  char byte, ctl[CMSG_SPACE(sizeof(int))];
-  struct iovec iov = {&byte, 1};
-  struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl, .msg_controllen = sizeof ctl};
-  int fd = -1;
-  if (recvmsg(s, &m, 0) != 1) {
-    perror("recvmsg");
-    exit(1);
-  }
-  struct cmsghdr *c = CMSG_FIRSTHDR(&m);
-  if (!c || c->cmsg_type != SCM_RIGHTS) {
-    fprintf(stderr, "no fd received\n");
-    exit(1);
-  }
-  memcpy(&fd, CMSG_DATA(c), sizeof fd);
-  return fd;
 }
 
 /* The opener's pause: `opened` is printed, the test inspects the node

@@ -5,9 +5,10 @@
 //! run with what its CDI spec injects (`tests/c/multi_gpu.c`) gets a
 //! context on both GPUs and runs out of memory at each GPU's own 1 GiB,
 //! reserving through the ledgers the driver passed over `vcuda.sock`
-//! (registration protocol 2); the node's other GPUs are refused.
-//! Compute quotas under 100 % on several GPUs are refused by the
-//! interposer for now (docs/multi-gpu.md), hence 100 cores.
+//! (registration protocol 2); the node's other GPUs are refused. Then the
+//! TP = 2 serving workload (`test_support::shim::tp`) in a claim for 50
+//! cores and 4 GiB on each GPU, beside a second claim for 50 cores and
+//! 2 GiB on each: both held per GPU, memory and compute.
 //!
 //! Needs `cargo build --workspace` first (gpu-sim, its cdylibs, libvcuda.so).
 
@@ -58,44 +59,83 @@ fn settings(dirs: &Dirs) -> Settings {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shares_on_two_simulated_gpus_each_hold_their_own_memory() {
-    for a in ["gpu-sim", "libvcuda.so"] {
-        assert!(
-            target_dir().join(a).is_file(),
-            "{a} missing: run `cargo build --workspace` first"
-        );
-    }
-    let server = apiserver_emulator::ApiServer::start("127.0.0.1:0")
-        .await
-        .unwrap();
-    let dirs = Dirs::new();
-    let sim = dirs.p("sim");
-    sh(Command::new(target_dir().join("gpu-sim"))
-        .args(["install", "--node"])
-        .arg(workspace_root().join("config/nodes/sim-4gpu-pcie.toml"))
-        .arg("--root")
-        .arg(&sim));
-    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
-    let cancel = CancellationToken::new();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let daemon = tokio::spawn(run(settings(&dirs), cancel.clone(), Some(tx)));
-    tokio::time::timeout(Duration::from_secs(60), rx)
-        .await
-        .unwrap()
-        .unwrap();
-    let kubelet =
-        plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(20), false)
+/// The whole driver on the simulated 4-GPU node, registered with the
+/// emulated kubelet.
+struct Node {
+    server: apiserver_emulator::ApiServer,
+    dirs: Dirs,
+    cancel: CancellationToken,
+    daemon: tokio::task::JoinHandle<anyhow::Result<()>>,
+    kubelet: plugin::DraPlugin,
+}
+
+impl Node {
+    async fn start() -> Node {
+        for a in ["gpu-sim", "libvcuda.so"] {
+            assert!(
+                target_dir().join(a).is_file(),
+                "{a} missing: run `cargo build --workspace` first"
+            );
+        }
+        let server = apiserver_emulator::ApiServer::start("127.0.0.1:0")
             .await
             .unwrap();
+        let dirs = Dirs::new();
+        sh(Command::new(target_dir().join("gpu-sim"))
+            .args(["install", "--node"])
+            .arg(workspace_root().join("config/nodes/sim-4gpu-pcie.toml"))
+            .arg("--root")
+            .arg(dirs.p("sim")));
+        server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+        let cancel = CancellationToken::new();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let daemon = tokio::spawn(run(settings(&dirs), cancel.clone(), Some(tx)));
+        tokio::time::timeout(Duration::from_secs(60), rx)
+            .await
+            .unwrap()
+            .unwrap();
+        let kubelet =
+            plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(20), false)
+                .await
+                .unwrap();
+        Node {
+            server,
+            dirs,
+            cancel,
+            daemon,
+            kubelet,
+        }
+    }
 
-    let uid = two_gpu_claim(&server, "tp2", "100", "1Gi");
+    /// Prepares the claim `uid` (named `name`); the environment its CDI
+    /// spec gives a container.
+    async fn prepare(&self, name: &str, uid: &str) -> Vec<(String, String)> {
+        let claim = plugin::claim(NS, name, uid);
+        let r = self
+            .kubelet
+            .prepare(std::slice::from_ref(&claim))
+            .await
+            .unwrap();
+        let one = &r.claims[uid];
+        assert_eq!(one.error, "");
+        let edits = cdi::resolve(&self.dirs.p("cdi"), &one.devices[0].cdi_device_ids[0]).unwrap();
+        container_env(&edits)
+    }
+
+    async fn stop(self) {
+        self.cancel.cancel();
+        self.daemon.await.unwrap().unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shares_on_two_simulated_gpus_each_hold_their_own_memory() {
+    let node = Node::start().await;
+    let (server, dirs, kubelet) = (&node.server, &node.dirs, &node.kubelet);
+    let sim = dirs.p("sim");
+    let uid = two_gpu_claim(server, "tp2", "100", "1Gi");
+    let env = node.prepare("tp2", &uid).await;
     let claim = plugin::claim(NS, "tp2", &uid);
-    let r = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
-    let one = &r.claims[&uid];
-    assert_eq!(one.error, "");
-    let edits = cdi::resolve(&dirs.p("cdi"), &one.devices[0].cdi_device_ids[0]).unwrap();
-    let env = container_env(&edits);
 
     let prog = dirs.p("multi_gpu");
     sh(Command::new("gcc")
@@ -164,6 +204,88 @@ async fn shares_on_two_simulated_gpus_each_hold_their_own_memory() {
         .unwrap();
     assert_eq!(u.claims[&uid].error, "");
     assert!(!dirs.p("vm").join(&uid).exists());
-    cancel.cancel();
-    daemon.await.unwrap().unwrap();
+    node.stop().await;
+}
+
+/// The TP = 2 serving workload through the DRA driver: a claim for 50
+/// cores and 4 GiB on each of gpu-0 and gpu-1 runs the server, a second
+/// claim for 50 cores and 2 GiB on each the load beside it, each with what
+/// its CDI spec gives a container (the GPUs it exposes as
+/// `CUDA_VISIBLE_DEVICES`, in the spec's order).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tp2_server_beside_a_second_claim_is_held_per_gpu() {
+    use test_support::shim::tp::{Programs, Tenant, Workload, ledgers_by_device, serve_beside};
+    const GIB: u64 = 1 << 30;
+    let node = Node::start().await;
+    let dirs = &node.dirs;
+    let server_uid = two_gpu_claim_nth(&node.server, "server", "50", "4Gi", 0);
+    let other_uid = two_gpu_claim_nth(&node.server, "other", "50", "2Gi", 1);
+    let exposed = |mut env: Vec<(String, String)>| {
+        let v = env
+            .iter()
+            .find(|(k, _)| k == "NVIDIA_VISIBLE_DEVICES")
+            .map(|(_, v)| v.clone())
+            .expect("NVIDIA_VISIBLE_DEVICES in the CDI edits");
+        env.push(("CUDA_VISIBLE_DEVICES".into(), v));
+        env
+    };
+    let env_s = exposed(node.prepare("server", &server_uid).await);
+    let env_o = exposed(node.prepare("other", &other_uid).await);
+    let uuids: Vec<String> = env_s
+        .iter()
+        .find(|(k, _)| k == "CUDA_VISIBLE_DEVICES")
+        .unwrap()
+        .1
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    let state = test_support::sim::state_at(&dirs.p("sim"));
+    let node_gpu = |u: &str| state.node().gpus.iter().position(|g| g.uuid == u).unwrap();
+    let gpus = [node_gpu(&uuids[0]), node_gpu(&uuids[1])];
+    let vm = |uid: &str| dirs.p("vm").join(uid).join("gpus");
+    let (ls, lo) = (
+        ledgers_by_device(&vm(&server_uid), &uuids),
+        ledgers_by_device(&vm(&other_uid), &uuids),
+    );
+    let lib = dirs.p("sim").join("usr/lib/x86_64-linux-gnu");
+    let progs = Programs {
+        tp: dirs.p("tp_serve"),
+        load: dirs.p("multi_gpu_load"),
+        sock: dirs.p("tp.sock"),
+    };
+    for (src, out) in [("tp_serve", &progs.tp), ("multi_gpu", &progs.load)] {
+        test_support::sim::gcc_lcuda(
+            &workspace_root().join(format!("tests/c/{src}.c")),
+            &lib,
+            out,
+        );
+    }
+    let in_claim = |env: &Vec<(String, String)>, p: &std::path::Path| {
+        let mut c = Command::new(p);
+        c.envs(env.iter().cloned()).env_remove("LOGGER_LEVEL");
+        c
+    };
+    let ctx = state.node().gpus[gpus[0]].context_overhead_bytes() + 8 * MIB;
+    tokio::task::block_in_place(|| {
+        serve_beside(
+            &state,
+            gpus,
+            &progs,
+            &Tenant {
+                command: &|p| in_claim(&env_s, p),
+                mem: [4 * GIB, 4 * GIB],
+                cores: [50.0; 2],
+                ledger_used: &|i| ls[i].used(),
+            },
+            &Tenant {
+                command: &|p| in_claim(&env_o, p),
+                mem: [2 * GIB, 2 * GIB],
+                cores: [50.0; 2],
+                ledger_used: &|i| lo[i].used(),
+            },
+            Workload::default(),
+            ctx,
+        )
+    });
+    node.stop().await;
 }

@@ -128,6 +128,18 @@ pub fn share_claim(
 /// request, `count: 2`), allocated on gpu-0 and gpu-1 as the scheduler
 /// would (the emulated allocator places count 1 only).
 pub fn two_gpu_claim(server: &ApiServer, name: &str, cores: &str, memory: &str) -> String {
+    two_gpu_claim_nth(server, name, cores, memory, 0)
+}
+
+/// [`two_gpu_claim`] as the `nth` claim allocated on gpu-0 and gpu-1: its
+/// own share IDs, so several such claims share the two GPUs.
+pub fn two_gpu_claim_nth(
+    server: &ApiServer,
+    name: &str,
+    cores: &str,
+    memory: &str,
+    nth: u32,
+) -> String {
     let c = server
         .create(
             Kind::ResourceClaim,
@@ -143,7 +155,7 @@ pub fn two_gpu_claim(server: &ApiServer, name: &str, cores: &str, memory: &str) 
     let result = |gpu: u32| {
         json!({"request": "gpus", "driver": "vcuda.tencent.com", "pool": NODE,
                "device": format!("gpu-{gpu}"),
-               "shareID": format!("0000000{gpu}-0000-4000-8000-000000000000"),
+               "shareID": format!("{nth:07x}{gpu}-0000-4000-8000-000000000000"),
                "consumedCapacity": {"cores": cores, "memory": memory}})
     };
     let allocation = json!({"devices": {"results": [result(0), result(1)], "config": []}});

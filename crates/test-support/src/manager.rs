@@ -339,6 +339,33 @@ impl Env {
     }
 }
 
+/// The environment a container admitted with `resp` runs in, on this
+/// host: the response's env with container paths under its mounts made
+/// host paths, `VCUDA_CONFIG_DIR` at the host side of `/etc/vcuda`, and
+/// `CUDA_VISIBLE_DEVICES` = `NVIDIA_VISIBLE_DEVICES` (the GPUs the
+/// container runtime would expose, in that order).
+pub fn container_env(resp: &ContainerAllocateResponse) -> Vec<(String, String)> {
+    let host = |v: &str| {
+        resp.mounts
+            .iter()
+            .find_map(|m| {
+                v.strip_prefix(m.container_path.as_str())
+                    .map(|rest| format!("{}{rest}", m.host_path))
+            })
+            .unwrap_or_else(|| v.to_string())
+    };
+    let mut env: Vec<(String, String)> = resp
+        .envs
+        .iter()
+        .map(|(k, v)| (k.clone(), host(v)))
+        .collect();
+    env.push(("VCUDA_CONFIG_DIR".into(), host(quota_config::CONTAINER_DIR)));
+    if let Some(v) = resp.envs.get("NVIDIA_VISIBLE_DEVICES") {
+        env.push(("CUDA_VISIBLE_DEVICES".into(), v.clone()));
+    }
+    env
+}
+
 impl Drop for Env {
     fn drop(&mut self) {
         // SAFETY: SIGTERM to our own child, not yet reaped.

@@ -44,10 +44,20 @@ impl SimNode {
         self.dir.path()
     }
 
+    /// The node's shared state (its GPUs, timeline, memory).
+    pub fn state(&self) -> gpu_sim_core::SharedState {
+        state_at(self.root())
+    }
+
     /// The multiarch library directory holding libcuda.so.1 and libnvidia-ml.so.1.
     pub fn lib_dir(&self) -> PathBuf {
         self.root().join("usr/lib/x86_64-linux-gnu")
     }
+}
+
+/// The shared state of the sim installed at `root`.
+pub fn state_at(root: &Path) -> gpu_sim_core::SharedState {
+    gpu_sim_core::SharedState::open(&gpu_sim_core::SimRoot::new(root)).unwrap()
 }
 
 /// Compiles a C test program from `tests/c/<name>.c` against the node's
