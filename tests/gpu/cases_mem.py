@@ -14,6 +14,7 @@ BLOCK = 256 << 20
 # it and what the interposer charged (2 MiB pages, context estimates).
 SLACK = 128 << 20
 START_S = 90  # worker start-up budget: importing torch and a first context
+ALLOC_CONF = {"torch-async": "backend:cudaMallocAsync", "torch-expandable": "expandable_segments:True"}
 
 
 def need_torch(node, api):
@@ -23,7 +24,7 @@ def need_torch(node, api):
 
 def _fill_rows(node, name, api, n_workers=1, refill=False):
     need_torch(node, api)
-    extra = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"} if api == "torch-async" else {}
+    extra = {"PYTORCH_CUDA_ALLOC_CONF": ALLOC_CONF[api]} if api in ALLOC_CONF else {}
     args = [api, BLOCK, QUOTA + 4 * BLOCK] + (["--refill"] if refill else [])
     with Container(node, name, QUOTA) as c, Sampler(node.nvml) as s:
         workers, readies = [], []
@@ -79,6 +80,10 @@ def oom(node, api):
     readies, results, pids, reg, s = _fill_rows(node, name, api)
     status, measured = _judge_fill(results, s, pids, reg)
     backend = readies[0].get("backend", "")
+    if api == "torch-expandable":
+        backend += ", expandable segments"
+        if not results[0].get("expandable"):
+            status, measured = FAIL, "no expandable segment in torch.cuda.memory_snapshot(); " + measured
     return Row(f"{api}: 256 MiB blocks to OOM [{backend}]", OOM_EXPECT, measured, status)
 
 
@@ -151,3 +156,41 @@ def nvidia_smi(node):
                f"memory.total = {quota_mib} MiB, 1024 <= used <= total, apps = the container's only; table shows it",
                f"total {total} MiB, used {used} MiB, apps {sorted(listed)} (inside {inside.pids} "
                f"[{inside.pids.how}], outside {outside.pids})", PASS if ok else FAIL)
+
+
+IPC_BYTES = GIB
+# What opening an IPC handle may take beyond the opened bytes (the driver's
+# mapping bookkeeping); far below the 1 GiB a double charge would show.
+IPC_SLACK = 64 << 20
+
+
+def ipc(node):
+    """Two processes of one container pass a 1 GiB tensor over CUDA IPC
+    (torch.multiprocessing): the opener sees the bytes and the exporter the
+    opener's writes; opening charges the container nothing more (both views
+    drop by at most IPC_SLACK); NVML's per-process sum over the container's
+    processes stays within the quota at every sample."""
+    need_torch(node, "torch")
+    before = set()
+    if node.nvml:
+        try:
+            before = set(node.nvml.processes())
+        except RuntimeError:
+            pass
+    with Container(node, "ipc-torch", QUOTA) as c, Sampler(node.nvml) as s, \
+            Worker(node, "ipc.py", [IPC_BYTES], c.env()) as w:
+        w.wait_for("ready", START_S)
+        w.go()
+        r = w.wait_for("result", 120)["result"]
+        time.sleep(0.5)  # samples of both holding everything
+    exp_drop = r["exporter_before"][0] - r["exporter_after"][0]
+    opn_drop = r["opener_before"][0] - r["opener_after"][0]
+    mine = sorted({p for sample in s.samples for p in sample} - before)
+    ok_nvml, nvml_txt = check_nvml_peak(s, mine, QUOTA)
+    ok = r["intact"] and r["written_by_opener"] == 9 and exp_drop <= IPC_SLACK and opn_drop <= IPC_SLACK \
+        and ok_nvml and len(mine) == 2
+    return Row("torch: a 1 GiB tensor over CUDA IPC between two processes of the share",
+               f"bytes intact both ways; opening drops neither view's free by > {mib(IPC_SLACK)}; "
+               f"NVML sum of the container's 2 processes <= {mib(QUOTA)}",
+               f"intact {r['intact']}, opener wrote {r['written_by_opener']}; free drop at open: exporter "
+               f"{mib(exp_drop)}, opener {mib(opn_drop)}; {nvml_txt} (PIDs {mine})", PASS if ok else FAIL)

@@ -30,6 +30,9 @@ from harness import FAIL, NOT_RUN, PASS, NotRun, Row  # noqa: E402
 CASES = [
     ("oom-torch", "torch: 256 MiB blocks to OOM", lambda n: cases_mem.oom(n, "torch")),
     ("oom-driver", "driver: 256 MiB blocks to OOM", lambda n: cases_mem.oom(n, "driver")),
+    ("oom-torch-expandable", "torch-expandable: 256 MiB blocks to OOM",
+     lambda n: cases_mem.oom(n, "torch-expandable")),
+    ("ipc-torch", "torch: a 1 GiB tensor over CUDA IPC between two processes of the share", cases_mem.ipc),
     ("meminfo-torch", "torch: torch.cuda.mem_get_info", lambda n: cases_mem.mem_get_info(n, "torch")),
     ("meminfo-driver", "driver: cuMemGetInfo", lambda n: cases_mem.mem_get_info(n, "driver")),
     ("race-torch", "torch: two processes racing to OOM", lambda n: cases_mem.race(n, "torch")),

@@ -6,6 +6,7 @@ that need PyTorch or nvcc must say NOT RUN (never PASS)."""
 import importlib.util
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -83,7 +84,8 @@ def test_suite_on_the_simulated_node(artifacts, tmp_path):
     assert 15 <= got <= 45, share  # throttled (loose: a loaded CI machine)
     row("1-block + 10,000-block kernel mix (sim: fake image): launch waits")
     if importlib.util.find_spec("torch") is None:
-        for prefix in ("torch: 256", "torch: torch.cuda", "torch: two", "torch-async", "torch: CUDA graph"):
+        for prefix in ("torch: 256", "torch: torch.cuda", "torch: two", "torch-async", "torch: CUDA graph",
+                       "torch-expandable", "torch: a 1 GiB tensor"):
             assert row(prefix)["status"] == "NOT RUN", row(prefix)
     # Exit status follows the rows: 1 with any FAIL, 0 otherwise (NOT RUN allowed in --sim).
     assert p.returncode == (1 if any(r["status"] == "FAIL" for r in rows) else 0), log
@@ -118,3 +120,27 @@ def test_pid_map_correlates_when_nvml_speaks_of_an_unseen_namespace():
     assert (hidden.local, hidden.nvml, hidden.how) == (os.getpid(), 900001, "correlated")
     both = pidmap.resolve(os.getpid(), os.getpid(), {7, 900001, 900002}, {7})
     assert both.nvml is None and "unknown" in both.how
+
+
+def test_torch_rows_of_shares_on_the_simulated_node(artifacts, tmp_path):
+    # The rows that need PyTorch, with PyPI's torch (tests/run.sh installs it
+    # into $VCUDA_TORCH_SITE) on the simulated node: the caching allocator
+    # with expandable segments filled to OOM at the quota, and a 1 GiB tensor
+    # passed over CUDA IPC between two processes of one share
+    # (torch.multiprocessing), charged once.
+    site = os.environ.get("VCUDA_TORCH_SITE")
+    if not site or not (pathlib.Path(site) / "torch").is_dir():
+        msg = "torch is not installed: tests/run.sh installs torch==2.15.0 into $VCUDA_TORCH_SITE"
+        if os.environ.get("VCUDA_REQUIRE_ALL") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    env = dict(os.environ, PYTHONPATH=site)
+    p = subprocess.run(["bash", str(REPO / "tests" / "gpu" / "run.sh"), "--sim", "--artifacts", str(artifacts),
+                        "--only", "oom-torch-expandable,ipc-torch", "--json", str(tmp_path / "rows.json")],
+                       capture_output=True, text=True, timeout=300, env=env)
+    log = p.stdout + p.stderr
+    assert (tmp_path / "rows.json").exists(), log
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["status"] for r in rows] == ["PASS"] * 3, log
+    assert "expandable segments" in rows[1]["case"] and "stop OOM" in rows[1]["measured"], rows[1]
+    assert "intact True, opener wrote 9" in rows[2]["measured"], rows[2]

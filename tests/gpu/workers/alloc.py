@@ -2,9 +2,12 @@
 them until stdin closes, and reports how many it got.
 
 usage: alloc.py API BLOCK CAP [--refill]
-  API: torch (caching allocator), torch-async (PYTORCH_CUDA_ALLOC_CONF=
-       backend:cudaMallocAsync, set by the harness), driver (cuMemAlloc),
-       driver-async (cuMemAllocAsync on a stream's default pool)
+  API: torch (caching allocator), torch-expandable (the same with
+       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: cuMemCreate'd
+       handles mapped into one growing range), torch-async
+       (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync; both set by the
+       harness), driver (cuMemAlloc), driver-async (cuMemAllocAsync on a
+       stream's default pool)
   CAP: stop (and say so) after this many bytes: the quota is not enforced
   --refill: after the first OOM free everything and fill again (pool reuse)
 """
@@ -33,6 +36,11 @@ def torch_api():
     info = lambda: tuple(torch.cuda.mem_get_info())  # noqa: E731
     backend = getattr(torch.cuda, "get_allocator_backend", lambda: "native (old torch)")()
     return alloc, release, info, backend
+
+
+def expandable(torch):
+    """Whether the caching allocator's segments are expandable ones."""
+    return any(s.get("is_expandable") for s in torch.cuda.memory_snapshot())
 
 
 def driver_api(is_async):
@@ -69,7 +77,7 @@ def fill(alloc, block, cap, held):
 def run():
     api, block, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     refill = "--refill" in sys.argv[4:]
-    if api in ("torch", "torch-async"):
+    if api in ("torch", "torch-expandable", "torch-async"):
         alloc, release, info, backend = torch_api()
     elif api in ("driver", "driver-async"):
         alloc, release, info, backend = driver_api(api == "driver-async")
@@ -81,6 +89,10 @@ def run():
     held = []
     stop = fill(alloc, block, cap, held)
     out = {"blocks": len(held), "stop": stop, "info_at_oom": list(info())}
+    if api == "torch-expandable":
+        import torch
+
+        out["expandable"] = expandable(torch)
     if refill:
         release(held)
         out["info_after_free"] = list(info())
