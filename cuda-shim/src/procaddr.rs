@@ -8,7 +8,7 @@
 //! wrapper of *the variant the driver handed out*. Which variant that is:
 //! first, the exported symbol the driver's pointer equals — NVIDIA's 535 and
 //! 550 drivers hand out their own exports for every name, version and flag
-//! (tests/nvidia_procaddr.rs asks them all), and that answer beats any table:
+//! (tests/nvidia_oracle.rs asks them all), and that answer beats any table:
 //! a 12.2 driver asked at 12.8 hands out `cuCtxCreate_v3`, not the `_v4` a
 //! table of CUDA 12.8's headers names, and `cuGraphInstantiate` at 12.0 is
 //! `cuGraphInstantiate_v2`, not `cuGraphInstantiateWithFlags`. Only a pointer

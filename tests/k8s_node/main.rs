@@ -10,6 +10,9 @@
 //!  1. the real `gpu-manager` binary on the host: both resources on the node
 //!     (400 / 240), a share's `-lcuda` and cudart-style programs see the quota
 //!     as the card and are refused past it, two shares at 30/70 on one GPU;
+//!  1b. a TP = 2 server pod (`tencent.com/vcuda-gpus`) beside a second
+//!     tenant's pod on the same pair: each rank's memory rules, the other's
+//!     quota per GPU, both held to 50 % on each GPU (`phase_tp.rs`);
 //!  2. 20 live pods, the manager killed with -9 and restarted: quotas kept,
 //!     a new process registers; kubelet restarted: resources back, pods
 //!     undisturbed; pods deleted: allocations released;
@@ -35,6 +38,7 @@ mod deploy;
 mod host_manager;
 mod phase1;
 mod phase2;
+mod phase_tp;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -106,6 +110,8 @@ fn real_node_suite() {
     let tc = workspace_root().join("tests/c");
     compile(&w, &tc.join("shim_client.c"), "shim_client", true);
     compile(&w, &tc.join("shim_compute.c"), "shim_compute", true);
+    compile(&w, &tc.join("tp_serve.c"), "tp_serve", true);
+    compile(&w, &tc.join("multi_gpu.c"), "multi_gpu", true);
     compile(
         &w,
         &workspace_root().join("tests/k8s/c/cudart_loader.c"),
@@ -139,5 +145,6 @@ fn real_node_suite() {
 /// Phases 1 and 2: the real gpu-manager binary on the host.
 fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     let (mut m, state) = phase1::run(c, w, figures);
+    phase_tp::run(c, w, figures, &state);
     phase2::run(c, w, figures, &mut m, &state);
 }
