@@ -131,6 +131,48 @@ impl Law {
         }
     }
 
+    /// The law of a kernel of a binary image (a real fatbinary or cubin,
+    /// which declares none): drawn from the kernel's name, so every kernel
+    /// of a real library has a law of its own that its launch shape does
+    /// not show — occupancy cut by registers or shared memory, a
+    /// memory-bound kernel that saturates with its grid, one that ignores
+    /// its grid — at 0.5 to 2.4 times the node's `block_ns`, with up to
+    /// 10 % jitter. A real GPU's kernels differ by their bodies; these by
+    /// their names, the one thing of a body the simulator has.
+    pub fn undeclared(name: &str, gpu: &GpuSpec, block_ns: u64) -> Law {
+        let h = mix(name.bytes().fold(FNV_OFFSET, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(FNV_PRIME)
+        }));
+        let pick = |shift: u32, n: u64| (h >> shift) % n;
+        let ns = block_ns as f64 * (0.5 + pick(8, 16) as f64 / 8.0);
+        let shape = match pick(0, 4) {
+            0 | 1 => Shape::Waves {
+                block_ns: ns,
+                tail: 0.2 + pick(12, 8) as f64 / 10.0,
+            },
+            2 => {
+                // Saturates at full occupancy; a grid of 256-thread blocks
+                // that fills the device once takes about `ns`.
+                let threads = f64::from(gpu.sm_count) * f64::from(gpu.max_threads_per_sm);
+                let gbps = 1_000.0;
+                Shape::Bandwidth {
+                    bytes_per_block: ns * gbps / (threads / 256.0),
+                    gbps,
+                    saturate_threads: threads,
+                    launch_ns: ns / 4.0,
+                }
+            }
+            _ => Shape::Fixed { ns },
+        };
+        Law {
+            shape,
+            noise: pick(16, 11) as f64 / 100.0,
+            arg_ns: 0.0,
+            regs: [32, 64, 96, 128][pick(24, 4) as usize],
+            smem: if pick(28, 4) == 0 { 32 << 10 } else { 0 },
+        }
+    }
+
     /// Device time of one launch on `gpu`. `random`: a uniformly random
     /// 64-bit word for the jitter (ignored without noise).
     pub fn duration_ns(&self, gpu: &GpuSpec, l: Launch, random: u64) -> u64 {
@@ -249,6 +291,16 @@ impl Law {
     }
 }
 
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+/// splitmix64's finaliser: every bit of `h` reaches every bit.
+fn mix(mut h: u64) -> u64 {
+    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
 /// Shared memory of one SM by compute capability (what a block may use).
 fn shared_per_sm(gpu: &GpuSpec) -> u64 {
     match gpu.compute_capability() {
@@ -301,6 +353,52 @@ mod tests {
             Launch::new([grid, 1, 1], [threads, 1, 1], shared),
             0,
         )
+    }
+
+    /// Kernel names as real libraries carry them (mangled).
+    fn names() -> Vec<String> {
+        (0..64)
+            .map(|i| format!("_ZN2at6native29vectorized_elementwise_kernelILi{i}EEvi"))
+            .collect()
+    }
+
+    #[test]
+    fn binary_kernels_get_laws_their_launch_shape_does_not_show() {
+        let gpu = a100();
+        let laws: Vec<Law> = names()
+            .iter()
+            .map(|n| Law::undeclared(n, &gpu, 10_000))
+            .collect();
+        // A kernel's law is its own, the same at every load.
+        assert_eq!(laws[7], Law::undeclared(&names()[7], &gpu, 10_000));
+        let kinds = |f: fn(&Shape) -> bool| laws.iter().filter(|l| f(&l.shape)).count();
+        assert!(kinds(|s| matches!(s, Shape::Waves { .. })) >= 16);
+        assert!(kinds(|s| matches!(s, Shape::Bandwidth { .. })) >= 8);
+        assert!(kinds(|s| matches!(s, Shape::Fixed { .. })) >= 8);
+        assert!(laws.iter().any(|l| l.regs > 32) && laws.iter().any(|l| l.smem > 0));
+        // One launch shape, 8 waves of 256-thread blocks as the threads
+        // alone allow: what a wave-priced launch costs is the same for all,
+        // what the device takes is not. The slowest takes over 4 times the
+        // fastest per wave priced, and over a sixth of them (the grid-blind)
+        // grow less than 4 times from 1 wave to 8.
+        let at = |l: &Law, waves: u32| {
+            l.duration_ns(
+                &gpu,
+                Launch::new([864 * waves, 1, 1], [256, 1, 1], 0),
+                1 << 52,
+            ) as f64
+        };
+        let per_wave: Vec<f64> = laws.iter().map(|l| at(l, 8) / 8.0).collect();
+        let (lo, hi) = per_wave
+            .iter()
+            .fold((f64::MAX, 0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        assert!(hi > 4.0 * lo, "{lo} .. {hi} ns per wave");
+        let flat = laws.iter().filter(|l| at(l, 8) < 4.0 * at(l, 1)).count();
+        assert!(
+            flat * 6 > laws.len(),
+            "{flat} of {} grow slowly",
+            laws.len()
+        );
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! to run it); functions are looked up by name and are what launches take.
 //! A loaded image takes its size in device memory (charged to the current
 //! context, see `charge.rs`) until unloaded. A text image may declare each
-//! kernel's timing law (`gpu_sim_core::law`); a kernel it does not name,
-//! and every kernel of a binary image, follows the node's default law.
+//! kernel's timing law (`gpu_sim_core::law`); a kernel it does not name
+//! follows the node's default law, and every kernel of a binary image (a
+//! real fatbinary or cubin) a law drawn from its name (`Law::undeclared`).
 
 use crate::charge;
 use crate::ctx::current;
@@ -32,47 +33,52 @@ pub(crate) struct Func {
 struct Module {
     magic: u64,
     funcs: Mutex<HashMap<Box<str>, Box<Func>>>,
-    /// Laws the image declared, by kernel name.
-    laws: HashMap<Box<str>, Law>,
+    /// Laws a text image declared, by kernel name; `None`: a binary image.
+    laws: Option<HashMap<Box<str>, Law>>,
 }
 
 /// The laws a text image declares; a malformed declaration makes the image
-/// invalid, as malformed PTX is. Binary images (fatbinary, ELF) declare none.
-fn laws_of(image: &[u8]) -> R<HashMap<Box<str>, Law>> {
-    const BINARY: [u32; 3] = [0x466243b1, 0xba55ed50, 0x464c457f];
+/// invalid, as malformed PTX is. Binary images (fatbinary, ELF; `None`
+/// from [`image_text`]) declare none: `None`.
+fn laws_of(image: Option<&[u8]>) -> R<Option<HashMap<Box<str>, Law>>> {
+    let Some(image) = image else {
+        return Ok(None);
+    };
     let magic = image.first_chunk::<4>().map(|m| u32::from_le_bytes(*m));
     if magic.is_some_and(|m| BINARY.contains(&m)) {
-        return Ok(HashMap::new());
+        return Ok(None);
     }
     let (laws, errors) = law::declared(&String::from_utf8_lossy(image));
     if let Some(e) = errors.first() {
         eprintln!("gpu-sim: module image: {e}");
         return Err(CUDA_ERROR_INVALID_PTX);
     }
-    Ok(laws.into_iter().map(|(n, l)| (n.into(), l)).collect())
+    Ok(Some(laws.into_iter().map(|(n, l)| (n.into(), l)).collect()))
 }
 
-/// The text of an in-memory image up to its NUL; nothing for a binary
-/// image (a fatbinary, its wrapper, an ELF cubin: declared by their magic).
+/// Magic words of binary images: fatbinary wrapper, fatbinary, ELF.
+const BINARY: [u32; 3] = [0x466243b1, 0xba55ed50, 0x464c457f];
+
+/// The text of an in-memory image up to its NUL; `None` for a binary
+/// image (a fatbinary, its wrapper, an ELF cubin: known by their magic).
 ///
 /// # Safety
 /// `image` points to a module image as `cuModuleLoadData` accepts it.
-unsafe fn image_text<'a>(image: *const u8) -> &'a [u8] {
-    const BINARY: [u32; 3] = [0x466243b1, 0xba55ed50, 0x464c457f];
+unsafe fn image_text<'a>(image: *const u8) -> Option<&'a [u8]> {
     let mut head = [0u8; 4];
     for (i, b) in head.iter_mut().enumerate() {
         // SAFETY: the contract: a binary image has its 4-byte magic and a text image is
         // NUL-terminated; reading stops at the first NUL.
         *b = unsafe { *image.add(i) };
         if *b == 0 {
-            return &[];
+            return Some(&[]);
         }
     }
     if BINARY.contains(&u32::from_le_bytes(head)) {
-        return &[];
+        return None;
     }
     // SAFETY: not binary, so NUL-terminated text (the contract).
-    unsafe { CStr::from_ptr(image.cast()) }.to_bytes()
+    Some(unsafe { CStr::from_ptr(image.cast()) }.to_bytes())
 }
 
 /// The law of a `CUfunction` a graph node kept (the default once its module
@@ -85,7 +91,7 @@ pub(crate) fn law_of(f: usize, default_block_ns: u64) -> Law {
 
 /// Loads a module of `bytes` device bytes with the kernel laws `laws`
 /// (charged to the current context, if any: libraries load without one).
-unsafe fn load(out: *mut *mut c_void, bytes: u64, laws: HashMap<Box<str>, Law>) -> R {
+unsafe fn load(out: *mut *mut c_void, bytes: u64, laws: Option<HashMap<Box<str>, Law>>) -> R {
     let d = drv()?;
     if out.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
@@ -154,11 +160,18 @@ unsafe fn get_function(out: *mut *mut c_void, m: *mut c_void, name: *const c_cha
     if name.is_empty() {
         return Err(CUDA_ERROR_NOT_FOUND);
     }
-    let law = m
-        .laws
-        .get(name)
-        .copied()
-        .unwrap_or_else(|| Law::default_for(d.node().kernel_wave_ns));
+    let wave_ns = d.node().kernel_wave_ns;
+    let law = match &m.laws {
+        Some(laws) => laws
+            .get(name)
+            .copied()
+            .unwrap_or_else(|| Law::default_for(wave_ns)),
+        None => {
+            // The current context's GPU (libraries load without one: the first).
+            let gpu = current().map_or(0, |c| c.gpu);
+            Law::undeclared(name, &d.node().gpus[gpu], wave_ns)
+        }
+    };
     let mut funcs = lock(&m.funcs);
     let f = funcs.entry(name.into()).or_insert_with(|| {
         Box::new(Func {
@@ -215,7 +228,7 @@ cuda_fn! {
             .ok()
             .filter(|m| m.is_file())
             .ok_or(CUDA_ERROR_FILE_NOT_FOUND)?;
-        let laws = laws_of(&std::fs::read(path).map_err(|_| CUDA_ERROR_FILE_NOT_FOUND)?)?;
+        let laws = laws_of(Some(&std::fs::read(path).map_err(|_| CUDA_ERROR_FILE_NOT_FOUND)?))?;
         // SAFETY: `load` gets the pointers and handles our caller passed in, which the CUDA
         // ABI makes valid for this call (or NULL, checked there); handles are ones this
         // driver handed out or are rejected by their magic.
