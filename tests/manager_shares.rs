@@ -343,3 +343,30 @@ async fn a_tp2_server_beside_a_second_tenant_through_the_device_plugins() {
         )
     });
 }
+
+/// No two GPUs have room for a share's part: Allocate is refused with what
+/// was asked and what each GPU has free (the message kubelet puts in the
+/// pod's events), and nothing is booked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_on_two_gpus_is_refused_when_no_pair_has_room() {
+    let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
+    // 60 cores on three GPUs (one each: 40 free beside a 60), GPU 3 idle.
+    for _ in 0..3 {
+        let p = env.pod(&[("main", 60, 8)], &[]);
+        env.admit(&p, "main", 60, 8).await.unwrap();
+    }
+    let tp = env.pod(
+        &[("main", 100, 32)],
+        &[("tencent.com/vcuda-gpus", r#"{"main": 2}"#)],
+    );
+    let err = env.admit(&tp, "main", 100, 32).await.unwrap_err();
+    let m = err.to_string();
+    assert!(
+        m.contains("shares of 50 cores and 16 memory units (4096 MiB) on each of 2 GPUs requested"),
+        "{m}"
+    );
+    assert!(m.contains("1 GPU(s) have room"), "{m}");
+    assert!(m.contains("free per GPU: GPU0 "), "{m}");
+    assert!(!env.vm_dir().join(&tp.uid).exists());
+    assert_eq!(env.allocation_count(), 3);
+}
