@@ -13,6 +13,9 @@
 //!   the GPUs with room, ranked as whole-GPU sets (NVLink, then PCIe
 //!   closeness), then the fullest set; [`Placement::Shares`].
 //!
+//! A node's GPUs as its manager publishes them for a cluster-wide
+//! scheduler ([`inventory`]): rebuilds the same [`Topology`] elsewhere.
+//!
 //! See README.md for the rules in full and an example rendering.
 //!
 //! ```
@@ -50,6 +53,7 @@
 
 mod allocator;
 mod error;
+pub mod inventory;
 mod render;
 mod select;
 mod shares;

@@ -23,7 +23,7 @@ use crate::manager::{Manager, ManagerConfig, ManagerParts};
 use crate::plugin::{VcorePlugin, VmemoryPlugin};
 use crate::pods;
 use crate::runtime;
-use crate::tasks::{AllocationCheck, PodRelease};
+use crate::tasks::{AllocationCheck, InventoryPublish, PodRelease};
 use crate::world::{ContainerRuntime, World};
 
 /// A Kubernetes label value from free text (GPU model names have spaces).
@@ -74,7 +74,7 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         "step 4/6: API server in sync"
     );
 
-    let mgr = build_manager(&s, allocator, &found, extra, client, pods).await;
+    let mgr = build_manager(&s, allocator, &found, extra, client.clone(), pods).await;
     let (recovery, restored) = restore(&mgr).await;
     let health = node_agent::health::watch(
         nvml.clone(),
@@ -92,6 +92,13 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
     .spawn(cancel.clone());
     mgr.spawn_lazy_flush(cancel.clone());
     PodRelease { mgr: mgr.clone() }.spawn(cancel.clone());
+    InventoryPublish {
+        mgr: mgr.clone(),
+        client,
+        node: s.node_name.clone(),
+        period: Duration::from_secs(2),
+    }
+    .spawn(cancel.clone());
     tracing::info!(ms = ms(t0), restored, "step 5/6: state ready");
 
     let metrics = display.metrics();

@@ -212,6 +212,21 @@ async fn patch_pod(client: &Client, job: &PatchJob) -> Result<(), String> {
     unreachable!("the loop returns")
 }
 
+/// Sets one annotation on the node (a merge patch: others untouched).
+pub async fn annotate_node(
+    client: &Client,
+    node: &str,
+    key: &str,
+    value: &str,
+) -> Result<(), String> {
+    let api: Api<Node> = Api::all(client.clone());
+    let body = serde_json::json!({"metadata": {"annotations": {key: value}}});
+    api.patch(node, &PatchParams::default(), &Patch::Merge(&body))
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("annotating node {node} with {key}: {e}"))
+}
+
 /// Puts `labels` on the node; a missing node is logged, not fatal.
 pub async fn label_node(client: &Client, node: &str, labels: &BTreeMap<String, String>) {
     if labels.is_empty() {

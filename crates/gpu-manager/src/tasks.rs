@@ -2,7 +2,8 @@
 //! started by [`crate::daemon::run`] once the state is restored. The pod
 //! watch (`kube_api::PodWatch`: watcher and reflector) feeds
 //! [`PodRelease`]; [`AllocationCheck`] is the periodic reconciliation;
-//! GPU health is [`crate::health::spawn`] over `node_agent::health`.
+//! GPU health is [`crate::health::spawn`] over `node_agent::health`;
+//! [`InventoryPublish`] keeps the node's GPU inventory on its Node object.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,6 +53,44 @@ impl AllocationCheck {
                 tokio::select! {
                     _ = cancel.cancelled() => return,
                     _ = t.tick() => self.mgr.check_allocations(grace).await,
+                }
+            }
+        });
+    }
+}
+
+/// The node's GPU inventory (`gpu_allocator::inventory`: GPUs, topology,
+/// health, share mode) in the Node annotation the scheduler extender reads:
+/// at start, then whenever it changes (a GPU's health), checked every
+/// `period`. A failed patch is retried at the next check.
+pub struct InventoryPublish {
+    pub mgr: Arc<Manager>,
+    pub client: kube::Client,
+    pub node: String,
+    pub period: Duration,
+}
+
+impl InventoryPublish {
+    pub fn spawn(self, cancel: CancellationToken) {
+        tokio::spawn(async move {
+            let mut published: Option<String> = None;
+            let mut t = tokio::time::interval(self.period);
+            loop {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = t.tick() => {}
+                }
+                let now = self.mgr.inventory().to_json();
+                if published.as_ref() == Some(&now) {
+                    continue;
+                }
+                let key = gpu_allocator::inventory::ANNOTATION;
+                match crate::kube_api::annotate_node(&self.client, &self.node, key, &now).await {
+                    Ok(()) => {
+                        tracing::info!(node = %self.node, "GPU inventory published on the node");
+                        published = Some(now);
+                    }
+                    Err(e) => tracing::warn!("{e}; retrying in {:?}", self.period),
                 }
             }
         });

@@ -145,6 +145,11 @@ impl Manager {
     }
 
     /// Per-GPU allocation figures (cores, memory units, shares), by index.
+    /// The node's GPU inventory as the scheduler extender reads it.
+    pub fn inventory(&self) -> gpu_allocator::inventory::Inventory {
+        gpu_allocator::inventory::Inventory::of(&self.st().allocator, self.config.share_mode)
+    }
+
     pub fn gpu_usages(&self) -> Vec<gpu_allocator::GpuUsage> {
         self.st().allocator.usages().to_vec()
     }
