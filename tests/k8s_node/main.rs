@@ -10,9 +10,9 @@
 //!  1. the real `gpu-manager` binary on the host: both resources on the node
 //!     (400 / 240), a share's `-lcuda` and cudart-style programs see the quota
 //!     as the card and are refused past it, two shares at 30/70 on one GPU;
-//!  1b. a TP = 2 server pod (`tencent.com/vcuda-gpus`) beside a second
-//!     tenant's pod on the same pair: each rank's memory rules, the other's
-//!     quota per GPU, both held to 50 % on each GPU (`phase_tp.rs`);
+//!     then (`phase_tp.rs`) a TP = 2 server pod (`tencent.com/vcuda-gpus`)
+//!     beside a second tenant's pod on the same pair: each rank's memory
+//!     rules, the other's quota per GPU, both held to 50 % on each GPU;
 //!  2. 20 live pods, the manager killed with -9 and restarted: quotas kept,
 //!     a new process registers; kubelet restarted: resources back, pods
 //!     undisturbed; pods deleted: allocations released;

@@ -6,8 +6,7 @@
 use device_plugin::api::Device;
 use gpu_allocator::{GpuInfo, WHOLE_GPU_CORES};
 
-pub const VCORE_RESOURCE: &str = "tencent.com/vcuda-core";
-pub const VMEMORY_RESOURCE: &str = "tencent.com/vcuda-memory";
+pub use gpu_pods::{VCORE_RESOURCE, VMEMORY_RESOURCE};
 pub use node_agent::mode::{VCORE_SOCKET, VMEMORY_SOCKET};
 
 pub fn vcore_id(gpu: usize, k: u32) -> String {

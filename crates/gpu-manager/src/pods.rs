@@ -2,60 +2,21 @@
 //! manager picks the pod the way gpu-admission and the original do: pending
 //! GPU pods on this node, not yet assigned, ordered by
 //! `tencent.com/predicate-time` then creation, first container whose
-//! `vcuda-core` limit equals the request. Pure selection here; the API
-//! server plumbing is in [`crate::kube_api`].
+//! `vcuda-core` limit equals the request. Pure selection here; reading a
+//! pod's requests and annotations is `gpu_pods`'s (shared with the
+//! scheduler extender); the API server plumbing is in [`crate::kube_api`].
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::api::core::v1::Pod;
+
+pub use gpu_pods::{
+    GPU_ASSIGNED, MULTI_GPU_LABEL, PREDICATE_GPU_IDX_PREFIX, PREDICATE_TIME, VCORE_LIMIT,
+    VCUDA_GPUS, annotation, assigned_annotations, gpu_containers, gpu_count, is_gpu_container,
+    limit, name, namespace, predicate_minors, uid,
+};
 
 use crate::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
-
-pub const PREDICATE_TIME: &str = "tencent.com/predicate-time";
-pub const PREDICATE_GPU_IDX_PREFIX: &str = "tencent.com/predicate-gpu-idx-";
-pub const GPU_ASSIGNED: &str = "tencent.com/gpu-assigned";
-pub const VCORE_LIMIT: &str = "tencent.com/vcuda-core-limit";
-/// JSON map container name -> number of GPUs its share spans
-/// (docs/multi-gpu.md); containers it does not name span one.
-pub const VCUDA_GPUS: &str = "tencent.com/vcuda-gpus";
-/// The node label of a manager that serves [`VCUDA_GPUS`] (share mode, two
-/// GPUs or more).
-pub const MULTI_GPU_LABEL: &str = "tencent.com/vcuda-multi-gpu";
-
-/// An integer extended-resource limit of a container (0 when absent).
-pub fn limit(c: &Container, resource: &str) -> u64 {
-    c.resources
-        .as_ref()
-        .and_then(|r| r.limits.as_ref())
-        .and_then(|l| l.get(resource))
-        .and_then(|q| q.0.trim().parse::<u64>().ok())
-        .unwrap_or(0)
-}
-
-pub fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
-    pod.metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(key))
-        .map(String::as_str)
-}
-
-pub fn uid(pod: &Pod) -> &str {
-    pod.metadata.uid.as_deref().unwrap_or("")
-}
-
-pub fn name(pod: &Pod) -> &str {
-    pod.metadata.name.as_deref().unwrap_or("")
-}
-
-pub fn namespace(pod: &Pod) -> &str {
-    pod.metadata.namespace.as_deref().unwrap_or("default")
-}
-
-fn is_gpu_container(c: &Container) -> bool {
-    limit(c, VCORE_RESOURCE) > 0
-}
 
 /// Pending (or not yet reported), not being deleted, asks for vcuda-core,
 /// and gpu-admission / this manager have not marked it assigned.
@@ -167,104 +128,11 @@ pub fn describe_pending(pods: &[Arc<Pod>]) -> String {
     }
 }
 
-/// `tencent.com/predicate-gpu-idx-<i>` parsed: the GPU minors gpu-admission chose.
-pub fn predicate_minors(pod: &Pod, container_index: usize) -> Option<Result<Vec<u32>, String>> {
-    let key = format!("{PREDICATE_GPU_IDX_PREFIX}{container_index}");
-    let v = annotation(pod, &key)?;
-    Some(
-        v.split(',')
-            .map(|s| {
-                let s = s.trim();
-                s.strip_prefix("/dev/nvidia")
-                    .unwrap_or(s)
-                    .parse::<u32>()
-                    .map_err(|_| format!("annotation {key}={v:?} is not a list of GPU indices"))
-            })
-            .collect(),
-    )
-}
-
-/// How many GPUs `container`'s share spans: its count in the pod's
-/// [`VCUDA_GPUS`] map, 1 when the pod has no map or the map does not name
-/// it. The whole map is checked (JSON object of the pod's GPU containers to
-/// integers 1..=`node_gpus`); the error names the pod, the key and the
-/// problem.
-pub fn gpu_count(pod: &Pod, container: &str, node_gpus: usize) -> Result<u32, String> {
-    let Some(v) = annotation(pod, VCUDA_GPUS) else {
-        return Ok(1);
-    };
-    let bad = |problem: String| {
-        format!(
-            "pod {}/{}: annotation {VCUDA_GPUS}={v:?} {problem}",
-            namespace(pod),
-            name(pod)
-        )
-    };
-    let map: BTreeMap<String, serde_json::Value> = serde_json::from_str(v).map_err(|e| {
-        bad(format!(
-            "is not a JSON object of container name to GPU count ({e}), e.g. {{\"main\": 2}}"
-        ))
-    })?;
-    let gpu = gpu_containers(pod);
-    let mut mine = 1;
-    for (c, n) in &map {
-        if !gpu.iter().any(|(_, g)| g == c) {
-            let names: Vec<&str> = gpu.iter().map(|(_, g)| g.as_str()).collect();
-            return Err(bad(format!(
-                "names container {c:?}, which is not one of the pod's containers asking for \
-                 vcuda-core ({})",
-                names.join(", ")
-            )));
-        }
-        let count = n
-            .as_u64()
-            .filter(|&k| k >= 1 && k <= node_gpus as u64)
-            .ok_or_else(|| {
-                bad(format!(
-                    "gives container {c:?} {n}; a GPU count is an integer from 1 to {node_gpus} \
-                     (the GPUs of this node)"
-                ))
-            })?;
-        if c == container {
-            mine = count as u32;
-        }
-    }
-    Ok(mine)
-}
-
-/// Annotations patched once every GPU container of a pod is allocated.
-pub fn assigned_annotations(per_container: &BTreeMap<usize, Vec<u32>>) -> BTreeMap<String, String> {
-    let mut m: BTreeMap<String, String> = per_container
-        .iter()
-        .map(|(i, minors)| {
-            (
-                format!("{PREDICATE_GPU_IDX_PREFIX}{i}"),
-                minors
-                    .iter()
-                    .map(u32::to_string)
-                    .collect::<Vec<_>>()
-                    .join(","),
-            )
-        })
-        .collect();
-    m.insert(GPU_ASSIGNED.to_string(), "true".to_string());
-    m
-}
-
-/// Indices of the pod's containers that ask for vcuda-core.
-pub fn gpu_containers(pod: &Pod) -> Vec<(usize, String)> {
-    pod.spec
-        .iter()
-        .flat_map(|s| s.containers.iter().enumerate())
-        .filter(|(_, c)| is_gpu_container(c))
-        .map(|(i, c)| (i, c.name.clone()))
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+    use std::collections::BTreeMap;
 
     fn pod(name: &str, predicate: Option<u64>, containers: &[(&str, u64, u64)]) -> Arc<Pod> {
         let mut ann = serde_json::Map::new();

@@ -1,0 +1,262 @@
+//! What a pod asks of vcuda's GPUs and what was decided for it, read the
+//! same way by the node's manager (Allocate) and the cluster's scheduler
+//! extender (filter, bind): each GPU container's `vcuda-core` /
+//! `vcuda-memory` limits, the pod's `tencent.com/vcuda-gpus` map (shares
+//! on several GPUs, docs/multi-gpu.md) as the allocator's [`Request`], and
+//! gpu-admission's annotations (`tencent.com/predicate-*`), which both
+//! honour. Pure functions over `k8s_openapi`'s `Pod`.
+
+use std::collections::BTreeMap;
+
+use gpu_allocator::Request;
+use k8s_openapi::api::core::v1::{Container, Pod};
+
+pub const VCORE_RESOURCE: &str = "tencent.com/vcuda-core";
+pub const VMEMORY_RESOURCE: &str = "tencent.com/vcuda-memory";
+/// gpu-admission's: the node it chose for the pod.
+pub const PREDICATE_NODE: &str = "tencent.com/predicate-node";
+pub const PREDICATE_TIME: &str = "tencent.com/predicate-time";
+pub const PREDICATE_GPU_IDX_PREFIX: &str = "tencent.com/predicate-gpu-idx-";
+pub const GPU_ASSIGNED: &str = "tencent.com/gpu-assigned";
+pub const VCORE_LIMIT: &str = "tencent.com/vcuda-core-limit";
+/// JSON map container name -> number of GPUs its share spans
+/// (docs/multi-gpu.md); containers it does not name span one.
+pub const VCUDA_GPUS: &str = "tencent.com/vcuda-gpus";
+/// The node label of a manager that serves [`VCUDA_GPUS`] (share mode, two
+/// GPUs or more).
+pub const MULTI_GPU_LABEL: &str = "tencent.com/vcuda-multi-gpu";
+
+/// An integer extended-resource limit of a container (0 when absent).
+pub fn limit(c: &Container, resource: &str) -> u64 {
+    c.resources
+        .as_ref()
+        .and_then(|r| r.limits.as_ref())
+        .and_then(|l| l.get(resource))
+        .and_then(|q| q.0.trim().parse::<u64>().ok())
+        .unwrap_or(0)
+}
+
+pub fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+        .map(String::as_str)
+}
+
+pub fn uid(pod: &Pod) -> &str {
+    pod.metadata.uid.as_deref().unwrap_or("")
+}
+
+pub fn name(pod: &Pod) -> &str {
+    pod.metadata.name.as_deref().unwrap_or("")
+}
+
+pub fn namespace(pod: &Pod) -> &str {
+    pod.metadata.namespace.as_deref().unwrap_or("default")
+}
+
+/// Asks for `vcuda-core`.
+pub fn is_gpu_container(c: &Container) -> bool {
+    limit(c, VCORE_RESOURCE) > 0
+}
+
+/// `tencent.com/predicate-gpu-idx-<i>` parsed: the GPU minors gpu-admission chose.
+pub fn predicate_minors(pod: &Pod, container_index: usize) -> Option<Result<Vec<u32>, String>> {
+    let key = format!("{PREDICATE_GPU_IDX_PREFIX}{container_index}");
+    let v = annotation(pod, &key)?;
+    Some(
+        v.split(',')
+            .map(|s| {
+                let s = s.trim();
+                s.strip_prefix("/dev/nvidia")
+                    .unwrap_or(s)
+                    .parse::<u32>()
+                    .map_err(|_| format!("annotation {key}={v:?} is not a list of GPU indices"))
+            })
+            .collect(),
+    )
+}
+
+/// How many GPUs `container`'s share spans: its count in the pod's
+/// [`VCUDA_GPUS`] map, 1 when the pod has no map or the map does not name
+/// it. The whole map is checked (JSON object of the pod's GPU containers to
+/// integers 1..=`node_gpus`); the error names the pod, the key and the
+/// problem.
+pub fn gpu_count(pod: &Pod, container: &str, node_gpus: usize) -> Result<u32, String> {
+    let Some(v) = annotation(pod, VCUDA_GPUS) else {
+        return Ok(1);
+    };
+    let bad = |problem: String| {
+        format!(
+            "pod {}/{}: annotation {VCUDA_GPUS}={v:?} {problem}",
+            namespace(pod),
+            name(pod)
+        )
+    };
+    let map: BTreeMap<String, serde_json::Value> = serde_json::from_str(v).map_err(|e| {
+        bad(format!(
+            "is not a JSON object of container name to GPU count ({e}), e.g. {{\"main\": 2}}"
+        ))
+    })?;
+    let gpu = gpu_containers(pod);
+    let mut mine = 1;
+    for (c, n) in &map {
+        if !gpu.iter().any(|(_, g)| g == c) {
+            let names: Vec<&str> = gpu.iter().map(|(_, g)| g.as_str()).collect();
+            return Err(bad(format!(
+                "names container {c:?}, which is not one of the pod's containers asking for \
+                 vcuda-core ({})",
+                names.join(", ")
+            )));
+        }
+        let count = n
+            .as_u64()
+            .filter(|&k| k >= 1 && k <= node_gpus as u64)
+            .ok_or_else(|| {
+                bad(format!(
+                    "gives container {c:?} {n}; a GPU count is an integer from 1 to {node_gpus} \
+                     (the GPUs of this node)"
+                ))
+            })?;
+        if c == container {
+            mine = count as u32;
+        }
+    }
+    Ok(mine)
+}
+
+/// Annotations patched once every GPU container of a pod is allocated.
+pub fn assigned_annotations(per_container: &BTreeMap<usize, Vec<u32>>) -> BTreeMap<String, String> {
+    let mut m: BTreeMap<String, String> = per_container
+        .iter()
+        .map(|(i, minors)| {
+            (
+                format!("{PREDICATE_GPU_IDX_PREFIX}{i}"),
+                minors
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(","),
+            )
+        })
+        .collect();
+    m.insert(GPU_ASSIGNED.to_string(), "true".to_string());
+    m
+}
+
+/// Indices of the pod's containers that ask for vcuda-core.
+pub fn gpu_containers(pod: &Pod) -> Vec<(usize, String)> {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.containers.iter().enumerate())
+        .filter(|(_, c)| is_gpu_container(c))
+        .map(|(i, c)| (i, c.name.clone()))
+        .collect()
+}
+
+/// One GPU container's request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContainerRequest {
+    /// Its index in the pod spec (`predicate-gpu-idx-<index>`).
+    pub index: usize,
+    pub name: String,
+    pub request: Request,
+}
+
+/// What each GPU container of `pod` asks of a node with `node_gpus` GPUs
+/// (`share_mode`: the node places shares): its totals over the GPUs the
+/// pod's `vcuda-gpus` map gives it, as the manager will place it. The
+/// error names the pod, the container and what is wrong.
+pub fn requests(
+    pod: &Pod,
+    node_gpus: usize,
+    share_mode: bool,
+) -> Result<Vec<ContainerRequest>, String> {
+    let mut out = Vec::new();
+    let spec = pod
+        .spec
+        .iter()
+        .flat_map(|s| s.containers.iter().enumerate());
+    for (index, c) in spec.filter(|(_, c)| is_gpu_container(c)) {
+        let n = gpu_count(pod, &c.name, node_gpus)?;
+        let (cores, units) = (limit(c, VCORE_RESOURCE), limit(c, VMEMORY_RESOURCE));
+        let request = Request::from_totals(cores, units, n, share_mode).map_err(|e| {
+            format!(
+                "pod {}/{} container {}: vcuda-core {cores}, vcuda-memory {units} over {n} GPU(s): {e}",
+                namespace(pod),
+                name(pod),
+                c.name
+            )
+        })?;
+        out.push(ContainerRequest {
+            index,
+            name: c.name.clone(),
+            request,
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod(annotations: serde_json::Value, containers: &[(&str, u64, u64)]) -> Pod {
+        let cs: Vec<_> = containers
+            .iter()
+            .map(|(n, core, mem)| {
+                let mut l = serde_json::Map::new();
+                if *core > 0 {
+                    l.insert(VCORE_RESOURCE.into(), json!(core.to_string()));
+                }
+                if *mem > 0 {
+                    l.insert(VMEMORY_RESOURCE.into(), json!(mem.to_string()));
+                }
+                json!({"name": n, "resources": {"limits": l}})
+            })
+            .collect();
+        serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "ns", "annotations": annotations},
+            "spec": {"containers": cs}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn each_gpu_container_asks_what_the_manager_will_place() {
+        let p = pod(
+            json!({VCUDA_GPUS: r#"{"tp": 2}"#}),
+            &[
+                ("side", 0, 0),
+                ("one", 30, 8),
+                ("tp", 100, 64),
+                ("whole", 200, 0),
+            ],
+        );
+        let r = requests(&p, 4, true).unwrap();
+        let got: Vec<_> = r
+            .iter()
+            .map(|c| (c.index, c.name.as_str(), c.request.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (1, "one", Request::share(30, 8)),
+                (2, "tp", Request::shares(2, 50, 32)),
+                (3, "whole", Request::whole(2)),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_request_that_does_not_split_names_pod_and_container() {
+        let p = pod(json!({VCUDA_GPUS: r#"{"tp": 2}"#}), &[("tp", 81, 64)]);
+        let e = requests(&p, 4, true).unwrap_err();
+        assert!(e.starts_with("pod ns/p container tp: vcuda-core 81"), "{e}");
+        assert!(e.contains("does not split evenly"), "{e}");
+        let e = requests(&pod(json!({VCUDA_GPUS: "x"}), &[("tp", 50, 8)]), 4, true).unwrap_err();
+        assert!(e.contains("is not a JSON object"), "{e}");
+    }
+}
