@@ -238,7 +238,7 @@ mod tests {
         let r = requests(&p, 4, true).unwrap();
         let got: Vec<_> = r
             .iter()
-            .map(|c| (c.index, c.name.as_str(), c.request.clone()))
+            .map(|c| (c.index, c.name.as_str(), c.request))
             .collect();
         assert_eq!(
             got,
