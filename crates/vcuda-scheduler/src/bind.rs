@@ -1,0 +1,224 @@
+//! `bind`: the pod's GPUs chosen from state read fresh from the API server,
+//! written where the manager reads them (`tencent.com/predicate-gpu-idx-<i>`,
+//! `predicate-node`, `predicate-time`), then the Binding.
+//!
+//! Concurrent binds (replicas, or one replica's parallel binds) never
+//! over-commit a GPU and never lock a node for a bind's duration: each bind
+//! (1) reads the node and every pod holding or reserving GPUs on it,
+//! (2) chooses, (3) annotates its pod (and labels it
+//! `tencent.com/vcuda-node=<node>`, so other binders list it), then
+//! (4) bumps the node's `tencent.com/vcuda-bind-seq` with the node's
+//! resourceVersion from (1) as precondition. Whoever bumps second gets a
+//! Conflict and starts again from (1), now seeing the first's annotated
+//! pod. After [`ATTEMPTS`] lost races (or when the pod no longer fits) its
+//! annotations are taken back and the bind fails: the scheduler queues the
+//! pod again, it is not failed.
+
+use std::collections::BTreeMap;
+
+use async_trait::async_trait;
+use gpu_allocator::inventory::Inventory;
+use k8s_openapi::api::core::v1::{Node, Pod};
+
+use crate::api::{ExtenderBindingArgs, ExtenderBindingResult};
+use crate::cluster::{Cluster, PodPlacement};
+
+/// The pod label naming the node a bind in flight reserved GPUs on.
+pub const NODE_LABEL: &str = "tencent.com/vcuda-node";
+/// The node annotation every successful reservation bumps.
+pub const BIND_SEQ: &str = "tencent.com/vcuda-bind-seq";
+/// Races lost before a bind gives up (the scheduler retries the pod).
+pub const ATTEMPTS: u32 = 8;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ApiError {
+    #[error("conflict: {0}")]
+    Conflict(String),
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// What bind needs of the API server.
+#[async_trait]
+pub trait BindApi: Send + Sync {
+    /// The node and every live pod bound to it or labelled [`NODE_LABEL`]
+    /// for it, read now (not from a cache).
+    async fn fresh(&self, node: &str) -> Result<(Node, Vec<Pod>), ApiError>;
+    async fn pod(&self, namespace: &str, name: &str) -> Result<Pod, ApiError>;
+    /// Sets (`Some`) or removes (`None`) the pod's annotations and labels,
+    /// if its resourceVersion is still `rv`.
+    async fn patch_pod(
+        &self,
+        pod: &Pod,
+        annotations: &BTreeMap<String, Option<String>>,
+        labels: &BTreeMap<String, Option<String>>,
+    ) -> Result<(), ApiError>;
+    /// Sets the node's [`BIND_SEQ`] to `seq` if its resourceVersion is
+    /// still the one `node` carries.
+    async fn bump(&self, node: &Node, seq: u64) -> Result<(), ApiError>;
+    async fn bind(&self, pod: &Pod, node: &str) -> Result<(), ApiError>;
+}
+
+/// Binds the pod `args` names to `args.node` (see the module's rules).
+pub async fn bind(api: &dyn BindApi, args: &ExtenderBindingArgs) -> ExtenderBindingResult {
+    let who = format!("pod {}/{}", args.pod_namespace, args.pod_name);
+    match bind_inner(api, args).await {
+        Ok(placed) => {
+            tracing::info!(pod = %who, node = %args.node, gpus = %describe(&placed), "bound");
+            ExtenderBindingResult::default()
+        }
+        Err(e) => {
+            tracing::warn!(pod = %who, node = %args.node, "bind failed: {e}");
+            ExtenderBindingResult {
+                error: format!("{who} on node {}: {e}", args.node),
+            }
+        }
+    }
+}
+
+async fn bind_inner(api: &dyn BindApi, args: &ExtenderBindingArgs) -> Result<PodPlacement, String> {
+    let mut last = String::new();
+    for _ in 0..ATTEMPTS {
+        let (node, others) = api.fresh(&args.node).await.map_err(|e| e.to_string())?;
+        let pod = api
+            .pod(&args.pod_namespace, &args.pod_name)
+            .await
+            .map_err(|e| e.to_string())?;
+        if gpu_pods::uid(&pod) != args.pod_uid {
+            return Err(format!(
+                "the pod now has UID {}, not {}",
+                gpu_pods::uid(&pod),
+                args.pod_uid
+            ));
+        }
+        let others: Vec<&Pod> = others
+            .iter()
+            .filter(|p| gpu_pods::uid(p) != args.pod_uid)
+            .collect();
+        let cluster = Cluster::build([&node], others.iter().copied());
+        let placed = match cluster.fit(&args.node, &pod) {
+            Ok(p) => p,
+            Err(why) => {
+                take_back(api, &args.pod_namespace, &args.pod_name).await;
+                return Err(no_longer_fits(&why, &others));
+            }
+        };
+        let inv = &cluster.nodes[&args.node].inventory;
+        let (ann, labels) = reservation(&args.node, &placed, inv);
+        match api.patch_pod(&pod, &ann, &labels).await {
+            Ok(()) => {}
+            Err(ApiError::Conflict(e)) => {
+                last = e;
+                continue;
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+        match api.bump(&node, seq(&node) + 1).await {
+            Ok(()) => {}
+            Err(ApiError::Conflict(e)) => {
+                last = e;
+                continue;
+            }
+            Err(e) => {
+                take_back(api, &args.pod_namespace, &args.pod_name).await;
+                return Err(e.to_string());
+            }
+        }
+        api.bind(&pod, &args.node)
+            .await
+            .map_err(|e| e.to_string())?;
+        return Ok(placed);
+    }
+    take_back(api, &args.pod_namespace, &args.pod_name).await;
+    Err(format!(
+        "lost {ATTEMPTS} races for the node's GPUs to other binds (last: {last}); the scheduler will place the pod again"
+    ))
+}
+
+/// Why a bind found no room, and whether other binds' reservations (which
+/// may yet be taken back) are part of why: the scheduler tries again.
+fn no_longer_fits(why: &str, others: &[&Pod]) -> String {
+    let in_flight = others
+        .iter()
+        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_none())
+        .count();
+    if in_flight == 0 {
+        format!("no longer fits: {why}")
+    } else {
+        format!(
+            "no longer fits: {why} ({in_flight} other bind(s) in flight reserve GPUs here; the scheduler will try again)"
+        )
+    }
+}
+
+/// The annotations and label that reserve `placed` on `node` (GPUs by
+/// their `/dev/nvidiaN` number, as the manager reads them).
+fn reservation(
+    node: &str,
+    placed: &PodPlacement,
+    inv: &Inventory,
+) -> (
+    BTreeMap<String, Option<String>>,
+    BTreeMap<String, Option<String>>,
+) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let mut ann: BTreeMap<String, Option<String>> = BTreeMap::new();
+    for (r, p) in placed {
+        let minors = p
+            .gpus()
+            .iter()
+            .map(|&g| inv.gpus[g].minor.to_string())
+            .collect::<Vec<_>>();
+        ann.insert(
+            format!("{}{}", gpu_pods::PREDICATE_GPU_IDX_PREFIX, r.index),
+            Some(minors.join(",")),
+        );
+    }
+    ann.insert(gpu_pods::PREDICATE_NODE.into(), Some(node.into()));
+    ann.insert(gpu_pods::PREDICATE_TIME.into(), Some(now.to_string()));
+    let labels = BTreeMap::from([(NODE_LABEL.to_string(), Some(node.to_string()))]);
+    (ann, labels)
+}
+
+/// Removes a failed bind's reservation (best effort: a pod that is gone
+/// holds nothing; a pod the scheduler retries is re-annotated).
+async fn take_back(api: &dyn BindApi, namespace: &str, name: &str) {
+    let Ok(pod) = api.pod(namespace, name).await else {
+        return;
+    };
+    let ann = pod.metadata.annotations.clone().unwrap_or_default();
+    let gone: BTreeMap<String, Option<String>> = ann
+        .keys()
+        .filter(|k| {
+            k.starts_with(gpu_pods::PREDICATE_GPU_IDX_PREFIX)
+                || *k == gpu_pods::PREDICATE_NODE
+                || *k == gpu_pods::PREDICATE_TIME
+        })
+        .map(|k| (k.clone(), None))
+        .collect();
+    let labels = BTreeMap::from([(NODE_LABEL.to_string(), None)]);
+    if let Err(e) = api.patch_pod(&pod, &gone, &labels).await {
+        tracing::warn!(pod = %format!("{namespace}/{name}"), "taking a reservation back: {e}");
+    }
+}
+
+fn seq(node: &Node) -> u64 {
+    node.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(BIND_SEQ))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn describe(placed: &PodPlacement) -> String {
+    placed
+        .iter()
+        .map(|(r, p)| format!("{}: {p}", r.name))
+        .collect::<Vec<_>>()
+        .join("; ")
+}

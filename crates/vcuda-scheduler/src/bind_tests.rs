@@ -1,0 +1,301 @@
+//! bind against an in-memory API server with resourceVersion
+//! preconditions (`Mem`): annotations where the manager reads them,
+//! concurrent binds that never over-commit, lost races given back.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use serde_json::json;
+
+use crate::api::ExtenderBindingArgs;
+use crate::bind::{ApiError, BIND_SEQ, BindApi, NODE_LABEL, bind};
+use crate::cluster::Cluster;
+use crate::tests::{node, pod};
+
+#[derive(Default)]
+struct Inner {
+    rv: u64,
+    nodes: HashMap<String, Node>,
+    pods: BTreeMap<String, Pod>,
+    /// Every bump answers Conflict (a node that changes all the time).
+    always_conflict: bool,
+}
+
+#[derive(Default)]
+struct Mem(Mutex<Inner>);
+
+fn rv_of(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
+    m.resource_version.clone().unwrap_or_default()
+}
+
+fn apply(map: &mut Option<BTreeMap<String, String>>, changes: &BTreeMap<String, Option<String>>) {
+    let m = map.get_or_insert_with(BTreeMap::new);
+    for (k, v) in changes {
+        match v {
+            Some(v) => m.insert(k.clone(), v.clone()),
+            None => m.remove(k),
+        };
+    }
+}
+
+impl Mem {
+    fn with(nodes: &[Node], pods: &[Pod]) -> Mem {
+        let mut i = Inner {
+            rv: 10,
+            ..Default::default()
+        };
+        for n in nodes {
+            i.nodes.insert(n.metadata.name.clone().unwrap(), n.clone());
+        }
+        for p in pods {
+            i.pods.insert(gpu_pods::name(p).to_string(), p.clone());
+        }
+        Mem(Mutex::new(i))
+    }
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.0.lock().unwrap()
+    }
+}
+
+#[async_trait]
+impl BindApi for Mem {
+    async fn fresh(&self, node: &str) -> Result<(Node, Vec<Pod>), ApiError> {
+        tokio::task::yield_now().await;
+        let i = self.lock();
+        let n = i
+            .nodes
+            .get(node)
+            .cloned()
+            .ok_or(ApiError::NotFound(node.into()))?;
+        let on = |p: &&Pod| {
+            p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
+                || p.metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(NODE_LABEL))
+                    .map(String::as_str)
+                    == Some(node)
+        };
+        Ok((n, i.pods.values().filter(on).cloned().collect()))
+    }
+
+    async fn pod(&self, _ns: &str, name: &str) -> Result<Pod, ApiError> {
+        tokio::task::yield_now().await;
+        self.lock()
+            .pods
+            .get(name)
+            .cloned()
+            .ok_or(ApiError::NotFound(name.into()))
+    }
+
+    async fn patch_pod(
+        &self,
+        pod: &Pod,
+        annotations: &BTreeMap<String, Option<String>>,
+        labels: &BTreeMap<String, Option<String>>,
+    ) -> Result<(), ApiError> {
+        tokio::task::yield_now().await;
+        let mut i = self.lock();
+        i.rv += 1;
+        let rv = i.rv.to_string();
+        let p = i.pods.get_mut(gpu_pods::name(pod)).unwrap();
+        if rv_of(&p.metadata) != rv_of(&pod.metadata) {
+            return Err(ApiError::Conflict("pod changed".into()));
+        }
+        apply(&mut p.metadata.annotations, annotations);
+        apply(&mut p.metadata.labels, labels);
+        p.metadata.resource_version = Some(rv);
+        Ok(())
+    }
+
+    async fn bump(&self, node: &Node, seq: u64) -> Result<(), ApiError> {
+        tokio::task::yield_now().await;
+        let mut i = self.lock();
+        i.rv += 1;
+        let rv = i.rv.to_string();
+        let conflict = i.always_conflict;
+        let n = i
+            .nodes
+            .get_mut(node.metadata.name.as_deref().unwrap())
+            .unwrap();
+        if conflict || rv_of(&n.metadata) != rv_of(&node.metadata) {
+            return Err(ApiError::Conflict("node changed".into()));
+        }
+        apply(
+            &mut n.metadata.annotations,
+            &BTreeMap::from([(BIND_SEQ.to_string(), Some(seq.to_string()))]),
+        );
+        n.metadata.resource_version = Some(rv);
+        Ok(())
+    }
+
+    async fn bind(&self, pod: &Pod, node: &str) -> Result<(), ApiError> {
+        tokio::task::yield_now().await;
+        let mut i = self.lock();
+        let p = i.pods.get_mut(gpu_pods::name(pod)).unwrap();
+        let spec = p.spec.as_mut().unwrap();
+        if spec.node_name.is_some() {
+            return Err(ApiError::Conflict("already bound".into()));
+        }
+        spec.node_name = Some(node.into());
+        Ok(())
+    }
+}
+
+fn args(name: &str, node: &str) -> ExtenderBindingArgs {
+    ExtenderBindingArgs {
+        pod_name: name.into(),
+        pod_namespace: "default".into(),
+        pod_uid: format!("uid-{name}"),
+        node: node.into(),
+    }
+}
+
+fn annotation(m: &Mem, pod: &str, key: &str) -> Option<String> {
+    m.lock().pods[pod]
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(key)
+        .cloned()
+}
+
+#[tokio::test]
+async fn bind_writes_the_gpus_where_the_manager_reads_them_then_binds() {
+    let m = Mem::with(
+        &[node("a", 4, false)],
+        &[pod("p", &[(30, 8), (200, 0)], json!({}))],
+    );
+    let r = bind(&m, &args("p", "a")).await;
+    assert_eq!(r.error, "");
+    assert_eq!(
+        annotation(&m, "p", "tencent.com/predicate-gpu-idx-0").as_deref(),
+        Some("0")
+    );
+    assert_eq!(
+        annotation(&m, "p", "tencent.com/predicate-gpu-idx-1").as_deref(),
+        Some("2,3")
+    );
+    assert_eq!(
+        annotation(&m, "p", "tencent.com/predicate-node").as_deref(),
+        Some("a")
+    );
+    assert!(annotation(&m, "p", "tencent.com/predicate-time").is_some());
+    let i = m.lock();
+    assert_eq!(
+        i.pods["p"].spec.as_ref().unwrap().node_name.as_deref(),
+        Some("a")
+    );
+    assert_eq!(
+        i.nodes["a"].metadata.annotations.as_ref().unwrap()[BIND_SEQ],
+        "1"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_binds_never_overcommit_a_gpu() {
+    // 20 pods of 30 cores for a 4-GPU node: 3 fit on each GPU.
+    let pods: Vec<Pod> = (0..20)
+        .map(|k| pod(&format!("p{k}"), &[(30, 8)], json!({})))
+        .collect();
+    let m = Arc::new(Mem::with(&[node("a", 4, false)], &pods));
+    let tasks: Vec<_> = (0..20)
+        .map(|k| {
+            let m = m.clone();
+            // A failed bind is queued again by the scheduler (others'
+            // reservations in flight may have been taken back since):
+            // retried here the same way, a bounded number of times.
+            tokio::spawn(async move {
+                let mut r = bind(m.as_ref(), &args(&format!("p{k}"), "a")).await;
+                for _ in 0..100 {
+                    if r.error.is_empty() {
+                        break;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                    r = bind(m.as_ref(), &args(&format!("p{k}"), "a")).await;
+                }
+                r
+            })
+        })
+        .collect();
+    let mut ok = 0;
+    for t in tasks {
+        let r = t.await.unwrap();
+        if r.error.is_empty() {
+            ok += 1;
+        } else {
+            assert!(
+                r.error.contains("no longer fits: container c0"),
+                "{}",
+                r.error
+            );
+        }
+    }
+    assert_eq!(ok, 12, "every GPU filled to 90 cores, never past");
+    let i = m.lock();
+    let c = Cluster::build(i.nodes.values(), i.pods.values());
+    let st = &c.nodes["a"];
+    assert!(st.problems.is_empty(), "{:?}", st.problems);
+    assert!(
+        st.allocator
+            .usages()
+            .iter()
+            .all(|u| u.allocated_cores == 90)
+    );
+    // The losers hold nothing: no reservation left on them.
+    for p in i
+        .pods
+        .values()
+        .filter(|p| p.spec.as_ref().unwrap().node_name.is_none())
+    {
+        let ann = p.metadata.annotations.clone().unwrap_or_default();
+        assert!(
+            !ann.keys().any(|k| k.starts_with("tencent.com/predicate")),
+            "{ann:?}"
+        );
+        assert!(
+            p.metadata
+                .labels
+                .as_ref()
+                .is_none_or(|l| !l.contains_key(NODE_LABEL))
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_bind_that_keeps_losing_races_gives_its_reservation_back() {
+    let m = Mem::with(&[node("a", 2, false)], &[pod("p", &[(30, 8)], json!({}))]);
+    m.lock().always_conflict = true;
+    let r = bind(&m, &args("p", "a")).await;
+    assert!(r.error.contains("lost 8 races"), "{}", r.error);
+    assert!(
+        r.error.starts_with("pod default/p on node a:"),
+        "{}",
+        r.error
+    );
+    assert_eq!(annotation(&m, "p", "tencent.com/predicate-node"), None);
+    assert_eq!(annotation(&m, "p", "tencent.com/predicate-gpu-idx-0"), None);
+    assert!(
+        m.lock().pods["p"]
+            .spec
+            .as_ref()
+            .unwrap()
+            .node_name
+            .is_none()
+    );
+}
+
+#[tokio::test]
+async fn a_pod_replaced_under_its_name_is_not_bound() {
+    let m = Mem::with(&[node("a", 2, false)], &[pod("p", &[(30, 8)], json!({}))]);
+    let mut a = args("p", "a");
+    a.pod_uid = "uid-old".into();
+    let r = bind(&m, &a).await;
+    assert!(
+        r.error.contains("now has UID uid-p, not uid-old"),
+        "{}",
+        r.error
+    );
+}

@@ -1,0 +1,187 @@
+//! The cluster as the extender sees it, rebuilt from API objects alone:
+//! each vcuda node's GPUs from the inventory its manager publishes
+//! (`gpu_allocator::inventory`), and what is placed on them from the pods
+//! that hold GPUs there — every live pod whose GPU containers carry
+//! `tencent.com/predicate-gpu-idx-<i>` (written by this extender's bind, by
+//! gpu-admission, or by the manager once it allocated). Nothing is
+//! remembered between requests, so a restart or a second replica sees the
+//! same cluster.
+
+use std::collections::BTreeMap;
+
+use gpu_allocator::inventory::{ANNOTATION, Inventory};
+use gpu_allocator::{AllocError, Allocator, Placement, Request};
+use gpu_pods::ContainerRequest;
+use k8s_openapi::api::core::v1::{Node, Pod};
+
+/// One vcuda node: its GPUs and what is placed on them.
+#[derive(Debug, Clone)]
+pub struct NodeState {
+    pub inventory: Inventory,
+    pub allocator: Allocator,
+    /// Pods whose recorded placement could not be replayed (a GPU the
+    /// node lacks, more than a GPU holds): why, by pod. Their capacity is
+    /// not counted; the manager's Allocate is the last check.
+    pub problems: Vec<String>,
+}
+
+/// Every vcuda node of the cluster.
+#[derive(Debug, Clone, Default)]
+pub struct Cluster {
+    pub nodes: BTreeMap<String, NodeState>,
+    /// Nodes whose inventory annotation is unreadable: why.
+    pub unreadable: BTreeMap<String, String>,
+}
+
+/// A placement of a pod's GPU containers on one node.
+pub type PodPlacement = Vec<(ContainerRequest, Placement)>;
+
+impl Cluster {
+    /// From the nodes and pods the API server holds.
+    pub fn build<'a>(
+        nodes: impl IntoIterator<Item = &'a Node>,
+        pods: impl IntoIterator<Item = &'a Pod>,
+    ) -> Cluster {
+        let mut c = Cluster::default();
+        for n in nodes {
+            let Some(name) = n.metadata.name.clone() else {
+                continue;
+            };
+            let ann = n
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ANNOTATION));
+            let Some(text) = ann else { continue };
+            match Inventory::from_json(text) {
+                Ok(inventory) => {
+                    let allocator = inventory.allocator();
+                    c.nodes.insert(
+                        name,
+                        NodeState {
+                            inventory,
+                            allocator,
+                            problems: Vec::new(),
+                        },
+                    );
+                }
+                Err(e) => {
+                    c.unreadable.insert(name, e.to_string());
+                }
+            }
+        }
+        for p in pods {
+            c.add_placed(p);
+        }
+        c
+    }
+
+    /// Counts what `pod` holds, if it holds GPUs on a vcuda node.
+    pub fn add_placed(&mut self, pod: &Pod) {
+        let Some(node) = holding_node(pod) else {
+            return;
+        };
+        let Some(st) = self.nodes.get_mut(node) else {
+            return;
+        };
+        let who = format!("{}/{}", gpu_pods::namespace(pod), gpu_pods::name(pod));
+        let reqs = match gpu_pods::requests(pod, st.inventory.gpus.len(), st.inventory.share_mode) {
+            Ok(r) => r,
+            Err(e) => return st.problems.push(e),
+        };
+        for r in reqs {
+            let Some(minors) = gpu_pods::predicate_minors(pod, r.index) else {
+                continue; // not placed yet (the manager chooses at Allocate)
+            };
+            let placed = minors
+                .and_then(|m| placement_on(&st.inventory, &r.request, &m))
+                .and_then(|p| {
+                    let id = format!("{}/{}", gpu_pods::uid(pod), r.name);
+                    st.allocator.commit(id, &p).map_err(|e| e.to_string())
+                });
+            if let Err(e) = placed {
+                st.problems
+                    .push(format!("pod {who} container {}: {e}", r.name));
+            }
+        }
+    }
+
+    /// Where `pod`'s GPU containers would go on `node`, one after the
+    /// other as the manager admits them; or why they do not fit there.
+    pub fn fit(&self, node: &str, pod: &Pod) -> Result<PodPlacement, String> {
+        let st = self.nodes.get(node).ok_or_else(|| self.not_vcuda(node))?;
+        let reqs = gpu_pods::requests(pod, st.inventory.gpus.len(), st.inventory.share_mode)?;
+        let mut a = st.allocator.clone();
+        let mut out = Vec::with_capacity(reqs.len());
+        for r in reqs {
+            let p = a.evaluate(&r.request).map_err(|e| describe(&r, e))?;
+            a.commit(format!("new/{}", r.name), &p)
+                .map_err(|e| describe(&r, e))?;
+            out.push((r, p));
+        }
+        Ok(out)
+    }
+
+    fn not_vcuda(&self, node: &str) -> String {
+        match self.unreadable.get(node) {
+            Some(e) => format!("node {node}: {e}"),
+            None => format!(
+                "node {node} publishes no GPU inventory ({ANNOTATION}): no vcuda manager runs there"
+            ),
+        }
+    }
+}
+
+fn describe(r: &ContainerRequest, e: AllocError) -> String {
+    format!("container {}: {e}", r.name)
+}
+
+/// The node whose GPUs a live pod holds: where it is bound, else where a
+/// bind in flight put it (`tencent.com/predicate-node`).
+/// A pod being deleted still holds them until its containers are gone.
+pub fn holding_node(pod: &Pod) -> Option<&str> {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    if matches!(phase, Some("Succeeded" | "Failed")) {
+        return None;
+    }
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .or_else(|| gpu_pods::annotation(pod, gpu_pods::PREDICATE_NODE))
+}
+
+/// The placement `minors` (`/dev/nvidiaN` numbers) record for `req` on a
+/// node with inventory `inv`.
+pub fn placement_on(inv: &Inventory, req: &Request, minors: &[u32]) -> Result<Placement, String> {
+    let mut gpus = minors
+        .iter()
+        .map(|&m| {
+            inv.by_minor(m)
+                .ok_or_else(|| format!("GPU /dev/nvidia{m} is not one of the node's"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    gpus.sort_unstable();
+    gpus.dedup();
+    let whole = req.gpus == 1 && req.cores >= gpu_allocator::WHOLE_GPU_CORES;
+    match (req.gpus, whole, gpus.len()) {
+        (1, false, 1) => Ok(Placement::Share {
+            gpu: gpus[0],
+            cores: req.cores,
+            memory_units: req.memory_units,
+        }),
+        (1, true, n) if n as u32 * gpu_allocator::WHOLE_GPU_CORES == req.cores => {
+            Ok(Placement::Exclusive { gpus })
+        }
+        (k, false, n) if k >= 2 && n == k as usize => Ok(Placement::Shares {
+            gpus,
+            cores: req.cores,
+            memory_units: req.memory_units,
+        }),
+        _ => Err(format!(
+            "{} GPU(s) recorded ({minors:?}) for a request of {} cores over {} GPU(s)",
+            gpus.len(),
+            req.cores,
+            req.gpus
+        )),
+    }
+}

@@ -1,0 +1,209 @@
+//! The API server behind the extender: watch caches of nodes and pods
+//! (kube-runtime reflectors) that `filter` and `prioritize` read, rebuilt
+//! into a [`Cluster`] when they changed; and [`KubeBind`], bind's fresh
+//! reads and conflict-checked writes.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client};
+use tokio_util::sync::CancellationToken;
+
+use crate::bind::{ApiError, BIND_SEQ, BindApi, NODE_LABEL};
+use crate::cluster::Cluster;
+
+/// Where `filter` and `prioritize` get the cluster.
+pub trait ClusterSource: Send + Sync {
+    fn cluster(&self) -> Arc<Cluster>;
+    /// Both caches have listed once.
+    fn ready(&self) -> bool;
+}
+
+/// Watch caches of every node and pod.
+pub struct Caches {
+    nodes: Store<Node>,
+    pods: Store<Pod>,
+    /// Events seen; the cluster is rebuilt when it moved.
+    events: Arc<AtomicU64>,
+    built: Mutex<(u64, Arc<Cluster>)>,
+    /// Stores that have listed once.
+    listed: Arc<AtomicU64>,
+}
+
+impl Caches {
+    pub fn start(client: Client, cancel: CancellationToken) -> Caches {
+        let events = Arc::new(AtomicU64::new(1));
+        let nodes = reflect::<Node>(Api::all(client.clone()), events.clone(), cancel.clone());
+        let pods = reflect::<Pod>(Api::all(client), events.clone(), cancel);
+        let listed = Arc::new(AtomicU64::new(0));
+        let (n, p, l) = (nodes.clone(), pods.clone(), listed.clone());
+        tokio::spawn(async move {
+            if n.wait_until_ready().await.is_ok() && p.wait_until_ready().await.is_ok() {
+                l.store(1, Ordering::Release);
+                tracing::info!("node and pod caches listed");
+            }
+        });
+        Caches {
+            nodes,
+            pods,
+            events,
+            built: Mutex::new((0, Arc::new(Cluster::default()))),
+            listed,
+        }
+    }
+}
+
+fn reflect<K>(api: Api<K>, events: Arc<AtomicU64>, cancel: CancellationToken) -> Store<K>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store();
+    let stream =
+        reflector::reflector(writer, watcher(api, watcher::Config::default())).default_backoff();
+    tokio::spawn(async move {
+        futures::pin_mut!(stream);
+        loop {
+            let ev = tokio::select! {
+                _ = cancel.cancelled() => return,
+                ev = stream.next() => ev,
+            };
+            match ev {
+                None => return,
+                Some(Ok(_)) => {
+                    events.fetch_add(1, Ordering::AcqRel);
+                }
+                Some(Err(e)) => tracing::warn!(error = %e, "watch failed; retrying"),
+            }
+        }
+    });
+    store
+}
+
+impl ClusterSource for Caches {
+    fn cluster(&self) -> Arc<Cluster> {
+        let now = self.events.load(Ordering::Acquire);
+        let mut b = self.built.lock().unwrap_or_else(|e| e.into_inner());
+        if b.0 != now {
+            let nodes = self.nodes.state();
+            let pods = self.pods.state();
+            let c = Cluster::build(nodes.iter().map(|n| &**n), pods.iter().map(|p| &**p));
+            *b = (now, Arc::new(c));
+        }
+        b.1.clone()
+    }
+
+    fn ready(&self) -> bool {
+        self.listed.load(Ordering::Acquire) == 1
+    }
+}
+
+/// Bind's reads and writes, straight to the API server.
+pub struct KubeBind {
+    pub client: Client,
+}
+
+fn api_error(e: kube::Error) -> ApiError {
+    match &e {
+        kube::Error::Api(s) if s.code == 409 => ApiError::Conflict(s.message.clone()),
+        kube::Error::Api(s) if s.code == 404 => ApiError::NotFound(s.message.clone()),
+        _ => ApiError::Other(e.to_string()),
+    }
+}
+
+#[async_trait]
+impl BindApi for KubeBind {
+    async fn fresh(&self, node: &str) -> Result<(Node, Vec<Pod>), ApiError> {
+        let n = Api::<Node>::all(self.client.clone())
+            .get(node)
+            .await
+            .map_err(api_error)?;
+        let pods: Api<Pod> = Api::all(self.client.clone());
+        let bound = pods
+            .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+            .await
+            .map_err(api_error)?;
+        let reserving = pods
+            .list(&ListParams::default().labels(&format!("{NODE_LABEL}={node}")))
+            .await
+            .map_err(api_error)?;
+        let mut by_uid: BTreeMap<String, Pod> = BTreeMap::new();
+        for p in bound.items.into_iter().chain(reserving.items) {
+            by_uid.insert(gpu_pods::uid(&p).to_string(), p);
+        }
+        Ok((n, by_uid.into_values().collect()))
+    }
+
+    async fn pod(&self, namespace: &str, name: &str) -> Result<Pod, ApiError> {
+        Api::<Pod>::namespaced(self.client.clone(), namespace)
+            .get(name)
+            .await
+            .map_err(api_error)
+    }
+
+    async fn patch_pod(
+        &self,
+        pod: &Pod,
+        annotations: &BTreeMap<String, Option<String>>,
+        labels: &BTreeMap<String, Option<String>>,
+    ) -> Result<(), ApiError> {
+        let body = serde_json::json!({"metadata": {
+            "resourceVersion": pod.metadata.resource_version,
+            "annotations": annotations,
+            "labels": labels,
+        }});
+        Api::<Pod>::namespaced(self.client.clone(), gpu_pods::namespace(pod))
+            .patch(
+                gpu_pods::name(pod),
+                &PatchParams::default(),
+                &Patch::Merge(&body),
+            )
+            .await
+            .map(|_| ())
+            .map_err(api_error)
+    }
+
+    async fn bump(&self, node: &Node, seq: u64) -> Result<(), ApiError> {
+        let body = serde_json::json!({"metadata": {
+            "resourceVersion": node.metadata.resource_version,
+            "annotations": {BIND_SEQ: seq.to_string()},
+        }});
+        let name = node.metadata.name.as_deref().unwrap_or_default();
+        Api::<Node>::all(self.client.clone())
+            .patch(name, &PatchParams::default(), &Patch::Merge(&body))
+            .await
+            .map(|_| ())
+            .map_err(api_error)
+    }
+
+    async fn bind(&self, pod: &Pod, node: &str) -> Result<(), ApiError> {
+        let name = gpu_pods::name(pod);
+        let body = serde_json::json!({
+            "apiVersion": "v1", "kind": "Binding",
+            "metadata": {"name": name, "namespace": gpu_pods::namespace(pod), "uid": gpu_pods::uid(pod)},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+        });
+        Api::<Pod>::namespaced(self.client.clone(), gpu_pods::namespace(pod))
+            .create_subresource::<_, serde_json::Value>(
+                "binding",
+                name,
+                &PostParams::default(),
+                &body,
+            )
+            .await
+            .map(|_| ())
+            .map_err(api_error)
+    }
+}

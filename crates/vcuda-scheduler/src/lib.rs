@@ -1,0 +1,27 @@
+//! `vcuda-scheduler`: a kube-scheduler HTTP extender for vcuda's
+//! device-plugin mode (docs/scheduler.md). kube-scheduler sees only node
+//! totals (`tencent.com/vcuda-core: 400`); this extender sees each GPU:
+//!
+//! * [`cluster`]: the cluster rebuilt from API objects alone (each node's
+//!   published GPU inventory, the pods holding GPUs there), nothing
+//!   remembered, so replicas and restarts agree;
+//! * [`extender`]: `filter` (per-GPU fit of every GPU container, with the
+//!   reason a user can act on) and `prioritize` ([`policy`]: binpack or
+//!   spread, per pod by annotation, topology for several GPUs);
+//! * [`bind`]: the GPUs written where the manager reads them, reserved by
+//!   an optimistic, conflict-checked bump of the node (no lock held);
+//! * [`api`]: the extender protocol's wire types; [`kube_api`]: the API
+//!   server behind the caches and bind; [`http`]: the endpoints.
+
+pub mod api;
+pub mod bind;
+pub mod cluster;
+pub mod extender;
+pub mod http;
+pub mod kube_api;
+pub mod policy;
+
+#[cfg(test)]
+mod bind_tests;
+#[cfg(test)]
+mod tests;
