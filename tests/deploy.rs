@@ -523,3 +523,107 @@ fn dockerfile_builds_what_exists() {
     let cfg = std::fs::read_to_string(root.join("deploy/configmap.yaml")).unwrap();
     assert!(cfg.contains("interposer = \"/usr/lib/vcuda/libvcuda.so\""));
 }
+
+/// deploy/scheduler/: the extender's Deployment, Service and RBAC fit
+/// together and grant exactly what `vcuda-scheduler` calls (watch caches,
+/// bind's reads and conflict-checked patches, pods/binding); the
+/// kube-scheduler configuration reaches it through the Service with the
+/// verbs it serves, for both vcuda resources.
+#[test]
+fn the_scheduler_extender_manifests_fit_together() {
+    use k8s_openapi::api::apps::v1::Deployment;
+    let dir = deploy_dir().join("scheduler");
+    let text = std::fs::read_to_string(dir.join("scheduler.yaml")).unwrap();
+    let (mut dep, mut svc, mut role, mut binding, mut sa) = (None, None, None, None, None);
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let v = Value::deserialize(doc).unwrap();
+        let f = "scheduler/scheduler.yaml";
+        match v["kind"].as_str().unwrap() {
+            "Deployment" => dep = Some(typed::<Deployment>(f, &v)),
+            "Service" => svc = Some(typed::<Service>(f, &v)),
+            "ClusterRole" => role = Some(typed::<ClusterRole>(f, &v)),
+            "ClusterRoleBinding" => binding = Some(typed::<ClusterRoleBinding>(f, &v)),
+            "ServiceAccount" => sa = Some(typed::<ServiceAccount>(f, &v)),
+            k => panic!("unexpected kind {k}"),
+        }
+    }
+    let (dep, svc, role, binding, sa) = (
+        dep.unwrap(),
+        svc.unwrap(),
+        role.unwrap(),
+        binding.unwrap(),
+        sa.unwrap(),
+    );
+    let pod = dep.spec.as_ref().unwrap().template.clone();
+    let labels = pod.metadata.as_ref().unwrap().labels.clone().unwrap();
+    let selector = svc.spec.as_ref().unwrap().selector.clone().unwrap();
+    assert!(selector.iter().all(|(k, v)| labels.get(k) == Some(v)));
+    let spec = pod.spec.unwrap();
+    assert_eq!(spec.service_account_name, sa.metadata.name);
+    let c = &spec.containers[0];
+    assert_eq!(
+        c.command.as_deref(),
+        Some(&["/usr/bin/vcuda-scheduler".to_string()][..])
+    );
+    let port = &c.ports.as_ref().unwrap()[0];
+    let sport = &svc.spec.as_ref().unwrap().ports.as_ref().unwrap()[0];
+    assert_eq!(sport.port, port.container_port);
+    let args = c.args.clone().unwrap().join(" ");
+    assert!(
+        args.contains(&format!("0.0.0.0:{}", port.container_port)),
+        "{args}"
+    );
+    let mut granted: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for rule in role.rules.unwrap() {
+        for r in rule.resources.unwrap() {
+            granted
+                .entry(r)
+                .or_default()
+                .extend(rule.verbs.iter().cloned());
+        }
+    }
+    let want: BTreeMap<String, BTreeSet<String>> = [
+        ("pods", vec!["get", "list", "watch", "patch"]),
+        ("nodes", vec!["get", "list", "watch", "patch"]),
+        ("pods/binding", vec!["create"]),
+    ]
+    .into_iter()
+    .map(|(r, v)| (r.to_string(), v.into_iter().map(String::from).collect()))
+    .collect();
+    assert_eq!(granted, want);
+    assert_eq!(binding.role_ref.name, role.metadata.name.unwrap());
+    assert_eq!(binding.subjects.unwrap()[0].name, sa.metadata.name.unwrap());
+
+    let cfg: Value = serde_yaml::from_str(
+        &std::fs::read_to_string(dir.join("kube-scheduler-config.yaml")).unwrap(),
+    )
+    .unwrap();
+    let ext = &cfg["extenders"][0];
+    let url = format!(
+        "http://{}.{}.svc:{}",
+        svc.metadata.name.unwrap(),
+        svc.metadata.namespace.unwrap(),
+        sport.port
+    );
+    assert_eq!(ext["urlPrefix"], url.as_str());
+    // The routes vcuda-scheduler serves (crates/vcuda-scheduler/src/http.rs).
+    let http = std::fs::read_to_string(
+        test_support::workspace_root().join("crates/vcuda-scheduler/src/http.rs"),
+    )
+    .unwrap();
+    for verb in ["filterVerb", "prioritizeVerb", "bindVerb"] {
+        let v = ext[verb].as_str().unwrap();
+        assert!(http.contains(&format!(".route(\"/{v}\"")), "{verb}: {v}");
+    }
+    let managed: Vec<&str> = ext["managedResources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        managed,
+        ["tencent.com/vcuda-core", "tencent.com/vcuda-memory"]
+    );
+    assert_eq!(ext["nodeCacheCapable"], true);
+}

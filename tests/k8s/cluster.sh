@@ -250,11 +250,26 @@ start_controllers() {
     --root-ca-file "$D/pki/ca.crt" \
     --use-service-account-credentials=true \
     --leader-elect=false --port 0 --secure-port 0 --v 1
-  start kube-scheduler "$BIN/kube-scheduler" \
-    --kubeconfig "$D/scheduler.kubeconfig" \
-    --authentication-kubeconfig "$D/scheduler.kubeconfig" \
-    --authorization-kubeconfig "$D/scheduler.kubeconfig" \
-    --leader-elect=false --port 0 --secure-port 0 --v 1
+  start_scheduler ""
+}
+
+# start_scheduler CONFIG: kube-scheduler with its flags, or with the
+# KubeSchedulerConfiguration file CONFIG (its clientConnection and
+# leaderElection then come from the file: write_scheduler_config).
+start_scheduler() {
+  local config=$1
+  if [ -z "$config" ]; then
+    start kube-scheduler "$BIN/kube-scheduler" \
+      --kubeconfig "$D/scheduler.kubeconfig" \
+      --authentication-kubeconfig "$D/scheduler.kubeconfig" \
+      --authorization-kubeconfig "$D/scheduler.kubeconfig" \
+      --leader-elect=false --port 0 --secure-port 0 --v 1
+  else
+    start kube-scheduler "$BIN/kube-scheduler" --config "$config" \
+      --authentication-kubeconfig "$D/scheduler.kubeconfig" \
+      --authorization-kubeconfig "$D/scheduler.kubeconfig" \
+      --port 0 --secure-port 0 --v 2
+  fi
 }
 
 start_containerd() {
@@ -446,7 +461,10 @@ case "${1:-}" in
   kubelet-stop) BIN=$(find_bin); stop kubelet ;;
   kubelet-start) BIN=$(find_bin); start_kubelet ;;
   kubelet-restart) BIN=$(find_bin); stop kubelet; start_kubelet ;;
+  # scheduler-restart [CONFIG]: kube-scheduler again, with the
+  # KubeSchedulerConfiguration CONFIG (extenders, profiles) or its flags.
+  scheduler-restart) BIN=$(find_bin); stop kube-scheduler; start_scheduler "${2:-}" ;;
   import) import_image "$2" ;;
   image-tar) shift; image_tar "$@" ;;
-  *) echo "usage: $0 up|down|kubelet-restart|kubelet-stop|kubelet-start|import TAR|image-tar TAG ROOTFS OUT ENTRY..." >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|kubelet-restart|kubelet-stop|kubelet-start|scheduler-restart [CONFIG]|import TAR|image-tar TAG ROOTFS OUT ENTRY..." >&2; exit 2 ;;
 esac

@@ -16,6 +16,9 @@
 //!  2. 20 live pods, the manager killed with -9 and restarted: quotas kept,
 //!     a new process registers; kubelet restarted: resources back, pods
 //!     undisturbed; pods deleted: allocations released;
+//!     then (`phase_sched.rs`) kube-scheduler with `vcuda-scheduler` as its
+//!     extender: 13 pods of 30 cores on 4 GPUs, 12 Running and 1
+//!     Unschedulable with the reason, the extender killed and restarted;
 //!  3. `deploy/` applied as users apply it, with the test overlay
 //!     `deploy/test/daemonset-sim-patch.yaml` (local image, host paths of the
 //!     simulated root): the DaemonSet Ready under the RBAC authorizer with
@@ -38,6 +41,7 @@ mod deploy;
 mod host_manager;
 mod phase1;
 mod phase2;
+mod phase_sched;
 mod phase_tp;
 
 use std::path::{Path, PathBuf};
@@ -125,6 +129,12 @@ fn real_node_suite() {
     if host_phases {
         host_manager_phases(&c, &w, &mut figures);
     }
+    if std::env::var("VCUDA_K8S_ONLY").as_deref() == Ok("sched") {
+        for f in &figures {
+            eprintln!("k8s_node:   {f}");
+        }
+        return;
+    }
 
     // ------------------------------------------------ phase 3: deploy/
     eprintln!("k8s_node: phase 3: deploy/ manifests, the DaemonSet under RBAC");
@@ -143,8 +153,17 @@ fn real_node_suite() {
 }
 
 /// Phases 1 and 2: the real gpu-manager binary on the host.
+/// `VCUDA_K8S_ONLY=sched` runs the extender's phase alone over a fresh
+/// host manager (while working on it).
 fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
+    if std::env::var("VCUDA_K8S_ONLY").as_deref() == Ok("sched") {
+        let mut m = host_manager::HostManager::start(c, w);
+        m.wait_ready(120);
+        phase_sched::run(c, w, figures);
+        return;
+    }
     let (mut m, state) = phase1::run(c, w, figures);
     phase_tp::run(c, w, figures, &state);
     phase2::run(c, w, figures, &mut m, &state);
+    phase_sched::run(c, w, figures);
 }
