@@ -92,7 +92,7 @@ extenders:
 }
 
 fn pods(c: &Cluster) -> Vec<Value> {
-    c.json(&["get", "pods", "-l", "group=sched", "-o", "json"])
+    c.json(&["pods", "-l", "group=sched"])
         .map(|v| v["items"].as_array().cloned().unwrap_or_default())
         .unwrap_or_default()
 }
@@ -148,7 +148,7 @@ fn settle(c: &Cluster, running: usize, secs: u64) -> Vec<Value> {
 pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     eprintln!("k8s_node: phase 2b: kube-scheduler with vcuda-scheduler as its extender");
     wait("the node's GPU inventory", 30, || {
-        let n = c.json(&["get", "node", &c.node, "-o", "json"])?;
+        let n = c.json(&["node", &c.node])?;
         n["metadata"]["annotations"]["tencent.com/vcuda-gpu-inventory"]
             .as_str()
             .map(|_| ())

@@ -1,6 +1,8 @@
 //! The kube-scheduler extender protocol (`k8s.io/kube-scheduler/extender/v1`,
-//! JSON over HTTP POST): field names and shapes as kube-scheduler 1.20 and
-//! later send and read them.
+//! JSON over HTTP POST). Its Go types carry no JSON tags, so kube-scheduler
+//! sends the Go field names (`Pod`, `NodeNames`, `PodName`, ...) and reads
+//! answers case-insensitively: requests are read under both spellings,
+//! answers written in lower camel case.
 
 use std::collections::BTreeMap;
 
@@ -16,10 +18,16 @@ pub const MAX_PRIORITY: i64 = 10;
 /// `nodeCacheCapable` (`nodenames`).
 #[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct ExtenderArgs {
+    #[serde(alias = "Pod")]
     pub pod: Pod,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, alias = "Nodes", skip_serializing_if = "Option::is_none")]
     pub nodes: Option<NodeList>,
-    #[serde(default, rename = "nodenames", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        rename = "nodenames",
+        alias = "NodeNames",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub node_names: Option<Vec<String>>,
 }
 
@@ -89,12 +97,13 @@ pub struct HostPriority {
 /// What `bind` is sent.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct ExtenderBindingArgs {
-    #[serde(rename = "podName")]
+    #[serde(rename = "podName", alias = "PodName")]
     pub pod_name: String,
-    #[serde(rename = "podNamespace")]
+    #[serde(rename = "podNamespace", alias = "PodNamespace")]
     pub pod_namespace: String,
-    #[serde(rename = "podUID")]
+    #[serde(rename = "podUID", alias = "PodUID")]
     pub pod_uid: String,
+    #[serde(alias = "Node")]
     pub node: String,
 }
 
@@ -131,6 +140,17 @@ mod tests {
             serde_json::to_string(&r).unwrap(),
             r#"{"nodenames":["a"],"failedNodes":{"b":"why"}}"#
         );
+        // As kube-scheduler's Go types (no JSON tags) marshal them.
+        let go: ExtenderArgs = serde_json::from_str(
+            r#"{"Pod": {"metadata": {"name": "p"}}, "Nodes": null, "NodeNames": ["a"]}"#,
+        )
+        .unwrap();
+        assert_eq!(go.candidates(), ["a"]);
+        let go: ExtenderBindingArgs = serde_json::from_str(
+            r#"{"PodName": "p", "PodNamespace": "ns", "PodUID": "u", "Node": "n"}"#,
+        )
+        .unwrap();
+        assert_eq!((go.pod_name.as_str(), go.node.as_str()), ("p", "n"));
         let b: ExtenderBindingArgs = serde_json::from_str(
             r#"{"podName": "p", "podNamespace": "ns", "podUID": "u", "node": "n"}"#,
         )
