@@ -266,7 +266,7 @@ async fn a_share_on_two_gpus_survives_a_manager_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tp2_server_beside_a_second_tenant_through_the_device_plugins() {
     use test_support::manager::container_env;
-    use test_support::shim::tp::{Programs, Tenant, Workload, ledgers_by_device, serve_beside};
+    use test_support::shim::tp::{EvenTenant, Programs, ledgers_by_device, serve_beside_even};
     let opts = Options {
         extra_args: vec![
             "--interposer".into(),
@@ -320,26 +320,23 @@ async fn a_tp2_server_beside_a_second_tenant_through_the_device_plugins() {
             .env_remove("LOGGER_LEVEL");
         c
     };
-    let ctx = state.node().gpus[gpus[0]].context_overhead_bytes() + 8 * (1 << 20);
     tokio::task::block_in_place(|| {
-        serve_beside(
+        serve_beside_even(
             &state,
             gpus,
             &progs,
-            &Tenant {
+            EvenTenant {
                 command: &|p| in_container(&rs, p),
-                mem: [4 * GIB, 4 * GIB],
-                cores: [50.0; 2],
-                ledger_used: &|i| ls[i].used(),
+                mem: 4 * GIB,
+                cores: 50.0,
+                ledgers: &ls,
             },
-            &Tenant {
+            EvenTenant {
                 command: &|p| in_container(&ro, p),
-                mem: [2 * GIB, 2 * GIB],
-                cores: [50.0; 2],
-                ledger_used: &|i| lo[i].used(),
+                mem: 2 * GIB,
+                cores: 50.0,
+                ledgers: &lo,
             },
-            Workload::default(),
-            ctx,
         )
     });
 }

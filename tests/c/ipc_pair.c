@@ -47,27 +47,17 @@
 #include <unistd.h>
 
 #include "cuda_driver.h"
+#include "cuda_share.h"
 #include "ipc_socket.h"
 
 typedef void *CUevent;
-typedef struct {
-  char reserved[64];
-} CUipcMemHandle;
 typedef struct {
   char reserved[64];
 } CUipcEventHandle;
 typedef struct {
   unsigned char data[64];
 } CUmemFabricHandle;
-typedef struct {
-  struct {
-    int type, id;
-  } location;
-  int flags;
-} CUmemAccessDesc;
 
-CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev);
-CUresult cuCtxSetCurrent(CUcontext ctx);
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n);
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n);
 CUresult cuMemcpyPeer(CUdeviceptr dst, CUcontext dc, CUdeviceptr src, CUcontext sc, size_t n);
@@ -75,25 +65,8 @@ CUresult cuEventCreate(CUevent *e, unsigned int flags);
 CUresult cuEventRecord(CUevent e, CUstream s);
 CUresult cuEventSynchronize(CUevent e);
 CUresult cuEventDestroy_v2(CUevent e);
-CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p);
-CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned int flags);
-CUresult cuIpcCloseMemHandle(CUdeviceptr p);
 CUresult cuIpcGetEventHandle(CUipcEventHandle *h, CUevent e);
 CUresult cuIpcOpenEventHandle(CUevent *e, CUipcEventHandle h);
-CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *prop, int option);
-CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
-                     unsigned long long flags);
-CUresult cuMemRelease(CUmemGenericAllocationHandle h);
-CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr,
-                             unsigned long long flags);
-CUresult cuMemAddressFree(CUdeviceptr p, size_t size);
-CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, CUmemGenericAllocationHandle h,
-                  unsigned long long flags);
-CUresult cuMemUnmap(CUdeviceptr p, size_t size);
-CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const CUmemAccessDesc *desc, size_t count);
-CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type,
-                                      unsigned long long flags);
-CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *os, int type);
 CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr);
 CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
                                                 CUmemGenericAllocationHandle h);

@@ -52,40 +52,13 @@
 #include <unistd.h>
 
 #include "cuda_driver.h"
+#include "cuda_share.h"
 #include "ipc_socket.h"
 
 typedef void *CUgraph;
 typedef void *CUgraphExec;
-typedef struct {
-  char reserved[64];
-} CUipcMemHandle;
-typedef struct {
-  struct {
-    int type, id;
-  } location;
-  int flags;
-} CUmemAccessDesc;
 
-CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev);
-CUresult cuCtxSetCurrent(CUcontext ctx);
 CUresult cuDeviceGetPCIBusId(char *id, int len, CUdevice dev);
-CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p);
-CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned int flags);
-CUresult cuIpcCloseMemHandle(CUdeviceptr p);
-CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *prop, int option);
-CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
-                     unsigned long long flags);
-CUresult cuMemRelease(CUmemGenericAllocationHandle h);
-CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr,
-                             unsigned long long flags);
-CUresult cuMemAddressFree(CUdeviceptr p, size_t size);
-CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, CUmemGenericAllocationHandle h,
-                  unsigned long long flags);
-CUresult cuMemUnmap(CUdeviceptr p, size_t size);
-CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const CUmemAccessDesc *desc, size_t count);
-CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type,
-                                      unsigned long long flags);
-CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *os, int type);
 CUresult cuStreamBeginCapture_v2(CUstream s, int mode);
 CUresult cuStreamEndCapture(CUstream s, CUgraph *g);
 CUresult cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags);

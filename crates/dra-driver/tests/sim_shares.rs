@@ -214,7 +214,7 @@ async fn shares_on_two_simulated_gpus_each_hold_their_own_memory() {
 /// `CUDA_VISIBLE_DEVICES`, in the spec's order).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tp2_server_beside_a_second_claim_is_held_per_gpu() {
-    use test_support::shim::tp::{Programs, Tenant, Workload, ledgers_by_device, serve_beside};
+    use test_support::shim::tp::{EvenTenant, Programs, ledgers_by_device, serve_beside_even};
     const GIB: u64 = 1 << 30;
     let node = Node::start().await;
     let dirs = &node.dirs;
@@ -265,26 +265,23 @@ async fn a_tp2_server_beside_a_second_claim_is_held_per_gpu() {
         c.envs(env.iter().cloned()).env_remove("LOGGER_LEVEL");
         c
     };
-    let ctx = state.node().gpus[gpus[0]].context_overhead_bytes() + 8 * MIB;
     tokio::task::block_in_place(|| {
-        serve_beside(
+        serve_beside_even(
             &state,
             gpus,
             &progs,
-            &Tenant {
+            EvenTenant {
                 command: &|p| in_claim(&env_s, p),
-                mem: [4 * GIB, 4 * GIB],
-                cores: [50.0; 2],
-                ledger_used: &|i| ls[i].used(),
+                mem: 4 * GIB,
+                cores: 50.0,
+                ledgers: &ls,
             },
-            &Tenant {
+            EvenTenant {
                 command: &|p| in_claim(&env_o, p),
-                mem: [2 * GIB, 2 * GIB],
-                cores: [50.0; 2],
-                ledger_used: &|i| lo[i].used(),
+                mem: 2 * GIB,
+                cores: 50.0,
+                ledgers: &lo,
             },
-            Workload::default(),
-            ctx,
         )
     });
     node.stop().await;

@@ -454,3 +454,45 @@ fn held_to_cores(shares: &Shares, server: &Tenant, other: &Tenant, gpus: [usize;
         );
     }
 }
+
+/// A tenant whose share splits evenly over the two GPUs (what the device
+/// plugins and a DRA claim of `count: 2` give): `mem` and `cores` on each,
+/// its ledgers in CUDA device order.
+pub struct EvenTenant<'a> {
+    pub command: &'a dyn Fn(&Path) -> Command,
+    pub mem: u64,
+    pub cores: f64,
+    pub ledgers: &'a [container_ledger::Ledger],
+}
+
+/// [`serve_beside`] for two [`EvenTenant`]s, with the default workload and
+/// each GPU's context size from the node.
+pub fn serve_beside_even(
+    state: &SharedState,
+    gpus: [usize; 2],
+    p: &Programs,
+    server: EvenTenant,
+    other: EvenTenant,
+) -> Shares {
+    let ctx = state.node().gpus[gpus[0]].context_overhead_bytes() + 8 * MIB;
+    let (sl, ol) = (server.ledgers, other.ledgers);
+    serve_beside(
+        state,
+        gpus,
+        p,
+        &Tenant {
+            command: server.command,
+            mem: [server.mem; 2],
+            cores: [server.cores; 2],
+            ledger_used: &|i| sl[i].used(),
+        },
+        &Tenant {
+            command: other.command,
+            mem: [other.mem; 2],
+            cores: [other.cores; 2],
+            ledger_used: &|i| ol[i].used(),
+        },
+        Workload::default(),
+        ctx,
+    )
+}
