@@ -175,8 +175,8 @@ image_tar() {
   rm -rf "$tmp"
 }
 
-import_image() { # import_image TAR
-  ctr --address "$D/containerd/containerd.sock" -n k8s.io images import "$1" >/dev/null
+import_image() { # import_image TAR [CONTAINERD_SOCKET]
+  ctr --address "${2:-$D/containerd/containerd.sock}" -n k8s.io images import "$1" >/dev/null
 }
 
 pause_image() {
@@ -199,6 +199,8 @@ EOF
   gcc -static -O2 -o "$tmp/rootfs/pause" "$tmp/pause.c"
   image_tar "$PAUSE_IMAGE" "$tmp/rootfs" "$tmp/pause.tar" /pause
   import_image "$tmp/pause.tar"
+  # Kept for the nodes node-up adds.
+  cp "$tmp/pause.tar" "$D/pause.tar"
   rm -rf "$tmp"
 }
 
@@ -419,6 +421,86 @@ kill_pod_processes() {
   done
 }
 
+# ---------------------------------------------------------------- more nodes
+# node-up K (K = 2..9): another node of the same cluster, $NODE-K at
+# 198.51.100.K, with its own client certificate, containerd (socket, root,
+# state in $D/node-K), CNI bridge (vcudak8sK, 10.244.(77+K).0/24), cgroup
+# root (/vcuda-node-K: kubelets sharing one cgroupfs tree would remove each
+# other's pod cgroups) and kubelet ports (10250+K, healthz 20248+K). Its
+# containerd and kubelet run in a mount namespace of their own where
+# /var/lib/kubelet is $D/node-K/kubelet-root: kubelet 1.20's device-plugin
+# directory is fixed, and containerd must see the pods' volumes where that
+# kubelet put them. A manager for the node runs in the same namespace
+# (nsenter --mount --target "$(cat $D/run/node-K.pid)").
+node_vars() {
+  KN="$NODE-$1"
+  KIP="198.51.100.$1"
+  KD="$D/node-$1"
+  KSOCK="$KD/containerd/containerd.sock"
+}
+
+node_ready_k() {
+  "$BIN/kubectl" --kubeconfig "$D/admin.kubeconfig" get node "$KN" \
+    -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null | grep -qx True
+}
+
+node_up() {
+  local k=$1 c
+  node_vars "$k"
+  if running "node-$k"; then return; fi
+  mkdir -p "$KD/kubelet-root/device-plugins" "$KD/containerd" "$KD/cni/net.d" "$KD/cni/ipam" "$KD/kubelet/pki"
+  ip -4 addr show dev lo | grep -q " $KIP/" || ip addr add "$KIP/32" dev lo
+  cert "kubelet-$k" "system:node:$KN" system:nodes
+  kubeconfig "kubelet-$k"
+  for c in /sys/fs/cgroup/*/; do
+    [ -L "${c%/}" ] || mkdir -p "$c/vcuda-node-$k" 2>/dev/null || true
+  done
+  sed -e "s|$D/containerd|$KD/containerd|g" -e "s|$D/cni|$KD/cni|g" \
+    "$D/containerd/config.toml" >"$KD/containerd/config.toml"
+  sed -e "s|\"$BRIDGE\"|\"vcudak8s$k\"|" -e "s|$POD_CIDR|10.244.$((77 + k)).0/24|" -e "s|$D/cni|$KD/cni|g" \
+    "$D/cni/net.d/10-vcuda.conflist" >"$KD/cni/net.d/10-vcuda.conflist"
+  sed -e "s|^healthzPort: .*|healthzPort: $((20248 + k))|" -e "s|^podCIDR: .*|podCIDR: 10.244.$((77 + k)).0/24|" \
+    "$D/kubelet/config.yaml" >"$KD/kubelet.yaml"
+  printf 'port: %s\ncgroupRoot: /vcuda-node-%s\n' "$((10250 + k))" "$k" >>"$KD/kubelet.yaml"
+  {
+    echo 'set -e'
+    echo "mount --bind '$KD/kubelet-root' /var/lib/kubelet"
+    echo "containerd --config '$KD/containerd/config.toml' >>'$D/log/containerd-$k.log' 2>&1 &"
+    echo "echo \$! >'$(pidfile "containerd-$k")'"
+    echo "for i in \$(seq 1 60); do [ -S '$KSOCK' ] && break; sleep 1; done"
+    echo "ctr --address '$KSOCK' -n k8s.io images import '$D/pause.tar' >/dev/null"
+    echo "exec '$BIN/kubelet' --config '$KD/kubelet.yaml' --kubeconfig '$D/kubelet-$k.kubeconfig' \\"
+    echo "  --container-runtime remote --container-runtime-endpoint 'unix://$KSOCK' \\"
+    echo "  --root-dir /var/lib/kubelet --cert-dir '$KD/kubelet/pki' \\"
+    echo "  --node-ip '$KIP' --hostname-override '$KN' --v 2"
+  } >"$KD/run.sh"
+  start "node-$k" unshare --mount --propagation private bash "$KD/run.sh"
+  wait_for "node $KN Ready" 180 "$D/log/node-$k.log" node_ready_k
+  log "node $KN Ready"
+}
+
+# node-down K: what node-up K started, and its pods' processes.
+node_down() {
+  local k=$1 p cg c
+  node_vars "$k"
+  stop "node-$k"
+  for p in $(pgrep -f "containerd-shim-runc-v2 .*-address $KSOCK" || true); do
+    kill -9 "$p" 2>/dev/null || true
+  done
+  for cg in "/sys/fs/cgroup/pids/vcuda-node-$k" "/sys/fs/cgroup/unified/vcuda-node-$k"; do
+    [ -d "$cg" ] || continue
+    { find "$cg" -name cgroup.procs -exec cat {} + 2>/dev/null || true; } | while read -r p; do
+      kill -9 "$p" 2>/dev/null || true
+    done
+  done
+  stop "containerd-$k"
+  ip link del "vcudak8s$k" 2>/dev/null || true
+  ip addr del "$KIP/32" dev lo 2>/dev/null || true
+  for c in /sys/fs/cgroup/*/vcuda-node-$k; do
+    [ -d "$c" ] && find "$c" -depth -type d -exec rmdir {} \; 2>/dev/null || true
+  done
+}
+
 unmount_under() { # unmount everything below $1, deepest first
   local m
   { awk '{print $5}' /proc/self/mountinfo | grep -E "^$1(/|$)" || true; } | sort -r | while read -r m; do
@@ -428,6 +510,12 @@ unmount_under() { # unmount everything below $1, deepest first
 
 down() {
   BIN=$(find_bin 2>/dev/null || echo /nonexistent)
+  local f
+  for f in "$D"/run/node-*.pid; do
+    [ -e "$f" ] || continue
+    f=${f##*/node-}
+    node_down "${f%.pid}"
+  done
   stop kubelet
   kill_pod_processes
   stop containerd
@@ -464,7 +552,9 @@ case "${1:-}" in
   # scheduler-restart [CONFIG]: kube-scheduler again, with the
   # KubeSchedulerConfiguration CONFIG (extenders, profiles) or its flags.
   scheduler-restart) BIN=$(find_bin); stop kube-scheduler; start_scheduler "${2:-}" ;;
-  import) import_image "$2" ;;
+  node-up) BIN=$(find_bin); node_up "$2" ;;
+  node-down) BIN=$(find_bin); node_down "$2" ;;
+  import) import_image "$2" "${3:-}" ;;
   image-tar) shift; image_tar "$@" ;;
-  *) echo "usage: $0 up|down|kubelet-restart|kubelet-stop|kubelet-start|scheduler-restart [CONFIG]|import TAR|image-tar TAG ROOTFS OUT ENTRY..." >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|kubelet-restart|kubelet-stop|kubelet-start|scheduler-restart [CONFIG]|node-up K|node-down K|import TAR [SOCKET]|image-tar TAG ROOTFS OUT ENTRY..." >&2; exit 2 ;;
 esac

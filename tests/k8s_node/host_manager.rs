@@ -15,15 +15,43 @@ pub struct HostManager {
     child: Option<Child>,
     log: PathBuf,
     args: Vec<String>,
+    /// Run through this command (`nsenter` into another node's mount
+    /// namespace); empty: directly.
+    prefix: Vec<String>,
+    port: u16,
+}
+
+/// Where a manager runs: its node, the simulated GPUs and state of `w`,
+/// its query port, its node's containerd, and a command it runs under.
+pub struct Site<'a> {
+    pub node: &'a str,
+    pub w: &'a Work,
+    pub port: u16,
+    pub containerd: PathBuf,
+    pub prefix: Vec<String>,
 }
 
 impl HostManager {
     pub fn start(c: &Cluster, w: &Work) -> HostManager {
+        HostManager::start_at(
+            c,
+            Site {
+                node: &c.node,
+                w,
+                port: MANAGER_PORT,
+                containerd: c.dir.join("containerd/containerd.sock"),
+                prefix: Vec::new(),
+            },
+        )
+    }
+
+    pub fn start_at(c: &Cluster, site: Site) -> HostManager {
         let t = target_dir();
+        let w = site.w;
         let args: Vec<String> = [
             "--share-mode",
             "--hostname-override",
-            &c.node,
+            site.node,
             "--host-root",
             w.sim.to_str().unwrap(),
             "--volume-config",
@@ -44,16 +72,13 @@ impl HostManager {
             "--display-socket",
             w.mgr.join("display.sock").to_str().unwrap(),
             "--query-port",
-            &MANAGER_PORT.to_string(),
+            &site.port.to_string(),
             // The node's containerd through CRI, with kubelet and the API
             // server, is what recovery asks.
             "--container-runtime",
             "containerd",
             "--container-runtime-endpoint",
-            &format!(
-                "unix://{}",
-                c.dir.join("containerd/containerd.sock").display()
-            ),
+            &format!("unix://{}", site.containerd.display()),
             "--xid-quiet-period",
             "5",
             "--allocation-check-period",
@@ -66,6 +91,8 @@ impl HostManager {
             child: None,
             log: w.mgr.join("gpu-manager.log"),
             args,
+            prefix: site.prefix,
+            port: site.port,
         };
         m.spawn();
         m
@@ -77,7 +104,16 @@ impl HostManager {
             .append(true)
             .open(&self.log)
             .unwrap();
-        let child = Command::new(target_dir().join("gpu-manager"))
+        let bin = target_dir().join("gpu-manager");
+        let mut cmd = match self.prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
+        let child = cmd
             .args(&self.args)
             .env("RUST_LOG", "info")
             .stdout(log.try_clone().unwrap())
@@ -96,7 +132,7 @@ impl HostManager {
     }
 
     pub fn ready(&self) -> bool {
-        let addr: SocketAddr = ([127, 0, 0, 1], MANAGER_PORT).into();
+        let addr: SocketAddr = ([127, 0, 0, 1], self.port).into();
         std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_ok()
             && http_get(addr, "/readyz").0 == 200
     }

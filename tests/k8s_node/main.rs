@@ -19,6 +19,9 @@
 //!     then (`phase_sched.rs`) kube-scheduler with `vcuda-scheduler` as its
 //!     extender: 13 pods of 30 cores on 4 GPUs, 12 Running and 1
 //!     Unschedulable with the reason, the extender killed and restarted;
+//!     then (`phase_nodes.rs`) two more nodes (`cluster.sh node-up`) with
+//!     their own managers: a 200-pod trace across three nodes, the
+//!     extender killed mid-run;
 //!  3. `deploy/` applied as users apply it, with the test overlay
 //!     `deploy/test/daemonset-sim-patch.yaml` (local image, host paths of the
 //!     simulated root): the DaemonSet Ready under the RBAC authorizer with
@@ -41,6 +44,7 @@ mod deploy;
 mod host_manager;
 mod phase1;
 mod phase2;
+mod phase_nodes;
 mod phase_sched;
 mod phase_tp;
 
@@ -129,7 +133,10 @@ fn real_node_suite() {
     if host_phases {
         host_manager_phases(&c, &w, &mut figures);
     }
-    if std::env::var("VCUDA_K8S_ONLY").as_deref() == Ok("sched") {
+    if matches!(
+        std::env::var("VCUDA_K8S_ONLY").as_deref(),
+        Ok("sched" | "nodes")
+    ) {
         for f in &figures {
             eprintln!("k8s_node:   {f}");
         }
@@ -156,14 +163,20 @@ fn real_node_suite() {
 /// `VCUDA_K8S_ONLY=sched` runs the extender's phase alone over a fresh
 /// host manager (while working on it).
 fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
-    if std::env::var("VCUDA_K8S_ONLY").as_deref() == Ok("sched") {
+    let only = std::env::var("VCUDA_K8S_ONLY").unwrap_or_default();
+    if only == "sched" || only == "nodes" {
         let mut m = host_manager::HostManager::start(c, w);
         m.wait_ready(120);
-        phase_sched::run(c, w, figures);
+        if only == "sched" {
+            phase_sched::run(c, w, figures);
+        } else {
+            phase_nodes::run(c, w, figures);
+        }
         return;
     }
     let (mut m, state) = phase1::run(c, w, figures);
     phase_tp::run(c, w, figures, &state);
     phase2::run(c, w, figures, &mut m, &state);
     phase_sched::run(c, w, figures);
+    phase_nodes::run(c, w, figures);
 }

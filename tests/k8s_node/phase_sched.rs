@@ -25,10 +25,10 @@ const PORT: u16 = 18888;
 const PODS: usize = 13;
 
 /// The extender on the host, killed when dropped.
-struct Extender(Child);
+pub struct Extender(pub Child);
 
 impl Extender {
-    fn start(c: &Cluster) -> Extender {
+    pub fn start(c: &Cluster) -> Extender {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -62,7 +62,7 @@ impl Drop for Extender {
 }
 
 /// kube-scheduler's configuration with the extender (v1beta1: 1.19-1.21).
-fn scheduler_config(c: &Cluster) -> std::path::PathBuf {
+pub fn scheduler_config(c: &Cluster) -> std::path::PathBuf {
     let path = c.dir.join("scheduler-extender.yaml");
     let text = format!(
         r#"apiVersion: kubescheduler.config.k8s.io/v1beta1
@@ -145,8 +145,27 @@ fn settle(c: &Cluster, running: usize, secs: u64) -> Vec<Value> {
     )
 }
 
+/// Waits until the earlier phases' pods are gone: kubelet keeps their
+/// device IDs until then, and would refuse a new pod at admission
+/// whatever the extender chose.
+pub fn wait_no_pods(c: &Cluster) {
+    wait("the earlier phases' pods gone", 180, || {
+        let n = c
+            .json(&["pods"])?
+            .get("items")
+            .and_then(Value::as_array)
+            .map_or(0, Vec::len);
+        if n == 0 {
+            Ok(())
+        } else {
+            Err(format!("{n} pods left"))
+        }
+    });
+}
+
 pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     eprintln!("k8s_node: phase 2b: kube-scheduler with vcuda-scheduler as its extender");
+    wait_no_pods(c);
     wait("the node's GPU inventory", 30, || {
         let n = c.json(&["node", &c.node])?;
         n["metadata"]["annotations"]["tencent.com/vcuda-gpu-inventory"]

@@ -59,6 +59,29 @@ impl Cluster {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// Another node of this cluster (`cluster.sh node-up K`, K = 2..9):
+    /// its name; its containerd socket is [`Cluster::node_containerd`] and
+    /// its mount namespace that of [`Cluster::node_pid`].
+    pub fn node_up(&self, k: u32) -> String {
+        self.script_ok(&["node-up", &k.to_string()]);
+        format!("{}-{k}", self.node)
+    }
+
+    pub fn node_containerd(&self, k: u32) -> PathBuf {
+        self.dir
+            .join(format!("node-{k}/containerd/containerd.sock"))
+    }
+
+    /// The pid of node K's kubelet, whose mount namespace is the node's.
+    pub fn node_pid(&self, k: u32) -> u32 {
+        let p = self.dir.join(format!("run/node-{k}.pid"));
+        fs::read_to_string(&p)
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
     pub fn kubeconfig(&self) -> PathBuf {
         self.dir.join("admin.kubeconfig")
     }
