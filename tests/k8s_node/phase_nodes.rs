@@ -199,6 +199,63 @@ fn admission_rule(inv: &Inventory, nodes: usize, trace: &[(u32, u32)]) -> u64 {
     placed
 }
 
+/// 13 pods of 30 cores for 4-GPU nodes: with three nodes the 13th goes
+/// to another node, never to a full one (no admission error).
+fn thirteen(c: &Cluster, w: &Work, names: &[&str]) {
+    for i in 0..13 {
+        let y = pod_yaml(
+            w,
+            &format!("t13-{i}"),
+            30,
+            1,
+            "sleep 1000000",
+            ", group: t13",
+        )
+        .replace(
+            &w.sim.join("run/gpu-sim").display().to_string(),
+            &state_dir(c).display().to_string(),
+        );
+        c.apply(&y);
+    }
+    let ps = wait("13 pods Running", 180, || {
+        let ps = c
+            .json(&["pods", "-l", "group=t13"])?
+            .get("items")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        if let Some(f) = ps.iter().find(|p| phase(p) == "Failed") {
+            panic!("a pod failed: {}", f["status"]);
+        }
+        let up = ps.iter().filter(|p| phase(p) == "Running").count();
+        if up == 13 {
+            Ok(ps)
+        } else {
+            Err(format!("{up} Running"))
+        }
+    });
+    let mut by_node: BTreeMap<String, usize> = BTreeMap::new();
+    for p in &ps {
+        *by_node
+            .entry(p["spec"]["nodeName"].as_str().unwrap_or("").to_string())
+            .or_default() += 1;
+    }
+    assert!(by_node.values().all(|&n| n <= 12), "{by_node:?}");
+    assert!(
+        by_node.keys().all(|n| names.contains(&n.as_str())),
+        "{by_node:?}"
+    );
+    eprintln!("k8s_node: 13 x 30 cores over three nodes: {by_node:?}");
+    c.kubectl_ok(&[
+        "delete",
+        "pods",
+        "-l",
+        "group=t13",
+        "--grace-period=1",
+        "--wait=true",
+    ]);
+}
+
 pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     eprintln!("k8s_node: phase 2c: three nodes, kube-scheduler with the extender, a 200-pod trace");
     crate::phase_sched::wait_no_pods(c);
@@ -224,6 +281,7 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         }
         Ok(last.unwrap())
     });
+    thirteen(c, w, &names);
     let trace = trace();
     let docs: Vec<String> = trace
         .iter()

@@ -22,6 +22,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 
 use crate::api::{ExtenderBindingArgs, ExtenderBindingResult};
 use crate::cluster::{Cluster, PodPlacement};
+use crate::policy::Policy;
 
 /// The pod label naming the node a bind in flight reserved GPUs on.
 pub const NODE_LABEL: &str = "tencent.com/vcuda-node";
@@ -61,10 +62,15 @@ pub trait BindApi: Send + Sync {
     async fn bind(&self, pod: &Pod, node: &str) -> Result<(), ApiError>;
 }
 
-/// Binds the pod `args` names to `args.node` (see the module's rules).
-pub async fn bind(api: &dyn BindApi, args: &ExtenderBindingArgs) -> ExtenderBindingResult {
+/// Binds the pod `args` names to `args.node` (see the module's rules);
+/// `default`: the cluster's policy, for the pod's GPUs within the node.
+pub async fn bind(
+    api: &dyn BindApi,
+    args: &ExtenderBindingArgs,
+    default: Policy,
+) -> ExtenderBindingResult {
     let who = format!("pod {}/{}", args.pod_namespace, args.pod_name);
-    match bind_inner(api, args).await {
+    match bind_inner(api, args, default).await {
         Ok(placed) => {
             tracing::info!(pod = %who, node = %args.node, gpus = %describe(&placed), "bound");
             ExtenderBindingResult::default()
@@ -78,7 +84,11 @@ pub async fn bind(api: &dyn BindApi, args: &ExtenderBindingArgs) -> ExtenderBind
     }
 }
 
-async fn bind_inner(api: &dyn BindApi, args: &ExtenderBindingArgs) -> Result<PodPlacement, String> {
+async fn bind_inner(
+    api: &dyn BindApi,
+    args: &ExtenderBindingArgs,
+    default: Policy,
+) -> Result<PodPlacement, String> {
     let mut last = String::new();
     for _ in 0..ATTEMPTS {
         let (node, others) = api.fresh(&args.node).await.map_err(|e| e.to_string())?;
@@ -98,7 +108,8 @@ async fn bind_inner(api: &dyn BindApi, args: &ExtenderBindingArgs) -> Result<Pod
             .filter(|p| gpu_pods::uid(p) != args.pod_uid)
             .collect();
         let cluster = Cluster::build([&node], others.iter().copied());
-        let placed = match cluster.fit(&args.node, &pod) {
+        let spread = Policy::of(&pod, default)? == Policy::Spread;
+        let placed = match cluster.fit_with(&args.node, &pod, spread) {
             Ok(p) => p,
             Err(why) => {
                 take_back(api, &args.pod_namespace, &args.pod_name).await;

@@ -144,6 +144,10 @@ impl BindApi for Mem {
     }
 }
 
+async fn bind_b(api: &Mem, a: &ExtenderBindingArgs) -> crate::api::ExtenderBindingResult {
+    bind(api, a, crate::policy::Policy::Binpack).await
+}
+
 fn args(name: &str, node: &str) -> ExtenderBindingArgs {
     ExtenderBindingArgs {
         pod_name: name.into(),
@@ -168,7 +172,7 @@ async fn bind_writes_the_gpus_where_the_manager_reads_them_then_binds() {
         &[node("a", 4, false)],
         &[pod("p", &[(30, 8), (200, 0)], json!({}))],
     );
-    let r = bind(&m, &args("p", "a")).await;
+    let r = bind_b(&m, &args("p", "a")).await;
     assert_eq!(r.error, "");
     assert_eq!(
         annotation(&m, "p", "tencent.com/predicate-gpu-idx-0").as_deref(),
@@ -208,13 +212,13 @@ async fn concurrent_binds_never_overcommit_a_gpu() {
             // reservations in flight may have been taken back since):
             // retried here the same way, a bounded number of times.
             tokio::spawn(async move {
-                let mut r = bind(m.as_ref(), &args(&format!("p{k}"), "a")).await;
+                let mut r = bind_b(m.as_ref(), &args(&format!("p{k}"), "a")).await;
                 for _ in 0..100 {
                     if r.error.is_empty() {
                         break;
                     }
                     tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-                    r = bind(m.as_ref(), &args(&format!("p{k}"), "a")).await;
+                    r = bind_b(m.as_ref(), &args(&format!("p{k}"), "a")).await;
                 }
                 r
             })
@@ -268,7 +272,7 @@ async fn concurrent_binds_never_overcommit_a_gpu() {
 async fn a_bind_that_keeps_losing_races_gives_its_reservation_back() {
     let m = Mem::with(&[node("a", 2, false)], &[pod("p", &[(30, 8)], json!({}))]);
     m.lock().always_conflict = true;
-    let r = bind(&m, &args("p", "a")).await;
+    let r = bind_b(&m, &args("p", "a")).await;
     assert!(r.error.contains("lost 8 races"), "{}", r.error);
     assert!(
         r.error.starts_with("pod default/p on node a:"),
@@ -292,10 +296,37 @@ async fn a_pod_replaced_under_its_name_is_not_bound() {
     let m = Mem::with(&[node("a", 2, false)], &[pod("p", &[(30, 8)], json!({}))]);
     let mut a = args("p", "a");
     a.pod_uid = "uid-old".into();
-    let r = bind(&m, &a).await;
+    let r = bind_b(&m, &a).await;
     assert!(
         r.error.contains("now has UID uid-p, not uid-old"),
         "{}",
         r.error
+    );
+}
+
+#[tokio::test]
+async fn spread_puts_a_share_on_the_emptiest_gpu_and_binpack_on_the_fullest() {
+    let full = crate::tests::placed("x", &[(60, 8)], "a", &["2"]);
+    let m = Mem::with(
+        &[node("a", 4, false)],
+        &[
+            full,
+            pod(
+                "s",
+                &[(30, 8)],
+                json!({"tencent.com/vcuda-policy": "spread"}),
+            ),
+            pod("b", &[(30, 8)], json!({})),
+        ],
+    );
+    assert_eq!(bind_b(&m, &args("s", "a")).await.error, "");
+    assert_eq!(
+        annotation(&m, "s", "tencent.com/predicate-gpu-idx-0").as_deref(),
+        Some("0")
+    );
+    assert_eq!(bind_b(&m, &args("b", "a")).await.error, "");
+    assert_eq!(
+        annotation(&m, "b", "tencent.com/predicate-gpu-idx-0").as_deref(),
+        Some("2")
     );
 }

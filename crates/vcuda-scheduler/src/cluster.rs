@@ -107,14 +107,25 @@ impl Cluster {
     }
 
     /// Where `pod`'s GPU containers would go on `node`, one after the
-    /// other as the manager admits them; or why they do not fit there.
+    /// other as the manager admits them; or why they do not fit there. The
+    /// GPUs are the manager's choice (the fullest that fits).
     pub fn fit(&self, node: &str, pod: &Pod) -> Result<PodPlacement, String> {
+        self.fit_with(node, pod, false)
+    }
+
+    /// [`Cluster::fit`]; `spread`: a share of one GPU goes to the emptiest
+    /// GPU that takes it instead (most free cores, then memory, then the
+    /// lowest index), which bind then writes for the manager to honour.
+    pub fn fit_with(&self, node: &str, pod: &Pod, spread: bool) -> Result<PodPlacement, String> {
         let st = self.nodes.get(node).ok_or_else(|| self.not_vcuda(node))?;
         let reqs = gpu_pods::requests(pod, st.inventory.gpus.len(), st.inventory.share_mode)?;
         let mut a = st.allocator.clone();
         let mut out = Vec::with_capacity(reqs.len());
         for r in reqs {
-            let p = a.evaluate(&r.request).map_err(|e| describe(&r, e))?;
+            let mut p = a.evaluate(&r.request).map_err(|e| describe(&r, e))?;
+            if spread && let Placement::Share { .. } = p {
+                p = emptiest(&a, &r.request).unwrap_or(p);
+            }
             a.commit(format!("new/{}", r.name), &p)
                 .map_err(|e| describe(&r, e))?;
             out.push((r, p));
@@ -130,6 +141,27 @@ impl Cluster {
             ),
         }
     }
+}
+
+/// The healthy, shared GPU with the most room that takes a share of `req`.
+fn emptiest(a: &Allocator, req: &Request) -> Option<Placement> {
+    let fits = |u: &gpu_allocator::GpuUsage| {
+        u.healthy
+            && !u.exclusive
+            && u.free_cores() >= req.cores
+            && u.free_memory_units() >= req.memory_units
+    };
+    let gpu = (0..a.usages().len())
+        .filter(|&g| fits(&a.usage(g)))
+        .max_by_key(|&g| {
+            let u = a.usage(g);
+            (u.free_cores(), u.free_memory_units(), std::cmp::Reverse(g))
+        })?;
+    Some(Placement::Share {
+        gpu,
+        cores: req.cores,
+        memory_units: req.memory_units,
+    })
 }
 
 fn describe(r: &ContainerRequest, e: AllocError) -> String {

@@ -79,7 +79,7 @@ pub fn prioritize(
         .map(|host| {
             let score = match (gpu, cluster.nodes.get(&host)) {
                 (true, Some(st)) => cluster
-                    .fit(&host, pod)
+                    .fit_with(&host, pod, policy == Policy::Spread)
                     .map_or(0, |placed| policy::score(st, &placed, policy)),
                 _ => 0,
             };

@@ -60,7 +60,7 @@ async fn bind(
     State(s): State<Arc<Server>>,
     Json(args): Json<ExtenderBindingArgs>,
 ) -> Json<ExtenderBindingResult> {
-    Json(crate::bind::bind(s.binder.as_ref(), &args).await)
+    Json(crate::bind::bind(s.binder.as_ref(), &args, s.policy).await)
 }
 
 async fn healthz(State(s): State<Arc<Server>>) -> (StatusCode, &'static str) {
