@@ -13,15 +13,16 @@
 //!     then (`phase_tp.rs`) a TP = 2 server pod (`tencent.com/vcuda-gpus`)
 //!     beside a second tenant's pod on the same pair: each rank's memory
 //!     rules, the other's quota per GPU, both held to 50 % on each GPU;
+//!     then (`phase_sched.rs`, "2b") kube-scheduler with `vcuda-scheduler`
+//!     as its extender: 13 pods of 30 cores on 4 GPUs, 12 Running and 1
+//!     Unschedulable with the reason, the extender killed and restarted;
+//!     then (`phase_nodes.rs`, "2c") two more nodes (`cluster.sh node-up`)
+//!     with their own managers: 13 pods over three nodes, a 200-pod trace,
+//!     the extender killed mid-run;
 //!  2. 20 live pods, the manager killed with -9 and restarted: quotas kept,
 //!     a new process registers; kubelet restarted: resources back, pods
-//!     undisturbed; pods deleted: allocations released;
-//!     then (`phase_sched.rs`) kube-scheduler with `vcuda-scheduler` as its
-//!     extender: 13 pods of 30 cores on 4 GPUs, 12 Running and 1
-//!     Unschedulable with the reason, the extender killed and restarted;
-//!     then (`phase_nodes.rs`) two more nodes (`cluster.sh node-up`) with
-//!     their own managers: a 200-pod trace across three nodes, the
-//!     extender killed mid-run;
+//!     undisturbed; pods deleted: allocations released, the host manager
+//!     stopped;
 //!  3. `deploy/` applied as users apply it, with the test overlay
 //!     `deploy/test/daemonset-sim-patch.yaml` (local image, host paths of the
 //!     simulated root): the DaemonSet Ready under the RBAC authorizer with
@@ -176,7 +177,8 @@ fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     }
     let (mut m, state) = phase1::run(c, w, figures);
     phase_tp::run(c, w, figures, &state);
-    phase2::run(c, w, figures, &mut m, &state);
+    // While the host manager serves (phase 2 ends by stopping it).
     phase_sched::run(c, w, figures);
     phase_nodes::run(c, w, figures);
+    phase2::run(c, w, figures, &mut m, &state);
 }

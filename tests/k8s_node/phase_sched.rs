@@ -34,7 +34,7 @@ impl Extender {
             .append(true)
             .open(c.dir.join("log/vcuda-scheduler.log"))
             .unwrap();
-        let child = Command::new(target_dir().join("vcuda-scheduler"))
+        let mut child = Command::new(target_dir().join("vcuda-scheduler"))
             .args(["--listen", &format!("127.0.0.1:{PORT}"), "--kubeconfig"])
             .arg(c.kubeconfig())
             .env("RUST_LOG", "info")
@@ -44,6 +44,15 @@ impl Extender {
             .unwrap();
         let addr = ([127, 0, 0, 1], PORT).into();
         wait("the extender's /healthz", 30, || {
+            // Another process on the port (an extender a killed run left)
+            // would answer for it.
+            if let Some(st) = child.try_wait().map_err(|e| e.to_string())? {
+                panic!(
+                    "vcuda-scheduler exited ({st}): {}",
+                    std::fs::read_to_string(c.dir.join("log/vcuda-scheduler.log"))
+                        .unwrap_or_default()
+                );
+            }
             std::net::TcpStream::connect(addr).map_err(|e| e.to_string())?;
             match test_support::http_get(addr, "/healthz") {
                 (200, _) => Ok(()),
