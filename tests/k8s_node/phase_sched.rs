@@ -12,7 +12,6 @@
 //!   nothing lost, no GPU over 90 cores.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -242,5 +241,4 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         "--wait=true",
     ]);
     c.script_ok(&["scheduler-restart"]);
-    let _ = Path::new("");
 }

@@ -140,9 +140,7 @@ impl Law {
     /// 10 % jitter. A real GPU's kernels differ by their bodies; these by
     /// their names, the one thing of a body the simulator has.
     pub fn undeclared(name: &str, gpu: &GpuSpec, block_ns: u64) -> Law {
-        let h = mix(name.bytes().fold(FNV_OFFSET, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(FNV_PRIME)
-        }));
+        let h = mix(crate::fnv1a(name.as_bytes()));
         let pick = |shift: u32, n: u64| (h >> shift) % n;
         let ns = block_ns as f64 * (0.5 + pick(8, 16) as f64 / 8.0);
         let shape = match pick(0, 4) {
@@ -290,9 +288,6 @@ impl Law {
         ))
     }
 }
-
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
 
 /// splitmix64's finaliser: every bit of `h` reaches every bit.
 fn mix(mut h: u64) -> u64 {

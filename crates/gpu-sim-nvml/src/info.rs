@@ -43,15 +43,12 @@ pub fn pci_subsystem_id(_g: &GpuSpec) -> u32 {
     (0x1450 << 16) | PCI_VENDOR_NVIDIA
 }
 
-fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
 /// 13-digit board serial derived from the UUID.
 pub fn serial(g: &GpuSpec) -> String {
-    format!("{:013}", fnv(g.uuid.as_bytes()) % 10_000_000_000_000)
+    format!(
+        "{:013}",
+        gpu_sim_core::fnv1a(g.uuid.as_bytes()) % 10_000_000_000_000
+    )
 }
 
 /// Board id: unique per GPU on the node, as the real one is per board.

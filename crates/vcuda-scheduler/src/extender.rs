@@ -1,8 +1,6 @@
 //! `filter` and `prioritize` over a [`Cluster`]: pure, so they answer from
 //! whatever snapshot the caller holds (the watch caches in production).
 
-use std::collections::BTreeMap;
-
 use k8s_openapi::api::core::v1::Pod;
 
 use crate::api::{ExtenderArgs, ExtenderFilterResult, HostPriority};
@@ -86,22 +84,4 @@ pub fn prioritize(
             HostPriority { host, score }
         })
         .collect())
-}
-
-/// Per node, the free cores and memory units of each GPU: what a reason
-/// shows, and the display's view of the cluster.
-pub fn free_by_node(cluster: &Cluster) -> BTreeMap<String, Vec<(u32, u64)>> {
-    cluster
-        .nodes
-        .iter()
-        .map(|(n, st)| {
-            let free = st
-                .allocator
-                .usages()
-                .iter()
-                .map(|u| (u.free_cores(), u.free_memory_units()))
-                .collect();
-            (n.clone(), free)
-        })
-        .collect()
 }

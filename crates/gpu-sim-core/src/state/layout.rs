@@ -96,12 +96,6 @@ fn layout_len(gpus: usize) -> usize {
     HEADER_SIZE + gpus * DEVICE_SIZE + MAX_PROCS * SLOT_SIZE
 }
 
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
 // The layout every mapping process agrees on (LAYOUT_VERSION 1).
 const _: () = assert!(HEADER_SIZE == 4096);
 const _: () = assert!(std::mem::size_of::<XidSlot>() == 32);
@@ -131,7 +125,7 @@ impl SharedState {
     pub fn install(root: &SimRoot, node: &NodeSpec) -> Result<InstallOutcome, StateError> {
         let dir = root.state_dir();
         fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-        let hash = fnv1a(node.source.as_bytes());
+        let hash = crate::fnv1a(node.source.as_bytes());
         let state_path = root.state_file();
         let outcome = match Self::read_header(&state_path) {
             Ok(Some((h, count))) if h == hash && count == node.gpus.len() => InstallOutcome::Kept,
@@ -257,7 +251,7 @@ impl SharedState {
             ));
         }
         if h.gpu_count as usize != state.node.gpus.len()
-            || h.node_hash != fnv1a(state.node.source.as_bytes())
+            || h.node_hash != crate::fnv1a(state.node.source.as_bytes())
         {
             return Err(corrupt(
                 "was made for another node description; re-run gpu-sim install".into(),
