@@ -164,10 +164,39 @@ pub struct ContainerRequest {
     pub request: Request,
 }
 
+/// Why a container's limits make no request.
+#[derive(Debug)]
+pub enum RequestError {
+    /// The pod's `vcuda-gpus` annotation is malformed (the text names the
+    /// pod, the key and the problem).
+    Annotation(String),
+    /// The totals do not split over the `gpus` the annotation gives.
+    Split {
+        gpus: u32,
+        error: gpu_allocator::AllocError,
+    },
+}
+
+/// The allocator's request for container `container` of `pod`, whose
+/// limits are `cores` and `units`: those totals over the GPUs the pod's
+/// `vcuda-gpus` map gives it (one when it does not name it), on a node of
+/// `node_gpus` GPUs (`share_mode`: the node places shares). The manager's
+/// Allocate and the extender's filter both ask this, so they agree.
+pub fn container_request(
+    pod: &Pod,
+    container: &str,
+    (cores, units): (u64, u64),
+    node_gpus: usize,
+    share_mode: bool,
+) -> Result<Request, RequestError> {
+    let n = gpu_count(pod, container, node_gpus).map_err(RequestError::Annotation)?;
+    Request::from_totals(cores, units, n, share_mode)
+        .map_err(|error| RequestError::Split { gpus: n, error })
+}
+
 /// What each GPU container of `pod` asks of a node with `node_gpus` GPUs
-/// (`share_mode`: the node places shares): its totals over the GPUs the
-/// pod's `vcuda-gpus` map gives it, as the manager will place it. The
-/// error names the pod, the container and what is wrong.
+/// ([`container_request`] of each). The error names the pod, the
+/// container and what is wrong.
 pub fn requests(
     pod: &Pod,
     node_gpus: usize,
@@ -179,16 +208,17 @@ pub fn requests(
         .iter()
         .flat_map(|s| s.containers.iter().enumerate());
     for (index, c) in spec.filter(|(_, c)| is_gpu_container(c)) {
-        let n = gpu_count(pod, &c.name, node_gpus)?;
         let (cores, units) = (limit(c, VCORE_RESOURCE), limit(c, VMEMORY_RESOURCE));
-        let request = Request::from_totals(cores, units, n, share_mode).map_err(|e| {
-            format!(
-                "pod {}/{} container {}: vcuda-core {cores}, vcuda-memory {units} over {n} GPU(s): {e}",
-                namespace(pod),
-                name(pod),
-                c.name
-            )
-        })?;
+        let request = container_request(pod, &c.name, (cores, units), node_gpus, share_mode)
+            .map_err(|e| match e {
+                RequestError::Annotation(e) => e,
+                RequestError::Split { gpus, error } => format!(
+                    "pod {}/{} container {}: vcuda-core {cores}, vcuda-memory {units} over {gpus} GPU(s): {error}",
+                    namespace(pod),
+                    name(pod),
+                    c.name
+                ),
+            })?;
         out.push(ContainerRequest {
             index,
             name: c.name.clone(),

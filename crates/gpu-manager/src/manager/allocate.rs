@@ -298,16 +298,20 @@ impl Manager {
     /// `vcuda-memory` totals over the GPUs the pod's `vcuda-gpus`
     /// annotation gives it (one when it does not name it).
     fn request(&self, ctx: &str, cand: &pods::Candidate) -> Result<Request, Status> {
-        let n = pods::gpu_count(&cand.pod, &cand.container, self.gpus.len())
-            .map_err(Status::invalid_argument)?;
-        Request::from_totals(cand.cores, cand.memory_units, n, self.config.share_mode).map_err(
-            |e| {
-                Status::invalid_argument(format!(
-                    "{ctx}: annotation {} gives it {n} GPUs: {e}",
-                    pods::VCUDA_GPUS
-                ))
-            },
+        gpu_pods::container_request(
+            &cand.pod,
+            &cand.container,
+            (cand.cores, cand.memory_units),
+            self.gpus.len(),
+            self.config.share_mode,
         )
+        .map_err(|e| match e {
+            gpu_pods::RequestError::Annotation(e) => Status::invalid_argument(e),
+            gpu_pods::RequestError::Split { gpus, error } => Status::invalid_argument(format!(
+                "{ctx}: annotation {} gives it {gpus} GPUs: {error}",
+                pods::VCUDA_GPUS
+            )),
+        })
     }
 
     /// Decides where the request goes (the allocator's choice, or
