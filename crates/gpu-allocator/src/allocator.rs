@@ -67,6 +67,29 @@ impl Request {
             gpus,
         }
     }
+
+    /// This request placed on `gpus` (indices, any order; a scheduler's
+    /// recorded choice), or `None` when that is not as many GPUs as the
+    /// request takes. Whether it fits is [`Allocator::commit`]'s to say.
+    pub fn placement_on(&self, gpus: &[usize]) -> Option<Placement> {
+        let mut gpus = gpus.to_vec();
+        gpus.sort_unstable();
+        gpus.dedup();
+        let n = gpus.len() as u32;
+        match self.gpus {
+            1 if self.cores < WHOLE_GPU_CORES => (n == 1).then(|| Placement::Share {
+                gpu: gpus[0],
+                cores: self.cores,
+                memory_units: self.memory_units,
+            }),
+            1 => (n * WHOLE_GPU_CORES == self.cores).then_some(Placement::Exclusive { gpus }),
+            k => (n == k).then_some(Placement::Shares {
+                gpus,
+                cores: self.cores,
+                memory_units: self.memory_units,
+            }),
+        }
+    }
 }
 
 /// Where a request goes. Also what the manager checkpoints and hands back

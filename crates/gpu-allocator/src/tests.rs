@@ -581,3 +581,31 @@ fn placements_serialize_for_checkpoints() {
     assert_eq!(json, r#"{"exclusive":{"gpus":[0,1]}}"#);
     assert_eq!(serde_json::from_str::<Placement>(&json).unwrap(), w);
 }
+
+#[test]
+fn a_request_placed_on_recorded_gpus() {
+    let share = Request::share(30, 8).placement_on(&[2]);
+    assert_eq!(
+        share,
+        Some(Placement::Share {
+            gpu: 2,
+            cores: 30,
+            memory_units: 8
+        })
+    );
+    assert_eq!(Request::share(30, 8).placement_on(&[1, 2]), None);
+    // A GPU named twice counts once.
+    let whole = Request::whole(2).placement_on(&[3, 1, 3]);
+    assert_eq!(whole, Some(Placement::Exclusive { gpus: vec![1, 3] }));
+    assert_eq!(Request::whole(2).placement_on(&[3, 3]), None);
+    let tp = Request::shares(2, 50, 32).placement_on(&[1, 0]);
+    assert_eq!(
+        tp,
+        Some(Placement::Shares {
+            gpus: vec![0, 1],
+            cores: 50,
+            memory_units: 32
+        })
+    );
+    assert_eq!(Request::shares(2, 50, 32).placement_on(&[1]), None);
+}

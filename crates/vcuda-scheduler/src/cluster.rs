@@ -185,35 +185,19 @@ pub fn holding_node(pod: &Pod) -> Option<&str> {
 /// The placement `minors` (`/dev/nvidiaN` numbers) record for `req` on a
 /// node with inventory `inv`.
 pub fn placement_on(inv: &Inventory, req: &Request, minors: &[u32]) -> Result<Placement, String> {
-    let mut gpus = minors
+    let gpus = minors
         .iter()
         .map(|&m| {
             inv.by_minor(m)
                 .ok_or_else(|| format!("GPU /dev/nvidia{m} is not one of the node's"))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    gpus.sort_unstable();
-    gpus.dedup();
-    let whole = req.gpus == 1 && req.cores >= gpu_allocator::WHOLE_GPU_CORES;
-    match (req.gpus, whole, gpus.len()) {
-        (1, false, 1) => Ok(Placement::Share {
-            gpu: gpus[0],
-            cores: req.cores,
-            memory_units: req.memory_units,
-        }),
-        (1, true, n) if n as u32 * gpu_allocator::WHOLE_GPU_CORES == req.cores => {
-            Ok(Placement::Exclusive { gpus })
-        }
-        (k, false, n) if k >= 2 && n == k as usize => Ok(Placement::Shares {
-            gpus,
-            cores: req.cores,
-            memory_units: req.memory_units,
-        }),
-        _ => Err(format!(
+    req.placement_on(&gpus).ok_or_else(|| {
+        format!(
             "{} GPU(s) recorded ({minors:?}) for a request of {} cores over {} GPU(s)",
-            gpus.len(),
+            gpus.iter().collect::<std::collections::BTreeSet<_>>().len(),
             req.cores,
             req.gpus
-        )),
-    }
+        )
+    })
 }

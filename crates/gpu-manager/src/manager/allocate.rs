@@ -122,8 +122,6 @@ impl Manager {
             })?;
             gpus.push(g.index);
         }
-        gpus.sort_unstable();
-        gpus.dedup();
         let mine = ours
             .gpus()
             .iter()
@@ -135,29 +133,14 @@ impl Manager {
             .map(|m| format!("/dev/nvidia{m}"))
             .collect::<Vec<_>>()
             .join(",");
-        let placement = match ours {
-            Placement::Share { .. } if gpus.len() == 1 => Placement::Share {
-                gpu: gpus[0],
-                cores: req.cores,
-                memory_units: req.memory_units,
-            },
-            Placement::Exclusive { gpus: g } if g.len() == gpus.len() => {
-                Placement::Exclusive { gpus }
-            }
-            Placement::Shares { gpus: g, .. } if g.len() == gpus.len() => Placement::Shares {
-                gpus,
-                cores: req.cores,
-                memory_units: req.memory_units,
-            },
-            _ => {
-                return Err(Status::failed_precondition(format!(
-                    "predicate mismatch: gpu-admission chose {theirs} ({key}) for vcuda-core {}, \
-                     but that request needs {} GPU(s); the manager would choose {mine}",
-                    cand.cores,
-                    ours.gpus().len()
-                )));
-            }
-        };
+        let placement = req.placement_on(&gpus).ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "predicate mismatch: gpu-admission chose {theirs} ({key}) for vcuda-core {}, \
+                 but that request needs {} GPU(s); the manager would choose {mine}",
+                cand.cores,
+                ours.gpus().len()
+            ))
+        })?;
         let mut probe = st.allocator.clone();
         if let Err(e) = probe.commit("predicate-probe", &placement) {
             return Err(Status::failed_precondition(format!(
