@@ -50,10 +50,9 @@ mod phase_sched;
 mod phase_tp;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Instant;
 use test_support::k8s::cluster::{Cluster, Work, busybox_image, compile};
-use test_support::k8s::util::{Cleanup, HostDevCleanup, MachineLock, NODE_FILE, k8s_bin};
+use test_support::k8s::util::{Cleanup, HostDevCleanup, MachineLock, k8s_bin};
 use test_support::{Capability, missing, require, target_dir, workspace_root};
 
 #[test]
@@ -94,20 +93,7 @@ fn real_node_suite() {
     let mut figures: Vec<String> = Vec::new();
 
     // ------------------------------------------------------------ setup
-    let out = Command::new(target_dir().join("gpu-sim"))
-        .args(["install", "--node"])
-        .arg(workspace_root().join(NODE_FILE))
-        .arg("--root")
-        .arg(&w.sim)
-        .arg("--host-dev")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "gpu-sim install --host-dev: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let installed = String::from_utf8_lossy(&out.stdout).into_owned();
+    let installed = w.install_sim();
     eprint!("{installed}");
     // The sim's host device nodes go again at the end (those this install
     // created, and any a killed earlier run left: only this suite makes them).

@@ -20,8 +20,7 @@ use std::time::{Duration, Instant};
 use gpu_allocator::inventory::Inventory;
 use serde_json::Value;
 use test_support::k8s::cluster::{Cluster, Work, pod_yaml};
-use test_support::k8s::util::{MANAGER_PORT, NODE_FILE, wait};
-use test_support::{target_dir, workspace_root};
+use test_support::k8s::util::{MANAGER_PORT, wait};
 
 use crate::host_manager::{HostManager, Site};
 use crate::phase_sched::{Extender, scheduler_config};
@@ -59,19 +58,7 @@ fn bind(pid: Option<u32>, src: &std::path::Path, dst: &std::path::Path) {
 fn node(c: &Cluster, k: u32) -> (String, HostManager) {
     let name = c.node_up(k);
     let w = Work::new(&c.dir.join(format!("node-{k}/work")));
-    let out = Command::new(target_dir().join("gpu-sim"))
-        .args(["install", "--node"])
-        .arg(workspace_root().join(NODE_FILE))
-        .arg("--root")
-        .arg(&w.sim)
-        .arg("--host-dev")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    w.install_sim();
     let pid = c.node_pid(k);
     bind(Some(pid), &w.sim.join("run/gpu-sim"), &state_dir(c));
     let tar = c.dir.join("work/busybox-rootfs.tar");

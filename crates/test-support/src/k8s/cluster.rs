@@ -236,6 +236,25 @@ impl Work {
     pub fn vm(&self) -> PathBuf {
         self.mgr.join("vm")
     }
+
+    /// `gpu-sim install --host-dev` of the suite's node file into
+    /// [`Work::sim`]; what it printed (the host device nodes it created).
+    pub fn install_sim(&self) -> String {
+        let out = std::process::Command::new(target_dir().join("gpu-sim"))
+            .args(["install", "--node"])
+            .arg(workspace_root().join(crate::k8s::util::NODE_FILE))
+            .arg("--root")
+            .arg(&self.sim)
+            .arg("--host-dev")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "gpu-sim install --host-dev: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
 }
 
 /// A pod of the busybox image with the host's glibc, the test programs at
