@@ -149,6 +149,8 @@ struct Helper {
     child: Child,
     /// PID as the host sees it, reported by the helper.
     host_pid: u32,
+    /// The `look` mode's line: how the sim names the processes to it.
+    look: String,
 }
 
 impl Drop for Helper {
@@ -187,9 +189,18 @@ fn helper(root: &Root, mode: &str, prefix: &[&str]) -> Helper {
             break p.trim().parse().unwrap();
         }
     };
+    let look = if mode.starts_with("look") {
+        lines.next().unwrap().unwrap()
+    } else {
+        String::new()
+    };
     // Keep draining so the helper never blocks on a full pipe.
     std::thread::spawn(move || for _ in lines {});
-    Helper { child, host_pid }
+    Helper {
+        child,
+        host_pid,
+        look,
+    }
 }
 
 // ---- tests -----------------------------------------------------------------
@@ -343,6 +354,69 @@ fn container_process_is_reported_by_host_pid() {
     assert_eq!(procs.len(), 1);
     assert_eq!(procs[0].pid, h.host_pid);
     assert_ne!(procs[0].pid, 1, "not the namespace PID");
+}
+
+/// A reader inside a PID namespace (the interposer in a pod without
+/// hostPID) is told what the real driver tells it (driver 580, H100,
+/// `tests/gpu/probes/nvml_pidns.py`, `tests/gpu/README.md`): its own
+/// namespace's processes by their PIDs there, no other namespace's process
+/// in process lists, and, in utilization samples, a process of the initial
+/// namespace by its host PID. A sim that named every process by host PID
+/// hid that the interposer's controller looked only for host PIDs, so a
+/// container without hostPID ran unthrottled on a GPU.
+#[test]
+fn a_reader_in_a_pid_namespace_is_named_its_own_processes_by_their_pids_there() {
+    if !require(Capability::PidNamespace) {
+        return;
+    }
+    let r = install(NODE3);
+    let outside = helper(&r, "hold:0:4096", &[]);
+    let inside = helper(
+        &r,
+        "look:0",
+        &["unshare", "--pid", "--fork", "--mount-proc"],
+    );
+    let field = |k: &str| -> Vec<u32> {
+        let v = inside
+            .look
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(k));
+        let mut v: Vec<u32> = v
+            .unwrap_or("")
+            .split(',')
+            .filter_map(|p| p.parse().ok())
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(
+        field("listed="),
+        vec![1],
+        "lists: itself by its namespace PID only: {}",
+        inside.look
+    );
+    let mut shown = vec![1, outside.host_pid];
+    shown.sort();
+    assert_eq!(
+        field("shown="),
+        shown,
+        "samples: the outside process by host PID: {}",
+        inside.look
+    );
+    // The initial namespace still sees both by host PID.
+    let nvml = r.nvml();
+    let mut pids: Vec<u32> = nvml
+        .device_by_index(0)
+        .unwrap()
+        .running_compute_processes()
+        .unwrap()
+        .iter()
+        .map(|p| p.pid)
+        .collect();
+    pids.sort();
+    assert_eq!(pids.len(), 2, "{pids:?}");
+    assert!(pids.contains(&outside.host_pid));
+    assert!(!pids.contains(&1), "not the namespace PID: {pids:?}");
 }
 
 /// Mean smUtil per PID over the samples NVML returns for the last second.

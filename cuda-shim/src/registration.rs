@@ -258,9 +258,11 @@ impl Proc {
             }
         }
         // No allocation is in flight in this process (write lock).
+        let local_pid = std::process::id() as i32;
         for (i, g) in gpus.iter().enumerate() {
             g.ledger
                 .reconcile(g.slot, self.local_used[i].load(Ordering::Acquire));
+            g.ledger.set_local_pid(g.slot, local_pid);
         }
         for (i, g) in gpus.iter().enumerate() {
             (hooks().attached)(i, &g.ledger, g.slot);
@@ -473,21 +475,49 @@ fn register_once(
     Ok((sock, resp, fds))
 }
 
-/// Host PIDs of the container's processes: the manager's `pids.config`
-/// plus this process (the manager may not have written it yet).
+/// The PIDs NVML may name the container's processes by: their host PIDs
+/// (the manager's `pids.config`, plus this process's: the manager may not
+/// have written it yet) and their PIDs in the container's own PID namespace
+/// (each process writes its own into its ledger slots; this process's is
+/// added here). The driver names processes of the caller's namespace by
+/// their namespace PIDs and everyone else's by host PIDs (driver 580,
+/// `tests/gpu/probes/nvml_pidns.py`), so a container without hostPID needs
+/// both. A local PID can equal another namespace's host PID only when that
+/// process is among the host's first few hundred: a GPU process there
+/// would be charged to this container (throttled harder, never freer).
 pub fn container_pids() -> Vec<i32> {
     let mut pids = Vec::new();
-    if let Some(enf) = config::enforce()
+    let enf = config::enforce();
+    if let Some(enf) = enf
         && let Ok(b) = std::fs::read(enf.dir.join(quota_config::PIDS_FILE))
         && let Ok(p) = quota_config::decode_pids(&b)
     {
         pids = p;
     }
-    if let Some(a) = proc().attach().as_ref()
-        && a.host_pid > 0
-        && !pids.contains(&a.host_pid)
-    {
-        pids.push(a.host_pid);
+    let mut add = |p: i32| {
+        if p > 0 && !pids.contains(&p) {
+            pids.push(p);
+        }
+    };
+    add(std::process::id() as i32);
+    match proc().attach().as_ref() {
+        Some(a) => {
+            add(a.host_pid);
+            for g in &a.gpus {
+                g.ledger.slots().for_each(|s| add(s.local_pid));
+            }
+        }
+        // An NVML-only tool (never registers): the ledger files, read-only.
+        None => {
+            if let Some(enf) = enf {
+                for gpu in 0..enf.gpus.len() {
+                    let path = enf.dir.join(quota_config::ledger_file(gpu));
+                    if let Ok(local) = container_ledger::Ledger::peek_local_pids(&path) {
+                        local.into_iter().for_each(&mut add);
+                    }
+                }
+            }
+        }
     }
     pids
 }

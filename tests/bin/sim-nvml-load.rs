@@ -4,8 +4,11 @@
 //!
 //! Usage: `sim-nvml-load ROOT MODE`. Modes: `hold:GPU:BYTES` allocates and
 //! idles; `saturate:GPU` keeps ~20 ms of 1 ms kernels queued; `half:GPU`
-//! runs a 10 ms kernel at the start of every 20 ms period. Prints
-//! `ready host_pid=N` once attached, then runs until its stdin closes.
+//! runs a 10 ms kernel at the start of every 20 ms period; `look:GPU` runs
+//! one kernel, then prints how the sim names this GPU's processes to it:
+//! `look listed=P,.. shown=P,..` (NVML's process lists; every process, as
+//! utilization samples name them), and idles. Prints `ready host_pid=N`
+//! once attached, then runs until its stdin closes.
 
 use gpu_sim_core::state::now_ns;
 use gpu_sim_core::{SharedState, SimRoot};
@@ -19,7 +22,7 @@ const MS: u64 = 1_000_000;
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let [_, root, mode] = args.as_slice() else {
-        eprintln!("usage: sim-nvml-load ROOT hold:GPU:BYTES|saturate:GPU|half:GPU");
+        eprintln!("usage: sim-nvml-load ROOT hold:GPU:BYTES|saturate:GPU|half:GPU|look:GPU");
         std::process::exit(2);
     };
     let parts: Vec<&str> = mode.split(':').collect();
@@ -36,6 +39,17 @@ fn main() {
         state.try_alloc(me, gpu, bytes).unwrap();
     }
     println!("ready host_pid={}", own_host_pid());
+    if parts[0] == "look" {
+        state.launch(me, gpu, MS, 0);
+        let join = |v: Vec<u32>| v.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+        let listed = state
+            .listed_processes(gpu)
+            .iter()
+            .map(|p| p.pid())
+            .collect();
+        let shown = state.processes(gpu).iter().map(|p| p.pid()).collect();
+        println!("look listed={} shown={}", join(listed), join(shown));
+    }
     // Stop when the parent goes away.
     let stop = Arc::new(AtomicBool::new(false));
     let s2 = stop.clone();
@@ -47,7 +61,7 @@ fn main() {
     let mut period = 0u64;
     while !stop.load(Ordering::SeqCst) {
         match parts[0] {
-            "hold" => std::thread::sleep(Duration::from_millis(20)),
+            "hold" | "look" => std::thread::sleep(Duration::from_millis(20)),
             "saturate" => {
                 // 20 ms queued: a descheduled helper leaves no gap.
                 let (_, end) = state.launch(me, gpu, MS, 0);
@@ -61,7 +75,7 @@ fn main() {
                 period += 1;
                 sleep_until_mono(t0 + period * 20 * MS - 5 * MS);
             }
-            other => panic!("unknown mode {other:?}: hold, saturate or half"),
+            other => panic!("unknown mode {other:?}: hold, saturate, half or look"),
         }
     }
 }

@@ -5,7 +5,7 @@ import subprocess
 import time
 
 from container import Container, outside_env
-from harness import FAIL, PASS, PIDNS, NotRun, Row, Sampler, Worker, check_nvml_peak, mib
+from harness import FAIL, PASS, NotRun, Row, Sampler, Worker, check_nvml_peak, mib
 
 GIB = 1 << 30
 QUOTA = 4 * GIB
@@ -135,8 +135,12 @@ def nvidia_smi(node):
                 w.go()
                 w.wait_for("result", 30)
 
+            # With --pidns, nvidia-smi runs in the inside worker's PID and mount
+            # namespaces, as in the worker's pod: the driver lists that
+            # namespace's processes by their PIDs there and no one else's.
+            ns = ["nsenter", "--target", str(inside.pids.local), "--pid", "--mount"] if node.pidns else []
+
             def smi_run(*args):
-                ns = PIDNS if node.pidns else []  # nvidia-smi in the container's namespace too
                 p = subprocess.run([*ns, str(smi), *args], env=c.env(), capture_output=True, text=True, timeout=60)
                 if p.returncode != 0:
                     raise RuntimeError(f"nvidia-smi {' '.join(args)}: rc {p.returncode}: {p.stderr.strip()[-300:]}")
@@ -149,8 +153,10 @@ def nvidia_smi(node):
     # One "pid, used" line per process; anything else (a "No running processes" note) lists none.
     listed = {int(f) for f in (line.split(",")[0].strip() for line in apps.splitlines()) if f.isdigit()}
     quota_mib = QUOTA >> 20
-    # nvidia-smi lists NVML's PIDs (the host's, from any namespace).
-    ok = total == quota_mib and 1024 <= used <= quota_mib and listed == {inside.pids.nvml} \
+    # nvidia-smi lists NVML's PIDs: the host's, to a caller in the host's
+    # namespace; in the worker's namespace, the worker's PID there.
+    want = {inside.pids.own} if node.pidns else {inside.pids.nvml}
+    ok = total == quota_mib and 1024 <= used <= quota_mib and listed == want \
         and f"{quota_mib}MiB" in table.replace(" ", "")
     return Row("nvidia-smi in the share",
                f"memory.total = {quota_mib} MiB, 1024 <= used <= total, apps = the container's only; table shows it",

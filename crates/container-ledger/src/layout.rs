@@ -49,3 +49,5 @@ pub(crate) const OFF_GENERATION: usize = 48;
 pub(crate) const SLOT_PID: usize = 0;
 pub(crate) const SLOT_USED: usize = 8;
 pub(crate) const SLOT_PEAK: usize = 16;
+/// The process's PID in its own PID namespace (i32; 0 = not yet written).
+pub(crate) const SLOT_LOCAL_PID: usize = 24;

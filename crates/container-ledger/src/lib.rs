@@ -35,7 +35,8 @@
 //! always kept zero, so the layout version did not change: a ledger created
 //! before them reads as "nothing throttled, nothing refused yet" and counts
 //! from there, by old and new processes alike (an old interposer simply
-//! never bumps them).
+//! never bumps them). A slot's local PID (bytes 24..28 of the slot) came the
+//! same way: 0 reads as "not written".
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -96,6 +97,11 @@ pub struct SlotInfo {
     pub used: u64,
     /// Most bytes it ever held.
     pub peak: u64,
+    /// Its PID in its own PID namespace, as the process wrote it
+    /// ([`Ledger::set_local_pid`]); 0 until then (or from an interposer
+    /// that predates the field). What the driver's NVML names the process
+    /// to callers in the container's namespace.
+    pub local_pid: i32,
 }
 
 /// A mapped ledger. Cheap to share between threads (`&Ledger` is all an

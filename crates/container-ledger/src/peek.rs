@@ -14,6 +14,20 @@ impl Ledger {
     /// without a writable mapping or a slot: for processes that must not
     /// register (NVML-only tools in the container). Needs read permission.
     pub fn peek(path: &Path) -> Result<(u64, u64), LedgerError> {
+        let l = Self::map_read_only(path)?;
+        Ok((l.quota(), l.used()))
+    }
+
+    /// The local PIDs the container's processes wrote into their slots
+    /// ([`Ledger::set_local_pid`]), read as [`peek`](Self::peek) reads.
+    pub fn peek_local_pids(path: &Path) -> Result<Vec<i32>, LedgerError> {
+        let l = Self::map_read_only(path)?;
+        Ok(l.slots().map(|s| s.local_pid).filter(|&p| p > 0).collect())
+    }
+
+    /// A PROT_READ mapping of the file, header checked. Private: only
+    /// loads may touch it (a store would fault).
+    fn map_read_only(path: &Path) -> Result<Ledger, LedgerError> {
         let file = OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_CLOEXEC)
@@ -45,6 +59,6 @@ impl Ledger {
         // store, which would fault on PROT_READ); Drop unmaps.
         let l = Ledger { base: p.cast() };
         l.check_header()?;
-        Ok((l.quota(), l.used()))
+        Ok(l)
     }
 }

@@ -20,6 +20,21 @@ impl Ledger {
         unsafe { &*(self.base.add(Self::slot_off(slot) + SLOT_PID) as *const AtomicI32) }
     }
 
+    fn slot_local_pid(&self, slot: usize) -> &AtomicI32 {
+        // SAFETY: as for `slot_pid`: SLOT_LOCAL_PID + 4 <= SLOT_SIZE, 4-byte
+        // aligned, only ever accessed atomically.
+        unsafe { &*(self.base.add(Self::slot_off(slot) + SLOT_LOCAL_PID) as *const AtomicI32) }
+    }
+
+    /// Records the PID the process in `slot` has in its own PID namespace
+    /// (the interposer, after it attached). Processes of a container without
+    /// hostPID are named by these PIDs when NVML answers a caller inside the
+    /// container (measured on driver 580: `tests/gpu/probes/nvml_pidns.py`),
+    /// while `pids.config` and the slot's `pid` hold host PIDs.
+    pub fn set_local_pid(&self, slot: usize, pid: i32) {
+        self.slot_local_pid(slot).store(pid, Ordering::Release);
+    }
+
     fn slot_used(&self, slot: usize) -> &AtomicU64 {
         self.u64_at(Self::slot_off(slot) + SLOT_USED)
     }
@@ -114,6 +129,7 @@ impl Ledger {
                 // A slot cleared by clear_slot is zero already; make sure.
                 self.slot_used(i).store(0, Ordering::Release);
                 self.slot_peak(i).store(0, Ordering::Relaxed);
+                self.slot_local_pid(i).store(0, Ordering::Release);
                 return Some(i);
             }
         }
@@ -127,6 +143,7 @@ impl Ledger {
         let bytes = self.slot_used(slot).swap(0, Ordering::AcqRel);
         sat_sub(self.u64_at(OFF_USED), bytes);
         self.slot_peak(slot).store(0, Ordering::Relaxed);
+        self.slot_local_pid(slot).store(0, Ordering::Release);
         self.slot_pid(slot).store(0, Ordering::Release);
         bytes
     }
@@ -153,6 +170,7 @@ impl Ledger {
             pid,
             used: self.slot_used(index).load(Ordering::Acquire),
             peak: self.slot_peak(index).load(Ordering::Relaxed),
+            local_pid: self.slot_local_pid(index).load(Ordering::Acquire),
         })
     }
 

@@ -19,6 +19,32 @@ fn peek_reads_quota_and_use_without_a_slot() {
     ));
 }
 
+#[test]
+fn local_pids_are_kept_per_slot_and_cleared_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(super::LEDGER_FILE);
+    let (l, _f) = super::Ledger::create(&path, 1000).unwrap();
+    let a = l.claim_slot(4711, None).unwrap();
+    let b = l.claim_slot(4712, None).unwrap();
+    assert_eq!(l.slot(a).unwrap().local_pid, 0, "not written yet");
+    l.set_local_pid(a, 1);
+    l.set_local_pid(b, 27);
+    assert_eq!(super::Ledger::peek_local_pids(&path).unwrap(), vec![1, 27]);
+    l.clear_slot(a);
+    assert_eq!(super::Ledger::peek_local_pids(&path).unwrap(), vec![27]);
+    // A slot claimed again starts without the old process's local PID.
+    let c = l.claim_slot(4713, None).unwrap();
+    assert_eq!(c, a);
+    assert_eq!(l.slot(c).unwrap().local_pid, 0);
+    // The field sits in bytes the version-1 layout always kept zero.
+    let bytes = std::fs::read(&path).unwrap();
+    let off = HEADER_SIZE + b * SLOT_SIZE + 24;
+    assert_eq!(
+        i32::from_ne_bytes(bytes[off..off + 4].try_into().unwrap()),
+        27
+    );
+}
+
 fn new(quota: u64) -> (tempfile::TempDir, Ledger, File) {
     let dir = tempfile::tempdir().unwrap();
     let (l, f) = Ledger::create(&dir.path().join(LEDGER_FILE), quota).unwrap();

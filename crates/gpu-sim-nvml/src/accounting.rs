@@ -148,7 +148,7 @@ pub unsafe extern "C" fn nvmlDeviceGetRunningProcessDetailList(
             // Compute; graphics and MPS clients do not exist on the sim.
             0 => c
                 .state
-                .processes(sim)
+                .listed_processes(sim)
                 .into_iter()
                 .map(|p| nvmlProcessDetail_v1_t {
                     pid: p.pid(),
@@ -199,7 +199,12 @@ pub unsafe extern "C" fn nvmlDeviceGetAccountingPids(
         let sim = c.dev(device)?;
         // SAFETY: the caller passes a count or NULL.
         let count = unsafe { count.as_mut() }.ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
-        let items = c.state.processes(sim).iter().map(|p| p.pid()).collect();
+        let items = c
+            .state
+            .listed_processes(sim)
+            .iter()
+            .map(|p| p.pid())
+            .collect();
         fill_counted(count, pids, items)
     })
 }

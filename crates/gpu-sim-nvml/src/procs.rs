@@ -75,7 +75,9 @@ fn fill<T>(count: *mut c_uint, infos: *mut T, items: Vec<T>) -> R {
     Ok(())
 }
 
-/// Compute processes on a device, by host PID with the memory they hold.
+/// Compute processes on a device with the memory they hold, as the driver
+/// lists them to this caller (its namespace's by their PIDs there; all, by
+/// host PID, to a caller in the initial namespace).
 fn compute<T>(
     device: nvmlDevice_t,
     count: *mut c_uint,
@@ -87,7 +89,7 @@ fn compute<T>(
         let s = c.dev(device)?;
         let items = c
             .state
-            .processes(s)
+            .listed_processes(s)
             .into_iter()
             .map(|p| make(p.pid(), p.used_bytes))
             .collect();

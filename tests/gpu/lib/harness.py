@@ -1,6 +1,7 @@
 """Harness pieces: result rows, worker processes, the NVML sampler."""
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -73,8 +74,17 @@ class Worker:
             self.cv.notify_all()
 
     def _read_err(self):
+        # GPU_SUITE_WORKER_LOGS=DIR keeps every worker's stderr (the
+        # interposer's LOGGER_LEVEL lines) as DIR/<script>-<pid>.log.
+        logs = os.environ.get("GPU_SUITE_WORKER_LOGS")
+        out = open(os.path.join(logs, f"{self.name}-{self.proc.pid}.log"), "w") if logs else None
         for line in self.proc.stderr:
             self.err_tail = (self.err_tail + [line.rstrip()])[-15:]
+            if out:
+                out.write(line)
+                out.flush()
+        if out:
+            out.close()
 
     def wait_for(self, key, timeout):
         """The first message carrying `key`; an {"error"} or EOF raises."""

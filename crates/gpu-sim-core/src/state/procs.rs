@@ -21,14 +21,21 @@ pub struct ProcessInfo {
     pub host_pid: Option<u32>,
     /// PID in the process's own namespace.
     pub ns_pid: u32,
+    /// The PID the reader names it by (see [`pid`](Self::pid)).
+    shown_pid: u32,
+    /// Whether a process list shown to the reader includes it: the reader
+    /// is in the initial namespace or in the process's own.
+    pub listed: bool,
     pub used_bytes: u64,
     pub name: String,
 }
 
 impl ProcessInfo {
-    /// The PID to report: host PID where known.
+    /// The PID the real driver names the process by to this reader
+    /// (measured on driver 580, `tests/gpu/probes/nvml_pidns.py`): its PID
+    /// in the reader's namespace when they share one, else its host PID.
     pub fn pid(&self) -> u32 {
-        self.host_pid.unwrap_or(self.ns_pid)
+        self.shown_pid
     }
 }
 
@@ -164,6 +171,15 @@ impl SharedState {
             .fetch_or(1 << gpu, AcqRel);
     }
 
+    /// What a process list shown to this reader holds (NVML's running
+    /// process lists): [`processes`](Self::processes) less those a reader
+    /// inside a PID namespace is not shown, the other namespaces'.
+    pub fn listed_processes(&self, gpu: usize) -> Vec<ProcessInfo> {
+        let mut all = self.processes(gpu);
+        all.retain(|p| p.listed);
+        all
+    }
+
     /// Processes with a context or memory on `gpu`, dead ones reclaimed first.
     pub fn processes(&self, gpu: usize) -> Vec<ProcessInfo> {
         self.reap_dead();
@@ -179,23 +195,25 @@ impl SharedState {
                 continue;
             }
             let ns_pid = s.ns_pid.load(Acquire) as u32;
+            let ns = s.pidns_ino.load(Acquire);
+            let same_ns = ns == my_ns;
             let mut host = s.host_pid.load(Acquire);
-            if host == 0 {
-                let ns = s.pidns_ino.load(Acquire);
-                if let Some(p) = host_pid_of(ns, ns_pid, my_ns) {
+            if host == 0 && !same_ns && my_ns == INIT_PID_NS_INO {
+                if let Some(p) = host_pid_of(ns, ns_pid) {
                     host = p as i32;
-                    // Only cache what the initial namespace would see.
-                    if my_ns == INIT_PID_NS_INO {
-                        s.host_pid.store(host, Release);
-                    }
+                    // Only the initial namespace's view is a host PID.
+                    s.host_pid.store(host, Release);
                 }
             }
-            if host <= 0 {
+            // The driver names a process of the reader's namespace by its
+            // PID there, everyone else by host PID.
+            let shown = if same_ns { ns_pid as i32 } else { host };
+            if shown <= 0 {
                 // Another namespace's process whose host PID this reader
                 // cannot see (a reader inside a container, before any
-                // reader on the host cached it). Its own-namespace PID
-                // would mean nothing here and could equal one of ours, so
-                // it is left out rather than listed under a wrong PID.
+                // reader on the host cached it). The real driver names it
+                // by host PID in utilization samples (never in process
+                // lists); the sim cannot, so it is left out.
                 continue;
             }
             let mut name = Vec::with_capacity(32);
@@ -208,6 +226,8 @@ impl SharedState {
                 generation: s.generation.load(Acquire) & 0xffff,
                 host_pid: (host > 0).then_some(host as u32),
                 ns_pid,
+                shown_pid: shown as u32,
+                listed: same_ns || my_ns == INIT_PID_NS_INO,
                 used_bytes: used,
                 name: String::from_utf8_lossy(&name[..end]).into_owned(),
             });
@@ -240,10 +260,7 @@ fn own_comm() -> Vec<u8> {
 /// Host PID of the process that is `ns_pid` in PID namespace `ns`, found by
 /// scanning /proc as the reader sees it: each process's `ns/pid` inode and the
 /// last entry of `NSpid` in its status.
-fn host_pid_of(ns: u64, ns_pid: u32, my_ns: u64) -> Option<u32> {
-    if ns == my_ns {
-        return Some(ns_pid);
-    }
+fn host_pid_of(ns: u64, ns_pid: u32) -> Option<u32> {
     for entry in fs::read_dir("/proc").ok()?.flatten() {
         let Some(pid) = entry
             .file_name()
