@@ -198,12 +198,14 @@ impl SharedState {
             let ns = s.pidns_ino.load(Acquire);
             let same_ns = ns == my_ns;
             let mut host = s.host_pid.load(Acquire);
-            if host == 0 && !same_ns && my_ns == INIT_PID_NS_INO {
-                if let Some(p) = host_pid_of(ns, ns_pid) {
-                    host = p as i32;
-                    // Only the initial namespace's view is a host PID.
-                    s.host_pid.store(host, Release);
-                }
+            if host == 0
+                && !same_ns
+                && my_ns == INIT_PID_NS_INO
+                && let Some(p) = host_pid_of(ns, ns_pid)
+            {
+                host = p as i32;
+                // Only the initial namespace's view is a host PID.
+                s.host_pid.store(host, Release);
             }
             // The driver names a process of the reader's namespace by its
             // PID there, everyone else by host PID.
