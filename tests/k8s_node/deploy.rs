@@ -9,15 +9,22 @@ use test_support::k8s::util::{UNIT, get_u64, tail, wait};
 use test_support::kv;
 use test_support::workspace_root;
 
-/// Phase 3 (the caller prints its banner and removes /etc/gpu-manager after).
-pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
-    let quota = 8 * UNIT;
-    manager_image(c, &c.dir.join("work"));
-    let deploy = workspace_root().join("deploy");
-    for f in ["rbac.yaml", "configmap.yaml", "daemonset.yaml"] {
-        c.kubectl_ok(&["apply", "-f", deploy.join(f).to_str().unwrap()]);
-    }
-    let patch = fs::read_to_string(deploy.join("test/daemonset-sim-patch.yaml"))
+/// deploy/ copied into the cluster's work directory with the test overlay's
+/// placeholders filled in (`deploy/test/daemonset-sim-patch.yaml`), then
+/// `kubectl apply -k` of the copy's `test/`: deploy/overlays/share plus the
+/// patch, installed as an operator installs an overlay of their own.
+fn apply_test_overlay(c: &Cluster, w: &Work) {
+    let copy = c.dir.join("work/deploy");
+    let _ = fs::remove_dir_all(&copy);
+    let st = std::process::Command::new("cp")
+        .args(["-r"])
+        .arg(workspace_root().join("deploy"))
+        .arg(&copy)
+        .status()
+        .unwrap();
+    assert!(st.success(), "copying deploy/ to {}", copy.display());
+    let patch = copy.join("test/daemonset-sim-patch.yaml");
+    let text = fs::read_to_string(&patch)
         .unwrap()
         .replace("@SIM_ROOT@", w.sim.to_str().unwrap())
         .replace("@API_HOST@", "198.51.100.1")
@@ -26,17 +33,15 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
             "@CONTAINERD_DIR@",
             c.dir.join("containerd").to_str().unwrap(),
         );
-    c.kubectl_ok(&[
-        "-n",
-        "kube-system",
-        "patch",
-        "daemonset",
-        "gpu-manager",
-        "--type",
-        "strategic",
-        "-p",
-        &patch,
-    ]);
+    fs::write(&patch, text).unwrap();
+    c.kubectl_ok(&["apply", "-k", copy.join("test").to_str().unwrap()]);
+}
+
+/// Phase 3 (the caller prints its banner and removes /etc/gpu-manager after).
+pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
+    let quota = 8 * UNIT;
+    manager_image(c, &c.dir.join("work"));
+    apply_test_overlay(c, w);
     let t_ds = Instant::now();
     c.kubectl_ok(&[
         "label",

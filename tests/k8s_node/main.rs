@@ -23,9 +23,9 @@
 //!     a new process registers; kubelet restarted: resources back, pods
 //!     undisturbed; pods deleted: allocations released, the host manager
 //!     stopped;
-//!  3. `deploy/` applied as users apply it, with the test overlay
-//!     `deploy/test/daemonset-sim-patch.yaml` (local image, host paths of the
-//!     simulated root): the DaemonSet Ready under the RBAC authorizer with
+//!  3. `deploy/overlays/share` applied as users apply an overlay
+//!     (`kubectl apply -k`), through the test overlay `deploy/test/` (local
+//!     image, host paths of the simulated root): the DaemonSet Ready under the RBAC authorizer with
 //!     only the ClusterRole's verbs, a share pod served, a refusal as a
 //!     Warning Event.
 //!

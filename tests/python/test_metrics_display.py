@@ -221,7 +221,7 @@ def test_vcudactl_agrees_with_http(served):
 
 
 def test_dashboard_queries_only_exported_metrics(served):
-    dash = json.loads((REPO / "deploy/grafana/vcuda-dashboard.json").read_text())
+    dash = json.loads((REPO / "deploy/monitoring/vcuda-dashboard.json").read_text())
     exprs = []
     for p in dash["panels"]:
         exprs += [t["expr"] for t in p.get("targets", [])]

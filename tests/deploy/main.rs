@@ -3,6 +3,8 @@
 //! field (a misspelt key is dropped by the typed round trip and reported),
 //! and the pieces must fit together (labels, ports, volumes, config keys).
 
+mod kustomize;
+
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
@@ -16,13 +18,18 @@ fn deploy_dir() -> PathBuf {
     test_support::workspace_root().join("deploy")
 }
 
-/// Every YAML document in deploy/, with the file it came from.
+/// Every YAML document of the device-plugin install (deploy/base, the
+/// monitoring objects and the sample pod), with the file it came from;
+/// kustomization files are kustomize's, not API objects
+/// (tests/deploy_kustomize.rs renders them).
 fn documents() -> Vec<(String, Value)> {
     let mut out = Vec::new();
-    let mut files: Vec<_> = std::fs::read_dir(deploy_dir())
-        .unwrap()
+    let mut files: Vec<_> = ["base", "monitoring", "."]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(deploy_dir().join(d)).unwrap())
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|x| x == "yaml" || x == "yml"))
+        .filter(|p| !p.ends_with("kustomization.yaml"))
         .collect();
     files.sort();
     for f in files {
@@ -181,7 +188,7 @@ fn the_config_map_is_what_the_manager_reads() {
     assert_eq!(
         data["volume.conf"].trim_end(),
         repo_volume.trim_end(),
-        "deploy/configmap.yaml's volume.conf differs from config/volume.conf"
+        "deploy/base/configmap.yaml's volume.conf differs from config/volume.conf"
     );
     // The manager's own parser accepts the file (unknown keys are errors there).
     let dir = tempfile::tempdir().unwrap();
@@ -520,7 +527,7 @@ fn dockerfile_builds_what_exists() {
     assert!(text.contains(
         "target/x86_64-unknown-linux-gnu/release/libvcuda.so /usr/lib/vcuda/libvcuda.so"
     ));
-    let cfg = std::fs::read_to_string(root.join("deploy/configmap.yaml")).unwrap();
+    let cfg = std::fs::read_to_string(root.join("deploy/base/configmap.yaml")).unwrap();
     assert!(cfg.contains("interposer = \"/usr/lib/vcuda/libvcuda.so\""));
 }
 

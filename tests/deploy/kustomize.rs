@@ -1,0 +1,255 @@
+//! Every overlay in deploy/overlays (and the real-node suite's deploy/test)
+//! rendered with `kubectl kustomize` as an operator's kubectl renders it:
+//! the CI cluster's kubectl 1.20 (kustomize v2.0.3, the oldest this project
+//! supports) and, where one is on PATH, a current kubectl (kustomize v5),
+//! which must render the same objects. Every rendered object passes the same
+//! typed round trip as the plain manifests, and each overlay is what its
+//! name says.
+
+use super::{ServiceMonitor, typed};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use serde::Deserialize;
+use serde_json::Value;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use test_support::{Capability, require};
+
+/// The overlays this file knows what to expect of; a new overlay fails
+/// [`every_overlay_renders_with_every_kubectl`] until it is added here.
+const OVERLAYS: [&str; 6] = [
+    "share",
+    "whole-gpu",
+    "dra",
+    "scheduler",
+    "monitoring",
+    "example-site",
+];
+
+/// kubectls to render with: the CI cluster's (required where CI requires
+/// Kubernetes) and a current one from PATH, if any, with their versions.
+fn kubectls() -> Option<Vec<(String, PathBuf)>> {
+    if !require(Capability::Kubernetes) {
+        return None;
+    }
+    let ci = test_support::k8s::k8s_bin().unwrap().join("kubectl");
+    let mut out = vec![(version(&ci), ci)];
+    if let Ok(p) = which("kubectl")
+        && version(&p) != out[0].0
+    {
+        out.push((version(&p), p));
+    }
+    Some(out)
+}
+
+fn which(name: &str) -> Result<PathBuf, ()> {
+    let path = std::env::var_os("PATH").ok_or(())?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .ok_or(())
+}
+
+fn version(kubectl: &Path) -> String {
+    let out = Command::new(kubectl)
+        .args(["version", "--client"])
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", kubectl.display()));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let v = text
+        .split(|c: char| c == '"' || c.is_whitespace())
+        .find(|w| w.starts_with("v1."))
+        .unwrap_or("unknown");
+    v.trim_end_matches(',').to_string()
+}
+
+/// `kubectl kustomize dir`: the rendered objects, or a panic with stderr.
+fn render(kubectl: &Path, dir: &Path) -> Vec<Value> {
+    let out = Command::new(kubectl)
+        .arg("kustomize")
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{} kustomize {}: {}",
+        kubectl.display(),
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|d| Value::deserialize(d).unwrap())
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// The typed round trip of every rendered object, by kind.
+fn check_types(what: &str, objects: &[Value]) {
+    for v in objects {
+        let kind = v["kind"].as_str().unwrap_or_default();
+        let name = format!("{what}: {kind} {}", v["metadata"]["name"]);
+        match kind {
+            "DaemonSet" => drop(typed::<DaemonSet>(&name, v)),
+            "Deployment" => drop(typed::<Deployment>(&name, v)),
+            "ConfigMap" => drop(typed::<ConfigMap>(&name, v)),
+            "Service" => drop(typed::<Service>(&name, v)),
+            "ServiceAccount" => drop(typed::<ServiceAccount>(&name, v)),
+            "ClusterRole" => drop(typed::<ClusterRole>(&name, v)),
+            "ClusterRoleBinding" => drop(typed::<ClusterRoleBinding>(&name, v)),
+            "ServiceMonitor" => {
+                let _: ServiceMonitor = serde_json::from_value(v.clone())
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+            }
+            other => panic!("{name}: unexpected kind {other:?} in an overlay"),
+        }
+    }
+}
+
+fn overlay(name: &str) -> PathBuf {
+    super::deploy_dir().join("overlays").join(name)
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|v| v["kind"] == kind && v["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name} among {} objects", objects.len()))
+}
+
+fn container<'a>(ds: &'a Value) -> &'a Value {
+    &ds["spec"]["template"]["spec"]["containers"][0]
+}
+
+fn args(ds: &Value) -> Vec<String> {
+    container(ds)["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn every_overlay_renders_with_every_kubectl() {
+    let Some(kubectls) = kubectls() else { return };
+    let found: BTreeSet<String> = std::fs::read_dir(super::deploy_dir().join("overlays"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let known: BTreeSet<String> = OVERLAYS.iter().map(|s| s.to_string()).collect();
+    assert_eq!(found, known, "overlays without expectations here (or gone)");
+    for name in OVERLAYS {
+        let mut first: Option<(String, Vec<Value>)> = None;
+        for (v, k) in &kubectls {
+            let objects = render(k, &overlay(name));
+            check_types(&format!("overlays/{name} ({v})"), &objects);
+            match &first {
+                None => first = Some((v.clone(), objects)),
+                Some((v0, o0)) => assert_eq!(
+                    o0, &objects,
+                    "overlays/{name}: kubectl {v0} and {v} render different objects"
+                ),
+            }
+        }
+        eprintln!(
+            "overlays/{name}: {} objects, rendered by kubectl {}",
+            first.unwrap().1.len(),
+            kubectls
+                .iter()
+                .map(|(v, _)| v.as_str())
+                .collect::<Vec<_>>()
+                .join(" and ")
+        );
+    }
+}
+
+#[test]
+fn each_overlay_installs_what_its_name_says() {
+    let Some(kubectls) = kubectls() else { return };
+    let k = &kubectls[0].1;
+    let share = render(k, &overlay("share"));
+    let ds = find(&share, "DaemonSet", "gpu-manager");
+    assert!(!args(ds).iter().any(|a| a.starts_with("--share-mode")));
+    find(&share, "ConfigMap", "gpu-manager");
+    find(&share, "Service", "gpu-manager-metrics");
+
+    let whole = render(k, &overlay("whole-gpu"));
+    let wds = find(&whole, "DaemonSet", "gpu-manager");
+    assert_eq!(args(wds).last().unwrap(), "--share-mode=false");
+    assert_eq!(
+        args(wds)[..args(ds).len()],
+        args(ds)[..],
+        "whole-gpu keeps the base's arguments"
+    );
+
+    let dra = render(k, &overlay("dra"));
+    find(&dra, "DaemonSet", "vcuda-dra-driver");
+    assert!(
+        !dra.iter().any(|v| v["metadata"]["name"] == "gpu-manager"),
+        "DRA mode must not also install the device plugins"
+    );
+
+    let sched = render(k, &overlay("scheduler"));
+    find(&sched, "Deployment", "vcuda-scheduler");
+
+    let mon = render(k, &overlay("monitoring"));
+    find(&mon, "ServiceMonitor", "gpu-manager");
+    let dash = find(&mon, "ConfigMap", "vcuda-grafana-dashboard");
+    assert_eq!(dash["metadata"]["labels"]["grafana_dashboard"], "1");
+    let json: Value =
+        serde_json::from_str(dash["data"]["vcuda-dashboard.json"].as_str().unwrap()).unwrap();
+    assert_eq!(json["uid"], "vcuda-gpu-sharing");
+}
+
+/// The example site overlay sets image, node selector, tolerations and
+/// settings in one place and loses nothing of the base it does not mean
+/// to replace.
+#[test]
+fn the_example_site_overlay_changes_only_what_it_sets() {
+    let Some(kubectls) = kubectls() else { return };
+    let k = &kubectls[0].1;
+    let base = render(k, &overlay("share"));
+    let site = render(k, &overlay("example-site"));
+    assert_eq!(base.len(), site.len());
+    let (b, s) = (
+        find(&base, "DaemonSet", "gpu-manager"),
+        find(&site, "DaemonSet", "gpu-manager"),
+    );
+    assert_eq!(
+        container(s)["image"],
+        "registry.example.com/vcuda/gpu-manager:0.1.0"
+    );
+    let pod = &s["spec"]["template"]["spec"];
+    assert_eq!(
+        pod["nodeSelector"],
+        serde_json::json!({"node.kubernetes.io/gpu-vendor": "nvidia"})
+    );
+    let tolerations = |d: &Value| -> Vec<Value> {
+        d["spec"]["template"]["spec"]["tolerations"]
+            .as_array()
+            .unwrap()
+            .clone()
+    };
+    for t in tolerations(b) {
+        assert!(tolerations(s).contains(&t), "the site dropped {t}");
+    }
+    assert!(args(s).starts_with(&args(b)), "the site dropped base arguments");
+    assert!(args(s).contains(&"--sample-period=2".to_string()));
+    // Everything else of the DaemonSet is the base's.
+    let strip = |d: &Value| {
+        let mut d = d.clone();
+        let spec = &mut d["spec"]["template"]["spec"];
+        for k in ["nodeSelector", "tolerations"] {
+            spec.as_object_mut().unwrap().remove(k);
+        }
+        let c = &mut spec["containers"][0];
+        for k in ["image", "args"] {
+            c.as_object_mut().unwrap().remove(k);
+        }
+        d
+    };
+    assert_eq!(strip(b), strip(s));
+}
