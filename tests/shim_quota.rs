@@ -393,6 +393,25 @@ fn a_rejected_registration_fails_closed() {
     assert!(r.stderr.contains("rejected"), "{}", r.stderr);
 }
 
+/// A manager of another release that answers in a protocol version this
+/// interposer does not speak: CUDA is refused, naming both versions, never
+/// read as if it were ours. (A reply without the field, from a manager that
+/// predates it, is taken as the request's version: every other test here.)
+#[test]
+fn a_reply_in_another_protocol_version_fails_closed_naming_both() {
+    let n = Node::new();
+    let m = n.manager(GIB);
+    m.set_answer_version(3);
+    let r = n.run(&["init"]);
+    assert_eq!(r.get("cuInit"), 800);
+    assert!(
+        r.stderr.contains("answered in protocol version 3")
+            && r.stderr.contains("asked for 1 and speaks 1 and 2"),
+        "{}",
+        r.stderr
+    );
+}
+
 #[test]
 fn disabled_config_passes_through() {
     let n = Node::new();

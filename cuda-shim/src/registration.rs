@@ -455,6 +455,16 @@ fn register_once(
         fdpass::recv_frame_fds(sock.as_fd(), frame::MAX_FRAME).map_err(RegError::Io)?;
     let resp = <RegisterResponse as prost::Message>::decode(body.as_slice())
         .map_err(|e| RegError::Protocol(e.to_string()))?;
+    if resp.protocol_version != 0 && resp.protocol_version != req.protocol_version {
+        return Err(RegError::Protocol(format!(
+            "the manager answered in protocol version {}; this interposer asked for {} and \
+             speaks {} and {}",
+            resp.protocol_version,
+            req.protocol_version,
+            frame::PROTOCOL_VERSION,
+            frame::PROTOCOL_VERSION_MULTI_GPU
+        )));
+    }
     if resp.status() != Status::Accepted {
         return Err(RegError::Rejected(if resp.message.is_empty() {
             format!("status {:?}", resp.status())

@@ -100,8 +100,8 @@ fn check_types(what: &str, objects: &[Value]) {
             "ClusterRole" => drop(typed::<ClusterRole>(&name, v)),
             "ClusterRoleBinding" => drop(typed::<ClusterRoleBinding>(&name, v)),
             "ServiceMonitor" => {
-                let _: ServiceMonitor = serde_json::from_value(v.clone())
-                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                let _: ServiceMonitor =
+                    serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{name}: {e}"));
             }
             other => panic!("{name}: unexpected kind {other:?} in an overlay"),
         }
@@ -236,7 +236,10 @@ fn the_example_site_overlay_changes_only_what_it_sets() {
     for t in tolerations(b) {
         assert!(tolerations(s).contains(&t), "the site dropped {t}");
     }
-    assert!(args(s).starts_with(&args(b)), "the site dropped base arguments");
+    assert!(
+        args(s).starts_with(&args(b)),
+        "the site dropped base arguments"
+    );
     assert!(args(s).contains(&"--sample-period=2".to_string()));
     // Everything else of the DaemonSet is the base's.
     let strip = |d: &Value| {

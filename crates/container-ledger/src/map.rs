@@ -68,6 +68,7 @@ impl Ledger {
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
             return Err(io("fstat ledger", std::io::Error::last_os_error()));
         }
+        Self::check_prefix(fd)?;
         if st.st_size as u64 != FILE_SIZE as u64 {
             return Err(LedgerError::Size {
                 len: st.st_size as u64,
@@ -76,6 +77,28 @@ impl Ledger {
         let l = Self::map(fd)?;
         l.check_header()?;
         Ok(l)
+    }
+
+    /// Magic and version from the file's first bytes, before its size is
+    /// looked at: a later layout may well have another size, and must be
+    /// named by its version ("layout version 2, this build reads 1"), not
+    /// reported as a file of the wrong length. Shorter files pass here.
+    pub(crate) fn check_prefix(fd: BorrowedFd<'_>) -> Result<(), LedgerError> {
+        let mut head = [0u8; OFF_VERSION + 4];
+        // SAFETY: reads at most `head.len()` bytes into our local buffer
+        // from the live descriptor; the file offset is not moved.
+        let n = unsafe { libc::pread(fd.as_raw_fd(), head.as_mut_ptr().cast(), head.len(), 0) };
+        if n < head.len() as isize {
+            return Ok(());
+        }
+        if head[OFF_MAGIC..OFF_MAGIC + 8] != MAGIC {
+            return Err(LedgerError::Magic);
+        }
+        let version = u32::from_ne_bytes(head[OFF_VERSION..].try_into().unwrap());
+        if version != VERSION {
+            return Err(LedgerError::Version { found: version });
+        }
+        Ok(())
     }
 
     /// Callers make sure the file is FILE_SIZE bytes (set or checked) first.

@@ -2,7 +2,7 @@
 //! processes that must not register.
 
 use std::fs::OpenOptions;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
@@ -33,6 +33,7 @@ impl Ledger {
             .custom_flags(libc::O_CLOEXEC)
             .open(path)
             .map_err(|e| io(path.display().to_string(), e))?;
+        Self::check_prefix(file.as_fd())?;
         let len = file
             .metadata()
             .map_err(|e| io(path.display().to_string(), e))?

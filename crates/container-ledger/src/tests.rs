@@ -170,6 +170,22 @@ fn rejects_foreign_files() {
     ));
     let e = Ledger::open(&dir.path().join("missing")).unwrap_err();
     assert!(e.to_string().contains("missing"), "{e}");
+    // A later layout, of another size too, is named by its version, by the
+    // writable mapping and the read-only peek alike.
+    let mut later = MAGIC.to_vec();
+    later.extend_from_slice(&2u32.to_ne_bytes());
+    later.resize(FILE_SIZE * 2, 0);
+    std::fs::write(&p, &later).unwrap();
+    let e = Ledger::open(&p).unwrap_err();
+    assert!(matches!(e, LedgerError::Version { found: 2 }), "{e}");
+    assert!(
+        e.to_string().contains("version 2, this build reads 1"),
+        "{e}"
+    );
+    assert!(matches!(
+        Ledger::peek(&p),
+        Err(LedgerError::Version { found: 2 })
+    ));
 }
 
 #[test]

@@ -106,17 +106,25 @@ impl Store {
             }
             Err(source) => return Err(CheckpointError::Io { path: p, source }),
         };
+        // The version first: a later format may change every other field,
+        // and must be named as such, not as an unparseable file.
+        #[derive(Deserialize)]
+        struct Head {
+            version: u32,
+        }
+        if let Ok(h) = serde_json::from_slice::<Head>(&bytes)
+            && h.version != VERSION
+        {
+            return Err(CheckpointError::Version {
+                path: p,
+                found: h.version,
+            });
+        }
         let c: Checkpoint =
             serde_json::from_slice(&bytes).map_err(|source| CheckpointError::Parse {
                 path: p.clone(),
                 source,
             })?;
-        if c.version != VERSION {
-            return Err(CheckpointError::Version {
-                path: p,
-                found: c.version,
-            });
-        }
         if c.node != node {
             return Err(CheckpointError::Node {
                 path: p,
@@ -165,5 +173,17 @@ mod tests {
         assert!(matches!(s.load("n2"), Err(CheckpointError::Node { .. })));
         std::fs::write(s.path(), b"{").unwrap();
         assert!(matches!(s.load("n1"), Err(CheckpointError::Parse { .. })));
+        // A later format (other fields too) is named by its version, not
+        // reported as unparseable.
+        std::fs::write(s.path(), br#"{"version": 2, "claims": [], "host": "n1"}"#).unwrap();
+        let e = s.load("n1").unwrap_err();
+        assert!(
+            matches!(e, CheckpointError::Version { found: 2, .. }),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("has version 2, this driver reads 1"),
+            "{e}"
+        );
     }
 }

@@ -173,6 +173,11 @@ pub enum CheckpointError {
     },
     #[error("checkpoint {path} is not valid: {problem}; move it away to start without it")]
     Invalid { path: String, problem: String },
+    #[error(
+        "checkpoint {path} was written by a gpu-manager of another format ({found}); this one \
+         reads slot layout \"{MAGIC}\" with payload version {VERSION}"
+    )]
+    Version { path: String, found: String },
 }
 
 /// GPU UUIDs by index and the allocations, as saved.
@@ -207,7 +212,13 @@ pub struct Checkpoint {
 enum Slot {
     Missing,
     Bad(String),
-    Good { generation: u64, payload: Vec<u8> },
+    /// Written by a gpu-manager of another format (an upgrade rolled
+    /// back): what it says it is.
+    OtherVersion(String),
+    Good {
+        generation: u64,
+        payload: Vec<u8>,
+    },
 }
 
 /// Whether generation `a` is newer than `b`, with wrap-around (serial
@@ -265,10 +276,16 @@ impl Checkpoint {
             // Unreadable like a damaged slot: the other one may do.
             return Ok(Slot::Bad(format!("unreadable: {e}")));
         }
+        if let Some(other) = other_slot_layout(&bytes) {
+            return Ok(Slot::OtherVersion(other));
+        }
         Ok(match decode_slot(&bytes) {
-            Ok((generation, payload)) => Slot::Good {
-                generation,
-                payload: payload.to_vec(),
+            Ok((generation, payload)) => match payload_version(payload) {
+                Some(v) if v != VERSION => Slot::OtherVersion(format!("payload version {v}")),
+                _ => Slot::Good {
+                    generation,
+                    payload: payload.to_vec(),
+                },
             },
             Err(problem) => Slot::Bad(problem),
         })
@@ -308,6 +325,23 @@ impl Checkpoint {
             .collect();
         if good.len() == 2 && newer(good[1].1, good[0].1) {
             good.swap(0, 1);
+        }
+        // Another format in either slot: an upgrade was rolled back (or a
+        // newer manager ran here). Its data is not this build's to read, and
+        // the other slot, older, may be stale: neither is used.
+        let other: Vec<String> = slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Slot::OtherVersion(v) => Some(format!("{}: {v}", SLOT_FILES[i])),
+                _ => None,
+            })
+            .collect();
+        if !other.is_empty() {
+            return Err(CheckpointError::Version {
+                path: self.dir.display().to_string(),
+                found: other.join("; "),
+            });
         }
         let mut problems = Vec::new();
         for (i, s) in slots.iter().enumerate() {
@@ -483,6 +517,32 @@ pub fn encode<'a>(
     };
     // Compact JSON: the record is rewritten on every allocation.
     serde_json::to_vec(&f).expect("serialisable")
+}
+
+/// The version a payload says it has, read before anything else of it (a
+/// later format may change every other field).
+fn payload_version(payload: &[u8]) -> Option<u32> {
+    #[derive(Deserialize)]
+    struct Head {
+        version: u32,
+    }
+    serde_json::from_slice::<Head>(payload)
+        .ok()
+        .map(|h| h.version)
+}
+
+/// `Some(what it says)` for a slot of another layout: the header's magic
+/// with another version ("vcuda-checkpoint v3 ...").
+fn other_slot_layout(bytes: &[u8]) -> Option<String> {
+    const STEM: &[u8] = b"vcuda-checkpoint v";
+    let rest = bytes.strip_prefix(STEM)?;
+    let v: String = rest
+        .iter()
+        .take_while(|b| b.is_ascii_digit())
+        .map(|&b| b as char)
+        .collect();
+    (!v.is_empty() && format!("vcuda-checkpoint v{v}") != MAGIC)
+        .then(|| format!("slot layout \"vcuda-checkpoint v{v}\""))
 }
 
 /// A payload made by [`encode`], or why it is not one.

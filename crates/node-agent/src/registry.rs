@@ -377,6 +377,7 @@ async fn handle(
         host_pid: pid,
         ledger_slot: None,
         ledger_slots: Vec::new(),
+        protocol_version: req.protocol_version,
     };
     if let Some(m) = version_problem(req.protocol_version, procs.ledgers.len()) {
         tracing::warn!(pid, container = %procs.container, "{m}");
@@ -407,6 +408,7 @@ async fn handle(
     let resp = RegisterResponse {
         status: Status::Accepted as i32,
         message: String::new(),
+        protocol_version: req.protocol_version,
         host_pid: pid,
         ledger_slot: slots.first().map(|&s| s as u32),
         ledger_slots: if req.protocol_version == PROTOCOL_VERSION {

@@ -253,3 +253,37 @@ fn a_panic_during_a_write_makes_the_next_write_rescan_the_slots() {
     assert!(header(&cp.slot_path(1)).contains("gen=00000000000000000002"));
     assert_eq!(uids(&cp), ["v"]);
 }
+
+/// A rolled-back upgrade: the newer manager wrote one slot in a format this
+/// build does not read. Neither that slot nor the older one (possibly stale)
+/// is used, and the error names both formats.
+#[test]
+fn another_format_in_either_slot_is_a_version_error_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let cp = Checkpoint::new(dir.path());
+    cp.store(&["GPU-a".into()], [&alloc("old")]).unwrap();
+    cp.store(&["GPU-a".into()], [&alloc("old"), &alloc("new")])
+        .unwrap();
+    // Slot b (the newest) rewritten with payload version 2, checksum valid.
+    let payload = String::from_utf8(encode(&["GPU-a".into()], [&alloc("new")]))
+        .unwrap()
+        .replacen("\"version\":1", "\"version\":2", 1);
+    std::fs::write(cp.slot_path(1), encode_slot(3, payload.as_bytes(), 4096)).unwrap();
+    let e = Checkpoint::new(dir.path()).load().unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, CheckpointError::Version { .. }), "{msg}");
+    assert!(
+        msg.contains("gpu-manager.json.b: payload version 2") && msg.contains("payload version 1"),
+        "{msg}"
+    );
+    // A future slot layout is named by its header.
+    let mut future = std::fs::read(cp.slot_path(0)).unwrap();
+    future[..19].copy_from_slice(b"vcuda-checkpoint v3");
+    std::fs::write(cp.slot_path(0), future).unwrap();
+    let msg = Checkpoint::new(dir.path()).load().unwrap_err().to_string();
+    assert!(
+        msg.contains("slot layout \"vcuda-checkpoint v3\"")
+            && msg.contains("reads slot layout \"vcuda-checkpoint v2\""),
+        "{msg}"
+    );
+}

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use gpu_allocator::Placement;
 
 use super::{Manager, now};
-use crate::checkpoint::{Allocation, alloc_id};
+use crate::checkpoint::{Allocation, CheckpointError, alloc_id};
 use crate::ids;
 use crate::kube_api::ApiHealth;
 use crate::kubelet::Held;
@@ -251,10 +251,17 @@ impl Manager {
         let saved = match self.checkpoint.load() {
             Ok(s) => s,
             Err(e) => {
+                // Unreadable, or another version's (a rolled-back upgrade):
+                // kept aside either way, never read in part, and the node's
+                // own records (kubelet, runtime) rebuild the allocations.
                 let aside = self.checkpoint.set_aside();
+                let why = match e {
+                    CheckpointError::Version { .. } => "written in another format",
+                    _ => "unreadable",
+                };
                 tracing::warn!(
                     error = %e, set_aside = ?aside.as_ref().map(|v| v.iter().map(|p| p.display().to_string()).collect::<Vec<_>>()),
-                    "the allocation checkpoint is unreadable; set aside, rebuilding the allocations from the node"
+                    "the allocation checkpoint is {why}; set aside, rebuilding the allocations from the node"
                 );
                 report.set_aside = Some(match aside {
                     Ok(v) => joined(&v),

@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, frame, register_response::Status};
 
@@ -53,6 +53,9 @@ struct Shared {
     stopping: AtomicBool,
     /// Reply REJECTED to everyone (tests of the refusal path).
     reject: AtomicBool,
+    /// The protocol version replies say they are in; 0 echoes the request's
+    /// (tests of a manager of another version).
+    answer_version: AtomicU32,
 }
 
 pub struct TestManager {
@@ -109,6 +112,7 @@ impl TestManager {
             events: Mutex::new(Vec::new()),
             stopping: AtomicBool::new(false),
             reject: AtomicBool::new(false),
+            answer_version: AtomicU32::new(0),
         });
         let s2 = Arc::clone(&shared);
         let accept = std::thread::spawn(move || {
@@ -152,6 +156,12 @@ impl TestManager {
 
     pub fn set_reject(&self, on: bool) {
         self.shared.reject.store(on, Ordering::Release);
+    }
+
+    /// Replies say they are in protocol `version` (0: the request's), as a
+    /// manager of another release would answer.
+    pub fn set_answer_version(&self, version: u32) {
+        self.shared.answer_version.store(version, Ordering::Release);
     }
 
     /// Waits until `pred` holds on the events (or panics after `secs`).
@@ -277,6 +287,10 @@ fn serve(sh: &Shared, mut conn: UnixStream) {
             slots.iter().map(|&s| s as u32).collect()
         } else {
             Vec::new()
+        },
+        protocol_version: match sh.answer_version.load(Ordering::Acquire) {
+            0 => req.protocol_version,
+            v => v,
         },
     };
     let body = prost::Message::encode_to_vec(&resp);

@@ -1,0 +1,207 @@
+//! The formats other programs (or other releases of this one) read, kept as
+//! golden files in `tests/golden/` and read here by this build's decoders:
+//! a release that can no longer read what an earlier one wrote fails here,
+//! before an upgrade or a rollback meets it on a node with live shares.
+//!
+//! A golden file is written once (`VCUDA_BLESS=1` creates the missing ones,
+//! never overwrites) and then only read: a format change that must stay
+//! readable adds a file beside the old one, it does not replace it.
+//! `vcuda.config` (the original gpu-manager's byte layout) and
+//! `vcuda-gpus.config` have theirs in `crates/quota-config/tests/golden/`;
+//! the DRA driver's checkpoint is read by `crates/dra-driver/tests/golden.rs`.
+
+use container_ledger::Ledger;
+use gpu_allocator::inventory::{Inventory, InventoryGpu};
+use gpu_manager::checkpoint::{Allocation, Checkpoint, PlacementRecord};
+use prost::Message;
+use std::path::PathBuf;
+use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, register_response::Status};
+
+const GIB: u64 = 1 << 30;
+
+/// The golden file `name`, created from `make` only when it is missing and
+/// `VCUDA_BLESS=1`.
+fn golden(name: &str, make: impl FnOnce() -> Vec<u8>) -> Vec<u8> {
+    let path: PathBuf = test_support::workspace_root()
+        .join("tests/golden")
+        .join(name);
+    match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(_) if std::env::var("VCUDA_BLESS").as_deref() == Ok("1") => {
+            let b = make();
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, &b).unwrap();
+            b
+        }
+        Err(e) => panic!(
+            "golden file {} missing ({e}): golden files are never regenerated; \
+             restore it from git (or, for a new one, run once with VCUDA_BLESS=1 and commit it)",
+            path.display()
+        ),
+    }
+}
+
+fn request_v1() -> RegisterRequest {
+    RegisterRequest {
+        protocol_version: 1,
+        pod_uid: "6a0e0a3c-1f2b-4c5d-8e9f-0a1b2c3d4e5f".into(),
+        container_name: "server".into(),
+        bus_id: "00000000:3B:00.0".into(),
+        local_pid: 7,
+        program: "/usr/bin/python3".into(),
+        previous_slot: None,
+        previous_slots: Vec::new(),
+    }
+}
+
+/// Registration bodies of protocol 1 and 2 (what an interposer of an
+/// earlier release sends to this manager) decode to the same fields.
+#[test]
+fn registration_requests_of_both_protocols_are_read() {
+    let v1 = golden("register-request-v1.pb", || request_v1().encode_to_vec());
+    assert_eq!(
+        RegisterRequest::decode(v1.as_slice()).unwrap(),
+        request_v1()
+    );
+    let v2_want = RegisterRequest {
+        protocol_version: 2,
+        previous_slot: Some(3),
+        previous_slots: vec![3, 4],
+        ..request_v1()
+    };
+    let v2 = golden("register-request-v2.pb", || v2_want.encode_to_vec());
+    assert_eq!(RegisterRequest::decode(v2.as_slice()).unwrap(), v2_want);
+}
+
+/// A reply from a manager of today's release; and one from before the
+/// reply carried its version (field 6 absent: read as 0, the request's).
+#[test]
+fn registration_replies_are_read() {
+    let want = RegisterResponse {
+        status: Status::Accepted as i32,
+        message: String::new(),
+        host_pid: 4711,
+        ledger_slot: Some(3),
+        ledger_slots: vec![3, 4],
+        protocol_version: 2,
+    };
+    let b = golden("register-response-v2.pb", || want.encode_to_vec());
+    assert_eq!(RegisterResponse::decode(b.as_slice()).unwrap(), want);
+    let old = RegisterResponse {
+        protocol_version: 0,
+        ..want.clone()
+    };
+    let b = golden("register-response-unversioned.pb", || old.encode_to_vec());
+    let r = RegisterResponse::decode(b.as_slice()).unwrap();
+    assert_eq!((r.protocol_version, r.status()), (0, Status::Accepted));
+}
+
+/// A container ledger as a manager and two processes left it (layout 1):
+/// a restarted or upgraded manager, and an interposer of a later release,
+/// read its quota, use, slots and counters.
+#[test]
+fn a_ledger_of_layout_1_is_read() {
+    let bytes = golden("ledger-v1.bin", || {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ledger");
+        let (l, _f) = Ledger::create(&path, 4 * GIB).unwrap();
+        let a = l.claim_slot(4711, None).unwrap();
+        let b = l.claim_slot(4712, None).unwrap();
+        l.set_local_pid(a, 1);
+        l.set_local_pid(b, 2);
+        l.try_reserve(a, GIB).unwrap();
+        l.try_reserve(b, GIB / 2).unwrap();
+        l.add_throttled_ns(1_500_000);
+        l.count_refused_allocation();
+        std::fs::read(&path).unwrap()
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger");
+    std::fs::write(&path, &bytes).unwrap();
+    assert_eq!(Ledger::peek(&path).unwrap(), (4 * GIB, GIB + GIB / 2));
+    let (l, _f) = Ledger::open(&path).unwrap();
+    let slots: Vec<_> = l.slots().map(|s| (s.pid, s.used, s.local_pid)).collect();
+    assert_eq!(slots, vec![(4711, GIB, 1), (4712, GIB / 2, 2)]);
+    assert_eq!((l.throttled_ns(), l.refused_allocations()), (1_500_000, 1));
+    // Its layout version is the one this build writes: a change of layout
+    // keeps this file and adds ledger-v2.bin.
+    assert_eq!(bytes[8..12], container_ledger::VERSION.to_ne_bytes());
+}
+
+/// `pids.config`: host PIDs back to back, as the original gpu-manager
+/// wrote them (no header, no version: its readers cannot take one).
+#[test]
+fn pids_config_is_read() {
+    let b = golden("pids.config", || {
+        quota_config::encode_pids(&[4711, 4712, 90001])
+    });
+    assert_eq!(
+        quota_config::decode_pids(&b).unwrap(),
+        vec![4711, 4712, 90001]
+    );
+    assert_eq!(b.len(), 12);
+}
+
+fn allocation() -> Allocation {
+    Allocation {
+        pod_uid: "6a0e0a3c-1f2b-4c5d-8e9f-0a1b2c3d4e5f".into(),
+        namespace: "default".into(),
+        pod_name: "tp-server".into(),
+        container: "server".into(),
+        container_index: 0,
+        cores: 30,
+        memory_units: 8,
+        memory_limit: 8,
+        placement: PlacementRecord::Share {
+            gpu: 1,
+            cores: 30,
+            memory_units: 8,
+        },
+        soft_limit: None,
+        vcore_ids: (0..30).map(|i| format!("vcore-{i}")).collect(),
+        vmemory_ids: (0..8).map(|i| format!("vmem-{i}")).collect(),
+        verified: true,
+        created: 1_795_000_000,
+    }
+}
+
+/// gpu-manager's checkpoint slot (layout "vcuda-checkpoint v2", payload
+/// version 1): an upgraded manager adopts the allocations it records.
+#[test]
+fn a_manager_checkpoint_of_today_is_adopted() {
+    let slot = golden("gpu-manager.json.a", || {
+        let dir = tempfile::tempdir().unwrap();
+        Checkpoint::new(dir.path())
+            .store(&["GPU-0".into(), "GPU-1".into()], [&allocation()])
+            .unwrap();
+        std::fs::read(dir.path().join("gpu-manager.json.a")).unwrap()
+    });
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("gpu-manager.json.a"), &slot).unwrap();
+    let (gpus, allocs) = Checkpoint::new(dir.path()).load().unwrap().unwrap();
+    assert_eq!(gpus, vec!["GPU-0", "GPU-1"]);
+    assert_eq!(allocs, vec![allocation()]);
+}
+
+/// The node inventory annotation (version 1) the extender reads.
+#[test]
+fn a_node_inventory_of_version_1_is_read() {
+    let gpu = |minor: u32| InventoryGpu {
+        minor,
+        uuid: format!("GPU-{minor}"),
+        memory_bytes: 80 * GIB,
+        numa_node: Some(0),
+        pci_bus_id: format!("00000000:{:02X}:00.0", 0x3b + minor),
+        healthy: minor == 0,
+    };
+    let want = Inventory {
+        version: 1,
+        share_mode: true,
+        gpus: vec![gpu(0), gpu(1)],
+        pcie: vec![30],
+        nvlink: vec![4],
+    };
+    let b = golden("gpu-inventory-v1.json", || want.to_json().into_bytes());
+    let inv = Inventory::from_json(std::str::from_utf8(&b).unwrap()).unwrap();
+    assert_eq!(inv, want);
+}
