@@ -119,7 +119,7 @@ fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no {kind} {name} among {} objects", objects.len()))
 }
 
-fn container<'a>(ds: &'a Value) -> &'a Value {
+fn container(ds: &Value) -> &Value {
     &ds["spec"]["template"]["spec"]["containers"][0]
 }
 
