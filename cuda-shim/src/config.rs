@@ -15,8 +15,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 pub const CONFIG_DIR_ENV: &str = "VCUDA_CONFIG_DIR";
 /// How long cuInit waits for the manager's socket, in milliseconds.
 pub const REGISTER_TIMEOUT_ENV: &str = "VCUDA_REGISTER_TIMEOUT_MS";
-/// Default of [`REGISTER_TIMEOUT_ENV`].
-pub const DEFAULT_REGISTER_TIMEOUT_MS: u64 = 2000;
+/// Default of [`REGISTER_TIMEOUT_ENV`]. A container with a quota was set up
+/// by a manager, so a missing socket means it is restarting: on the real
+/// node a DaemonSet upgrade left no manager for 9-10 s (tests/k8s_node,
+/// phase 3b), longer where the new image must be pulled. New processes wait
+/// it out rather than fail closed; a container whose manager is gone for
+/// good fails closed after this long.
+pub const DEFAULT_REGISTER_TIMEOUT_MS: u64 = 30_000;
+/// After this long without the manager's socket, `cuInit` says once that it
+/// is waiting (stderr, whatever the log level).
+pub const REGISTER_WAIT_NOTICE_MS: u64 = 1_000;
 
 #[derive(Debug)]
 pub enum Mode {

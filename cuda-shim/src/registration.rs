@@ -157,6 +157,7 @@ impl Proc {
         }
         let timeout = config::register_timeout();
         let deadline = Instant::now() + timeout;
+        let mut noticed = false;
         loop {
             match register_once(enf, &[], deadline) {
                 Ok((sock, resp, fds)) => match self.install(&resp, fds) {
@@ -184,6 +185,19 @@ impl Proc {
                     }
                 },
                 Err(e) if e.retryable() && Instant::now() < deadline => {
+                    let waited = timeout.saturating_sub(deadline - Instant::now());
+                    if !noticed && waited >= Duration::from_millis(config::REGISTER_WAIT_NOTICE_MS)
+                    {
+                        noticed = true;
+                        log::write_line(&format!(
+                            "waiting for the GPU manager at {} ({e}): restarting or upgrading? \
+                             CUDA starts once it answers, or is refused after {} ms \
+                             ({})",
+                            socket_path(enf).display(),
+                            timeout.as_millis(),
+                            config::REGISTER_TIMEOUT_ENV
+                        ));
+                    }
                     std::thread::sleep(Duration::from_millis(25));
                 }
                 Err(e) => {

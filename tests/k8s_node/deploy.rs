@@ -13,7 +13,7 @@ use test_support::workspace_root;
 /// placeholders filled in (`deploy/test/daemonset-sim-patch.yaml`), then
 /// `kubectl apply -k` of the copy's `test/`: deploy/overlays/share plus the
 /// patch, installed as an operator installs an overlay of their own.
-fn apply_test_overlay(c: &Cluster, w: &Work) {
+fn apply_test_overlay(c: &Cluster, w: &Work) -> std::path::PathBuf {
     let copy = c.dir.join("work/deploy");
     let _ = fs::remove_dir_all(&copy);
     let st = std::process::Command::new("cp")
@@ -35,13 +35,14 @@ fn apply_test_overlay(c: &Cluster, w: &Work) {
         );
     fs::write(&patch, text).unwrap();
     c.kubectl_ok(&["apply", "-k", copy.join("test").to_str().unwrap()]);
+    copy.join("test")
 }
 
 /// Phase 3 (the caller prints its banner and removes /etc/gpu-manager after).
 pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     let quota = 8 * UNIT;
     manager_image(c, &c.dir.join("work"));
-    apply_test_overlay(c, w);
+    let overlay = apply_test_overlay(c, w);
     let t_ds = Instant::now();
     c.kubectl_ok(&[
         "label",
@@ -212,6 +213,8 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         "the manager was refused by the RBAC authorizer:\n{}",
         tail(&mlog, 40)
     );
+    // Phase 3b: upgrade and rollback with ds-share live (one share).
+    crate::upgrade::run(c, w, &overlay, 1, figures);
     c.kubectl_ok(&["delete", "pods", "--all", "--wait=false"]);
     c.kubectl_ok(&["-n", "kube-system", "delete", "daemonset", "gpu-manager"]);
     wait("the DaemonSet's pod gone", 120, || {
