@@ -19,13 +19,14 @@ use test_support::{Capability, require};
 
 /// The overlays this file knows what to expect of; a new overlay fails
 /// [`every_overlay_renders_with_every_kubectl`] until it is added here.
-const OVERLAYS: [&str; 6] = [
+const OVERLAYS: [&str; 7] = [
     "share",
     "whole-gpu",
     "dra",
     "scheduler",
     "monitoring",
     "example-site",
+    "uninstall",
 ];
 
 /// kubectls to render with: the CI cluster's (required where CI requires
@@ -194,6 +195,42 @@ fn each_overlay_installs_what_its_name_says() {
 
     let sched = render(k, &overlay("scheduler"));
     find(&sched, "Deployment", "vcuda-scheduler");
+
+    let un = render(k, &overlay("uninstall"));
+    let uds = find(&un, "DaemonSet", "gpu-manager-uninstall");
+    assert_eq!(args(uds)[0], "uninstall");
+    assert_eq!(uds["spec"]["template"]["spec"]["hostPID"], true);
+    // Paths as the manager's ConfigMap sets them, the parent mounted (a
+    // mount point cannot be removed).
+    let cfg = find(&share, "ConfigMap", "gpu-manager")["data"]["gpu-manager.toml"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for key in [
+        "virtual-manager-path",
+        "vdriver-path",
+        "checkpoint-path",
+        "device-plugin-path",
+    ] {
+        let want = cfg
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{key} = ")))
+            .unwrap_or_else(|| panic!("{key} not in the ConfigMap"))
+            .trim_matches('"')
+            .to_string();
+        assert!(
+            args(uds).contains(&format!("--{key}={want}")),
+            "uninstall's --{key} is not the ConfigMap's {want}"
+        );
+    }
+    assert!(
+        !container(uds)["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["mountPath"] == "/etc/gpu-manager/vm"),
+        "a vm mount point could not be removed"
+    );
 
     let mon = render(k, &overlay("monitoring"));
     find(&mon, "ServiceMonitor", "gpu-manager");

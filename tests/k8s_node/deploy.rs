@@ -23,17 +23,22 @@ fn apply_test_overlay(c: &Cluster, w: &Work) -> std::path::PathBuf {
         .status()
         .unwrap();
     assert!(st.success(), "copying deploy/ to {}", copy.display());
-    let patch = copy.join("test/daemonset-sim-patch.yaml");
-    let text = fs::read_to_string(&patch)
-        .unwrap()
-        .replace("@SIM_ROOT@", w.sim.to_str().unwrap())
-        .replace("@API_HOST@", "198.51.100.1")
-        .replace("@API_PORT@", "26443")
-        .replace(
-            "@CONTAINERD_DIR@",
-            c.dir.join("containerd").to_str().unwrap(),
-        );
-    fs::write(&patch, text).unwrap();
+    for patch in [
+        "test/daemonset-sim-patch.yaml",
+        "test/uninstall/uninstall-sim-patch.yaml",
+    ] {
+        let patch = copy.join(patch);
+        let text = fs::read_to_string(&patch)
+            .unwrap()
+            .replace("@SIM_ROOT@", w.sim.to_str().unwrap())
+            .replace("@API_HOST@", "198.51.100.1")
+            .replace("@API_PORT@", "26443")
+            .replace(
+                "@CONTAINERD_DIR@",
+                c.dir.join("containerd").to_str().unwrap(),
+            );
+        fs::write(&patch, text).unwrap();
+    }
     c.kubectl_ok(&["apply", "-k", copy.join("test").to_str().unwrap()]);
     copy.join("test")
 }
@@ -215,23 +220,7 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     );
     // Phase 3b: upgrade and rollback with ds-share live (one share).
     crate::upgrade::run(c, w, &overlay, 1, figures);
-    c.kubectl_ok(&["delete", "pods", "--all", "--wait=false"]);
-    c.kubectl_ok(&["-n", "kube-system", "delete", "daemonset", "gpu-manager"]);
-    wait("the DaemonSet's pod gone", 120, || {
-        let l = c.json(&[
-            "-n",
-            "kube-system",
-            "pods",
-            "-l",
-            "app.kubernetes.io/name=gpu-manager",
-        ])?;
-        let k = l["items"].as_array().map(|a| a.len()).unwrap_or(0);
-        if k == 0 {
-            Ok(())
-        } else {
-            Err(format!("{k} pods"))
-        }
-    });
+    crate::uninstall::run(c, &overlay, figures);
 }
 
 /// The DaemonSet's Ready pod (another than `not`).

@@ -48,6 +48,7 @@ mod phase2;
 mod phase_nodes;
 mod phase_sched;
 mod phase_tp;
+mod uninstall;
 mod upgrade;
 
 use std::path::{Path, PathBuf};

@@ -59,7 +59,16 @@ fn parse_labels(s: &str) -> Result<Vec<(String, String)>, ConfigError> {
 impl Settings {
     /// Parses the command line and environment, then the config file they name.
     pub fn load() -> Result<Settings, ConfigError> {
-        let cli = Options::parse();
+        Settings::load_from(std::env::args_os())
+    }
+
+    /// [`load`](Self::load) from the given arguments (program name first).
+    pub fn load_from<I, T>(args: I) -> Result<Settings, ConfigError>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let cli = Options::parse_from(args);
         let file = match &cli.config {
             Some(p) => Options::from_toml(p)?,
             None => Options::default(),

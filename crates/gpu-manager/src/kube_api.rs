@@ -227,6 +227,17 @@ pub async fn annotate_node(
         .map_err(|e| format!("annotating node {node} with {key}: {e}"))
 }
 
+/// Removes one annotation from the node (a merge patch with null), as
+/// `gpu-manager uninstall` does with the inventory; absent is success.
+pub async fn remove_node_annotation(client: &Client, node: &str, key: &str) -> Result<(), String> {
+    let api: Api<Node> = Api::all(client.clone());
+    let body = serde_json::json!({"metadata": {"annotations": {key: null}}});
+    api.patch(node, &PatchParams::default(), &Patch::Merge(&body))
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("removing {key} from node {node}: {e}"))
+}
+
 /// Puts `labels` on the node; a missing node is logged, not fatal.
 pub async fn label_node(client: &Client, node: &str, labels: &BTreeMap<String, String>) {
     if labels.is_empty() {

@@ -42,6 +42,7 @@ pub mod recovery;
 pub mod response;
 pub mod runtime;
 pub mod tasks;
+pub mod uninstall;
 pub mod world;
 
 // The node agent's parts, at their old paths (tests and the manager use

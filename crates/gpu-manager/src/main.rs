@@ -1,4 +1,7 @@
 //! `gpu-manager`: parse settings, log, run until SIGTERM/SIGINT.
+//! `gpu-manager uninstall [flags]`: remove what managers left on this node
+//! once no share uses it (`gpu_manager::uninstall`), then wait for SIGTERM
+//! (it runs as a DaemonSet, deploy/uninstall).
 
 use anyhow::Context;
 use node_agent::process;
@@ -6,7 +9,22 @@ use node_agent::process;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     process::init_logging();
-    let settings = gpu_manager::config::Settings::load()?;
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let uninstall = args.get(1).is_some_and(|a| a == "uninstall");
+    if uninstall {
+        args.remove(1);
+    }
+    let settings = gpu_manager::config::Settings::load_from(args)?;
     let cancel = process::cancel_on_signals().context("installing signal handlers")?;
-    gpu_manager::daemon::run(settings, cancel).await
+    if !uninstall {
+        return gpu_manager::daemon::run(settings, cancel).await;
+    }
+    let retry = std::time::Duration::from_secs(10);
+    if let Some(done) = gpu_manager::uninstall::run(&settings, retry, &cancel).await? {
+        tracing::info!(
+            "{done}; delete this DaemonSet (kubectl delete -k deploy/overlays/uninstall)"
+        );
+    }
+    cancel.cancelled().await;
+    Ok(())
 }

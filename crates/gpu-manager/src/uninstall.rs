@@ -1,0 +1,168 @@
+//! `gpu-manager uninstall`: what a manager leaves on its node, removed once
+//! no share uses it (deploy/uninstall: a DaemonSet applied after the
+//! manager's overlay was deleted).
+//!
+//! A manager that stops cannot tell an uninstall from an upgrade (both are
+//! a SIGTERM) and keeps everything a successor needs: vm directories with
+//! their ledgers, the mirrored driver, the checkpoint, and the inventory on
+//! the Node. This mode removes them, but never under a live share: while a
+//! process listed in any vm directory's `pids.config` is alive (the manager
+//! runs with hostPID: those are host PIDs), it refuses, names the shares,
+//! and tries again until their pods are gone.
+
+use std::path::{Path, PathBuf};
+
+use crate::config::Settings;
+use crate::ids::{VCORE_SOCKET, VMEMORY_SOCKET};
+
+/// A share still in use: its vm directory and its live host PIDs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InUse {
+    pub dir: PathBuf,
+    pub pids: Vec<i32>,
+}
+
+/// Vm directories (`<vm>/<pod uid>/<container>`) with a live process.
+pub fn in_use(vm: &Path, alive: impl Fn(i32) -> bool) -> Vec<InUse> {
+    let mut out = Vec::new();
+    for pod in read_dirs(vm) {
+        for dir in read_dirs(&pod) {
+            let pids = std::fs::read(dir.join(quota_config::PIDS_FILE))
+                .ok()
+                .and_then(|b| quota_config::decode_pids(&b).ok())
+                .unwrap_or_default();
+            let live: Vec<i32> = pids.into_iter().filter(|&p| alive(p)).collect();
+            if !live.is_empty() {
+                out.push(InUse { dir, pids: live });
+            }
+        }
+    }
+    out.sort_by(|a, b| a.dir.cmp(&b.dir));
+    out
+}
+
+fn read_dirs(p: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(p)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Whether host PID `pid` is alive (the manager shares the host's PID
+/// namespace).
+pub fn alive(pid: i32) -> bool {
+    pid > 0 && Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// The host paths the manager created: removed (recursively) when present;
+/// returns those removed. The device-plugin directory itself is kubelet's:
+/// only the manager's two sockets go.
+pub fn remove_state(s: &Settings) -> Result<Vec<PathBuf>, String> {
+    let targets = [
+        s.virtual_manager_path.clone(),
+        s.vdriver_path.clone(),
+        s.checkpoint_path.clone(),
+        s.device_plugin_path.join(VCORE_SOCKET),
+        s.device_plugin_path.join(VMEMORY_SOCKET),
+        s.display_socket.clone(),
+    ];
+    let mut removed = Vec::new();
+    for t in targets {
+        let r = match std::fs::symlink_metadata(&t) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => Err(e),
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&t),
+            Ok(_) => std::fs::remove_file(&t),
+        };
+        r.map_err(|e| format!("removing {}: {e}", t.display()))?;
+        removed.push(t);
+    }
+    Ok(removed)
+}
+
+/// Runs the mode: waits (checking every `retry`) until no share is in use,
+/// removes the state and the Node's inventory annotation, then returns what
+/// it did. Cancelled first: `None`.
+pub async fn run(
+    s: &Settings,
+    retry: std::time::Duration,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> anyhow::Result<Option<String>> {
+    loop {
+        let busy = in_use(&s.virtual_manager_path, alive);
+        if busy.is_empty() {
+            break;
+        }
+        let names: Vec<String> = busy
+            .iter()
+            .map(|u| format!("{} (PIDs {:?})", u.dir.display(), u.pids))
+            .collect();
+        tracing::warn!(
+            "not uninstalling yet: {} share(s) still in use: {}; delete their pods (checking again every {} s)",
+            busy.len(),
+            names.join(", "),
+            retry.as_secs()
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(retry) => {}
+            _ = cancel.cancelled() => return Ok(None),
+        }
+    }
+    let removed = remove_state(s).map_err(anyhow::Error::msg)?;
+    let node = match crate::kube_api::client(s.kubeconfig.as_deref()).await {
+        Ok(c) => crate::kube_api::remove_node_annotation(
+            &c,
+            &s.node_name,
+            gpu_allocator::inventory::ANNOTATION,
+        )
+        .await
+        .map(|()| {
+            format!(
+                "annotation {} removed",
+                gpu_allocator::inventory::ANNOTATION
+            )
+        })
+        .unwrap_or_else(|e| format!("annotation left: {e}")),
+        Err(e) => format!("annotation left (no API server: {e})"),
+    };
+    Ok(Some(format!(
+        "uninstalled: removed {:?}; node {}: {node}",
+        removed, s.node_name
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_share_with_a_live_process_is_in_use_and_a_dead_one_is_not() {
+        let d = tempfile::tempdir().unwrap();
+        let live = d.path().join("pod-a/main");
+        let dead = d.path().join("pod-b/main");
+        let empty = d.path().join("pod-c/main");
+        for p in [&live, &dead, &empty] {
+            std::fs::create_dir_all(p).unwrap();
+        }
+        let me = std::process::id() as i32;
+        std::fs::write(live.join("pids.config"), quota_config::encode_pids(&[me])).unwrap();
+        std::fs::write(
+            dead.join("pids.config"),
+            quota_config::encode_pids(&[i32::MAX]),
+        )
+        .unwrap();
+        assert_eq!(
+            in_use(d.path(), alive),
+            vec![InUse {
+                dir: live,
+                pids: vec![me]
+            }]
+        );
+        assert!(in_use(&d.path().join("missing"), alive).is_empty());
+    }
+}
