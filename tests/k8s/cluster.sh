@@ -10,6 +10,7 @@
 #   tests/k8s/cluster.sh down    stop everything it started, unmount, clean
 #   tests/k8s/cluster.sh kubelet-restart   stop kubelet and start it again
 #   tests/k8s/cluster.sh kubelet-stop | kubelet-start
+#   tests/k8s/cluster.sh node-reboot       kubelet and containerd down, every pod process killed, /run state gone, both up again
 #   tests/k8s/cluster.sh import TAR        ctr images import into k8s.io
 #
 # Environment:
@@ -421,6 +422,24 @@ kill_pod_processes() {
   done
 }
 
+# node-reboot: what a reboot does to the node, the control plane aside:
+# kubelet and containerd stop, every pod process dies, the runtime's state
+# (tmpfs /run on a real node: containerd's task state, sockets under
+# /var/run) is gone; disk (images, /etc/gpu-manager, kubelet's checkpoints)
+# stays. Then containerd and kubelet start again.
+node_reboot() {
+  stop kubelet
+  stop containerd
+  kill_pod_processes
+  unmount_under "$D/containerd/state"
+  rm -rf "$D/containerd/state"
+  rm -f /var/run/gpu-manager.sock
+  start_containerd
+  start_kubelet
+  wait_for "node $NODE Ready" 180 "$D/log/kubelet.log" node_ready
+  log "node rebooted"
+}
+
 # ---------------------------------------------------------------- more nodes
 # node-up K (K = 2..9): another node of the same cluster, $NODE-K at
 # 198.51.100.K, with its own client certificate, containerd (socket, root,
@@ -549,6 +568,7 @@ case "${1:-}" in
   kubelet-stop) BIN=$(find_bin); stop kubelet ;;
   kubelet-start) BIN=$(find_bin); start_kubelet ;;
   kubelet-restart) BIN=$(find_bin); stop kubelet; start_kubelet ;;
+  node-reboot) BIN=$(find_bin); node_reboot ;;
   # scheduler-restart [CONFIG]: kube-scheduler again, with the
   # KubeSchedulerConfiguration CONFIG (extenders, profiles) or its flags.
   scheduler-restart) BIN=$(find_bin); stop kube-scheduler; start_scheduler "${2:-}" ;;
@@ -556,5 +576,5 @@ case "${1:-}" in
   node-down) BIN=$(find_bin); node_down "$2" ;;
   import) import_image "$2" "${3:-}" ;;
   image-tar) shift; image_tar "$@" ;;
-  *) echo "usage: $0 up|down|kubelet-restart|kubelet-stop|kubelet-start|scheduler-restart [CONFIG]|node-up K|node-down K|import TAR [SOCKET]|image-tar TAG ROOTFS OUT ENTRY..." >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|kubelet-restart|node-reboot|kubelet-stop|kubelet-start|scheduler-restart [CONFIG]|node-up K|node-down K|import TAR [SOCKET]|image-tar TAG ROOTFS OUT ENTRY..." >&2; exit 2 ;;
 esac

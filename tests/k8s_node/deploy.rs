@@ -220,7 +220,9 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     );
     // Phase 3b: upgrade and rollback with ds-share live (one share).
     crate::upgrade::run(c, w, &overlay, 1, figures);
-    crate::uninstall::run(c, &overlay, figures);
+    // Phase 3d: a node reboot; phase 3c: uninstall, with ds-always live.
+    crate::reboot::run(c, w, figures);
+    crate::uninstall::run(c, &overlay, crate::reboot::LIVE, figures);
 }
 
 /// The DaemonSet's Ready pod (another than `not`).

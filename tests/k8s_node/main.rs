@@ -27,7 +27,10 @@
 //!     (`kubectl apply -k`), through the test overlay `deploy/test/` (local
 //!     image, host paths of the simulated root): the DaemonSet Ready under the RBAC authorizer with
 //!     only the ClusterRole's verbs, a share pod served, a refusal as a
-//!     Warning Event.
+//!     Warning Event; 3b (`upgrade.rs`): the image upgraded and rolled back
+//!     under live shares; 3d (`reboot.rs`): a node reboot; 3c
+//!     (`uninstall.rs`): `deploy/overlays/uninstall`, refused while a share
+//!     lives, then nothing left behind.
 //!
 //! It runs when `VCUDA_K8S_BIN` is set or `VCUDA_REQUIRE_K8S=1` (tests/run.sh,
 //! so CI, sets both) and skips with a line otherwise; with
@@ -48,6 +51,7 @@ mod phase2;
 mod phase_nodes;
 mod phase_sched;
 mod phase_tp;
+mod reboot;
 mod uninstall;
 mod upgrade;
 

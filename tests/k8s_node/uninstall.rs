@@ -1,5 +1,5 @@
 //! Phase 3c (issue 24): uninstall as an operator does it. The manager's
-//! overlay deleted (`kubectl delete -k`) while a share pod still runs: a new
+//! overlay deleted (`kubectl delete -k`) while a share pod (`live`) still runs: a new
 //! CUDA process there fails closed saying the manager is gone;
 //! deploy/overlays/uninstall (through the test overlay deploy/test/uninstall)
 //! refuses while the share lives, naming it, and once its pod is gone
@@ -13,7 +13,7 @@ use test_support::k8s::util::{tail, wait};
 const STATE: &str = "/etc/gpu-manager";
 const PLUGINS: &str = "/var/lib/kubelet/device-plugins";
 
-pub fn run(c: &Cluster, overlay: &Path, figures: &mut Vec<String>) {
+pub fn run(c: &Cluster, overlay: &Path, live: &str, figures: &mut Vec<String>) {
     c.kubectl_ok(&["delete", "-k", overlay.to_str().unwrap(), "--wait=false"]);
     gone(c, "app.kubernetes.io/name=gpu-manager");
     // The share's running process keeps its quota; a new one is refused,
@@ -21,7 +21,7 @@ pub fn run(c: &Cluster, overlay: &Path, figures: &mut Vec<String>) {
     let out = c
         .kubectl_cmd(&[
             "exec",
-            "ds-share",
+            live,
             "--",
             "env",
             "VCUDA_REGISTER_TIMEOUT_MS=1500",
@@ -67,7 +67,7 @@ pub fn run(c: &Cluster, overlay: &Path, figures: &mut Vec<String>) {
         c.kubectl(&["-n", "kube-system", "logs", p])
             .unwrap_or_default()
     };
-    let refusal = wait("the uninstall refusing while ds-share lives", 120, || {
+    let refusal = wait("the uninstall refusing while a share lives", 120, || {
         let l = log(&pod);
         l.lines()
             .find(|l| l.contains("not uninstalling yet: 1 share(s) still in use"))
