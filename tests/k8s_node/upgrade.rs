@@ -324,9 +324,34 @@ fn settle(c: &Cluster, pods: &[(String, Instant)]) -> Vec<(String, Result<f64, S
                 )
             },
         );
+        // What kubelet said of it (the events name the step it is stuck at).
+        let events = c
+            .json(&[
+                "events",
+                "--field-selector",
+                &format!("involvedObject.name={name}"),
+            ])
+            .map(|l| {
+                l["items"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|e| {
+                        format!(
+                            "{}: {}",
+                            e["reason"].as_str().unwrap_or(""),
+                            e["message"].as_str().unwrap_or("")
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            })
+            .unwrap_or_default();
         out.push((
             name.clone(),
-            Err(format!("not Running after 180 s: {state}")),
+            Err(format!(
+                "not Running after 180 s: {state}; events: {events}"
+            )),
         ));
     }
     for (name, _) in pods {

@@ -106,7 +106,14 @@ def test_suite_with_workers_in_pid_namespaces(artifacts, tmp_path):
     log = p.stdout + p.stderr
     assert (tmp_path / "rows.json").exists(), log
     rows = json.loads((tmp_path / "rows.json").read_text())
-    assert [r["status"] for r in rows] == ["PASS"] * 7, log
+    assert [r["status"] for r in rows[:5]] == ["PASS"] * 5, log
+    # The kernel mix throttled inside a PID namespace (loose: a loaded CI
+    # machine; the launch-wait row is host latency, reported only, as in
+    # test_suite_on_the_simulated_node). tests/shim_compute.rs checks that
+    # the controller attributes the namespace's PIDs.
+    got = float(re.match(r"([\d.]+) %", rows[5]["measured"]).group(1))
+    assert 15 <= got <= 45, rows[5]
+    assert "launch waits" in rows[6]["case"], rows[6]
     for r in rows[1:4]:
         assert re.search(r"PIDs own→NVML 1→\d+ \(NSpid\)", r["measured"]), r
     assert re.search(r"apps \[1\] \(inside 1→\d+ \[NSpid\]", rows[4]["measured"]), rows[4]
