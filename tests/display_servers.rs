@@ -329,9 +329,19 @@ async fn second_server_on_a_live_socket_is_refused_and_stale_one_replaced() {
     s.stop().await;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("gpu-manager.sock");
-    // A socket file nobody listens on (a killed manager) is replaced.
-    let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
-    drop(l);
+    // A socket file nobody listens on (a killed manager) is replaced. Bound
+    // by another process that exits: a listener of this process could live
+    // on for a moment in a child that another test forks before its exec
+    // (CI once saw SocketInUse here).
+    let st = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])",
+        ])
+        .arg(&path)
+        .status()
+        .unwrap();
+    assert!(st.success());
     assert!(path.exists());
     let cancel = CancellationToken::new();
     let h = other.serve_grpc(&path, 0o660, cancel.clone()).unwrap();
