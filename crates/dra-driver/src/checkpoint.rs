@@ -77,6 +77,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     r
 }
 
+/// Holds the checkpoint lock until dropped (closing the file unlocks).
+pub struct StoreLock {
+    _file: std::fs::File,
+}
+
 pub struct Store {
     path: PathBuf,
 }
@@ -133,6 +138,40 @@ impl Store {
             });
         }
         Ok(c)
+    }
+
+    /// Takes the node's checkpoint lock (`checkpoint.lock` beside it,
+    /// `flock`, exclusive), waiting for it: during a rolling update two
+    /// driver instances serve at once, and each must read what the other
+    /// wrote before it writes. Released when the guard drops.
+    pub async fn lock(&self) -> Result<StoreLock, CheckpointError> {
+        let path = self.path.with_file_name("checkpoint.lock");
+        let p = path.display().to_string();
+        let io = |source| CheckpointError::Io {
+            path: p.clone(),
+            source,
+        };
+        if let Some(d) = path.parent() {
+            std::fs::create_dir_all(d).map_err(io)?;
+        }
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(io)?;
+        let f = tokio::task::spawn_blocking(move || {
+            use std::os::fd::AsRawFd;
+            // SAFETY: flock on an fd this closure owns.
+            match unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } {
+                0 => Ok(f),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        })
+        .await
+        .map_err(|e| io(std::io::Error::other(e)))?
+        .map_err(io)?;
+        Ok(StoreLock { _file: f })
     }
 
     pub fn save(&self, c: &Checkpoint) -> Result<(), CheckpointError> {

@@ -76,18 +76,34 @@ pub async fn run(
     let api = KubeApi {
         client: node_agent::apiserver::client(s.kubeconfig.as_deref()).await?,
     };
-    let (publisher, devices) = publish(&s, &api, &found).await?;
     let driver = Arc::new(start_driver(&s, &api, &found)?);
     let sockets = Sockets::new(&s.plugins_dir, &s.registry_dir);
-    grpc::serve(driver.clone(), &sockets, cancel.clone()).await?;
+    let registration = grpc::serve(driver.clone(), &sockets, cancel.clone()).await?;
     tracing::info!(ms = t0.elapsed().as_millis() as u64, plugin = %sockets.plugin.display(), registration = %sockets.registration.display(), "DRA driver serving");
-    let healthy = Arc::new(Mutex::new(vec![true; devices.len()]));
+    let healthy = Arc::new(Mutex::new(vec![true; devices_len(&found)]));
     let display = start_display(&s, &driver, &found, &nvml, &healthy, &cancel).await?;
     if let Some(r) = ready {
         let _ = r.send(Ready {
             display_http: display.as_ref().map(|(_, r)| r.http_addr),
         });
     }
+    // The kubelet prepares only for a registered driver, and refuses a pod
+    // it cannot prepare for a minute or more (it retries at its resync):
+    // the slice, which lets the scheduler send claims here, waits for it.
+    if !registered(&registration, &cancel).await {
+        return Ok(());
+    }
+    for p in sockets.remove_older() {
+        tracing::info!(path = %p.display(), "removed an earlier instance's socket");
+    }
+    let (publisher, devices) = publish(&s, &api, &found).await?;
+    if let Some((d, _)) = &display {
+        d.set_ready(true);
+    }
+    tracing::info!(
+        ms = t0.elapsed().as_millis() as u64,
+        "registered and published: ready"
+    );
 
     let (stx, slice_changed) = tokio::sync::mpsc::unbounded_channel();
     crate::kube_api::watch_slices(api.client.clone(), &s.node, stx, cancel.clone());
@@ -111,6 +127,37 @@ pub async fn run(
     .await;
     driver.shutdown();
     Ok(())
+}
+
+fn devices_len(found: &Discovered) -> usize {
+    found.topology.gpus().len()
+}
+
+/// Waits until the kubelet says it registered this instance; false when
+/// cancelled first. Says what it waits for while it does.
+async fn registered(state: &Mutex<grpc::RegistrationState>, cancel: &CancellationToken) -> bool {
+    let t0 = Instant::now();
+    let mut next_notice = Duration::from_secs(5);
+    loop {
+        if state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .registered
+        {
+            return true;
+        }
+        if t0.elapsed() >= next_notice {
+            tracing::warn!(
+                secs = t0.elapsed().as_secs(),
+                "the kubelet has not registered the driver yet: no ResourceSlice is published until it does (is --registry-dir the kubelet's plugins_registry?)"
+            );
+            next_notice += Duration::from_secs(30);
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return false,
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+    }
 }
 
 /// The DeviceClasses and the node's slice, every GPU healthy.
@@ -192,6 +239,5 @@ async fn start_display(
         cancel,
     )
     .await?;
-    display.set_ready(true);
     Ok(Some((display, running)))
 }

@@ -350,6 +350,38 @@ impl Driver {
         }
     }
 
+    /// Takes in what another instance of the driver wrote (a rolling update
+    /// runs the new one beside the old until the kubelet calls only the
+    /// new): claims it prepared are served here too, claims it unprepared
+    /// (their files already gone) are no longer served. Call with the
+    /// checkpoint lock held.
+    fn sync_from_disk(&self, st: &mut Checkpoint) -> Result<(), String> {
+        let disk = self.store.load(&self.cfg.node).map_err(|e| e.to_string())?;
+        if disk.claims == st.claims {
+            return Ok(());
+        }
+        for (uid, c) in &disk.claims {
+            if !st.claims.contains_key(uid) {
+                tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %uid, "taking over a claim another instance prepared");
+                if let Err(e) = self.restore(c) {
+                    tracing::error!(claim = %format!("{}/{}", c.namespace, c.name), error = %e, "serving a claim another instance prepared");
+                }
+            }
+        }
+        for (uid, c) in &st.claims {
+            if !disk.claims.contains_key(uid) {
+                tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %uid, "another instance unprepared a claim");
+                if !c.devices.is_empty() {
+                    self.registry
+                        .stop(&registry_id(uid, slot_request(&c.devices)));
+                }
+            }
+        }
+        *st = disk;
+        self.publish_view(st);
+        Ok(())
+    }
+
     fn release(&self, uid: &str, devices: &[PlannedDevice]) {
         if !devices.is_empty() {
             self.registry.stop(&registry_id(uid, slot_request(devices)));
@@ -364,6 +396,9 @@ impl Driver {
     pub async fn prepare(&self, c: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
         let t0 = std::time::Instant::now();
         let mut st = self.state.lock().await;
+        let at = |e: String| format!("claim {}/{}: {e}", c.namespace, c.name);
+        let _lock = self.store.lock().await.map_err(|e| at(e.to_string()))?;
+        self.sync_from_disk(&mut st).map_err(at)?;
         if let Some(p) = st.claims.get(&c.uid) {
             return Ok(outputs(p));
         }
@@ -430,6 +465,13 @@ impl Driver {
     pub async fn unprepare(&self, c: &ClaimRef) -> Result<(), String> {
         let t0 = std::time::Instant::now();
         let mut st = self.state.lock().await;
+        let _lock = self
+            .store
+            .lock()
+            .await
+            .map_err(|e| format!("claim {}/{}: {e}", c.namespace, c.name))?;
+        self.sync_from_disk(&mut st)
+            .map_err(|e| format!("claim {}/{}: {e}", c.namespace, c.name))?;
         let Some(p) = st.claims.remove(&c.uid) else {
             return Ok(());
         };
@@ -529,14 +571,18 @@ mod tests {
         assert!(e.contains("gpu-0 (GPU-a) had a critical Xid"), "{e}");
         d.set_healthy(0, true, "");
 
-        // A checkpoint that cannot be written fails the claim and leaves nothing.
-        std::fs::write(tmp.path().join("state"), b"not a directory").unwrap();
+        // A checkpoint that cannot be written fails the claim and leaves
+        // nothing (a directory where its temporary file goes).
+        let blocker = tmp
+            .path()
+            .join(format!("state/.checkpoint.json.tmp.{}", std::process::id()));
+        std::fs::create_dir_all(&blocker).unwrap();
         let e = d.prepare(&r("a", "u1")).await.unwrap_err();
         assert!(e.starts_with("claim ns/a: checkpoint"), "{e}");
         assert!(!tmp.path().join("vm/u1").exists());
         assert!(!cdi::spec_path(&tmp.path().join("cdi"), "u1").exists());
         assert!(d.prepared().is_empty());
-        std::fs::remove_file(tmp.path().join("state")).unwrap();
+        std::fs::remove_dir(&blocker).unwrap();
         assert_eq!(d.prepare(&r("a", "u1")).await.unwrap().len(), 1);
         assert_eq!(d.prepared().len(), 1);
         // An unknown claim is already unprepared.

@@ -216,29 +216,107 @@ impl reg::registration_server::Registration for RegistrationService {
     }
 }
 
-/// The two sockets.
+/// The two sockets of one driver instance. Each process start names its
+/// own (see [`Sockets::new`]): the kubelet keys plugins by endpoint, and a
+/// restarted driver that binds the old paths again has its registration
+/// undone by the kubelet's late removal of the old one ("DRA driver ... is
+/// not registered" while the driver logs it registered). A new instance
+/// registers beside the old one and then removes the old one's files
+/// ([`Sockets::remove_older`]); the kubelet prefers the newest connected.
 #[derive(Debug, Clone)]
 pub struct Sockets {
-    /// `<plugins>/vcuda.tencent.com/dra.sock`.
+    /// `<plugins>/vcuda.tencent.com/dra-<instance>.sock`.
     pub plugin: PathBuf,
-    /// `<plugins_registry>/vcuda.tencent.com-reg.sock`.
+    /// `<plugins_registry>/vcuda.tencent.com-<instance>-reg.sock`.
     pub registration: PathBuf,
 }
 
+/// A name no other process start on this node has: start time (ms), PID
+/// and a counter for several drivers in one process (tests).
+fn instance_id() -> String {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{ms}-{}-{n}", std::process::id())
+}
+
+const PLUGIN_PREFIX: &str = "dra";
+const PLUGIN_SUFFIX: &str = ".sock";
+
 impl Sockets {
+    /// A new instance's sockets.
     pub fn new(plugins_dir: &Path, registry_dir: &Path) -> Sockets {
+        Sockets::for_instance(plugins_dir, registry_dir, &instance_id())
+    }
+
+    pub fn for_instance(plugins_dir: &Path, registry_dir: &Path, instance: &str) -> Sockets {
         Sockets {
-            plugin: plugins_dir.join(DRIVER_NAME).join("dra.sock"),
-            registration: registry_dir.join(node_agent::mode::DRA_REGISTRATION_SOCKET),
+            plugin: plugins_dir
+                .join(DRIVER_NAME)
+                .join(format!("{PLUGIN_PREFIX}-{instance}{PLUGIN_SUFFIX}")),
+            registration: registry_dir.join(node_agent::mode::dra_registration_socket(instance)),
         }
     }
+
+    /// Other instances' socket files no newer than this one's: a killed
+    /// driver's (the kubelet keeps its endpoint until the registration file
+    /// goes) or the one a rolling update replaces. Called once the kubelet
+    /// has registered this instance, so the driver is never unregistered.
+    /// Returns what was removed.
+    pub fn remove_older(&self) -> Vec<PathBuf> {
+        let mine = |p: &Path| std::fs::symlink_metadata(p).and_then(|m| m.modified()).ok();
+        let mut removed = Vec::new();
+        let reg_dir = self.registration.parent().unwrap_or(Path::new("/"));
+        let plugin_dir = self.plugin.parent().unwrap_or(Path::new("/"));
+        let candidates = node_agent::mode::dra_registration_sockets(reg_dir)
+            .into_iter()
+            .map(|p| (p, self.registration.as_path()))
+            .chain(plugin_sockets(plugin_dir).map(|p| (p, self.plugin.as_path())));
+        for (p, own) in candidates {
+            if p == own {
+                continue;
+            }
+            let (Some(theirs), Some(ours)) = (mine(&p), mine(own)) else {
+                continue;
+            };
+            if theirs <= ours && std::fs::remove_file(&p).is_ok() {
+                removed.push(p);
+            }
+        }
+        removed
+    }
+
+    /// This instance's files (a clean stop: the kubelet unregisters it at
+    /// once instead of calling a closed socket).
+    pub fn remove_own(&self) {
+        for p in [&self.registration, &self.plugin] {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// `dra*.sock` in the driver's plugin directory (`dra.sock` is the name
+/// before instances named theirs).
+fn plugin_sockets(dir: &Path) -> impl Iterator<Item = PathBuf> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.starts_with(PLUGIN_PREFIX) && n.ends_with(PLUGIN_SUFFIX)
+        })
+        .map(|e| e.path())
 }
 
 fn bind(path: &Path) -> std::io::Result<UnixListener> {
     if let Some(d) = path.parent() {
         std::fs::create_dir_all(d)?;
     }
-    // A socket left by a previous run (the kubelet re-registers on the new one).
+    // The name is this instance's: a file there is a leftover of nothing
+    // that can still answer.
     match std::fs::remove_file(path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
         _ => {}
@@ -280,13 +358,15 @@ pub async fn serve(
         state: state.clone(),
     };
     let l = bind(&sockets.registration)?;
+    let own = sockets.clone();
     tokio::spawn(async move {
         let r = tonic::transport::Server::builder()
             .add_service(reg::registration_server::RegistrationServer::new(svc))
             .serve_with_incoming_shutdown(uds_authority::incoming(l), cancel.cancelled_owned())
             .await;
-        // The socket files stay: a restarted driver binds over them, and
-        // removing them here could race with its new ones.
+        // The names are this instance's alone: nothing else can race for
+        // them, and a newer instance is already registered if there is one.
+        own.remove_own();
         if let Err(e) = r {
             tracing::error!(error = %e, "registration socket");
         }

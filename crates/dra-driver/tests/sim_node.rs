@@ -120,11 +120,25 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
         .unwrap()
         .unwrap();
     let http = ready.display_http.unwrap();
+    // Serving but not registered: no slice yet (the scheduler must not send
+    // a claim the kubelet cannot prepare), not ready.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(slice_generation(&server), None);
+    let readyz = http_get(http, "/readyz").await;
+    assert!(readyz.starts_with("HTTP/1.1 503"), "{readyz}");
     let kubelet =
         plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(20), false)
             .await
             .unwrap();
-    assert_eq!(slice_generation(&server), Some((1, 1)));
+    until(10, "the slice published once registered", || {
+        slice_generation(&server) == Some((1, 1))
+    })
+    .await;
+    let t0 = std::time::Instant::now();
+    while !http_get(http, "/readyz").await.starts_with("HTTP/1.1 200") {
+        assert!(t0.elapsed() < Duration::from_secs(10), "never ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let s = server
         .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
         .unwrap();

@@ -5,8 +5,39 @@
 
 use std::path::{Path, PathBuf};
 
-/// The DRA driver's registration socket in the kubelet's `plugins_registry`.
+/// The DRA driver's registration socket in the kubelet's `plugins_registry`
+/// before instances named theirs ([`dra_registration_socket`]); still
+/// matched, so a node upgraded from it is seen.
 pub const DRA_REGISTRATION_SOCKET: &str = "vcuda.tencent.com-reg.sock";
+const DRA_REGISTRATION_PREFIX: &str = "vcuda.tencent.com-";
+const DRA_REGISTRATION_SUFFIX: &str = "reg.sock";
+
+/// The registration socket of one driver instance: each process start has
+/// its own, so the kubelet (which keys plugins by endpoint) never confuses
+/// a restarted driver with the one it replaces.
+pub fn dra_registration_socket(instance: &str) -> String {
+    format!("{DRA_REGISTRATION_PREFIX}{instance}-{DRA_REGISTRATION_SUFFIX}")
+}
+
+/// Whether `name` (a file in `plugins_registry`) is a vcuda DRA driver's
+/// registration socket, of any instance.
+pub fn is_dra_registration_socket(name: &str) -> bool {
+    name.starts_with(DRA_REGISTRATION_PREFIX) && name.ends_with(DRA_REGISTRATION_SUFFIX)
+}
+
+/// Every vcuda DRA registration socket file in `registry_dir`, live or not.
+pub fn dra_registration_sockets(registry_dir: &Path) -> Vec<PathBuf> {
+    let Ok(rd) = std::fs::read_dir(registry_dir) else {
+        return Vec::new();
+    };
+    let mut v: Vec<PathBuf> = rd
+        .flatten()
+        .filter(|e| is_dra_registration_socket(&e.file_name().to_string_lossy()))
+        .map(|e| e.path())
+        .collect();
+    v.sort();
+    v
+}
 /// The device plugins' sockets in the kubelet's `device-plugins` directory.
 pub const VCORE_SOCKET: &str = "vcore.sock";
 pub const VMEMORY_SOCKET: &str = "vmemory.sock";
@@ -16,14 +47,13 @@ pub fn serving(sock: &Path) -> bool {
     std::os::unix::net::UnixStream::connect(sock).is_ok()
 }
 
-/// The DRA driver's registration socket beside a kubelet device-plugin
-/// directory (`/var/lib/kubelet/device-plugins` → `.../plugins_registry`).
-pub fn dra_socket_beside(device_plugin_dir: &Path) -> PathBuf {
+/// The kubelet's `plugins_registry` beside its device-plugin directory
+/// (`/var/lib/kubelet/device-plugins` → `.../plugins_registry`).
+pub fn registry_beside(device_plugin_dir: &Path) -> PathBuf {
     device_plugin_dir
         .parent()
         .unwrap_or(Path::new("/"))
         .join("plugins_registry")
-        .join(DRA_REGISTRATION_SOCKET)
 }
 
 /// The manager's device-plugin sockets beside a kubelet `plugins_registry`.
@@ -37,12 +67,13 @@ pub fn device_plugin_sockets_beside(registry_dir: &Path) -> [PathBuf; 2] {
 
 /// For the manager: an error naming the live DRA driver's socket.
 pub fn refuse_if_dra_serving(device_plugin_dir: &Path) -> Result<(), String> {
-    let s = dra_socket_beside(device_plugin_dir);
-    if serving(&s) {
-        return Err(format!(
-            "the vcuda DRA driver is serving on this node ({} accepts connections): a node runs one mode, device plugins or DRA; stop vcuda-dra-driver first",
-            s.display()
-        ));
+    for s in dra_registration_sockets(&registry_beside(device_plugin_dir)) {
+        if serving(&s) {
+            return Err(format!(
+                "the vcuda DRA driver is serving on this node ({} accepts connections): a node runs one mode, device plugins or DRA; stop vcuda-dra-driver first",
+                s.display()
+            ));
+        }
     }
     Ok(())
 }
@@ -85,6 +116,15 @@ mod tests {
         );
         drop(dra); // the file stays, nobody listens: stale
         assert_eq!(refuse_if_dra_serving(&dp), Ok(()));
+        // An instance's own name is seen as well; another driver's is not.
+        let name = dra_registration_socket("1764245000000-42");
+        assert_eq!(name, "vcuda.tencent.com-1764245000000-42-reg.sock");
+        let _other = std::os::unix::net::UnixListener::bind(reg.join("gpu.nvidia.com-reg.sock"));
+        assert_eq!(refuse_if_dra_serving(&dp), Ok(()));
+        let _inst = std::os::unix::net::UnixListener::bind(reg.join(&name)).unwrap();
+        let e = refuse_if_dra_serving(&dp).unwrap_err();
+        assert!(e.contains(&name), "{e}");
+        drop(_inst);
 
         let _vmem = std::os::unix::net::UnixListener::bind(dp.join(VMEMORY_SOCKET)).unwrap();
         let e = refuse_if_device_plugins_serving(&reg).unwrap_err();

@@ -82,18 +82,22 @@ impl Dirs {
 pub struct Running {
     pub driver: Arc<Driver>,
     pub registration: Arc<std::sync::Mutex<RegistrationState>>,
+    /// This instance's own sockets.
+    pub sockets: Sockets,
     pub cancel: CancellationToken,
 }
 
 pub async fn start(dirs: &Dirs, gpus: Vec<GpuInfo>, api: &KubeApi) -> Running {
     let driver = Arc::new(Driver::start(dirs.config(), gpus, Arc::new(api.clone())).unwrap());
     let cancel = CancellationToken::new();
-    let registration = grpc::serve(driver.clone(), &dirs.sockets(), cancel.clone())
+    let sockets = dirs.sockets();
+    let registration = grpc::serve(driver.clone(), &sockets, cancel.clone())
         .await
         .unwrap();
     Running {
         driver,
         registration,
+        sockets,
         cancel,
     }
 }
