@@ -79,6 +79,10 @@ pub struct Args {
     /// Seconds between display samples [default: 1].
     #[arg(long)]
     pub sample_period: Option<u64>,
+    /// Run the driver alone, without the supervisor that keeps the
+    /// kubelet's sockets open across a crash and starts it again.
+    #[arg(long, env = "VCUDA_DRA_NO_SUPERVISOR")]
+    pub no_supervisor: bool,
 }
 
 /// Flags over the manager's file over the node's defaults

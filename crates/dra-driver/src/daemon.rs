@@ -77,8 +77,22 @@ pub async fn run(
         client: node_agent::apiserver::client(s.kubeconfig.as_deref()).await?,
     };
     let driver = Arc::new(start_driver(&s, &api, &found)?);
-    let sockets = Sockets::new(&s.plugins_dir, &s.registry_dir);
-    let registration = grpc::serve(driver.clone(), &sockets, cancel.clone()).await?;
+    let mut inherited = crate::supervise::inherited(&s.plugins_dir, &s.registry_dir)?;
+    let (sockets, listeners, was_registered) = match inherited.as_mut() {
+        Some(i) => (
+            i.sockets.clone(),
+            Some((i.plugin.try_clone()?, i.registration.try_clone()?)),
+            i.registered,
+        ),
+        None => (Sockets::new(&s.plugins_dir, &s.registry_dir), None, false),
+    };
+    let registration = grpc::serve_on(driver.clone(), &sockets, listeners, cancel.clone()).await?;
+    // A supervisor's earlier child was registered on these sockets: the
+    // kubelet keeps that registration and does not notify again.
+    registration
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .registered |= was_registered;
     tracing::info!(ms = t0.elapsed().as_millis() as u64, plugin = %sockets.plugin.display(), registration = %sockets.registration.display(), "DRA driver serving");
     let healthy = Arc::new(Mutex::new(vec![true; devices_len(&found)]));
     let display = start_display(&s, &driver, &found, &nvml, &healthy, &cancel).await?;
@@ -92,6 +106,9 @@ pub async fn run(
     // the slice, which lets the scheduler send claims here, waits for it.
     if !registered(&registration, &cancel).await {
         return Ok(());
+    }
+    if let Some(i) = inherited.as_mut() {
+        i.report_registered();
     }
     for p in sockets.remove_older() {
         tracing::info!(path = %p.display(), "removed an earlier instance's socket");

@@ -260,6 +260,13 @@ impl Sockets {
         }
     }
 
+    /// The instance these sockets are named for.
+    pub fn instance(&self) -> Option<String> {
+        let n = self.plugin.file_name()?.to_str()?;
+        let i = n.strip_prefix(PLUGIN_PREFIX)?.strip_prefix('-')?;
+        Some(i.strip_suffix(PLUGIN_SUFFIX)?.to_string())
+    }
+
     /// Other instances' socket files no newer than this one's: a killed
     /// driver's (the kubelet keeps its endpoint until the registration file
     /// goes) or the one a rolling update replaces. Called once the kubelet
@@ -311,18 +318,24 @@ fn plugin_sockets(dir: &Path) -> impl Iterator<Item = PathBuf> {
         .map(|e| e.path())
 }
 
-fn bind(path: &Path) -> std::io::Result<UnixListener> {
+/// Binds `path` (its directory created). The name is this instance's: a
+/// file there is a leftover of nothing that can still answer.
+pub fn bind_std(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
     if let Some(d) = path.parent() {
         std::fs::create_dir_all(d)?;
     }
-    // The name is this instance's: a file there is a leftover of nothing
-    // that can still answer.
     match std::fs::remove_file(path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
         _ => {}
     }
-    UnixListener::bind(path)
+    std::os::unix::net::UnixListener::bind(path)
         .map_err(|e| std::io::Error::new(e.kind(), format!("binding {}: {e}", path.display())))
+}
+
+fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    let l = bind_std(path)?;
+    l.set_nonblocking(true)?;
+    UnixListener::from_std(l)
 }
 
 /// Serves the plugin socket first, then the registration socket (so the
@@ -333,8 +346,25 @@ pub async fn serve(
     sockets: &Sockets,
     cancel: CancellationToken,
 ) -> std::io::Result<Arc<Mutex<RegistrationState>>> {
+    serve_on(driver, sockets, None, cancel).await
+}
+
+/// [`serve`] on listeners already bound to `sockets` (handed over by the
+/// supervisor: `(plugin, registration)`), or binding them when `None`.
+pub async fn serve_on(
+    driver: Arc<Driver>,
+    sockets: &Sockets,
+    listeners: Option<(
+        std::os::unix::net::UnixListener,
+        std::os::unix::net::UnixListener,
+    )>,
+    cancel: CancellationToken,
+) -> std::io::Result<Arc<Mutex<RegistrationState>>> {
     let plugin = Plugin::new(driver);
-    let l = bind(&sockets.plugin)?;
+    let (l, reg_l) = match listeners {
+        Some((p, r)) => (UnixListener::from_std(p)?, Some(UnixListener::from_std(r)?)),
+        None => (bind(&sockets.plugin)?, None),
+    };
     let c = cancel.clone();
     let p = plugin.clone();
     tokio::spawn(async move {
@@ -357,7 +387,10 @@ pub async fn serve(
         endpoint: sockets.plugin.clone(),
         state: state.clone(),
     };
-    let l = bind(&sockets.registration)?;
+    let l = match reg_l {
+        Some(l) => l,
+        None => bind(&sockets.registration)?,
+    };
     let own = sockets.clone();
     tokio::spawn(async move {
         let r = tonic::transport::Server::builder()

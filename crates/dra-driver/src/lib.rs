@@ -33,6 +33,7 @@ pub mod plan;
 pub mod publish;
 pub mod quantity;
 pub mod slices;
+pub mod supervise;
 pub mod topology;
 
 /// The driver name: ResourceSlices' `spec.driver`, allocation results'

@@ -1,0 +1,260 @@
+//! The kubelet's plugin and registration sockets outlive a crashed driver
+//! process. A 1.36 kubelet that finds the plugin socket refusing
+//! connections fails the pod's NodePrepareResources and retries it only at
+//! its next resync (60–90 s; `kuberuntime_manager.go` returns without an
+//! error after `FailedPrepareDynamicResources`), and a restarted container
+//! waits out CrashLoopBackOff. So `vcuda-dra-driver` runs as a small
+//! supervisor that binds both sockets once and runs the driver as its child
+//! on them ([`LISTEN_FDS_ENV`]); when the child dies it starts another on
+//! the same listening sockets at once. Connections made meanwhile wait in
+//! the listen backlog and the kubelet's calls complete on the new child: the
+//! kubelet sees neither a refused socket nor a new registration.
+//!
+//! A child that exits before it was ever registered (bad settings, the
+//! device plugins serving here) ends the supervisor with its status, so the
+//! pod shows the error; SIGTERM/SIGINT go to the child, and the supervisor
+//! exits with it. The child dies with the supervisor (`PR_SET_PDEATHSIG`).
+
+use std::io::Read;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixListener;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::grpc::Sockets;
+
+/// In the child: `<plugin fd>,<registration fd>` it inherited.
+pub const LISTEN_FDS_ENV: &str = "VCUDA_DRA_LISTEN_FDS";
+/// In the child: the instance the sockets are named for.
+pub const INSTANCE_ENV: &str = "VCUDA_DRA_INSTANCE";
+/// In the child: "1" when an earlier child was registered on these sockets
+/// (the kubelet does not register the same socket again).
+pub const REGISTERED_ENV: &str = "VCUDA_DRA_REGISTERED";
+/// In the child: the fd it writes one byte to once registered.
+pub const REPORT_FD_ENV: &str = "VCUDA_DRA_REPORT_FD";
+
+const PLUGIN_FD: RawFd = 3;
+const REGISTRATION_FD: RawFd = 4;
+const REPORT_FD: RawFd = 5;
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// A child that ran this long restarts after the first backoff again.
+const STABLE: Duration = Duration::from_secs(60);
+
+static SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    SIGNAL.store(sig, Ordering::SeqCst);
+}
+
+/// What a supervised child inherited.
+pub struct Inherited {
+    pub sockets: Sockets,
+    pub plugin: UnixListener,
+    pub registration: UnixListener,
+    pub registered: bool,
+    report: Option<OwnedFd>,
+}
+
+impl Inherited {
+    /// Tells the supervisor this child is registered (once).
+    pub fn report_registered(&mut self) {
+        if let Some(fd) = self.report.take() {
+            let mut f = std::fs::File::from(fd);
+            let _ = std::io::Write::write_all(&mut f, b"r");
+        }
+    }
+}
+
+/// The sockets a supervisor handed this process, if it runs under one.
+/// Takes the fds: call once.
+pub fn inherited(plugins_dir: &Path, registry_dir: &Path) -> anyhow::Result<Option<Inherited>> {
+    let Ok(fds) = std::env::var(LISTEN_FDS_ENV) else {
+        return Ok(None);
+    };
+    let instance = std::env::var(INSTANCE_ENV)
+        .map_err(|_| anyhow::anyhow!("{LISTEN_FDS_ENV} is set but {INSTANCE_ENV} is not"))?;
+    let parsed: Vec<RawFd> = fds.split(',').filter_map(|f| f.parse().ok()).collect();
+    let [plugin, registration] = parsed[..] else {
+        anyhow::bail!("{LISTEN_FDS_ENV}={fds:?}: expected two fds, \"<plugin>,<registration>\"");
+    };
+    let report = std::env::var(REPORT_FD_ENV)
+        .ok()
+        .and_then(|f| f.parse::<RawFd>().ok());
+    // SAFETY: the supervisor passed these fds to this process alone, open.
+    let (plugin, registration, report) = unsafe {
+        (
+            UnixListener::from_raw_fd(plugin),
+            UnixListener::from_raw_fd(registration),
+            report.map(|f| OwnedFd::from_raw_fd(f)),
+        )
+    };
+    for l in [&plugin, &registration] {
+        l.set_nonblocking(true)?;
+    }
+    Ok(Some(Inherited {
+        sockets: Sockets::for_instance(plugins_dir, registry_dir, &instance),
+        plugin,
+        registration,
+        registered: std::env::var(REGISTERED_ENV).is_ok_and(|v| v == "1"),
+        report,
+    }))
+}
+
+/// Runs the driver (this executable, the same arguments) under supervision
+/// until it stops; returns the exit code for the supervisor.
+pub fn supervise(plugins_dir: &Path, registry_dir: &Path) -> anyhow::Result<i32> {
+    let sockets = Sockets::new(plugins_dir, registry_dir);
+    let plugin = crate::grpc::bind_std(&sockets.plugin)?;
+    let registration = crate::grpc::bind_std(&sockets.registration)?;
+    let instance = sockets
+        .instance()
+        .ok_or_else(|| anyhow::anyhow!("no instance in {}", sockets.plugin.display()))?;
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: the handler only stores to an atomic.
+        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    }
+    tracing::info!(plugin = %sockets.plugin.display(), registration = %sockets.registration.display(), "supervising the driver on these sockets");
+    let exe = std::env::current_exe()?;
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let registered = Arc::new(AtomicBool::new(false));
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        let started = Instant::now();
+        let status = run_child(
+            &exe,
+            &args,
+            &instance,
+            [plugin.as_raw_fd(), registration.as_raw_fd()],
+            &registered,
+        )?;
+        let sig = SIGNAL.load(Ordering::SeqCst);
+        if sig != 0 || status.success() {
+            sockets.remove_own();
+            return Ok(exit_code(status));
+        }
+        if !registered.load(Ordering::SeqCst) {
+            tracing::error!(%status, "the driver exited before the kubelet registered it: not restarting it here");
+            sockets.remove_own();
+            return Ok(exit_code(status).max(1));
+        }
+        if started.elapsed() >= STABLE {
+            backoff = FIRST_BACKOFF;
+        }
+        tracing::error!(%status, restart_in_ms = backoff.as_millis() as u64, "the driver exited; a new one takes its sockets, which stay open meanwhile");
+        if !sleep_unless_signalled(backoff) {
+            sockets.remove_own();
+            return Ok(0);
+        }
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// One child on the listeners; forwards SIGTERM/SIGINT; its exit status.
+fn run_child(
+    exe: &Path,
+    args: &[std::ffi::OsString],
+    instance: &str,
+    listeners: [RawFd; 2],
+    registered: &Arc<AtomicBool>,
+) -> anyhow::Result<std::process::ExitStatus> {
+    let (report_r, report_w) = pipe()?;
+    let w = report_w.as_raw_fd();
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(args)
+        .env(LISTEN_FDS_ENV, format!("{PLUGIN_FD},{REGISTRATION_FD}"))
+        .env(INSTANCE_ENV, instance)
+        .env(REPORT_FD_ENV, REPORT_FD.to_string())
+        .env(
+            REGISTERED_ENV,
+            if registered.load(Ordering::SeqCst) {
+                "1"
+            } else {
+                "0"
+            },
+        );
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            // First above every target, so no dup2 overwrites a source
+            // not yet copied; dup2 then leaves the targets without
+            // FD_CLOEXEC.
+            let mut high = [0; 3];
+            for (h, from) in high.iter_mut().zip([listeners[0], listeners[1], w]) {
+                *h = libc::fcntl(from, libc::F_DUPFD_CLOEXEC, 10);
+                if *h < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            for (from, to) in high
+                .into_iter()
+                .zip([PLUGIN_FD, REGISTRATION_FD, REPORT_FD])
+            {
+                if libc::dup2(from, to) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("starting the driver ({}): {e}", exe.display()))?;
+    drop(report_w);
+    let flag = registered.clone();
+    std::thread::spawn(move || {
+        let mut f = std::fs::File::from(report_r);
+        let mut b = [0u8; 1];
+        if matches!(f.read(&mut b), Ok(1)) {
+            flag.store(true, Ordering::SeqCst);
+        }
+    });
+    let mut forwarded = false;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
+        }
+        let sig = SIGNAL.load(Ordering::SeqCst);
+        if sig != 0 && !forwarded {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+            forwarded = true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: pipe2 fills two fds we then own.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: just created, owned here.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Sleeps `d`; false when a stop signal came.
+fn sleep_unless_signalled(d: Duration) -> bool {
+    let until = Instant::now() + d;
+    while Instant::now() < until {
+        if SIGNAL.load(Ordering::SeqCst) != 0 {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    SIGNAL.load(Ordering::SeqCst) == 0
+}
+
+/// Exit code of a status, signals as 128 + signal (as shells report them).
+pub fn exit_code(status: std::process::ExitStatus) -> i32 {
+    status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+}

@@ -1,0 +1,205 @@
+//! `vcuda-dra-driver` as it runs in the DaemonSet (the binary, supervised)
+//! on a simulated node, with the API server emulator and the emulated
+//! kubelet over the real protobuf: the driver process killed with -9 is
+//! replaced on the same listening sockets, so a NodePrepareResources sent
+//! right after the kill, on the kubelet's existing channel, succeeds
+//! without a new registration (a 1.36 kubelet would otherwise fail the pod
+//! and retry only at its 60–90 s resync); SIGTERM stops both processes and
+//! removes the sockets; a driver that fails before it is registered ends
+//! the supervisor with the error instead of being restarted.
+//!
+//! Needs `cargo build --workspace` first (gpu-sim and its libraries).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use apiserver_emulator::ApiServer;
+use dra_kubelet_emulator::{allocator, plugin};
+use test_support::dra::*;
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// `target/<profile>/<name>`, built by `cargo build --workspace`.
+fn artifact(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let p = exe.parent().and_then(Path::parent).unwrap().join(name);
+    assert!(
+        p.is_file(),
+        "{} missing: run `cargo build --workspace` first",
+        p.display()
+    );
+    p
+}
+
+/// The supervised binary over the sim in `dirs`, its stderr in `log`.
+fn driver(dirs: &Dirs, extra: &[&str]) -> Child {
+    let sim = dirs.p("sim");
+    let log = std::fs::File::create(dirs.p("driver.log")).unwrap();
+    let p = |s: &str| dirs.p(s).display().to_string();
+    Command::new(env!("CARGO_BIN_EXE_vcuda-dra-driver"))
+        .args(["--node-name", NODE])
+        .arg("--host-root")
+        .arg(&sim)
+        .arg("--volume-config")
+        .arg(workspace().join("config/volume.conf"))
+        .arg("--interposer")
+        .arg(artifact("libvcuda.so"))
+        .arg("--vdriver-dir")
+        .arg(sim.join("vdriver"))
+        .args([
+            "--vm-dir",
+            &p("vm"),
+            "--cdi-dir",
+            &p("cdi"),
+            "--state-dir",
+            &p("state"),
+        ])
+        .args([
+            "--plugins-dir",
+            &p("plugins"),
+            "--registry-dir",
+            &p("plugins_registry"),
+        ])
+        .args(["--kubeconfig", &p("kubeconfig"), "--display-socket", "none"])
+        .args(extra)
+        .env("RUST_LOG", "info")
+        .env_remove("VCUDA_DRA_NO_SUPERVISOR")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap()
+}
+
+fn log(dirs: &Dirs) -> String {
+    std::fs::read_to_string(dirs.p("driver.log")).unwrap_or_default()
+}
+
+/// The supervisor's child processes.
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+async fn node() -> (ApiServer, Dirs) {
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    let out = Command::new(artifact("gpu-sim"))
+        .args(["install", "--node"])
+        .arg(workspace().join("config/nodes/sim-1gpu.toml"))
+        .arg("--root")
+        .arg(dirs.p("sim"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    (server, dirs)
+}
+
+async fn prepare(kubelet: &plugin::DraPlugin, server: &ApiServer, name: &str) -> Duration {
+    let c = share_claim(server, name, 20, "1Gi", None);
+    allocator::allocate(server, NS, name, NODE).unwrap();
+    let claim = plugin::claim(NS, name, &uid(&c));
+    let t0 = Instant::now();
+    let r = kubelet.prepare(std::slice::from_ref(&claim)).await;
+    let r = r.unwrap_or_else(|e| panic!("prepare {name}: {e}\n{}", "(see the driver log)"));
+    assert_eq!(r.claims[&claim.uid].error, "", "{name}");
+    t0.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_driver_is_replaced_on_the_same_sockets() {
+    let (server, dirs) = node().await;
+    let mut sup = driver(&dirs, &[]);
+    let kubelet =
+        plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(60), false)
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", log(&dirs)));
+    // Registered, it publishes (the DeviceClasses with the slice).
+    until(20, "the slice published", || {
+        server.list(apiserver_emulator::Kind::ResourceSlice).len() == 1
+    })
+    .await;
+    prepare(&kubelet, &server, "c1").await;
+    let reg = plugin::sockets(&dirs.p("plugins_registry"));
+    assert_eq!(reg.len(), 1, "{reg:?}");
+    let ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&reg[0]).unwrap());
+    let first = children(sup.id());
+    assert_eq!(first.len(), 1, "one driver under the supervisor: {first:?}");
+
+    // kill -9 the driver; the kubelet's next call on its channel comes
+    // while no driver runs (the first restart waits 100 ms): after the
+    // client saw its connection close (as grpc-go, which redials at once).
+    // SAFETY: signals a process this test started (the supervisor's child).
+    unsafe { libc::kill(first[0] as i32, libc::SIGKILL) };
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let waited = prepare(&kubelet, &server, "c2").await;
+    eprintln!(
+        "supervisor: prepare right after kill -9 answered in {:.0} ms",
+        waited.as_secs_f64() * 1e3
+    );
+    let second = children(sup.id());
+    assert!(
+        second.len() == 1 && second != first,
+        "{first:?} -> {second:?}"
+    );
+    // Same registration socket (the kubelet is not asked to register
+    // anything new); both claims in the checkpoint.
+    assert_eq!(plugin::sockets(&dirs.p("plugins_registry")), reg);
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&reg[0]).unwrap()),
+        ino
+    );
+    let ck = dra_driver::checkpoint::Store::new(&dirs.p("state"))
+        .load(NODE)
+        .unwrap();
+    assert_eq!(ck.claims.len(), 2);
+    let l = log(&dirs);
+    assert!(
+        l.contains("the driver exited; a new one takes its sockets"),
+        "{l}"
+    );
+
+    // SIGTERM: both go, the sockets with them.
+    // SAFETY: signals the process this test started.
+    unsafe { libc::kill(sup.id() as i32, libc::SIGTERM) };
+    let status = sup.wait().unwrap();
+    assert!(status.success(), "{status}\n{}", log(&dirs));
+    assert!(
+        std::fs::metadata(format!("/proc/{}", second[0])).is_err(),
+        "the driver outlived its supervisor"
+    );
+    assert!(plugin::sockets(&dirs.p("plugins_registry")).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_failing_before_registration_ends_the_supervisor() {
+    let (_server, dirs) = node().await;
+    let mut sup = driver(&dirs, &["--nvml-library", "/nonexistent/libnvidia-ml.so.1"]);
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = sup.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "still running\n{}",
+            log(&dirs)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success());
+    let l = log(&dirs);
+    assert!(l.contains("/nonexistent/libnvidia-ml.so.1"), "{l}");
+    assert!(l.contains("exited before the kubelet registered it"), "{l}");
+    assert!(plugin::sockets(&dirs.p("plugins_registry")).is_empty());
+}
