@@ -109,6 +109,41 @@ fn check_types(what: &str, objects: &[Value]) {
     }
 }
 
+/// Every ConfigMap and ServiceAccount a workload's pod template names (not
+/// marked optional) is in the same render: `kubectl apply -k` of the
+/// overlay alone must give pods that start.
+fn check_references(what: &str, objects: &[Value]) {
+    let has = |kind: &str, ns: &Value, name: &str| {
+        objects.iter().any(|v| {
+            v["kind"] == kind && v["metadata"]["name"] == name && v["metadata"]["namespace"] == *ns
+        })
+    };
+    for w in objects
+        .iter()
+        .filter(|v| matches!(v["kind"].as_str(), Some("DaemonSet" | "Deployment")))
+    {
+        let (ns, spec) = (&w["metadata"]["namespace"], &w["spec"]["template"]["spec"]);
+        let who = format!("{what}: {} {}", w["kind"], w["metadata"]["name"]);
+        if let Some(sa) = spec["serviceAccountName"].as_str() {
+            assert!(
+                has("ServiceAccount", ns, sa),
+                "{who} runs as ServiceAccount {sa}, not in the overlay"
+            );
+        }
+        for vol in spec["volumes"].as_array().into_iter().flatten() {
+            let cm = &vol["configMap"];
+            if let Some(name) = cm["name"].as_str()
+                && cm["optional"] != true
+            {
+                assert!(
+                    has("ConfigMap", ns, name),
+                    "{who} mounts ConfigMap {name}, not in the overlay"
+                );
+            }
+        }
+    }
+}
+
 fn overlay(name: &str) -> PathBuf {
     super::deploy_dir().join("overlays").join(name)
 }
@@ -147,6 +182,7 @@ fn every_overlay_renders_with_every_kubectl() {
         for (v, k) in &kubectls {
             let objects = render(k, &overlay(name));
             check_types(&format!("overlays/{name} ({v})"), &objects);
+            check_references(&format!("overlays/{name} ({v})"), &objects);
             match &first {
                 None => first = Some((v.clone(), objects)),
                 Some((v0, o0)) => assert_eq!(
@@ -189,9 +225,12 @@ fn each_overlay_installs_what_its_name_says() {
     let dra = render(k, &overlay("dra"));
     find(&dra, "DaemonSet", "vcuda-dra-driver");
     assert!(
-        !dra.iter().any(|v| v["metadata"]["name"] == "gpu-manager"),
+        !dra.iter()
+            .any(|v| v["kind"] == "DaemonSet" && v["metadata"]["name"] == "gpu-manager"),
         "DRA mode must not also install the device plugins"
     );
+    // The driver reads the manager's settings: they come with it.
+    find(&dra, "ConfigMap", "gpu-manager");
 
     let sched = render(k, &overlay("scheduler"));
     find(&sched, "Deployment", "vcuda-scheduler");

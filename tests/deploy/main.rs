@@ -18,13 +18,13 @@ fn deploy_dir() -> PathBuf {
     test_support::workspace_root().join("deploy")
 }
 
-/// Every YAML document of the device-plugin install (deploy/base, the
-/// monitoring objects and the sample pod), with the file it came from;
+/// Every YAML document of the device-plugin install (deploy/base, its
+/// settings in deploy/config, the monitoring objects and the sample pod), with the file it came from;
 /// kustomization files are kustomize's, not API objects
 /// (tests/deploy_kustomize.rs renders them).
 fn documents() -> Vec<(String, Value)> {
     let mut out = Vec::new();
-    let mut files: Vec<_> = ["base", "monitoring", "."]
+    let mut files: Vec<_> = ["base", "config", "monitoring", "."]
         .iter()
         .flat_map(|d| std::fs::read_dir(deploy_dir().join(d)).unwrap())
         .map(|e| e.unwrap().path())
@@ -188,7 +188,7 @@ fn the_config_map_is_what_the_manager_reads() {
     assert_eq!(
         data["volume.conf"].trim_end(),
         repo_volume.trim_end(),
-        "deploy/base/configmap.yaml's volume.conf differs from config/volume.conf"
+        "deploy/config/configmap.yaml's volume.conf differs from config/volume.conf"
     );
     // The manager's own parser accepts the file (unknown keys are errors there).
     let dir = tempfile::tempdir().unwrap();
@@ -527,7 +527,7 @@ fn dockerfile_builds_what_exists() {
     assert!(text.contains(
         "target/x86_64-unknown-linux-gnu/release/libvcuda.so /usr/lib/vcuda/libvcuda.so"
     ));
-    let cfg = std::fs::read_to_string(root.join("deploy/base/configmap.yaml")).unwrap();
+    let cfg = std::fs::read_to_string(root.join("deploy/config/configmap.yaml")).unwrap();
     assert!(cfg.contains("interposer = \"/usr/lib/vcuda/libvcuda.so\""));
 }
 

@@ -33,6 +33,7 @@
 //! and NodePrepareResources p50 / p99.
 
 mod parts;
+mod windows;
 
 use parts::*;
 use serde_json::Value;
@@ -420,6 +421,8 @@ fn dra_on_a_real_node() {
     to_running.push(wait_running(&n, "share-c", 120));
     check_quota(&log_with(&n, "share-c", "---done"), "share-c");
 
+    restart_windows(&n, &mut drv, &bin, &sim);
+
     // ------------------------------------------------ kubelet restart
     match std::env::var("VCUDA_DRA_KUBELET_RESTART") {
         Ok(restart) => kubelet_restart(&n, &drv, &restart),
@@ -516,6 +519,70 @@ fn dra_on_a_real_node() {
     daemonset_phase(&n, &node, w, &sim, &bin);
 }
 
+/// Pods created while the driver restarts (issue 24), all Running within
+/// 5 s (p99) where the sockets stay open: three kill -9s of the driver
+/// process (its supervisor starts another on the same sockets). The whole
+/// driver killed (supervisor too) and started again, as a container
+/// restart, is measured and printed: its new instance registers anew, and
+/// pods whose prepare met the closed socket wait for the kubelet's resync.
+fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path) {
+    n.apply(&claim_template("gpu-5", 5, "256Mi"));
+    let every = std::time::Duration::from_millis(250);
+    let mut all = windows::Window {
+        what: "3 kill -9s of the supervised driver".into(),
+        ms: vec![],
+        failed: vec![],
+    };
+    for k in 0..3 {
+        let prefix = format!("kill-{k}");
+        let w = windows::pods_during(
+            n,
+            "a kill -9 of the supervised driver",
+            &prefix,
+            "gpu-5",
+            (bin, sim),
+            8,
+            every,
+            windows::kill_worker,
+            180,
+        );
+        all.ms.extend(w.ms);
+        all.failed.extend(w.failed);
+        windows::delete_pods(n, &prefix, 8);
+    }
+    all.ms.sort_unstable();
+    all.print();
+    assert!(all.failed.is_empty(), "{:?}", all.failed);
+    assert!(
+        all.p99() < 5000,
+        "pods created during a driver kill -9: p99 {} ms",
+        all.p99()
+    );
+    let registered = drv.count("registered with the kubelet");
+    let w = windows::pods_during(
+        n,
+        "a kill -9 of the whole driver (supervisor too) and its start",
+        "restart",
+        "gpu-5",
+        (bin, sim),
+        6,
+        every,
+        || {
+            drv.kill9();
+            drv.spawn();
+        },
+        240,
+    );
+    drv.wait_for(
+        "the new instance registered",
+        "registered with the kubelet",
+        registered + 1,
+        60,
+    );
+    assert!(w.failed.is_empty(), "{:?}", w.failed);
+    windows::delete_pods(n, "restart", 6);
+}
+
 /// The node's kubelet restarted under running claims: the driver is
 /// registered again, the pods run on untouched (same containers, no
 /// restarts), a new process in one is still held to 1 GiB.
@@ -596,9 +663,7 @@ fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
     let root = test_support::k8s::cluster::daemon_rootfs(w, "vcuda-dra-driver");
     import(n, DRA_IMAGE, &root, "/usr/bin/vcuda-dra-driver");
     let deploy = workspace_root().join("deploy");
-    for f in ["configmap.yaml", "dra/driver.yaml"] {
-        n.ok(&["apply", "-f", deploy.join(f).to_str().unwrap()]);
-    }
+    n.ok(&["apply", "-k", deploy.join("overlays/dra").to_str().unwrap()]);
     let server = n.ok(&[
         "config",
         "view",
@@ -634,7 +699,7 @@ fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
         "vcuda.tencent.com/mode=dra",
         "--overwrite",
     ]);
-    let pod_name = wait("the driver's DaemonSet pod Ready", 180, || {
+    wait("the driver's DaemonSet pod Ready", 180, || {
         let pods = n.driver_pods()?;
         for p in &pods {
             let ready = p["status"]["conditions"]
@@ -657,7 +722,8 @@ fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
         t0.elapsed().as_secs_f64()
     );
     let logs = || {
-        n.kubectl(&["-n", "kube-system", "logs", &pod_name])
+        let name = ready_driver_pod(n).unwrap_or_default();
+        n.kubectl(&["-n", "kube-system", "logs", &name])
             .unwrap_or_default()
     };
     wait(
@@ -683,6 +749,7 @@ fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
     ));
     wait_running(n, "ds-share", 120);
     check_quota(&log_with(n, "ds-share", "---done"), "ds-share");
+    rolling_update(n, bin, sim);
     n.ok(&["delete", "namespace", NS, "--wait=true", "--timeout=120s"]);
     wait("the DaemonSet's driver unprepared the claim", 60, || {
         let l = logs();
@@ -702,6 +769,120 @@ fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
     drop(ds);
 }
 
+/// The one Ready driver pod's name.
+fn ready_driver_pod(n: &Node) -> Result<String, String> {
+    let pods = n.driver_pods()?;
+    let ready: Vec<&Value> = pods
+        .iter()
+        .filter(|p| {
+            p["metadata"]["deletionTimestamp"].is_null()
+                && p["status"]["conditions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
+        })
+        .collect();
+    match ready[..] {
+        [p] => Ok(p["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()),
+        _ => Err(format!("{} Ready driver pods", ready.len())),
+    }
+}
+
+/// Two rolling updates of the driver's DaemonSet (`rollout restart`: a new
+/// pod beside the old one, maxSurge 1) with pods created meanwhile: all
+/// Running within 5 s (p99), the running share untouched (no restart, a
+/// new process in it still held), one driver pod left, which removed the
+/// old one's sockets once registered.
+fn rolling_update(n: &Node, bin: &Path, sim: &Path) {
+    n.apply(&claim_template("gpu-5", 5, "256Mi"));
+    let mut all = windows::Window {
+        what: "2 rolling updates of the DaemonSet".into(),
+        ms: vec![],
+        failed: vec![],
+    };
+    for k in 0..2 {
+        let before = ready_driver_pod(n).unwrap();
+        let t0 = Instant::now();
+        let prefix = format!("roll-{k}");
+        let w = windows::pods_during(
+            n,
+            "a rolling update of the driver's DaemonSet",
+            &prefix,
+            "gpu-5",
+            (bin, sim),
+            10,
+            std::time::Duration::from_millis(400),
+            || {
+                n.ok(&[
+                    "-n",
+                    "kube-system",
+                    "rollout",
+                    "restart",
+                    "daemonset/vcuda-dra-driver",
+                ]);
+            },
+            240,
+        );
+        n.ok(&[
+            "-n",
+            "kube-system",
+            "rollout",
+            "status",
+            "daemonset/vcuda-dra-driver",
+            "--timeout=180s",
+        ]);
+        let after = wait("one Ready driver pod after the update", 120, || {
+            let p = ready_driver_pod(n)?;
+            if p != before && n.driver_pods()?.len() == 1 {
+                Ok(p)
+            } else {
+                Err(format!("{p}, {} pods", n.driver_pods()?.len()))
+            }
+        });
+        eprintln!(
+            "k8s_dra: rolling update {k}: {before} -> {after} in {:.1} s",
+            t0.elapsed().as_secs_f64()
+        );
+        let l = n.ok(&["-n", "kube-system", "logs", &after]);
+        assert!(
+            l.contains("removed an earlier instance's socket"),
+            "the new driver removed the old one's sockets:\n{}",
+            tail(&l, 20)
+        );
+        all.ms.extend(w.ms);
+        all.failed.extend(w.failed);
+        windows::delete_pods(n, &prefix, 10);
+    }
+    all.ms.sort_unstable();
+    all.print();
+    let share = n.json(&["-n", NS, "get", "pod", "ds-share"]).unwrap();
+    assert_eq!(
+        share["status"]["containerStatuses"][0]["restartCount"], 0,
+        "the share's pod was not restarted"
+    );
+    let again = n.ok(&[
+        "-n",
+        NS,
+        "exec",
+        "ds-share",
+        "--",
+        "/work/shim_client",
+        "quota",
+        "256",
+    ]);
+    check_quota(&again, "ds-share after two rolling updates");
+    assert!(all.failed.is_empty(), "{:?}", all.failed);
+    assert!(
+        all.p99() < 5000,
+        "pods created during a rolling update: p99 {} ms",
+        all.p99()
+    );
+}
+
 /// Removes what the DaemonSet phase applied (also when a run fails half
 /// way, and at the start, for what a killed run left).
 struct DaemonSetCleanup<'a> {
@@ -718,15 +899,13 @@ impl Drop for DaemonSetCleanup<'_> {
 fn remove_daemonset(n: &Node, node: &str) {
     let deploy = workspace_root().join("deploy");
     let _ = n.kubectl(&["label", "node", node, "vcuda.tencent.com/mode-"]);
-    for f in ["dra/driver.yaml", "configmap.yaml"] {
-        let _ = n.kubectl(&[
-            "delete",
-            "-f",
-            deploy.join(f).to_str().unwrap(),
-            "--ignore-not-found",
-            "--wait=true",
-        ]);
-    }
+    let _ = n.kubectl(&[
+        "delete",
+        "-k",
+        deploy.join("overlays/dra").to_str().unwrap(),
+        "--ignore-not-found",
+        "--wait=true",
+    ]);
     wait("the driver's DaemonSet pods gone", 120, || {
         if n.driver_pods()?.is_empty() {
             Ok(())

@@ -1,0 +1,193 @@
+//! Pods created while the driver restarts (issue 24): created one by one
+//! from a thread while the disruption runs, each timed from its creation
+//! to Running by one poll of the namespace's pods every 100 ms. A 1.36
+//! kubelet that cannot reach the driver fails the pod's prepare and tries
+//! again only at its resync (60–90 s), so a miss shows as a long time here.
+
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use test_support::k8s::util::percentile;
+
+use crate::parts::*;
+
+/// What `pods_during` measured.
+pub struct Window {
+    pub what: String,
+    /// Created → Running, ms, sorted.
+    pub ms: Vec<u64>,
+    /// Pods that failed, with their status.
+    pub failed: Vec<String>,
+}
+
+impl Window {
+    pub fn p99(&self) -> u64 {
+        percentile(&self.ms, 0.99)
+    }
+
+    pub fn print(&self) {
+        eprintln!(
+            "k8s_dra: pods created during {}: {} Running, p50 {} ms, p99 {} ms, max {} ms; {} failed",
+            self.what,
+            self.ms.len(),
+            percentile(&self.ms, 0.5),
+            self.p99(),
+            self.ms.last().copied().unwrap_or(0),
+            self.failed.len()
+        );
+    }
+}
+
+/// Creates `count` pods named `<prefix>-<i>` (claims from `template`), one
+/// every `every`, runs `disrupt` once the first two are created, and times
+/// each to Running (up to `secs`).
+#[allow(clippy::too_many_arguments)]
+pub fn pods_during(
+    n: &Node,
+    what: &str,
+    prefix: &str,
+    template: &str,
+    (bin, sim): (&Path, &Path),
+    count: usize,
+    every: Duration,
+    disrupt: impl FnOnce(),
+    secs: u64,
+) -> Window {
+    let created: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let names: Vec<String> = (0..count).map(|i| format!("{prefix}-{i}")).collect();
+    let yamls: Vec<String> = names
+        .iter()
+        .map(|p| pod(p, template, "sleep 100000", bin, sim))
+        .collect();
+    let node = Node {
+        kubeconfig: n.kubeconfig.clone(),
+        containerd: n.containerd.clone(),
+    };
+    let c = created.clone();
+    let names2 = names.clone();
+    let creator = std::thread::spawn(move || {
+        for (name, y) in names2.iter().zip(&yamls) {
+            let t = Instant::now();
+            node.apply(y);
+            c.lock().unwrap().insert(name.clone(), t);
+            std::thread::sleep(every.saturating_sub(t.elapsed()));
+        }
+    });
+    while created.lock().unwrap().len() < 2.min(count) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    disrupt();
+    creator.join().unwrap();
+    let mut ms = HashMap::new();
+    let mut failed = Vec::new();
+    let t0 = Instant::now();
+    while ms.len() + failed.len() < count {
+        assert!(
+            t0.elapsed() < Duration::from_secs(secs),
+            "{what}: {} of {count} pods Running after {secs} s, {} failed: {failed:?}\n{}",
+            ms.len(),
+            failed.len(),
+            n.kubectl(&["-n", NS, "get", "events"]).unwrap_or_default()
+        );
+        let pods = n.json(&["-n", NS, "get", "pods"]).unwrap_or(Value::Null);
+        let now = Instant::now();
+        for p in pods["items"].as_array().into_iter().flatten() {
+            let name = p["metadata"]["name"].as_str().unwrap_or_default();
+            if !names.iter().any(|x| x == name) || ms.contains_key(name) {
+                continue;
+            }
+            match p["status"]["phase"].as_str() {
+                Some("Running") => {
+                    let at = created.lock().unwrap()[name];
+                    ms.insert(name.to_string(), (now - at).as_millis() as u64);
+                }
+                Some("Failed") if !failed.iter().any(|f: &String| f.starts_with(name)) => {
+                    failed.push(format!("{name}: {}", p["status"]));
+                }
+                _ => {}
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let slow: Vec<&String> = ms
+        .iter()
+        .filter(|(_, v)| **v > 5000)
+        .map(|(k, _)| k)
+        .collect();
+    for p in slow {
+        eprintln!(
+            "k8s_dra: {what}: pod {p} took {} ms; its events:\n{}",
+            ms[p],
+            n.kubectl(&[
+                "-n",
+                NS,
+                "get",
+                "events",
+                "--field-selector",
+                &format!("involvedObject.name={p}"),
+            ])
+            .unwrap_or_default()
+        );
+    }
+    let mut v: Vec<u64> = ms.into_values().collect();
+    v.sort_unstable();
+    let w = Window {
+        what: what.to_string(),
+        ms: v,
+        failed,
+    };
+    w.print();
+    w
+}
+
+/// Deletes the pods `<prefix>-*` and waits until they are gone (their
+/// claims unprepared).
+pub fn delete_pods(n: &Node, prefix: &str, count: usize) {
+    let names: Vec<String> = (0..count).map(|i| format!("{prefix}-{i}")).collect();
+    let mut args = vec!["-n", NS, "delete", "pod", "--wait=true", "--timeout=180s"];
+    args.extend(names.iter().map(String::as_str));
+    n.ok(&args);
+}
+
+/// PIDs of supervised driver processes (the supervisor's children: their
+/// environment names the sockets they inherited), on the host.
+pub fn driver_workers() -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let exe = cmd.split(|b| *b == 0).next().unwrap_or_default();
+        if !exe.ends_with(b"vcuda-dra-driver") {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if env
+            .split(|b| *b == 0)
+            .any(|kv| kv.starts_with(b"VCUDA_DRA_LISTEN_FDS="))
+        {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// kill -9 of the one supervised driver process; waits until its supervisor
+/// started another.
+pub fn kill_worker() {
+    let w = driver_workers();
+    assert_eq!(w.len(), 1, "one supervised driver process: {w:?}");
+    // SAFETY: signals a process found by its command line and environment.
+    unsafe { libc::kill(w[0] as i32, libc::SIGKILL) };
+    test_support::k8s::util::wait(
+        "the supervisor's new driver process",
+        30,
+        || match driver_workers()[..] {
+            [p] if p != w[0] => Ok(()),
+            ref other => Err(format!("{other:?}")),
+        },
+    );
+}
