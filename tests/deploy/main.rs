@@ -444,6 +444,7 @@ fn rbac_grants_only_what_the_manager_uses() {
     let want: BTreeMap<String, BTreeSet<String>> = [
         ("pods", vec!["get", "list", "watch", "patch"]),
         ("nodes", vec!["get", "patch"]),
+        ("nodes/status", vec!["patch"]),
         ("events.events.k8s.io", vec!["create"]),
     ]
     .into_iter()

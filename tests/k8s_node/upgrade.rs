@@ -124,6 +124,37 @@ pub fn run(
     }
     eprintln!("k8s_node: {}", figures[figures.len() - 2]);
     eprintln!("k8s_node: {}", figures[figures.len() - 1]);
+    // The stopping manager wrote allocatable 0 (node_status.rs): the
+    // scheduler keeps pods Pending through the gap instead of sending them
+    // to a kubelet that has no devices and refuses them for good.
+    let during: Vec<&(String, Result<f64, String>)> =
+        up.during.iter().chain(&down.during).collect();
+    let refused: Vec<_> = during
+        .iter()
+        .filter(|(_, r)| {
+            r.as_ref()
+                .is_err_and(|e| e.contains("UnexpectedAdmissionError"))
+        })
+        .collect();
+    assert!(
+        refused.is_empty(),
+        "pods created during a switch refused at admission: {refused:?}"
+    );
+    let mut ms: Vec<u64> = during
+        .iter()
+        .filter_map(|(_, r)| r.as_ref().ok().map(|s| (s * 1000.0) as u64))
+        .collect();
+    ms.sort_unstable();
+    if !ms.is_empty() {
+        figures.push(format!(
+            "pods created during the upgrade and the rollback: {} of {} Running, created -> Running p50 {:.1} s, p99 {:.1} s; none refused at admission",
+            ms.len(),
+            during.len(),
+            test_support::k8s::util::percentile(&ms, 0.5) as f64 / 1000.0,
+            test_support::k8s::util::percentile(&ms, 0.99) as f64 / 1000.0,
+        ));
+        eprintln!("k8s_node: {}", figures[figures.len() - 1]);
+    }
     c.kubectl_ok(&["delete", "pod", "ds-upgrade", "--wait=false"]);
 }
 

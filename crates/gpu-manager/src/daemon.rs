@@ -20,6 +20,7 @@ use crate::ids::{VCORE_RESOURCE, VCORE_SOCKET, VMEMORY_RESOURCE, VMEMORY_SOCKET}
 use crate::kube_api::{self, Patcher, PodWatch};
 use crate::kubelet::KubeletRecords;
 use crate::manager::{Manager, ManagerConfig, ManagerParts};
+use crate::node_status;
 use crate::plugin::{VcorePlugin, VmemoryPlugin};
 use crate::pods;
 use crate::runtime;
@@ -94,7 +95,7 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
     PodRelease { mgr: mgr.clone() }.spawn(cancel.clone());
     InventoryPublish {
         mgr: mgr.clone(),
-        client,
+        client: client.clone(),
         node: s.node_name.clone(),
         period: Duration::from_secs(2),
     }
@@ -113,6 +114,13 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         );
         metrics.set_recovery_duration(recovery);
         display.set_ready(true);
+        // Kubelet asks for the device lists right after registering.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (vcore, vmemory) = (
+            node_status::healthy(&mgr.vcore),
+            node_status::healthy(&mgr.vmemory),
+        );
+        node_status::set_allocatable(&client, &s.node_name, vcore, vmemory).await;
     }
     cancel.cancelled().await;
     tracing::info!("shutting down");
@@ -120,6 +128,9 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
     let _ = mgr.flush().await;
     display.set_ready(false);
     let plugins = handle.wait().await.context("stopping the device plugins");
+    // Kubelet has no devices from here: the scheduler must not place pods
+    // on them until the next manager registers.
+    node_status::set_allocatable(&client, &s.node_name, 0, 0).await;
     running.wait().await;
     plugins?;
     Ok(())

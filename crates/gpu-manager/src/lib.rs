@@ -36,6 +36,7 @@ pub mod ids;
 pub mod kube_api;
 pub mod kubelet;
 pub mod manager;
+pub mod node_status;
 pub mod plugin;
 pub mod pods;
 pub mod recovery;

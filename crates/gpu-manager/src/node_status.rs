@@ -1,0 +1,76 @@
+//! What the scheduler sees of this node's vcuda resources while the
+//! manager restarts. Kubelet 1.20 drops a stopped plugin's devices at
+//! once (all unhealthy: a pod it admits then fails with
+//! `UnexpectedAdmissionError` and is never retried) but reports the lower
+//! allocatable only at its next node status update (every 10 s): pods the
+//! scheduler places in between fail. So a stopping manager, its plugins
+//! already stopped, writes allocatable 0 itself (what kubelet will report
+//! anyway) and pods wait Pending instead; the next manager, registered,
+//! writes back what its plugins advertise (what kubelet will report next),
+//! so they are placed at once rather than after the next update.
+
+use std::time::Duration;
+
+use device_plugin::DeviceList;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, Patch, PatchParams};
+
+use crate::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
+
+/// No stop or start waits longer than this on the API server.
+const TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Healthy devices of a plugin's list: kubelet's allocatable for it.
+pub fn healthy(list: &DeviceList) -> usize {
+    list.snapshot()
+        .iter()
+        .filter(|d| d.health == device_plugin::api::HEALTHY)
+        .count()
+}
+
+/// The status patch setting both resources' allocatable.
+pub fn allocatable_patch(vcore: usize, vmemory: usize) -> serde_json::Value {
+    serde_json::json!({"status": {"allocatable": {
+        VCORE_RESOURCE: vcore.to_string(),
+        VMEMORY_RESOURCE: vmemory.to_string(),
+    }}})
+}
+
+/// Writes both resources' allocatable on the node's status; errors are
+/// logged (kubelet's next update writes the same, only later).
+pub async fn set_allocatable(client: &kube::Client, node: &str, vcore: usize, vmemory: usize) {
+    let api: Api<Node> = Api::all(client.clone());
+    let body = allocatable_patch(vcore, vmemory);
+    let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
+    match tokio::time::timeout(TIMEOUT, api.patch_status(node, &params, &patch)).await {
+        Ok(Ok(_)) => tracing::info!(
+            node,
+            vcore,
+            vmemory,
+            "node status: vcuda allocatable written"
+        ),
+        Ok(Err(e)) => {
+            tracing::warn!(node, error = %e, "writing the node's vcuda allocatable (kubelet's next status update will)")
+        }
+        Err(_) => tracing::warn!(
+            node,
+            "writing the node's vcuda allocatable timed out (kubelet's next status update will)"
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_patch_names_both_resources() {
+        assert_eq!(
+            allocatable_patch(400, 160),
+            serde_json::json!({"status": {"allocatable": {
+                "tencent.com/vcuda-core": "400",
+                "tencent.com/vcuda-memory": "160",
+            }}})
+        );
+    }
+}
