@@ -261,8 +261,8 @@ fn report_blind(ctl: &mut Ctl, gpu: usize) {
     match now {
         Some(Blind::OtherPids) => crate::log::log!(
             Warn,
-            "compute quota: NVML's samples show the GPU busy but name none of the container's \
-             processes (PID namespace, MPS?); charging the container all busy time"
+            "compute quota: NVML's samples name none of the container's processes (an MPS \
+             client, or a PID namespace): charging the container all busy time"
         ),
         Some(Blind::NoSamples) => crate::log::log!(
             Warn,
@@ -400,6 +400,9 @@ fn tick_gpu(gpu: usize, pids: fn() -> Vec<i32>) {
 
 fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32>) {
     ctl.ctrl.record_launched(now, b.launched());
+    if cost::mps() == Some(true) {
+        ctl.ctrl.assume_blind();
+    }
     if ctl.sampler.is_none() && !ctl.sampler_error {
         let bus = crate::config::enforce()
             .and_then(|e| e.gpus.get(gpu))

@@ -421,7 +421,7 @@ fn dra_on_a_real_node() {
     to_running.push(wait_running(&n, "share-c", 120));
     check_quota(&log_with(&n, "share-c", "---done"), "share-c");
 
-    restart_windows(&n, &mut drv, &bin, &sim);
+    restart_windows(&n, &mut drv, &bin, &sim, w);
 
     // ------------------------------------------------ kubelet restart
     match std::env::var("VCUDA_DRA_KUBELET_RESTART") {
@@ -525,7 +525,9 @@ fn dra_on_a_real_node() {
 /// driver killed (supervisor too) and started again, as a container
 /// restart, is measured and printed: its new instance registers anew, and
 /// pods whose prepare met the closed socket wait for the kubelet's resync.
-fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path) {
+fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path, w: &Path) {
+    // This test's driver (its state directory is on its command line).
+    let ours = w.join("state").display().to_string();
     n.apply(&claim_template("gpu-5", 5, "256Mi"));
     let every = std::time::Duration::from_millis(250);
     let mut all = windows::Window {
@@ -543,7 +545,7 @@ fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path) {
             (bin, sim),
             8,
             every,
-            windows::kill_worker,
+            || windows::kill_worker(&ours),
             180,
         );
         all.ms.extend(w.ms);

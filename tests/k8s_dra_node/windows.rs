@@ -152,8 +152,9 @@ pub fn delete_pods(n: &Node, prefix: &str, count: usize) {
 }
 
 /// PIDs of supervised driver processes (the supervisor's children: their
-/// environment names the sockets they inherited), on the host.
-pub fn driver_workers() -> Vec<u32> {
+/// environment names the sockets they inherited) whose command line has
+/// `needle`, on the host.
+pub fn driver_workers(needle: &str) -> Vec<u32> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
@@ -161,7 +162,7 @@ pub fn driver_workers() -> Vec<u32> {
         };
         let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let exe = cmd.split(|b| *b == 0).next().unwrap_or_default();
-        if !exe.ends_with(b"vcuda-dra-driver") {
+        if !exe.ends_with(b"vcuda-dra-driver") || !String::from_utf8_lossy(&cmd).contains(needle) {
             continue;
         }
         let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
@@ -175,10 +176,10 @@ pub fn driver_workers() -> Vec<u32> {
     out
 }
 
-/// kill -9 of the one supervised driver process; waits until its supervisor
-/// started another.
-pub fn kill_worker() {
-    let w = driver_workers();
+/// kill -9 of the one supervised driver process whose command line has
+/// `needle`; waits until its supervisor started another.
+pub fn kill_worker(needle: &str) {
+    let w = driver_workers(needle);
     assert_eq!(w.len(), 1, "one supervised driver process: {w:?}");
     // SAFETY: signals a process found by its command line and environment.
     unsafe { libc::kill(w[0] as i32, libc::SIGKILL) };

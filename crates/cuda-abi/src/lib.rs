@@ -171,6 +171,9 @@ pub mod attr {
     pub const RESERVED_SHARED_MEMORY_PER_BLOCK: i32 = 111;
     pub const MEMORY_POOLS_SUPPORTED: i32 = 115;
     pub const MEMPOOL_SUPPORTED_HANDLE_TYPES: i32 = 119;
+    /// Contexts on the device are clients of an MPS server (cuda.h 12.9
+    /// and 13: `CU_DEVICE_ATTRIBUTE_MPS_ENABLED = 133`).
+    pub const MPS_ENABLED: i32 = 133;
 }
 
 /// `CUdriverProcAddress_flags`.

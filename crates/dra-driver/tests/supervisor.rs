@@ -34,8 +34,18 @@ fn artifact(name: &str) -> PathBuf {
     p
 }
 
+/// The supervisor, killed (its driver with it) when a test fails.
+struct Sup(Child);
+
+impl Drop for Sup {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// The supervised binary over the sim in `dirs`, its stderr in `log`.
-fn driver(dirs: &Dirs, extra: &[&str]) -> Child {
+fn driver(dirs: &Dirs, extra: &[&str]) -> Sup {
     let sim = dirs.p("sim");
     let log = std::fs::File::create(dirs.p("driver.log")).unwrap();
     let p = |s: &str| dirs.p(s).display().to_string();
@@ -70,6 +80,7 @@ fn driver(dirs: &Dirs, extra: &[&str]) -> Child {
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
+        .map(Sup)
         .unwrap()
 }
 
@@ -133,7 +144,7 @@ async fn a_killed_driver_is_replaced_on_the_same_sockets() {
     let reg = plugin::sockets(&dirs.p("plugins_registry"));
     assert_eq!(reg.len(), 1, "{reg:?}");
     let ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&reg[0]).unwrap());
-    let first = children(sup.id());
+    let first = children(sup.0.id());
     assert_eq!(first.len(), 1, "one driver under the supervisor: {first:?}");
 
     // kill -9 the driver; the kubelet's next call on its channel comes
@@ -147,7 +158,7 @@ async fn a_killed_driver_is_replaced_on_the_same_sockets() {
         "supervisor: prepare right after kill -9 answered in {:.0} ms",
         waited.as_secs_f64() * 1e3
     );
-    let second = children(sup.id());
+    let second = children(sup.0.id());
     assert!(
         second.len() == 1 && second != first,
         "{first:?} -> {second:?}"
@@ -171,8 +182,8 @@ async fn a_killed_driver_is_replaced_on_the_same_sockets() {
 
     // SIGTERM: both go, the sockets with them.
     // SAFETY: signals the process this test started.
-    unsafe { libc::kill(sup.id() as i32, libc::SIGTERM) };
-    let status = sup.wait().unwrap();
+    unsafe { libc::kill(sup.0.id() as i32, libc::SIGTERM) };
+    let status = sup.0.wait().unwrap();
     assert!(status.success(), "{status}\n{}", log(&dirs));
     assert!(
         std::fs::metadata(format!("/proc/{}", second[0])).is_err(),
@@ -187,7 +198,7 @@ async fn a_driver_failing_before_registration_ends_the_supervisor() {
     let mut sup = driver(&dirs, &["--nvml-library", "/nonexistent/libnvidia-ml.so.1"]);
     let t0 = Instant::now();
     let status = loop {
-        if let Some(s) = sup.try_wait().unwrap() {
+        if let Some(s) = sup.0.try_wait().unwrap() {
             break s;
         }
         assert!(

@@ -174,7 +174,29 @@ fn query() -> Option<(u64, u64)> {
     };
     let sms = attr(cuda_abi::attr::MULTIPROCESSOR_COUNT)?;
     let threads = attr(cuda_abi::attr::MAX_THREADS_PER_MULTIPROCESSOR)?;
+    // Older drivers do not know the attribute (an error): not MPS.
+    MPS.store(
+        if attr(cuda_abi::attr::MPS_ENABLED).is_some() {
+            2
+        } else {
+            1
+        },
+        Ordering::Release,
+    );
     Some((sms, threads))
+}
+
+/// 0 not asked yet, 1 no, 2 the launching context is an MPS client.
+static MPS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether this process's contexts are MPS clients, once a launch asked
+/// the driver (with the device's shape). Under MPS the server runs every
+/// client's kernels under its own PID: NVML never names the container's.
+pub fn mps() -> Option<bool> {
+    match MPS.load(Ordering::Acquire) {
+        0 => None,
+        v => Some(v == 2),
+    }
 }
 
 #[cfg(test)]
