@@ -271,6 +271,39 @@ fn each_overlay_installs_what_its_name_says() {
         "a vm mount point could not be removed"
     );
 
+    // The DRA driver's: on the driver's nodes, at the driver's paths.
+    let dds = find(&un, "DaemonSet", "vcuda-dra-driver-uninstall");
+    let driver = find(&dra, "DaemonSet", "vcuda-dra-driver");
+    assert_eq!(args(dds)[0], "uninstall");
+    assert_eq!(dds["spec"]["template"]["spec"]["hostPID"], true);
+    assert_eq!(
+        dds["spec"]["template"]["spec"]["nodeSelector"],
+        driver["spec"]["template"]["spec"]["nodeSelector"]
+    );
+    for (flag, key) in [
+        ("vm-dir", "virtual-manager-path"),
+        ("vdriver-dir", "vdriver-path"),
+    ] {
+        let want = cfg
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{key} = ")))
+            .unwrap()
+            .trim_matches('"')
+            .to_string();
+        assert!(
+            args(dds).contains(&format!("--{flag}={want}")),
+            "the DRA uninstall's --{flag} is not the ConfigMap's {key} {want}"
+        );
+    }
+    let cdi = args(driver)
+        .into_iter()
+        .find(|a| a.starts_with("--cdi-dir="))
+        .unwrap();
+    assert!(
+        args(dds).contains(&cdi),
+        "the DRA uninstall's CDI directory is not the driver's {cdi}"
+    );
+
     let mon = render(k, &overlay("monitoring"));
     find(&mon, "ServiceMonitor", "gpu-manager");
     let dash = find(&mon, "ConfigMap", "vcuda-grafana-dashboard");

@@ -768,7 +768,116 @@ fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
         tail(&l, 30)
     );
     assert!(!l.contains("\u{1b}["), "no colour codes in the pod's log");
+    uninstall_drill(n, node);
     drop(ds);
+}
+
+/// The driver's overlay deleted, then deploy/overlays/uninstall: its DRA
+/// DaemonSet leaves nothing of the driver on the node (the claims were
+/// unprepared while the driver ran).
+fn uninstall_drill(n: &Node, node: &str) {
+    let deploy = workspace_root().join("deploy");
+    n.ok(&[
+        "delete",
+        "-k",
+        deploy.join("overlays/dra").to_str().unwrap(),
+        "--wait=true",
+    ]);
+    wait("the driver's pods gone", 120, || {
+        if n.driver_pods()?.is_empty() {
+            Ok(())
+        } else {
+            Err("still there".into())
+        }
+    });
+    // The stopping driver removed its sockets itself.
+    let reg: Vec<String> = fs::read_dir("/var/lib/kubelet/plugins_registry")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|f| f.starts_with(DRIVER))
+        .collect();
+    assert!(reg.is_empty(), "registration sockets left: {reg:?}");
+    n.ok(&[
+        "apply",
+        "-k",
+        deploy.join("overlays/uninstall").to_str().unwrap(),
+    ]);
+    let _un = UninstallCleanup(n);
+    n.ok(&[
+        "-n",
+        "kube-system",
+        "patch",
+        "daemonset",
+        "vcuda-dra-driver-uninstall",
+        "--type",
+        "strategic",
+        "-p",
+        &format!(
+            r#"{{"spec":{{"template":{{"spec":{{"containers":[{{"name":"uninstall","image":"{DRA_IMAGE}","imagePullPolicy":"Never"}}]}}}}}}}}"#
+        ),
+    ]);
+    let t0 = Instant::now();
+    let done = wait("the DRA uninstall's \"uninstalled\" line", 180, || {
+        let l = n
+            .kubectl(&[
+                "-n",
+                "kube-system",
+                "logs",
+                "-l",
+                "app.kubernetes.io/name=vcuda-dra-driver-uninstall",
+                "--tail=-1",
+            ])
+            .unwrap_or_default();
+        l.lines()
+            .find(|l| l.contains("uninstalled:"))
+            .map(str::to_string)
+            .ok_or_else(|| tail(&l, 5))
+    });
+    eprintln!(
+        "k8s_dra: uninstall done {:.1} s after applying it: {done}",
+        t0.elapsed().as_secs_f64()
+    );
+    for gone in [
+        "/etc/gpu-manager/vdriver",
+        "/etc/gpu-manager/vm",
+        "/var/lib/kubelet/plugins/vcuda.tencent.com",
+    ] {
+        assert!(!Path::new(gone).exists(), "{gone} left after the uninstall");
+    }
+    let specs: Vec<String> = fs::read_dir(CDI_DIR)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|f| f.starts_with(DRIVER))
+        .collect();
+    assert!(specs.is_empty(), "CDI specs left: {specs:?}");
+    let slices = n.json(&["get", "resourceslices"]).unwrap();
+    let ours: Vec<&Value> = slices["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["spec"]["driver"] == DRIVER && s["spec"]["nodeName"] == node)
+        .collect();
+    assert!(ours.is_empty(), "ResourceSlices left: {ours:?}");
+}
+
+/// Deletes the uninstall overlay (also when the drill fails).
+struct UninstallCleanup<'a>(&'a Node);
+
+impl Drop for UninstallCleanup<'_> {
+    fn drop(&mut self) {
+        let deploy = workspace_root().join("deploy");
+        let _ = self.0.kubectl(&[
+            "delete",
+            "-k",
+            deploy.join("overlays/uninstall").to_str().unwrap(),
+            "--ignore-not-found",
+            "--wait=true",
+        ]);
+    }
 }
 
 /// The one Ready driver pod's name.

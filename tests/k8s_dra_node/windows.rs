@@ -186,7 +186,7 @@ pub fn kill_worker(needle: &str) {
     test_support::k8s::util::wait(
         "the supervisor's new driver process",
         30,
-        || match driver_workers()[..] {
+        || match driver_workers(needle)[..] {
             [p] if p != w[0] => Ok(()),
             ref other => Err(format!("{other:?}")),
         },

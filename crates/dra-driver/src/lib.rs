@@ -35,6 +35,7 @@ pub mod quantity;
 pub mod slices;
 pub mod supervise;
 pub mod topology;
+pub mod uninstall;
 
 /// The driver name: ResourceSlices' `spec.driver`, allocation results'
 /// `driver`, the registration name.

@@ -118,15 +118,18 @@ pub fn supervise(plugins_dir: &Path, registry_dir: &Path) -> anyhow::Result<i32>
         unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
     }
     tracing::info!(plugin = %sockets.plugin.display(), registration = %sockets.registration.display(), "supervising the driver on these sockets");
-    let exe = std::env::current_exe()?;
-    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    // This very file, even if a newer build replaced its path since.
+    let exe = std::path::PathBuf::from("/proc/self/exe");
+    let mut argv = std::env::args_os();
+    let arg0 = argv.next().unwrap_or_else(|| "vcuda-dra-driver".into());
+    let args: Vec<std::ffi::OsString> = argv.collect();
     let registered = Arc::new(AtomicBool::new(false));
     let mut backoff = FIRST_BACKOFF;
     loop {
         let started = Instant::now();
         let status = run_child(
             &exe,
-            &args,
+            (&arg0, &args),
             &instance,
             [plugin.as_raw_fd(), registration.as_raw_fd()],
             &registered,
@@ -156,7 +159,7 @@ pub fn supervise(plugins_dir: &Path, registry_dir: &Path) -> anyhow::Result<i32>
 /// One child on the listeners; forwards SIGTERM/SIGINT; its exit status.
 fn run_child(
     exe: &Path,
-    args: &[std::ffi::OsString],
+    (arg0, args): (&std::ffi::OsStr, &[std::ffi::OsString]),
     instance: &str,
     listeners: [RawFd; 2],
     registered: &Arc<AtomicBool>,
@@ -164,7 +167,8 @@ fn run_child(
     let (report_r, report_w) = pipe()?;
     let w = report_w.as_raw_fd();
     let mut cmd = std::process::Command::new(exe);
-    cmd.args(args)
+    cmd.arg0(arg0)
+        .args(args)
         .env(LISTEN_FDS_ENV, format!("{PLUGIN_FD},{REGISTRATION_FD}"))
         .env(INSTANCE_ENV, instance)
         .env(REPORT_FD_ENV, REPORT_FD.to_string())

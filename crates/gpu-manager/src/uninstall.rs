@@ -10,54 +10,12 @@
 //! runs with hostPID: those are host PIDs), it refuses, names the shares,
 //! and tries again until their pods are gone.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+
+pub use node_agent::in_use::{InUse, alive, in_use};
 
 use crate::config::Settings;
 use crate::ids::{VCORE_SOCKET, VMEMORY_SOCKET};
-
-/// A share still in use: its vm directory and its live host PIDs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InUse {
-    pub dir: PathBuf,
-    pub pids: Vec<i32>,
-}
-
-/// Vm directories (`<vm>/<pod uid>/<container>`) with a live process.
-pub fn in_use(vm: &Path, alive: impl Fn(i32) -> bool) -> Vec<InUse> {
-    let mut out = Vec::new();
-    for pod in read_dirs(vm) {
-        for dir in read_dirs(&pod) {
-            let pids = std::fs::read(dir.join(quota_config::PIDS_FILE))
-                .ok()
-                .and_then(|b| quota_config::decode_pids(&b).ok())
-                .unwrap_or_default();
-            let live: Vec<i32> = pids.into_iter().filter(|&p| alive(p)).collect();
-            if !live.is_empty() {
-                out.push(InUse { dir, pids: live });
-            }
-        }
-    }
-    out.sort_by(|a, b| a.dir.cmp(&b.dir));
-    out
-}
-
-fn read_dirs(p: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(p)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.is_dir())
-        .collect();
-    v.sort();
-    v
-}
-
-/// Whether host PID `pid` is alive (the manager shares the host's PID
-/// namespace).
-pub fn alive(pid: i32) -> bool {
-    pid > 0 && Path::new(&format!("/proc/{pid}")).exists()
-}
 
 /// The host paths the manager created: removed (recursively) when present;
 /// returns those removed. The device-plugin directory itself is kubelet's:
@@ -134,35 +92,4 @@ pub async fn run(
         "uninstalled: removed {:?}; node {}: {node}",
         removed, s.node_name
     )))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_share_with_a_live_process_is_in_use_and_a_dead_one_is_not() {
-        let d = tempfile::tempdir().unwrap();
-        let live = d.path().join("pod-a/main");
-        let dead = d.path().join("pod-b/main");
-        let empty = d.path().join("pod-c/main");
-        for p in [&live, &dead, &empty] {
-            std::fs::create_dir_all(p).unwrap();
-        }
-        let me = std::process::id() as i32;
-        std::fs::write(live.join("pids.config"), quota_config::encode_pids(&[me])).unwrap();
-        std::fs::write(
-            dead.join("pids.config"),
-            quota_config::encode_pids(&[i32::MAX]),
-        )
-        .unwrap();
-        assert_eq!(
-            in_use(d.path(), alive),
-            vec![InUse {
-                dir: live,
-                pids: vec![me]
-            }]
-        );
-        assert!(in_use(&d.path().join("missing"), alive).is_empty());
-    }
 }

@@ -21,6 +21,7 @@ pub mod display;
 pub mod edits;
 pub mod extra;
 pub mod health;
+pub mod in_use;
 pub mod mode;
 pub mod nvml;
 pub mod registry;

@@ -34,6 +34,18 @@ use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, register_response::Sta
 struct Endpoint {
     cancel: CancellationToken,
     procs: Arc<Procs>,
+    /// The socket file it bound (device, inode): removed at stop only if
+    /// the path still is that file. Another process (a driver's next
+    /// instance, started beside this one in a rolling update) may have
+    /// bound the path since, and its socket must stay.
+    bound: Option<(u64, u64)>,
+}
+
+fn file_id(p: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(p)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 /// Registered processes of one container.
@@ -187,6 +199,7 @@ impl Registry {
         let sock = dir.join(quota_config::SOCKET_FILE);
         let _ = std::fs::remove_file(&sock);
         let listener = UnixListener::bind(&sock)?;
+        let bound = file_id(&sock);
         std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666))?;
         let old: BTreeMap<i32, (u32, Option<Slots>)> =
             std::fs::read(dir.join(quota_config::PIDS_FILE))
@@ -233,7 +246,14 @@ impl Registry {
         self.endpoints
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(id.to_string(), Endpoint { cancel, procs });
+            .insert(
+                id.to_string(),
+                Endpoint {
+                    cancel,
+                    procs,
+                    bound,
+                },
+            );
         Ok(())
     }
 
@@ -245,7 +265,10 @@ impl Registry {
             .remove(id)
         {
             e.cancel.cancel();
-            let _ = std::fs::remove_file(e.procs.dir.join(quota_config::SOCKET_FILE));
+            let sock = e.procs.dir.join(quota_config::SOCKET_FILE);
+            if e.bound.is_some() && file_id(&sock) == e.bound {
+                let _ = std::fs::remove_file(sock);
+            }
         }
     }
 

@@ -3,6 +3,9 @@
 //! ([`dra_driver::supervise`]): the process started binds the kubelet's
 //! sockets and runs the driver as its child on them, again when it dies;
 //! `--no-supervisor` runs the driver alone.
+//! `vcuda-dra-driver uninstall [flags]`: remove what drivers left on this
+//! node once nothing uses it ([`dra_driver::uninstall`]), then wait for
+//! SIGTERM (it runs as a DaemonSet, deploy/uninstall).
 
 use anyhow::Context;
 use clap::Parser;
@@ -13,8 +16,14 @@ use node_agent::process;
 
 fn main() -> anyhow::Result<()> {
     process::init_logging();
-    let args = Args::parse();
-    let supervised = !args.no_supervisor && std::env::var_os(supervise::LISTEN_FDS_ENV).is_none();
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let uninstall = argv.get(1).is_some_and(|a| a == "uninstall");
+    if uninstall {
+        argv.remove(1);
+    }
+    let args = Args::parse_from(argv);
+    let supervised =
+        !uninstall && !args.no_supervisor && std::env::var_os(supervise::LISTEN_FDS_ENV).is_none();
     let settings = resolve(args)?;
     if supervised {
         let code = supervise::supervise(&settings.plugins_dir, &settings.registry_dir)?;
@@ -24,6 +33,16 @@ fn main() -> anyhow::Result<()> {
         .context("starting the tokio runtime")?
         .block_on(async {
             let cancel = process::cancel_on_signals().context("installing signal handlers")?;
-            run(settings, cancel, None).await
+            if !uninstall {
+                return run(settings, cancel, None).await;
+            }
+            let retry = std::time::Duration::from_secs(10);
+            if let Some(done) = dra_driver::uninstall::run(&settings, retry, &cancel).await? {
+                tracing::info!(
+                    "{done}; delete this DaemonSet (kubectl delete -k deploy/overlays/uninstall)"
+                );
+            }
+            cancel.cancelled().await;
+            Ok(())
         })
 }

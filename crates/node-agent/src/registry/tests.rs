@@ -135,3 +135,29 @@ async fn a_one_gpu_container_serves_both_versions() {
     }
     reg.stop("c");
 }
+
+/// Two registries on one vm directory, as an old and a new DRA driver
+/// instance during a rolling update: the new one binds the socket over
+/// the old one's; the old one stopping leaves it, and processes still
+/// register (with the new one). Found on a real 1.36 node: shares lost
+/// their socket after the old driver pod went.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_leaves_a_socket_another_registry_bound_since() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().to_path_buf();
+    let (old, new) = (Registry::default(), Registry::default());
+    old.serve_gpus("c", &dir, "uid", "main", ledgers(&dir, 1))
+        .unwrap();
+    new.serve_gpus("c", &dir, "uid", "main", ledgers(&dir, 1))
+        .unwrap();
+    old.stop("c");
+    let sock = dir.join(quota_config::SOCKET_FILE);
+    assert!(sock.exists(), "the new registry's socket was removed");
+    let dir2 = dir.clone();
+    let (_s, resp, _fds) = blocking(move || register(&dir2, request(2))).await;
+    assert_eq!(resp.status, Status::Accepted as i32, "{}", resp.message);
+    assert_eq!(new.pids("c").len(), 1);
+    // Its own socket, stopping removes.
+    new.stop("c");
+    assert!(!sock.exists());
+}

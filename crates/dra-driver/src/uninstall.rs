@@ -1,0 +1,219 @@
+//! `vcuda-dra-driver uninstall`: what the DRA driver leaves on its node,
+//! removed once nothing uses it (deploy/uninstall runs it on the nodes
+//! labelled for DRA, after the driver's overlay was deleted).
+//!
+//! A stopping driver cannot tell an uninstall from an update (both are a
+//! SIGTERM): it removes only its sockets and keeps the checkpoint, the
+//! mirrored driver, the prepared claims' vm directories and CDI specs for
+//! its successor. The kubelet deletes the node's slice 30 s after no
+//! driver is registered. This mode removes the rest, but never while a
+//! claim is still prepared (only a running driver can unprepare it: the
+//! kubelet keeps such a pod Terminating until one does), while a share's
+//! process lives, or while a driver still serves here.
+
+use std::path::{Path, PathBuf};
+
+use crate::checkpoint::Store;
+use crate::daemon::Settings;
+
+/// Why the node cannot be cleaned yet, each reason naming what holds it.
+pub fn blockers(s: &Settings) -> Vec<String> {
+    let mut out = Vec::new();
+    for sock in node_agent::mode::dra_registration_sockets(&s.registry_dir) {
+        if node_agent::mode::serving(&sock) {
+            out.push(format!(
+                "a DRA driver still serves here ({} accepts connections): delete its overlay first",
+                sock.display()
+            ));
+        }
+    }
+    match Store::new(&s.state_dir).load(&s.node) {
+        Ok(ck) if !ck.claims.is_empty() => {
+            let names: Vec<String> = ck
+                .claims
+                .values()
+                .map(|c| format!("{}/{} ({})", c.namespace, c.name, c.uid))
+                .collect();
+            out.push(format!(
+                "{} claim(s) still prepared: {}; delete their pods while the driver runs (reinstall it if it is gone: only it can unprepare them)",
+                names.len(),
+                names.join(", ")
+            ));
+        }
+        Ok(_) => {}
+        Err(e) => out.push(format!(
+            "the checkpoint cannot be read ({e}); look at it, or remove it by hand"
+        )),
+    }
+    for u in node_agent::in_use::in_use(&s.vm_dir, node_agent::in_use::alive) {
+        out.push(format!("{} is in use (PIDs {:?})", u.dir.display(), u.pids));
+    }
+    out
+}
+
+/// The host paths the driver created, removed when present; returns what
+/// was removed. The kubelet's and CDI's directories stay: only the
+/// driver's files in them go.
+pub fn remove_state(s: &Settings) -> Result<Vec<PathBuf>, String> {
+    let mut targets = vec![
+        s.vm_dir.clone(),
+        s.vdriver_dir.clone(),
+        s.state_dir.clone(),
+        s.plugins_dir.join(crate::DRIVER_NAME),
+    ];
+    targets.extend(node_agent::mode::dra_registration_sockets(&s.registry_dir));
+    let prefix = format!("{}-", crate::DRIVER_NAME);
+    targets.extend(
+        std::fs::read_dir(&s.cdi_dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .map(|n| n.to_string_lossy())
+                    .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".json"))
+            }),
+    );
+    let mut removed = Vec::new();
+    for t in targets {
+        if remove(&t)? {
+            removed.push(t);
+        }
+    }
+    Ok(removed)
+}
+
+fn remove(t: &Path) -> Result<bool, String> {
+    let r = match std::fs::symlink_metadata(t) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => Err(e),
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(t),
+        Ok(_) => std::fs::remove_file(t),
+    };
+    r.map(|()| true)
+        .map_err(|e| format!("removing {}: {e}", t.display()))
+}
+
+/// Runs the mode: waits (checking every `retry`) until nothing blocks,
+/// removes the state and the node's ResourceSlice, then says what it did.
+/// Cancelled first: `None`.
+pub async fn run(
+    s: &Settings,
+    retry: std::time::Duration,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> anyhow::Result<Option<String>> {
+    loop {
+        let b = blockers(s);
+        if b.is_empty() {
+            break;
+        }
+        tracing::warn!(
+            "not uninstalling yet: {}; checking again every {} s",
+            b.join("; "),
+            retry.as_secs()
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(retry) => {}
+            _ = cancel.cancelled() => return Ok(None),
+        }
+    }
+    let removed = remove_state(s).map_err(anyhow::Error::msg)?;
+    let name = crate::slices::slice_name(&s.node);
+    let slice = match node_agent::apiserver::client(s.kubeconfig.as_deref()).await {
+        Ok(c) => {
+            let api = crate::kube_api::KubeApi { client: c };
+            match crate::publish::SliceApi::delete(&api, &name).await {
+                Ok(()) => format!("ResourceSlice {name} deleted"),
+                Err(e) => format!("ResourceSlice {name} left: {e}"),
+            }
+        }
+        Err(e) => format!("ResourceSlice {name} left (no API server: {e})"),
+    };
+    Ok(Some(format!(
+        "uninstalled: removed {removed:?}; node {}: {slice}",
+        s.node
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(root: &Path) -> Settings {
+        let p = |s: &str| root.join(s);
+        crate::cli::resolve(crate::cli::Args {
+            node_name: Some("n1".into()),
+            host_root: Some(p("host")),
+            vm_dir: Some(p("etc/vm")),
+            vdriver_dir: Some(p("etc/vdriver")),
+            cdi_dir: Some(p("cdi")),
+            state_dir: Some(p("plugins/vcuda.tencent.com")),
+            plugins_dir: Some(p("plugins")),
+            registry_dir: Some(p("plugins_registry")),
+            display_socket: Some("none".into()),
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn blocked_by_a_serving_driver_and_a_prepared_claim_then_everything_goes() {
+        let d = tempfile::tempdir().unwrap();
+        let s = settings(d.path());
+        for dir in [
+            "etc/vm/uid-1/gpu",
+            "etc/vdriver/nvidia",
+            "cdi",
+            "plugins_registry",
+        ] {
+            std::fs::create_dir_all(d.path().join(dir)).unwrap();
+        }
+        let other_cdi = d.path().join("cdi/nvidia.com-gpu.json");
+        std::fs::write(&other_cdi, "{}").unwrap();
+        std::fs::write(d.path().join("cdi/vcuda.tencent.com-uid-1.json"), "{}").unwrap();
+        let other_reg = d.path().join("plugins_registry/gpu.nvidia.com-reg.sock");
+        std::fs::write(&other_reg, "").unwrap();
+        let store = Store::new(&s.state_dir);
+        let mut ck = store.load("n1").unwrap();
+        ck.claims.insert(
+            "uid-1".into(),
+            crate::checkpoint::PreparedClaim {
+                namespace: "ns".into(),
+                name: "c".into(),
+                uid: "uid-1".into(),
+                devices: vec![],
+                prepared_at: 0,
+            },
+        );
+        store.save(&ck).unwrap();
+        let sockets = crate::grpc::Sockets::new(&s.plugins_dir, &s.registry_dir);
+        let live = crate::grpc::bind_std(&sockets.registration).unwrap();
+        let b = blockers(&s);
+        assert_eq!(b.len(), 2, "{b:?}");
+        assert!(b[0].contains("still serves here"), "{}", b[0]);
+        assert!(b[1].contains("ns/c (uid-1)"), "{}", b[1]);
+
+        drop(live); // the driver gone; its socket file stays
+        ck.claims.clear();
+        store.save(&ck).unwrap();
+        assert_eq!(blockers(&s), Vec::<String>::new());
+        let removed = remove_state(&s).unwrap();
+        for gone in [
+            "etc/vm",
+            "etc/vdriver",
+            "plugins/vcuda.tencent.com",
+            "cdi/vcuda.tencent.com-uid-1.json",
+        ] {
+            assert!(!d.path().join(gone).exists(), "{gone} left");
+            assert!(
+                removed.contains(&d.path().join(gone)),
+                "{gone} not reported"
+            );
+        }
+        assert!(!sockets.registration.exists());
+        // Other drivers' files and the shared directories stay.
+        assert!(other_cdi.exists() && other_reg.exists());
+        assert!(d.path().join("cdi").is_dir() && d.path().join("plugins").is_dir());
+    }
+}
