@@ -752,13 +752,22 @@ fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
     wait_running(n, "ds-share", 120);
     check_quota(&log_with(n, "ds-share", "---done"), "ds-share");
     rolling_update(n, bin, sim);
+    match std::env::var("VCUDA_DRA_NODE_REBOOT") {
+        Ok(cmd) => reboot_drill(n, bin, sim, &cmd),
+        Err(_) => eprintln!(
+            "k8s_dra: node reboot not checked (set VCUDA_DRA_NODE_REBOOT to a command that stops kubelet and containerd, kills every pod process, clears /var/run/cdi and starts both again)"
+        ),
+    }
     n.ok(&["delete", "namespace", NS, "--wait=true", "--timeout=120s"]);
-    wait("the DaemonSet's driver unprepared the claim", 60, || {
-        let l = logs();
-        if l.contains("claim unprepared") {
-            Ok(())
-        } else {
-            Err(tail(&l, 5))
+    // Every claim unprepared while the driver runs (the kubelet finishes a
+    // pod's deletion before it unprepares: the namespace gone is not enough).
+    let ckpt = Path::new("/var/lib/kubelet/plugins/vcuda.tencent.com/checkpoint.json");
+    wait("the DaemonSet's driver unprepared every claim", 120, || {
+        let c: Value = serde_json::from_slice(&fs::read(ckpt).map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+        match c["claims"].as_object() {
+            Some(m) if m.is_empty() => Ok(()),
+            _ => Err(format!("{}; {}", c["claims"], tail(&logs(), 3))),
         }
     });
     let l = logs();
@@ -992,6 +1001,105 @@ fn rolling_update(n: &Node, bin: &Path, sim: &Path) {
         "pods created during a rolling update: p99 {} ms",
         all.p99()
     );
+}
+
+/// A node reboot under the DaemonSet's driver: every pod process killed,
+/// the runtime's state and the CDI specs (tmpfs on a real node) gone. The
+/// driver comes back and re-serves its checkpoint (CDI specs written
+/// again); the restartPolicy-Always pod runs again under its quota; the
+/// Never pod, deleted after the reboot, is unprepared: nothing of its
+/// claim stays booked.
+fn reboot_drill(n: &Node, bin: &Path, sim: &Path, cmd: &str) {
+    let ckpt = Path::new("/var/lib/kubelet/plugins/vcuda.tencent.com/checkpoint.json");
+    let in_checkpoint = |uid: &str| {
+        fs::read_to_string(ckpt)
+            .unwrap_or_default()
+            .contains(&format!("\"{uid}\""))
+    };
+    let spec = |uid: &str| PathBuf::from(CDI_DIR).join(format!("{DRIVER}-{uid}.json"));
+    let quota = "/work/shim_client quota 256; echo ---done; sleep 100000";
+    n.apply(
+        &pod("reboot-always", "gpu-30-1g", quota, bin, sim)
+            .replace("restartPolicy: Never", "restartPolicy: Always"),
+    );
+    n.apply(&pod("reboot-never", "gpu-5", "sleep 100000", bin, sim));
+    wait_running(n, "reboot-always", 120);
+    wait_running(n, "reboot-never", 120);
+    check_quota(&log_with(n, "reboot-always", "---done"), "reboot-always");
+    let uid_of = |p: &str| {
+        pod_claim(n, p).unwrap()["metadata"]["uid"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let (always, never) = (uid_of("reboot-always"), uid_of("reboot-never"));
+    assert!(in_checkpoint(&always) && in_checkpoint(&never));
+    let t0 = Instant::now();
+    let out = Command::new("sh").args(["-c", cmd]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!(
+        "k8s_dra: node rebooted in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    wait("the driver's pod Ready after the reboot", 180, || {
+        ready_driver_pod(n)
+    });
+    let running_again = wait("reboot-always running again", 240, || {
+        let p = n.json(&["-n", NS, "get", "pod", "reboot-always"])?;
+        let st = &p["status"]["containerStatuses"][0];
+        if st["restartCount"].as_u64().unwrap_or(0) >= 1 && st["state"]["running"].is_object() {
+            Ok(t0.elapsed())
+        } else {
+            Err(st.to_string())
+        }
+    });
+    check_quota(
+        &log_with(n, "reboot-always", "---done"),
+        "reboot-always after the reboot",
+    );
+    assert!(spec(&always).is_file(), "its CDI spec written again");
+    eprintln!(
+        "k8s_dra: reboot: the Always pod ran again under its quota {:.1} s after the reboot began",
+        running_again.as_secs_f64()
+    );
+    let t1 = Instant::now();
+    n.ok(&[
+        "-n",
+        NS,
+        "delete",
+        "pod",
+        "reboot-never",
+        "--wait=true",
+        "--timeout=180s",
+    ]);
+    wait("the Never pod's claim unprepared", 180, || {
+        if !in_checkpoint(&never) && !spec(&never).exists() {
+            Ok(())
+        } else {
+            Err(format!(
+                "in checkpoint {}, spec {}",
+                in_checkpoint(&never),
+                spec(&never).exists()
+            ))
+        }
+    });
+    eprintln!(
+        "k8s_dra: reboot: the Never pod's claim unprepared {:.1} s after its delete; nothing else booked",
+        t1.elapsed().as_secs_f64()
+    );
+    n.ok(&[
+        "-n",
+        NS,
+        "delete",
+        "pod",
+        "reboot-always",
+        "--wait=true",
+        "--timeout=180s",
+    ]);
 }
 
 /// Removes what the DaemonSet phase applied (also when a run fails half
