@@ -32,6 +32,36 @@ pub struct PodWatch {
     store: Store<Pod>,
     changes: watch::Receiver<u64>,
     health: watch::Receiver<ApiHealth>,
+    seen: Arc<std::sync::Mutex<Seen>>,
+}
+
+/// When the watch first saw each pod: 0 for the initial list (its order
+/// says nothing), then 1, 2, ... as pods are bound to this node.
+#[derive(Default)]
+struct Seen {
+    next: u64,
+    by_uid: std::collections::HashMap<String, u64>,
+}
+
+impl Seen {
+    fn note(&mut self, ev: &watcher::Event<Pod>) {
+        let uid = |p: &Pod| p.metadata.uid.clone().unwrap_or_default();
+        match ev {
+            watcher::Event::InitApply(p) => {
+                self.by_uid.entry(uid(p)).or_insert(0);
+            }
+            watcher::Event::Apply(p) => {
+                if !self.by_uid.contains_key(&uid(p)) {
+                    self.next += 1;
+                    self.by_uid.insert(uid(p), self.next);
+                }
+            }
+            watcher::Event::Delete(p) => {
+                self.by_uid.remove(&uid(p));
+            }
+            watcher::Event::Init | watcher::Event::InitDone => {}
+        }
+    }
 }
 
 impl PodWatch {
@@ -42,6 +72,8 @@ impl PodWatch {
         let (store, writer) = reflector::store();
         let (ctx, changes) = watch::channel(0u64);
         let (htx, health) = watch::channel(ApiHealth::Starting);
+        let seen = Arc::new(std::sync::Mutex::new(Seen::default()));
+        let noted = seen.clone();
         let stream = reflector::reflector(writer, watcher(api, cfg)).default_backoff();
         tokio::spawn(async move {
             futures::pin_mut!(stream);
@@ -52,7 +84,11 @@ impl PodWatch {
                 };
                 match ev {
                     None => return,
-                    Some(Ok(_)) => {
+                    Some(Ok(ev)) => {
+                        noted
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .note(&ev);
                         htx.send_if_modified(|h| {
                             let changed = *h != ApiHealth::Ok;
                             if changed {
@@ -75,6 +111,7 @@ impl PodWatch {
             store,
             changes,
             health,
+            seen,
         }
     }
 
@@ -125,6 +162,15 @@ impl PodSource for PodWatch {
 
     async fn changed(&self, timeout: Duration) -> bool {
         PodWatch::changed(self, timeout).await
+    }
+
+    fn seen(&self, uid: &str) -> Option<u64> {
+        self.seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .by_uid
+            .get(uid)
+            .copied()
     }
 }
 

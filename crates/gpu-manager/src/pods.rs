@@ -1,7 +1,8 @@
 //! Which pod is asking: kubelet's Allocate names only device IDs, so the
 //! manager picks the pod the way gpu-admission and the original do: pending
 //! GPU pods on this node, not yet assigned, ordered by
-//! `tencent.com/predicate-time` then creation, first container whose
+//! `tencent.com/predicate-time`, then the order they were bound here, then
+//! creation, first container whose
 //! `vcuda-core` limit equals the request. Pure selection here; reading a
 //! pod's requests and annotations is `gpu_pods`'s (shared with the
 //! scheduler extender); the API server plumbing is in [`crate::kube_api`].
@@ -37,8 +38,13 @@ pub fn is_candidate_unless(pod: &Pod, withdrawn: bool) -> bool {
     pending && !assigned && pod.metadata.deletion_timestamp.is_none() && gpu
 }
 
-/// Sort key: predicate time (ns) when gpu-admission set one, else creation.
-fn order_key(pod: &Pod) -> (i128, i128, String) {
+/// Sort key: predicate time (ns) when gpu-admission or the extender set
+/// one (the order they let the scheduler bind); else the order this node's
+/// pod watch first saw each pod bound here (`seen`: kubelet admits pods as
+/// they arrive on the same watch, which is binding order, not creation
+/// order: pods held Pending through a manager restart are bound youngest
+/// first, their scheduling backoff being shortest); then creation.
+fn order_key(pod: &Pod, seen: Option<u64>) -> (i128, u64, i128, String) {
     let created = pod
         .metadata
         .creation_timestamp
@@ -47,10 +53,10 @@ fn order_key(pod: &Pod) -> (i128, i128, String) {
         .unwrap_or(0);
     let predicate = annotation(pod, PREDICATE_TIME)
         .and_then(|s| s.parse::<u64>().ok())
-        .map(i128::from)
-        .unwrap_or(created);
+        .map_or(i128::MAX, i128::from);
     (
         predicate,
+        seen.unwrap_or(u64::MAX),
         created,
         format!("{}/{}", namespace(pod), name(pod)),
     )
@@ -76,6 +82,18 @@ pub fn select(
     allocated: impl Fn(&str, &str) -> bool,
     withdrawn: impl Fn(&str) -> bool,
 ) -> Option<Candidate> {
+    select_in_order(pods, cores, allocated, withdrawn, |_| None)
+}
+
+/// [`select`] with `seen(uid)`: the order the pod watch first saw each pod
+/// on this node (see [`order_key`]).
+pub fn select_in_order(
+    pods: &[Arc<Pod>],
+    cores: u64,
+    allocated: impl Fn(&str, &str) -> bool,
+    withdrawn: impl Fn(&str) -> bool,
+    seen: impl Fn(&str) -> Option<u64>,
+) -> Option<Candidate> {
     let mut cands: Vec<&Arc<Pod>> = pods
         .iter()
         .filter(|p| is_candidate_unless(p, withdrawn(uid(p))))
@@ -87,7 +105,7 @@ pub fn select(
                 .any(|c| is_gpu_container(c) && allocated(uid(p), &c.name))
         })
     };
-    cands.sort_by_cached_key(|p| (!started(p), order_key(p)));
+    cands.sort_by_cached_key(|p| (!started(p), order_key(p, seen(uid(p)))));
     for p in cands {
         let Some(spec) = p.spec.as_ref() else {
             continue;
@@ -184,6 +202,33 @@ mod tests {
             describe_pending(&pods),
             "ns/late:a=30, ns/early:b=50, ns/early:c=30"
         );
+    }
+
+    /// Without predicate times, pods go in the order the node's watch saw
+    /// them bound (kubelet's admission order), not by creation: pods held
+    /// Pending through a manager restart are bound youngest first. Seen on
+    /// the real node: two equal pods, the older guessed, the container of
+    /// the younger refused ("VcudaWrongPodGuess").
+    #[test]
+    fn binding_order_before_creation_without_predicate_times() {
+        let older = pod("older", None, &[("m", 5, 1)]);
+        let younger = pod("younger", None, &[("m", 5, 1)]);
+        let pods = vec![older, younger];
+        let seen = |u: &str| match u {
+            "uid-younger" => Some(1),
+            "uid-older" => Some(2),
+            _ => None,
+        };
+        let c = select_in_order(&pods, 5, |_, _| false, |_| false, seen).unwrap();
+        assert_eq!(super::name(&c.pod), "younger");
+        // Unknown order: creation, as before.
+        let c = select(&pods, 5, |_, _| false, |_| false).unwrap();
+        assert_eq!(super::name(&c.pod), "older");
+        // A predicate time (gpu-admission, the extender) decides first.
+        let timed = pod("timed", Some(99), &[("m", 5, 1)]);
+        let pods = vec![pods[0].clone(), pods[1].clone(), timed];
+        let c = select_in_order(&pods, 5, |_, _| false, |_| false, seen).unwrap();
+        assert_eq!(super::name(&c.pod), "timed");
     }
 
     #[test]

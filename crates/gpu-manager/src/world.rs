@@ -29,6 +29,11 @@ pub trait PodSource: Send + Sync {
     fn pods(&self) -> Vec<Arc<Pod>>;
     /// Waits until the list changes or `timeout` passes; false on timeout.
     async fn changed(&self, timeout: Duration) -> bool;
+    /// The order in which the source first saw the pod on this node (its
+    /// binding order); `None` when unknown.
+    fn seen(&self, _uid: &str) -> Option<u64> {
+        None
+    }
 }
 
 /// Annotation patches on pods, applied in the background (never on the

@@ -64,11 +64,12 @@ impl Manager {
             let pods = self.pods.pods();
             let found = {
                 let st = self.st();
-                pods::select(
+                pods::select_in_order(
                     &pods,
                     cores,
                     |uid, c| st.allocs.contains_key(&alloc_id(uid, c)),
                     |uid| st.withdrawn.contains(uid),
+                    |uid| self.pods.seen(uid),
                 )
             };
             if let Some(c) = found {
