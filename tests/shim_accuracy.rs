@@ -194,6 +194,44 @@ fn a_fresh_process_that_never_synchronises_holds_its_quota_from_the_first_launch
     );
 }
 
+/// An MPS client (the sim's knob: its NVML names only the MPS server in
+/// utilization samples, its driver says the context is an MPS client)
+/// whose kernels are long single waves (`shim_laws burstlong`, 0.4 ms):
+/// too few waves a period for the controller to notice on its own that
+/// no sample names the container, so it ran open (as a CUDA graph of
+/// large matmuls did on an H100 under MPS: 85 % under a hard 30 %). Told
+/// by the driver, the interposer charges it all busy time: the quota
+/// holds, and the ledger's flag says the container is unattributed.
+#[test]
+fn an_mps_client_with_long_kernels_holds_its_quota() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = setup(1);
+    let dir = tempfile::tempdir().unwrap();
+    let prog = matrix::compile(&s, dir.path());
+    let n = ShimNode::install(&s.workspace, &s.gpu_sim, &s.shim, matrix::NODE);
+    let c = n.container(STARTUP_QUOTA, true, 0);
+    let r = workload::start_with(
+        &c,
+        &prog,
+        &["burstlong", "5.2"],
+        &[(gpu_sim_core::MPS_SERVER_PID_ENV, "4000000")],
+    );
+    let to = r.start + 5_000_000_000;
+    workload::sleep_until(to + 20_000_000);
+    let u = n.busy(&[r.pid], to - 3_000_000_000, to);
+    workload::finish(r);
+    let flag = c.manager.as_ref().unwrap().ledger().compute_unattributed();
+    eprintln!(
+        "hard {STARTUP_QUOTA}, MPS client, burstlong: 2-5 s {u:.1} %, unattributed flag {flag}"
+    );
+    assert_eq!(flag, 1, "the controller does not say it is blind");
+    let q = STARTUP_QUOTA as f64;
+    assert!(
+        u < q + 10.0 && u > q - 15.0,
+        "achieved {u:.1} % under a hard {q} %"
+    );
+}
+
 /// A soft share (guarantee 30, cap 70: `vcuda-core-limit`) bursts to its
 /// cap while alone; when a hard-70 neighbour starts on its GPU, it is back
 /// to its guarantee (every later 0.5 s window ≤ 33 %) within

@@ -20,3 +20,15 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
 pub use state::{
     Attached, InstallOutcome, OutOfMemory, ProcessInfo, SharedState, SimRoot, StateError, XidEvent,
 };
+
+/// Test knob, read in the CUDA process: its contexts are clients of an MPS
+/// server of this PID. The sim's driver then says so
+/// (`CU_DEVICE_ATTRIBUTE_MPS_ENABLED` = 1) and its NVML names no client in
+/// utilization samples, only the server, with the clients' use summed, as
+/// NVIDIA's does under MPS (measured on an H100, tests/gpu/probes/mps.sh).
+pub const MPS_SERVER_PID_ENV: &str = "GPU_SIM_MPS_SERVER_PID";
+
+/// The MPS server's PID when [`MPS_SERVER_PID_ENV`] is set.
+pub fn mps_server_pid() -> Option<u32> {
+    std::env::var(MPS_SERVER_PID_ENV).ok()?.parse().ok()
+}

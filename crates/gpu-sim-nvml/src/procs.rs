@@ -256,15 +256,27 @@ pub(crate) fn samples(
         if ts <= last_seen_us {
             continue;
         }
-        for (p, pct) in c.state.process_utilization(sim, start, end) {
-            out.push(nvmlProcessUtilizationSample_t {
-                pid: p.pid().wrapping_add(pid_offset),
-                timeStamp: ts,
-                smUtil: pct.round() as c_uint,
-                memUtil: (pct / 2.0).round() as c_uint,
-                encUtil: 0,
-                decUtil: 0,
-            });
+        let sample = |pid: u32, pct: f64| nvmlProcessUtilizationSample_t {
+            pid,
+            timeStamp: ts,
+            smUtil: pct.round() as c_uint,
+            memUtil: (pct / 2.0).round() as c_uint,
+            encUtil: 0,
+            decUtil: 0,
+        };
+        let used = c.state.process_utilization(sim, start, end);
+        match gpu_sim_core::mps_server_pid() {
+            // Under MPS the server runs every client's kernels: one sample.
+            Some(server) if !used.is_empty() => {
+                let pct: f64 = used.iter().map(|(_, p)| p).sum();
+                out.push(sample(server, pct.min(100.0)));
+            }
+            Some(_) => {}
+            None => {
+                for (p, pct) in used {
+                    out.push(sample(p.pid().wrapping_add(pid_offset), pct));
+                }
+            }
         }
     }
     out

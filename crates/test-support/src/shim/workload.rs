@@ -18,9 +18,15 @@ pub struct Running {
 
 /// Starts `prog args` in `c`; returns once it printed `start_ns=`.
 pub fn start(c: &Container, prog: &Path, args: &[&str]) -> Running {
+    start_with(c, prog, args, &[])
+}
+
+/// [`start`] with extra environment variables (the sim's test knobs).
+pub fn start_with(c: &Container, prog: &Path, args: &[&str], env: &[(&str, &str)]) -> Running {
     let mut child = c
         .command(prog)
         .args(args)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         // The interposer's log level while looking into a figure (off unless set).
