@@ -11,7 +11,7 @@
 //! kubelet keeps such a pod Terminating until one does), while a share's
 //! process lives, or while a driver still serves here.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use crate::checkpoint::Store;
 use crate::daemon::Settings;
@@ -45,9 +45,7 @@ pub fn blockers(s: &Settings) -> Vec<String> {
             "the checkpoint cannot be read ({e}); look at it, or remove it by hand"
         )),
     }
-    for u in node_agent::in_use::in_use(&s.vm_dir, node_agent::in_use::alive) {
-        out.push(format!("{} is in use (PIDs {:?})", u.dir.display(), u.pids));
-    }
+    out.extend(node_agent::in_use::shares_in_use(&s.vm_dir));
     out
 }
 
@@ -75,24 +73,7 @@ pub fn remove_state(s: &Settings) -> Result<Vec<PathBuf>, String> {
                     .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".json"))
             }),
     );
-    let mut removed = Vec::new();
-    for t in targets {
-        if remove(&t)? {
-            removed.push(t);
-        }
-    }
-    Ok(removed)
-}
-
-fn remove(t: &Path) -> Result<bool, String> {
-    let r = match std::fs::symlink_metadata(t) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => Err(e),
-        Ok(m) if m.is_dir() => std::fs::remove_dir_all(t),
-        Ok(_) => std::fs::remove_file(t),
-    };
-    r.map(|()| true)
-        .map_err(|e| format!("removing {}: {e}", t.display()))
+    node_agent::in_use::remove_paths(targets)
 }
 
 /// Runs the mode: waits (checking every `retry`) until nothing blocks,
@@ -103,20 +84,8 @@ pub async fn run(
     retry: std::time::Duration,
     cancel: &tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<Option<String>> {
-    loop {
-        let b = blockers(s);
-        if b.is_empty() {
-            break;
-        }
-        tracing::warn!(
-            "not uninstalling yet: {}; checking again every {} s",
-            b.join("; "),
-            retry.as_secs()
-        );
-        tokio::select! {
-            _ = tokio::time::sleep(retry) => {}
-            _ = cancel.cancelled() => return Ok(None),
-        }
+    if !node_agent::in_use::wait_until_clear(|| blockers(s), retry, cancel).await {
+        return Ok(None);
     }
     let removed = remove_state(s).map_err(anyhow::Error::msg)?;
     let name = crate::slices::slice_name(&s.node);
@@ -139,6 +108,7 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     fn settings(root: &Path) -> Settings {
         let p = |s: &str| root.join(s);

@@ -12,8 +12,6 @@
 
 use std::path::PathBuf;
 
-pub use node_agent::in_use::{InUse, alive, in_use};
-
 use crate::config::Settings;
 use crate::ids::{VCORE_SOCKET, VMEMORY_SOCKET};
 
@@ -29,18 +27,7 @@ pub fn remove_state(s: &Settings) -> Result<Vec<PathBuf>, String> {
         s.device_plugin_path.join(VMEMORY_SOCKET),
         s.display_socket.clone(),
     ];
-    let mut removed = Vec::new();
-    for t in targets {
-        let r = match std::fs::symlink_metadata(&t) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => Err(e),
-            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&t),
-            Ok(_) => std::fs::remove_file(&t),
-        };
-        r.map_err(|e| format!("removing {}: {e}", t.display()))?;
-        removed.push(t);
-    }
-    Ok(removed)
+    node_agent::in_use::remove_paths(targets)
 }
 
 /// Runs the mode: waits (checking every `retry`) until no share is in use,
@@ -51,25 +38,10 @@ pub async fn run(
     retry: std::time::Duration,
     cancel: &tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<Option<String>> {
-    loop {
-        let busy = in_use(&s.virtual_manager_path, alive);
-        if busy.is_empty() {
-            break;
-        }
-        let names: Vec<String> = busy
-            .iter()
-            .map(|u| format!("{} (PIDs {:?})", u.dir.display(), u.pids))
-            .collect();
-        tracing::warn!(
-            "not uninstalling yet: {} share(s) still in use: {}; delete their pods (checking again every {} s)",
-            busy.len(),
-            names.join(", "),
-            retry.as_secs()
-        );
-        tokio::select! {
-            _ = tokio::time::sleep(retry) => {}
-            _ = cancel.cancelled() => return Ok(None),
-        }
+    let vm = &s.virtual_manager_path;
+    let blockers = || node_agent::in_use::shares_in_use(vm).into_iter().collect();
+    if !node_agent::in_use::wait_until_clear(blockers, retry, cancel).await {
+        return Ok(None);
     }
     let removed = remove_state(s).map_err(anyhow::Error::msg)?;
     let node = match crate::kube_api::client(s.kubeconfig.as_deref()).await {

@@ -1,6 +1,8 @@
-//! Shares in use on a node: a vm directory (`<vm>/<pod or claim>/<slot>`)
-//! whose `pids.config` lists a live host PID. Both modes' uninstall
-//! refuses while one is (the node agents run with hostPID).
+//! What both modes' uninstall (`gpu-manager uninstall`, `vcuda-dra-driver
+//! uninstall`) shares: shares in use on a node (a vm directory
+//! `<vm>/<pod or claim>/<slot>` whose `pids.config` lists a live host PID;
+//! the node agents run with hostPID), waiting until nothing blocks, and
+//! removing what a mode left.
 
 use std::path::{Path, PathBuf};
 
@@ -46,6 +48,65 @@ fn read_dirs(p: &Path) -> Vec<PathBuf> {
 /// namespace).
 pub fn alive(pid: i32) -> bool {
     pid > 0 && Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Why the shares under `vm` block an uninstall, naming them; `None` when
+/// none is in use.
+pub fn shares_in_use(vm: &Path) -> Option<String> {
+    let busy = in_use(vm, alive);
+    if busy.is_empty() {
+        return None;
+    }
+    let names: Vec<String> = busy
+        .iter()
+        .map(|u| format!("{} (PIDs {:?})", u.dir.display(), u.pids))
+        .collect();
+    Some(format!(
+        "{} share(s) still in use: {}; delete their pods",
+        busy.len(),
+        names.join(", ")
+    ))
+}
+
+/// Waits, asking `blockers` every `retry` and saying what they name, until
+/// it names nothing (true) or `cancel` comes first (false).
+pub async fn wait_until_clear(
+    blockers: impl Fn() -> Vec<String>,
+    retry: std::time::Duration,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> bool {
+    loop {
+        let b = blockers();
+        if b.is_empty() {
+            return true;
+        }
+        tracing::warn!(
+            "not uninstalling yet: {}; checking again every {} s",
+            b.join("; "),
+            retry.as_secs()
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(retry) => {}
+            _ = cancel.cancelled() => return false,
+        }
+    }
+}
+
+/// Removes each path that exists (a directory recursively); returns those
+/// removed, or the first failure naming its path.
+pub fn remove_paths(targets: impl IntoIterator<Item = PathBuf>) -> Result<Vec<PathBuf>, String> {
+    let mut removed = Vec::new();
+    for t in targets {
+        let r = match std::fs::symlink_metadata(&t) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => Err(e),
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&t),
+            Ok(_) => std::fs::remove_file(&t),
+        };
+        r.map_err(|e| format!("removing {}: {e}", t.display()))?;
+        removed.push(t);
+    }
+    Ok(removed)
 }
 
 #[cfg(test)]
