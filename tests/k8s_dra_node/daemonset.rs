@@ -149,19 +149,7 @@ pub fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
 /// unprepared while the driver ran).
 fn uninstall_drill(n: &Node, node: &str, (host, port): (&str, &str)) {
     let deploy = workspace_root().join("deploy");
-    n.ok(&[
-        "delete",
-        "-k",
-        deploy.join("overlays/dra").to_str().unwrap(),
-        "--wait=true",
-    ]);
-    wait("the driver's pods gone", 120, || {
-        if n.driver_pods()?.is_empty() {
-            Ok(())
-        } else {
-            Err("still there".into())
-        }
-    });
+    delete_driver_overlay(n, &[]).unwrap_or_else(|e| panic!("{e}"));
     // The stopping driver removed its sockets itself.
     let reg: Vec<String> = fs::read_dir("/var/lib/kubelet/plugins_registry")
         .into_iter()
@@ -284,11 +272,7 @@ fn ready_driver_pod(n: &Node) -> Result<String, String> {
 /// old one's sockets once registered.
 fn rolling_update(n: &Node, bin: &Path, sim: &Path) {
     n.apply(&claim_template("gpu-5", 5, "256Mi"));
-    let mut all = windows::Window {
-        what: "2 rolling updates of the DaemonSet".into(),
-        ms: vec![],
-        failed: vec![],
-    };
+    let mut updates = Vec::new();
     for k in 0..2 {
         let before = ready_driver_pod(n).unwrap();
         let t0 = Instant::now();
@@ -338,12 +322,10 @@ fn rolling_update(n: &Node, bin: &Path, sim: &Path) {
             "the new driver removed the old one's sockets:\n{}",
             tail(&l, 20)
         );
-        all.ms.extend(w.ms);
-        all.failed.extend(w.failed);
+        updates.push(w);
         windows::delete_pods(n, &prefix, 10);
     }
-    all.ms.sort_unstable();
-    all.print();
+    let all = windows::Window::combined("2 rolling updates of the DaemonSet", updates);
     let share = n.json(&["-n", NS, "get", "pod", "ds-share"]).unwrap();
     assert_eq!(
         share["status"]["containerStatuses"][0]["restartCount"], 0,
@@ -360,12 +342,7 @@ fn rolling_update(n: &Node, bin: &Path, sim: &Path) {
         "256",
     ]);
     check_quota(&again, "ds-share after two rolling updates");
-    assert!(all.failed.is_empty(), "{:?}", all.failed);
-    assert!(
-        all.p99() < 5000,
-        "pods created during a rolling update: p99 {} ms",
-        all.p99()
-    );
+    all.assert_running_within(5000);
 }
 
 /// A node reboot under the DaemonSet's driver: every pod process killed,
@@ -481,15 +458,18 @@ impl Drop for DaemonSetCleanup<'_> {
 }
 
 pub fn remove_daemonset(n: &Node, node: &str) {
-    let deploy = workspace_root().join("deploy");
     let _ = n.kubectl(&["label", "node", node, "vcuda.tencent.com/mode-"]);
-    let _ = n.kubectl(&[
-        "delete",
-        "-k",
-        deploy.join("overlays/dra").to_str().unwrap(),
-        "--ignore-not-found",
-        "--wait=true",
-    ]);
+    let _ = delete_driver_overlay(n, &["--ignore-not-found"]);
+    let _ = n.kubectl(&["delete", "resourceslice", &format!("{node}-{DRIVER}")]);
+}
+
+/// `kubectl delete -k deploy/overlays/dra` (with `extra` flags), then waits
+/// until the driver's pods are gone; the delete's error, if it failed.
+fn delete_driver_overlay(n: &Node, extra: &[&str]) -> Result<String, String> {
+    let overlay = workspace_root().join("deploy/overlays/dra");
+    let mut args = vec!["delete", "-k", overlay.to_str().unwrap(), "--wait=true"];
+    args.extend(extra);
+    let out = n.kubectl(&args)?;
     wait("the driver's DaemonSet pods gone", 120, || {
         if n.driver_pods()?.is_empty() {
             Ok(())
@@ -497,5 +477,5 @@ pub fn remove_daemonset(n: &Node, node: &str) {
             Err("still there".into())
         }
     });
-    let _ = n.kubectl(&["delete", "resourceslice", &format!("{node}-{DRIVER}")]);
+    Ok(out)
 }

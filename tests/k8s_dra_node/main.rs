@@ -531,14 +531,10 @@ fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path, w: &P
     let ours = w.join("state").display().to_string();
     n.apply(&claim_template("gpu-5", 5, "256Mi"));
     let every = std::time::Duration::from_millis(250);
-    let mut all = windows::Window {
-        what: "3 kill -9s of the supervised driver".into(),
-        ms: vec![],
-        failed: vec![],
-    };
+    let mut kills = Vec::new();
     for k in 0..3 {
         let prefix = format!("kill-{k}");
-        let w = windows::pods_during(
+        kills.push(windows::pods_during(
             n,
             "a kill -9 of the supervised driver",
             &prefix,
@@ -548,19 +544,11 @@ fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path, w: &P
             every,
             || windows::kill_worker(&ours),
             180,
-        );
-        all.ms.extend(w.ms);
-        all.failed.extend(w.failed);
+        ));
         windows::delete_pods(n, &prefix, 8);
     }
-    all.ms.sort_unstable();
-    all.print();
-    assert!(all.failed.is_empty(), "{:?}", all.failed);
-    assert!(
-        all.p99() < 5000,
-        "pods created during a driver kill -9: p99 {} ms",
-        all.p99()
-    );
+    windows::Window::combined("3 kill -9s of the supervised driver", kills)
+        .assert_running_within(5000);
     let registered = drv.count("registered with the kubelet");
     let w = windows::pods_during(
         n,

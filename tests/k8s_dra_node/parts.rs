@@ -303,18 +303,23 @@ pub fn wait_running(n: &Node, pod: &str, secs: u64) -> Duration {
         eprintln!(
             "k8s_dra: pod {pod} took {:.1} s to Running; its events:\n{}",
             took.as_secs_f64(),
-            n.kubectl(&[
-                "-n",
-                NS,
-                "get",
-                "events",
-                "--field-selector",
-                &format!("involvedObject.name={pod}"),
-            ])
-            .unwrap_or_default()
+            pod_events(n, pod)
         );
     }
     took
+}
+
+/// The events of pod `pod` in [`NS`] (empty when kubectl fails).
+pub fn pod_events(n: &Node, pod: &str) -> String {
+    n.kubectl(&[
+        "-n",
+        NS,
+        "get",
+        "events",
+        "--field-selector",
+        &format!("involvedObject.name={pod}"),
+    ])
+    .unwrap_or_default()
 }
 
 /// Waits until the pod's log has `marker`, then returns the log.

@@ -38,6 +38,33 @@ impl Window {
             self.failed.len()
         );
     }
+
+    /// Several windows' pods as one (`what` names them all), printed.
+    pub fn combined(what: &str, parts: Vec<Window>) -> Window {
+        let mut all = Window {
+            what: what.to_string(),
+            ms: vec![],
+            failed: vec![],
+        };
+        for w in parts {
+            all.ms.extend(w.ms);
+            all.failed.extend(w.failed);
+        }
+        all.ms.sort_unstable();
+        all.print();
+        all
+    }
+
+    /// No pod failed, and the p99 is under `ms`.
+    pub fn assert_running_within(&self, ms: u64) {
+        assert!(self.failed.is_empty(), "{}: {:?}", self.what, self.failed);
+        assert!(
+            self.p99() < ms,
+            "pods created during {}: p99 {} ms",
+            self.what,
+            self.p99()
+        );
+    }
 }
 
 /// Creates `count` pods named `<prefix>-<i>` (claims from `template`), one
@@ -120,15 +147,7 @@ pub fn pods_during(
         eprintln!(
             "k8s_dra: {what}: pod {p} took {} ms; its events:\n{}",
             ms[p],
-            n.kubectl(&[
-                "-n",
-                NS,
-                "get",
-                "events",
-                "--field-selector",
-                &format!("involvedObject.name={p}"),
-            ])
-            .unwrap_or_default()
+            pod_events(n, p)
         );
     }
     let mut v: Vec<u64> = ms.into_values().collect();

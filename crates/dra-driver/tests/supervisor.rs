@@ -100,17 +100,10 @@ fn children(pid: u32) -> Vec<u32> {
 async fn node() -> (ApiServer, Dirs) {
     let server = ApiServer::start("127.0.0.1:0").await.unwrap();
     let dirs = Dirs::new();
-    let out = Command::new(artifact("gpu-sim"))
-        .args(["install", "--node"])
-        .arg(workspace().join("config/nodes/sim-1gpu.toml"))
-        .arg("--root")
-        .arg(dirs.p("sim"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    test_support::sim::gpu_sim_install_at(
+        &artifact("gpu-sim"),
+        &workspace().join("config/nodes/sim-1gpu.toml"),
+        &dirs.p("sim"),
     );
     server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
     (server, dirs)

@@ -72,21 +72,27 @@ pub fn compile_c(name: &str, node: &SimNode, out_dir: &Path) -> PathBuf {
 /// Runs `gpu_sim install --node <node>` into a new temporary root (the sim's
 /// cdylibs are found beside `gpu_sim`).
 pub fn gpu_sim_install(gpu_sim: &Path, node: &Path) -> tempfile::TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix("gpu-sim-")
+        .tempdir()
+        .unwrap();
+    gpu_sim_install_at(gpu_sim, node, dir.path());
+    dir
+}
+
+/// Runs `gpu_sim install --node <node> --root <root>`, which must succeed.
+pub fn gpu_sim_install_at(gpu_sim: &Path, node: &Path, root: &Path) {
     assert!(
         gpu_sim.is_file(),
         "{} missing: build the workspace first (cargo build [--release] --workspace)",
         gpu_sim.display()
     );
-    let dir = tempfile::Builder::new()
-        .prefix("gpu-sim-")
-        .tempdir()
-        .unwrap();
     let out = std::process::Command::new(gpu_sim)
         .arg("install")
         .arg("--node")
         .arg(node)
         .arg("--root")
-        .arg(dir.path())
+        .arg(root)
         .output()
         .unwrap();
     assert!(
@@ -94,7 +100,6 @@ pub fn gpu_sim_install(gpu_sim: &Path, node: &Path) -> tempfile::TempDir {
         "gpu-sim install failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    dir
 }
 
 /// `gcc -O1 -o out src -L lib_dir -lcuda`, which must succeed.
