@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use test_support::manager::{Env, Options};
+use test_support::manager::{Env, Options, VCORE};
 use test_support::options_rpc_floor;
 use vcuda_api::deviceplugin::v1beta1::{
     AllocateRequest, ContainerAllocateRequest, device_plugin_client::DevicePluginClient,
@@ -71,10 +71,10 @@ async fn main() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     println!("idle RSS: {} KiB", env.rss_kib());
 
-    // Whole Allocate RPC on vcore.sock (kubelet's view: one RPC), each with a
+    // Whole Allocate RPC on the vcore socket (kubelet's view: one RPC), each with a
     // fresh pending pod; reusing the same IDs frees the previous holder, as
     // kubelet would only hand out free IDs.
-    let sock = env.kubelet.dir().join("vcore.sock");
+    let sock = env.plugin_socket(VCORE);
     let ch = device_plugin::connect_unix(&sock, Duration::from_secs(2))
         .await
         .unwrap();
@@ -82,7 +82,7 @@ async fn main() {
     // The floor: an RPC that does nothing in the manager, same socket.
     let mut floor = options_rpc_floor(&mut client, 100).await;
     println!(
-        "GetDevicePluginOptions RPC (floor, vcore.sock) n={}: p50 {:?} p90 {:?} p99 {:?}",
+        "GetDevicePluginOptions RPC (floor, vcore socket) n={}: p50 {:?} p90 {:?} p99 {:?}",
         floor.len(),
         pct(&mut floor, 0.5),
         pct(&mut floor, 0.9),
@@ -111,7 +111,7 @@ async fn main() {
         last = Some(pod);
     }
     println!(
-        "Allocate RPC (share, vcore.sock) n={}: p50 {:?} p90 {:?} p99 {:?} max {:?}",
+        "Allocate RPC (share, vcore socket) n={}: p50 {:?} p90 {:?} p99 {:?} max {:?}",
         rpc.len(),
         pct(&mut rpc, 0.5),
         pct(&mut rpc, 0.9),

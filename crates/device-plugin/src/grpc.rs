@@ -24,6 +24,11 @@ pub(crate) struct GrpcPlugin {
     /// Cancelled when this server generation stops: ends the `ListAndWatch`
     /// streams, which would otherwise keep a graceful shutdown waiting forever.
     pub(crate) stop: CancellationToken,
+    /// Counts `ListAndWatch` streams the kubelet closed while we served:
+    /// kubelet ≥ 1.26 disconnects the newest registration of a resource
+    /// when an older one's stream ends (`plugin/v1beta1/server.go`,
+    /// `runClient`), so the runtime registers again.
+    pub(crate) closed_by_kubelet: tokio::sync::watch::Sender<u64>,
 }
 
 type DeviceStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
@@ -43,24 +48,32 @@ impl DevicePlugin for GrpcPlugin {
         let mut devices = self.plugin.devices();
         let stop = self.stop.clone();
         let resource = self.resource.clone();
+        let closed_by_kubelet = self.closed_by_kubelet.clone();
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(async move {
             tracing::debug!(%resource, "ListAndWatch stream opened");
+            let mut client_left = false;
             loop {
                 // Current list first, then after every change.
                 let list = ListAndWatchResponse {
                     devices: devices.borrow_and_update().clone(),
                 };
                 if tx.send(Ok(list)).await.is_err() {
-                    break; // client went away
+                    client_left = true;
+                    break;
                 }
                 tokio::select! {
                     changed = devices.changed() => if changed.is_err() { break },
                     () = stop.cancelled() => break,
-                    () = tx.closed() => break,
+                    () = tx.closed() => { client_left = true; break },
                 }
             }
-            tracing::debug!(%resource, "ListAndWatch stream closed");
+            if client_left && !stop.is_cancelled() {
+                tracing::info!(%resource, "kubelet closed the ListAndWatch stream");
+                closed_by_kubelet.send_modify(|n| *n += 1);
+            } else {
+                tracing::debug!(%resource, "ListAndWatch stream closed");
+            }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }

@@ -240,7 +240,14 @@ struct Server {
     id: FileId,
     stop: CancellationToken,
     join: JoinHandle<Result<(), tonic::transport::Error>>,
+    /// Changes when the kubelet closes one of this server's streams.
+    closed_by_kubelet: watch::Receiver<u64>,
 }
+
+/// How long after the kubelet dropped our registration we register again:
+/// long enough for its own disconnect to finish (so the new registration
+/// is not the one it drops), short next to its pod admissions.
+const REREGISTER_DELAY: Duration = Duration::from_millis(20);
 
 struct PluginTask {
     entry: PluginEntry,
@@ -259,6 +266,10 @@ impl PluginTask {
         let mut retry_at: Option<Instant> = None;
         // kubelet.sock identity at the last failed attempt: a new one retries at once.
         let mut failed_with: Option<Option<FileId>> = None;
+        // The delay before registering again after the kubelet dropped us;
+        // doubles while it keeps doing so within a second.
+        let mut kick_delay = REREGISTER_DELAY;
+        let mut last_kick: Option<Instant> = None;
         while !cancel.is_cancelled() {
             // 1. Our socket: kubelet deletes it when it starts.
             let ours = file_id(&self.sock);
@@ -330,11 +341,31 @@ impl PluginTask {
             if let Some(t) = retry_at.filter(|_| registered_with.is_none()) {
                 wait = wait.min(t.saturating_duration_since(Instant::now()));
             }
+            let kicked = async {
+                match server.as_mut() {
+                    Some(s) => s.closed_by_kubelet.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 () = cancel.cancelled() => break,
                 r = events.changed() => if r.is_err() {
                     // Watcher gone (shutdown in progress): fall back to polling.
                     tokio::time::sleep(wait).await;
+                },
+                true = kicked => {
+                    kick_delay = match last_kick {
+                        Some(t) if t.elapsed() < Duration::from_secs(1) => {
+                            (kick_delay * 2).min(self.opts.backoff_max)
+                        }
+                        _ => REREGISTER_DELAY,
+                    };
+                    last_kick = Some(Instant::now());
+                    tracing::info!(resource = %res, again_in = ?kick_delay, "kubelet dropped this registration (a replaced instance stopped?); registering again");
+                    registered_with = None;
+                    retry_at = Some(Instant::now() + kick_delay);
+                    failed_with = Some(file_id(&self.kubelet_sock));
+                    self.status.send_modify(|st| st.registered = false);
                 },
                 () = tokio::time::sleep(wait) => {}
             }
@@ -360,10 +391,12 @@ impl PluginTask {
         let id = file_id(&self.sock)
             .ok_or_else(|| err(std::io::Error::other("socket vanished right after bind")))?;
         let stop = CancellationToken::new();
+        let closed_by_kubelet = watch::Sender::new(0u64);
         let svc = DevicePluginServer::new(GrpcPlugin {
             resource: self.entry.resource.clone(),
             plugin: self.entry.plugin.clone(),
             stop: stop.clone(),
+            closed_by_kubelet: closed_by_kubelet.clone(),
         });
         let shutdown = stop.clone().cancelled_owned();
         let join = tokio::spawn(
@@ -372,7 +405,12 @@ impl PluginTask {
                 .serve_with_incoming_shutdown(uds_authority::incoming(listener), shutdown),
         );
         tracing::debug!(resource = %self.entry.resource, socket = %self.sock.display(), "serving");
-        Ok(Server { id, stop, join })
+        Ok(Server {
+            id,
+            stop,
+            join,
+            closed_by_kubelet: closed_by_kubelet.subscribe(),
+        })
     }
 
     async fn stop_server(&self, s: Server) {

@@ -253,6 +253,7 @@ async fn start_display(
         socket.clone(),
         *addr,
         s.sample_period,
+        false,
         cancel,
     )
     .await?;

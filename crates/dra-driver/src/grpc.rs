@@ -231,24 +231,13 @@ pub struct Sockets {
     pub registration: PathBuf,
 }
 
-/// A name no other process start on this node has: start time (ms), PID
-/// and a counter for several drivers in one process (tests).
-fn instance_id() -> String {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    format!("{ms}-{}-{n}", std::process::id())
-}
-
 const PLUGIN_PREFIX: &str = "dra";
 const PLUGIN_SUFFIX: &str = ".sock";
 
 impl Sockets {
     /// A new instance's sockets.
     pub fn new(plugins_dir: &Path, registry_dir: &Path) -> Sockets {
-        Sockets::for_instance(plugins_dir, registry_dir, &instance_id())
+        Sockets::for_instance(plugins_dir, registry_dir, &node_agent::mode::instance_id())
     }
 
     pub fn for_instance(plugins_dir: &Path, registry_dir: &Path, instance: &str) -> Sockets {

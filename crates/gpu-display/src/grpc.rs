@@ -51,14 +51,17 @@ fn socket_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
 }
 
 /// Removes a stale socket left by a previous run; refuses to steal one a
-/// live server answers on.
-fn clear_stale(path: &Path) -> Result<(), Error> {
+/// live server answers on unless `take_over`.
+fn clear_stale(path: &Path, take_over: bool) -> Result<(), Error> {
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => {
             if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                return Err(Error::SocketInUse {
-                    path: path.to_path_buf(),
-                });
+                if !take_over {
+                    return Err(Error::SocketInUse {
+                        path: path.to_path_buf(),
+                    });
+                }
+                tracing::info!(socket = %path.display(), "taking the display socket over from the manager this one replaces");
             }
             std::fs::remove_file(path).map_err(socket_err(path))
         }
@@ -74,35 +77,83 @@ fn clear_stale(path: &Path) -> Result<(), Error> {
     }
 }
 
+/// The socket file's identity (device, inode).
+fn file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
+}
+
+fn bind(path: &Path, mode: u32) -> Result<UnixListener, Error> {
+    let listener = UnixListener::bind(path).map_err(socket_err(path))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(socket_err(path))?;
+    Ok(listener)
+}
+
 /// Binds `path` and serves until `cancel`. Call inside a tokio runtime.
 pub(crate) fn serve(
     shared: Arc<Shared>,
     path: &Path,
     mode: u32,
+    take_over: bool,
     cancel: CancellationToken,
 ) -> Result<JoinHandle<()>, Error> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(socket_err(path))?;
     }
-    clear_stale(path)?;
-    let listener = UnixListener::bind(path).map_err(socket_err(path))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-        .map_err(socket_err(path))?;
-    let svc = GpuDisplayServer::new(Service(shared)).max_decoding_message_size(MAX_REQUEST);
+    clear_stale(path, take_over)?;
+    let first = bind(path, mode)?;
     let path: PathBuf = path.to_path_buf();
     Ok(tokio::spawn(async move {
-        let r = tonic::transport::Server::builder()
-            // A stuck client cannot hold the service: bounded work per
-            // connection and per call.
-            .concurrency_limit_per_connection(16)
-            .timeout(Duration::from_secs(30))
-            .http2_keepalive_interval(Some(Duration::from_secs(60)))
-            .add_service(svc)
-            .serve_with_incoming_shutdown(uds_authority::incoming(listener), cancel.cancelled())
-            .await;
-        if let Err(e) = r {
-            tracing::error!(socket = %path.display(), error = %e, "display gRPC server failed");
+        let mut listener = Some(first);
+        while let Some(l) = listener.take() {
+            let ours = file_id(&path);
+            // A manager this one replaced removes the path when it stops
+            // (older versions did so whatever the file was): bind again.
+            let gone = async {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    if file_id(&path).is_none() {
+                        return;
+                    }
+                }
+            };
+            let shutdown = async {
+                tokio::select! {
+                    () = cancel.cancelled() => {}
+                    () = gone => {}
+                }
+            };
+            let svc = GpuDisplayServer::new(Service(shared.clone()))
+                .max_decoding_message_size(MAX_REQUEST);
+            let r = tonic::transport::Server::builder()
+                // A stuck client cannot hold the service: bounded work per
+                // connection and per call.
+                .concurrency_limit_per_connection(16)
+                .timeout(Duration::from_secs(30))
+                .http2_keepalive_interval(Some(Duration::from_secs(60)))
+                .add_service(svc)
+                .serve_with_incoming_shutdown(uds_authority::incoming(l), shutdown)
+                .await;
+            if let Err(e) = r {
+                tracing::error!(socket = %path.display(), error = %e, "display gRPC server failed");
+            }
+            if cancel.is_cancelled() {
+                // Only our own file: a successor may have bound the path.
+                if ours.is_some() && file_id(&path) == ours {
+                    let _ = std::fs::remove_file(&path);
+                }
+                break;
+            }
+            match bind(&path, mode) {
+                Ok(l) => {
+                    tracing::info!(socket = %path.display(), "the display socket was removed by another process; bound again");
+                    listener = Some(l);
+                }
+                Err(e) => tracing::error!(error = %e, "binding the removed display socket again"),
+            }
         }
-        let _ = std::fs::remove_file(&path);
     }))
 }

@@ -82,6 +82,9 @@ pub struct DisplayOptions {
     pub query_addr: SocketAddr,
     /// NVML sampling period (`--sample-period`).
     pub sample_period: Duration,
+    /// Bind the socket even when a live server answers on it (a manager
+    /// started beside the one it replaces); refused otherwise.
+    pub take_over_socket: bool,
 }
 
 impl Default for DisplayOptions {
@@ -91,6 +94,7 @@ impl Default for DisplayOptions {
             socket_mode: 0o660,
             query_addr: SocketAddr::new(DEFAULT_QUERY_ADDR.parse().unwrap(), DEFAULT_QUERY_PORT),
             sample_period: Duration::from_secs(1),
+            take_over_socket: false,
         }
     }
 }
@@ -187,14 +191,25 @@ impl Display {
     }
 
     /// Serves gRPC `display.GPUDisplay` on the unix socket `path` until
-    /// `cancel`; removes the socket when done.
+    /// `cancel`; removes the socket when done (if still its own). Binds it
+    /// again should another process remove it meanwhile.
     pub fn serve_grpc(
         &self,
         path: &Path,
         mode: u32,
         cancel: CancellationToken,
     ) -> Result<JoinHandle<()>, Error> {
-        grpc::serve(self.shared.clone(), path, mode, cancel)
+        grpc::serve(self.shared.clone(), path, mode, false, cancel)
+    }
+
+    /// [`Display::serve_grpc`], taking the path over from a live server.
+    pub fn serve_grpc_taking_over(
+        &self,
+        path: &Path,
+        mode: u32,
+        cancel: CancellationToken,
+    ) -> Result<JoinHandle<()>, Error> {
+        grpc::serve(self.shared.clone(), path, mode, true, cancel)
     }
 
     /// Serves HTTP on `addr` until `cancel`; returns the bound address.
@@ -217,7 +232,13 @@ impl Display {
             Some(r) => Some(self.start_sampler(BoxedReader(r), opts.sample_period)?),
             None => None,
         };
-        let grpc = self.serve_grpc(&opts.socket, opts.socket_mode, cancel.clone())?;
+        let grpc = grpc::serve(
+            self.shared.clone(),
+            &opts.socket,
+            opts.socket_mode,
+            opts.take_over_socket,
+            cancel.clone(),
+        )?;
         let (http_addr, http) = match self.serve_http(opts.query_addr, cancel.clone()).await {
             Ok(v) => v,
             Err(e) => {

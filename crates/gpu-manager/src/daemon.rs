@@ -3,6 +3,7 @@
 //! Each step is a function; the long-running jobs are [`crate::tasks`].
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,15 +17,17 @@ use crate::config::Settings;
 use crate::display::ManagerSource;
 use crate::events::KubeEvents;
 use crate::extra::ExtraConfig;
+use crate::handover::Node;
 use crate::ids::{VCORE_RESOURCE, VCORE_SOCKET, VMEMORY_RESOURCE, VMEMORY_SOCKET};
 use crate::kube_api::{self, Patcher, PodWatch};
 use crate::kubelet::KubeletRecords;
 use crate::manager::{Manager, ManagerConfig, ManagerParts};
+use crate::mode;
 use crate::node_status;
-use crate::plugin::{VcorePlugin, VmemoryPlugin};
+use crate::owner::{self, Claim};
+use crate::plugin::{self, Gate, VcorePlugin, VmemoryPlugin};
 use crate::pods;
 use crate::runtime;
-use crate::tasks::{AllocationCheck, InventoryPublish, PodRelease};
 use crate::world::{ContainerRuntime, World};
 
 /// A Kubernetes label value from free text (GPU model names have spaces).
@@ -52,7 +55,8 @@ fn ms(t0: Instant) -> u64 {
 pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let s = Arc::new(settings);
-    tracing::info!(node = %s.node_name, share_mode = s.share_mode, host_root = %s.host_root.display(), "gpu-manager starting");
+    let instance = node_agent::mode::instance_id();
+    tracing::info!(node = %s.node_name, share_mode = s.share_mode, host_root = %s.host_root.display(), %instance, "gpu-manager starting");
     let (volumes, extra) = check_configuration(&s)?;
     tracing::info!(ms = ms(t0), "step 1/6: configuration checked");
     let (nvml, found) = discover(&s, t0)?;
@@ -76,34 +80,38 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
     );
 
     let mgr = build_manager(&s, allocator, &found, extra, client.clone(), pods).await;
-    let (recovery, restored) = restore(&mgr).await;
-    let health = node_agent::health::watch(
-        nvml.clone(),
-        mgr.gpus().iter().map(|g| g.uuid.clone()).collect(),
-        s.ignored_xids.clone(),
-        s.xid_quiet_period,
-        &cancel,
-    );
-    crate::health::spawn(mgr.clone(), health, cancel.clone());
-    let (display, running) = start_display(&s, &mgr, &found, &nvml, &cancel).await?;
-    AllocationCheck {
-        mgr: mgr.clone(),
-        period: s.allocation_check_period,
-    }
-    .spawn(cancel.clone());
-    mgr.spawn_lazy_flush(cancel.clone());
-    PodRelease { mgr: mgr.clone() }.spawn(cancel.clone());
-    InventoryPublish {
-        mgr: mgr.clone(),
-        client: client.clone(),
-        node: s.node_name.clone(),
-        period: Duration::from_secs(2),
-    }
-    .spawn(cancel.clone());
-    tracing::info!(ms = ms(t0), restored, "step 5/6: state ready");
-
+    let claim =
+        owner::claim(&s.checkpoint_path, &s.device_plugin_path, &instance).with_context(|| {
+            format!(
+                "taking the ownership lock in --checkpoint-path {}",
+                s.checkpoint_path.display()
+            )
+        })?;
+    let successor = matches!(claim, Claim::HeldBy(_));
+    let (display, running) = start_display(&s, &mgr, &found, &nvml, successor, &cancel).await?;
     let metrics = display.metrics();
-    let handle = start_plugins(&s, &mgr, &metrics, &cancel)?;
+    let (gate_control, gate) = plugin::gate();
+    let node = Node {
+        settings: s.clone(),
+        mgr: mgr.clone(),
+        nvml,
+        client: client.clone(),
+        metrics: metrics.clone(),
+        gate: gate_control,
+        instance: instance.clone(),
+    };
+    let mut held = match claim {
+        Claim::Owned(o) => Some(node.take_over(o, &cancel).await),
+        Claim::HeldBy(who) => {
+            tracing::info!(owner = %who, "another manager owns this node's state (a rolling update with surge?): registering beside it; Allocate waits for its handover");
+            None
+        }
+    };
+
+    let sockets = plugin_sockets(&s.device_plugin_path, &instance);
+    remove_stale_sockets(&s.device_plugin_path);
+    let handle = start_plugins(&s, &mgr, &metrics, &gate, &sockets, &cancel)?;
+    let mut handed_over = false;
     if registered(&handle, &cancel).await {
         let ms = ms(t0);
         tracing::info!(
@@ -112,28 +120,50 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
             ready_excluding_mirror_ms = ms.saturating_sub(mirror_ms),
             "step 6/6: registered with kubelet; ready"
         );
-        metrics.set_recovery_duration(recovery);
         display.set_ready(true);
-        // Kubelet asks for the device lists right after registering.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let (vcore, vmemory) = (
-            node_status::healthy(&mgr.vcore),
-            node_status::healthy(&mgr.vmemory),
-        );
-        node_status::set_allocatable(&client, &s.node_name, vcore, vmemory).await;
+        if held.is_none() {
+            held = node.succeed(&sockets, &cancel).await;
+        }
+        if let Some(h) = held.take() {
+            // Kubelet asks for the device lists right after registering.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let (vcore, vmemory) = (
+                node_status::healthy(&mgr.vcore),
+                node_status::healthy(&mgr.vmemory),
+            );
+            node_status::set_allocatable(&client, &s.node_name, vcore, vmemory).await;
+            held = node.hold(h, &cancel).await;
+            handed_over = held.is_none();
+        }
     }
     cancel.cancelled().await;
     tracing::info!("shutting down");
-    // Releases not yet written (they wait for the next write).
-    let _ = mgr.flush().await;
     display.set_ready(false);
     let plugins = handle.wait().await.context("stopping the device plugins");
-    // Kubelet has no devices from here: the scheduler must not place pods
-    // on them until the next manager registers.
-    node_status::set_allocatable(&client, &s.node_name, 0, 0).await;
+    node.stop(held, handed_over).await;
     running.wait().await;
     plugins?;
     Ok(())
+}
+
+/// This instance's two plugin sockets (vcore, vmemory).
+fn plugin_sockets(dir: &Path, instance: &str) -> [PathBuf; 2] {
+    [VCORE_SOCKET, VMEMORY_SOCKET].map(|s| dir.join(mode::device_plugin_socket(s, instance)))
+}
+
+/// Plugin sockets of managers that died without removing them (nobody
+/// accepts on them; kubelet removes them only when it restarts).
+fn remove_stale_sockets(dir: &Path) {
+    for p in mode::device_plugin_sockets(dir) {
+        if !mode::serving(&p) {
+            match std::fs::remove_file(&p) {
+                Ok(()) => tracing::info!(socket = %p.display(), "removed a stale plugin socket"),
+                Err(e) => {
+                    tracing::warn!(socket = %p.display(), error = %e, "removing a stale plugin socket")
+                }
+            }
+        }
+    }
 }
 
 /// Step 1: the prerequisites that need nothing else.
@@ -251,31 +281,13 @@ async fn build_manager(
     })
 }
 
-/// Recovery: the checkpoint reconciled with the node. Its time and the
-/// containers restored.
-async fn restore(mgr: &Manager) -> (Duration, usize) {
-    let tr = Instant::now();
-    let report = mgr.restore().await;
-    let recovery = tr.elapsed();
-    tracing::info!(
-        recovery_ms = recovery.as_millis() as u64,
-        kept = report.kept,
-        rebuilt = report.rebuilt,
-        released = report.released,
-        orphans_removed = report.orphans_removed,
-        set_aside = ?report.set_aside,
-        unreachable = ?report.unreachable,
-        "recovery finished"
-    );
-    (recovery, report.kept + report.rebuilt)
-}
-
 /// The display service over the manager's state.
 async fn start_display(
     s: &Settings,
     mgr: &Arc<Manager>,
     found: &Discovered,
     nvml: &Arc<nvml_wrapper::Nvml>,
+    take_over_socket: bool,
     cancel: &CancellationToken,
 ) -> anyhow::Result<(gpu_display::Display, gpu_display::Running)> {
     let display = gpu_display::Display::new(Arc::new(ManagerSource {
@@ -299,6 +311,7 @@ async fn start_display(
         s.display_socket.clone(),
         query_addr,
         s.sample_period,
+        take_over_socket,
         cancel,
     )
     .await?;
@@ -310,23 +323,31 @@ async fn start_display(
     Ok((display, running))
 }
 
-/// Step 6: the two device plugins.
+/// Step 6: the two device plugins, on this instance's sockets.
 fn start_plugins(
     s: &Settings,
     mgr: &Arc<Manager>,
     metrics: &gpu_display::ManagerMetrics,
+    gate: &Gate,
+    sockets: &[PathBuf; 2],
     cancel: &CancellationToken,
 ) -> anyhow::Result<RuntimeHandle> {
+    let name = |p: &PathBuf| {
+        p.file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned()
+    };
     PluginRuntime::new(&s.device_plugin_path)
         .plugin(
             VCORE_RESOURCE,
-            VCORE_SOCKET,
-            Arc::new(VcorePlugin(mgr.clone(), metrics.clone())),
+            name(&sockets[0]),
+            Arc::new(VcorePlugin(mgr.clone(), metrics.clone(), gate.clone())),
         )
         .plugin(
             VMEMORY_RESOURCE,
-            VMEMORY_SOCKET,
-            Arc::new(VmemoryPlugin(mgr.clone(), metrics.clone())),
+            name(&sockets[1]),
+            Arc::new(VmemoryPlugin(mgr.clone(), metrics.clone(), gate.clone())),
         )
         .start(cancel.clone())
         .context("starting the device plugins")

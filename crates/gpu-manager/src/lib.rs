@@ -31,12 +31,14 @@ pub mod display;
 #[cfg(test)]
 pub mod doubles;
 pub mod events;
+pub mod handover;
 pub mod health;
 pub mod ids;
 pub mod kube_api;
 pub mod kubelet;
 pub mod manager;
 pub mod node_status;
+pub mod owner;
 pub mod plugin;
 pub mod pods;
 pub mod recovery;

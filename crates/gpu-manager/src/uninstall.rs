@@ -13,21 +13,34 @@
 use std::path::PathBuf;
 
 use crate::config::Settings;
-use crate::ids::{VCORE_SOCKET, VMEMORY_SOCKET};
+use crate::mode;
 
 /// The host paths the manager created: removed (recursively) when present;
 /// returns those removed. The device-plugin directory itself is kubelet's:
-/// only the manager's two sockets go.
+/// only the managers' plugin sockets go.
 pub fn remove_state(s: &Settings) -> Result<Vec<PathBuf>, String> {
-    let targets = [
+    let mut targets = vec![
         s.virtual_manager_path.clone(),
         s.vdriver_path.clone(),
         s.checkpoint_path.clone(),
-        s.device_plugin_path.join(VCORE_SOCKET),
-        s.device_plugin_path.join(VMEMORY_SOCKET),
         s.display_socket.clone(),
     ];
+    targets.extend(mode::device_plugin_sockets(&s.device_plugin_path));
     node_agent::in_use::remove_paths(targets)
+}
+
+/// What keeps the uninstall waiting: live shares, and a manager still
+/// serving (its overlay not deleted yet, or its pod still stopping).
+fn blockers(s: &Settings) -> Vec<String> {
+    let mut v: Vec<String> = node_agent::in_use::shares_in_use(&s.virtual_manager_path)
+        .into_iter()
+        .collect();
+    for p in mode::device_plugin_sockets(&s.device_plugin_path) {
+        if mode::serving(&p) {
+            v.push(format!("gpu-manager still serves on {}", p.display()));
+        }
+    }
+    v
 }
 
 /// Runs the mode: waits (checking every `retry`) until no share is in use,
@@ -38,9 +51,7 @@ pub async fn run(
     retry: std::time::Duration,
     cancel: &tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<Option<String>> {
-    let vm = &s.virtual_manager_path;
-    let blockers = || node_agent::in_use::shares_in_use(vm).into_iter().collect();
-    if !node_agent::in_use::wait_until_clear(blockers, retry, cancel).await {
+    if !node_agent::in_use::wait_until_clear(|| blockers(s), retry, cancel).await {
         return Ok(None);
     }
     let removed = remove_state(s).map_err(anyhow::Error::msg)?;

@@ -500,19 +500,17 @@ impl KubeletEmulator {
             return;
         };
         let ep_cancel = cancel.child_token();
-        {
-            let mut st = self.inner.state.lock().unwrap();
-            if let Some(old) = st.clients.insert(
-                resource.clone(),
-                Endpoint {
-                    seq,
-                    client,
-                    cancel: ep_cancel.clone(),
-                },
-            ) {
-                old.cancel.cancel(); // a re-registration replaces the old endpoint
-            }
-        }
+        // A re-registration replaces the endpoint calls go to; the older
+        // client is not disconnected and its stream still feeds the devices
+        // (kubelet's `registerClient` only overwrites the map entry).
+        self.inner.state.lock().unwrap().clients.insert(
+            resource.clone(),
+            Endpoint {
+                seq,
+                client,
+                cancel: ep_cancel.clone(),
+            },
+        );
         self.inner.view.send_modify(|v| {
             let r = v
                 .resources
@@ -535,11 +533,18 @@ impl KubeletEmulator {
         });
         tracing::info!(%resource, endpoint = %req.endpoint, "plugin connected");
         self.follow_devices(&resource, stream, &ep_cancel).await;
-        // Only the newest registration of the resource may mark it gone.
+        // Whichever client's stream ended, kubelet ≥ 1.26 disconnects the
+        // resource's *current* client and marks its devices unhealthy
+        // (`pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go`,
+        // `runClient` → `getClient(name)` → `disconnectClient`): an older
+        // instance stopping drops the newer one's registration too.
         let mut st = self.inner.state.lock().unwrap();
-        if st.clients.get(&resource).is_some_and(|e| e.seq == seq) {
-            st.clients.remove(&resource);
+        if let Some(current) = st.clients.remove(&resource) {
             drop(st);
+            if current.seq != seq {
+                tracing::info!(%resource, "an older client's stream ended: disconnecting the current one");
+            }
+            current.cancel.cancel();
             self.inner.view.send_modify(|v| {
                 if let Some(r) = v.resources.get_mut(&resource) {
                     r.connected = false;

@@ -11,13 +11,16 @@ use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
 /// Starts `display` (gRPC on `socket`, HTTP on `query_addr`), sampling
-/// the GPUs through `nvml` every `sample_period`.
+/// the GPUs through `nvml` every `sample_period`. `take_over_socket`: bind
+/// the socket even while a live server answers on it (the manager this one
+/// replaces).
 pub async fn start(
     display: &gpu_display::Display,
     nvml: &Arc<nvml_wrapper::Nvml>,
     socket: PathBuf,
     query_addr: SocketAddr,
     sample_period: Duration,
+    take_over_socket: bool,
     cancel: &CancellationToken,
 ) -> anyhow::Result<gpu_display::Running> {
     let reader = gpu_display::NvmlReader::new(nvml.clone(), sample_period);
@@ -27,6 +30,7 @@ pub async fn start(
                 socket,
                 query_addr,
                 sample_period,
+                take_over_socket,
                 ..Default::default()
             },
             Some(Box::new(reader)),

@@ -38,9 +38,61 @@ pub fn dra_registration_sockets(registry_dir: &Path) -> Vec<PathBuf> {
     v.sort();
     v
 }
-/// The device plugins' sockets in the kubelet's `device-plugins` directory.
+/// The device plugins' sockets in the kubelet's `device-plugins` directory
+/// before each manager start named its own ([`device_plugin_socket`]);
+/// still matched, so a node upgraded from them is seen.
 pub const VCORE_SOCKET: &str = "vcore.sock";
 pub const VMEMORY_SOCKET: &str = "vmemory.sock";
+const DEVICE_PLUGIN_STEMS: [&str; 2] = ["vcore", "vmemory"];
+
+/// A name no other process start on this node has: start time (ms), PID
+/// and a counter for several instances in one process (tests).
+pub fn instance_id() -> String {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{ms}-{}-{n}", std::process::id())
+}
+
+/// One manager instance's socket for `legacy` ([`VCORE_SOCKET`] or
+/// [`VMEMORY_SOCKET`]): `vcore-<instance>.sock`. Its own names let a new
+/// manager register beside the one it replaces (a rolling update with
+/// surge) without either removing the other's socket.
+pub fn device_plugin_socket(legacy: &str, instance: &str) -> String {
+    let stem = legacy.strip_suffix(".sock").unwrap_or(legacy);
+    format!("{stem}-{instance}.sock")
+}
+
+/// Whether `name` (a file in `device-plugins`) is a manager's plugin
+/// socket, of any instance or of the fixed names of old.
+pub fn is_device_plugin_socket(name: &str) -> bool {
+    let Some(stem) = name.strip_suffix(".sock") else {
+        return false;
+    };
+    DEVICE_PLUGIN_STEMS.iter().any(|s| {
+        stem == *s
+            || stem
+                .strip_prefix(s)
+                .and_then(|r| r.strip_prefix('-'))
+                .is_some_and(|inst| inst.starts_with(|c: char| c.is_ascii_digit()))
+    })
+}
+
+/// Every manager plugin socket file in `device_plugin_dir`, live or not.
+pub fn device_plugin_sockets(device_plugin_dir: &Path) -> Vec<PathBuf> {
+    let Ok(rd) = std::fs::read_dir(device_plugin_dir) else {
+        return Vec::new();
+    };
+    let mut v: Vec<PathBuf> = rd
+        .flatten()
+        .filter(|e| is_device_plugin_socket(&e.file_name().to_string_lossy()))
+        .map(|e| e.path())
+        .collect();
+    v.sort();
+    v
+}
 
 /// Whether something accepts connections on `sock`.
 pub fn serving(sock: &Path) -> bool {
@@ -56,13 +108,12 @@ pub fn registry_beside(device_plugin_dir: &Path) -> PathBuf {
         .join("plugins_registry")
 }
 
-/// The manager's device-plugin sockets beside a kubelet `plugins_registry`.
-pub fn device_plugin_sockets_beside(registry_dir: &Path) -> [PathBuf; 2] {
-    let d = registry_dir
+/// The kubelet's `device-plugins` beside its `plugins_registry`.
+pub fn device_plugins_beside(registry_dir: &Path) -> PathBuf {
+    registry_dir
         .parent()
         .unwrap_or(Path::new("/"))
-        .join("device-plugins");
-    [d.join(VCORE_SOCKET), d.join(VMEMORY_SOCKET)]
+        .join("device-plugins")
 }
 
 /// For the manager: an error naming the live DRA driver's socket.
@@ -80,7 +131,7 @@ pub fn refuse_if_dra_serving(device_plugin_dir: &Path) -> Result<(), String> {
 
 /// For the DRA driver: an error naming the manager's live plugin socket.
 pub fn refuse_if_device_plugins_serving(registry_dir: &Path) -> Result<(), String> {
-    for s in device_plugin_sockets_beside(registry_dir) {
+    for s in device_plugin_sockets(&device_plugins_beside(registry_dir)) {
         if serving(&s) {
             return Err(format!(
                 "gpu-manager's device plugins are serving on this node ({} accepts connections): a node runs one mode, device plugins or DRA; stop gpu-manager first",
@@ -126,8 +177,18 @@ mod tests {
         assert!(e.contains(&name), "{e}");
         drop(_inst);
 
-        let _vmem = std::os::unix::net::UnixListener::bind(dp.join(VMEMORY_SOCKET)).unwrap();
+        let vmem = std::os::unix::net::UnixListener::bind(dp.join(VMEMORY_SOCKET)).unwrap();
         let e = refuse_if_device_plugins_serving(&reg).unwrap_err();
         assert!(e.contains("vmemory.sock accepts connections"), "{e}");
+        drop(vmem);
+        // An instance's own name is seen too; another plugin's is not.
+        let name = device_plugin_socket(VCORE_SOCKET, "1764245000000-42-0");
+        assert_eq!(name, "vcore-1764245000000-42-0.sock");
+        let _nv = std::os::unix::net::UnixListener::bind(dp.join("nvidia-gpu.sock")).unwrap();
+        let _kl = std::os::unix::net::UnixListener::bind(dp.join("vcore-x.sock")).unwrap();
+        assert_eq!(refuse_if_device_plugins_serving(&reg), Ok(()));
+        let _inst = std::os::unix::net::UnixListener::bind(dp.join(&name)).unwrap();
+        let e = refuse_if_device_plugins_serving(&reg).unwrap_err();
+        assert!(e.contains(&name), "{e}");
     }
 }

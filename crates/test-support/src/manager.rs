@@ -294,7 +294,18 @@ impl Env {
             .collect()
     }
 
-    /// Allocate on vcore.sock directly (not through the emulator, which
+    /// The socket kubelet calls for `resource` now (each manager start
+    /// names its own: `vcore-<instance>.sock`).
+    pub fn plugin_socket(&self, resource: &str) -> PathBuf {
+        let view = self.kubelet.view().borrow().clone();
+        let r = view
+            .resources
+            .get(resource)
+            .unwrap_or_else(|| panic!("{resource} is not registered"));
+        self.kubelet.dir().join(&r.endpoint)
+    }
+
+    /// Allocate on the vcore plugin's socket directly (not through the emulator, which
     /// would refuse first for lack of free IDs): the manager's own capacity
     /// check. `ids` are of GPU 0's vcores no allocation holds (held ones
     /// would tell the manager that kubelet let their holder go).
@@ -302,12 +313,9 @@ impl Env {
         use vcuda_api::deviceplugin::v1beta1::{
             AllocateRequest, ContainerAllocateRequest, device_plugin_client::DevicePluginClient,
         };
-        let ch = device_plugin::connect_unix(
-            self.kubelet.dir().join("vcore.sock"),
-            Duration::from_secs(2),
-        )
-        .await
-        .unwrap();
+        let ch = device_plugin::connect_unix(self.plugin_socket(VCORE), Duration::from_secs(2))
+            .await
+            .unwrap();
         DevicePluginClient::new(ch)
             .allocate(AllocateRequest {
                 container_requests: vec![ContainerAllocateRequest {

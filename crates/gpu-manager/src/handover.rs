@@ -1,0 +1,188 @@
+//! Taking the node's state over and handing it on ([`crate::owner`]).
+//!
+//! A rolling update with surge: the new manager registers beside the old
+//! one (kubelet calls the newer registration) and names itself the
+//! successor; the old one, seeing it, refuses new calls, lets those in
+//! progress finish, writes what it has not written, stops its state jobs
+//! and gives up the lock; the new one then reads the state and opens. The
+//! old one keeps serving the running shares' `vcuda.sock` connections
+//! until its pod is deleted. A manager without a successor (a plain
+//! restart, kubelet 1.20 without surge) writes the node's allocatable 0
+//! when it stops ([`crate::node_status`]).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Settings;
+use crate::manager::Manager;
+use crate::owner::{self, Owner};
+use crate::plugin::GateControl;
+use crate::tasks::{AllocationCheck, InventoryPublish, PodRelease};
+
+/// How often an owner looks for a successor.
+const SUCCESSOR_POLL: Duration = Duration::from_millis(100);
+
+/// What an owner holds: the lock and the jobs that change the state.
+pub struct Held {
+    owner: Owner,
+    jobs: CancellationToken,
+}
+
+/// Everything a takeover needs.
+pub struct Node {
+    pub settings: Arc<Settings>,
+    pub mgr: Arc<Manager>,
+    pub nvml: Arc<nvml_wrapper::Nvml>,
+    pub client: kube::Client,
+    pub metrics: gpu_display::ManagerMetrics,
+    pub gate: GateControl,
+    pub instance: String,
+}
+
+impl Node {
+    fn dir(&self) -> &std::path::Path {
+        &self.settings.checkpoint_path
+    }
+
+    /// Reads the state (recovery), starts the jobs that change it and
+    /// opens the gate.
+    pub async fn take_over(&self, owner: Owner, cancel: &CancellationToken) -> Held {
+        let t = Instant::now();
+        let report = self.mgr.restore().await;
+        let recovery = t.elapsed();
+        tracing::info!(
+            recovery_ms = recovery.as_millis() as u64,
+            kept = report.kept,
+            rebuilt = report.rebuilt,
+            released = report.released,
+            orphans_removed = report.orphans_removed,
+            set_aside = ?report.set_aside,
+            unreachable = ?report.unreachable,
+            "recovery finished"
+        );
+        let jobs = cancel.child_token();
+        self.start_jobs(&jobs);
+        self.metrics.set_recovery_duration(recovery);
+        self.gate.open();
+        tracing::info!(
+            restored = report.kept + report.rebuilt,
+            instance = %self.instance,
+            "step 5/6: state ready"
+        );
+        Held { owner, jobs }
+    }
+
+    fn start_jobs(&self, jobs: &CancellationToken) {
+        let (s, mgr) = (&self.settings, &self.mgr);
+        let health = node_agent::health::watch(
+            self.nvml.clone(),
+            mgr.gpus().iter().map(|g| g.uuid.clone()).collect(),
+            s.ignored_xids.clone(),
+            s.xid_quiet_period,
+            jobs,
+        );
+        crate::health::spawn(mgr.clone(), health, jobs.clone());
+        AllocationCheck {
+            mgr: mgr.clone(),
+            period: s.allocation_check_period,
+        }
+        .spawn(jobs.clone());
+        mgr.spawn_lazy_flush(jobs.clone());
+        PodRelease { mgr: mgr.clone() }.spawn(jobs.clone());
+        InventoryPublish {
+            mgr: mgr.clone(),
+            client: self.client.clone(),
+            node: s.node_name.clone(),
+            period: Duration::from_secs(2),
+        }
+        .spawn(jobs.clone());
+    }
+
+    /// For a manager started beside an owner: names itself the successor,
+    /// waits for the owner to hand over, takes over. `None`: cancelled.
+    pub async fn succeed(&self, sockets: &[PathBuf], cancel: &CancellationToken) -> Option<Held> {
+        if let Err(e) = owner::announce(self.dir(), &self.instance, sockets) {
+            tracing::error!(error = %e, dir = %self.dir().display(), "cannot name this manager the successor; the owner hands over only when it stops");
+        }
+        let t = Instant::now();
+        let owner = owner::wait(
+            self.dir(),
+            &self.settings.device_plugin_path,
+            &self.instance,
+            cancel,
+        )
+        .await;
+        let held = match owner {
+            Some(o) => {
+                tracing::info!(
+                    waited_ms = t.elapsed().as_millis() as u64,
+                    "the previous manager handed the node over"
+                );
+                Some(self.take_over(o, cancel).await)
+            }
+            None => None,
+        };
+        owner::withdraw(self.dir(), &self.instance);
+        held
+    }
+
+    /// Runs until `cancel` or a successor: then hands the state over and
+    /// returns `None`; on `cancel` returns the state still held.
+    pub async fn hold(&self, held: Held, cancel: &CancellationToken) -> Option<Held> {
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => return Some(held),
+                () = tokio::time::sleep(SUCCESSOR_POLL) => {}
+            }
+            if let Some(next) = owner::successor(self.dir(), &self.instance) {
+                self.hand_over(held, &next).await;
+                return None;
+            }
+        }
+    }
+
+    async fn hand_over(&self, held: Held, to: &str) {
+        let t = Instant::now();
+        tracing::info!(successor = %to, "a new manager is registered beside this one: handing the node over");
+        self.gate.hand_over(to).await;
+        held.jobs.cancel();
+        // Releases not yet written (they wait for the next write).
+        if let Err(e) = self.mgr.flush().await {
+            tracing::error!(error = %e.message(), "writing the checkpoint before the handover failed; the successor's recovery rebuilds what it lacks");
+        }
+        drop(held.owner);
+        tracing::info!(
+            successor = %to,
+            ms = t.elapsed().as_millis() as u64,
+            "handed over; serving the running shares' connections until this pod stops"
+        );
+    }
+
+    /// At shutdown, with the plugins stopped: an owner writes what it has
+    /// not written and, unless a successor serves, the node's allocatable 0.
+    pub async fn stop(&self, held: Option<Held>, handed_over: bool) {
+        let Some(held) = held else {
+            if handed_over {
+                tracing::info!("the node's state is the successor's; nothing to write");
+            }
+            return;
+        };
+        held.jobs.cancel();
+        let _ = self.mgr.flush().await;
+        match owner::successor(self.dir(), &self.instance) {
+            Some(next) => {
+                tracing::info!(successor = %next, "a new manager is registered: leaving the node's vcuda allocatable to it")
+            }
+            // Kubelet has no devices from here: the scheduler must not place
+            // pods on them until the next manager registers.
+            None => {
+                crate::node_status::set_allocatable(&self.client, &self.settings.node_name, 0, 0)
+                    .await
+            }
+        }
+        drop(held.owner);
+    }
+}

@@ -1,0 +1,182 @@
+//! Issue 24: a rolling update with surge in device-plugin mode. The new
+//! manager starts beside the old one on the same node (same checkpoint,
+//! vm directories, display socket, kubelet), registers under its own
+//! socket names and holds Allocate until the old one has handed the state
+//! over; the old one, stopping afterwards, leaves the node's allocatable
+//! alone. The kubelet emulator behaves as kubelet ≥ 1.26 does
+//! (`pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go`, `runClient`):
+//! when the old manager's streams end it disconnects the *newest*
+//! registration, which must register again.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use test_support::cmdline;
+use test_support::manager::{Env, NODE, Options, VCORE, VMEM};
+
+fn signal(child: &Child, sig: i32) {
+    // SAFETY: a signal to our own child, not yet reaped.
+    unsafe { libc::kill(child.id() as i32, sig) };
+}
+
+/// The same command line as `env`'s manager, logging to `log`.
+fn start_beside(env: &Env, log: &Path) -> Child {
+    let args = cmdline(env.manager.id());
+    Command::new(&args[0])
+        .args(&args[1..])
+        .env("RUST_LOG", "info,gpu_manager=debug")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+async fn wait_text(path: &Path, needle: &str) -> String {
+    let t = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if text.contains(needle) {
+            return text;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "no {needle:?} in {}:\n{text}",
+            path.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn endpoint(env: &Env, resource: &str) -> Option<String> {
+    let v = env.kubelet.view().borrow().clone();
+    v.resources
+        .get(resource)
+        .filter(|r| r.connected)
+        .map(|r| r.endpoint.clone())
+}
+
+fn allocatable(env: &Env) -> serde_json::Value {
+    env.api.node(NODE).unwrap()["status"]["allocatable"][VCORE].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manager_started_beside_the_old_one_takes_over_and_no_call_fails() {
+    let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
+    let p1 = env.pod(&[("main", 30, 4)], &[]);
+    env.admit(&p1, "main", 30, 4).await.unwrap();
+    let old_vcore = endpoint(&env, VCORE).unwrap();
+    assert!(
+        old_vcore.starts_with("vcore-") && old_vcore != "vcore.sock",
+        "each start names its own socket: {old_vcore}"
+    );
+
+    // The old manager is frozen, so it cannot hand over yet: the new one
+    // must register and then hold kubelet's calls.
+    signal(&env.manager, libc::SIGSTOP);
+    let new_log = env.tmp.path().join("new-manager.log");
+    let mut new = start_beside(&env, &new_log);
+    env.kubelet
+        .wait_for(Duration::from_secs(30), |v| {
+            [VCORE, VMEM].iter().all(|r| {
+                v.resources
+                    .get(*r)
+                    .is_some_and(|x| x.connected && !x.endpoint.ends_with(&old_vcore[6..]))
+            })
+        })
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the new manager never registered beside the old one:\n{}",
+                std::fs::read_to_string(&new_log).unwrap_or_default()
+            )
+        });
+    wait_text(&new_log, "another manager owns this node's state").await;
+    assert!(
+        Path::new(&env.display_socket).exists(),
+        "the display socket was taken over"
+    );
+    let p2 = env.pod(&[("main", 20, 2)], &[]);
+    let kubelet = env.kubelet.clone();
+    let p2c = p2.clone();
+    let admit =
+        tokio::spawn(async move { kubelet.admit(&p2c, "main", &[(VCORE, 20), (VMEM, 2)]).await });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        !admit.is_finished(),
+        "the new manager answered Allocate before it owned the state"
+    );
+
+    // Thawed, the old one sees its successor and hands over; the held
+    // Allocate is answered from the state it left.
+    signal(&env.manager, libc::SIGCONT);
+    tokio::time::timeout(Duration::from_secs(10), admit)
+        .await
+        .expect("the held Allocate was never answered")
+        .unwrap()
+        .expect("the held Allocate failed");
+    wait_text(&env.log, "handed over; serving the running shares").await;
+    wait_text(&new_log, "the previous manager handed the node over").await;
+    let allocs = env.allocations_by_container();
+    assert!(
+        allocs.keys().any(|k| k.contains(&p1.uid)) && allocs.keys().any(|k| k.contains(&p2.uid)),
+        "the checkpoint holds the old manager's allocation and the new one's: {allocs:?}"
+    );
+    // The old one answers nothing any more, with a reason.
+    let old = env.kubelet.dir().join(&old_vcore);
+    let ch = device_plugin::connect_unix(&old, Duration::from_secs(2))
+        .await
+        .unwrap();
+    let e = vcuda_api::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient::new(ch)
+        .allocate(vcuda_api::deviceplugin::v1beta1::AllocateRequest {
+            container_requests: vec![vcuda_api::deviceplugin::v1beta1::ContainerAllocateRequest {
+                devices_ids: vec!["vcore-1-00".into()],
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("handed the node over"), "{e:?}");
+
+    // The old one stops (its pod deleted). Its streams ending make the
+    // kubelet drop the new registration; the new manager registers again,
+    // and the node's allocatable is not written to 0.
+    let before = allocatable(&env);
+    assert_ne!(before, serde_json::json!("0"));
+    let regs = env.kubelet.view().borrow().resources[VCORE].registrations;
+    signal(&env.manager, libc::SIGTERM);
+    let t = Instant::now();
+    while env.manager.try_wait().unwrap().is_none() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the old manager did not stop"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let old_text = wait_text(&env.log, "the node's state is the successor's").await;
+    assert!(!old_text.contains("vcuda allocatable written node=sim-node vcore=0"));
+    env.kubelet
+        .wait_for(Duration::from_secs(10), |v| {
+            let r = &v.resources[VCORE];
+            r.connected && r.registrations > regs
+        })
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the new manager did not register again after the kubelet dropped it:\n{}",
+                std::fs::read_to_string(&new_log).unwrap_or_default()
+            )
+        });
+    wait_text(&new_log, "kubelet dropped this registration").await;
+    assert_eq!(allocatable(&env), before);
+    assert!(
+        Path::new(&env.display_socket).exists(),
+        "the old manager removed the new one's display socket"
+    );
+    let p3 = env.pod(&[("main", 10, 1)], &[]);
+    env.admit(&p3, "main", 10, 1).await.unwrap();
+
+    // From here Env's drop stops the new manager.
+    std::mem::swap(&mut env.manager, &mut new);
+    let _ = new.wait();
+}
