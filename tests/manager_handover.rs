@@ -33,6 +33,16 @@ fn start_beside(env: &Env, log: &Path) -> Child {
         .unwrap()
 }
 
+/// Stops the second manager however the test ends.
+struct Stop(Child);
+
+impl Drop for Stop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 async fn wait_text(path: &Path, needle: &str) -> String {
     let t = Instant::now();
     loop {
@@ -76,7 +86,7 @@ async fn a_manager_started_beside_the_old_one_takes_over_and_no_call_fails() {
     // must register and then hold kubelet's calls.
     signal(&env.manager, libc::SIGSTOP);
     let new_log = env.tmp.path().join("new-manager.log");
-    let mut new = start_beside(&env, &new_log);
+    let mut new = Stop(start_beside(&env, &new_log));
     env.kubelet
         .wait_for(Duration::from_secs(30), |v| {
             [VCORE, VMEM].iter().all(|r| {
@@ -176,7 +186,6 @@ async fn a_manager_started_beside_the_old_one_takes_over_and_no_call_fails() {
     let p3 = env.pod(&[("main", 10, 1)], &[]);
     env.admit(&p3, "main", 10, 1).await.unwrap();
 
-    // From here Env's drop stops the new manager.
-    std::mem::swap(&mut env.manager, &mut new);
-    let _ = new.wait();
+    // From here Env's drop stops the new manager (with SIGTERM).
+    std::mem::swap(&mut env.manager, &mut new.0);
 }

@@ -19,8 +19,9 @@ use test_support::{Capability, require};
 
 /// The overlays this file knows what to expect of; a new overlay fails
 /// [`every_overlay_renders_with_every_kubectl`] until it is added here.
-const OVERLAYS: [&str; 7] = [
+const OVERLAYS: [&str; 8] = [
     "share",
+    "share-before-1.22",
     "whole-gpu",
     "dra",
     "scheduler",
@@ -212,6 +213,25 @@ fn each_overlay_installs_what_its_name_says() {
     assert!(!args(ds).iter().any(|a| a.starts_with("--share-mode")));
     find(&share, "ConfigMap", "gpu-manager");
     find(&share, "Service", "gpu-manager-metrics");
+    // Upgrades start the new manager beside the old one; before 1.22 the
+    // old one goes first (no DaemonSet surge there), nothing else differs.
+    let surge = &ds["spec"]["updateStrategy"]["rollingUpdate"];
+    assert_eq!(
+        (&surge["maxSurge"], &surge["maxUnavailable"]),
+        (&serde_json::json!(1), &serde_json::json!(0))
+    );
+    let old = render(k, &overlay("share-before-1.22"));
+    let ods = find(&old, "DaemonSet", "gpu-manager");
+    assert_eq!(
+        ods["spec"]["updateStrategy"]["rollingUpdate"],
+        serde_json::json!({"maxUnavailable": 1})
+    );
+    let mut same = ods.clone();
+    same["spec"]["updateStrategy"] = ds["spec"]["updateStrategy"].clone();
+    assert_eq!(
+        &same, ds,
+        "share-before-1.22 changes only the update strategy"
+    );
 
     let whole = render(k, &overlay("whole-gpu"));
     let wds = find(&whole, "DaemonSet", "gpu-manager");

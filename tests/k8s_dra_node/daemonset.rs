@@ -281,8 +281,7 @@ fn rolling_update(n: &Node, bin: &Path, sim: &Path) {
             n,
             "a rolling update of the driver's DaemonSet",
             &prefix,
-            "gpu-5",
-            (bin, sim),
+            |p| pod(p, "gpu-5", "sleep 100000", bin, sim),
             10,
             std::time::Duration::from_millis(400),
             || {

@@ -31,8 +31,13 @@
 //! pod registers again and is still held to 1 GiB) and prepares new ones;
 //! deleting a pod unprepares its claim. Printed: claim-to-running latency
 //! and NodePrepareResources p50 / p99.
+//!
+//! Last, the device-plugin mode on the same node (`device_plugins.rs`:
+//! gpu-manager's DaemonSet, rolling updates with surge, issue 24);
+//! `VCUDA_DRA_NODE_ONLY=device-plugins` runs that phase alone.
 
 mod daemonset;
+mod device_plugins;
 mod parts;
 mod windows;
 
@@ -117,6 +122,16 @@ fn dra_on_a_real_node() {
     // A namespace a killed earlier run left: its pods' claims can only be
     // unprepared by a running driver, so it goes once the driver is up.
     let _ = n.kubectl(&["delete", "namespace", NS, "--wait=false"]);
+    if std::env::var("VCUDA_DRA_NODE_ONLY").as_deref() == Ok("device-plugins") {
+        wait("no namespace of an earlier run", 120, || {
+            match n.kubectl(&["get", "namespace", NS]) {
+                Ok(_) => Err("still there".into()),
+                Err(_) => Ok(()),
+            }
+        });
+        device_plugins::device_plugin_phase(&n, &node, w, &sim, &bin);
+        return;
+    }
 
     // ------------------------------------------------ the driver
     let vm = w.join("vm");
@@ -518,6 +533,7 @@ fn dra_on_a_real_node() {
     n.ok(&["delete", "resourceslice", &slice_name]);
 
     daemonset::daemonset_phase(&n, &node, w, &sim, &bin);
+    device_plugins::device_plugin_phase(&n, &node, w, &sim, &bin);
 }
 
 /// Pods created while the driver restarts (issue 24), all Running within
@@ -538,8 +554,7 @@ fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path, w: &P
             n,
             "a kill -9 of the supervised driver",
             &prefix,
-            "gpu-5",
-            (bin, sim),
+            |p| pod(p, "gpu-5", "sleep 100000", bin, sim),
             8,
             every,
             || windows::kill_worker(&ours),
@@ -554,8 +569,7 @@ fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path, w: &P
         n,
         "a kill -9 of the whole driver (supervisor too) and its start",
         "restart",
-        "gpu-5",
-        (bin, sim),
+        |p| pod(p, "gpu-5", "sleep 100000", bin, sim),
         6,
         every,
         || {

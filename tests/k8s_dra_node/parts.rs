@@ -225,6 +225,28 @@ spec:
 /// /work and the simulated driver's state at /run/gpu-sim, holding one
 /// claim from `template`.
 pub fn pod(name: &str, template: &str, cmd: &str, bin: &Path, sim: &Path) -> String {
+    let claim =
+        format!("  resourceClaims:\n  - name: gpu\n    resourceClaimTemplateName: {template}\n");
+    pod_asking(name, &claim, "claims: [{name: gpu}]", cmd, bin, sim)
+}
+
+/// The same pod asking the device plugins for a share: `cores` of
+/// `tencent.com/vcuda-core`, `units` of `tencent.com/vcuda-memory`.
+pub fn share_pod(name: &str, cores: u32, units: u32, cmd: &str, bin: &Path, sim: &Path) -> String {
+    let limits = format!(
+        "limits: {{tencent.com/vcuda-core: \"{cores}\", tencent.com/vcuda-memory: \"{units}\"}}"
+    );
+    pod_asking(name, "", &limits, cmd, bin, sim)
+}
+
+fn pod_asking(
+    name: &str,
+    pod_spec: &str,
+    resources: &str,
+    cmd: &str,
+    bin: &Path,
+    sim: &Path,
+) -> String {
     let lib64 = Path::new("/usr/lib64").exists();
     format!(
         r#"apiVersion: v1
@@ -233,16 +255,13 @@ metadata: {{name: {name}, namespace: {NS}}}
 spec:
   restartPolicy: Never
   terminationGracePeriodSeconds: 1
-  resourceClaims:
-  - name: gpu
-    resourceClaimTemplateName: {template}
-  containers:
+{pod_spec}  containers:
   - name: main
     image: {IMAGE}
     imagePullPolicy: Never
     command: ["/bin/sh", "-c", {cmd:?}]
     resources:
-      claims: [{{name: gpu}}]
+      {resources}
     volumeMounts:
     - {{name: glibc, mountPath: /lib/x86_64-linux-gnu, readOnly: true}}
 {m64}    - {{name: work, mountPath: /work, readOnly: true}}

@@ -6,7 +6,6 @@
 
 use serde_json::Value;
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use test_support::k8s::util::percentile;
@@ -67,7 +66,7 @@ impl Window {
     }
 }
 
-/// Creates `count` pods named `<prefix>-<i>` (claims from `template`), one
+/// Creates `count` pods named `<prefix>-<i>` (`yaml` of each name), one
 /// every `every`, runs `disrupt` once the first two are created, and times
 /// each to Running (up to `secs`).
 #[allow(clippy::too_many_arguments)]
@@ -75,8 +74,7 @@ pub fn pods_during(
     n: &Node,
     what: &str,
     prefix: &str,
-    template: &str,
-    (bin, sim): (&Path, &Path),
+    yaml: impl Fn(&str) -> String,
     count: usize,
     every: Duration,
     disrupt: impl FnOnce(),
@@ -84,10 +82,7 @@ pub fn pods_during(
 ) -> Window {
     let created: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
     let names: Vec<String> = (0..count).map(|i| format!("{prefix}-{i}")).collect();
-    let yamls: Vec<String> = names
-        .iter()
-        .map(|p| pod(p, template, "sleep 100000", bin, sim))
-        .collect();
+    let yamls: Vec<String> = names.iter().map(|p| yaml(p)).collect();
     let node = Node {
         kubeconfig: n.kubeconfig.clone(),
         containerd: n.containerd.clone(),
