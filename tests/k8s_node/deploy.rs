@@ -11,7 +11,7 @@ use test_support::workspace_root;
 
 /// deploy/ copied into the cluster's work directory with the test overlay's
 /// placeholders filled in (`deploy/test/daemonset-sim-patch.yaml`), then
-/// `kubectl apply -k` of the copy's `test/`: deploy/overlays/share plus the
+/// `kubectl apply -k` of the copy's `test/`: deploy/overlays/share-before-1.22 plus the
 /// patch, installed as an operator installs an overlay of their own.
 fn apply_test_overlay(c: &Cluster, w: &Work) -> std::path::PathBuf {
     let copy = c.dir.join("work/deploy");

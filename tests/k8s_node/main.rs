@@ -23,7 +23,7 @@
 //!     a new process registers; kubelet restarted: resources back, pods
 //!     undisturbed; pods deleted: allocations released, the host manager
 //!     stopped;
-//!  3. `deploy/overlays/share` applied as users apply an overlay
+//!  3. `deploy/overlays/share-before-1.22` applied as users apply an overlay
 //!     (`kubectl apply -k`), through the test overlay `deploy/test/` (local
 //!     image, host paths of the simulated root): the DaemonSet Ready under the RBAC authorizer with
 //!     only the ClusterRole's verbs, a share pod served, a refusal as a
