@@ -189,3 +189,56 @@ async fn a_manager_started_beside_the_old_one_takes_over_and_no_call_fails() {
     // From here Env's drop stops the new manager (with SIGTERM).
     std::mem::swap(&mut env.manager, &mut new.0);
 }
+
+/// A new version that dies once it has taken over (a crash after its
+/// registration): the old manager, still running, takes the node back,
+/// with what the new one allocated, and kubelet calls it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_old_manager_takes_the_node_back_when_the_new_one_dies() {
+    let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
+    let p1 = env.pod(&[("main", 30, 4)], &[]);
+    env.admit(&p1, "main", 30, 4).await.unwrap();
+    let old_vcore = endpoint(&env, VCORE).unwrap();
+    let new_log = env.tmp.path().join("new-manager.log");
+    let mut new = Stop(start_beside(&env, &new_log));
+    wait_text(&new_log, "the previous manager handed the node over").await;
+    let p2 = env.pod(&[("main", 20, 2)], &[]);
+    env.admit(&p2, "main", 20, 2).await.unwrap();
+    assert_ne!(endpoint(&env, VCORE).as_deref(), Some(old_vcore.as_str()));
+
+    new.0.kill().unwrap();
+    let _ = new.0.wait();
+    wait_text(&env.log, "taking it back").await;
+    env.kubelet
+        .wait_for(Duration::from_secs(10), |v| {
+            v.resources
+                .get(VCORE)
+                .is_some_and(|r| r.connected && r.endpoint == old_vcore)
+        })
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "kubelet does not call the old manager again:\n{}",
+                env.log_text()
+            )
+        });
+    let p3 = env.pod(&[("main", 10, 1)], &[]);
+    env.admit(&p3, "main", 10, 1).await.unwrap();
+    let allocs = env.allocations_by_container();
+    for p in [&p1, &p2, &p3] {
+        assert!(
+            allocs.keys().any(|k| k.contains(&p.uid)),
+            "{} missing from the checkpoint: {allocs:?}",
+            p.name
+        );
+    }
+    // The display socket the dead one had taken over is served again.
+    let t = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&env.display_socket).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "nobody serves the display socket"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -147,6 +147,7 @@ impl PluginRuntime {
     pub fn start(self, cancel: CancellationToken) -> Result<RuntimeHandle, Error> {
         self.check()?;
         let events = watch::Sender::new(0u64);
+        let again = watch::Sender::new(0u64);
         let watcher = watch_dir(&self.dir, events.clone());
         if let Err(e) = &watcher {
             tracing::warn!(error = %e, "no inotify watch; relying on the periodic socket check");
@@ -163,7 +164,11 @@ impl PluginRuntime {
                 opts: self.opts.clone(),
                 status: tx,
             };
-            tasks.push(tokio::spawn(task.run(events.subscribe(), cancel.clone())));
+            tasks.push(tokio::spawn(task.run(
+                events.subscribe(),
+                again.subscribe(),
+                cancel.clone(),
+            )));
         }
         // The watcher lives until shutdown.
         let keep = cancel.clone();
@@ -175,6 +180,7 @@ impl PluginRuntime {
         Ok(RuntimeHandle {
             tasks,
             status,
+            again,
             cancel,
         })
     }
@@ -184,6 +190,7 @@ impl PluginRuntime {
 pub struct RuntimeHandle {
     tasks: Vec<JoinHandle<()>>,
     status: HashMap<String, watch::Receiver<PluginStatus>>,
+    again: watch::Sender<u64>,
     cancel: CancellationToken,
 }
 
@@ -191,6 +198,13 @@ impl RuntimeHandle {
     /// Status channel of the plugin for `resource`.
     pub fn status(&self, resource: &str) -> Option<watch::Receiver<PluginStatus>> {
         self.status.get(resource).cloned()
+    }
+
+    /// Registers every plugin with kubelet again, now: kubelet then calls
+    /// this process rather than one that registered the same resources
+    /// later (and has gone).
+    pub fn register_again(&self) {
+        self.again.send_modify(|n| *n += 1);
     }
 
     /// Stops serving (same as cancelling the token given to `start`).
@@ -258,7 +272,12 @@ struct PluginTask {
 }
 
 impl PluginTask {
-    async fn run(self, mut events: watch::Receiver<u64>, cancel: CancellationToken) {
+    async fn run(
+        self,
+        mut events: watch::Receiver<u64>,
+        mut again: watch::Receiver<u64>,
+        cancel: CancellationToken,
+    ) {
         let res = &self.entry.resource;
         let mut server: Option<Server> = None;
         let mut registered_with: Option<FileId> = None;
@@ -366,6 +385,12 @@ impl PluginTask {
                     retry_at = Some(Instant::now() + kick_delay);
                     failed_with = Some(file_id(&self.kubelet_sock));
                     self.status.send_modify(|st| st.registered = false);
+                },
+                Ok(()) = again.changed() => {
+                    tracing::info!(resource = %res, "registering again, as asked");
+                    registered_with = None;
+                    retry_at = None;
+                    failed_with = None;
                 },
                 () = tokio::time::sleep(wait) => {}
             }

@@ -85,6 +85,10 @@ fn file_id(path: &Path) -> Option<(u64, u64)> {
         .map(|m| (m.dev(), m.ino()))
 }
 
+fn live(path: &Path) -> bool {
+    std::os::unix::net::UnixStream::connect(path).is_ok()
+}
+
 fn bind(path: &Path, mode: u32) -> Result<UnixListener, Error> {
     let listener = UnixListener::bind(path).map_err(socket_err(path))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
@@ -111,12 +115,18 @@ pub(crate) fn serve(
         while let Some(l) = listener.take() {
             let ours = file_id(&path);
             // A manager this one replaced removes the path when it stops
-            // (older versions did so whatever the file was): bind again.
+            // (older versions did so whatever the file was), and one that
+            // took it over may die: bind again.
             let gone = async {
                 loop {
                     tokio::time::sleep(Duration::from_secs(1)).await;
-                    if file_id(&path).is_none() {
-                        return;
+                    match file_id(&path) {
+                        None => return,
+                        Some(id) if Some(id) != ours && !live(&path) => {
+                            let _ = std::fs::remove_file(&path);
+                            return;
+                        }
+                        _ => {}
                     }
                 }
             };
@@ -149,7 +159,7 @@ pub(crate) fn serve(
             }
             match bind(&path, mode) {
                 Ok(l) => {
-                    tracing::info!(socket = %path.display(), "the display socket was removed by another process; bound again");
+                    tracing::info!(socket = %path.display(), "the display socket was removed, or its new server died; bound again");
                     listener = Some(l);
                 }
                 Err(e) => tracing::error!(error = %e, "binding the removed display socket again"),

@@ -132,8 +132,7 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
                 node_status::healthy(&mgr.vmemory),
             );
             node_status::set_allocatable(&client, &s.node_name, vcore, vmemory).await;
-            held = node.hold(h, &cancel).await;
-            handed_over = held.is_none();
+            (held, handed_over) = node.hold(h, &handle, &cancel).await;
         }
     }
     cancel.cancelled().await;

@@ -6,7 +6,8 @@
 //! progress finish, writes what it has not written, stops its state jobs
 //! and gives up the lock; the new one then reads the state and opens. The
 //! old one keeps serving the running shares' `vcuda.sock` connections
-//! until its pod is deleted. A manager without a successor (a plain
+//! until its pod is deleted, and takes the node back should the new one
+//! die before it (a new version that crashes). A manager without a successor (a plain
 //! restart, kubelet 1.20 without surge) writes the node's allocatable 0
 //! when it stops ([`crate::node_status`]).
 
@@ -14,11 +15,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use device_plugin::RuntimeHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
 use crate::manager::Manager;
-use crate::owner::{self, Owner};
+use crate::owner::{self, Claim, Owner, Successor};
 use crate::plugin::GateControl;
 use crate::tasks::{AllocationCheck, InventoryPublish, PodRelease};
 
@@ -129,17 +131,49 @@ impl Node {
         held
     }
 
-    /// Runs until `cancel` or a successor: then hands the state over and
-    /// returns `None`; on `cancel` returns the state still held.
-    pub async fn hold(&self, held: Held, cancel: &CancellationToken) -> Option<Held> {
+    /// Runs until `cancel`, handing the state over to each successor that
+    /// appears, and taking it back should that successor die while this
+    /// manager still runs (a new version that crashes once registered):
+    /// the node is never left without an owner. Returns, at `cancel`, what
+    /// is held and whether the state had been handed over.
+    pub async fn hold(
+        &self,
+        held: Held,
+        plugins: &RuntimeHandle,
+        cancel: &CancellationToken,
+    ) -> (Option<Held>, bool) {
+        let mut held = Some(held);
+        let mut handed_to: Option<Successor> = None;
         loop {
             tokio::select! {
-                () = cancel.cancelled() => return Some(held),
+                () = cancel.cancelled() => return (held, handed_to.is_some()),
                 () = tokio::time::sleep(SUCCESSOR_POLL) => {}
             }
-            if let Some(next) = owner::successor(self.dir(), &self.instance) {
-                self.hand_over(held, &next).await;
-                return None;
+            match held.take() {
+                Some(h) => match owner::successor(self.dir(), &self.instance) {
+                    Some(next) => {
+                        self.hand_over(h, &next.instance).await;
+                        handed_to = Some(next);
+                    }
+                    None => held = Some(h),
+                },
+                None => {
+                    if handed_to.as_ref().is_some_and(|s| !s.alive())
+                        && let Ok(Claim::Owned(o)) = owner::claim(
+                            self.dir(),
+                            &self.settings.device_plugin_path,
+                            &self.instance,
+                        )
+                    {
+                        tracing::warn!(
+                            successor = %handed_to.as_ref().map_or("", |s| &s.instance),
+                            "the manager this one handed the node over to is gone and nobody owns the node: taking it back"
+                        );
+                        held = Some(self.take_over(o, cancel).await);
+                        plugins.register_again();
+                        handed_to = None;
+                    }
+                }
             }
         }
     }
@@ -174,7 +208,7 @@ impl Node {
         let _ = self.mgr.flush().await;
         match owner::successor(self.dir(), &self.instance) {
             Some(next) => {
-                tracing::info!(successor = %next, "a new manager is registered: leaving the node's vcuda allocatable to it")
+                tracing::info!(successor = %next.instance, "a new manager is registered: leaving the node's vcuda allocatable to it")
             }
             // Kubelet has no devices from here: the scheduler must not place
             // pods on them until the next manager registers.

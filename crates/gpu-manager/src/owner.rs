@@ -152,12 +152,26 @@ fn read_successor(dir: &Path) -> Option<(String, Vec<PathBuf>)> {
     Some((instance, lines.map(PathBuf::from).collect()))
 }
 
-/// The instance waiting to take over from `me`, if one is there and one of
-/// its plugin sockets accepts connections (a note left by a manager that
-/// died is not one).
-pub fn successor(dir: &Path, me: &str) -> Option<String> {
+/// A manager waiting to take over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Successor {
+    pub instance: String,
+    pub sockets: Vec<PathBuf>,
+}
+
+impl Successor {
+    /// Whether it still runs: one of its plugin sockets accepts connections.
+    pub fn alive(&self) -> bool {
+        self.sockets.iter().any(|s| node_agent::mode::serving(s))
+    }
+}
+
+/// The instance waiting to take over from `me`, if one is there and alive
+/// (a note left by a manager that died is not one).
+pub fn successor(dir: &Path, me: &str) -> Option<Successor> {
     let (instance, sockets) = read_successor(dir)?;
-    (instance != me && sockets.iter().any(|s| node_agent::mode::serving(s))).then_some(instance)
+    let s = Successor { instance, sockets };
+    (s.instance != me && s.alive()).then_some(s)
 }
 
 #[cfg(test)]
@@ -224,7 +238,7 @@ mod tests {
         announce(tmp.path(), "b", std::slice::from_ref(&sock)).unwrap();
         assert_eq!(successor(tmp.path(), "a"), None, "nothing listens");
         let l = std::os::unix::net::UnixListener::bind(&sock).unwrap();
-        assert_eq!(successor(tmp.path(), "a").as_deref(), Some("b"));
+        assert_eq!(successor(tmp.path(), "a").unwrap().instance, "b");
         assert_eq!(successor(tmp.path(), "b"), None, "not its own successor");
         withdraw(tmp.path(), "c");
         assert!(successor(tmp.path(), "a").is_some(), "another's note stays");
