@@ -271,6 +271,68 @@ struct PluginTask {
     status: watch::Sender<PluginStatus>,
 }
 
+/// Where a plugin stands with kubelet's registration.
+struct Reg {
+    /// The kubelet.sock we registered with.
+    with: Option<FileId>,
+    backoff: Duration,
+    retry_at: Option<Instant>,
+    /// kubelet.sock identity at the last failed attempt: a new one retries at once.
+    failed_with: Option<Option<FileId>>,
+    /// The delay before registering again after kubelet dropped us;
+    /// doubles while it keeps doing so within a second.
+    kick_delay: Duration,
+    last_kick: Option<Instant>,
+}
+
+impl Reg {
+    fn new(opts: &RuntimeOptions) -> Reg {
+        Reg {
+            with: None,
+            backoff: opts.backoff_initial,
+            retry_at: None,
+            failed_with: None,
+            kick_delay: REREGISTER_DELAY,
+            last_kick: None,
+        }
+    }
+
+    /// Whether to register with the kubelet whose socket is `kubelet` now.
+    fn due(&self, kubelet: Option<FileId>) -> bool {
+        (kubelet.is_none() || kubelet != self.with)
+            && (self.retry_at.is_none_or(|t| Instant::now() >= t)
+                || self.failed_with != Some(kubelet))
+    }
+
+    /// How long the loop may sleep before the next retry is due.
+    fn wait(&self, check: Duration) -> Duration {
+        match self.retry_at.filter(|_| self.with.is_none()) {
+            Some(t) => check.min(t.saturating_duration_since(Instant::now())),
+            None => check,
+        }
+    }
+
+    /// Kubelet dropped the registration: again after `kick_delay`.
+    fn kicked(&mut self, kubelet: Option<FileId>, max: Duration) -> Duration {
+        self.kick_delay = match self.last_kick {
+            Some(t) if t.elapsed() < Duration::from_secs(1) => (self.kick_delay * 2).min(max),
+            _ => REREGISTER_DELAY,
+        };
+        self.last_kick = Some(Instant::now());
+        self.with = None;
+        self.retry_at = Some(Instant::now() + self.kick_delay);
+        self.failed_with = Some(kubelet);
+        self.kick_delay
+    }
+
+    /// Register again now.
+    fn again(&mut self) {
+        self.with = None;
+        self.retry_at = None;
+        self.failed_with = None;
+    }
+}
+
 impl PluginTask {
     async fn run(
         self,
@@ -280,15 +342,7 @@ impl PluginTask {
     ) {
         let res = &self.entry.resource;
         let mut server: Option<Server> = None;
-        let mut registered_with: Option<FileId> = None;
-        let mut backoff = self.opts.backoff_initial;
-        let mut retry_at: Option<Instant> = None;
-        // kubelet.sock identity at the last failed attempt: a new one retries at once.
-        let mut failed_with: Option<Option<FileId>> = None;
-        // The delay before registering again after the kubelet dropped us;
-        // doubles while it keeps doing so within a second.
-        let mut kick_delay = REREGISTER_DELAY;
-        let mut last_kick: Option<Instant> = None;
+        let mut reg = Reg::new(&self.opts);
         while !cancel.is_cancelled() {
             // 1. Our socket: kubelet deletes it when it starts.
             let ours = file_id(&self.sock);
@@ -300,7 +354,7 @@ impl PluginTask {
                     tracing::info!(resource = %res, socket = %self.sock.display(), "plugin socket gone (kubelet restart?); re-binding");
                     self.stop_server(s).await;
                 }
-                registered_with = None;
+                reg.with = None;
                 match self.bind() {
                     Ok(s) => {
                         server = Some(s);
@@ -310,12 +364,13 @@ impl PluginTask {
                         });
                     }
                     Err(e) => {
+                        let backoff = reg.backoff;
                         tracing::error!(resource = %res, error = %e, "cannot serve; retrying in {backoff:?}");
                         tokio::select! {
                             () = tokio::time::sleep(backoff) => {}
                             () = cancel.cancelled() => break,
                         }
-                        backoff = (backoff * 2).min(self.opts.backoff_max);
+                        reg.backoff = (backoff * 2).min(self.opts.backoff_max);
                         continue;
                     }
                 }
@@ -323,43 +378,13 @@ impl PluginTask {
 
             // 2. Registration with the kubelet that is there now.
             let kubelet = file_id(&self.kubelet_sock);
-            if kubelet.is_none() || kubelet != registered_with {
-                let due =
-                    retry_at.is_none_or(|t| Instant::now() >= t) || failed_with != Some(kubelet);
-                if due {
-                    match self.register(kubelet.is_some()).await {
-                        Ok(()) => {
-                            registered_with = kubelet;
-                            backoff = self.opts.backoff_initial;
-                            retry_at = None;
-                            failed_with = None;
-                            self.status.send_modify(|st| {
-                                st.registered = true;
-                                st.registrations += 1;
-                                st.last_error = None;
-                            });
-                            tracing::info!(resource = %res, socket = %self.sock.display(), "registered with kubelet");
-                        }
-                        Err(e) => {
-                            tracing::warn!(resource = %res, error = %e, retry_in = ?backoff, "registration failed");
-                            registered_with = None;
-                            retry_at = Some(Instant::now() + backoff);
-                            failed_with = Some(kubelet);
-                            backoff = (backoff * 2).min(self.opts.backoff_max);
-                            self.status.send_modify(|st| {
-                                st.registered = false;
-                                st.last_error = Some(e.to_string());
-                            });
-                        }
-                    }
-                }
+            if reg.due(kubelet) {
+                self.try_register(&mut reg, kubelet).await;
             }
 
-            // 3. Sleep until a file-system event, the next retry, or the backstop check.
-            let mut wait = self.opts.check_interval;
-            if let Some(t) = retry_at.filter(|_| registered_with.is_none()) {
-                wait = wait.min(t.saturating_duration_since(Instant::now()));
-            }
+            // 3. Sleep until a file-system event, the next retry, kubelet
+            // dropping us, a request to register again, or the backstop check.
+            let wait = reg.wait(self.opts.check_interval);
             let kicked = async {
                 match server.as_mut() {
                     Some(s) => s.closed_by_kubelet.changed().await.is_ok(),
@@ -373,24 +398,13 @@ impl PluginTask {
                     tokio::time::sleep(wait).await;
                 },
                 true = kicked => {
-                    kick_delay = match last_kick {
-                        Some(t) if t.elapsed() < Duration::from_secs(1) => {
-                            (kick_delay * 2).min(self.opts.backoff_max)
-                        }
-                        _ => REREGISTER_DELAY,
-                    };
-                    last_kick = Some(Instant::now());
-                    tracing::info!(resource = %res, again_in = ?kick_delay, "kubelet dropped this registration (a replaced instance stopped?); registering again");
-                    registered_with = None;
-                    retry_at = Some(Instant::now() + kick_delay);
-                    failed_with = Some(file_id(&self.kubelet_sock));
+                    let again_in = reg.kicked(file_id(&self.kubelet_sock), self.opts.backoff_max);
+                    tracing::info!(resource = %res, ?again_in, "kubelet dropped this registration (a replaced instance stopped?); registering again");
                     self.status.send_modify(|st| st.registered = false);
                 },
                 Ok(()) = again.changed() => {
                     tracing::info!(resource = %res, "registering again, as asked");
-                    registered_with = None;
-                    retry_at = None;
-                    failed_with = None;
+                    reg.again();
                 },
                 () = tokio::time::sleep(wait) => {}
             }
@@ -400,6 +414,37 @@ impl PluginTask {
         }
         self.status.send_modify(|st| st.registered = false);
         tracing::info!(resource = %res, "plugin stopped");
+    }
+
+    /// One registration attempt; its outcome recorded in `reg` and the status.
+    async fn try_register(&self, reg: &mut Reg, kubelet: Option<FileId>) {
+        let res = &self.entry.resource;
+        match self.register(kubelet.is_some()).await {
+            Ok(()) => {
+                reg.with = kubelet;
+                reg.backoff = self.opts.backoff_initial;
+                reg.retry_at = None;
+                reg.failed_with = None;
+                self.status.send_modify(|st| {
+                    st.registered = true;
+                    st.registrations += 1;
+                    st.last_error = None;
+                });
+                tracing::info!(resource = %res, socket = %self.sock.display(), "registered with kubelet");
+            }
+            Err(e) => {
+                let backoff = reg.backoff;
+                tracing::warn!(resource = %res, error = %e, retry_in = ?backoff, "registration failed");
+                reg.with = None;
+                reg.retry_at = Some(Instant::now() + backoff);
+                reg.failed_with = Some(kubelet);
+                reg.backoff = (backoff * 2).min(self.opts.backoff_max);
+                self.status.send_modify(|st| {
+                    st.registered = false;
+                    st.last_error = Some(e.to_string());
+                });
+            }
+        }
     }
 
     fn bind(&self) -> Result<Server, Error> {
@@ -560,6 +605,25 @@ mod tests {
         assert!(start(kubelet).unwrap().contains("kubelet.sock"));
         let name = PluginRuntime::new("/tmp").plugin("nodomain", "x.sock", nop());
         assert!(start(name).unwrap().contains("domain/name"));
+    }
+
+    #[test]
+    fn dropped_registrations_retry_soon_and_back_off_when_repeated() {
+        let opts = RuntimeOptions::default();
+        let mut reg = Reg::new(&opts);
+        let kubelet = Some(FileId(1, 2, 3, 4));
+        reg.with = kubelet;
+        assert!(!reg.due(kubelet), "registered with this kubelet");
+        assert_eq!(reg.kicked(kubelet, opts.backoff_max), REREGISTER_DELAY);
+        assert!(!reg.due(kubelet), "not before the delay");
+        assert!(reg.wait(opts.check_interval) <= REREGISTER_DELAY);
+        std::thread::sleep(REREGISTER_DELAY);
+        assert!(reg.due(kubelet));
+        // Dropped again at once (a loop with kubelet): the delay doubles.
+        assert_eq!(reg.kicked(kubelet, opts.backoff_max), 2 * REREGISTER_DELAY);
+        assert_eq!(reg.kicked(kubelet, opts.backoff_max), 4 * REREGISTER_DELAY);
+        reg.again();
+        assert!(reg.due(kubelet), "asked to register again: now");
     }
 
     #[tokio::test]
