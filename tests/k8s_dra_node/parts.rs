@@ -131,6 +131,34 @@ pub fn import_busybox(n: &Node, dir: &Path) {
     import(n, IMAGE, &root, "/bin/sh");
 }
 
+/// `vcuda-dra-driver hold-sockets` on the host, as the DaemonSet's sidecar.
+pub struct SocketHolder(Child);
+
+impl SocketHolder {
+    pub fn start(sock: &Path, log: &Path) -> SocketHolder {
+        let child = Command::new(target_dir().join("vcuda-dra-driver"))
+            .arg("hold-sockets")
+            .arg(sock)
+            .env("RUST_LOG", "info")
+            .stderr(fs::File::create(log).unwrap())
+            .spawn()
+            .expect("vcuda-dra-driver (cargo build --workspace)");
+        wait("the socket holder listening", 10, || {
+            std::os::unix::net::UnixStream::connect(sock)
+                .map(drop)
+                .map_err(|e| e.to_string())
+        });
+        SocketHolder(child)
+    }
+}
+
+impl Drop for SocketHolder {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// The driver binary on the host, as a DaemonSet would run it.
 pub struct DriverProc {
     pub child: Option<Child>,

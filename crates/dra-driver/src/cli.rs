@@ -83,6 +83,11 @@ pub struct Args {
     /// kubelet's sockets open across a crash and starts it again.
     #[arg(long, env = "VCUDA_DRA_NO_SUPERVISOR")]
     pub no_supervisor: bool,
+    /// The socket of this pod's socket holder (`vcuda-dra-driver
+    /// hold-sockets PATH` in a second container): the kubelet's sockets
+    /// then stay open across a restart of the driver's container too.
+    #[arg(long, env = "VCUDA_DRA_SOCKET_HOLDER")]
+    pub socket_holder: Option<PathBuf>,
 }
 
 /// Flags over the manager's file over the node's defaults

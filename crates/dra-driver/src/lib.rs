@@ -17,6 +17,9 @@
 //! * [`controller`]: the slice controller (health and the slice watch into
 //!   the published slice); [`daemon`] starts everything, [`cli`] resolves
 //!   the settings over node-agent's configuration.
+//! * [`supervise`]: the supervisor that keeps the kubelet's sockets open
+//!   across a crash of the driver process, and [`holder`] across a restart
+//!   of the driver's whole container.
 
 pub mod cdi;
 pub mod checkpoint;
@@ -27,6 +30,7 @@ pub mod display;
 pub mod driver;
 pub mod grpc;
 pub mod health;
+pub mod holder;
 pub mod kube_api;
 pub mod params;
 pub mod plan;

@@ -104,12 +104,65 @@ pub fn inherited(plugins_dir: &Path, registry_dir: &Path) -> anyhow::Result<Opti
     }))
 }
 
-/// Runs the driver (this executable, the same arguments) under supervision
-/// until it stops; returns the exit code for the supervisor.
-pub fn supervise(plugins_dir: &Path, registry_dir: &Path) -> anyhow::Result<i32> {
+/// The sockets to serve on: those a holder kept across this container's
+/// restart ([`crate::holder`]), else new ones (given to the holder).
+fn sockets(
+    plugins_dir: &Path,
+    registry_dir: &Path,
+    holder: Option<&Path>,
+) -> anyhow::Result<(Sockets, UnixListener, UnixListener, bool)> {
+    if let Some(h) = holder {
+        // Started just before this container; give it a moment to listen.
+        let until = Instant::now() + Duration::from_secs(5);
+        while std::os::unix::net::UnixStream::connect(h).is_err() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let held = holder.and_then(|h| match crate::holder::get(h) {
+        Ok(held) => held,
+        Err(e) => {
+            tracing::warn!(holder = %h.display(), error = %e, "the socket holder does not answer: new sockets");
+            None
+        }
+    });
+    if let Some(held) = held {
+        let sockets = Sockets::for_instance(plugins_dir, registry_dir, &held.instance);
+        if sockets.plugin.exists() && sockets.registration.exists() {
+            tracing::info!(instance = %held.instance, registered = held.registered, "serving on the sockets the holder kept open across this container's restart");
+            let [plugin, registration] = held.fds;
+            return Ok((
+                sockets,
+                UnixListener::from(plugin),
+                UnixListener::from(registration),
+                held.registered,
+            ));
+        }
+        tracing::warn!(instance = %held.instance, "the held sockets' files are gone (removed by a newer instance?): new sockets");
+    }
     let sockets = Sockets::new(plugins_dir, registry_dir);
     let plugin = crate::grpc::bind_std(&sockets.plugin)?;
     let registration = crate::grpc::bind_std(&sockets.registration)?;
+    if let Some(h) = holder {
+        let instance = sockets.instance().unwrap_or_default();
+        if let Err(e) =
+            crate::holder::put(h, &instance, [plugin.as_raw_fd(), registration.as_raw_fd()])
+        {
+            tracing::warn!(holder = %h.display(), error = %e, "the socket holder does not keep these sockets: a restart of this container closes them");
+        }
+    }
+    Ok((sockets, plugin, registration, false))
+}
+
+/// Runs the driver (this executable, the same arguments) under supervision
+/// until it stops; returns the exit code for the supervisor. `holder`: the
+/// socket holder of this pod, if it has one.
+pub fn supervise(
+    plugins_dir: &Path,
+    registry_dir: &Path,
+    holder: Option<&Path>,
+) -> anyhow::Result<i32> {
+    let (sockets, plugin, registration, was_registered) =
+        sockets(plugins_dir, registry_dir, holder)?;
     let instance = sockets
         .instance()
         .ok_or_else(|| anyhow::anyhow!("no instance in {}", sockets.plugin.display()))?;
@@ -123,7 +176,18 @@ pub fn supervise(plugins_dir: &Path, registry_dir: &Path) -> anyhow::Result<i32>
     let mut argv = std::env::args_os();
     let arg0 = argv.next().unwrap_or_else(|| "vcuda-dra-driver".into());
     let args: Vec<std::ffi::OsString> = argv.collect();
-    let registered = Arc::new(AtomicBool::new(false));
+    let registered = Arc::new(AtomicBool::new(was_registered));
+    let stop = |code: i32| {
+        // A clean stop removes the sockets: the holder must not hand them
+        // to the next container.
+        if let Some(h) = holder
+            && let Err(e) = crate::holder::drop_held(h)
+        {
+            tracing::warn!(holder = %h.display(), error = %e, "telling the socket holder to let go");
+        }
+        sockets.remove_own();
+        Ok(code)
+    };
     let mut backoff = FIRST_BACKOFF;
     loop {
         let started = Instant::now();
@@ -132,25 +196,22 @@ pub fn supervise(plugins_dir: &Path, registry_dir: &Path) -> anyhow::Result<i32>
             (&arg0, &args),
             &instance,
             [plugin.as_raw_fd(), registration.as_raw_fd()],
-            &registered,
+            (&registered, holder),
         )?;
         let sig = SIGNAL.load(Ordering::SeqCst);
         if sig != 0 || status.success() {
-            sockets.remove_own();
-            return Ok(exit_code(status));
+            return stop(exit_code(status));
         }
         if !registered.load(Ordering::SeqCst) {
             tracing::error!(%status, "the driver exited before the kubelet registered it: not restarting it here");
-            sockets.remove_own();
-            return Ok(exit_code(status).max(1));
+            return stop(exit_code(status).max(1));
         }
         if started.elapsed() >= STABLE {
             backoff = FIRST_BACKOFF;
         }
         tracing::error!(%status, restart_in_ms = backoff.as_millis() as u64, "the driver exited; a new one takes its sockets, which stay open meanwhile");
         if !sleep_unless_signalled(backoff) {
-            sockets.remove_own();
-            return Ok(0);
+            return stop(0);
         }
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }
@@ -162,7 +223,7 @@ fn run_child(
     (arg0, args): (&std::ffi::OsStr, &[std::ffi::OsString]),
     instance: &str,
     listeners: [RawFd; 2],
-    registered: &Arc<AtomicBool>,
+    (registered, holder): (&Arc<AtomicBool>, Option<&Path>),
 ) -> anyhow::Result<std::process::ExitStatus> {
     let (report_r, report_w) = pipe()?;
     let w = report_w.as_raw_fd();
@@ -212,11 +273,17 @@ fn run_child(
         .map_err(|e| anyhow::anyhow!("starting the driver ({}): {e}", exe.display()))?;
     drop(report_w);
     let flag = registered.clone();
+    let holder = holder.map(Path::to_path_buf);
     std::thread::spawn(move || {
         let mut f = std::fs::File::from(report_r);
         let mut b = [0u8; 1];
         if matches!(f.read(&mut b), Ok(1)) {
             flag.store(true, Ordering::SeqCst);
+            if let Some(h) = holder
+                && let Err(e) = crate::holder::registered(&h)
+            {
+                tracing::warn!(holder = %h.display(), error = %e, "telling the socket holder the driver is registered");
+            }
         }
     });
     let mut forwarded = false;

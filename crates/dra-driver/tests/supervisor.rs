@@ -207,3 +207,94 @@ async fn a_driver_failing_before_registration_ends_the_supervisor() {
     assert!(l.contains("exited before the kubelet registered it"), "{l}");
     assert!(plugin::sockets(&dirs.p("plugins_registry")).is_empty());
 }
+
+/// The driver's whole container killed (supervisor and driver, kill -9)
+/// and started again, with the pod's socket holder: a NodePrepareResources
+/// the kubelet sends while nothing of the driver runs waits in the held
+/// socket's backlog and is answered by the new container's driver, on the
+/// same registration (issue 24: without the holder the kubelet meets a
+/// refused socket and retries the pod 10-15 s later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_container_restart_keeps_the_sockets_with_the_holder() {
+    let (server, dirs) = node().await;
+    let holder = dirs.p("holder/holder.sock");
+    let _holder = Command::new(env!("CARGO_BIN_EXE_vcuda-dra-driver"))
+        .arg("hold-sockets")
+        .arg(&holder)
+        .stderr(std::fs::File::create(dirs.p("holder.log")).unwrap())
+        .spawn()
+        .map(Sup)
+        .unwrap();
+    until(10, "the holder listening", || {
+        std::os::unix::net::UnixStream::connect(&holder).is_ok()
+    })
+    .await;
+    let flag = ["--socket-holder", holder.to_str().unwrap()];
+    let mut sup = driver(&dirs, &flag);
+    let kubelet =
+        plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(60), false)
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", log(&dirs)));
+    until(20, "the slice published", || {
+        server.list(apiserver_emulator::Kind::ResourceSlice).len() == 1
+    })
+    .await;
+    prepare(&kubelet, &server, "c1").await;
+    let reg = plugin::sockets(&dirs.p("plugins_registry"));
+    let ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&reg[0]).unwrap());
+    until(10, "the holder told of the registration", || {
+        std::fs::read_to_string(dirs.p("holder.log"))
+            .unwrap_or_default()
+            .contains("holding the sockets")
+    })
+    .await;
+
+    // The container dies: the supervisor with -9, its driver with it.
+    let first = children(sup.0.id());
+    sup.0.kill().unwrap();
+    let _ = sup.0.wait();
+    until(10, "the driver gone with its supervisor", || {
+        first
+            .iter()
+            .all(|p| std::fs::metadata(format!("/proc/{p}")).is_err())
+    })
+    .await;
+    let c = share_claim(&server, "c2", 20, "1Gi", None);
+    allocator::allocate(&server, NS, "c2", NODE).unwrap();
+    let claim = plugin::claim(NS, "c2", &uid(&c));
+    let t0 = Instant::now();
+    let pending = {
+        let claim = claim.clone();
+        let kubelet = kubelet.clone();
+        tokio::spawn(async move { kubelet.prepare(std::slice::from_ref(&claim)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!pending.is_finished(), "answered while no driver ran");
+    let _sup2 = driver(&dirs, &flag);
+    let r = tokio::time::timeout(Duration::from_secs(30), pending)
+        .await
+        .expect("the held call was never answered")
+        .unwrap()
+        .unwrap_or_else(|e| {
+            panic!(
+                "prepare c2 across the container restart: {e}\n{}",
+                log(&dirs)
+            )
+        });
+    assert_eq!(r.claims[&claim.uid].error, "");
+    eprintln!(
+        "holder: prepare sent while the container was down answered {:.0} ms later",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    let l = log(&dirs);
+    assert!(
+        l.contains("serving on the sockets the holder kept open"),
+        "{l}"
+    );
+    assert_eq!(plugin::sockets(&dirs.p("plugins_registry")), reg);
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&reg[0]).unwrap()),
+        ino,
+        "the same registration socket: nothing new for the kubelet"
+    );
+}

@@ -6,6 +6,9 @@
 //! `vcuda-dra-driver uninstall [flags]`: remove what drivers left on this
 //! node once nothing uses it ([`dra_driver::uninstall`]), then wait for
 //! SIGTERM (it runs as a DaemonSet, deploy/uninstall).
+//! `vcuda-dra-driver hold-sockets PATH`: the pod's socket holder, which
+//! keeps the kubelet's sockets open across a restart of the driver's
+//! container ([`dra_driver::holder`], `--socket-holder PATH`).
 
 use anyhow::Context;
 use clap::Parser;
@@ -17,6 +20,12 @@ use node_agent::process;
 fn main() -> anyhow::Result<()> {
     process::init_logging();
     let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if argv.get(1).is_some_and(|a| a == "hold-sockets") {
+        let Some(path) = argv.get(2) else {
+            anyhow::bail!("usage: vcuda-dra-driver hold-sockets <socket path>");
+        };
+        return dra_driver::holder::serve(std::path::Path::new(path));
+    }
     let uninstall = argv.get(1).is_some_and(|a| a == "uninstall");
     if uninstall {
         argv.remove(1);
@@ -24,9 +33,14 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse_from(argv);
     let supervised =
         !uninstall && !args.no_supervisor && std::env::var_os(supervise::LISTEN_FDS_ENV).is_none();
+    let holder = args.socket_holder.clone();
     let settings = resolve(args)?;
     if supervised {
-        let code = supervise::supervise(&settings.plugins_dir, &settings.registry_dir)?;
+        let code = supervise::supervise(
+            &settings.plugins_dir,
+            &settings.registry_dir,
+            holder.as_deref(),
+        )?;
         std::process::exit(code);
     }
     tokio::runtime::Runtime::new()
