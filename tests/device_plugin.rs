@@ -496,3 +496,47 @@ async fn registration_retries_until_kubelet_appears() {
         .unwrap();
     emu.stop().await;
 }
+
+/// Kubelet ≥ 1.26 (as the emulator behaves, after
+/// `pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go`, `runClient`)
+/// drops the newest registration of a resource when an older
+/// registration's stream ends: a second process registered the same
+/// resources, then the first stopped gracefully. The runtime sees its
+/// stream closed by kubelet and registers again at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_dropped_when_a_replaced_process_stops_is_made_again() {
+    let (a, b) = default_node();
+    let node = node(a, b).await;
+    let newer = CancellationToken::new();
+    let vcore2 = Arc::new(DemoPlugin::new("vcore", 200));
+    let vmem2 = Arc::new(DemoPlugin::new("vmem", 64));
+    let h2 = PluginRuntime::new(node.dir())
+        .plugin(VCORE, "vcore-2.sock", vcore2)
+        .plugin(VMEM, "vmemory-2.sock", vmem2)
+        .start(newer.clone())
+        .unwrap();
+    node.emu
+        .wait_for(WAIT, |v| v.resources[VCORE].endpoint == "vcore-2.sock")
+        .await
+        .expect("the second process registered");
+    let regs = node.emu.view().borrow().resources[VCORE].registrations;
+    let mut st = h2.status(VCORE).unwrap();
+    // The first process stops: its streams end, the emulator drops the
+    // second's registration, which comes back.
+    node.cancel.cancel();
+    let Node { handle, emu, .. } = node;
+    handle.unwrap().wait().await.unwrap();
+    emu.wait_for(WAIT, |v| {
+        let r = &v.resources[VCORE];
+        r.connected && r.endpoint == "vcore-2.sock" && r.registrations > regs
+    })
+    .await
+    .expect("the second process registered again");
+    tokio::time::timeout(WAIT, st.wait_for(|s| s.registered && s.registrations >= 2))
+        .await
+        .unwrap()
+        .unwrap();
+    newer.cancel();
+    h2.wait().await.unwrap();
+    emu.stop().await;
+}

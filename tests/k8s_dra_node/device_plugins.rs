@@ -211,8 +211,16 @@ pub fn device_plugin_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Pat
                 .unwrap_or("no handover line")
         );
         assert!(
-            l.contains("the previous manager handed the node over"),
-            "the new manager took the state over from the old one:\n{}",
+            l.contains("the previous manager handed the node over")
+                && l.contains("kept kubelet's connections to the previous manager open"),
+            "the new manager took the state and kubelet's connections over from the old one:\n{}",
+            tail(&l, 30)
+        );
+        // Kubelet's streams to the old one stayed open, so it never dropped
+        // the new registration.
+        assert!(
+            !l.contains("kubelet dropped this registration"),
+            "kubelet dropped the new manager's registration:\n{}",
             tail(&l, 30)
         );
         updates.push(win);

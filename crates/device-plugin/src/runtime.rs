@@ -148,6 +148,7 @@ impl PluginRuntime {
         self.check()?;
         let events = watch::Sender::new(0u64);
         let again = watch::Sender::new(0u64);
+        let connections = Connections::default();
         let watcher = watch_dir(&self.dir, events.clone());
         if let Err(e) = &watcher {
             tracing::warn!(error = %e, "no inotify watch; relying on the periodic socket check");
@@ -163,6 +164,7 @@ impl PluginRuntime {
                 entry,
                 opts: self.opts.clone(),
                 status: tx,
+                connections: connections.clone(),
             };
             tasks.push(tokio::spawn(task.run(
                 events.subscribe(),
@@ -181,6 +183,7 @@ impl PluginRuntime {
             tasks,
             status,
             again,
+            connections,
             cancel,
         })
     }
@@ -191,7 +194,45 @@ pub struct RuntimeHandle {
     tasks: Vec<JoinHandle<()>>,
     status: HashMap<String, watch::Receiver<PluginStatus>>,
     again: watch::Sender<u64>,
+    connections: Connections,
     cancel: CancellationToken,
+}
+
+/// Copies of the connections kubelet opened to the plugin sockets.
+#[derive(Clone, Default)]
+struct Connections(Arc<std::sync::Mutex<Vec<std::os::fd::OwnedFd>>>);
+
+impl Connections {
+    fn keep(&self, s: &tokio::net::UnixStream) {
+        use std::os::fd::AsFd;
+        if let Ok(fd) = s.as_fd().try_clone_to_owned() {
+            self.0.lock().unwrap_or_else(|p| p.into_inner()).push(fd);
+        }
+    }
+
+    /// Copies of those whose peer has not closed them; drops the others.
+    fn open(&self) -> Vec<std::os::fd::OwnedFd> {
+        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        v.retain(peer_open);
+        v.iter().filter_map(|fd| fd.try_clone().ok()).collect()
+    }
+}
+
+/// Whether the other end of a connected socket is still there (reading it
+/// would not give end-of-file); nothing is consumed.
+fn peer_open(fd: &std::os::fd::OwnedFd) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut b = [0u8; 1];
+    // SAFETY: a peek of one byte into a local buffer, on an fd we own.
+    let n = unsafe {
+        libc::recv(
+            fd.as_raw_fd(),
+            b.as_mut_ptr() as *mut libc::c_void,
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    n != 0
 }
 
 impl RuntimeHandle {
@@ -205,6 +246,14 @@ impl RuntimeHandle {
     /// later (and has gone).
     pub fn register_again(&self) {
         self.again.send_modify(|n| *n += 1);
+    }
+
+    /// Copies of the connections kubelet has open to the plugin sockets. A
+    /// process replaced by another hands them to it: while a copy is open,
+    /// kubelet's `ListAndWatch` stream on it does not end when this process
+    /// does, and kubelet ≥ 1.26 does not drop the newer registration.
+    pub fn kubelet_connections(&self) -> Vec<std::os::fd::OwnedFd> {
+        self.connections.open()
     }
 
     /// Stops serving (same as cancelling the token given to `start`).
@@ -269,6 +318,7 @@ struct PluginTask {
     kubelet_sock: PathBuf,
     opts: RuntimeOptions,
     status: watch::Sender<PluginStatus>,
+    connections: Connections,
 }
 
 /// Where a plugin stands with kubelet's registration.
@@ -469,10 +519,20 @@ impl PluginTask {
             closed_by_kubelet: closed_by_kubelet.clone(),
         });
         let shutdown = stop.clone().cancelled_owned();
+        let connections = self.connections.clone();
+        let incoming = tokio_stream::StreamExt::map(
+            tokio_stream::wrappers::UnixListenerStream::new(listener),
+            move |c| {
+                c.map(|s| {
+                    connections.keep(&s);
+                    uds_authority::Fixed::new(s)
+                })
+            },
+        );
         let join = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(svc)
-                .serve_with_incoming_shutdown(uds_authority::incoming(listener), shutdown),
+                .serve_with_incoming_shutdown(incoming, shutdown),
         );
         tracing::debug!(resource = %self.entry.resource, socket = %self.sock.display(), "serving");
         Ok(Server {

@@ -15,11 +15,11 @@
 //! (a supervisor stopping cleanly removes its sockets: nothing to keep).
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 
-const MAX_MESSAGE: usize = 512;
+use fd_pass::{recv, send};
 
 /// Sockets a holder kept.
 #[derive(Debug)]
@@ -28,87 +28,6 @@ pub struct Held {
     pub registered: bool,
     /// Plugin, registration.
     pub fds: [OwnedFd; 2],
-}
-
-fn send(stream: &UnixStream, msg: &[u8], fds: &[RawFd]) -> io::Result<()> {
-    let mut iov = libc::iovec {
-        iov_base: msg.as_ptr() as *mut libc::c_void,
-        iov_len: msg.len(),
-    };
-    let fd_bytes = std::mem::size_of_val(fds) as u32;
-    // SAFETY: CMSG_SPACE is arithmetic.
-    let space = unsafe { libc::CMSG_SPACE(fd_bytes) } as usize;
-    // u64s: the control buffer must be aligned for cmsghdr.
-    let mut control = vec![0u64; space.div_ceil(8)];
-    // SAFETY: an all-zero msghdr is valid; every pointer set below outlives
-    // the sendmsg call.
-    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
-    hdr.msg_iov = &mut iov;
-    hdr.msg_iovlen = 1;
-    if !fds.is_empty() {
-        hdr.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-        hdr.msg_controllen = space as _;
-        // SAFETY: the control buffer holds one cmsghdr with room for fds.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&hdr);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(fd_bytes) as _;
-            std::ptr::copy_nonoverlapping(
-                fds.as_ptr(),
-                libc::CMSG_DATA(c) as *mut RawFd,
-                fds.len(),
-            );
-        }
-    }
-    // SAFETY: hdr points at live buffers.
-    let n = unsafe { libc::sendmsg(stream.as_raw_fd(), &hdr, libc::MSG_NOSIGNAL) };
-    match n {
-        n if n < 0 => Err(io::Error::last_os_error()),
-        n if n as usize != msg.len() => Err(io::Error::other("short write to the socket holder")),
-        _ => Ok(()),
-    }
-}
-
-fn recv(stream: &UnixStream) -> io::Result<(String, Vec<OwnedFd>)> {
-    let mut buf = [0u8; MAX_MESSAGE];
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
-        iov_len: buf.len(),
-    };
-    // SAFETY: arithmetic.
-    let space = unsafe { libc::CMSG_SPACE(4 * std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
-    // SAFETY: as in send.
-    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
-    hdr.msg_iov = &mut iov;
-    hdr.msg_iovlen = 1;
-    hdr.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-    hdr.msg_controllen = space as _;
-    // SAFETY: hdr points at live buffers.
-    let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut hdr, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let mut fds = Vec::new();
-    // SAFETY: walking the control messages the kernel wrote.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&hdr);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(c) as *const RawFd;
-                let len = (*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
-                for i in 0..len / std::mem::size_of::<RawFd>() {
-                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
-                }
-            }
-            c = libc::CMSG_NXTHDR(&hdr, c);
-        }
-    }
-    let text = String::from_utf8_lossy(&buf[..n as usize])
-        .trim()
-        .to_string();
-    Ok((text, fds))
 }
 
 fn request(holder: &Path, msg: &str, fds: &[RawFd]) -> io::Result<(String, Vec<OwnedFd>)> {

@@ -99,6 +99,7 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         metrics: metrics.clone(),
         gate: gate_control,
         instance: instance.clone(),
+        inherited: Default::default(),
     };
     let mut held = match claim {
         Claim::Owned(o) => Some(node.take_over(o, &cancel).await),
@@ -110,7 +111,10 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
 
     let sockets = plugin_sockets(&s.device_plugin_path, &instance);
     remove_stale_sockets(&s.device_plugin_path);
-    let handle = start_plugins(&s, &mgr, &metrics, &gate, &sockets, &cancel)?;
+    // The plugins stop only when told, after the signal: a manager that
+    // handed the node over must exit with kubelet's streams still open.
+    let stop_plugins = CancellationToken::new();
+    let handle = start_plugins(&s, &mgr, &metrics, &gate, &sockets, &stop_plugins)?;
     let mut handed_over = false;
     if registered(&handle, &cancel).await {
         let ms = ms(t0);
@@ -136,8 +140,18 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         }
     }
     cancel.cancelled().await;
+    if handed_over {
+        // Closing kubelet's connections (a graceful stop would) ends its
+        // streams, and kubelet ≥ 1.26 then drops the successor's
+        // registration: leave them to the successor, which holds copies.
+        tracing::info!(
+            "shutting down: the node is the successor's; leaving kubelet's connections open"
+        );
+        std::process::exit(0);
+    }
     tracing::info!("shutting down");
     display.set_ready(false);
+    stop_plugins.cancel();
     let plugins = handle.wait().await.context("stopping the device plugins");
     node.stop(held, handed_over).await;
     running.wait().await;

@@ -7,12 +7,21 @@
 //! and gives up the lock; the new one then reads the state and opens. The
 //! old one keeps serving the running shares' `vcuda.sock` connections
 //! until its pod is deleted, and takes the node back should the new one
-//! die before it (a new version that crashes). A manager without a successor (a plain
+//! die before it (a new version that crashes).
+//!
+//! Kubelet ≥ 1.26 drops the newest registration of a resource when an
+//! older one's `ListAndWatch` stream ends (`plugin/v1beta1/server.go`,
+//! `runClient`), and a pod admitted before the new manager has registered
+//! again fails (`UnexpectedAdmissionError`). So the old manager hands its
+//! kubelet connections (copies of the fds, over the successor's inbox) to
+//! the new one and, stopping, exits without closing them: kubelet's old
+//! streams never end. A manager without a successor (a plain
 //! restart, kubelet 1.20 without surge) writes the node's allocatable 0
 //! when it stops ([`crate::node_status`]).
 
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use device_plugin::RuntimeHandle;
@@ -42,6 +51,8 @@ pub struct Node {
     pub metrics: gpu_display::ManagerMetrics,
     pub gate: GateControl,
     pub instance: String,
+    /// Kubelet's connections to the managers this one replaced, kept open.
+    pub inherited: Arc<Mutex<Vec<OwnedFd>>>,
 }
 
 impl Node {
@@ -103,10 +114,15 @@ impl Node {
         .spawn(jobs.clone());
     }
 
-    /// For a manager started beside an owner: names itself the successor,
-    /// waits for the owner to hand over, takes over. `None`: cancelled.
+    /// For a manager started beside an owner: opens its inbox, names itself
+    /// the successor, waits for the owner to hand over, takes over. `None`:
+    /// cancelled.
     pub async fn succeed(&self, sockets: &[PathBuf], cancel: &CancellationToken) -> Option<Held> {
-        if let Err(e) = owner::announce(self.dir(), &self.instance, sockets) {
+        let inbox = self.dir().join(format!("inbox-{}.sock", self.instance));
+        if let Err(e) = open_inbox(&inbox, self.inherited.clone()) {
+            tracing::warn!(inbox = %inbox.display(), error = %e, "no inbox for kubelet's connections: kubelet drops this registration once the old manager stops, and it registers again");
+        }
+        if let Err(e) = owner::announce(self.dir(), &self.instance, sockets, &inbox) {
             tracing::error!(error = %e, dir = %self.dir().display(), "cannot name this manager the successor; the owner hands over only when it stops");
         }
         let t = Instant::now();
@@ -152,7 +168,7 @@ impl Node {
             match held.take() {
                 Some(h) => match owner::successor(self.dir(), &self.instance) {
                     Some(next) => {
-                        self.hand_over(h, &next.instance).await;
+                        self.hand_over(h, &next, plugins).await;
                         handed_to = Some(next);
                     }
                     None => held = Some(h),
@@ -178,18 +194,34 @@ impl Node {
         }
     }
 
-    async fn hand_over(&self, held: Held, to: &str) {
+    async fn hand_over(&self, held: Held, to: &Successor, plugins: &RuntimeHandle) {
         let t = Instant::now();
-        tracing::info!(successor = %to, "a new manager is registered beside this one: handing the node over");
-        self.gate.hand_over(to).await;
+        let name = &to.instance;
+        tracing::info!(successor = %name, "a new manager is registered beside this one: handing the node over");
+        self.gate.hand_over(name).await;
         held.jobs.cancel();
         // Releases not yet written (they wait for the next write).
         if let Err(e) = self.mgr.flush().await {
             tracing::error!(error = %e.message(), "writing the checkpoint before the handover failed; the successor's recovery rebuilds what it lacks");
         }
         drop(held.owner);
+        let mut fds = plugins.kubelet_connections();
+        fds.append(&mut self.inherited.lock().unwrap_or_else(|p| p.into_inner()));
+        match &to.inbox {
+            Some(inbox) => match send_connections(inbox, &fds) {
+                Ok(()) => {
+                    tracing::info!(successor = %name, connections = fds.len(), "kubelet's connections handed over")
+                }
+                Err(e) => {
+                    tracing::warn!(successor = %name, error = %e, "handing kubelet's connections over failed: kubelet drops the successor's registration when this manager stops, and it registers again")
+                }
+            },
+            None => {
+                tracing::warn!(successor = %name, "the successor has no inbox (an earlier version?): kubelet's connections close when this manager stops")
+            }
+        }
         tracing::info!(
-            successor = %to,
+            successor = %name,
             ms = t.elapsed().as_millis() as u64,
             "handed over; serving the running shares' connections until this pod stops"
         );
@@ -219,4 +251,42 @@ impl Node {
         }
         drop(held.owner);
     }
+}
+
+/// The inbox: takes the fds one predecessor sends, keeps them in `into`,
+/// then removes itself.
+fn open_inbox(path: &Path, into: Arc<Mutex<Vec<OwnedFd>>>) -> std::io::Result<()> {
+    let _ = std::fs::remove_file(path);
+    let listener = std::os::unix::net::UnixListener::bind(path)?;
+    let path = path.to_path_buf();
+    std::thread::spawn(move || {
+        if let Ok((conn, _)) = listener.accept() {
+            let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+            while let Ok((msg, mut fds)) = fd_pass::recv(&conn) {
+                if msg.is_empty() {
+                    break;
+                }
+                let n = fds.len();
+                into.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .append(&mut fds);
+                tracing::info!(
+                    connections = n,
+                    "kept kubelet's connections to the previous manager open"
+                );
+            }
+        }
+        let _ = std::fs::remove_file(&path);
+    });
+    Ok(())
+}
+
+/// Sends `fds` to a successor's inbox, [`fd_pass::MAX_FDS`] a message.
+fn send_connections(inbox: &Path, fds: &[OwnedFd]) -> std::io::Result<()> {
+    let conn = std::os::unix::net::UnixStream::connect(inbox)?;
+    let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    for chunk in raw.chunks(fd_pass::MAX_FDS) {
+        fd_pass::send(&conn, b"connections", chunk)?;
+    }
+    Ok(())
 }

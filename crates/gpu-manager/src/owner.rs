@@ -127,9 +127,15 @@ pub async fn wait(
 }
 
 /// Names this instance as the one taking over, with the plugin sockets that
-/// show it alive.
-pub fn announce(dir: &Path, instance: &str, sockets: &[PathBuf]) -> std::io::Result<()> {
-    let mut text = format!("{instance}\n");
+/// show it alive and the inbox where the owner hands it kubelet's
+/// connections ([`crate::handover`]).
+pub fn announce(
+    dir: &Path,
+    instance: &str,
+    sockets: &[PathBuf],
+    inbox: &Path,
+) -> std::io::Result<()> {
+    let mut text = format!("{instance}\ninbox {}\n", inbox.display());
     for s in sockets {
         text.push_str(&format!("{}\n", s.display()));
     }
@@ -140,16 +146,27 @@ pub fn announce(dir: &Path, instance: &str, sockets: &[PathBuf]) -> std::io::Res
 
 /// Removes the successor note if it is still this instance's.
 pub fn withdraw(dir: &Path, instance: &str) {
-    if read_successor(dir).is_some_and(|(i, _)| i == instance) {
+    if read_successor(dir).is_some_and(|s| s.instance == instance) {
         let _ = std::fs::remove_file(dir.join(SUCCESSOR_FILE));
     }
 }
 
-fn read_successor(dir: &Path) -> Option<(String, Vec<PathBuf>)> {
+fn read_successor(dir: &Path) -> Option<Successor> {
     let text = std::fs::read_to_string(dir.join(SUCCESSOR_FILE)).ok()?;
     let mut lines = text.lines();
     let instance = lines.next()?.to_string();
-    Some((instance, lines.map(PathBuf::from).collect()))
+    let (mut sockets, mut inbox) = (Vec::new(), None);
+    for l in lines {
+        match l.strip_prefix("inbox ") {
+            Some(p) => inbox = Some(PathBuf::from(p)),
+            None => sockets.push(PathBuf::from(l)),
+        }
+    }
+    Some(Successor {
+        instance,
+        sockets,
+        inbox,
+    })
 }
 
 /// A manager waiting to take over.
@@ -157,6 +174,8 @@ fn read_successor(dir: &Path) -> Option<(String, Vec<PathBuf>)> {
 pub struct Successor {
     pub instance: String,
     pub sockets: Vec<PathBuf>,
+    /// Where it takes kubelet's connections ([`crate::handover`]).
+    pub inbox: Option<PathBuf>,
 }
 
 impl Successor {
@@ -169,8 +188,7 @@ impl Successor {
 /// The instance waiting to take over from `me`, if one is there and alive
 /// (a note left by a manager that died is not one).
 pub fn successor(dir: &Path, me: &str) -> Option<Successor> {
-    let (instance, sockets) = read_successor(dir)?;
-    let s = Successor { instance, sockets };
+    let s = read_successor(dir)?;
     (s.instance != me && s.alive()).then_some(s)
 }
 
@@ -235,10 +253,12 @@ mod tests {
     fn a_successor_counts_only_while_its_socket_serves() {
         let tmp = tempfile::tempdir().unwrap();
         let sock = tmp.path().join("vcore-b.sock");
-        announce(tmp.path(), "b", std::slice::from_ref(&sock)).unwrap();
+        let inbox = tmp.path().join("inbox-b.sock");
+        announce(tmp.path(), "b", std::slice::from_ref(&sock), &inbox).unwrap();
         assert_eq!(successor(tmp.path(), "a"), None, "nothing listens");
         let l = std::os::unix::net::UnixListener::bind(&sock).unwrap();
-        assert_eq!(successor(tmp.path(), "a").unwrap().instance, "b");
+        let b = successor(tmp.path(), "a").unwrap();
+        assert_eq!((b.instance.as_str(), b.inbox.as_ref()), ("b", Some(&inbox)));
         assert_eq!(successor(tmp.path(), "b"), None, "not its own successor");
         withdraw(tmp.path(), "c");
         assert!(successor(tmp.path(), "a").is_some(), "another's note stays");
