@@ -101,7 +101,8 @@ pub fn pods_during(
         std::thread::sleep(Duration::from_millis(20));
     }
     disrupt();
-    creator.join().unwrap();
+    // Polled while the rest are still being created: a pod seen Running
+    // only once every pod was created would count that wait too.
     let mut ms = HashMap::new();
     let mut failed = Vec::new();
     let t0 = Instant::now();
@@ -122,7 +123,9 @@ pub fn pods_during(
             }
             match p["status"]["phase"].as_str() {
                 Some("Running") => {
-                    let at = created.lock().unwrap()[name];
+                    let Some(at) = created.lock().unwrap().get(name).copied() else {
+                        continue;
+                    };
                     ms.insert(name.to_string(), (now - at).as_millis() as u64);
                 }
                 Some("Failed") if !failed.iter().any(|f: &String| f.starts_with(name)) => {
@@ -133,6 +136,7 @@ pub fn pods_during(
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+    creator.join().unwrap();
     let slow: Vec<&String> = ms
         .iter()
         .filter(|(_, v)| **v > 5000)
