@@ -120,23 +120,35 @@ async fn prepare(kubelet: &plugin::DraPlugin, server: &ApiServer, name: &str) ->
     t0.elapsed()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_driver_is_replaced_on_the_same_sockets() {
-    let (server, dirs) = node().await;
-    let mut sup = driver(&dirs, &[]);
+/// The supervised driver started with `extra`, registered with the
+/// emulated kubelet, its slice published and claim c1 prepared; its one
+/// registration socket and that socket's inode.
+async fn serving(
+    server: &ApiServer,
+    dirs: &Dirs,
+    extra: &[&str],
+) -> (Sup, plugin::DraPlugin, Vec<PathBuf>, u64) {
+    let sup = driver(dirs, extra);
     let kubelet =
         plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(60), false)
             .await
-            .unwrap_or_else(|e| panic!("{e}\n{}", log(&dirs)));
+            .unwrap_or_else(|e| panic!("{e}\n{}", log(dirs)));
     // Registered, it publishes (the DeviceClasses with the slice).
     until(20, "the slice published", || {
         server.list(apiserver_emulator::Kind::ResourceSlice).len() == 1
     })
     .await;
-    prepare(&kubelet, &server, "c1").await;
+    prepare(&kubelet, server, "c1").await;
     let reg = plugin::sockets(&dirs.p("plugins_registry"));
     assert_eq!(reg.len(), 1, "{reg:?}");
     let ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&reg[0]).unwrap());
+    (sup, kubelet, reg, ino)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_driver_is_replaced_on_the_same_sockets() {
+    let (server, dirs) = node().await;
+    let (mut sup, kubelet, reg, ino) = serving(&server, &dirs, &[]).await;
     let first = children(sup.0.id());
     assert_eq!(first.len(), 1, "one driver under the supervisor: {first:?}");
 
@@ -230,18 +242,7 @@ async fn a_whole_container_restart_keeps_the_sockets_with_the_holder() {
     })
     .await;
     let flag = ["--socket-holder", holder.to_str().unwrap()];
-    let mut sup = driver(&dirs, &flag);
-    let kubelet =
-        plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(60), false)
-            .await
-            .unwrap_or_else(|e| panic!("{e}\n{}", log(&dirs)));
-    until(20, "the slice published", || {
-        server.list(apiserver_emulator::Kind::ResourceSlice).len() == 1
-    })
-    .await;
-    prepare(&kubelet, &server, "c1").await;
-    let reg = plugin::sockets(&dirs.p("plugins_registry"));
-    let ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&reg[0]).unwrap());
+    let (mut sup, kubelet, reg, ino) = serving(&server, &dirs, &flag).await;
     until(10, "the holder told of the registration", || {
         std::fs::read_to_string(dirs.p("holder.log"))
             .unwrap_or_default()

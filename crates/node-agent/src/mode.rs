@@ -27,12 +27,17 @@ pub fn is_dra_registration_socket(name: &str) -> bool {
 
 /// Every vcuda DRA registration socket file in `registry_dir`, live or not.
 pub fn dra_registration_sockets(registry_dir: &Path) -> Vec<PathBuf> {
-    let Ok(rd) = std::fs::read_dir(registry_dir) else {
+    files_named(registry_dir, is_dra_registration_socket)
+}
+
+/// The files in `dir` whose name satisfies `named`, sorted.
+fn files_named(dir: &Path, named: fn(&str) -> bool) -> Vec<PathBuf> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
     let mut v: Vec<PathBuf> = rd
         .flatten()
-        .filter(|e| is_dra_registration_socket(&e.file_name().to_string_lossy()))
+        .filter(|e| named(&e.file_name().to_string_lossy()))
         .map(|e| e.path())
         .collect();
     v.sort();
@@ -82,16 +87,7 @@ pub fn is_device_plugin_socket(name: &str) -> bool {
 
 /// Every manager plugin socket file in `device_plugin_dir`, live or not.
 pub fn device_plugin_sockets(device_plugin_dir: &Path) -> Vec<PathBuf> {
-    let Ok(rd) = std::fs::read_dir(device_plugin_dir) else {
-        return Vec::new();
-    };
-    let mut v: Vec<PathBuf> = rd
-        .flatten()
-        .filter(|e| is_device_plugin_socket(&e.file_name().to_string_lossy()))
-        .map(|e| e.path())
-        .collect();
-    v.sort();
-    v
+    files_named(device_plugin_dir, is_device_plugin_socket)
 }
 
 /// Whether something accepts connections on `sock`.
