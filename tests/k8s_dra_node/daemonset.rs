@@ -27,35 +27,13 @@ pub fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
     };
     let root = test_support::k8s::cluster::daemon_rootfs(w, "vcuda-dra-driver");
     import(n, DRA_IMAGE, &root, "/usr/bin/vcuda-dra-driver");
-    let deploy = workspace_root().join("deploy");
-    n.ok(&["apply", "-k", deploy.join("overlays/dra").to_str().unwrap()]);
-    let server = n.ok(&[
-        "config",
-        "view",
-        "--raw",
-        "-o",
-        "jsonpath={.clusters[0].cluster.server}",
-    ]);
-    let (host, port) = server
-        .trim_start_matches("https://")
-        .rsplit_once(':')
-        .expect("https://host:port");
-    let patch = fs::read_to_string(deploy.join("test/dra-driver-sim-patch.yaml"))
-        .unwrap()
-        .replace("@SIM_ROOT@", sim.to_str().unwrap())
-        .replace("@API_HOST@", host)
-        .replace("@API_PORT@", port);
-    n.ok(&[
-        "-n",
-        "kube-system",
-        "patch",
-        "daemonset",
-        "vcuda-dra-driver",
-        "--type",
-        "strategic",
-        "-p",
-        &patch,
-    ]);
+    let (host, port) = install_overlay(
+        n,
+        "overlays/dra",
+        DRIVER_APP,
+        "dra-driver-sim-patch.yaml",
+        sim,
+    );
     let t0 = Instant::now();
     n.ok(&[
         "label",
@@ -87,7 +65,7 @@ pub fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
         t0.elapsed().as_secs_f64()
     );
     let logs = || {
-        let name = ready_driver_pod(n).unwrap_or_default();
+        let name = n.ready_pod(DRIVER_APP).unwrap_or_default();
         n.kubectl(&["-n", "kube-system", "logs", &name])
             .unwrap_or_default()
     };
@@ -140,7 +118,7 @@ pub fn daemonset_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
         tail(&l, 30)
     );
     assert!(!l.contains("\u{1b}["), "no colour codes in the pod's log");
-    uninstall_drill(n, node, (host, port));
+    uninstall_drill(n, node, (&host, &port));
     drop(ds);
 }
 
@@ -242,106 +220,25 @@ impl Drop for UninstallCleanup<'_> {
     }
 }
 
-/// The one Ready driver pod's name.
-fn ready_driver_pod(n: &Node) -> Result<String, String> {
-    let pods = n.driver_pods()?;
-    let ready: Vec<&Value> = pods
-        .iter()
-        .filter(|p| {
-            p["metadata"]["deletionTimestamp"].is_null()
-                && p["status"]["conditions"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
-        })
-        .collect();
-    match ready[..] {
-        [p] => Ok(p["metadata"]["name"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string()),
-        _ => Err(format!("{} Ready driver pods", ready.len())),
-    }
-}
-
-/// Two rolling updates of the driver's DaemonSet (`rollout restart`: a new
-/// pod beside the old one, maxSurge 1) with pods created meanwhile: all
-/// Running within 5 s (p99), the running share untouched (no restart, a
-/// new process in it still held), one driver pod left, which removed the
+/// Two rolling updates of the driver's DaemonSet with pods created
+/// meanwhile ([`windows::rolling_updates`]); each new driver removed the
 /// old one's sockets once registered.
 fn rolling_update(n: &Node, bin: &Path, sim: &Path) {
     n.apply(&claim_template("gpu-5", 5, "256Mi"));
-    let mut updates = Vec::new();
-    for k in 0..2 {
-        let before = ready_driver_pod(n).unwrap();
-        let t0 = Instant::now();
-        let prefix = format!("roll-{k}");
-        let w = windows::pods_during(
-            n,
-            "a rolling update of the driver's DaemonSet",
-            &prefix,
-            |p| pod(p, "gpu-5", "sleep 100000", bin, sim),
-            10,
-            std::time::Duration::from_millis(400),
-            || {
-                n.ok(&[
-                    "-n",
-                    "kube-system",
-                    "rollout",
-                    "restart",
-                    "daemonset/vcuda-dra-driver",
-                ]);
-            },
-            240,
-        );
-        n.ok(&[
-            "-n",
-            "kube-system",
-            "rollout",
-            "status",
-            "daemonset/vcuda-dra-driver",
-            "--timeout=180s",
-        ]);
-        let after = wait("one Ready driver pod after the update", 120, || {
-            let p = ready_driver_pod(n)?;
-            if p != before && n.driver_pods()?.len() == 1 {
-                Ok(p)
-            } else {
-                Err(format!("{p}, {} pods", n.driver_pods()?.len()))
-            }
-        });
-        eprintln!(
-            "k8s_dra: rolling update {k}: {before} -> {after} in {:.1} s",
-            t0.elapsed().as_secs_f64()
-        );
-        let l = n.ok(&["-n", "kube-system", "logs", &after]);
-        assert!(
-            l.contains("removed an earlier instance's socket"),
-            "the new driver removed the old one's sockets:\n{}",
-            tail(&l, 20)
-        );
-        updates.push(w);
-        windows::delete_pods(n, &prefix, 10);
-    }
-    let all = windows::Window::combined("2 rolling updates of the DaemonSet", updates);
-    let share = n.json(&["-n", NS, "get", "pod", "ds-share"]).unwrap();
-    assert_eq!(
-        share["status"]["containerStatuses"][0]["restartCount"], 0,
-        "the share's pod was not restarted"
-    );
-    let again = n.ok(&[
-        "-n",
-        NS,
-        "exec",
+    windows::rolling_updates(
+        n,
+        DRIVER_APP,
+        |p| pod(p, "gpu-5", "sleep 100000", bin, sim),
         "ds-share",
-        "--",
-        "/work/shim_client",
-        "quota",
-        "256",
-    ]);
-    check_quota(&again, "ds-share after two rolling updates");
-    all.assert_running_within(5000);
+        |k, before, after, secs, l| {
+            eprintln!("k8s_dra: rolling update {k}: {before} -> {after} in {secs:.1} s");
+            assert!(
+                l.contains("removed an earlier instance's socket"),
+                "the new driver removed the old one's sockets:\n{}",
+                tail(l, 20)
+            );
+        },
+    );
 }
 
 /// A node reboot under the DaemonSet's driver: every pod process killed,
@@ -387,7 +284,7 @@ fn reboot_drill(n: &Node, bin: &Path, sim: &Path, cmd: &str) {
         t0.elapsed().as_secs_f64()
     );
     wait("the driver's pod Ready after the reboot", 180, || {
-        ready_driver_pod(n)
+        n.ready_pod(DRIVER_APP)
     });
     let running_again = wait("reboot-always running again", 240, || {
         let p = n.json(&["-n", NS, "get", "pod", "reboot-always"])?;

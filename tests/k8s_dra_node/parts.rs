@@ -15,6 +15,8 @@ pub const NS: &str = "vcuda-dra-test";
 pub const DRIVER: &str = "vcuda.tencent.com";
 pub const CDI_DIR: &str = "/var/run/cdi";
 pub const DRA_IMAGE: &str = "docker.io/vcuda-test/vcuda-dra-driver:local";
+/// The driver DaemonSet's `app.kubernetes.io/name`.
+pub const DRIVER_APP: &str = "vcuda-dra-driver";
 
 pub struct Node {
     pub kubeconfig: PathBuf,
@@ -22,17 +24,49 @@ pub struct Node {
 }
 
 impl Node {
-    /// The driver DaemonSet's pods.
-    pub fn driver_pods(&self) -> Result<Vec<Value>, String> {
+    /// The pods in kube-system labelled `app.kubernetes.io/name=<app>`.
+    pub fn app_pods(&self, app: &str) -> Result<Vec<Value>, String> {
         let l = self.json(&[
             "-n",
             "kube-system",
             "get",
             "pods",
             "-l",
-            "app.kubernetes.io/name=vcuda-dra-driver",
+            &format!("app.kubernetes.io/name={app}"),
         ])?;
         Ok(l["items"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// The driver DaemonSet's pods.
+    pub fn driver_pods(&self) -> Result<Vec<Value>, String> {
+        self.app_pods(DRIVER_APP)
+    }
+
+    /// The name of the one Ready pod of `app` not being deleted.
+    pub fn ready_pod(&self, app: &str) -> Result<String, String> {
+        let pods = self.app_pods(app)?;
+        let ready: Vec<&Value> = pods
+            .iter()
+            .filter(|p| {
+                p["metadata"]["deletionTimestamp"].is_null()
+                    && p["status"]["conditions"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            })
+            .collect();
+        match ready[..] {
+            [p] => Ok(p["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()),
+            _ => Err(format!(
+                "{} Ready {app} pods of {}",
+                ready.len(),
+                pods.len()
+            )),
+        }
     }
 
     pub fn kubectl(&self, args: &[&str]) -> Result<String, String> {
@@ -105,6 +139,54 @@ pub fn import(n: &Node, tag: &str, root: &Path, entry: &str) {
         .arg(&n.containerd)
         .args(["-n", "k8s.io", "images", "import"])
         .arg(&tar));
+}
+
+/// `kubectl apply -k deploy/<overlay>` as users apply it, then the test's
+/// strategic merge patch `deploy/test/<patch>` on the DaemonSet `ds` in
+/// kube-system, its placeholders filled in: the simulated root, the API
+/// server's address, this node's containerd directory. The API server's
+/// (host, port).
+pub fn install_overlay(
+    n: &Node,
+    overlay: &str,
+    ds: &str,
+    patch: &str,
+    sim: &Path,
+) -> (String, String) {
+    let deploy = workspace_root().join("deploy");
+    n.ok(&["apply", "-k", deploy.join(overlay).to_str().unwrap()]);
+    let server = n.ok(&[
+        "config",
+        "view",
+        "--raw",
+        "-o",
+        "jsonpath={.clusters[0].cluster.server}",
+    ]);
+    let (host, port) = server
+        .trim_start_matches("https://")
+        .rsplit_once(':')
+        .expect("https://host:port");
+    let patch = fs::read_to_string(deploy.join("test").join(patch))
+        .unwrap()
+        .replace("@SIM_ROOT@", sim.to_str().unwrap())
+        .replace("@API_HOST@", host)
+        .replace("@API_PORT@", port)
+        .replace(
+            "@CONTAINERD_DIR@",
+            n.containerd.parent().unwrap().to_str().unwrap(),
+        );
+    n.ok(&[
+        "-n",
+        "kube-system",
+        "patch",
+        "daemonset",
+        ds,
+        "--type",
+        "strategic",
+        "-p",
+        &patch,
+    ]);
+    (host.to_string(), port.to_string())
 }
 
 /// The busybox image; the host's glibc is mounted at run time.

@@ -210,3 +210,76 @@ pub fn kill_worker(needle: &str) {
         },
     );
 }
+
+/// Two rolling updates of the DaemonSet `app` in kube-system (`rollout
+/// restart`: a new pod beside the old one, maxSurge 1), 10 pods from
+/// `yaml` created during each. After each, one pod of `app` left, a new
+/// one; `check(k, before, after, seconds, its log)` judges it. Then the
+/// running `share` pod not restarted and a new process in it still held
+/// to its quota; every pod Running within 5 s (p99).
+pub fn rolling_updates(
+    n: &Node,
+    app: &str,
+    yaml: impl Fn(&str) -> String,
+    share: &str,
+    check: impl Fn(usize, &str, &str, f64, &str),
+) {
+    let mut updates = Vec::new();
+    for k in 0..2 {
+        let before = n.ready_pod(app).unwrap();
+        let t0 = Instant::now();
+        let prefix = format!("{app}-roll-{k}");
+        let ds = format!("daemonset/{app}");
+        let w = pods_during(
+            n,
+            &format!("a rolling update of {ds}"),
+            &prefix,
+            &yaml,
+            10,
+            Duration::from_millis(400),
+            || {
+                n.ok(&["-n", "kube-system", "rollout", "restart", &ds]);
+            },
+            240,
+        );
+        n.ok(&[
+            "-n",
+            "kube-system",
+            "rollout",
+            "status",
+            &ds,
+            "--timeout=180s",
+        ]);
+        let after = test_support::k8s::util::wait("one Ready pod after the update", 120, || {
+            let p = n.ready_pod(app)?;
+            let all = n.app_pods(app)?.len();
+            if p != before && all == 1 {
+                Ok(p)
+            } else {
+                Err(format!("{p}, {all} pods"))
+            }
+        });
+        let l = n.ok(&["-n", "kube-system", "logs", &after]);
+        check(k, &before, &after, t0.elapsed().as_secs_f64(), &l);
+        updates.push(w);
+        delete_pods(n, &prefix, 10);
+    }
+    let all = Window::combined(&format!("2 rolling updates of {app}"), updates);
+    let pod = n.json(&["-n", NS, "get", "pod", share]).unwrap();
+    assert_eq!(
+        pod["status"]["containerStatuses"][0]["restartCount"], 0,
+        "the share's pod was not restarted"
+    );
+    let again = n.ok(&[
+        "-n",
+        NS,
+        "exec",
+        share,
+        "--",
+        "/work/shim_client",
+        "quota",
+        "256",
+    ]);
+    check_quota(&again, &format!("{share} after two rolling updates"));
+    all.assert_running_within(5000);
+}
