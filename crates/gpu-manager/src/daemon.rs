@@ -153,7 +153,7 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
     display.set_ready(false);
     stop_plugins.cancel();
     let plugins = handle.wait().await.context("stopping the device plugins");
-    node.stop(held, handed_over).await;
+    node.stop(held).await;
     running.wait().await;
     plugins?;
     Ok(())

@@ -229,11 +229,8 @@ impl Node {
 
     /// At shutdown, with the plugins stopped: an owner writes what it has
     /// not written and, unless a successor serves, the node's allocatable 0.
-    pub async fn stop(&self, held: Option<Held>, handed_over: bool) {
+    pub async fn stop(&self, held: Option<Held>) {
         let Some(held) = held else {
-            if handed_over {
-                tracing::info!("the node's state is the successor's; nothing to write");
-            }
             return;
         };
         held.jobs.cancel();
