@@ -138,7 +138,32 @@ pub fn run(
             *busy.entry("70").or_default() += pct;
         }
     }
-    let (b30, b70) = (busy["30"], busy["70"]);
+    let (b30, b70) = (busy.get("30").copied(), busy.get("70").copied());
+    let (Some(b30), Some(b70)) = (b30, b70) else {
+        // A share that ran no kernel in the window: what its pod and the
+        // GPU's process table say (a CI run once found the 30 share idle).
+        let procs: Vec<String> = state
+            .processes(g30)
+            .iter()
+            .map(|p| {
+                format!(
+                    "slot {} gen {} host pid {:?}",
+                    p.slot, p.generation, p.host_pid
+                )
+            })
+            .collect();
+        let pod = |n: &str| {
+            let st = c
+                .pod(n)
+                .map(|p| p["status"]["containerStatuses"].to_string());
+            format!("{n}: status {st:?}\nlogs:\n{}", tail(&c.logs(n), 20))
+        };
+        panic!(
+            "no kernel of a share in the 20 s window on GPU {g30}: busy {busy:?}\nprocesses: {procs:?}\n{}\n{}",
+            pod("share30"),
+            pod("share70")
+        );
+    };
     figures.push(format!(
         "30/70 on GPU {g30} under the real kubelet: {b30:.1} % / {b70:.1} %"
     ));

@@ -81,7 +81,7 @@ pub async fn run(
     let (sockets, listeners, was_registered) = match inherited.as_mut() {
         Some(i) => (
             i.sockets.clone(),
-            Some((i.plugin.try_clone()?, i.registration.try_clone()?)),
+            Some((i.inbox.try_clone()?, i.registration.try_clone()?)),
             i.registered,
         ),
         None => (Sockets::new(&s.plugins_dir, &s.registry_dir), None, false),

@@ -338,21 +338,37 @@ pub async fn serve(
     serve_on(driver, sockets, None, cancel).await
 }
 
-/// [`serve`] on listeners already bound to `sockets` (handed over by the
-/// supervisor: `(plugin, registration)`), or binding them when `None`.
+type Incoming = std::pin::Pin<
+    Box<
+        dyn futures::Stream<Item = std::io::Result<uds_authority::Fixed<tokio::net::UnixStream>>>
+            + Send,
+    >,
+>;
+
+/// [`serve`] as a supervisor's child: `(inbox, registration)`, the inbox
+/// its supervisor passes the plugin socket's connections over
+/// ([`crate::relay`]) and the registration socket's listener, bound to
+/// `sockets`. `None`: bind both.
 pub async fn serve_on(
     driver: Arc<Driver>,
     sockets: &Sockets,
-    listeners: Option<(
-        std::os::unix::net::UnixListener,
+    inherited: Option<(
+        std::os::unix::net::UnixStream,
         std::os::unix::net::UnixListener,
     )>,
     cancel: CancellationToken,
 ) -> std::io::Result<Arc<Mutex<RegistrationState>>> {
+    use futures::StreamExt;
     let plugin = Plugin::new(driver);
-    let (l, reg_l) = match listeners {
-        Some((p, r)) => (UnixListener::from_std(p)?, Some(UnixListener::from_std(r)?)),
-        None => (bind(&sockets.plugin)?, None),
+    let (incoming, reg_l): (Incoming, _) = match inherited {
+        Some((inbox, r)) => (
+            crate::relay::incoming(inbox).boxed(),
+            Some(UnixListener::from_std(r)?),
+        ),
+        None => (
+            uds_authority::incoming(bind(&sockets.plugin)?).boxed(),
+            None,
+        ),
     };
     let c = cancel.clone();
     let p = plugin.clone();
@@ -365,7 +381,7 @@ pub async fn serve_on(
                     crate::health::HealthService { driver: p.driver },
                 ),
             )
-            .serve_with_incoming_shutdown(uds_authority::incoming(l), c.cancelled_owned())
+            .serve_with_incoming_shutdown(incoming, c.cancelled_owned())
             .await;
         if let Err(e) = r {
             tracing::error!(error = %e, "DRA plugin socket");

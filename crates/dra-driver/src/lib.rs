@@ -36,6 +36,7 @@ pub mod params;
 pub mod plan;
 pub mod publish;
 pub mod quantity;
+pub mod relay;
 pub mod slices;
 pub mod supervise;
 pub mod topology;

@@ -5,10 +5,12 @@
 //! error after `FailedPrepareDynamicResources`), and a restarted container
 //! waits out CrashLoopBackOff. So `vcuda-dra-driver` runs as a small
 //! supervisor that binds both sockets once and runs the driver as its child
-//! on them ([`LISTEN_FDS_ENV`]); when the child dies it starts another on
-//! the same listening sockets at once. Connections made meanwhile wait in
-//! the listen backlog and the kubelet's calls complete on the new child: the
-//! kubelet sees neither a refused socket nor a new registration.
+//! ([`LISTEN_FDS_ENV`]); when the child dies it starts another at once. The
+//! child serves the registration socket itself (connections made while it
+//! restarts wait in the listen backlog); the plugin socket the supervisor
+//! answers and relays to the child ([`crate::relay`]), so a call the child
+//! dies under is answered by the next one. The kubelet sees neither a
+//! refused socket, nor a lost call, nor a new registration.
 //!
 //! A child that exits before it was ever registered (bad settings, the
 //! device plugins serving here) ends the supervisor with its status, so the
@@ -17,7 +19,7 @@
 
 use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::net::UnixListener;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::sync::Arc;
@@ -26,7 +28,9 @@ use std::time::{Duration, Instant};
 
 use crate::grpc::Sockets;
 
-/// In the child: `<plugin fd>,<registration fd>` it inherited.
+/// In the child: `<plugin inbox fd>,<registration fd>` it inherited: the
+/// supervisor passes the plugin socket's connections over the inbox
+/// ([`crate::relay::incoming`]); the registration socket is a listener.
 pub const LISTEN_FDS_ENV: &str = "VCUDA_DRA_LISTEN_FDS";
 /// In the child: the instance the sockets are named for.
 pub const INSTANCE_ENV: &str = "VCUDA_DRA_INSTANCE";
@@ -53,7 +57,8 @@ extern "C" fn on_signal(sig: libc::c_int) {
 /// What a supervised child inherited.
 pub struct Inherited {
     pub sockets: Sockets,
-    pub plugin: UnixListener,
+    /// Where the supervisor passes the plugin socket's connections.
+    pub inbox: UnixStream,
     pub registration: UnixListener,
     pub registered: bool,
     report: Option<OwnedFd>,
@@ -78,26 +83,26 @@ pub fn inherited(plugins_dir: &Path, registry_dir: &Path) -> anyhow::Result<Opti
     let instance = std::env::var(INSTANCE_ENV)
         .map_err(|_| anyhow::anyhow!("{LISTEN_FDS_ENV} is set but {INSTANCE_ENV} is not"))?;
     let parsed: Vec<RawFd> = fds.split(',').filter_map(|f| f.parse().ok()).collect();
-    let [plugin, registration] = parsed[..] else {
-        anyhow::bail!("{LISTEN_FDS_ENV}={fds:?}: expected two fds, \"<plugin>,<registration>\"");
+    let [inbox, registration] = parsed[..] else {
+        anyhow::bail!(
+            "{LISTEN_FDS_ENV}={fds:?}: expected two fds, \"<plugin inbox>,<registration>\""
+        );
     };
     let report = std::env::var(REPORT_FD_ENV)
         .ok()
         .and_then(|f| f.parse::<RawFd>().ok());
     // SAFETY: the supervisor passed these fds to this process alone, open.
-    let (plugin, registration, report) = unsafe {
+    let (inbox, registration, report) = unsafe {
         (
-            UnixListener::from_raw_fd(plugin),
+            UnixStream::from_raw_fd(inbox),
             UnixListener::from_raw_fd(registration),
             report.map(|f| OwnedFd::from_raw_fd(f)),
         )
     };
-    for l in [&plugin, &registration] {
-        l.set_nonblocking(true)?;
-    }
+    registration.set_nonblocking(true)?;
     Ok(Some(Inherited {
         sockets: Sockets::for_instance(plugins_dir, registry_dir, &instance),
-        plugin,
+        inbox,
         registration,
         registered: std::env::var(REGISTERED_ENV).is_ok_and(|v| v == "1"),
         report,
@@ -188,16 +193,21 @@ pub fn supervise(
         sockets.remove_own();
         Ok(code)
     };
+    let inboxes = start_relay(plugin)?;
     let mut backoff = FIRST_BACKOFF;
     loop {
         let started = Instant::now();
+        let inbox = inboxes.start_child()?;
         let status = run_child(
             &exe,
             (&arg0, &args),
             &instance,
-            [plugin.as_raw_fd(), registration.as_raw_fd()],
+            [inbox.as_raw_fd(), registration.as_raw_fd()],
             (&registered, holder),
-        )?;
+        );
+        drop(inbox);
+        inboxes.child_gone();
+        let status = status?;
         let sig = SIGNAL.load(Ordering::SeqCst);
         if sig != 0 || status.success() {
             return stop(exit_code(status));
@@ -217,7 +227,31 @@ pub fn supervise(
     }
 }
 
-/// One child on the listeners; forwards SIGTERM/SIGINT; its exit status.
+/// The relay on the kubelet's plugin socket, on a thread of its own for
+/// the supervisor's life; the inboxes its connections go to.
+fn start_relay(plugin: UnixListener) -> anyhow::Result<crate::relay::Inboxes> {
+    let inboxes = crate::relay::Inboxes::default();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| anyhow::anyhow!("starting the relay's runtime: {e}"))?;
+    let i = inboxes.clone();
+    std::thread::Builder::new()
+        .name("relay".into())
+        .spawn(move || {
+            if let Err(e) = rt.block_on(crate::relay::serve(plugin, i)) {
+                // The kubelet can no longer reach the driver: end it all,
+                // so the pod restarts rather than serving nothing.
+                tracing::error!(error = %e, "the plugin socket's relay stopped");
+                std::process::exit(1);
+            }
+        })?;
+    Ok(inboxes)
+}
+
+/// One child on `fds` (its plugin inbox and the registration listener);
+/// forwards SIGTERM/SIGINT; its exit status.
 fn run_child(
     exe: &Path,
     (arg0, args): (&std::ffi::OsStr, &[std::ffi::OsString]),
