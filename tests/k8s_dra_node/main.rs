@@ -567,8 +567,37 @@ fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path, w: &P
         ));
         windows::delete_pods(n, &prefix, 8);
     }
+    // Calls the killed driver held, answered by the next (by chance: a
+    // kill lands in a call or between calls).
+    let relayed = "answered by the next driver process";
+    eprintln!(
+        "k8s_dra_node: calls relayed to the next driver after a kill: {}",
+        drv.count(relayed)
+    );
     windows::Window::combined("3 kill -9s of the supervised driver", kills)
         .assert_running_within(5000);
+    // Surely in a call: the driver stopped for 1.5 s while pods come, then
+    // killed. Before the relay each such call failed with "error reading
+    // from server: EOF" and its pod waited 10-15 s for the kubelet's retry.
+    let before = drv.count(relayed);
+    let w_held = windows::pods_during(
+        n,
+        "a kill -9 of the driver holding the kubelet's calls",
+        "held",
+        |p| pod(p, "gpu-5", "sleep 100000", bin, sim),
+        6,
+        every,
+        || windows::kill_worker_after(&ours, std::time::Duration::from_millis(1500)),
+        180,
+    );
+    windows::delete_pods(n, "held", 6);
+    drv.wait_for(
+        "the kubelet's held calls relayed to the next driver",
+        relayed,
+        before + 1,
+        30,
+    );
+    w_held.assert_running_within(5000);
     let held = drv.count("serving on the sockets the holder kept open");
     let w = windows::pods_during(
         n,

@@ -197,8 +197,19 @@ pub fn driver_workers(needle: &str) -> Vec<u32> {
 /// kill -9 of the one supervised driver process whose command line has
 /// `needle`; waits until its supervisor started another.
 pub fn kill_worker(needle: &str) {
+    kill_worker_after(needle, Duration::ZERO);
+}
+
+/// As [`kill_worker`], the process stopped (SIGSTOP) for `held` first: the
+/// kubelet's calls of that time are in its hands when it dies.
+pub fn kill_worker_after(needle: &str, held: Duration) {
     let w = driver_workers(needle);
     assert_eq!(w.len(), 1, "one supervised driver process: {w:?}");
+    if !held.is_zero() {
+        // SAFETY: as below.
+        unsafe { libc::kill(w[0] as i32, libc::SIGSTOP) };
+        std::thread::sleep(held);
+    }
     // SAFETY: signals a process found by its command line and environment.
     unsafe { libc::kill(w[0] as i32, libc::SIGKILL) };
     test_support::k8s::util::wait(

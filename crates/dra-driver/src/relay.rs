@@ -31,8 +31,11 @@ use tokio::sync::watch;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Response, Status};
 
-/// How long a call waits for a child that answers it.
-pub const PATIENCE: Duration = Duration::from_secs(30);
+/// How long a call waits for a child that answers it: less than the
+/// kubelet's 45 s per call (`defaultClientCallTimeout`,
+/// pkg/kubelet/cm/dra/plugin/dra_plugin.go), so it gets this error rather
+/// than its own deadline.
+pub const PATIENCE: Duration = Duration::from_secs(40);
 const RETRY: Duration = Duration::from_millis(20);
 
 type Inbox = Option<Arc<StdStream>>;
@@ -174,7 +177,12 @@ impl Relay {
         let until = Instant::now() + PATIENCE;
         let mut tries = 0u32;
         loop {
-            match call(self.channel.clone()).await {
+            // A child that never comes (a crash loop) ends the wait too.
+            let left = until.saturating_duration_since(Instant::now());
+            let r = tokio::time::timeout(left, call(self.channel.clone()))
+                .await
+                .unwrap_or_else(|_| Err(Status::unavailable("no driver process answered")));
+            match r {
                 Ok(r) => {
                     if tries > 0 {
                         tracing::info!(call = what, tries, "answered by the next driver process");
