@@ -185,6 +185,17 @@ async fn a_killed_driver_is_replaced_on_the_same_sockets() {
         l.contains("the driver exited; a new one takes its sockets"),
         "{l}"
     );
+    // Every call of both versions goes through the supervisor's relay: a
+    // v1beta1 kubelet (1.32, 1.33) prepares, and c1 is unprepared.
+    let old = plugin::register(&reg[0], true).await.unwrap();
+    assert_eq!(old.version, plugin::Version::V1beta1);
+    prepare(&old, &server, "c3").await;
+    let c1 = server
+        .get(apiserver_emulator::Kind::ResourceClaim, Some(NS), "c1")
+        .unwrap();
+    let c1 = plugin::claim(NS, "c1", &uid(&c1));
+    let r = old.unprepare(std::slice::from_ref(&c1)).await.unwrap();
+    assert_eq!(r.claims[&c1.uid].error, "");
 
     // SIGTERM: both go, the sockets with them.
     // SAFETY: signals the process this test started.
