@@ -197,15 +197,13 @@ pub fn supervise(
     let mut backoff = FIRST_BACKOFF;
     loop {
         let started = Instant::now();
-        let inbox = inboxes.start_child()?;
         let status = run_child(
             &exe,
             (&arg0, &args),
             &instance,
-            [inbox.as_raw_fd(), registration.as_raw_fd()],
+            (inboxes.start_child()?, registration.as_raw_fd()),
             (&registered, holder),
         );
-        drop(inbox);
         inboxes.child_gone();
         let status = status?;
         let sig = SIGNAL.load(Ordering::SeqCst);
@@ -250,17 +248,18 @@ fn start_relay(plugin: UnixListener) -> anyhow::Result<crate::relay::Inboxes> {
     Ok(inboxes)
 }
 
-/// One child on `fds` (its plugin inbox and the registration listener);
-/// forwards SIGTERM/SIGINT; its exit status.
+/// One child on its plugin inbox and the registration listener; forwards
+/// SIGTERM/SIGINT; its exit status.
 fn run_child(
     exe: &Path,
     (arg0, args): (&std::ffi::OsStr, &[std::ffi::OsString]),
     instance: &str,
-    listeners: [RawFd; 2],
+    (inbox, registration): (OwnedFd, RawFd),
     (registered, holder): (&Arc<AtomicBool>, Option<&Path>),
 ) -> anyhow::Result<std::process::ExitStatus> {
     let (report_r, report_w) = pipe()?;
     let w = report_w.as_raw_fd();
+    let inbox_fd = inbox.as_raw_fd();
     let mut cmd = std::process::Command::new(exe);
     cmd.arg0(arg0)
         .args(args)
@@ -282,7 +281,7 @@ fn run_child(
             // not yet copied; dup2 then leaves the targets without
             // FD_CLOEXEC.
             let mut high = [0; 3];
-            for (h, from) in high.iter_mut().zip([listeners[0], listeners[1], w]) {
+            for (h, from) in high.iter_mut().zip([inbox_fd, registration, w]) {
                 *h = libc::fcntl(from, libc::F_DUPFD_CLOEXEC, 10);
                 if *h < 0 {
                     return Err(std::io::Error::last_os_error());
@@ -306,6 +305,8 @@ fn run_child(
         .spawn()
         .map_err(|e| anyhow::anyhow!("starting the driver ({}): {e}", exe.display()))?;
     drop(report_w);
+    // The child's alone: a dead child's inbox then reads as closed.
+    drop(inbox);
     let flag = registered.clone();
     let holder = holder.map(Path::to_path_buf);
     std::thread::spawn(move || {
