@@ -135,7 +135,10 @@ fn manager_crash(n: &Node, bin: &Path, sim: &Path) {
         10,
         Duration::from_millis(400),
         || {
-            let pids = manager_pids();
+            let pids: Vec<u32> = windows::processes_of("gpu-manager")
+                .into_iter()
+                .map(|(pid, _)| pid)
+                .collect();
             assert_eq!(pids.len(), 1, "one gpu-manager process: {pids:?}");
             // SAFETY: signals the process found by its executable's name.
             unsafe { libc::kill(pids[0] as i32, libc::SIGKILL) };
@@ -164,21 +167,4 @@ fn manager_crash(n: &Node, bin: &Path, sim: &Path) {
             .then_some(())
             .ok_or(format!("{p} (was {pod}), {restarts} restarts"))
     });
-}
-
-/// Host PIDs of gpu-manager processes.
-fn manager_pids() -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .unwrap_or_default()
-                .split(|b| *b == 0)
-                .next()
-                .is_some_and(|a| a.ends_with(b"gpu-manager"))
-        })
-        .collect()
 }

@@ -169,29 +169,41 @@ pub fn delete_pods(n: &Node, prefix: &str, count: usize) {
     n.ok(&args);
 }
 
-/// PIDs of supervised driver processes (the supervisor's children: their
-/// environment names the sockets they inherited) whose command line has
-/// `needle`, on the host.
-pub fn driver_workers(needle: &str) -> Vec<u32> {
+/// Host processes whose executable (`argv[0]`) ends with `exe`: each PID
+/// and its command line.
+pub fn processes_of(exe: &str) -> Vec<(u32, Vec<u8>)> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
             continue;
         };
         let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let exe = cmd.split(|b| *b == 0).next().unwrap_or_default();
-        if !exe.ends_with(b"vcuda-dra-driver") || !String::from_utf8_lossy(&cmd).contains(needle) {
-            continue;
-        }
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        if env
+        if cmd
             .split(|b| *b == 0)
-            .any(|kv| kv.starts_with(b"VCUDA_DRA_LISTEN_FDS="))
+            .next()
+            .is_some_and(|a| a.ends_with(exe.as_bytes()))
         {
-            out.push(pid);
+            out.push((pid, cmd));
         }
     }
     out
+}
+
+/// PIDs of supervised driver processes (the supervisor's children: their
+/// environment names the sockets they inherited) whose command line has
+/// `needle`, on the host.
+pub fn driver_workers(needle: &str) -> Vec<u32> {
+    processes_of("vcuda-dra-driver")
+        .into_iter()
+        .filter(|(pid, cmd)| {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            String::from_utf8_lossy(cmd).contains(needle)
+                && env
+                    .split(|b| *b == 0)
+                    .any(|kv| kv.starts_with(b"VCUDA_DRA_LISTEN_FDS="))
+        })
+        .map(|(pid, _)| pid)
+        .collect()
 }
 
 /// kill -9 of the one supervised driver process whose command line has

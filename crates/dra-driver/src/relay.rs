@@ -226,42 +226,43 @@ pub async fn serve(listener: std::os::unix::net::UnixListener, inboxes: Inboxes)
         .map_err(io::Error::other)
 }
 
+/// One relayed unary call: `$client::new(channel).$method(request)` on the
+/// child, through [`Relay::unary`].
+macro_rules! relay_unary {
+    ($relay:expr, $what:literal, $req:expr, $client:ty, $method:ident) => {{
+        let m = $req.into_inner();
+        $relay
+            .unary($what, |ch| {
+                let m = m.clone();
+                async move { <$client>::new(ch).$method(m).await }
+            })
+            .await
+            .map(Response::new)
+    }};
+}
+
 #[tonic::async_trait]
 impl v1::dra_plugin_server::DraPlugin for Relay {
     async fn node_prepare_resources(
         &self,
         req: Request<v1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
-        let m = req.into_inner();
-        let r = self
-            .unary("NodePrepareResources", |ch| {
-                let m = m.clone();
-                async move {
-                    v1::dra_plugin_client::DraPluginClient::new(ch)
-                        .node_prepare_resources(m)
-                        .await
-                }
-            })
-            .await?;
-        Ok(Response::new(r))
+        type C = v1::dra_plugin_client::DraPluginClient<Channel>;
+        relay_unary!(self, "NodePrepareResources", req, C, node_prepare_resources)
     }
 
     async fn node_unprepare_resources(
         &self,
         req: Request<v1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
-        let m = req.into_inner();
-        let r = self
-            .unary("NodeUnprepareResources", |ch| {
-                let m = m.clone();
-                async move {
-                    v1::dra_plugin_client::DraPluginClient::new(ch)
-                        .node_unprepare_resources(m)
-                        .await
-                }
-            })
-            .await?;
-        Ok(Response::new(r))
+        type C = v1::dra_plugin_client::DraPluginClient<Channel>;
+        relay_unary!(
+            self,
+            "NodeUnprepareResources",
+            req,
+            C,
+            node_unprepare_resources
+        )
     }
 }
 
@@ -271,36 +272,28 @@ impl v1beta1::dra_plugin_server::DraPlugin for Relay {
         &self,
         req: Request<v1beta1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
-        let m = req.into_inner();
-        let r = self
-            .unary("NodePrepareResources (v1beta1)", |ch| {
-                let m = m.clone();
-                async move {
-                    v1beta1::dra_plugin_client::DraPluginClient::new(ch)
-                        .node_prepare_resources(m)
-                        .await
-                }
-            })
-            .await?;
-        Ok(Response::new(r))
+        type C = v1beta1::dra_plugin_client::DraPluginClient<Channel>;
+        relay_unary!(
+            self,
+            "NodePrepareResources (v1beta1)",
+            req,
+            C,
+            node_prepare_resources
+        )
     }
 
     async fn node_unprepare_resources(
         &self,
         req: Request<v1beta1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
-        let m = req.into_inner();
-        let r = self
-            .unary("NodeUnprepareResources (v1beta1)", |ch| {
-                let m = m.clone();
-                async move {
-                    v1beta1::dra_plugin_client::DraPluginClient::new(ch)
-                        .node_unprepare_resources(m)
-                        .await
-                }
-            })
-            .await?;
-        Ok(Response::new(r))
+        type C = v1beta1::dra_plugin_client::DraPluginClient<Channel>;
+        relay_unary!(
+            self,
+            "NodeUnprepareResources (v1beta1)",
+            req,
+            C,
+            node_unprepare_resources
+        )
     }
 }
 
