@@ -30,6 +30,12 @@ if [ "$(id -u)" != 0 ]; then
 fi
 mkdir -p "$VCUDA_CACHE"
 
+# Disk: a clean run's target dir is ~5 GiB with incremental compilation off
+# (on, it adds ~3.5 GiB that a one-shot build never reads back; a CI run once
+# ran out of space in clippy). Say what is free, so a full disk is named.
+export CARGO_INCREMENTAL=0
+df -h "$REPO" "$VCUDA_CACHE" | awk 'NR == 1 || !seen[$1]++'
+
 log "system packages"
 need=()
 command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
