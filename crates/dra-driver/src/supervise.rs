@@ -227,24 +227,10 @@ pub fn supervise(
 
 /// The relay on the kubelet's plugin socket, on a thread of its own for
 /// the supervisor's life; the inboxes its connections go to.
-fn start_relay(plugin: UnixListener) -> anyhow::Result<crate::relay::Inboxes> {
-    let inboxes = crate::relay::Inboxes::default();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| anyhow::anyhow!("starting the relay's runtime: {e}"))?;
-    let i = inboxes.clone();
-    std::thread::Builder::new()
-        .name("relay".into())
-        .spawn(move || {
-            if let Err(e) = rt.block_on(crate::relay::serve(plugin, i)) {
-                // The kubelet can no longer reach the driver: end it all,
-                // so the pod restarts rather than serving nothing.
-                tracing::error!(error = %e, "the plugin socket's relay stopped");
-                std::process::exit(1);
-            }
-        })?;
+fn start_relay(plugin: UnixListener) -> anyhow::Result<child_relay::Inboxes> {
+    let inboxes = child_relay::Inboxes::default();
+    child_relay::spawn_thread("relay", crate::relay::serve(plugin, inboxes.clone()))
+        .map_err(|e| anyhow::anyhow!("starting the plugin socket's relay: {e}"))?;
     Ok(inboxes)
 }
 
