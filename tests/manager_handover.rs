@@ -16,9 +16,12 @@ use std::time::{Duration, Instant};
 use test_support::cmdline;
 use test_support::manager::{Env, NODE, Options, VCORE, VMEM};
 
+/// `sig` to a manager: its supervisor and the manager it runs.
 fn signal(child: &Child, sig: i32) {
-    // SAFETY: a signal to our own child, not yet reaped.
-    unsafe { libc::kill(child.id() as i32, sig) };
+    for pid in test_support::process::tree(child.id()) {
+        // SAFETY: a signal to our own child and its children.
+        unsafe { libc::kill(pid as i32, sig) };
+    }
 }
 
 /// The same command line as `env`'s manager, logging to `log`.

@@ -14,12 +14,15 @@
 //!   re-binds and re-registers in the same process, keeping plugin state;
 //! * validation of `Allocate`, `PreStartContainer` and
 //!   `GetPreferredAllocation` input (`InvalidArgument` naming the bad field);
-//! * graceful shutdown that removes the sockets.
+//! * graceful shutdown that removes the sockets;
+//! * a supervisor's relay ([`RelayedPlugin`], [`serve_inbox`]): the kubelet's
+//!   connections and streams outlive the process that answers them.
 
 mod client;
 mod error;
 mod grpc;
 mod logging;
+mod relay;
 mod runtime;
 mod service;
 mod shutdown;
@@ -28,6 +31,7 @@ pub mod validate;
 pub use client::connect_unix;
 pub use error::Error;
 pub use logging::init_logging;
+pub use relay::{RelayedPlugin, serve_inbox};
 pub use runtime::{PluginRuntime, PluginStatus, RuntimeHandle, RuntimeOptions};
 pub use service::{DeviceList, DevicePluginService, device};
 pub use shutdown::cancel_on_signals;

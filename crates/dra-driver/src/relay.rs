@@ -65,7 +65,7 @@ macro_rules! relay_unary {
             async move { <$client>::new(ch).$method(m).await }
         })
         .await
-            .map(Response::new)
+        .map(Response::new)
     }};
 }
 

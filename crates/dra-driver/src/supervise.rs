@@ -20,7 +20,7 @@
 use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -260,33 +260,11 @@ fn run_child(
                 "0"
             },
         );
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            // First above every target, so no dup2 overwrites a source
-            // not yet copied; dup2 then leaves the targets without
-            // FD_CLOEXEC.
-            let mut high = [0; 3];
-            for (h, from) in high.iter_mut().zip([inbox_fd, registration, w]) {
-                *h = libc::fcntl(from, libc::F_DUPFD_CLOEXEC, 10);
-                if *h < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            for (from, to) in high
-                .into_iter()
-                .zip([PLUGIN_FD, REGISTRATION_FD, REPORT_FD])
-            {
-                if libc::dup2(from, to) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    child_relay::inherit_fds(
+        &mut cmd,
+        [inbox_fd, registration, w],
+        [PLUGIN_FD, REGISTRATION_FD, REPORT_FD],
+    );
     let mut child = cmd
         .spawn()
         .map_err(|e| anyhow::anyhow!("starting the driver ({}): {e}", exe.display()))?;
@@ -344,9 +322,4 @@ fn sleep_unless_signalled(d: Duration) -> bool {
     SIGNAL.load(Ordering::SeqCst) == 0
 }
 
-/// Exit code of a status, signals as 128 + signal (as shells report them).
-pub fn exit_code(status: std::process::ExitStatus) -> i32 {
-    status
-        .code()
-        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
-}
+pub use child_relay::exit_code;

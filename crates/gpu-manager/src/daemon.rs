@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use device_plugin::{PluginRuntime, RuntimeHandle};
 use node_agent::nvml::{self, Discovered};
 use tokio_util::sync::CancellationToken;
 
@@ -28,6 +27,7 @@ use crate::owner::{self, Claim};
 use crate::plugin::{self, Gate, VcorePlugin, VmemoryPlugin};
 use crate::pods;
 use crate::runtime;
+use crate::served::{FromSupervisor, Plugins};
 use crate::world::{ContainerRuntime, World};
 
 /// A Kubernetes label value from free text (GPU model names have spaces).
@@ -52,10 +52,19 @@ fn ms(t0: Instant) -> u64 {
     t0.elapsed().as_millis() as u64
 }
 
-pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Result<()> {
+/// Runs the manager until `cancel`: its plugins on sockets of its own, or
+/// through the supervisor it runs under (`sup`, [`crate::supervise`]).
+pub async fn run(
+    settings: Settings,
+    cancel: CancellationToken,
+    sup: Option<FromSupervisor>,
+) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let s = Arc::new(settings);
-    let instance = node_agent::mode::instance_id();
+    let instance = match &sup {
+        Some(sup) => sup.instance.clone(),
+        None => node_agent::mode::instance_id(),
+    };
     tracing::info!(node = %s.node_name, share_mode = s.share_mode, host_root = %s.host_root.display(), %instance, "gpu-manager starting");
     let (volumes, extra) = check_configuration(&s)?;
     tracing::info!(ms = ms(t0), "step 1/6: configuration checked");
@@ -99,7 +108,6 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         metrics: metrics.clone(),
         gate: gate_control,
         instance: instance.clone(),
-        inherited: Default::default(),
     };
     let mut held = match claim {
         Claim::Owned(o) => Some(node.take_over(o, &cancel).await),
@@ -110,13 +118,15 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
     };
 
     let sockets = plugin_sockets(&s.device_plugin_path, &instance);
-    remove_stale_sockets(&s.device_plugin_path);
     // The plugins stop only when told, after the signal: a manager that
     // handed the node over must exit with kubelet's streams still open.
     let stop_plugins = CancellationToken::new();
-    let handle = start_plugins(&s, &mgr, &metrics, &gate, &sockets, &stop_plugins)?;
+    let plugins = start_plugins(&s, &mgr, &metrics, &gate, &sockets, sup, &stop_plugins).await?;
     let mut handed_over = false;
-    if registered(&handle, &cancel).await {
+    if plugins
+        .registered([VCORE_RESOURCE, VMEMORY_RESOURCE], &cancel)
+        .await
+    {
         let ms = ms(t0);
         tracing::info!(
             ms,
@@ -126,7 +136,7 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
         );
         display.set_ready(true);
         if held.is_none() {
-            held = node.succeed(&sockets, &cancel).await;
+            held = node.succeed(&sockets, &plugins, &cancel).await;
         }
         if let Some(h) = held.take() {
             // Kubelet asks for the device lists right after registering.
@@ -136,7 +146,7 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
                 node_status::healthy(&mgr.vmemory),
             );
             node_status::set_allocatable(&client, &s.node_name, vcore, vmemory).await;
-            (held, handed_over) = node.hold(h, &handle, &cancel).await;
+            (held, handed_over) = node.hold(h, &plugins, &cancel).await;
         }
     }
     cancel.cancelled().await;
@@ -152,7 +162,7 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
     tracing::info!("shutting down");
     display.set_ready(false);
     stop_plugins.cancel();
-    let plugins = handle.wait().await.context("stopping the device plugins");
+    let plugins = plugins.wait().await.context("stopping the device plugins");
     node.stop(held).await;
     running.wait().await;
     plugins?;
@@ -160,13 +170,13 @@ pub async fn run(settings: Settings, cancel: CancellationToken) -> anyhow::Resul
 }
 
 /// This instance's two plugin sockets (vcore, vmemory).
-fn plugin_sockets(dir: &Path, instance: &str) -> [PathBuf; 2] {
+pub fn plugin_sockets(dir: &Path, instance: &str) -> [PathBuf; 2] {
     [VCORE_SOCKET, VMEMORY_SOCKET].map(|s| dir.join(mode::device_plugin_socket(s, instance)))
 }
 
 /// Plugin sockets of managers that died without removing them (nobody
 /// accepts on them; kubelet removes them only when it restarts).
-fn remove_stale_sockets(dir: &Path) {
+pub fn remove_stale_sockets(dir: &Path) {
     for p in mode::device_plugin_sockets(dir) {
         if !mode::serving(&p) {
             match std::fs::remove_file(&p) {
@@ -336,57 +346,28 @@ async fn start_display(
     Ok((display, running))
 }
 
-/// Step 6: the two device plugins, on this instance's sockets.
-fn start_plugins(
+/// Step 6: the two device plugins, on this instance's sockets (or its
+/// supervisor's).
+async fn start_plugins(
     s: &Settings,
     mgr: &Arc<Manager>,
     metrics: &gpu_display::ManagerMetrics,
     gate: &Gate,
     sockets: &[PathBuf; 2],
+    sup: Option<FromSupervisor>,
     cancel: &CancellationToken,
-) -> anyhow::Result<RuntimeHandle> {
-    let name = |p: &PathBuf| {
-        p.file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .into_owned()
-    };
-    PluginRuntime::new(&s.device_plugin_path)
-        .plugin(
-            VCORE_RESOURCE,
-            name(&sockets[0]),
-            Arc::new(VcorePlugin(mgr.clone(), metrics.clone(), gate.clone())),
-        )
-        .plugin(
-            VMEMORY_RESOURCE,
-            name(&sockets[1]),
-            Arc::new(VmemoryPlugin(mgr.clone(), metrics.clone(), gate.clone())),
-        )
-        .start(cancel.clone())
-        .context("starting the device plugins")
-}
-
-/// Whether kubelet accepted both registrations (false: cancelled first).
-async fn registered(handle: &RuntimeHandle, cancel: &CancellationToken) -> bool {
-    let mut statuses: Vec<_> = [VCORE_RESOURCE, VMEMORY_RESOURCE]
-        .iter()
-        .filter_map(|r| handle.status(r))
-        .collect();
-    let registered = async {
-        for st in &mut statuses {
-            let _ = st.wait_for(|s| s.registered).await;
-        }
-    };
-    tokio::pin!(registered);
-    tokio::select! {
-        _ = &mut registered => true,
-        _ = tokio::time::sleep(Duration::from_secs(5)) => {
-            tracing::warn!("kubelet has not accepted the registration within 5 s; still trying (is kubelet running?)");
-            tokio::select! {
-                _ = &mut registered => true,
-                _ = cancel.cancelled() => false,
-            }
-        }
-        _ = cancel.cancelled() => false,
-    }
+) -> anyhow::Result<Plugins> {
+    let name = crate::served::file_name;
+    let vcore = VcorePlugin(mgr.clone(), metrics.clone(), gate.clone());
+    let vmemory = VmemoryPlugin(mgr.clone(), metrics.clone(), gate.clone());
+    Plugins::start(
+        &s.device_plugin_path,
+        [
+            (VCORE_RESOURCE, name(&sockets[0]), Arc::new(vcore)),
+            (VMEMORY_RESOURCE, name(&sockets[1]), Arc::new(vmemory)),
+        ],
+        sup,
+        cancel,
+    )
+    .await
 }

@@ -19,18 +19,18 @@
 //! restart, kubelet 1.20 without surge) writes the node's allocatable 0
 //! when it stops ([`crate::node_status`]).
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use device_plugin::RuntimeHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
 use crate::manager::Manager;
 use crate::owner::{self, Claim, Owner, Successor};
 use crate::plugin::GateControl;
+use crate::served::Plugins;
 use crate::tasks::{AllocationCheck, InventoryPublish, PodRelease};
 
 /// How often an owner looks for a successor.
@@ -51,8 +51,6 @@ pub struct Node {
     pub metrics: gpu_display::ManagerMetrics,
     pub gate: GateControl,
     pub instance: String,
-    /// Kubelet's connections to the managers this one replaced, kept open.
-    pub inherited: Arc<Mutex<Vec<OwnedFd>>>,
 }
 
 impl Node {
@@ -117,9 +115,14 @@ impl Node {
     /// For a manager started beside an owner: opens its inbox, names itself
     /// the successor, waits for the owner to hand over, takes over. `None`:
     /// cancelled.
-    pub async fn succeed(&self, sockets: &[PathBuf], cancel: &CancellationToken) -> Option<Held> {
+    pub async fn succeed(
+        &self,
+        sockets: &[PathBuf],
+        plugins: &Plugins,
+        cancel: &CancellationToken,
+    ) -> Option<Held> {
         let inbox = self.dir().join(format!("inbox-{}.sock", self.instance));
-        if let Err(e) = open_inbox(&inbox, self.inherited.clone()) {
+        if let Err(e) = plugins.open_inbox(&inbox).await {
             tracing::warn!(inbox = %inbox.display(), error = %e, "no inbox for kubelet's connections: kubelet drops this registration once the old manager stops, and it registers again");
         }
         if let Err(e) = owner::announce(self.dir(), &self.instance, sockets, &inbox) {
@@ -155,7 +158,7 @@ impl Node {
     pub async fn hold(
         &self,
         held: Held,
-        plugins: &RuntimeHandle,
+        plugins: &Plugins,
         cancel: &CancellationToken,
     ) -> (Option<Held>, bool) {
         let mut held = Some(held);
@@ -186,7 +189,7 @@ impl Node {
                             "the manager this one handed the node over to is gone and nobody owns the node: taking it back"
                         );
                         held = Some(self.take_over(o, cancel).await);
-                        plugins.register_again();
+                        plugins.register_again().await;
                         handed_to = None;
                     }
                 }
@@ -194,7 +197,7 @@ impl Node {
         }
     }
 
-    async fn hand_over(&self, held: Held, to: &Successor, plugins: &RuntimeHandle) {
+    async fn hand_over(&self, held: Held, to: &Successor, plugins: &Plugins) {
         let t = Instant::now();
         let name = &to.instance;
         tracing::info!(successor = %name, "a new manager is registered beside this one: handing the node over");
@@ -205,12 +208,10 @@ impl Node {
             tracing::error!(error = %e.message(), "writing the checkpoint before the handover failed; the successor's recovery rebuilds what it lacks");
         }
         drop(held.owner);
-        let mut fds = plugins.kubelet_connections();
-        fds.append(&mut self.inherited.lock().unwrap_or_else(|p| p.into_inner()));
         match &to.inbox {
-            Some(inbox) => match send_connections(inbox, &fds) {
-                Ok(()) => {
-                    tracing::info!(successor = %name, connections = fds.len(), "kubelet's connections handed over")
+            Some(inbox) => match plugins.hand_over_connections(inbox).await {
+                Ok(n) => {
+                    tracing::info!(successor = %name, connections = n, "kubelet's connections handed over")
                 }
                 Err(e) => {
                     tracing::warn!(successor = %name, error = %e, "handing kubelet's connections over failed: kubelet drops the successor's registration when this manager stops, and it registers again")
@@ -252,7 +253,7 @@ impl Node {
 
 /// The inbox: takes the fds one predecessor sends, keeps them in `into`,
 /// then removes itself.
-fn open_inbox(path: &Path, into: Arc<Mutex<Vec<OwnedFd>>>) -> std::io::Result<()> {
+pub fn open_inbox(path: &Path, into: Arc<Mutex<Vec<OwnedFd>>>) -> std::io::Result<()> {
     let _ = std::fs::remove_file(path);
     let listener = std::os::unix::net::UnixListener::bind(path)?;
     let path = path.to_path_buf();
@@ -275,15 +276,5 @@ fn open_inbox(path: &Path, into: Arc<Mutex<Vec<OwnedFd>>>) -> std::io::Result<()
         }
         let _ = std::fs::remove_file(&path);
     });
-    Ok(())
-}
-
-/// Sends `fds` to a successor's inbox, [`fd_pass::MAX_FDS`] a message.
-fn send_connections(inbox: &Path, fds: &[OwnedFd]) -> std::io::Result<()> {
-    let conn = std::os::unix::net::UnixStream::connect(inbox)?;
-    let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
-    for chunk in raw.chunks(fd_pass::MAX_FDS) {
-        fd_pass::send(&conn, b"connections", chunk)?;
-    }
     Ok(())
 }

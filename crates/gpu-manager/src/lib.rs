@@ -12,7 +12,9 @@
 //!   recovery and releases, one module per job.
 //! * [`world`]: the traits where the world plugs in (API server, kubelet,
 //!   container runtime, checkpoint store); `doubles` (tests only): in-memory ones.
-//! * [`plugin`]: the two device plugins.
+//! * [`plugin`]: the two device plugins; [`served`]: how they reach the
+//!   kubelet; [`supervise`]: the supervisor that keeps the kubelet's
+//!   sockets and connections across a crash of the manager.
 //! * [`pods`], [`kube_api`]: which pod is asking; reflector and patches.
 //! * [`kubelet`]: what kubelet recorded (pod-resources, checkpoint).
 //! * [`display`]: the manager's state for the display service and metrics.
@@ -44,6 +46,8 @@ pub mod pods;
 pub mod recovery;
 pub mod response;
 pub mod runtime;
+pub mod served;
+pub mod supervise;
 pub mod tasks;
 pub mod uninstall;
 pub mod world;

@@ -1,30 +1,44 @@
-//! `gpu-manager`: parse settings, log, run until SIGTERM/SIGINT.
+//! `gpu-manager`: parse settings, log, run until SIGTERM/SIGINT. It
+//! supervises itself ([`gpu_manager::supervise`]): the process started
+//! owns the kubelet's plugin sockets and connections and runs the manager
+//! as its child, again when it dies; `--no-supervisor` runs the manager
+//! alone.
 //! `gpu-manager uninstall [flags]`: remove what managers left on this node
 //! once no share uses it (`gpu_manager::uninstall`), then wait for SIGTERM
 //! (it runs as a DaemonSet, deploy/uninstall).
 
 use anyhow::Context;
+use gpu_manager::supervise;
 use node_agent::process;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     process::init_logging();
     let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let uninstall = args.get(1).is_some_and(|a| a == "uninstall");
     if uninstall {
         args.remove(1);
     }
+    let alone = args.iter().any(|a| a == "--no-supervisor");
+    args.retain(|a| a != "--no-supervisor");
     let settings = gpu_manager::config::Settings::load_from(args)?;
-    let cancel = process::cancel_on_signals().context("installing signal handlers")?;
-    if !uninstall {
-        return gpu_manager::daemon::run(settings, cancel).await;
+    let sup = supervise::inherited()?;
+    if !uninstall && !alone && sup.is_none() {
+        std::process::exit(supervise::supervise(&settings)?);
     }
-    let retry = std::time::Duration::from_secs(10);
-    if let Some(done) = gpu_manager::uninstall::run(&settings, retry, &cancel).await? {
-        tracing::info!(
-            "{done}; delete this DaemonSet (kubectl delete -k deploy/overlays/uninstall)"
-        );
-    }
-    cancel.cancelled().await;
-    Ok(())
+    tokio::runtime::Runtime::new()
+        .context("starting the tokio runtime")?
+        .block_on(async {
+            let cancel = process::cancel_on_signals().context("installing signal handlers")?;
+            if !uninstall {
+                return gpu_manager::daemon::run(settings, cancel, sup).await;
+            }
+            let retry = std::time::Duration::from_secs(10);
+            if let Some(done) = gpu_manager::uninstall::run(&settings, retry, &cancel).await? {
+                tracing::info!(
+                    "{done}; delete this DaemonSet (kubectl delete -k deploy/overlays/uninstall)"
+                );
+            }
+            cancel.cancelled().await;
+            Ok(())
+        })
 }

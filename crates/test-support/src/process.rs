@@ -45,3 +45,25 @@ pub fn kv(text: &str) -> std::collections::HashMap<String, String> {
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
 }
+
+/// `pid` and its descendants (from `/proc/<pid>/task/*/children`), parents
+/// first: a supervised daemon is a supervisor and its child.
+pub fn tree(pid: u32) -> Vec<u32> {
+    let mut out = vec![pid];
+    let mut i = 0;
+    while i < out.len() {
+        let p = out[i];
+        let tasks = std::fs::read_dir(format!("/proc/{p}/task"))
+            .into_iter()
+            .flatten();
+        for t in tasks.flatten() {
+            let kids = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+            out.extend(
+                kids.split_whitespace()
+                    .filter_map(|k| k.parse::<u32>().ok()),
+            );
+        }
+        i += 1;
+    }
+    out
+}

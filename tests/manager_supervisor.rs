@@ -1,0 +1,132 @@
+//! The manager's supervisor (crates/gpu-manager/src/supervise.rs) keeps
+//! the kubelet's plugin sockets, registration and connections across a
+//! kill -9 of the manager it runs: the kubelet's ListAndWatch streams never
+//! end (the real kubelet marks the resources unhealthy when they do, and
+//! refuses the pods it admits meanwhile: pkg/kubelet/cm/devicemanager,
+//! `PluginDisconnected` → `markResourceUnhealthy`), no new registration is
+//! made, and an Allocate the manager dies under, or that comes while no
+//! manager runs, is answered by the next one. Real gpu-manager binary on a
+//! simulated node, driven by the kubelet emulator.
+
+use std::time::{Duration, Instant};
+
+use test_support::manager::{Env, Options, VCORE, VMEM};
+use test_support::process::tree;
+
+/// The manager run by `env`'s supervisor.
+fn manager_pid(env: &Env) -> u32 {
+    let t = Instant::now();
+    loop {
+        if let Some(&pid) = tree(env.manager.id()).get(1) {
+            return pid;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the supervisor runs no manager"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn kill(pid: u32, sig: i32) {
+    // SAFETY: a signal to a child of our own child.
+    unsafe { libc::kill(pid as i32, sig) };
+}
+
+fn log(env: &Env) -> String {
+    std::fs::read_to_string(&env.log).unwrap_or_default()
+}
+
+/// Every moment the kubelet saw a resource's stream closed, or fewer
+/// healthy devices than at the start, until `stop`.
+fn watch_streams(
+    env: &Env,
+    stop: tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<Vec<String>> {
+    let mut rx = env.kubelet.view();
+    let healthy0: Vec<usize> = [VCORE, VMEM]
+        .map(|r| rx.borrow().resources[r].healthy_ids().len())
+        .to_vec();
+    tokio::spawn(async move {
+        let mut seen = Vec::new();
+        loop {
+            {
+                let v = rx.borrow_and_update();
+                for (r, h0) in [VCORE, VMEM].iter().zip(&healthy0) {
+                    let x = &v.resources[*r];
+                    if !x.connected || x.healthy_ids().len() < *h0 {
+                        seen.push(format!(
+                            "{r}: connected {}, healthy {} of {h0}",
+                            x.connected,
+                            x.healthy_ids().len()
+                        ));
+                    }
+                }
+            }
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return seen },
+                () = stop.cancelled() => return seen,
+            }
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_manager_loses_no_call_and_the_kubelet_sees_no_stream_end() {
+    let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
+    let p1 = env.pod(&[("main", 30, 4)], &[]);
+    env.admit(&p1, "main", 30, 4).await.unwrap();
+    let registrations: Vec<u64> = [VCORE, VMEM]
+        .map(|r| env.kubelet.view().borrow().resources[r].registrations)
+        .to_vec();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let watcher = watch_streams(&env, stop.clone());
+
+    // The manager holds an Allocate (stopped) and dies under it.
+    let first = manager_pid(&env);
+    kill(first, libc::SIGSTOP);
+    let p2 = env.pod(&[("main", 20, 2)], &[]);
+    let held = {
+        let (kubelet, p2) = (env.kubelet.clone(), p2.clone());
+        tokio::spawn(async move { kubelet.admit(&p2, "main", &[(VCORE, 20), (VMEM, 2)]).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!held.is_finished(), "a stopped manager answered");
+    let killed = Instant::now();
+    kill(first, libc::SIGKILL);
+    // A pod admitted while no manager runs waits for the next one.
+    let p3 = env.pod(&[("main", 10, 1)], &[]);
+    let r3 = env.admit(&p3, "main", 10, 1).await;
+    let r2 = tokio::time::timeout(Duration::from_secs(30), held)
+        .await
+        .expect("the held Allocate was never answered")
+        .unwrap();
+    let waited = killed.elapsed();
+    let text = log(&env);
+    r2.unwrap_or_else(|e| panic!("the held Allocate failed: {e}\n{text}"));
+    r3.unwrap_or_else(|e| panic!("the Allocate during the restart failed: {e}\n{text}"));
+    assert!(
+        text.contains("answered by the next manager process"),
+        "the held call was not relayed to the next manager:\n{text}"
+    );
+    let second = manager_pid(&env);
+    assert_ne!(first, second, "the supervisor started no new manager");
+
+    // Both share pods are booked once, on the state the first one left.
+    let p4 = env.pod(&[("main", 100, 0)], &[]);
+    env.admit(&p4, "main", 100, 0).await.unwrap();
+    stop.cancel();
+    let closed = watcher.await.unwrap();
+    assert!(
+        closed.is_empty(),
+        "the kubelet saw its streams end or lose devices: {closed:?}\n{text}"
+    );
+    let now: Vec<u64> = [VCORE, VMEM]
+        .map(|r| env.kubelet.view().borrow().resources[r].registrations)
+        .to_vec();
+    assert_eq!(now, registrations, "the plugins registered again");
+    eprintln!(
+        "killed manager {first} → held and new Allocate answered {} ms after the kill, by manager {second}",
+        waited.as_millis()
+    );
+}
