@@ -587,7 +587,13 @@ fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path, w: &P
         |p| pod(p, "gpu-5", "sleep 100000", bin, sim),
         6,
         every,
-        || windows::kill_worker_after(&ours, std::time::Duration::from_millis(1500)),
+        || {
+            windows::kill_worker_after(
+                windows::DRA_DRIVER,
+                &ours,
+                std::time::Duration::from_millis(1500),
+            )
+        },
         180,
     );
     windows::delete_pods(n, "held", 6);

@@ -189,18 +189,35 @@ pub fn processes_of(exe: &str) -> Vec<(u32, Vec<u8>)> {
     out
 }
 
-/// PIDs of supervised driver processes (the supervisor's children: their
-/// environment names the sockets they inherited) whose command line has
-/// `needle`, on the host.
-pub fn driver_workers(needle: &str) -> Vec<u32> {
-    processes_of("vcuda-dra-driver")
+/// A supervised program on the host: its executable and the variable its
+/// supervisor sets in each child's environment.
+#[derive(Clone, Copy)]
+pub struct Supervised {
+    pub exe: &'static str,
+    pub env: &'static str,
+}
+
+pub const DRA_DRIVER: Supervised = Supervised {
+    exe: "vcuda-dra-driver",
+    env: "VCUDA_DRA_LISTEN_FDS",
+};
+pub const GPU_MANAGER: Supervised = Supervised {
+    exe: "gpu-manager",
+    env: "VCUDA_MANAGER_SUPERVISOR_FDS",
+};
+
+/// PIDs of the supervisor's children (their environment names the fds
+/// they inherited) whose command line has `needle`, on the host.
+pub fn workers(of: Supervised, needle: &str) -> Vec<u32> {
+    let key = format!("{}=", of.env);
+    processes_of(of.exe)
         .into_iter()
         .filter(|(pid, cmd)| {
             let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
             String::from_utf8_lossy(cmd).contains(needle)
                 && env
                     .split(|b| *b == 0)
-                    .any(|kv| kv.starts_with(b"VCUDA_DRA_LISTEN_FDS="))
+                    .any(|kv| kv.starts_with(key.as_bytes()))
         })
         .map(|(pid, _)| pid)
         .collect()
@@ -209,14 +226,15 @@ pub fn driver_workers(needle: &str) -> Vec<u32> {
 /// kill -9 of the one supervised driver process whose command line has
 /// `needle`; waits until its supervisor started another.
 pub fn kill_worker(needle: &str) {
-    kill_worker_after(needle, Duration::ZERO);
+    kill_worker_after(DRA_DRIVER, needle, Duration::ZERO);
 }
 
-/// As [`kill_worker`], the process stopped (SIGSTOP) for `held` first: the
-/// kubelet's calls of that time are in its hands when it dies.
-pub fn kill_worker_after(needle: &str, held: Duration) {
-    let w = driver_workers(needle);
-    assert_eq!(w.len(), 1, "one supervised driver process: {w:?}");
+/// As [`kill_worker`], for any supervised program, the process stopped
+/// (SIGSTOP) for `held` first: the kubelet's calls of that time are in its
+/// hands when it dies.
+pub fn kill_worker_after(of: Supervised, needle: &str, held: Duration) {
+    let w = workers(of, needle);
+    assert_eq!(w.len(), 1, "one supervised {} process: {w:?}", of.exe);
     if !held.is_zero() {
         // SAFETY: as below.
         unsafe { libc::kill(w[0] as i32, libc::SIGSTOP) };
@@ -225,9 +243,9 @@ pub fn kill_worker_after(needle: &str, held: Duration) {
     // SAFETY: signals a process found by its command line and environment.
     unsafe { libc::kill(w[0] as i32, libc::SIGKILL) };
     test_support::k8s::util::wait(
-        "the supervisor's new driver process",
+        &format!("the supervisor's new {} process", of.exe),
         30,
-        || match driver_workers(needle)[..] {
+        || match workers(of, needle)[..] {
             [p] if p != w[0] => Ok(()),
             ref other => Err(format!("{other:?}")),
         },
