@@ -129,4 +129,60 @@ async fn a_killed_manager_loses_no_call_and_the_kubelet_sees_no_stream_end() {
         "killed manager {first} → held and new Allocate answered {} ms after the kill, by manager {second}",
         waited.as_millis()
     );
+
+    // SIGTERM: the supervisor stops its manager, then removes its sockets.
+    kill(env.manager.id(), libc::SIGTERM);
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = env.manager.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "SIGTERM did not stop the supervisor"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}\n{}", log(&env));
+    let left: Vec<_> = std::fs::read_dir(env.tmp.path().join("device-plugins"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("vcore-") || n.starts_with("vmemory-"))
+        .collect();
+    assert!(left.is_empty(), "plugin sockets left: {left:?}");
+    assert!(
+        !std::path::Path::new(&format!("/proc/{second}")).exists(),
+        "the manager outlived its supervisor"
+    );
+}
+
+/// A manager that fails before the kubelet ever registered it (here: no
+/// device-plugin directory) is not restarted: its supervisor exits with
+/// its status, so the pod shows the error.
+#[test]
+fn a_manager_failing_at_start_ends_its_supervisor_with_its_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no-device-plugins");
+    let out = std::process::Command::new(test_support::paths::target_dir().join("gpu-manager"))
+        .arg("--device-plugin-path")
+        .arg(&missing)
+        .arg("--checkpoint-path")
+        .arg(tmp.path().join("checkpoint"))
+        .arg("--query-port")
+        .arg("0")
+        .arg("--display-socket")
+        .arg(tmp.path().join("display.sock"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("{} does not exist", missing.display())),
+        "the manager's error is not shown: {err}"
+    );
+    assert!(
+        err.contains("exited before the kubelet registered it"),
+        "the supervisor did not say why it stopped: {err}"
+    );
 }
