@@ -60,6 +60,12 @@ pub fn alive_in(a: &Allocation, runtime: &[LiveContainer]) -> bool {
         .any(|c| c.alive && c.pod_uid == a.pod_uid && c.container == a.container)
 }
 
+impl Verdict {
+    pub fn keeps(&self) -> bool {
+        matches!(self, Verdict::Keep { .. })
+    }
+}
+
 /// Decides one allocation. `age_s` is how old it is and `grace_s` how old
 /// it must be before "no container and no kubelet record" counts (kubelet
 /// records right after Allocate answers; the runtime creates the container

@@ -5,14 +5,17 @@
 //! The state lock is held only to decide and reserve; the container's
 //! files are written outside it, then the allocation is recorded.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use device_plugin::api::ContainerAllocateResponse;
 use gpu_allocator::{AllocError, ErrorKind, GpuInfo, Placement, Request};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{ContainerState, ContainerStatus, Pod};
 use tonic::Status;
 
+use super::restore::RESEND_S;
 use super::state::State;
 use super::{Manager, now};
 use crate::checkpoint::{Allocation, alloc_id};
@@ -55,6 +58,30 @@ fn soft_limit(pod: &Pod) -> Result<Option<u32>, Status> {
                 pods::VCORE_LIMIT
             ))
         })
+}
+
+/// Whether two lists of device IDs hold the same IDs, order aside.
+fn same_ids(a: &[String], b: &[String]) -> bool {
+    a.len() == b.len() && a.iter().collect::<BTreeSet<_>>() == b.iter().collect::<BTreeSet<_>>()
+}
+
+/// Whether the pod is past admission: finished, being deleted, or one of
+/// its containers (init ones too) has run, which kubelet lets happen only
+/// once it has allocated devices to all of them.
+fn past_admission(pod: &Pod) -> bool {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    let ran = |s: &Option<ContainerState>| {
+        s.as_ref()
+            .is_some_and(|s| s.running.is_some() || s.terminated.is_some())
+    };
+    let started = |c: &ContainerStatus| ran(&c.state) || ran(&c.last_state);
+    let mut statuses = pod.status.iter().flat_map(|s| {
+        let init = s.init_container_statuses.iter().flatten();
+        init.chain(s.container_statuses.iter().flatten())
+    });
+    matches!(phase, Some("Succeeded" | "Failed"))
+        || pod.metadata.deletion_timestamp.is_some()
+        || statuses.any(started)
 }
 
 impl Manager {
@@ -166,22 +193,111 @@ impl Manager {
         }
         let started = Instant::now();
         self.st().last_allocate = started;
+        if let Some((a, pod)) = self.repeated(&device_ids) {
+            let r = self.answer_again(&a, &pod);
+            return self.said_on(&pod, r);
+        }
         let cores = device_ids.len() as u64;
         self.release_holders_of(&device_ids);
         let cand = self.find_candidate(cores).await?;
         let pod = cand.pod.clone();
         let r = self.allocate_for(cand, device_ids, started).await;
+        self.said_on(&pod, r)
+    }
+
+    /// A refusal said on the pod too: kubelet shows only a generic
+    /// admission error.
+    fn said_on(
+        &self,
+        pod: &Pod,
+        r: Result<ContainerAllocateResponse, Status>,
+    ) -> Result<ContainerAllocateResponse, Status> {
         if let Err(s) = &r {
-            // kubelet shows only a generic admission error; say why on the pod.
             self.events.post(PodEvent {
-                namespace: pods::namespace(&pod).to_string(),
-                name: pods::name(&pod).to_string(),
-                uid: pods::uid(&pod).to_string(),
+                namespace: pods::namespace(pod).to_string(),
+                name: pods::name(pod).to_string(),
+                uid: pods::uid(pod).to_string(),
                 reason: events::ALLOCATE_FAILED,
                 note: s.message().to_string(),
             });
         }
         r
+    }
+
+    /// The allocation and pod of an Allocate that repeats the one that
+    /// made it: a supervisor resends the call a manager process died
+    /// under, after it had booked and persisted it but before it answered.
+    /// Only a booking restored at start with no answer seen by kubelet
+    /// (`resendable`, for [`RESEND_S`]) qualifies: within one process a
+    /// call is answered or refused, and the same IDs come again only for
+    /// another container (kubelet let the first pod go). Its IDs are
+    /// exactly these and its pod is still listed and not past admission.
+    fn repeated(&self, device_ids: &[String]) -> Option<(Allocation, Arc<Pod>)> {
+        let a = {
+            let mut st = self.st();
+            st.resendable
+                .retain(|_, t| t.elapsed() < Duration::from_secs(RESEND_S));
+            let a = st
+                .allocs
+                .values()
+                .find(|a| same_ids(&a.vcore_ids, device_ids))
+                .cloned()?;
+            st.resendable.remove(&a.id())?;
+            a
+        };
+        let pod = self
+            .pods
+            .pods()
+            .into_iter()
+            .find(|p| pods::uid(p) == a.pod_uid)?;
+        (!a.verified && !past_admission(&pod)).then_some((a, pod))
+    }
+
+    /// The first answer again, for a repeated Allocate (see
+    /// [`Self::repeated`]); the pod's patch is submitted again, as the
+    /// process that died may not have sent it.
+    fn answer_again(&self, a: &Allocation, pod: &Pod) -> Result<ContainerAllocateResponse, Status> {
+        let ctx = format!(
+            "pod {}/{} container {}",
+            a.namespace, a.pod_name, a.container
+        );
+        tracing::info!(
+            pod = %format!("{}/{}", a.namespace, a.pod_name), container = %a.container, id = %a.id(),
+            "Allocate repeated for an allocation already made (a supervisor resent it after the manager process died?): answering it again"
+        );
+        let internal = |e: String| Status::internal(format!("{ctx}: {e}"));
+        // The path the first answer mounted. Its files are left as they are
+        // (recovery rewrote them, or the first call did in this process);
+        // missing (wiped, or recovery failed to write them), they are
+        // written the way that call did, which is safe: no container of
+        // the pod has started, so none mounts the old directory.
+        let dir = self
+            .vm
+            .dir(&a.pod_uid, &a.container)
+            .map_err(|e| internal(e.to_string()))?;
+        if !dir.join(quota_config::CONFIG_FILE).is_file() {
+            self.open_files(a).map_err(internal)?;
+        }
+        let patch = self.patch_if_complete(&self.st(), pod);
+        if let Some(job) = patch {
+            self.patcher.submit(job);
+        }
+        Ok(self.answer(a, &dir))
+    }
+
+    /// The answer for an allocation whose vm directory is `dir`: the first
+    /// Allocate's and a repeat's alike.
+    fn answer(&self, a: &Allocation, dir: &Path) -> ContainerAllocateResponse {
+        let placement = Placement::from(&a.placement);
+        response::build(&ResponseInput {
+            gpus: placement.gpus().iter().map(|&g| &self.gpus[g]).collect(),
+            cores: a.cores,
+            memory_units: a.memory_units,
+            shared: !placement.is_exclusive(),
+            vdriver_dir: &self.config.vdriver_dir,
+            vm_dir: dir,
+            extra_devices: &self.extra.devices,
+        })
     }
 
     /// Allocate for the container that asks: checked names and soft limit,
@@ -206,7 +322,6 @@ impl Manager {
         let id = alloc_id(uid, &cand.container);
         // 1. Decide and reserve the capacity, under the state lock.
         let placement = self.reserve(&ctx, &cand, &req, &id)?;
-        let shared = !placement.is_exclusive();
         let gpus: Vec<&GpuInfo> = placement.gpus().iter().map(|&g| &self.gpus[g]).collect();
         let mut alloc = Allocation {
             pod_uid: uid.to_string(),
@@ -267,15 +382,7 @@ impl Manager {
             pod = %format!("{ns}/{name}"), container = %cand.container, uid, %placement,
             took_us = started.elapsed().as_micros() as u64, checkpoint_us, "allocated"
         );
-        Ok(response::build(&ResponseInput {
-            gpus,
-            cores: alloc.cores,
-            memory_units: alloc.memory_units,
-            shared,
-            vdriver_dir: &self.config.vdriver_dir,
-            vm_dir: &dir,
-            extra_devices: &self.extra.devices,
-        }))
+        Ok(self.answer(&alloc, &dir))
     }
 
     /// The allocator's request for the container: its `vcuda-core` and

@@ -121,7 +121,17 @@ pub(super) enum Fate {
     GpuChanged,
     /// Judged on the node's evidence.
     Judged(Verdict),
+    /// Booked moments ago, its pod waiting, no answer seen by kubelet
+    /// (not verified, no record, no container): the manager process died
+    /// between booking and answering, and its supervisor resends the
+    /// Allocate. Kept for [`RESEND_S`].
+    Unanswered,
 }
+
+/// How long a booking no answer reached kubelet for is kept at start for
+/// the Allocate its supervisor resends ([`child_relay::PATIENCE`] and
+/// the time a manager takes to start).
+pub(super) const RESEND_S: u64 = 60;
 
 impl AtStart {
     /// Decides a checkpointed allocation: on GPUs whose UUID is unchanged
@@ -137,12 +147,20 @@ impl AtStart {
         if !same {
             return Fate::GpuChanged;
         }
-        Fate::Judged(recovery::judge(
-            a,
-            &self.node.evidence(),
-            now.saturating_sub(a.created),
-            0,
-        ))
+        let (ev, age) = (self.node.evidence(), now.saturating_sub(a.created));
+        // A container of it, even a dead one, was made from an answer.
+        let made = ev.runtime.is_some_and(|r| {
+            r.iter()
+                .any(|c| c.pod_uid == a.pod_uid && c.container == a.container)
+        });
+        match recovery::judge(a, &ev, age, 0) {
+            Verdict::Release(_)
+                if !a.verified && !made && recovery::judge(a, &ev, age, RESEND_S).keeps() =>
+            {
+                Fate::Unanswered
+            }
+            v => Fate::Judged(v),
+        }
     }
 }
 
@@ -304,6 +322,10 @@ impl Manager {
                 Fate::GpuChanged => {
                     tracing::warn!(id = %a.id(), "dropping checkpointed allocation: its GPU changed");
                     continue;
+                }
+                Fate::Unanswered => {
+                    tracing::info!(id = %a.id(), "recovery: keeping a booking kubelet got no answer for, for the Allocate the supervisor resends");
+                    st.resendable.insert(a.id(), std::time::Instant::now());
                 }
                 Fate::Judged(Verdict::Release(why)) => {
                     tracing::info!(id = %a.id(), why, "recovery: releasing");

@@ -36,6 +36,11 @@ pub(super) struct State {
     pub write_failed: bool,
     /// When the last Allocate started (the lazy flush waits for a pause).
     pub last_allocate: Instant,
+    /// Bookings restored at start that no answer is known to have reached
+    /// kubelet for, by id, with when they were restored: the manager
+    /// process died between booking and answering, and its supervisor
+    /// sends the same Allocate to this one ([`Manager::allocate_vcore`]).
+    pub resendable: BTreeMap<String, Instant>,
 }
 
 impl State {
@@ -50,6 +55,7 @@ impl State {
             durable: 0,
             write_failed: false,
             last_allocate: Instant::now(),
+            resendable: BTreeMap::new(),
         }
     }
 

@@ -18,6 +18,7 @@ use crate::kube_api::ApiHealth;
 use crate::kubelet::PodKey;
 use crate::runtime::{ContainerGpus, LiveContainer};
 
+mod repeat;
 mod shares;
 
 const GIB: u64 = 1 << 30;
@@ -30,6 +31,8 @@ struct Rig {
     kubelet: Arc<MemoryKubelet>,
     checkpoint: Arc<MemoryCheckpoint>,
     runtime: Arc<MemoryRuntime>,
+    /// The doubles above, as a manager takes them.
+    world: World,
     tmp: tempfile::TempDir,
 }
 
@@ -44,6 +47,31 @@ fn gpus(n: usize) -> Vec<GpuInfo> {
             pci_bus_id: format!("00000000:{:02X}:00.0", i + 1),
         })
         .collect()
+}
+
+/// The pods that hold an allocation, by UID.
+fn booked(rig: &Rig) -> Vec<String> {
+    rig.mgr
+        .allocations()
+        .into_iter()
+        .map(|a| a.pod_uid)
+        .collect()
+}
+
+/// Two GPUs on one PCIe switch.
+fn two_gpus() -> Topology {
+    Topology::from_fn(gpus(2), |_, _| PcieLevel::Single, |_, _| 0).unwrap()
+}
+
+/// A manager over `world`, its vm directories under `root`.
+fn start(root: &std::path::Path, topo: Topology, world: World) -> Arc<Manager> {
+    Manager::new(ManagerParts {
+        config: config(root),
+        allocator: Allocator::new(topo),
+        driver_version: (550, 54),
+        extra: Default::default(),
+        world,
+    })
 }
 
 fn config(root: &std::path::Path) -> ManagerConfig {
@@ -61,8 +89,7 @@ impl Rig {
     }
 
     fn with_checkpoint(cp: MemoryCheckpoint) -> Rig {
-        let topo = Topology::from_fn(gpus(2), |_, _| PcieLevel::Single, |_, _| 0).unwrap();
-        Rig::with(cp, topo)
+        Rig::with(cp, two_gpus())
     }
 
     fn with(cp: MemoryCheckpoint, topo: Topology) -> Rig {
@@ -77,28 +104,23 @@ impl Rig {
             Arc::new(cp),
             Arc::new(MemoryRuntime::default()),
         );
-        let mgr = Manager::new(ManagerParts {
-            config: config(tmp.path()),
-            allocator: Allocator::new(topo),
-            driver_version: (550, 54),
-            extra: Default::default(),
-            world: World {
-                pods: pods.clone(),
-                patcher: patches.clone(),
-                events: events.clone(),
-                kubelet: kubelet.clone(),
-                checkpoint: checkpoint.clone(),
-                runtime: runtime.clone(),
-            },
-        });
+        let world = World {
+            pods: pods.clone(),
+            patcher: patches.clone(),
+            events: events.clone(),
+            kubelet: kubelet.clone(),
+            checkpoint: checkpoint.clone(),
+            runtime: runtime.clone(),
+        };
         Rig {
-            mgr,
+            mgr: start(tmp.path(), topo, world.clone()),
             pods,
             patches,
             events,
             kubelet,
             checkpoint,
             runtime,
+            world,
             tmp,
         }
     }
@@ -275,26 +297,6 @@ async fn vcuda_memory_ids_before_vcuda_core_are_adopted() {
 }
 
 #[tokio::test]
-async fn devices_handed_out_again_release_their_old_holder() {
-    let rig = Rig::new();
-    rig.pods.put(pod("a", 30, 4, json!({})));
-    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
-    rig.pods
-        .put(pod("a", 30, 4, json!({crate::pods::GPU_ASSIGNED: "true"})));
-    rig.pods.put(pod("b", 30, 4, json!({})));
-    // kubelet gives out only free IDs: the first holder was let go.
-    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
-    let uids: Vec<_> = rig
-        .mgr
-        .allocations()
-        .into_iter()
-        .map(|a| a.pod_uid)
-        .collect();
-    assert_eq!(uids, ["uid-b"]);
-    assert!(!rig.vm_dir("uid-a", "c").exists());
-}
-
-#[tokio::test]
 async fn pre_start_verifies_a_right_guess() {
     let rig = Rig::new();
     rig.pods.put(pod("a", 30, 4, json!({})));
@@ -428,13 +430,7 @@ async fn restore_keeps_live_containers_and_releases_the_gone() {
     let report = rig.mgr.restore().await;
     assert_eq!((report.kept, report.released, report.rebuilt), (1, 1, 0));
     assert!(report.unreachable.is_empty(), "{:?}", report.unreachable);
-    let uids: Vec<_> = rig
-        .mgr
-        .allocations()
-        .into_iter()
-        .map(|a| a.pod_uid)
-        .collect();
-    assert_eq!(uids, ["uid-a"]);
+    assert_eq!(booked(&rig), ["uid-a"]);
     // Its files and socket are back; the record is written again.
     assert!(
         rig.vm_dir("uid-a", "c")

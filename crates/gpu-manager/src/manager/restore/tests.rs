@@ -237,3 +237,33 @@ fn a_lost_allocation_is_sized_by_kubelets_ids_else_its_quota_file() {
     let e = Size::of(&g, &[0], Some(&unknown), &[], &[]).unwrap_err();
     assert!(e.contains("size is unknown"), "{e}");
 }
+
+/// A booking made moments before the manager died, its pod waiting, no
+/// container and no kubelet record: kept for the Allocate the supervisor
+/// resends. Older than that, or verified, it is released as before.
+#[test]
+fn at_start_a_booking_kubelet_got_no_answer_for_waits_for_the_resent_call() {
+    let start = AtStart {
+        saved_gpus: uuids(),
+        saved: vec![],
+        node: sources(&[("u1", PodPhase::Active)], vec![], vec![]),
+    };
+    let a = Allocation {
+        created: 100,
+        verified: false,
+        ..sample_share("u1", 0)
+    };
+    assert_eq!(start.fate(&a, &uuids(), 101), Fate::Unanswered);
+    assert!(matches!(
+        start.fate(&a, &uuids(), 100 + RESEND_S),
+        Fate::Judged(Verdict::Release(_))
+    ));
+    let verified = Allocation {
+        verified: true,
+        ..a
+    };
+    assert!(matches!(
+        start.fate(&verified, &uuids(), 101),
+        Fate::Judged(Verdict::Release(_))
+    ));
+}
