@@ -150,7 +150,6 @@ fn manager_crash(n: &Node, bin: &Path, sim: &Path) {
         || windows::kill_worker_after(windows::GPU_MANAGER, "", Duration::from_millis(1500)),
         240,
     );
-    w.print();
     let l = n
         .kubectl(&["-n", "kube-system", "logs", &pod])
         .unwrap_or_default();
