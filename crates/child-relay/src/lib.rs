@@ -32,7 +32,9 @@ use tonic::{Response, Status};
 /// How long a call waits for a child that answers it: less than the
 /// kubelet's 45 s per DRA call (`defaultClientCallTimeout`,
 /// pkg/kubelet/cm/dra/plugin/dra_plugin.go), so it gets this error rather
-/// than its own deadline. (The device manager sets no deadline.)
+/// than its own deadline. (The device manager sets none on Allocate and
+/// 30 s on PreStartContainer, `KubeletPreStartContainerRPCTimeoutInSecs`:
+/// a child takes 1–2 s to start, so both are far off.)
 pub const PATIENCE: Duration = Duration::from_secs(40);
 /// The pause between tries, and before a stream is opened again.
 pub const RETRY: Duration = Duration::from_millis(20);
