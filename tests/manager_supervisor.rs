@@ -144,7 +144,10 @@ async fn a_killed_manager_loses_no_call_and_the_kubelet_sees_no_stream_end() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "{status}\n{}", log(&env));
-    eprintln!("SIGTERM → supervisor exited in {} ms", t.elapsed().as_millis());
+    eprintln!(
+        "SIGTERM → supervisor exited in {} ms",
+        t.elapsed().as_millis()
+    );
     let left: Vec<_> = std::fs::read_dir(env.tmp.path().join("device-plugins"))
         .unwrap()
         .flatten()
