@@ -153,6 +153,11 @@ fn manager_crash(n: &Node, bin: &Path, sim: &Path) {
     let l = n
         .kubectl(&["-n", "kube-system", "logs", &pod])
         .unwrap_or_default();
+    // How long the next manager took to start (its steps, from its log).
+    let steps: Vec<&str> = l.lines().filter(|l| l.contains("step ")).collect();
+    for step in &steps[steps.len().saturating_sub(6)..] {
+        eprintln!("k8s_dra: the next manager: {step}");
+    }
     assert!(
         l.contains("answered by the next manager process"),
         "no call was relayed to the next manager:\n{}",
