@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use test_support::k8s::cluster::{Cluster, Work};
 use test_support::k8s::util::{MANAGER_PORT, tail, wait};
 use test_support::kv;
-use test_support::{http_get, target_dir, workspace_root};
+use test_support::{target_dir, workspace_root};
 
 /// The real gpu-manager binary on the host, against the real kubelet.
 pub struct HostManager {
@@ -133,8 +133,9 @@ impl HostManager {
 
     pub fn ready(&self) -> bool {
         let addr: SocketAddr = ([127, 0, 0, 1], self.port).into();
+        // A reset (a manager going down) is "not ready", not a failure.
         std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_ok()
-            && http_get(addr, "/readyz").0 == 200
+            && test_support::process::try_http_get(addr, "/readyz").is_ok_and(|r| r.0 == 200)
     }
 
     pub fn wait_ready(&mut self, secs: u64) {
@@ -153,11 +154,32 @@ impl HostManager {
         });
     }
 
+    /// kill -9 of the manager: its supervisor and the manager it runs (as a
+    /// container's death would), back only once both are gone, so that no
+    /// dying process still holds a port or socket the next start needs.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
-            // SAFETY: our own child's pid.
-            unsafe { libc::kill(c.id() as i32, libc::SIGKILL) };
+            let pids = test_support::process::tree(c.id());
+            for &p in &pids {
+                // SAFETY: our own child and its children.
+                unsafe { libc::kill(p as i32, libc::SIGKILL) };
+            }
             c.wait().unwrap();
+            wait("the killed manager's processes gone", 30, || {
+                let left: Vec<u32> = pids[1..]
+                    .iter()
+                    .copied()
+                    .filter(|p| {
+                        fs::read_to_string(format!("/proc/{p}/stat"))
+                            .is_ok_and(|st| !st.contains(") Z "))
+                    })
+                    .collect();
+                if left.is_empty() {
+                    Ok(())
+                } else {
+                    Err(format!("{left:?}"))
+                }
+            });
         }
     }
 

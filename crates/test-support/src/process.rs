@@ -8,15 +8,20 @@ use std::time::Duration;
 /// One HTTP/1.1 GET with `Connection: close`: the status code (0 when the
 /// answer has none) and the body.
 pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    try_http_get(addr, path).unwrap()
+}
+
+/// [`http_get`], its I/O errors returned: for polls, where a server not up
+/// yet (or one going down) is no failure.
+pub fn try_http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
     write!(
         s,
         "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
+    )?;
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
+    s.read_to_end(&mut raw)?;
     let raw = String::from_utf8_lossy(&raw).into_owned();
     let code = raw.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
     let body = raw
@@ -24,7 +29,7 @@ pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
         .map(|x| x.1)
         .unwrap_or("")
         .to_string();
-    (code, body)
+    Ok((code, body))
 }
 
 /// The command line of process `pid`, read back from /proc.
