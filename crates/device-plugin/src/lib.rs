@@ -32,7 +32,7 @@ pub use client::connect_unix;
 pub use error::Error;
 pub use logging::init_logging;
 pub use relay::{RelayedPlugin, serve_inbox};
-pub use runtime::{PluginRuntime, PluginStatus, RuntimeHandle, RuntimeOptions};
+pub use runtime::{PluginRuntime, PluginStatus, RuntimeHandle, RuntimeOptions, all_registered};
 pub use service::{DeviceList, DevicePluginService, device};
 pub use shutdown::cancel_on_signals;
 pub use tokio_util::sync::CancellationToken;

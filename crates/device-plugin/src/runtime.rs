@@ -241,6 +241,11 @@ impl RuntimeHandle {
         self.status.get(resource).cloned()
     }
 
+    /// The status channels of every plugin, to wait on without the handle.
+    pub fn statuses(&self) -> Vec<watch::Receiver<PluginStatus>> {
+        self.status.values().cloned().collect()
+    }
+
     /// Registers every plugin with kubelet again, now: kubelet then calls
     /// this process rather than one that registered the same resources
     /// later (and has gone).
@@ -271,6 +276,17 @@ impl RuntimeHandle {
         }
         Ok(())
     }
+}
+
+/// Waits until every plugin of `statuses` is registered with the kubelet
+/// there now; false if a plugin stopped first.
+pub async fn all_registered(statuses: Vec<watch::Receiver<PluginStatus>>) -> bool {
+    for mut st in statuses {
+        if st.wait_for(|s| s.registered).await.is_err() {
+            return false;
+        }
+    }
+    true
 }
 
 fn watch_dir(dir: &Path, events: watch::Sender<u64>) -> Result<notify::RecommendedWatcher, Error> {

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
-use device_plugin::{DevicePluginService, PluginRuntime, PluginStatus, RuntimeHandle};
+use device_plugin::{DevicePluginService, PluginRuntime, RuntimeHandle};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::OwnedWriteHalf;
 use tokio::sync::{mpsc, watch};
@@ -88,11 +88,8 @@ impl Plugins {
         let wait = async {
             match self {
                 Plugins::Own { handle, .. } => {
-                    let statuses: Vec<watch::Receiver<PluginStatus>> =
-                        resources.iter().filter_map(|r| handle.status(r)).collect();
-                    for mut st in statuses {
-                        let _ = st.wait_for(|s| s.registered).await;
-                    }
+                    let statuses = resources.iter().filter_map(|r| handle.status(r));
+                    device_plugin::all_registered(statuses.collect()).await;
                 }
                 Plugins::Supervised { control, .. } => {
                     let _ = control.registered.clone().wait_for(|r| *r).await;

@@ -271,13 +271,10 @@ impl Link {
                     }
                 }
             }
-            let h = plugins.as_ref().expect("started above");
-            [VCORE_RESOURCE, VMEMORY_RESOURCE].map(|r| h.status(r))
+            plugins.as_ref().expect("started above").statuses()
         };
-        for mut st in statuses.into_iter().flatten() {
-            if st.wait_for(|s| s.registered).await.is_err() {
-                return false;
-            }
+        if !device_plugin::all_registered(statuses).await {
+            return false;
         }
         if !self.served.swap(true, Ordering::SeqCst) {
             tracing::info!("the kubelet registered both plugins");
