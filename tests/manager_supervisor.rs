@@ -10,6 +10,7 @@
 
 use std::time::{Duration, Instant};
 
+use test_support::cmdline;
 use test_support::manager::{Env, Options, VCORE, VMEM};
 use test_support::process::tree;
 
@@ -158,6 +159,159 @@ async fn a_killed_manager_loses_no_call_and_the_kubelet_sees_no_stream_end() {
     assert!(
         !std::path::Path::new(&format!("/proc/{second}")).exists(),
         "the manager outlived its supervisor"
+    );
+}
+
+fn registrations(env: &Env) -> Vec<u64> {
+    [VCORE, VMEM]
+        .map(|r| env.kubelet.view().borrow().resources[r].registrations)
+        .to_vec()
+}
+
+/// Waits until `pid` (not our child) is gone.
+fn gone(pid: u32) {
+    let t = Instant::now();
+    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{pid} outlived SIGKILL"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Waits (15 s at most) for `child` to exit; its status.
+fn exited(child: &mut std::process::Child, what: &str) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "SIGTERM did not stop {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// With the plugin holder (crates/gpu-manager/src/holder.rs, the
+/// DaemonSet pod's plugin-holder container), a kill -9 of the manager's
+/// whole container (its supervisor too, as a failed liveness probe or a
+/// kill of the container does) loses no call either: the holder keeps the
+/// kubelet's sockets and connections, and the calls made until the
+/// container is started again are answered by its manager.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_plugin_holder_a_killed_manager_container_loses_no_call() {
+    let opts = Options {
+        holder: true,
+        ..Default::default()
+    };
+    let mut env = Env::start("sim-4gpu-pcie", opts).await;
+    let p1 = env.pod(&[("main", 30, 4)], &[]);
+    env.admit(&p1, "main", 30, 4).await.unwrap();
+    let before = registrations(&env);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let watcher = watch_streams(&env, stop.clone());
+
+    // The container's processes hold an Allocate (stopped) and all die.
+    let args = cmdline(env.manager.id());
+    let (sup, first) = (env.manager.id(), manager_pid(&env));
+    kill(sup, libc::SIGSTOP);
+    kill(first, libc::SIGSTOP);
+    let admit = |env: &mut Env, core: u64, mem: u64| {
+        let p = env.pod(&[("main", core, mem)], &[]);
+        let kubelet = env.kubelet.clone();
+        tokio::spawn(async move {
+            kubelet
+                .admit(&p, "main", &[(VCORE, core as usize), (VMEM, mem as usize)])
+                .await
+        })
+    };
+    let held = admit(&mut env, 20, 2);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!held.is_finished(), "a stopped manager answered");
+    let killed = Instant::now();
+    kill(first, libc::SIGKILL);
+    kill(sup, libc::SIGKILL);
+    env.manager.wait().unwrap();
+    gone(first);
+    // A pod admitted while the container is down waits for its restart.
+    let during = admit(&mut env, 10, 1);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    env.respawn(&args, &[]).await;
+    let (_, _, holder_log) = env.holder.as_ref().unwrap();
+    let holder_log = holder_log.clone();
+    for (what, call) in [("held", held), ("during the restart", during)] {
+        let r = tokio::time::timeout(Duration::from_secs(30), call)
+            .await
+            .unwrap_or_else(|_| panic!("the Allocate {what} was never answered"))
+            .unwrap();
+        let text = std::fs::read_to_string(&holder_log).unwrap_or_default();
+        r.unwrap_or_else(|e| panic!("the Allocate {what} failed: {e}\nholder:\n{text}"));
+    }
+    let waited = killed.elapsed();
+    let text = std::fs::read_to_string(&holder_log).unwrap_or_default();
+    assert!(
+        text.contains("answered by the next manager process"),
+        "the held call was not relayed to the next manager:\n{text}"
+    );
+    let p4 = env.pod(&[("main", 100, 0)], &[]);
+    env.admit(&p4, "main", 100, 0).await.unwrap();
+    stop.cancel();
+    let closed = watcher.await.unwrap();
+    assert!(
+        closed.is_empty(),
+        "the kubelet saw its streams end or lose devices: {closed:?}\nholder:\n{text}"
+    );
+    assert_eq!(registrations(&env), before, "the plugins registered again");
+    eprintln!(
+        "killed the manager's container → held and new Allocate answered {} ms after the kill (1 s down)",
+        waited.as_millis()
+    );
+
+    // SIGTERM to both containers: the holder lets the plugins go once its
+    // manager has stopped, removing their sockets.
+    let (holder, _, _) = env.holder.as_mut().unwrap();
+    kill(holder.id(), libc::SIGTERM);
+    kill(env.manager.id(), libc::SIGTERM);
+    let status = exited(&mut env.manager, "the manager");
+    assert!(status.success(), "{status}\n{}", log(&env));
+    let (holder, _, _) = env.holder.as_mut().unwrap();
+    let status = exited(holder, "the holder");
+    let text = std::fs::read_to_string(&holder_log).unwrap_or_default();
+    assert!(status.success(), "{status}\n{text}");
+    let left: Vec<_> = std::fs::read_dir(env.tmp.path().join("device-plugins"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("vcore-") || n.starts_with("vmemory-"))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "plugin sockets left: {left:?}\nholder:\n{text}"
+    );
+}
+
+/// A manager whose holder does not answer names it and says what to check.
+#[test]
+fn a_manager_without_its_plugin_holder_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let holder = tmp.path().join("nobody/holder.sock");
+    let out = std::process::Command::new(test_support::paths::target_dir().join("gpu-manager"))
+        .arg("--plugin-holder")
+        .arg(&holder)
+        .env("VCUDA_PLUGIN_HOLDER_WAIT_S", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "the plugin holder {} does not answer",
+            holder.display()
+        )) && err.contains("plugin-holder container"),
+        "the error does not name the holder: {err}"
     );
 }
 
