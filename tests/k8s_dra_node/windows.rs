@@ -300,7 +300,8 @@ pub fn rolling_updates(
                 Err(format!("{p}, {all} pods"))
             }
         });
-        let l = n.ok(&["-n", "kube-system", "logs", &after]);
+        // The holder beside a container logs what it relayed and kept.
+        let l = n.ok(&["-n", "kube-system", "logs", "--all-containers=true", &after]);
         check(k, &before, &after, t0.elapsed().as_secs_f64(), &l);
         updates.push(w);
         delete_pods(n, &prefix, 10);
