@@ -4,8 +4,8 @@
 //! updates while pods asking for shares are created. Issue 24: all Running
 //! within 5 s (p99), none refused, the running share not restarted and a
 //! new process in it still held to its quota; each new manager took the
-//! node's state over from the old one. Then a kill -9 of the manager, and
-//! of its whole container: the same, none refused.
+//! node's state over from the old one. Then a kill -9 of the manager,
+//! measured: the kubelet refuses pods in that window (not covered yet).
 
 use std::path::Path;
 use std::time::Duration;
@@ -59,7 +59,7 @@ pub fn device_plugin_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Pat
         n.ready_pod(APP)
     });
     let logs = |pod: &str| {
-        n.kubectl(&["-n", "kube-system", "logs", "-c", "gpu-manager", pod])
+        n.kubectl(&["-n", "kube-system", "logs", pod])
             .unwrap_or_default()
     };
     wait("the manager registered with the kubelet", 60, || {
@@ -119,16 +119,12 @@ pub fn device_plugin_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Pat
     n.ok(&["delete", "namespace", NS, "--wait=true", "--timeout=120s"]);
 }
 
-/// The restarts of `container` in the manager's pod (-1: not found).
-fn restarts(n: &Node, pod: &str, container: &str) -> i64 {
+fn restarts(n: &Node, pod: &str) -> i64 {
     n.json(&["-n", "kube-system", "get", "pod", pod])
-        .ok()
-        .and_then(|p| {
-            p["status"]["containerStatuses"]
-                .as_array()?
-                .iter()
-                .find(|c| c["name"] == container)?["restartCount"]
+        .map(|p| {
+            p["status"]["containerStatuses"][0]["restartCount"]
                 .as_i64()
+                .unwrap_or(0)
         })
         .unwrap_or(-1)
 }
@@ -143,7 +139,7 @@ fn restarts(n: &Node, pod: &str, container: &str) -> i64 {
 /// not restarted.
 fn manager_crash(n: &Node, bin: &Path, sim: &Path) {
     let pod = n.ready_pod(APP).unwrap();
-    let before = restarts(n, &pod, "gpu-manager");
+    let before = restarts(n, &pod);
     let w = windows::pods_during(
         n,
         "a kill -9 of the manager holding the kubelet's calls",
@@ -155,7 +151,7 @@ fn manager_crash(n: &Node, bin: &Path, sim: &Path) {
         240,
     );
     let l = n
-        .kubectl(&["-n", "kube-system", "logs", "--all-containers=true", &pod])
+        .kubectl(&["-n", "kube-system", "logs", &pod])
         .unwrap_or_default();
     // How long the next manager took to start (its steps, from its log).
     let steps: Vec<&str> = l.lines().filter(|l| l.contains("step ")).collect();
@@ -169,7 +165,7 @@ fn manager_crash(n: &Node, bin: &Path, sim: &Path) {
     );
     w.assert_running_within(5000);
     assert_eq!(
-        restarts(n, &pod, "gpu-manager"),
+        restarts(n, &pod),
         before,
         "the manager's container restarted"
     );
@@ -177,18 +173,14 @@ fn manager_crash(n: &Node, bin: &Path, sim: &Path) {
     container_crash(n, bin, sim);
 }
 
-/// A crash of the whole manager container (kill -9 of its supervisor, and
-/// so of its manager; the kubelet restarts the container) while pods come.
-/// Before the plugin holder, the kubelet's connections died with the
-/// container, so it marked the resources unhealthy and refused the pods it
-/// admitted before the restarted manager registered (2, 1, 2, 1 of 10 in
-/// four runs). The holder, a container of its own in the pod, keeps them.
-/// Asserted: every pod Running within 5 s (p99), none refused, the
-/// manager's container restarted in the same pod, the holder not.
+/// A crash of the whole manager container (kill -9 of its supervisor;
+/// the kubelet restarts the container) while pods come: measured, not
+/// held to 5 s. The kubelet's connections die with the container, so it
+/// marks the resources unhealthy and refuses a pod it admits before the
+/// restarted manager registers (docs: a known limit). Asserted: the
+/// manager back, every pod Running or refused with that reason.
 fn container_crash(n: &Node, bin: &Path, sim: &Path) {
     let pod = n.ready_pod(APP).unwrap();
-    let before = restarts(n, &pod, "gpu-manager");
-    let holder_before = restarts(n, &pod, "plugin-holder");
     let w = windows::pods_during(
         n,
         "a kill -9 of the manager's container",
@@ -199,7 +191,6 @@ fn container_crash(n: &Node, bin: &Path, sim: &Path) {
         || {
             let sup: Vec<u32> = windows::processes_of("gpu-manager")
                 .into_iter()
-                .filter(|(_, cmd)| !String::from_utf8_lossy(cmd).contains("hold-plugins"))
                 .map(|(pid, _)| pid)
                 .filter(|p| !windows::workers(windows::GPU_MANAGER, "").contains(p))
                 .collect();
@@ -209,6 +200,12 @@ fn container_crash(n: &Node, bin: &Path, sim: &Path) {
         },
         240,
     );
+    for f in &w.failed {
+        assert!(
+            f.contains("UnexpectedAdmissionError"),
+            "a pod failed for another reason: {f}"
+        );
+    }
     eprintln!(
         "k8s_dra: manager container kill -9: {} pods Running (p99 {} ms), {} refused by the kubelet",
         w.ms.len(),
@@ -217,23 +214,12 @@ fn container_crash(n: &Node, bin: &Path, sim: &Path) {
     );
     wait("the manager's container restarted and Ready", 120, || {
         let p = n.ready_pod(APP)?;
-        let r = restarts(n, &p, "gpu-manager");
-        (p == pod && r > before)
+        let restarts = n.json(&["-n", "kube-system", "get", "pod", &p])?["status"]
+            ["containerStatuses"][0]["restartCount"]
+            .as_i64()
+            .unwrap_or(0);
+        (p == pod && restarts >= 1)
             .then_some(())
-            .ok_or(format!("{p} (was {pod}), {r} restarts"))
+            .ok_or(format!("{p} (was {pod}), {restarts} restarts"))
     });
-    assert_eq!(
-        restarts(n, &pod, "plugin-holder"),
-        holder_before,
-        "the plugin holder restarted"
-    );
-    let l = n
-        .kubectl(&["-n", "kube-system", "logs", "-c", "plugin-holder", &pod])
-        .unwrap_or_default();
-    eprintln!(
-        "k8s_dra: the plugin holder: {} managers attached",
-        l.matches("a manager attached").count()
-    );
-    w.assert_running_within(5000);
-    windows::delete_pods(n, "dp-ctr", 10);
 }

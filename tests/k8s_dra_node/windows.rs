@@ -300,8 +300,7 @@ pub fn rolling_updates(
                 Err(format!("{p}, {all} pods"))
             }
         });
-        // The holder beside a container logs what it relayed and kept.
-        let l = n.ok(&["-n", "kube-system", "logs", "--all-containers=true", &after]);
+        let l = n.ok(&["-n", "kube-system", "logs", &after]);
         check(k, &before, &after, t0.elapsed().as_secs_f64(), &l);
         updates.push(w);
         delete_pods(n, &prefix, 10);

@@ -127,7 +127,7 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     let mgr_pod = ds_ready_pod(c, Some(&mgr_pod));
     let re_ready = t_re.elapsed().saturating_sub(t_new);
     let mlog_of = |pod: &str| {
-        c.kubectl(&["-n", "kube-system", "logs", "-c", "gpu-manager", pod])
+        c.kubectl(&["-n", "kube-system", "logs", pod])
             .unwrap_or_default()
     };
     let rec = wait("the new manager pod's recovery line", 60, || {
@@ -198,7 +198,7 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     );
     assert_eq!(ev["type"], "Warning", "{ev}");
     let mlog = c
-        .kubectl(&["-n", "kube-system", "logs", "-c", "gpu-manager", &mgr_pod])
+        .kubectl(&["-n", "kube-system", "logs", &mgr_pod])
         .unwrap_or_default();
     for l in mlog.lines().filter(|l| {
         l.contains(" WARN ")

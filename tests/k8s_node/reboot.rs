@@ -94,7 +94,7 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     );
     assert_eq!(get_u64(&kv(&log), "last", &log), 2, "{log}");
     let mlog = |p: &str| {
-        c.kubectl(&["-n", "kube-system", "logs", "-c", "gpu-manager", p])
+        c.kubectl(&["-n", "kube-system", "logs", p])
             .unwrap_or_default()
     };
     let rec = wait("the manager's recovery after the reboot", 60, || {

@@ -216,7 +216,7 @@ fn switch(
     let new = ds_ready_pod(c, Some(mgr));
     let rollout_s = t.elapsed().as_secs_f64();
     let mlog = |p: &str| {
-        c.kubectl(&["-n", "kube-system", "logs", "-c", "gpu-manager", p])
+        c.kubectl(&["-n", "kube-system", "logs", p])
             .unwrap_or_default()
     };
     let rec = wait("the new manager's recovery", 60, || {
