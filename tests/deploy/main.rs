@@ -334,68 +334,6 @@ fn the_daemonset_fits_the_design() {
     assert_eq!(cm_volume.name, m.configmap.metadata.name.clone().unwrap());
 }
 
-/// The plugin holder (crates/gpu-manager/src/holder.rs) runs beside the
-/// manager in the same pod: both name one holder socket on a volume they
-/// share, and the holder sees the device-plugin directory (its sockets)
-/// and the checkpoint directory (a rolling update's inboxes) at the
-/// manager's paths, from the same host paths.
-#[test]
-fn the_plugin_holder_sits_beside_the_manager_on_its_paths() {
-    let m = manifests();
-    let cfg = manager_config(&m);
-    let pod = m
-        .daemonset
-        .spec
-        .as_ref()
-        .unwrap()
-        .template
-        .spec
-        .as_ref()
-        .unwrap();
-    let [manager, holder] = &pod.containers[..] else {
-        panic!("expected the manager and its plugin holder");
-    };
-    assert_eq!(holder.name, "plugin-holder");
-    assert_eq!(holder.image, manager.image, "one image for both");
-    let hargs = holder.args.as_ref().unwrap();
-    assert_eq!(hargs[0], "hold-plugins");
-    let socket = |args: &[String]| -> String {
-        args.iter()
-            .find_map(|a| a.strip_prefix("--plugin-holder="))
-            .expect("--plugin-holder=")
-            .to_string()
-    };
-    let path = socket(hargs);
-    assert_eq!(path, socket(manager.args.as_ref().unwrap()));
-    let mount_of = |c: &k8s_openapi::api::core::v1::Container, path: &str| {
-        c.volume_mounts
-            .as_ref()
-            .unwrap()
-            .iter()
-            .filter(|vm| path.starts_with(&format!("{}/", vm.mount_path.trim_end_matches('/'))))
-            .map(|vm| (vm.name.clone(), vm.mount_path.clone()))
-            .max_by_key(|(_, p)| p.len())
-            .unwrap_or_else(|| panic!("{}: {path} is on no mount", c.name))
-    };
-    let volumes = pod.volumes.as_ref().unwrap();
-    let (name, _) = mount_of(holder, &path);
-    assert_eq!(mount_of(manager, &path), mount_of(holder, &path));
-    let v = volumes.iter().find(|v| v.name == name).unwrap();
-    assert!(
-        v.empty_dir.is_some(),
-        "the holder's socket is on an emptyDir of the pod"
-    );
-    for key in ["device-plugin-path", "checkpoint-path"] {
-        let p = format!("{}/x", cfg[key].as_str().unwrap());
-        assert_eq!(mount_of(holder, &p), mount_of(manager, &p), "{key}");
-    }
-    assert!(
-        hargs.iter().any(|a| a.starts_with("--config=")),
-        "the holder reads the manager's settings"
-    );
-    assert!(holder.resources.as_ref().unwrap().limits.is_some());
-}
-
 #[test]
 fn every_runtime_socket_auto_looks_for_is_mounted_at_its_host_path() {
     let m = manifests();
