@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kubelet_emulator::PodRef;
@@ -25,7 +25,33 @@ async fn kill9_and_restart(env: &mut Env, extra: &[&str]) {
     // SAFETY: SIGKILL to our own child, not yet reaped.
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
-    env.respawn(&args, extra).await;
+    respawn(env, &args, extra).await;
+}
+
+async fn respawn(env: &mut Env, args: &[String], extra: &[&str]) {
+    // The log is shared by every start: this start's line is one more.
+    let ready = "step 6/6: registered with kubelet";
+    let before = env.log_text().matches(ready).count();
+    let log = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&env.log)
+        .unwrap();
+    let mut args = args.to_vec();
+    // A later flag of the same name wins in clap for single values.
+    args.extend(extra.iter().map(|s| s.to_string()));
+    env.manager = Command::new(&args[0])
+        .args(&args[1..])
+        .env("RUST_LOG", "info,gpu_manager=debug")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    env.wait_registered().await;
+    // Registered comes after recovery. Counting from before the start:
+    // a fixed count was met by earlier starts from the third on, and a
+    // CI run read the log before the new start had recovered.
+    env.wait_log(ready, before + 1).await;
 }
 
 /// Allocations of the checkpoint by id, without what may legitimately
@@ -243,7 +269,7 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
     w.docker.ok(&["rm", "-f", &name_c]);
     // Quota enforced while the manager is down: A's process still holds
     // its ledger, so a second process may not take another GiB.
-    env.respawn(&args, &[]).await;
+    respawn(&mut env, &args, &[]).await;
 
     let after = env.allocations_by_container();
     let mut expect = before.clone();
@@ -323,7 +349,7 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
     if args.last().is_some_and(|a| a.contains("nonexistent")) {
         args.truncate(args.len() - 2);
     }
-    env.respawn(&args, &[]).await;
+    respawn(&mut env, &args, &[]).await;
     let log = env.log_text();
     assert!(log.contains("checkpoint is unreadable; set aside"), "{log}");
     let rebuilt = env.allocations_by_container();
@@ -490,7 +516,7 @@ async fn single_file_checkpoint_of_an_earlier_version_is_migrated() {
         let _ = std::fs::remove_file(dir.join(s));
     }
     std::fs::write(dir.join(CHECKPOINT_FILE), serde_json::to_vec(&old).unwrap()).unwrap();
-    env.respawn(&args, &[]).await;
+    respawn(&mut env, &args, &[]).await;
     assert_eq!(
         env.allocations_by_container(),
         before,

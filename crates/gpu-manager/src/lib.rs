@@ -13,9 +13,8 @@
 //! * [`world`]: the traits where the world plugs in (API server, kubelet,
 //!   container runtime, checkpoint store); `doubles` (tests only): in-memory ones.
 //! * [`plugin`]: the two device plugins; [`served`]: how they reach the
-//!   kubelet; [`link`]: what keeps the kubelet's sockets and connections
-//!   across a crash of the manager, in its supervisor ([`supervise`]) or
-//!   in a container of its own ([`holder`]).
+//!   kubelet; [`supervise`]: the supervisor that keeps the kubelet's
+//!   sockets and connections across a crash of the manager.
 //! * [`pods`], [`kube_api`]: which pod is asking; reflector and patches.
 //! * [`kubelet`]: what kubelet recorded (pod-resources, checkpoint).
 //! * [`display`]: the manager's state for the display service and metrics.
@@ -36,11 +35,9 @@ pub mod doubles;
 pub mod events;
 pub mod handover;
 pub mod health;
-pub mod holder;
 pub mod ids;
 pub mod kube_api;
 pub mod kubelet;
-pub mod link;
 pub mod manager;
 pub mod node_status;
 pub mod owner;

@@ -78,8 +78,7 @@ impl Plugins {
                 ))
             })
             .collect();
-        let control =
-            Control::new(sup.control, stop.clone()).context("the supervisor's control socket")?;
+        let control = Control::new(sup.control).context("the supervisor's control socket")?;
         control.send("serve").await?;
         Ok(Plugins::Supervised { control, served })
     }
@@ -193,11 +192,7 @@ pub struct Control {
 const ANSWER: Duration = Duration::from_secs(10);
 
 impl Control {
-    /// `stopping`: cancelled once this manager stops; before that, a
-    /// closed control socket means its link is gone (the plugin holder's
-    /// container died), and this manager exits for its supervisor to
-    /// attach the next one to the link that replaces it.
-    fn new(s: StdStream, stopping: CancellationToken) -> std::io::Result<Control> {
+    fn new(s: StdStream) -> std::io::Result<Control> {
         s.set_nonblocking(true)?;
         let (r, w) = tokio::net::UnixStream::from_std(s)?.into_split();
         let (reg_tx, registered) = watch::channel(false);
@@ -210,12 +205,6 @@ impl Control {
                 } else if tx.send(l).is_err() {
                     return;
                 }
-            }
-            if !stopping.is_cancelled() {
-                tracing::error!(
-                    "the link to the kubelet closed (its holder stopped): exiting, for the supervisor to start a manager on the next one"
-                );
-                std::process::exit(3);
             }
         });
         Ok(Control {

@@ -17,23 +17,23 @@
 //! supervisor stops with it, leaving the kubelet's connections open when
 //! the child had handed the node to a successor ([`crate::handover`]).
 //! The child dies with the supervisor (`PR_SET_PDEATHSIG`).
-//!
-//! What the kubelet holds on to is a [`Link`]: the supervisor's own, or,
-//! with `--plugin-holder PATH`, the one a container of its own keeps
-//! beside this one ([`crate::holder`]), so that it outlives a kill of this
-//! whole container too; each child then attaches there.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream as StdStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use child_relay::Inboxes;
+use device_plugin::{PluginRuntime, RelayedPlugin, RuntimeHandle};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
-use crate::link::Link;
+use crate::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
 use crate::served::FromSupervisor;
 
 /// In the child: `<vcore inbox>,<vmemory inbox>,<control>` fds it inherited.
@@ -59,12 +59,6 @@ pub fn inherited() -> anyhow::Result<Option<FromSupervisor>> {
     let [vcore, vmemory, control] = parsed[..] else {
         anyhow::bail!("{FDS_ENV}={fds:?}: expected three fds, \"<vcore>,<vmemory>,<control>\"");
     };
-    for f in [vcore, vmemory, control] {
-        // Not to this manager's own children: a control socket they kept
-        // open would hide this manager's death from its link.
-        // SAFETY: fcntl on fds this process owns.
-        unsafe { libc::fcntl(f, libc::F_SETFD, libc::FD_CLOEXEC) };
-    }
     // SAFETY: the supervisor passed these fds to this process alone, open.
     let [vcore, vmemory, control] =
         [vcore, vmemory, control].map(|f| unsafe { StdStream::from_raw_fd(f) });
@@ -75,80 +69,58 @@ pub fn inherited() -> anyhow::Result<Option<FromSupervisor>> {
     }))
 }
 
-/// Where the supervisor's children attach: a link of its own, or the
-/// plugin holder of its pod ([`crate::holder`]).
-enum Source {
-    Own(Arc<Link>),
-    Holder(PathBuf),
-}
-
-impl Source {
-    /// A new child's instance and fds; whether the kubelet had registered.
-    fn attach(&self) -> anyhow::Result<(String, [OwnedFd; 3], bool)> {
-        match self {
-            Source::Own(link) => Ok((link.instance.clone(), link.attach()?, link.served())),
-            Source::Holder(path) => {
-                // Waits for the holder to listen: blocking.
-                let a = tokio::task::block_in_place(|| crate::holder::attach(path))?;
-                Ok((a.instance, a.fds, a.served))
-            }
-        }
-    }
-
-    fn served(&self) -> bool {
-        match self {
-            Source::Own(link) => link.served(),
-            Source::Holder(path) => tokio::task::block_in_place(|| crate::holder::served(path))
-                .unwrap_or_else(|e| {
-                    tracing::error!(error = %e, "the plugin holder");
-                    false
-                }),
-        }
-    }
-
-    /// The supervisor's end (the holder, if any, stops on its own).
-    async fn stop(&self, code: i32) -> i32 {
-        match self {
-            Source::Own(link) => link.stop(code).await,
-            Source::Holder(_) => code,
-        }
-    }
+/// What the supervisor keeps for the kubelet across its children.
+struct Link {
+    dir: PathBuf,
+    sockets: [PathBuf; 2],
+    inboxes: [Inboxes; 2],
+    plugins: tokio::sync::Mutex<Option<RuntimeHandle>>,
+    stop_plugins: CancellationToken,
+    /// Kubelet's connections to the managers this pod replaced.
+    inherited: Arc<Mutex<Vec<OwnedFd>>>,
+    /// The kubelet registered the plugins once.
+    served: AtomicBool,
+    handed_over: AtomicBool,
 }
 
 /// Runs the manager (this executable, the same arguments) under
-/// supervision until it stops; the exit code for the supervisor. With
-/// `holder`, its children attach to the plugin holder there.
-pub fn supervise(s: &Settings, holder: Option<PathBuf>) -> anyhow::Result<i32> {
+/// supervision until it stops; the exit code for the supervisor.
+pub fn supervise(s: &Settings) -> anyhow::Result<i32> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(run(s, holder))
+    rt.block_on(run(s))
 }
 
-async fn run(s: &Settings, holder: Option<PathBuf>) -> anyhow::Result<i32> {
+async fn run(s: &Settings) -> anyhow::Result<i32> {
     let cancel = device_plugin::cancel_on_signals()?;
-    let source = match holder {
-        Some(path) => {
-            tracing::info!(holder = %path.display(), "supervising the manager; the plugin holder of this pod keeps the kubelet's sockets and connections");
-            Source::Holder(path)
-        }
-        None => Source::Own(Link::new(&s.device_plugin_path)),
-    };
+    let instance = node_agent::mode::instance_id();
+    let link = Arc::new(Link {
+        dir: s.device_plugin_path.clone(),
+        sockets: crate::daemon::plugin_sockets(&s.device_plugin_path, &instance),
+        inboxes: Default::default(),
+        plugins: Default::default(),
+        stop_plugins: CancellationToken::new(),
+        inherited: Default::default(),
+        served: AtomicBool::new(false),
+        handed_over: AtomicBool::new(false),
+    });
+    tracing::info!(%instance, vcore = %link.sockets[0].display(), vmemory = %link.sockets[1].display(), "supervising the manager; these sockets are this supervisor's");
     let mut backoff = FIRST_BACKOFF;
-    let mut served = false;
     loop {
         let started = Instant::now();
-        let (instance, fds, was_served) = source.attach()?;
-        served |= was_served;
-        let status = run_child(&instance, fds, &cancel).await?;
-        if cancel.is_cancelled() || status.success() {
-            return Ok(source.stop(child_relay::exit_code(status)).await);
+        let status = run_child(&link, &instance, &cancel).await;
+        for i in &link.inboxes {
+            i.child_gone();
         }
-        served = served || source.served();
-        if !served {
+        let status = status?;
+        if cancel.is_cancelled() || status.success() {
+            return Ok(stop(&link, child_relay::exit_code(status)).await);
+        }
+        if !link.served.load(Ordering::SeqCst) {
             tracing::error!(%status, "the manager exited before the kubelet registered it: not restarting it here");
-            return Ok(source.stop(child_relay::exit_code(status).max(1)).await);
+            return Ok(stop(&link, child_relay::exit_code(status).max(1)).await);
         }
         if started.elapsed() >= STABLE {
             backoff = FIRST_BACKOFF;
@@ -156,23 +128,45 @@ async fn run(s: &Settings, holder: Option<PathBuf>) -> anyhow::Result<i32> {
         tracing::error!(%status, restart_in_ms = backoff.as_millis() as u64, "the manager exited; a new one takes over the kubelet's connections, which stay open meanwhile");
         tokio::select! {
             () = tokio::time::sleep(backoff) => {}
-            () = cancel.cancelled() => return Ok(source.stop(0).await),
+            () = cancel.cancelled() => return Ok(stop(&link, 0).await),
         }
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }
 }
 
-/// One child, on the fds its link gave: started, SIGTERM/SIGINT passed
+/// The supervisor's end: the plugins' sockets removed, unless the node was
+/// handed to a successor: then the kubelet's connections stay open (its
+/// streams must not end, or it drops the successor's registration).
+async fn stop(link: &Link, code: i32) -> i32 {
+    if link.handed_over.load(Ordering::SeqCst) {
+        tracing::info!("stopping: the node is the successor's; leaving kubelet's connections open");
+        std::process::exit(code);
+    }
+    link.stop_plugins.cancel();
+    if let Some(h) = link.plugins.lock().await.take()
+        && let Err(e) = h.wait().await
+    {
+        tracing::warn!(error = %e, "stopping the device plugins");
+    }
+    code
+}
+
+/// One child: started, its control socket served, SIGTERM/SIGINT passed
 /// on; its exit status.
 async fn run_child(
+    link: &Arc<Link>,
     instance: &str,
-    fds: [OwnedFd; 3],
     cancel: &CancellationToken,
 ) -> anyhow::Result<std::process::ExitStatus> {
-    let mut child = spawn(instance, [&fds[0], &fds[1], &fds[2]])?;
-    // The child's alone: a dead child's inboxes and control then read as
-    // closed.
-    drop(fds);
+    let inboxes = [
+        link.inboxes[0].start_child()?,
+        link.inboxes[1].start_child()?,
+    ];
+    let (mine, theirs) = StdStream::pair()?;
+    let mut child = spawn(instance, [&inboxes[0], &inboxes[1], &theirs.into()])?;
+    // The child's alone: a dead child's inboxes then read as closed.
+    drop(inboxes);
+    let control = tokio::spawn(serve_control(link.clone(), mine));
     let mut forwarded = false;
     let status = loop {
         tokio::select! {
@@ -186,6 +180,7 @@ async fn run_child(
             }
         }
     };
+    control.abort();
     Ok(status)
 }
 
@@ -205,4 +200,109 @@ fn spawn(instance: &str, fds: [&OwnedFd; 3]) -> anyhow::Result<tokio::process::C
         .kill_on_drop(false)
         .spawn()
         .map_err(|e| anyhow::anyhow!("starting the manager ({}): {e}", exe.display()))
+}
+
+/// The child's requests (see [`crate::served::Control`]), until it closes
+/// the socket.
+async fn serve_control(link: Arc<Link>, conn: StdStream) -> std::io::Result<()> {
+    conn.set_nonblocking(true)?;
+    let (r, mut w) = tokio::net::UnixStream::from_std(conn)?.into_split();
+    let (tx, mut rx) = mpsc::unbounded_channel::<String>();
+    tokio::spawn(async move {
+        while let Some(l) = rx.recv().await {
+            if w.write_all(format!("{l}\n").as_bytes()).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut lines = BufReader::new(r).lines();
+    while let Some(line) = lines.next_line().await? {
+        let (cmd, arg) = line.split_once(' ').unwrap_or((&line, ""));
+        match cmd {
+            "serve" => {
+                let (link, tx) = (link.clone(), tx.clone());
+                tokio::spawn(async move {
+                    if link.serve().await {
+                        let _ = tx.send("registered".into());
+                    }
+                });
+            }
+            "register-again" => {
+                // Only a manager taking the node back asks this.
+                link.handed_over.store(false, Ordering::SeqCst);
+                if let Some(h) = link.plugins.lock().await.as_ref() {
+                    h.register_again();
+                }
+            }
+            "open-inbox" => {
+                let r = crate::handover::open_inbox(Path::new(arg), link.inherited.clone());
+                let _ = tx.send(answer(r.map(|()| String::new())));
+            }
+            "hand-over" => {
+                let r = link.hand_over(Path::new(arg)).await;
+                let _ = tx.send(answer(r.map(|n| n.to_string())));
+            }
+            other => tracing::warn!(request = other, "unknown request from the manager"),
+        }
+    }
+    Ok(())
+}
+
+fn answer(r: std::io::Result<String>) -> String {
+    match r {
+        Ok(d) => format!("ok {d}"),
+        Err(e) => format!("err {e}"),
+    }
+}
+
+impl Link {
+    /// Starts the plugins on the first child's options and device lists
+    /// (once), then waits until the kubelet has both registered; false if
+    /// they could not start.
+    async fn serve(&self) -> bool {
+        let statuses = {
+            let mut plugins = self.plugins.lock().await;
+            if plugins.is_none() {
+                match self.start_plugins().await {
+                    Ok(h) => *plugins = Some(h),
+                    Err(e) => {
+                        tracing::error!(error = %e, "starting the device plugins");
+                        return false;
+                    }
+                }
+            }
+            plugins.as_ref().expect("started above").statuses()
+        };
+        if !device_plugin::all_registered(statuses).await {
+            return false;
+        }
+        if !self.served.swap(true, Ordering::SeqCst) {
+            tracing::info!("the kubelet registered both plugins");
+        }
+        true
+    }
+
+    async fn start_plugins(&self) -> anyhow::Result<RuntimeHandle> {
+        crate::daemon::remove_stale_sockets(&self.dir);
+        let vcore = RelayedPlugin::start(VCORE_RESOURCE, &self.inboxes[0]).await?;
+        let vmemory = RelayedPlugin::start(VMEMORY_RESOURCE, &self.inboxes[1]).await?;
+        let name = crate::served::file_name;
+        Ok(PluginRuntime::new(&self.dir)
+            .plugin(VCORE_RESOURCE, name(&self.sockets[0]), vcore)
+            .plugin(VMEMORY_RESOURCE, name(&self.sockets[1]), vmemory)
+            .start(self.stop_plugins.clone())?)
+    }
+
+    /// The kubelet's connections, to this supervisor's sockets and to
+    /// those of the managers it replaced, passed to a successor's inbox.
+    async fn hand_over(&self, inbox: &Path) -> std::io::Result<usize> {
+        let mut fds = match self.plugins.lock().await.as_ref() {
+            Some(h) => h.kubelet_connections(),
+            None => Vec::new(),
+        };
+        fds.append(&mut self.inherited.lock().unwrap_or_else(|p| p.into_inner()));
+        crate::served::send_connections(inbox, &fds)?;
+        self.handed_over.store(true, Ordering::SeqCst);
+        Ok(fds.len())
+    }
 }

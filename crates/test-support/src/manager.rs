@@ -26,8 +26,6 @@ pub struct Env {
     pub kubelet: KubeletEmulator,
     pub manager: Child,
     pub log: PathBuf,
-    /// The plugin holder ([`Options::holder`]), its socket and its log.
-    pub holder: Option<(Child, PathBuf, PathBuf)>,
     pub started: Instant,
     /// The display service's gRPC socket (`--display-socket`).
     pub display_socket: PathBuf,
@@ -41,9 +39,6 @@ pub struct Options {
     pub quiet_s: u64,
     /// More manager flags (a restart from its argv keeps them).
     pub extra_args: Vec<std::ffi::OsString>,
-    /// Run the plugin holder (`gpu-manager hold-plugins`) beside the
-    /// manager, as the DaemonSet's pod does, the manager attached to it.
-    pub holder: bool,
 }
 
 impl Default for Options {
@@ -52,7 +47,6 @@ impl Default for Options {
             share_mode: true,
             quiet_s: 2,
             extra_args: Vec::new(),
-            holder: false,
         }
     }
 }
@@ -116,24 +110,6 @@ impl Env {
             cmd.arg("--share-mode");
         }
         cmd.args(&opts.extra_args);
-        let holder = opts.holder.then(|| {
-            let sock = tmp.path().join("holder/holder.sock");
-            let log = tmp.path().join("holder.log");
-            let child = Command::new(&bin)
-                .arg("hold-plugins")
-                .arg("--plugin-holder")
-                .arg(&sock)
-                .arg("--device-plugin-path")
-                .arg(&dp)
-                .env("RUST_LOG", "info")
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&log).unwrap())
-                .spawn()
-                .unwrap();
-            cmd.arg("--plugin-holder").arg(&sock);
-            (child, sock, log)
-        });
         let started = Instant::now();
         let manager = cmd.spawn().unwrap();
         let mut env = Env {
@@ -143,7 +119,6 @@ impl Env {
             kubelet,
             manager,
             log,
-            holder,
             started,
             display_socket,
             http_addr: SocketAddr::from(([0, 0, 0, 0], 0)),
@@ -158,35 +133,6 @@ impl Env {
             )
         });
         env
-    }
-
-    /// Starts the manager again with `args` (its argv, as read back from
-    /// /proc) plus `extra`, appending to its log; returns once it is
-    /// registered and has recovered.
-    pub async fn respawn(&mut self, args: &[String], extra: &[&str]) {
-        // The log is shared by every start: this start's line is one more.
-        let ready = "step 6/6: registered with kubelet";
-        let before = self.log_text().matches(ready).count();
-        let log = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&self.log)
-            .unwrap();
-        let mut args = args.to_vec();
-        // A later flag of the same name wins in clap for single values.
-        args.extend(extra.iter().map(|s| s.to_string()));
-        self.manager = Command::new(&args[0])
-            .args(&args[1..])
-            .env("RUST_LOG", "info,gpu_manager=debug")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.wait_registered().await;
-        // Registered comes after recovery. Counting from before the start:
-        // a fixed count was met by earlier starts from the third on, and a
-        // CI run read the log before the new start had recovered.
-        self.wait_log(ready, before + 1).await;
     }
 
     pub async fn wait_registered(&self) {
@@ -430,22 +376,16 @@ pub fn container_env(resp: &ContainerAllocateResponse) -> Vec<(String, String)> 
 
 impl Drop for Env {
     fn drop(&mut self) {
-        let mut children = vec![&mut self.manager];
-        if let Some((h, _, _)) = &mut self.holder {
-            children.push(h);
-        }
-        for c in children {
-            // SAFETY: SIGTERM to our own child, not yet reaped.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let t = Instant::now();
-            while t.elapsed() < Duration::from_secs(5) {
-                if let Ok(Some(_)) = c.try_wait() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
+        // SAFETY: SIGTERM to our own child, not yet reaped.
+        unsafe { libc::kill(self.manager.id() as i32, libc::SIGTERM) };
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(5) {
+            if let Ok(Some(_)) = self.manager.try_wait() {
+                return;
             }
-            let _ = c.kill();
-            let _ = c.wait();
+            std::thread::sleep(Duration::from_millis(20));
         }
+        let _ = self.manager.kill();
+        let _ = self.manager.wait();
     }
 }
