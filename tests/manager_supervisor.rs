@@ -161,6 +161,55 @@ async fn a_killed_manager_loses_no_call_and_the_kubelet_sees_no_stream_end() {
     );
 }
 
+/// A hung manager (stopped here, as a deadlock or a stuck syscall leaves
+/// it) stops its heartbeat; its supervisor kills it after
+/// `supervise::HUNG` (10 s) and the call it held is answered by the next
+/// one, the kubelet's streams open throughout. Left to the kubelet's
+/// liveness probe, the whole container would be killed, which refuses the
+/// pods admitted until it is back (docs/architecture.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_manager_is_killed_by_its_supervisor_and_its_call_answered_by_the_next() {
+    let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
+    let registrations: Vec<u64> = [VCORE, VMEM]
+        .map(|r| env.kubelet.view().borrow().resources[r].registrations)
+        .to_vec();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let watcher = watch_streams(&env, stop.clone());
+    let hung = manager_pid(&env);
+    kill(hung, libc::SIGSTOP);
+    let stopped = Instant::now();
+    let p = env.pod(&[("main", 20, 2)], &[]);
+    let r = tokio::time::timeout(Duration::from_secs(30), env.admit(&p, "main", 20, 2))
+        .await
+        .unwrap_or_else(|_| panic!("the held Allocate was never answered:\n{}", log(&env)));
+    let waited = stopped.elapsed();
+    let text = log(&env);
+    r.unwrap_or_else(|e| panic!("the held Allocate failed: {e}\n{text}"));
+    assert!(
+        text.contains("the manager is hung (no heartbeat): killing it"),
+        "the supervisor did not kill the hung manager:\n{text}"
+    );
+    assert_ne!(manager_pid(&env), hung, "the hung manager still runs");
+    assert!(
+        waited >= Duration::from_secs(9),
+        "answered after {waited:?}: before the hang limit, so not by the next manager"
+    );
+    stop.cancel();
+    let closed = watcher.await.unwrap();
+    assert!(
+        closed.is_empty(),
+        "the kubelet saw its streams end: {closed:?}\n{text}"
+    );
+    let now: Vec<u64> = [VCORE, VMEM]
+        .map(|r| env.kubelet.view().borrow().resources[r].registrations)
+        .to_vec();
+    assert_eq!(now, registrations, "the plugins registered again");
+    eprintln!(
+        "hung manager {hung} → killed and its call answered {} ms after it stopped",
+        waited.as_millis()
+    );
+}
+
 /// A manager that fails before the kubelet ever registered it (here: no
 /// device-plugin directory) is not restarted: its supervisor exits with
 /// its status, so the pod shows the error.

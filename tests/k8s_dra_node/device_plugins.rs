@@ -170,15 +170,68 @@ fn manager_crash(n: &Node, bin: &Path, sim: &Path) {
         "the manager's container restarted"
     );
     windows::delete_pods(n, "dp-kill", 10);
+    manager_hang(n, bin, sim);
     container_crash(n, bin, sim);
+}
+
+/// A hung manager (stopped, never killed by the test) while pods come.
+/// The kubelet waits on Allocate without a deadline, from the loop that
+/// also restarts containers and acts on liveness probes
+/// (pkg/kubelet/kubelet.go, HandlePodAdditions → devicemanager Allocate):
+/// a hung plugin freezes the kubelet, and its liveness probe never gets
+/// to kill it. The supervisor kills a manager that stops its heartbeat
+/// for 10 s. Asserted: none refused, every pod Running, the hung manager
+/// killed by its supervisor, the container not restarted; measured: p99
+/// (10 s of the hang in it).
+fn manager_hang(n: &Node, bin: &Path, sim: &Path) {
+    let pod = n.ready_pod(APP).unwrap();
+    let before = restarts(n, &pod);
+    let w = windows::pods_during(
+        n,
+        "a hung manager (stopped until its supervisor kills it)",
+        "dp-hang",
+        |p| share_pod(p, 5, 1, "sleep 100000", bin, sim),
+        10,
+        Duration::from_millis(400),
+        || {
+            let w = windows::workers(windows::GPU_MANAGER, "");
+            assert_eq!(w.len(), 1, "one supervised gpu-manager: {w:?}");
+            // SAFETY: signals a process found by its command line and environment.
+            unsafe { libc::kill(w[0] as i32, libc::SIGSTOP) };
+        },
+        240,
+    );
+    let l = n
+        .kubectl(&["-n", "kube-system", "logs", &pod])
+        .unwrap_or_default();
+    assert!(
+        l.contains("the manager is hung (no heartbeat): killing it"),
+        "the supervisor did not kill the hung manager:\n{}",
+        tail(&l, 40)
+    );
+    assert!(w.failed.is_empty(), "{}: {:?}", w.what, w.failed);
+    assert_eq!(
+        restarts(n, &pod),
+        before,
+        "the manager's container restarted"
+    );
+    eprintln!(
+        "k8s_dra: hung manager: {} pods Running, p99 {} ms, none refused",
+        w.ms.len(),
+        w.p99()
+    );
+    windows::delete_pods(n, "dp-hang", 10);
 }
 
 /// A crash of the whole manager container (kill -9 of its supervisor;
 /// the kubelet restarts the container) while pods come: measured, not
 /// held to 5 s. The kubelet's connections die with the container, so it
 /// marks the resources unhealthy and refuses a pod it admits before the
-/// restarted manager registers (docs: a known limit). Asserted: the
-/// manager back, every pod Running or refused with that reason.
+/// restarted manager registers (docs: a known limit). A holder of the
+/// connections in a second container of the pod was tried and is worse:
+/// the kubelet then waits on Allocate, from the loop that would restart
+/// the container, until the relay gives up (40 s, 1 refused). Asserted:
+/// the manager back, every pod Running or refused with that reason.
 fn container_crash(n: &Node, bin: &Path, sim: &Path) {
     let pod = n.ready_pod(APP).unwrap();
     let w = windows::pods_during(

@@ -179,11 +179,12 @@ pub fn send_connections(inbox: &Path, fds: &[OwnedFd]) -> std::io::Result<()> {
 }
 
 /// The child's end of the control socket: one line a message. The child
-/// sends `serve`, `register-again`, `open-inbox PATH`, `hand-over PATH`;
+/// sends `serve`, `register-again`, `open-inbox PATH`, `hand-over PATH`,
+/// and `alive` every [`crate::supervise::HEARTBEAT`];
 /// the supervisor sends `registered` once the kubelet has both plugins,
 /// and answers the last two with `ok [detail]` or `err MESSAGE`.
 pub struct Control {
-    w: tokio::sync::Mutex<OwnedWriteHalf>,
+    w: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
     registered: watch::Receiver<bool>,
     replies: tokio::sync::Mutex<mpsc::UnboundedReceiver<String>>,
 }
@@ -207,8 +208,21 @@ impl Control {
                 }
             }
         });
+        let w = Arc::new(tokio::sync::Mutex::new(w));
+        // The supervisor kills a manager that stops saying this (hung).
+        let beat = Arc::downgrade(&w);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(crate::supervise::HEARTBEAT);
+            loop {
+                every.tick().await;
+                let Some(w) = beat.upgrade() else { return };
+                if w.lock().await.write_all(b"alive\n").await.is_err() {
+                    return;
+                }
+            }
+        });
         Ok(Control {
-            w: tokio::sync::Mutex::new(w),
+            w,
             registered,
             replies: tokio::sync::Mutex::new(replies),
         })

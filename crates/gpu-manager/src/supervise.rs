@@ -46,6 +46,14 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// A child that ran this long restarts after the first backoff again.
 const STABLE: Duration = Duration::from_secs(60);
+/// How often a child says it is alive on its control socket
+/// ([`crate::served::Control`]).
+pub const HEARTBEAT: Duration = Duration::from_secs(1);
+/// A child silent this long is hung: the supervisor kills it and starts
+/// another, well before the kubelet's liveness probe (60 s) would kill the
+/// whole container, whose restart it cannot bridge (the kubelet restarts
+/// a container from the same loop that waits on Allocate).
+pub const HUNG: Duration = Duration::from_secs(10);
 
 /// What the supervisor passed this process, if it runs under one. Takes
 /// the fds: call once.
@@ -59,6 +67,12 @@ pub fn inherited() -> anyhow::Result<Option<FromSupervisor>> {
     let [vcore, vmemory, control] = parsed[..] else {
         anyhow::bail!("{FDS_ENV}={fds:?}: expected three fds, \"<vcore>,<vmemory>,<control>\"");
     };
+    for f in [vcore, vmemory, control] {
+        // Not to this manager's own children: a socket they kept open would
+        // hide this manager's death from its supervisor.
+        // SAFETY: fcntl on fds this process owns.
+        unsafe { libc::fcntl(f, libc::F_SETFD, libc::FD_CLOEXEC) };
+    }
     // SAFETY: the supervisor passed these fds to this process alone, open.
     let [vcore, vmemory, control] =
         [vcore, vmemory, control].map(|f| unsafe { StdStream::from_raw_fd(f) });
@@ -80,6 +94,9 @@ struct Link {
     inherited: Arc<Mutex<Vec<OwnedFd>>>,
     /// The kubelet registered the plugins once.
     served: AtomicBool,
+    /// When the current child last said something ([`HEARTBEAT`]); None
+    /// until it first does.
+    heard: Mutex<Option<Instant>>,
     handed_over: AtomicBool,
 }
 
@@ -105,6 +122,7 @@ async fn run(s: &Settings) -> anyhow::Result<i32> {
         inherited: Default::default(),
         served: AtomicBool::new(false),
         handed_over: AtomicBool::new(false),
+        heard: Mutex::new(None),
     });
     tracing::info!(%instance, vcore = %link.sockets[0].display(), vmemory = %link.sockets[1].display(), "supervising the manager; these sockets are this supervisor's");
     let mut backoff = FIRST_BACKOFF;
@@ -168,9 +186,23 @@ async fn run_child(
     drop(inboxes);
     let control = tokio::spawn(serve_control(link.clone(), mine));
     let mut forwarded = false;
+    *link.heard.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    let mut watchdog = tokio::time::interval(HEARTBEAT);
+    let mut killed = false;
     let status = loop {
         tokio::select! {
             s = child.wait() => break s?,
+            _ = watchdog.tick(), if !killed => {
+                let heard = *link.heard.lock().unwrap_or_else(|p| p.into_inner());
+                if let (Some(t), Some(pid)) = (heard, child.id())
+                    && t.elapsed() >= HUNG
+                {
+                    tracing::error!(silent_s = t.elapsed().as_secs(), "the manager is hung (no heartbeat): killing it; the next one takes the kubelet's calls");
+                    // SAFETY: signalling our own child.
+                    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+                    killed = true;
+                }
+            }
             () = cancel.cancelled(), if !forwarded => {
                 if let Some(pid) = child.id() {
                     // SAFETY: signalling our own child.
@@ -217,6 +249,7 @@ async fn serve_control(link: Arc<Link>, conn: StdStream) -> std::io::Result<()> 
     });
     let mut lines = BufReader::new(r).lines();
     while let Some(line) = lines.next_line().await? {
+        *link.heard.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
         let (cmd, arg) = line.split_once(' ').unwrap_or((&line, ""));
         match cmd {
             "serve" => {
@@ -242,6 +275,7 @@ async fn serve_control(link: Arc<Link>, conn: StdStream) -> std::io::Result<()> 
                 let r = link.hand_over(Path::new(arg)).await;
                 let _ = tx.send(answer(r.map(|n| n.to_string())));
             }
+            "alive" => {}
             other => tracing::warn!(request = other, "unknown request from the manager"),
         }
     }

@@ -33,8 +33,13 @@ use services::{PodResourcesSvc, RegistrationSvc};
 /// File name of kubelet's device-manager checkpoint in the device-plugin dir.
 pub const CHECKPOINT_FILE: &str = "kubelet_internal_checkpoint";
 
-/// How long the emulator waits for a plugin RPC, like kubelet's timeouts.
+/// How long the emulator waits to connect to a plugin, like kubelet's
+/// dial (pkg/kubelet/cm/devicemanager/plugin/v1beta1/client.go: 10 s).
 const RPC_TIMEOUT: Duration = Duration::from_secs(10);
+/// kubelet's deadline on PreStartContainer
+/// (`KubeletPreStartContainerRPCTimeoutInSecs`, endpoint.go); Allocate and
+/// GetPreferredAllocation have none there, nor here.
+const PRE_START_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum EmulatorError {
@@ -404,7 +409,7 @@ impl KubeletEmulator {
             let mut req = Request::new(PreStartContainerRequest {
                 devices_ids: chosen.clone(),
             });
-            req.set_timeout(RPC_TIMEOUT);
+            req.set_timeout(PRE_START_TIMEOUT);
             if let Err(s) = client.pre_start_container(req).await {
                 // The caller (admit) frees the container's devices, as
                 // deleting the failed pod would.

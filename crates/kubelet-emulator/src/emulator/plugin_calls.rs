@@ -65,14 +65,13 @@ pub(super) async fn preferred_devices(
     available: &[String],
     count: usize,
 ) -> Result<Vec<String>, Status> {
-    let mut req = Request::new(PreferredAllocationRequest {
+    let req = Request::new(PreferredAllocationRequest {
         container_requests: vec![ContainerPreferredAllocationRequest {
             available_device_i_ds: available.to_vec(),
             must_include_device_i_ds: vec![],
             allocation_size: count as i32,
         }],
     });
-    req.set_timeout(RPC_TIMEOUT);
     let resp = client.get_preferred_allocation(req).await?.into_inner();
     Ok(resp
         .container_responses
@@ -87,12 +86,11 @@ pub(super) async fn allocate_devices(
     client: &mut DevicePluginClient<Channel>,
     chosen: &[String],
 ) -> Result<ContainerAllocateResponse, Status> {
-    let mut req = Request::new(AllocateRequest {
+    let req = Request::new(AllocateRequest {
         container_requests: vec![ContainerAllocateRequest {
             devices_ids: chosen.to_vec(),
         }],
     });
-    req.set_timeout(RPC_TIMEOUT);
     let resp = client.allocate(req).await?.into_inner();
     resp.container_responses
         .into_iter()
