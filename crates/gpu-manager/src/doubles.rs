@@ -92,16 +92,29 @@ impl PodPatcher for MemoryPatches {
     }
 }
 
-/// kubelet's device records; `Err(reason)` while unreachable.
-pub struct MemoryKubelet(Mutex<Result<Vec<Held>, String>>);
+/// kubelet's device records; `Err(reason)` while unreachable. Its active
+/// pods: unknown (an error) until [`MemoryKubelet::set_active`].
+pub struct MemoryKubelet(
+    Mutex<Result<Vec<Held>, String>>,
+    Mutex<Option<Vec<(String, String)>>>,
+);
 
 impl Default for MemoryKubelet {
     fn default() -> Self {
-        MemoryKubelet(Mutex::new(Ok(Vec::new())))
+        MemoryKubelet(Mutex::new(Ok(Vec::new())), Mutex::new(None))
     }
 }
 
 impl MemoryKubelet {
+    /// The pods kubelet lists as admitted or running (namespace, name).
+    pub fn set_active(&self, pods: &[(&str, &str)]) {
+        *lock(&self.1) = Some(
+            pods.iter()
+                .map(|(n, p)| (n.to_string(), p.to_string()))
+                .collect(),
+        );
+    }
+
     /// Records `ids` of `resource` for a container (pod-resources names
     /// pods by namespace/name).
     pub fn record(&self, pod: PodKey, container: &str, resource: &str, ids: &[String]) {
@@ -151,6 +164,12 @@ impl KubeletSource for MemoryKubelet {
                 pod: h.pod.clone(),
                 container: h.container.clone(),
             }))
+    }
+
+    async fn active_pods(&self) -> Result<Vec<(String, String)>, String> {
+        lock(&self.1)
+            .clone()
+            .ok_or_else(|| "no active pods recorded".to_string())
     }
 
     async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, String> {

@@ -97,6 +97,10 @@ impl KubeletSource for KubeletRecords {
         }
     }
 
+    async fn active_pods(&self) -> Result<Vec<(String, String)>, String> {
+        self.active().await
+    }
+
     async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, String> {
         match self.list_pod_resources(resources).await {
             Ok(v) => Ok(v),
@@ -114,6 +118,15 @@ impl KubeletSource for KubeletRecords {
 }
 
 impl KubeletRecords {
+    async fn active(&self) -> Result<Vec<(String, String)>, String> {
+        let list = self.pod_resources_list().await?;
+        Ok(list
+            .pod_resources
+            .into_iter()
+            .map(|p| (p.namespace, p.name))
+            .collect())
+    }
+
     async fn list_pod_resources(&self, resources: &[&str]) -> Result<Vec<Held>, String> {
         let list = self.pod_resources_list().await?;
         let mut out = Vec::new();

@@ -51,6 +51,11 @@ pub trait KubeletSource: Send + Sync {
     async fn holder(&self, resource: &str, ids: &[String]) -> Result<Option<Holder>, String>;
     /// Every container holding devices of `resources`, with its IDs.
     async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, String>;
+    /// The pods kubelet admits or runs now (namespace, name), from
+    /// pod-resources `List`: those it refused at admission are not among
+    /// them (kubelet ≥ 1.30 lists only active pods), while the API server
+    /// may still show them Pending.
+    async fn active_pods(&self) -> Result<Vec<(String, String)>, String>;
 }
 
 /// The container runtime's view of the node's Kubernetes containers.

@@ -338,6 +338,12 @@ impl KubeletEmulator {
                 Err(e) => {
                     // All or nothing, so a failed admission leaks no devices.
                     self.update_entries(|entries| entries.retain(|x| !added.contains(x)))?;
+                    // Refused: kubelet lists the pod no more, unless
+                    // another of its containers was admitted.
+                    let mut st = self.inner.state.lock().unwrap();
+                    if !st.entries.iter().any(|x| x.pod_uid == pod.uid) {
+                        st.pods.remove(&pod.uid);
+                    }
                     return Err(e);
                 }
             }

@@ -31,6 +31,8 @@ use crate::vm;
 /// then fails the pod for good (UnexpectedAdmissionError), so waiting is
 /// cheap by comparison. Allocate calls are serial in kubelet anyway.
 const POD_WAIT: Duration = Duration::from_secs(5);
+/// How long an Allocate waits for kubelet's pod-resources `List`.
+const KUBELET_LIST: Duration = Duration::from_secs(1);
 
 fn alloc_status(e: AllocError) -> Status {
     match e.kind() {
@@ -85,25 +87,60 @@ fn past_admission(pod: &Pod) -> bool {
 }
 
 impl Manager {
+    /// The pending pods `select_in_order` would pick from `pods`.
+    fn select(&self, pods: &[Arc<Pod>], cores: u64) -> Option<pods::Candidate> {
+        let st = self.st();
+        pods::select_in_order(
+            pods,
+            cores,
+            |uid, c| st.allocs.contains_key(&alloc_id(uid, c)),
+            |uid| st.withdrawn.contains(uid),
+            |uid| self.pods.seen(uid),
+        )
+    }
+
+    /// The pods kubelet admits or runs now, if it says (within a second).
+    async fn kubelet_active(&self) -> Option<BTreeSet<(String, String)>> {
+        match tokio::time::timeout(KUBELET_LIST, self.kubelet.active_pods()).await {
+            Ok(Ok(v)) => Some(v.into_iter().collect()),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "kubelet's active pods unknown: guessing among every pending pod");
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
     async fn find_candidate(&self, cores: u64) -> Result<pods::Candidate, Status> {
         let deadline = Instant::now() + POD_WAIT;
         loop {
             let pods = self.pods.pods();
-            let found = {
-                let st = self.st();
-                pods::select_in_order(
-                    &pods,
-                    cores,
-                    |uid, c| st.allocs.contains_key(&alloc_id(uid, c)),
-                    |uid| st.withdrawn.contains(uid),
-                    |uid| self.pods.seen(uid),
-                )
+            // Only a pod kubelet is admitting can be the one asking: one
+            // it refused (no healthy devices while the manager was down)
+            // still looks Pending in the API server for a while, and a
+            // guess of it made every later guess wrong on the 1.36 node.
+            let active = self.kubelet_active().await;
+            let admitted: Vec<Arc<Pod>> = match &active {
+                Some(a) => pods
+                    .iter()
+                    .filter(|p| {
+                        a.contains(&(pods::namespace(p).to_string(), pods::name(p).to_string()))
+                    })
+                    .cloned()
+                    .collect(),
+                None => pods.clone(),
             };
-            if let Some(c) = found {
+            if let Some(c) = self.select(&admitted, cores) {
                 return Ok(c);
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() || !self.pods.changed(left).await {
+                if active.is_some()
+                    && let Some(c) = self.select(&self.pods.pods(), cores)
+                {
+                    tracing::warn!(pod = %pods::name(&c.pod), "kubelet lists no pending pod that fits this Allocate: guessing among every pending pod");
+                    return Ok(c);
+                }
                 if self.pods.health() == ApiHealth::Starting {
                     return Err(Status::unavailable(format!(
                         "the manager has not listed this node's pods from the API server yet; cannot tell which pod asks for vcuda-core {cores}; kubelet will retry"

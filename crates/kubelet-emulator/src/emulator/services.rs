@@ -6,7 +6,13 @@ use super::*;
 impl KubeletEmulator {
     pub(super) fn pod_resources(&self) -> Vec<pr::PodResources> {
         let st = self.inner.state.lock().unwrap();
-        let mut pods: BTreeMap<&str, BTreeMap<&str, Vec<pr::ContainerDevices>>> = BTreeMap::new();
+        // Like kubelet's List (active pods): every pod being admitted or
+        // admitted, devices or not; a refused one is no longer listed.
+        let mut pods: BTreeMap<&str, BTreeMap<&str, Vec<pr::ContainerDevices>>> = st
+            .pods
+            .keys()
+            .map(|uid| (uid.as_str(), BTreeMap::new()))
+            .collect();
         for e in &st.entries {
             let numa: Vec<pr::NumaNode> = e
                 .device_ids
