@@ -231,7 +231,8 @@ fn manager_hang(n: &Node, bin: &Path, sim: &Path) {
 /// connections in a second container of the pod was tried and is worse:
 /// the kubelet then waits on Allocate, from the loop that would restart
 /// the container, until the relay gives up (40 s, 1 refused). Asserted:
-/// the manager back, every pod Running or refused with that reason.
+/// the manager back, every pod Running or refused with that reason, and no
+/// refused pod guessed for the next Allocate (which failed 5 more once).
 fn container_crash(n: &Node, bin: &Path, sim: &Path) {
     let pod = n.ready_pod(APP).unwrap();
     let w = windows::pods_during(
@@ -259,6 +260,22 @@ fn container_crash(n: &Node, bin: &Path, sim: &Path) {
             "a pod failed for another reason: {f}"
         );
     }
+    // The refused pods look Pending in the API server for a while; the
+    // manager must not take them for those kubelet admits next.
+    let events = n
+        .kubectl(&[
+            "-n",
+            NS,
+            "get",
+            "events",
+            "--field-selector",
+            "reason=VcudaWrongPodGuess",
+        ])
+        .unwrap_or_default();
+    assert!(
+        !events.contains("dp-ctr-"),
+        "the manager guessed a pod kubelet refused:\n{events}"
+    );
     eprintln!(
         "k8s_dra: manager container kill -9: {} pods Running (p99 {} ms), {} refused by the kubelet",
         w.ms.len(),
