@@ -184,15 +184,17 @@ async fn run_child(
     let mut child = spawn(instance, [&inboxes[0], &inboxes[1], &theirs.into()])?;
     // The child's alone: a dead child's inboxes then read as closed.
     drop(inboxes);
+    *link.heard.lock().unwrap_or_else(|p| p.into_inner()) = None;
     let control = tokio::spawn(serve_control(link.clone(), mine));
     let mut forwarded = false;
-    *link.heard.lock().unwrap_or_else(|p| p.into_inner()) = None;
     let mut watchdog = tokio::time::interval(HEARTBEAT);
     let mut killed = false;
     let status = loop {
         tokio::select! {
             s = child.wait() => break s?,
-            _ = watchdog.tick(), if !killed => {
+            // Not once stopping: a manager shutting down stops its
+            // heartbeat before it has written its last state.
+            _ = watchdog.tick(), if !killed && !forwarded => {
                 let heard = *link.heard.lock().unwrap_or_else(|p| p.into_inner());
                 if let (Some(t), Some(pid)) = (heard, child.id())
                     && t.elapsed() >= HUNG
