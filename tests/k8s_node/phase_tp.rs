@@ -78,7 +78,7 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>, state: &gpu_sim_cor
         )
     };
     let server_cmd = format!(
-        "{} & {}; wait; cat /tmp/rank0; echo ---; cat /tmp/rank1",
+        "{} & p=$!; {}; s1=$?; wait $p; s0=$?; cat /tmp/rank0; echo exit=$s0; echo ---; cat /tmp/rank1; echo exit=$s1",
         rank(0),
         rank(1)
     );
@@ -122,7 +122,14 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>, state: &gpu_sim_cor
     let log = finished(c, "tp-server");
     let (r0, r1) = log.split_once("---").expect("both ranks' output");
     for (r, text) in [r0, r1].into_iter().enumerate() {
-        check_rank(r, &kv(text), 4 << 30, wl);
+        // Whole, with any line that is not key=value (an interposer's
+        // message): a CI run once saw rank 0 stop serving without one.
+        let k = kv(text);
+        assert!(
+            k.get("exit").map(String::as_str) == Some("0") && k.contains_key("served"),
+            "rank {r} did not finish serving; both ranks:\n{log}"
+        );
+        check_rank(r, &k, 4 << 30, wl);
     }
     let other_log = finished(c, "tp-other");
     let (_, fill) = other_log
