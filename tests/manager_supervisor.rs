@@ -71,16 +71,52 @@ fn watch_streams(
     })
 }
 
+fn registrations(env: &Env) -> Vec<u64> {
+    [VCORE, VMEM]
+        .map(|r| env.kubelet.view().borrow().resources[r].registrations)
+        .to_vec()
+}
+
+/// What the kubelet must not see while a manager dies: a stream end, a
+/// device lost, a new registration.
+struct Unbroken {
+    stop: tokio_util::sync::CancellationToken,
+    watcher: tokio::task::JoinHandle<Vec<String>>,
+    registrations: Vec<u64>,
+}
+
+impl Unbroken {
+    fn watch(env: &Env) -> Unbroken {
+        let stop = tokio_util::sync::CancellationToken::new();
+        Unbroken {
+            watcher: watch_streams(env, stop.clone()),
+            stop,
+            registrations: registrations(env),
+        }
+    }
+
+    /// Stops watching and asserts; `text` (the manager's log) in failures.
+    async fn check(self, env: &Env, text: &str) {
+        self.stop.cancel();
+        let closed = self.watcher.await.unwrap();
+        assert!(
+            closed.is_empty(),
+            "the kubelet saw its streams end or lose devices: {closed:?}\n{text}"
+        );
+        assert_eq!(
+            registrations(env),
+            self.registrations,
+            "the plugins registered again"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_manager_loses_no_call_and_the_kubelet_sees_no_stream_end() {
     let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
     let p1 = env.pod(&[("main", 30, 4)], &[]);
     env.admit(&p1, "main", 30, 4).await.unwrap();
-    let registrations: Vec<u64> = [VCORE, VMEM]
-        .map(|r| env.kubelet.view().borrow().resources[r].registrations)
-        .to_vec();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let watcher = watch_streams(&env, stop.clone());
+    let unbroken = Unbroken::watch(&env);
 
     // The manager holds an Allocate (stopped) and dies under it.
     let first = manager_pid(&env);
@@ -115,16 +151,7 @@ async fn a_killed_manager_loses_no_call_and_the_kubelet_sees_no_stream_end() {
     // Both share pods are booked once, on the state the first one left.
     let p4 = env.pod(&[("main", 100, 0)], &[]);
     env.admit(&p4, "main", 100, 0).await.unwrap();
-    stop.cancel();
-    let closed = watcher.await.unwrap();
-    assert!(
-        closed.is_empty(),
-        "the kubelet saw its streams end or lose devices: {closed:?}\n{text}"
-    );
-    let now: Vec<u64> = [VCORE, VMEM]
-        .map(|r| env.kubelet.view().borrow().resources[r].registrations)
-        .to_vec();
-    assert_eq!(now, registrations, "the plugins registered again");
+    unbroken.check(&env, &text).await;
     eprintln!(
         "killed manager {first} → held and new Allocate answered {} ms after the kill, by manager {second}",
         waited.as_millis()
@@ -170,11 +197,7 @@ async fn a_killed_manager_loses_no_call_and_the_kubelet_sees_no_stream_end() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_manager_is_killed_by_its_supervisor_and_its_call_answered_by_the_next() {
     let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
-    let registrations: Vec<u64> = [VCORE, VMEM]
-        .map(|r| env.kubelet.view().borrow().resources[r].registrations)
-        .to_vec();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let watcher = watch_streams(&env, stop.clone());
+    let unbroken = Unbroken::watch(&env);
     let hung = manager_pid(&env);
     kill(hung, libc::SIGSTOP);
     let stopped = Instant::now();
@@ -194,16 +217,7 @@ async fn a_hung_manager_is_killed_by_its_supervisor_and_its_call_answered_by_the
         waited >= Duration::from_secs(9),
         "answered after {waited:?}: before the hang limit, so not by the next manager"
     );
-    stop.cancel();
-    let closed = watcher.await.unwrap();
-    assert!(
-        closed.is_empty(),
-        "the kubelet saw its streams end: {closed:?}\n{text}"
-    );
-    let now: Vec<u64> = [VCORE, VMEM]
-        .map(|r| env.kubelet.view().borrow().resources[r].registrations)
-        .to_vec();
-    assert_eq!(now, registrations, "the plugins registered again");
+    unbroken.check(&env, &text).await;
     eprintln!(
         "hung manager {hung} → killed and its call answered {} ms after it stopped",
         waited.as_millis()

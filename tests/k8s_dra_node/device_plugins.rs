@@ -116,6 +116,8 @@ pub fn device_plugin_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Pat
         },
     );
     manager_crash(n, bin, sim);
+    manager_hang(n, bin, sim);
+    container_crash(n, bin, sim);
     n.ok(&["delete", "namespace", NS, "--wait=true", "--timeout=120s"]);
 }
 
@@ -129,6 +131,40 @@ fn restarts(n: &Node, pod: &str) -> i64 {
         .unwrap_or(-1)
 }
 
+/// 10 share pods created, one every 400 ms, while `disrupt` acts on the
+/// manager its supervisor runs (`what`, pods `<prefix>-<i>`): the window,
+/// and the manager pod's log after it. Asserted: the container was not
+/// restarted (the supervisor bridged it).
+fn supervised_window(
+    n: &Node,
+    (bin, sim): (&Path, &Path),
+    what: &str,
+    prefix: &str,
+    disrupt: impl FnOnce(),
+) -> (windows::Window, String) {
+    let pod = n.ready_pod(APP).unwrap();
+    let before = restarts(n, &pod);
+    let w = windows::pods_during(
+        n,
+        what,
+        prefix,
+        |p| share_pod(p, 5, 1, "sleep 100000", bin, sim),
+        10,
+        Duration::from_millis(400),
+        disrupt,
+        240,
+    );
+    let l = n
+        .kubectl(&["-n", "kube-system", "logs", &pod])
+        .unwrap_or_default();
+    assert_eq!(
+        restarts(n, &pod),
+        before,
+        "the manager's container restarted"
+    );
+    (w, l)
+}
+
 /// A crash of the manager (kill -9 of the process its supervisor runs,
 /// stopped 1.5 s first so that the kubelet's calls are in its hands)
 /// while pods come. Before the supervisor, the kubelet marked the
@@ -138,21 +174,13 @@ fn restarts(n: &Node, pod: &str) -> i64 {
 /// none refused, a held call answered by the next manager, the container
 /// not restarted.
 fn manager_crash(n: &Node, bin: &Path, sim: &Path) {
-    let pod = n.ready_pod(APP).unwrap();
-    let before = restarts(n, &pod);
-    let w = windows::pods_during(
+    let (w, l) = supervised_window(
         n,
+        (bin, sim),
         "a kill -9 of the manager holding the kubelet's calls",
         "dp-kill",
-        |p| share_pod(p, 5, 1, "sleep 100000", bin, sim),
-        10,
-        Duration::from_millis(400),
         || windows::kill_worker_after(windows::GPU_MANAGER, "", Duration::from_millis(1500)),
-        240,
     );
-    let l = n
-        .kubectl(&["-n", "kube-system", "logs", &pod])
-        .unwrap_or_default();
     // How long the next manager took to start (its steps, from its log).
     let steps: Vec<&str> = l.lines().filter(|l| l.contains("step ")).collect();
     for step in &steps[steps.len().saturating_sub(6)..] {
@@ -164,14 +192,7 @@ fn manager_crash(n: &Node, bin: &Path, sim: &Path) {
         tail(&l, 40)
     );
     w.assert_running_within(5000);
-    assert_eq!(
-        restarts(n, &pod),
-        before,
-        "the manager's container restarted"
-    );
     windows::delete_pods(n, "dp-kill", 10);
-    manager_hang(n, bin, sim);
-    container_crash(n, bin, sim);
 }
 
 /// A hung manager (stopped, never killed by the test) while pods come.
@@ -184,37 +205,24 @@ fn manager_crash(n: &Node, bin: &Path, sim: &Path) {
 /// killed by its supervisor, the container not restarted; measured: p99
 /// (10 s of the hang in it).
 fn manager_hang(n: &Node, bin: &Path, sim: &Path) {
-    let pod = n.ready_pod(APP).unwrap();
-    let before = restarts(n, &pod);
-    let w = windows::pods_during(
+    let (w, l) = supervised_window(
         n,
+        (bin, sim),
         "a hung manager (stopped until its supervisor kills it)",
         "dp-hang",
-        |p| share_pod(p, 5, 1, "sleep 100000", bin, sim),
-        10,
-        Duration::from_millis(400),
         || {
             let w = windows::workers(windows::GPU_MANAGER, "");
             assert_eq!(w.len(), 1, "one supervised gpu-manager: {w:?}");
             // SAFETY: signals a process found by its command line and environment.
             unsafe { libc::kill(w[0] as i32, libc::SIGSTOP) };
         },
-        240,
     );
-    let l = n
-        .kubectl(&["-n", "kube-system", "logs", &pod])
-        .unwrap_or_default();
     assert!(
         l.contains("the manager is hung (no heartbeat): killing it"),
         "the supervisor did not kill the hung manager:\n{}",
         tail(&l, 40)
     );
     assert!(w.failed.is_empty(), "{}: {:?}", w.what, w.failed);
-    assert_eq!(
-        restarts(n, &pod),
-        before,
-        "the manager's container restarted"
-    );
     eprintln!(
         "k8s_dra: hung manager: {} pods Running, p99 {} ms, none refused",
         w.ms.len(),
@@ -284,10 +292,7 @@ fn container_crash(n: &Node, bin: &Path, sim: &Path) {
     );
     wait("the manager's container restarted and Ready", 120, || {
         let p = n.ready_pod(APP)?;
-        let restarts = n.json(&["-n", "kube-system", "get", "pod", &p])?["status"]
-            ["containerStatuses"][0]["restartCount"]
-            .as_i64()
-            .unwrap_or(0);
+        let restarts = restarts(n, &p);
         (p == pod && restarts >= 1)
             .then_some(())
             .ok_or(format!("{p} (was {pod}), {restarts} restarts"))

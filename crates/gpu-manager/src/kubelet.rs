@@ -98,7 +98,12 @@ impl KubeletSource for KubeletRecords {
     }
 
     async fn active_pods(&self) -> Result<Vec<(String, String)>, String> {
-        self.active().await
+        let list = self.pod_resources_list().await?;
+        Ok(list
+            .pod_resources
+            .into_iter()
+            .map(|p| (p.namespace, p.name))
+            .collect())
     }
 
     async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, String> {
@@ -118,15 +123,6 @@ impl KubeletSource for KubeletRecords {
 }
 
 impl KubeletRecords {
-    async fn active(&self) -> Result<Vec<(String, String)>, String> {
-        let list = self.pod_resources_list().await?;
-        Ok(list
-            .pod_resources
-            .into_iter()
-            .map(|p| (p.namespace, p.name))
-            .collect())
-    }
-
     async fn list_pod_resources(&self, resources: &[&str]) -> Result<Vec<Held>, String> {
         let list = self.pod_resources_list().await?;
         let mut out = Vec::new();
