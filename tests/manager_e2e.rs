@@ -363,22 +363,36 @@ async fn bad_requests_leave_state_untouched() {
     let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
     let ok = env.pod(&[("main", 50, 4)], &[]);
     env.admit(&ok, "main", 50, 4).await.unwrap();
-    let cp = env.checkpoint();
+    // Its vcuda-memory IDs and verified flag are written after the admission
+    // (the lazy flush): the state to compare against is the one with them.
+    let cp = env.settled_checkpoint().await;
     let kubelet = env.kubelet.allocations().len();
     for (cores, mem) in [(150, 0), (30, 0), (30, 61)] {
         let pod = env.pod(&[("main", cores as u64, mem as u64)], &[]);
         assert!(env.admit(&pod, "main", cores, mem).await.is_err());
         env.api.delete_pod("default", &pod.name).unwrap();
     }
-    assert_eq!(
-        env.checkpoint(),
-        cp,
-        "checkpoint changed by refused requests"
-    );
     assert_eq!(env.kubelet.allocations().len(), kubelet);
-    // The same GPU accepts a fitting share afterwards: nothing leaked.
+    // The same GPU accepts a fitting share afterwards: nothing leaked. Its
+    // Allocate answers once a write covering every earlier change is
+    // durable, so the checkpoint now shows whatever the refusals did.
     let more = env.pod(&[("main", 50, 4)], &[]);
     env.admit(&more, "main", 50, 4).await.unwrap();
+    let after = env.checkpoint();
+    let allocs = after["allocations"].as_array().unwrap();
+    let uids: Vec<&str> = allocs
+        .iter()
+        .map(|a| a["pod_uid"].as_str().unwrap())
+        .collect();
+    assert_eq!(uids.len(), 2, "allocations after the refusals: {uids:?}");
+    assert!(uids.contains(&more.uid.as_str()), "{uids:?}");
+    let kept = allocs.iter().find(|a| a["pod_uid"] == ok.uid.as_str());
+    assert_eq!(
+        kept,
+        Some(&cp["allocations"][0]),
+        "the accepted allocation changed by refused requests"
+    );
+    assert_eq!(after["gpus"], cp["gpus"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -440,9 +454,22 @@ async fn event_on(env: &Env, name: &str, reason: &str) -> serde_json::Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_guess_fails_the_container() {
     let mut env = Env::start("sim-4gpu-pcie", Options::default()).await;
-    // a is first by predicate time, but kubelet admits b.
+    // a is first by predicate time, but kubelet admits b. While kubelet
+    // lists only the pod it admits (List of active pods, 1.34+), the
+    // manager takes b, not a.
     let a = env.pod(&[("main", 30, 4)], &[("tencent.com/predicate-time", "100")]);
     let b = env.pod(&[("main", 30, 4)], &[("tencent.com/predicate-time", "200")]);
+    env.admit(&b, "main", 30, 4).await.unwrap();
+    assert!(env.vm_dir().join(&b.uid).exists());
+    assert!(!env.vm_dir().join(&a.uid).exists());
+    env.delete(&b).await;
+    env.api.delete_pod("default", &a.name).unwrap();
+
+    // A kubelet that lists every pod it holds (1.20) shows both while it
+    // admits b: the manager guesses a, and PreStart finds out.
+    let a = env.pod(&[("main", 30, 4)], &[("tencent.com/predicate-time", "100")]);
+    let b = env.pod(&[("main", 30, 4)], &[("tencent.com/predicate-time", "200")]);
+    env.kubelet.hold_pods(&[&a, &b]);
     let err = env.admit(&b, "main", 30, 4).await.unwrap_err();
     let msg = err.to_string();
     assert_eq!(code(&err), tonic::Code::FailedPrecondition, "{msg}");

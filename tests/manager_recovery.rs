@@ -54,32 +54,6 @@ async fn respawn(env: &mut Env, args: &[String], extra: &[&str]) {
     env.wait_log(ready, before + 1).await;
 }
 
-/// Allocations of the checkpoint by id, without what may legitimately
-/// change (verification flag).
-/// Waits until the checkpoint holds every allocation's vcuda-memory IDs
-/// and verified flag (written lazily after Allocate).
-async fn settled(env: &Env) {
-    let t = Instant::now();
-    loop {
-        let all = env.checkpoint()["allocations"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default();
-        if !all.is_empty()
-            && all.iter().all(|a| {
-                a["verified"] == true && a["vmemory_ids"].as_array().is_some_and(|v| !v.is_empty())
-            })
-        {
-            return;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "checkpoint never settled: {all:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 struct Workload {
     docker: Docker,
     bin: tempfile::TempDir,
@@ -437,7 +411,7 @@ async fn read_only_checkpoint_dir_refuses_allocate_and_keeps_the_previous_file()
     let a = env.pod(&[("main", 30, 4)], &[]);
     env.admit(&a, "main", 30, 4).await.unwrap();
     // The lazy write (vcuda-memory IDs, verified) lands first.
-    settled(&env).await;
+    env.settled_checkpoint().await;
     let dir = env.checkpoint_dir();
     let slots = || {
         gpu_manager::checkpoint::SLOT_FILES.map(|f| std::fs::read(dir.join(f)).unwrap_or_default())
@@ -501,7 +475,7 @@ async fn single_file_checkpoint_of_an_earlier_version_is_migrated() {
     let a = env.pod(&[("main", 30, 4)], &[]);
     env.admit(&a, "main", 30, 4).await.unwrap();
     // The lazy write (vcuda-memory IDs, verified) lands first.
-    settled(&env).await;
+    env.settled_checkpoint().await;
     let args = argv(&env);
     // SAFETY: SIGKILL to our own child, not yet reaped.
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };

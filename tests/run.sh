@@ -6,7 +6,88 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$PWD
 
-log() { printf '\n==> %s\n' "$*"; }
+# `--soak N [pattern]`: the same set-up and build, then every integration
+# test binary N times with the other core loaded instead of the suite
+# (tests/soak.sh).
+SOAK_RUNS=0
+SOAK_PATTERN=.
+if [ "${1:-}" = --soak ]; then
+  SOAK_RUNS=${2:?"usage: tests/run.sh [--soak N [pattern]]"}
+  SOAK_PATTERN=${3:-.}
+  [[ "$SOAK_RUNS" =~ ^[1-9][0-9]*$ ]] || { echo "tests/run.sh: --soak wants a number of runs, not '$SOAK_RUNS'" >&2; exit 2; }
+elif [ $# -gt 0 ]; then
+  echo "tests/run.sh: unknown arguments '$*' (usage: tests/run.sh [--soak N [pattern]])" >&2
+  exit 2
+fi
+
+# Every `log` line starts a phase. At exit, however the run ended, the
+# phases' times, the slowest test binaries and one summary line of what
+# failed are printed: test phases record a failure and the run goes on (a
+# red Rust binary must not hide the Python tests), a failed install or
+# build stops it and is named as what stopped it.
+RUN_T0=$SECONDS
+phase=""
+phase_t0=$SECONDS
+phase_times=()
+failed=()
+TEST_LOGS=$REPO/target/test-logs
+rm -rf "$TEST_LOGS"
+mkdir -p "$TEST_LOGS"
+end_phase() {
+  if [ -n "$phase" ]; then
+    phase_times+=("$(printf '%6d s  %s' $((SECONDS - phase_t0)) "$phase")")
+  fi
+  phase=""
+}
+log() {
+  end_phase
+  phase=$*
+  phase_t0=$SECONDS
+  printf '\n==> %s\n' "$*"
+}
+report() {
+  local rc=$? stopped=$phase
+  if [ -n "${SOAK_HOG:-}" ]; then kill "$SOAK_HOG" 2>/dev/null || true; fi
+  end_phase
+  printf '\n==> phase times\n'
+  printf '%s\n' "${phase_times[@]}"
+  if compgen -G "$TEST_LOGS/*.cargo.log" >/dev/null; then
+    printf '\n==> slowest test binaries\n'
+    awk '/^ +Running / { n = $NF; gsub(/[()]/, "", n); sub(/.*\//, "", n); sub(/-[0-9a-f]+$/, "", n) }
+         /^ +Doc-tests / { n = "doc-tests " $2 }
+         /^test result: / { t = $NF; sub(/s$/, "", t); printf "%8.1f s  %s\n", t, n }' \
+      "$TEST_LOGS"/*.cargo.log | sort -rn | head -15 || true
+  fi
+  if [ "$rc" -ne 0 ]; then
+    failed+=("${stopped:-start} (exit $rc, the run stopped here)")
+  fi
+  local total=$((SECONDS - RUN_T0))
+  if [ ${#failed[@]} -gt 0 ]; then
+    local IFS=';'
+    printf '\ntests/run.sh: FAILED after %d s: %s\n' "$total" "${failed[*]}" | sed 's/;/; /g'
+    exit 1
+  fi
+  printf '\ntests/run.sh: all phases passed in %d s\n' "$total"
+}
+trap report EXIT
+
+# run_tests <label> <command...>: runs a test phase, its output also in
+# target/test-logs/<label>.cargo.log or .pytest.log; a failure is recorded
+# with what failed (cargo's rerun hints, pytest's FAILED lines) and the run
+# goes on.
+run_tests() {
+  local label=$1 kind=cargo
+  shift
+  [ "$1" = python3 ] && kind=pytest
+  local out=$TEST_LOGS/$(printf '%s' "$label" | tr -c 'a-z0-9' '-').$kind.log
+  if "$@" 2>&1 | tee "$out"; then
+    return 0
+  fi
+  local what
+  what=$( { sed -n 's/^.*to rerun pass `\(.*\)`$/\1/p; s/^ *`\(-p .*\)`$/\1/p' "$out"
+            sed -n 's/^FAILED \([^ ]*\).*$/\1/p' "$out"; } | sort -u | paste -sd, - | sed 's/,/, /g')
+  failed+=("$label${what:+ ($what)}")
+}
 
 # The interposer ships linked against glibc 2.17 (cuda-shim/README.md, "glibc
 # floor"): `cargo zigbuild` with zig from PyPI's ziglang as the linker. Same
@@ -183,11 +264,18 @@ export VCUDA_REQUIRE_ALL=1
 log "build"
 cargo build --workspace --all-targets
 
+if [ "$SOAK_RUNS" -gt 0 ]; then
+  log "soak"
+  source tests/soak.sh
+  soak "$SOAK_RUNS" "$SOAK_PATTERN"
+  exit 0
+fi
+
 log "format and lints"
 # The style the code is reviewed in: rustfmt's, and clippy with warnings as
 # errors over every target (~3 min on 2 cores after the build).
-cargo fmt --all --check
-cargo clippy -q --workspace --all-targets -- -D warnings
+run_tests "rustfmt" cargo fmt --all --check
+run_tests "clippy" cargo clippy -q --workspace --all-targets -- -D warnings
 
 log "the shipped interposer"
 # The interposer as shipped (deploy/Dockerfile): release, glibc 2.17. Same
@@ -199,7 +287,7 @@ shipped_interposer="$REPO/target/x86_64-unknown-linux-gnu/release/libvcuda.so"
 echo "glibc-2.17 interposer built in $((SECONDS - t0)) s"
 
 log "cargo tests"
-cargo test --workspace --no-fail-fast
+run_tests "cargo tests" cargo test --workspace --no-fail-fast
 
 log "interposer tests again, on the shipped glibc-2.17 build"
 # test-support (crates/test-support/src/shim/simnode.rs) mirrors $VCUDA_INTERPOSER
@@ -207,14 +295,15 @@ log "interposer tests again, on the shipped glibc-2.17 build"
 # quota tests and entry-point tests, on the library containers actually get;
 # and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real,
 # nvidia_oracle: exports and cuGetProcAddress).
-VCUDA_INTERPOSER="$shipped_interposer" cargo test -p vcuda-tests --no-fail-fast \
-  --test shim_quota --test shim_compute --test shim_graph --test shim_capture --test shim_entry \
+VCUDA_INTERPOSER="$shipped_interposer" run_tests "interposer tests (glibc 2.17)" \
+  cargo test -p vcuda-tests --no-fail-fast --test shim_quota --test shim_compute --test shim_graph --test shim_capture --test shim_entry \
   --test nvidia_real --test nvidia_oracle --test sim_cudart
 
 log "python tests"
 export VCUDA_TARGET_DIR="$REPO/target/debug"
-python3 -m pytest -q tests/python
+run_tests "python tests" python3 -m pytest -q tests/python
 # NVIDIA's own clients (pynvml, cuda-bindings) and PyTorch on the shipped
 # glibc-2.17 build.
-VCUDA_INTERPOSER="$shipped_interposer" python3 -m pytest -q tests/python/test_shim_clients.py \
-  tests/python/test_torch.py
+log "python clients (glibc 2.17)"
+VCUDA_INTERPOSER="$shipped_interposer" run_tests "python clients (glibc 2.17)" \
+  python3 -m pytest -q tests/python/test_shim_clients.py tests/python/test_torch.py

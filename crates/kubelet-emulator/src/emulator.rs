@@ -457,6 +457,19 @@ impl KubeletEmulator {
         })
     }
 
+    /// Makes the emulator hold `pods` before admitting them, so `List`
+    /// shows them all while one is admitted: kubelet 1.20's pod-resources
+    /// `List` answers from every pod its pod manager holds
+    /// (`podsProvider.GetPods()` in `pkg/kubelet/apis/podresources/server_v1.go`),
+    /// where newer ones list only the active pods. A refused admission
+    /// still drops its pod.
+    pub fn hold_pods(&self, pods: &[&PodRef]) {
+        let mut st = self.inner.state.lock().unwrap();
+        for p in pods {
+            st.pods.insert(p.uid.clone(), (*p).clone());
+        }
+    }
+
     /// Frees every device of the pod.
     pub fn release_pod(&self, pod_uid: &str) -> Result<(), EmulatorError> {
         self.inner.state.lock().unwrap().pods.remove(pod_uid);

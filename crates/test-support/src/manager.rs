@@ -270,6 +270,31 @@ impl Env {
         }
     }
 
+    /// The checkpoint once every allocation in it (one at least) holds
+    /// its vcuda-memory IDs and verified flag: those have no sync of their
+    /// own and reach the checkpoint with the next Allocate's write or the
+    /// lazy flush once Allocate calls pause
+    /// (`gpu-manager/src/manager/persist.rs`), after the admission that
+    /// made them answered. Panics with the last one after 10 s.
+    pub async fn settled_checkpoint(&self) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let cp = self.checkpoint();
+            let all = cp["allocations"].as_array().cloned().unwrap_or_default();
+            let settled = |a: &Value| {
+                a["verified"] == true && a["vmemory_ids"].as_array().is_some_and(|v| !v.is_empty())
+            };
+            if !all.is_empty() && all.iter().all(settled) {
+                return cp;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the checkpoint did not settle in 10 s: {all:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn checkpoint_dir(&self) -> PathBuf {
         self.tmp.path().join("checkpoint")
     }
