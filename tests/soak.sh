@@ -1,12 +1,13 @@
 # Sourced by tests/run.sh for `bash tests/run.sh --soak N [pattern]`: after
 # the same set-up and build as a normal run, every integration-test binary
 # (or those whose `package/test` name matches the extended regex `pattern`)
-# runs N times in a row while a busy loop keeps the other core loaded, and a
-# table of passes and times is printed. Flakes that a quiet machine hides
-# show up here; a failed run's output is kept in target/test-logs/soak/.
+# runs N times in a row with the other core loaded, and a table of passes
+# and times is printed. Flakes that a quiet machine hides show up here; a
+# failed run's output is kept in target/test-logs/soak/.
 #
-# VCUDA_SOAK_HOG=0 runs without the busy loop (when two soaks share the
-# machine, each is the other's load).
+# Two streams run side by side, each the other's load: the real-node suite
+# (k8s_node, the longest by far) and every other binary. When one stream
+# ends, a busy loop takes its core until the other ends too.
 
 # Every `package test` pair of the workspace's integration tests, the
 # #[ignore]d-only ones (k8s_dra_node: a node you bring up) left out.
@@ -20,39 +21,61 @@ for p in json.load(sys.stdin)["packages"]:
 ' | sort
 }
 
-soak() {
-  local n=$1 pattern=${2:-.} dir=$TEST_LOGS/soak
-  mkdir -p "$dir"
-  if [ "${VCUDA_SOAK_HOG:-1}" = 1 ]; then
-    # One busy loop: the tests get one core and share the other. Killed
-    # by run.sh's exit report if the soak is cut off.
-    bash -c 'while :; do :; done' &
-    SOAK_HOG=$!
-  fi
-  local table=() bad=0 pkg test
+# soak_stream N DIR < "package test" lines: each binary N times; one table
+# line per binary on stdout ("package/test  passes/N  times").
+soak_stream() {
+  local n=$1 dir=$2 pkg test
   while read -r pkg test; do
-    [[ "$pkg/$test" =~ $pattern ]] || continue
     local pass=0 times=() i
     for ((i = 1; i <= n; i++)); do
       local t0=$SECONDS log=$dir/$test-$i.log
-      if cargo test -q -p "$pkg" --test "$test" >"$log" 2>&1; then
+      if cargo test -q -p "$pkg" --test "$test" </dev/null >"$log" 2>&1; then
         pass=$((pass + 1))
         rm -f "$log"
       else
-        echo "soak: $pkg/$test run $i of $n FAILED; output kept in $log" >&2
-        grep -E '^(test .* FAILED|---- |thread .* panicked)' "$log" | head -5 >&2 || true
+        {
+          echo "soak: $pkg/$test run $i of $n FAILED; output kept in $log"
+          grep -E '^(test .* FAILED|---- |thread .* panicked)' "$log" | head -5 || true
+        } >&2
       fi
       times+=($((SECONDS - t0)))
     done
-    local sorted
-    sorted=$(printf '%s\n' "${times[@]}" | sort -n | paste -sd' ' -)
-    table+=("$(printf '%-32s %d/%d   %s s' "$pkg/$test" "$pass" "$n" "$sorted")")
-    echo "${table[-1]}"
-    [ "$pass" = "$n" ] || bad=$((bad + 1))
-  done < <(soak_targets)
-  printf '\n==> soak: %d runs of each binary%s\n' "$n" "${SOAK_HOG:+, the other core busy}"
-  printf '%s\n' "${table[@]}"
-  if [ "$bad" -gt 0 ]; then
-    failed+=("soak: $bad binaries failed at least once (target/test-logs/soak)")
+    printf '%-32s %d/%d   %s s\n' "$pkg/$test" "$pass" "$n" \
+      "$(printf '%s\n' "${times[@]}" | sort -n | paste -sd' ' -)"
+  done
+}
+
+soak() {
+  local n=$1 pattern=${2:-.} dir=$TEST_LOGS/soak
+  mkdir -p "$dir"
+  local all
+  all=$(soak_targets | while read -r pkg test; do
+    if [[ "$pkg/$test" =~ $pattern ]]; then echo "$pkg $test"; fi
+  done)
+  [ -n "$all" ] || { failed+=("soak: no test binary matches '$pattern'"); return; }
+  local long rest
+  long=$(grep -E ' k8s_node$' <<<"$all" || true)
+  rest=$(grep -vE ' k8s_node$' <<<"$all" || true)
+  local pids=()
+  if [ -n "$long" ]; then
+    soak_stream "$n" "$dir" <<<"$long" | tee "$dir/long.table" &
+    pids+=($!)
+  fi
+  if [ -n "$rest" ]; then
+    soak_stream "$n" "$dir" <<<"$rest" | tee "$dir/rest.table" &
+    pids+=($!)
+  fi
+  # Killed by run.sh's exit report if the soak is cut off.
+  if [ ${#pids[@]} = 2 ]; then wait -n "${pids[@]}" || true; fi
+  bash -c 'while :; do :; done' &
+  SOAK_HOG=$!
+  wait "${pids[@]}" || true
+  kill "$SOAK_HOG" 2>/dev/null || true
+  printf '\n==> soak: %d runs of each binary, the other core loaded\n' "$n"
+  cat "$dir"/*.table | sort
+  local bad
+  bad=$(cat "$dir"/*.table | awk '{ split($2, r, "/"); if (r[1] != r[2]) print $1 }' | paste -sd, - | sed 's/,/, /g')
+  if [ -n "$bad" ]; then
+    failed+=("soak: failed at least once: $bad (target/test-logs/soak)")
   fi
 }

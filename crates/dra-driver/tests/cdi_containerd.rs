@@ -405,6 +405,9 @@ async fn inject(cri: RuntimeServiceClient<Channel>, spec_dir: PathBuf, image: St
         want_devices.contains(&"/dev/nvidia0".to_string()),
         "{want_devices:?}"
     );
+    // /dev/nvidia* is the machine's: the real-node suite makes and removes
+    // the same nodes, so one of them at a time.
+    let _machine = test_support::k8s::util::MachineLock::take();
     let mut host_devs = HostDevs(vec![]);
     for d in edits["deviceNodes"].as_array().unwrap() {
         let host = d["hostPath"].as_str().or(d["path"].as_str()).unwrap();

@@ -76,8 +76,10 @@ pub fn pids_of_pod(uid: &str, pids: &[u32]) -> Vec<u32> {
         .collect()
 }
 
-/// One real node per machine (kubelet's /var/lib/kubelet, the ports, the
-/// address on lo): a second run waits for the first.
+/// The machine's host state, one user at a time: a real node (kubelet's
+/// /var/lib/kubelet, the ports, the address on lo, /dev/nvidia*) or a test
+/// that makes host device nodes. A second one waits for the first (test
+/// binaries run side by side under `tests/run.sh --soak`).
 /// Holds the flock while alive.
 pub struct MachineLock {
     _file: fs::File,
@@ -93,7 +95,7 @@ impl MachineLock {
             .open("/tmp/vcuda-k8s.lock")
             .unwrap();
         wait(
-            "the real-node lock (/tmp/vcuda-k8s.lock: another run of this suite)",
+            "the machine lock (/tmp/vcuda-k8s.lock: a real node or another test using /dev/nvidia*)",
             1200,
             || {
                 // SAFETY: a valid open fd.
