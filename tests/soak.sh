@@ -5,9 +5,11 @@
 # and times is printed. Flakes that a quiet machine hides show up here; a
 # failed run's output is kept in target/test-logs/soak/.
 #
-# Two streams run side by side, each the other's load: the real-node suite
-# (k8s_node, the longest by far) and every other binary. When one stream
-# ends, a busy loop takes its core until the other ends too.
+# Two streams run side by side, each the other's load: the binaries that
+# take the machine lock (the real-node suite, the longest by far, and
+# cdi_containerd, which makes host /dev/nvidia* nodes) and every other
+# binary. When one stream ends, a busy loop takes its core until the other
+# ends too.
 
 # Every `package test` pair of the workspace's integration tests, the
 # #[ignore]d-only ones (k8s_dra_node: a node you bring up) left out.
@@ -27,6 +29,9 @@ soak_stream() {
   local n=$1 dir=$2 pkg test
   while read -r pkg test; do
     local pass=0 times=() i
+    # Built first, untimed: `-p` resolves features for that package alone,
+    # so a binary can need a build the workspace build did not make.
+    cargo test -q -p "$pkg" --test "$test" --no-run </dev/null >/dev/null 2>&1 || true
     for ((i = 1; i <= n; i++)); do
       local t0=$SECONDS log=$dir/$test-$i.log
       if cargo test -q -p "$pkg" --test "$test" </dev/null >"$log" 2>&1; then
@@ -54,8 +59,9 @@ soak() {
   done)
   [ -n "$all" ] || { failed+=("soak: no test binary matches '$pattern'"); return; }
   local long rest
-  long=$(grep -E ' k8s_node$' <<<"$all" || true)
-  rest=$(grep -vE ' k8s_node$' <<<"$all" || true)
+  local locked=' (k8s_node|cdi_containerd)$'
+  long=$(grep -E "$locked" <<<"$all" || true)
+  rest=$(grep -vE "$locked" <<<"$all" || true)
   local pids=()
   if [ -n "$long" ]; then
     soak_stream "$n" "$dir" <<<"$long" | tee "$dir/long.table" &
