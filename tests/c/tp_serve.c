@@ -236,6 +236,18 @@ static void capture(struct rank *r, CUgraphExec exec[N_BATCHES]) {
   printf("graphs=%d\n", N_BATCHES);
 }
 
+/* The ranks meet and agree whether to take another step: each says what
+ * its own clock says, and both stop when either does, so both leave on the
+ * same step. (Each rank deciding alone let one stop while the other took
+ * one more step: the stopper read the other's step byte as its stop
+ * answer, the other then waited forever for an answer to its own stop.) */
+static int both_go_on(int s, int mine) {
+  char b = mine ? 'c' : 's', theirs = 's';
+  send_all(s, &b, 1);
+  recv_all(s, &theirs, 1);
+  return mine && theirs == 'c';
+}
+
 /* Step 8: replays at the steps' batch sizes, the ranks in lockstep. */
 static void serve(struct rank *r, CUgraphExec exec[N_BATCHES], double seconds) {
   barrier(r->sock);
@@ -243,16 +255,11 @@ static void serve(struct rank *r, CUgraphExec exec[N_BATCHES], double seconds) {
   printf("pid=%d\nserve_start_ns=%lld\n", getpid(), start);
   fflush(stdout);
   long long served = 0;
-  while (now_ns() < end) {
+  while (both_go_on(r->sock, now_ns() < end)) {
     check(cuGraphLaunch(exec[served % N_BATCHES], r->stream), "cuGraphLaunch");
     check(cuStreamSynchronize(r->stream), "cuStreamSynchronize(step)");
     served++;
-    barrier(r->sock);
   }
-  /* Both ranks leave the loop on the same step. */
-  char stop = 's';
-  send_all(r->sock, &stop, 1);
-  recv_all(r->sock, &stop, 1);
   printf("served=%lld\nserve_end_ns=%lld\n", served, now_ns());
 }
 

@@ -335,9 +335,26 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     figures.push(format!(
         "three nodes ({up_s:.0} s to add two): 200-pod trace with the extender killed and restarted mid-run settled in {settled_s:.0} s: {running} Running {per_node:?}, {placed} cores placed (gpu-admission's rule on the same trace: {rule}), no admission error, no GPU over capacity"
     ));
+    // Pods not running that still carry a reservation (a bind cut off by
+    // the kill): what would explain cores missing.
+    let reserved: Vec<String> = ps
+        .iter()
+        .filter(|p| phase(p) != "Running")
+        .filter_map(|p| {
+            let a = &p["metadata"]["annotations"];
+            a["tencent.com/predicate-node"].as_str().map(|n| {
+                format!(
+                    "{} ({} cores on {n} GPUs {})",
+                    p["metadata"]["name"],
+                    limit(p, "tencent.com/vcuda-core"),
+                    a["tencent.com/predicate-gpu-idx-0"]
+                )
+            })
+        })
+        .collect();
     assert!(
         placed >= rule,
-        "{placed} cores placed, gpu-admission's rule places {rule}"
+        "{placed} cores placed, gpu-admission's rule places {rule}; pods not running with a reservation: {reserved:?}"
     );
     drop(ext);
     c.kubectl_ok(&[

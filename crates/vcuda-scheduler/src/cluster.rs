@@ -120,6 +120,13 @@ impl Cluster {
         let st = self.nodes.get(node).ok_or_else(|| self.not_vcuda(node))?;
         let reqs = gpu_pods::requests(pod, st.inventory.gpus.len(), st.inventory.share_mode)?;
         let mut a = st.allocator.clone();
+        // Never against its own reservation: a bind cut off between
+        // annotating the pod and binding it (the extender killed) leaves
+        // the pod holding GPUs; counted against the pod itself, it made
+        // the pod unschedulable and the GPUs lost for good.
+        for r in &reqs {
+            let _ = a.release(&format!("{}/{}", gpu_pods::uid(pod), r.name));
+        }
         let mut out = Vec::with_capacity(reqs.len());
         for r in reqs {
             let mut p = a.evaluate(&r.request).map_err(|e| describe(&r, e))?;

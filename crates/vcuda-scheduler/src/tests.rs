@@ -249,3 +249,24 @@ fn placed_pods_are_counted_on_their_gpus_and_bad_records_reported() {
     let c = Cluster::build(&nodes, [&done]);
     assert_eq!(c.nodes["a"].allocator.usage(0).allocated_cores, 0);
 }
+
+#[test]
+fn a_pod_whose_bind_was_cut_off_fits_in_its_own_reservation_and_no_one_else_does() {
+    let nodes = [node("a", 1, false)];
+    // The extender annotated `cut` (60 cores on GPU 0) and died before the
+    // Binding: the pod is pending again, its reservation still on it.
+    let cut = pod(
+        "cut",
+        &[(60, 16)],
+        json!({"tencent.com/predicate-node": "a", "tencent.com/predicate-gpu-idx-0": "0"}),
+    );
+    let pods = [placed("other", &[(40, 16)], "a", &["0"]), cut.clone()];
+    let c = Cluster::build(&nodes, &pods);
+    assert_eq!(c.nodes["a"].allocator.usage(0).allocated_cores, 100);
+    let r = filter(&c, &args(cut, &["a"]));
+    assert_eq!(r.node_names, Some(vec!["a".to_string()]), "{r:?}");
+    // Anyone else still finds GPU 0 full.
+    let r = filter(&c, &args(pod("late", &[(60, 16)], json!({})), &["a"]));
+    assert_eq!(r.node_names, Some(vec![]), "{r:?}");
+    assert!(r.failed_nodes["a"].contains("free"), "{r:?}");
+}

@@ -69,9 +69,40 @@ impl RankProc {
     }
 }
 
+/// How long the ranks may take from start to `ok=1`: a hang (a rank
+/// waiting on the other forever) then ends in a panic with what each rank
+/// said, not in a test that never returns. A run takes under 30 s on a
+/// loaded 2-core machine.
+const RANKS_DEADLINE: Duration = Duration::from_secs(300);
+
 /// Both ranks, running.
 pub struct TpServe {
     ranks: Vec<RankProc>,
+    /// Set once both ranks exited; the watchdog kills them past
+    /// [`RANKS_DEADLINE`] otherwise.
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Kills `pids` unless `done` is set within [`RANKS_DEADLINE`]: their
+/// pipes close, and the reader's panic shows what they printed.
+fn watchdog(pids: Vec<u32>, done: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    use std::sync::atomic::Ordering;
+    std::thread::spawn(move || {
+        let t = std::time::Instant::now();
+        while t.elapsed() < RANKS_DEADLINE {
+            if done.load(Ordering::Acquire) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        if !done.load(Ordering::Acquire) {
+            eprintln!("tp_serve: the ranks did not finish in {RANKS_DEADLINE:?}; killing them");
+            for p in pids {
+                // SAFETY: a plain kill(2); the ranks are not reaped before `done`.
+                unsafe { libc::kill(p as i32, libc::SIGKILL) };
+            }
+        }
+    });
 }
 
 /// What a rank printed: `key=value` lines.
@@ -108,8 +139,10 @@ impl TpServe {
                     text: String::new(),
                 }
             })
-            .collect();
-        TpServe { ranks }
+            .collect::<Vec<RankProc>>();
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        watchdog(ranks.iter().map(|r| r.child.id()).collect(), done.clone());
+        TpServe { ranks, done }
     }
 
     /// Waits until both ranks serve; their pids and serving start
@@ -136,8 +169,8 @@ impl TpServe {
     }
 
     /// Lets both ranks tear down and exit; panics unless both succeed.
-    pub fn finish(self) {
-        for mut r in self.ranks {
+    pub fn finish(mut self) {
+        for mut r in std::mem::take(&mut self.ranks) {
             let mut stdin = r.child.stdin.take().unwrap();
             let _ = stdin.write_all(b"go\n");
             drop(stdin);
@@ -158,6 +191,17 @@ impl TpServe {
                 r.text
             );
         }
+    }
+}
+
+impl Drop for TpServe {
+    /// Ranks a panicking test leaves are killed; the watchdog stands down.
+    fn drop(&mut self) {
+        for r in &mut self.ranks {
+            let _ = r.child.kill();
+            let _ = r.child.wait();
+        }
+        self.done.store(true, std::sync::atomic::Ordering::Release);
     }
 }
 
