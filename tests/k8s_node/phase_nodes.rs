@@ -114,11 +114,21 @@ fn phase(p: &Value) -> &str {
     p["status"]["phase"].as_str().unwrap_or("")
 }
 
+/// Whether the scheduler is done with the pod: Running, or found to fit
+/// on no node ("0/3 nodes are available: …"). kube-scheduler 1.20 records
+/// every failed attempt as Unschedulable, one whose extender could not be
+/// reached or whose bind was cut off by the kill too; such a pod is tried
+/// again (within a minute), so it is not decided yet.
 fn decided(p: &Value) -> bool {
+    let no_fit = |c: &Value| {
+        c["type"] == "PodScheduled"
+            && c["reason"] == "Unschedulable"
+            && c["message"].as_str().is_some_and(|m| m.starts_with("0/"))
+    };
     phase(p) == "Running"
         || p["status"]["conditions"]
             .as_array()
-            .is_some_and(|cs| cs.iter().any(|c| c["reason"] == "Unschedulable"))
+            .is_some_and(|cs| cs.iter().any(no_fit))
 }
 
 fn limit(p: &Value, r: &str) -> u64 {
