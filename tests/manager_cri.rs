@@ -278,6 +278,7 @@ async fn respawn(env: &mut Env, base: &[String], extra: &[&str], restarts: usize
         .unwrap();
     // clap refuses a flag given twice: `extra` replaces the value of a flag
     // already on the command line.
+    let regs = env.registrations();
     let mut args = base.to_vec();
     for pair in extra.chunks(2) {
         match args.iter().position(|a| a == pair[0]) {
@@ -293,7 +294,7 @@ async fn respawn(env: &mut Env, base: &[String], extra: &[&str], restarts: usize
         .stderr(log)
         .spawn()
         .unwrap();
-    env.wait_registered().await;
+    env.wait_registered_since(regs).await;
     // Registered comes after recovery; its summary is logged once a start.
     env.wait_log("recovery finished", restarts + 2).await;
 }

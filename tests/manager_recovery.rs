@@ -32,6 +32,7 @@ async fn respawn(env: &mut Env, args: &[String], extra: &[&str]) {
     // The log is shared by every start: this start's line is one more.
     let ready = "step 6/6: registered with kubelet";
     let before = env.log_text().matches(ready).count();
+    let regs = env.registrations();
     let log = std::fs::OpenOptions::new()
         .append(true)
         .open(&env.log)
@@ -47,7 +48,7 @@ async fn respawn(env: &mut Env, args: &[String], extra: &[&str]) {
         .stderr(log)
         .spawn()
         .unwrap();
-    env.wait_registered().await;
+    env.wait_registered_since(regs).await;
     // Registered comes after recovery. Counting from before the start:
     // a fixed count was met by earlier starts from the third on, and a
     // CI run read the log before the new start had recovered.

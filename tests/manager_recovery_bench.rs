@@ -89,6 +89,7 @@ async fn main() {
     println!("{n} containers admitted and started in {:?}", t.elapsed());
     let args = cmdline(env.manager.id());
     for round in 0..3 {
+        let regs = env.registrations();
         // SAFETY: SIGKILL to our own child, not yet reaped.
         unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
         let _ = env.manager.wait();
@@ -104,7 +105,7 @@ async fn main() {
             .stderr(log)
             .spawn()
             .unwrap();
-        env.wait_registered().await;
+        env.wait_registered_since(regs).await;
         let spawn_to_registered = t.elapsed();
         tokio::time::sleep(Duration::from_millis(200)).await;
         let ms = recovery_ms(&env.log_text());

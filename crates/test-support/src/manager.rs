@@ -151,6 +151,38 @@ impl Env {
         }
     }
 
+    /// Each resource's successful registrations so far: read before a
+    /// manager is started again, for [`Env::wait_registered_since`].
+    pub fn registrations(&self) -> [u64; 2] {
+        let v = self.kubelet.view().borrow().clone();
+        [VCORE, VMEM].map(|r| v.resources.get(r).map_or(0, |x| x.registrations))
+    }
+
+    /// Waits (30 s at most) until both resources registered again since
+    /// `before` and the emulator follows the new registrations. After a
+    /// kill, [`Env::wait_registered`] alone can return at once: the
+    /// emulator reads the dead manager's stream as connected until it
+    /// sees it end, and an admission then met no plugin (NotConnected).
+    pub async fn wait_registered_since(&self, before: [u64; 2]) {
+        let r = self
+            .kubelet
+            .wait_for(Duration::from_secs(30), |v| {
+                [VCORE, VMEM].iter().zip(before).all(|(r, n)| {
+                    v.resources.get(*r).is_some_and(|x| {
+                        x.registrations > n && x.connected && !x.devices.is_empty()
+                    })
+                })
+            })
+            .await;
+        if r.is_err() {
+            panic!(
+                "the manager did not register again (registrations before: {before:?}, now {:?}); its log:\n{}",
+                self.registrations(),
+                self.log_text()
+            );
+        }
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
