@@ -6,9 +6,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$PWD
 
-# `--soak N [pattern]`: the same set-up and build, then every integration
-# test binary N times with the other core loaded instead of the suite
-# (tests/soak.sh).
+# `--soak N [pattern]`: the same set-up and builds (lints aside), then every
+# integration-test binary N times with the other core loaded instead of the
+# suite (tests/soak.sh).
 SOAK_RUNS=0
 SOAK_PATTERN=.
 if [ "${1:-}" = --soak ]; then
@@ -264,18 +264,13 @@ export VCUDA_REQUIRE_ALL=1
 log "build"
 cargo build --workspace --all-targets
 
-if [ "$SOAK_RUNS" -gt 0 ]; then
-  log "soak"
-  source tests/soak.sh
-  soak "$SOAK_RUNS" "$SOAK_PATTERN"
-  exit 0
+if [ "$SOAK_RUNS" = 0 ]; then
+  log "format and lints"
+  # The style the code is reviewed in: rustfmt's, and clippy with warnings
+  # as errors over every target (~3 min on 2 cores after the build).
+  run_tests "rustfmt" cargo fmt --all --check
+  run_tests "clippy" cargo clippy -q --workspace --all-targets -- -D warnings
 fi
-
-log "format and lints"
-# The style the code is reviewed in: rustfmt's, and clippy with warnings as
-# errors over every target (~3 min on 2 cores after the build).
-run_tests "rustfmt" cargo fmt --all --check
-run_tests "clippy" cargo clippy -q --workspace --all-targets -- -D warnings
 
 log "the shipped interposer"
 # The interposer as shipped (deploy/Dockerfile): release, glibc 2.17. Same
@@ -285,6 +280,13 @@ cargo zigbuild -p cuda-shim --release --target "$GLIBC_217_TARGET"
 shipped_interposer="$REPO/target/x86_64-unknown-linux-gnu/release/libvcuda.so"
 [ -f "$shipped_interposer" ] || { echo "tests/run.sh: cargo zigbuild left no $shipped_interposer" >&2; exit 1; }
 echo "glibc-2.17 interposer built in $((SECONDS - t0)) s"
+
+if [ "$SOAK_RUNS" -gt 0 ]; then
+  log "soak"
+  source tests/soak.sh
+  soak "$SOAK_RUNS" "$SOAK_PATTERN"
+  exit 0
+fi
 
 log "cargo tests"
 run_tests "cargo tests" cargo test --workspace --no-fail-fast
