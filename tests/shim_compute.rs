@@ -130,9 +130,11 @@ fn a_hard_limit_of_30_keeps_a_saturating_process_well_below_45_percent() {
 fn an_unthrottled_process_saturates_the_gpu() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (n, prog) = node();
-    // A whole-GPU container: enable = 0.
+    // A whole-GPU container: enable = 0. A sync every 64 launches, not
+    // every 16: each sync drains the queue, and the host's wake-up after it
+    // idles the device; with 16, a loaded host cost 10 points once in five.
     let c = n.whole_gpu();
-    let (_, u) = run(&n, &c, &prog, &["saturate", "2.5", "16"], (0.5, 2.0));
+    let (_, u) = run(&n, &c, &prog, &["saturate", "2.5", "64"], (0.5, 2.0));
     eprintln!("whole GPU: {u:.1}%");
     assert!(u > 90.0, "achieved {u:.1}% with no limit");
 }
