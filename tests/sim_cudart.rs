@@ -260,8 +260,9 @@ fn check_oom(rt: &Runtime, c: &Container, chunk: u64) -> Kv {
     kv
 }
 
-/// Kernels from the fatbinary, timed by the simulator: events see device
-/// time, and the sim's own timeline agrees.
+/// Kernels from the fatbinary, timed by the simulator: the events span at
+/// least the device time the sim's own timeline shows; that time per
+/// kernel is returned.
 fn check_kernel(rt: &Runtime, node: &ShimNode, c: &Container, launches: u32) -> f64 {
     let from = simnode::now_ns();
     let kv = run(rt, c, &["kernel", &launches.to_string()]);
@@ -270,26 +271,33 @@ fn check_kernel(rt: &Runtime, node: &ShimNode, c: &Container, launches: u32) -> 
     let device_ms = kv.num("device_ms");
     assert!(device_ms > 0.0, "{}: kernels took no device time", rt.label);
     // The device's timeline (the process has exited: no per-process view).
+    // The events' span holds that busy time, and also any gap a descheduled
+    // host leaves in the queue: at least, not equal, on a loaded machine.
     let busy_ms = node.state().utilization(0, from, to) / 100.0 * (to - from) as f64 / 1e6;
     assert!(
-        (busy_ms - device_ms).abs() <= 0.1 * device_ms + 0.5,
+        busy_ms > 0.0 && device_ms >= 0.9 * busy_ms - 0.5,
         "{}: the sim's timeline has {busy_ms:.3} ms busy, the events {device_ms:.3} ms",
         rt.label
     );
-    device_ms / f64::from(launches)
+    busy_ms / f64::from(launches)
 }
 
 /// A capture of `n` launches replayed `k` times: n nodes, n * k kernels'
-/// device time.
-fn check_graph(rt: &Runtime, c: &Container, per_kernel_ms: f64) {
+/// device time on the sim's timeline. Not the events' span: it also holds
+/// the gaps a descheduled host leaves between replays of 23 us kernels
+/// (2.6 ms for 0.9 ms of kernels once in five with the other core loaded).
+fn check_graph(rt: &Runtime, node: &ShimNode, c: &Container, per_kernel_ms: f64) {
     let (n, k) = (5, 8);
+    let from = simnode::now_ns();
     let kv = run(rt, c, &["graph", &n.to_string(), &k.to_string()]);
+    let to = simnode::now_ns();
     assert_eq!(kv.num("nodes") as u32, n, "{}", rt.label);
     let want = per_kernel_ms * f64::from(n * k);
-    let got = kv.num("device_ms");
+    let busy_ms = node.state().utilization(0, from, to) / 100.0 * (to - from) as f64 / 1e6;
+    let events_ms = kv.num("device_ms");
     assert!(
-        (got - want).abs() <= 0.25 * want,
-        "{}: {n} x {k} replayed kernels took {got:.3} ms, one launch {per_kernel_ms:.4} ms",
+        (busy_ms - want).abs() <= 0.25 * want && events_ms >= 0.75 * want,
+        "{}: {n} x {k} replayed kernels took {busy_ms:.3} ms on the device ({events_ms:.3} ms between the events), one launch {per_kernel_ms:.4} ms",
         rt.label
     );
 }
@@ -317,7 +325,7 @@ fn real_runtime_runs_directly_on_the_simulated_node() {
         check_info(rt, &c, spec().gpus[0].memory_mib);
         check_oom(rt, &c, 1024);
         let per = check_kernel(rt, &node, &c, 200);
-        check_graph(rt, &c, per);
+        check_graph(rt, &node, &c, per);
         check_reset(rt, &c);
         assert_eq!(node.memory_used(), 0, "{}: everything given back", rt.label);
     }
@@ -340,7 +348,7 @@ fn real_runtime_runs_under_the_interposer_with_a_quota() {
             kv.0
         );
         let per = check_kernel(rt, &node, &c, 200);
-        check_graph(rt, &c, per);
+        check_graph(rt, &node, &c, per);
         check_reset(rt, &c);
     }
 }
@@ -380,6 +388,6 @@ fn an_nvcc_compiled_program_runs_directly_and_under_the_interposer() {
     let node = node();
     for c in [node.direct(), node.container(100, true, 0)] {
         let per = check_kernel(&rt, &node, &c, 200);
-        check_graph(&rt, &c, per);
+        check_graph(&rt, &node, &c, per);
     }
 }
