@@ -78,31 +78,27 @@ const RANKS_DEADLINE: Duration = Duration::from_secs(300);
 /// Both ranks, running.
 pub struct TpServe {
     ranks: Vec<RankProc>,
-    /// Set once both ranks exited; the watchdog kills them past
-    /// [`RANKS_DEADLINE`] otherwise.
-    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Dropped with the ranks' handle, which ends the watchdog's wait;
+    /// past [`RANKS_DEADLINE`] it kills them instead.
+    _watchdog: std::sync::mpsc::Sender<()>,
 }
 
-/// Kills `pids` unless `done` is set within [`RANKS_DEADLINE`]: their
-/// pipes close, and the reader's panic shows what they printed.
-fn watchdog(pids: Vec<u32>, done: std::sync::Arc<std::sync::atomic::AtomicBool>) {
-    use std::sync::atomic::Ordering;
+/// Kills `pids` unless the returned sender is dropped within
+/// [`RANKS_DEADLINE`]: their pipes close, and the reader's panic shows
+/// what they printed.
+fn watchdog(pids: Vec<u32>) -> std::sync::mpsc::Sender<()> {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
     std::thread::spawn(move || {
-        let t = std::time::Instant::now();
-        while t.elapsed() < RANKS_DEADLINE {
-            if done.load(Ordering::Acquire) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        if !done.load(Ordering::Acquire) {
+        if rx.recv_timeout(RANKS_DEADLINE) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
             eprintln!("tp_serve: the ranks did not finish in {RANKS_DEADLINE:?}; killing them");
             for p in pids {
-                // SAFETY: a plain kill(2); the ranks are not reaped before `done`.
+                // SAFETY: a plain kill(2); the ranks are not reaped before
+                // the sender is dropped.
                 unsafe { libc::kill(p as i32, libc::SIGKILL) };
             }
         }
     });
+    tx
 }
 
 /// What a rank printed: `key=value` lines.
@@ -140,9 +136,8 @@ impl TpServe {
                 }
             })
             .collect::<Vec<RankProc>>();
-        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        watchdog(ranks.iter().map(|r| r.child.id()).collect(), done.clone());
-        TpServe { ranks, done }
+        let _watchdog = watchdog(ranks.iter().map(|r| r.child.id()).collect());
+        TpServe { ranks, _watchdog }
     }
 
     /// Waits until both ranks serve; their pids and serving start
@@ -195,13 +190,13 @@ impl TpServe {
 }
 
 impl Drop for TpServe {
-    /// Ranks a panicking test leaves are killed; the watchdog stands down.
+    /// Ranks a panicking test leaves are killed (then the watchdog's
+    /// sender is dropped and it stands down).
     fn drop(&mut self) {
         for r in &mut self.ranks {
             let _ = r.child.kill();
             let _ = r.child.wait();
         }
-        self.done.store(true, std::sync::atomic::Ordering::Release);
     }
 }
 
