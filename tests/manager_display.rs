@@ -94,13 +94,7 @@ async fn manager_serves_graph_usage_metrics_and_vcudactl() {
 
     // The share's ledger, counted into as its interposers would: 1.5 s
     // asleep for compute tokens, two allocations refused.
-    let ledger = env
-        .vm_dir()
-        .join(&share.uid)
-        .join("main")
-        .join(container_ledger::LEDGER_FILE);
-    let (l, _f) = container_ledger::Ledger::open(&ledger)
-        .unwrap_or_else(|e| panic!("the share's ledger: {e}"));
+    let l = test_support::ledger::live(&env.vm_dir().join(&share.uid).join("main"), 0);
     l.add_throttled_ns(1_500_000_000);
     l.count_refused_allocation();
     l.count_refused_allocation();

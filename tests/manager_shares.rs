@@ -76,7 +76,8 @@ async fn a_tp2_pod_gets_two_gpus_and_a_second_tenant_fits_beside_it() {
         [(uuids[0], 50, 8 * GIB), (uuids[1], 50, 8 * GIB)],
         "{q:?}"
     );
-    assert!(dir.join("ledger").is_file() && dir.join("ledger.1").is_file());
+    assert!(test_support::ledger::try_live(&dir, 0).is_some());
+    assert!(test_support::ledger::try_live(&dir, 1).is_some());
     assert!(dir.join("vcuda.sock").exists());
     register_at_protocol_2(&dir, &tp.uid, &q);
     let by = env.allocations_by_container();

@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Overrides the container directory (default `/etc/vcuda`).
+/// Overrides the container directory (default `/etc/vcuda`) only where
+/// that directory does not exist: a process on a host or in a test, never
+/// one in a container the manager set up (see [`config_dir`]).
 pub const CONFIG_DIR_ENV: &str = "VCUDA_CONFIG_DIR";
 /// How long cuInit waits for the manager's socket, in milliseconds.
 pub const REGISTER_TIMEOUT_ENV: &str = "VCUDA_REGISTER_TIMEOUT_MS";
@@ -93,11 +95,32 @@ impl Enforce {
 /// Set once the mode is Enforce: the launch path reads only this.
 pub static ENFORCING: AtomicBool = AtomicBool::new(false);
 
+/// Where the quota is: `/etc/vcuda`, which the manager mounts read-only
+/// into every shared container. `VCUDA_CONFIG_DIR` is honoured only when
+/// `/etc/vcuda` does not exist, so no environment reachable from inside a
+/// share (pointing at a copied `vcuda.config` with `enable = 0`, or a
+/// larger quota) turns enforcement off: the mount is there and cannot be
+/// removed without privileges the container does not have.
 pub fn config_dir() -> PathBuf {
-    std::env::var_os(CONFIG_DIR_ENV)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(CONTAINER_DIR))
+    config_dir_from(
+        Path::new(CONTAINER_DIR),
+        std::env::var_os(CONFIG_DIR_ENV).filter(|v| !v.is_empty()),
+    )
+}
+
+fn config_dir_from(container: &Path, env: Option<std::ffi::OsString>) -> PathBuf {
+    match env {
+        Some(v) if std::fs::symlink_metadata(container).is_err() => PathBuf::from(v),
+        Some(v) => {
+            crate::log::write_line(&format!(
+                "{CONFIG_DIR_ENV}={} ignored: {} is this container's quota directory",
+                Path::new(&v).display(),
+                container.display()
+            ));
+            container.to_path_buf()
+        }
+        None => container.to_path_buf(),
+    }
 }
 
 pub fn register_timeout() -> std::time::Duration {
@@ -181,6 +204,22 @@ mod tests {
             enable,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_environment_cannot_move_a_mounted_quota_directory() {
+        let d = tempfile::tempdir().unwrap();
+        let mounted = d.path().join("etc-vcuda");
+        let elsewhere = Some(std::ffi::OsString::from("/tmp/copied"));
+        // No quota directory: a host or test process may point elsewhere.
+        assert_eq!(
+            config_dir_from(&mounted, elsewhere.clone()),
+            PathBuf::from("/tmp/copied")
+        );
+        // A container's: the variable is ignored.
+        std::fs::create_dir(&mounted).unwrap();
+        assert_eq!(config_dir_from(&mounted, elsewhere), mounted);
+        assert_eq!(config_dir_from(&mounted, None), mounted);
     }
 
     #[test]

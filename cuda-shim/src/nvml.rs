@@ -95,23 +95,26 @@ fn position(enf: &config::Enforce, dev: Device) -> Option<usize> {
 /// (total, used) for the container on NVML's `dev`, from its real (total,
 /// used). Never registers: a process that registered for CUDA reads its
 /// mapped ledger of that GPU; any other (an NVML-only tool) reads the
-/// GPU's ledger file in the container directory read-only
-/// (`Ledger::peek`; the manager mounts it there, 0600, so root in the
-/// container can read it), else sums what the driver says the container's
-/// processes hold. A GPU outside the share is shown as it is.
+/// GPU's ledger read-only (`Ledger::peek` of the memfd a registered
+/// process holds, [`crate::registration::ledger_for_tools`]: root in the
+/// container, or the processes' owner, can), else sums what the driver
+/// says the container's processes hold. A GPU outside the share is shown
+/// as it is.
 fn virtual_memory(dev: Device, real_total: u64, real_used: u64) -> Option<(u64, u64)> {
     let enf = config::enforce()?;
     let gpu = position(enf, dev)?;
     crate::mem::measure_if_stale();
     if let Some(a) = proc().attach().as_ref() {
         let h = a.gpu(gpu);
-        let total = h.ledger.quota().min(real_total);
+        let total = h.quota.min(real_total);
         return Some((total, h.ledger.used().min(total)));
     }
-    if let Ok((quota, used)) =
-        container_ledger::Ledger::peek(&enf.dir.join(quota_config::ledger_file(gpu)))
+    if let Ok((_, used)) =
+        container_ledger::Ledger::peek(&crate::registration::ledger_for_tools(enf, gpu))
     {
-        let total = quota.min(real_total);
+        // The quota file's quota, not the ledger's word (any process of
+        // the container can write that).
+        let total = enf.gpus[gpu].gpu_memory.min(real_total);
         return Some((total, used.min(total)));
     }
     let total = enf.gpus[gpu].gpu_memory.min(real_total);

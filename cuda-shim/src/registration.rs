@@ -45,7 +45,15 @@ pub const REFUSED: cuda_abi::CUresult = cuda_abi::CUDA_ERROR_NOT_PERMITTED;
 pub struct Held {
     pub ledger: Ledger,
     pub slot: usize,
+    /// The GPU's memory quota, from the read-only quota file: what every
+    /// reservation is checked against. Never the ledger's header word,
+    /// which any process of the container can write.
+    pub quota: u64,
     file_id: (u64, u64),
+    /// Kept open for the life of the attachment: a restarted manager takes
+    /// the live ledger back from a registered process's descriptors
+    /// (`node-agent`'s `ledgers`).
+    _fd: OwnedFd,
 }
 
 /// This process's place in the container's ledgers: one per GPU of the
@@ -243,8 +251,11 @@ impl Proc {
                 slots.len()
             )));
         }
+        let quotas: Vec<u64> = config::enforce()
+            .map(|e| e.gpus.iter().map(|g| g.gpu_memory).collect())
+            .unwrap_or_default();
         let mut gpus = Vec::with_capacity(want);
-        for (&slot, fd) in slots.iter().zip(&fds) {
+        for (i, (&slot, fd)) in slots.iter().zip(fds).enumerate() {
             if slot >= container_ledger::SLOTS {
                 return Err(RegError::Protocol(format!(
                     "ledger slot {slot} out of range"
@@ -255,10 +266,11 @@ impl Proc {
             gpus.push(Held {
                 ledger,
                 slot,
-                file_id: file_id(fd),
+                quota: quotas.get(i).copied().unwrap_or(0),
+                file_id: file_id(&fd),
+                _fd: fd,
             });
         }
-        drop(fds);
         let mut w = self.attach.write().unwrap_or_else(|e| e.into_inner());
         if let Some(old) = w.as_ref() {
             for (o, n) in old.gpus.iter().zip(&gpus) {
@@ -314,6 +326,24 @@ impl Proc {
         self.install(&resp, fds)?;
         Ok((sock, resp))
     }
+}
+
+/// argv[0] for the manager's logs, cut to the 256 bytes it accepts
+/// (`node-agent`'s `registry::budget::MAX_PROGRAM`): a longer request is
+/// refused.
+fn program_name() -> String {
+    let mut p = std::env::args_os()
+        .next()
+        .map(|a| a.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if p.len() > 256 {
+        let mut end = 256;
+        while !p.is_char_boundary(end) {
+            end -= 1;
+        }
+        p.truncate(end);
+    }
+    p
 }
 
 /// This process's state.
@@ -449,10 +479,7 @@ fn register_once(
         container_name: enf.data.container_name.clone(),
         bus_id: enf.data.bus_id.clone(),
         local_pid: std::process::id() as i32,
-        program: std::env::args_os()
-            .next()
-            .map(|a| a.to_string_lossy().into_owned())
-            .unwrap_or_default(),
+        program: program_name(),
         previous_slot: previous_slots.first().map(|&s| s as u32),
         previous_slots: if gpus > 1 {
             previous_slots.iter().map(|&s| s as u32).collect()
@@ -535,7 +562,7 @@ pub fn container_pids() -> Vec<i32> {
         None => {
             if let Some(enf) = enf {
                 for gpu in 0..enf.gpus.len() {
-                    let path = enf.dir.join(quota_config::ledger_file(gpu));
+                    let path = ledger_for_tools(enf, gpu);
                     if let Ok(local) = container_ledger::Ledger::peek_local_pids(&path) {
                         local.into_iter().for_each(&mut add);
                     }
@@ -544,4 +571,40 @@ pub fn container_pids() -> Vec<i32> {
         }
     }
     pids
+}
+
+/// Where a process that does not register (an NVML-only tool) reads GPU
+/// `gpu`'s ledger: the memfd a registered process of the container holds
+/// (`/proc/<pid>/fd/<n>`, opened read-only: root in the container, or its
+/// owner), or a ledger file in the container directory (a manager of an
+/// older release). Found once per process, looked for again when gone.
+pub fn ledger_for_tools(enf: &Enforce, gpu: usize) -> PathBuf {
+    static FOUND: Mutex<Vec<Option<PathBuf>>> = Mutex::new(Vec::new());
+    let file = enf.dir.join(quota_config::ledger_file(gpu));
+    if file.exists() {
+        return file;
+    }
+    let mut found = FOUND.lock().unwrap_or_else(|e| e.into_inner());
+    if found.len() <= gpu {
+        found.resize(gpu + 1, None);
+    }
+    if let Some(p) = &found[gpu]
+        && p.exists()
+    {
+        return p.clone();
+    }
+    let want = format!("/memfd:{}.{gpu} ", container_ledger::MEMFD_PREFIX);
+    let hit = std::fs::read_dir("/proc").ok().and_then(|procs| {
+        procs
+            .flatten()
+            .filter(|e| e.file_name().to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())))
+            .find_map(|e| {
+                std::fs::read_dir(e.path().join("fd")).ok()?.flatten().find_map(|fd| {
+                    let t = std::fs::read_link(fd.path()).ok()?;
+                    t.to_string_lossy().starts_with(&want).then(|| fd.path())
+                })
+            })
+    });
+    found[gpu] = hit.clone();
+    hit.unwrap_or(file)
 }

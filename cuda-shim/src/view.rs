@@ -31,7 +31,7 @@ pub fn virtual_mem_on(gpu: usize, real_free: u64, real_total: u64) -> (u64, u64)
     crate::mem::measure_if_stale();
     let guard = p.attach();
     let (quota, used) = match guard.as_ref() {
-        Some(a) => (a.gpu(gpu).ledger.quota(), a.gpu(gpu).ledger.used()),
+        Some(a) => (a.gpu(gpu).quota, a.gpu(gpu).ledger.used()),
         None => (enf.gpus[gpu.min(enf.gpus.len() - 1)].gpu_memory, 0),
     };
     clamp_view(quota, used, real_free, real_total)

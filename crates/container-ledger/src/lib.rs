@@ -46,6 +46,7 @@ mod header;
 mod layout;
 mod map;
 mod peek;
+mod sealed;
 mod slots;
 
 use thiserror::Error;
@@ -55,6 +56,7 @@ pub use layout::{
     LEDGER_FILE, MAGIC, REFUSED_ALLOCATIONS_OFFSET, SLOT_SIZE, SLOTS, THROTTLED_NS_OFFSET, VERSION,
 };
 pub use map::dup_cloexec;
+pub use sealed::{MEMFD_PREFIX, MemfdId, REQUIRED_SEALS, find_live, seals};
 
 #[derive(Debug, Error)]
 pub enum LedgerError {
@@ -70,6 +72,12 @@ pub enum LedgerError {
     Magic,
     #[error("ledger layout version {found}, this build reads {VERSION}")]
     Version { found: u32 },
+    #[error(
+        "ledger descriptor is not sealed against resizing (seals {seals:#x}, need {:#x}): \
+         refusing to map memory whose size another process controls",
+        REQUIRED_SEALS
+    )]
+    Unsealed { seals: i32 },
     #[error("ledger geometry {header}/{slots}/{slot_size} does not match this build's")]
     Geometry {
         header: u32,

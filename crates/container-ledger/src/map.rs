@@ -33,9 +33,7 @@ impl Ledger {
             file.set_len(FILE_SIZE as u64).map_err(|e| io(what(), e))?;
         }
         let ledger = if fresh {
-            let l = Self::map(file.as_fd_borrowed())?;
-            l.init_header();
-            l
+            Self::map_fresh(file.as_fd_borrowed())?
         } else {
             Self::from_fd(file.as_fd_borrowed()).map_err(|e| match e {
                 LedgerError::Io { source, .. } => io(what(), source),
@@ -99,6 +97,13 @@ impl Ledger {
             return Err(LedgerError::Version { found: version });
         }
         Ok(())
+    }
+
+    /// Maps a just-sized, zeroed FILE_SIZE-byte file and writes its header.
+    pub(crate) fn map_fresh(fd: BorrowedFd<'_>) -> Result<Ledger, LedgerError> {
+        let l = Self::map(fd)?;
+        l.init_header();
+        Ok(l)
     }
 
     /// Callers make sure the file is FILE_SIZE bytes (set or checked) first.
@@ -187,7 +192,7 @@ impl Drop for Ledger {
 }
 
 /// `File::as_fd` spelled so the borrow is obvious at call sites.
-trait AsFdBorrowed {
+pub(crate) trait AsFdBorrowed {
     fn as_fd_borrowed(&self) -> BorrowedFd<'_>;
 }
 

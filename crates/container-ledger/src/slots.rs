@@ -48,10 +48,17 @@ impl Ledger {
     /// take the total above it. Call before the driver allocates; on driver
     /// failure [`release`](Self::release) the same amount.
     pub fn try_reserve(&self, slot: usize, bytes: u64) -> Result<(), OverQuota> {
+        self.try_reserve_within(slot, bytes, self.quota())
+    }
+
+    /// [`try_reserve`](Self::try_reserve) against `quota`, not the header's
+    /// word: what the interposer calls with the quota it read from the
+    /// read-only quota file, since any process of the container can write
+    /// the ledger (a store into the header's quota must not lift it).
+    pub fn try_reserve_within(&self, slot: usize, bytes: u64, quota: u64) -> Result<(), OverQuota> {
         let used = self.u64_at(OFF_USED);
         let mut cur = used.load(Ordering::Relaxed);
         loop {
-            let quota = self.quota();
             let next = cur.checked_add(bytes).filter(|&n| n <= quota);
             let Some(next) = next else {
                 return Err(OverQuota {

@@ -62,6 +62,10 @@ pub async fn run(
     let t0 = Instant::now();
     node_agent::mode::refuse_if_device_plugins_serving(&s.registry_dir)
         .map_err(anyhow::Error::msg)?;
+    match node_agent::registry::budget::raise_open_files() {
+        Ok(n) => tracing::debug!(open_files = n, "open-file limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
+    }
     let nvml_path = node_agent::config::nvml_path(&s.host_root, s.nvml_library.as_deref())?;
     let nvml = node_agent::nvml::load(&nvml_path)?;
     let found = node_agent::nvml::discover(&nvml)?;

@@ -190,7 +190,7 @@ async fn prepare_pack_restart_unprepare() {
         );
         assert_eq!(data.pod_uid, c.uid);
         assert!(vm.join(quota_config::SOCKET_FILE).exists());
-        assert!(vm.join(container_ledger_file()).exists());
+        assert!(test_support::ledger::try_live(&vm, 0).is_some());
     }
 
     // Idempotent: preparing again answers the same and rewrites nothing.
@@ -350,10 +350,6 @@ async fn prepare_pack_restart_unprepare() {
     );
     assert!(!dirs.p("vm").join(uid(&c1)).exists());
     run.cancel.cancel();
-}
-
-fn container_ledger_file() -> &'static str {
-    container_ledger::LEDGER_FILE
 }
 
 async fn kubelet_beta(dirs: &Dirs) -> plugin::DraPlugin {
@@ -523,7 +519,8 @@ async fn shares_on_two_gpus_for_one_container() {
         ]
     );
     assert_eq!((q.pod_uid.as_str(), q.hard_limit), (tp.as_str(), true));
-    assert!(vm.join("ledger").is_file() && vm.join("ledger.1").is_file());
+    assert!(test_support::ledger::try_live(&vm, 0).is_some());
+    assert!(test_support::ledger::try_live(&vm, 1).is_some());
     assert!(vm.join(quota_config::SOCKET_FILE).exists());
     let prepared = run.driver.prepared();
     let held = prepared.iter().find(|c| c.uid == tp).unwrap();

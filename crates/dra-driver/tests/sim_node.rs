@@ -204,12 +204,7 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
         assert!(get("full_free") < 64 * MIB, "{out}");
         // The program reserved through the ledger the driver passed it over
         // the claim's vcuda.sock, up to the quota and no further.
-        let ledger = dirs
-            .p("vm")
-            .join(&claim.uid)
-            .join("gpu")
-            .join(container_ledger::LEDGER_FILE);
-        let (l, _) = container_ledger::Ledger::open(&ledger).unwrap();
+        let l = test_support::ledger::live(&dirs.p("vm").join(&claim.uid).join("gpu"), 0);
         assert!(
             l.peak() > 1024 * MIB - 64 * MIB && l.peak() <= 1024 * MIB,
             "peak {}",
@@ -342,8 +337,7 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
         });
     }
     let vm_b = dirs.p("vm").join(&claims[1].uid).join("gpu");
-    let (ledger_b, _) =
-        container_ledger::Ledger::open(&vm_b.join(container_ledger::LEDGER_FILE)).unwrap();
+    let ledger_b = test_support::ledger::live(&vm_b, 0);
     until(10, "the held 256 MiB", || ledger_b.used() > 256 * MIB).await;
     let held = ledger_b.used();
     let pid = hold.id() as i32;

@@ -187,8 +187,8 @@ async fn shares_on_two_simulated_gpus_each_hold_their_own_memory() {
     // Each GPU's ledger held that GPU's part, up to its quota, and the
     // process's exit gave it back.
     let vm = dirs.p("vm").join(&uid).join("gpus");
-    for name in ["ledger", "ledger.1"] {
-        let (l, _) = container_ledger::Ledger::open(&vm.join(name)).unwrap();
+    for (gpu, name) in ["ledger", "ledger.1"].into_iter().enumerate() {
+        let l = test_support::ledger::live(&vm, gpu);
         assert_eq!(l.quota(), 1024 * MIB, "{name}");
         assert!(
             l.peak() > 512 * MIB && l.peak() <= 1024 * MIB,

@@ -66,6 +66,10 @@ pub async fn run(
         None => node_agent::mode::instance_id(),
     };
     tracing::info!(node = %s.node_name, share_mode = s.share_mode, host_root = %s.host_root.display(), %instance, "gpu-manager starting");
+    match node_agent::registry::budget::raise_open_files() {
+        Ok(n) => tracing::debug!(open_files = n, "open-file limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
+    }
     let (volumes, extra) = check_configuration(&s)?;
     tracing::info!(ms = ms(t0), "step 1/6: configuration checked");
     let (nvml, found) = discover(&s, t0)?;

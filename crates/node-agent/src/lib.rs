@@ -22,6 +22,7 @@ pub mod edits;
 pub mod extra;
 pub mod health;
 pub mod in_use;
+pub mod ledgers;
 pub mod mode;
 pub mod nvml;
 pub mod registry;

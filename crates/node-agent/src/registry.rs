@@ -16,6 +16,7 @@ use std::fs::File;
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -24,7 +25,11 @@ use prost::Message;
 use tokio::io::{AsyncReadExt, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
-use vcuda_api::vcuda::frame::{MAX_FRAME, PROTOCOL_VERSION, PROTOCOL_VERSION_MULTI_GPU};
+use vcuda_api::vcuda::frame::{PROTOCOL_VERSION, PROTOCOL_VERSION_MULTI_GPU};
+
+use budget::{Allowance, LogBudget, MAX_CONNS, MAX_CONNS_PER_PID, MAX_REQUEST, MAX_TRAILING};
+
+pub mod budget;
 use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, register_response::Status};
 
 // Locks here guard maps changed by single inserts and removes: a panic
@@ -57,6 +62,30 @@ struct Procs {
     ledgers: Vec<(Ledger, File)>,
     /// host PID -> (connections, its slot in each ledger)
     pids: Mutex<BTreeMap<i32, (u32, Option<Slots>)>>,
+    /// Open connections, registered or not ([`MAX_CONNS`]).
+    conns: AtomicUsize,
+    /// Log lines this container's connections may cause.
+    logs: LogBudget,
+}
+
+/// One open connection of a container, counted while it lives.
+struct ConnGuard(Arc<Procs>);
+
+impl ConnGuard {
+    fn new(p: &Arc<Procs>) -> Option<ConnGuard> {
+        let n = p.conns.fetch_add(1, Ordering::AcqRel);
+        if n >= MAX_CONNS {
+            p.conns.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(ConnGuard(p.clone()))
+    }
+}
+
+impl Drop for ConnGuard {
+    fn drop(&mut self) {
+        self.0.conns.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// A process's slot in each of the container's ledgers, in record order.
@@ -73,18 +102,28 @@ impl Procs {
     }
 
     /// Counts a connection of `pid` and claims its slots (the ones it
-    /// held, `prefer`, in record order, when re-registering). `None` when
-    /// the container keeps no ledger or one of them is full.
-    fn add(&self, pid: i32, prefer: &[usize]) -> Option<Slots> {
+    /// held, `prefer`, in record order, when re-registering). `Ok(None)`
+    /// when the container keeps no ledger or one of them is full; `Err`
+    /// when the process already holds [`MAX_CONNS_PER_PID`] connections.
+    fn add(&self, pid: i32, prefer: &[usize]) -> Result<Option<Slots>, String> {
         let mut pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
         let e = pids.entry(pid).or_insert((0, None));
+        if e.0 >= MAX_CONNS_PER_PID {
+            return Err(format!(
+                "process {pid} already holds {} registrations; one is all a process needs",
+                e.0
+            ));
+        }
         e.0 += 1;
+        let first = e.0 == 1;
         if e.1.is_none() && !self.ledgers.is_empty() {
             e.1 = self.claim(pid, prefer);
         }
         let slots = e.1.clone();
-        self.write_pids(&pids);
-        slots
+        if first {
+            self.write_pids(&pids);
+        }
+        Ok(slots)
     }
 
     /// A slot in every ledger, or none at all.
@@ -126,7 +165,10 @@ impl Procs {
     }
 
     /// Removes PIDs whose process is gone (a backstop: closing the
-    /// connection normally does it) and returns how many.
+    /// connection normally does it) and clears every ledger slot a dead
+    /// process still holds (one that died while no daemon watched its
+    /// connection: a daemon restart took the ledger back with it). Returns
+    /// how many PIDs and slots went.
     fn prune(&self) -> usize {
         let mut pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
         let dead: Vec<i32> = pids.keys().copied().filter(|&p| !alive(p)).collect();
@@ -138,7 +180,16 @@ impl Procs {
         if !dead.is_empty() {
             self.write_pids(&pids);
         }
-        dead.len()
+        // Under the lock: a slot being claimed belongs to a live PID.
+        let reclaimed: usize = self
+            .ledgers
+            .iter()
+            .map(|(l, _)| l.reclaim_dead(alive).len())
+            .sum();
+        if reclaimed > 0 {
+            tracing::info!(container = %self.container, reclaimed, "ledger slots of dead processes cleared");
+        }
+        dead.len() + reclaimed
     }
 }
 
@@ -217,6 +268,8 @@ impl Registry {
             container: container.to_string(),
             ledgers,
             pids: Mutex::new(old),
+            conns: AtomicUsize::new(0),
+            logs: LogBudget::default(),
         });
         procs.prune();
         let cancel = CancellationToken::new();
@@ -229,10 +282,21 @@ impl Registry {
                 };
                 match conn {
                     Ok((stream, _)) => {
-                        let (p, c) = (p.clone(), c.clone());
+                        let Some(guard) = ConnGuard::new(&p) else {
+                            if p.logs.take() != Allowance::Drop {
+                                tracing::warn!(container = %p.container, max = MAX_CONNS,
+                                    "registration refused: the container holds the most connections allowed");
+                            }
+                            continue;
+                        };
+                        let c = c.clone();
                         tokio::spawn(async move {
-                            if let Err(e) = handle(stream, &p, &c).await {
-                                tracing::warn!(container = %p.container, error = %e, "registration connection");
+                            let p = &guard.0;
+                            if let Err(e) = handle(stream, p, &c).await
+                                && let Allowance::Log { dropped } = p.logs.take()
+                            {
+                                tracing::warn!(container = %p.container, error = %e, dropped,
+                                    "registration connection");
                             }
                         });
                     }
@@ -326,10 +390,10 @@ async fn read_request(stream: &mut UnixStream) -> std::io::Result<RegisterReques
     let mut len = [0u8; 4];
     stream.read_exact(&mut len).await?;
     let len = u32::from_be_bytes(len) as usize;
-    if len > MAX_FRAME {
+    if len > MAX_REQUEST {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("frame of {len} bytes exceeds {MAX_FRAME}"),
+            format!("a request of {len} bytes; at most {MAX_REQUEST} are accepted"),
         ));
     }
     let mut body = vec![0u8; len];
@@ -394,6 +458,31 @@ async fn handle(
                 "no RegisterRequest within 5 s",
             )
         })??;
+    // Only what the answer and the logs need outlives the request.
+    let (counted, r) = answer(&stream, procs, pid, req).await;
+    if !counted {
+        return r;
+    }
+    if r.is_ok() {
+        hold(&mut stream, procs, pid, cancel).await;
+    }
+    if !cancel.is_cancelled() {
+        procs.drop_conn(pid);
+        if let Allowance::Log { dropped } = procs.logs.take() {
+            tracing::info!(pid, container = %procs.container, dropped, "interposer disconnected");
+        }
+    }
+    r
+}
+
+/// Checks the request and answers it. `true` when the process was counted
+/// (its connection is dropped when it ends), with how sending went.
+async fn answer(
+    stream: &UnixStream,
+    procs: &Procs,
+    pid: i32,
+    req: RegisterRequest,
+) -> (bool, std::io::Result<()>) {
     let reject = |message: String| RegisterResponse {
         status: Status::Rejected as i32,
         message,
@@ -402,31 +491,46 @@ async fn handle(
         ledger_slots: Vec::new(),
         protocol_version: req.protocol_version,
     };
-    if let Some(m) = version_problem(req.protocol_version, procs.ledgers.len()) {
-        tracing::warn!(pid, container = %procs.container, "{m}");
-        send(&stream, &reject(m), &[]).await?;
-        return Ok(());
-    }
-    if req.pod_uid != procs.pod_uid || req.container_name != procs.container {
-        let m = format!(
-            "this socket serves pod {} container {}, not pod {} container {}",
-            procs.pod_uid, procs.container, req.pod_uid, req.container_name
-        );
-        tracing::warn!(pid, "{m}");
-        send(&stream, &reject(m), &[]).await?;
-        return Ok(());
+    let refused = version_problem(req.protocol_version, procs.ledgers.len())
+        .or_else(|| budget::check_request(&req, procs.ledgers.len()).err())
+        .or_else(|| {
+            (req.pod_uid != procs.pod_uid || req.container_name != procs.container).then(|| {
+                format!(
+                    "this socket serves pod {} container {}, not pod {} container {}",
+                    procs.pod_uid,
+                    procs.container,
+                    budget::printable(&req.pod_uid),
+                    budget::printable(&req.container_name)
+                )
+            })
+        });
+    if let Some(m) = refused {
+        if let Allowance::Log { dropped } = procs.logs.take() {
+            tracing::warn!(pid, container = %procs.container, dropped, "registration refused: {m}");
+        }
+        return (false, send(stream, &reject(m), &[]).await);
     }
     let prefer: Vec<usize> = if req.protocol_version == PROTOCOL_VERSION {
         req.previous_slot.map(|s| s as usize).into_iter().collect()
     } else {
         req.previous_slots.iter().map(|&s| s as usize).collect()
     };
-    let slots = procs.add(pid, &prefer);
-    tracing::info!(
-        pid, local_pid = req.local_pid, program = %req.program,
-        pod = %procs.pod_uid, container = %procs.container, slots = ?slots,
-        "interposer registered"
-    );
+    let slots = match procs.add(pid, &prefer) {
+        Ok(s) => s,
+        Err(m) => {
+            if let Allowance::Log { dropped } = procs.logs.take() {
+                tracing::warn!(pid, container = %procs.container, dropped, "registration refused: {m}");
+            }
+            return (false, send(stream, &reject(m), &[]).await);
+        }
+    };
+    if let Allowance::Log { dropped } = procs.logs.take() {
+        tracing::info!(
+            pid, local_pid = req.local_pid, program = %budget::printable(&req.program),
+            pod = %procs.pod_uid, container = %procs.container, slots = ?slots, dropped,
+            "interposer registered"
+        );
+    }
     let slots = slots.unwrap_or_default();
     let resp = RegisterResponse {
         status: Status::Accepted as i32,
@@ -440,31 +544,40 @@ async fn handle(
             slots.iter().map(|&s| s as u32).collect()
         },
     };
+    drop(req);
     let files: Vec<&File> = procs
         .ledgers
         .iter()
         .map(|(_, f)| f)
         .take(slots.len())
         .collect();
-    let r = send(&stream, &resp, &files).await;
-    if r.is_ok() {
-        // The process holds the connection for its life; EOF means it is gone.
-        let mut buf = [0u8; 256];
-        loop {
-            tokio::select! {
-                _ = cancel.cancelled() => break,
-                n = stream.read(&mut buf) => match n {
-                    Ok(0) | Err(_) => break,
-                    Ok(_) => continue,
-                },
-            }
+    (true, send(stream, &resp, &files).await)
+}
+
+/// Holds a registered connection until the process is gone (EOF) or the
+/// endpoint stops. The interposer sends nothing after its request: a
+/// client that streams more than [`MAX_TRAILING`] bytes is cut off.
+async fn hold(stream: &mut UnixStream, procs: &Procs, pid: i32, cancel: &CancellationToken) {
+    let mut buf = [0u8; 256];
+    let mut trailing = 0usize;
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            n = stream.read(&mut buf) => match n {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    trailing += n;
+                    if trailing > MAX_TRAILING {
+                        if let Allowance::Log { dropped } = procs.logs.take() {
+                            tracing::warn!(pid, container = %procs.container, dropped,
+                                "registered client sent {trailing} unexpected bytes: connection closed");
+                        }
+                        return;
+                    }
+                }
+            },
         }
     }
-    if !cancel.is_cancelled() {
-        procs.drop_conn(pid);
-        tracing::info!(pid, container = %procs.container, "interposer disconnected");
-    }
-    r
 }
 
 #[cfg(test)]

@@ -1,9 +1,10 @@
 //! Per-container vm directories: `<vm>/<pod uid>/<container>/` holding
-//! `vcuda.config`, `pids.config`, the ledger and `vcuda.sock`, mounted
-//! read-only at `/etc/vcuda`. Directories are 0755 and files 0644 (root
-//! writes, any container user reads); the socket is 0666 so non-root
-//! processes can connect; the ledger is 0600 and reaches processes only as
-//! a descriptor passed over the socket.
+//! `vcuda.config`, `pids.config`, the ledger's id record and `vcuda.sock`,
+//! mounted read-only at `/etc/vcuda`. Directories are 0755 and files 0644
+//! (root writes, any container user reads); the socket is 0666 so non-root
+//! processes can connect; the ledger itself is a sealed memfd that reaches
+//! processes only as a descriptor passed over the socket
+//! ([`crate::ledgers`]).
 //!
 //! These files are derived state: the checkpoint is the durable record and
 //! recovery rewrites them from it, so they are replaced atomically (temp +
@@ -15,7 +16,7 @@
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use quota_config::{CONFIG_FILE, GPUS_FILE, MultiGpuQuota, PIDS_FILE, ResourceData, ledger_file};
+use quota_config::{CONFIG_FILE, GPUS_FILE, MultiGpuQuota, PIDS_FILE, ResourceData};
 
 /// A container's ledger and the open file whose descriptor is passed over
 /// `vcuda.sock`.
@@ -136,8 +137,8 @@ impl VmDirs {
     /// Creates the directory of a share on several GPUs: `vcuda-gpus.config`
     /// then `vcuda.config` (the order `quota_config::write_multi` keeps, so
     /// whoever sees `enable` 2 finds the GPUs), an empty `pids.config` (an
-    /// existing one is kept) and one ledger per GPU, `ledger`, `ledger.1`,
-    /// …, in record order, each with that GPU's memory quota.
+    /// existing one is kept) and one ledger per GPU in record order (ids
+    /// `ledger.id`, `ledger.1.id`, …), each with that GPU's memory quota.
     pub fn prepare_multi(&self, q: &MultiGpuQuota) -> Result<(PathBuf, Vec<LedgerFile>), VmError> {
         let dir = self.dir(&q.pod_uid, &q.container_name)?;
         mkdir(&self.root)?;
@@ -154,21 +155,14 @@ impl VmDirs {
         }
         let mut ledgers = Vec::with_capacity(q.gpus.len());
         for (i, g) in q.gpus.iter().enumerate() {
-            let p = dir.join(ledger_file(i));
-            let l = container_ledger::Ledger::create(&p, g.gpu_memory).map_err(|source| {
-                VmError::Ledger {
-                    path: p.display().to_string(),
-                    source,
-                }
-            })?;
-            ledgers.push(l);
+            ledgers.push(crate::ledgers::open(&dir, i, g.gpu_memory)?);
         }
         Ok((dir, ledgers))
     }
 
     /// Creates the directory and writes `vcuda.config` and an empty
     /// `pids.config` (an existing one is kept: recovery). For shares,
-    /// creates or reopens the ledger with the memory quota.
+    /// takes the live ledger back or starts one, with the memory quota.
     pub fn prepare(
         &self,
         data: &ResourceData,
@@ -187,15 +181,7 @@ impl VmDirs {
             replace_file(&pids, &[], 0o644)?;
         }
         let ledger = match ledger_quota {
-            Some(q) => {
-                let p = dir.join(container_ledger::LEDGER_FILE);
-                Some(
-                    container_ledger::Ledger::create(&p, q).map_err(|source| VmError::Ledger {
-                        path: p.display().to_string(),
-                        source,
-                    })?,
-                )
-            }
+            Some(q) => Some(crate::ledgers::open(&dir, 0, q)?),
             None => None,
         };
         Ok((dir, ledger))
@@ -314,12 +300,16 @@ mod tests {
         assert_eq!(md.mode() & 0o777, 0o644);
         assert_eq!(md.len(), quota_config::CONFIG_SIZE as u64);
         assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o755);
+        assert!(
+            !dir.join(container_ledger::LEDGER_FILE).exists(),
+            "no resizable ledger file on the host"
+        );
         assert_eq!(
-            std::fs::metadata(dir.join(container_ledger::LEDGER_FILE))
+            std::fs::metadata(crate::ledgers::id_file(&dir, 0))
                 .unwrap()
                 .mode()
                 & 0o777,
-            0o600
+            0o644
         );
         assert_eq!(vm.list(), vec![("uid-1".to_string(), "c".to_string())]);
         // Preparing again (recovery) keeps the inode of an unchanged file.
@@ -333,6 +323,7 @@ mod tests {
 
     #[test]
     fn prepare_multi_writes_both_files_and_a_ledger_per_gpu() {
+        use std::os::fd::AsFd;
         let tmp = tempfile::tempdir().unwrap();
         let vm = VmDirs::new(&tmp.path().join("vm"));
         let gpu = |i: usize, memory: u64| quota_config::GpuQuota {
@@ -352,17 +343,22 @@ mod tests {
         let (dir, ledgers) = vm.prepare_multi(&q).unwrap();
         let quotas: Vec<u64> = ledgers.iter().map(|(l, _)| l.quota()).collect();
         assert_eq!(quotas, vec![8 << 30, 4 << 30]);
-        for name in ["ledger", "ledger.1"] {
-            let md = std::fs::metadata(dir.join(name)).unwrap();
-            assert_eq!(md.mode() & 0o777, 0o600, "{name}");
+        for gpu in [0, 1] {
+            let seals = container_ledger::seals(ledgers[gpu].1.as_fd()).unwrap();
+            assert_eq!(seals & container_ledger::REQUIRED_SEALS, container_ledger::REQUIRED_SEALS);
+            assert!(crate::ledgers::id_file(&dir, gpu).exists());
         }
         assert_eq!(
             quota_config::read_quota(&dir).unwrap(),
             quota_config::Quota::Multi(q.clone())
         );
-        // Again (recovery): the same files, the ledgers reopened.
+        // Again (recovery): the same files, the same live ledgers.
         let ino = std::fs::metadata(dir.join(GPUS_FILE)).unwrap().ino();
-        assert_eq!(vm.prepare_multi(&q).unwrap().1.len(), 2);
+        let again = vm.prepare_multi(&q).unwrap().1;
+        for (a, b) in ledgers.iter().zip(&again) {
+            let id = |f: &std::fs::File| f.metadata().map(|m| m.ino()).unwrap();
+            assert_eq!(id(&a.1), id(&b.1));
+        }
         assert_eq!(std::fs::metadata(dir.join(GPUS_FILE)).unwrap().ino(), ino);
     }
 }

@@ -18,6 +18,7 @@
 
 pub mod docker;
 pub mod k8s;
+pub mod ledger;
 pub mod nvidia;
 pub mod paths;
 pub mod process;

@@ -111,7 +111,7 @@ pub(crate) fn try_take(a: &Attach, gpu: usize, bytes: u64, what: &str) -> Result
         return Ok(());
     }
     let h = a.gpu(gpu);
-    if let Err(over) = h.ledger.try_reserve(h.slot, bytes) {
+    if let Err(over) = h.ledger.try_reserve_within(h.slot, bytes, h.quota) {
         log!(Info, "{what} refused: {over}");
         h.ledger.count_refused_allocation();
         return Err(CUDA_ERROR_OUT_OF_MEMORY);

@@ -280,7 +280,7 @@ pub(crate) fn grew_over_quota(before: u64) -> bool {
     let guard = proc().attach();
     guard
         .as_ref()
-        .is_some_and(|a| a.gpus.iter().any(|g| g.ledger.used() > g.ledger.quota()))
+        .is_some_and(|a| a.gpus.iter().any(|g| g.ledger.used() > g.quota))
 }
 
 fn now_ns() -> u64 {

@@ -432,7 +432,7 @@ pub fn serve_beside(
 }
 
 /// The ledgers of the share in the vm directory `dir` (its
-/// `vcuda-gpus.config` and `ledger`, `ledger.1`, ... in record order), in
+/// `vcuda-gpus.config` and its live ledgers, in record order), in
 /// the order of `uuids` (the container's CUDA devices).
 pub fn ledgers_by_device(dir: &Path, uuids: &[String]) -> Vec<container_ledger::Ledger> {
     let quota_config::Quota::Multi(q) = quota_config::read_quota(dir).unwrap() else {
@@ -446,11 +446,7 @@ pub fn ledgers_by_device(dir: &Path, uuids: &[String]) -> Vec<container_ledger::
                 .iter()
                 .position(|g| &g.uuid == u)
                 .unwrap_or_else(|| panic!("{u} is none of {:?}", q.gpus));
-            let name = match i {
-                0 => "ledger".to_string(),
-                i => format!("ledger.{i}"),
-            };
-            container_ledger::Ledger::open(&dir.join(name)).unwrap().0
+            crate::ledger::live(dir, i)
         })
         .collect()
 }
