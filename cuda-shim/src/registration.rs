@@ -597,12 +597,19 @@ pub fn ledger_for_tools(enf: &Enforce, gpu: usize) -> PathBuf {
     let hit = std::fs::read_dir("/proc").ok().and_then(|procs| {
         procs
             .flatten()
-            .filter(|e| e.file_name().to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())))
+            .filter(|e| {
+                e.file_name()
+                    .to_str()
+                    .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+            })
             .find_map(|e| {
-                std::fs::read_dir(e.path().join("fd")).ok()?.flatten().find_map(|fd| {
-                    let t = std::fs::read_link(fd.path()).ok()?;
-                    t.to_string_lossy().starts_with(&want).then(|| fd.path())
-                })
+                std::fs::read_dir(e.path().join("fd"))
+                    .ok()?
+                    .flatten()
+                    .find_map(|fd| {
+                        let t = std::fs::read_link(fd.path()).ok()?;
+                        t.to_string_lossy().starts_with(&want).then(|| fd.path())
+                    })
             })
     });
     found[gpu] = hit.clone();

@@ -82,7 +82,6 @@ pub fn seals(fd: BorrowedFd<'_>) -> Result<i32, LedgerError> {
     Ok(s)
 }
 
-
 /// The memfd's identity, as `<ledger>.id` records it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemfdId {
@@ -131,10 +130,11 @@ pub fn find_live(
             continue;
         };
         for e in fds.flatten() {
-            let named = std::fs::read_link(e.path())
-                .is_ok_and(|t| t.to_string_lossy().starts_with(&want));
+            let named =
+                std::fs::read_link(e.path()).is_ok_and(|t| t.to_string_lossy().starts_with(&want));
             let same = named
-                && std::fs::metadata(e.path()).is_ok_and(|m| (m.dev(), m.ino()) == (id.dev, id.ino));
+                && std::fs::metadata(e.path())
+                    .is_ok_and(|m| (m.dev(), m.ino()) == (id.dev, id.ino));
             if !same {
                 continue;
             }
@@ -208,6 +208,16 @@ mod tests {
         let idb = MemfdId::of(&fb).unwrap();
         assert_eq!(MemfdId::of(&find_live(3, idb, me).unwrap().1).unwrap(), idb);
         assert!(find_live(4, ida, me).is_none(), "another GPU's name");
-        assert!(find_live(3, MemfdId { dev: ida.dev, ino: 1 }, me).is_none());
+        assert!(
+            find_live(
+                3,
+                MemfdId {
+                    dev: ida.dev,
+                    ino: 1
+                },
+                me
+            )
+            .is_none()
+        );
     }
 }

@@ -345,7 +345,10 @@ mod tests {
         assert_eq!(quotas, vec![8 << 30, 4 << 30]);
         for gpu in [0, 1] {
             let seals = container_ledger::seals(ledgers[gpu].1.as_fd()).unwrap();
-            assert_eq!(seals & container_ledger::REQUIRED_SEALS, container_ledger::REQUIRED_SEALS);
+            assert_eq!(
+                seals & container_ledger::REQUIRED_SEALS,
+                container_ledger::REQUIRED_SEALS
+            );
             assert!(crate::ledgers::id_file(&dir, gpu).exists());
         }
         assert_eq!(

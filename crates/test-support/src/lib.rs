@@ -17,6 +17,7 @@
 //! The base depends on no daemon crate, so cuda-shim's benches can use it.
 
 pub mod docker;
+pub mod hostile;
 pub mod k8s;
 pub mod ledger;
 pub mod nvidia;

@@ -77,7 +77,9 @@ impl Default for LogBudget {
 #[derive(Debug, PartialEq, Eq)]
 pub enum Allowance {
     /// Log the line; `dropped` lines were suppressed before it.
-    Log { dropped: u64 },
+    Log {
+        dropped: u64,
+    },
     Drop,
 }
 
@@ -154,7 +156,10 @@ mod tests {
         let mut r = req();
         r.previous_slots = vec![1; 5];
         let e = check_request(&r, 2).unwrap_err();
-        assert!(e.contains("previous_slots names 5 slots; this container has 2"), "{e}");
+        assert!(
+            e.contains("previous_slots names 5 slots; this container has 2"),
+            "{e}"
+        );
         let mut r = req();
         r.container_name = "c".repeat(64);
         assert!(check_request(&r, 1).unwrap_err().contains("container_name"));

@@ -26,7 +26,9 @@ fn request(version: u32) -> RegisterRequest {
 fn register(dir: &Path, req: RegisterRequest) -> (StdStream, RegisterResponse, Vec<OwnedFd>) {
     let mut s = StdStream::connect(dir.join(quota_config::SOCKET_FILE)).unwrap();
     frame::write(&mut s, &req).unwrap();
-    let (body, fds) = container_ledger::fdpass::recv_frame_fds(s.as_fd(), vcuda_api::vcuda::frame::MAX_FRAME).unwrap();
+    let (body, fds) =
+        container_ledger::fdpass::recv_frame_fds(s.as_fd(), vcuda_api::vcuda::frame::MAX_FRAME)
+            .unwrap();
     (s, RegisterResponse::decode(body.as_slice()).unwrap(), fds)
 }
 

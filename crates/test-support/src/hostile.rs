@@ -1,0 +1,229 @@
+//! A hostile process in a share container, as tests play it against a
+//! real daemon (the manager, the DRA driver): what any program in the
+//! container can do with its `vcuda.sock` and the ledger descriptor it is
+//! handed. Each attack returns what it saw; the test asserts the daemon
+//! outlived it.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use container_ledger::{Ledger, fdpass};
+use prost::Message;
+use vcuda_api::vcuda::{RegisterRequest, RegisterResponse};
+
+/// The largest request a real interposer sends: ids at their maximal
+/// lengths are the container's own, `program` at the 256 bytes accepted.
+pub fn maximal_request(pod_uid: &str, container: &str) -> RegisterRequest {
+    RegisterRequest {
+        protocol_version: 1,
+        pod_uid: pod_uid.into(),
+        container_name: container.into(),
+        bus_id: "0000:00:00.0".into(),
+        local_pid: 1,
+        program: "p".repeat(256),
+        previous_slot: Some(0),
+        previous_slots: Vec::new(),
+    }
+}
+
+fn frame(req: &RegisterRequest) -> Vec<u8> {
+    let body = req.encode_to_vec();
+    let mut f = (body.len() as u32).to_be_bytes().to_vec();
+    f.extend_from_slice(&body);
+    f
+}
+
+/// Registers on `dir`'s socket: the kept connection, the reply and the
+/// ledger descriptors it carried.
+pub fn register(dir: &Path, req: &RegisterRequest) -> (UnixStream, RegisterResponse, Vec<OwnedFd>) {
+    let s = UnixStream::connect(dir.join(quota_config::SOCKET_FILE)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    fdpass::send_frame(s.as_fd(), &req.encode_to_vec(), None).unwrap();
+    let (body, fds) = fdpass::recv_frame_fds(s.as_fd(), 1 << 16).unwrap();
+    (s, RegisterResponse::decode(body.as_slice()).unwrap(), fds)
+}
+
+/// What resizing the ledger descriptor did: `Err(errno)` per attempt.
+#[derive(Debug)]
+pub struct Resize {
+    pub truncate: Result<(), i32>,
+    pub grow: Result<(), i32>,
+    pub fallocate: Result<(), i32>,
+    pub len_after: u64,
+}
+
+/// Truncates, grows and fallocates the descriptor, as a tenant could.
+pub fn resize(fd: &OwnedFd) -> Resize {
+    let r = |rc: i32| {
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
+        }
+    };
+    let fd_ = fd.as_raw_fd();
+    // SAFETY: syscalls on a descriptor we own; no memory passed.
+    let truncate = r(unsafe { libc::ftruncate(fd_, 0) });
+    // SAFETY: as above.
+    let grow = r(unsafe { libc::ftruncate(fd_, 64 << 20) });
+    // SAFETY: as above.
+    let fallocate = r(unsafe { libc::fallocate(fd_, 0, 0, 64 << 20) });
+    // SAFETY: `st` is a local the kernel fills.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::fstat(fd_, &mut st) };
+    Resize {
+        truncate,
+        grow,
+        fallocate,
+        len_after: st.st_size as u64,
+    }
+}
+
+/// Writes the ledger's quota word as a tenant would to lift its quota.
+/// (Zeroing the use counters would too, for as long as nothing checks the
+/// driver's numbers from outside: not this attack's subject.)
+pub fn scribble(fd: &OwnedFd) {
+    Ledger::from_fd(fd.as_fd()).unwrap().set_quota(u64::MAX);
+}
+
+/// Holds `procs` x 4 registrations with maximal requests, from forked
+/// children (each a process of its own, as the daemon counts them), until
+/// the returned guard drops. Returns once all answered.
+pub fn hold_registrations(dir: &Path, req: &RegisterRequest, procs: usize) -> Children {
+    let sock =
+        std::ffi::CString::new(dir.join(quota_config::SOCKET_FILE).to_str().unwrap()).unwrap();
+    let f = frame(req);
+    let mut pipe = [0i32; 2];
+    // SAFETY: pipe fills our two ints.
+    assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+    let mut pids = Vec::new();
+    for _ in 0..procs {
+        // SAFETY: the child only makes raw syscalls on memory prepared
+        // before the fork (async-signal-safe), then blocks until killed.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            // SAFETY: as above; `_exit` never returns.
+            unsafe { child_registers(&sock, &f, pipe[1]) };
+        }
+        pids.push(pid);
+    }
+    // SAFETY: our copy of the write end.
+    unsafe { libc::close(pipe[1]) };
+    // SAFETY: the read end, ours alone from here.
+    let mut r = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(pipe[0]) };
+    let mut answered = vec![0u8; procs];
+    r.read_exact(&mut answered).unwrap();
+    Children { pids }
+}
+
+/// In a fork child: four connections, each sends `f` and reads its
+/// answer; one byte on `done`; then sleep until killed.
+unsafe fn child_registers(sock: &std::ffi::CStr, f: &[u8], done: i32) -> ! {
+    // SAFETY: raw syscalls on locals and on memory that was prepared
+    // before the fork.
+    unsafe {
+        let mut addr: libc::sockaddr_un = std::mem::zeroed();
+        addr.sun_family = libc::AF_UNIX as u16;
+        for (i, b) in sock.to_bytes().iter().enumerate() {
+            addr.sun_path[i] = *b as libc::c_char;
+        }
+        for _ in 0..4 {
+            let s = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            let len = std::mem::size_of::<libc::sockaddr_un>() as u32;
+            if libc::connect(s, (&raw const addr).cast(), len) == 0 {
+                libc::write(s, f.as_ptr().cast(), f.len());
+                let mut buf = [0u8; 512];
+                libc::read(s, buf.as_mut_ptr().cast(), buf.len());
+            }
+        }
+        libc::write(done, b"x".as_ptr().cast(), 1);
+        loop {
+            libc::pause();
+        }
+    }
+}
+
+/// Forked children, killed and reaped on drop.
+pub struct Children {
+    pids: Vec<i32>,
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for &p in &self.pids {
+            // SAFETY: our own children.
+            unsafe { libc::kill(p, libc::SIGKILL) };
+        }
+        for &p in &self.pids {
+            // SAFETY: reaping our own child.
+            unsafe { libc::waitpid(p, std::ptr::null_mut(), 0) };
+        }
+    }
+}
+
+/// Garbage on `dir`'s socket: `n` each of an oversized length, random
+/// bytes, a frame cut short and left open (slow), a valid request followed
+/// by a stream of bytes. Returns the slow connections (hold them to keep
+/// the daemon waiting).
+pub fn garbage(dir: &Path, req: &RegisterRequest, n: usize) -> Vec<UnixStream> {
+    let path = dir.join(quota_config::SOCKET_FILE);
+    let mut slow = Vec::new();
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    for _ in 0..n {
+        if let Ok(mut s) = UnixStream::connect(&path) {
+            let _ = s.write_all(&(1u32 << 30).to_be_bytes());
+        }
+        if let Ok(mut s) = UnixStream::connect(&path) {
+            let junk: Vec<u8> = (0..512)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    seed as u8
+                })
+                .collect();
+            let _ = s.write_all(&junk);
+        }
+        if let Ok(mut s) = UnixStream::connect(&path) {
+            let f = frame(req);
+            let _ = s.write_all(&f[..f.len() / 2]);
+            slow.push(s);
+        }
+    }
+    if let Ok(mut s) = UnixStream::connect(&path) {
+        let _ = s.write_all(&frame(req));
+        let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
+        let chunk = [0u8; 4096];
+        for _ in 0..64 {
+            if s.write_all(&chunk).is_err() {
+                break;
+            }
+        }
+    }
+    slow
+}
+
+/// VmRSS of `pid`, KiB.
+pub fn rss_kib(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The children of `pid` (a supervisor's: the serving daemon).
+pub fn children_of(pid: i32) -> Vec<i32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}

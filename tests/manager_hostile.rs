@@ -1,0 +1,207 @@
+//! A hostile process in a share container of the real manager (the
+//! `gpu-manager` binary, supervised, on a simulated node): it registers as
+//! its own container's process, as any program there can, then truncates,
+//! grows and writes the ledger it was handed, holds 1,000 registrations
+//! with maximal requests and sends garbage and slow frames. The manager
+//! stays the same process and keeps answering, its RSS stays bounded, and
+//! the quotas hold: the hostile container's for its ordinary processes
+//! (also with `VCUDA_CONFIG_DIR` pointed at a copied config that turns
+//! enforcement off), the other share's beside it. Needs root (a mount
+//! namespace for the container's `/etc/vcuda`) and `cargo build
+//! --workspace` first.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use test_support::hostile::{self, children_of, rss_kib};
+use test_support::manager::{Env, Options, container_env};
+use test_support::{Capability, compile_c, http_get, kv, require};
+
+const MIB: u64 = 1 << 20;
+
+/// Runs `shim_client quota 64` in a container admitted with `env`: its
+/// quota directory bind-mounted at `/etc/vcuda` in a mount namespace of
+/// its own (as the container runtime mounts it), plus `extra` env.
+fn quota_run(
+    client: &Path,
+    env: &[(String, String)],
+    sim_root: &Path,
+    extra: &[(&str, &str)],
+) -> String {
+    let dir = env
+        .iter()
+        .find(|(k, _)| k == "VCUDA_CONFIG_DIR")
+        .map(|(_, v)| v.clone())
+        .unwrap();
+    // /etc on a tmpfs with the loader's cache, then the vm directory at
+    // /etc/vcuda, read-only: nothing of this reaches the host's /etc.
+    let script = format!(
+        "set -e; c=$(mktemp -d); cp /etc/ld.so.cache $c/ 2>/dev/null || true; \
+         mount -t tmpfs tmpfs /etc; cp $c/ld.so.cache /etc/ 2>/dev/null || true; \
+         mkdir /etc/vcuda; mount --bind {dir} /etc/vcuda; mount -o remount,bind,ro /etc/vcuda; \
+         exec \"$@\""
+    );
+    let out = Command::new("unshare")
+        .args([
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            &script,
+            "sh",
+        ])
+        .arg(client)
+        .args(["quota", "64"])
+        .envs(env.iter().filter(|(k, _)| k != "VCUDA_CONFIG_DIR").cloned())
+        .envs(extra.iter().map(|&(k, v)| (k, v)))
+        .env("GPU_SIM_ROOT", sim_root)
+        .env_remove("LOGGER_LEVEL")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "shim_client quota: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+fn assert_held(out: &str, quota: u64, who: &str) {
+    let r = kv(out);
+    let get = |k: &str| r[k].parse::<u64>().unwrap();
+    assert_eq!(
+        get("start_total"),
+        quota,
+        "{who}: cuMemGetInfo total: {out}"
+    );
+    assert_eq!(get("last"), 2, "{who}: refused past the quota: {out}");
+    assert!(get("allocated") * 64 * MIB <= quota, "{who}: {out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_share_cannot_harm_the_manager_nor_lift_its_quota() {
+    if !require(Capability::Root) {
+        return;
+    }
+    let opts = Options {
+        extra_args: vec![
+            "--interposer".into(),
+            test_support::target_dir().join("libvcuda.so").into(),
+        ],
+        ..Options::default()
+    };
+    let mut env = Env::start("sim-4gpu-pcie", opts).await;
+    let sup = env.manager.id() as i32;
+    let child = children_of(sup);
+    assert_eq!(child.len(), 1, "the supervisor's one child: {child:?}");
+    let child = child[0];
+
+    let hostile = env.pod(&[("main", 30, 4)], &[]);
+    let rh = env.admit(&hostile, "main", 30, 4).await.unwrap();
+    let victim = env.pod(&[("main", 30, 4)], &[]);
+    let rv = env.admit(&victim, "main", 30, 4).await.unwrap();
+    let vcore = test_support::manager::VCORE;
+    assert_eq!(Env::minors(&rh), Env::minors(&rv), "both shares on one GPU");
+    let dir = env.vm_dir().join(&hostile.uid).join("main");
+    let req = hostile::maximal_request(&hostile.uid, "main");
+
+    // The ledger descriptor: no resize takes, the quota word is written.
+    let (conn, resp, fds) = hostile::register(&dir, &req);
+    assert_eq!(resp.status, 1, "accepted: {resp:?}");
+    assert_eq!(fds.len(), 1);
+    let r = hostile::resize(&fds[0]);
+    assert_eq!(r.truncate, Err(libc::EPERM), "{r:?}");
+    assert_eq!(r.grow, Err(libc::EPERM), "{r:?}");
+    assert_eq!(r.fallocate, Err(libc::EPERM), "{r:?}");
+    assert_eq!(r.len_after, container_ledger::FILE_SIZE as u64);
+    hostile::scribble(&fds[0]);
+    // One process holds at most 4 registrations.
+    let more: Vec<_> = (0..3).map(|_| hostile::register(&dir, &req)).collect();
+    assert!(more.iter().all(|(_, r, _)| r.status == 1));
+    let (_, refused, _) = hostile::register(&dir, &req);
+    assert_eq!(refused.status, 2, "{refused:?}");
+    assert!(
+        refused.message.contains("already holds 4 registrations"),
+        "{refused:?}"
+    );
+    assert!(
+        !dir.join(container_ledger::LEDGER_FILE).exists(),
+        "no ledger file on the host to grow"
+    );
+
+    // 1,000 registrations held (250 processes x 4), garbage, slow frames.
+    let addr = env.http_addr;
+    let rss0 = rss_kib(child);
+    let t0 = Instant::now();
+    let held = tokio::task::block_in_place(|| hostile::hold_registrations(&dir, &req, 250));
+    let slow = tokio::task::block_in_place(|| hostile::garbage(&dir, &req, 300));
+    let attack = t0.elapsed();
+    let (code, metrics) = tokio::task::spawn_blocking(move || http_get(addr, "/metrics"))
+        .await
+        .unwrap();
+    assert_eq!(code, 200, "{metrics}");
+    assert!(
+        metrics.contains(&hostile.name),
+        "the hostile pod is still listed"
+    );
+    let rss1 = rss_kib(child);
+    println!(
+        "manager RSS {rss0} KiB before, {rss1} KiB holding 1,000 registrations, 300 slow and 600 garbage connections (attack took {:.1} s)",
+        attack.as_secs_f64()
+    );
+    assert!(
+        rss1 < rss0 + 64 * 1024,
+        "RSS grew from {rss0} to {rss1} KiB"
+    );
+    drop((held, slow, conn, fds, more));
+    assert_eq!(children_of(sup), vec![child], "the same manager child");
+
+    // The quotas hold for ordinary processes, whatever the environment.
+    let tmp = tempfile::tempdir().unwrap();
+    let client = compile_c("shim_client", &env.sim, tmp.path());
+    let copied = tmp.path().join("copied");
+    std::fs::create_dir(&copied).unwrap();
+    let mut off = quota_config::read_quota(&dir).unwrap();
+    if let quota_config::Quota::Single(d) = &mut off {
+        d.enable = false;
+        d.gpu_memory = 64 << 30;
+        std::fs::write(
+            copied.join(quota_config::CONFIG_FILE),
+            d.to_bytes().unwrap(),
+        )
+        .unwrap();
+    }
+    let sim_root = env.sim_root().to_path_buf();
+    let (eh, ev) = (container_env(&rh[vcore]), container_env(&rv[vcore]));
+    tokio::task::block_in_place(|| {
+        assert_held(
+            &quota_run(&client, &eh, &sim_root, &[]),
+            1024 * MIB,
+            "hostile share",
+        );
+        let out = quota_run(
+            &client,
+            &eh,
+            &sim_root,
+            &[("VCUDA_CONFIG_DIR", copied.to_str().unwrap())],
+        );
+        assert_held(
+            &out,
+            1024 * MIB,
+            "hostile share, VCUDA_CONFIG_DIR at a copied config",
+        );
+        assert_held(
+            &quota_run(&client, &ev, &sim_root, &[]),
+            1024 * MIB,
+            "the other share",
+        );
+    });
+    assert_eq!(children_of(sup), vec![child], "the same manager child");
+    let (code, _) = tokio::task::spawn_blocking(move || http_get(addr, "/healthz"))
+        .await
+        .unwrap();
+    assert_eq!(code, 200);
+}
