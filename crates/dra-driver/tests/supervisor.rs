@@ -373,3 +373,102 @@ async fn a_whole_container_restart_keeps_the_sockets_with_the_holder() {
         "the same registration socket: nothing new for the kubelet"
     );
 }
+
+/// A hostile process in a claim's container, against the supervised
+/// driver binary: the same attacks as `tests/manager_hostile.rs` on the
+/// manager (resize and write the ledger it was handed, 1,000 maximal
+/// registrations held, garbage and slow frames). The driver stays the
+/// same process and keeps answering, its RSS bounded; the claim's quota
+/// holds for an ordinary process, also with `VCUDA_CONFIG_DIR` at a
+/// copied config that turns enforcement off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_claim_cannot_harm_the_driver_nor_lift_its_quota() {
+    use test_support::hostile::{self, assert_held, quota_run, rss_kib};
+    if !test_support::require(test_support::Capability::Root) {
+        return;
+    }
+    let (server, dirs) = node().await;
+    let (sup, kubelet, _, _) = serving(&server, &dirs, &[]).await;
+    let child = children(sup.0.id());
+    assert_eq!(child.len(), 1, "{child:?}");
+    let child = child[0] as i32;
+    let c = share_claim(&server, "hostile", 20, "1Gi", None);
+    allocator::allocate(&server, NS, "hostile", NODE).unwrap();
+    let claim = plugin::claim(NS, "hostile", &uid(&c));
+    let r = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    let one = &r.claims[&claim.uid];
+    assert_eq!(one.error, "");
+    let edits =
+        dra_kubelet_emulator::cdi::resolve(&dirs.p("cdi"), &one.devices[0].cdi_device_ids[0])
+            .unwrap();
+    let env = container_env(&edits);
+    let dir =
+        std::path::PathBuf::from(&env.iter().find(|(k, _)| k == "VCUDA_CONFIG_DIR").unwrap().1);
+    let quota_config::Quota::Single(q) = quota_config::read_quota(&dir).unwrap() else {
+        panic!("a one-GPU claim");
+    };
+    let req = hostile::maximal_request(&q.pod_uid, &q.container_name);
+
+    let (conn, resp, fds) = hostile::register(&dir, &req);
+    assert_eq!(resp.status, 1, "accepted: {resp:?}");
+    let rs = hostile::resize(&fds[0]);
+    assert_eq!(
+        (rs.truncate, rs.grow, rs.fallocate),
+        (Err(libc::EPERM), Err(libc::EPERM), Err(libc::EPERM)),
+        "{rs:?}"
+    );
+    assert_eq!(rs.len_after, container_ledger::FILE_SIZE as u64);
+    hostile::scribble(&fds[0]);
+    let rss0 = rss_kib(child);
+    let held = tokio::task::block_in_place(|| hostile::hold_registrations(&dir, &req, 250));
+    let slow = tokio::task::block_in_place(|| hostile::garbage(&dir, &req, 300));
+    // Still answering the kubelet while all of that is held.
+    prepare(&kubelet, &server, "after").await;
+    let rss1 = rss_kib(child);
+    eprintln!(
+        "DRA driver RSS {rss0} KiB before, {rss1} KiB holding 1,000 registrations, 300 slow and 600 garbage connections"
+    );
+    assert!(
+        rss1 < rss0 + 64 * 1024,
+        "RSS grew from {rss0} to {rss1} KiB"
+    );
+    drop((held, slow, conn, fds));
+    assert_eq!(children(sup.0.id()), vec![child as u32], "the same driver");
+
+    let client = dirs.p("shim_client");
+    test_support::sim::gcc_lcuda(
+        &workspace().join("tests/c/shim_client.c"),
+        &dirs.p("sim").join("usr/lib/x86_64-linux-gnu"),
+        &client,
+    );
+    let copied = dirs.p("copied");
+    std::fs::create_dir_all(&copied).unwrap();
+    let mut off = q.clone();
+    off.enable = false;
+    off.gpu_memory = 64 << 30;
+    std::fs::write(
+        copied.join(quota_config::CONFIG_FILE),
+        off.to_bytes().unwrap(),
+    )
+    .unwrap();
+    let sim = dirs.p("sim");
+    tokio::task::block_in_place(|| {
+        assert_held(
+            &quota_run(&client, &env, &sim, &[]),
+            1 << 30,
+            "hostile claim",
+        );
+        let out = quota_run(
+            &client,
+            &env,
+            &sim,
+            &[("VCUDA_CONFIG_DIR", copied.to_str().unwrap())],
+        );
+        assert_held(
+            &out,
+            1 << 30,
+            "hostile claim, VCUDA_CONFIG_DIR at a copied config",
+        );
+    });
+    assert_eq!(children(sup.0.id()), vec![child as u32], "the same driver");
+}

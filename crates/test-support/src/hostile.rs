@@ -8,6 +8,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
 use container_ledger::{Ledger, fdpass};
@@ -226,4 +227,67 @@ pub fn children_of(pid: i32) -> Vec<i32> {
         .split_whitespace()
         .filter_map(|p| p.parse().ok())
         .collect()
+}
+
+/// Runs `shim_client quota 64` in a container admitted with `env`: its
+/// quota directory bind-mounted at `/etc/vcuda` in a mount namespace of
+/// its own (as the container runtime mounts it), plus `extra` env.
+pub fn quota_run(
+    client: &Path,
+    env: &[(String, String)],
+    sim_root: &Path,
+    extra: &[(&str, &str)],
+) -> String {
+    let dir = env
+        .iter()
+        .find(|(k, _)| k == "VCUDA_CONFIG_DIR")
+        .map(|(_, v)| v.clone())
+        .unwrap();
+    // /etc on a tmpfs with the loader's cache, then the vm directory at
+    // /etc/vcuda, read-only: nothing of this reaches the host's /etc.
+    let script = format!(
+        "set -e; c=$(mktemp -d); cp /etc/ld.so.cache $c/ 2>/dev/null || true; \
+         mount -t tmpfs tmpfs /etc; cp $c/ld.so.cache /etc/ 2>/dev/null || true; rm -rf $c; \
+         mkdir /etc/vcuda; mount --bind {dir} /etc/vcuda; mount -o remount,bind,ro /etc/vcuda; \
+         exec \"$@\""
+    );
+    let out = Command::new("unshare")
+        .args([
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            &script,
+            "sh",
+        ])
+        .arg(client)
+        .args(["quota", "64"])
+        .envs(env.iter().filter(|(k, _)| k != "VCUDA_CONFIG_DIR").cloned())
+        .envs(extra.iter().map(|&(k, v)| (k, v)))
+        .env("GPU_SIM_ROOT", sim_root)
+        .env_remove("LOGGER_LEVEL")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "shim_client quota: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+/// `shim_client quota 64`'s output shows `quota` bytes and a refusal
+/// (CUDA_ERROR_OUT_OF_MEMORY) once they are allocated.
+pub fn assert_held(out: &str, quota: u64, who: &str) {
+    let r = crate::kv(out);
+    let get = |k: &str| r[k].parse::<u64>().unwrap();
+    assert_eq!(
+        get("start_total"),
+        quota,
+        "{who}: cuMemGetInfo total: {out}"
+    );
+    assert_eq!(get("last"), 2, "{who}: refused past the quota: {out}");
+    assert!(get("allocated") * 64 * (1 << 20) <= quota, "{who}: {out}");
 }
