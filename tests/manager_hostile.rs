@@ -9,6 +9,10 @@
 //! enforcement off), the other share's beside it. Needs root (a mount
 //! namespace for the container's `/etc/vcuda`) and `cargo build
 //! --workspace` first.
+//!
+//! And a process of the share that loads the real driver beside the
+//! interposer: the manager's escape guard reports it within a sampling
+//! period, and ends it under `--escape-policy kill`.
 
 use std::time::Instant;
 
@@ -141,4 +145,110 @@ async fn a_hostile_share_cannot_harm_the_manager_nor_lift_its_quota() {
         .await
         .unwrap();
     assert_eq!(code, 200);
+}
+
+/// A process of the share that loads the real driver beside the
+/// interposer (by path, through its own `libcuda.so.1`): with `policy`,
+/// the manager's guard reports it within a sampling period (1 s here)
+/// and, under `kill`, ends it. Returns (seconds to the report, whether
+/// the process was ended).
+async fn bypass_under(policy: &str) -> (f64, bool) {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let opts = Options {
+        extra_args: vec![
+            "--interposer".into(),
+            test_support::target_dir().join("libvcuda.so").into(),
+            "--escape-policy".into(),
+            policy.into(),
+        ],
+        ..Options::default()
+    };
+    let mut env = Env::start("sim-4gpu-pcie", opts).await;
+    let pod = env.pod(&[("main", 30, 4)], &[]);
+    let r = env.admit(&pod, "main", 30, 4).await.unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let client = compile_c("shim_client", &env.sim, tmp.path());
+    let e = container_env(&r[test_support::manager::VCORE]);
+    let bypass = hostile::real_driver_dir(&e, tmp.path());
+    let lib = e
+        .iter()
+        .find(|(k, _)| k == "LD_LIBRARY_PATH")
+        .unwrap()
+        .1
+        .clone();
+    let path = format!("{}:{lib}", bypass.display());
+    let mut p = hostile::in_share(&client, &e, env.sim_root(), &[("LD_LIBRARY_PATH", &path)])
+        .args(["hold", "512"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(p.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains("holding"), "{line}");
+    let t0 = Instant::now();
+    let addr = env.http_addr;
+    let series = format!(
+        "vcuda_container_escapes_total{{container=\"main\",namespace=\"default\",pod=\"{}\",reason=\"unregistered_process\"}} 1",
+        pod.name
+    );
+    loop {
+        let (_, m) = tokio::task::spawn_blocking(move || http_get(addr, "/metrics"))
+            .await
+            .unwrap();
+        if m.contains(&series) {
+            break;
+        }
+        assert!(
+            t0.elapsed().as_secs() < 10,
+            "no {series} after 10 s; log:\n{}",
+            env.log_text()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let reported = t0.elapsed().as_secs_f64();
+    let log = env
+        .wait_log("without the vcuda interposer: it never registered", 1)
+        .await;
+    // unshare and sh exec: the PID NVML reports is the one spawned.
+    assert!(
+        log.contains(&format!("process {} uses the GPU", p.id())),
+        "{log}"
+    );
+    let t1 = Instant::now();
+    let mut ended = false;
+    while t1.elapsed().as_secs() < 3 {
+        if p.try_wait().unwrap().is_some() {
+            ended = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let _ = p.kill();
+    let _ = p.wait();
+    (reported, ended)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_that_bypasses_the_interposer_is_reported() {
+    if !require(Capability::Root) {
+        return;
+    }
+    let (secs, ended) = bypass_under("report").await;
+    println!("escape reported {secs:.2} s after the process held its memory (sample period 1 s)");
+    assert!(!ended, "report never ends the process");
+    assert!(secs < 3.0, "reported after {secs:.2} s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_that_bypasses_the_interposer_is_ended_under_kill() {
+    if !require(Capability::Root) {
+        return;
+    }
+    let (secs, ended) = bypass_under("kill").await;
+    println!("escape reported and ended {secs:.2} s after the process held its memory");
+    assert!(ended, "the kill policy ended the process");
 }

@@ -79,6 +79,10 @@ pub struct Args {
     /// Seconds between display samples [default: 1].
     #[arg(long)]
     pub sample_period: Option<u64>,
+    /// A process in a claim's container using a GPU without the
+    /// interposer: "report" (log, metric) or "kill" (and end it) [default: report].
+    #[arg(long)]
+    pub escape_policy: Option<String>,
     /// Run the driver alone, without the supervisor that keeps the
     /// kubelet's sockets open across a crash and starts it again.
     #[arg(long, env = "VCUDA_DRA_NO_SUPERVISOR")]
@@ -112,6 +116,7 @@ pub fn resolve(a: Args) -> anyhow::Result<Settings> {
         extra_config: a.extra_config,
         display_socket: a.display_socket,
         sample_period: a.sample_period,
+        escape_policy: a.escape_policy,
         ..Options::default()
     };
     let n = NodeConfig::resolve(&flags.over(f))?;
@@ -154,6 +159,7 @@ pub fn resolve(a: Args) -> anyhow::Result<Settings> {
         extra_devices,
         display: (display_socket.as_os_str() != "none").then_some((display_socket, query_addr)),
         sample_period: n.sample_period,
+        escape_policy: n.escape_policy,
     })
 }
 

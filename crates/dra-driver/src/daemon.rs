@@ -45,6 +45,7 @@ pub struct Settings {
     /// claims shown like containers. None: not served.
     pub display: Option<(PathBuf, std::net::SocketAddr)>,
     pub sample_period: Duration,
+    pub escape_policy: gpu_display::guard::Policy,
 }
 
 /// What a running driver tells its starter.
@@ -257,6 +258,7 @@ async fn start_display(
         socket.clone(),
         *addr,
         s.sample_period,
+        s.escape_policy,
         false,
         cancel,
     )

@@ -125,6 +125,7 @@ impl DisplaySource for DraSource {
                     compute_unattributed: counters.map(|c| c.compute_unattributed),
                     user: String::new(),
                     cluster: String::new(),
+                    vm_dir: reg.dir(&id),
                 });
             }
         }

@@ -111,6 +111,7 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
         extra_devices: vec![],
         display: Some((dirs.p("display.sock"), "127.0.0.1:0".parse().unwrap())),
         sample_period: Duration::from_secs(1),
+        escape_policy: gpu_display::guard::Policy::Report,
     };
     let cancel = CancellationToken::new();
     let (tx, rx) = tokio::sync::oneshot::channel();

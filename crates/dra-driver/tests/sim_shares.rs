@@ -56,6 +56,7 @@ fn settings(dirs: &Dirs) -> Settings {
         extra_devices: vec![],
         display: None,
         sample_period: Duration::from_secs(1),
+        escape_policy: gpu_display::guard::Policy::Report,
     }
 }
 

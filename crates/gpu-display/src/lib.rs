@@ -12,6 +12,7 @@
 //! bumps [`ManagerMetrics`], and starts everything with [`Display::start`].
 
 mod grpc;
+pub mod guard;
 mod http;
 pub mod metrics;
 pub mod sampler;
@@ -85,6 +86,9 @@ pub struct DisplayOptions {
     /// Bind the socket even when a live server answers on it (a manager
     /// started beside the one it replaces); refused otherwise.
     pub take_over_socket: bool,
+    /// What the escape guard does after each sample ([`guard`]); `None`:
+    /// no guard.
+    pub escape_policy: Option<guard::Policy>,
 }
 
 impl Default for DisplayOptions {
@@ -95,6 +99,7 @@ impl Default for DisplayOptions {
             query_addr: SocketAddr::new(DEFAULT_QUERY_ADDR.parse().unwrap(), DEFAULT_QUERY_PORT),
             sample_period: Duration::from_secs(1),
             take_over_socket: false,
+            escape_policy: Some(guard::Policy::Report),
         }
     }
 }
@@ -105,6 +110,7 @@ pub(crate) struct Shared {
     pub(crate) snapshot: Arc<SnapshotCell>,
     pub(crate) stats: Arc<SamplerStats>,
     pub(crate) ready: AtomicBool,
+    pub(crate) on_escape: std::sync::OnceLock<guard::Notify>,
 }
 
 impl Shared {
@@ -136,6 +142,7 @@ impl Display {
                 snapshot: Arc::new(SnapshotCell::default()),
                 stats: Arc::new(SamplerStats::default()),
                 ready: AtomicBool::new(false),
+                on_escape: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -182,11 +189,41 @@ impl Display {
         reader: impl GpuReader,
         period: Duration,
     ) -> Result<Sampler, Error> {
-        Sampler::spawn(
+        self.start_guarded_sampler(reader, period, None)
+    }
+
+    /// Tells the daemon about each new escape (an Event on the pod). Set
+    /// once, before [`Display::start`].
+    pub fn on_escape(&self, notify: guard::Notify) {
+        let _ = self.shared.on_escape.set(notify);
+    }
+
+    /// [`Display::start_sampler`], with the escape guard judging each
+    /// sample under `policy` (none: no guard).
+    pub fn start_guarded_sampler(
+        &self,
+        reader: impl GpuReader,
+        period: Duration,
+        policy: Option<guard::Policy>,
+    ) -> Result<Sampler, Error> {
+        let after = policy.map(|policy| {
+            let shared = self.shared.clone();
+            let mut g = guard::Guard::new(
+                guard::Host,
+                policy,
+                shared.metrics.manager.clone(),
+                shared.on_escape.get().cloned(),
+            );
+            Box::new(move |s: &Snapshot| {
+                g.check(s, &shared.source.containers());
+            }) as sampler::AfterSample
+        });
+        Sampler::spawn_with(
             reader,
             period,
             self.shared.snapshot.clone(),
             self.shared.stats.clone(),
+            after,
         )
     }
 
@@ -229,7 +266,11 @@ impl Display {
         cancel: CancellationToken,
     ) -> Result<Running, Error> {
         let sampler = match reader {
-            Some(r) => Some(self.start_sampler(BoxedReader(r), opts.sample_period)?),
+            Some(r) => Some(self.start_guarded_sampler(
+                BoxedReader(r),
+                opts.sample_period,
+                opts.escape_policy,
+            )?),
             None => None,
         };
         let grpc = grpc::serve(

@@ -32,6 +32,7 @@ pub struct ManagerMetrics {
     allocate_seconds: Histogram,
     recovery_seconds: Gauge,
     ready: Gauge,
+    escapes: IntCounterVec,
 }
 
 impl ManagerMetrics {
@@ -72,6 +73,14 @@ impl ManagerMetrics {
             "1 once the manager serves allocations (what /readyz reports).",
         )
         .expect("valid metric");
+        let escapes = IntCounterVec::new(
+            Opts::new(
+                "vcuda_container_escapes_total",
+                "GPU use the interposer did not see, found from outside the process: a share's process that never registered, a share over its memory quota on NVML's count.",
+            ),
+            &["namespace", "pod", "container", "reason"],
+        )
+        .expect("valid metric");
         let build = GaugeVec::new(
             Opts::new(
                 "vcuda_manager_build_info",
@@ -91,6 +100,7 @@ impl ManagerMetrics {
             Box::new(allocate_seconds.clone()),
             Box::new(recovery_seconds.clone()),
             Box::new(ready.clone()),
+            Box::new(escapes.clone()),
             Box::new(build),
         ] {
             registry.register(c).expect("metric names are unique");
@@ -101,7 +111,15 @@ impl ManagerMetrics {
             allocate_seconds,
             recovery_seconds,
             ready,
+            escapes,
         }
+    }
+
+    /// The escape guard found something (`reason`: a fixed word).
+    pub fn escape(&self, namespace: &str, pod: &str, container: &str, reason: &str) {
+        self.escapes
+            .with_label_values(&[namespace, pod, container, reason])
+            .inc();
     }
 
     /// An Allocate for `resource` (e.g. `tencent.com/vcuda-core`) succeeded.

@@ -74,6 +74,9 @@ pub trait GpuReader: Send + 'static {
     fn sample(&mut self) -> Result<Vec<GpuSample>, Error>;
 }
 
+/// Run after each sample, on the sampler's thread.
+pub type AfterSample = Box<dyn FnMut(&Snapshot) + Send>;
+
 /// Counters about the sampler itself, exported as metrics.
 #[derive(Debug, Default)]
 pub struct SamplerStats {
@@ -94,10 +97,22 @@ pub struct Sampler {
 impl Sampler {
     /// Samples with `reader` now and then every `period`, storing into `cell`.
     pub fn spawn(
+        reader: impl GpuReader,
+        period: Duration,
+        cell: Arc<SnapshotCell>,
+        stats: Arc<SamplerStats>,
+    ) -> Result<Sampler, Error> {
+        Self::spawn_with(reader, period, cell, stats, None)
+    }
+
+    /// [`Sampler::spawn`], calling `after` with each new snapshot on the
+    /// sampler's thread (the escape guard: within the period it was seen).
+    pub fn spawn_with(
         mut reader: impl GpuReader,
         period: Duration,
         cell: Arc<SnapshotCell>,
         stats: Arc<SamplerStats>,
+        mut after: Option<AfterSample>,
     ) -> Result<Sampler, Error> {
         let (tx, rx) = mpsc::channel::<()>();
         let join = std::thread::Builder::new()
@@ -107,10 +122,15 @@ impl Sampler {
                     let cpu0 = thread_cpu_ns();
                     let t0 = Instant::now();
                     match reader.sample() {
-                        Ok(gpus) => cell.store(Snapshot {
-                            taken: Some(SystemTime::now()),
-                            gpus,
-                        }),
+                        Ok(gpus) => {
+                            cell.store(Snapshot {
+                                taken: Some(SystemTime::now()),
+                                gpus,
+                            });
+                            if let Some(a) = after.as_mut() {
+                                a(&cell.load());
+                            }
+                        }
                         Err(e) => {
                             stats.errors.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(error = %e, "GPU sample failed; keeping the previous one");

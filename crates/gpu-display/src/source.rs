@@ -108,4 +108,9 @@ pub struct ContainerView {
     /// `ContainerStat.cluster` of the display API.
     #[serde(default)]
     pub cluster: String,
+    /// The share's vm directory on the host (mounted at `/etc/vcuda` in
+    /// the container): how the escape guard knows a process is in it.
+    /// Not shown to clients.
+    #[serde(skip)]
+    pub vm_dir: Option<std::path::PathBuf>,
 }

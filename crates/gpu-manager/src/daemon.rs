@@ -322,6 +322,16 @@ async fn start_display(
         node: s.node_name.clone(),
         models: found.names.clone(),
     }));
+    let events = mgr.events();
+    display.on_escape(Arc::new(move |c, f| {
+        events.post(crate::events::PodEvent {
+            namespace: c.namespace.clone(),
+            name: c.pod_name.clone(),
+            uid: c.pod_uid.clone(),
+            reason: crate::events::ESCAPE,
+            note: format!("container {}: {}", c.container, f.describe()),
+        })
+    }));
     let query_addr = tokio::net::lookup_host((s.query_addr.as_str(), s.query_port))
         .await
         .ok()
@@ -338,6 +348,7 @@ async fn start_display(
         s.display_socket.clone(),
         query_addr,
         s.sample_period,
+        s.escape_policy,
         take_over_socket,
         cancel,
     )

@@ -85,6 +85,7 @@ impl DisplaySource for ManagerSource {
                     }
                 };
                 let counters = self.mgr.registry().ledger_counters(&a.id());
+                let vm_dir = self.mgr.registry().dir(&a.id());
                 let host_pids = self
                     .mgr
                     .registry()
@@ -109,6 +110,7 @@ impl DisplaySource for ManagerSource {
                     container: a.container,
                     user: String::new(),
                     cluster: String::new(),
+                    vm_dir,
                 }
             })
             .collect()

@@ -34,6 +34,9 @@ pub const ALLOCATE_FAILED: &str = "VcudaAllocateFailed";
 /// PreStart found that kubelet gave the devices to another pod than the
 /// one guessed at Allocate; the allocation was withdrawn.
 pub const WRONG_POD_GUESS: &str = "VcudaWrongPodGuess";
+/// The escape guard saw GPU use the interposer did not (gpu-display's
+/// `guard`): a process that never registered, a share over its quota.
+pub const ESCAPE: &str = "VcudaEscape";
 const CONTROLLER: &str = "tencent.com/gpu-manager";
 const REPEAT_AFTER: Duration = Duration::from_secs(60);
 const MAX_NOTE: usize = 1024;

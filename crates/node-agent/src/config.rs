@@ -92,6 +92,11 @@ pub struct Options {
     /// Seconds between GPU process and utilization samples [default: 1].
     #[arg(long, env = "GPU_MANAGER_SAMPLE_PERIOD")]
     pub sample_period: Option<u64>,
+    /// What to do, after each sample, with a process in a share that uses
+    /// a GPU without having registered with the interposer: "report" (log,
+    /// metric, an Event on the pod) or "kill" (and end it) [default: report].
+    #[arg(long, env = "GPU_MANAGER_ESCAPE_POLICY")]
+    pub escape_policy: Option<String>,
     /// Labels to put on this node, "k=v,k2=v2" (plus the GPU model label).
     #[arg(long, env = "GPU_MANAGER_NODE_LABELS")]
     pub node_labels: Option<String>,
@@ -183,6 +188,7 @@ impl Options {
             display_socket,
             kubeconfig,
             sample_period,
+            escape_policy,
             node_labels,
             hostname_override,
             virtual_manager_path,
@@ -234,6 +240,7 @@ pub struct NodeConfig {
     pub query_addr: String,
     pub query_port: u16,
     pub sample_period: Duration,
+    pub escape_policy: gpu_display::guard::Policy,
 }
 
 impl NodeConfig {
@@ -288,6 +295,13 @@ impl NodeConfig {
                     .unwrap_or(defaults::SAMPLE_PERIOD_SECS)
                     .max(1),
             ),
+            escape_policy: match &o.escape_policy {
+                None => gpu_display::guard::Policy::default(),
+                Some(p) => p.parse().map_err(|problem| ConfigError::Invalid {
+                    field: "escape-policy",
+                    problem,
+                })?,
+            },
         })
     }
 

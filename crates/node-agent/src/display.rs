@@ -11,7 +11,8 @@ use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
 /// Starts `display` (gRPC on `socket`, HTTP on `query_addr`), sampling
-/// the GPUs through `nvml` every `sample_period`. `take_over_socket`: bind
+/// the GPUs through `nvml` every `sample_period`, the escape guard judging
+/// each sample under `escape_policy`. `take_over_socket`: bind
 /// the socket even while a live server answers on it (the manager this one
 /// replaces).
 pub async fn start(
@@ -20,6 +21,7 @@ pub async fn start(
     socket: PathBuf,
     query_addr: SocketAddr,
     sample_period: Duration,
+    escape_policy: gpu_display::guard::Policy,
     take_over_socket: bool,
     cancel: &CancellationToken,
 ) -> anyhow::Result<gpu_display::Running> {
@@ -31,6 +33,7 @@ pub async fn start(
                 query_addr,
                 sample_period,
                 take_over_socket,
+                escape_policy: Some(escape_policy),
                 ..Default::default()
             },
             Some(Box::new(reader)),

@@ -336,6 +336,15 @@ impl Registry {
         }
     }
 
+    /// The vm directory a container is served in.
+    pub fn dir(&self, id: &str) -> Option<PathBuf> {
+        self.endpoints
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(id)
+            .map(|e| e.procs.dir.clone())
+    }
+
     /// Registered host PIDs of a container.
     pub fn pids(&self, id: &str) -> Vec<i32> {
         self.endpoints

@@ -229,44 +229,55 @@ pub fn children_of(pid: i32) -> Vec<i32> {
         .collect()
 }
 
-/// Runs `shim_client quota 64` in a container admitted with `env`: its
-/// quota directory bind-mounted at `/etc/vcuda` in a mount namespace of
-/// its own (as the container runtime mounts it), plus `extra` env.
-pub fn quota_run(
+/// `client args…` as a process of the container admitted with `env`: its
+/// quota directory bind-mounted read-only at `/etc/vcuda` in a mount
+/// namespace of its own (as the container runtime mounts it; /etc on a
+/// tmpfs with the loader's cache, so nothing reaches the host's /etc),
+/// the rest of `env`, then `extra` over it.
+pub fn in_share(
     client: &Path,
     env: &[(String, String)],
     sim_root: &Path,
     extra: &[(&str, &str)],
-) -> String {
+) -> Command {
     let dir = env
         .iter()
         .find(|(k, _)| k == "VCUDA_CONFIG_DIR")
         .map(|(_, v)| v.clone())
         .unwrap();
-    // /etc on a tmpfs with the loader's cache, then the vm directory at
-    // /etc/vcuda, read-only: nothing of this reaches the host's /etc.
     let script = format!(
         "set -e; c=$(mktemp -d); cp /etc/ld.so.cache $c/ 2>/dev/null || true; \
          mount -t tmpfs tmpfs /etc; cp $c/ld.so.cache /etc/ 2>/dev/null || true; rm -rf $c; \
          mkdir /etc/vcuda; mount --bind {dir} /etc/vcuda; mount -o remount,bind,ro /etc/vcuda; \
          exec \"$@\""
     );
-    let out = Command::new("unshare")
-        .args([
-            "--mount",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            &script,
-            "sh",
-        ])
-        .arg(client)
+    let mut c = Command::new("unshare");
+    c.args([
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        &script,
+        "sh",
+    ])
+    .arg(client)
+    .envs(env.iter().filter(|(k, _)| k != "VCUDA_CONFIG_DIR").cloned())
+    .envs(extra.iter().map(|&(k, v)| (k, v)))
+    .env("GPU_SIM_ROOT", sim_root)
+    .env_remove("LOGGER_LEVEL");
+    c
+}
+
+/// Runs `shim_client quota 64` in the share ([`in_share`]).
+pub fn quota_run(
+    client: &Path,
+    env: &[(String, String)],
+    sim_root: &Path,
+    extra: &[(&str, &str)],
+) -> String {
+    let out = in_share(client, env, sim_root, extra)
         .args(["quota", "64"])
-        .envs(env.iter().filter(|(k, _)| k != "VCUDA_CONFIG_DIR").cloned())
-        .envs(extra.iter().map(|&(k, v)| (k, v)))
-        .env("GPU_SIM_ROOT", sim_root)
-        .env_remove("LOGGER_LEVEL")
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -276,6 +287,33 @@ pub fn quota_run(
         String::from_utf8_lossy(&out.stderr)
     );
     text
+}
+
+/// A directory whose `libcuda.so.1` is the real driver that sits beside
+/// the interposer in the share's `LD_LIBRARY_PATH` (the mirror's
+/// `libcuda.so.<version>`): what a program that bypasses the interposer
+/// loads. Put it first in `LD_LIBRARY_PATH`.
+pub fn real_driver_dir(env: &[(String, String)], out: &Path) -> std::path::PathBuf {
+    let lib = env
+        .iter()
+        .find(|(k, _)| k == "LD_LIBRARY_PATH")
+        .map(|(_, v)| v.split(':').next().unwrap_or("").to_string())
+        .unwrap();
+    let real = std::fs::read_dir(&lib)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            let n = p.file_name().unwrap().to_string_lossy().into_owned();
+            n.starts_with("libcuda.so.") && n.matches('.').count() >= 3
+        })
+        .unwrap_or_else(|| panic!("no libcuda.so.<version> in {lib}"));
+    let dir = out.join("bypass");
+    std::fs::create_dir_all(&dir).unwrap();
+    let link = dir.join("libcuda.so.1");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    dir
 }
 
 /// `shim_client quota 64`'s output shows `quota` bytes and a refusal

@@ -135,6 +135,11 @@ impl Manager {
         &self.gpus
     }
 
+    /// Where the manager's pod Events go.
+    pub fn events(&self) -> Arc<dyn EventSink> {
+        self.events.clone()
+    }
+
     pub fn registry(&self) -> &Registry {
         &self.registry
     }
