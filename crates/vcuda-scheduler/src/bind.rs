@@ -103,6 +103,7 @@ async fn bind_inner(
                 args.pod_uid
             ));
         }
+        refuse(&pod)?;
         let others: Vec<&Pod> = others
             .iter()
             .filter(|p| gpu_pods::uid(p) != args.pod_uid)
@@ -146,6 +147,30 @@ async fn bind_inner(
     Err(format!(
         "lost {ATTEMPTS} races for the node's GPUs to other binds (last: {last}); the scheduler will place the pod again"
     ))
+}
+
+/// Pods bind never places, whoever asks: `/bind` is reachable by whoever
+/// reaches the extender, and must not become a way to place pods past the
+/// scheduler's filters (or move other tenants' pods).
+fn refuse(pod: &Pod) -> Result<(), String> {
+    if !crate::extender::asks_for_gpus(pod) {
+        return Err(
+            "asks for no tencent.com/vcuda-core: this extender binds only pods whose GPUs it places"
+                .into(),
+        );
+    }
+    if let Some(n) = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .filter(|n| !n.is_empty())
+    {
+        return Err(format!("is already bound to node {n}"));
+    }
+    if pod.metadata.deletion_timestamp.is_some() {
+        return Err("is being deleted".into());
+    }
+    Ok(())
 }
 
 /// Why a bind found no room, and whether other binds' reservations (which

@@ -330,3 +330,38 @@ async fn spread_puts_a_share_on_the_emptiest_gpu_and_binpack_on_the_fullest() {
         Some("2")
     );
 }
+
+#[tokio::test]
+async fn bind_refuses_pods_without_vcuda_requests_bound_pods_and_pods_being_deleted() {
+    let cpu: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "cpu", "namespace": "default", "uid": "uid-cpu", "resourceVersion": "1"},
+        "spec": {"containers": [{"name": "c"}]}
+    }))
+    .unwrap();
+    let mut bound = pod("bound", &[(30, 8)], json!({}));
+    bound.spec.as_mut().unwrap().node_name = Some("b".into());
+    let mut leaving = serde_json::to_value(pod("leaving", &[(30, 8)], json!({}))).unwrap();
+    leaving["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+    let leaving: Pod = serde_json::from_value(leaving).unwrap();
+    let m = Mem::with(&[node("a", 4, false)], &[cpu, bound, leaving]);
+    for (name, why) in [
+        ("cpu", "asks for no tencent.com/vcuda-core"),
+        ("bound", "is already bound to node b"),
+        ("leaving", "is being deleted"),
+    ] {
+        let r = bind_b(&m, &args(name, "a")).await;
+        assert!(r.error.contains(why), "{name}: {}", r.error);
+        assert_eq!(
+            annotation(&m, name, "tencent.com/predicate-node"),
+            None,
+            "{name}"
+        );
+    }
+    let i = m.lock();
+    assert_eq!(
+        i.pods["bound"].spec.as_ref().unwrap().node_name.as_deref(),
+        Some("b"),
+        "not moved"
+    );
+    assert!(i.pods["cpu"].spec.as_ref().unwrap().node_name.is_none());
+}

@@ -3,11 +3,13 @@
 //! (`gpu_allocator::inventory`), and what is placed on them from the pods
 //! that hold GPUs there — every live pod whose GPU containers carry
 //! `tencent.com/predicate-gpu-idx-<i>` (written by this extender's bind, by
-//! gpu-admission, or by the manager once it allocated). Nothing is
+//! gpu-admission, or by the manager once it allocated), bound or, if not
+//! bound yet, reserved within [`RESERVATION_TTL`]. Nothing is
 //! remembered between requests, so a restart or a second replica sees the
 //! same cluster.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use gpu_allocator::inventory::{ANNOTATION, Inventory};
 use gpu_allocator::{AllocError, Allocator, Placement, Request};
@@ -175,18 +177,45 @@ fn describe(r: &ContainerRequest, e: AllocError) -> String {
     format!("container {}: {e}", r.name)
 }
 
+/// How long a reservation on a pod that is not bound yet counts: a bind
+/// reserves and then binds at once, so an older one is a bind cut off (the
+/// extender killed; the pod is scheduled again) — or annotations a tenant
+/// wrote on pods that will never run, to deny GPUs to everyone else.
+pub const RESERVATION_TTL: Duration = Duration::from_secs(120);
+/// A reservation time this far ahead of our clock is another node's skew;
+/// further ahead, it is forged to never expire.
+pub const CLOCK_SKEW: Duration = Duration::from_secs(30);
+
 /// The node whose GPUs a live pod holds: where it is bound, else where a
-/// bind in flight put it (`tencent.com/predicate-node`).
+/// bind in flight put it (`tencent.com/predicate-node`) while its
+/// `predicate-time` is fresh ([`RESERVATION_TTL`]).
 /// A pod being deleted still holds them until its containers are gone.
 pub fn holding_node(pod: &Pod) -> Option<&str> {
+    holding_node_at(pod, SystemTime::now())
+}
+
+/// [`holding_node`] at `now`.
+pub fn holding_node_at(pod: &Pod, now: SystemTime) -> Option<&str> {
     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
     if matches!(phase, Some("Succeeded" | "Failed")) {
         return None;
     }
-    pod.spec
+    if let Some(n) = pod
+        .spec
         .as_ref()
         .and_then(|s| s.node_name.as_deref())
-        .or_else(|| gpu_pods::annotation(pod, gpu_pods::PREDICATE_NODE))
+        .filter(|n| !n.is_empty())
+    {
+        return Some(n);
+    }
+    let node = gpu_pods::annotation(pod, gpu_pods::PREDICATE_NODE)?;
+    let at: u128 = gpu_pods::annotation(pod, gpu_pods::PREDICATE_TIME)?
+        .parse()
+        .ok()?;
+    let now = now.duration_since(UNIX_EPOCH).ok()?.as_nanos();
+    let fresh = at.saturating_add(RESERVATION_TTL.as_nanos()) >= now
+        && at <= now.saturating_add(CLOCK_SKEW.as_nanos());
+    fresh.then_some(node)
 }
 
 /// The placement `minors` (`/dev/nvidiaN` numbers) record for `req` on a

@@ -258,7 +258,8 @@ fn a_pod_whose_bind_was_cut_off_fits_in_its_own_reservation_and_no_one_else_does
     let cut = pod(
         "cut",
         &[(60, 16)],
-        json!({"tencent.com/predicate-node": "a", "tencent.com/predicate-gpu-idx-0": "0"}),
+        json!({"tencent.com/predicate-node": "a", "tencent.com/predicate-gpu-idx-0": "0",
+               "tencent.com/predicate-time": ns_ago(5).to_string()}),
     );
     let pods = [placed("other", &[(40, 16)], "a", &["0"]), cut.clone()];
     let c = Cluster::build(&nodes, &pods);
@@ -269,4 +270,56 @@ fn a_pod_whose_bind_was_cut_off_fits_in_its_own_reservation_and_no_one_else_does
     let r = filter(&c, &args(pod("late", &[(60, 16)], json!({})), &["a"]));
     assert_eq!(r.node_names, Some(vec![]), "{r:?}");
     assert!(r.failed_nodes["a"].contains("free"), "{r:?}");
+}
+
+/// Epoch nanoseconds `secs` ago (negative: ahead).
+fn ns_ago(secs: i64) -> u128 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as i128;
+    (now - secs as i128 * 1_000_000_000) as u128
+}
+
+#[test]
+fn reservations_on_unbound_pods_count_only_while_fresh_so_forged_ones_expire() {
+    let nodes = [node("a", 1, false)];
+    let reserved = |name: &str, time: Option<u128>| {
+        let mut ann =
+            json!({"tencent.com/predicate-node": "a", "tencent.com/predicate-gpu-idx-0": "0"});
+        if let Some(t) = time {
+            ann["tencent.com/predicate-time"] = json!(t.to_string());
+        }
+        pod(name, &[(100, 64)], ann)
+    };
+    let ttl = crate::cluster::RESERVATION_TTL.as_secs() as i64;
+    let skew = crate::cluster::CLOCK_SKEW.as_secs() as i64;
+    for (p, counts) in [
+        (reserved("fresh", Some(ns_ago(10))), true),
+        (reserved("skewed", Some(ns_ago(-skew / 2))), true),
+        (reserved("stale", Some(ns_ago(ttl + 5))), false),
+        (reserved("forged-future", Some(ns_ago(-3600))), false),
+        (reserved("no-time", None), false),
+        (
+            pod(
+                "garbage-time",
+                &[(100, 64)],
+                json!({"tencent.com/predicate-node": "a", "tencent.com/predicate-gpu-idx-0": "0",
+                       "tencent.com/predicate-time": "soon"}),
+            ),
+            false,
+        ),
+    ] {
+        let c = Cluster::build(&nodes, [&p]);
+        let held = c.nodes["a"].allocator.usage(0).allocated_cores;
+        assert_eq!(
+            held == 100,
+            counts,
+            "{}: {held} cores held",
+            gpu_pods::name(&p)
+        );
+    }
+    // Bound, the annotations count whatever their time.
+    let c = Cluster::build(&nodes, &[placed("bound", &[(100, 64)], "a", &["0"])]);
+    assert_eq!(c.nodes["a"].allocator.usage(0).allocated_cores, 100);
 }
