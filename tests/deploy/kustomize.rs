@@ -101,6 +101,9 @@ fn check_types(what: &str, objects: &[Value]) {
             "ServiceAccount" => drop(typed::<ServiceAccount>(&name, v)),
             "ClusterRole" => drop(typed::<ClusterRole>(&name, v)),
             "ClusterRoleBinding" => drop(typed::<ClusterRoleBinding>(&name, v)),
+            "NetworkPolicy" => drop(typed::<k8s_openapi::api::networking::v1::NetworkPolicy>(
+                &name, v,
+            )),
             "ServiceMonitor" => {
                 let _: ServiceMonitor =
                     serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{name}: {e}"));

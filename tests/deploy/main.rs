@@ -552,6 +552,14 @@ fn the_scheduler_extender_manifests_fit_together() {
             "ClusterRole" => role = Some(typed::<ClusterRole>(f, &v)),
             "ClusterRoleBinding" => binding = Some(typed::<ClusterRoleBinding>(f, &v)),
             "ServiceAccount" => sa = Some(typed::<ServiceAccount>(f, &v)),
+            "NetworkPolicy" => {
+                let np = typed::<k8s_openapi::api::networking::v1::NetworkPolicy>(f, &v);
+                let port = &np.spec.unwrap().ingress.unwrap()[0].ports.clone().unwrap()[0];
+                assert_eq!(
+                    port.port,
+                    Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(8888))
+                );
+            }
             k => panic!("unexpected kind {k}"),
         }
     }
@@ -578,9 +586,30 @@ fn the_scheduler_extender_manifests_fit_together() {
     assert_eq!(sport.port, port.container_port);
     let args = c.args.clone().unwrap().join(" ");
     assert!(
-        args.contains(&format!("0.0.0.0:{}", port.container_port)),
+        args.contains(&format!("--listen=0.0.0.0:{}", port.container_port)),
         "{args}"
     );
+    // Outside loopback the extender requires mTLS, its files from the
+    // mounted Secret; the probes use the plain health port.
+    let mount = &c.volume_mounts.as_ref().unwrap()[0];
+    for flag in ["--tls-cert", "--tls-key", "--client-ca"] {
+        assert!(
+            args.contains(&format!("{flag}={}/", mount.mount_path)),
+            "{flag}: {args}"
+        );
+    }
+    let health = &c.ports.as_ref().unwrap()[1];
+    assert!(args.contains(&format!(
+        "--health-listen=0.0.0.0:{}",
+        health.container_port
+    )));
+    for probe in [&c.readiness_probe, &c.liveness_probe] {
+        let port = &probe.as_ref().unwrap().http_get.as_ref().unwrap().port;
+        assert_eq!(
+            port,
+            &k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("health".into())
+        );
+    }
     let mut granted: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for rule in role.rules.unwrap() {
         for r in rule.resources.unwrap() {
@@ -608,12 +637,15 @@ fn the_scheduler_extender_manifests_fit_together() {
     .unwrap();
     let ext = &cfg["extenders"][0];
     let url = format!(
-        "http://{}.{}.svc:{}",
+        "https://{}.{}.svc:{}",
         svc.metadata.name.unwrap(),
         svc.metadata.namespace.unwrap(),
         sport.port
     );
     assert_eq!(ext["urlPrefix"], url.as_str());
+    for f in ["certFile", "keyFile", "caFile"] {
+        assert!(ext["tlsConfig"][f].is_string(), "tlsConfig.{f}");
+    }
     // The routes vcuda-scheduler serves (crates/vcuda-scheduler/src/http.rs).
     let http = std::fs::read_to_string(
         test_support::workspace_root().join("crates/vcuda-scheduler/src/http.rs"),

@@ -25,6 +25,13 @@ pub struct Server {
     pub policy: Policy,
 }
 
+/// `GET /healthz` alone, for probes on a listener of their own: the
+/// kubelet's probes carry no client certificate, and a flood on the
+/// extender's port must not fail them.
+pub fn health_router(s: Arc<Server>) -> Router {
+    Router::new().route("/healthz", get(healthz)).with_state(s)
+}
+
 pub fn router(s: Arc<Server>) -> Router {
     Router::new()
         .route("/filter", post(filter))

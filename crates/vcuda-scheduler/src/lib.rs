@@ -11,7 +11,8 @@
 //! * [`bind`]: the GPUs written where the manager reads them, reserved by
 //!   an optimistic, conflict-checked bump of the node (no lock held);
 //! * [`api`]: the extender protocol's wire types; [`kube_api`]: the API
-//!   server behind the caches and bind; [`http`]: the endpoints.
+//!   server behind the caches and bind; [`http`]: the endpoints; [`tls`]:
+//!   who may call them (loopback, or kube-scheduler's client certificate).
 
 pub mod api;
 pub mod bind;
@@ -20,6 +21,7 @@ pub mod extender;
 pub mod http;
 pub mod kube_api;
 pub mod policy;
+pub mod tls;
 
 #[cfg(test)]
 mod bind_tests;
