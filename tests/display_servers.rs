@@ -503,3 +503,67 @@ async fn vcudactl_explains_missing_stale_and_old_servers() {
     cancel.cancel();
     let _ = srv.await;
 }
+
+/// One address holding 16 idle connections to the query port gets its
+/// next one closed at once; another address (the kubelet's probes,
+/// Prometheus) is still answered (crates/gpu-display/src/http.rs,
+/// `MAX_PER_PEER`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_cannot_take_every_connection_of_the_query_port() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = serve().await;
+    let from = |ip: &str| {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(format!("{ip}:0").parse().unwrap()).unwrap();
+        sock.connect(s.addr)
+    };
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        held.push(from("127.0.0.3").await.unwrap());
+    }
+    // Past the cap: closed without an answer.
+    let mut over = from("127.0.0.3").await.unwrap();
+    let _ = over
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await;
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), over.read_to_end(&mut buf)).await;
+    assert!(
+        !String::from_utf8_lossy(&buf).contains("200 OK"),
+        "answered past the cap: {}",
+        String::from_utf8_lossy(&buf)
+    );
+    // Another address: answered while those are held.
+    let mut probe = from("127.0.0.4").await.unwrap();
+    probe
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), probe.read_to_end(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 200"));
+    drop(held);
+    // Once they are gone, the first address is served again.
+    let t0 = std::time::Instant::now();
+    let addr = s.addr;
+    loop {
+        let mut c = from("127.0.0.3").await.unwrap();
+        let _ = c
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await;
+        let mut buf = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut buf)).await;
+        if String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{addr} never served 127.0.0.3 again"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    s.stop().await;
+}

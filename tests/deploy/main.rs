@@ -128,12 +128,14 @@ struct Manifests {
     role: ClusterRole,
     binding: ClusterRoleBinding,
     monitor: ServiceMonitor,
+    query_policy: k8s_openapi::api::networking::v1::NetworkPolicy,
     pods: Vec<Pod>,
 }
 
 fn manifests() -> Manifests {
     let (mut ds, mut cm, mut svc, mut sa, mut role, mut binding, mut mon) =
         (None, None, None, None, None, None, None);
+    let mut policy = None;
     let mut pods = Vec::new();
     for (file, v) in documents() {
         let kind = v["kind"]
@@ -147,6 +149,7 @@ fn manifests() -> Manifests {
             "ClusterRole" => role = Some(typed::<ClusterRole>(&file, &v)),
             "ClusterRoleBinding" => binding = Some(typed::<ClusterRoleBinding>(&file, &v)),
             "Pod" => pods.push(typed::<Pod>(&file, &v)),
+            "NetworkPolicy" => policy = Some(typed(&file, &v)),
             "ServiceMonitor" => {
                 assert_eq!(v["apiVersion"], "monitoring.coreos.com/v1", "{file}");
                 mon = Some(
@@ -163,6 +166,7 @@ fn manifests() -> Manifests {
         service_account: sa.expect("a ServiceAccount"),
         role: role.expect("a ClusterRole"),
         binding: binding.expect("a ClusterRoleBinding"),
+        query_policy: policy.expect("a NetworkPolicy for the query port"),
         monitor: mon.expect("a ServiceMonitor"),
         pods,
     }
@@ -405,6 +409,41 @@ fn service_and_monitor_select_the_manager() {
         serde_json::to_value(svc_port.target_port.as_ref().unwrap()).unwrap(),
         "metrics"
     );
+    // The query port is admitted from the monitoring namespace only.
+    let np = m.query_policy.spec.as_ref().unwrap();
+    for (k, v) in np
+        .pod_selector
+        .as_ref()
+        .unwrap()
+        .match_labels
+        .as_ref()
+        .unwrap()
+    {
+        assert_eq!(pod_labels.get(k), Some(v), "NetworkPolicy selector {k}={v}");
+    }
+    let metrics_port = m
+        .daemonset
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0]
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|p| p.name.as_deref() == Some("metrics"))
+        .unwrap()
+        .container_port;
+    let rule = &np.ingress.as_ref().unwrap()[0];
+    assert_eq!(
+        rule.ports.as_ref().unwrap()[0].port,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(metrics_port))
+    );
+    assert!(rule.from.as_ref().unwrap()[0].namespace_selector.is_some());
     let svc_labels = m.service.metadata.labels.clone().unwrap();
     for (k, v) in m.monitor.spec.selector.match_labels.as_ref().unwrap() {
         assert_eq!(

@@ -29,6 +29,42 @@ pub(crate) const MAX_BODY: u64 = 4 * 1024;
 pub(crate) const MAX_URI: usize = 2 * 1024;
 /// Open connections at once; more wait in the accept queue.
 const MAX_CONNECTIONS: usize = 256;
+/// Open connections from one address: the query port is on the pod
+/// network, and one pod holding every slot would starve the kubelet's
+/// probes (a liveness kill is the one restart the supervisor cannot
+/// bridge) and Prometheus. Past this the connection is closed at once.
+pub(crate) const MAX_PER_PEER: usize = 16;
+
+/// Connections open per peer address.
+#[derive(Default)]
+struct Peers(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+
+/// One peer's connection, counted while it lives.
+struct PeerSlot(Arc<Peers>, std::net::IpAddr);
+
+impl Peers {
+    fn enter(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<PeerSlot> {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(ip).or_insert(0);
+        if *n >= MAX_PER_PEER {
+            return None;
+        }
+        *n += 1;
+        Some(PeerSlot(self.clone(), ip))
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut m = self.0.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.1);
+            }
+        }
+    }
+}
 
 type Resp = Response<Full<Bytes>>;
 
@@ -132,13 +168,14 @@ pub(crate) async fn serve(
         .local_addr()
         .map_err(|source| Error::Bind { addr, source })?;
     let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let peers = Arc::new(Peers::default());
     let join = tokio::spawn(async move {
         loop {
             let permit = tokio::select! {
                 _ = cancel.cancelled() => break,
                 p = limit.clone().acquire_owned() => p.expect("never closed"),
             };
-            let (stream, _) = tokio::select! {
+            let (stream, peer) = tokio::select! {
                 _ = cancel.cancelled() => break,
                 r = listener.accept() => match r {
                     Ok(v) => v,
@@ -150,10 +187,14 @@ pub(crate) async fn serve(
                     }
                 },
             };
+            let Some(slot) = peers.enter(peer.ip()) else {
+                tracing::debug!(%peer, max = MAX_PER_PEER, "HTTP connection refused: too many from this address");
+                continue;
+            };
             let shared = shared.clone();
             let cancel = cancel.clone();
             tokio::spawn(async move {
-                let _permit = permit;
+                let _permit = (permit, slot);
                 let conn = http1::Builder::new()
                     .timer(TokioTimer::new())
                     .header_read_timeout(Duration::from_secs(10))
