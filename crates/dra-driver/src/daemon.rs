@@ -252,16 +252,13 @@ async fn start_display(
         models: found.names.clone(),
         healthy: healthy.clone(),
     }));
-    let running = node_agent::display::start(
-        &display,
-        nvml,
-        socket.clone(),
-        *addr,
-        s.sample_period,
-        s.escape_policy,
-        false,
-        cancel,
-    )
-    .await?;
+    let opts = gpu_display::DisplayOptions {
+        socket: socket.clone(),
+        query_addr: *addr,
+        sample_period: s.sample_period,
+        escape_policy: Some(s.escape_policy),
+        ..Default::default()
+    };
+    let running = node_agent::display::start(&display, nvml, &opts, cancel).await?;
     Ok(Some((display, running)))
 }

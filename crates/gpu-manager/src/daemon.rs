@@ -342,17 +342,15 @@ async fn start_display(
                 s.query_addr
             )
         })?;
-    let running = node_agent::display::start(
-        &display,
-        nvml,
-        s.display_socket.clone(),
+    let opts = gpu_display::DisplayOptions {
+        socket: s.display_socket.clone(),
         query_addr,
-        s.sample_period,
-        s.escape_policy,
+        sample_period: s.sample_period,
         take_over_socket,
-        cancel,
-    )
-    .await?;
+        escape_policy: Some(s.escape_policy),
+        ..Default::default()
+    };
+    let running = node_agent::display::start(&display, nvml, &opts, cancel).await?;
     tracing::info!(
         "display: HTTP on {}, socket {}",
         running.http_addr,
