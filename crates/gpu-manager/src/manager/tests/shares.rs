@@ -60,7 +60,7 @@ async fn a_two_gpu_share_goes_to_the_free_nvlink_pair_with_a_ledger_per_gpu() {
         .map(|g| (g.uuid.as_str(), g.utilization, g.gpu_memory))
         .collect();
     assert_eq!(per_gpu, [("GPU-2", 50, 8 * GIB), ("GPU-3", 50, 8 * GIB)]);
-    assert!(dir.join("ledger").is_file() && dir.join("ledger.1").is_file());
+    assert!(live_ledger(&dir, 0) && live_ledger(&dir, 1));
     assert!(dir.join(quota_config::SOCKET_FILE).exists());
     // gpu-admission's annotation names both GPUs.
     let patch = &rig.patches.submitted()[0];
@@ -214,7 +214,7 @@ async fn restore_keeps_a_share_on_two_gpus_and_writes_its_files_back() {
         panic!("not a multi-GPU quota");
     };
     assert_eq!(q.gpus.len(), 2);
-    assert!(dir.join("ledger.1").is_file());
+    assert!(live_ledger(&dir, 1));
 }
 
 #[tokio::test]
@@ -255,4 +255,16 @@ async fn a_lost_share_on_two_gpus_is_rebuilt_from_its_quota_files() {
         }
     );
     assert_eq!((a.cores, a.memory_units), (100, 64));
+}
+
+/// The manager (this process) holds GPU `gpu`'s sealed ledger of the
+/// container in `dir`, the one its id record names.
+fn live_ledger(dir: &std::path::Path, gpu: usize) -> bool {
+    let Ok(text) = std::fs::read_to_string(node_agent::ledgers::id_file(dir, gpu)) else {
+        return false;
+    };
+    let Some(id) = container_ledger::MemfdId::parse(&text) else {
+        return false;
+    };
+    container_ledger::find_live(gpu, id, [std::process::id() as i32]).is_some()
 }
