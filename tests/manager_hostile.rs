@@ -140,6 +140,37 @@ async fn a_hostile_share_cannot_harm_the_manager_nor_lift_its_quota() {
             "the other share",
         );
     });
+    // An NVML-only tool in the hostile share reads its container's use
+    // from the live ledger (found by the recorded inode, not the other
+    // share's ledger of the same name) while a CUDA process holds 512 MiB.
+    let entry = compile_c("shim_entry", &env.sim, tmp.path());
+    let (total, used) = tokio::task::block_in_place(|| {
+        use std::io::{BufRead, BufReader};
+        let mut holder = hostile::in_share(&client, &eh, &sim_root, &[])
+            .args(["hold", "512"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(holder.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.contains("holding"), "{line}");
+        let out = hostile::in_share(&entry, &eh, &sim_root, &[])
+            .arg("nvmlonly")
+            .output()
+            .unwrap();
+        let _ = holder.kill();
+        let _ = holder.wait();
+        let r = test_support::kv(&String::from_utf8_lossy(&out.stdout));
+        (
+            r["total"].parse::<u64>().unwrap(),
+            r["used"].parse::<u64>().unwrap(),
+        )
+    });
+    assert_eq!(total, 1024 * MIB);
+    assert!((512 * MIB..1024 * MIB).contains(&used), "used {used}");
     assert_eq!(children_of(sup), vec![child], "the same manager child");
     let (code, _) = tokio::task::spawn_blocking(move || http_get(addr, "/healthz"))
         .await

@@ -576,8 +576,9 @@ pub fn container_pids() -> Vec<i32> {
 /// Where a process that does not register (an NVML-only tool) reads GPU
 /// `gpu`'s ledger: the memfd a registered process of the container holds
 /// (`/proc/<pid>/fd/<n>`, opened read-only: root in the container, or its
-/// owner), or a ledger file in the container directory (a manager of an
-/// older release). Found once per process, looked for again when gone.
+/// owner) whose inode the manager recorded in `<ledger>.id`, or a ledger
+/// file in the container directory (a manager of an older release). Found
+/// once per process, looked for again when gone.
 pub fn ledger_for_tools(enf: &Enforce, gpu: usize) -> PathBuf {
     static FOUND: Mutex<Vec<Option<PathBuf>>> = Mutex::new(Vec::new());
     let file = enf.dir.join(quota_config::ledger_file(gpu));
@@ -594,6 +595,20 @@ pub fn ledger_for_tools(enf: &Enforce, gpu: usize) -> PathBuf {
         return p.clone();
     }
     let want = format!("/memfd:{}.{gpu} ", container_ledger::MEMFD_PREFIX);
+    // The inode the manager recorded beside the quota: with hostPID, /proc
+    // also shows other containers' ledgers under the same name.
+    let id = std::fs::read_to_string(
+        enf.dir
+            .join(format!("{}.id", quota_config::ledger_file(gpu))),
+    )
+    .ok()
+    .and_then(|t| container_ledger::MemfdId::parse(&t));
+    let ours = |p: &std::path::Path| {
+        use std::os::unix::fs::MetadataExt;
+        id.is_none_or(|id| {
+            std::fs::metadata(p).is_ok_and(|m| (m.dev(), m.ino()) == (id.dev, id.ino))
+        })
+    };
     let hit = std::fs::read_dir("/proc").ok().and_then(|procs| {
         procs
             .flatten()
@@ -608,7 +623,8 @@ pub fn ledger_for_tools(enf: &Enforce, gpu: usize) -> PathBuf {
                     .flatten()
                     .find_map(|fd| {
                         let t = std::fs::read_link(fd.path()).ok()?;
-                        t.to_string_lossy().starts_with(&want).then(|| fd.path())
+                        (t.to_string_lossy().starts_with(&want) && ours(&fd.path()))
+                            .then(|| fd.path())
                     })
             })
     });
