@@ -141,6 +141,29 @@ fn driver_manifest() {
     assert_eq!(rules, want);
 }
 
+/// The query port's NetworkPolicy selects the driver's pods and admits
+/// the metrics port from labelled namespaces only.
+#[test]
+fn query_port_policy() {
+    let all = docs("driver.yaml");
+    let ds: DaemonSet = typed(find(&all, "DaemonSet"));
+    let tpl = ds.spec.unwrap().template;
+    let labels = tpl.metadata.unwrap().labels.unwrap();
+    let port = tpl.spec.unwrap().containers[0].ports.clone().unwrap()[0].container_port;
+    let np: k8s_openapi::api::networking::v1::NetworkPolicy =
+        typed(find(&docs("networkpolicy.yaml"), "NetworkPolicy"));
+    let spec = np.spec.unwrap();
+    for (k, v) in spec.pod_selector.unwrap().match_labels.unwrap() {
+        assert_eq!(labels.get(&k), Some(&v), "{k}");
+    }
+    let rule = &spec.ingress.unwrap()[0];
+    assert_eq!(
+        rule.ports.as_ref().unwrap()[0].port,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(port))
+    );
+    assert!(rule.from.as_ref().unwrap()[0].namespace_selector.is_some());
+}
+
 #[test]
 fn claim_example() {
     let all = docs("claim-example.yaml");
