@@ -21,19 +21,15 @@
 mod client;
 mod error;
 mod grpc;
-mod logging;
 mod relay;
 mod runtime;
 mod service;
-mod shutdown;
 pub mod validate;
 
 pub use client::connect_unix;
 pub use error::Error;
-pub use logging::init_logging;
 pub use relay::{RelayedPlugin, serve_inbox};
 pub use runtime::{PluginRuntime, PluginStatus, RuntimeHandle, RuntimeOptions, all_registered};
 pub use service::{DeviceList, DevicePluginService, device};
-pub use shutdown::cancel_on_signals;
 pub use tokio_util::sync::CancellationToken;
 pub use vcuda_api::deviceplugin::v1beta1 as api;

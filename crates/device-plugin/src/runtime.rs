@@ -74,7 +74,7 @@ struct PluginEntry {
 /// ```no_run
 /// # use std::sync::Arc;
 /// # async fn demo(vcore: Arc<dyn device_plugin::DevicePluginService>) -> Result<(), device_plugin::Error> {
-/// let cancel = device_plugin::cancel_on_signals().expect("signal handlers");
+/// let cancel = device_plugin::CancellationToken::new();
 /// let handle = device_plugin::PluginRuntime::new("/var/lib/kubelet/device-plugins")
 ///     .plugin("tencent.com/vcuda-core", "vcore.sock", vcore)
 ///     .start(cancel)?;

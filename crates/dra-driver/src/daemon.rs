@@ -79,7 +79,7 @@ pub async fn run(
         s.interposer.as_deref(),
     )?;
     let api = KubeApi {
-        client: node_agent::apiserver::client(s.kubeconfig.as_deref()).await?,
+        client: daemon_kit::apiserver::client(s.kubeconfig.as_deref()).await?,
     };
     let driver = Arc::new(start_driver(&s, &api, &found)?);
     let mut inherited = crate::supervise::inherited(&s.plugins_dir, &s.registry_dir)?;

@@ -89,7 +89,7 @@ pub async fn run(
     }
     let removed = remove_state(s).map_err(anyhow::Error::msg)?;
     let name = crate::slices::slice_name(&s.node);
-    let slice = match node_agent::apiserver::client(s.kubeconfig.as_deref()).await {
+    let slice = match daemon_kit::apiserver::client(s.kubeconfig.as_deref()).await {
         Ok(c) => {
             let api = crate::kube_api::KubeApi { client: c };
             match crate::publish::SliceApi::delete(&api, &name).await {

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::world::{PodPatcher, PodSource};
 
-pub use node_agent::apiserver::{ClientError as KubeError, client};
+pub use daemon_kit::apiserver::{ClientError as KubeError, client};
 
 /// Reachability of the API server as the reflector last saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,10 +9,9 @@
 
 use anyhow::Context;
 use gpu_manager::supervise;
-use node_agent::process;
 
 fn main() -> anyhow::Result<()> {
-    process::init_logging();
+    daemon_kit::init_logging();
     let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let uninstall = args.get(1).is_some_and(|a| a == "uninstall");
     if uninstall {
@@ -28,7 +27,7 @@ fn main() -> anyhow::Result<()> {
     tokio::runtime::Runtime::new()
         .context("starting the tokio runtime")?
         .block_on(async {
-            let cancel = process::cancel_on_signals().context("installing signal handlers")?;
+            let cancel = daemon_kit::cancel_on_signals().context("installing signal handlers")?;
             if !uninstall {
                 return gpu_manager::daemon::run(settings, cancel, sup).await;
             }

@@ -111,7 +111,7 @@ pub fn supervise(s: &Settings) -> anyhow::Result<i32> {
 }
 
 async fn run(s: &Settings) -> anyhow::Result<i32> {
-    let cancel = device_plugin::cancel_on_signals()?;
+    let cancel = daemon_kit::cancel_on_signals()?;
     let instance = node_agent::mode::instance_id();
     let link = Arc::new(Link {
         dir: s.device_plugin_path.clone(),

@@ -10,12 +10,12 @@
 //! * [`vm`], [`registry`]: per-container vm directories and `vcuda.sock`.
 //! * [`edits`]: what a container holding GPUs gets (device nodes, mounts,
 //!   env), rendered by each mode (Allocate response, CDI spec).
-//! * [`apiserver`]: the API server client.
 //! * [`mode`]: one mode per node; [`extra`]: extra devices;
-//!   [`display`]: the display service's wiring; [`process`]: logging and
-//!   signals.
+//!   [`display`]: the display service's wiring; [`ledgers`]: the sealed
+//!   ledgers, taken back after a restart.
+//!
+//! Logging, signals and the API server client are `daemon-kit`'s.
 
-pub mod apiserver;
 pub mod config;
 pub mod display;
 pub mod edits;
@@ -32,12 +32,6 @@ use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-
-/// Process set-up shared by the daemons (and the emulators through
-/// `device-plugin`): logs on stderr, a token cancelled on SIGTERM/SIGINT.
-pub mod process {
-    pub use device_plugin::{cancel_on_signals, init_logging};
-}
 
 /// Seconds since the Unix epoch (0 if the clock is before it).
 pub fn now() -> u64 {

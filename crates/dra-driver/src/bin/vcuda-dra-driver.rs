@@ -15,10 +15,9 @@ use clap::Parser;
 use dra_driver::cli::{Args, resolve};
 use dra_driver::daemon::run;
 use dra_driver::supervise;
-use node_agent::process;
 
 fn main() -> anyhow::Result<()> {
-    process::init_logging();
+    daemon_kit::init_logging();
     let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if argv.get(1).is_some_and(|a| a == "hold-sockets") {
         let Some(path) = argv.get(2) else {
@@ -46,7 +45,7 @@ fn main() -> anyhow::Result<()> {
     tokio::runtime::Runtime::new()
         .context("starting the tokio runtime")?
         .block_on(async {
-            let cancel = process::cancel_on_signals().context("installing signal handlers")?;
+            let cancel = daemon_kit::cancel_on_signals().context("installing signal handlers")?;
             if !uninstall {
                 return run(settings, cancel, None).await;
             }

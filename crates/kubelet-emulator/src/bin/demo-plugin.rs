@@ -31,9 +31,9 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    device_plugin::init_logging();
+    daemon_kit::init_logging();
     let args = Args::parse();
-    let cancel = device_plugin::cancel_on_signals().context("installing signal handlers")?;
+    let cancel = daemon_kit::cancel_on_signals().context("installing signal handlers")?;
     let plugin = Arc::new(DemoPlugin::new(&args.prefix, args.devices));
     let handle = PluginRuntime::new(&args.device_plugin_path)
         .plugin(&args.resource, &args.socket, plugin)

@@ -21,9 +21,9 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    device_plugin::init_logging();
+    daemon_kit::init_logging();
     let args = Args::parse();
-    let cancel = device_plugin::cancel_on_signals().context("installing signal handlers")?;
+    let cancel = daemon_kit::cancel_on_signals().context("installing signal handlers")?;
     let emu = KubeletEmulator::start(&args.device_plugin_path, &args.pod_resources_socket)
         .await
         .with_context(|| {

@@ -44,7 +44,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    node_agent::process::init_logging();
+    daemon_kit::init_logging();
     let a = Args::parse();
     let tls = match tls::files(a.tls_cert.clone(), a.tls_key.clone(), a.client_ca.clone())? {
         Some(f) => Some(tls::server_config(&f)?),
@@ -53,8 +53,8 @@ async fn main() -> anyhow::Result<()> {
             None
         }
     };
-    let cancel = node_agent::process::cancel_on_signals().context("installing signal handlers")?;
-    let client = node_agent::apiserver::client(a.kubeconfig.as_deref()).await?;
+    let cancel = daemon_kit::cancel_on_signals().context("installing signal handlers")?;
+    let client = daemon_kit::apiserver::client(a.kubeconfig.as_deref()).await?;
     let server = Arc::new(Server {
         source: Arc::new(Caches::start(client.clone(), cancel.clone())),
         binder: Arc::new(KubeBind { client }),

@@ -1,4 +1,4 @@
-//! Shutdown helpers for binaries.
+//! The token a daemon stops on.
 
 use tokio_util::sync::CancellationToken;
 
