@@ -4,7 +4,7 @@
 //! stays open while any holder of a copy lives.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 
 /// The longest message [`recv`] takes.
@@ -14,47 +14,8 @@ pub const MAX_FDS: usize = 64;
 
 /// Sends `msg` with copies of `fds` (at most [`MAX_FDS`]) in one message.
 pub fn send(stream: &UnixStream, msg: &[u8], fds: &[RawFd]) -> io::Result<()> {
-    let mut iov = libc::iovec {
-        iov_base: msg.as_ptr() as *mut libc::c_void,
-        iov_len: msg.len(),
-    };
-    if fds.len() > MAX_FDS {
-        return Err(io::Error::other(format!(
-            "{} fds in one message; at most {MAX_FDS}",
-            fds.len()
-        )));
-    }
-    let fd_bytes = std::mem::size_of_val(fds) as u32;
-    // SAFETY: CMSG_SPACE is arithmetic.
-    let space = unsafe { libc::CMSG_SPACE(fd_bytes) } as usize;
-    // u64s: the control buffer must be aligned for cmsghdr.
-    let mut control = vec![0u64; space.div_ceil(8)];
-    // SAFETY: an all-zero msghdr is valid; every pointer set below outlives
-    // the sendmsg call.
-    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
-    hdr.msg_iov = &mut iov;
-    hdr.msg_iovlen = 1;
-    if !fds.is_empty() {
-        hdr.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-        hdr.msg_controllen = space as _;
-        // SAFETY: the control buffer holds one cmsghdr with room for fds.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&hdr);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(fd_bytes) as _;
-            std::ptr::copy_nonoverlapping(
-                fds.as_ptr(),
-                libc::CMSG_DATA(c) as *mut RawFd,
-                fds.len(),
-            );
-        }
-    }
-    // SAFETY: hdr points at live buffers.
-    let n = unsafe { libc::sendmsg(stream.as_raw_fd(), &hdr, libc::MSG_NOSIGNAL) };
-    match n {
-        n if n < 0 => Err(io::Error::last_os_error()),
-        n if n as usize != msg.len() => Err(io::Error::other("short write of an fd message")),
+    match sendmsg_fds(stream.as_fd(), msg, fds)? {
+        n if n != msg.len() => Err(io::Error::other("short write of an fd message")),
         _ => Ok(()),
     }
 }
@@ -62,44 +23,134 @@ pub fn send(stream: &UnixStream, msg: &[u8], fds: &[RawFd]) -> io::Result<()> {
 /// Receives one message and the fds it carries (close-on-exec).
 pub fn recv(stream: &UnixStream) -> io::Result<(String, Vec<OwnedFd>)> {
     let mut buf = [0u8; MAX_MESSAGE];
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
-        iov_len: buf.len(),
-    };
-    // SAFETY: arithmetic.
-    let space =
-        unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
-    // SAFETY: as in send.
-    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
-    hdr.msg_iov = &mut iov;
-    hdr.msg_iovlen = 1;
-    hdr.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-    hdr.msg_controllen = space as _;
-    // SAFETY: hdr points at live buffers.
-    let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut hdr, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
     let mut fds = Vec::new();
-    // SAFETY: walking the control messages the kernel wrote.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&hdr);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(c) as *const RawFd;
-                let len = (*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
-                for i in 0..len / std::mem::size_of::<RawFd>() {
-                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+    let n = recvmsg_fds(stream.as_fd(), &mut buf, &mut fds)?;
+    let text = String::from_utf8_lossy(&buf[..n]).trim().to_string();
+    Ok((text, fds))
+}
+
+/// Control buffer for [`MAX_FDS`] descriptors, in u64 words (8-aligned):
+/// CMSG_SPACE(64 × 4) = 16 + 256 bytes.
+const CMSG_WORDS: usize = (16 + MAX_FDS * 4) / 8 + 2;
+
+/// One `sendmsg` of `bytes` with copies of `fds` attached (at most
+/// [`MAX_FDS`]), `MSG_NOSIGNAL` (a peer gone is `EPIPE`, never SIGPIPE),
+/// retried on EINTR. Returns the bytes sent: a stream socket may take
+/// fewer, and the descriptors ride on the first byte, so a caller sending
+/// the rest passes none again. The one SCM_RIGHTS sender in the tree.
+pub fn sendmsg_fds(sock: BorrowedFd<'_>, bytes: &[u8], fds: &[RawFd]) -> io::Result<usize> {
+    if fds.len() > MAX_FDS {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "{} descriptors in one message; at most {MAX_FDS}",
+                fds.len()
+            ),
+        ));
+    }
+    loop {
+        let mut iov = libc::iovec {
+            iov_base: bytes.as_ptr() as *mut libc::c_void,
+            iov_len: bytes.len(),
+        };
+        let mut cmsg_buf = [0u64; CMSG_WORDS];
+        // SAFETY: `msghdr` is integers and raw pointers: all-zero is valid
+        // (NULL name/control, empty lengths).
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        if !fds.is_empty() {
+            let data = std::mem::size_of_val(fds) as u32;
+            // SAFETY: pure arithmetic on a length, no memory touched.
+            let space = unsafe { libc::CMSG_SPACE(data) } as usize;
+            msg.msg_control = cmsg_buf.as_mut_ptr().cast();
+            msg.msg_controllen = space as _;
+            // SAFETY: `msg_control` is `cmsg_buf` (8-aligned, live for the
+            // loop body, CMSG_WORDS × 8 bytes) and `msg_controllen` =
+            // CMSG_SPACE(4 × n) with n ≤ MAX_FDS fits in it, so CMSG_FIRSTHDR
+            // is non-NULL and the header plus the n descriptors lie inside.
+            unsafe {
+                let c = libc::CMSG_FIRSTHDR(&msg);
+                (*c).cmsg_level = libc::SOL_SOCKET;
+                (*c).cmsg_type = libc::SCM_RIGHTS;
+                (*c).cmsg_len = libc::CMSG_LEN(data) as _;
+                for (i, raw) in fds.iter().enumerate() {
+                    (libc::CMSG_DATA(c) as *mut RawFd)
+                        .add(i)
+                        .write_unaligned(*raw);
                 }
             }
-            c = libc::CMSG_NXTHDR(&hdr, c);
+        }
+        // SAFETY: `msg` points at `iov` (over `bytes`, live) and at
+        // `cmsg_buf` when descriptors ride along; the kernel only reads them.
+        let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
         }
     }
-    let text = String::from_utf8_lossy(&buf[..n as usize])
-        .trim()
-        .to_string();
-    Ok((text, fds))
+}
+
+/// One `recvmsg` into `buf`, appending the descriptors that came with it
+/// to `got` (close-on-exec), retried on EINTR. Returns the bytes read (0:
+/// EOF). More descriptors than [`MAX_FDS`] (the kernel truncated them) is
+/// an error. The one SCM_RIGHTS receiver in the tree.
+pub fn recvmsg_fds(
+    sock: BorrowedFd<'_>,
+    buf: &mut [u8],
+    got: &mut Vec<OwnedFd>,
+) -> io::Result<usize> {
+    loop {
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        let mut cmsg_buf = [0u64; CMSG_WORDS];
+        // SAFETY: `msghdr` is integers and raw pointers: all-zero is valid.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cmsg_buf.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&cmsg_buf) as _;
+        // SAFETY: `msg` points at `iov` (over `buf`) and at `cmsg_buf` with
+        // their true lengths; the kernel writes within them.
+        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        // SAFETY: the CMSG_* walk stays within `cmsg_buf` as the kernel
+        // filled it (`msg_controllen` was set by recvmsg; CMSG_NXTHDR returns
+        // NULL past the end); each SCM_RIGHTS entry's `cmsg_len` bounds its
+        // data, read unaligned. Descriptors received with SCM_RIGHTS are new
+        // ones the kernel installed for us, so each is owned exactly once.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&msg);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
+                    for i in 0..count {
+                        let fd = (libc::CMSG_DATA(c) as *const RawFd).add(i).read_unaligned();
+                        got.push(OwnedFd::from_raw_fd(fd));
+                    }
+                }
+                c = libc::CMSG_NXTHDR(&msg, c);
+            }
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("more descriptors than the {MAX_FDS} a message may carry"),
+            ));
+        }
+        return Ok(n as usize);
+    }
 }
 
 #[cfg(test)]
