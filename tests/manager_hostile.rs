@@ -27,14 +27,7 @@ async fn a_hostile_share_cannot_harm_the_manager_nor_lift_its_quota() {
     if !require(Capability::Root) {
         return;
     }
-    let opts = Options {
-        extra_args: vec![
-            "--interposer".into(),
-            test_support::target_dir().join("libvcuda.so").into(),
-        ],
-        ..Options::default()
-    };
-    let mut env = Env::start("sim-4gpu-pcie", opts).await;
+    let mut env = Env::start("sim-4gpu-pcie", with_interposer(&[])).await;
     let sup = env.manager.id() as i32;
     let child = children_of(sup);
     assert_eq!(child.len(), 1, "the supervisor's one child: {child:?}");
@@ -145,18 +138,7 @@ async fn a_hostile_share_cannot_harm_the_manager_nor_lift_its_quota() {
     // share's ledger of the same name) while a CUDA process holds 512 MiB.
     let entry = compile_c("shim_entry", &env.sim, tmp.path());
     let (total, used) = tokio::task::block_in_place(|| {
-        use std::io::{BufRead, BufReader};
-        let mut holder = hostile::in_share(&client, &eh, &sim_root, &[])
-            .args(["hold", "512"])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(holder.stdout.as_mut().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert!(line.contains("holding"), "{line}");
+        let mut holder = holding(hostile::in_share(&client, &eh, &sim_root, &[]));
         let out = hostile::in_share(&entry, &eh, &sim_root, &[])
             .arg("nvmlonly")
             .output()
@@ -184,17 +166,7 @@ async fn a_hostile_share_cannot_harm_the_manager_nor_lift_its_quota() {
 /// and, under `kill`, ends it. Returns (seconds to the report, whether
 /// the process was ended).
 async fn bypass_under(policy: &str) -> (f64, bool) {
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
-    let opts = Options {
-        extra_args: vec![
-            "--interposer".into(),
-            test_support::target_dir().join("libvcuda.so").into(),
-            "--escape-policy".into(),
-            policy.into(),
-        ],
-        ..Options::default()
-    };
+    let opts = with_interposer(&["--escape-policy", policy]);
     let mut env = Env::start("sim-4gpu-pcie", opts).await;
     let pod = env.pod(&[("main", 30, 4)], &[]);
     let r = env.admit(&pod, "main", 30, 4).await.unwrap();
@@ -209,17 +181,12 @@ async fn bypass_under(policy: &str) -> (f64, bool) {
         .1
         .clone();
     let path = format!("{}:{lib}", bypass.display());
-    let mut p = hostile::in_share(&client, &e, env.sim_root(), &[("LD_LIBRARY_PATH", &path)])
-        .args(["hold", "512"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(p.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(line.contains("holding"), "{line}");
+    let mut p = holding(hostile::in_share(
+        &client,
+        &e,
+        env.sim_root(),
+        &[("LD_LIBRARY_PATH", &path)],
+    ));
     let t0 = Instant::now();
     let addr = env.http_addr;
     let series = format!(
@@ -282,4 +249,35 @@ async fn a_process_that_bypasses_the_interposer_is_ended_under_kill() {
     let (secs, ended) = bypass_under("kill").await;
     println!("escape reported and ended {secs:.2} s after the process held its memory");
     assert!(ended, "the kill policy ended the process");
+}
+
+/// The manager's options with the interposer mirrored, plus `extra` flags.
+fn with_interposer(extra: &[&str]) -> Options {
+    let mut extra_args: Vec<std::ffi::OsString> = vec![
+        "--interposer".into(),
+        test_support::target_dir().join("libvcuda.so").into(),
+    ];
+    extra_args.extend(extra.iter().map(Into::into));
+    Options {
+        extra_args,
+        ..Options::default()
+    }
+}
+
+/// `shim_client … hold 512` spawned from `cmd`, once it holds its memory.
+fn holding(mut cmd: std::process::Command) -> std::process::Child {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let mut p = cmd
+        .args(["hold", "512"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(p.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains("holding"), "{line}");
+    p
 }

@@ -594,40 +594,12 @@ pub fn ledger_for_tools(enf: &Enforce, gpu: usize) -> PathBuf {
     {
         return p.clone();
     }
-    let want = format!("/memfd:{}.{gpu} ", container_ledger::MEMFD_PREFIX);
     // The inode the manager recorded beside the quota: with hostPID, /proc
     // also shows other containers' ledgers under the same name.
-    let id = std::fs::read_to_string(
-        enf.dir
-            .join(format!("{}.id", quota_config::ledger_file(gpu))),
-    )
-    .ok()
-    .and_then(|t| container_ledger::MemfdId::parse(&t));
-    let ours = |p: &std::path::Path| {
-        use std::os::unix::fs::MetadataExt;
-        id.is_none_or(|id| {
-            std::fs::metadata(p).is_ok_and(|m| (m.dev(), m.ino()) == (id.dev, id.ino))
-        })
-    };
-    let hit = std::fs::read_dir("/proc").ok().and_then(|procs| {
-        procs
-            .flatten()
-            .filter(|e| {
-                e.file_name()
-                    .to_str()
-                    .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
-            })
-            .find_map(|e| {
-                std::fs::read_dir(e.path().join("fd"))
-                    .ok()?
-                    .flatten()
-                    .find_map(|fd| {
-                        let t = std::fs::read_link(fd.path()).ok()?;
-                        (t.to_string_lossy().starts_with(&want) && ours(&fd.path()))
-                            .then(|| fd.path())
-                    })
-            })
-    });
+    let id = std::fs::read_to_string(enf.dir.join(quota_config::ledger_id_file(gpu)))
+        .ok()
+        .and_then(|t| container_ledger::MemfdId::parse(&t));
+    let hit = container_ledger::memfd_paths(gpu, id, container_ledger::proc_pids()).next();
     found[gpu] = hit.clone();
     hit.unwrap_or(file)
 }

@@ -56,7 +56,7 @@ pub use layout::{
     LEDGER_FILE, MAGIC, REFUSED_ALLOCATIONS_OFFSET, SLOT_SIZE, SLOTS, THROTTLED_NS_OFFSET, VERSION,
 };
 pub use map::dup_cloexec;
-pub use sealed::{MEMFD_PREFIX, MemfdId, REQUIRED_SEALS, find_live, seals};
+pub use sealed::{MEMFD_PREFIX, MemfdId, REQUIRED_SEALS, find_live, memfd_paths, proc_pids, seals};
 
 #[derive(Debug, Error)]
 pub enum LedgerError {

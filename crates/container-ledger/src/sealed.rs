@@ -17,6 +17,7 @@
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd};
 use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
 
 use crate::map::AsFdBorrowed;
 
@@ -115,42 +116,55 @@ impl MemfdId {
     }
 }
 
+/// A descriptor path (`/proc/<pid>/fd/<n>`) among those of `pids` that
+/// holds GPU `gpu`'s ledger memfd: named `vcuda-ledger.<gpu>` and, when
+/// `id` is given, that inode (a tenant can name a memfd alike, not choose
+/// its inode). Every path in the order found: the first may be gone by
+/// the time it is opened.
+pub fn memfd_paths(
+    gpu: usize,
+    id: Option<MemfdId>,
+    pids: impl IntoIterator<Item = i32>,
+) -> impl Iterator<Item = PathBuf> {
+    let want = format!("/memfd:{MEMFD_PREFIX}.{gpu} ");
+    pids.into_iter()
+        .filter_map(|pid| std::fs::read_dir(format!("/proc/{pid}/fd")).ok())
+        .flat_map(|fds| fds.flatten().map(|e| e.path()))
+        .filter(move |p| {
+            std::fs::read_link(p).is_ok_and(|t| t.to_string_lossy().starts_with(&want))
+                && id.is_none_or(|id| {
+                    std::fs::metadata(p).is_ok_and(|m| (m.dev(), m.ino()) == (id.dev, id.ino))
+                })
+        })
+}
+
+/// Every PID `/proc` lists (this PID namespace's processes).
+pub fn proc_pids() -> impl Iterator<Item = i32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+}
+
 /// The ledger memfd `id` of GPU `gpu`, found among the descriptors of
-/// `pids`, mapped once checked sealed ([`Ledger::from_sealed_fd`]). Only
-/// that inode is taken: one a tenant made (even named alike, even sealed)
-/// is not.
+/// `pids` ([`memfd_paths`]), mapped once checked sealed
+/// ([`Ledger::from_sealed_fd`]). Only that inode is taken: one a tenant
+/// made (even named alike, even sealed) is not.
 pub fn find_live(
     gpu: usize,
     id: MemfdId,
     pids: impl IntoIterator<Item = i32>,
 ) -> Option<(Ledger, File)> {
-    let want = format!("/memfd:{MEMFD_PREFIX}.{gpu} ");
-    for pid in pids {
-        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
-            continue;
-        };
-        for e in fds.flatten() {
-            let named =
-                std::fs::read_link(e.path()).is_ok_and(|t| t.to_string_lossy().starts_with(&want));
-            let same = named
-                && std::fs::metadata(e.path())
-                    .is_ok_and(|m| (m.dev(), m.ino()) == (id.dev, id.ino));
-            if !same {
-                continue;
-            }
-            let Ok(f) = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(e.path())
-            else {
-                continue;
-            };
-            if let Ok(l) = Ledger::from_sealed_fd(f.as_fd()) {
-                return Some((l, f));
-            }
-        }
-    }
-    None
+    memfd_paths(gpu, Some(id), pids).find_map(|p| {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(p)
+            .ok()?;
+        let l = Ledger::from_sealed_fd(f.as_fd()).ok()?;
+        Some((l, f))
+    })
 }
 
 #[cfg(test)]

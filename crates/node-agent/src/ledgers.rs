@@ -28,7 +28,7 @@ use crate::vm::{LedgerFile, VmError, replace_file};
 
 /// The id record of GPU `gpu`'s ledger in a vm directory.
 pub fn id_file(dir: &Path, gpu: usize) -> PathBuf {
-    dir.join(format!("{}.id", ledger_file(gpu)))
+    dir.join(quota_config::ledger_id_file(gpu))
 }
 
 /// GPU `gpu`'s ledger for the container in `dir`, with `quota` bytes: the

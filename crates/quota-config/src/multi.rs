@@ -61,6 +61,13 @@ pub fn ledger_file(position: usize) -> String {
     }
 }
 
+/// The record of the GPU at `position`'s ledger (`ledger.id`,
+/// `ledger.1.id`, …): the inode of the sealed memfd that is the ledger
+/// (`node-agent`'s `ledgers`), written by the daemon.
+pub fn ledger_id_file(position: usize) -> String {
+    format!("{}.id", ledger_file(position))
+}
+
 /// One GPU's part of a share on several GPUs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuQuota {

@@ -19,17 +19,12 @@ pub fn live(dir: &Path, gpu: usize) -> Ledger {
 
 /// [`live`], `None` when the record or the memfd is missing.
 pub fn try_live(dir: &Path, gpu: usize) -> Option<Ledger> {
-    let idf = dir.join(format!("{}.id", quota_config::ledger_file(gpu)));
+    let idf = dir.join(quota_config::ledger_id_file(gpu));
     let id = MemfdId::parse(&std::fs::read_to_string(idf).ok()?)?;
-    let pids = std::fs::read_dir("/proc")
-        .ok()?
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok());
-    container_ledger::find_live(gpu, id, pids).map(|(l, _)| l)
+    container_ledger::find_live(gpu, id, container_ledger::proc_pids()).map(|(l, _)| l)
 }
 
 /// Whether the container keeps a ledger for GPU `gpu` (its id record).
 pub fn recorded(dir: &Path, gpu: usize) -> bool {
-    dir.join(format!("{}.id", quota_config::ledger_file(gpu)))
-        .is_file()
+    dir.join(quota_config::ledger_id_file(gpu)).is_file()
 }
