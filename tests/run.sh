@@ -63,6 +63,9 @@ report() {
   fi
   local total=$((SECONDS - RUN_T0))
   if [ ${#failed[@]} -gt 0 ]; then
+    # A full disk shows up as odd errors anywhere: show what is free now.
+    printf '\n==> disk at the end\n'
+    df -h "$REPO" "$VCUDA_CACHE" 2>/dev/null | awk 'NR == 1 || !seen[$1]++' || true
     local IFS=';'
     printf '\ntests/run.sh: FAILED after %d s: %s\n' "$total" "${failed[*]}" | sed 's/;/; /g'
     exit 1
@@ -116,6 +119,14 @@ mkdir -p "$VCUDA_CACHE"
 # ran out of space in clippy). Say what is free, so a full disk is named.
 export CARGO_INCREMENTAL=0
 df -h "$REPO" "$VCUDA_CACHE" | awk 'NR == 1 || !seen[$1]++'
+# Refuse at once rather than 10 minutes in (a CI run once died building the
+# release interposer with the disk full): the target dir alone needs ~6 GiB.
+VCUDA_MIN_FREE_GIB=${VCUDA_MIN_FREE_GIB:-6}
+free_gib=$(df -Pk "$REPO" | awk 'NR == 2 { print int($4 / 1048576) }')
+if [ "$free_gib" -lt "$VCUDA_MIN_FREE_GIB" ]; then
+  echo "tests/run.sh: only $free_gib GiB free on the file system of $REPO; a clean run needs $VCUDA_MIN_FREE_GIB GiB (the target dir ~5 GiB, images and pods the rest): free some space (or set VCUDA_MIN_FREE_GIB)" >&2
+  exit 2
+fi
 
 log "system packages"
 need=()
