@@ -13,10 +13,9 @@ use std::sync::Arc;
 
 use gpu_allocator::GpuInfo;
 use k8s_openapi::api::resource::v1::ResourceClaim;
+use node_agent::now;
 use node_agent::registry::Registry;
-use node_agent::vm::VmDirs;
-use node_agent::{now, short_bus_id};
-use quota_config::{GpuQuota, MultiGpuQuota, ResourceData};
+use node_agent::share::{ShareGpu, ShareSpec, Shares};
 
 use crate::cdi;
 use crate::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, Store};
@@ -63,8 +62,7 @@ pub struct Driver {
     cfg: Config,
     gpus: Vec<GpuInfo>,
     claims: Arc<dyn ClaimSource>,
-    vm: VmDirs,
-    registry: Registry,
+    shares: Shares,
     store: Store,
     /// Held across a whole prepare or unprepare (one at a time).
     state: tokio::sync::Mutex<Checkpoint>,
@@ -130,8 +128,7 @@ impl Driver {
         let gpus_len = gpus.len();
         let ck = store.load(&cfg.node)?;
         let d = Driver {
-            vm: VmDirs::new(&cfg.vm_root),
-            registry: Registry::default(),
+            shares: Shares::new(&cfg.vm_root),
             cfg,
             gpus,
             claims,
@@ -163,7 +160,7 @@ impl Driver {
     }
 
     pub fn registry(&self) -> &Registry {
-        &self.registry
+        self.shares.registry()
     }
 
     /// Prepared claims, for display and metrics (never waits on a prepare).
@@ -179,7 +176,8 @@ impl Driver {
     /// again with the next driver; `pids.config` is kept for it.
     pub fn shutdown(&self) {
         for c in self.prepared() {
-            self.registry
+            self.shares
+                .registry()
                 .stop(&registry_id(&c.uid, slot_request(&c.devices)));
         }
     }
@@ -217,75 +215,41 @@ impl Driver {
         registry_id(uid, request)
     }
 
-    fn resource_data(&self, uid: &str, devices: &[PlannedDevice]) -> Result<ResourceData, String> {
-        let d = devices.first().ok_or("no devices")?;
-        let gpu = self
-            .gpus
-            .get(d.gpu_index)
-            .ok_or_else(|| format!("GPU {} is not on this node", d.gpu_index))?;
-        Ok(ResourceData {
-            pod_uid: uid.to_string(),
-            limit: d.soft_limit.unwrap_or(d.cores) as i32,
-            container_name: slot_name(&d.request),
-            bus_id: short_bus_id(&gpu.pci_bus_id),
-            gpu_memory: d.memory_bytes,
-            utilization: d.cores as i32,
-            hard_limit: d.soft_limit.is_none(),
-            driver_version: self.cfg.driver_version,
-            enable: !d.whole,
-        })
-    }
-
-    /// The quota files of shares on several GPUs, one record per device in
-    /// the claim's order (`None` for one device or whole GPUs).
-    fn multi_quota(&self, uid: &str, devices: &[PlannedDevice]) -> Option<MultiGpuQuota> {
-        if devices.len() < 2 || devices.iter().any(|d| d.whole) {
-            return None;
-        }
-        Some(MultiGpuQuota {
-            pod_uid: uid.to_string(),
-            container_name: slot_name(slot_request(devices)),
+    /// A claim in the shared floor's terms: one GPU per device, in the
+    /// claim's order (the planner never mixes shares and whole GPUs).
+    fn share_spec(&self, uid: &str, devices: &[PlannedDevice]) -> Result<ShareSpec, String> {
+        let gpus = devices
+            .iter()
+            .map(|d| {
+                let gpu = self
+                    .gpus
+                    .get(d.gpu_index)
+                    .ok_or_else(|| format!("GPU {} is not on this node", d.gpu_index))?;
+                Ok(ShareGpu {
+                    pci_bus_id: gpu.pci_bus_id.clone(),
+                    uuid: d.gpu_uuid.clone(),
+                    memory_bytes: d.memory_bytes,
+                    cores: d.cores,
+                    limit: d.soft_limit.unwrap_or(d.cores),
+                })
+            })
+            .collect::<Result<_, String>>()?;
+        Ok(ShareSpec {
+            id: registry_id(uid, slot_request(devices)),
+            owner: uid.to_string(),
+            slot: slot_name(slot_request(devices)),
+            whole: devices.iter().any(|d| d.whole),
             hard_limit: devices.iter().all(|d| d.soft_limit.is_none()),
             driver_version: self.cfg.driver_version,
-            gpus: devices
-                .iter()
-                .map(|d| GpuQuota {
-                    bus_id: short_bus_id(&self.gpus[d.gpu_index].pci_bus_id),
-                    uuid: d.gpu_uuid.clone(),
-                    gpu_memory: d.memory_bytes,
-                    utilization: d.cores as i32,
-                    limit: d.soft_limit.unwrap_or(d.cores) as i32,
-                })
-                .collect(),
+            gpus,
         })
     }
 
-    /// Writes the claim's vm directory and, for shares, serves its socket
-    /// (with one ledger per GPU).
+    /// Opens the claim's share: its vm directory and, for shares, its
+    /// socket (with one ledger per GPU).
     fn materialize(&self, uid: &str, devices: &[PlannedDevice]) -> Result<PathBuf, String> {
-        let share = devices.iter().any(|d| !d.whole);
-        let container = slot_name(slot_request(devices));
-        let (dir, ledgers) = match self.multi_quota(uid, devices) {
-            Some(q) => self.vm.prepare_multi(&q).map_err(|e| e.to_string())?,
-            None => {
-                let data = self.resource_data(uid, devices)?;
-                let quota = share.then_some(data.gpu_memory);
-                let (dir, ledger) = self.vm.prepare(&data, quota).map_err(|e| e.to_string())?;
-                (dir, ledger.into_iter().collect())
-            }
-        };
-        if share {
-            self.registry
-                .serve_gpus(
-                    &registry_id(uid, slot_request(devices)),
-                    &dir,
-                    uid,
-                    &container,
-                    ledgers,
-                )
-                .map_err(|e| format!("serving {}/vcuda.sock: {e}", dir.display()))?;
-        }
-        Ok(dir)
+        let spec = self.share_spec(uid, devices)?;
+        self.shares.open(&spec).map_err(|e| e.to_string())
     }
 
     fn claim_spec(&self, uid: &str, devices: &[PlannedDevice], dir: &std::path::Path) -> cdi::Spec {
@@ -372,7 +336,8 @@ impl Driver {
             if !disk.claims.contains_key(uid) {
                 tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %uid, "another instance unprepared a claim");
                 if !c.devices.is_empty() {
-                    self.registry
+                    self.shares
+                        .registry()
                         .stop(&registry_id(uid, slot_request(&c.devices)));
                 }
             }
@@ -384,8 +349,9 @@ impl Driver {
 
     fn release(&self, uid: &str, devices: &[PlannedDevice]) {
         if !devices.is_empty() {
-            self.registry.stop(&registry_id(uid, slot_request(devices)));
-            self.vm.remove(uid, &slot_name(slot_request(devices)));
+            let request = slot_request(devices);
+            self.shares
+                .close(&registry_id(uid, request), uid, &slot_name(request));
         }
         if let Err(e) = cdi::remove(&self.cfg.cdi_dir, uid) {
             tracing::warn!(claim = uid, error = %e, "removing the CDI spec");

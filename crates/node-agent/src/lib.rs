@@ -7,7 +7,8 @@
 //! * [`nvml`]: GPU discovery (PCIe levels, NVLink) and the Xid watcher;
 //!   [`health`]: the quiet-period rule over critical Xids.
 //! * [`mirror_driver`]: the host's driver mirrored with the interposer.
-//! * [`vm`], [`registry`]: per-container vm directories and `vcuda.sock`.
+//! * [`share`]: a container's or a claim's share, opened the same way by
+//!   both modes, over [`vm`] (vm directories) and [`registry`] (`vcuda.sock`).
 //! * [`edits`]: what a container holding GPUs gets (device nodes, mounts,
 //!   env), rendered by each mode (Allocate response, CDI spec).
 //! * [`mode`]: one mode per node; [`extra`]: extra devices;
@@ -26,6 +27,7 @@ pub mod ledgers;
 pub mod mode;
 pub mod nvml;
 pub mod registry;
+pub mod share;
 pub mod vm;
 
 use std::path::Path;

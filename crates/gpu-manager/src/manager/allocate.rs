@@ -309,11 +309,12 @@ impl Manager {
         // written the way that call did, which is safe: no container of
         // the pod has started, so none mounts the old directory.
         let dir = self
-            .vm
+            .shares
+            .vm()
             .dir(&a.pod_uid, &a.container)
             .map_err(|e| internal(e.to_string()))?;
         if !dir.join(quota_config::CONFIG_FILE).is_file() {
-            self.open_files(a).map_err(internal)?;
+            self.open_files(a).map_err(|e| internal(e.to_string()))?;
         }
         let patch = self.patch_if_complete(&self.st(), pod);
         if let Some(job) = patch {

@@ -35,14 +35,13 @@ use std::sync::{Arc, Mutex};
 
 use device_plugin::DeviceList;
 use gpu_allocator::{Allocator, GpuInfo, MEMORY_UNIT_BYTES, Placement};
-use quota_config::{GpuQuota, MultiGpuQuota, ResourceData};
+use node_agent::share::{ShareError, ShareGpu, ShareSpec, Shares};
 
 use crate::checkpoint::Allocation;
 use crate::events::EventSink;
 use crate::extra::ExtraConfig;
 use crate::ids;
 use crate::registry::Registry;
-use crate::vm::VmDirs;
 use crate::world::{
     CheckpointStore, ContainerRuntime, KubeletSource, PodPatcher, PodSource, World,
 };
@@ -76,17 +75,14 @@ pub struct Manager {
     commit_lock: tokio::sync::Mutex<()>,
     /// Wakes the lazy flush after a change that waits for the next write.
     lazy: tokio::sync::Notify,
-    /// Serialises work on vm directories and sockets, which happens
-    /// outside the state lock.
-    files: Mutex<()>,
     pods: Arc<dyn PodSource>,
     patcher: Arc<dyn PodPatcher>,
     events: Arc<dyn EventSink>,
     kubelet: Arc<dyn KubeletSource>,
     checkpoint: Arc<dyn CheckpointStore>,
     runtime: Arc<dyn ContainerRuntime>,
-    vm: VmDirs,
-    registry: Registry,
+    /// Vm directories and sockets, opened outside the state lock.
+    shares: Shares,
     extra: ExtraConfig,
     pub vcore: DeviceList,
     pub vmemory: DeviceList,
@@ -100,8 +96,7 @@ pub struct ManagerParts {
     pub world: World,
 }
 
-// Shared with the DRA driver.
-pub use node_agent::{now, short_bus_id};
+use node_agent::{now, short_bus_id};
 
 impl Manager {
     pub fn new(p: ManagerParts) -> Arc<Manager> {
@@ -110,8 +105,7 @@ impl Manager {
         Arc::new(Manager {
             vcore: DeviceList::new(ids::vcore_devices(&gpus, |_| true)),
             vmemory: DeviceList::new(ids::vmemory_devices(&gpus, |_| true)),
-            vm: VmDirs::new(&p.config.vm_root),
-            registry: Registry::default(),
+            shares: Shares::new(&p.config.vm_root),
             state: Mutex::new(State::new(p.allocator, gpus.len())),
             gpus,
             driver_version: p.driver_version,
@@ -119,7 +113,6 @@ impl Manager {
             alloc_lock: tokio::sync::Mutex::new(()),
             commit_lock: tokio::sync::Mutex::new(()),
             lazy: tokio::sync::Notify::new(),
-            files: Mutex::new(()),
             pods: w.pods,
             patcher: w.patcher,
             events: w.events,
@@ -141,7 +134,7 @@ impl Manager {
     }
 
     pub fn registry(&self) -> &Registry {
-        &self.registry
+        self.shares.registry()
     }
 
     /// Allocations, for display and tests.
@@ -177,110 +170,62 @@ impl Manager {
         self.gpus.iter().map(|g| g.uuid.clone()).collect()
     }
 
-    /// The quota file of an allocation.
-    fn resource_data(&self, a: &Allocation) -> ResourceData {
+    /// An allocation in the shared floor's terms.
+    fn share_spec(&self, a: &Allocation) -> ShareSpec {
         let p = Placement::from(&a.placement);
-        let shared = !p.is_exclusive();
-        let first = &self.gpus[p.gpus()[0]];
-        ResourceData {
-            pod_uid: a.pod_uid.clone(),
-            limit: a
-                .soft_limit
-                .map(|l| l as i32)
-                .unwrap_or(a.cores.min(100) as i32),
-            container_name: a.container.clone(),
-            bus_id: short_bus_id(&first.pci_bus_id),
-            gpu_memory: a.memory_units * MEMORY_UNIT_BYTES,
-            utilization: a.cores.min(100) as i32,
-            hard_limit: a.soft_limit.is_none(),
-            driver_version: self.driver_version,
-            enable: shared,
-        }
-    }
-
-    /// The quota files of a share on several GPUs, in placement order
-    /// (`None` for one GPU or whole GPUs).
-    fn multi_quota(&self, a: &Allocation) -> Option<MultiGpuQuota> {
-        let Placement::Shares {
-            gpus,
+        let gpu = |g: usize, memory_bytes: u64, cores: u32, limit: u32| ShareGpu {
+            pci_bus_id: self.gpus[g].pci_bus_id.clone(),
+            uuid: self.gpus[g].uuid.clone(),
+            memory_bytes,
             cores,
-            memory_units,
-        } = Placement::from(&a.placement)
-        else {
-            return None;
+            limit,
         };
-        let limit = a.soft_limit.map_or(cores, |l| l.max(cores)) as i32;
-        Some(MultiGpuQuota {
-            pod_uid: a.pod_uid.clone(),
-            container_name: a.container.clone(),
-            hard_limit: a.soft_limit.is_none(),
-            driver_version: self.driver_version,
-            gpus: gpus
-                .iter()
-                .map(|&g| GpuQuota {
-                    bus_id: short_bus_id(&self.gpus[g].pci_bus_id),
-                    uuid: self.gpus[g].uuid.clone(),
-                    gpu_memory: memory_units * MEMORY_UNIT_BYTES,
-                    utilization: cores as i32,
+        let gpus = match &p {
+            Placement::Shares {
+                gpus,
+                cores,
+                memory_units,
+            } => {
+                let limit = a.soft_limit.map_or(*cores, |l| l.max(*cores));
+                gpus.iter()
+                    .map(|&g| gpu(g, memory_units * MEMORY_UNIT_BYTES, *cores, limit))
+                    .collect()
+            }
+            // Whole GPUs and one-GPU shares: one quota file, on the first.
+            _ => {
+                let cores = a.cores.min(100);
+                let limit = a.soft_limit.unwrap_or(cores);
+                vec![gpu(
+                    p.gpus()[0],
+                    a.memory_units * MEMORY_UNIT_BYTES,
+                    cores,
                     limit,
-                })
-                .collect(),
-        })
-    }
-
-    /// Writes a container's vm directory (quota files, a ledger per GPU
-    /// for shares) and serves its socket; outside the state lock. The
-    /// caller has reserved the allocation's capacity.
-    fn open_files(&self, a: &Allocation) -> Result<std::path::PathBuf, String> {
-        let _files = self.files_lock();
-        let prepared = match self.multi_quota(a) {
-            Some(q) => self.vm.prepare_multi(&q).map(|(d, l)| (d, Some(l))),
-            None => {
-                let data = self.resource_data(a);
-                let quota = data.enable.then_some(data.gpu_memory);
-                self.vm
-                    .prepare(&data, quota)
-                    .map(|(d, l)| (d, data.enable.then(|| l.into_iter().collect())))
+                )]
             }
         };
-        let (dir, ledgers): (_, Option<Vec<_>>) =
-            prepared.map_err(|e| format!("vm directory: {e}"))?;
-        if let Some(ledgers) = ledgers
-            && let Err(e) =
-                self.registry
-                    .serve_gpus(&a.id(), &dir, &a.pod_uid, &a.container, ledgers)
-        {
-            self.vm.remove(&a.pod_uid, &a.container);
-            return Err(format!("serving vcuda.sock: {e}"));
+        ShareSpec {
+            id: a.id(),
+            owner: a.pod_uid.clone(),
+            slot: a.container.clone(),
+            whole: p.is_exclusive(),
+            hard_limit: a.soft_limit.is_none(),
+            driver_version: self.driver_version,
+            gpus,
         }
-        Ok(dir)
     }
 
-    /// Stops a container's socket and removes its vm directory, unless the
-    /// same container was allocated again meanwhile (its capacity is
-    /// reserved before its files are written).
+    /// Opens a container's share (vm directory, ledgers, socket); outside
+    /// the state lock. The caller has reserved the allocation's capacity.
+    fn open_files(&self, a: &Allocation) -> Result<std::path::PathBuf, ShareError> {
+        self.shares.open(&self.share_spec(a))
+    }
+
+    /// Closes a container's share, unless the same container was allocated
+    /// again meanwhile (its capacity is reserved before its files are
+    /// written).
     fn close_files(&self, id: &str, pod_uid: &str, container: &str) {
-        let _files = self.files_lock();
-        if self.st().allocator.allocation(id).is_some() {
-            return;
-        }
-        self.registry.stop(id);
-        self.vm.remove(pod_uid, container);
-    }
-
-    fn files_lock(&self) -> std::sync::MutexGuard<'_, ()> {
-        // Guards no data: a panic while held leaves nothing half-changed.
-        self.files.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-#[cfg(test)]
-mod bus_tests {
-    use super::*;
-
-    #[test]
-    fn bus_id_fits_the_quota_file() {
-        assert_eq!(short_bus_id("00000000:3B:00.0"), "0000:3B:00.0");
-        assert_eq!(short_bus_id("0000:3B:00.0"), "0000:3B:00.0");
+        self.shares.close_unless(id, pod_uid, container, || {
+            self.st().allocator.allocation(id).is_some()
+        });
     }
 }

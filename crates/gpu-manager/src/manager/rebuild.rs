@@ -167,7 +167,8 @@ impl Manager {
         kubelet: Option<&[Held]>,
     ) -> Result<Allocation, String> {
         let dir = self
-            .vm
+            .shares
+            .vm()
             .dir(&c.pod_uid, &c.container)
             .map_err(|e| e.to_string())?;
         let (cfg, multi) = match quota_config::read_quota(&dir) {

@@ -225,7 +225,8 @@ impl Manager {
 
     /// Whether `c` mounts its own vm directory of this manager.
     fn mounts_ours(&self, c: &LiveContainer) -> bool {
-        self.vm
+        self.shares
+            .vm()
             .dir(&c.pod_uid, &c.container)
             .is_ok_and(|d| c.vm_source.as_deref() == Some(d.as_path()))
     }
@@ -398,7 +399,7 @@ impl Manager {
     /// Step 4: vm directories no allocation owns; their containers are
     /// gone (unless a live container still mounts one: never pulled away).
     fn remove_orphans(&self, node: &Sources, report: &mut RecoveryReport) {
-        for (uid, c) in self.vm.list() {
+        for (uid, c) in self.shares.vm().list() {
             let id = alloc_id(&uid, &c);
             if self.st().allocs.contains_key(&id) {
                 continue;
@@ -413,7 +414,7 @@ impl Manager {
                     "vm directory without an allocation is kept: the container runtime is unreachable"
                 ),
                 Orphan::Remove => {
-                    self.vm.remove(&uid, &c);
+                    self.shares.vm().remove(&uid, &c);
                     report.orphans_removed += 1;
                 }
             }

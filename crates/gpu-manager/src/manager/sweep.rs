@@ -127,7 +127,7 @@ impl Manager {
                 }
             }
         }
-        let pruned = self.registry.prune();
+        let pruned = self.registry().prune();
         if pruned > 0 {
             tracing::info!(pruned, "dead interposer PIDs pruned");
         }
