@@ -121,6 +121,7 @@ async fn main() {
     let log = env.log_text();
     for (what, field) in [
         ("handler", "took_us"),
+        ("of which finding the pod (kubelet's List)", "found_us"),
         ("of which checkpoint write", "checkpoint_us"),
     ] {
         let mut v = logged_allocate_us(&log, field);

@@ -198,11 +198,17 @@ impl HostManager {
 
     /// `took_us` of every "allocated" line so far.
     pub fn allocate_us(&self) -> Vec<u64> {
+        self.allocate_field("took_us")
+    }
+
+    /// One microsecond field (`took_us`, `found_us`, `checkpoint_us`) of
+    /// every "allocated" line so far, sorted.
+    pub fn allocate_field(&self, field: &str) -> Vec<u64> {
         let mut v: Vec<u64> = self
             .log_text()
             .lines()
             .filter(|l| l.contains(" allocated "))
-            .filter_map(|l| kv(l).get("took_us").and_then(|x| x.parse().ok()))
+            .filter_map(|l| kv(l).get(field).and_then(|x| x.parse().ok()))
             .collect();
         v.sort_unstable();
         v

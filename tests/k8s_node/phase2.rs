@@ -260,5 +260,15 @@ pub fn run(
         percentile(&all, 0.5) as f64 / 1000.0,
         percentile(&all, 0.99) as f64 / 1000.0
     ));
+    // Where it went: finding the pod (the kubelet's List, the reflector)
+    // and the checkpoint's write.
+    for field in ["found_us", "checkpoint_us"] {
+        let v = m.allocate_field(field);
+        figures.push(format!(
+            "  of which {field}: p50 {:.2} ms, p99 {:.2} ms",
+            percentile(&v, 0.5) as f64 / 1000.0,
+            percentile(&v, 0.99) as f64 / 1000.0
+        ));
+    }
     m.stop();
 }

@@ -4,9 +4,11 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
+use tonic::transport::Channel;
 use vcuda_api::podresources::v1::{
     ListPodResourcesRequest, ListPodResourcesResponse,
     pod_resources_lister_client::PodResourcesListerClient,
@@ -52,6 +54,9 @@ pub struct Held {
 pub struct KubeletRecords {
     pub pod_resources_socket: PathBuf,
     pub checkpoint: PathBuf,
+    // One connection kept across calls: every Allocate asks for the active
+    // pods, and a fresh connect per call cost more than the List itself.
+    channel: Arc<tokio::sync::Mutex<Option<Channel>>>,
 }
 
 impl KubeletRecords {
@@ -59,21 +64,43 @@ impl KubeletRecords {
         KubeletRecords {
             pod_resources_socket: pod_resources_socket.to_path_buf(),
             checkpoint: device_plugin_dir.join(KUBELET_CHECKPOINT),
+            channel: Arc::default(),
         }
     }
 
-    /// One pod-resources `List` call.
+    /// One pod-resources `List` call, on the kept connection; a call that
+    /// fails on it (kubelet restarted: a new socket) is tried once more on
+    /// a new one.
     async fn pod_resources_list(&self) -> Result<ListPodResourcesResponse, String> {
-        let ch = device_plugin::connect_unix(&self.pod_resources_socket, Duration::from_secs(2))
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut req = tonic::Request::new(ListPodResourcesRequest {});
-        req.set_timeout(Duration::from_secs(5));
-        PodResourcesListerClient::new(ch)
-            .list(req)
-            .await
-            .map_err(|s| format!("List: {}", s.message()))
-            .map(tonic::Response::into_inner)
+        let mut kept = self.channel.lock().await;
+        let mut retry = kept.is_some();
+        loop {
+            let ch = match kept.as_ref() {
+                Some(ch) => ch.clone(),
+                None => {
+                    let ch = device_plugin::connect_unix(
+                        &self.pod_resources_socket,
+                        Duration::from_secs(2),
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                    kept.insert(ch).clone()
+                }
+            };
+            let mut req = tonic::Request::new(ListPodResourcesRequest {});
+            req.set_timeout(Duration::from_secs(5));
+            match PodResourcesListerClient::new(ch).list(req).await {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(s) if retry => {
+                    tracing::debug!(error = %s.message(), "pod-resources List on the kept connection: reconnecting");
+                    (*kept, retry) = (None, false);
+                }
+                Err(s) => {
+                    *kept = None;
+                    return Err(format!("List: {}", s.message()));
+                }
+            }
+        }
     }
 }
 

@@ -237,8 +237,9 @@ impl Manager {
         let cores = device_ids.len() as u64;
         self.release_holders_of(&device_ids);
         let cand = self.find_candidate(cores).await?;
+        let found_us = started.elapsed().as_micros() as u64;
         let pod = cand.pod.clone();
-        let r = self.allocate_for(cand, device_ids, started).await;
+        let r = self.allocate_for(cand, device_ids, started, found_us).await;
         self.said_on(&pod, r)
     }
 
@@ -347,6 +348,7 @@ impl Manager {
         cand: pods::Candidate,
         device_ids: Vec<String>,
         started: Instant,
+        found_us: u64,
     ) -> Result<ContainerAllocateResponse, Status> {
         let cores = device_ids.len() as u64;
         let pod = cand.pod.clone();
@@ -418,7 +420,7 @@ impl Manager {
         }
         tracing::info!(
             pod = %format!("{ns}/{name}"), container = %cand.container, uid, %placement,
-            took_us = started.elapsed().as_micros() as u64, checkpoint_us, "allocated"
+            took_us = started.elapsed().as_micros() as u64, found_us, checkpoint_us, "allocated"
         );
         Ok(self.answer(&alloc, &dir))
     }
