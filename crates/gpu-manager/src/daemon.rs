@@ -24,7 +24,7 @@ use crate::manager::{Manager, ManagerConfig, ManagerParts};
 use crate::mode;
 use crate::node_status;
 use crate::owner::{self, Claim};
-use crate::plugin::{self, Gate, VcorePlugin, VmemoryPlugin};
+use crate::plugin::{self, Gate, PluginParts, VcorePlugin, VmemoryPlugin};
 use crate::pods;
 use crate::runtime;
 use crate::served::{FromSupervisor, Plugins};
@@ -371,8 +371,12 @@ async fn start_plugins(
     cancel: &CancellationToken,
 ) -> anyhow::Result<Plugins> {
     let name = crate::served::file_name;
-    let vcore = VcorePlugin(mgr.clone(), metrics.clone(), gate.clone());
-    let vmemory = VmemoryPlugin(mgr.clone(), metrics.clone(), gate.clone());
+    let parts = || PluginParts {
+        manager: mgr.clone(),
+        metrics: metrics.clone(),
+        gate: gate.clone(),
+    };
+    let (vcore, vmemory) = (VcorePlugin(parts()), VmemoryPlugin(parts()));
     Plugins::start(
         &s.device_plugin_path,
         [

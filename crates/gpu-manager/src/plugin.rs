@@ -13,7 +13,7 @@ use tokio::sync::watch;
 use tonic::{Code, Status};
 
 use crate::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
-use crate::manager::Manager;
+use crate::manager::{Manager, Refusal, RefusalKind};
 
 fn options() -> DevicePluginOptions {
     DevicePluginOptions {
@@ -121,28 +121,47 @@ async fn pre_start(
     manager
         .pre_start(resource, &request.devices_ids)
         .await
-        .inspect_err(|e| tracing::warn!(error = %e.message(), "PreStartContainer refused"))?;
+        .inspect_err(|e| tracing::warn!(error = %e.message(), "PreStartContainer refused"))
+        .map_err(status)?;
     Ok(PreStartContainerResponse {})
 }
 
-/// The `reason` label of a refused Allocate: a fixed word per gRPC code.
-pub fn failure_reason(code: Code) -> &'static str {
-    match code {
-        Code::InvalidArgument => "invalid_argument",
-        Code::ResourceExhausted => "resource_exhausted",
-        Code::FailedPrecondition => "failed_precondition",
-        Code::Unavailable => "unavailable",
-        Code::Internal => "internal",
-        Code::DeadlineExceeded => "deadline_exceeded",
-        Code::Cancelled => "cancelled",
-        _ => "other",
+/// The one place a manager's refusal becomes a gRPC status, its message
+/// unchanged.
+fn status(r: Refusal) -> Status {
+    let code = match r.kind() {
+        RefusalKind::InvalidArgument => Code::InvalidArgument,
+        RefusalKind::ResourceExhausted => Code::ResourceExhausted,
+        RefusalKind::FailedPrecondition => Code::FailedPrecondition,
+        RefusalKind::Unavailable => Code::Unavailable,
+        RefusalKind::Internal => Code::Internal,
+    };
+    Status::new(code, r.message())
+}
+
+/// The `reason` label of a refused Allocate: a fixed word per kind.
+pub fn failure_reason(kind: RefusalKind) -> &'static str {
+    match kind {
+        RefusalKind::InvalidArgument => "invalid_argument",
+        RefusalKind::ResourceExhausted => "resource_exhausted",
+        RefusalKind::FailedPrecondition => "failed_precondition",
+        RefusalKind::Unavailable => "unavailable",
+        RefusalKind::Internal => "internal",
     }
 }
 
-/// The vcuda-core plugin; the metrics count its Allocate outcomes.
-pub struct VcorePlugin(pub Arc<Manager>, pub ManagerMetrics, pub Gate);
+/// What both plugins share: the manager, its metrics (the vcuda-core
+/// plugin counts Allocate outcomes) and the handover gate.
+pub struct PluginParts {
+    pub manager: Arc<Manager>,
+    pub metrics: ManagerMetrics,
+    pub gate: Gate,
+}
+
+/// The vcuda-core plugin.
+pub struct VcorePlugin(pub PluginParts);
 /// The vcuda-memory plugin.
-pub struct VmemoryPlugin(pub Arc<Manager>, pub ManagerMetrics, pub Gate);
+pub struct VmemoryPlugin(pub PluginParts);
 
 #[tonic::async_trait]
 impl DevicePluginService for VcorePlugin {
@@ -151,25 +170,29 @@ impl DevicePluginService for VcorePlugin {
     }
 
     fn devices(&self) -> watch::Receiver<Vec<Device>> {
-        self.0.vcore.subscribe()
+        self.0.manager.vcore.subscribe()
     }
 
     async fn allocate(&self, request: AllocateRequest) -> Result<AllocateResponse, Status> {
-        let _call = self.2.pass("Allocate").await?;
+        let PluginParts {
+            manager,
+            metrics,
+            gate,
+        } = &self.0;
+        let _call = gate.pass("Allocate").await?;
         let mut out = Vec::with_capacity(request.container_requests.len());
         for c in request.container_requests {
             let t = Instant::now();
-            let r = self.0.allocate_vcore(c.devices_ids).await;
+            let r = manager.allocate_vcore(c.devices_ids).await;
             match &r {
-                Ok(_) => self.1.allocation_succeeded(VCORE_RESOURCE),
+                Ok(_) => metrics.allocation_succeeded(VCORE_RESOURCE),
                 Err(e) => {
-                    tracing::warn!(code = ?e.code(), error = %e.message(), "vcuda-core Allocate refused");
-                    self.1
-                        .allocation_failed(VCORE_RESOURCE, failure_reason(e.code()));
+                    tracing::warn!(kind = ?e.kind(), error = %e.message(), "vcuda-core Allocate refused");
+                    metrics.allocation_failed(VCORE_RESOURCE, failure_reason(e.kind()));
                 }
             }
-            self.1.observe_allocate(t.elapsed());
-            out.push(r?);
+            metrics.observe_allocate(t.elapsed());
+            out.push(r.map_err(status)?);
         }
         Ok(AllocateResponse {
             container_responses: out,
@@ -180,7 +203,7 @@ impl DevicePluginService for VcorePlugin {
         &self,
         request: PreStartContainerRequest,
     ) -> Result<PreStartContainerResponse, Status> {
-        pre_start(&self.0, &self.2, VCORE_RESOURCE, request).await
+        pre_start(&self.0.manager, &self.0.gate, VCORE_RESOURCE, request).await
     }
 }
 
@@ -191,17 +214,22 @@ impl DevicePluginService for VmemoryPlugin {
     }
 
     fn devices(&self) -> watch::Receiver<Vec<Device>> {
-        self.0.vmemory.subscribe()
+        self.0.manager.vmemory.subscribe()
     }
 
     async fn allocate(&self, request: AllocateRequest) -> Result<AllocateResponse, Status> {
-        let _call = self.2.pass("Allocate").await?;
+        let PluginParts {
+            manager,
+            metrics,
+            gate,
+        } = &self.0;
+        let _call = gate.pass("Allocate").await?;
         let mut out = Vec::with_capacity(request.container_requests.len());
         for c in request.container_requests {
             let t = Instant::now();
-            out.push(self.0.allocate_vmemory(c.devices_ids));
-            self.1.allocation_succeeded(VMEMORY_RESOURCE);
-            self.1.observe_allocate(t.elapsed());
+            out.push(manager.allocate_vmemory(c.devices_ids));
+            metrics.allocation_succeeded(VMEMORY_RESOURCE);
+            metrics.observe_allocate(t.elapsed());
         }
         Ok(AllocateResponse {
             container_responses: out,
@@ -212,6 +240,6 @@ impl DevicePluginService for VmemoryPlugin {
         &self,
         request: PreStartContainerRequest,
     ) -> Result<PreStartContainerResponse, Status> {
-        pre_start(&self.0, &self.2, VMEMORY_RESOURCE, request).await
+        pre_start(&self.0.manager, &self.0.gate, VMEMORY_RESOURCE, request).await
     }
 }

@@ -10,10 +10,10 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::refusal::Refusal;
 use device_plugin::api::ContainerAllocateResponse;
 use gpu_allocator::{AllocError, ErrorKind, GpuInfo, Placement, Request};
 use k8s_openapi::api::core::v1::{ContainerState, ContainerStatus, Pod};
-use tonic::Status;
 
 use super::restore::RESEND_S;
 use super::state::State;
@@ -34,17 +34,17 @@ const POD_WAIT: Duration = Duration::from_secs(5);
 /// How long an Allocate waits for kubelet's pod-resources `List`.
 const KUBELET_LIST: Duration = Duration::from_secs(1);
 
-fn alloc_status(e: AllocError) -> Status {
+fn alloc_refusal(e: AllocError) -> Refusal {
     match e.kind() {
-        ErrorKind::InvalidRequest => Status::invalid_argument(e.to_string()),
-        ErrorKind::Insufficient => Status::resource_exhausted(e.to_string()),
-        ErrorKind::State => Status::internal(e.to_string()),
+        ErrorKind::InvalidRequest => Refusal::invalid(e.to_string()),
+        ErrorKind::Insufficient => Refusal::exhausted(e.to_string()),
+        ErrorKind::State => Refusal::internal(e.to_string()),
     }
 }
 
 /// The pod's soft limit ceiling (`tencent.com/vcuda-core-limit`), if it
 /// has one; a value that is not 1..100 is refused, naming it.
-fn soft_limit(pod: &Pod) -> Result<Option<u32>, Status> {
+fn soft_limit(pod: &Pod) -> Result<Option<u32>, Refusal> {
     let Some(v) = pods::annotation(pod, pods::VCORE_LIMIT) else {
         return Ok(None);
     };
@@ -55,7 +55,7 @@ fn soft_limit(pod: &Pod) -> Result<Option<u32>, Status> {
         .filter(|l| (1..=100).contains(l))
         .map(Some)
         .ok_or_else(|| {
-            Status::invalid_argument(format!(
+            Refusal::invalid(format!(
                 "pod {ns}/{name}: annotation {}={v:?} must be a number 1..100",
                 pods::VCORE_LIMIT
             ))
@@ -111,7 +111,7 @@ impl Manager {
         }
     }
 
-    async fn find_candidate(&self, cores: u64) -> Result<pods::Candidate, Status> {
+    async fn find_candidate(&self, cores: u64) -> Result<pods::Candidate, Refusal> {
         let deadline = Instant::now() + POD_WAIT;
         loop {
             let pods = self.pods.pods();
@@ -142,17 +142,17 @@ impl Manager {
                     return Ok(c);
                 }
                 if self.pods.health() == ApiHealth::Starting {
-                    return Err(Status::unavailable(format!(
+                    return Err(Refusal::unavailable(format!(
                         "the manager has not listed this node's pods from the API server yet; cannot tell which pod asks for vcuda-core {cores}; kubelet will retry"
                     )));
                 }
                 if let ApiHealth::Failing(e) = self.pods.health() {
-                    return Err(Status::unavailable(format!(
+                    return Err(Refusal::unavailable(format!(
                         "no pending pod on node {} asks for vcuda-core {cores}, and the API server is unreachable ({e}); kubelet will retry",
                         self.config.node_name
                     )));
                 }
-                return Err(Status::failed_precondition(format!(
+                return Err(Refusal::precondition(format!(
                     "no pending, unassigned pod on node {} has a container asking for vcuda-core {cores} \
                      (pending GPU containers: {}); was the pod deleted, or already allocated?",
                     self.config.node_name,
@@ -171,16 +171,16 @@ impl Manager {
         cand: &pods::Candidate,
         req: &Request,
         ours: &Placement,
-    ) -> Result<Option<Placement>, Status> {
+    ) -> Result<Option<Placement>, Refusal> {
         let Some(minors) = pods::predicate_minors(pod, cand.container_index) else {
             return Ok(None);
         };
         let key = format!("{}{}", pods::PREDICATE_GPU_IDX_PREFIX, cand.container_index);
-        let minors = minors.map_err(Status::invalid_argument)?;
+        let minors = minors.map_err(Refusal::invalid)?;
         let mut gpus = Vec::new();
         for m in &minors {
             let g = self.gpus.iter().find(|g| g.minor == *m).ok_or_else(|| {
-                Status::failed_precondition(format!(
+                Refusal::precondition(format!(
                     "gpu-admission chose GPU /dev/nvidia{m} ({key}), which this node does not have (its GPUs: {})",
                     self.gpus.iter().map(|g| format!("/dev/nvidia{}", g.minor)).collect::<Vec<_>>().join(",")
                 ))
@@ -199,7 +199,7 @@ impl Manager {
             .collect::<Vec<_>>()
             .join(",");
         let placement = req.placement_on(&gpus).ok_or_else(|| {
-            Status::failed_precondition(format!(
+            Refusal::precondition(format!(
                 "predicate mismatch: gpu-admission chose {theirs} ({key}) for vcuda-core {}, \
                  but that request needs {} GPU(s); the manager would choose {mine}",
                 cand.cores,
@@ -208,7 +208,7 @@ impl Manager {
         })?;
         let mut probe = st.allocator.clone();
         if let Err(e) = probe.commit("predicate-probe", &placement) {
-            return Err(Status::failed_precondition(format!(
+            return Err(Refusal::precondition(format!(
                 "predicate mismatch: gpu-admission chose {theirs} ({key}), but on this node it does not fit ({e}); \
                  the manager would choose {mine}"
             )));
@@ -221,10 +221,10 @@ impl Manager {
     pub async fn allocate_vcore(
         &self,
         device_ids: Vec<String>,
-    ) -> Result<ContainerAllocateResponse, Status> {
+    ) -> Result<ContainerAllocateResponse, Refusal> {
         let _serial = self.alloc_lock.lock().await;
         if let Err(e) = self.health() {
-            return Err(Status::unavailable(format!(
+            return Err(Refusal::unavailable(format!(
                 "{e}; kubelet retries once the manager is restarted"
             )));
         }
@@ -248,8 +248,8 @@ impl Manager {
     fn said_on(
         &self,
         pod: &Pod,
-        r: Result<ContainerAllocateResponse, Status>,
-    ) -> Result<ContainerAllocateResponse, Status> {
+        r: Result<ContainerAllocateResponse, Refusal>,
+    ) -> Result<ContainerAllocateResponse, Refusal> {
         if let Err(s) = &r {
             self.events.post(PodEvent {
                 namespace: pods::namespace(pod).to_string(),
@@ -294,7 +294,11 @@ impl Manager {
     /// The first answer again, for a repeated Allocate (see
     /// [`Self::repeated`]); the pod's patch is submitted again, as the
     /// process that died may not have sent it.
-    fn answer_again(&self, a: &Allocation, pod: &Pod) -> Result<ContainerAllocateResponse, Status> {
+    fn answer_again(
+        &self,
+        a: &Allocation,
+        pod: &Pod,
+    ) -> Result<ContainerAllocateResponse, Refusal> {
         let ctx = format!(
             "pod {}/{} container {}",
             a.namespace, a.pod_name, a.container
@@ -303,7 +307,7 @@ impl Manager {
             pod = %format!("{}/{}", a.namespace, a.pod_name), container = %a.container, id = %a.id(),
             "Allocate repeated for an allocation already made (a supervisor resent it after the manager process died?): answering it again"
         );
-        let internal = |e: String| Status::internal(format!("{ctx}: {e}"));
+        let internal = |e: String| Refusal::internal(format!("{ctx}: {e}"));
         // The path the first answer mounted. Its files are left as they are
         // (recovery rewrote them, or the first call did in this process);
         // missing (wiped, or recovery failed to write them), they are
@@ -349,13 +353,12 @@ impl Manager {
         device_ids: Vec<String>,
         started: Instant,
         found_us: u64,
-    ) -> Result<ContainerAllocateResponse, Status> {
+    ) -> Result<ContainerAllocateResponse, Refusal> {
         let cores = device_ids.len() as u64;
         let pod = cand.pod.clone();
         let (uid, ns, name) = (pods::uid(&pod), pods::namespace(&pod), pods::name(&pod));
-        vm::check_pod_uid(uid).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        vm::check_container_name(&cand.container)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        vm::check_pod_uid(uid).map_err(|e| Refusal::invalid(e.to_string()))?;
+        vm::check_container_name(&cand.container).map_err(|e| Refusal::invalid(e.to_string()))?;
         let soft_limit = soft_limit(&pod)?;
         let ctx = format!("pod {ns}/{name} container {}", cand.container);
         let req = self.request(&ctx, &cand)?;
@@ -392,7 +395,7 @@ impl Manager {
             Ok(d) => d,
             Err(e) => {
                 undo();
-                return Err(Status::internal(format!("{ctx}: {e}")));
+                return Err(Refusal::internal(format!("{ctx}: {e}")));
             }
         };
         // 3. Recorded, then durable before answering; Allocate calls stay
@@ -406,7 +409,7 @@ impl Manager {
                 self.changed_lazily(&mut st);
             }
             undo();
-            return Err(Status::new(e.code(), format!("{ctx}: {}", e.message())));
+            return Err(e.context(&ctx));
         }
         let checkpoint_us = synced.elapsed().as_micros() as u64;
         let patch = {
@@ -428,7 +431,7 @@ impl Manager {
     /// The allocator's request for the container: its `vcuda-core` and
     /// `vcuda-memory` totals over the GPUs the pod's `vcuda-gpus`
     /// annotation gives it (one when it does not name it).
-    fn request(&self, ctx: &str, cand: &pods::Candidate) -> Result<Request, Status> {
+    fn request(&self, ctx: &str, cand: &pods::Candidate) -> Result<Request, Refusal> {
         gpu_pods::container_request(
             &cand.pod,
             &cand.container,
@@ -437,8 +440,8 @@ impl Manager {
             self.config.share_mode,
         )
         .map_err(|e| match e {
-            gpu_pods::RequestError::Annotation(e) => Status::invalid_argument(e),
-            gpu_pods::RequestError::Split { gpus, error } => Status::invalid_argument(format!(
+            gpu_pods::RequestError::Annotation(e) => Refusal::invalid(e),
+            gpu_pods::RequestError::Split { gpus, error } => Refusal::invalid(format!(
                 "{ctx}: annotation {} gives it {gpus} GPUs: {error}",
                 pods::VCUDA_GPUS
             )),
@@ -454,18 +457,18 @@ impl Manager {
         cand: &pods::Candidate,
         req: &Request,
         id: &str,
-    ) -> Result<Placement, Status> {
+    ) -> Result<Placement, Refusal> {
         let mut st = self.st();
         let ours = st.allocator.evaluate(req).map_err(|e| {
-            let s = alloc_status(e);
-            Status::new(s.code(), format!("{ctx}: {}", s.message()))
+            let s = alloc_refusal(e);
+            s.context(ctx)
         })?;
         let placement = self
             .predicated(&st, &cand.pod, cand, req, &ours)?
             .unwrap_or(ours);
         st.allocator
             .commit(id.to_string(), &placement)
-            .map_err(alloc_status)?;
+            .map_err(alloc_refusal)?;
         Ok(placement)
     }
 

@@ -8,6 +8,8 @@
 //!   [`rebuild`]: an allocation the checkpoint lost, from the node.
 //! * [`allocate`]: Allocate for vcuda-core and vcuda-memory.
 //! * [`prestart`]: PreStartContainer's check of the guessed pod.
+//! * [`refusal`]: why a call is refused, rendered to gRPC only by the
+//!   plugin edge.
 //! * [`sweep`]: releases (deleted pods, dead containers) and GPU health.
 //!
 //! The outside parties (API server, kubelet, container runtime, checkpoint
@@ -23,6 +25,7 @@ mod allocate;
 mod persist;
 mod prestart;
 mod rebuild;
+mod refusal;
 mod restore;
 mod state;
 mod sweep;
@@ -46,6 +49,7 @@ use crate::world::{
     CheckpointStore, ContainerRuntime, KubeletSource, PodPatcher, PodSource, World,
 };
 
+pub use refusal::{Refusal, RefusalKind};
 pub use restore::RecoveryReport;
 use state::State;
 

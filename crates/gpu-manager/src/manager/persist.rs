@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tonic::Status;
+use super::refusal::Refusal;
 
 use super::Manager;
 use super::state::State;
@@ -28,12 +28,12 @@ impl Manager {
     /// either, writes a snapshot itself. On failure the previous
     /// checkpoint stays intact and the error is reported; the next write
     /// (change or periodic check) tries again.
-    pub async fn persist(&self, want: u64) -> Result<(), Status> {
+    pub async fn persist(&self, want: u64) -> Result<(), Refusal> {
         if self.st().durable >= want {
             return Ok(());
         }
         if let Err(e) = self.health() {
-            return Err(Status::unavailable(format!(
+            return Err(Refusal::unavailable(format!(
                 "not recording the allocation: {e}"
             )));
         }
@@ -70,7 +70,7 @@ impl Manager {
                     error = %e,
                     "writing the allocation checkpoint failed; the previous one is intact (disk full or read-only?); retrying at the next change"
                 );
-                Err(Status::internal(format!(
+                Err(Refusal::internal(format!(
                     "recording the allocation durably failed ({e}); the previous checkpoint is intact; free space or make {location} writable"
                 )))
             }
@@ -119,7 +119,7 @@ impl Manager {
 
     /// Writes whatever changed since the last write (periodic check,
     /// shutdown); errors are logged by [`Manager::persist`].
-    pub async fn flush(&self) -> Result<(), Status> {
+    pub async fn flush(&self) -> Result<(), Refusal> {
         let want = self.st().version;
         self.persist(want).await
     }

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use tonic::Status;
+use super::refusal::Refusal;
 
 use super::Manager;
 use crate::checkpoint::Allocation;
@@ -19,7 +19,7 @@ impl Manager {
     /// `PreStartContainer`: check the pod guessed at Allocate against what
     /// kubelet recorded. A wrong guess withdraws the allocation and fails
     /// the container, which must never start with another pod's quota.
-    pub async fn pre_start(&self, resource: &str, device_ids: &[String]) -> Result<(), Status> {
+    pub async fn pre_start(&self, resource: &str, device_ids: &[String]) -> Result<(), Refusal> {
         let found = {
             let st = self.st();
             st.allocs
@@ -36,7 +36,7 @@ impl Manager {
         };
         let Some(a) = found else {
             if resource == ids::VCORE_RESOURCE {
-                return Err(Status::failed_precondition(format!(
+                return Err(Refusal::precondition(format!(
                     "devices {device_ids:?} have no allocation in the manager (it was withdrawn or never made); \
                      delete the pod to have it allocated again"
                 )));
@@ -121,7 +121,7 @@ impl Manager {
                 note: msg.clone(),
             });
         }
-        Err(Status::failed_precondition(msg))
+        Err(Refusal::precondition(msg))
     }
 }
 

@@ -5,10 +5,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::manager::RefusalKind;
 use gpu_allocator::{Allocator, GpuInfo, PcieLevel, Topology};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
-use tonic::Code;
 
 use super::*;
 use crate::checkpoint::{self, PlacementRecord};
@@ -226,7 +226,7 @@ async fn a_request_that_fits_nowhere_is_refused_with_an_event_on_the_pod() {
     let rig = Rig::new();
     rig.pods.put(pod("big", 300, 0, json!({})));
     let e = rig.mgr.allocate_vcore(vcore_ids(0, 300)).await.unwrap_err();
-    assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+    assert_eq!(e.kind(), RefusalKind::InvalidArgument, "{}", e.message());
     assert!(e.message().contains("pod ns/big"), "{}", e.message());
     assert!(rig.mgr.allocations().is_empty());
     let ev = rig.events.posted();
@@ -244,7 +244,7 @@ async fn a_failed_checkpoint_write_undoes_the_allocation() {
     rig.pods.put(pod("a", 50, 8, json!({})));
     rig.checkpoint.fail_writes(Some("disk full"));
     let e = rig.mgr.allocate_vcore(vcore_ids(0, 50)).await.unwrap_err();
-    assert_eq!(e.code(), Code::Internal);
+    assert_eq!(e.kind(), RefusalKind::Internal);
     assert!(e.message().contains("disk full"), "{}", e.message());
     assert!(rig.mgr.allocations().is_empty());
     assert!(rig.mgr.gpu_usages().iter().all(|u| u.allocated_cores == 0));
@@ -260,12 +260,12 @@ async fn without_a_matching_pod_the_answer_says_why() {
     let rig = Rig::new();
     rig.pods.put(pod("a", 30, 4, json!({})));
     let e = rig.mgr.allocate_vcore(vcore_ids(0, 20)).await.unwrap_err();
-    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert_eq!(e.kind(), RefusalKind::FailedPrecondition);
     assert!(e.message().contains("vcuda-core 20"), "{}", e.message());
     rig.pods
         .set_health(ApiHealth::Failing("connection refused".into()));
     let e = rig.mgr.allocate_vcore(vcore_ids(0, 20)).await.unwrap_err();
-    assert_eq!(e.code(), Code::Unavailable);
+    assert_eq!(e.kind(), RefusalKind::Unavailable);
     assert!(
         e.message().contains("connection refused"),
         "{}",
@@ -283,7 +283,7 @@ async fn gpu_admission_s_choice_is_followed_or_refused_with_both_sides() {
     assert!(matches!(a.placement, PlacementRecord::Share { gpu: 1, .. }));
     rig.pods.put(pod("b", 30, 4, on("7")));
     let e = rig.mgr.allocate_vcore(vcore_ids(1, 30)).await.unwrap_err();
-    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert_eq!(e.kind(), RefusalKind::FailedPrecondition);
     assert!(e.message().contains("/dev/nvidia7"), "{}", e.message());
 }
 
@@ -323,7 +323,7 @@ async fn pre_start_withdraws_a_wrong_guess_and_says_so_on_both_pods() {
         .pre_start(ids::VCORE_RESOURCE, &vcore_ids(0, 30))
         .await
         .unwrap_err();
-    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert_eq!(e.kind(), RefusalKind::FailedPrecondition);
     assert!(rig.mgr.allocations().is_empty());
     assert!(!rig.vm_dir(&format!("uid-{guessed}"), "c").exists());
     let revert = rig.patches.submitted().pop().unwrap();
@@ -392,7 +392,7 @@ async fn pre_start_without_kubelet_s_records_keeps_the_allocation_unverified() {
         .pre_start(ids::VCORE_RESOURCE, &vcore_ids(1, 10))
         .await
         .unwrap_err();
-    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert_eq!(e.kind(), RefusalKind::FailedPrecondition);
 }
 
 #[tokio::test]
@@ -514,7 +514,7 @@ async fn a_poisoned_state_fails_health_and_refuses_allocate() {
     let why = rig.mgr.health().unwrap_err();
     assert!(why.contains("poisoned"), "{why}");
     let e = rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap_err();
-    assert_eq!(e.code(), Code::Unavailable, "{}", e.message());
+    assert_eq!(e.kind(), RefusalKind::Unavailable, "{}", e.message());
     // Readers keep working for the display.
     assert!(rig.mgr.allocations().is_empty());
 }
@@ -541,7 +541,7 @@ async fn a_bad_soft_limit_annotation_is_refused_and_names_it() {
     rig.pods
         .put(pod("soft", 30, 4, json!({crate::pods::VCORE_LIMIT: "150"})));
     let e = rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap_err();
-    assert_eq!(e.code(), Code::InvalidArgument);
+    assert_eq!(e.kind(), RefusalKind::InvalidArgument);
     assert!(
         e.message().contains(crate::pods::VCORE_LIMIT),
         "{}",

@@ -118,7 +118,7 @@ async fn a_bad_vcuda_gpus_annotation_is_refused_naming_the_pod_and_the_key() {
             .await
             .unwrap_err();
         let m = e.message();
-        assert_eq!(e.code(), Code::InvalidArgument, "{m}");
+        assert_eq!(e.kind(), RefusalKind::InvalidArgument, "{m}");
         assert!(m.contains(&format!("pod ns/{name}")), "{m}");
         assert!(m.contains("tencent.com/vcuda-gpus"), "{m}");
         assert!(m.contains(says), "{m}");
@@ -142,7 +142,7 @@ async fn no_two_gpus_with_room_is_refused_with_each_gpu_s_free_capacity() {
     ));
     let e = rig.mgr.allocate_vcore(vcore_ids(1, 60)).await.unwrap_err();
     let m = e.message();
-    assert_eq!(e.code(), Code::ResourceExhausted, "{m}");
+    assert_eq!(e.kind(), RefusalKind::ResourceExhausted, "{m}");
     assert!(m.starts_with("pod ns/tp container c: "), "{m}");
     assert!(
         m.contains("shares of 30 cores and 4 memory units (1024 MiB) on each of 2 GPUs"),
@@ -165,7 +165,7 @@ async fn gpu_admission_s_two_gpus_are_followed_and_one_gpu_is_a_mismatch() {
     rig.pods
         .put(tp2("old", json!({"tencent.com/predicate-gpu-idx-0": "2"})));
     let e = rig.mgr.allocate_vcore(vcore_ids(2, 100)).await.unwrap_err();
-    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert_eq!(e.kind(), RefusalKind::FailedPrecondition);
     assert!(
         e.message()
             .contains("predicate mismatch: gpu-admission chose /dev/nvidia2"),
