@@ -11,9 +11,11 @@ use tokio::sync::watch;
 
 use crate::checkpoint::{self, Allocation, CheckpointError, Saved};
 use crate::kube_api::{ApiHealth, PatchJob};
-use crate::kubelet::{Held, Holder, PodKey};
 use crate::runtime::{ContainerGpus, LiveContainer, RuntimeError};
-use crate::world::{CheckpointStore, ContainerRuntime, KubeletSource, PodPatcher, PodSource};
+use crate::world::{
+    CheckpointStore, ContainerRuntime, Held, Holder, KubeletError, KubeletSource, PodKey,
+    PodPatcher, PodSource,
+};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -92,10 +94,10 @@ impl PodPatcher for MemoryPatches {
     }
 }
 
-/// kubelet's device records; `Err(reason)` while unreachable. Its active
+/// kubelet's device records; `Err` while unreachable. Its active
 /// pods: unknown (an error) until [`MemoryKubelet::set_active`].
 pub struct MemoryKubelet(
-    Mutex<Result<Vec<Held>, String>>,
+    Mutex<Result<Vec<Held>, KubeletError>>,
     Mutex<Option<Vec<(String, String)>>>,
 );
 
@@ -144,13 +146,13 @@ impl MemoryKubelet {
     }
 
     pub fn set_unreachable(&self, reason: &str) {
-        *lock(&self.0) = Err(reason.into());
+        *lock(&self.0) = Err(KubeletError::PodResources(reason.into()));
     }
 }
 
 #[async_trait::async_trait]
 impl KubeletSource for MemoryKubelet {
-    async fn holder(&self, resource: &str, ids: &[String]) -> Result<Option<Holder>, String> {
+    async fn holder(&self, resource: &str, ids: &[String]) -> Result<Option<Holder>, KubeletError> {
         let g = lock(&self.0);
         let list = g.as_ref().map_err(Clone::clone)?;
         Ok(list
@@ -166,13 +168,13 @@ impl KubeletSource for MemoryKubelet {
             }))
     }
 
-    async fn active_pods(&self) -> Result<Vec<(String, String)>, String> {
+    async fn active_pods(&self) -> Result<Vec<(String, String)>, KubeletError> {
         lock(&self.1)
             .clone()
-            .ok_or_else(|| "no active pods recorded".to_string())
+            .ok_or_else(|| KubeletError::PodResources("no active pods recorded".into()))
     }
 
-    async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, String> {
+    async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, KubeletError> {
         let g = lock(&self.0);
         let list = g.as_ref().map_err(Clone::clone)?;
         Ok(list

@@ -14,41 +14,9 @@ use vcuda_api::podresources::v1::{
     pod_resources_lister_client::PodResourcesListerClient,
 };
 
-use crate::world::KubeletSource;
+use crate::world::{CheckpointFormatError, Held, Holder, KubeletError, KubeletSource, PodKey};
 
 pub const KUBELET_CHECKPOINT: &str = "kubelet_internal_checkpoint";
-
-/// The holder of a device according to kubelet. pod-resources names pods by
-/// namespace/name, the checkpoint by UID.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PodKey {
-    Name { namespace: String, name: String },
-    Uid(String),
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Holder {
-    pub pod: PodKey,
-    pub container: String,
-}
-
-impl std::fmt::Display for Holder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.pod {
-            PodKey::Name { namespace, name } => write!(f, "pod {namespace}/{name}")?,
-            PodKey::Uid(u) => write!(f, "pod uid {u}")?,
-        }
-        write!(f, " container {}", self.container)
-    }
-}
-
-/// A container and the device IDs kubelet assigned it, by resource.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Held {
-    pub pod: PodKey,
-    pub container: String,
-    pub ids: BTreeMap<String, Vec<String>>,
-}
 
 #[derive(Clone, Debug)]
 pub struct KubeletRecords {
@@ -71,7 +39,7 @@ impl KubeletRecords {
     /// One pod-resources `List` call, on the kept connection; a call that
     /// fails on it (kubelet restarted: a new socket) is tried once more on
     /// a new one.
-    async fn pod_resources_list(&self) -> Result<ListPodResourcesResponse, String> {
+    async fn pod_resources_list(&self) -> Result<ListPodResourcesResponse, KubeletError> {
         let mut kept = self.channel.lock().await;
         let mut retry = kept.is_some();
         loop {
@@ -83,7 +51,7 @@ impl KubeletRecords {
                         Duration::from_secs(2),
                     )
                     .await
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| KubeletError::PodResources(e.to_string()))?;
                     kept.insert(ch).clone()
                 }
             };
@@ -97,7 +65,7 @@ impl KubeletRecords {
                 }
                 Err(s) => {
                     *kept = None;
-                    return Err(format!("List: {}", s.message()));
+                    return Err(KubeletError::PodResources(format!("List: {}", s.message())));
                 }
             }
         }
@@ -106,25 +74,18 @@ impl KubeletRecords {
 
 #[async_trait::async_trait]
 impl KubeletSource for KubeletRecords {
-    async fn holder(&self, resource: &str, ids: &[String]) -> Result<Option<Holder>, String> {
+    async fn holder(&self, resource: &str, ids: &[String]) -> Result<Option<Holder>, KubeletError> {
         match self.query_pod_resources(resource, ids).await {
             Ok(h) => Ok(h),
             Err(pr_err) => {
                 tracing::debug!(error = %pr_err, "pod-resources unavailable; reading kubelet's checkpoint");
-                match std::fs::read_to_string(&self.checkpoint) {
-                    Ok(text) => holder_in_checkpoint(&text, resource, ids)
-                        .map_err(|e| format!("{}: {e}", self.checkpoint.display())),
-                    Err(e) => Err(format!(
-                        "pod-resources ({}): {pr_err}; checkpoint {}: {e}",
-                        self.pod_resources_socket.display(),
-                        self.checkpoint.display()
-                    )),
-                }
+                let text = self.read_checkpoint(pr_err)?;
+                holder_in_checkpoint(&text, resource, ids).map_err(|e| self.bad_checkpoint(e))
             }
         }
     }
 
-    async fn active_pods(&self) -> Result<Vec<(String, String)>, String> {
+    async fn active_pods(&self) -> Result<Vec<(String, String)>, KubeletError> {
         let list = self.pod_resources_list().await?;
         Ok(list
             .pod_resources
@@ -133,24 +94,37 @@ impl KubeletSource for KubeletRecords {
             .collect())
     }
 
-    async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, String> {
+    async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, KubeletError> {
         match self.list_pod_resources(resources).await {
             Ok(v) => Ok(v),
-            Err(pr_err) => match std::fs::read_to_string(&self.checkpoint) {
-                Ok(text) => held_in_checkpoint(&text, resources)
-                    .map_err(|e| format!("{}: {e}", self.checkpoint.display())),
-                Err(e) => Err(format!(
-                    "pod-resources ({}): {pr_err}; checkpoint {}: {e}",
-                    self.pod_resources_socket.display(),
-                    self.checkpoint.display()
-                )),
-            },
+            Err(pr_err) => {
+                let text = self.read_checkpoint(pr_err)?;
+                held_in_checkpoint(&text, resources).map_err(|e| self.bad_checkpoint(e))
+            }
         }
     }
 }
 
 impl KubeletRecords {
-    async fn list_pod_resources(&self, resources: &[&str]) -> Result<Vec<Held>, String> {
+    /// The device-manager checkpoint, read when pod-resources failed with
+    /// `pod_resources`; neither answering is one error naming both.
+    fn read_checkpoint(&self, pod_resources: KubeletError) -> Result<String, KubeletError> {
+        std::fs::read_to_string(&self.checkpoint).map_err(|e| KubeletError::Unreachable {
+            socket: self.pod_resources_socket.display().to_string(),
+            pod_resources: pod_resources.to_string(),
+            checkpoint: self.checkpoint.display().to_string(),
+            io: e.to_string(),
+        })
+    }
+
+    fn bad_checkpoint(&self, problem: CheckpointFormatError) -> KubeletError {
+        KubeletError::Checkpoint {
+            path: self.checkpoint.display().to_string(),
+            problem,
+        }
+    }
+
+    async fn list_pod_resources(&self, resources: &[&str]) -> Result<Vec<Held>, KubeletError> {
         let list = self.pod_resources_list().await?;
         let mut out = Vec::new();
         for p in list.pod_resources {
@@ -183,7 +157,7 @@ impl KubeletRecords {
         &self,
         resource: &str,
         ids: &[String],
-    ) -> Result<Option<Holder>, String> {
+    ) -> Result<Option<Holder>, KubeletError> {
         let list = self.pod_resources_list().await?;
         for p in list.pod_resources {
             for c in p.containers {
@@ -204,13 +178,14 @@ impl KubeletRecords {
     }
 }
 
-fn checkpoint_entries(text: &str) -> Result<Vec<Value>, String> {
-    let v: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+fn checkpoint_entries(text: &str) -> Result<Vec<Value>, CheckpointFormatError> {
+    let v: Value =
+        serde_json::from_str(text).map_err(|e| CheckpointFormatError::NotJson(e.to_string()))?;
     v.pointer("/Data/PodDeviceEntries")
         .or_else(|| v.get("PodDeviceEntries"))
         .and_then(Value::as_array)
         .cloned()
-        .ok_or_else(|| "no PodDeviceEntries".to_string())
+        .ok_or(CheckpointFormatError::NoEntries)
 }
 
 fn entry_ids(e: &Value) -> Vec<String> {
@@ -232,7 +207,10 @@ fn entry_ids(e: &Value) -> Vec<String> {
 }
 
 /// Every container of a kubelet checkpoint holding `resources`.
-pub fn held_in_checkpoint(text: &str, resources: &[&str]) -> Result<Vec<Held>, String> {
+pub fn held_in_checkpoint(
+    text: &str,
+    resources: &[&str],
+) -> Result<Vec<Held>, CheckpointFormatError> {
     let mut out: Vec<Held> = Vec::new();
     for e in checkpoint_entries(text)? {
         let s = |k: &str| e.get(k).and_then(Value::as_str).unwrap_or("").to_string();
@@ -265,7 +243,7 @@ pub fn holder_in_checkpoint(
     text: &str,
     resource: &str,
     ids: &[String],
-) -> Result<Option<Holder>, String> {
+) -> Result<Option<Holder>, CheckpointFormatError> {
     for e in checkpoint_entries(text)? {
         if e.get("ResourceName").and_then(Value::as_str) != Some(resource) {
             continue;

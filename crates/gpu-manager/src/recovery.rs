@@ -7,8 +7,8 @@
 use std::collections::BTreeMap;
 
 use crate::checkpoint::Allocation;
-use crate::kubelet::{Held, PodKey};
 use crate::runtime::LiveContainer;
+use crate::world::{Held, PodKey};
 
 /// A pod as the API server sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

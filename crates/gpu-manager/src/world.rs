@@ -9,6 +9,7 @@
 //! keeps: an unreachable source degrades (its evidence is skipped), it
 //! never causes a release.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,7 +18,6 @@ use k8s_openapi::api::core::v1::Pod;
 
 use crate::checkpoint::{Allocation, CheckpointError, Saved};
 use crate::kube_api::{ApiHealth, PatchJob};
-use crate::kubelet::{Held, Holder};
 use crate::runtime::{ContainerGpus, LiveContainer, RuntimeError};
 
 /// This node's pods as the API server lists them (a reflector in the
@@ -42,20 +42,83 @@ pub trait PodPatcher: Send + Sync {
     fn submit(&self, job: PatchJob);
 }
 
+/// The holder of a device according to kubelet. pod-resources names pods by
+/// namespace/name, the checkpoint by UID.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodKey {
+    Name { namespace: String, name: String },
+    Uid(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    pub pod: PodKey,
+    pub container: String,
+}
+
+impl std::fmt::Display for Holder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.pod {
+            PodKey::Name { namespace, name } => write!(f, "pod {namespace}/{name}")?,
+            PodKey::Uid(u) => write!(f, "pod uid {u}")?,
+        }
+        write!(f, " container {}", self.container)
+    }
+}
+
+/// A container and the device IDs kubelet assigned it, by resource.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub pod: PodKey,
+    pub container: String,
+    pub ids: BTreeMap<String, Vec<String>>,
+}
+
+/// Why kubelet's device records could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KubeletError {
+    /// pod-resources did not answer (connecting, or its `List`).
+    #[error("{0}")]
+    PodResources(String),
+    /// The device-manager checkpoint is not in a form kubelet writes.
+    #[error("{path}: {problem}")]
+    Checkpoint {
+        path: String,
+        problem: CheckpointFormatError,
+    },
+    /// Neither pod-resources nor the checkpoint answered.
+    #[error("pod-resources ({socket}): {pod_resources}; checkpoint {checkpoint}: {io}")]
+    Unreachable {
+        socket: String,
+        pod_resources: String,
+        checkpoint: String,
+        io: String,
+    },
+}
+
+/// What is wrong with a kubelet device-manager checkpoint's text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CheckpointFormatError {
+    #[error("not JSON: {0}")]
+    NotJson(String),
+    #[error("no PodDeviceEntries")]
+    NoEntries,
+}
+
 /// What kubelet recorded about device IDs: pod-resources, else its
 /// device-manager checkpoint. An `Err` names why neither answered.
 #[async_trait::async_trait]
 pub trait KubeletSource: Send + Sync {
     /// Who holds any of `ids` of `resource`; `None` when kubelet has not
     /// recorded them (yet).
-    async fn holder(&self, resource: &str, ids: &[String]) -> Result<Option<Holder>, String>;
+    async fn holder(&self, resource: &str, ids: &[String]) -> Result<Option<Holder>, KubeletError>;
     /// Every container holding devices of `resources`, with its IDs.
-    async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, String>;
+    async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, KubeletError>;
     /// The pods kubelet admits or runs now (namespace, name), from
     /// pod-resources `List`: those it refused at admission are not among
     /// them (kubelet ≥ 1.30 lists only active pods), while the API server
     /// may still show them Pending.
-    async fn active_pods(&self) -> Result<Vec<(String, String)>, String>;
+    async fn active_pods(&self) -> Result<Vec<(String, String)>, KubeletError>;
 }
 
 /// The container runtime's view of the node's Kubernetes containers.

@@ -12,8 +12,8 @@ use crate::checkpoint::Allocation;
 use crate::events::{self, PodEvent};
 use crate::ids;
 use crate::kube_api::PatchJob;
-use crate::kubelet::{Holder, PodKey};
 use crate::pods;
+use crate::world::{Holder, PodKey};
 
 impl Manager {
     /// `PreStartContainer`: check the pod guessed at Allocate against what

@@ -11,10 +11,10 @@ use quota_config::{MultiGpuQuota, Quota, ResourceData};
 use super::{Manager, now, short_bus_id};
 use crate::checkpoint::{Allocation, PlacementRecord};
 use crate::ids;
-use crate::kubelet::Held;
 use crate::pods;
 use crate::recovery;
 use crate::runtime::{ContainerGpus, LiveContainer};
+use crate::world::Held;
 
 /// The GPUs (indices into `gpus`) a container was given: from its
 /// environment's UUIDs, else its `/dev/nvidia<N>` devices, else its quota

@@ -14,10 +14,10 @@ use super::{Manager, now};
 use crate::checkpoint::{Allocation, CheckpointError, alloc_id};
 use crate::ids;
 use crate::kube_api::ApiHealth;
-use crate::kubelet::Held;
 use crate::pods;
 use crate::recovery::{self, Evidence, PodPhase, Verdict};
 use crate::runtime::LiveContainer;
+use crate::world::Held;
 
 /// What recovery at start found and did.
 #[derive(Debug, Default, Clone)]

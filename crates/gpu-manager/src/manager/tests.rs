@@ -15,8 +15,8 @@ use crate::checkpoint::{self, PlacementRecord};
 use crate::doubles::{MemoryCheckpoint, MemoryKubelet, MemoryPatches, MemoryPods, MemoryRuntime};
 use crate::events::{self, MemoryEvents};
 use crate::kube_api::ApiHealth;
-use crate::kubelet::PodKey;
 use crate::runtime::{ContainerGpus, LiveContainer};
+use crate::world::PodKey;
 
 mod repeat;
 mod shares;

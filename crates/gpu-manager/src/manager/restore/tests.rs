@@ -10,9 +10,9 @@ use quota_config::ResourceData;
 use super::*;
 use crate::checkpoint::sample_share;
 use crate::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
-use crate::kubelet::PodKey;
 use crate::manager::rebuild::{Size, gpus_seen};
 use crate::runtime::ContainerGpus;
+use crate::world::PodKey;
 
 const GIB: u64 = 1 << 30;
 
