@@ -10,7 +10,7 @@ use k8s_openapi::api::resource::v1::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::params::GpuConfig;
+use crate::params::{GpuConfig, ParamsError};
 use crate::{CAPACITY_CORES, CAPACITY_MEMORY, DRIVER_NAME, quantity, slices};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -34,7 +34,79 @@ pub struct PlannedDevice {
 #[error("claim {claim}: {problem}")]
 pub struct PlanError {
     pub claim: String,
-    pub problem: String,
+    pub problem: Refusal,
+}
+
+/// Why a claim cannot be prepared as allocated.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Refusal {
+    #[error(
+        "the API server has UID {server:?}, the kubelet asked for {kubelet:?} (deleted and re-created?)"
+    )]
+    UidChanged { server: String, kubelet: String },
+    #[error("is not allocated (no status.allocation.devices)")]
+    NotAllocated,
+    #[error("request {request:?} was allocated from pool {pool:?}, not this node's {node:?}")]
+    OtherPool {
+        request: String,
+        pool: String,
+        node: String,
+    },
+    #[error("request {request:?}: no device {device:?} on this node")]
+    NoDevice { request: String, device: String },
+    #[error("request {request:?}: consumedCapacity.{name}: {source}")]
+    BadCapacity {
+        request: String,
+        name: String,
+        source: quantity::BadQuantity,
+    },
+    #[error("request {request:?}: cores {cores} is not within 1..=100")]
+    Cores { request: String, cores: u64 },
+    #[error(
+        "request {request:?}: memory {memory} is not a multiple of 256 MiB within the GPU's {full_memory}"
+    )]
+    Memory {
+        request: String,
+        memory: u64,
+        full_memory: u64,
+    },
+    #[error(transparent)]
+    Params(#[from] ParamsError),
+    #[error(
+        "request {request:?} is for a whole GPU (exclusive) but consumed {cores} cores / {memory} bytes"
+    )]
+    NotWhole {
+        request: String,
+        cores: u64,
+        memory: u64,
+    },
+    #[error("request {request:?}: coreLimit {limit} applies to shares, not whole GPUs")]
+    SoftLimitOnWhole { request: String, limit: u32 },
+    #[error("request {request:?}: coreLimit {limit} is below the {cores} cores consumed")]
+    SoftLimitBelowCores {
+        request: String,
+        limit: u32,
+        cores: u64,
+    },
+    #[error("has no devices of {} allocated", DRIVER_NAME)]
+    NoDevices,
+    #[error(
+        "{device} is allocated twice (requests {first:?} and {second:?}); ask for more capacity in one request"
+    )]
+    AllocatedTwice {
+        device: String,
+        first: String,
+        second: String,
+    },
+    #[error(
+        "request {share:?} is a share of {share_device} but the claim also holds {whole_device} whole (request {whole:?}): a share must be the claim's only device, or every device of the claim a share of its own GPU"
+    )]
+    ShareBesideWhole {
+        share: String,
+        share_device: String,
+        whole_device: String,
+        whole: String,
+    },
 }
 
 /// Plans `claim` (which the kubelet named with `uid`) on `node`.
@@ -44,7 +116,7 @@ pub fn plan(
     node: &str,
     gpus: &[GpuInfo],
 ) -> Result<Vec<PlannedDevice>, PlanError> {
-    let err = |problem: String| PlanError {
+    let err = |problem: Refusal| PlanError {
         claim: format!(
             "{}/{}",
             claim.metadata.namespace.as_deref().unwrap_or(""),
@@ -53,17 +125,17 @@ pub fn plan(
         problem,
     };
     if claim.metadata.uid.as_deref() != Some(uid) {
-        return Err(err(format!(
-            "the API server has UID {:?}, the kubelet asked for {uid:?} (deleted and re-created?)",
-            claim.metadata.uid.as_deref().unwrap_or("")
-        )));
+        return Err(err(Refusal::UidChanged {
+            server: claim.metadata.uid.clone().unwrap_or_default(),
+            kubelet: uid.to_string(),
+        }));
     }
     let alloc = claim
         .status
         .as_ref()
         .and_then(|s| s.allocation.as_ref())
         .and_then(|a| a.devices.as_ref())
-        .ok_or_else(|| err("is not allocated (no status.allocation.devices)".into()))?;
+        .ok_or_else(|| err(Refusal::NotAllocated))?;
     let configs = alloc.config.as_deref().unwrap_or_default();
     let out = alloc
         .results
@@ -84,26 +156,32 @@ fn plan_device(
     configs: &[DeviceAllocationConfiguration],
     node: &str,
     gpus: &[GpuInfo],
-) -> Result<PlannedDevice, String> {
+) -> Result<PlannedDevice, Refusal> {
     let request = &r.request;
     if r.pool != node {
-        return Err(format!(
-            "request {request:?} was allocated from pool {:?}, not this node's {node:?}",
-            r.pool
-        ));
+        return Err(Refusal::OtherPool {
+            request: request.clone(),
+            pool: r.pool.clone(),
+            node: node.to_string(),
+        });
     }
     let gpu = gpus
         .iter()
         .find(|g| slices::device_name(g.index) == r.device)
-        .ok_or_else(|| format!("request {request:?}: no device {:?} on this node", r.device))?;
+        .ok_or_else(|| Refusal::NoDevice {
+            request: request.clone(),
+            device: r.device.clone(),
+        })?;
     let full_memory = gpu.memory_units() * MEMORY_UNIT_BYTES;
     let (cores, memory) = consumed_capacity(r, full_memory)?;
     let config = request_config(configs, request)?;
     let whole = cores == 100 && memory == full_memory;
     if config.exclusive == Some(true) && !whole {
-        return Err(format!(
-            "request {request:?} is for a whole GPU (exclusive) but consumed {cores} cores / {memory} bytes"
-        ));
+        return Err(Refusal::NotWhole {
+            request: request.clone(),
+            cores,
+            memory,
+        });
     }
     Ok(PlannedDevice {
         request: request.clone(),
@@ -124,28 +202,33 @@ fn plan_device(
 fn consumed_capacity(
     r: &DeviceRequestAllocationResult,
     full_memory: u64,
-) -> Result<(u64, u64), String> {
-    let consumed = |name: &str| -> Result<Option<u64>, String> {
+) -> Result<(u64, u64), Refusal> {
+    let consumed = |name: &str| -> Result<Option<u64>, Refusal> {
         match r.consumed_capacity.as_ref().and_then(|c| c.get(name)) {
             None => Ok(None),
             Some(q) => quantity::parse(&q.0)
                 .map(Some)
-                .map_err(|e| format!("request {:?}: consumedCapacity.{name}: {e}", r.request)),
+                .map_err(|source| Refusal::BadCapacity {
+                    request: r.request.clone(),
+                    name: name.to_string(),
+                    source,
+                }),
         }
     };
     let cores = consumed(CAPACITY_CORES)?.unwrap_or(100);
     let memory = consumed(CAPACITY_MEMORY)?.unwrap_or(full_memory);
     if cores == 0 || cores > 100 {
-        return Err(format!(
-            "request {:?}: cores {cores} is not within 1..=100",
-            r.request
-        ));
+        return Err(Refusal::Cores {
+            request: r.request.clone(),
+            cores,
+        });
     }
     if memory == 0 || memory > full_memory || !memory.is_multiple_of(MEMORY_UNIT_BYTES) {
-        return Err(format!(
-            "request {:?}: memory {memory} is not a multiple of 256 MiB within the GPU's {full_memory}",
-            r.request
-        ));
+        return Err(Refusal::Memory {
+            request: r.request.clone(),
+            memory,
+            full_memory,
+        });
     }
     Ok((cores, memory))
 }
@@ -156,7 +239,7 @@ fn consumed_capacity(
 fn request_config(
     configs: &[DeviceAllocationConfiguration],
     request: &str,
-) -> Result<GpuConfig, String> {
+) -> Result<GpuConfig, ParamsError> {
     let mut config = GpuConfig::default();
     for c in configs {
         let Some(o) = c.opaque.as_ref().filter(|o| o.driver == DRIVER_NAME) else {
@@ -169,7 +252,7 @@ fn request_config(
                     .any(|x| *x == request || request.starts_with(&format!("{x}/")))
         });
         if applies {
-            let parsed = GpuConfig::parse(&o.parameters.0).map_err(|e| e.to_string())?;
+            let parsed = GpuConfig::parse(&o.parameters.0)?;
             config = config.merge(parsed);
         }
     }
@@ -183,14 +266,17 @@ fn soft_limit(
     whole: bool,
     cores: u64,
     request: &str,
-) -> Result<Option<u32>, String> {
+) -> Result<Option<u32>, Refusal> {
     match core_limit {
-        Some(l) if whole => Err(format!(
-            "request {request:?}: coreLimit {l} applies to shares, not whole GPUs"
-        )),
-        Some(l) if u64::from(l) < cores => Err(format!(
-            "request {request:?}: coreLimit {l} is below the {cores} cores consumed"
-        )),
+        Some(limit) if whole => Err(Refusal::SoftLimitOnWhole {
+            request: request.to_string(),
+            limit,
+        }),
+        Some(limit) if u64::from(limit) < cores => Err(Refusal::SoftLimitBelowCores {
+            request: request.to_string(),
+            limit,
+            cores,
+        }),
         Some(l) if u64::from(l) == cores => Ok(None),
         l => Ok(l),
     }
@@ -198,16 +284,17 @@ fn soft_limit(
 
 /// What the claim's devices must be together: at least one, each once,
 /// and shares only beside shares.
-fn check_together(out: &[PlannedDevice]) -> Result<(), String> {
+fn check_together(out: &[PlannedDevice]) -> Result<(), Refusal> {
     if out.is_empty() {
-        return Err(format!("has no devices of {DRIVER_NAME} allocated"));
+        return Err(Refusal::NoDevices);
     }
     for (i, d) in out.iter().enumerate() {
         if let Some(e) = out[..i].iter().find(|e| e.device == d.device) {
-            return Err(format!(
-                "{} is allocated twice (requests {:?} and {:?}); ask for more capacity in one request",
-                d.device, e.request, d.request
-            ));
+            return Err(Refusal::AllocatedTwice {
+                device: d.device.clone(),
+                first: e.request.clone(),
+                second: d.request.clone(),
+            });
         }
     }
     // All shares (one container's quotas on N GPUs, docs/multi-gpu.md) or
@@ -216,10 +303,12 @@ fn check_together(out: &[PlannedDevice]) -> Result<(), String> {
     if let Some(s) = out.iter().find(|d| !d.whole)
         && let Some(w) = out.iter().find(|d| d.whole)
     {
-        return Err(format!(
-            "request {:?} is a share of {} but the claim also holds {} whole (request {:?}): a share must be the claim's only device, or every device of the claim a share of its own GPU",
-            s.request, s.device, w.device, w.request
-        ));
+        return Err(Refusal::ShareBesideWhole {
+            share: s.request.clone(),
+            share_device: s.device.clone(),
+            whole_device: w.device.clone(),
+            whole: w.request.clone(),
+        });
     }
     Ok(())
 }
