@@ -125,6 +125,7 @@ mod tests {
     use tokio::sync::mpsc::unbounded_channel;
 
     use crate::driver::{ClaimSource, Config};
+    use crate::kube_api::ApiError;
 
     /// The API server's slices in memory.
     #[derive(Default)]
@@ -132,22 +133,22 @@ mod tests {
 
     #[async_trait::async_trait]
     impl SliceApi for Slices {
-        async fn list(&self, _: &str) -> Result<Vec<ResourceSlice>, String> {
+        async fn list(&self, _: &str) -> Result<Vec<ResourceSlice>, ApiError> {
             Ok(self.0.lock().unwrap().clone())
         }
-        async fn create(&self, s: &ResourceSlice) -> Result<ResourceSlice, String> {
+        async fn create(&self, s: &ResourceSlice) -> Result<ResourceSlice, ApiError> {
             self.0.lock().unwrap().push(s.clone());
             Ok(s.clone())
         }
-        async fn replace(&self, s: &ResourceSlice) -> Result<ResourceSlice, String> {
+        async fn replace(&self, s: &ResourceSlice) -> Result<ResourceSlice, ApiError> {
             *self.0.lock().unwrap() = vec![s.clone()];
             Ok(s.clone())
         }
-        async fn delete(&self, _: &str) -> Result<(), String> {
+        async fn delete(&self, _: &str) -> Result<(), ApiError> {
             self.0.lock().unwrap().clear();
             Ok(())
         }
-        async fn ensure_class(&self, _: &DeviceClass) -> Result<(), String> {
+        async fn ensure_class(&self, _: &DeviceClass) -> Result<(), ApiError> {
             Ok(())
         }
     }
@@ -156,8 +157,12 @@ mod tests {
 
     #[async_trait::async_trait]
     impl ClaimSource for NoClaims {
-        async fn claim(&self, _: &str, name: &str) -> Result<ResourceClaim, String> {
-            Err(format!("resourceclaims {name:?} not found"))
+        async fn claim(&self, ns: &str, name: &str) -> Result<ResourceClaim, ApiError> {
+            Err(ApiError::ReadClaim {
+                namespace: ns.to_string(),
+                name: name.to_string(),
+                source: crate::kube_api::not_found("resourceclaims", name),
+            })
         }
     }
 

@@ -19,12 +19,13 @@ use node_agent::share::{ShareGpu, ShareSpec, Shares};
 
 use crate::cdi;
 use crate::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, Store};
+use crate::kube_api::ApiError;
 use crate::plan::{self, PlannedDevice};
 
 /// Where the driver reads allocated claims (the API server; a map in tests).
 #[async_trait::async_trait]
 pub trait ClaimSource: Send + Sync {
-    async fn claim(&self, namespace: &str, name: &str) -> Result<ResourceClaim, String>;
+    async fn claim(&self, namespace: &str, name: &str) -> Result<ResourceClaim, ApiError>;
 }
 
 /// A claim as the kubelet names it.
@@ -372,12 +373,7 @@ impl Driver {
             .claims
             .claim(&c.namespace, &c.name)
             .await
-            .map_err(|e| {
-                format!(
-                    "claim {}/{}: reading it from the API server: {e}",
-                    c.namespace, c.name
-                )
-            })?;
+            .map_err(|e| e.to_string())?;
         let planned =
             plan::plan(&claim, &c.uid, &self.cfg.node, &self.gpus).map_err(|e| e.to_string())?;
         let unhealthy = planned.iter().find(|d| {
@@ -463,13 +459,17 @@ mod tests {
 
     #[async_trait::async_trait]
     impl ClaimSource for MapClaims {
-        async fn claim(&self, ns: &str, name: &str) -> Result<ResourceClaim, String> {
+        async fn claim(&self, ns: &str, name: &str) -> Result<ResourceClaim, ApiError> {
             self.0
                 .lock()
                 .unwrap()
                 .get(&(ns.to_string(), name.to_string()))
                 .cloned()
-                .ok_or_else(|| format!("resourceclaims {name:?} not found"))
+                .ok_or_else(|| ApiError::ReadClaim {
+                    namespace: ns.to_string(),
+                    name: name.to_string(),
+                    source: crate::kube_api::not_found("resourceclaims", name),
+                })
         }
     }
 
@@ -522,9 +522,10 @@ mod tests {
         let claims = Arc::new(MapClaims::default());
         let d = driver(tmp.path(), claims.clone());
         let e = d.prepare(&r("gone", "u0")).await.unwrap_err();
+        let missing = crate::kube_api::not_found("resourceclaims", "gone");
         assert_eq!(
-            e,
-            "claim ns/gone: reading it from the API server: resourceclaims \"gone\" not found"
+            e.to_string(),
+            format!("claim ns/gone: reading it from the API server: {missing}")
         );
 
         claims

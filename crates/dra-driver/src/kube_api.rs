@@ -12,6 +12,37 @@ use crate::DRIVER_NAME;
 use crate::driver::ClaimSource;
 use crate::publish::SliceApi;
 
+/// A request to the API server that failed, and what it was for.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("claim {namespace}/{name}: reading it from the API server: {source}")]
+    ReadClaim {
+        namespace: String,
+        name: String,
+        source: kube::Error,
+    },
+    #[error("listing ResourceSlices of node {node}: {source}")]
+    ListSlices { node: String, source: kube::Error },
+    #[error("creating ResourceSlice {name:?}: {source}")]
+    CreateSlice {
+        name: Option<String>,
+        source: kube::Error,
+    },
+    #[error("updating ResourceSlice {name}: {source}")]
+    ReplaceSlice { name: String, source: kube::Error },
+    #[error("deleting ResourceSlice {name}: {source}")]
+    DeleteSlice { name: String, source: kube::Error },
+    #[error("creating DeviceClass {name}: {source}")]
+    CreateClass { name: String, source: kube::Error },
+}
+
+/// The API server's answer to a request for an object it does not hold
+/// (for the in-memory doubles).
+pub fn not_found(resource: &str, name: &str) -> kube::Error {
+    let status = kube::core::Status::failure(&format!("{resource} {name:?} not found"), "NotFound");
+    kube::Error::Api(status.with_code(404).boxed())
+}
+
 #[derive(Clone)]
 pub struct KubeApi {
     pub client: Client,
@@ -19,59 +50,72 @@ pub struct KubeApi {
 
 #[async_trait::async_trait]
 impl ClaimSource for KubeApi {
-    async fn claim(&self, namespace: &str, name: &str) -> Result<ResourceClaim, String> {
+    async fn claim(&self, namespace: &str, name: &str) -> Result<ResourceClaim, ApiError> {
         Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)
             .get(name)
             .await
-            .map_err(|e| e.to_string())
+            .map_err(|source| ApiError::ReadClaim {
+                namespace: namespace.to_string(),
+                name: name.to_string(),
+                source,
+            })
     }
 }
 
 #[async_trait::async_trait]
 impl SliceApi for KubeApi {
-    async fn list(&self, node: &str) -> Result<Vec<ResourceSlice>, String> {
+    async fn list(&self, node: &str) -> Result<Vec<ResourceSlice>, ApiError> {
         let lp = ListParams::default()
             .fields(&format!("spec.nodeName={node},spec.driver={DRIVER_NAME}"));
         Api::<ResourceSlice>::all(self.client.clone())
             .list(&lp)
             .await
             .map(|l| l.items)
-            .map_err(|e| format!("listing ResourceSlices of node {node}: {e}"))
+            .map_err(|source| ApiError::ListSlices {
+                node: node.to_string(),
+                source,
+            })
     }
 
-    async fn create(&self, s: &ResourceSlice) -> Result<ResourceSlice, String> {
+    async fn create(&self, s: &ResourceSlice) -> Result<ResourceSlice, ApiError> {
         Api::<ResourceSlice>::all(self.client.clone())
             .create(&PostParams::default(), s)
             .await
-            .map_err(|e| format!("creating ResourceSlice {:?}: {e}", s.metadata.name))
+            .map_err(|source| ApiError::CreateSlice {
+                name: s.metadata.name.clone(),
+                source,
+            })
     }
 
-    async fn replace(&self, s: &ResourceSlice) -> Result<ResourceSlice, String> {
+    async fn replace(&self, s: &ResourceSlice) -> Result<ResourceSlice, ApiError> {
         let name = s.metadata.name.clone().unwrap_or_default();
         Api::<ResourceSlice>::all(self.client.clone())
             .replace(&name, &PostParams::default(), s)
             .await
-            .map_err(|e| format!("updating ResourceSlice {name}: {e}"))
+            .map_err(|source| ApiError::ReplaceSlice { name, source })
     }
 
-    async fn delete(&self, name: &str) -> Result<(), String> {
+    async fn delete(&self, name: &str) -> Result<(), ApiError> {
         match Api::<ResourceSlice>::all(self.client.clone())
             .delete(name, &DeleteParams::default())
             .await
         {
             Ok(_) => Ok(()),
             Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-            Err(e) => Err(format!("deleting ResourceSlice {name}: {e}")),
+            Err(source) => Err(ApiError::DeleteSlice {
+                name: name.to_string(),
+                source,
+            }),
         }
     }
 
-    async fn ensure_class(&self, c: &DeviceClass) -> Result<(), String> {
+    async fn ensure_class(&self, c: &DeviceClass) -> Result<(), ApiError> {
         let api = Api::<DeviceClass>::all(self.client.clone());
         let name = c.metadata.name.clone().unwrap_or_default();
         match api.create(&PostParams::default(), c).await {
             Ok(_) => Ok(()),
             Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-            Err(e) => Err(format!("creating DeviceClass {name}: {e}")),
+            Err(source) => Err(ApiError::CreateClass { name, source }),
         }
     }
 }

@@ -7,6 +7,7 @@
 
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 
+use crate::kube_api::ApiError;
 use crate::slices::{self, GpuDevice};
 
 /// Where slices and classes are written (the API server; kube in
@@ -14,13 +15,13 @@ use crate::slices::{self, GpuDevice};
 #[async_trait::async_trait]
 pub trait SliceApi: Send + Sync {
     /// This driver's slices on `node`.
-    async fn list(&self, node: &str) -> Result<Vec<ResourceSlice>, String>;
-    async fn create(&self, s: &ResourceSlice) -> Result<ResourceSlice, String>;
+    async fn list(&self, node: &str) -> Result<Vec<ResourceSlice>, ApiError>;
+    async fn create(&self, s: &ResourceSlice) -> Result<ResourceSlice, ApiError>;
     /// Replaces (with the `resourceVersion` in `s`: a conflict is an error).
-    async fn replace(&self, s: &ResourceSlice) -> Result<ResourceSlice, String>;
-    async fn delete(&self, name: &str) -> Result<(), String>;
+    async fn replace(&self, s: &ResourceSlice) -> Result<ResourceSlice, ApiError>;
+    async fn delete(&self, name: &str) -> Result<(), ApiError>;
     /// Creates the class unless one of that name exists.
-    async fn ensure_class(&self, c: &DeviceClass) -> Result<(), String>;
+    async fn ensure_class(&self, c: &DeviceClass) -> Result<(), ApiError>;
 }
 
 /// What one reconcile did.
@@ -61,7 +62,7 @@ impl Publisher {
         &self,
         api: &dyn SliceApi,
         gpus: &[GpuDevice],
-    ) -> Result<Published, String> {
+    ) -> Result<Published, ApiError> {
         let name = slices::slice_name(&self.node);
         let existing = api.list(&self.node).await?;
         for s in &existing {
@@ -107,7 +108,7 @@ impl Publisher {
         }
     }
 
-    pub async fn ensure_classes(&self, api: &dyn SliceApi) -> Result<(), String> {
+    pub async fn ensure_classes(&self, api: &dyn SliceApi) -> Result<(), ApiError> {
         for c in slices::device_classes() {
             api.ensure_class(&c).await?;
         }
