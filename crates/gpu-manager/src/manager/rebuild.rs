@@ -16,6 +16,21 @@ use crate::recovery;
 use crate::runtime::{ContainerGpus, LiveContainer};
 use crate::world::Held;
 
+/// Why an allocation cannot be rebuilt for a live container.
+#[derive(Debug, thiserror::Error)]
+pub enum RebuildError {
+    #[error(transparent)]
+    VmDir(#[from] node_agent::vm::VmError),
+    #[error(transparent)]
+    Runtime(#[from] crate::runtime::RuntimeError),
+    #[error("no GPU found in its environment, devices or vcuda.config")]
+    NoGpu,
+    #[error("its GPU {uuid} ({bus_id}) is not on this node")]
+    GpuNotHere { uuid: String, bus_id: String },
+    #[error("its size is unknown (no kubelet record and no readable vcuda.config)")]
+    SizeUnknown,
+}
+
 /// The GPUs (indices into `gpus`) a container was given: from its
 /// environment's UUIDs, else its `/dev/nvidia<N>` devices, else its quota
 /// file's bus id; sorted, without repeats.
@@ -70,7 +85,7 @@ impl Size {
         cfg: Option<&ResourceData>,
         vcore_ids: &[String],
         vmemory_ids: &[String],
-    ) -> Result<Size, String> {
+    ) -> Result<Size, RebuildError> {
         let shared = match cfg {
             Some(cfg) => cfg.enable,
             None => on.len() == 1 && !vcore_ids.is_empty() && vcore_ids.len() < 100,
@@ -102,9 +117,7 @@ impl Size {
             )
         };
         if cores == 0 || (shared && memory_units == 0) {
-            return Err(
-                "its size is unknown (no kubelet record and no readable vcuda.config)".into(),
-            );
+            return Err(RebuildError::SizeUnknown);
         }
         Ok(Size {
             cores,
@@ -122,16 +135,19 @@ impl Size {
         q: &MultiGpuQuota,
         vcore_ids: &[String],
         vmemory_ids: &[String],
-    ) -> Result<Size, String> {
+    ) -> Result<Size, RebuildError> {
         let on = q
             .gpus
             .iter()
             .map(|r| {
                 gpus.iter()
                     .position(|g| short_bus_id(&g.pci_bus_id) == r.bus_id)
-                    .ok_or_else(|| format!("its GPU {} ({}) is not on this node", r.uuid, r.bus_id))
+                    .ok_or_else(|| RebuildError::GpuNotHere {
+                        uuid: r.uuid.clone(),
+                        bus_id: r.bus_id.clone(),
+                    })
             })
-            .collect::<Result<Vec<usize>, String>>()?;
+            .collect::<Result<Vec<usize>, _>>()?;
         let (first, n) = (&q.gpus[0], q.gpus.len() as u64);
         let per_gpu_units = first.gpu_memory / MEMORY_UNIT_BYTES;
         let memory_units = per_gpu_units * n;
@@ -165,21 +181,17 @@ impl Manager {
         &self,
         c: &LiveContainer,
         kubelet: Option<&[Held]>,
-    ) -> Result<Allocation, String> {
-        let dir = self
-            .shares
-            .vm()
-            .dir(&c.pod_uid, &c.container)
-            .map_err(|e| e.to_string())?;
+    ) -> Result<Allocation, RebuildError> {
+        let dir = self.shares.vm().dir(&c.pod_uid, &c.container)?;
         let (cfg, multi) = match quota_config::read_quota(&dir) {
             Ok(Quota::Single(c)) => (Some(c), None),
             Ok(Quota::Multi(q)) => (None, Some(q)),
             Err(_) => (None, None),
         };
-        let seen = self.runtime.gpus(&c.id).await.map_err(|e| e.to_string())?;
+        let seen = self.runtime.gpus(&c.id).await?;
         let on = gpus_seen(&self.gpus, &seen, cfg.as_ref());
         if on.is_empty() && multi.is_none() {
-            return Err("no GPU found in its environment, devices or vcuda.config".into());
+            return Err(RebuildError::NoGpu);
         }
         let probe = Allocation {
             pod_uid: c.pod_uid.clone(),
