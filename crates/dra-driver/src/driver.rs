@@ -15,17 +15,53 @@ use gpu_allocator::GpuInfo;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use node_agent::now;
 use node_agent::registry::Registry;
-use node_agent::share::{ShareGpu, ShareSpec, Shares};
+use node_agent::share::{ShareError, ShareGpu, ShareSpec, Shares};
 
 use crate::cdi;
 use crate::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, Store};
 use crate::kube_api::ApiError;
-use crate::plan::{self, PlannedDevice};
+use crate::plan::{self, PlanError, PlannedDevice};
 
 /// Where the driver reads allocated claims (the API server; a map in tests).
 #[async_trait::async_trait]
 pub trait ClaimSource: Send + Sync {
     async fn claim(&self, namespace: &str, name: &str) -> Result<ResourceClaim, ApiError>;
+}
+
+/// Why a claim was not prepared or unprepared: what the kubelet reports
+/// for it (each message names the claim).
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    #[error(transparent)]
+    Read(#[from] ApiError),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error("claim {claim}: {source}")]
+    Claim {
+        claim: String,
+        #[source]
+        source: ClaimFailure,
+    },
+}
+
+/// What went wrong with a claim the driver could read and plan.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimFailure {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error(
+        "{device} ({uuid}) had a critical Xid and is out of the ResourceSlice until it is healthy again"
+    )]
+    Unhealthy { device: String, uuid: String },
+    #[error("GPU {0} is not on this node")]
+    NoGpu(usize),
+    #[error(transparent)]
+    Share(#[from] ShareError),
+    #[error("writing the CDI spec in {}: {source}", dir.display())]
+    Cdi {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// A claim as the kubelet names it.
@@ -34,6 +70,16 @@ pub struct ClaimRef {
     pub namespace: String,
     pub uid: String,
     pub name: String,
+}
+
+impl ClaimRef {
+    /// The error `failure` of this claim.
+    fn failed(&self, failure: impl Into<ClaimFailure>) -> PrepareError {
+        PrepareError::Claim {
+            claim: format!("{}/{}", self.namespace, self.name),
+            source: failure.into(),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -218,14 +264,14 @@ impl Driver {
 
     /// A claim in the shared floor's terms: one GPU per device, in the
     /// claim's order (the planner never mixes shares and whole GPUs).
-    fn share_spec(&self, uid: &str, devices: &[PlannedDevice]) -> Result<ShareSpec, String> {
+    fn share_spec(&self, uid: &str, devices: &[PlannedDevice]) -> Result<ShareSpec, ClaimFailure> {
         let gpus = devices
             .iter()
             .map(|d| {
                 let gpu = self
                     .gpus
                     .get(d.gpu_index)
-                    .ok_or_else(|| format!("GPU {} is not on this node", d.gpu_index))?;
+                    .ok_or(ClaimFailure::NoGpu(d.gpu_index))?;
                 Ok(ShareGpu {
                     pci_bus_id: gpu.pci_bus_id.clone(),
                     uuid: d.gpu_uuid.clone(),
@@ -234,7 +280,7 @@ impl Driver {
                     limit: d.soft_limit.unwrap_or(d.cores),
                 })
             })
-            .collect::<Result<_, String>>()?;
+            .collect::<Result<_, ClaimFailure>>()?;
         Ok(ShareSpec {
             id: registry_id(uid, slot_request(devices)),
             owner: uid.to_string(),
@@ -248,9 +294,16 @@ impl Driver {
 
     /// Opens the claim's share: its vm directory and, for shares, its
     /// socket (with one ledger per GPU).
-    fn materialize(&self, uid: &str, devices: &[PlannedDevice]) -> Result<PathBuf, String> {
+    fn materialize(&self, uid: &str, devices: &[PlannedDevice]) -> Result<PathBuf, ClaimFailure> {
         let spec = self.share_spec(uid, devices)?;
-        self.shares.open(&spec).map_err(|e| e.to_string())
+        Ok(self.shares.open(&spec)?)
+    }
+
+    fn cdi_failure(&self, source: std::io::Error) -> ClaimFailure {
+        ClaimFailure::Cdi {
+            dir: self.cfg.cdi_dir.clone(),
+            source,
+        }
     }
 
     fn claim_spec(&self, uid: &str, devices: &[PlannedDevice], dir: &std::path::Path) -> cdi::Spec {
@@ -275,17 +328,12 @@ impl Driver {
     /// A prepared claim after a restart: its vm directories and sockets,
     /// and its CDI spec where it is missing or differs (a container
     /// restarting later needs it); unchanged files are not rewritten.
-    fn restore(&self, c: &PreparedClaim) -> Result<(), String> {
+    fn restore(&self, c: &PreparedClaim) -> Result<(), ClaimFailure> {
         let dir = self.materialize(&c.uid, &c.devices)?;
         let spec = self.claim_spec(&c.uid, &c.devices, &dir);
         cdi::write_if_changed(&self.cfg.cdi_dir, &c.uid, &spec)
             .map(|_| ())
-            .map_err(|e| {
-                format!(
-                    "writing the CDI spec in {}: {e}",
-                    self.cfg.cdi_dir.display()
-                )
-            })
+            .map_err(|e| self.cdi_failure(e))
     }
 
     /// Removes this driver's CDI specs of claims the checkpoint does not
@@ -320,8 +368,8 @@ impl Driver {
     /// new): claims it prepared are served here too, claims it unprepared
     /// (their files already gone) are no longer served. Call with the
     /// checkpoint lock held.
-    fn sync_from_disk(&self, st: &mut Checkpoint) -> Result<(), String> {
-        let disk = self.store.load(&self.cfg.node).map_err(|e| e.to_string())?;
+    fn sync_from_disk(&self, st: &mut Checkpoint) -> Result<(), CheckpointError> {
+        let disk = self.store.load(&self.cfg.node)?;
         if disk.claims == st.claims {
             return Ok(());
         }
@@ -360,22 +408,16 @@ impl Driver {
     }
 
     /// Prepares one claim; the error is what the kubelet reports for it.
-    pub async fn prepare(&self, c: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
+    pub async fn prepare(&self, c: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
         let t0 = std::time::Instant::now();
         let mut st = self.state.lock().await;
-        let at = |e: String| format!("claim {}/{}: {e}", c.namespace, c.name);
-        let _lock = self.store.lock().await.map_err(|e| at(e.to_string()))?;
-        self.sync_from_disk(&mut st).map_err(at)?;
+        let _lock = self.store.lock().await.map_err(|e| c.failed(e))?;
+        self.sync_from_disk(&mut st).map_err(|e| c.failed(e))?;
         if let Some(p) = st.claims.get(&c.uid) {
             return Ok(outputs(p));
         }
-        let claim = self
-            .claims
-            .claim(&c.namespace, &c.name)
-            .await
-            .map_err(|e| e.to_string())?;
-        let planned =
-            plan::plan(&claim, &c.uid, &self.cfg.node, &self.gpus).map_err(|e| e.to_string())?;
+        let claim = self.claims.claim(&c.namespace, &c.name).await?;
+        let planned = plan::plan(&claim, &c.uid, &self.cfg.node, &self.gpus)?;
         let unhealthy = planned.iter().find(|d| {
             self.health
                 .borrow()
@@ -383,22 +425,17 @@ impl Driver {
                 .is_some_and(|g| !g.healthy)
         });
         if let Some(d) = unhealthy {
-            return Err(format!(
-                "claim {}/{}: {} ({}) had a critical Xid and is out of the ResourceSlice until it is healthy again",
-                c.namespace, c.name, d.device, d.gpu_uuid
-            ));
+            return Err(c.failed(ClaimFailure::Unhealthy {
+                device: d.device.clone(),
+                uuid: d.gpu_uuid.clone(),
+            }));
         }
         // On failure everything of this claim goes (release is idempotent).
         let r = (|| {
             let dir = self.materialize(&c.uid, &planned)?;
             let spec = self.claim_spec(&c.uid, &planned, &dir);
-            cdi::write(&self.cfg.cdi_dir, &c.uid, &spec).map_err(|e| {
-                format!(
-                    "writing the CDI spec in {}: {e}",
-                    self.cfg.cdi_dir.display()
-                )
-            })?;
-            Ok::<(), String>(())
+            cdi::write(&self.cfg.cdi_dir, &c.uid, &spec).map_err(|e| self.cdi_failure(e))?;
+            Ok::<(), ClaimFailure>(())
         })();
         let prepared = PreparedClaim {
             namespace: c.namespace.clone(),
@@ -411,12 +448,12 @@ impl Driver {
             st.claims.insert(c.uid.clone(), prepared.clone());
             self.store.save(&st).map_err(|e| {
                 st.claims.remove(&c.uid);
-                e.to_string()
+                ClaimFailure::from(e)
             })
         });
         if let Err(e) = r {
             self.release(&c.uid, &prepared.devices);
-            return Err(format!("claim {}/{}: {e}", c.namespace, c.name));
+            return Err(c.failed(e));
         }
         self.publish_view(&st);
         tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, devices = prepared.devices.len(), ms = t0.elapsed().as_secs_f64() * 1e3, "claim prepared");
@@ -424,22 +461,17 @@ impl Driver {
     }
 
     /// Unprepares one claim; an unknown one is already unprepared.
-    pub async fn unprepare(&self, c: &ClaimRef) -> Result<(), String> {
+    pub async fn unprepare(&self, c: &ClaimRef) -> Result<(), PrepareError> {
         let t0 = std::time::Instant::now();
         let mut st = self.state.lock().await;
-        let _lock = self
-            .store
-            .lock()
-            .await
-            .map_err(|e| format!("claim {}/{}: {e}", c.namespace, c.name))?;
-        self.sync_from_disk(&mut st)
-            .map_err(|e| format!("claim {}/{}: {e}", c.namespace, c.name))?;
+        let _lock = self.store.lock().await.map_err(|e| c.failed(e))?;
+        self.sync_from_disk(&mut st).map_err(|e| c.failed(e))?;
         let Some(p) = st.claims.remove(&c.uid) else {
             return Ok(());
         };
         if let Err(e) = self.store.save(&st) {
             st.claims.insert(c.uid.clone(), p);
-            return Err(format!("claim {}/{}: {e}", c.namespace, c.name));
+            return Err(c.failed(e));
         }
         self.publish_view(&st);
         self.release(&c.uid, &p.devices);
@@ -534,8 +566,11 @@ mod tests {
             .unwrap()
             .insert(("ns".into(), "a".into()), claim("a", "u1"));
         d.set_healthy(0, false, "Xid 79");
-        let e = d.prepare(&r("a", "u1")).await.unwrap_err();
-        assert!(e.contains("gpu-0 (GPU-a) had a critical Xid"), "{e}");
+        let e = d.prepare(&r("a", "u1")).await.unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "claim ns/a: gpu-0 (GPU-a) had a critical Xid and is out of the ResourceSlice until it is healthy again"
+        );
         d.set_healthy(0, true, "");
 
         // A checkpoint that cannot be written fails the claim and leaves
@@ -544,7 +579,7 @@ mod tests {
             .path()
             .join(format!("state/.checkpoint.json.tmp.{}", std::process::id()));
         std::fs::create_dir_all(&blocker).unwrap();
-        let e = d.prepare(&r("a", "u1")).await.unwrap_err();
+        let e = d.prepare(&r("a", "u1")).await.unwrap_err().to_string();
         assert!(e.starts_with("claim ns/a: checkpoint"), "{e}");
         assert!(!tmp.path().join("vm/u1").exists());
         assert!(!cdi::spec_path(&tmp.path().join("cdi"), "u1").exists());

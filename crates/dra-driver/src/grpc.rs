@@ -61,7 +61,7 @@ impl Plugin {
                     tracing::warn!(error = %e, "NodePrepareResources");
                     v1::NodePrepareResourceResponse {
                         devices: vec![],
-                        error: e,
+                        error: e.to_string(),
                     }
                 }
             };
@@ -76,7 +76,10 @@ impl Plugin {
     ) -> HashMap<String, v1::NodeUnprepareResourceResponse> {
         let mut out = HashMap::new();
         for (uid, r) in refs(claims) {
-            let error = self.driver.unprepare(&r).await.err().unwrap_or_default();
+            let error = match self.driver.unprepare(&r).await {
+                Ok(()) => String::new(),
+                Err(e) => e.to_string(),
+            };
             out.insert(uid, v1::NodeUnprepareResourceResponse { error });
         }
         out
