@@ -37,18 +37,18 @@ async fn publish_once_bump_on_health_never_duplicate() {
     assert_eq!(server.list(Kind::DeviceClass).len(), 2);
 
     assert_eq!(
-        p.reconcile(&api, &devices([true, true])).await,
-        Ok(Published::Created { generation: 1 })
+        p.reconcile(&api, &devices([true, true])).await.unwrap(),
+        Published::Created { generation: 1 }
     );
     // A restart on the same hardware writes nothing.
     assert_eq!(
-        p.reconcile(&api, &devices([true, true])).await,
-        Ok(Published::Unchanged { generation: 1 })
+        p.reconcile(&api, &devices([true, true])).await.unwrap(),
+        Published::Unchanged { generation: 1 }
     );
     // An Xid on GPU 1: the device leaves the slice, the pool generation goes up.
     assert_eq!(
-        p.reconcile(&api, &devices([true, false])).await,
-        Ok(Published::Replaced { generation: 2 })
+        p.reconcile(&api, &devices([true, false])).await.unwrap(),
+        Published::Replaced { generation: 2 }
     );
     let s = server
         .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
@@ -56,8 +56,8 @@ async fn publish_once_bump_on_health_never_duplicate() {
     assert_eq!(s["spec"]["pool"]["generation"], 2);
     assert_eq!(s["spec"]["devices"].as_array().unwrap().len(), 1);
     assert_eq!(
-        p.reconcile(&api, &devices([true, true])).await,
-        Ok(Published::Replaced { generation: 3 })
+        p.reconcile(&api, &devices([true, true])).await.unwrap(),
+        Published::Replaced { generation: 3 }
     );
     // A stray slice of this driver on this node (an older name) is removed.
     let mut stray =
@@ -65,8 +65,8 @@ async fn publish_once_bump_on_health_never_duplicate() {
     stray["metadata"]["name"] = json!("node-a-old");
     server.create(Kind::ResourceSlice, None, stray).unwrap();
     assert_eq!(
-        p.reconcile(&api, &devices([true, true])).await,
-        Ok(Published::Unchanged { generation: 3 })
+        p.reconcile(&api, &devices([true, true])).await.unwrap(),
+        Published::Unchanged { generation: 3 }
     );
     let ours: Vec<_> = server.list(Kind::ResourceSlice);
     assert_eq!(ours.len(), 1, "never two slices for one node");
