@@ -13,6 +13,8 @@
 
 use std::path::PathBuf;
 
+use node_agent::in_use::RemoveError;
+
 use crate::checkpoint::Store;
 use crate::daemon::Settings;
 
@@ -52,7 +54,7 @@ pub fn blockers(s: &Settings) -> Vec<String> {
 /// The host paths the driver created, removed when present; returns what
 /// was removed. The kubelet's and CDI's directories stay: only the
 /// driver's files in them go.
-pub fn remove_state(s: &Settings) -> Result<Vec<PathBuf>, String> {
+pub fn remove_state(s: &Settings) -> Result<Vec<PathBuf>, RemoveError> {
     let mut targets = vec![
         s.vm_dir.clone(),
         s.vdriver_dir.clone(),
@@ -87,7 +89,7 @@ pub async fn run(
     if !node_agent::in_use::wait_until_clear(|| blockers(s), retry, cancel).await {
         return Ok(None);
     }
-    let removed = remove_state(s).map_err(anyhow::Error::msg)?;
+    let removed = remove_state(s)?;
     let name = crate::slices::slice_name(&s.node);
     let slice = match daemon_kit::apiserver::client(s.kubeconfig.as_deref()).await {
         Ok(c) => {

@@ -12,13 +12,15 @@
 
 use std::path::PathBuf;
 
+use node_agent::in_use::RemoveError;
+
 use crate::config::Settings;
 use crate::mode;
 
 /// The host paths the manager created: removed (recursively) when present;
 /// returns those removed. The device-plugin directory itself is kubelet's:
 /// only the managers' plugin sockets go.
-pub fn remove_state(s: &Settings) -> Result<Vec<PathBuf>, String> {
+pub fn remove_state(s: &Settings) -> Result<Vec<PathBuf>, RemoveError> {
     let mut targets = vec![
         s.virtual_manager_path.clone(),
         s.vdriver_path.clone(),
@@ -54,7 +56,7 @@ pub async fn run(
     if !node_agent::in_use::wait_until_clear(|| blockers(s), retry, cancel).await {
         return Ok(None);
     }
-    let removed = remove_state(s).map_err(anyhow::Error::msg)?;
+    let removed = remove_state(s)?;
     let node = match crate::kube_api::client(s.kubeconfig.as_deref()).await {
         Ok(c) => crate::kube_api::remove_node_annotation(
             &c,

@@ -92,9 +92,20 @@ pub async fn wait_until_clear(
     }
 }
 
+/// A path an uninstall could not remove.
+#[derive(Debug, thiserror::Error)]
+#[error("removing {}: {source}", path.display())]
+pub struct RemoveError {
+    pub path: PathBuf,
+    #[source]
+    pub source: std::io::Error,
+}
+
 /// Removes each path that exists (a directory recursively); returns those
 /// removed, or the first failure naming its path.
-pub fn remove_paths(targets: impl IntoIterator<Item = PathBuf>) -> Result<Vec<PathBuf>, String> {
+pub fn remove_paths(
+    targets: impl IntoIterator<Item = PathBuf>,
+) -> Result<Vec<PathBuf>, RemoveError> {
     let mut removed = Vec::new();
     for t in targets {
         let r = match std::fs::symlink_metadata(&t) {
@@ -103,7 +114,10 @@ pub fn remove_paths(targets: impl IntoIterator<Item = PathBuf>) -> Result<Vec<Pa
             Ok(m) if m.is_dir() => std::fs::remove_dir_all(&t),
             Ok(_) => std::fs::remove_file(&t),
         };
-        r.map_err(|e| format!("removing {}: {e}", t.display()))?;
+        r.map_err(|source| RemoveError {
+            path: t.clone(),
+            source,
+        })?;
         removed.push(t);
     }
     Ok(removed)
