@@ -5,11 +5,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Patch, PatchParams};
-use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::reflector::Store;
+use kube::runtime::watcher;
 use kube::{Api, Client};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -69,44 +68,32 @@ impl PodWatch {
     pub fn start(client: Client, node: &str, cancel: CancellationToken) -> PodWatch {
         let api: Api<Pod> = Api::all(client);
         let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-        let (store, writer) = reflector::store();
         let (ctx, changes) = watch::channel(0u64);
         let (htx, health) = watch::channel(ApiHealth::Starting);
         let seen = Arc::new(std::sync::Mutex::new(Seen::default()));
         let noted = seen.clone();
-        let stream = reflector::reflector(writer, watcher(api, cfg)).default_backoff();
-        tokio::spawn(async move {
-            futures::pin_mut!(stream);
-            loop {
-                let ev = tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    ev = stream.next() => ev,
-                };
-                match ev {
-                    None => return,
-                    Some(Ok(ev)) => {
-                        noted
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .note(&ev);
-                        htx.send_if_modified(|h| {
-                            let changed = *h != ApiHealth::Ok;
-                            if changed {
-                                tracing::info!("pod watch in sync with the API server");
-                            }
-                            *h = ApiHealth::Ok;
-                            changed
-                        });
-                        ctx.send_modify(|n| *n += 1);
-                    }
-                    Some(Err(e)) => {
-                        let msg = e.to_string();
-                        tracing::warn!(error = %msg, "pod watch failed; retrying");
-                        htx.send_replace(ApiHealth::Failing(msg));
-                    }
+        let failing = htx.clone();
+        let on_event = move |ev: &watcher::Event<Pod>| {
+            noted
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .note(ev);
+            htx.send_if_modified(|h| {
+                let changed = *h != ApiHealth::Ok;
+                if changed {
+                    tracing::info!("pod watch in sync with the API server");
                 }
-            }
-        });
+                *h = ApiHealth::Ok;
+                changed
+            });
+            ctx.send_modify(|n| *n += 1);
+        };
+        let on_error = move |e: &watcher::Error| {
+            let msg = e.to_string();
+            tracing::warn!(error = %msg, "pod watch failed; retrying");
+            failing.send_replace(ApiHealth::Failing(msg));
+        };
+        let store = daemon_kit::reflect::spawn(api, cfg, cancel, on_event, on_error);
         PodWatch {
             store,
             changes,

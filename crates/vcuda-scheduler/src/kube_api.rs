@@ -8,11 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
-use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::reflector::Store;
+use kube::runtime::watcher;
 use kube::{Api, Client};
 use tokio_util::sync::CancellationToken;
 
@@ -60,6 +59,8 @@ impl Caches {
     }
 }
 
+/// A store of every `K`, counting its events into `events` (the cluster
+/// view is rebuilt when the count moved).
 fn reflect<K>(api: Api<K>, events: Arc<AtomicU64>, cancel: CancellationToken) -> Store<K>
 where
     K: kube::Resource<DynamicType = ()>
@@ -70,26 +71,15 @@ where
         + Sync
         + 'static,
 {
-    let (store, writer) = reflector::store();
-    let stream =
-        reflector::reflector(writer, watcher(api, watcher::Config::default())).default_backoff();
-    tokio::spawn(async move {
-        futures::pin_mut!(stream);
-        loop {
-            let ev = tokio::select! {
-                _ = cancel.cancelled() => return,
-                ev = stream.next() => ev,
-            };
-            match ev {
-                None => return,
-                Some(Ok(_)) => {
-                    events.fetch_add(1, Ordering::AcqRel);
-                }
-                Some(Err(e)) => tracing::warn!(error = %e, "watch failed; retrying"),
-            }
-        }
-    });
-    store
+    daemon_kit::reflect::spawn(
+        api,
+        watcher::Config::default(),
+        cancel,
+        move |_| {
+            events.fetch_add(1, Ordering::AcqRel);
+        },
+        |e| tracing::warn!(error = %e, "watch failed; retrying"),
+    )
 }
 
 impl ClusterSource for Caches {
