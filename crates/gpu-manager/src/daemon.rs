@@ -245,7 +245,7 @@ async fn sync_api(
     found: &Discovered,
     cancel: &CancellationToken,
 ) -> anyhow::Result<(kube::Client, PodWatch)> {
-    let client = kube_api::client(s.kubeconfig.as_deref()).await?;
+    let client = daemon_kit::apiserver::client(s.kubeconfig.as_deref()).await?;
     let pods = PodWatch::start(client.clone(), &s.node_name, cancel.clone());
     if let Err(e) = pods.ready(s.api_timeout).await {
         // Degrade rather than crash-loop: running containers need the

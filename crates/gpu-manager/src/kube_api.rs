@@ -15,8 +15,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::world::{PodPatcher, PodSource};
 
-pub use daemon_kit::apiserver::{ClientError as KubeError, client};
-
 /// Reachability of the API server as the reflector last saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ApiHealth {
@@ -63,6 +61,40 @@ impl Seen {
     }
 }
 
+/// What the manager's API server calls failed at.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The pod watch's first full list did not come (why, as the watch
+    /// said it).
+    #[error("{0}")]
+    NotListed(String),
+    #[error("pod was replaced (uid {found:?}, allocation was for {allocated})")]
+    PodReplaced {
+        found: Option<String>,
+        allocated: String,
+    },
+    #[error("after {attempt} attempts: {source}")]
+    Patch {
+        attempt: u32,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("annotating node {node} with {key}: {source}")]
+    AnnotateNode {
+        node: String,
+        key: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("removing {key} from node {node}: {source}")]
+    RemoveAnnotation {
+        node: String,
+        key: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
 impl PodWatch {
     /// Starts the reflector (field selector `spec.nodeName=<node>`).
     pub fn start(client: Client, node: &str, cancel: CancellationToken) -> PodWatch {
@@ -103,14 +135,14 @@ impl PodWatch {
     }
 
     /// Waits for the first full list. The error says why it did not come.
-    pub async fn ready(&self, timeout: Duration) -> Result<(), String> {
+    pub async fn ready(&self, timeout: Duration) -> Result<(), ApiError> {
         match tokio::time::timeout(timeout, self.store.wait_until_ready()).await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(match &*self.health.borrow() {
+            Ok(Err(e)) => Err(ApiError::NotListed(e.to_string())),
+            Err(_) => Err(ApiError::NotListed(match &*self.health.borrow() {
                 ApiHealth::Failing(e) => e.clone(),
                 _ => "no answer".into(),
-            }),
+            })),
         }
     }
 
@@ -187,7 +219,7 @@ fn retryable(e: &kube::Error) -> bool {
 impl Patcher {
     pub fn start(
         client: Client,
-        done: Option<mpsc::UnboundedSender<(PatchJob, Result<(), String>)>>,
+        done: Option<mpsc::UnboundedSender<(PatchJob, Result<(), ApiError>)>>,
     ) -> Patcher {
         let (tx, mut rx) = mpsc::unbounded_channel::<PatchJob>();
         tokio::spawn(async move {
@@ -216,7 +248,7 @@ impl PodPatcher for Patcher {
     }
 }
 
-async fn patch_pod(client: &Client, job: &PatchJob) -> Result<(), String> {
+async fn patch_pod(client: &Client, job: &PatchJob) -> Result<(), ApiError> {
     let api: Api<Pod> = Api::namespaced(client.clone(), &job.namespace);
     let body = serde_json::json!({"metadata": {"annotations": job.annotations}});
     let mut delay = Duration::from_millis(50);
@@ -227,10 +259,10 @@ async fn patch_pod(client: &Client, job: &PatchJob) -> Result<(), String> {
         {
             Ok(p) => {
                 if p.metadata.uid.as_deref() != Some(job.uid.as_str()) {
-                    return Err(format!(
-                        "pod was replaced (uid {:?}, allocation was for {})",
-                        p.metadata.uid, job.uid
-                    ));
+                    return Err(ApiError::PodReplaced {
+                        found: p.metadata.uid,
+                        allocated: job.uid.clone(),
+                    });
                 }
                 return Ok(());
             }
@@ -239,7 +271,7 @@ async fn patch_pod(client: &Client, job: &PatchJob) -> Result<(), String> {
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(2));
             }
-            Err(e) => return Err(format!("after {attempt} attempts: {e}")),
+            Err(source) => return Err(ApiError::Patch { attempt, source }),
         }
     }
     unreachable!("the loop returns")
@@ -251,24 +283,36 @@ pub async fn annotate_node(
     node: &str,
     key: &str,
     value: &str,
-) -> Result<(), String> {
+) -> Result<(), ApiError> {
     let api: Api<Node> = Api::all(client.clone());
     let body = serde_json::json!({"metadata": {"annotations": {key: value}}});
     api.patch(node, &PatchParams::default(), &Patch::Merge(&body))
         .await
         .map(|_| ())
-        .map_err(|e| format!("annotating node {node} with {key}: {e}"))
+        .map_err(|source| ApiError::AnnotateNode {
+            node: node.to_string(),
+            key: key.to_string(),
+            source,
+        })
 }
 
 /// Removes one annotation from the node (a merge patch with null), as
 /// `gpu-manager uninstall` does with the inventory; absent is success.
-pub async fn remove_node_annotation(client: &Client, node: &str, key: &str) -> Result<(), String> {
+pub async fn remove_node_annotation(
+    client: &Client,
+    node: &str,
+    key: &str,
+) -> Result<(), ApiError> {
     let api: Api<Node> = Api::all(client.clone());
     let body = serde_json::json!({"metadata": {"annotations": {key: null}}});
     api.patch(node, &PatchParams::default(), &Patch::Merge(&body))
         .await
         .map(|_| ())
-        .map_err(|e| format!("removing {key} from node {node}: {e}"))
+        .map_err(|source| ApiError::RemoveAnnotation {
+            node: node.to_string(),
+            key: key.to_string(),
+            source,
+        })
 }
 
 /// Puts `labels` on the node; a missing node is logged, not fatal.

@@ -57,7 +57,7 @@ pub async fn run(
         return Ok(None);
     }
     let removed = remove_state(s)?;
-    let node = match crate::kube_api::client(s.kubeconfig.as_deref()).await {
+    let node = match daemon_kit::apiserver::client(s.kubeconfig.as_deref()).await {
         Ok(c) => crate::kube_api::remove_node_annotation(
             &c,
             &s.node_name,
