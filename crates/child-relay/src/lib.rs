@@ -230,49 +230,6 @@ where
     Ok(())
 }
 
-/// Makes `cmd`'s process get `from[i]` as its fd `to[i]`, and die with
-/// this one (`PR_SET_PDEATHSIG`, SIGKILL): a supervised child never
-/// outlives its supervisor.
-pub fn inherit_fds<const N: usize>(
-    cmd: &mut std::process::Command,
-    from: [std::os::fd::RawFd; N],
-    to: [std::os::fd::RawFd; N],
-) {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            // First above every target, so no dup2 overwrites a source
-            // not yet copied; dup2 then leaves the targets without
-            // FD_CLOEXEC.
-            let mut high = [0; N];
-            for (h, f) in high.iter_mut().zip(from) {
-                *h = libc::fcntl(f, libc::F_DUPFD_CLOEXEC, 10);
-                if *h < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            for (f, t) in high.into_iter().zip(to) {
-                if libc::dup2(f, t) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-}
-
-/// Exit code of a status, signals as 128 + signal (as shells report them).
-pub fn exit_code(status: std::process::ExitStatus) -> i32 {
-    use std::os::unix::process::ExitStatusExt;
-    status
-        .code()
-        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

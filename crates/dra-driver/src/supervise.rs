@@ -16,15 +16,16 @@
 //! device plugins serving here) ends the supervisor with its status, so the
 //! pod shows the error; SIGTERM/SIGINT go to the child, and the supervisor
 //! exits with it. The child dies with the supervisor (`PR_SET_PDEATHSIG`).
+//! Starting, restarting, signals and the child's "registered" report are
+//! the [`supervisor`] crate's; what is here is the driver's: its sockets,
+//! the relay and the socket holder.
 
-use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::{Duration, Instant};
+
+use supervisor::{Messages, Ready, Spec, Supervisor};
 
 use crate::grpc::Sockets;
 
@@ -43,16 +44,13 @@ pub const REPORT_FD_ENV: &str = "VCUDA_DRA_REPORT_FD";
 const PLUGIN_FD: RawFd = 3;
 const REGISTRATION_FD: RawFd = 4;
 const REPORT_FD: RawFd = 5;
-const FIRST_BACKOFF: Duration = Duration::from_millis(100);
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
-/// A child that ran this long restarts after the first backoff again.
-const STABLE: Duration = Duration::from_secs(60);
 
-static SIGNAL: AtomicI32 = AtomicI32::new(0);
-
-extern "C" fn on_signal(sig: libc::c_int) {
-    SIGNAL.store(sig, Ordering::SeqCst);
-}
+const MESSAGES: Messages = Messages {
+    what: "driver",
+    not_ready: "the driver exited before the kubelet registered it: not restarting it here",
+    restarting: "the driver exited; a new one takes its sockets, which stay open meanwhile",
+    hung: "the driver is hung: killing it",
+};
 
 /// What a supervised child inherited.
 pub struct Inherited {
@@ -68,8 +66,7 @@ impl Inherited {
     /// Tells the supervisor this child is registered (once).
     pub fn report_registered(&mut self) {
         if let Some(fd) = self.report.take() {
-            let mut f = std::fs::File::from(fd);
-            let _ = std::io::Write::write_all(&mut f, b"r");
+            let _ = supervisor::report_ready(fd);
         }
     }
 }
@@ -171,58 +168,25 @@ pub fn supervise(
     let instance = sockets
         .instance()
         .ok_or_else(|| anyhow::anyhow!("no instance in {}", sockets.plugin.display()))?;
-    for sig in [libc::SIGTERM, libc::SIGINT] {
-        // SAFETY: the handler only stores to an atomic.
-        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
-    }
     tracing::info!(plugin = %sockets.plugin.display(), registration = %sockets.registration.display(), "supervising the driver on these sockets");
-    // This very file, even if a newer build replaced its path since.
-    let exe = std::path::PathBuf::from("/proc/self/exe");
-    let mut argv = std::env::args_os();
-    let arg0 = argv.next().unwrap_or_else(|| "vcuda-dra-driver".into());
-    let args: Vec<std::ffi::OsString> = argv.collect();
-    let registered = Arc::new(AtomicBool::new(was_registered));
-    let stop = |code: i32| {
-        // A clean stop removes the sockets: the holder must not hand them
-        // to the next container.
-        if let Some(h) = holder
-            && let Err(e) = crate::holder::drop_held(h)
-        {
-            tracing::warn!(holder = %h.display(), error = %e, "telling the socket holder to let go");
-        }
-        sockets.remove_own();
-        Ok(code)
-    };
+    let registered = Ready::new(was_registered);
     let inboxes = start_relay(plugin)?;
-    let mut backoff = FIRST_BACKOFF;
-    loop {
-        let started = Instant::now();
-        let status = run_child(
-            &exe,
-            (&arg0, &args),
-            &instance,
-            (inboxes.start_child()?, registration.as_raw_fd()),
-            (&registered, holder),
-        );
-        inboxes.child_gone();
-        let status = status?;
-        let sig = SIGNAL.load(Ordering::SeqCst);
-        if sig != 0 || status.success() {
-            return stop(exit_code(status));
-        }
-        if !registered.load(Ordering::SeqCst) {
-            tracing::error!(%status, "the driver exited before the kubelet registered it: not restarting it here");
-            return stop(exit_code(status).max(1));
-        }
-        if started.elapsed() >= STABLE {
-            backoff = FIRST_BACKOFF;
-        }
-        tracing::error!(%status, restart_in_ms = backoff.as_millis() as u64, "the driver exited; a new one takes its sockets, which stay open meanwhile");
-        if !sleep_unless_signalled(backoff) {
-            return stop(0);
-        }
-        backoff = (backoff * 2).min(MAX_BACKOFF);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let code = rt.block_on(
+        Supervisor::new(MESSAGES, registered.clone())
+            .run(|| child(&instance, &inboxes, &registration, &registered, holder)),
+    )?;
+    // A clean stop removes the sockets: the holder must not hand them to
+    // the next container.
+    if let Some(h) = holder
+        && let Err(e) = crate::holder::drop_held(h)
+    {
+        tracing::warn!(holder = %h.display(), error = %e, "telling the socket holder to let go");
     }
+    sockets.remove_own();
+    Ok(code)
 }
 
 /// The relay on the kubelet's plugin socket, on a thread of its own for
@@ -234,92 +198,34 @@ fn start_relay(plugin: UnixListener) -> anyhow::Result<child_relay::Inboxes> {
     Ok(inboxes)
 }
 
-/// One child on its plugin inbox and the registration listener; forwards
-/// SIGTERM/SIGINT; its exit status.
-fn run_child(
-    exe: &Path,
-    (arg0, args): (&std::ffi::OsStr, &[std::ffi::OsString]),
+/// The next child, on its plugin inbox and the registration listener; it
+/// reports on a pipe once registered, which the holder is told.
+fn child(
     instance: &str,
-    (inbox, registration): (OwnedFd, RawFd),
-    (registered, holder): (&Arc<AtomicBool>, Option<&Path>),
-) -> anyhow::Result<std::process::ExitStatus> {
-    let (report_r, report_w) = pipe()?;
-    let w = report_w.as_raw_fd();
-    let inbox_fd = inbox.as_raw_fd();
-    let mut cmd = std::process::Command::new(exe);
-    cmd.arg0(arg0)
-        .args(args)
+    inboxes: &child_relay::Inboxes,
+    registration: &UnixListener,
+    registered: &Ready,
+    holder: Option<&Path>,
+) -> std::io::Result<Spec> {
+    let inbox = inboxes.start_child()?;
+    let holder = holder.map(Path::to_path_buf);
+    let report = registered.pipe(move || {
+        if let Some(h) = holder
+            && let Err(e) = crate::holder::registered(&h)
+        {
+            tracing::warn!(holder = %h.display(), error = %e, "telling the socket holder the driver is registered");
+        }
+    })?;
+    let gone = inboxes.clone();
+    // The inbox is the child's alone (closed here once it started): a
+    // dead child's inbox then reads as closed.
+    Ok(Spec::this_executable("vcuda-dra-driver")
         .env(LISTEN_FDS_ENV, format!("{PLUGIN_FD},{REGISTRATION_FD}"))
         .env(INSTANCE_ENV, instance)
         .env(REPORT_FD_ENV, REPORT_FD.to_string())
-        .env(
-            REGISTERED_ENV,
-            if registered.load(Ordering::SeqCst) {
-                "1"
-            } else {
-                "0"
-            },
-        );
-    child_relay::inherit_fds(
-        &mut cmd,
-        [inbox_fd, registration, w],
-        [PLUGIN_FD, REGISTRATION_FD, REPORT_FD],
-    );
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| anyhow::anyhow!("starting the driver ({}): {e}", exe.display()))?;
-    drop(report_w);
-    // The child's alone: a dead child's inbox then reads as closed.
-    drop(inbox);
-    let flag = registered.clone();
-    let holder = holder.map(Path::to_path_buf);
-    std::thread::spawn(move || {
-        let mut f = std::fs::File::from(report_r);
-        let mut b = [0u8; 1];
-        if matches!(f.read(&mut b), Ok(1)) {
-            flag.store(true, Ordering::SeqCst);
-            if let Some(h) = holder
-                && let Err(e) = crate::holder::registered(&h)
-            {
-                tracing::warn!(holder = %h.display(), error = %e, "telling the socket holder the driver is registered");
-            }
-        }
-    });
-    let mut forwarded = false;
-    loop {
-        if let Some(status) = child.try_wait()? {
-            return Ok(status);
-        }
-        let sig = SIGNAL.load(Ordering::SeqCst);
-        if sig != 0 && !forwarded {
-            // SAFETY: signalling our own child.
-            unsafe { libc::kill(child.id() as libc::pid_t, sig) };
-            forwarded = true;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        .env(REGISTERED_ENV, if registered.is_set() { "1" } else { "0" })
+        .pass(inbox, PLUGIN_FD)
+        .share(registration.as_raw_fd(), REGISTRATION_FD)
+        .pass(report, REPORT_FD)
+        .on_exit(move || gone.child_gone()))
 }
-
-fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0 as RawFd; 2];
-    // SAFETY: pipe2 fills two fds we then own.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: just created, owned here.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
-}
-
-/// Sleeps `d`; false when a stop signal came.
-fn sleep_unless_signalled(d: Duration) -> bool {
-    let until = Instant::now() + d;
-    while Instant::now() < until {
-        if SIGNAL.load(Ordering::SeqCst) != 0 {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    SIGNAL.load(Ordering::SeqCst) == 0
-}
-
-pub use child_relay::exit_code;

@@ -16,18 +16,21 @@
 //! so the pod shows the error. SIGTERM/SIGINT go to the child; the
 //! supervisor stops with it, leaving the kubelet's connections open when
 //! the child had handed the node to a successor ([`crate::handover`]).
-//! The child dies with the supervisor (`PR_SET_PDEATHSIG`).
+//! The child dies with the supervisor (`PR_SET_PDEATHSIG`). Starting,
+//! restarting, signals and the heartbeat's watchdog are the [`supervisor`]
+//! crate's; what is here is the manager's: the relayed plugins and the
+//! control socket.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream as StdStream;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use child_relay::Inboxes;
 use device_plugin::{PluginRuntime, RelayedPlugin, RuntimeHandle};
+use supervisor::{Heartbeat, Messages, Ready, Spec, Supervisor, Watchdog};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -42,10 +45,6 @@ pub const FDS_ENV: &str = "VCUDA_MANAGER_SUPERVISOR_FDS";
 pub const INSTANCE_ENV: &str = "VCUDA_MANAGER_INSTANCE";
 
 const CHILD_FDS: [RawFd; 3] = [3, 4, 5];
-const FIRST_BACKOFF: Duration = Duration::from_millis(100);
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
-/// A child that ran this long restarts after the first backoff again.
-const STABLE: Duration = Duration::from_secs(60);
 /// How often a child says it is alive on its control socket
 /// ([`crate::served::Control`]).
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
@@ -93,10 +92,10 @@ struct Link {
     /// Kubelet's connections to the managers this pod replaced.
     inherited: Arc<Mutex<Vec<OwnedFd>>>,
     /// The kubelet registered the plugins once.
-    served: AtomicBool,
+    served: Ready,
     /// When the current child last said something ([`HEARTBEAT`]); None
     /// until it first does.
-    heard: Mutex<Option<Instant>>,
+    heard: Arc<Heartbeat>,
     handed_over: AtomicBool,
 }
 
@@ -110,8 +109,14 @@ pub fn supervise(s: &Settings) -> anyhow::Result<i32> {
     rt.block_on(run(s))
 }
 
+const MESSAGES: Messages = Messages {
+    what: "manager",
+    not_ready: "the manager exited before the kubelet registered it: not restarting it here",
+    restarting: "the manager exited; a new one takes over the kubelet's connections, which stay open meanwhile",
+    hung: "the manager is hung (no heartbeat): killing it; the next one takes the kubelet's calls",
+};
+
 async fn run(s: &Settings) -> anyhow::Result<i32> {
-    let cancel = daemon_kit::cancel_on_signals()?;
     let instance = node_agent::mode::instance_id();
     let link = Arc::new(Link {
         dir: s.device_plugin_path.clone(),
@@ -120,36 +125,22 @@ async fn run(s: &Settings) -> anyhow::Result<i32> {
         plugins: Default::default(),
         stop_plugins: CancellationToken::new(),
         inherited: Default::default(),
-        served: AtomicBool::new(false),
+        served: Ready::default(),
         handed_over: AtomicBool::new(false),
-        heard: Mutex::new(None),
+        heard: Default::default(),
     });
     tracing::info!(%instance, vcore = %link.sockets[0].display(), vmemory = %link.sockets[1].display(), "supervising the manager; these sockets are this supervisor's");
-    let mut backoff = FIRST_BACKOFF;
-    loop {
-        let started = Instant::now();
-        let status = run_child(&link, &instance, &cancel).await;
-        for i in &link.inboxes {
-            i.child_gone();
-        }
-        let status = status?;
-        if cancel.is_cancelled() || status.success() {
-            return Ok(stop(&link, child_relay::exit_code(status)).await);
-        }
-        if !link.served.load(Ordering::SeqCst) {
-            tracing::error!(%status, "the manager exited before the kubelet registered it: not restarting it here");
-            return Ok(stop(&link, child_relay::exit_code(status).max(1)).await);
-        }
-        if started.elapsed() >= STABLE {
-            backoff = FIRST_BACKOFF;
-        }
-        tracing::error!(%status, restart_in_ms = backoff.as_millis() as u64, "the manager exited; a new one takes over the kubelet's connections, which stay open meanwhile");
-        tokio::select! {
-            () = tokio::time::sleep(backoff) => {}
-            () = cancel.cancelled() => return Ok(stop(&link, 0).await),
-        }
-        backoff = (backoff * 2).min(MAX_BACKOFF);
-    }
+    // Not once stopping: a manager shutting down stops its heartbeat
+    // before it has written its last state.
+    let code = Supervisor::new(MESSAGES, link.served.clone())
+        .watchdog(Watchdog {
+            heartbeat: link.heard.clone(),
+            every: HEARTBEAT,
+            hung: HUNG,
+        })
+        .run(|| child(&link, &instance))
+        .await?;
+    Ok(stop(&link, code).await)
 }
 
 /// The supervisor's end: the plugins' sockets removed, unless the node was
@@ -169,71 +160,31 @@ async fn stop(link: &Link, code: i32) -> i32 {
     code
 }
 
-/// One child: started, its control socket served, SIGTERM/SIGINT passed
-/// on; its exit status.
-async fn run_child(
-    link: &Arc<Link>,
-    instance: &str,
-    cancel: &CancellationToken,
-) -> anyhow::Result<std::process::ExitStatus> {
+/// The next child: its inboxes and control socket; the control socket
+/// served while it runs.
+fn child(link: &Arc<Link>, instance: &str) -> std::io::Result<Spec> {
     let inboxes = [
         link.inboxes[0].start_child()?,
         link.inboxes[1].start_child()?,
     ];
     let (mine, theirs) = StdStream::pair()?;
-    let mut child = spawn(instance, [&inboxes[0], &inboxes[1], &theirs.into()])?;
-    // The child's alone: a dead child's inboxes then read as closed.
-    drop(inboxes);
-    *link.heard.lock().unwrap_or_else(|p| p.into_inner()) = None;
     let control = tokio::spawn(serve_control(link.clone(), mine));
-    let mut forwarded = false;
-    let mut watchdog = tokio::time::interval(HEARTBEAT);
-    let mut killed = false;
-    let status = loop {
-        tokio::select! {
-            s = child.wait() => break s?,
-            // Not once stopping: a manager shutting down stops its
-            // heartbeat before it has written its last state.
-            _ = watchdog.tick(), if !killed && !forwarded => {
-                let heard = *link.heard.lock().unwrap_or_else(|p| p.into_inner());
-                if let (Some(t), Some(pid)) = (heard, child.id())
-                    && t.elapsed() >= HUNG
-                {
-                    tracing::error!(silent_s = t.elapsed().as_secs(), "the manager is hung (no heartbeat): killing it; the next one takes the kubelet's calls");
-                    // SAFETY: signalling our own child.
-                    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-                    killed = true;
-                }
-            }
-            () = cancel.cancelled(), if !forwarded => {
-                if let Some(pid) = child.id() {
-                    // SAFETY: signalling our own child.
-                    unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
-                }
-                forwarded = true;
-            }
-        }
-    };
-    control.abort();
-    Ok(status)
-}
-
-fn spawn(instance: &str, fds: [&OwnedFd; 3]) -> anyhow::Result<tokio::process::Child> {
-    // This very file, even if a newer build replaced its path since.
-    let exe = Path::new("/proc/self/exe");
-    let mut argv = std::env::args_os();
-    let arg0 = argv.next().unwrap_or_else(|| "gpu-manager".into());
-    let from = fds.map(|f| f.as_raw_fd());
-    let mut cmd = std::process::Command::new(exe);
-    cmd.arg0(arg0)
-        .args(argv)
+    let gone = link.clone();
+    let [vcore, vmemory] = inboxes;
+    // The child's alone (closed here once it started): a dead child's
+    // inboxes then read as closed.
+    Ok(Spec::this_executable("gpu-manager")
         .env(FDS_ENV, CHILD_FDS.map(|f| f.to_string()).join(","))
-        .env(INSTANCE_ENV, instance);
-    child_relay::inherit_fds(&mut cmd, from, CHILD_FDS);
-    tokio::process::Command::from(cmd)
-        .kill_on_drop(false)
-        .spawn()
-        .map_err(|e| anyhow::anyhow!("starting the manager ({}): {e}", exe.display()))
+        .env(INSTANCE_ENV, instance)
+        .pass(vcore, CHILD_FDS[0])
+        .pass(vmemory, CHILD_FDS[1])
+        .pass(OwnedFd::from(theirs), CHILD_FDS[2])
+        .on_exit(move || {
+            for i in &gone.inboxes {
+                i.child_gone();
+            }
+            control.abort();
+        }))
 }
 
 /// The child's requests (see [`crate::served::Control`]), until it closes
@@ -251,7 +202,7 @@ async fn serve_control(link: Arc<Link>, conn: StdStream) -> std::io::Result<()> 
     });
     let mut lines = BufReader::new(r).lines();
     while let Some(line) = lines.next_line().await? {
-        *link.heard.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        link.heard.beat();
         let (cmd, arg) = line.split_once(' ').unwrap_or((&line, ""));
         match cmd {
             "serve" => {
@@ -312,7 +263,7 @@ impl Link {
         if !device_plugin::all_registered(statuses).await {
             return false;
         }
-        if !self.served.swap(true, Ordering::SeqCst) {
+        if self.served.set() {
             tracing::info!("the kubelet registered both plugins");
         }
         true
