@@ -90,9 +90,11 @@ impl DisplaySource for StaticSource {
         self.with(|s| s.node.clone())
     }
 
-    fn health(&self) -> Result<(), String> {
+    fn health(&self) -> Result<(), gpu_display::Unhealthy> {
         match &*self.health.read().unwrap() {
-            Some(why) => Err(why.clone()),
+            Some(why) => Err(gpu_display::Unhealthy {
+                reason: why.clone(),
+            }),
             None => Ok(()),
         }
     }

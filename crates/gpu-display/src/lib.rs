@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 pub use metrics::ManagerMetrics;
 use metrics::MetricsRegistry;
 pub use sampler::{GpuReader, NvmlReader, Sampler, SamplerStats, Snapshot, SnapshotCell};
-pub use source::{ContainerView, DisplaySource, GpuRef, GpuView};
+pub use source::{ContainerView, DisplaySource, GpuRef, GpuView, Unhealthy};
 
 /// Default unix socket of the display service (the original's).
 pub const DEFAULT_SOCKET: &str = "/var/run/gpu-manager.sock";

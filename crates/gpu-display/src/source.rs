@@ -27,9 +27,16 @@ pub trait DisplaySource: Send + Sync + 'static {
 
     /// Whether the process can go on (`/healthz`, the liveness probe): an
     /// `Err` says why it needs a restart.
-    fn health(&self) -> Result<(), String> {
+    fn health(&self) -> Result<(), Unhealthy> {
         Ok(())
     }
+}
+
+/// Why a daemon needs a restart, as `/healthz` says it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}")]
+pub struct Unhealthy {
+    pub reason: String,
 }
 
 /// One GPU as the allocator sees it.

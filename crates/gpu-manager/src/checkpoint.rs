@@ -287,7 +287,7 @@ impl Checkpoint {
                     payload: payload.to_vec(),
                 },
             },
-            Err(problem) => Slot::Bad(problem),
+            Err(problem) => Slot::Bad(problem.to_string()),
         })
     }
 
@@ -384,7 +384,7 @@ impl Checkpoint {
         };
         let saved = parse(&text).map_err(|problem| CheckpointError::Invalid {
             path: legacy.display().to_string(),
-            problem,
+            problem: problem.to_string(),
         })?;
         tracing::info!(
             path = %legacy.display(),
@@ -545,16 +545,45 @@ fn other_slot_layout(bytes: &[u8]) -> Option<String> {
         .then(|| format!("slot layout \"vcuda-checkpoint v{v}\""))
 }
 
+/// Why a payload is not one [`encode`] made.
+#[derive(Debug, thiserror::Error)]
+pub enum PayloadError {
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    #[error("version {0} (this build writes {VERSION})")]
+    Version(u32),
+}
+
 /// A payload made by [`encode`], or why it is not one.
-pub fn parse(payload: &[u8]) -> Result<Saved, String> {
-    let f: File = serde_json::from_slice(payload).map_err(|e| e.to_string())?;
+pub fn parse(payload: &[u8]) -> Result<Saved, PayloadError> {
+    let f: File = serde_json::from_slice(payload)?;
     if f.version != VERSION {
-        return Err(format!(
-            "version {} (this build writes {VERSION})",
-            f.version
-        ));
+        return Err(PayloadError::Version(f.version));
     }
     Ok((f.gpus, f.allocations))
+}
+
+/// Why a slot's bytes do not verify.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+enum SlotError {
+    #[error("empty")]
+    Empty,
+    #[error("{0} bytes, shorter than the header")]
+    Short(usize),
+    #[error("header is not text")]
+    HeaderNotText,
+    #[error("not a vcuda checkpoint slot (bad header)")]
+    BadHeader,
+    #[error("header has no {0} field")]
+    NoField(&'static str),
+    #[error("header field {0} is cut")]
+    FieldCut(&'static str),
+    #[error("bad {0}")]
+    BadField(&'static str),
+    #[error("payload of {len} bytes cut short at {have} (torn write?)")]
+    Cut { len: usize, have: usize },
+    #[error("checksum {sum:08x} does not match {crc:08x} (torn write?)")]
+    Checksum { sum: u32, crc: u32 },
 }
 
 fn summed_header(generation: u64, len: usize) -> String {
@@ -582,44 +611,45 @@ fn encode_slot(generation: u64, payload: &[u8], size: usize) -> Vec<u8> {
 }
 
 /// The generation and payload of a slot, or why it does not verify.
-fn decode_slot(bytes: &[u8]) -> Result<(u64, &[u8]), String> {
+fn decode_slot(bytes: &[u8]) -> Result<(u64, &[u8]), SlotError> {
     if bytes.is_empty() {
-        return Err("empty".into());
+        return Err(SlotError::Empty);
     }
     if bytes.len() < HEADER_LEN {
-        return Err(format!("{} bytes, shorter than the header", bytes.len()));
+        return Err(SlotError::Short(bytes.len()));
     }
-    let head = std::str::from_utf8(&bytes[..HEADER_LEN]).map_err(|_| "header is not text")?;
-    let field = |name: &str, at: usize, width: usize| -> Result<&str, String> {
+    let head = std::str::from_utf8(&bytes[..HEADER_LEN]).map_err(|_| SlotError::HeaderNotText)?;
+    let field = |name: &'static str, at: usize, width: usize| -> Result<&str, SlotError> {
         let key = format!(" {name}=");
         if head.get(at..at + key.len()) != Some(key.as_str()) {
-            return Err(format!("header has no {name} field"));
+            return Err(SlotError::NoField(name));
         }
         head.get(at + key.len()..at + key.len() + width)
-            .ok_or_else(|| format!("header field {name} is cut"))
+            .ok_or(SlotError::FieldCut(name))
     };
     if !head.starts_with(MAGIC) || !head.ends_with('\n') {
-        return Err("not a vcuda checkpoint slot (bad header)".into());
+        return Err(SlotError::BadHeader);
     }
     let mut at = MAGIC.len();
     let generation: u64 = field("gen", at, 20)?
         .parse()
-        .map_err(|_| "bad generation")?;
+        .map_err(|_| SlotError::BadField("generation"))?;
     at += 5 + 20;
-    let len: usize = field("len", at, 10)?.parse().map_err(|_| "bad length")?;
+    let len: usize = field("len", at, 10)?
+        .parse()
+        .map_err(|_| SlotError::BadField("length"))?;
     at += 5 + 10;
-    let crc = u32::from_str_radix(field("crc32c", at, 8)?, 16).map_err(|_| "bad checksum field")?;
+    let crc = u32::from_str_radix(field("crc32c", at, 8)?, 16)
+        .map_err(|_| SlotError::BadField("checksum field"))?;
     let Some(payload) = bytes.get(HEADER_LEN..HEADER_LEN + len) else {
-        return Err(format!(
-            "payload of {len} bytes cut short at {} (torn write?)",
-            bytes.len() - HEADER_LEN
-        ));
+        return Err(SlotError::Cut {
+            len,
+            have: bytes.len() - HEADER_LEN,
+        });
     };
     let sum = crc32c(crc32c(0, &bytes[..SUMMED_LEN]), payload);
     if sum != crc {
-        return Err(format!(
-            "checksum {sum:08x} does not match {crc:08x} (torn write?)"
-        ));
+        return Err(SlotError::Checksum { sum, crc });
     }
     Ok((generation, payload))
 }

@@ -28,8 +28,10 @@ impl DisplaySource for ManagerSource {
         env!("CARGO_PKG_VERSION").to_string()
     }
 
-    fn health(&self) -> Result<(), String> {
-        self.mgr.health()
+    fn health(&self) -> Result<(), gpu_display::Unhealthy> {
+        self.mgr.health().map_err(|e| gpu_display::Unhealthy {
+            reason: e.to_string(),
+        })
     }
 
     fn graph_text(&self) -> String {

@@ -285,7 +285,7 @@ impl CheckpointStore for MemoryCheckpoint {
                 .map(Some)
                 .map_err(|problem| CheckpointError::Invalid {
                     path: self.location(),
-                    problem,
+                    problem: problem.to_string(),
                 }),
         }
     }

@@ -83,13 +83,15 @@ impl Manager {
 
     /// Whether the daemon can go on (`/healthz`): fails for good once a
     /// panic poisoned the state.
-    pub fn health(&self) -> Result<(), String> {
+    pub fn health(&self) -> Result<(), Poisoned> {
         if self.state.is_poisoned() {
-            return Err(
-                "the manager's state was poisoned by a panic (see the log); a restart rebuilds it"
-                    .into(),
-            );
+            return Err(Poisoned);
         }
         Ok(())
     }
 }
+
+/// The manager's state was left half-changed by a panic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the manager's state was poisoned by a panic (see the log); a restart rebuilds it")]
+pub struct Poisoned;

@@ -512,7 +512,7 @@ async fn a_poisoned_state_fails_health_and_refuses_allocate() {
     })
     .join();
     let why = rig.mgr.health().unwrap_err();
-    assert!(why.contains("poisoned"), "{why}");
+    assert!(why.to_string().contains("poisoned"), "{why}");
     let e = rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap_err();
     assert_eq!(e.kind(), RefusalKind::Unavailable, "{}", e.message());
     // Readers keep working for the display.

@@ -258,16 +258,24 @@ pub fn kubernetes_container(c: &Container, sandbox: Option<&PodSandbox>) -> Opti
     })
 }
 
+/// Why a verbose status's `info` tells no GPUs.
+#[derive(Debug, thiserror::Error)]
+pub enum InfoError {
+    #[error("info is not JSON: {0}")]
+    NotJson(serde_json::Error),
+    #[error("info has neither \"config\" nor \"runtimeSpec\"")]
+    NoConfig,
+}
+
 /// `NVIDIA_VISIBLE_DEVICES` and `/dev/nvidia<N>` devices from a verbose
 /// status's `info` JSON: kubelet's `config` where the runtime keeps it
 /// (containerd), else the OCI `runtimeSpec` (containerd and CRI-O).
-pub fn gpus_from_info(info: &str) -> Result<ContainerGpus, String> {
-    let v: serde_json::Value =
-        serde_json::from_str(info).map_err(|e| format!("info is not JSON: {e}"))?;
+pub fn gpus_from_info(info: &str) -> Result<ContainerGpus, InfoError> {
+    let v: serde_json::Value = serde_json::from_str(info).map_err(InfoError::NotJson)?;
     let config = &v["config"];
     let spec = &v["runtimeSpec"];
     if config.is_null() && spec.is_null() {
-        return Err("info has neither \"config\" nor \"runtimeSpec\"".into());
+        return Err(InfoError::NoConfig);
     }
     // kubelet's envs, else the process environment (last one wins, as in
     // execve's view).

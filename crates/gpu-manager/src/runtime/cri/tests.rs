@@ -116,8 +116,13 @@ fn crio_info_gives_the_spec_environment_and_devices() {
 #[test]
 fn info_without_a_spec_is_an_error_that_says_so() {
     let e = gpus_from_info(r#"{"pid":1}"#).unwrap_err();
-    assert!(e.contains("runtimeSpec"), "{e}");
-    assert!(gpus_from_info("not json").unwrap_err().contains("not JSON"));
+    assert!(e.to_string().contains("runtimeSpec"), "{e}");
+    assert!(
+        gpus_from_info("not json")
+            .unwrap_err()
+            .to_string()
+            .contains("not JSON")
+    );
 }
 
 #[tokio::test]
