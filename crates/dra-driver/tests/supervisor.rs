@@ -12,113 +12,28 @@
 //! Needs `cargo build --workspace` first (gpu-sim and its libraries).
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use apiserver_emulator::ApiServer;
 use dra_kubelet_emulator::{allocator, plugin};
 use test_support::dra::*;
+use test_support::dra_binary::{self, Sup, children, log, prepare};
+
+const BIN: &str = env!("CARGO_BIN_EXE_vcuda-dra-driver");
 
 fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// `target/<profile>/<name>`, built by `cargo build --workspace`.
-fn artifact(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe.parent().and_then(Path::parent).unwrap().join(name);
-    assert!(
-        p.is_file(),
-        "{} missing: run `cargo build --workspace` first",
-        p.display()
-    );
-    p
-}
-
-/// The supervisor, killed (its driver with it) when a test fails.
-struct Sup(Child);
-
-impl Drop for Sup {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+    test_support::workspace_root()
 }
 
 /// The supervised binary over the sim in `dirs`, its stderr in `log`.
 fn driver(dirs: &Dirs, extra: &[&str]) -> Sup {
-    let sim = dirs.p("sim");
-    let log = std::fs::File::create(dirs.p("driver.log")).unwrap();
-    let p = |s: &str| dirs.p(s).display().to_string();
-    Command::new(env!("CARGO_BIN_EXE_vcuda-dra-driver"))
-        .args(["--node-name", NODE])
-        .arg("--host-root")
-        .arg(&sim)
-        .arg("--volume-config")
-        .arg(workspace().join("config/volume.conf"))
-        .arg("--interposer")
-        .arg(artifact("libvcuda.so"))
-        .arg("--vdriver-dir")
-        .arg(sim.join("vdriver"))
-        .args([
-            "--vm-dir",
-            &p("vm"),
-            "--cdi-dir",
-            &p("cdi"),
-            "--state-dir",
-            &p("state"),
-        ])
-        .args([
-            "--plugins-dir",
-            &p("plugins"),
-            "--registry-dir",
-            &p("plugins_registry"),
-        ])
-        .args(["--kubeconfig", &p("kubeconfig"), "--display-socket", "none"])
-        .args(extra)
-        .env("RUST_LOG", "info")
-        .env_remove("VCUDA_DRA_NO_SUPERVISOR")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .map(Sup)
-        .unwrap()
+    dra_binary::driver(Path::new(BIN), dirs, extra)
 }
 
-fn log(dirs: &Dirs) -> String {
-    std::fs::read_to_string(dirs.p("driver.log")).unwrap_or_default()
-}
-
-/// The supervisor's child processes.
-fn children(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
+/// The one-GPU sim node the tests use, with the API server.
 async fn node() -> (ApiServer, Dirs) {
-    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
-    let dirs = Dirs::new();
-    test_support::sim::gpu_sim_install_at(
-        &artifact("gpu-sim"),
-        &workspace().join("config/nodes/sim-1gpu.toml"),
-        &dirs.p("sim"),
-    );
-    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
-    (server, dirs)
-}
-
-async fn prepare(kubelet: &plugin::DraPlugin, server: &ApiServer, name: &str) -> Duration {
-    let c = share_claim(server, name, 20, "1Gi", None);
-    allocator::allocate(server, NS, name, NODE).unwrap();
-    let claim = plugin::claim(NS, name, &uid(&c));
-    let t0 = Instant::now();
-    let r = kubelet.prepare(std::slice::from_ref(&claim)).await;
-    let r = r.unwrap_or_else(|e| panic!("prepare {name}: {e}\n{}", "(see the driver log)"));
-    assert_eq!(r.claims[&claim.uid].error, "", "{name}");
-    t0.elapsed()
+    dra_binary::node("sim-1gpu.toml").await
 }
 
 /// The supervised driver started with `extra`, registered with the
@@ -129,21 +44,7 @@ async fn serving(
     dirs: &Dirs,
     extra: &[&str],
 ) -> (Sup, plugin::DraPlugin, Vec<PathBuf>, u64) {
-    let sup = driver(dirs, extra);
-    let kubelet =
-        plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(60), false)
-            .await
-            .unwrap_or_else(|e| panic!("{e}\n{}", log(dirs)));
-    // Registered, it publishes (the DeviceClasses with the slice).
-    until(20, "the slice published", || {
-        server.list(apiserver_emulator::Kind::ResourceSlice).len() == 1
-    })
-    .await;
-    prepare(&kubelet, server, "c1").await;
-    let reg = plugin::sockets(&dirs.p("plugins_registry"));
-    assert_eq!(reg.len(), 1, "{reg:?}");
-    let ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&reg[0]).unwrap());
-    (sup, kubelet, reg, ino)
+    dra_binary::serving(Path::new(BIN), server, dirs, extra).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -304,7 +205,7 @@ async fn a_driver_failing_before_registration_ends_the_supervisor() {
 async fn a_whole_container_restart_keeps_the_sockets_with_the_holder() {
     let (server, dirs) = node().await;
     let holder = dirs.p("holder/holder.sock");
-    let _holder = Command::new(env!("CARGO_BIN_EXE_vcuda-dra-driver"))
+    let _holder = Command::new(BIN)
         .arg("hold-sockets")
         .arg(&holder)
         .stderr(std::fs::File::create(dirs.p("holder.log")).unwrap())

@@ -12,6 +12,7 @@
 //! * [`k8s`]: the real-node cluster (tests/k8s/cluster.sh) and its helpers;
 //! * behind features: [`kubelet`] (the kubelet emulator), [`manager`] (the
 //!   real gpu-manager on a sim node), [`dra`] (the DRA driver in-process),
+//!   [`dra_binary`] (the supervised DRA driver binary on a sim node),
 //!   [`allocator`] (the allocator over a node file).
 //!
 //! The base depends on no daemon crate, so cuda-shim's benches can use it.
@@ -32,6 +33,8 @@ pub mod sim;
 pub mod allocator;
 #[cfg(feature = "dra")]
 pub mod dra;
+#[cfg(feature = "dra")]
+pub mod dra_binary;
 #[cfg(feature = "kubelet")]
 pub mod kubelet;
 #[cfg(feature = "manager")]
