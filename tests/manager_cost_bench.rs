@@ -8,48 +8,32 @@
 //! or `--profile release` (after `cargo build --release --workspace`) for
 //! the shipped build's figures.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use test_support::hostile::{self, children_of, rss_kib};
+use test_support::hostile::{self, rss_kib};
 use test_support::manager::{Env, Options};
+use test_support::process::{CpuSample, tree};
 
 const SHARES: usize = 40;
 
-/// utime + stime of `pid`, in clock ticks.
-fn cpu_ticks(pid: i32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command's closing parenthesis: state is the 3rd
-    // field overall, utime the 14th and stime the 15th.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let n = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    n(11) + n(12)
-}
-
-fn tree(supervisor: i32) -> Vec<i32> {
-    let mut v = vec![supervisor];
-    v.extend(children_of(supervisor));
-    v
-}
-
-/// Measures the tree for `secs`; prints RSS per process and CPU in percent
-/// of one core.
-async fn measure(what: &str, supervisor: i32, secs: u64) {
-    let pids = tree(supervisor);
-    let t0: u64 = pids.iter().map(|&p| cpu_ticks(p)).sum();
-    let start = Instant::now();
+/// Measures the supervisor and the manager for `secs`; prints RSS per
+/// process and CPU in percent of one core.
+async fn measure(what: &str, supervisor: u32, secs: u64) {
+    let sample = CpuSample::take(supervisor);
     tokio::time::sleep(Duration::from_secs(secs)).await;
-    let ticks = pids.iter().map(|&p| cpu_ticks(p)).sum::<u64>() - t0;
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    let cpu = ticks as f64 / hz / start.elapsed().as_secs_f64() * 100.0;
-    let rss: Vec<String> = pids
+    let (cpu, restarted) = sample.percent_since(supervisor);
+    let rss: Vec<String> = tree(supervisor)
         .iter()
-        .map(|&p| format!("{} KiB", rss_kib(p)))
+        .map(|&p| format!("{} KiB", rss_kib(p as i32)))
         .collect();
     println!(
-        "gpu-manager {what} {secs} s: RSS supervisor + manager {}, CPU {cpu:.2} % of a core",
-        rss.join(" + ")
+        "gpu-manager {what} {secs} s: RSS supervisor + manager {}, CPU {cpu:.2} % of a core{}",
+        rss.join(" + "),
+        if restarted {
+            " (the manager restarted meanwhile: CPU not comparable)"
+        } else {
+            ""
+        }
     );
 }
 
@@ -60,7 +44,7 @@ async fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(60);
     let mut env = Env::start("sim-8gpu-nvlink", Options::default()).await;
-    let supervisor = env.manager.id() as i32;
+    let supervisor = env.manager.id();
     tokio::time::sleep(Duration::from_secs(2)).await;
     measure("idle", supervisor, secs).await;
 

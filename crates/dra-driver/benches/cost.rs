@@ -20,11 +20,12 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use test_support::dra::until;
 use test_support::dra_binary::{self, Sup, children, log, prepare_share, share_env};
 use test_support::hostile::{maximal_request, register, rss_kib};
+use test_support::process::CpuSample;
 
 const BIN: &str = env!("CARGO_BIN_EXE_vcuda-dra-driver");
 const CLAIMS: usize = 40;
@@ -110,19 +111,14 @@ impl std::fmt::Display for Cost {
 async fn measure(sup: &Sup, secs: u64) -> Cost {
     let sup_pid = sup.0.id();
     let driver = one_child(sup_pid);
-    let ticks0 = ticks(sup_pid) + ticks(driver);
-    let t0 = Instant::now();
+    let sample = CpuSample::take(sup_pid);
     tokio::time::sleep(Duration::from_secs(secs)).await;
-    let after = one_child(sup_pid);
-    let ticks1 = ticks(sup_pid) + ticks(after);
-    let wall = t0.elapsed().as_secs_f64();
-    // SAFETY: sysconf reads a constant.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let (cpu_pct, replaced) = sample.percent_since(sup_pid);
     Cost {
         rss_sup: rss_kib(sup_pid as i32),
-        rss_driver: rss_kib(after as i32),
-        cpu_pct: ticks1.saturating_sub(ticks0) as f64 / hz / wall * 100.0,
-        replaced: after != driver,
+        rss_driver: rss_kib(driver as i32),
+        cpu_pct,
+        replaced,
     }
 }
 
@@ -130,21 +126,6 @@ fn one_child(sup: u32) -> u32 {
     let c = children(sup);
     assert_eq!(c.len(), 1, "one driver under the supervisor: {c:?}");
     c[0]
-}
-
-/// utime + stime of `pid`, in clock ticks.
-fn ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command's closing parenthesis: state is the first
-    // (field 3), utime and stime fields 14 and 15.
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<u64> = rest
-        .split_whitespace()
-        .skip(11)
-        .take(2)
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    f.iter().sum()
 }
 
 /// Registered processes, killed and reaped on drop.

@@ -72,3 +72,46 @@ pub fn tree(pid: u32) -> Vec<u32> {
     }
     out
 }
+
+/// utime + stime of `pid`, in clock ticks (0 once it is gone).
+pub fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // After the command's closing parenthesis: state is field 3, utime
+    // and stime fields 14 and 15.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    rest.split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|v| v.parse::<u64>().ok())
+        .sum()
+}
+
+/// The CPU a process tree (a supervised daemon) used from one moment on.
+pub struct CpuSample {
+    pids: Vec<u32>,
+    ticks: u64,
+    at: std::time::Instant,
+}
+
+impl CpuSample {
+    pub fn take(root: u32) -> CpuSample {
+        let pids = tree(root);
+        CpuSample {
+            ticks: pids.iter().map(|&p| cpu_ticks(p)).sum(),
+            pids,
+            at: std::time::Instant::now(),
+        }
+    }
+
+    /// Percent of one core the same processes used since [`Self::take`],
+    /// and whether the tree changed meanwhile (a restarted child: the
+    /// figure is then not comparable).
+    pub fn percent_since(&self, root: u32) -> (f64, bool) {
+        let ticks: u64 = self.pids.iter().map(|&p| cpu_ticks(p)).sum();
+        // SAFETY: sysconf reads a constant.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        let pct =
+            ticks.saturating_sub(self.ticks) as f64 / hz / self.at.elapsed().as_secs_f64() * 100.0;
+        (pct, tree(root) != self.pids)
+    }
+}
