@@ -172,13 +172,20 @@ pub fn claim_spec(i: &ClaimInput<'_>) -> Spec {
     render(&e, &names)
 }
 
-/// Writes the claim's spec atomically (temp + fsync + rename): the runtime
-/// may read the directory at any time.
+/// Writes the claim's spec atomically (temp + fsync + rename + fsync of the
+/// directory): the runtime may read the directory at any time. The error
+/// names the spec's path.
 pub fn write(cdi_dir: &Path, claim_uid: &str, spec: &Spec) -> std::io::Result<PathBuf> {
     std::fs::create_dir_all(cdi_dir)?;
     let path = spec_path(cdi_dir, claim_uid);
     let body = serde_json::to_vec_pretty(spec).map_err(std::io::Error::other)?;
-    crate::checkpoint::write_atomic(&path, &body)?;
+    quota_config::write_atomic(
+        &path,
+        &body,
+        crate::checkpoint::FILE_MODE,
+        quota_config::Durability::Durable,
+    )
+    .map_err(|e| std::io::Error::new(e.source.kind(), e))?;
     Ok(path)
 }
 

@@ -5,9 +5,9 @@
 //! the containers use: the kubelet does not prepare a claim twice.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use quota_config::Durability;
 use serde::{Deserialize, Serialize};
 
 use crate::plan::PlannedDevice;
@@ -57,25 +57,8 @@ pub enum CheckpointError {
     },
 }
 
-/// Temp file + fsync + rename + fsync of the directory.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let name = path.file_name().unwrap_or_default().to_string_lossy();
-    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
-    let r = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        if let Some(dir) = path.parent() {
-            std::fs::File::open(dir)?.sync_all()?;
-        }
-        Ok(())
-    })();
-    if r.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    r
-}
+/// Mode of the checkpoint and of the CDI specs (root writes, anyone reads).
+pub const FILE_MODE: u32 = 0o644;
 
 /// Holds the checkpoint lock until dropped (closing the file unlocks).
 pub struct StoreLock {
@@ -183,7 +166,9 @@ impl Store {
             std::fs::create_dir_all(d).map_err(io)?;
         }
         let body = serde_json::to_vec_pretty(c).map_err(|e| io(std::io::Error::other(e)))?;
-        write_atomic(&self.path, &body).map_err(io)
+        // Temp file + fsync + rename + fsync of the directory.
+        quota_config::write_atomic(&self.path, &body, FILE_MODE, Durability::Durable)
+            .map_err(|e| io(e.source))
     }
 }
 

@@ -485,13 +485,23 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
+    /// What a test does (once) when a claim is next read: after the
+    /// driver loaded its checkpoint, before it saves it.
+    type OnRead = std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>;
+
     /// Claims in memory; a missing one answers like a 404.
     #[derive(Default)]
-    struct MapClaims(std::sync::Mutex<HashMap<(String, String), ResourceClaim>>);
+    struct MapClaims(
+        std::sync::Mutex<HashMap<(String, String), ResourceClaim>>,
+        OnRead,
+    );
 
     #[async_trait::async_trait]
     impl ClaimSource for MapClaims {
         async fn claim(&self, ns: &str, name: &str) -> Result<ResourceClaim, ApiError> {
+            if let Some(f) = self.1.lock().unwrap().take() {
+                f();
+            }
             self.0
                 .lock()
                 .unwrap()
@@ -574,16 +584,28 @@ mod tests {
         d.set_healthy(0, true, "");
 
         // A checkpoint that cannot be written fails the claim and leaves
-        // nothing (a directory where its temporary file goes).
-        let blocker = tmp
-            .path()
-            .join(format!("state/.checkpoint.json.tmp.{}", std::process::id()));
-        std::fs::create_dir_all(&blocker).unwrap();
+        // nothing (a directory appears where it goes, after the driver read
+        // it and before it saves: the rename over it fails).
+        let blocker = tmp.path().join("state/checkpoint.json");
+        let b = blocker.clone();
+        *claims.1.lock().unwrap() = Some(Box::new(move || {
+            let _ = std::fs::remove_file(&b);
+            std::fs::create_dir(&b).unwrap();
+        }));
         let e = d.prepare(&r("a", "u1")).await.unwrap_err().to_string();
-        assert!(e.starts_with("claim ns/a: checkpoint"), "{e}");
+        assert!(
+            e.starts_with(&format!("claim ns/a: checkpoint {}: ", blocker.display())),
+            "{e}"
+        );
         assert!(!tmp.path().join("vm/u1").exists());
         assert!(!cdi::spec_path(&tmp.path().join("cdi"), "u1").exists());
         assert!(d.prepared().is_empty());
+        let temps = std::fs::read_dir(tmp.path().join("state"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".tmp."))
+            .collect::<Vec<_>>();
+        assert!(temps.is_empty(), "{temps:?}");
         std::fs::remove_dir(&blocker).unwrap();
         assert_eq!(d.prepare(&r("a", "u1")).await.unwrap().len(), 1);
         assert_eq!(d.prepared().len(), 1);

@@ -128,20 +128,24 @@ pub async fn wait(
 
 /// Names this instance as the one taking over, with the plugin sockets that
 /// show it alive and the inbox where the owner hands it kubelet's
-/// connections ([`crate::handover`]).
+/// connections ([`crate::handover`]). Not fsynced: a note lost in a crash
+/// names no live manager anyway.
 pub fn announce(
     dir: &Path,
     instance: &str,
     sockets: &[PathBuf],
     inbox: &Path,
-) -> std::io::Result<()> {
+) -> Result<(), quota_config::IoError> {
     let mut text = format!("{instance}\ninbox {}\n", inbox.display());
     for s in sockets {
         text.push_str(&format!("{}\n", s.display()));
     }
-    let tmp = dir.join(format!(".{SUCCESSOR_FILE}.{instance}"));
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(tmp, dir.join(SUCCESSOR_FILE))
+    quota_config::write_atomic(
+        &dir.join(SUCCESSOR_FILE),
+        text.as_bytes(),
+        0o644,
+        quota_config::Durability::Derived,
+    )
 }
 
 /// Removes the successor note if it is still this instance's.

@@ -225,28 +225,15 @@ impl VmDirs {
     }
 }
 
-/// Replaces `path` atomically (temp + rename) without fsync: derived state.
+/// Replaces `path` atomically (temp + rename) without fsync: derived state
+/// ([`quota_config::Durability::Derived`]).
 pub fn replace_file(path: &Path, bytes: &[u8], mode: u32) -> Result<(), VmError> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let name = path.file_name().unwrap_or_default().to_string_lossy();
-    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
-    let r = (|| {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(mode)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        // The umask may have narrowed the mode.
-        f.set_permissions(std::fs::Permissions::from_mode(mode))?;
-        std::fs::rename(&tmp, path)
-    })();
-    if r.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    r.map_err(io(path))
+    quota_config::write_atomic(path, bytes, mode, quota_config::Durability::Derived).map_err(|e| {
+        VmError::Io {
+            path: e.path,
+            source: e.source,
+        }
+    })
 }
 
 /// [`replace_file`] unless the file already holds `bytes` (a recovered

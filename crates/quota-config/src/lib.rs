@@ -8,16 +8,18 @@
 //!   that interposers enforcing one GPU refuse ([`MultiGpuQuota`], [`read_quota`];
 //!   docs/multi-gpu.md).
 //!
-//! No I/O beyond [`write_atomic`], [`write_multi`], [`read_config`] and
+//! No I/O beyond [`write_atomic`] (also the workspace's one temp-file and
+//! rename writer, for any file), [`write_multi`], [`read_config`] and
 //! [`read_quota`]; everything else is pure so both sides test it directly.
 
 use std::fs;
-use std::io::Write;
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use thiserror::Error;
 
+mod atomic;
 mod multi;
+
+pub use atomic::{Durability, write_atomic};
 
 pub use multi::{
     ENABLE_MULTI_GPU, GPU_RECORD_SIZE, GPUS_FILE, GPUS_HEADER_SIZE, GPUS_MAGIC, GPUS_VERSION,
@@ -328,38 +330,6 @@ pub fn decode_pids(b: &[u8]) -> Result<Vec<i32>, ConfigError> {
         .collect())
 }
 
-/// Writes `bytes` to `path` for other processes to read: a temp file in the
-/// same directory, fsynced, renamed over the target, directory fsynced. A
-/// failure leaves the previous file intact.
-pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), IoError> {
-    let err = |p: &Path| {
-        let p = p.display().to_string();
-        move |source| IoError { path: p, source }
-    };
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
-    let result = (|| {
-        let mut f = fs::File::create(&tmp).map_err(err(&tmp))?;
-        f.write_all(bytes).map_err(err(&tmp))?;
-        f.set_permissions(fs::Permissions::from_mode(mode))
-            .map_err(err(&tmp))?;
-        f.sync_all().map_err(err(&tmp))?;
-        fs::rename(&tmp, path).map_err(err(path))?;
-        if let Ok(d) = fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
-}
-
 /// Reads and validates a `vcuda.config`.
 pub fn read_config(path: &Path) -> Result<ResourceData, ReadError> {
     let bytes = fs::read(path).map_err(|source| IoError {
@@ -479,11 +449,23 @@ mod tests {
     fn atomic_write_replaces_and_reads_back() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join(CONFIG_FILE);
-        write_atomic(&p, &sample().to_bytes().unwrap(), 0o644).unwrap();
+        write_atomic(
+            &p,
+            &sample().to_bytes().unwrap(),
+            0o644,
+            Durability::Durable,
+        )
+        .unwrap();
         assert_eq!(read_config(&p).unwrap(), sample());
         let leftovers: Vec<_> = fs::read_dir(dir.path()).unwrap().collect();
         assert_eq!(leftovers.len(), 1, "no temp file left behind");
-        let e = write_atomic(&dir.path().join("missing/x"), b"x", 0o644).unwrap_err();
+        let e = write_atomic(
+            &dir.path().join("missing/x"),
+            b"x",
+            0o644,
+            Durability::Durable,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("missing"));
     }
 }

@@ -307,11 +307,13 @@ fn decode_gpus(b: &[u8]) -> Result<Vec<GpuQuota>, ConfigError> {
 
 /// Writes a container's quotas on several GPUs into `dir`: the per-GPU
 /// file first, then `vcuda.config`, each atomically, so a reader that sees
-/// `enable` 2 always finds the GPUs.
+/// `enable` 2 always finds the GPUs. Both fsynced
+/// ([`crate::Durability::Durable`]).
 pub fn write_multi(dir: &Path, q: &MultiGpuQuota, mode: u32) -> Result<(), WriteError> {
+    use crate::Durability::Durable;
     let (config, gpus) = q.to_files()?;
-    crate::write_atomic(&dir.join(GPUS_FILE), &gpus, mode)?;
-    crate::write_atomic(&dir.join(CONFIG_FILE), &config, mode)?;
+    crate::write_atomic(&dir.join(GPUS_FILE), &gpus, mode, Durable)?;
+    crate::write_atomic(&dir.join(CONFIG_FILE), &config, mode, Durable)?;
     Ok(())
 }
 

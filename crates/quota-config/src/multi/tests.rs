@@ -98,6 +98,7 @@ fn directory_round_trip_both_kinds() {
         &single.path().join(CONFIG_FILE),
         &one.to_bytes().unwrap(),
         0o644,
+        crate::Durability::Derived,
     )
     .unwrap();
     assert_eq!(read_quota(single.path()).unwrap(), Quota::Single(one));
@@ -107,14 +108,26 @@ fn directory_round_trip_both_kinds() {
 fn read_errors_name_the_file_at_fault() {
     let dir = tempfile::tempdir().unwrap();
     let (config, mut gpus) = sample().to_files().unwrap();
-    crate::write_atomic(&dir.path().join(CONFIG_FILE), &config, 0o644).unwrap();
+    crate::write_atomic(
+        &dir.path().join(CONFIG_FILE),
+        &config,
+        0o644,
+        crate::Durability::Derived,
+    )
+    .unwrap();
     let e = read_quota(dir.path()).unwrap_err().to_string();
     assert!(
         e.contains("vcuda-gpus.config") && e.contains("No such file"),
         "{e}"
     );
     gpus[32 + 96..32 + 96 + 16].fill(b'x');
-    crate::write_atomic(&dir.path().join(GPUS_FILE), &gpus, 0o644).unwrap();
+    crate::write_atomic(
+        &dir.path().join(GPUS_FILE),
+        &gpus,
+        0o644,
+        crate::Durability::Derived,
+    )
+    .unwrap();
     let e = read_quota(dir.path()).unwrap_err().to_string();
     let want = format!(
         "{}: GPU 1: field bus_id is not NUL-terminated",
@@ -123,7 +136,13 @@ fn read_errors_name_the_file_at_fault() {
     assert_eq!(e, want);
     let mut bad = config.clone();
     bad[8220] = 9;
-    crate::write_atomic(&dir.path().join(CONFIG_FILE), &bad, 0o644).unwrap();
+    crate::write_atomic(
+        &dir.path().join(CONFIG_FILE),
+        &bad,
+        0o644,
+        crate::Durability::Derived,
+    )
+    .unwrap();
     let e = read_quota(dir.path()).unwrap_err().to_string();
     assert!(
         e.starts_with(&format!(

@@ -81,6 +81,7 @@ pub fn write_config(dir: &Path, quota: u64, driver_version: (i32, i32), enable: 
         &dir.join(quota_config::CONFIG_FILE),
         &d.to_bytes().unwrap(),
         0o644,
+        quota_config::Durability::Derived,
     )
     .unwrap();
 }
@@ -229,6 +230,7 @@ fn write_pids(sh: &Shared) {
         &sh.dir.join(quota_config::PIDS_FILE),
         &quota_config::encode_pids(&pids),
         0o644,
+        quota_config::Durability::Derived,
     );
 }
 

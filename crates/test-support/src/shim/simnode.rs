@@ -198,6 +198,7 @@ fn write_config(dir: &Path, d: &quota_config::ResourceData) {
         &dir.join(quota_config::CONFIG_FILE),
         &d.to_bytes().unwrap(),
         0o644,
+        quota_config::Durability::Derived,
     )
     .unwrap();
 }
