@@ -1,18 +1,5 @@
-//! Compiles `proto/cri/v1/api.proto` with protox (pure Rust, no `protoc`),
-//! like `vcuda-api`.
-
-use std::path::PathBuf;
+//! Compiles `proto/cri/v1/api.proto` ([`proto_build`]: protox, no `protoc`).
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let files = ["cri/v1/api.proto"];
-    for f in &files {
-        println!("cargo:rerun-if-changed={}", proto_root.join(f).display());
-    }
-    let fds = protox::compile(files, [&proto_root])?;
-    tonic_prost_build::configure()
-        .build_server(true)
-        .build_client(true)
-        .compile_fds(fds)?;
-    Ok(())
+    proto_build::compile(&["cri/v1/api.proto"], &[&proto_build::proto_dir()])
 }

@@ -1,22 +1,13 @@
-//! Compiles `proto/` with protox (pure Rust), so no `protoc` is needed.
-
-use std::path::PathBuf;
+//! Compiles `proto/` ([`proto_build`]: protox, no `protoc`).
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let files = [
-        "deviceplugin/v1beta1/api.proto",
-        "podresources/v1/api.proto",
-        "display/api.proto",
-        "vcuda/registration.proto",
-    ];
-    for f in &files {
-        println!("cargo:rerun-if-changed={}", proto_root.join(f).display());
-    }
-    let fds = protox::compile(files, [&proto_root])?;
-    tonic_prost_build::configure()
-        .build_server(true)
-        .build_client(true)
-        .compile_fds(fds)?;
-    Ok(())
+    proto_build::compile(
+        &[
+            "deviceplugin/v1beta1/api.proto",
+            "podresources/v1/api.proto",
+            "display/api.proto",
+            "vcuda/registration.proto",
+        ],
+        &[&proto_build::proto_dir()],
+    )
 }
