@@ -18,8 +18,8 @@ fn predictor(env: &Env) -> Allocator {
     let lib = env
         .sim_root()
         .join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1");
-    let nvml = gpu_manager::nvml::load(&lib).unwrap();
-    let found = gpu_manager::nvml::discover(&nvml).unwrap();
+    let nvml = node_agent::nvml::load(&lib).unwrap();
+    let found = node_agent::nvml::discover(&nvml).unwrap();
     Allocator::new(found.topology)
 }
 

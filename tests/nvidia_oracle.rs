@@ -322,6 +322,7 @@ fn container(d: &NvidiaDriver) -> Container {
         &config.join(quota_config::CONFIG_FILE),
         &data.to_bytes().unwrap(),
         0o644,
+        quota_config::Durability::Derived,
     )
     .unwrap();
     Container {

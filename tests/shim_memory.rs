@@ -51,6 +51,7 @@ impl Node {
             &c.path().join(quota_config::CONFIG_FILE),
             &d.to_bytes().unwrap(),
             0o644,
+            quota_config::Durability::Derived,
         )
         .unwrap();
         let m = TestManager::start(c.path(), quota);

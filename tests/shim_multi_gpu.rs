@@ -264,6 +264,7 @@ fn a_one_gpu_interposer_is_refused_for_a_multi_gpu_container() {
         &c.path().join(quota_config::CONFIG_FILE),
         &d.to_bytes().unwrap(),
         0o644,
+        quota_config::Durability::Derived,
     )
     .unwrap();
     let m = TestManager::start_gpus(c.path(), &[512 * MIB, 1024 * MIB]);

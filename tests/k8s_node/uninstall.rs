@@ -92,7 +92,7 @@ pub fn run(c: &Cluster, overlay: &Path, live: &str, figures: &mut Vec<String>) {
     let left: Vec<String> = ["vm", "vdriver", "checkpoint"]
         .iter()
         .map(|d| Path::new(STATE).join(d))
-        .chain(gpu_manager::mode::device_plugin_sockets(Path::new(PLUGINS)))
+        .chain(node_agent::mode::device_plugin_sockets(Path::new(PLUGINS)))
         .filter(|p| p.exists())
         .map(|p| p.display().to_string())
         .collect();

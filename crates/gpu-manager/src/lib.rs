@@ -53,5 +53,5 @@ pub mod uninstall;
 pub mod world;
 
 // The node agent's parts, at their old paths (tests and the manager use
-// `gpu_manager::vm::...`).
+// `node_agent::vm::...`).
 pub use node_agent::{extra, mode, nvml, registry, vm};

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use node_agent::in_use::RemoveError;
 
 use crate::config::Settings;
-use crate::mode;
+use node_agent::mode;
 
 /// The host paths the manager created: removed (recursively) when present;
 /// returns those removed. The device-plugin directory itself is kubelet's:

@@ -23,7 +23,7 @@ use crate::events::{self, PodEvent};
 use crate::kube_api::{ApiHealth, PatchJob};
 use crate::pods;
 use crate::response::{self, ResponseInput};
-use crate::vm;
+use node_agent::vm;
 
 /// How long Allocate waits for a just-created pod to reach the reflector.
 /// kubelet can admit a pod before a loaded API server's watch delivers it

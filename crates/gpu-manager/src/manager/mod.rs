@@ -42,9 +42,9 @@ use node_agent::share::{ShareError, ShareGpu, ShareSpec, Shares};
 
 use crate::checkpoint::Allocation;
 use crate::events::EventSink;
-use crate::extra::ExtraConfig;
+use node_agent::extra::ExtraConfig;
 use crate::ids;
-use crate::registry::Registry;
+use node_agent::registry::Registry;
 use crate::world::{
     CheckpointStore, ContainerRuntime, KubeletSource, PodPatcher, PodSource, World,
 };

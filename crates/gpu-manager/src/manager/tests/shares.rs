@@ -234,7 +234,7 @@ async fn a_lost_share_on_two_gpus_is_rebuilt_from_its_quota_files() {
         driver_version: (550, 54),
         gpus: vec![gpu(0), gpu(1)],
     };
-    crate::vm::VmDirs::new(&rig.tmp.path().join("vm"))
+    node_agent::vm::VmDirs::new(&rig.tmp.path().join("vm"))
         .prepare_multi(&q)
         .unwrap();
     rig.pods.put(tp2("tp", json!({})));
