@@ -13,7 +13,7 @@
 
 use std::path::PathBuf;
 
-use node_agent::in_use::RemoveError;
+use node_agent::in_use::{self, RemoveError};
 
 use crate::checkpoint::Store;
 use crate::daemon::Settings;
@@ -86,25 +86,26 @@ pub async fn run(
     retry: std::time::Duration,
     cancel: &tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<Option<String>> {
-    if !node_agent::in_use::wait_until_clear(|| blockers(s), retry, cancel).await {
-        return Ok(None);
-    }
-    let removed = remove_state(s)?;
     let name = crate::slices::slice_name(&s.node);
-    let slice = match daemon_kit::apiserver::client(s.kubeconfig.as_deref()).await {
-        Ok(c) => {
-            let api = crate::kube_api::KubeApi { client: c };
-            match crate::publish::SliceApi::delete(&api, &name).await {
-                Ok(()) => format!("ResourceSlice {name} deleted"),
-                Err(e) => format!("ResourceSlice {name} left: {e}"),
+    let forget = async {
+        match daemon_kit::apiserver::client(s.kubeconfig.as_deref()).await {
+            Ok(c) => {
+                let api = crate::kube_api::KubeApi { client: c };
+                match crate::publish::SliceApi::delete(&api, &name).await {
+                    Ok(()) => format!("ResourceSlice {name} deleted"),
+                    Err(e) => format!("ResourceSlice {name} left: {e}"),
+                }
             }
+            Err(e) => format!("ResourceSlice {name} left (no API server: {e})"),
         }
-        Err(e) => format!("ResourceSlice {name} left (no API server: {e})"),
     };
-    Ok(Some(format!(
-        "uninstalled: removed {removed:?}; node {}: {slice}",
-        s.node
-    )))
+    let done = in_use::uninstall(|| blockers(s), || remove_state(s), forget, retry, cancel).await?;
+    Ok(done.map(|d| {
+        format!(
+            "uninstalled: removed {:?}; node {}: {}",
+            d.removed, s.node, d.cluster
+        )
+    }))
 }
 
 #[cfg(test)]

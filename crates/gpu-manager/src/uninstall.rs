@@ -12,7 +12,7 @@
 
 use std::path::PathBuf;
 
-use node_agent::in_use::RemoveError;
+use node_agent::in_use::{self, RemoveError};
 
 use crate::config::Settings;
 use node_agent::mode;
@@ -53,28 +53,21 @@ pub async fn run(
     retry: std::time::Duration,
     cancel: &tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<Option<String>> {
-    if !node_agent::in_use::wait_until_clear(|| blockers(s), retry, cancel).await {
-        return Ok(None);
-    }
-    let removed = remove_state(s)?;
-    let node = match daemon_kit::apiserver::client(s.kubeconfig.as_deref()).await {
-        Ok(c) => crate::kube_api::remove_node_annotation(
-            &c,
-            &s.node_name,
-            gpu_allocator::inventory::ANNOTATION,
-        )
-        .await
-        .map(|()| {
-            format!(
-                "annotation {} removed",
-                gpu_allocator::inventory::ANNOTATION
-            )
-        })
-        .unwrap_or_else(|e| format!("annotation left: {e}")),
-        Err(e) => format!("annotation left (no API server: {e})"),
+    let forget = async {
+        let key = gpu_allocator::inventory::ANNOTATION;
+        match daemon_kit::apiserver::client(s.kubeconfig.as_deref()).await {
+            Ok(c) => crate::kube_api::remove_node_annotation(&c, &s.node_name, key)
+                .await
+                .map(|()| format!("annotation {key} removed"))
+                .unwrap_or_else(|e| format!("annotation left: {e}")),
+            Err(e) => format!("annotation left (no API server: {e})"),
+        }
     };
-    Ok(Some(format!(
-        "uninstalled: removed {:?}; node {}: {node}",
-        removed, s.node_name
-    )))
+    let done = in_use::uninstall(|| blockers(s), || remove_state(s), forget, retry, cancel).await?;
+    Ok(done.map(|d| {
+        format!(
+            "uninstalled: removed {:?}; node {}: {}",
+            d.removed, s.node_name, d.cluster
+        )
+    }))
 }

@@ -68,6 +68,35 @@ pub fn shares_in_use(vm: &Path) -> Option<String> {
     ))
 }
 
+/// What an uninstall did.
+#[derive(Debug)]
+pub struct Uninstalled {
+    /// The host paths removed.
+    pub removed: Vec<PathBuf>,
+    /// What became of the node's record in the cluster (an annotation, a
+    /// ResourceSlice), as the mode says it.
+    pub cluster: String,
+}
+
+/// The one uninstall flow of both modes: waits (asking `blockers` every
+/// `retry`) until nothing uses the node's state, then `remove`s it, then
+/// `forget`s the node's record in the cluster. Cancelled first: `None`.
+/// A removal that fails stops there: the record stays for the next try.
+pub async fn uninstall(
+    blockers: impl Fn() -> Vec<String>,
+    remove: impl FnOnce() -> Result<Vec<PathBuf>, RemoveError>,
+    forget: impl std::future::Future<Output = String>,
+    retry: std::time::Duration,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> Result<Option<Uninstalled>, RemoveError> {
+    if !wait_until_clear(blockers, retry, cancel).await {
+        return Ok(None);
+    }
+    let removed = remove()?;
+    let cluster = forget.await;
+    Ok(Some(Uninstalled { removed, cluster }))
+}
+
 /// Waits, asking `blockers` every `retry` and saying what they name, until
 /// it names nothing (true) or `cancel` comes first (false).
 pub async fn wait_until_clear(
@@ -151,5 +180,90 @@ mod tests {
             }]
         );
         assert!(in_use(&d.path().join("missing"), alive).is_empty());
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn uninstall_waits_for_the_blockers_then_removes_then_forgets() {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("vm");
+        std::fs::create_dir_all(state.join("pod/c")).unwrap();
+        let asked = std::cell::Cell::new(0);
+        let blockers = || {
+            asked.set(asked.get() + 1);
+            if asked.get() < 3 {
+                vec!["a share is in use".to_string()]
+            } else {
+                vec![]
+            }
+        };
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let done = rt()
+            .block_on(uninstall(
+                blockers,
+                || remove_paths([state.clone(), d.path().join("absent")]),
+                async { "record forgotten".to_string() },
+                std::time::Duration::from_millis(1),
+                &cancel,
+            ))
+            .unwrap()
+            .unwrap();
+        assert_eq!(asked.get(), 3);
+        assert_eq!(done.removed, vec![state.clone()]);
+        assert_eq!(done.cluster, "record forgotten");
+        assert!(!state.exists());
+    }
+
+    #[test]
+    fn a_cancelled_uninstall_removes_nothing_and_forgets_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        let cancel = tokio_util::sync::CancellationToken::new();
+        cancel.cancel();
+        let forgot = std::cell::Cell::new(false);
+        let r = rt()
+            .block_on(uninstall(
+                || vec!["in use".to_string()],
+                || remove_paths([d.path().to_path_buf()]),
+                async {
+                    forgot.set(true);
+                    String::new()
+                },
+                std::time::Duration::from_secs(60),
+                &cancel,
+            ))
+            .unwrap();
+        assert!(r.is_none());
+        assert!(d.path().exists() && !forgot.get());
+    }
+
+    #[test]
+    fn a_removal_that_fails_names_the_path_and_leaves_the_record() {
+        let forgot = std::cell::Cell::new(false);
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let e = rt()
+            .block_on(uninstall(
+                Vec::new,
+                || {
+                    Err(RemoveError {
+                        path: "/x/vm".into(),
+                        source: std::io::Error::from_raw_os_error(libc::EBUSY),
+                    })
+                },
+                async {
+                    forgot.set(true);
+                    String::new()
+                },
+                std::time::Duration::from_secs(1),
+                &cancel,
+            ))
+            .unwrap_err();
+        assert!(e.to_string().starts_with("removing /x/vm: "), "{e}");
+        assert!(!forgot.get());
     }
 }
