@@ -12,7 +12,8 @@
 
 use container_ledger::Ledger;
 use gpu_allocator::inventory::{Inventory, InventoryGpu};
-use gpu_manager::checkpoint::{Allocation, Checkpoint, PlacementRecord};
+use gpu_manager::allocation::{Allocation, PlacementRecord};
+use gpu_manager::checkpoint::Checkpoint;
 use prost::Message;
 use std::path::PathBuf;
 use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, register_response::Status};

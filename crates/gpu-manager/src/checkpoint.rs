@@ -22,9 +22,9 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use gpu_allocator::Placement;
 use serde::{Deserialize, Serialize};
 
+use crate::allocation::Allocation;
 use crate::world::CheckpointStore;
 
 /// The single-file checkpoint of earlier versions (read once, migrated).
@@ -40,119 +40,6 @@ const HEADER_LEN: usize = MAGIC.len() + 5 + 20 + 5 + 10 + 8 + 8 + 1;
 const SUMMED_LEN: usize = MAGIC.len() + 5 + 20 + 5 + 10;
 /// Smallest slot file; slots grow in powers of two.
 const MIN_SLOT: usize = 4096;
-
-/// One container's allocation.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Allocation {
-    pub pod_uid: String,
-    pub namespace: String,
-    pub pod_name: String,
-    pub container: String,
-    /// Index of the container in the pod spec (`predicate-gpu-idx-<i>`).
-    pub container_index: usize,
-    /// `vcuda-core` of the request.
-    pub cores: u32,
-    /// `vcuda-memory` units of the container (whole GPUs: all their memory).
-    pub memory_units: u64,
-    /// The container's `vcuda-memory` limit (what kubelet allocates IDs for).
-    #[serde(default)]
-    pub memory_limit: u64,
-    pub placement: PlacementRecord,
-    /// Soft limit ceiling (`tencent.com/vcuda-core-limit`), if any.
-    pub soft_limit: Option<u32>,
-    /// The advertised IDs kubelet passed to Allocate.
-    pub vcore_ids: Vec<String>,
-    #[serde(default)]
-    pub vmemory_ids: Vec<String>,
-    /// kubelet's record was seen to agree with the pod the manager guessed.
-    #[serde(default)]
-    pub verified: bool,
-    /// Unix seconds of the allocation.
-    pub created: u64,
-}
-
-impl Allocation {
-    /// The allocator's id for this allocation.
-    pub fn id(&self) -> String {
-        alloc_id(&self.pod_uid, &self.container)
-    }
-}
-
-pub fn alloc_id(pod_uid: &str, container: &str) -> String {
-    format!("{pod_uid}/{container}")
-}
-
-/// [`Placement`] in a stable serialised form.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "lowercase")]
-pub enum PlacementRecord {
-    Share {
-        gpu: usize,
-        cores: u32,
-        memory_units: u64,
-    },
-    Exclusive {
-        gpus: Vec<usize>,
-    },
-    /// A share on each of several GPUs (docs/multi-gpu.md).
-    Shares {
-        gpus: Vec<usize>,
-        cores: u32,
-        memory_units: u64,
-    },
-}
-
-impl From<&Placement> for PlacementRecord {
-    fn from(p: &Placement) -> Self {
-        match p {
-            Placement::Share {
-                gpu,
-                cores,
-                memory_units,
-            } => PlacementRecord::Share {
-                gpu: *gpu,
-                cores: *cores,
-                memory_units: *memory_units,
-            },
-            Placement::Exclusive { gpus } => PlacementRecord::Exclusive { gpus: gpus.clone() },
-            Placement::Shares {
-                gpus,
-                cores,
-                memory_units,
-            } => PlacementRecord::Shares {
-                gpus: gpus.clone(),
-                cores: *cores,
-                memory_units: *memory_units,
-            },
-        }
-    }
-}
-
-impl From<&PlacementRecord> for Placement {
-    fn from(p: &PlacementRecord) -> Self {
-        match p {
-            PlacementRecord::Share {
-                gpu,
-                cores,
-                memory_units,
-            } => Placement::Share {
-                gpu: *gpu,
-                cores: *cores,
-                memory_units: *memory_units,
-            },
-            PlacementRecord::Exclusive { gpus } => Placement::Exclusive { gpus: gpus.clone() },
-            PlacementRecord::Shares {
-                gpus,
-                cores,
-                memory_units,
-            } => Placement::Shares {
-                gpus: gpus.clone(),
-                cores: *cores,
-                memory_units: *memory_units,
-            },
-        }
-    }
-}
 
 #[derive(Debug, Serialize, Deserialize)]
 struct File {
@@ -738,7 +625,7 @@ pub(crate) fn sample_share(uid: &str, gpu: usize) -> Allocation {
         cores: 30,
         memory_units: 4,
         memory_limit: 4,
-        placement: PlacementRecord::Share {
+        placement: crate::allocation::PlacementRecord::Share {
             gpu,
             cores: 30,
             memory_units: 4,

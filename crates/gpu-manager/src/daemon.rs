@@ -15,13 +15,11 @@ use crate::checkpoint::Checkpoint;
 use crate::config::Settings;
 use crate::display::ManagerSource;
 use crate::events::KubeEvents;
-use node_agent::extra::ExtraConfig;
 use crate::handover::Node;
 use crate::ids::{VCORE_RESOURCE, VCORE_SOCKET, VMEMORY_RESOURCE, VMEMORY_SOCKET};
 use crate::kube_api::{self, Patcher, PodWatch};
 use crate::kubelet::KubeletRecords;
 use crate::manager::{Manager, ManagerConfig, ManagerParts};
-use node_agent::mode;
 use crate::node_status;
 use crate::owner::{self, Claim};
 use crate::plugin::{self, Gate, PluginParts, VcorePlugin, VmemoryPlugin};
@@ -29,6 +27,8 @@ use crate::pods;
 use crate::runtime;
 use crate::served::{FromSupervisor, Plugins};
 use crate::world::{ContainerRuntime, World};
+use node_agent::extra::ExtraConfig;
+use node_agent::mode;
 
 /// A Kubernetes label value from free text (GPU model names have spaces).
 fn label_value(s: &str) -> String {

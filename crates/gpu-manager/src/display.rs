@@ -8,7 +8,7 @@ use std::sync::Arc;
 use gpu_allocator::MEMORY_UNIT_BYTES;
 use gpu_display::{ContainerView, DisplaySource, GpuRef, GpuView};
 
-use crate::checkpoint::PlacementRecord;
+use crate::allocation::PlacementRecord;
 use crate::manager::Manager;
 
 pub struct ManagerSource {

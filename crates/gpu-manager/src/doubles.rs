@@ -9,7 +9,8 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use tokio::sync::watch;
 
-use crate::checkpoint::{self, Allocation, CheckpointError, Saved};
+use crate::allocation::Allocation;
+use crate::checkpoint::{self, CheckpointError, Saved};
 use crate::kube_api::{ApiHealth, PatchJob};
 use crate::runtime::{ContainerGpus, LiveContainer, RuntimeError};
 use crate::world::{

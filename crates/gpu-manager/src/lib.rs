@@ -26,6 +26,7 @@
 //! * [`checkpoint`]; [`response`]: the Allocate response from the
 //!   container edits; [`health`]: Xid health into the advertised devices.
 
+pub mod allocation;
 pub mod checkpoint;
 pub mod config;
 pub mod daemon;

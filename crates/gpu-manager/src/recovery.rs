@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::checkpoint::Allocation;
+use crate::allocation::Allocation;
 use crate::runtime::LiveContainer;
 use crate::world::{Held, PodKey};
 

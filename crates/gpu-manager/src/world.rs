@@ -16,7 +16,8 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 
-use crate::checkpoint::{Allocation, CheckpointError, Saved};
+use crate::allocation::Allocation;
+use crate::checkpoint::{CheckpointError, Saved};
 use crate::kube_api::{ApiHealth, PatchJob};
 use crate::runtime::{ContainerGpus, LiveContainer, RuntimeError};
 

@@ -18,7 +18,7 @@ use k8s_openapi::api::core::v1::{ContainerState, ContainerStatus, Pod};
 use super::restore::RESEND_S;
 use super::state::State;
 use super::{Manager, now};
-use crate::checkpoint::{Allocation, alloc_id};
+use crate::allocation::{Allocation, alloc_id};
 use crate::events::{self, PodEvent};
 use crate::kube_api::{ApiHealth, PatchJob};
 use crate::pods;

@@ -40,14 +40,14 @@ use device_plugin::DeviceList;
 use gpu_allocator::{Allocator, GpuInfo, MEMORY_UNIT_BYTES, Placement};
 use node_agent::share::{ShareError, ShareGpu, ShareSpec, Shares};
 
-use crate::checkpoint::Allocation;
+use crate::allocation::Allocation;
 use crate::events::EventSink;
-use node_agent::extra::ExtraConfig;
 use crate::ids;
-use node_agent::registry::Registry;
 use crate::world::{
     CheckpointStore, ContainerRuntime, KubeletSource, PodPatcher, PodSource, World,
 };
+use node_agent::extra::ExtraConfig;
+use node_agent::registry::Registry;
 
 pub use refusal::{Refusal, RefusalKind};
 pub use restore::RecoveryReport;

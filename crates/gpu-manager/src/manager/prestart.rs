@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use super::refusal::Refusal;
 
 use super::Manager;
-use crate::checkpoint::Allocation;
+use crate::allocation::Allocation;
 use crate::events::{self, PodEvent};
 use crate::ids;
 use crate::kube_api::PatchJob;

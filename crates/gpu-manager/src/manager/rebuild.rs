@@ -9,7 +9,7 @@ use gpu_allocator::{GpuInfo, MEMORY_UNIT_BYTES, Placement};
 use quota_config::{MultiGpuQuota, Quota, ResourceData};
 
 use super::{Manager, now, short_bus_id};
-use crate::checkpoint::{Allocation, PlacementRecord};
+use crate::allocation::{Allocation, PlacementRecord};
 use crate::ids;
 use crate::pods;
 use crate::recovery;

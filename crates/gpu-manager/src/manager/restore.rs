@@ -11,7 +11,8 @@ use std::collections::BTreeMap;
 use gpu_allocator::Placement;
 
 use super::{Manager, now};
-use crate::checkpoint::{Allocation, CheckpointError, alloc_id};
+use crate::allocation::{Allocation, alloc_id};
+use crate::checkpoint::CheckpointError;
 use crate::ids;
 use crate::kube_api::ApiHealth;
 use crate::pods;

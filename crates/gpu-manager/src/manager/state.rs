@@ -16,7 +16,7 @@ use std::time::Instant;
 use gpu_allocator::Allocator;
 
 use super::Manager;
-use crate::checkpoint::Allocation;
+use crate::allocation::Allocation;
 
 pub(super) struct State {
     pub allocator: Allocator,

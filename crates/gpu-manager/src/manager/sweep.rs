@@ -9,7 +9,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 
 use super::{Manager, now};
-use crate::checkpoint::Allocation;
+use crate::allocation::Allocation;
 use crate::ids;
 use crate::kube_api::ApiHealth;
 use crate::pods;

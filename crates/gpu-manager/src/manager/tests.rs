@@ -11,7 +11,8 @@ use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
 use super::*;
-use crate::checkpoint::{self, PlacementRecord};
+use crate::allocation::PlacementRecord;
+use crate::checkpoint;
 use crate::doubles::{MemoryCheckpoint, MemoryKubelet, MemoryPatches, MemoryPods, MemoryRuntime};
 use crate::events::{self, MemoryEvents};
 use crate::kube_api::ApiHealth;
@@ -440,7 +441,7 @@ async fn the_periodic_check_releases_a_dead_container_once_runtime_and_kubelet_a
 fn saved_two() -> MemoryCheckpoint {
     let allocs: Vec<_> = ["a", "b"]
         .iter()
-        .map(|n| checkpoint::Allocation {
+        .map(|n| crate::allocation::Allocation {
             pod_name: n.to_string(),
             container: "c".into(),
             vcore_ids: vcore_ids(0, 30),
@@ -588,7 +589,7 @@ async fn the_periodic_check_patches_a_complete_pod_whose_annotation_is_missing()
 
 #[tokio::test]
 async fn restore_drops_allocations_on_gpus_that_changed_and_removes_orphan_directories() {
-    let allocs = vec![checkpoint::Allocation {
+    let allocs = vec![crate::allocation::Allocation {
         pod_name: "a".into(),
         ..checkpoint::sample_share("uid-a", 0)
     }];

@@ -177,7 +177,7 @@ async fn gpu_admission_s_two_gpus_are_followed_and_one_gpu_is_a_mismatch() {
 
 /// A checkpointed share of 50 cores and 32 units on GPUs 0 and 1.
 fn saved_shares() -> MemoryCheckpoint {
-    let a = checkpoint::Allocation {
+    let a = crate::allocation::Allocation {
         pod_name: "tp".into(),
         cores: 100,
         memory_units: 64,
