@@ -11,12 +11,12 @@ use tokio::sync::watch;
 
 use crate::allocation::Allocation;
 use crate::checkpoint::{self, CheckpointError, Saved};
-use crate::kube_api::{ApiHealth, PatchJob};
-use crate::runtime::{ContainerGpus, LiveContainer, RuntimeError};
+use crate::world::{ApiHealth, PatchJob};
 use crate::world::{
     CheckpointStore, ContainerRuntime, Held, Holder, KubeletError, KubeletSource, PodKey,
     PodPatcher, PodSource,
 };
+use crate::world::{ContainerGpus, LiveContainer, RuntimeError};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())

@@ -13,15 +13,7 @@ use kube::{Api, Client};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::world::{PodPatcher, PodSource};
-
-/// Reachability of the API server as the reflector last saw it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ApiHealth {
-    Starting,
-    Ok,
-    Failing(String),
-}
+use crate::world::{ApiHealth, PatchJob, PodPatcher, PodSource};
 
 /// This node's pods, kept current by a reflector.
 #[derive(Clone)]
@@ -191,15 +183,6 @@ impl PodSource for PodWatch {
             .get(uid)
             .copied()
     }
-}
-
-/// One annotation patch to apply.
-#[derive(Debug, Clone)]
-pub struct PatchJob {
-    pub namespace: String,
-    pub name: String,
-    pub uid: String,
-    pub annotations: BTreeMap<String, String>,
 }
 
 /// Applies annotation patches in the background, retrying conflicts and

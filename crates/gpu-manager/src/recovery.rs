@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use crate::allocation::Allocation;
-use crate::runtime::LiveContainer;
+use crate::world::LiveContainer;
 use crate::world::{Held, PodKey};
 
 /// A pod as the API server sees it.

@@ -12,12 +12,11 @@ pub use select::{Kind, Sockets, detect, select};
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use bollard::models::ContainerSummaryStateEnum;
 use bollard::query_parameters::{InspectContainerOptions, ListContainersOptionsBuilder};
 
-use crate::world::ContainerRuntime;
+use crate::world::{ContainerGpus, ContainerRuntime, LiveContainer, RUNTIME_TIMEOUT, RuntimeError};
 
 pub const LABEL_POD_UID: &str = "io.kubernetes.pod.uid";
 pub const LABEL_POD_NAME: &str = "io.kubernetes.pod.name";
@@ -25,50 +24,6 @@ pub const LABEL_POD_NAMESPACE: &str = "io.kubernetes.pod.namespace";
 pub const LABEL_CONTAINER: &str = "io.kubernetes.container.name";
 /// Where the AllocateResponse mounts the container's vm directory.
 pub const VM_MOUNT: &str = "/etc/vcuda";
-
-/// Why a runtime could not be asked, in neutral terms: each backend turns
-/// its client's errors into these, so callers see no client types.
-#[derive(Debug, thiserror::Error)]
-pub enum RuntimeError {
-    #[error("container runtime {endpoint}: no answer within {0:?}", TIMEOUT)]
-    Timeout { endpoint: String },
-    /// The runtime could not be asked (not listening, refused, an error
-    /// answer; a test double), with the backend's reason.
-    #[error("container runtime {endpoint}: {reason}")]
-    Unreachable { endpoint: String, reason: String },
-    /// It answers but does not serve the call (a containerd whose CRI
-    /// plugin is disabled, as in Docker's own).
-    #[error("container runtime {endpoint}: {reason}")]
-    Unsupported { endpoint: String, reason: String },
-}
-
-const TIMEOUT: Duration = Duration::from_secs(5);
-
-/// One Kubernetes container the runtime knows.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LiveContainer {
-    pub id: String,
-    pub pod_uid: String,
-    pub pod_name: String,
-    pub namespace: String,
-    pub container: String,
-    /// Running, paused, restarting or created (about to start): it may use
-    /// its devices. Exited, dead and being-removed containers do not.
-    pub alive: bool,
-    /// Host source of the `/etc/vcuda` mount.
-    pub vm_source: Option<PathBuf>,
-}
-
-/// What only an inspect tells: the GPUs a container was given.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ContainerGpus {
-    /// `NVIDIA_VISIBLE_DEVICES` (GPU UUIDs).
-    pub visible: Vec<String>,
-    /// Its `/dev/nvidia<N>` devices, as the container sees them (the
-    /// AllocateResponse names the same path on both sides; the OCI spec
-    /// that CRI-O returns has only this side).
-    pub devices: Vec<String>,
-}
 
 /// `NVIDIA_VISIBLE_DEVICES`'s value as a list.
 fn visible_list(v: &str) -> Vec<String> {
@@ -131,11 +86,11 @@ impl Docker {
         let path = endpoint.strip_prefix("unix://").unwrap_or(endpoint);
         let client = bollard::Docker::connect_with_unix(
             path,
-            TIMEOUT.as_secs(),
+            RUNTIME_TIMEOUT.as_secs(),
             bollard::API_DEFAULT_VERSION,
         )
         .map_err(err)?;
-        match tokio::time::timeout(TIMEOUT, client.negotiate_version()).await {
+        match tokio::time::timeout(RUNTIME_TIMEOUT, client.negotiate_version()).await {
             Ok(r) => r.map_err(err),
             Err(_) => Err(RuntimeError::Timeout {
                 endpoint: endpoint.clone(),
@@ -167,7 +122,8 @@ impl ContainerRuntime for Docker {
             .all(true)
             .filters(&filters)
             .build();
-        let list = match tokio::time::timeout(TIMEOUT, d.list_containers(Some(opts))).await {
+        let list = match tokio::time::timeout(RUNTIME_TIMEOUT, d.list_containers(Some(opts))).await
+        {
             Ok(r) => r.map_err(|e| docker_error(&endpoint, e))?,
             Err(_) => return Err(RuntimeError::Timeout { endpoint }),
         };
@@ -214,7 +170,7 @@ impl ContainerRuntime for Docker {
         let d = self.negotiated().await?;
         let endpoint = self.describe();
         let info = match tokio::time::timeout(
-            TIMEOUT,
+            RUNTIME_TIMEOUT,
             d.inspect_container(id, None::<InspectContainerOptions>),
         )
         .await

@@ -18,8 +18,6 @@ use k8s_openapi::api::core::v1::Pod;
 
 use crate::allocation::Allocation;
 use crate::checkpoint::{CheckpointError, Saved};
-use crate::kube_api::{ApiHealth, PatchJob};
-use crate::runtime::{ContainerGpus, LiveContainer, RuntimeError};
 
 /// This node's pods as the API server lists them (a reflector in the
 /// daemon).
@@ -163,4 +161,69 @@ pub struct World {
     pub kubelet: Arc<dyn KubeletSource>,
     pub checkpoint: Arc<dyn CheckpointStore>,
     pub runtime: Arc<dyn ContainerRuntime>,
+}
+
+/// Why a runtime could not be asked, in neutral terms: each backend turns
+/// its client's errors into these, so callers see no client types.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error(
+        "container runtime {endpoint}: no answer within {0:?}",
+        RUNTIME_TIMEOUT
+    )]
+    Timeout { endpoint: String },
+    /// The runtime could not be asked (not listening, refused, an error
+    /// answer; a test double), with the backend's reason.
+    #[error("container runtime {endpoint}: {reason}")]
+    Unreachable { endpoint: String, reason: String },
+    /// It answers but does not serve the call (a containerd whose CRI
+    /// plugin is disabled, as in Docker's own).
+    #[error("container runtime {endpoint}: {reason}")]
+    Unsupported { endpoint: String, reason: String },
+}
+
+/// How long a container runtime gets to answer one call.
+pub const RUNTIME_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One Kubernetes container the runtime knows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveContainer {
+    pub id: String,
+    pub pod_uid: String,
+    pub pod_name: String,
+    pub namespace: String,
+    pub container: String,
+    /// Running, paused, restarting or created (about to start): it may use
+    /// its devices. Exited, dead and being-removed containers do not.
+    pub alive: bool,
+    /// Host source of the `/etc/vcuda` mount.
+    pub vm_source: Option<PathBuf>,
+}
+
+/// What only an inspect tells: the GPUs a container was given.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContainerGpus {
+    /// `NVIDIA_VISIBLE_DEVICES` (GPU UUIDs).
+    pub visible: Vec<String>,
+    /// Its `/dev/nvidia<N>` devices, as the container sees them (the
+    /// AllocateResponse names the same path on both sides; the OCI spec
+    /// that CRI-O returns has only this side).
+    pub devices: Vec<String>,
+}
+
+/// Reachability of the API server as the reflector last saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ApiHealth {
+    Starting,
+    Ok,
+    Failing(String),
+}
+
+/// One annotation patch to apply.
+#[derive(Debug, Clone)]
+pub struct PatchJob {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub annotations: BTreeMap<String, String>,
 }

@@ -11,8 +11,8 @@ use super::Manager;
 use crate::allocation::Allocation;
 use crate::events::{self, PodEvent};
 use crate::ids;
-use crate::kube_api::PatchJob;
 use crate::pods;
+use crate::world::PatchJob;
 use crate::world::{Holder, PodKey};
 
 impl Manager {

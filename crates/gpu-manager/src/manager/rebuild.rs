@@ -13,8 +13,8 @@ use crate::allocation::{Allocation, PlacementRecord};
 use crate::ids;
 use crate::pods;
 use crate::recovery;
-use crate::runtime::{ContainerGpus, LiveContainer};
 use crate::world::Held;
+use crate::world::{ContainerGpus, LiveContainer};
 
 /// Why an allocation cannot be rebuilt for a live container.
 #[derive(Debug, thiserror::Error)]
@@ -22,7 +22,7 @@ pub enum RebuildError {
     #[error(transparent)]
     VmDir(#[from] node_agent::vm::VmError),
     #[error(transparent)]
-    Runtime(#[from] crate::runtime::RuntimeError),
+    Runtime(#[from] crate::world::RuntimeError),
     #[error("no GPU found in its environment, devices or vcuda.config")]
     NoGpu,
     #[error("its GPU {uuid} ({bus_id}) is not on this node")]

@@ -14,11 +14,11 @@ use super::{Manager, now};
 use crate::allocation::{Allocation, alloc_id};
 use crate::checkpoint::CheckpointError;
 use crate::ids;
-use crate::kube_api::ApiHealth;
 use crate::pods;
 use crate::recovery::{self, Evidence, PodPhase, Verdict};
-use crate::runtime::LiveContainer;
+use crate::world::ApiHealth;
 use crate::world::Held;
+use crate::world::LiveContainer;
 
 /// What recovery at start found and did.
 #[derive(Debug, Default, Clone)]

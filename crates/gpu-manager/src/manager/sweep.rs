@@ -11,9 +11,9 @@ use k8s_openapi::api::core::v1::Pod;
 use super::{Manager, now};
 use crate::allocation::Allocation;
 use crate::ids;
-use crate::kube_api::ApiHealth;
 use crate::pods;
 use crate::recovery::{self, Verdict};
+use crate::world::ApiHealth;
 
 impl Manager {
     /// Marks a GPU (un)healthy: its advertised IDs and new placements.

@@ -15,9 +15,9 @@ use crate::allocation::PlacementRecord;
 use crate::checkpoint;
 use crate::doubles::{MemoryCheckpoint, MemoryKubelet, MemoryPatches, MemoryPods, MemoryRuntime};
 use crate::events::{self, MemoryEvents};
-use crate::kube_api::ApiHealth;
-use crate::runtime::{ContainerGpus, LiveContainer};
+use crate::world::ApiHealth;
 use crate::world::PodKey;
+use crate::world::{ContainerGpus, LiveContainer};
 
 mod repeat;
 mod shares;

@@ -29,10 +29,10 @@ use cri_api::v1::{
 use tonic::transport::Channel;
 
 use super::{
-    ContainerGpus, LABEL_CONTAINER, LABEL_POD_NAME, LABEL_POD_NAMESPACE, LABEL_POD_UID,
-    LiveContainer, RuntimeError, TIMEOUT, VM_MOUNT, nvidia_minor_path, visible_list,
+    LABEL_CONTAINER, LABEL_POD_NAME, LABEL_POD_NAMESPACE, LABEL_POD_UID, VM_MOUNT,
+    nvidia_minor_path, visible_list,
 };
-use crate::world::ContainerRuntime;
+use crate::world::{ContainerGpus, ContainerRuntime, LiveContainer, RUNTIME_TIMEOUT, RuntimeError};
 
 /// The verbose `ContainerStatus` info key both containerd and CRI-O use.
 const INFO_KEY: &str = "info";
@@ -56,7 +56,7 @@ impl Cri {
         Cri {
             name: name.to_string(),
             endpoint: endpoint.to_string(),
-            timeout: TIMEOUT,
+            timeout: RUNTIME_TIMEOUT,
         }
     }
 

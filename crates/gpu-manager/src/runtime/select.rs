@@ -20,8 +20,9 @@ use std::sync::Arc;
 
 use cri_api::v1::{CONTAINERD_SOCKET, CRIO_SOCKET};
 
-use super::{Cri, Docker, NoRuntime, RuntimeError};
+use super::{Cri, Docker, NoRuntime};
 use crate::world::ContainerRuntime;
+use crate::world::RuntimeError;
 
 pub const DOCKER_SOCKET: &str = "/var/run/docker.sock";
 

@@ -11,7 +11,7 @@ use super::*;
 use crate::checkpoint::sample_share;
 use crate::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
 use crate::manager::rebuild::{RebuildError, Size, gpus_seen};
-use crate::runtime::ContainerGpus;
+use crate::world::ContainerGpus;
 use crate::world::PodKey;
 
 const GIB: u64 = 1 << 30;
