@@ -21,9 +21,11 @@ fn main() {
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libcuda.so.1");
     println!("cargo:rustc-cdylib-link-arg=-Wl,-Bsymbolic");
 
-    let cuda = cuda_abi::build::symbol_list(Path::new("../crates/cuda-abi/symbols/libcuda.txt"));
-    let nvml =
-        cuda_abi::build::symbol_list(Path::new("../crates/cuda-abi/symbols/libnvidia-ml.txt"));
+    let cuda =
+        cuda_abi::build::symbol_list(Path::new("../crates/formats/cuda-abi/symbols/libcuda.txt"));
+    let nvml = cuda_abi::build::symbol_list(Path::new(
+        "../crates/formats/cuda-abi/symbols/libnvidia-ml.txt",
+    ));
     // `fn name(` inside an export macro, or a hand-written
     // `pub unsafe extern "C" fn name(`.
     let is_api =

@@ -7,8 +7,8 @@
 //! never overwrites) and then only read: a format change that must stay
 //! readable adds a file beside the old one, it does not replace it.
 //! `vcuda.config` (the original gpu-manager's byte layout) and
-//! `vcuda-gpus.config` have theirs in `crates/quota-config/tests/golden/`;
-//! the DRA driver's checkpoint is read by `crates/dra-driver/tests/golden.rs`.
+//! `vcuda-gpus.config` have theirs in `crates/formats/quota-config/tests/golden/`;
+//! the DRA driver's checkpoint is read by `crates/node/dra-driver/tests/golden.rs`.
 
 use container_ledger::Ledger;
 use gpu_allocator::inventory::{Inventory, InventoryGpu};

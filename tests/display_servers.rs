@@ -506,7 +506,7 @@ async fn vcudactl_explains_missing_stale_and_old_servers() {
 
 /// One address holding 16 idle connections to the query port gets its
 /// next one closed at once; another address (the kubelet's probes,
-/// Prometheus) is still answered (crates/gpu-display/src/http.rs,
+/// Prometheus) is still answered (crates/node/gpu-display/src/http.rs,
 /// `MAX_PER_PEER`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_address_cannot_take_every_connection_of_the_query_port() {

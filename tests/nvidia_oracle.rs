@@ -25,7 +25,7 @@ use std::process::{Command, Stdio};
 use test_support::{NvidiaDriver, nvidia_drivers, target_dir, workspace_root};
 
 /// The real libcuda's data objects, which the interposer does not export on
-/// purpose (crates/cuda-abi/symbols/gen.py): the CUDA debugger's variables,
+/// purpose (crates/formats/cuda-abi/symbols/gen.py): the CUDA debugger's variables,
 /// which cuda-gdb writes by symbol lookup; a copy in the interposer would
 /// shadow the driver's. The same 20 in 535 and 550.
 const DATA_SYMBOLS: &[&str] = &[
@@ -411,8 +411,8 @@ fn get_proc_address_answers_as_the_real_driver() {
     }
 }
 
-/// The recording the simulator answers from (crates/gpu-sim-cuda/procaddr/,
-/// format in crates/gpu-sim-cuda/src/procaddr.rs): per base name and flag,
+/// The recording the simulator answers from (crates/sim/gpu-sim-cuda/procaddr/,
+/// format in crates/sim/gpu-sim-cuda/src/procaddr.rs): per base name and flag,
 /// the answer at each version where it changes; names the driver never
 /// finds are left out, flag 1 where it equals no flag.
 fn recording(d: &NvidiaDriver, cuda: i32, q: &[Query], real: &[Answer]) -> String {
@@ -484,7 +484,10 @@ fn the_simulator_answers_get_proc_address_as_the_real_drivers() {
         let none = tempfile::tempdir().unwrap();
         let (real, cuda) = ask_with(&oracle, &d.libcuda(), none.path(), &q, &[]);
         let text = recording(d, cuda, &q, &real);
-        let file = workspace_root().join(format!("crates/gpu-sim-cuda/procaddr/{}.txt", d.major()));
+        let file = workspace_root().join(format!(
+            "crates/sim/gpu-sim-cuda/procaddr/{}.txt",
+            d.major()
+        ));
         if std::env::var("VCUDA_RECORD").as_deref() == Ok("1") {
             std::fs::write(&file, &text).unwrap();
         }

@@ -263,7 +263,7 @@ start_test_containerd
 log "containerd 1.7 with CDI (the DRA driver's specs, injected)"
 # A second private containerd (/run/vcuda-test-containerd-cdi): trixie's 1.7,
 # unpacked into $VCUDA_CACHE/containerd-<version> (bookworm's 1.6 has no
-# CDI), enable_cdi on its own spec directory (crates/dra-driver/tests/cdi_containerd.rs).
+# CDI), enable_cdi on its own spec directory (crates/node/dra-driver/tests/cdi_containerd.rs).
 source tests/containerd/cdi.sh
 start_test_containerd_cdi
 export VCUDA_REQUIRE_CONTAINERD=1
@@ -303,7 +303,7 @@ log "cargo tests"
 run_tests "cargo tests" cargo test --workspace --no-fail-fast
 
 log "interposer tests again, on the shipped glibc-2.17 build"
-# test-support (crates/test-support/src/shim/simnode.rs) mirrors $VCUDA_INTERPOSER
+# test-support (crates/testing/test-support/src/shim/simnode.rs) mirrors $VCUDA_INTERPOSER
 # instead of this profile's host build: the same memory, compute and graph
 # quota tests and entry-point tests, on the library containers actually get;
 # and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real,

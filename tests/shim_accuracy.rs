@@ -1,10 +1,10 @@
 //! The compute quota's accuracy gate, on a simulated GPU whose kernels run
 //! by laws the interposer cannot see (declared in the module image of
-//! `tests/c/shim_laws.c`, see `crates/gpu-sim-core/src/law.rs`): the
+//! `tests/c/shim_laws.c`, see `crates/sim/gpu-sim-core/src/law.rs`): the
 //! interposer prices a launch by its waves, the device times it otherwise,
 //! and only NVML's samples tell the controller what a unit really costs.
 //!
-//! * the matrix (`crates/test-support/src/shim/matrix.rs`): hard limits
+//! * the matrix (`crates/testing/test-support/src/shim/matrix.rs`): hard limits
 //!   {10, 30, 50, 70, 90} x five mixes alone, and 30 + 70, 20 + 20 + 60 on
 //!   one GPU; every tenant within ±3 points of its quota over a
 //!   [`WINDOW_S`] window after [`WARMUP_S`] of warm-up (ground truth: the

@@ -1,5 +1,5 @@
 //! Stream capture modes (issue 20): the simulated driver enforces them as
-//! NVIDIA's does (`crates/gpu-sim-cuda/src/capture_mode.rs`), and the
+//! NVIDIA's does (`crates/sim/gpu-sim-cuda/src/capture_mode.rs`), and the
 //! interposer's own driver calls (launch wrappers, pool bookkeeping, the
 //! watcher's tick, graph accounting) never invalidate a GLOBAL-mode capture
 //! of the application, on its own thread or another (tests/c/shim_capture.c).

@@ -1,7 +1,7 @@
 //! The interposer (cuda-shim) in real processes on a simulated node: C
 //! programs linked with `-lcuda` run against a vdriver mirror of the sim
 //! whose libcuda.so.1 / libnvidia-ml.so.1 are the interposer, registering
-//! with a test manager (crates/test-support/src/shim/server.rs) over vcuda.sock.
+//! with a test manager (crates/testing/test-support/src/shim/server.rs) over vcuda.sock.
 //!
 //! Needs `cargo build --workspace` first (gpu-sim, the sim's cdylibs and
 //! libvcuda.so).

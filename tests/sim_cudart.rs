@@ -16,7 +16,7 @@
 //! in nvcc's fatbinary, launched by nvcc's host code.
 //!
 //! The runtime needs the driver's private export tables first
-//! (`crates/gpu-sim-cuda/src/export_table.rs`); without them it answers
+//! (`crates/sim/gpu-sim-cuda/src/export_table.rs`); without them it answers
 //! cudaErrorNotSupported to everything. Missing runtimes fail the test
 //! under `VCUDA_REQUIRE_ALL=1` (tests/run.sh).
 //!

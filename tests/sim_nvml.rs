@@ -1,5 +1,5 @@
-//! The simulated NVML library (crates/gpu-sim-nvml) and nvidia-smi
-//! (crates/gpu-sim-smi) against an installed root, through the real Rust
+//! The simulated NVML library (crates/sim/gpu-sim-nvml) and nvidia-smi
+//! (crates/sim/gpu-sim-smi) against an installed root, through the real Rust
 //! client the manager uses (`nvml-wrapper`, loading the library by path).
 //!
 //! Load comes from helper processes (`sim-nvml-load`, tests/bin) that drive

@@ -1,6 +1,6 @@
 // Saturating workloads whose kernels declare their own timing laws to the
 // simulator (a comment line per kernel in the module image, see
-// crates/gpu-sim-core/src/law.rs): the interposer prices a launch by its
+// crates/sim/gpu-sim-core/src/law.rs): the interposer prices a launch by its
 // shape and never sees these laws, so its compute quota must learn what a
 // launch really costs from NVML. For tests/shim_accuracy.rs and the
 // accuracy_matrix bench. Driver declarations: cuda_driver.h.

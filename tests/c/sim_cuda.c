@@ -246,7 +246,7 @@ static int procaddr(void) {
   want("cuMemAllocAsync", 11020, 2, "cuMemAllocAsync_ptsz");
   want("cuMemAlloc", 12000, 2, "cuMemAlloc_v2");
 
-  /* As NVIDIA's 535 and 550 answer (crates/gpu-sim-cuda/procaddr/, recorded
+  /* As NVIDIA's 535 and 550 answer (crates/sim/gpu-sim-cuda/procaddr/, recorded
    * from them by tests/nvidia_oracle.rs): _v2 reports what it cannot hand
    * out through symbolStatus, with CUDA_SUCCESS and a NULL pointer. */
   p = (void *)1;

@@ -2,7 +2,7 @@
 # helpers it uses), and usable by hand: a SECOND private containerd, Debian
 # trixie's 1.7 (bookworm's 1.6 has no CDI), with CDI injection on
 # (`enable_cdi`) reading one spec directory of its own. It backs
-# crates/dra-driver/tests/cdi_containerd.rs: the DRA driver writes its CDI
+# crates/node/dra-driver/tests/cdi_containerd.rs: the DRA driver writes its CDI
 # specs there and a real runtime injects them.
 #
 # trixie's containerd .deb is downloaded once (its SHA256 checked against

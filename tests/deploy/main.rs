@@ -685,9 +685,9 @@ fn the_scheduler_extender_manifests_fit_together() {
     for f in ["certFile", "keyFile", "caFile"] {
         assert!(ext["tlsConfig"][f].is_string(), "tlsConfig.{f}");
     }
-    // The routes vcuda-scheduler serves (crates/vcuda-scheduler/src/http.rs).
+    // The routes vcuda-scheduler serves (crates/cluster/vcuda-scheduler/src/http.rs).
     let http = std::fs::read_to_string(
-        test_support::workspace_root().join("crates/vcuda-scheduler/src/http.rs"),
+        test_support::workspace_root().join("crates/cluster/vcuda-scheduler/src/http.rs"),
     )
     .unwrap();
     for verb in ["filterVerb", "prioritizeVerb", "bindVerb"] {

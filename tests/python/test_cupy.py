@@ -4,7 +4,7 @@ by NVRTC at run time and loaded by the simulator (which times them and
 computes nothing), directly and under the interposer with a memory quota:
 device count, memory info, allocation to OutOfMemoryError, a captured CUDA
 graph replayed. The runtime gets going through the simulator's export
-tables (crates/gpu-sim-cuda/src/export_table.rs). tests/run.sh installs the
+tables (crates/sim/gpu-sim-cuda/src/export_table.rs). tests/run.sh installs the
 wheels (cached in $VCUDA_CACHE/wheels).
 """
 

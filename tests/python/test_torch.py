@@ -9,7 +9,7 @@ garbage and not checked), allocation to
 torch.cuda.OutOfMemoryError (at the quota under the interposer), a CUDA graph
 captured with torch.cuda.graph and replayed.
 
-What the simulator needed for it (crates/gpu-sim-cuda): cuMemFree(0) as
+What the simulator needed for it (crates/sim/gpu-sim-cuda): cuMemFree(0) as
 free(NULL) (cublasCreate's cudaFree(0)), module globals (cuLibraryGetGlobal:
 cuBLASLt's deviceConstants), CU_LIMIT_SHMEM_SIZE (cuBLASLt's per-context
 shared memory), TOOLS_TLS slot 2 and RUNTIME13 slot 4 (cuBLASLt's

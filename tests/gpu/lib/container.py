@@ -11,7 +11,7 @@ import subprocess
 import threading
 import time
 
-# resource_data_t (crates/quota-config): packed, 8240 bytes, native endian.
+# resource_data_t (crates/formats/quota-config): packed, 8240 bytes, native endian.
 CONFIG_SIZE = 8240
 _STR_FIELDS = {"pod_uid": (0, 48), "container_name": (4096, 4096), "bus_id": (8192, 16)}
 _LIMIT, _GPU_MEMORY, _UTILIZATION, _HARD, _MAJOR, _MINOR, _ENABLE = 48, 8208, 8216, 8220, 8224, 8228, 8232

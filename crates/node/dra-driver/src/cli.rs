@@ -1,0 +1,226 @@
+//! `vcuda-dra-driver`'s settings: flags (and their `VCUDA_DRA_*`
+//! variables) over the manager's TOML file (`--manager-config`, the same
+//! ConfigMap the device-plugin mode reads: host root, driver mirror, vm
+//! directory, interposer, Xids, display, node name), over defaults. A node
+//! switches modes by running this binary instead of `gpu-manager`, with
+//! the same file; the file's device-plugin keys are not used here.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use node_agent::config::{NodeConfig, Options};
+
+use crate::daemon::Settings;
+
+#[derive(Parser, Debug, Default)]
+#[command(
+    name = "vcuda-dra-driver",
+    version,
+    about = "vcuda DRA driver (vcuda.tencent.com): ResourceSlices, NodePrepareResources, CDI"
+)]
+pub struct Args {
+    /// The manager's TOML configuration, read for what is not given here.
+    #[arg(long, env = "GPU_MANAGER_CONFIG")]
+    pub manager_config: Option<PathBuf>,
+    /// This node's name, lower-cased [default: the file's hostname-override, else the host name].
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// The host's root as mounted here [default: /].
+    #[arg(long, env = "VCUDA_DRA_HOST_ROOT")]
+    pub host_root: Option<PathBuf>,
+    #[arg(long, env = "VCUDA_DRA_NVML_LIBRARY")]
+    pub nvml_library: Option<PathBuf>,
+    /// [default: /etc/gpu-manager/volume.conf]
+    #[arg(long, env = "VCUDA_DRA_VOLUME_CONFIG")]
+    pub volume_config: Option<PathBuf>,
+    /// libvcuda.so, mirrored as the shares' libcuda.so.1 / libnvidia-ml.so.1.
+    #[arg(long, env = "VCUDA_DRA_INTERPOSER")]
+    pub interposer: Option<PathBuf>,
+    /// [default: /etc/gpu-manager/vdriver]
+    #[arg(long, env = "VCUDA_DRA_VDRIVER_DIR")]
+    pub vdriver_dir: Option<PathBuf>,
+    /// [default: /etc/gpu-manager/vm]
+    #[arg(long, env = "VCUDA_DRA_VM_DIR")]
+    pub vm_dir: Option<PathBuf>,
+    /// [default: /var/run/cdi]
+    #[arg(long, env = "VCUDA_DRA_CDI_DIR")]
+    pub cdi_dir: Option<PathBuf>,
+    /// The checkpoint's directory [default: /var/lib/kubelet/plugins/vcuda.tencent.com].
+    #[arg(long, env = "VCUDA_DRA_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// [default: /var/lib/kubelet/plugins]
+    #[arg(long, env = "VCUDA_DRA_PLUGINS_DIR")]
+    pub plugins_dir: Option<PathBuf>,
+    /// [default: /var/lib/kubelet/plugins_registry]
+    #[arg(long, env = "VCUDA_DRA_REGISTRY_DIR")]
+    pub registry_dir: Option<PathBuf>,
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Seconds without a critical Xid before a GPU is published again [default: 300].
+    #[arg(long)]
+    pub xid_quiet_period: Option<u64>,
+    /// Xids that are the application's fault [default: 13,31,43,45,68,109].
+    #[arg(long, value_delimiter = ',')]
+    pub ignored_xids: Option<Vec<u64>>,
+    /// Seconds between republishing checks [default: 60].
+    #[arg(long)]
+    pub resync_period: Option<u64>,
+    /// JSON of extra devices for every container (the manager's extra-config).
+    #[arg(long)]
+    pub extra_config: Option<PathBuf>,
+    /// The display's gRPC socket; "none" serves no display [default: /var/run/gpu-manager.sock].
+    #[arg(long)]
+    pub display_socket: Option<PathBuf>,
+    /// The display's HTTP address [default: 127.0.0.1:5678].
+    #[arg(long)]
+    pub query_addr: Option<SocketAddr>,
+    /// Seconds between display samples [default: 1].
+    #[arg(long)]
+    pub sample_period: Option<u64>,
+    /// A process in a claim's container using a GPU without the
+    /// interposer: "report" (log, metric) or "kill" (and end it) [default: report].
+    #[arg(long)]
+    pub escape_policy: Option<String>,
+    /// Run the driver alone, without the supervisor that keeps the
+    /// kubelet's sockets open across a crash and starts it again.
+    #[arg(long, env = "VCUDA_DRA_NO_SUPERVISOR")]
+    pub no_supervisor: bool,
+    /// The socket of this pod's socket holder (`vcuda-dra-driver
+    /// hold-sockets PATH` in a second container): the kubelet's sockets
+    /// then stay open across a restart of the driver's container too.
+    #[arg(long, env = "VCUDA_DRA_SOCKET_HOLDER")]
+    pub socket_holder: Option<PathBuf>,
+}
+
+/// Flags over the manager's file over the node's defaults
+/// ([`node_agent::config`]); the DRA driver's own settings after them.
+pub fn resolve(a: Args) -> anyhow::Result<Settings> {
+    let f = match &a.manager_config {
+        Some(p) => Options::from_toml(p)?,
+        None => Options::default(),
+    };
+    let flags = Options {
+        // NODE_NAME (the downward API) is the node's name when set.
+        hostname_override: a.node_name,
+        host_root: a.host_root,
+        nvml_library: a.nvml_library,
+        volume_config: a.volume_config,
+        interposer: a.interposer,
+        vdriver_path: a.vdriver_dir,
+        virtual_manager_path: a.vm_dir,
+        kubeconfig: a.kubeconfig,
+        xid_quiet_period: a.xid_quiet_period,
+        ignored_xids: a.ignored_xids,
+        extra_config: a.extra_config,
+        display_socket: a.display_socket,
+        sample_period: a.sample_period,
+        escape_policy: a.escape_policy,
+        ..Options::default()
+    };
+    let n = NodeConfig::resolve(&flags.over(f))?;
+    let extra_devices = match &n.extra_config {
+        Some(p) => node_agent::extra::ExtraConfig::load(p)?.devices,
+        None => vec![],
+    };
+    let query_addr = match a.query_addr {
+        Some(q) => q,
+        None => {
+            let ip: std::net::IpAddr = n.query_addr.parse().map_err(|e| {
+                anyhow::anyhow!("query-addr {:?} in the manager's file: {e}", n.query_addr)
+            })?;
+            SocketAddr::new(ip, n.query_port)
+        }
+    };
+    let display_socket = n.display_socket;
+    Ok(Settings {
+        node: n.node_name,
+        host_root: n.host_root,
+        nvml_library: n.nvml_library,
+        volume_config: n.volume_config,
+        interposer: n.interposer,
+        vdriver_dir: n.vdriver_path,
+        vm_dir: n.virtual_manager_path,
+        cdi_dir: a.cdi_dir.unwrap_or_else(|| "/var/run/cdi".into()),
+        state_dir: a.state_dir.unwrap_or_else(|| {
+            PathBuf::from(dra_api::pluginregistration::PLUGINS_DIR).join(crate::DRIVER_NAME)
+        }),
+        plugins_dir: a
+            .plugins_dir
+            .unwrap_or_else(|| dra_api::pluginregistration::PLUGINS_DIR.into()),
+        registry_dir: a
+            .registry_dir
+            .unwrap_or_else(|| dra_api::pluginregistration::REGISTRY_DIR.into()),
+        kubeconfig: n.kubeconfig,
+        xid_quiet_period: n.xid_quiet_period,
+        ignored_xids: n.ignored_xids,
+        resync_period: Duration::from_secs(a.resync_period.unwrap_or(60).max(1)),
+        extra_devices,
+        display: (display_socket.as_os_str() != "none").then_some((display_socket, query_addr)),
+        sample_period: n.sample_period,
+        escape_policy: n.escape_policy,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_over_the_managers_file_over_defaults() {
+        let tmp = tempfile::tempdir().unwrap();
+        let toml = tmp.path().join("gpu-manager.toml");
+        // The repository's sample, with a node name and an interposer.
+        let sample = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../../config/gpu-manager.toml"
+        ))
+        .unwrap();
+        std::fs::write(
+            &toml,
+            format!("{sample}\nhostname-override = \"node-1\"\ninterposer = \"/usr/lib/vcuda/libvcuda.so\"\n"),
+        )
+        .unwrap();
+        let s = resolve(Args {
+            manager_config: Some(toml.clone()),
+            vm_dir: Some("/flag/vm".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(s.node, "node-1");
+        assert_eq!(s.host_root, PathBuf::from("/usr/local/host"));
+        assert_eq!(s.vm_dir, PathBuf::from("/flag/vm"));
+        assert_eq!(s.vdriver_dir, PathBuf::from("/etc/gpu-manager/vdriver"));
+        assert_eq!(
+            s.interposer.as_deref(),
+            Some(std::path::Path::new("/usr/lib/vcuda/libvcuda.so"))
+        );
+        assert_eq!(
+            s.display.as_ref().unwrap().1,
+            "0.0.0.0:5678".parse().unwrap()
+        );
+        assert_eq!(s.ignored_xids, [13, 31, 43, 45, 68, 109]);
+        assert_eq!(s.cdi_dir, PathBuf::from("/var/run/cdi"));
+        assert_eq!(
+            s.state_dir,
+            PathBuf::from("/var/lib/kubelet/plugins/vcuda.tencent.com")
+        );
+
+        let s = resolve(Args {
+            node_name: Some("n".into()),
+            display_socket: Some("none".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(s.display.is_none());
+        assert_eq!(s.host_root, PathBuf::from("/"));
+        std::fs::write(&toml, "bogus-key = 1\n").unwrap();
+        let e = resolve(Args {
+            manager_config: Some(toml),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("gpu-manager.toml"), "{e}");
+    }
+}

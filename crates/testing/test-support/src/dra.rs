@@ -1,0 +1,226 @@
+//! A node for the DRA tests: the API server emulator, the driver (its
+//! kubelet plugin and registration sockets in temp dirs) and the emulated
+//! kubelet registered with it (crates/node/dra-driver/tests).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use apiserver_emulator::{ApiServer, Kind};
+use dra_driver::driver::{Config, Driver};
+use dra_driver::grpc::{self, RegistrationState, Sockets};
+use dra_driver::kube_api::KubeApi;
+use dra_kubelet_emulator::plugin::{self, DraPlugin};
+use gpu_allocator::GpuInfo;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+pub const NODE: &str = "node-a";
+pub const NS: &str = "team";
+
+pub async fn kube(server: &ApiServer, dir: &Path) -> KubeApi {
+    let path = dir.join("kubeconfig");
+    server.write_kubeconfig(&path).unwrap();
+    let kc = kube::config::Kubeconfig::read_from(&path).unwrap();
+    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .unwrap();
+    KubeApi {
+        client: kube::Client::try_from(cfg).unwrap(),
+    }
+}
+
+pub fn gpus() -> Vec<GpuInfo> {
+    (0..2)
+        .map(|i| GpuInfo {
+            index: i,
+            uuid: format!("GPU-0000000{i}"),
+            minor: i as u32,
+            memory_bytes: 16 << 30,
+            numa_node: Some(0),
+            pci_bus_id: format!("00000000:3{i}:00.0"),
+        })
+        .collect()
+}
+
+pub struct Dirs {
+    pub tmp: tempfile::TempDir,
+}
+
+impl Default for Dirs {
+    fn default() -> Self {
+        Dirs::new()
+    }
+}
+
+impl Dirs {
+    pub fn new() -> Dirs {
+        Dirs {
+            tmp: tempfile::tempdir().unwrap(),
+        }
+    }
+    pub fn p(&self, s: &str) -> PathBuf {
+        self.tmp.path().join(s)
+    }
+    pub fn config(&self) -> Config {
+        Config {
+            node: NODE.into(),
+            vm_root: self.p("vm"),
+            vdriver_dir: self.p("vdriver"),
+            cdi_dir: self.p("cdi"),
+            state_dir: self.p("state"),
+            driver_version: (550, 54),
+            extra_devices: vec![],
+        }
+    }
+    pub fn sockets(&self) -> Sockets {
+        Sockets::new(&self.p("plugins"), &self.p("plugins_registry"))
+    }
+}
+
+/// A running driver: cancel to stop it (a restart is another `start`).
+pub struct Running {
+    pub driver: Arc<Driver>,
+    pub registration: Arc<std::sync::Mutex<RegistrationState>>,
+    /// This instance's own sockets.
+    pub sockets: Sockets,
+    pub cancel: CancellationToken,
+}
+
+pub async fn start(dirs: &Dirs, gpus: Vec<GpuInfo>, api: &KubeApi) -> Running {
+    let driver = Arc::new(Driver::start(dirs.config(), gpus, Arc::new(api.clone())).unwrap());
+    let cancel = CancellationToken::new();
+    let sockets = dirs.sockets();
+    let registration = grpc::serve(driver.clone(), &sockets, cancel.clone())
+        .await
+        .unwrap();
+    Running {
+        driver,
+        registration,
+        sockets,
+        cancel,
+    }
+}
+
+pub async fn kubelet(dirs: &Dirs, beta: bool) -> DraPlugin {
+    plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(20), beta)
+        .await
+        .unwrap()
+}
+
+/// Creates a share claim (`cores` %, `memory`) with optional opaque params.
+pub fn share_claim(
+    server: &ApiServer,
+    name: &str,
+    cores: u32,
+    memory: &str,
+    params: Option<Value>,
+) -> Value {
+    let mut c = json!({
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": dra_driver::slices::SHARE_CLASS,
+            "capacity": {"requests": {"cores": cores.to_string(), "memory": memory}}}}]}}
+    });
+    if let Some(p) = params {
+        c["spec"]["devices"]["config"] = json!([{"requests": ["gpu"], "opaque": {"driver": "vcuda.tencent.com", "parameters": p}}]);
+    }
+    server.create(Kind::ResourceClaim, Some(NS), c).unwrap()
+}
+
+/// A claim for shares of `cores` and `memory` on each of two GPUs (one
+/// request, `count: 2`), allocated on gpu-0 and gpu-1 as the scheduler
+/// would (the emulated allocator places count 1 only).
+pub fn two_gpu_claim(server: &ApiServer, name: &str, cores: &str, memory: &str) -> String {
+    two_gpu_claim_nth(server, name, cores, memory, 0)
+}
+
+/// [`two_gpu_claim`] as the `nth` claim allocated on gpu-0 and gpu-1: its
+/// own share IDs, so several such claims share the two GPUs.
+pub fn two_gpu_claim_nth(
+    server: &ApiServer,
+    name: &str,
+    cores: &str,
+    memory: &str,
+    nth: u32,
+) -> String {
+    let c = server
+        .create(
+            Kind::ResourceClaim,
+            Some(NS),
+            json!({
+                "metadata": {"name": name, "namespace": NS},
+                "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
+                    "deviceClassName": dra_driver::slices::SHARE_CLASS, "count": 2,
+                    "capacity": {"requests": {"cores": cores, "memory": memory}}}}]}}
+            }),
+        )
+        .unwrap();
+    let result = |gpu: u32| {
+        json!({"request": "gpus", "driver": "vcuda.tencent.com", "pool": NODE,
+               "device": format!("gpu-{gpu}"),
+               "shareID": format!("{nth:07x}{gpu}-0000-4000-8000-000000000000"),
+               "consumedCapacity": {"cores": cores, "memory": memory}})
+    };
+    let allocation = json!({"devices": {"results": [result(0), result(1)], "config": []}});
+    server
+        .patch(
+            Kind::ResourceClaim,
+            Some(NS),
+            name,
+            &json!({"status": {"allocation": allocation}}),
+        )
+        .unwrap();
+    uid(&c)
+}
+
+pub fn uid(claim: &Value) -> String {
+    claim["metadata"]["uid"].as_str().unwrap().to_string()
+}
+
+/// Polls `f` until it holds (or fails after `secs`).
+pub async fn until(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
+    let t0 = std::time::Instant::now();
+    while !f() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(secs),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What a runtime does with the CDI edits, without a mount namespace: the
+/// env with container mount paths mapped to their host paths, and the
+/// interposer pointed at the vm directory mounted at /etc/vcuda.
+pub fn container_env(edits: &Value) -> Vec<(String, String)> {
+    let mounts: Vec<(String, String)> = edits["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["containerPath"].as_str().unwrap().to_string(),
+                m["hostPath"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let mut env: Vec<(String, String)> = edits["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let (k, v) = e.as_str().unwrap().split_once('=').unwrap();
+            let mut v = v.to_string();
+            for (c, h) in &mounts {
+                if let Some(rest) = v.strip_prefix(c.as_str()) {
+                    v = format!("{h}{rest}");
+                }
+            }
+            (k.to_string(), v)
+        })
+        .collect();
+    let vm = mounts.iter().find(|(c, _)| c == "/etc/vcuda").unwrap();
+    env.push(("VCUDA_CONFIG_DIR".into(), vm.1.clone()));
+    env
+}
