@@ -298,7 +298,7 @@ fn the_simulator_shares_no_pricing_code_with_the_interposer() {
     }
     let mut sources = Vec::new();
     for dir in ["gpu-sim-core", "gpu-sim-cuda", "gpu-sim-nvml", "gpu-sim"] {
-        rust_files(&root.join("crates").join(dir).join("src"), &mut sources);
+        rust_files(&root.join("crates/sim").join(dir).join("src"), &mut sources);
     }
     assert!(sources.len() > 10, "{sources:?}");
     for f in sources {
