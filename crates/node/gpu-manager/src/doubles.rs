@@ -70,12 +70,14 @@ impl PodSource for MemoryPods {
         lock(&self.pods).clone()
     }
 
-    async fn changed(&self, timeout: Duration) -> bool {
+    fn generation(&self) -> u64 {
+        *self.version.borrow()
+    }
+
+    async fn changed_since(&self, seen: u64, timeout: Duration) -> bool {
         let mut rx = self.version.subscribe();
-        matches!(
-            tokio::time::timeout(timeout, rx.changed()).await,
-            Ok(Ok(()))
-        )
+        let moved = rx.wait_for(|&g| g != seen);
+        matches!(tokio::time::timeout(timeout, moved).await, Ok(Ok(_)))
     }
 }
 
@@ -95,16 +97,24 @@ impl PodPatcher for MemoryPatches {
     }
 }
 
+/// Something that happens while kubelet answers a `List`.
+type OnList = Box<dyn Fn() + Send + Sync>;
+
 /// kubelet's device records; `Err` while unreachable. Its active
 /// pods: unknown (an error) until [`MemoryKubelet::set_active`].
 pub struct MemoryKubelet(
     Mutex<Result<Vec<Held>, KubeletError>>,
     Mutex<Option<Vec<(String, String)>>>,
+    Mutex<Option<OnList>>,
 );
 
 impl Default for MemoryKubelet {
     fn default() -> Self {
-        MemoryKubelet(Mutex::new(Ok(Vec::new())), Mutex::new(None))
+        MemoryKubelet(
+            Mutex::new(Ok(Vec::new())),
+            Mutex::new(None),
+            Mutex::new(None),
+        )
     }
 }
 
@@ -149,6 +159,12 @@ impl MemoryKubelet {
     pub fn set_unreachable(&self, reason: &str) {
         *lock(&self.0) = Err(KubeletError::PodResources(reason.into()));
     }
+
+    /// Runs `f` during the next `List` of active pods (the world moving
+    /// while the manager waits for kubelet's answer).
+    pub fn during_next_list(&self, f: impl Fn() + Send + Sync + 'static) {
+        *lock(&self.2) = Some(Box::new(f));
+    }
 }
 
 #[async_trait::async_trait]
@@ -170,6 +186,10 @@ impl KubeletSource for MemoryKubelet {
     }
 
     async fn active_pods(&self) -> Result<Vec<(String, String)>, KubeletError> {
+        let during = lock(&self.2).take();
+        if let Some(f) = during {
+            f();
+        }
         lock(&self.1)
             .clone()
             .ok_or_else(|| KubeletError::PodResources("no active pods recorded".into()))

@@ -150,14 +150,16 @@ impl PodWatch {
         self.store.state()
     }
 
-    /// Waits until the store changes or `timeout` passes; false on timeout.
-    pub async fn changed(&self, timeout: Duration) -> bool {
+    pub fn generation(&self) -> u64 {
+        *self.changes.borrow()
+    }
+
+    /// Waits until the store's generation differs from `seen` or `timeout`
+    /// passes; false on timeout.
+    pub async fn changed_since(&self, seen: u64, timeout: Duration) -> bool {
         let mut rx = self.changes.clone();
-        rx.mark_unchanged();
-        matches!(
-            tokio::time::timeout(timeout, rx.changed()).await,
-            Ok(Ok(()))
-        )
+        let moved = rx.wait_for(|&g| g != seen);
+        matches!(tokio::time::timeout(timeout, moved).await, Ok(Ok(_)))
     }
 }
 
@@ -171,8 +173,12 @@ impl PodSource for PodWatch {
         PodWatch::pods(self)
     }
 
-    async fn changed(&self, timeout: Duration) -> bool {
-        PodWatch::changed(self, timeout).await
+    fn generation(&self) -> u64 {
+        PodWatch::generation(self)
+    }
+
+    async fn changed_since(&self, seen: u64, timeout: Duration) -> bool {
+        PodWatch::changed_since(self, seen, timeout).await
     }
 
     fn seen(&self, uid: &str) -> Option<u64> {

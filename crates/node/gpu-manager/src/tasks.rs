@@ -20,10 +20,18 @@ pub struct PodRelease {
 impl PodRelease {
     pub fn spawn(self, cancel: CancellationToken) {
         tokio::spawn(async move {
+            // The generation is read before each sweep, so a deletion seen
+            // while one runs wakes the next instead of waiting for an
+            // unrelated event.
+            let mut seen = self.mgr.pod_generation();
+            self.mgr.release_deleted_pods();
             loop {
                 tokio::select! {
                     _ = cancel.cancelled() => return,
-                    _ = self.mgr.pod_changes() => { self.mgr.release_deleted_pods(); }
+                    _ = self.mgr.pod_changes(seen) => {
+                        seen = self.mgr.pod_generation();
+                        self.mgr.release_deleted_pods();
+                    }
                 }
             }
         });

@@ -26,8 +26,12 @@ pub trait PodSource: Send + Sync {
     /// Whether the list is current; only `Ok` lets pods count as gone.
     fn health(&self) -> ApiHealth;
     fn pods(&self) -> Vec<Arc<Pod>>;
-    /// Waits until the list changes or `timeout` passes; false on timeout.
-    async fn changed(&self, timeout: Duration) -> bool;
+    /// A counter of the list's changes. Read it before `pods()` and wait
+    /// with `changed_since`: a change in between is then never missed.
+    fn generation(&self) -> u64;
+    /// Waits until the generation differs from `seen` (at once when it
+    /// already does) or `timeout` passes; false on timeout.
+    async fn changed_since(&self, seen: u64, timeout: Duration) -> bool;
     /// The order in which the source first saw the pod on this node (its
     /// binding order); `None` when unknown.
     fn seen(&self, _uid: &str) -> Option<u64> {

@@ -114,6 +114,7 @@ impl Manager {
     async fn find_candidate(&self, cores: u64) -> Result<pods::Candidate, Refusal> {
         let deadline = Instant::now() + POD_WAIT;
         loop {
+            let seen = self.pods.generation();
             let pods = self.pods.pods();
             // Only a pod kubelet is admitting can be the one asking: one
             // it refused (no healthy devices while the manager was down)
@@ -134,7 +135,7 @@ impl Manager {
                 return Ok(c);
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || !self.pods.changed(left).await {
+            if left.is_zero() || !self.pods.changed_since(seen, left).await {
                 if active.is_some()
                     && let Some(c) = self.select(&self.pods.pods(), cores)
                 {
@@ -363,6 +364,11 @@ impl Manager {
         let ctx = format!("pod {ns}/{name} container {}", cand.container);
         let req = self.request(&ctx, &cand)?;
         let id = alloc_id(uid, &cand.container);
+        // The watch delivered this pod after every deletion before it: free
+        // those first, so the placement (and gpu-admission's, made after
+        // them) is judged on the same state, not on one the release task
+        // has not caught up with.
+        self.release_deleted_pods();
         // 1. Decide and reserve the capacity, under the state lock.
         let placement = self.reserve(&ctx, &cand, &req, &id)?;
         let gpus: Vec<&GpuInfo> = placement.gpus().iter().map(|&g| &self.gpus[g]).collect();

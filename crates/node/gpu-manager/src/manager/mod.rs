@@ -161,11 +161,16 @@ impl Manager {
         self.st().allocator.render()
     }
 
-    /// Resolves at the next change of the pod watch.
-    pub async fn pod_changes(&self) {
+    /// The pod watch's generation (see [`Manager::pod_changes`]).
+    pub fn pod_generation(&self) -> u64 {
+        self.pods.generation()
+    }
+
+    /// Resolves once the pod watch has moved past generation `seen`.
+    pub async fn pod_changes(&self, seen: u64) {
         while !self
             .pods
-            .changed(std::time::Duration::from_secs(3600))
+            .changed_since(seen, std::time::Duration::from_secs(3600))
             .await
         {}
     }

@@ -374,6 +374,56 @@ async fn a_pod_kubelet_does_not_list_is_not_guessed() {
     assert_eq!(guess(Some(&[])).await, first);
 }
 
+/// The pod kubelet admits reaches the watch while the manager waits for
+/// kubelet's `List`: that change must wake the wait, not be lost until
+/// the pod wait runs out and the guess falls to every pending pod (which
+/// took the other one, first by order: CI, 2026-12-02).
+#[tokio::test]
+async fn a_pod_that_arrives_during_kubelet_s_list_is_the_one_taken() {
+    let rig = Rig::new();
+    rig.pods.put(pod(
+        "a",
+        30,
+        4,
+        json!({"tencent.com/predicate-time": "100"}),
+    ));
+    rig.kubelet.set_active(&[("ns", "b")]);
+    let pods = rig.pods.clone();
+    rig.kubelet.during_next_list(move || {
+        pods.put(pod(
+            "b",
+            30,
+            4,
+            json!({"tencent.com/predicate-time": "200"}),
+        ));
+    });
+    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    assert_eq!(booked(&rig), ["uid-b"]);
+}
+
+/// A pod the watch has seen deleted frees its capacity before the next
+/// placement, whether or not the release task has run yet: the scheduler
+/// (and gpu-admission) placed the new pod after that deletion.
+#[tokio::test]
+async fn an_allocate_first_frees_pods_the_watch_saw_deleted() {
+    let rig = Rig::new();
+    rig.kubelet.set_active(&[("ns", "a")]);
+    rig.pods.put(pod("a", 60, 4, json!({})));
+    rig.mgr.allocate_vcore(vcore_ids(0, 60)).await.unwrap();
+    rig.pods.put(pod("c", 100, 0, json!({})));
+    rig.kubelet.set_active(&[("ns", "c")]);
+    rig.mgr.allocate_vcore(vcore_ids(1, 100)).await.unwrap();
+    rig.pods.remove("uid-a");
+    // IDs nobody holds: kubelet need not hand out the deleted pod's.
+    rig.pods.put(pod("b", 60, 4, json!({})));
+    rig.kubelet.set_active(&[("ns", "b")]);
+    let ids: Vec<String> = (100..160).map(|k| ids::vcore_id(0, k)).collect();
+    rig.mgr.allocate_vcore(ids).await.unwrap();
+    let mut on = booked(&rig);
+    on.sort();
+    assert_eq!(on, ["uid-b", "uid-c"]);
+}
+
 #[tokio::test]
 async fn pre_start_without_kubelet_s_records_keeps_the_allocation_unverified() {
     let rig = Rig::new();
