@@ -37,6 +37,30 @@ fn one_gpu() -> u32 {
 }
 
 impl Request {
+    /// A one-GPU request's cores: 1..99 (a share) or a multiple of 100.
+    pub fn check_cores(&self) -> Result<(), AllocError> {
+        let cores = self.cores;
+        if self.gpus == 1
+            && (cores == 0 || (cores > WHOLE_GPU_CORES && cores % WHOLE_GPU_CORES != 0))
+        {
+            return Err(AllocError::InvalidCores { cores });
+        }
+        Ok(())
+    }
+
+    /// What no node could place, whatever its GPUs: the cores' shape, and
+    /// a share of one GPU without memory.
+    pub fn check_shape(&self) -> Result<(), AllocError> {
+        self.check_cores()?;
+        let cores = self.cores;
+        if self.gpus == 1 && cores % WHOLE_GPU_CORES != 0 && self.memory_units == 0 {
+            return Err(AllocError::ShareWithoutMemory { cores });
+        }
+        Ok(())
+    }
+}
+
+impl Request {
     /// A share of one GPU (share mode on).
     pub fn share(cores: u32, memory_units: u64) -> Request {
         Request {
@@ -287,9 +311,7 @@ impl Allocator {
             return self.evaluate_shares(req);
         }
         let cores = req.cores;
-        if cores == 0 || (cores > WHOLE_GPU_CORES && cores % WHOLE_GPU_CORES != 0) {
-            return Err(AllocError::InvalidCores { cores });
-        }
+        req.check_cores()?;
         if cores % WHOLE_GPU_CORES == 0 {
             self.evaluate_whole((cores / WHOLE_GPU_CORES) as usize, cores)
         } else {

@@ -26,6 +26,37 @@ pub const VCUDA_GPUS: &str = "tencent.com/vcuda-gpus";
 /// GPUs or more).
 pub const MULTI_GPU_LABEL: &str = "tencent.com/vcuda-multi-gpu";
 
+/// The names a DRA claim for vcuda uses (docs/dra.md): the driver
+/// publishes them, the webhook's rewrite of a pod's limits asks for them.
+pub mod dra {
+    pub const DRIVER_NAME: &str = "vcuda.tencent.com";
+    /// DeviceClass for shares: any vcuda GPU; the claim says how much with
+    /// `capacity.requests` (`cores`, `memory`).
+    pub const SHARE_CLASS: &str = "vcuda-share.vcuda.tencent.com";
+    /// DeviceClass for whole GPUs: the defaults (all cores, all memory),
+    /// the untouched driver.
+    pub const WHOLE_CLASS: &str = "vcuda-gpu.vcuda.tencent.com";
+    /// The device attribute naming its GPU (`distinctAttribute` keeps the
+    /// shares of one claim on different GPUs).
+    pub const UUID_ATTRIBUTE: &str = "vcuda.tencent.com/uuid";
+}
+
+/// Annotations only vcuda writes (the extender's bind, the manager):
+/// where a pod's GPUs are. A pod's owner who could write them would
+/// hold GPUs without being placed.
+pub fn placement_annotations(pod: &Pod) -> BTreeMap<&str, &str> {
+    pod.metadata
+        .annotations
+        .iter()
+        .flatten()
+        .filter(|(k, _)| {
+            [PREDICATE_NODE, PREDICATE_TIME, GPU_ASSIGNED].contains(&k.as_str())
+                || k.starts_with(PREDICATE_GPU_IDX_PREFIX)
+        })
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect()
+}
+
 /// An integer extended-resource limit of a container (0 when absent).
 pub fn limit(c: &Container, resource: &str) -> u64 {
     c.resources

@@ -11,9 +11,10 @@
 //! * [`bind`]: the GPUs written where the manager reads them, reserved by
 //!   an optimistic, conflict-checked bump of the node (no lock held);
 //! * [`api`]: the extender protocol's wire types; [`kube_api`]: the API
-//!   server behind the caches and bind; [`http`]: the endpoints; [`tls`]:
+//!   server behind the caches and bind; [`http`]: the endpoints; [`access`]:
 //!   who may call them (loopback, or kube-scheduler's client certificate).
 
+pub mod access;
 pub mod api;
 pub mod bind;
 pub mod cluster;
@@ -21,7 +22,6 @@ pub mod extender;
 pub mod http;
 pub mod kube_api;
 pub mod policy;
-pub mod tls;
 
 #[cfg(test)]
 mod bind_tests;

@@ -44,7 +44,7 @@ pub mod uninstall;
 
 /// The driver name: ResourceSlices' `spec.driver`, allocation results'
 /// `driver`, the registration name.
-pub const DRIVER_NAME: &str = "vcuda.tencent.com";
+pub const DRIVER_NAME: &str = gpu_pods::dra::DRIVER_NAME;
 /// The CDI kind of its devices (`vcuda.tencent.com/gpu=<name>`).
 pub const CDI_KIND: &str = "vcuda.tencent.com/gpu";
 /// Consumable capacity: percent of the GPU's compute (100 = all).

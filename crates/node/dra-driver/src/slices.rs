@@ -197,10 +197,10 @@ pub fn same_devices(a: &ResourceSliceSpec, b: &ResourceSliceSpec) -> bool {
 
 /// DeviceClass for shares: any vcuda GPU; the claim says how much with
 /// `capacity.requests` (`cores`, `memory`).
-pub const SHARE_CLASS: &str = "vcuda-share.vcuda.tencent.com";
+pub const SHARE_CLASS: &str = gpu_pods::dra::SHARE_CLASS;
 /// DeviceClass for whole GPUs: the defaults (all cores, all memory), the
 /// untouched driver; the driver refuses a partial allocation under it.
-pub const WHOLE_CLASS: &str = "vcuda-gpu.vcuda.tencent.com";
+pub const WHOLE_CLASS: &str = gpu_pods::dra::WHOLE_CLASS;
 
 fn class(name: &str, config: Option<serde_json::Value>) -> DeviceClass {
     DeviceClass {

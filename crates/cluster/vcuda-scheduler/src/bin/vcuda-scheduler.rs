@@ -6,10 +6,10 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
+use vcuda_scheduler::access;
 use vcuda_scheduler::http::{Server, router};
 use vcuda_scheduler::kube_api::{Caches, KubeBind};
 use vcuda_scheduler::policy::Policy;
-use vcuda_scheduler::tls;
 
 /// A kube-scheduler HTTP extender placing vcuda's device-plugin resources
 /// per GPU.
@@ -46,10 +46,10 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     daemon_kit::init_logging();
     let a = Args::parse();
-    let tls = match tls::files(a.tls_cert.clone(), a.tls_key.clone(), a.client_ca.clone())? {
-        Some(f) => Some(tls::server_config(&f)?),
+    let tls = match access::files(a.tls_cert.clone(), a.tls_key.clone(), a.client_ca.clone())? {
+        Some(f) => Some(tls_listener::server_config(&f)?),
         None => {
-            tls::check_plain(a.listen)?;
+            access::check_plain(a.listen)?;
             None
         }
     };
@@ -82,7 +82,7 @@ async fn main() -> anyhow::Result<()> {
     let stop = cancel.clone();
     match tls {
         Some(cfg) => {
-            let l = tls::TlsListener::start(listener, cfg, cancel.clone())?;
+            let l = tls_listener::TlsListener::start(listener, cfg, cancel.clone())?;
             axum::serve(l, router(server))
                 .with_graceful_shutdown(async move { stop.cancelled().await })
                 .await
