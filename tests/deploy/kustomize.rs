@@ -19,7 +19,7 @@ use test_support::{Capability, require};
 
 /// The overlays this file knows what to expect of; a new overlay fails
 /// [`every_overlay_renders_with_every_kubectl`] until it is added here.
-const OVERLAYS: [&str; 8] = [
+pub(super) const OVERLAYS: [&str; 8] = [
     "share",
     "share-before-1.22",
     "whole-gpu",
@@ -46,7 +46,7 @@ fn kubectls() -> Option<Vec<(String, PathBuf)>> {
     Some(out)
 }
 
-fn which(name: &str) -> Result<PathBuf, ()> {
+pub(super) fn which(name: &str) -> Result<PathBuf, ()> {
     let path = std::env::var_os("PATH").ok_or(())?;
     std::env::split_paths(&path)
         .map(|d| d.join(name))
@@ -68,7 +68,7 @@ fn version(kubectl: &Path) -> String {
 }
 
 /// `kubectl kustomize dir`: the rendered objects, or a panic with stderr.
-fn render(kubectl: &Path, dir: &Path) -> Vec<Value> {
+pub(super) fn render(kubectl: &Path, dir: &Path) -> Vec<Value> {
     let out = Command::new(kubectl)
         .arg("kustomize")
         .arg(dir)
@@ -89,7 +89,7 @@ fn render(kubectl: &Path, dir: &Path) -> Vec<Value> {
 }
 
 /// The typed round trip of every rendered object, by kind.
-fn check_types(what: &str, objects: &[Value]) {
+pub(super) fn check_types(what: &str, objects: &[Value]) {
     for v in objects {
         let kind = v["kind"].as_str().unwrap_or_default();
         let name = format!("{what}: {kind} {}", v["metadata"]["name"]);
@@ -116,7 +116,7 @@ fn check_types(what: &str, objects: &[Value]) {
 /// Every ConfigMap and ServiceAccount a workload's pod template names (not
 /// marked optional) is in the same render: `kubectl apply -k` of the
 /// overlay alone must give pods that start.
-fn check_references(what: &str, objects: &[Value]) {
+pub(super) fn check_references(what: &str, objects: &[Value]) {
     let has = |kind: &str, ns: &Value, name: &str| {
         objects.iter().any(|v| {
             v["kind"] == kind && v["metadata"]["name"] == name && v["metadata"]["namespace"] == *ns
@@ -148,22 +148,22 @@ fn check_references(what: &str, objects: &[Value]) {
     }
 }
 
-fn overlay(name: &str) -> PathBuf {
+pub(super) fn overlay(name: &str) -> PathBuf {
     super::deploy_dir().join("overlays").join(name)
 }
 
-fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+pub(super) fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
     objects
         .iter()
         .find(|v| v["kind"] == kind && v["metadata"]["name"] == name)
         .unwrap_or_else(|| panic!("no {kind} {name} among {} objects", objects.len()))
 }
 
-fn container(ds: &Value) -> &Value {
+pub(super) fn container(ds: &Value) -> &Value {
     &ds["spec"]["template"]["spec"]["containers"][0]
 }
 
-fn args(ds: &Value) -> Vec<String> {
+pub(super) fn args(ds: &Value) -> Vec<String> {
     container(ds)["args"]
         .as_array()
         .unwrap()

@@ -3,6 +3,7 @@
 //! field (a misspelt key is dropped by the typed round trip and reported),
 //! and the pieces must fit together (labels, ports, volumes, config keys).
 
+mod helm;
 mod kustomize;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
