@@ -51,6 +51,7 @@ mod phase2;
 mod phase_nodes;
 mod phase_sched;
 mod phase_tp;
+mod phase_webhook;
 mod reboot;
 mod uninstall;
 mod upgrade;
@@ -169,6 +170,7 @@ fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     }
     let (mut m, state) = phase1::run(c, w, figures);
     phase_tp::run(c, w, figures, &state);
+    phase_webhook::run(c, w, figures);
     // While the host manager serves (phase 2 ends by stopping it).
     phase_sched::run(c, w, figures);
     phase_nodes::run(c, w, figures);
