@@ -171,6 +171,14 @@ VCUDA_K8S_BIN=$(bash tests/k8s/build-kubernetes.sh | tail -n1)
 export VCUDA_K8S_BIN
 export VCUDA_REQUIRE_K8S=1
 
+# helm 3 from its Go module (tests/deploy/helm.rs renders and lints the
+# chart with it), cached by version (/var/cache/vcuda/helm-<version>; a
+# cold build is ~4 min on 2 cores): built beside the downloads below,
+# awaited before the workspace build.
+mkdir -p "$VCUDA_CACHE"
+bash deploy/helm/build-helm.sh >"$VCUDA_CACHE/helm-build.log" 2>&1 &
+helm_build=$!
+
 log "python packages"
 python3 -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
 # NVIDIA's CUDA runtimes from PyPI (libcudart.so.12 of the newest 12.x and
@@ -271,6 +279,15 @@ export VCUDA_REQUIRE_CONTAINERD=1
 # Every test must run here: one that cannot (not root, no unshare, no
 # second filesystem at /dev/shm) fails instead of skipping.
 export VCUDA_REQUIRE_ALL=1
+
+log "helm (deploy/helm/build-helm.sh, started beside the downloads)"
+if ! wait "$helm_build"; then
+  tail -n 30 "$VCUDA_CACHE/helm-build.log" >&2
+  echo "tests/run.sh: deploy/helm/build-helm.sh failed (log above)" >&2
+  exit 1
+fi
+VCUDA_HELM_BIN=$(tail -n1 "$VCUDA_CACHE/helm-build.log")
+export VCUDA_HELM_BIN
 
 log "build"
 cargo build --workspace --all-targets
