@@ -10,10 +10,9 @@ use test_support::kv;
 use test_support::workspace_root;
 
 /// deploy/ copied into the cluster's work directory with the test overlay's
-/// placeholders filled in (`deploy/test/daemonset-sim-patch.yaml`), then
-/// `kubectl apply -k` of the copy's `test/`: deploy/overlays/share-before-1.22 plus the
-/// patch, installed as an operator installs an overlay of their own.
-fn apply_test_overlay(c: &Cluster, w: &Work) -> std::path::PathBuf {
+/// placeholders filled in (`deploy/test/daemonset-sim-patch.yaml`, the
+/// uninstaller's); the copy.
+pub fn prepare_test_overlay(c: &Cluster, w: &Work) -> std::path::PathBuf {
     let copy = c.dir.join("work/deploy");
     let _ = fs::remove_dir_all(&copy);
     let st = std::process::Command::new("cp")
@@ -39,6 +38,14 @@ fn apply_test_overlay(c: &Cluster, w: &Work) -> std::path::PathBuf {
             );
         fs::write(&patch, text).unwrap();
     }
+    copy
+}
+
+/// `kubectl apply -k` of the prepared copy's `test/`:
+/// deploy/overlays/share-before-1.22 plus the patch, installed as an
+/// operator installs an overlay of their own.
+fn apply_test_overlay(c: &Cluster, w: &Work) -> std::path::PathBuf {
+    let copy = prepare_test_overlay(c, w);
     c.kubectl_ok(&["apply", "-k", copy.join("test").to_str().unwrap()]);
     copy.join("test")
 }
@@ -223,6 +230,8 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     // Phase 3d: a node reboot; phase 3c: uninstall, with ds-always live.
     crate::reboot::run(c, w, figures);
     crate::uninstall::run(c, &overlay, crate::reboot::LIVE, figures);
+    // Phase 3e: the same DaemonSet from the Helm chart.
+    crate::helm::run(c, w, overlay.parent().unwrap(), figures);
 }
 
 /// The DaemonSet's Ready pod (another than `not`).

@@ -45,6 +45,7 @@
 //! `host_manager.rs`, `phase1.rs`, `phase2.rs`, `deploy.rs` (phase 3).
 
 mod deploy;
+mod helm;
 mod host_manager;
 mod phase1;
 mod phase2;
@@ -58,7 +59,7 @@ mod upgrade;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use test_support::k8s::cluster::{Cluster, Work, busybox_image, compile};
+use test_support::k8s::cluster::{Cluster, Work, busybox_image, compile, manager_image};
 use test_support::k8s::util::{Cleanup, HostDevCleanup, MachineLock, k8s_bin};
 use test_support::{Capability, missing, require, target_dir, workspace_root};
 
@@ -122,6 +123,27 @@ fn real_node_suite() {
     );
     busybox_image(&c, &c.dir.join("work"));
 
+    // VCUDA_K8S_ONLY=helm runs the chart's phase alone, =webhook the
+    // webhook's (while working on them).
+    match std::env::var("VCUDA_K8S_ONLY").as_deref() {
+        Ok("helm") => {
+            manager_image(&c, &c.dir.join("work"));
+            let copy = deploy::prepare_test_overlay(&c, &w);
+            let _etc = Cleanup(
+                (!Path::new("/etc/gpu-manager").exists())
+                    .then(|| PathBuf::from("/etc/gpu-manager")),
+            );
+            helm::run(&c, &w, &copy, &mut figures);
+            return;
+        }
+        Ok("webhook") => {
+            let mut m = host_manager::HostManager::start(&c, &w);
+            m.wait_ready(120);
+            phase_webhook::run(&c, &w, &mut figures);
+            return;
+        }
+        _ => {}
+    }
     // VCUDA_K8S_ONLY=deploy runs phase 3 alone (while working on it).
     let host_phases = std::env::var("VCUDA_K8S_ONLY").as_deref() != Ok("deploy");
     if host_phases {

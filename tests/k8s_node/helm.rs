@@ -1,0 +1,272 @@
+//! Phase 3e (issue 35): the Helm chart (`deploy/helm/vcuda`) on the real
+//! node, as an operator runs it: `helm install` → a share served →
+//! `helm upgrade` with the share running (the manager's pod replaced, the
+//! share's container not restarted, still held to its quota) → `helm
+//! rollback` (the same) → `helm upgrade --set uninstall.enabled=true` →
+//! `helm uninstall`: nothing of the release left, no node state left.
+//!
+//! The test overlay's patches (deploy/test: the local image, the simulated
+//! driver root, the API server's address) go in through helm's
+//! `--post-renderer`, the way a site patches a chart it does not fork.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+use test_support::k8s::cluster::{Cluster, Work, pod_yaml};
+use test_support::k8s::util::{UNIT, get_u64, wait};
+use test_support::{kv, workspace_root};
+
+const RELEASE: &str = "vcuda";
+const STATE: &str = "/etc/gpu-manager";
+
+fn helm_bin() -> PathBuf {
+    let dir = std::env::var_os("VCUDA_HELM_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            panic!(
+                "VCUDA_HELM_BIN is not set: tests/run.sh builds helm (deploy/helm/build-helm.sh)"
+            )
+        });
+    let helm = dir.join("helm");
+    assert!(helm.is_file(), "{} missing", helm.display());
+    helm
+}
+
+/// `helm <args>` against the cluster; `patch`: which test patch the
+/// post-renderer applies (`ds` or `uninstall`).
+fn helm(c: &Cluster, patch: &str, args: &[&str]) -> String {
+    let out = Command::new(helm_bin())
+        .args(args)
+        .args(["-n", "kube-system", "--kubeconfig"])
+        .arg(c.kubeconfig())
+        .env("VCUDA_TEST_PATCH", patch)
+        .env("HELM_CACHE_HOME", c.dir.join("work/helm/cache"))
+        .env("HELM_CONFIG_HOME", c.dir.join("work/helm/config"))
+        .env("HELM_DATA_HOME", c.dir.join("work/helm/data"))
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "helm {args:?}:\n{text}");
+    text
+}
+
+/// The post-renderer: kustomize over helm's output with the filled test
+/// patch `$VCUDA_TEST_PATCH` names.
+fn post_renderer(c: &Cluster, deploy_copy: &Path) -> PathBuf {
+    let dir = c.dir.join("work/helm");
+    fs::create_dir_all(&dir).unwrap();
+    let script = dir.join("post-render.sh");
+    let kubectl = c.kubectl_cmd(&[]).get_program().to_owned();
+    fs::write(
+        &script,
+        format!(
+            "#!/bin/sh
+set -e
+d=$(mktemp -d)
+trap 'rm -rf \"$d\"' EXIT
+cat >\"$d/all.yaml\"
+case \"$VCUDA_TEST_PATCH\" in
+  ds) cp {ds} \"$d/patch.yaml\" ;;
+  uninstall) cp {un} \"$d/patch.yaml\" ;;
+  *) echo \"VCUDA_TEST_PATCH=$VCUDA_TEST_PATCH: ds or uninstall\" >&2; exit 1 ;;
+esac
+printf 'resources:\\n- all.yaml\\npatchesStrategicMerge:\\n- patch.yaml\\n' >\"$d/kustomization.yaml\"
+{kubectl} kustomize \"$d\"
+",
+            ds = deploy_copy.join("test/daemonset-sim-patch.yaml").display(),
+            un = deploy_copy.join("test/uninstall/uninstall-sim-patch.yaml").display(),
+            kubectl = Path::new(&kubectl).display(),
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
+    script
+}
+
+fn quota_held(c: &Cluster, pod: &str) {
+    let out = c.kubectl_ok(&["exec", pod, "--", "/work/shim_client", "quota", "64"]);
+    assert_eq!(get_u64(&kv(&out), "start_total", &out), 8 * UNIT, "{out}");
+}
+
+/// The share's container: same container, no restart.
+fn container_id(c: &Cluster, pod: &str) -> String {
+    let p = c.pod(pod).unwrap();
+    let s = &p["status"]["containerStatuses"][0];
+    assert_eq!(s["restartCount"], 0, "{pod} restarted: {s}");
+    s["containerID"].as_str().unwrap_or_default().to_string()
+}
+
+/// A rollout of the release's DaemonSet: a Ready pod other than `old`.
+fn rolled(c: &Cluster, old: &str, what: &str) -> (String, f64) {
+    let t = Instant::now();
+    let new = crate::deploy::ds_ready_pod(c, Some(old));
+    eprintln!("k8s_node: helm {what}: manager pod {old} -> {new}");
+    (new, t.elapsed().as_secs_f64())
+}
+
+pub fn run(c: &Cluster, w: &Work, deploy_copy: &Path, figures: &mut Vec<String>) {
+    eprintln!("k8s_node: phase 3e: the Helm chart: install, upgrade, rollback, uninstall");
+    let chart = workspace_root().join("deploy/helm/vcuda");
+    let chart = chart.to_str().unwrap();
+    let pr = post_renderer(c, deploy_copy);
+    let pr = pr.to_str().unwrap();
+    let image = [
+        "--set",
+        "image.repository=docker.io/vcuda-test/gpu-manager",
+        "--set",
+        "image.tag=local",
+        "--set",
+        "image.pullPolicy=Never",
+    ];
+    c.kubectl_ok(&[
+        "label",
+        "node",
+        &c.node,
+        "nvidia-device-enable=enable",
+        "--overwrite",
+    ]);
+    let t = Instant::now();
+    let mut args = vec!["install", RELEASE, chart, "--post-renderer", pr];
+    args.extend_from_slice(&image);
+    helm(c, "ds", &args);
+    let mgr = crate::deploy::ds_ready_pod(c, None);
+    c.wait_allocatable("resources from the chart's manager", (400, 240), 120);
+    figures.push(format!(
+        "helm install: the manager's pod Ready and resources advertised {:.1} s after `helm install`",
+        t.elapsed().as_secs_f64()
+    ));
+    c.apply(&pod_yaml(
+        w,
+        "helm-share",
+        30,
+        8,
+        "sleep 1000000 | /work/shim_client hold 64",
+        "",
+    ));
+    c.wait_phase("helm-share", &["Running"], 120);
+    wait("helm-share holding", 60, || {
+        let l = c.logs("helm-share");
+        if l.contains("holding pid=") {
+            Ok(())
+        } else {
+            Err(l)
+        }
+    });
+    quota_held(c, "helm-share");
+    let cid = container_id(c, "helm-share");
+
+    helm(
+        c,
+        "ds",
+        &[
+            "upgrade",
+            RELEASE,
+            chart,
+            "--post-renderer",
+            pr,
+            "--reuse-values",
+            "--set-string",
+            "devicePlugin.podAnnotations.vcuda-test/revision=2",
+        ],
+    );
+    let (mgr, up_s) = rolled(c, &mgr, "upgrade");
+    assert_eq!(
+        container_id(c, "helm-share"),
+        cid,
+        "the share's container was replaced by the upgrade"
+    );
+    quota_held(c, "helm-share");
+
+    helm(c, "ds", &["rollback", RELEASE, "1"]);
+    let (mgr, back_s) = rolled(c, &mgr, "rollback");
+    assert_eq!(
+        container_id(c, "helm-share"),
+        cid,
+        "the share's container was replaced by the rollback"
+    );
+    quota_held(c, "helm-share");
+    let hist = helm(c, "ds", &["history", RELEASE]);
+    assert!(
+        hist.lines().count() >= 4,
+        "install, upgrade, rollback:\n{hist}"
+    );
+    figures.push(format!(
+        "helm upgrade / rollback with a live share: the new manager pod Ready {up_s:.1} s / {back_s:.1} s after; \
+         the share's container kept, its quota held"
+    ));
+
+    // Uninstall: the share goes first (a live one keeps its state, as the
+    // kustomize phase shows), then the uninstallers, then the release.
+    c.kubectl_ok(&["delete", "pod", "helm-share", "--wait=true"]);
+    helm(
+        c,
+        "uninstall",
+        &[
+            "upgrade",
+            RELEASE,
+            chart,
+            "--post-renderer",
+            pr,
+            "--reuse-values",
+            "--set",
+            "uninstall.enabled=true",
+        ],
+    );
+    let done = wait("the chart's uninstaller done", 180, || {
+        let l = c.json(&[
+            "-n",
+            "kube-system",
+            "pods",
+            "-l",
+            "app.kubernetes.io/name=gpu-manager-uninstall",
+        ])?;
+        let pod = l["items"][0]["metadata"]["name"]
+            .as_str()
+            .ok_or("no uninstall pod yet")?
+            .to_string();
+        let log = c
+            .kubectl(&["-n", "kube-system", "logs", &pod])
+            .unwrap_or_default();
+        log.lines()
+            .find(|l| l.contains("uninstalled: removed"))
+            .map(str::to_string)
+            .ok_or(log)
+    });
+    let _ = mgr;
+    helm(c, "ds", &["uninstall", RELEASE, "--wait"]);
+    let left = c.kubectl_ok(&[
+        "get", "daemonset,deployment,configmap,service,serviceaccount,networkpolicy,clusterrole,clusterrolebinding",
+        "-A", "-l", &format!("app.kubernetes.io/instance={RELEASE}"), "-o", "name",
+    ]);
+    assert!(
+        left.trim().is_empty(),
+        "objects of the release left after helm uninstall:\n{left}"
+    );
+    let state: Vec<String> = ["vm", "vdriver", "checkpoint"]
+        .iter()
+        .map(|d| Path::new(STATE).join(d))
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
+    assert!(state.is_empty(), "node state left: {state:?} ({done})");
+    wait("the release's pods gone", 120, || {
+        let l = c.json(&[
+            "-n",
+            "kube-system",
+            "pods",
+            "-l",
+            "app.kubernetes.io/name in (gpu-manager,gpu-manager-uninstall)",
+        ])?;
+        match l["items"].as_array().map_or(0, Vec::len) {
+            0 => Ok(()),
+            k => Err(format!("{k} pods")),
+        }
+    });
+    figures.push(format!("helm uninstall (after the chart's uninstaller: {done}): no object of the release, no node state left"));
+}
