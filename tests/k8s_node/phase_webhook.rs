@@ -5,8 +5,14 @@
 //! Refused at `kubectl apply`, each with the message naming what was
 //! wrong: vcuda-core 150, a share without memory, memory without cores,
 //! more memory than any GPU of the cluster (this node's published
-//! inventory), forged placement annotations. A valid pod is admitted with
-//! the extender's scheduler name set; a server-side dry run of it passes.
+//! inventory), forged placement annotations. A valid pod is admitted; a
+//! server-side dry run of it passes.
+//!
+//! Only the validating webhook here: Debian's 1.20.2 API server, built with
+//! Go 1.19, dies (SIGSEGV in json-iterator's map encoder: modern-go/reflect2
+//! 1.0.1 under Go ≥ 1.18's map iteration; upstream moved to reflect2 1.0.2
+//! in 1.24) when it records any mutating webhook's JSON Patch in its
+//! audit annotation. The mutations are checked on the ≥ 1.36 node.
 
 use std::fs;
 use std::path::Path;
@@ -111,7 +117,6 @@ fn start(c: &Cluster, dir: &Path) -> Webhook {
         .arg(dir.join("tls.key"))
         .arg("--kubeconfig")
         .arg(c.kubeconfig())
-        .args(["--scheduler-name", "vcuda-scheduler"])
         .args([
             "--trusted-user",
             "system:serviceaccount:kube-system:vcuda-scheduler",
@@ -154,21 +159,12 @@ webhooks:
 "
         )
     };
-    [
-        hook(
-            "MutatingWebhookConfiguration",
-            "vcuda-webhook-test",
-            "mutate",
-            "CREATE",
-        ),
-        hook(
-            "ValidatingWebhookConfiguration",
-            "vcuda-webhook-test",
-            "validate",
-            "CREATE, UPDATE",
-        ),
-    ]
-    .join("---\n")
+    hook(
+        "ValidatingWebhookConfiguration",
+        "vcuda-webhook-test",
+        "validate",
+        "CREATE, UPDATE",
+    )
 }
 
 fn pod(name: &str, limits: &str, annotations: &str) -> String {
@@ -273,22 +269,18 @@ pub fn run(c: &Cluster, _w: &Work, figures: &mut Vec<String>) {
         ),
         "only vcuda writes it",
     );
-    // Valid: admitted, the extender's scheduler name set; a dry run too.
+    // Valid: admitted; a dry run too.
     let good = pod("good", &format!("{core}: 30, {mem}: 4"), "");
     apply(c, &dir, "good-dry", &good, &["--dry-run=server"])
         .expect("a valid pod's server-side dry run");
     apply(c, &dir, "good", &good, &[]).expect("a valid pod");
     let p = c.json(&["-n", NS, "pod", "good"]).unwrap();
-    assert_eq!(
-        p["spec"]["schedulerName"], "vcuda-scheduler",
-        "{}",
-        p["spec"]
-    );
+    assert_eq!(p["metadata"]["name"], "good", "{p}");
     let log = fs::read_to_string(&hook.1).unwrap_or_default();
     assert!(!log.contains("ERROR"), "webhook log: {}", tail(&log, 20));
     c.kubectl_ok(&[
         "delete",
-        "mutatingwebhookconfiguration,validatingwebhookconfiguration",
+        "validatingwebhookconfiguration",
         "vcuda-webhook-test",
     ]);
     c.kubectl_ok(&["delete", "namespace", NS, "--wait=true"]);

@@ -63,8 +63,38 @@ pub fn limit(c: &Container, resource: &str) -> u64 {
         .as_ref()
         .and_then(|r| r.limits.as_ref())
         .and_then(|l| l.get(resource))
-        .and_then(|q| q.0.trim().parse::<u64>().ok())
+        .and_then(|q| integer_quantity(&q.0))
         .unwrap_or(0)
+}
+
+/// An integer resource quantity as the API server stores it: it writes
+/// 1000 back as `1k` and 2000000 as `2M` (canonical decimal SI), and
+/// accepts `1e3` and binary suffixes (`1Ki`). `None`: not a whole number.
+pub fn integer_quantity(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (digits, suffix) = s.split_at(split);
+    let n: u64 = digits.parse().ok()?;
+    let scale: u64 = match suffix {
+        "" => 1,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "T" => 1_000_000_000_000,
+        "P" => 1_000_000_000_000_000,
+        "E" => 1_000_000_000_000_000_000,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        "Pi" => 1 << 50,
+        "Ei" => 1 << 60,
+        e => {
+            let exp: u32 = e.strip_prefix(['e', 'E'])?.parse().ok()?;
+            10u64.checked_pow(exp)?
+        }
+    };
+    n.checked_mul(scale)
 }
 
 pub fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
@@ -283,6 +313,37 @@ mod tests {
             "spec": {"containers": cs}
         }))
         .unwrap()
+    }
+
+    /// What the API server writes back for integer quantities
+    /// (k8s.io/apimachinery resource.Quantity, canonical DecimalSI): seen
+    /// on the 1.20 API server, `vcuda-memory: 1000` read back as `1k`.
+    #[test]
+    fn integer_quantities_in_every_form_the_api_server_writes() {
+        for (s, n) in [
+            ("30", Some(30)),
+            ("1k", Some(1000)),
+            ("2M", Some(2_000_000)),
+            ("1e3", Some(1000)),
+            ("1Ki", Some(1024)),
+            ("1500", Some(1500)),
+            (" 8 ", Some(8)),
+            ("1.5", None),
+            ("500m", None),
+            ("-3", None),
+            ("k", None),
+            ("99999999999E", None),
+        ] {
+            assert_eq!(integer_quantity(s), n, "{s}");
+        }
+        let p = pod(json!({}), &[("main", 0, 0)]);
+        let mut c = p.spec.unwrap().containers[0].clone();
+        let q = k8s_openapi::apimachinery::pkg::api::resource::Quantity("1k".into());
+        c.resources = Some(k8s_openapi::api::core::v1::ResourceRequirements {
+            limits: Some([(VMEMORY_RESOURCE.to_string(), q)].into()),
+            ..Default::default()
+        });
+        assert_eq!(limit(&c, VMEMORY_RESOURCE), 1000);
     }
 
     #[test]

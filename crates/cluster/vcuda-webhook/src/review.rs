@@ -62,7 +62,10 @@ pub fn reply(api_version: &str, uid: &str, verdict: &Verdict) -> Value {
         Verdict::Deny(message) => json!({
             "uid": uid,
             "allowed": false,
-            "status": {"code": 422, "reason": "Invalid", "message": message},
+            // 403 without a reason: the API server shows `admission webhook
+            // "…" denied the request: <message>`; with reason Invalid,
+            // kubectl prints only "The request is invalid".
+            "status": {"code": 403, "message": message},
         }),
     };
     json!({"apiVersion": api_version, "kind": "AdmissionReview", "response": response})
