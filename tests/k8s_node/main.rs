@@ -134,12 +134,14 @@ fn real_node_suite() {
                     .then(|| PathBuf::from("/etc/gpu-manager")),
             );
             helm::run(&c, &w, &copy, &mut figures);
+            figures.iter().for_each(|f| eprintln!("k8s_node:   {f}"));
             return;
         }
         Ok("webhook") => {
             let mut m = host_manager::HostManager::start(&c, &w);
             m.wait_ready(120);
             phase_webhook::run(&c, &w, &mut figures);
+            figures.iter().for_each(|f| eprintln!("k8s_node:   {f}"));
             return;
         }
         _ => {}
