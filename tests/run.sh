@@ -178,6 +178,13 @@ export VCUDA_REQUIRE_K8S=1
 mkdir -p "$VCUDA_CACHE"
 bash deploy/helm/build-helm.sh >"$VCUDA_CACHE/helm-build.log" 2>&1 &
 helm_build=$!
+# Kubernetes 1.36 and containerd 2 from their Go modules (tests/k8s/modern)
+# for the DRA real-node suite (tests/k8s_dra_node), cached by version
+# (/var/cache/vcuda/k8s-go-<version>, containerd-go-<version>; Go's caches in
+# /var/cache/vcuda/go; a cold build is 15-35 min on 2 cores): built beside
+# the downloads below, awaited before the workspace build.
+bash tests/k8s/build-modern.sh >"$VCUDA_CACHE/k8s-modern-build.log" 2>&1 &
+k8s_modern_build=$!
 
 log "python packages"
 python3 -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
@@ -289,6 +296,15 @@ fi
 VCUDA_HELM_BIN=$(tail -n1 "$VCUDA_CACHE/helm-build.log")
 export VCUDA_HELM_BIN
 
+log "kubernetes 1.36 (tests/k8s/build-modern.sh, started beside the downloads)"
+if ! wait "$k8s_modern_build"; then
+  tail -n 30 "$VCUDA_CACHE/k8s-modern-build.log" >&2
+  echo "tests/run.sh: tests/k8s/build-modern.sh failed (log above)" >&2
+  exit 1
+fi
+VCUDA_K8S_MODERN_BIN=$(tail -n1 "$VCUDA_CACHE/k8s-modern-build.log")
+export VCUDA_K8S_MODERN_BIN
+
 log "build"
 cargo build --workspace --all-targets
 
@@ -318,6 +334,19 @@ fi
 
 log "cargo tests"
 run_tests "cargo tests" cargo test --workspace --no-fail-fast
+
+log "the DRA real-node suite (Kubernetes 1.36, tests/k8s_dra_node)"
+# After the 1.20 suite: the two nodes share /var/lib/kubelet, so one at a
+# time. The node's env names the suite's kubeconfig, containerd, kubelet
+# restart and reboot commands (tests/k8s/README.md).
+bash tests/k8s/cluster-modern.sh down || true
+if bash tests/k8s/cluster-modern.sh up; then
+  run_tests "DRA real-node suite" bash -c 'source /tmp/vcuda-k8s-modern/env &&
+    PATH="$VCUDA_K8S_MODERN_BIN:$PATH" exec cargo test -p vcuda-tests --test k8s_dra_node -- --ignored --nocapture'
+else
+  failed+=("DRA real-node suite (tests/k8s/cluster-modern.sh up)")
+fi
+bash tests/k8s/cluster-modern.sh down || failed+=("tests/k8s/cluster-modern.sh down")
 
 log "interposer tests again, on the shipped glibc-2.17 build"
 # test-support (crates/testing/test-support/src/shim/simnode.rs) mirrors $VCUDA_INTERPOSER

@@ -86,7 +86,8 @@ pub fn device_plugin_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Pat
         Duration::from_millis(400),
         || {},
         240,
-    );
+    )
+    .into_baseline();
     windows::delete_pods(n, "dp-quiet", 10);
     windows::rolling_updates(
         n,

@@ -6,9 +6,10 @@
 //! (`gpu-sim install --host-dev`), the real `vcuda-dra-driver` binary on the
 //! host, the C test programs in pods of a local busybox image.
 //!
-//! CI cannot run it: Debian has no Kubernetes ≥ 1.34 and no containerd with
-//! CDI. It is `#[ignore]`d and runs on purpose against a node you bring up
-//! yourself on this machine, as root (docs/dra.md, "Verifying on a real
+//! It is `#[ignore]`d and runs on purpose against a node brought up on this
+//! machine, as root: in CI, tests/run.sh brings up Kubernetes 1.36.3 and
+//! containerd 2.4.2 built from their Go modules (tests/k8s/cluster-modern.sh)
+//! and runs it with `--ignored`; by hand (docs/dra.md, "Verifying on a real
 //! node"):
 //!
 //! ```sh
@@ -552,6 +553,19 @@ fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path, w: &P
     let ours = w.join("state").display().to_string();
     n.apply(&claim_template("gpu-5", 5, "256Mi"));
     let every = std::time::Duration::from_millis(250);
+    // The same pods with nothing going on: what the windows compare with.
+    windows::pods_during(
+        n,
+        "no restart (baseline)",
+        "quiet",
+        |p| pod(p, "gpu-5", "sleep 100000", bin, sim),
+        8,
+        every,
+        || {},
+        180,
+    )
+    .into_baseline();
+    windows::delete_pods(n, "quiet", 8);
     let mut kills = Vec::new();
     for k in 0..3 {
         let prefix = format!("kill-{k}");
