@@ -75,6 +75,22 @@ pub fn device_plugin_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Pat
     n.apply(&share_pod("dp-share", 30, 4, quota, bin, sim));
     wait_running(n, "dp-share", 120);
     check_quota(&log_with(n, "dp-share", "---done"), "dp-share");
+    // The manifest the DRA phase ran through the webhook's rewrite, here
+    // as it is: the same 2 GiB.
+    n.apply(&share_pod(
+        "same-manifest",
+        30,
+        8,
+        crate::webhook::QUOTA_CMD,
+        bin,
+        sim,
+    ));
+    wait_running(n, "same-manifest", 120);
+    crate::webhook::check_two_gib(
+        &log_with(n, "same-manifest", "---done"),
+        "same-manifest (device plugins)",
+    );
+    n.ok(&["-n", NS, "delete", "pod", "same-manifest", "--wait=true"]);
 
     // The same pods with nothing going on: what the windows compare with.
     windows::pods_during(

@@ -35,11 +35,13 @@
 //!
 //! Last, the device-plugin mode on the same node (`device_plugins.rs`:
 //! gpu-manager's DaemonSet, rolling updates with surge, issue 24);
-//! `VCUDA_DRA_NODE_ONLY=device-plugins` runs that phase alone.
+//! `VCUDA_DRA_NODE_ONLY=device-plugins` runs that phase alone,
+//! `VCUDA_DRA_NODE_ONLY=webhook` the one-manifest phase (`webhook.rs`).
 
 mod daemonset;
 mod device_plugins;
 mod parts;
+mod webhook;
 mod windows;
 
 use parts::*;
@@ -219,6 +221,12 @@ fn dra_on_a_real_node() {
         }
     });
     n.ok(&["create", "namespace", NS]);
+    // VCUDA_DRA_NODE_ONLY=webhook: the one-manifest phase alone.
+    if std::env::var("VCUDA_DRA_NODE_ONLY").as_deref() == Ok("webhook") {
+        webhook::same_manifest(&n, w, &bin, &sim);
+        n.ok(&["delete", "namespace", NS, "--wait=true", "--timeout=180s"]);
+        return;
+    }
 
     // ------------------------------------------------ a critical Xid
     // On the GPU of a running pod: it leaves the slice (generation + 1),
@@ -390,6 +398,9 @@ fn dra_on_a_real_node() {
     assert!(spec_a.is_file(), "{} missing", spec_a.display());
     let config_a = vm.join(uid(&claims[0])).join("gpu/vcuda.config");
     let inode_a = fs::metadata(&config_a).unwrap().ino();
+
+    // ------------------------------------------------ one manifest, the webhook's rewrite
+    webhook::same_manifest(&n, w, &bin, &sim);
 
     // ------------------------------------------------ driver kill -9 and restart
     drv.kill9();

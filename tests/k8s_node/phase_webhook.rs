@@ -16,156 +16,12 @@
 
 use std::fs;
 use std::path::Path;
-use std::process::{Child, Command};
 use test_support::k8s::cluster::{Cluster, Work};
 use test_support::k8s::util::{tail, wait};
-use test_support::target_dir;
+use test_support::k8s::webhook::{NS_LABEL, Webhook};
 
 const NS: &str = "vcuda-webhook-test";
 const PORT: u16 = 28443;
-const HEALTH: u16 = 28444;
-
-struct Webhook(Child, std::path::PathBuf);
-
-impl Drop for Webhook {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("openssl");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A CA and a serving certificate for 127.0.0.1 signed by it.
-fn certificates(dir: &Path) {
-    fs::create_dir_all(dir).unwrap();
-    fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=vcuda-webhook-test-ca",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "tls.key",
-            "-out",
-            "tls.csr",
-            "-subj",
-            "/CN=127.0.0.1",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "tls.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "tls.crt",
-            "-days",
-            "1",
-            "-extfile",
-            "san.ext",
-        ],
-    );
-}
-
-fn start(c: &Cluster, dir: &Path) -> Webhook {
-    let log = dir.join("webhook.log");
-    let child = Command::new(target_dir().join("vcuda-webhook"))
-        .args(["--listen", &format!("127.0.0.1:{PORT}")])
-        .args(["--health-listen", &format!("127.0.0.1:{HEALTH}")])
-        .arg("--tls-cert")
-        .arg(dir.join("tls.crt"))
-        .arg("--tls-key")
-        .arg(dir.join("tls.key"))
-        .arg("--kubeconfig")
-        .arg(c.kubeconfig())
-        .args([
-            "--trusted-user",
-            "system:serviceaccount:kube-system:vcuda-scheduler",
-        ])
-        .stdout(fs::File::create(&log).unwrap())
-        .stderr(fs::File::create(dir.join("webhook.err")).unwrap())
-        .spawn()
-        .expect("vcuda-webhook: cargo build --workspace first");
-    let w = Webhook(child, dir.join("webhook.err"));
-    wait("vcuda-webhook's /healthz", 60, || {
-        let out = Command::new("curl")
-            .args(["-sf", &format!("http://127.0.0.1:{HEALTH}/healthz")])
-            .output()
-            .unwrap();
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(tail(&fs::read_to_string(&w.1).unwrap_or_default(), 5))
-        }
-    });
-    w
-}
-
-fn configurations(ca: &str) -> String {
-    let hook = |kind: &str, name: &str, path: &str, ops: &str| {
-        format!(
-            "apiVersion: admissionregistration.k8s.io/v1
-kind: {kind}
-metadata: {{name: {name}}}
-webhooks:
-  - name: {path}.vcuda.tencent.com
-    admissionReviewVersions: [v1]
-    sideEffects: NoneOnDryRun
-    failurePolicy: Fail
-    timeoutSeconds: 5
-    namespaceSelector: {{matchLabels: {{vcuda.io/webhook-test: \"1\"}}}}
-    clientConfig: {{url: \"https://127.0.0.1:{PORT}/{path}\", caBundle: {ca}}}
-    rules:
-      - {{apiGroups: [\"\"], apiVersions: [v1], resources: [pods], operations: [{ops}]}}
-"
-        )
-    };
-    hook(
-        "ValidatingWebhookConfiguration",
-        "vcuda-webhook-test",
-        "validate",
-        "CREATE, UPDATE",
-    )
-}
 
 fn pod(name: &str, limits: &str, annotations: &str) -> String {
     format!(
@@ -200,15 +56,23 @@ fn apply(
 pub fn run(c: &Cluster, _w: &Work, figures: &mut Vec<String>) {
     eprintln!("k8s_node: phase 1c: vcuda-webhook in front of the API server");
     let dir = c.dir.join("work/webhook");
-    certificates(&dir);
-    let hook = start(c, &dir);
-    let ca = {
-        use base64::Engine;
-        base64::engine::general_purpose::STANDARD.encode(fs::read(dir.join("ca.crt")).unwrap())
-    };
+    let hook = Webhook::start(
+        &c.kubeconfig(),
+        &dir,
+        PORT,
+        &[
+            "--trusted-user",
+            "system:serviceaccount:kube-system:vcuda-scheduler",
+        ],
+    );
     c.kubectl_ok(&["create", "namespace", NS]);
-    c.kubectl_ok(&["label", "namespace", NS, "vcuda.io/webhook-test=1"]);
-    c.apply(&configurations(&ca));
+    c.kubectl_ok(&["label", "namespace", NS, &format!("{NS_LABEL}=1")]);
+    c.apply(&hook.configuration(
+        "ValidatingWebhookConfiguration",
+        "vcuda-webhook-test",
+        "validate",
+        "CREATE, UPDATE",
+    ));
     let t = std::time::Instant::now();
     let core = "tencent.com/vcuda-core";
     let mem = "tencent.com/vcuda-memory";
@@ -276,7 +140,7 @@ pub fn run(c: &Cluster, _w: &Work, figures: &mut Vec<String>) {
     apply(c, &dir, "good", &good, &[]).expect("a valid pod");
     let p = c.json(&["-n", NS, "pod", "good"]).unwrap();
     assert_eq!(p["metadata"]["name"], "good", "{p}");
-    let log = fs::read_to_string(&hook.1).unwrap_or_default();
+    let log = hook.log();
     assert!(!log.contains("ERROR"), "webhook log: {}", tail(&log, 20));
     c.kubectl_ok(&[
         "delete",

@@ -5,5 +5,6 @@
 
 pub mod cluster;
 pub mod util;
+pub mod webhook;
 
 pub use util::k8s_bin;
