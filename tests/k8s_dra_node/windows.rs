@@ -61,16 +61,18 @@ impl Window {
     }
 
     /// No pod failed, and the p99 is under `ms`, or under twice the
-    /// baseline's p99 where the machine is slower than that allows (a
-    /// pod that misses the driver waits for the kubelet's retry, 10 s and
-    /// more, and still fails it on an idle node: baseline p99 ~0.9 s).
+    /// baseline's p99 and 2 s where the machine is slower than that
+    /// allows (a pod that misses the driver waits for the kubelet's
+    /// retry, 10 s and more, and still fails it: on an idle node the
+    /// baseline's p99 is ~0.9 s and the bound `ms`; under load 3.5 s and
+    /// 9.1 s).
     pub fn assert_running_within(&self, ms: u64) {
         assert!(self.failed.is_empty(), "{}: {:?}", self.what, self.failed);
         let baseline = BASELINE_P99.lock().unwrap().unwrap_or(0);
-        let bound = ms.max(2 * baseline);
+        let bound = ms.max(2 * baseline + 2000);
         assert!(
             self.p99() < bound,
-            "pods created during {}: p99 {} ms, bound {bound} ms ({ms} ms, or twice the undisturbed p99 of {baseline} ms)",
+            "pods created during {}: p99 {} ms, bound {bound} ms ({ms} ms, or twice the undisturbed p99 of {baseline} ms and 2 s)",
             self.what,
             self.p99()
         );
