@@ -287,21 +287,20 @@ export VCUDA_REQUIRE_CONTAINERD=1
 # second filesystem at /dev/shm) fails instead of skipping.
 export VCUDA_REQUIRE_ALL=1
 
-log "helm (deploy/helm/build-helm.sh, started beside the downloads)"
-if ! wait "$helm_build"; then
-  tail -n 30 "$VCUDA_CACHE/helm-build.log" >&2
-  echo "tests/run.sh: deploy/helm/build-helm.sh failed (log above)" >&2
-  exit 1
-fi
+# await_build <label> <pid> <log> <script>: a build started beside the
+# downloads, awaited; a failure shows its log and stops the run.
+await_build() {
+  log "$1 ($4, started beside the downloads)"
+  if ! wait "$2"; then
+    tail -n 30 "$3" >&2
+    echo "tests/run.sh: $4 failed (log above)" >&2
+    exit 1
+  fi
+}
+await_build helm "$helm_build" "$VCUDA_CACHE/helm-build.log" deploy/helm/build-helm.sh
 VCUDA_HELM_BIN=$(tail -n1 "$VCUDA_CACHE/helm-build.log")
 export VCUDA_HELM_BIN
-
-log "kubernetes 1.36 (tests/k8s/build-modern.sh, started beside the downloads)"
-if ! wait "$k8s_modern_build"; then
-  tail -n 30 "$VCUDA_CACHE/k8s-modern-build.log" >&2
-  echo "tests/run.sh: tests/k8s/build-modern.sh failed (log above)" >&2
-  exit 1
-fi
+await_build "kubernetes 1.36" "$k8s_modern_build" "$VCUDA_CACHE/k8s-modern-build.log" tests/k8s/build-modern.sh
 VCUDA_K8S_MODERN_BIN=$(tail -n1 "$VCUDA_CACHE/k8s-modern-build.log")
 export VCUDA_K8S_MODERN_BIN
 

@@ -9,9 +9,8 @@
 //! manifest under gpu-manager (`device_plugins.rs`).
 
 use std::path::Path;
-use test_support::k8s::util::{MIB, get_u64, wait};
+use test_support::k8s::util::{MIB, wait};
 use test_support::k8s::webhook::{NS_LABEL, Webhook};
-use test_support::kv;
 
 use crate::parts::*;
 
@@ -20,21 +19,7 @@ pub const QUOTA_CMD: &str = "/work/shim_client quota 256; echo ---done; sleep 10
 
 /// The program held to 2 GiB (8 units): refused past it.
 pub fn check_two_gib(out: &str, who: &str) {
-    let a = kv(out);
-    assert_eq!(
-        get_u64(&a, "start_total", out),
-        2048 * MIB,
-        "{who}: total = 2 GiB\n{out}"
-    );
-    assert_eq!(
-        get_u64(&a, "last", out),
-        2,
-        "{who}: refused past 2 GiB (OOM)\n{out}"
-    );
-    assert!(
-        get_u64(&a, "allocated", out) >= 7,
-        "{who}: 7 × 256 MiB fit\n{out}"
-    );
+    check_quota_of(out, who, 2048 * MIB);
 }
 
 pub fn same_manifest(n: &Node, w: &Path, bin: &Path, sim: &Path) {

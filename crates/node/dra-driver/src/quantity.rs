@@ -1,34 +1,18 @@
 //! Kubernetes quantities as this driver meets them in consumed capacity:
-//! plain integers, binary (`Ki`..`Ei`) and decimal (`k`..`E`) suffixes.
-//! Fractions and milli-units are refused: cores and bytes are whole.
+//! plain integers, binary (`Ki`..`Ei`) and decimal (`k`..`E`) suffixes,
+//! exponents (`1e3`). Fractions and milli-units are refused: cores and
+//! bytes are whole.
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("quantity {0:?} is not a whole number with an optional Ki/Mi/Gi/Ti/k/M/G/T suffix")]
+#[error(
+    "quantity {0:?} is not a whole number with an optional Ki/Mi/Gi/Ti/k/M/G/T suffix or exponent"
+)]
 pub struct BadQuantity(pub String);
 
+/// A whole quantity (`gpu_pods::integer_quantity`: the one reader of
+/// every form the API server writes).
 pub fn parse(q: &str) -> Result<u64, BadQuantity> {
-    let bad = || BadQuantity(q.to_string());
-    let s = q.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, suffix) = s.split_at(split);
-    let n: u64 = num.parse().map_err(|_| bad())?;
-    let mult: u64 = match suffix {
-        "" => 1,
-        "Ki" => 1 << 10,
-        "Mi" => 1 << 20,
-        "Gi" => 1 << 30,
-        "Ti" => 1 << 40,
-        "Pi" => 1 << 50,
-        "Ei" => 1 << 60,
-        "k" => 1_000,
-        "M" => 1_000_000,
-        "G" => 1_000_000_000,
-        "T" => 1_000_000_000_000,
-        "P" => 1_000_000_000_000_000,
-        "E" => 1_000_000_000_000_000_000,
-        _ => return Err(bad()),
-    };
-    n.checked_mul(mult).ok_or_else(bad)
+    gpu_pods::integer_quantity(q).ok_or_else(|| BadQuantity(q.to_string()))
 }
 
 /// Bytes as the API server would print them: the largest binary suffix
