@@ -58,7 +58,10 @@ pub fn run(
         "ds-upgrade",
         30,
         quota_units as u32,
-        "sleep 1000000 | /work/shim_client hold 64 & \
+        // The holder logs its re-registrations (LOGGER_LEVEL=info): the
+        // manager's own line for it may be one its per-container log budget
+        // drops, this pod's loop registering ~8 times a second.
+        "sleep 1000000 | LOGGER_LEVEL=info /work/shim_client hold 64 & \
          i=0; while true; do i=$((i+1)); \
          if VCUDA_REGISTER_TIMEOUT_MS=300 /work/shim_client quota 256 > /tmp/o 2>&1; \
          then echo \"run=$i ok $(grep -o 'allocated=[0-9]*' /tmp/o)\"; \
@@ -237,20 +240,33 @@ fn switch(
         "the new manager adopted the checkpoint's {live} live shares: {rec}"
     );
     // Every process that held memory across the switch (this pod's and the
-    // earlier share pods') registered again with the new manager.
+    // earlier share pods') registered again with the new manager: its line in
+    // the manager's log, or (this pod's holder, whose container floods the
+    // manager's log budget) its own "re-registered" line stamped after the
+    // new manager started (no surge: the old one was gone by then).
     let holders = holders();
     assert!(!holders.is_empty(), "no holding process on the host");
+    let started = seconds(
+        c.json(&["-n", "kube-system", "pod", &new]).unwrap()["status"]["containerStatuses"][0]
+            ["state"]["running"]["startedAt"]
+            .as_str()
+            .unwrap_or_default(),
+    )
+    .expect("the new manager pod's container start time");
     wait(
         "the holding processes registered with the new manager",
         60,
         || {
             let l = mlog(&new);
+            let own = c
+                .kubectl(&["logs", "--timestamps", "ds-upgrade"])
+                .unwrap_or_default();
             let missing: Vec<_> = holders
                 .iter()
                 .filter(|p| {
                     !l.lines().any(|l| {
                         l.contains("interposer registered") && l.contains(&format!(" pid={p} "))
-                    })
+                    }) && !reregistered_since(&own, **p, started)
                 })
                 .collect();
             if missing.is_empty() {
@@ -479,6 +495,18 @@ fn runs(stamped: &str, skip: usize, max_blocks: u64, rollout_s: f64) -> Switch {
         }
     }
     s
+}
+
+/// Whether the interposer of host process `pid` logged a re-registration
+/// (`kubectl logs --timestamps` lines) at or after `since` (seconds of the
+/// day; the container start time is cut to the second, so never late).
+fn reregistered_since(stamped: &str, pid: u32, since: f64) -> bool {
+    let needle = format!("re-registered: host pid {pid},");
+    stamped.lines().any(|l| {
+        l.split_once(' ').is_some_and(|(ts, rest)| {
+            rest.contains(&needle) && seconds(ts).is_some_and(|t| t >= since)
+        })
+    })
 }
 
 /// Seconds of the day of an RFC3339 timestamp (kubectl logs --timestamps;
