@@ -338,6 +338,7 @@ mod tests {
             numa_node: 0,
             power_limit_w: 400,
             context_overhead_mib: 0,
+            mig: None,
         }
     }
 

@@ -5,6 +5,7 @@
 //! crate; `gpu-sim install` writes what they read.
 
 pub mod law;
+pub mod mig;
 pub mod node;
 pub mod state;
 

@@ -17,6 +17,11 @@
 //! minor = 0
 //! numa_node = 0
 //! context_overhead_mib = 415   # device memory each context takes (default 0)
+//! mig = "a100-40gb"        # optional: MIG-capable, with this model's MIG
+//!                          # profiles (`mig::MODELS`: a100-40gb, a100-80gb,
+//!                          # h100-80gb, h200-141gb); without it NVML's MIG
+//!                          # calls answer NOT_SUPPORTED, as on a GPU
+//!                          # without MIG. MIG starts disabled.
 //!
 //! # optional, top level: kernel_wave_ns (block time of kernels that declare
 //! # no law, see `law`; default 10 µs), context_switch_ns (idle device time
@@ -137,6 +142,10 @@ pub struct GpuSpec {
     /// code, stacks and internal buffers: hundreds of MiB on big GPUs).
     #[serde(default)]
     pub context_overhead_mib: u64,
+    /// Key of the GPU's MIG geometry in [`crate::mig::MODELS`]; `None`: the
+    /// GPU is not MIG-capable.
+    #[serde(default)]
+    pub mig: Option<String>,
 }
 
 fn default_max_threads_per_sm() -> u32 {
@@ -162,6 +171,11 @@ impl GpuSpec {
     /// (major, minor) of the compute capability; validated at parse time.
     pub fn compute_capability(&self) -> (i32, i32) {
         parse_cc(&self.compute_capability).unwrap_or((8, 0))
+    }
+
+    /// The GPU's MIG geometry, when it is MIG-capable; validated at parse time.
+    pub fn mig_model(&self) -> Option<&'static crate::mig::MigModel> {
+        crate::mig::model(self.mig.as_deref()?)
     }
 
     /// PCI (domain, bus, device, function) from `pci_bus_id`; validated at parse time.
@@ -537,6 +551,16 @@ impl Source<'_> {
                 format!("{:?} must look like GPU-xxxxxxxx-xxxx-...", spec.uuid),
             ));
         }
+        if let Some(key) = &spec.mig
+            && crate::mig::model(key).is_none()
+        {
+            let known: Vec<&str> = crate::mig::MODELS.iter().map(|m| m.key).collect();
+            return Err(invalid(
+                key_at("mig"),
+                &field("mig"),
+                format!("{key:?} is not a MIG model (one of {})", known.join(", ")),
+            ));
+        }
         if spec.name.len() >= 96 {
             return Err(invalid(
                 key_at("name"),
@@ -714,6 +738,24 @@ nvlink = 4
         let err = NodeSpec::parse(&text, "x").unwrap_err().to_string();
         assert!(
             err.contains("gpu[0].context_overhead_mib") && err.contains("below memory_mib"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn mig_key_names_a_known_model() {
+        let n = NodeSpec::parse(TWO, "x").unwrap();
+        assert!(
+            n.gpus[0].mig_model().is_none(),
+            "not MIG-capable by default"
+        );
+        let text = TWO.replacen("minor = 0", "minor = 0\nmig = \"h100-80gb\"", 1);
+        let n = NodeSpec::parse(&text, "x").unwrap();
+        assert_eq!(n.gpus[0].mig_model().unwrap().key, "h100-80gb");
+        let text = TWO.replacen("minor = 0", "minor = 0\nmig = \"v100\"", 1);
+        let err = NodeSpec::parse(&text, "x").unwrap_err().to_string();
+        assert!(
+            err.contains("gpu[0].mig") && err.contains("h100-80gb"),
             "{err}"
         );
     }
