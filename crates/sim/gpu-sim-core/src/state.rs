@@ -3,7 +3,8 @@
 //! One file, `<root>/run/gpu-sim/state`, mapped `MAP_SHARED` by each process
 //! (including processes in containers that have the directory mounted). It
 //! holds, per GPU, the memory in use and the kernel timeline; a table of
-//! processes with their memory per GPU; and a ring of injected Xid events.
+//! processes with their memory per GPU; a ring of injected Xid events; and
+//! per GPU its MIG mode and instances.
 //! Everything in it is an atomic, so no process ever blocks another.
 //!
 //! Liveness of a process slot is an OFD byte-range lock on `procs.lock`, held
@@ -15,11 +16,12 @@
 //! clocks NVML and CUDA report in, `layout` the mapped file's layout (and
 //! `install` / `open`), `procs` the process table and liveness, `memory`
 //! memory accounting, `timeline` the kernel timeline and utilization,
-//! `xid` the Xid event ring.
+//! `xid` the Xid event ring, `mig` MIG mode and instances.
 
 mod clock;
 mod layout;
 mod memory;
+mod mig;
 mod procs;
 mod root;
 mod timeline;
@@ -28,6 +30,7 @@ mod xid;
 pub use clock::{epoch_us_to_mono, mono_to_epoch_us, now_ns};
 pub use layout::{InstallOutcome, MAX_PROCS, RING, XID_RING};
 pub use memory::OutOfMemory;
+pub use mig::{Activation, ComputeInstance, GpuInstance, MigError};
 pub use procs::{Attached, ProcessInfo};
 pub use root::{ROOT_ENV, SimRoot, object_path_of};
 pub use xid::XidEvent;

@@ -21,7 +21,9 @@ pub const RING: usize = 16384;
 pub const XID_RING: usize = 64;
 
 const MAGIC: [u8; 8] = *b"GPUSIM\0\x01";
-const LAYOUT_VERSION: u32 = 1;
+/// 2: a `MigBlock` per GPU after the process table (MIG mode and
+/// instances).
+const LAYOUT_VERSION: u32 = 2;
 
 // ---- shared layout -------------------------------------------------------
 
@@ -88,15 +90,27 @@ pub(super) struct ProcSlot {
     pub(super) used: [AtomicU64; MAX_GPUS],
 }
 
+/// A GPU's MIG state (see `mig`): mode, and one word per GPU-instance id.
+#[repr(C)]
+pub(super) struct MigBlock {
+    /// Bit 0: current mode, bit 1: pending mode (1 = enabled).
+    pub(super) mode: AtomicU64,
+    /// By GPU-instance id (`mig::gi_id_of`): 0 = none; else the low byte is
+    /// the GI profile index + 1 and byte k + 1 is compute instance k (0 =
+    /// none; else low nibble = CI profile index + 1, high nibble = start).
+    pub(super) gis: [AtomicU64; crate::mig::MAX_GI_IDS],
+}
+
 const HEADER_SIZE: usize = std::mem::size_of::<Header>();
 const DEVICE_SIZE: usize = std::mem::size_of::<DeviceBlock>();
 const SLOT_SIZE: usize = std::mem::size_of::<ProcSlot>();
+const MIG_SIZE: usize = std::mem::size_of::<MigBlock>();
 
 fn layout_len(gpus: usize) -> usize {
-    HEADER_SIZE + gpus * DEVICE_SIZE + MAX_PROCS * SLOT_SIZE
+    HEADER_SIZE + gpus * DEVICE_SIZE + MAX_PROCS * SLOT_SIZE + gpus * MIG_SIZE
 }
 
-// The layout every mapping process agrees on (LAYOUT_VERSION 1).
+// The layout every mapping process agrees on (LAYOUT_VERSION 2).
 const _: () = assert!(HEADER_SIZE == 4096);
 const _: () = assert!(std::mem::size_of::<XidSlot>() == 32);
 const _: () = assert!(std::mem::offset_of!(Header, xid_head) == 24);
@@ -107,6 +121,10 @@ const _: () = assert!(DEVICE_SIZE == 64 + RING * 32);
 const _: () = assert!(std::mem::offset_of!(ProcSlot, comm) == 32);
 const _: () = assert!(std::mem::offset_of!(ProcSlot, used) == 64);
 const _: () = assert!(SLOT_SIZE == 64 + MAX_GPUS * 8);
+const _: () = assert!(std::mem::offset_of!(MigBlock, gis) == 8);
+const _: () = assert!(MIG_SIZE == 8 + 15 * 8);
+// Seven compute instances (bytes 1..=7) fill a GI word.
+const _: () = assert!(crate::mig::MAX_CIS == 7);
 
 /// What `install` did with the state file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,6 +292,13 @@ impl SharedState {
         let off = HEADER_SIZE + self.gpu_count() * DEVICE_SIZE + i * SLOT_SIZE;
         // SAFETY: in bounds by layout_len.
         unsafe { &*(self.base.add(off) as *const ProcSlot) }
+    }
+    pub(super) fn mig_block(&self, gpu: usize) -> &MigBlock {
+        assert!(gpu < self.gpu_count());
+        let off =
+            HEADER_SIZE + self.gpu_count() * DEVICE_SIZE + MAX_PROCS * SLOT_SIZE + gpu * MIG_SIZE;
+        // SAFETY: in bounds by layout_len; 8-aligned (every block before it is).
+        unsafe { &*(self.base.add(off) as *const MigBlock) }
     }
 }
 
