@@ -229,18 +229,34 @@ fn dra_on_a_real_node() {
     }
 
     // ------------------------------------------------ a critical Xid
-    // On the GPU of a running pod: it leaves the slice (generation + 1),
-    // the kubelet shows the pod's device Unhealthy (the driver's health
+    // On the GPU of a running pod: the device stays in the slice with a
+    // NoSchedule taint naming the Xid (KEP-5055; generation + 1), the
+    // kubelet shows the pod's device Unhealthy (the driver's health
     // stream), the real scheduler places a new claim elsewhere, and the
-    // quiet period brings the GPU back (+ 2), Healthy.
-    let ours = |want_gen: i64, want_devices: usize| {
+    // quiet period takes the taint away (+ 2), Healthy.
+    let ours = |want_gen: i64, want_taint: Option<(&str, &str)>| {
         let s = n.json(&["get", "resourceslice", &slice_name])?;
         let g = s["spec"]["pool"]["generation"].as_i64().unwrap_or(0);
-        let d = s["spec"]["devices"].as_array().map_or(0, Vec::len);
-        if (g, d) == (want_gen, want_devices) {
+        let devices = s["spec"]["devices"].as_array().cloned().unwrap_or_default();
+        let tainted: Vec<(String, String)> = devices
+            .iter()
+            .filter_map(|d| {
+                let t = d["taints"].as_array()?.first()?;
+                (t["key"] == gpu_pods::dra::UNHEALTHY_TAINT && t["effect"] == "NoSchedule")
+                    .then(|| (d["name"].to_string(), t["value"].to_string()))
+            })
+            .collect();
+        let want: Vec<(String, String)> = want_taint
+            .map(|(d, v)| (format!("{d:?}"), format!("{v:?}")))
+            .into_iter()
+            .collect();
+        if (g, devices.len(), &tainted) == (want_gen, 4, &want) {
             Ok(())
         } else {
-            Err(format!("generation {g}, {d} devices"))
+            Err(format!(
+                "generation {g}, {} devices, tainted {tainted:?}",
+                devices.len()
+            ))
         }
     };
     n.apply(&claim_template("gpu-30-1g", 30, "1Gi"));
@@ -279,7 +295,9 @@ fn dra_on_a_real_node() {
         .arg("--root")
         .arg(&sim)
         .args(["--gpu", bad.trim_start_matches("gpu-"), "--code", "79"]));
-    wait("the GPU out of the slice", 30, || ours(gen0 + 1, 3));
+    wait("the GPU tainted in the slice", 30, || {
+        ours(gen0 + 1, Some((&bad, "xid-79")))
+    });
     wait(
         "the kubelet's health of the victim's device: Unhealthy",
         30,
@@ -292,14 +310,12 @@ fn dra_on_a_real_node() {
     assert_ne!(
         probe_dev,
         bad.as_str(),
-        "the scheduler placed a claim on a GPU out of the slice: {probe}"
+        "the scheduler placed a claim on a tainted GPU: {probe}"
     );
     n.ok(&["-n", NS, "delete", "pod", "xid-probe", "--wait=true"]);
-    wait(
-        "the GPU back in the slice after the quiet period",
-        60,
-        || ours(gen0 + 2, 4),
-    );
+    wait("the taint gone after the quiet period", 60, || {
+        ours(gen0 + 2, None)
+    });
     wait(
         "the kubelet's health of the victim's device: Healthy again",
         60,

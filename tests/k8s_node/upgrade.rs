@@ -246,13 +246,14 @@ fn switch(
     // new manager started (no surge: the old one was gone by then).
     let holders = holders();
     assert!(!holders.is_empty(), "no holding process on the host");
-    let started = seconds(
-        c.json(&["-n", "kube-system", "pod", &new]).unwrap()["status"]["containerStatuses"][0]
-            ["state"]["running"]["startedAt"]
-            .as_str()
-            .unwrap_or_default(),
-    )
-    .expect("the new manager pod's container start time");
+    let started =
+        seconds(
+            c.json(&["-n", "kube-system", "pod", &new]).unwrap()["status"]["containerStatuses"][0]
+                ["state"]["running"]["startedAt"]
+                .as_str()
+                .unwrap_or_default(),
+        )
+        .expect("the new manager pod's container start time");
     wait(
         "the holding processes registered with the new manager",
         60,

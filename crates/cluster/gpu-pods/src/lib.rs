@@ -39,6 +39,9 @@ pub mod dra {
     /// The device attribute naming its GPU (`distinctAttribute` keeps the
     /// shares of one claim on different GPUs).
     pub const UUID_ATTRIBUTE: &str = "vcuda.tencent.com/uuid";
+    /// The device taint of a GPU with a recent critical Xid (KEP-5055); its
+    /// value names the Xid (`xid-79`), so a claim can tolerate one kind.
+    pub const UNHEALTHY_TAINT: &str = "vcuda.tencent.com/unhealthy";
 }
 
 /// Annotations only vcuda writes (the extender's bind, the manager):

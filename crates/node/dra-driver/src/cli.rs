@@ -61,6 +61,12 @@ pub struct Args {
     /// Seconds without a critical Xid before a GPU is published again [default: 300].
     #[arg(long)]
     pub xid_quiet_period: Option<u64>,
+    /// How a GPU with a recent critical Xid is published: NoSchedule (in
+    /// the slice with a device taint new claims avoid), NoExecute (and the
+    /// pods using it are evicted) or LeaveOut (out of the slice; used
+    /// anyway where the API server has no device taints) [default: NoSchedule].
+    #[arg(long, env = "VCUDA_DRA_XID_TAINT_EFFECT")]
+    pub xid_taint_effect: Option<crate::slices::Unhealthy>,
     /// Xids that are the application's fault [default: 13,31,43,45,68,109].
     #[arg(long, value_delimiter = ',')]
     pub ignored_xids: Option<Vec<u64>>,
@@ -155,6 +161,9 @@ pub fn resolve(a: Args) -> anyhow::Result<Settings> {
         kubeconfig: n.kubeconfig,
         xid_quiet_period: n.xid_quiet_period,
         ignored_xids: n.ignored_xids,
+        unhealthy: a
+            .xid_taint_effect
+            .unwrap_or(crate::slices::Unhealthy::Taint("NoSchedule")),
         resync_period: Duration::from_secs(a.resync_period.unwrap_or(60).max(1)),
         extra_devices,
         display: (display_socket.as_os_str() != "none").then_some((display_socket, query_addr)),

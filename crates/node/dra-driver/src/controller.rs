@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::driver::Driver;
 use crate::publish::{Publisher, SliceApi};
-use crate::slices::GpuDevice;
+use crate::slices::{GpuDevice, UNHEALTHY_TAINT, Unhealthy};
 
 pub struct SliceController {
     pub api: Arc<dyn SliceApi>,
@@ -66,22 +66,24 @@ impl SliceController {
     pub fn apply(&mut self, change: HealthChange) -> bool {
         match change {
             HealthChange::Unhealthy { gpu, xid } => {
+                let shown = match self.publisher.unhealthy() {
+                    Unhealthy::Taint(effect) => {
+                        format!("tainted {UNHEALTHY_TAINT}=xid-{xid}:{effect} in the ResourceSlice")
+                    }
+                    Unhealthy::LeftOut => "out of the ResourceSlice".to_string(),
+                };
                 self.driver.set_healthy(
                     gpu,
                     false,
                     &format!(
-                        "critical Xid {xid}: out of the ResourceSlice until {} s pass without another",
+                        "critical Xid {xid}: {shown} until {} s pass without another",
                         self.xid_quiet_period.as_secs()
                     ),
                 );
                 match self.devices.get_mut(gpu) {
-                    Some(d) if d.healthy => {
-                        tracing::warn!(
-                            gpu,
-                            xid,
-                            "GPU unhealthy after a critical Xid: taken out of the ResourceSlice"
-                        );
-                        d.healthy = false;
+                    Some(d) if d.xid != Some(xid) => {
+                        tracing::warn!(gpu, xid, "GPU unhealthy after a critical Xid: {shown}");
+                        d.xid = Some(xid);
                         true
                     }
                     _ => false,
@@ -94,9 +96,9 @@ impl SliceController {
                 };
                 tracing::info!(
                     gpu,
-                    "no critical Xid for the quiet period: GPU back in the ResourceSlice"
+                    "no critical Xid for the quiet period: GPU healthy in the ResourceSlice"
                 );
-                d.healthy = true;
+                d.xid = None;
                 true
             }
         }
@@ -104,7 +106,7 @@ impl SliceController {
 
     async fn publish(&self) {
         *self.healthy.lock().unwrap_or_else(PoisonError::into_inner) =
-            self.devices.iter().map(|d| d.healthy).collect();
+            self.devices.iter().map(GpuDevice::healthy).collect();
         match self
             .publisher
             .reconcile(self.api.as_ref(), &self.devices)
@@ -127,9 +129,22 @@ mod tests {
     use crate::driver::{ClaimSource, Config};
     use crate::kube_api::ApiError;
 
-    /// The API server's slices in memory.
+    /// The API server's slices in memory; `.1`: drops device taints on
+    /// write, as one without the feature does.
     #[derive(Default)]
-    struct Slices(Mutex<Vec<ResourceSlice>>);
+    struct Slices(Mutex<Vec<ResourceSlice>>, bool);
+
+    impl Slices {
+        fn stored(&self, s: &ResourceSlice) -> ResourceSlice {
+            let mut s = s.clone();
+            if self.1 {
+                for d in s.spec.devices.iter_mut().flatten() {
+                    d.taints = None;
+                }
+            }
+            s
+        }
+    }
 
     #[async_trait::async_trait]
     impl SliceApi for Slices {
@@ -137,12 +152,14 @@ mod tests {
             Ok(self.0.lock().unwrap().clone())
         }
         async fn create(&self, s: &ResourceSlice) -> Result<ResourceSlice, ApiError> {
+            let s = self.stored(s);
             self.0.lock().unwrap().push(s.clone());
-            Ok(s.clone())
+            Ok(s)
         }
         async fn replace(&self, s: &ResourceSlice) -> Result<ResourceSlice, ApiError> {
+            let s = self.stored(s);
             *self.0.lock().unwrap() = vec![s.clone()];
-            Ok(s.clone())
+            Ok(s)
         }
         async fn delete(&self, _: &str) -> Result<(), ApiError> {
             self.0.lock().unwrap().clear();
@@ -167,14 +184,16 @@ mod tests {
     }
 
     impl Slices {
-        /// The published devices, once a slice exists.
-        fn devices(&self) -> Option<usize> {
+        /// The published devices and those tainted, once a slice exists.
+        fn devices(&self) -> Option<(usize, usize)> {
             let all = self.0.lock().unwrap();
-            all.first()
-                .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+            all.first().map(|s| {
+                let d = s.spec.devices.as_deref().unwrap_or_default();
+                (d.len(), d.iter().filter(|d| d.taints.is_some()).count())
+            })
         }
 
-        async fn until(&self, want: Option<usize>) {
+        async fn until(&self, want: Option<(usize, usize)>) {
             let wait = async {
                 while self.devices() != want {
                     tokio::time::sleep(Duration::from_millis(10)).await;
@@ -187,7 +206,18 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn health_and_the_slice_watch_republish() {
+    async fn an_xid_taints_the_device_and_the_slice_watch_republishes() {
+        xid_round_trip(false).await;
+    }
+
+    #[tokio::test]
+    async fn without_device_taints_an_xid_takes_the_device_out() {
+        xid_round_trip(true).await;
+    }
+
+    /// An Xid and its quiet period's end through the controller, over an
+    /// API server that keeps device taints or drops them.
+    async fn xid_round_trip(drops_taints: bool) {
         let tmp = tempfile::tempdir().unwrap();
         let gpu = gpu_allocator::GpuInfo {
             index: 0,
@@ -208,7 +238,7 @@ mod tests {
             extra_devices: vec![],
         };
         let driver = Arc::new(Driver::start(cfg, vec![gpu.clone()], Arc::new(NoClaims)).unwrap());
-        let api = Arc::new(Slices::default());
+        let api = Arc::new(Slices(Mutex::default(), drops_taints));
         let healthy = Arc::new(Mutex::new(vec![true]));
         let (htx, hrx) = unbounded_channel();
         let (stx, srx) = unbounded_channel();
@@ -216,12 +246,12 @@ mod tests {
         let task = tokio::spawn(
             SliceController {
                 api: api.clone(),
-                publisher: Publisher::new("n1", "550.54.15"),
+                publisher: Publisher::new("n1", "550.54.15", Unhealthy::Taint("NoSchedule")),
                 driver: driver.clone(),
                 devices: vec![GpuDevice {
                     info: gpu,
                     model: "A100".into(),
-                    healthy: true,
+                    xid: None,
                     pcie_root: None,
                     nvlink_domain: None,
                 }],
@@ -234,22 +264,40 @@ mod tests {
 
         htx.send(HealthChange::Unhealthy { gpu: 0, xid: 79 })
             .unwrap();
-        api.until(Some(0)).await;
+        api.until(Some(if drops_taints { (0, 0) } else { (1, 1) }))
+            .await;
         assert_eq!(*healthy.lock().unwrap(), [false]);
         let h = driver.health_watch().borrow().clone();
         assert!(
             !h[0].healthy && h[0].message.starts_with("critical Xid 79"),
             "{h:?}"
         );
+        // Once the API server was seen dropping taints, the next Xid says
+        // so at once.
+        htx.send(HealthChange::Unhealthy { gpu: 0, xid: 48 })
+            .unwrap();
+        let said = if drops_taints {
+            "critical Xid 48: out of the ResourceSlice"
+        } else {
+            "critical Xid 48: tainted vcuda.tencent.com/unhealthy=xid-48:NoSchedule"
+        };
+        let wait = async {
+            while !driver.health_watch().borrow()[0].message.starts_with(said) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), wait)
+            .await
+            .unwrap_or_else(|_| panic!("{:?}", driver.health_watch().borrow()[0]));
 
         htx.send(HealthChange::Healthy { gpu: 0 }).unwrap();
-        api.until(Some(1)).await;
+        api.until(Some((1, 0))).await;
         assert!(driver.health_watch().borrow()[0].healthy);
 
         // Deleted behind the driver's back: the watch's notice brings it back.
         api.0.lock().unwrap().clear();
         stx.send(()).unwrap();
-        api.until(Some(1)).await;
+        api.until(Some((1, 0))).await;
 
         cancel.cancel();
         task.await.unwrap();

@@ -39,6 +39,8 @@ pub struct Settings {
     pub kubeconfig: Option<PathBuf>,
     pub xid_quiet_period: Duration,
     pub ignored_xids: Vec<u64>,
+    /// How a GPU with a recent critical Xid is published.
+    pub unhealthy: crate::slices::Unhealthy,
     pub resync_period: Duration,
     pub extra_devices: Vec<String>,
     /// The display service (gRPC socket, HTTP address; port 0 picks one):
@@ -188,7 +190,7 @@ async fn publish(
     api: &KubeApi,
     found: &Discovered,
 ) -> anyhow::Result<(Publisher, Vec<GpuDevice>)> {
-    let publisher = Publisher::new(&s.node, &found.driver_version);
+    let publisher = Publisher::new(&s.node, &found.driver_version, s.unhealthy);
     publisher
         .ensure_classes(api)
         .await
@@ -203,7 +205,7 @@ async fn publish(
         .map(|((g, n), nvlink_domain)| GpuDevice {
             info: g.clone(),
             model: n.clone(),
-            healthy: true,
+            xid: None,
             pcie_root: topology::pcie_root(&s.host_root, &g.pci_bus_id),
             nvlink_domain,
         })

@@ -5,8 +5,11 @@
 //! `cores` (100 = the whole GPU) and `memory` (bytes, in 256 MiB steps), so
 //! the scheduler packs several claims onto one GPU (KEP-5075, beta in
 //! 1.36). A claim that asks for no capacity gets the defaults, which are
-//! the whole GPU. A GPU with a recent critical Xid is left out of the slice
-//! until it is healthy again; claims already prepared on it are untouched.
+//! the whole GPU. A GPU with a recent critical Xid stays in the slice with a
+//! device taint (KEP-5055, beta and on in 1.36) until it is healthy again:
+//! new claims avoid it, claims already allocated there keep a published
+//! device (and, under `NoExecute`, the taint eviction controller evicts their
+//! pods). Where the API server drops taints it is left out instead.
 
 use std::collections::BTreeMap;
 
@@ -14,7 +17,7 @@ use gpu_allocator::{GpuInfo, MEMORY_UNIT_BYTES};
 use k8s_openapi::api::resource::v1::{
     CELDeviceSelector, CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute,
     DeviceCapacity, DeviceClass, DeviceClassConfiguration, DeviceClassSpec, DeviceSelector,
-    OpaqueDeviceConfiguration, ResourcePool, ResourceSlice, ResourceSliceSpec,
+    DeviceTaint, OpaqueDeviceConfiguration, ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -27,12 +30,49 @@ use crate::{CAPACITY_CORES, CAPACITY_MEMORY, DRIVER_NAME, quantity, topology};
 pub struct GpuDevice {
     pub info: GpuInfo,
     pub model: String,
-    pub healthy: bool,
+    /// The critical Xid that made the GPU unhealthy, until its quiet
+    /// period passes; `None` while healthy.
+    pub xid: Option<u64>,
     /// `resource.kubernetes.io/pcieRoot`, where sysfs says
     /// ([`crate::topology::pcie_root`]).
     pub pcie_root: Option<String>,
     /// `nvlinkDomain` ([`crate::topology::nvlink_domains`]).
     pub nvlink_domain: Option<String>,
+}
+
+impl GpuDevice {
+    pub fn healthy(&self) -> bool {
+        self.xid.is_none()
+    }
+}
+
+pub use gpu_pods::dra::UNHEALTHY_TAINT;
+
+/// How the slice shows a GPU with a recent critical Xid
+/// (`--xid-taint-effect`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unhealthy {
+    /// In the slice with the [`UNHEALTHY_TAINT`] of this effect
+    /// (`NoSchedule` or `NoExecute`).
+    Taint(&'static str),
+    /// Out of the slice: for API servers without device taints, where a
+    /// claim allocated on it then names a device no slice publishes.
+    LeftOut,
+}
+
+impl std::str::FromStr for Unhealthy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "NoSchedule" => Ok(Unhealthy::Taint("NoSchedule")),
+            "NoExecute" => Ok(Unhealthy::Taint("NoExecute")),
+            "LeaveOut" => Ok(Unhealthy::LeftOut),
+            _ => Err(format!(
+                "{s:?}: expected NoSchedule (new claims avoid the GPU), NoExecute (and pods \
+                 using it are evicted) or LeaveOut (the GPU leaves the slice)"
+            )),
+        }
+    }
 }
 
 /// The device name of GPU `index` in the slice and in allocation results.
@@ -86,6 +126,24 @@ fn version(v: &str) -> DeviceAttribute {
         }
     }
     string(v)
+}
+
+/// `g` as the slice shows it under `unhealthy`; `None` when left out.
+fn published(g: &GpuDevice, driver_version: &str, unhealthy: Unhealthy) -> Option<Device> {
+    match (g.xid, unhealthy) {
+        (None, _) => Some(device(g, driver_version)),
+        (Some(_), Unhealthy::LeftOut) => None,
+        (Some(xid), Unhealthy::Taint(effect)) => Some(Device {
+            taints: Some(vec![DeviceTaint {
+                key: UNHEALTHY_TAINT.to_string(),
+                value: Some(format!("xid-{xid}")),
+                effect: effect.to_string(),
+                // The API server stamps it.
+                time_added: None,
+            }]),
+            ..device(g, driver_version)
+        }),
+    }
 }
 
 fn device(g: &GpuDevice, driver_version: &str) -> Device {
@@ -154,12 +212,14 @@ fn device(g: &GpuDevice, driver_version: &str) -> Device {
     }
 }
 
-/// The node's slice at pool generation `generation`.
+/// The node's slice at pool generation `generation`, unhealthy GPUs shown
+/// as `unhealthy` says.
 pub fn build(
     node: &str,
     gpus: &[GpuDevice],
     driver_version: &str,
     generation: i64,
+    unhealthy: Unhealthy,
 ) -> ResourceSlice {
     ResourceSlice {
         metadata: ObjectMeta {
@@ -176,8 +236,7 @@ pub fn build(
             },
             devices: Some(
                 gpus.iter()
-                    .filter(|g| g.healthy)
-                    .map(|g| device(g, driver_version))
+                    .filter_map(|g| published(g, driver_version, unhealthy))
                     .collect(),
             ),
             ..Default::default()
@@ -185,14 +244,33 @@ pub fn build(
     }
 }
 
-/// Whether two slice specs publish the same devices (the generation aside).
+/// Whether two slice specs publish the same devices (the generation and
+/// the API server's taint stamps aside).
 pub fn same_devices(a: &ResourceSliceSpec, b: &ResourceSliceSpec) -> bool {
     let strip = |s: &ResourceSliceSpec| {
         let mut s = s.clone();
         s.pool.generation = 0;
+        for d in s.devices.iter_mut().flatten() {
+            for t in d.taints.iter_mut().flatten() {
+                t.time_added = None;
+            }
+        }
         serde_json::to_value(s).unwrap_or_default()
     };
     strip(a) == strip(b)
+}
+
+/// Whether the API server kept the taints `sent` carried (one without
+/// device taints drops the field on write).
+pub fn taints_kept(sent: &ResourceSliceSpec, stored: &ResourceSliceSpec) -> bool {
+    let tainted = |s: &ResourceSliceSpec| {
+        s.devices
+            .iter()
+            .flatten()
+            .filter(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()))
+            .count()
+    };
+    tainted(stored) >= tainted(sent)
 }
 
 /// DeviceClass for shares: any vcuda GPU; the claim says how much with
@@ -256,7 +334,7 @@ mod tests {
                 pci_bus_id: format!("00000000:3{index}:00.0"),
             },
             model: "Tesla T4".into(),
-            healthy,
+            xid: (!healthy).then_some(79),
             pcie_root: None,
             nvlink_domain: None,
         }
@@ -264,7 +342,13 @@ mod tests {
 
     #[test]
     fn slice_shape() {
-        let s = build("node-a", &[gpu(0, true), gpu(1, false)], "550.54.15", 3);
+        let s = build(
+            "node-a",
+            &[gpu(0, true), gpu(1, false)],
+            "550.54.15",
+            3,
+            Unhealthy::LeftOut,
+        );
         assert_eq!(s.metadata.name.as_deref(), Some("node-a-vcuda.tencent.com"));
         assert_eq!(s.spec.pool.generation, 3);
         let devs = s.spec.devices.as_ref().unwrap();
@@ -286,14 +370,48 @@ mod tests {
             json.pointer("/spec/devices/0/capacity/memory/requestPolicy/validRange/step"),
             Some(&serde_json::json!("256Mi"))
         );
-        assert!(same_devices(
-            &s.spec,
-            &build("node-a", &[gpu(0, true)], "550.54.15", 9).spec
-        ));
+        let healthy = |gpus: &[GpuDevice], generation| {
+            build("node-a", gpus, "550.54.15", generation, Unhealthy::LeftOut).spec
+        };
+        assert!(same_devices(&s.spec, &healthy(&[gpu(0, true)], 9)));
         assert!(!same_devices(
             &s.spec,
-            &build("node-a", &[gpu(0, true), gpu(1, true)], "550.54.15", 3).spec
+            &healthy(&[gpu(0, true), gpu(1, true)], 3)
         ));
+    }
+
+    #[test]
+    fn an_unhealthy_gpu_stays_with_a_taint_naming_its_xid() {
+        let gpus = [gpu(0, true), gpu(1, false)];
+        let effect: Unhealthy = "NoSchedule".parse().unwrap();
+        let s = build("node-a", &gpus, "550.54.15", 4, effect);
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json.pointer("/spec/devices/0/taints"), None);
+        assert_eq!(
+            json.pointer("/spec/devices/1/taints"),
+            Some(&serde_json::json!([{
+                "key": "vcuda.tencent.com/unhealthy", "value": "xid-79", "effect": "NoSchedule"
+            }]))
+        );
+        // The API server's stamp is not a change; a lost taint is noticed.
+        let mut stored = s.spec.clone();
+        stored.devices.as_mut().unwrap()[1].taints.as_mut().unwrap()[0].time_added =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                "2026-12-02T15:00:00Z".parse().unwrap(),
+            ));
+        assert!(same_devices(&s.spec, &stored) && taints_kept(&s.spec, &stored));
+        stored.devices.as_mut().unwrap()[1].taints = None;
+        assert!(!same_devices(&s.spec, &stored) && !taints_kept(&s.spec, &stored));
+        let evict = build(
+            "node-a",
+            &gpus,
+            "550.54.15",
+            4,
+            "NoExecute".parse().unwrap(),
+        );
+        assert!(!same_devices(&s.spec, &evict.spec));
+        let e = "Evict".parse::<Unhealthy>().unwrap_err();
+        assert!(e.contains("NoSchedule") && e.contains("LeaveOut"), "{e}");
     }
 
     #[test]
@@ -303,7 +421,7 @@ mod tests {
             nvlink_domain: Some("GPU-0".into()),
             ..gpu(0, true)
         };
-        let s = build("node-a", &[g], "550.54.15", 1);
+        let s = build("node-a", &[g], "550.54.15", 1, Unhealthy::LeftOut);
         let a = s.spec.devices.unwrap()[0].attributes.clone().unwrap();
         assert_eq!(
             a["resource.kubernetes.io/pcieRoot"].string.as_deref(),

@@ -342,14 +342,18 @@ async fn inject(cri: RuntimeServiceClient<Channel>, spec_dir: PathBuf, image: St
     let server = ApiServer::start("127.0.0.1:0").await.unwrap();
     let dirs = Dirs::new();
     let api = kube(&server, dirs.tmp.path()).await;
-    let publisher = Publisher::new(NODE, "550.54.15");
+    let publisher = Publisher::new(
+        NODE,
+        "550.54.15",
+        dra_driver::slices::Unhealthy::Taint("NoSchedule"),
+    );
     publisher.ensure_classes(&api).await.unwrap();
     let devices: Vec<GpuDevice> = gpus()
         .into_iter()
         .map(|info| GpuDevice {
             info,
             model: "Tesla T4".into(),
-            healthy: true,
+            xid: None,
             pcie_root: None,
             nvlink_domain: None,
         })

@@ -21,7 +21,7 @@ fn devices(healthy: [bool; 2]) -> Vec<GpuDevice> {
         .map(|(info, healthy)| GpuDevice {
             info,
             model: "Tesla T4".into(),
-            healthy,
+            xid: (!healthy).then_some(79),
             pcie_root: None,
             nvlink_domain: None,
         })
@@ -45,7 +45,7 @@ async fn publish_once_bump_on_health_never_duplicate() {
         p.reconcile(&api, &devices([true, true])).await.unwrap(),
         Published::Unchanged { generation: 1 }
     );
-    // An Xid on GPU 1: the device leaves the slice, the pool generation goes up.
+    // An Xid on GPU 1: the device stays, tainted; the pool generation goes up.
     assert_eq!(
         p.reconcile(&api, &devices([true, false])).await.unwrap(),
         Published::Replaced { generation: 2 }
@@ -54,14 +54,29 @@ async fn publish_once_bump_on_health_never_duplicate() {
         .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
         .unwrap();
     assert_eq!(s["spec"]["pool"]["generation"], 2);
-    assert_eq!(s["spec"]["devices"].as_array().unwrap().len(), 1);
+    assert_eq!(s["spec"]["devices"].as_array().unwrap().len(), 2);
+    assert_eq!(s["spec"]["devices"][0].get("taints"), None);
+    assert_eq!(
+        s["spec"]["devices"][1]["taints"][0]["value"], "xid-79",
+        "{s}"
+    );
+    assert_eq!(
+        p.reconcile(&api, &devices([true, false])).await.unwrap(),
+        Published::Unchanged { generation: 2 }
+    );
     assert_eq!(
         p.reconcile(&api, &devices([true, true])).await.unwrap(),
         Published::Replaced { generation: 3 }
     );
     // A stray slice of this driver on this node (an older name) is removed.
-    let mut stray =
-        serde_json::to_value(slices::build(NODE, &devices([true, true]), "550.54.15", 1)).unwrap();
+    let mut stray = serde_json::to_value(slices::build(
+        NODE,
+        &devices([true, true]),
+        "550.54.15",
+        1,
+        slices::Unhealthy::LeftOut,
+    ))
+    .unwrap();
     stray["metadata"]["name"] = json!("node-a-old");
     server.create(Kind::ResourceSlice, None, stray).unwrap();
     assert_eq!(
@@ -98,7 +113,11 @@ fn node_paths(edits: &serde_json::Value) -> Vec<&str> {
 }
 
 fn publisher() -> Publisher {
-    Publisher::new(NODE, "550.54.15")
+    Publisher::new(
+        NODE,
+        "550.54.15",
+        dra_driver::slices::Unhealthy::Taint("NoSchedule"),
+    )
 }
 
 /// The API server emulator with both GPUs published on [`NODE`], the driver

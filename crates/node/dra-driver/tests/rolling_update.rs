@@ -19,7 +19,7 @@ fn devices() -> Vec<GpuDevice> {
         .map(|info| GpuDevice {
             info,
             model: "NVIDIA A100-SXM4-40GB".into(),
-            healthy: true,
+            xid: None,
             pcie_root: None,
             nvlink_domain: None,
         })
@@ -58,7 +58,11 @@ async fn old_and_new_instance_serve_one_checkpoint() {
     let server = ApiServer::start("127.0.0.1:0").await.unwrap();
     let dirs = Dirs::new();
     let api = kube(&server, dirs.tmp.path()).await;
-    let p = Publisher::new(NODE, "550.54.15");
+    let p = Publisher::new(
+        NODE,
+        "550.54.15",
+        dra_driver::slices::Unhealthy::Taint("NoSchedule"),
+    );
     p.ensure_classes(&api).await.unwrap();
     p.reconcile(&api, &devices()).await.unwrap();
 

@@ -78,6 +78,14 @@ fn slice_generation(server: &ApiServer) -> Option<(i64, usize)> {
     ))
 }
 
+/// The value of the first device's unhealthy taint.
+fn taint(server: &ApiServer) -> Option<String> {
+    let s = server.get(Kind::ResourceSlice, None, &slices::slice_name(NODE))?;
+    let t = &s["spec"]["devices"][0]["taints"][0];
+    (t["key"] == slices::UNHEALTHY_TAINT && t["effect"] == "NoSchedule")
+        .then(|| t["value"].as_str().unwrap_or_default().to_string())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_on_a_simulated_node_under_the_interposer() {
     let gpu_sim = artifact("gpu-sim");
@@ -107,6 +115,7 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
         kubeconfig: Some(dirs.p("kubeconfig")),
         xid_quiet_period: Duration::from_secs(2),
         ignored_xids: vec![13, 31, 43, 45, 68, 109],
+        unhealthy: dra_driver::slices::Unhealthy::Taint("NoSchedule"),
         resync_period: Duration::from_secs(60),
         extra_devices: vec![],
         display: Some((dirs.p("display.sock"), "127.0.0.1:0".parse().unwrap())),
@@ -239,8 +248,9 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
         "{graph}"
     );
 
-    // A critical Xid: the GPU leaves the slice (generation 2), and comes
-    // back after the quiet period (generation 3); one slice throughout.
+    // A critical Xid: the GPU is tainted in the slice (generation 2), and
+    // the taint goes after the quiet period (generation 3); one slice
+    // throughout.
     // The kubelet's health stream says so too, with the reason.
     let mut health = kubelet.watch_health().await.unwrap();
     let next_health = async |s: &mut tonic::Streaming<_>| -> (i32, String) {
@@ -265,8 +275,8 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
         .arg("--root")
         .arg(&sim)
         .args(["--gpu", "0", "--code", "79"]));
-    until(30, "the GPU out of the slice", || {
-        slice_generation(&server) == Some((2, 0))
+    until(30, "the GPU tainted in the slice", || {
+        slice_generation(&server) == Some((2, 1)) && taint(&server).as_deref() == Some("xid-79")
     })
     .await;
     let (state, why) = next_health(&mut health).await;
@@ -277,8 +287,8 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
         (HealthStatus::Healthy as i32, String::new()),
         "healthy again after the quiet period"
     );
-    until(30, "the GPU back in the slice", || {
-        slice_generation(&server) == Some((3, 1))
+    until(30, "the GPU's taint gone", || {
+        slice_generation(&server) == Some((3, 1)) && taint(&server).is_none()
     })
     .await;
     assert_eq!(server.list(Kind::ResourceSlice).len(), 1);

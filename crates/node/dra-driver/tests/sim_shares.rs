@@ -52,6 +52,7 @@ fn settings(dirs: &Dirs) -> Settings {
         kubeconfig: Some(dirs.p("kubeconfig")),
         xid_quiet_period: Duration::from_secs(2),
         ignored_xids: vec![13, 31, 43, 45, 68, 109],
+        unhealthy: dra_driver::slices::Unhealthy::Taint("NoSchedule"),
         resync_period: Duration::from_secs(60),
         extra_devices: vec![],
         display: None,

@@ -4,7 +4,9 @@
 //! capacity (KEP-5075): a request's `capacity.requests` or the device's
 //! request policy default, rounded up to the policy's step, must fit in
 //! what the claims already allocated there left over; a device without
-//! `allowMultipleAllocations` goes to one claim. The allocation (results
+//! `allowMultipleAllocations` goes to one claim; a device tainted
+//! `NoSchedule` or `NoExecute` (KEP-5055) only to a request that tolerates
+//! the taint. The allocation (results
 //! with `consumedCapacity` and `shareID`, class then claim configs) is
 //! written to the claim's status as the scheduler would.
 
@@ -220,6 +222,8 @@ struct Request {
     driver: String,
     /// `capacity.requests`: what it asks of each consumable capacity.
     asked: serde_json::Map<String, Value>,
+    /// `tolerations` of device taints.
+    tolerations: Vec<Value>,
 }
 
 fn resolve(api: &ApiServer, req: &Value, who: &str) -> Result<Request, AllocError> {
@@ -267,6 +271,7 @@ fn resolve(api: &ApiServer, req: &Value, who: &str) -> Result<Request, AllocErro
         class,
         driver,
         asked,
+        tolerations: array(ex, "/tolerations").cloned().collect(),
     })
 }
 
@@ -299,6 +304,9 @@ fn first_fit(slices: &[Value], used: &Used, req: &Request) -> Option<Choice> {
 /// while every capacity has room for what the request consumes.
 fn fit(d: &Value, pool: &str, used: &Used, req: &Request) -> Option<Choice> {
     let device = d.get("name").and_then(Value::as_str).unwrap_or("");
+    if array(d, "/taints").any(|t| !tolerated(t, &req.tolerations)) {
+        return None;
+    }
     let key = (req.driver.clone(), pool.to_string(), device.to_string());
     let (already, exclusive) = used.get(&key).cloned().unwrap_or_default();
     if exclusive {
@@ -327,6 +335,31 @@ fn fit(d: &Value, pool: &str, used: &Used, req: &Request) -> Option<Choice> {
         consumed.insert(cname.clone(), q);
     }
     Some(choice(Some(consumed)))
+}
+
+/// Whether a device taint lets the request have the device: an effect
+/// other than `NoSchedule`/`NoExecute` never keeps one away; otherwise a
+/// toleration must match (`Exists` on the key or any key, `Equal` on key
+/// and value; an empty effect matches every effect), as
+/// resource.k8s.io/v1 `DeviceToleration` says.
+fn tolerated(taint: &Value, tolerations: &[Value]) -> bool {
+    let field = |v: &Value, k: &str| v.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+    let effect = field(taint, "effect");
+    if effect != "NoSchedule" && effect != "NoExecute" {
+        return true;
+    }
+    tolerations.iter().any(|t| {
+        let key_ok = field(t, "key").is_empty() || field(t, "key") == field(taint, "key");
+        let effect_ok = field(t, "effect").is_empty() || field(t, "effect") == effect;
+        let value_ok = match field(t, "operator").as_str() {
+            "Exists" => true,
+            "" | "Equal" => {
+                !field(t, "key").is_empty() && field(t, "value") == field(taint, "value")
+            }
+            _ => false,
+        };
+        key_ok && effect_ok && value_ok
+    })
 }
 
 /// Books `choice` in `used` (so the claim's next requests see it) and
@@ -372,5 +405,28 @@ mod tests {
         assert_eq!(consume(&cap, None), Some(16 << 30));
         assert_eq!(consume(&cap, Some(17 << 30)), None);
         assert_eq!(print_qty(1 << 30), "1Gi");
+    }
+
+    /// The rules of `DeviceToleration` (k8s.io/api resource/v1 types.go,
+    /// v0.36): operator Equal by default, Exists matching any value (and
+    /// any key when the key is empty), an empty effect matching all.
+    #[test]
+    fn taints_keep_devices_from_requests_that_do_not_tolerate_them() {
+        let taint = json!({"key": "vcuda.tencent.com/unhealthy", "value": "xid-79",
+            "effect": "NoSchedule"});
+        let k = "vcuda.tencent.com/unhealthy";
+        assert!(!tolerated(&taint, &[]));
+        assert!(tolerated(
+            &taint,
+            &[json!({"key": k, "operator": "Exists"})]
+        ));
+        assert!(tolerated(&taint, &[json!({"operator": "Exists"})]));
+        assert!(tolerated(&taint, &[json!({"key": k, "value": "xid-79"})]));
+        assert!(!tolerated(&taint, &[json!({"key": k, "value": "xid-48"})]));
+        assert!(!tolerated(
+            &taint,
+            &[json!({"key": k, "operator": "Exists", "effect": "NoExecute"})]
+        ));
+        assert!(tolerated(&json!({"key": k, "effect": "None"}), &[]));
     }
 }
