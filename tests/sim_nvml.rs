@@ -581,7 +581,7 @@ fn missing_state_is_a_clear_init_error() {
             assert!(!p.is_null(), "{name} not exported");
             p
         };
-        let stub: unsafe extern "C" fn() -> i32 = std::mem::transmute(sym("nvmlDeviceGetMigMode"));
+        let stub: unsafe extern "C" fn() -> i32 = std::mem::transmute(sym("nvmlGpmMigSampleGet"));
         assert_eq!(stub(), 3, "NVML_ERROR_NOT_SUPPORTED");
         let count: unsafe extern "C" fn(*mut u32) -> i32 =
             std::mem::transmute(sym("nvmlDeviceGetCount_v2"));

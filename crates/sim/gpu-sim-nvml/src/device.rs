@@ -1,8 +1,9 @@
 //! A device's identity (names, serial, board, architecture) and its PCI
 //! location and link.
 
-use crate::info;
+use crate::mig_handles::with_dev_or_mig;
 use crate::*;
+use crate::{info, mig_device};
 use std::ffi::{c_int, c_uint};
 
 /// nvmlPciInfoExt_v1 = NVML_STRUCT_VERSION(PciInfoExt, 1).
@@ -69,7 +70,11 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
     name: *mut c_char,
     length: c_uint,
 ) -> nvmlReturn_t {
-    with_dev(device, |c, s| put_str(name, length, &c.gpu(s).name))
+    with_dev_or_mig(
+        device,
+        |c, s| put_str(name, length, &c.gpu(s).name),
+        |c, m| put_str(name, length, &mig_device::name(m, c)),
+    )
 }
 
 #[unsafe(no_mangle)]
@@ -78,7 +83,14 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     uuid: *mut c_char,
     length: c_uint,
 ) -> nvmlReturn_t {
-    with_dev(device, |c, s| put_str(uuid, length, &c.gpu(s).uuid))
+    with_dev_or_mig(
+        device,
+        |c, s| put_str(uuid, length, &c.gpu(s).uuid),
+        |c, (s, g, ci)| {
+            let u = crate::mig_handles::mig_uuid(&c.gpu(s).uuid, g.id, ci.id);
+            put_str(uuid, length, &u)
+        },
+    )
 }
 
 #[unsafe(no_mangle)]

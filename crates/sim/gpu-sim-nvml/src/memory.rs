@@ -3,6 +3,24 @@
 use crate::*;
 use std::ffi::c_uint;
 
+/// (total, used) of a whole GPU or a MIG device. A MIG device's memory is
+/// its GPU instance's; what its processes use is not tracked per instance
+/// (the CUDA side does not place processes in instances): used is 0.
+fn totals(device: nvmlDevice_t, f: impl FnOnce(u64, u64) -> R) -> nvmlReturn_t {
+    ffi(|| {
+        let c = ctx()?;
+        let (total, used) = match c.mig_dev(device) {
+            Some(m) => (crate::mig_device::memory_bytes(m?), 0),
+            None => {
+                let s = c.dev(device)?;
+                let total = c.state.memory_total(s);
+                (total, c.state.memory_used(s).min(total))
+            }
+        };
+        f(total, used)
+    })
+}
+
 /// nvmlMemory_v2 = NVML_STRUCT_VERSION(Memory, 2).
 const NVML_MEMORY_V2: c_uint = 40 | (2 << 24);
 
@@ -43,9 +61,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     device: nvmlDevice_t,
     memory: *mut nvmlMemory_t,
 ) -> nvmlReturn_t {
-    with_dev(device, |c, s| {
-        let total = c.state.memory_total(s);
-        let used = c.state.memory_used(s).min(total);
+    totals(device, |total, used| {
         put(
             memory,
             nvmlMemory_t {
@@ -62,10 +78,8 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     device: nvmlDevice_t,
     memory: *mut nvmlMemory_v2_t,
 ) -> nvmlReturn_t {
-    with_dev(device, |c, s| {
+    totals(device, |total, used| {
         check_version(memory, NVML_MEMORY_V2)?;
-        let total = c.state.memory_total(s);
-        let used = c.state.memory_used(s).min(total);
         put(
             memory,
             nvmlMemory_v2_t {
