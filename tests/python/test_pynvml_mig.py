@@ -7,6 +7,7 @@ every client sees what the previous one left, through the shared state.
 """
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -52,7 +53,8 @@ def test_mig_through_pynvml(root):
     assert client(root, "print(json.dumps(N.nvmlDeviceGetMigMode(gpu)))") == [0, 0]
 
     # Busy GPU: the change stays pending, activation status IN_USE.
-    env = {"LD_LIBRARY_PATH": str(lib_dir(root))}
+    env = {k: v for k, v in os.environ.items() if k != "GPU_SIM_ROOT"}
+    env["LD_LIBRARY_PATH"] = str(lib_dir(root))
     hold = subprocess.Popen([sys.executable, "-c", HOLD], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert hold.stdout.readline().strip() == "ready"
@@ -146,6 +148,19 @@ def test_mig_through_pynvml(root):
     assert devs[0]["total"] == 40448 << 20
     assert devs[0]["attrs"] == [60, 3, 3, 40448]
     assert devs[1]["attrs"] == [16, 1, 1, 9984]
+
+    # nvidia-smi -L lists them under their GPU, as the real tool does.
+    smi = subprocess.run(
+        [str(root / "usr" / "bin" / "nvidia-smi"), "-L"], env=env, capture_output=True, text=True
+    )
+    lines = smi.stdout.splitlines()
+    assert smi.returncode == 0, smi.stderr
+    assert lines[0].startswith("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-"), lines
+    assert lines[1:3] == [
+        f"  MIG 3g.40gb     Device  0: (UUID: {devs[0]['uuid']})",
+        f"  MIG 1g.10gb     Device  1: (UUID: {devs[1]['uuid']})",
+    ], lines
+    assert lines[3].startswith("GPU 1: "), lines
 
     # Stable UUIDs: the same on another read.
     again = client(root, "print(json.dumps(N.nvmlDeviceGetUUID(N.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 0))))")

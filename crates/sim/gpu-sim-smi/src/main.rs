@@ -231,8 +231,27 @@ fn list(devices: &[Device]) -> String {
             d.name().unwrap_or_else(|_| "Unknown".into()),
             d.uuid().unwrap_or_else(|_| "Unknown".into())
         );
+        list_mig(&mut s, d);
     }
     s
+}
+
+/// The MIG devices under a GPU, as the real tool lists them after it:
+/// `  MIG 1g.10gb     Device  0: (UUID: MIG-…)`.
+fn list_mig(s: &mut String, d: &Device) {
+    let max = d.mig_device_count().unwrap_or(0);
+    for i in 0..max {
+        let Ok(m) = d.mig_device_by_index(i) else {
+            continue;
+        };
+        let name = m.name().unwrap_or_default();
+        let profile = name.rsplit_once(" MIG ").map_or(name.as_str(), |(_, p)| p);
+        let _ = writeln!(
+            s,
+            "  MIG {profile:<12}Device {i:>2}: (UUID: {})",
+            m.uuid().unwrap_or_else(|_| "Unknown".into())
+        );
+    }
 }
 
 fn na<T: ToString>(r: Result<T, NvmlError>) -> String {
