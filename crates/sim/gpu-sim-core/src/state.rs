@@ -16,12 +16,14 @@
 //! clocks NVML and CUDA report in, `layout` the mapped file's layout (and
 //! `install` / `open`), `procs` the process table and liveness, `memory`
 //! memory accounting, `timeline` the kernel timeline and utilization,
-//! `xid` the Xid event ring, `mig` MIG mode and instances.
+//! `xid` the Xid event ring, `mig` MIG mode and instances, `mig_caps` the
+//! MIG capability files the driver exposes for them.
 
 mod clock;
 mod layout;
 mod memory;
 mod mig;
+pub mod mig_caps;
 mod procs;
 mod root;
 mod timeline;

@@ -214,6 +214,10 @@ pub fn install(
         0o644,
     )?;
 
+    if node.gpus.iter().any(|g| g.mig_model().is_some()) {
+        install_mig_caps(&sim)?;
+    }
+
     let host_dev = match host_dev {
         Some(dir) => install_host_dev(dir, &names)?,
         None => Vec::new(),
@@ -226,6 +230,21 @@ pub fn install(
         device_nodes_are_char_devices: char_devices,
         host_dev,
     })
+}
+
+/// A MIG-capable node's capability files as the driver has them from
+/// load: `proc/driver/nvidia/capabilities/mig/{config,monitor}`,
+/// `proc/driver/nvidia-caps/mig-minors`, and the config and monitor cap
+/// nodes `dev/nvidia-caps/nvidia-cap1`, `…2` (per-instance ones come and go
+/// with the instances, `gpu_sim_core::state::mig_caps`).
+fn install_mig_caps(sim: &SimRoot) -> Result<()> {
+    use gpu_sim_core::state::mig_caps;
+    mig_caps::write_static(sim).context("writing the MIG capability files")?;
+    fs::create_dir_all(sim.dev_dir().join("nvidia-caps"))?;
+    for minor in [mig_caps::CONFIG_MINOR, mig_caps::MONITOR_MINOR] {
+        make_device_node(&mig_caps::cap_node(sim, minor))?;
+    }
+    Ok(())
 }
 
 fn ldconfig() -> PathBuf {

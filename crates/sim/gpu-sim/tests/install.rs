@@ -308,3 +308,41 @@ fn host_dev_creates_the_device_nodes_and_never_replaces_others() {
         "{stdout}"
     );
 }
+
+#[test]
+fn a_mig_capable_node_gets_the_drivers_mig_capability_files() {
+    let Some((tmp, art)) = artifacts_as_root("ldconfig -r needs root") else {
+        return;
+    };
+    let root = tmp.path().join("root");
+    install_ok(
+        &repo().join("config/nodes/sim-mig-h100.toml"),
+        &root,
+        &art,
+        &[],
+    );
+    let caps = root.join("proc/driver/nvidia/capabilities/mig");
+    let config = fs::read_to_string(caps.join("config")).unwrap();
+    assert!(config.starts_with("DeviceFileMinor: 1\n"), "{config}");
+    let monitor = fs::read_to_string(caps.join("monitor")).unwrap();
+    assert!(monitor.starts_with("DeviceFileMinor: 2\n"), "{monitor}");
+    let minors = fs::read_to_string(root.join("proc/driver/nvidia-caps/mig-minors")).unwrap();
+    assert!(minors.starts_with("config 1\nmonitor 2\ngpu0/gi0/access 3\n"));
+    assert!(
+        minors.contains("gpu1/gi1/ci0/access 148\n"),
+        "3 + 135 + 9 + 1"
+    );
+    for n in ["nvidia-cap1", "nvidia-cap2"] {
+        assert!(root.join("dev/nvidia-caps").join(n).exists(), "{n}");
+    }
+    // A node without MIG-capable GPUs has none of them.
+    let plain = tmp.path().join("plain");
+    install_ok(
+        &repo().join("config/nodes/sim-1gpu.toml"),
+        &plain,
+        &art,
+        &[],
+    );
+    assert!(!plain.join("proc/driver/nvidia-caps").exists());
+    assert!(!plain.join("dev/nvidia-caps").exists());
+}

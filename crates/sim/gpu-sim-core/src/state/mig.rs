@@ -15,7 +15,7 @@
 //! immediate. Otherwise the change stays pending and the activation status
 //! is "in use", as NVML reports it.
 
-use super::SharedState;
+use super::{SharedState, mig_caps};
 use crate::mig::{self, CiProfile, GiProfile, MAX_CIS, MAX_GI_IDS, Placement};
 use std::os::fd::AsRawFd;
 use std::sync::Mutex;
@@ -220,6 +220,7 @@ impl SharedState {
             };
             let id = mig::gi_id_of(pl);
             self.mig_block(gpu).gis[id as usize].store(u64::from(p.index) + 1, Release);
+            mig_caps::publish_gi(&self.root, self.node.gpus[gpu].minor, id, true);
             Ok(GpuInstance {
                 id,
                 profile: p,
@@ -235,7 +236,10 @@ impl SharedState {
             let word = &self.mig_block(gpu).gis[gi.id as usize];
             let bare = u64::from(gi.profile.index) + 1;
             match word.compare_exchange(bare, 0, AcqRel, Acquire) {
-                Ok(_) => Ok(()),
+                Ok(_) => {
+                    mig_caps::publish_gi(&self.root, self.node.gpus[gpu].minor, gi.id, false);
+                    Ok(())
+                }
                 Err(0) => Err(MigError::NotFound),
                 Err(_) => Err(MigError::InUse),
             }
@@ -313,7 +317,10 @@ impl SharedState {
                 MigError::NoRoom
             }
         })?;
-        made.ok_or(MigError::NoRoom)
+        let made = made.ok_or(MigError::NoRoom)?;
+        let minor = self.node.gpus[gpu].minor;
+        mig_caps::publish_ci(&self.root, minor, gi, made.id, true);
+        Ok(made)
     }
 
     /// Destroys compute instance `ci` of GPU instance `gi`.
@@ -328,8 +335,9 @@ impl SharedState {
             (w & 0xff == u64::from(g.profile.index) + 1 && ci_byte(w, k) != 0)
                 .then(|| w & !(0xffu64 << (8 * (k + 1))))
         })
-        .map(|_| ())
-        .map_err(|_| MigError::NotFound)
+        .map_err(|_| MigError::NotFound)?;
+        mig_caps::publish_ci(&self.root, self.node.gpus[gpu].minor, gi, ci, false);
+        Ok(())
     }
 
     /// The MIG devices of `gpu` (one per compute instance), in NVML's

@@ -109,6 +109,15 @@ fn instances_are_placed_shared_and_destroyed() {
         Err(MigError::NoRoom)
     );
     let c1 = a.create_compute_instance(0, g1.id, 0, None).unwrap();
+    // The driver's capability files: GI 1 of GPU minor 0 is minor 3 + 9.
+    let caps = root
+        .root
+        .join("proc/driver/nvidia/capabilities/gpu0/mig/gi1");
+    let access = std::fs::read_to_string(caps.join("access")).unwrap();
+    assert!(access.starts_with("DeviceFileMinor: 12\n"), "{access}");
+    let ci = std::fs::read_to_string(caps.join("ci0/access")).unwrap();
+    assert!(ci.starts_with("DeviceFileMinor: 13\n"), "{ci}");
+    assert!(root.root.join("dev/nvidia-caps/nvidia-cap13").exists());
     let devs: Vec<(u32, u32)> = b.mig_devices(0).iter().map(|(g, c)| (g.id, c.id)).collect();
     assert_eq!(devs, [(1, 0), (7, 0)]);
     assert_eq!(a.destroy_gpu_instance(0, g3.id), Err(MigError::InUse));
@@ -117,7 +126,9 @@ fn instances_are_placed_shared_and_destroyed() {
         b.destroy_compute_instance(0, g3.id, c.id),
         Err(MigError::NotFound)
     );
+    assert!(!caps.join("ci0").exists(), "withdrawn with the CI");
     a.destroy_gpu_instance(0, g3.id).unwrap();
+    assert!(!caps.exists() && !root.root.join("dev/nvidia-caps/nvidia-cap12").exists());
     assert_eq!(b.gpu_instances(0).len(), 1);
     assert_eq!(
         b.gpu_instance_room(0, P_4G),
