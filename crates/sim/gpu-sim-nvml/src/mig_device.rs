@@ -148,3 +148,16 @@ pub fn name((sim, _, ci): Mig, c: &Ctx) -> String {
 pub fn memory_bytes((_, g, _): Mig) -> u64 {
     g.profile.memory_mib << 20
 }
+
+/// The MIG device handle of a "MIG-…" UUID (as `nvmlDeviceGetHandleByUUID`
+/// takes them), among the visible GPUs' MIG devices.
+pub fn by_uuid(c: &Ctx, want: &str) -> Result<nvmlDevice_t, nvmlReturn_t> {
+    for &sim in &c.visible {
+        for (g, ci) in c.state.mig_devices(sim) {
+            if mig_uuid(&c.gpu(sim).uuid, g.id, ci.id).eq_ignore_ascii_case(want) {
+                return Ok(mig_handle(sim, g.id, ci.id));
+            }
+        }
+    }
+    Err(NVML_ERROR_NOT_FOUND)
+}

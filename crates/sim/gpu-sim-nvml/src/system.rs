@@ -184,6 +184,9 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
     ffi(|| {
         let c = ctx()?;
         let want = arg_str(uuid)?;
+        if want.starts_with("MIG-") {
+            return put(device, crate::mig_device::by_uuid(&c, want)?);
+        }
         let sim = find_visible(&c, |g| g.uuid.eq_ignore_ascii_case(want))?;
         put(device, handle_of(sim))
     })

@@ -4,6 +4,9 @@
 //! root from its own file). The structs here are written from nvml.h
 //! independently of the library's, so a layout mistake shows.
 //!
+//! Needs `cargo build -p gpu-sim-nvml` first: `cargo test` does not
+//! rebuild the cdylib (the test refuses one older than the sources).
+//!
 //! Walks: enable MIG, profiles, placements, a 3g.40gb and a 1g.10gb with
 //! compute instances, overlaps refused, MIG device handles (UUID, name,
 //! memory, attributes), destroy, disable.
@@ -116,11 +119,29 @@ fn install() -> (tempfile::TempDir, PathBuf) {
         .unwrap()
         .join("libnvidia_ml.so");
     assert!(built.is_file(), "{} not built", built.display());
+    assert_fresh(&built);
     let lib_dir = dir.path().join("usr/lib/x86_64-linux-gnu");
     std::fs::create_dir_all(&lib_dir).unwrap();
     let lib = lib_dir.join("libnvidia-ml.so.1");
     std::fs::copy(&built, &lib).unwrap();
     (dir, lib)
+}
+
+/// `cargo test` does not rebuild a cdylib: refuse a library older than
+/// the crate's sources rather than test stale code.
+fn assert_fresh(built: &Path) {
+    let mtime = |p: &Path| std::fs::metadata(p).unwrap().modified().unwrap();
+    let lib = mtime(built);
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    for e in std::fs::read_dir(&src).unwrap() {
+        let p = e.unwrap().path();
+        assert!(
+            mtime(&p) <= lib,
+            "{} is older than {}: run `cargo build -p gpu-sim-nvml` first",
+            built.display(),
+            p.display()
+        );
+    }
 }
 
 struct Nvml(*mut c_void);
@@ -608,6 +629,20 @@ fn mig_devices(n: &Nvml, gpu: Dev) {
     assert!(u0.starts_with("MIG-") && u0.len() == 40, "{u0}");
     assert_eq!(uuid_of(n, m0).1, u0);
     assert_ne!(uuid_of(n, m1).1, u0);
+    let c = CString::new(u0.clone()).unwrap();
+    let mut by_uuid: Dev = std::ptr::null_mut();
+    let r = call!(
+        n,
+        "nvmlDeviceGetHandleByUUID",
+        (*const c_char, *mut Dev),
+        c.as_ptr(),
+        &mut by_uuid
+    );
+    assert_eq!(
+        (r, by_uuid),
+        (SUCCESS, m0),
+        "a MIG UUID names its MIG device"
+    );
     assert!(uuid_of(n, gpu).1.starts_with("GPU-"));
     let mut name = [0 as c_char; 96];
     assert_eq!(

@@ -146,3 +146,27 @@ fn gi_ids_follow_placements() {
     }
     assert_eq!(placement_of_gi_id(15), None);
 }
+
+/// The profile name go-nvlib (NVIDIA's device plugin and DRA driver) derives
+/// from `memorySizeMB` and the GPU's total memory (pkg/nvlib/device,
+/// getMigMemorySizeGB: the memory fraction rounded up to eighths, times the
+/// total in whole GiB rounded up) must be the table's own name.
+#[test]
+fn names_agree_with_go_nvlibs_rule() {
+    let totals = [
+        ("a100-40gb", 40960u64),
+        ("a100-80gb", 81920),
+        ("h100-80gb", 81559),
+        ("h200-141gb", 143771),
+    ];
+    for (key, total_mib) in totals {
+        for p in model(key).unwrap().profiles {
+            let frac = p.memory_mib as f64 / total_mib as f64;
+            let frac = (frac * 8.0).ceil() / 8.0;
+            let total_gb = total_mib.div_ceil(1024) as f64;
+            let gb = (frac * total_gb).round() as u64;
+            let base = p.name.trim_end_matches("+me");
+            assert_eq!(base, format!("{}g.{gb}gb", p.slices), "{key}");
+        }
+    }
+}
