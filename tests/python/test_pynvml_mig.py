@@ -161,6 +161,13 @@ def test_mig_through_pynvml(root):
         f"  MIG 1g.10gb     Device  1: (UUID: {devs[1]['uuid']})",
     ], lines
     assert lines[3].startswith("GPU 1: "), lines
+    lgip = subprocess.run(
+        [str(root / "usr" / "bin" / "nvidia-smi"), "mig", "-lgip"], env=env, capture_output=True, text=True
+    ).stdout.splitlines()
+    rows = [line for line in lgip if "MIG " in line]
+    assert rows[0] == "|   0  MIG 1g.10gb         19     3/7        9.75       No     16     1     0   |", lgip
+    assert rows[4] == "|   0  MIG 3g.40gb          9     0/2       39.50       No     60     3     0   |", lgip
+    assert all(len(line) == 81 for line in lgip), lgip
 
     # Stable UUIDs: the same on another read.
     again = client(root, "print(json.dumps(N.nvmlDeviceGetUUID(N.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 0))))")

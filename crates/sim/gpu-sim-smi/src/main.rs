@@ -2,7 +2,10 @@
 //! so what it prints is what NVML reports.
 //!
 //! Supports the default table, `-L`, `-i ID[,ID]`, `--query-gpu=...` and
-//! `--query-compute-apps=...` with `--format=csv[,noheader][,nounits]`.
+//! `--query-compute-apps=...` with `--format=csv[,noheader][,nounits]`, and
+//! `mig -lgip`.
+
+mod mig;
 
 use nvml_wrapper::enum_wrappers::device::{
     Clock, ComputeMode, PerformanceState, TemperatureSensor,
@@ -19,6 +22,8 @@ Make sure that the latest NVIDIA driver is installed and running.";
 
 struct Args {
     list: bool,
+    /// `mig -lgip`.
+    mig_lgip: bool,
     ids: Option<Vec<String>>,
     query_gpu: Option<Vec<String>>,
     query_apps: Option<Vec<String>>,
@@ -29,7 +34,7 @@ struct Args {
 fn usage() -> ExitCode {
     eprintln!(
         "usage: nvidia-smi [-L] [-i ID[,ID...]] [--query-gpu=FIELDS | --query-compute-apps=FIELDS] \
-         [--format=csv[,noheader][,nounits]]"
+         [--format=csv[,noheader][,nounits]] | nvidia-smi mig -lgip"
     );
     ExitCode::from(2)
 }
@@ -37,6 +42,7 @@ fn usage() -> ExitCode {
 fn parse_args() -> Result<Args, ExitCode> {
     let mut a = Args {
         list: false,
+        mig_lgip: false,
         ids: None,
         query_gpu: None,
         query_apps: None,
@@ -58,6 +64,10 @@ fn parse_args() -> Result<Args, ExitCode> {
         let value = |it: &mut dyn Iterator<Item = String>| inline.clone().or_else(|| it.next());
         match key.as_str() {
             "-L" | "--list-gpus" => a.list = true,
+            "mig" => match it.next().as_deref() {
+                Some("-lgip" | "--list-gpu-instance-profiles") => a.mig_lgip = true,
+                _ => return Err(usage()),
+            },
             "-i" | "--id" => a.ids = Some(split(&value(&mut it).ok_or_else(usage)?)),
             "--query-gpu" => a.query_gpu = Some(split(&value(&mut it).ok_or_else(usage)?)),
             "--query-compute-apps" => {
@@ -153,6 +163,8 @@ fn main() -> ExitCode {
     }
     let out = if args.list {
         Ok(list(&devices))
+    } else if args.mig_lgip {
+        Ok(mig::list_gip(&nvml, &devices))
     } else if let Some(fields) = &args.query_gpu {
         query_gpu(&nvml, &devices, fields, &args)
     } else if let Some(fields) = &args.query_apps {
