@@ -5,7 +5,8 @@
 //! holds, per GPU, the memory in use and the kernel timeline; a table of
 //! processes with their memory per GPU; a ring of injected Xid events; and
 //! per GPU its MIG mode and instances.
-//! Everything in it is an atomic, so no process ever blocks another.
+//! Everything in it is an atomic, so no process ever blocks another (MIG
+//! reconfiguration alone takes a per-GPU lock, see `mig`).
 //!
 //! Liveness of a process slot is an OFD byte-range lock on `procs.lock`, held
 //! by the owning process: the kernel drops it when the process dies, however it
