@@ -153,7 +153,7 @@ fn real_node_suite() {
     }
     if matches!(
         std::env::var("VCUDA_K8S_ONLY").as_deref(),
-        Ok("sched" | "nodes")
+        Ok("sched" | "nodes" | "live")
     ) {
         for f in &figures {
             eprintln!("k8s_node:   {f}");
@@ -179,7 +179,8 @@ fn real_node_suite() {
 
 /// Phases 1 and 2: the real gpu-manager binary on the host.
 /// `VCUDA_K8S_ONLY=sched` runs the extender's phase alone over a fresh
-/// host manager (while working on it).
+/// host manager, `=nodes` the three nodes', `=live` phases 1 and 2 only
+/// (while working on them).
 fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     let only = std::env::var("VCUDA_K8S_ONLY").unwrap_or_default();
     if only == "sched" || only == "nodes" {
@@ -193,6 +194,10 @@ fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         return;
     }
     let (mut m, state) = phase1::run(c, w, figures);
+    if only == "live" {
+        phase2::run(c, w, figures, &mut m, &state);
+        return;
+    }
     phase_tp::run(c, w, figures, &state);
     phase_webhook::run(c, w, figures);
     // While the host manager serves (phase 2 ends by stopping it).

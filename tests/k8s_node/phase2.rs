@@ -262,7 +262,7 @@ pub fn run(
     ));
     // Where it went: finding the pod (the kubelet's List, the reflector)
     // and the checkpoint's write.
-    for field in ["found_us", "checkpoint_us"] {
+    for field in ["found_us", "list_us", "checkpoint_us"] {
         let v = m.allocate_field(field);
         figures.push(format!(
             "  of which {field}: p50 {:.2} ms, p99 {:.2} ms",

@@ -25,6 +25,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The API server's pods of this node.
 pub struct MemoryPods {
     pods: Mutex<Vec<Arc<Pod>>>,
+    /// Pods the API server has that the list has not brought yet.
+    unlisted: Mutex<Vec<Arc<Pod>>>,
     health: Mutex<ApiHealth>,
     version: watch::Sender<u64>,
 }
@@ -33,6 +35,7 @@ impl Default for MemoryPods {
     fn default() -> Self {
         MemoryPods {
             pods: Mutex::new(Vec::new()),
+            unlisted: Mutex::new(Vec::new()),
             health: Mutex::new(ApiHealth::Ok),
             version: watch::channel(0).0,
         }
@@ -53,6 +56,12 @@ impl MemoryPods {
     pub fn remove(&self, uid: &str) {
         lock(&self.pods).retain(|p| p.metadata.uid.as_deref() != Some(uid));
         self.version.send_modify(|v| *v += 1);
+    }
+
+    /// A pod the API server has and the list has not brought yet (the
+    /// watch behind): only [`PodSource::fetch`] finds it.
+    pub fn put_unlisted(&self, pod: Pod) {
+        lock(&self.unlisted).push(Arc::new(pod));
     }
 
     pub fn set_health(&self, h: ApiHealth) {
@@ -78,6 +87,15 @@ impl PodSource for MemoryPods {
         let mut rx = self.version.subscribe();
         let moved = rx.wait_for(|&g| g != seen);
         matches!(tokio::time::timeout(timeout, moved).await, Ok(Ok(_)))
+    }
+
+    async fn fetch(&self, namespace: &str, name: &str) -> Option<Arc<Pod>> {
+        let same = |p: &&Arc<Pod>| {
+            p.metadata.namespace.as_deref() == Some(namespace)
+                && p.metadata.name.as_deref() == Some(name)
+        };
+        let listed = lock(&self.pods).iter().find(same).cloned();
+        listed.or_else(|| lock(&self.unlisted).iter().find(same).cloned())
     }
 }
 

@@ -34,6 +34,26 @@ const POD_WAIT: Duration = Duration::from_secs(5);
 /// How long an Allocate waits for kubelet's pod-resources `List`.
 const KUBELET_LIST: Duration = Duration::from_secs(1);
 
+/// Pods kubelet lists but the watch has not brought that one Allocate reads
+/// from the API server itself, at most.
+const FETCH_MAX: usize = 4;
+
+/// A pod's namespace and name, as kubelet's List names it.
+fn key(p: &Pod) -> (String, String) {
+    (pods::namespace(p).to_string(), pods::name(p).to_string())
+}
+
+/// When an Allocate started and what finding its pod cost (logged with the
+/// answer: where the time of a slow Allocate went).
+struct Found {
+    started: Instant,
+    /// Until the pod was found (kubelet's List and any wait for the pod
+    /// watch included).
+    found_us: u64,
+    /// In kubelet's pod-resources List.
+    list_us: u64,
+}
+
 fn alloc_refusal(e: AllocError) -> Refusal {
     match e.kind() {
         ErrorKind::InvalidRequest => Refusal::invalid(e.to_string()),
@@ -111,56 +131,111 @@ impl Manager {
         }
     }
 
-    async fn find_candidate(&self, cores: u64) -> Result<pods::Candidate, Refusal> {
+    /// The pod that asks; `list_us` gets the time spent in kubelet's List.
+    ///
+    /// kubelet's List is taken once: kubelet adds a pod to its pod manager
+    /// before it admits it, so the asking pod is in the first answer. A pod
+    /// it lists that the watch has not brought yet is read from the API
+    /// server at once instead of waiting for the watch (the slow Allocates
+    /// on a busy node waited for it).
+    async fn find_candidate(
+        &self,
+        cores: u64,
+        list_us: &mut u64,
+    ) -> Result<pods::Candidate, Refusal> {
         let deadline = Instant::now() + POD_WAIT;
+        // Only a pod kubelet is admitting can be the one asking: one it
+        // refused (no healthy devices while the manager was down) still
+        // looks Pending in the API server for a while, and a guess of it
+        // made every later guess wrong on the 1.36 node. Read before the
+        // List, so a pod the watch brings meanwhile is never missed.
+        let mut seen = self.pods.generation();
+        let listed = Instant::now();
+        let active = self.kubelet_active().await;
+        *list_us = listed.elapsed().as_micros() as u64;
+        let mut fetched: Vec<Arc<Pod>> = Vec::new();
+        let mut asked = BTreeSet::new();
         loop {
-            let seen = self.pods.generation();
             let pods = self.pods.pods();
-            // Only a pod kubelet is admitting can be the one asking: one
-            // it refused (no healthy devices while the manager was down)
-            // still looks Pending in the API server for a while, and a
-            // guess of it made every later guess wrong on the 1.36 node.
-            let active = self.kubelet_active().await;
-            let admitted: Vec<Arc<Pod>> = match &active {
-                Some(a) => pods
-                    .iter()
-                    .filter(|p| {
-                        a.contains(&(pods::namespace(p).to_string(), pods::name(p).to_string()))
-                    })
-                    .cloned()
-                    .collect(),
-                None => pods.clone(),
+            let Some(a) = &active else {
+                if let Some(c) = self.select(&pods, cores) {
+                    return Ok(c);
+                }
+                if !self.wait_for_pods(&mut seen, deadline).await {
+                    return Err(self.no_pod(cores, &pods));
+                }
+                continue;
             };
+            let mut admitted: Vec<Arc<Pod>> = pods
+                .iter()
+                .filter(|p| a.contains(&key(p)))
+                .cloned()
+                .collect();
+            let known: BTreeSet<_> = admitted.iter().map(|p| pods::uid(p).to_string()).collect();
+            admitted.extend(
+                fetched
+                    .iter()
+                    .filter(|p| !known.contains(pods::uid(p)))
+                    .cloned(),
+            );
             if let Some(c) = self.select(&admitted, cores) {
                 return Ok(c);
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || !self.pods.changed_since(seen, left).await {
-                if active.is_some()
-                    && let Some(c) = self.select(&self.pods.pods(), cores)
-                {
+            let listed_keys: BTreeSet<_> = pods.iter().map(|p| key(p)).collect();
+            let unseen: Vec<&(String, String)> = a
+                .iter()
+                .filter(|k| !listed_keys.contains(*k) && !asked.contains(*k))
+                .take(FETCH_MAX)
+                .collect();
+            if !unseen.is_empty() {
+                for k in unseen {
+                    asked.insert(k.clone());
+                    if let Some(p) = self.pods.fetch(&k.0, &k.1).await {
+                        fetched.push(p);
+                    }
+                }
+                continue;
+            }
+            if !self.wait_for_pods(&mut seen, deadline).await {
+                if let Some(c) = self.select(&self.pods.pods(), cores) {
                     tracing::warn!(pod = %pods::name(&c.pod), "kubelet lists no pending pod that fits this Allocate: guessing among every pending pod");
                     return Ok(c);
                 }
-                if self.pods.health() == ApiHealth::Starting {
-                    return Err(Refusal::unavailable(format!(
-                        "the manager has not listed this node's pods from the API server yet; cannot tell which pod asks for vcuda-core {cores}; kubelet will retry"
-                    )));
-                }
-                if let ApiHealth::Failing(e) = self.pods.health() {
-                    return Err(Refusal::unavailable(format!(
-                        "no pending pod on node {} asks for vcuda-core {cores}, and the API server is unreachable ({e}); kubelet will retry",
-                        self.config.node_name
-                    )));
-                }
-                return Err(Refusal::precondition(format!(
-                    "no pending, unassigned pod on node {} has a container asking for vcuda-core {cores} \
-                     (pending GPU containers: {}); was the pod deleted, or already allocated?",
-                    self.config.node_name,
-                    pods::describe_pending(&pods)
-                )));
+                return Err(self.no_pod(cores, &pods));
             }
         }
+    }
+
+    /// Waits for the pod watch to move past `seen` (updated) until
+    /// `deadline`; false when it did not.
+    async fn wait_for_pods(&self, seen: &mut u64, deadline: Instant) -> bool {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || !self.pods.changed_since(*seen, left).await {
+            return false;
+        }
+        *seen = self.pods.generation();
+        true
+    }
+
+    /// Why no pod could be found for an Allocate of `cores`.
+    fn no_pod(&self, cores: u64, pods: &[Arc<Pod>]) -> Refusal {
+        if self.pods.health() == ApiHealth::Starting {
+            return Refusal::unavailable(format!(
+                "the manager has not listed this node's pods from the API server yet; cannot tell which pod asks for vcuda-core {cores}; kubelet will retry"
+            ));
+        }
+        if let ApiHealth::Failing(e) = self.pods.health() {
+            return Refusal::unavailable(format!(
+                "no pending pod on node {} asks for vcuda-core {cores}, and the API server is unreachable ({e}); kubelet will retry",
+                self.config.node_name
+            ));
+        }
+        Refusal::precondition(format!(
+            "no pending, unassigned pod on node {} has a container asking for vcuda-core {cores} \
+             (pending GPU containers: {}); was the pod deleted, or already allocated?",
+            self.config.node_name,
+            pods::describe_pending(pods)
+        ))
     }
 
     /// The placement gpu-admission chose (`predicate-gpu-idx-<i>`), checked
@@ -237,10 +312,15 @@ impl Manager {
         }
         let cores = device_ids.len() as u64;
         self.release_holders_of(&device_ids);
-        let cand = self.find_candidate(cores).await?;
-        let found_us = started.elapsed().as_micros() as u64;
+        let mut list_us = 0;
+        let cand = self.find_candidate(cores, &mut list_us).await?;
+        let found = Found {
+            started,
+            found_us: started.elapsed().as_micros() as u64,
+            list_us,
+        };
         let pod = cand.pod.clone();
-        let r = self.allocate_for(cand, device_ids, started, found_us).await;
+        let r = self.allocate_for(cand, device_ids, found).await;
         self.said_on(&pod, r)
     }
 
@@ -352,8 +432,7 @@ impl Manager {
         &self,
         cand: pods::Candidate,
         device_ids: Vec<String>,
-        started: Instant,
-        found_us: u64,
+        found: Found,
     ) -> Result<ContainerAllocateResponse, Refusal> {
         let cores = device_ids.len() as u64;
         let pod = cand.pod.clone();
@@ -429,7 +508,8 @@ impl Manager {
         }
         tracing::info!(
             pod = %format!("{ns}/{name}"), container = %cand.container, uid, %placement,
-            took_us = started.elapsed().as_micros() as u64, found_us, checkpoint_us, "allocated"
+            took_us = found.started.elapsed().as_micros() as u64, found_us = found.found_us,
+            list_us = found.list_us, checkpoint_us, "allocated"
         );
         Ok(self.answer(&alloc, &dir))
     }

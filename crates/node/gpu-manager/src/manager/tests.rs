@@ -401,6 +401,31 @@ async fn a_pod_that_arrives_during_kubelet_s_list_is_the_one_taken() {
     assert_eq!(booked(&rig), ["uid-b"]);
 }
 
+/// The pod kubelet admits is read from the API server when the watch has
+/// not brought it yet: taken at once, never a guess among the pods the
+/// watch has (which, after the wait, would have taken pod a).
+#[tokio::test]
+async fn a_listed_pod_the_watch_has_not_brought_is_read_from_the_api_server() {
+    let rig = Rig::new();
+    rig.pods.put(pod(
+        "a",
+        30,
+        4,
+        json!({"tencent.com/predicate-time": "100"}),
+    ));
+    rig.pods.put_unlisted(pod(
+        "b",
+        30,
+        4,
+        json!({"tencent.com/predicate-time": "200"}),
+    ));
+    rig.kubelet.set_active(&[("ns", "b")]);
+    let t = std::time::Instant::now();
+    rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
+    assert_eq!(booked(&rig), ["uid-b"]);
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+}
+
 /// A pod the watch has seen deleted frees its capacity before the next
 /// placement, whether or not the release task has run yet: the scheduler
 /// (and gpu-admission) placed the new pod after that deletion.
