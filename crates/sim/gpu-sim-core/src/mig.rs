@@ -542,5 +542,25 @@ pub fn placement_of_gi_id(id: u32) -> Option<Placement> {
     Some(Placement { start, size })
 }
 
+/// "MIG-xxxxxxxx-xxxx-5xxx-yxxx-xxxxxxxxxxxx": stable for a GPU, GPU
+/// instance and compute instance (a hash of the three), in the format of
+/// the driver's MIG UUIDs.
+pub fn mig_uuid(gpu_uuid: &str, gi: u32, ci: u32) -> String {
+    let a = crate::fnv1a(format!("{gpu_uuid}/gi{gi}/ci{ci}").as_bytes());
+    let b = crate::fnv1a(&a.to_le_bytes());
+    let hex = format!("{a:016x}{b:016x}");
+    let h = hex.as_bytes();
+    let s = |r: std::ops::Range<usize>| std::str::from_utf8(&h[r]).unwrap_or("0");
+    let variant = ["8", "9", "a", "b"][(b & 3) as usize];
+    format!(
+        "MIG-{}-{}-5{}-{variant}{}-{}",
+        s(0..8),
+        s(8..12),
+        s(13..16),
+        s(17..20),
+        s(20..32)
+    )
+}
+
 #[cfg(test)]
 mod tests;

@@ -18,13 +18,15 @@
 //! `install` / `open`), `procs` the process table and liveness, `memory`
 //! memory accounting, `timeline` the kernel timeline and utilization,
 //! `xid` the Xid event ring, `mig` MIG mode and instances, `mig_caps` the
-//! MIG capability files the driver exposes for them.
+//! MIG capability files the driver exposes for them, `mig_use` the memory
+//! and timeline of each GPU instance and which one a process uses.
 
 mod clock;
 mod layout;
 mod memory;
 mod mig;
 pub mod mig_caps;
+mod mig_use;
 mod procs;
 mod root;
 mod timeline;

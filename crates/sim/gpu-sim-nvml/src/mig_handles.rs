@@ -132,25 +132,8 @@ pub fn with_dev_or_mig(
     })
 }
 
-/// "MIG-xxxxxxxx-xxxx-5xxx-yxxx-xxxxxxxxxxxx": stable for a GPU, GPU
-/// instance and compute instance (a hash of the three), in the format of
-/// the driver's MIG UUIDs.
-pub fn mig_uuid(gpu_uuid: &str, gi: u32, ci: u32) -> String {
-    let a = gpu_sim_core::fnv1a(format!("{gpu_uuid}/gi{gi}/ci{ci}").as_bytes());
-    let b = gpu_sim_core::fnv1a(&a.to_le_bytes());
-    let hex = format!("{a:016x}{b:016x}");
-    let h = hex.as_bytes();
-    let s = |r: std::ops::Range<usize>| std::str::from_utf8(&h[r]).unwrap_or("0");
-    let variant = ["8", "9", "a", "b"][(b & 3) as usize];
-    format!(
-        "MIG-{}-{}-5{}-{variant}{}-{}",
-        s(0..8),
-        s(8..12),
-        s(13..16),
-        s(17..20),
-        s(20..32)
-    )
-}
+/// MIG UUIDs are the core's, so the simulated CUDA names them alike.
+pub use gpu_sim_core::mig::mig_uuid;
 
 #[cfg(test)]
 mod tests {
@@ -164,16 +147,5 @@ mod tests {
         assert_eq!(slot_index(&MIGS, handle_of(0)), None);
         let g = gi_handle(2, 9);
         assert_eq!(slot_index(&GIS, g), Some(2 * MAX_GI_IDS + 9));
-    }
-
-    #[test]
-    fn mig_uuids_are_stable_and_distinct() {
-        let u = mig_uuid("GPU-1", 1, 0);
-        assert_eq!(u, mig_uuid("GPU-1", 1, 0));
-        assert_ne!(u, mig_uuid("GPU-1", 2, 0));
-        assert_ne!(u, mig_uuid("GPU-2", 1, 0));
-        assert_eq!(u.len(), 40, "{u}");
-        let parts: Vec<usize> = u[4..].split('-').map(str::len).collect();
-        assert_eq!(parts, [8, 4, 4, 4, 12], "{u}");
     }
 }

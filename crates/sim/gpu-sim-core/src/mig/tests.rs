@@ -170,3 +170,14 @@ fn names_agree_with_go_nvlibs_rule() {
         }
     }
 }
+
+#[test]
+fn mig_uuids_are_stable_and_distinct() {
+    let u = mig_uuid("GPU-1", 1, 0);
+    assert_eq!(u, mig_uuid("GPU-1", 1, 0));
+    assert_ne!(u, mig_uuid("GPU-1", 2, 0));
+    assert_ne!(u, mig_uuid("GPU-2", 1, 0));
+    assert_eq!(u.len(), 40, "{u}");
+    let parts: Vec<usize> = u[4..].split('-').map(str::len).collect();
+    assert_eq!(parts, [8, 4, 4, 4, 12], "{u}");
+}

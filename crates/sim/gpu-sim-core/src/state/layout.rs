@@ -7,7 +7,7 @@
 use super::{SharedState, SimRoot, StateError, io_err};
 use crate::node::{MAX_GPUS, NodeSpec};
 use std::fs::{self, File, OpenOptions};
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
@@ -22,8 +22,10 @@ pub const XID_RING: usize = 64;
 
 const MAGIC: [u8; 8] = *b"GPUSIM\0\x01";
 /// 2: a `MigBlock` per GPU after the process table (MIG mode and
-/// instances).
-const LAYOUT_VERSION: u32 = 2;
+/// instances). 3: then, on a node with a MIG-capable GPU, each process
+/// slot's MIG binding per GPU and a `DeviceBlock` per GPU instance id of
+/// each GPU (its memory and timeline).
+const LAYOUT_VERSION: u32 = 3;
 
 // ---- shared layout -------------------------------------------------------
 
@@ -101,13 +103,31 @@ pub(super) struct MigBlock {
     pub(super) gis: [AtomicU64; crate::mig::MAX_GI_IDS],
 }
 
+/// Per process slot and GPU: the MIG device the process uses there, 0 for
+/// the whole GPU, else `(gi + 1) | (ci + 1) << 8` (see `mig_use`).
+pub(super) type MigBinding = [AtomicU32; MAX_GPUS];
+
 const HEADER_SIZE: usize = std::mem::size_of::<Header>();
 const DEVICE_SIZE: usize = std::mem::size_of::<DeviceBlock>();
 const SLOT_SIZE: usize = std::mem::size_of::<ProcSlot>();
 const MIG_SIZE: usize = std::mem::size_of::<MigBlock>();
 
-fn layout_len(gpus: usize) -> usize {
+const BINDING_SIZE: usize = std::mem::size_of::<MigBinding>();
+
+/// End of the version-2 part; the MIG usage part follows on MIG nodes.
+fn base_len(gpus: usize) -> usize {
     HEADER_SIZE + gpus * DEVICE_SIZE + MAX_PROCS * SLOT_SIZE + gpus * MIG_SIZE
+}
+
+/// Bytes of the state of a node with `gpus` GPUs; `mig`: one of them is
+/// MIG-capable (the GPU-instance blocks are 7.5 MiB a GPU, sparse).
+fn layout_len(gpus: usize, mig: bool) -> usize {
+    let mig_part = MAX_PROCS * BINDING_SIZE + gpus * crate::mig::MAX_GI_IDS * DEVICE_SIZE;
+    base_len(gpus) + if mig { mig_part } else { 0 }
+}
+
+fn has_mig(node: &NodeSpec) -> bool {
+    node.gpus.iter().any(|g| g.mig_model().is_some())
 }
 
 // The layout every mapping process agrees on (LAYOUT_VERSION 2).
@@ -123,6 +143,7 @@ const _: () = assert!(std::mem::offset_of!(ProcSlot, used) == 64);
 const _: () = assert!(SLOT_SIZE == 64 + MAX_GPUS * 8);
 const _: () = assert!(std::mem::offset_of!(MigBlock, gis) == 8);
 const _: () = assert!(MIG_SIZE == 8 + 15 * 8);
+const _: () = assert!(BINDING_SIZE == MAX_GPUS * 4);
 // Seven compute instances (bytes 1..=7) fill a GI word.
 const _: () = assert!(crate::mig::MAX_CIS == 7);
 
@@ -154,7 +175,7 @@ impl SharedState {
             // New inode: processes still mapping the old state are unaffected.
             let tmp = dir.join(".state.tmp");
             let f = File::create(&tmp).map_err(io_err(&tmp))?;
-            f.set_len(layout_len(node.gpus.len()) as u64)
+            f.set_len(layout_len(node.gpus.len(), has_mig(node)) as u64)
                 .map_err(io_err(&tmp))?;
             let mut header = vec![0u8; 24];
             header[..8].copy_from_slice(&MAGIC);
@@ -181,8 +202,16 @@ impl SharedState {
     }
 
     fn read_header(path: &Path) -> Result<Option<(u64, usize)>, StateError> {
-        let bytes = match fs::read(path) {
-            Ok(b) => b,
+        // The header alone: a MIG node's file is tens of MiB (sparse).
+        let mut bytes = Vec::with_capacity(24);
+        let file_len = match File::open(path) {
+            Ok(f) => {
+                let len = f.metadata().map_err(io_err(path))?.len() as usize;
+                std::io::Read::take(f, 24)
+                    .read_to_end(&mut bytes)
+                    .map_err(io_err(path))?;
+                len
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io_err(path)(e)),
         };
@@ -202,7 +231,7 @@ impl SharedState {
             )));
         }
         let count = u32::from_ne_bytes(bytes[12..16].try_into().unwrap()) as usize;
-        if count == 0 || count > MAX_GPUS || bytes.len() < layout_len(count) {
+        if count == 0 || count > MAX_GPUS || file_len < base_len(count) {
             return Err(corrupt("truncated or inconsistent; re-run gpu-sim install"));
         }
         Ok(Some((
@@ -221,7 +250,7 @@ impl SharedState {
             .custom_flags(libc::O_CLOEXEC)
             .open(&path)
             .map_err(io_err(&path))?;
-        let len = layout_len(node.gpus.len());
+        let len = layout_len(node.gpus.len(), has_mig(&node));
         let actual = file.metadata().map_err(io_err(&path))?.len() as usize;
         let corrupt = |message: String| StateError::Corrupt {
             path: path.display().to_string(),
@@ -299,6 +328,27 @@ impl SharedState {
             HEADER_SIZE + self.gpu_count() * DEVICE_SIZE + MAX_PROCS * SLOT_SIZE + gpu * MIG_SIZE;
         // SAFETY: in bounds by layout_len; 8-aligned (every block before it is).
         unsafe { &*(self.base.add(off) as *const MigBlock) }
+    }
+    /// Slot `i`'s MIG bindings; `None` on a node without MIG.
+    pub(super) fn mig_binding(&self, i: usize) -> Option<&MigBinding> {
+        assert!(i < MAX_PROCS);
+        let off = base_len(self.gpu_count()) + i * BINDING_SIZE;
+        // SAFETY: in bounds by layout_len when the node has MIG (checked by
+        // the length); 4-aligned after 8-aligned blocks.
+        (self.len >= layout_len(self.gpu_count(), true))
+            .then(|| unsafe { &*(self.base.add(off) as *const MigBinding) })
+    }
+    /// The memory and timeline of GPU instance `gi` of `gpu` (MIG nodes).
+    pub(super) fn gi_block(&self, gpu: usize, gi: u32) -> Option<&DeviceBlock> {
+        assert!(gpu < self.gpu_count() && (gi as usize) < crate::mig::MAX_GI_IDS);
+        let n = self.gpu_count();
+        let off = base_len(n)
+            + MAX_PROCS * BINDING_SIZE
+            + (gpu * crate::mig::MAX_GI_IDS + gi as usize) * DEVICE_SIZE;
+        // SAFETY: in bounds by layout_len on a MIG node (checked by the
+        // length); 8-aligned (the bindings part is a multiple of 8).
+        (self.len >= layout_len(n, true))
+            .then(|| unsafe { &*(self.base.add(off) as *const DeviceBlock) })
     }
 }
 

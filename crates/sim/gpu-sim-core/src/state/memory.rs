@@ -27,6 +27,14 @@ impl SharedState {
     /// Takes `bytes` of `gpu`'s memory for the calling process, or fails when
     /// the card is full. Concurrent callers never overshoot the card.
     pub fn try_alloc(&self, me: Attached, gpu: usize, bytes: u64) -> Result<(), OutOfMemory> {
+        // A MIG device's process: bounded by its GPU instance first.
+        let in_gi = self
+            .take_in_gi(me, gpu, bytes)
+            .map_err(|free| OutOfMemory {
+                gpu,
+                requested: bytes,
+                free,
+            })?;
         let total = self.memory_total(gpu);
         let dev = self.device(gpu);
         let mut reaped = false;
@@ -43,6 +51,9 @@ impl SharedState {
                     reaped = true;
                 }
                 Err(used) => {
+                    if in_gi {
+                        self.give_in_gi(me.slot as usize, gpu, bytes);
+                    }
                     return Err(OutOfMemory {
                         gpu,
                         requested: bytes,
@@ -64,6 +75,7 @@ impl SharedState {
             .fetch_update(AcqRel, Acquire, |u| Some(u.saturating_sub(bytes)))
             .unwrap();
         let given = taken.min(bytes);
+        self.give_in_gi(me.slot as usize, gpu, given);
         self.device(gpu)
             .used
             .fetch_update(AcqRel, Acquire, |u| Some(u.saturating_sub(given)))

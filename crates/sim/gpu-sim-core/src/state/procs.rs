@@ -85,8 +85,10 @@ impl SharedState {
             let held = s.used[g].swap(0, AcqRel);
             if held > 0 {
                 self.device(g).used.fetch_sub(held, AcqRel);
+                self.give_in_gi(i, g, held);
             }
         }
+        self.clear_mig_use(i);
         s.active.store(0, Release);
         s.host_pid.store(0, Release);
         s.state.store(SLOT_FREE, Release);
@@ -142,6 +144,7 @@ impl SharedState {
                 word.store(u64::from_ne_bytes(b), Release);
             }
             s.active.store(0, Release);
+            self.clear_mig_use(i);
             s.state.store(SLOT_LIVE, Release);
             self.own_slot.store(i as i64, Release);
             return Ok(Attached {

@@ -53,7 +53,8 @@ impl SharedState {
         not_before_ns: u64,
         share: f64,
     ) -> (u64, u64) {
-        let dev = self.device(gpu);
+        // A MIG device's process queues on its GPU instance's timeline.
+        let dev = self.engine(me, gpu);
         let ready = now_ns().max(not_before_ns);
         let need = ((share.clamp(0.0, 1.0) * FULL as f64).ceil() as u64).max(1);
         let prev = dev.last_owner.swap(me.owner(), AcqRel);
