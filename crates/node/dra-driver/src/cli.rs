@@ -232,4 +232,26 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("gpu-manager.toml"), "{e}");
     }
+
+    #[test]
+    fn the_xid_taint_effect_flag() {
+        use crate::slices::Unhealthy;
+        let parse = |v: &str| Args::try_parse_from(["vcuda-dra-driver", "--xid-taint-effect", v]);
+        let with = |a: Args| {
+            resolve(Args {
+                node_name: Some("n".into()),
+                ..a
+            })
+            .unwrap()
+            .unhealthy
+        };
+        assert_eq!(with(Args::default()), Unhealthy::Taint("NoSchedule"));
+        assert_eq!(
+            with(parse("NoExecute").unwrap()),
+            Unhealthy::Taint("NoExecute")
+        );
+        assert_eq!(with(parse("LeaveOut").unwrap()), Unhealthy::LeftOut);
+        let e = parse("Evict").unwrap_err().to_string();
+        assert!(e.contains("\"Evict\": expected NoSchedule"), "{e}");
+    }
 }

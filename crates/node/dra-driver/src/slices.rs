@@ -60,17 +60,22 @@ pub enum Unhealthy {
     LeftOut,
 }
 
+/// An `--xid-taint-effect` that is none of the three.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{0:?}: expected NoSchedule (new claims avoid the GPU), NoExecute (and pods using it are \
+     evicted) or LeaveOut (the GPU leaves the slice)"
+)]
+pub struct UnknownEffect(String);
+
 impl std::str::FromStr for Unhealthy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownEffect;
+    fn from_str(s: &str) -> Result<Self, UnknownEffect> {
         match s {
             "NoSchedule" => Ok(Unhealthy::Taint("NoSchedule")),
             "NoExecute" => Ok(Unhealthy::Taint("NoExecute")),
             "LeaveOut" => Ok(Unhealthy::LeftOut),
-            _ => Err(format!(
-                "{s:?}: expected NoSchedule (new claims avoid the GPU), NoExecute (and pods \
-                 using it are evicted) or LeaveOut (the GPU leaves the slice)"
-            )),
+            _ => Err(UnknownEffect(s.to_string())),
         }
     }
 }
@@ -410,7 +415,7 @@ mod tests {
             "NoExecute".parse().unwrap(),
         );
         assert!(!same_devices(&s.spec, &evict.spec));
-        let e = "Evict".parse::<Unhealthy>().unwrap_err();
+        let e = "Evict".parse::<Unhealthy>().unwrap_err().to_string();
         assert!(e.contains("NoSchedule") && e.contains("LeaveOut"), "{e}");
     }
 
