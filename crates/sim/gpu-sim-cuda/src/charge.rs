@@ -111,7 +111,7 @@ pub(crate) fn activate(d: &Driver, c: &Ctx) -> R {
     if ch.has(What::Context, key(c)) {
         return Ok(());
     }
-    let overhead = d.node().gpus[c.gpu].context_overhead_bytes();
+    let overhead = d.gpu_spec(c.gpu).context_overhead_bytes();
     ch.set(d, What::Context, key(c), c, overhead)?;
     if let Err(e) = ch.set(d, What::Heap, key(c), c, ch.limit(c, LIMIT_HEAP)) {
         ch.drop_one(d, What::Context, key(c));

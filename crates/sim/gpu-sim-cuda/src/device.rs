@@ -1,76 +1,64 @@
 //! Devices: visibility, properties, attributes.
 
 use crate::ctx::Ctx;
+use crate::visible::Visible;
 use crate::{R, cstr, drv, put};
 use cuda_abi::attr::*;
 use cuda_abi::*;
+use gpu_sim_core::Attached;
 use gpu_sim_core::{GpuSpec, SharedState};
 use std::ffi::c_char;
 
 pub(crate) struct Device {
     pub ordinal: i32,
-    /// Index of the GPU in the node description / shared state.
+    /// Index of the GPU in the node description / shared state (a MIG
+    /// device's parent).
     pub gpu: usize,
+    /// (GPU-instance id, compute-instance id) of a MIG device.
+    pub mig: Option<(u32, u32)>,
+    /// What the device is: the GPU's description, or a MIG device's (its
+    /// name, UUID, SMs and memory; the parent's PCI location).
+    pub spec: &'static GpuSpec,
     /// Lives as long as the process, like the real primary context.
     pub primary: &'static Ctx,
 }
 
 impl Device {
-    pub fn new(ordinal: i32, gpu: usize) -> Device {
+    pub fn new(ordinal: i32, v: Visible, spec: &'static GpuSpec) -> Device {
         Device {
             ordinal,
-            gpu,
-            primary: Ctx::leak(ordinal, gpu, true, 0),
+            gpu: v.gpu,
+            mig: v.mig,
+            spec,
+            primary: Ctx::leak(ordinal, v.gpu, true, 0),
         }
     }
 }
 
-/// GPUs this process can use, in ordinal order: those whose device node it
-/// can open, then filtered and ordered by CUDA_VISIBLE_DEVICES (indices into
-/// that list, or UUID prefixes "GPU-..."); parsing stops at the first entry
-/// that names no device, as the real driver's does.
-pub(crate) fn visible(state: &SharedState, env: Option<&str>) -> Vec<usize> {
-    let present = state.visible_gpus();
-    let Some(env) = env else { return present };
-    let gpus = &state.node().gpus;
-    let mut out = Vec::new();
-    for entry in env.split(',').map(str::trim) {
-        let found = if let Ok(i) = entry.parse::<usize>() {
-            present.get(i).copied()
-        } else if entry.len() > 4 && entry.starts_with("GPU-") {
-            let matches: Vec<usize> = present
-                .iter()
-                .copied()
-                .filter(|&g| {
-                    gpus[g]
-                        .uuid
-                        .to_ascii_lowercase()
-                        .starts_with(&entry.to_ascii_lowercase())
-                })
-                .collect();
-            // An ambiguous prefix names nothing.
-            (matches.len() == 1).then(|| matches[0])
-        } else {
-            None
-        };
-        match found {
-            Some(g) if !out.contains(&g) => out.push(g),
-            _ => break,
-        }
-    }
-    out
+/// The devices of `visible`, in order; a MIG device's process is bound to
+/// its instance in the shared state (its memory and kernels go there).
+pub(crate) fn devices(state: &SharedState, me: Attached, visible: &[Visible]) -> Vec<Device> {
+    visible
+        .iter()
+        .enumerate()
+        .map(|(ordinal, &v)| {
+            if let Some((gi, ci)) = v.mig {
+                state.bind_mig(me, v.gpu, gi, ci);
+            }
+            Device::new(ordinal as i32, v, crate::visible::spec_of(state, v))
+        })
+        .collect()
 }
 
 fn spec(ordinal: i32) -> R<&'static GpuSpec> {
-    let d = drv()?;
-    let dev = d.device(ordinal)?;
-    Ok(&d.node().gpus[dev.gpu])
+    Ok(drv()?.device(ordinal)?.spec)
 }
 
-/// 16 bytes of "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx".
+/// 16 bytes of "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (or "MIG-…").
 pub(crate) fn uuid_bytes(uuid: &str) -> [u8; 16] {
     let hex: Vec<u8> = uuid
         .trim_start_matches("GPU-")
+        .trim_start_matches("MIG-")
         .bytes()
         .filter(u8::is_ascii_hexdigit)
         .collect();
@@ -224,7 +212,7 @@ cuda_fn! {
             .devices
             .iter()
             .find(|x| {
-                let (dom, bus, device, _) = d.node().gpus[x.gpu].pci_location();
+                let (dom, bus, device, _) = x.spec.pci_location();
                 (dom, bus, device) == want
             })
             .ok_or(CUDA_ERROR_INVALID_DEVICE)?;
@@ -272,6 +260,8 @@ mod tests {
         let b = uuid_bytes("GPU-6f61d573-f4c5-5a3a-8902-f931468a1784");
         assert_eq!(b[0], 0x6f);
         assert_eq!(b[15], 0x84);
+        let m = uuid_bytes("MIG-0b1c2d3e-f4c5-5a3a-8902-f931468a1784");
+        assert_eq!(m[0], 0x0b);
         assert_eq!(uuid_bytes("xyz"), [0; 16]);
     }
 

@@ -352,7 +352,7 @@ fn integrity(version: u32, unix_seconds: u64) -> R<[u64; 2]> {
         .devices
         .iter()
         .map(|dev| {
-            let g = &d.node().gpus[dev.gpu];
+            let g = dev.spec;
             let (domain, bus, device, _) = g.pci_location();
             integrity::DeviceInfo {
                 uuid: crate::device::uuid_bytes(&g.uuid),

@@ -179,7 +179,7 @@ unsafe fn launch(exec: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
     let gpu = t.ctx().gpu;
     let e = st.exec(exec)?;
     // Each kernel node by its own law, as if launched one by one.
-    let spec = &d.node().gpus[gpu];
+    let spec = d.gpu_spec(gpu);
     let dur: u64 = e
         .kernels
         .iter()

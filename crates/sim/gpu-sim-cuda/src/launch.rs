@@ -86,7 +86,7 @@ pub(crate) unsafe fn launch(
     } else {
         l
     };
-    let gpu = &d.node().gpus[ctx.gpu];
+    let gpu = d.gpu_spec(ctx.gpu);
     let dur = law.duration_ns(gpu, l, random());
     // The legacy default stream orders itself against every other blocking
     // stream: its kernels neither run beside others nor let others beside.

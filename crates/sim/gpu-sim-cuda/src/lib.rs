@@ -10,7 +10,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 use cuda_abi::*;
-use gpu_sim_core::{Attached, NodeSpec, SharedState, SimRoot};
+use gpu_sim_core::{Attached, GpuSpec, NodeSpec, SharedState, SimRoot};
 use std::ffi::{CStr, c_char, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -64,6 +64,7 @@ mod procaddr;
 mod queue;
 pub mod share;
 pub mod stream;
+pub mod visible;
 pub mod vmm;
 
 include!(concat!(env!("OUT_DIR"), "/exports.rs"));
@@ -145,6 +146,14 @@ impl Driver {
     pub fn node(&self) -> &NodeSpec {
         self.state.node()
     }
+    /// The description of the device on `gpu` (a MIG device's own when
+    /// the process uses one there).
+    pub fn gpu_spec(&self, gpu: usize) -> &GpuSpec {
+        match self.devices.iter().find(|x| x.gpu == gpu) {
+            Some(x) => x.spec,
+            None => &self.node().gpus[gpu],
+        }
+    }
     pub fn device(&self, ordinal: i32) -> R<&device::Device> {
         usize::try_from(ordinal)
             .ok()
@@ -199,18 +208,14 @@ fn init() -> Result<Driver, CUresult> {
         report(&format!("cuInit failed: {e}"));
         CUDA_ERROR_OPERATING_SYSTEM
     })?;
-    let gpus = device::visible(
+    let seen = visible::visible(
         &state,
         std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
     );
-    if gpus.is_empty() {
+    if seen.is_empty() {
         return Err(CUDA_ERROR_NO_DEVICE);
     }
-    let devices = gpus
-        .into_iter()
-        .enumerate()
-        .map(|(ordinal, gpu)| device::Device::new(ordinal as i32, gpu))
-        .collect();
+    let devices = device::devices(&state, me, &seen);
     static ATFORK: std::sync::Once = std::sync::Once::new();
     // SAFETY: pthread_atfork with a plain extern "C" handler that lives as long as the process;
     // registered once.
@@ -234,11 +239,15 @@ extern "C" fn after_fork_child() {
         return;
     };
     let Ok(me) = state.attach() else { return };
-    let devices = d
+    let seen: Vec<visible::Visible> = d
         .devices
         .iter()
-        .map(|x| device::Device::new(x.ordinal, x.gpu))
+        .map(|x| visible::Visible {
+            gpu: x.gpu,
+            mig: x.mig,
+        })
         .collect();
+    let devices = device::devices(&state, me, &seen);
     let child = Driver {
         state,
         me,

@@ -23,7 +23,7 @@ pub(crate) fn read_only(d: &Driver, c: &Ctx, limit: i32) -> Option<usize> {
     }
     match limit {
         CU_LIMIT_SHMEM_SIZE => {
-            let g = &d.node().gpus[c.gpu];
+            let g = d.gpu_spec(c.gpu);
             crate::device::attribute(g, c.ordinal, MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
                 .ok()
                 .map(|v| v as usize)

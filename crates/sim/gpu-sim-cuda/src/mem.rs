@@ -302,9 +302,10 @@ cuda_fn! {
         if free.is_null() || total.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let t = d.state.memory_total(c.gpu);
+        // A MIG device's: its GPU instance's memory.
+        let (t, used) = d.state.memory_seen(d.me, c.gpu);
         put(total, t as usize)?;
-        put(free, t.saturating_sub(d.state.memory_used(c.gpu)) as usize)?;
+        put(free, t.saturating_sub(used) as usize)?;
         Ok(())
     }
 

@@ -169,7 +169,7 @@ unsafe fn get_function(out: *mut *mut c_void, m: *mut c_void, name: *const c_cha
         None => {
             // The current context's GPU (libraries load without one: the first).
             let gpu = current().map_or(0, |c| c.gpu);
-            Law::undeclared(name, &d.node().gpus[gpu], wave_ns)
+            Law::undeclared(name, d.gpu_spec(gpu), wave_ns)
         }
     };
     let mut funcs = lock(&m.funcs);

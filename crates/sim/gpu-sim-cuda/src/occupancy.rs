@@ -22,7 +22,7 @@ fn blocks_per_sm(f: *mut c_void, block: i32, shared: usize) -> R<i32> {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let shared = u32::try_from(shared).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
-    let g = &d.node().gpus[c.gpu];
+    let g = d.gpu_spec(c.gpu);
     let law = law_of(f as usize, d.node().kernel_wave_ns);
     // One block per SM occupies 1/(blocks per SM) of the device.
     let l = Launch::new([g.sm_count.max(1), 1, 1], [block as u32, 1, 1], shared);

@@ -10,7 +10,12 @@ fn totals(device: nvmlDevice_t, f: impl FnOnce(u64, u64) -> R) -> nvmlReturn_t {
     ffi(|| {
         let c = ctx()?;
         let (total, used) = match c.mig_dev(device) {
-            Some(m) => (crate::mig_device::memory_bytes(m?), 0),
+            Some(m) => {
+                let (sim, g, ci) = m?;
+                let total = crate::mig_device::memory_bytes((sim, g, ci));
+                // What the processes using its GPU instance hold.
+                (total, c.state.gi_memory_used(sim, g.id).min(total))
+            }
             None => {
                 let s = c.dev(device)?;
                 let total = c.state.memory_total(s);

@@ -77,39 +77,47 @@ fn fill<T>(count: *mut c_uint, infos: *mut T, items: Vec<T>) -> R {
 
 /// Compute processes on a device with the memory they hold, as the driver
 /// lists them to this caller (its namespace's by their PIDs there; all, by
-/// host PID, to a caller in the initial namespace).
+/// host PID, to a caller in the initial namespace). A MIG device handle
+/// lists the processes using that MIG device; a GPU lists them all, each
+/// with the GPU and compute instance it uses (NO_INSTANCE for none).
 fn compute<T>(
     device: nvmlDevice_t,
     count: *mut c_uint,
     infos: *mut T,
-    make: fn(u32, u64) -> T,
+    make: fn(u32, u64, Option<(u32, u32)>) -> T,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let c = ctx()?;
-        let s = c.dev(device)?;
+    let list = |c: &Ctx, s: usize, only: Option<(u32, u32)>| {
         let items = c
             .state
             .listed_processes(s)
             .into_iter()
-            .map(|p| make(p.pid(), p.used_bytes))
+            .filter_map(|p| {
+                let mig = c.state.process_mig_use(p.slot, s);
+                (only.is_none() || mig == only).then(|| make(p.pid(), p.used_bytes, mig))
+            })
             .collect();
         fill(count, infos, items)
-    })
+    };
+    crate::mig_handles::with_dev_or_mig(
+        device,
+        |c, s| list(c, s, None),
+        |c, (s, g, ci)| list(c, s, Some((g.id, ci.id))),
+    )
 }
 
-fn v1(pid: u32, used: u64) -> nvmlProcessInfo_v1_t {
+fn v1(pid: u32, used: u64, _: Option<(u32, u32)>) -> nvmlProcessInfo_v1_t {
     nvmlProcessInfo_v1_t {
         pid,
         usedGpuMemory: used,
     }
 }
 
-fn v2(pid: u32, used: u64) -> nvmlProcessInfo_t {
+fn v2(pid: u32, used: u64, mig: Option<(u32, u32)>) -> nvmlProcessInfo_t {
     nvmlProcessInfo_t {
         pid,
         usedGpuMemory: used,
-        gpuInstanceId: NO_INSTANCE,
-        computeInstanceId: NO_INSTANCE,
+        gpuInstanceId: mig.map_or(NO_INSTANCE, |m| m.0),
+        computeInstanceId: mig.map_or(NO_INSTANCE, |m| m.1),
     }
 }
 
