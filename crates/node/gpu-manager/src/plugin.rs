@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use device_plugin::DevicePluginService;
 use device_plugin::api::{
-    AllocateRequest, AllocateResponse, Device, DevicePluginOptions, PreStartContainerRequest,
-    PreStartContainerResponse,
+    AllocateRequest, AllocateResponse, ContainerAllocateResponse, Device, DevicePluginOptions,
+    PreStartContainerRequest, PreStartContainerResponse,
 };
 use gpu_display::ManagerMetrics;
 use tokio::sync::watch;
@@ -158,6 +158,42 @@ pub struct PluginParts {
     pub gate: Gate,
 }
 
+/// One Allocate call of either plugin: each container's answer from `one`,
+/// counted and timed per `resource`; a refusal (logged with `short`, the
+/// resource's name in the logs) ends the call with its status.
+async fn allocate_each<F, Fut>(
+    parts: &PluginParts,
+    short: &str,
+    resource: &str,
+    request: AllocateRequest,
+    one: F,
+) -> Result<AllocateResponse, Status>
+where
+    F: Fn(Vec<String>) -> Fut,
+    Fut: std::future::Future<Output = Result<ContainerAllocateResponse, Refusal>>,
+{
+    let _call = parts.gate.pass("Allocate").await?;
+    let mut out = Vec::with_capacity(request.container_requests.len());
+    for c in request.container_requests {
+        let t = Instant::now();
+        let r = one(c.devices_ids).await;
+        match &r {
+            Ok(_) => parts.metrics.allocation_succeeded(resource),
+            Err(e) => {
+                tracing::warn!(kind = ?e.kind(), error = %e.message(), "{short} Allocate refused");
+                parts
+                    .metrics
+                    .allocation_failed(resource, failure_reason(e.kind()));
+            }
+        }
+        parts.metrics.observe_allocate(t.elapsed());
+        out.push(r.map_err(status)?);
+    }
+    Ok(AllocateResponse {
+        container_responses: out,
+    })
+}
+
 /// The vcuda-core plugin.
 pub struct VcorePlugin(pub PluginParts);
 /// The vcuda-memory plugin.
@@ -174,29 +210,11 @@ impl DevicePluginService for VcorePlugin {
     }
 
     async fn allocate(&self, request: AllocateRequest) -> Result<AllocateResponse, Status> {
-        let PluginParts {
-            manager,
-            metrics,
-            gate,
-        } = &self.0;
-        let _call = gate.pass("Allocate").await?;
-        let mut out = Vec::with_capacity(request.container_requests.len());
-        for c in request.container_requests {
-            let t = Instant::now();
-            let r = manager.allocate_vcore(c.devices_ids).await;
-            match &r {
-                Ok(_) => metrics.allocation_succeeded(VCORE_RESOURCE),
-                Err(e) => {
-                    tracing::warn!(kind = ?e.kind(), error = %e.message(), "vcuda-core Allocate refused");
-                    metrics.allocation_failed(VCORE_RESOURCE, failure_reason(e.kind()));
-                }
-            }
-            metrics.observe_allocate(t.elapsed());
-            out.push(r.map_err(status)?);
-        }
-        Ok(AllocateResponse {
-            container_responses: out,
+        let m = &self.0.manager;
+        allocate_each(&self.0, "vcuda-core", VCORE_RESOURCE, request, |ids| {
+            m.allocate_vcore(ids)
         })
+        .await
     }
 
     async fn pre_start_container(
@@ -218,22 +236,11 @@ impl DevicePluginService for VmemoryPlugin {
     }
 
     async fn allocate(&self, request: AllocateRequest) -> Result<AllocateResponse, Status> {
-        let PluginParts {
-            manager,
-            metrics,
-            gate,
-        } = &self.0;
-        let _call = gate.pass("Allocate").await?;
-        let mut out = Vec::with_capacity(request.container_requests.len());
-        for c in request.container_requests {
-            let t = Instant::now();
-            out.push(manager.allocate_vmemory(c.devices_ids));
-            metrics.allocation_succeeded(VMEMORY_RESOURCE);
-            metrics.observe_allocate(t.elapsed());
-        }
-        Ok(AllocateResponse {
-            container_responses: out,
+        let m = &self.0.manager;
+        allocate_each(&self.0, "vcuda-memory", VMEMORY_RESOURCE, request, |ids| {
+            std::future::ready(Ok(m.allocate_vmemory(ids)))
         })
+        .await
     }
 
     async fn pre_start_container(
