@@ -90,6 +90,13 @@ pub fn device_plugin_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Pat
         &log_with(n, "same-manifest", "---done"),
         "same-manifest (device plugins)",
     );
+    let busy = crate::webhook::check_thirty_percent(
+        n,
+        "same-manifest",
+        sim,
+        "same-manifest (device plugins)",
+    );
+    eprintln!("k8s_dra: one manifest under gpu-manager: held to 2 GiB and {busy:.1} % of the GPU");
     n.ok(&["-n", NS, "delete", "pod", "same-manifest", "--wait=true"]);
 
     // The same pods with nothing going on: what the windows compare with.

@@ -113,14 +113,16 @@ fn dra_on_a_real_node() {
         .arg(&sim)
         .arg("--host-dev"));
     let _host_dev = HostDevCleanup::from_install_output(&installed);
-    sh(Command::new("gcc")
-        .args(["-O1", "-o"])
-        .arg(bin.join("shim_client"))
-        .arg(workspace_root().join("tests/c/shim_client.c"))
-        .arg(format!("-I{}", workspace_root().join("tests/c").display()))
-        .arg("-L")
-        .arg(sim.join("usr/lib/x86_64-linux-gnu"))
-        .arg("-lcuda"));
+    for prog in ["shim_client", "shim_compute"] {
+        sh(Command::new("gcc")
+            .args(["-O1", "-o"])
+            .arg(bin.join(prog))
+            .arg(workspace_root().join(format!("tests/c/{prog}.c")))
+            .arg(format!("-I{}", workspace_root().join("tests/c").display()))
+            .arg("-L")
+            .arg(sim.join("usr/lib/x86_64-linux-gnu"))
+            .arg("-lcuda"));
+    }
     import_busybox(&n, w);
     // A namespace a killed earlier run left: its pods' claims can only be
     // unprepared by a running driver, so it goes once the driver is up.

@@ -4,18 +4,65 @@
 //! applied unchanged to the DRA node with `vcuda-webhook --mode dra` in
 //! front of the API server: rewritten into a claim from the
 //! `vcuda-30c-2048mi` template the webhook created, allocated by the
-//! scheduler with 30 cores and 2 GiB of a GPU, prepared by the driver, and
-//! the program held to 2 GiB. The device-plugin phase runs the same
-//! manifest under gpu-manager (`device_plugins.rs`).
+//! scheduler with 30 cores and 2 GiB of a GPU, prepared by the driver, the
+//! program held to 2 GiB and its kernel loop to 30 % of the GPU. The
+//! device-plugin phase runs the same manifest under gpu-manager
+//! (`device_plugins.rs`).
 
 use std::path::Path;
-use test_support::k8s::util::{MIB, wait};
+use std::time::Duration;
+use test_support::k8s::util::{MIB, pids_of_pod, wait};
 use test_support::k8s::webhook::{NS_LABEL, Webhook};
 
 use crate::parts::*;
 
 const PORT: u16 = 29443;
-pub const QUOTA_CMD: &str = "/work/shim_client quota 256; echo ---done; sleep 100000";
+/// The manifest's program: allocate to OOM, then a kernel loop (the
+/// compute check reads its share of the GPU from outside).
+pub const QUOTA_CMD: &str =
+    "/work/shim_client quota 256; echo ---done; exec /work/shim_compute saturate 90";
+
+/// The pod's share of its GPU while its kernel loop runs, read from the
+/// simulated GPU's own timeline (the interposer cannot write it): 30 ± 5 %,
+/// the tolerance k8s_node's phase 1 holds on the 1.20 node. Returns it.
+pub fn check_thirty_percent(n: &Node, pod: &str, sim: &Path, who: &str) -> f64 {
+    let p = n.json(&["-n", NS, "get", "pod", pod]).unwrap();
+    let uid = p["metadata"]["uid"].as_str().unwrap().to_string();
+    let state = test_support::sim::state_at(sim);
+    let gpus = state.node().gpus.len();
+    let ours = |g: usize| {
+        let pids: Vec<u32> = state
+            .processes(g)
+            .iter()
+            .filter_map(|p| p.host_pid)
+            .collect();
+        pids_of_pod(&uid, &pids)
+    };
+    let g = wait(&format!("{who}'s process on a GPU"), 60, || {
+        (0..gpus)
+            .find(|&g| !ours(g).is_empty())
+            .ok_or_else(|| "not on any GPU yet".to_string())
+    });
+    // The throttle settles, then a measured window.
+    std::thread::sleep(Duration::from_secs(5));
+    let from = gpu_sim_core::state::now_ns();
+    std::thread::sleep(Duration::from_secs(15));
+    let to = gpu_sim_core::state::now_ns();
+    let mine = ours(g);
+    let busy: f64 = state
+        .process_utilization(g, from, to)
+        .iter()
+        .filter(|(p, _)| p.host_pid.is_some_and(|h| mine.contains(&h)))
+        .map(|(_, pct)| pct)
+        .sum();
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    assert!(
+        (busy - 30.0).abs() <= 5.0,
+        "{who}: held to {busy:.1} % of GPU {g}, not 30 ± 5 (load average {})",
+        load.trim()
+    );
+    busy
+}
 
 /// The program held to 2 GiB (8 units): refused past it.
 pub fn check_two_gib(out: &str, who: &str) {
@@ -85,6 +132,7 @@ pub fn same_manifest(n: &Node, w: &Path, bin: &Path, sim: &Path) {
         &log_with(n, "same-manifest", "---done"),
         "same-manifest (DRA, rewritten)",
     );
+    let busy = check_thirty_percent(n, "same-manifest", sim, "same-manifest (DRA, rewritten)");
     // A bad request is refused at apply, with the node's words.
     let bad = w.join("bad.yaml");
     std::fs::write(&bad, share_pod("core-150", 150, 8, "true", bin, sim)).unwrap();
@@ -100,7 +148,7 @@ pub fn same_manifest(n: &Node, w: &Path, bin: &Path, sim: &Path) {
         "{t}"
     );
     eprintln!(
-        "k8s_dra: one manifest: vcuda-core 30 / vcuda-memory 8 rewritten into claim {} (30 cores, 2Gi), held to 2 GiB",
+        "k8s_dra: one manifest: vcuda-core 30 / vcuda-memory 8 rewritten into claim {} (30 cores, 2Gi), held to 2 GiB and {busy:.1} % of the GPU",
         c["metadata"]["name"]
     );
     n.ok(&["-n", NS, "delete", "pod", "same-manifest", "--wait=true"]);
