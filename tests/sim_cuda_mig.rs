@@ -1,11 +1,11 @@
 //! CUDA under MIG on the simulated `sim-mig-h100` node: GPU 0 in MIG mode
-//! with a 1g.10gb and a 3g.40gb instance (one compute instance each), made
-//! through the shared MIG state the sim's NVML drives. A C program linked
+//! with a 1g.10gb and a 3g.40gb instance (one compute instance each), in
+//! the shared MIG state the sim's NVML drives. A C program linked
 //! with `-lcuda` (tests/c/sim_cuda.c) sees exactly the MIG device it is
 //! given, with that instance's SMs, memory and UUID; kernels in one
 //! instance do not slow the other (a whole GPU shared by two processes
 //! does slow, the contrast); without the capability nodes a process sees
-//! nothing of the GPU.
+//! nothing of the GPU. The instances are made by `gpu-sim mig`.
 //!
 //! Needs the sim crates built (`cargo build -p gpu-sim -p gpu-sim-cuda -p
 //! gpu-sim-nvml`) and gcc.
@@ -16,15 +16,12 @@ use gpu_sim_core::{NodeSpec, SharedState};
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use test_support::{SimNode, compile_c, workspace_root};
+use test_support::{SimNode, compile_c, target_dir, workspace_root};
 
 const NODE: &str = "sim-mig-h100";
 /// Driver profile ids on the H100 80GB (nvidia-smi mig -lgip's ID).
 const GI_1G: u32 = 19;
 const GI_3G: u32 = 9;
-/// CI profile indices: the whole of a 1g, the whole of a 3g.
-const CI_1C: u32 = 0;
-const CI_3C: u32 = 2;
 
 /// One MIG device made for the test.
 struct Mig {
@@ -45,11 +42,13 @@ struct Setup {
     big: Mig,
 }
 
-fn make(state: &SharedState, spec: &NodeSpec, gi_profile: u32, ci_profile: u32) -> Mig {
-    let g = state.create_gpu_instance(0, gi_profile, None).unwrap();
-    let c = state
-        .create_compute_instance(0, g.id, ci_profile, None)
-        .unwrap();
+/// The MIG device of the GPU instance of profile `gi_profile` on GPU 0.
+fn find(state: &SharedState, spec: &NodeSpec, gi_profile: u32) -> Mig {
+    let devs = state.mig_devices(0);
+    let (g, c) = devs
+        .iter()
+        .find(|(g, _)| g.profile.id == gi_profile)
+        .unwrap_or_else(|| panic!("no instance of profile {gi_profile}: {devs:?}"));
     Mig {
         gi: g.id,
         ci: c.id,
@@ -60,15 +59,31 @@ fn make(state: &SharedState, spec: &NodeSpec, gi_profile: u32, ci_profile: u32) 
     }
 }
 
-/// The node with MIG on GPU 0, a 1g and a 3g instance.
+/// The node with MIG on GPU 0, a 1g and a 3g instance, made by `gpu-sim
+/// mig` (enable, then the GPU instances with a full compute instance each).
 fn setup() -> Setup {
     let node = SimNode::install(NODE);
     let spec = NodeSpec::load(&workspace_root().join(format!("config/nodes/{NODE}.toml"))).unwrap();
+    let out = Command::new(target_dir().join("gpu-sim"))
+        .args(["mig", "--gpu", "0", "--enable", "--create"])
+        .arg(format!("{GI_1G},{GI_3G}"))
+        .arg("--root")
+        .arg(node.root())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "gpu-sim mig: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let state = node.state();
-    state.set_mig_mode(0, true).unwrap();
     assert_eq!(state.mig_mode(0), Ok((true, true)), "idle GPU: applied");
-    let small = make(&state, &spec, GI_1G, CI_1C);
-    let big = make(&state, &spec, GI_3G, CI_3C);
+    let small = find(&state, &spec, GI_1G);
+    let big = find(&state, &spec, GI_3G);
+    for m in [&small, &big] {
+        assert!(stdout.contains(&m.uuid), "{} not listed: {stdout}", m.uuid);
+    }
     let bin_dir = tempfile::tempdir().unwrap();
     let prog = compile_c("sim_cuda", &node, bin_dir.path());
     Setup {

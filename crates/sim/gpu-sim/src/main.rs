@@ -1,6 +1,7 @@
 //! `gpu-sim`: the simulated GPU node's command-line tool.
 
 mod install;
+mod mig;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -51,6 +52,23 @@ enum Command {
         /// Xid code, e.g. 79 (GPU has fallen off the bus) or 48 (double-bit ECC).
         #[arg(long)]
         code: u32,
+    },
+    /// MIG on one GPU, as `nvidia-smi -mig 1` and `nvidia-smi mig -cgi
+    /// <ids> -C`: enable the mode, create GPU instances (each with one
+    /// compute instance spanning it), then list the MIG devices and UUIDs.
+    Mig {
+        #[arg(long)]
+        root: PathBuf,
+        /// GPU index in the node description.
+        #[arg(long)]
+        gpu: usize,
+        /// Enable MIG mode first (applies at once on an idle GPU).
+        #[arg(long)]
+        enable: bool,
+        /// GPU-instance profile ids to create, e.g. 19,9 (1g.10gb, 3g.40gb
+        /// on an H100 80GB; `nvidia-smi mig -lgip` lists them).
+        #[arg(long, value_delimiter = ',')]
+        create: Vec<u32>,
     },
 }
 
@@ -127,6 +145,15 @@ fn run(cli: Cli) -> Result<()> {
             let seq = state.inject_xid(gpu, code);
             println!("injected Xid {code} on GPU {gpu} (event {seq})");
             Ok(())
+        }
+        Command::Mig {
+            root,
+            gpu,
+            enable,
+            create,
+        } => {
+            let state = SharedState::open(&SimRoot::new(&root))?;
+            mig::run(&state, gpu, enable, &create)
         }
     }
 }
