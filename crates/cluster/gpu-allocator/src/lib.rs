@@ -15,6 +15,8 @@
 //!
 //! A node's GPUs as its manager publishes them for a cluster-wide
 //! scheduler ([`inventory`]): rebuilds the same [`Topology`] elsewhere.
+//! Where MIG instances go on a GPU ([`mig`]): a configured geometry or one
+//! more instance, never destroying one in use.
 //!
 //! See README.md for the rules in full and an example rendering.
 //!
@@ -54,6 +56,7 @@
 mod allocator;
 mod error;
 pub mod inventory;
+pub mod mig;
 mod render;
 mod select;
 mod shares;
