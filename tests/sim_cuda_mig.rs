@@ -228,6 +228,18 @@ fn each_instance_bounds_its_own_memory() {
         Some((s.small.gi, s.small.ci))
     );
     assert!(state.gi_memory_used(0, s.small.gi) > 0);
+    // nvidia-smi's process row names the GPU and compute instance.
+    let smi = Command::new(s.node.root().join("usr/bin/nvidia-smi"))
+        .env("LD_LIBRARY_PATH", s.node.lib_dir())
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&smi.stdout);
+    let row = table
+        .lines()
+        .find(|l| l.contains(&format!(" {pid} ")))
+        .unwrap_or_else(|| panic!("no row for {pid}: {table}"));
+    let ids = format!("|    0{:>6}{:>5} ", s.small.gi, s.small.ci);
+    assert!(row.starts_with(&ids), "{row}");
     assert_eq!(state.gi_memory_used(0, s.big.gi), 0, "the oom run freed");
     read_until(&mut holder, "done");
     finish(holder);

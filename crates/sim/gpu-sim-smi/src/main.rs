@@ -445,9 +445,13 @@ fn processes(s: &mut String, nvml: &Nvml, devices: &[Device]) {
             .chain(graphics.iter().map(|p| (p, "G")));
         for (p, kind) in procs {
             any = true;
+            // A process on a MIG device names its GPU and compute instance.
+            let id = |v: Option<u32>| v.map_or("N/A".to_string(), |v| v.to_string());
             let _ = writeln!(
                 s,
-                "|{idx:>5}   N/A  N/A{:>16}{kind:>7}   {:<30}{:>16} |",
+                "|{idx:>5}{:>6}{:>5}{:>16}{kind:>7}   {:<30}{:>16} |",
+                id(p.gpu_instance_id),
+                id(p.compute_instance_id),
                 p.pid,
                 process_name(nvml, p.pid),
                 match p.used_gpu_memory {
