@@ -240,6 +240,16 @@ fn each_instance_bounds_its_own_memory() {
         .unwrap_or_else(|| panic!("no row for {pid}: {table}"));
     let ids = format!("|    0{:>6}{:>5} ", s.small.gi, s.small.ci);
     assert!(row.starts_with(&ids), "{row}");
+    // Utilization of a GPU in MIG mode is not reported (nvml.h).
+    let util = Command::new(s.node.root().join("usr/bin/nvidia-smi"))
+        .args(["--query-gpu=utilization.gpu", "--format=csv,noheader"])
+        .env("LD_LIBRARY_PATH", s.node.lib_dir())
+        .output()
+        .unwrap();
+    let util = String::from_utf8_lossy(&util.stdout).into_owned();
+    let lines: Vec<&str> = util.lines().collect();
+    assert!(lines.len() == 2 && lines[0].contains("N/A"), "{util}");
+    assert!(!lines[1].contains("N/A"), "GPU 1 is whole: {util}");
     assert_eq!(state.gi_memory_used(0, s.big.gi), 0, "the oom run freed");
     read_until(&mut holder, "done");
     finish(holder);

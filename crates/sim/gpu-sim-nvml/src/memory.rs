@@ -124,6 +124,11 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
     util: *mut nvmlUtilization_t,
 ) -> nvmlReturn_t {
     with_dev(device, |c, s| {
+        // nvml.h: "On MIG-enabled GPUs, querying device utilization rates
+        // is not currently supported" (nvidia-smi shows N/A).
+        if c.state.mig_mode(s).is_ok_and(|(current, _)| current) {
+            return Err(NVML_ERROR_NOT_SUPPORTED);
+        }
         let gpu = recent_util(c, s);
         // No memory-traffic model: report it proportional to compute.
         put(
