@@ -4,7 +4,8 @@
 //! (including processes in containers that have the directory mounted). It
 //! holds, per GPU, the memory in use and the kernel timeline; a table of
 //! processes with their memory per GPU; a ring of injected Xid events; and
-//! per GPU its MIG mode and instances.
+//! per GPU its MIG mode and instances (on a MIG node also each GPU
+//! instance's memory and timeline, and the MIG device each process uses).
 //! Everything in it is an atomic, so no process ever blocks another (MIG
 //! reconfiguration alone takes a per-GPU lock, see `mig`).
 //!
