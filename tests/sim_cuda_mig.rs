@@ -191,16 +191,19 @@ fn a_process_sees_the_mig_device_it_is_given() {
     assert_is(&s.out(&["info"], Some(&s.big.uuid[..14])), &s.big, bus);
     let legacy = format!("MIG-{}/{}/{}", s.spec.gpus[0].uuid, s.small.gi, s.small.ci);
     assert_is(&s.out(&["info"], Some(&legacy)), &s.small, bus);
-    // Unset: the GPU in MIG mode shows one MIG device (one per process),
-    // never itself; GPU 1 (MIG off) is whole.
-    let all = s.out(&["info"], None);
-    assert_eq!(value(&all, "count"), "2", "{all}");
+    // Unset: the GPU in MIG mode shows its first MIG device, never
+    // itself, and then no other device: not GPU 1 (MIG off) either.
     let first = [&s.small, &s.big].into_iter().min_by_key(|m| m.gi).unwrap();
-    assert_eq!(uuid_hex(&all, 0), first.uuid[4..]);
-    assert_eq!(uuid_hex(&all, 1), s.spec.gpus[1].uuid[4..]);
-    // Two MIG devices named: the second is not enumerated.
+    assert_is(&s.out(&["info"], None), first, bus);
+    // Two MIG devices or a whole GPU beside: only the MIG device.
     let both = format!("{},{}", s.big.uuid, s.small.uuid);
     assert_is(&s.out(&["info"], Some(&both)), &s.big, bus);
+    let beside = format!("1,{}", s.small.uuid);
+    assert_is(&s.out(&["info"], Some(&beside)), &s.small, bus);
+    // GPU 1 alone is whole.
+    let whole = s.out(&["info"], Some("1"));
+    assert_eq!(value(&whole, "count"), "1");
+    assert_eq!(uuid_hex(&whole, 0), s.spec.gpus[1].uuid[4..]);
     // The index of a GPU in MIG mode: its first MIG device.
     assert_eq!(uuid_hex(&s.out(&["info"], Some("0")), 0), first.uuid[4..]);
 }

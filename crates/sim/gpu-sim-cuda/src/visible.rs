@@ -7,10 +7,11 @@
 //! MIG mode the whole GPU is never a CUDA device, and a MIG device counts
 //! when the process can open both its GPU instance's and its compute
 //! instance's `access` capability nodes (`/dev/nvidia-caps/nvidia-cap<m>`).
-//! A CUDA process enumerates at most one MIG device ("regardless of how
-//! many MIG devices are created (or made available to a container), a
-//! single CUDA process can only enumerate a single MIG device"): the first
-//! one, in NVML's order, or the first CUDA_VISIBLE_DEVICES names.
+//! The guide's two constraints on CUDA (11/R450 and 12/R525): "CUDA can
+//! only enumerate a single compute instance" (the first one, in NVML's
+//! order, or the first CUDA_VISIBLE_DEVICES names) and "CUDA will not
+//! enumerate non-MIG GPU if any compute instance is enumerated on any
+//! other GPU".
 //!
 //! CUDA_VISIBLE_DEVICES (CUDA Programming Guide, "CUDA Environment
 //! Variables"): indices (of the GPUs, as nvidia-smi numbers them), "GPU-"
@@ -131,7 +132,7 @@ pub(crate) fn visible(state: &SharedState, env: Option<&str>) -> Vec<Visible> {
         for v in present.iter().filter_map(|&g| of_gpu(state, g)) {
             push(&mut out, v);
         }
-        return out;
+        return only_the_mig_device(out);
     };
     for entry in env.split(',').map(str::trim) {
         match by_entry(state, &present, entry) {
@@ -139,7 +140,15 @@ pub(crate) fn visible(state: &SharedState, env: Option<&str>) -> Vec<Visible> {
             _ => break,
         }
     }
-    out
+    only_the_mig_device(out)
+}
+
+/// A MIG device, once enumerated, is the only device.
+fn only_the_mig_device(out: Vec<Visible>) -> Vec<Visible> {
+    match out.iter().find(|v| v.mig.is_some()) {
+        Some(&m) => vec![m],
+        None => out,
+    }
 }
 
 /// The description of device `v`, for the process's life: a MIG device
