@@ -34,8 +34,9 @@ const POD_WAIT: Duration = Duration::from_secs(5);
 /// How long an Allocate waits for kubelet's pod-resources `List`.
 const KUBELET_LIST: Duration = Duration::from_secs(1);
 
-/// Pods kubelet lists but the watch has not brought that one Allocate reads
-/// from the API server itself, at most.
+/// Pods kubelet lists but the watch has not brought are read from the API
+/// server this many at a time, a selection tried after each batch (kubelet
+/// also lists pods already gone from the API server, still terminating).
 const FETCH_MAX: usize = 4;
 
 /// A pod's namespace and name, as kubelet's List names it.
