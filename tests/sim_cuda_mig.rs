@@ -11,7 +11,7 @@
 //! gpu-sim-nvml`) and gcc.
 
 use gpu_sim_core::mig::mig_uuid;
-use gpu_sim_core::state::mig_caps;
+use gpu_sim_core::state::{MigError, mig_caps};
 use gpu_sim_core::{NodeSpec, SharedState};
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -231,6 +231,11 @@ fn each_instance_bounds_its_own_memory() {
         Some((s.small.gi, s.small.ci))
     );
     assert!(state.gi_memory_used(0, s.small.gi) > 0);
+    assert_eq!(
+        state.destroy_compute_instance(0, s.small.gi, s.small.ci),
+        Err(MigError::InUse),
+        "a compute instance a process uses stays"
+    );
     // nvidia-smi's process row names the GPU and compute instance.
     let smi = Command::new(s.node.root().join("usr/bin/nvidia-smi"))
         .env("LD_LIBRARY_PATH", s.node.lib_dir())

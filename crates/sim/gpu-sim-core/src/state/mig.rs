@@ -323,12 +323,17 @@ impl SharedState {
         Ok(made)
     }
 
-    /// Destroys compute instance `ci` of GPU instance `gi`.
+    /// Destroys compute instance `ci` of GPU instance `gi`; `InUse` while a
+    /// process uses it (nvml.h's nvmlComputeInstanceDestroy). A process
+    /// binding to it meanwhile is not excluded.
     pub fn destroy_compute_instance(&self, gpu: usize, gi: u32, ci: u32) -> Result<(), MigError> {
         let g = self.gpu_instance(gpu, gi).ok_or(MigError::NotFound)?;
         let k = ci as usize;
         if k >= MAX_CIS {
             return Err(MigError::NotFound);
+        }
+        if self.mig_in_use(gpu, gi, ci) {
+            return Err(MigError::InUse);
         }
         let word = &self.mig_block(gpu).gis[gi as usize];
         word.fetch_update(AcqRel, Acquire, |w| {

@@ -10,7 +10,7 @@
 //! also counted on the GPU and the process (the parent's memory and
 //! process lists stay whole).
 
-use super::layout::DeviceBlock;
+use super::layout::{DeviceBlock, MAX_PROCS, SLOT_LIVE};
 use super::{Attached, SharedState};
 use std::sync::atomic::Ordering::*;
 
@@ -116,6 +116,16 @@ impl SharedState {
                 .used
                 .fetch_update(AcqRel, Acquire, |u| Some(u.saturating_sub(bytes)));
         }
+    }
+
+    /// Whether a live process uses compute instance `ci` of GPU instance
+    /// `gi` on `gpu` (dead ones reclaimed first).
+    pub(super) fn mig_in_use(&self, gpu: usize, gi: u32, ci: u32) -> bool {
+        self.reap_dead();
+        (0..MAX_PROCS).any(|i| {
+            self.slot(i).state.load(Acquire) == SLOT_LIVE
+                && self.mig_use_of(i, gpu) == Some((gi, ci))
+        })
     }
 
     /// The (GPU instance, compute instance) a listed process uses on `gpu`.

@@ -100,3 +100,19 @@ fn instances_do_not_wait_on_each_other() {
     let (sc, _) = c.launch(mc, 0, 1_000_000, 0);
     assert_eq!(sc, eb + c.node().context_switch_ns);
 }
+
+#[test]
+fn a_compute_instance_in_use_is_not_destroyed() {
+    let (_d, root, small, _) = two_instances();
+    let a = SharedState::open(&root).unwrap();
+    let user = SharedState::open(&root).unwrap();
+    let me = user.attach().unwrap();
+    user.bind_mig(me, 0, small, 0);
+    assert_eq!(
+        a.destroy_compute_instance(0, small, 0),
+        Err(crate::state::MigError::InUse)
+    );
+    drop(user); // the process exits
+    a.destroy_compute_instance(0, small, 0).unwrap();
+    a.destroy_gpu_instance(0, small).unwrap();
+}
