@@ -4,7 +4,7 @@
 //! middle second of each run. The sim queues kernels in submission order,
 //! so the split follows how often the host scheduler lets each process
 //! submit: about 50/50 on an idle machine, 34–42 % each at a load average
-//! of 14 on 2 cores. `tests/sim_cuda.rs` checks what the model guarantees
+//! of 14 on 2 cores. `tests/sim_cuda/main.rs` checks what the model guarantees
 //! (one timeline, each process charged exactly its own kernels).
 //!
 //! `cargo build --workspace && cargo bench --profile dev -p vcuda-tests --bench sim_share_bench`

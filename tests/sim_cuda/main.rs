@@ -11,6 +11,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use test_support::{SimNode, compile_c};
 
+/// CUDA under MIG (issue 36).
+mod mig;
+
 struct Setup {
     node: SimNode,
     _bin_dir: tempfile::TempDir,
