@@ -25,8 +25,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The API server's pods of this node.
 pub struct MemoryPods {
     pods: Mutex<Vec<Arc<Pod>>>,
-    /// Pods the API server has that the list has not brought yet.
-    unlisted: Mutex<Vec<Arc<Pod>>>,
     health: Mutex<ApiHealth>,
     version: watch::Sender<u64>,
 }
@@ -35,7 +33,6 @@ impl Default for MemoryPods {
     fn default() -> Self {
         MemoryPods {
             pods: Mutex::new(Vec::new()),
-            unlisted: Mutex::new(Vec::new()),
             health: Mutex::new(ApiHealth::Ok),
             version: watch::channel(0).0,
         }
@@ -56,12 +53,6 @@ impl MemoryPods {
     pub fn remove(&self, uid: &str) {
         lock(&self.pods).retain(|p| p.metadata.uid.as_deref() != Some(uid));
         self.version.send_modify(|v| *v += 1);
-    }
-
-    /// A pod the API server has and the list has not brought yet (the
-    /// watch behind): only [`PodSource::fetch`] finds it.
-    pub fn put_unlisted(&self, pod: Pod) {
-        lock(&self.unlisted).push(Arc::new(pod));
     }
 
     pub fn set_health(&self, h: ApiHealth) {
@@ -87,15 +78,6 @@ impl PodSource for MemoryPods {
         let mut rx = self.version.subscribe();
         let moved = rx.wait_for(|&g| g != seen);
         matches!(tokio::time::timeout(timeout, moved).await, Ok(Ok(_)))
-    }
-
-    async fn fetch(&self, namespace: &str, name: &str) -> Option<Arc<Pod>> {
-        let same = |p: &&Arc<Pod>| {
-            p.metadata.namespace.as_deref() == Some(namespace)
-                && p.metadata.name.as_deref() == Some(name)
-        };
-        let listed = lock(&self.pods).iter().find(same).cloned();
-        listed.or_else(|| lock(&self.unlisted).iter().find(same).cloned())
     }
 }
 
@@ -124,6 +106,8 @@ pub struct MemoryKubelet(
     Mutex<Result<Vec<Held>, KubeletError>>,
     Mutex<Option<Vec<(String, String)>>>,
     Mutex<Option<OnList>>,
+    /// How many times its active pods were listed.
+    std::sync::atomic::AtomicUsize,
 );
 
 impl Default for MemoryKubelet {
@@ -132,6 +116,7 @@ impl Default for MemoryKubelet {
             Mutex::new(Ok(Vec::new())),
             Mutex::new(None),
             Mutex::new(None),
+            std::sync::atomic::AtomicUsize::new(0),
         )
     }
 }
@@ -183,6 +168,11 @@ impl MemoryKubelet {
     pub fn during_next_list(&self, f: impl Fn() + Send + Sync + 'static) {
         *lock(&self.2) = Some(Box::new(f));
     }
+
+    /// How many times the active pods were listed.
+    pub fn lists(&self) -> usize {
+        self.3.load(std::sync::atomic::Ordering::SeqCst)
+    }
 }
 
 #[async_trait::async_trait]
@@ -204,6 +194,7 @@ impl KubeletSource for MemoryKubelet {
     }
 
     async fn active_pods(&self) -> Result<Vec<(String, String)>, KubeletError> {
+        self.3.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let during = lock(&self.2).take();
         if let Some(f) = during {
             f();

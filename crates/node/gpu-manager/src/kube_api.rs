@@ -15,15 +15,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::world::{ApiHealth, PatchJob, PodPatcher, PodSource};
 
-/// How long an Allocate waits for the API server to answer for one pod.
-const FETCH_TIMEOUT: Duration = Duration::from_secs(1);
-
 /// This node's pods, kept current by a reflector.
 #[derive(Clone)]
 pub struct PodWatch {
-    /// For reading one pod the watch has not brought yet.
-    client: Client,
-    node: String,
     store: Store<Pod>,
     changes: watch::Receiver<u64>,
     health: watch::Receiver<ApiHealth>,
@@ -96,7 +90,7 @@ pub enum ApiError {
 impl PodWatch {
     /// Starts the reflector (field selector `spec.nodeName=<node>`).
     pub fn start(client: Client, node: &str, cancel: CancellationToken) -> PodWatch {
-        let api: Api<Pod> = Api::all(client.clone());
+        let api: Api<Pod> = Api::all(client);
         let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
         let (ctx, changes) = watch::channel(0u64);
         let (htx, health) = watch::channel(ApiHealth::Starting);
@@ -125,8 +119,6 @@ impl PodWatch {
         };
         let store = daemon_kit::reflect::spawn(api, cfg, cancel, on_event, on_error);
         PodWatch {
-            client,
-            node: node.to_string(),
             store,
             changes,
             health,
@@ -187,24 +179,6 @@ impl PodSource for PodWatch {
 
     async fn changed_since(&self, seen: u64, timeout: Duration) -> bool {
         PodWatch::changed_since(self, seen, timeout).await
-    }
-
-    async fn fetch(&self, namespace: &str, name: &str) -> Option<Arc<Pod>> {
-        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        let got = tokio::time::timeout(FETCH_TIMEOUT, api.get_opt(name)).await;
-        match got {
-            Ok(Ok(Some(p)))
-                if p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&self.node) =>
-            {
-                Some(Arc::new(p))
-            }
-            Ok(Ok(_)) => None,
-            Ok(Err(e)) => {
-                tracing::debug!(pod = %format!("{namespace}/{name}"), error = %e, "reading a pod the watch has not brought");
-                None
-            }
-            Err(_) => None,
-        }
     }
 
     fn seen(&self, uid: &str) -> Option<u64> {

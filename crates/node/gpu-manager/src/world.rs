@@ -37,12 +37,6 @@ pub trait PodSource: Send + Sync {
     fn seen(&self, _uid: &str) -> Option<u64> {
         None
     }
-    /// The pod as the API server has it now, for one the list has not
-    /// caught up with; `None` when it is not there, not on this node, or
-    /// the server did not answer in time.
-    async fn fetch(&self, _namespace: &str, _name: &str) -> Option<Arc<Pod>> {
-        None
-    }
 }
 
 /// Annotation patches on pods, applied in the background (never on the

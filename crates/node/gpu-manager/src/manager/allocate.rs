@@ -34,11 +34,6 @@ const POD_WAIT: Duration = Duration::from_secs(5);
 /// How long an Allocate waits for kubelet's pod-resources `List`.
 const KUBELET_LIST: Duration = Duration::from_secs(1);
 
-/// Pods kubelet lists but the watch has not brought are read from the API
-/// server this many at a time, a selection tried after each batch (kubelet
-/// also lists pods already gone from the API server, still terminating).
-const FETCH_MAX: usize = 4;
-
 /// A pod's namespace and name, as kubelet's List names it.
 fn key(p: &Pod) -> (String, String) {
     (pods::namespace(p).to_string(), pods::name(p).to_string())
@@ -136,9 +131,11 @@ impl Manager {
     ///
     /// kubelet's List is taken once: kubelet adds a pod to its pod manager
     /// before it admits it, so the asking pod is in the first answer. A pod
-    /// it lists that the watch has not brought yet is read from the API
-    /// server at once instead of waiting for the watch (the slow Allocates
-    /// on a busy node waited for it).
+    /// it lists that the watch has not brought is waited for, not read from
+    /// the API server: the watch's order is what says the deletions before
+    /// it were seen (and released) too. Reading it directly once placed a
+    /// pod on capacity a deleted pod still held here (k8s_node's trace: a
+    /// predicate mismatch).
     async fn find_candidate(
         &self,
         cores: u64,
@@ -154,8 +151,6 @@ impl Manager {
         let listed = Instant::now();
         let active = self.kubelet_active().await;
         *list_us = listed.elapsed().as_micros() as u64;
-        let mut fetched: Vec<Arc<Pod>> = Vec::new();
-        let mut asked = BTreeSet::new();
         loop {
             let pods = self.pods.pods();
             let Some(a) = &active else {
@@ -167,35 +162,13 @@ impl Manager {
                 }
                 continue;
             };
-            let mut admitted: Vec<Arc<Pod>> = pods
+            let admitted: Vec<Arc<Pod>> = pods
                 .iter()
                 .filter(|p| a.contains(&key(p)))
                 .cloned()
                 .collect();
-            let known: BTreeSet<_> = admitted.iter().map(|p| pods::uid(p).to_string()).collect();
-            admitted.extend(
-                fetched
-                    .iter()
-                    .filter(|p| !known.contains(pods::uid(p)))
-                    .cloned(),
-            );
             if let Some(c) = self.select(&admitted, cores) {
                 return Ok(c);
-            }
-            let listed_keys: BTreeSet<_> = pods.iter().map(|p| key(p)).collect();
-            let unseen: Vec<&(String, String)> = a
-                .iter()
-                .filter(|k| !listed_keys.contains(*k) && !asked.contains(*k))
-                .take(FETCH_MAX)
-                .collect();
-            if !unseen.is_empty() {
-                for k in unseen {
-                    asked.insert(k.clone());
-                    if let Some(p) = self.pods.fetch(&k.0, &k.1).await {
-                        fetched.push(p);
-                    }
-                }
-                continue;
             }
             if !self.wait_for_pods(&mut seen, deadline).await {
                 if let Some(c) = self.select(&self.pods.pods(), cores) {
