@@ -236,6 +236,7 @@ fn dra_on_a_real_node() {
     // kubelet shows the pod's device Unhealthy (the driver's health
     // stream), the real scheduler places a new claim elsewhere, and the
     // quiet period takes the taint away (+ 2), Healthy.
+    let str_of = |v: &Value| v.as_str().unwrap_or_default().to_string();
     let ours = |want_gen: i64, want_taint: Option<(&str, &str)>| {
         let s = n.json(&["get", "resourceslice", &slice_name])?;
         let g = s["spec"]["pool"]["generation"].as_i64().unwrap_or(0);
@@ -245,11 +246,11 @@ fn dra_on_a_real_node() {
             .filter_map(|d| {
                 let t = d["taints"].as_array()?.first()?;
                 (t["key"] == gpu_pods::dra::UNHEALTHY_TAINT && t["effect"] == "NoSchedule")
-                    .then(|| (d["name"].to_string(), t["value"].to_string()))
+                    .then(|| (str_of(&d["name"]), str_of(&t["value"])))
             })
             .collect();
         let want: Vec<(String, String)> = want_taint
-            .map(|(d, v)| (format!("{d:?}"), format!("{v:?}")))
+            .map(|(d, v)| (d.to_string(), v.to_string()))
             .into_iter()
             .collect();
         if (g, devices.len(), &tainted) == (want_gen, 4, &want) {

@@ -153,25 +153,21 @@ impl Manager {
         *list_us = listed.elapsed().as_micros() as u64;
         loop {
             let pods = self.pods.pods();
-            let Some(a) = &active else {
-                if let Some(c) = self.select(&pods, cores) {
-                    return Ok(c);
-                }
-                if !self.wait_for_pods(&mut seen, deadline).await {
-                    return Err(self.no_pod(cores, &pods));
-                }
-                continue;
+            let admitted: Vec<Arc<Pod>> = match &active {
+                Some(a) => pods
+                    .iter()
+                    .filter(|p| a.contains(&key(p)))
+                    .cloned()
+                    .collect(),
+                None => pods.clone(),
             };
-            let admitted: Vec<Arc<Pod>> = pods
-                .iter()
-                .filter(|p| a.contains(&key(p)))
-                .cloned()
-                .collect();
             if let Some(c) = self.select(&admitted, cores) {
                 return Ok(c);
             }
             if !self.wait_for_pods(&mut seen, deadline).await {
-                if let Some(c) = self.select(&self.pods.pods(), cores) {
+                if active.is_some()
+                    && let Some(c) = self.select(&self.pods.pods(), cores)
+                {
                     tracing::warn!(pod = %pods::name(&c.pod), "kubelet lists no pending pod that fits this Allocate: guessing among every pending pod");
                     return Ok(c);
                 }
