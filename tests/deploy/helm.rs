@@ -276,6 +276,8 @@ fn check_rendered(what: &str, objects: &[Value]) {
             v["kind"].as_str(),
             Some(
                 "Secret"
+                    | "Role"
+                    | "RoleBinding"
                     | "MutatingWebhookConfiguration"
                     | "ValidatingWebhookConfiguration"
                     | "Issuer"
@@ -289,6 +291,8 @@ fn check_rendered(what: &str, objects: &[Value]) {
         let name = format!("{what}: {} {}", v["kind"], v["metadata"]["name"]);
         match v["kind"].as_str().unwrap() {
             "Secret" => drop(typed::<k8s_openapi::api::core::v1::Secret>(&name, v)),
+            "Role" => drop(typed::<k8s_openapi::api::rbac::v1::Role>(&name, v)),
+            "RoleBinding" => drop(typed::<k8s_openapi::api::rbac::v1::RoleBinding>(&name, v)),
             "MutatingWebhookConfiguration" => drop(typed::<MutatingWebhookConfiguration>(&name, v)),
             "ValidatingWebhookConfiguration" => {
                 drop(typed::<ValidatingWebhookConfiguration>(&name, v))
@@ -664,10 +668,24 @@ fn the_webhook_renders_for_each_certificate_source() {
         "--health-listen=0.0.0.0:8081",
         "--trusted-user=system:serviceaccount:kube-system:vcuda-scheduler",
         "--trusted-user=system:serviceaccount:kube-system:gpu-manager",
+        // Its own CA (certificate.source: self-managed, the default).
+        "--self-managed=kube-system/vcuda-webhook-tls",
+        "--ca-bundle-of=validating/vcuda-webhook",
+        "--cert-name=vcuda-webhook.kube-system.svc",
+        "--ca-validity=365d",
+        "--cert-validity=90d",
     ] {
         assert!(args.contains(&a.to_string()), "{a} not in {args:?}");
     }
     assert!(!args.iter().any(|a| a.starts_with("--scheduler-name")));
+    // No /mutate registered: no bundle kept on it.
+    assert!(!args.contains(&"--ca-bundle-of=mutating/vcuda-webhook".to_string()));
+    // It writes the files it serves: a writable volume of its own.
+    assert_eq!(c["volumeMounts"][0]["readOnly"], false);
+    assert_eq!(
+        dep["spec"]["template"]["spec"]["volumes"][0]["emptyDir"]["medium"],
+        "Memory"
+    );
     for probe in ["readinessProbe", "livenessProbe"] {
         assert_eq!(
             c[probe]["httpGet"],
@@ -682,11 +700,14 @@ fn the_webhook_renders_for_each_certificate_source() {
             .iter()
             .any(|v| v["kind"] == "MutatingWebhookConfiguration")
     );
+    // The Secret goes with the release, empty: the webhook fills it, and
+    // no caBundle is rendered for an upgrade to reset.
     let secret = find(&objects, "Secret", "vcuda-webhook-tls");
+    assert!(secret["data"].is_null(), "{secret}");
     let v = find(&objects, "ValidatingWebhookConfiguration", "vcuda-webhook");
     let hook = &v["webhooks"][0];
     assert_eq!(hook["clientConfig"]["service"]["path"], "/validate");
-    assert_eq!(hook["clientConfig"]["caBundle"], secret["data"]["ca.crt"]);
+    assert!(hook["clientConfig"]["caBundle"].is_null(), "{hook}");
     assert_eq!(hook["failurePolicy"], "Ignore");
     assert_eq!(hook["sideEffects"], "None");
     // Placement annotations are patched onto existing pods.
@@ -694,7 +715,17 @@ fn the_webhook_renders_for_each_certificate_source() {
     let role = find(&objects, "ClusterRole", "vcuda-webhook");
     assert_eq!(
         role["rules"],
-        json!([{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}])
+        json!([
+            {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["admissionregistration.k8s.io"],
+             "resources": ["validatingwebhookconfigurations", "mutatingwebhookconfigurations"],
+             "resourceNames": ["vcuda-webhook"], "verbs": ["get", "update"]}
+        ])
+    );
+    let secrets = find(&objects, "Role", "vcuda-webhook");
+    assert_eq!(
+        secrets["rules"][0]["resourceNames"],
+        json!(["vcuda-webhook-tls"])
     );
 
     let objects = template(
@@ -708,7 +739,12 @@ fn the_webhook_renders_for_each_certificate_source() {
     let args = kustomize::args(find(&objects, "Deployment", "vcuda-webhook"));
     assert!(args.contains(&"--mode=dra".to_string()));
     assert!(args.contains(&"--scheduler-name=vcuda-scheduler".to_string()));
-    assert!(!objects.iter().any(|v| v["kind"] == "Secret"));
+    assert!(!args.iter().any(|a| a.starts_with("--self-managed")));
+    assert!(
+        !objects
+            .iter()
+            .any(|v| v["kind"] == "Secret" || v["kind"] == "Role")
+    );
     let cert = find(&objects, "Certificate", "vcuda-webhook");
     assert_eq!(cert["spec"]["secretName"], "vcuda-webhook-tls");
     assert!(

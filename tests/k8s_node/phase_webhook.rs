@@ -6,7 +6,9 @@
 //! wrong: vcuda-core 150, a share without memory, memory without cores,
 //! more memory than any GPU of the cluster (this node's published
 //! inventory), forged placement annotations. A valid pod is admitted; a
-//! server-side dry run of it passes.
+//! server-side dry run of it passes. Then `--self-managed`: the webhook's
+//! own CA, patched into a configuration and rotated twice under calls that
+//! never fail.
 //!
 //! Only the validating webhook here: Debian's 1.20.2 API server, built with
 //! Go 1.19, dies (SIGSEGV in json-iterator's map encoder: modern-go/reflect2
@@ -147,6 +149,129 @@ pub fn run(c: &Cluster, _w: &Work, figures: &mut Vec<String>) {
         "validatingwebhookconfiguration",
         "vcuda-webhook-test",
     ]);
+    drop(hook);
+    self_managed(c, &dir, &bad, figures);
     c.kubectl_ok(&["delete", "namespace", NS, "--wait=true"]);
+}
+
+/// The Secret and configuration of the self-managed part.
+const ROTATE: &str = "vcuda-webhook-rotate";
+
+/// `--self-managed` against the real API server: the webhook makes its CA
+/// and certificate, patches the CA into a configuration created without
+/// one, and renews both (60 s of 30 s CAs, 10 s certificates, 4 s of
+/// overlap: two CA rotations, several certificates) while a refused pod
+/// is applied every second. With `failurePolicy: Fail`, a call the API
+/// server could not make (a certificate it did not trust) would be an
+/// error instead of the refusal: none may be.
+fn self_managed(c: &Cluster, dir: &Path, bad: &str, figures: &mut Vec<String>) {
+    eprintln!("k8s_node: phase 1c: --self-managed certificates, rotated under calls");
+    let dir = dir.join("self-managed");
+    let secret = format!("kube-system/{ROTATE}");
+    let config = format!("validating/{ROTATE}");
+    let _ = c.kubectl(&[
+        "-n",
+        "kube-system",
+        "delete",
+        "secret",
+        ROTATE,
+        "--ignore-not-found",
+    ]);
+    let hook = Webhook::start_self_managed(
+        &c.kubeconfig(),
+        &dir,
+        PORT + 2,
+        &[
+            "--tls-cert",
+            dir.join("tls.crt").to_str().unwrap(),
+            "--tls-key",
+            dir.join("tls.key").to_str().unwrap(),
+            "--self-managed",
+            &secret,
+            "--ca-bundle-of",
+            &config,
+            "--cert-name",
+            "127.0.0.1",
+            "--ca-validity",
+            "30s",
+            "--cert-validity",
+            "10s",
+            "--ca-overlap",
+            "4s",
+        ],
+    );
+    // Created after the webhook started, without a caBundle: the webhook's
+    // next pass (at most 30 s; sooner when a certificate is due) sets it.
+    c.apply(&hook.configuration(
+        "ValidatingWebhookConfiguration",
+        ROTATE,
+        "validate",
+        "CREATE, UPDATE",
+    ));
+    let refused = |e: &str| e.contains("denied the request") && e.contains("vcuda-core 150");
+    let t = std::time::Instant::now();
+    wait(
+        "the first refusal through the self-managed CA",
+        40,
+        || match apply(c, &dir, "core-150", bad, &[]) {
+            Err(e) if refused(&e) => Ok(()),
+            Err(e) => Err(e),
+            Ok(o) => {
+                let _ = c.kubectl(&["-n", NS, "delete", "pod", "core-150", "--wait=false"]);
+                Err(format!("admitted: {o}"))
+            }
+        },
+    );
+    figures.push(format!(
+        "self-managed webhook: configuration -> first refusal {:.1} s",
+        t.elapsed().as_secs_f64()
+    ));
+    let ca_name = || -> String {
+        let s = c.json(&["-n", "kube-system", "secret", ROTATE]).unwrap();
+        let meta = s["metadata"]["annotations"]["vcuda.io/webhook-certificates"]
+            .as_str()
+            .unwrap_or("{}")
+            .to_string();
+        let m: serde_json::Value = serde_json::from_str(&meta).unwrap();
+        m["ca_name"].as_str().unwrap_or("").to_string()
+    };
+    let mut cas = vec![ca_name()];
+    let (mut calls, mut failures) = (0, Vec::new());
+    let t = std::time::Instant::now();
+    while t.elapsed().as_secs() < 60 {
+        calls += 1;
+        match apply(c, &dir, "core-150", bad, &[]) {
+            Err(e) if refused(&e) => {}
+            other => failures.push(format!("{:.0} s: {other:?}", t.elapsed().as_secs_f64())),
+        }
+        let now = ca_name();
+        if cas.last() != Some(&now) {
+            cas.push(now);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(700));
+    }
+    figures.push(format!(
+        "self-managed webhook: {calls} calls over 60 s, {} CAs, {} failed",
+        cas.len(),
+        failures.len()
+    ));
+    assert!(
+        failures.is_empty(),
+        "calls the API server could not make: {failures:#?}\n{}",
+        tail(&hook.log(), 30)
+    );
+    assert!(
+        cas.len() >= 3,
+        "CAs seen over 60 s: {cas:?}\n{}",
+        tail(&hook.log(), 30)
+    );
+    let log = hook.log();
+    assert!(
+        log.contains("PromoteCa") && log.contains("caBundle updated"),
+        "{}",
+        tail(&log, 30)
+    );
+    c.kubectl_ok(&["delete", "validatingwebhookconfiguration", ROTATE]);
+    let _ = c.kubectl(&["-n", "kube-system", "delete", "secret", ROTATE]);
     drop(hook);
 }

@@ -6,12 +6,16 @@
 //! * [`mutate`]: the extender's scheduler name, and on DRA clusters the
 //!   rewrite of `vcuda-core`/`vcuda-memory` limits into a claim;
 //! * [`review`]: the AdmissionReview wire; [`http`]: the endpoints;
-//!   [`world`]: the cluster it reads and writes, [`kube_api`] behind it.
+//!   [`world`]: the cluster it reads and writes, [`kube_api`] behind it;
+//! * [`certs`], [`rotate`]: its own CA and serving certificate, renewed
+//!   and patched into the configurations (`--self-managed`).
 
+pub mod certs;
 pub mod http;
 pub mod kube_api;
 pub mod mutate;
 pub mod review;
+pub mod rotate;
 pub mod validate;
 pub mod world;
 

@@ -3,12 +3,19 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, ValueEnum};
+use k8s_openapi::api::core::v1::Secret;
+use kube::Api;
+use vcuda_webhook::certs::{self, Policy};
 use vcuda_webhook::http::{Webhook, health_router, router};
-use vcuda_webhook::kube_api::{KubeTemplates, NodeCache};
+use vcuda_webhook::kube_api::{
+    ConfigRef, KubeBundleTargets, KubeCertStore, KubeTemplates, NodeCache,
+};
 use vcuda_webhook::mutate::Settings;
+use vcuda_webhook::rotate::{RotateError, Rotator};
 use vcuda_webhook::validate::Trusted;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -28,12 +35,38 @@ struct Args {
     /// HTTPS address the API server calls.
     #[arg(long, env = "VCUDA_WEBHOOK_LISTEN", default_value = "0.0.0.0:8443")]
     listen: SocketAddr,
-    /// PEM certificate chain served (read again when the file changes).
+    /// PEM certificate chain served (read again when the file changes);
+    /// with --self-managed, where the webhook writes its own.
     #[arg(long, env = "VCUDA_WEBHOOK_TLS_CERT")]
     tls_cert: PathBuf,
     /// PEM private key of --tls-cert.
     #[arg(long, env = "VCUDA_WEBHOOK_TLS_KEY")]
     tls_key: PathBuf,
+    /// NAMESPACE/SECRET: the webhook makes and renews its own CA and
+    /// serving certificate, kept in this Secret (shared by replicas), and
+    /// patches the CA into every --ca-bundle-of configuration.
+    #[arg(long, env = "VCUDA_WEBHOOK_SELF_MANAGED")]
+    self_managed: Option<String>,
+    /// validating/NAME or mutating/NAME: a configuration whose webhooks'
+    /// caBundle --self-managed keeps (repeat).
+    #[arg(long, env = "VCUDA_WEBHOOK_CA_BUNDLE_OF", value_delimiter = ',')]
+    ca_bundle_of: Vec<ConfigRef>,
+    /// DNS names and IP addresses of the self-managed certificate (repeat;
+    /// the Service's names).
+    #[arg(long, env = "VCUDA_WEBHOOK_CERT_NAMES", value_delimiter = ',')]
+    cert_name: Vec<String>,
+    /// Life of the self-managed CA (s, m, h, d); the next one is staged
+    /// with a third left.
+    #[arg(long, env = "VCUDA_WEBHOOK_CA_VALIDITY", default_value = "365d", value_parser = certs::parse_duration)]
+    ca_validity: Duration,
+    /// Life of the serving certificate, at most half the CA's; renewed
+    /// with a third left.
+    #[arg(long, env = "VCUDA_WEBHOOK_CERT_VALIDITY", default_value = "90d", value_parser = certs::parse_duration)]
+    cert_validity: Duration,
+    /// How long a staged CA is in the bundle before it signs: time for
+    /// every API server to see the patched configurations.
+    #[arg(long, env = "VCUDA_WEBHOOK_CA_OVERLAP", default_value = "60s", value_parser = certs::parse_duration)]
+    ca_overlap: Duration,
     /// A plain listener serving only GET /healthz, for the kubelet's probes.
     #[arg(long, env = "VCUDA_WEBHOOK_HEALTH_LISTEN")]
     health_listen: Option<SocketAddr>,
@@ -64,13 +97,16 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     daemon_kit::init_logging();
     let a = Args::parse();
+    let cancel = daemon_kit::cancel_on_signals().context("installing signal handlers")?;
+    let client = daemon_kit::apiserver::client(a.kubeconfig.as_deref()).await?;
+    if let Some(secret) = &a.self_managed {
+        self_managed(&a, secret, client.clone(), cancel.clone()).await?;
+    }
     let tls = tls_listener::server_config(&tls_listener::TlsFiles {
         cert: a.tls_cert.clone(),
         key: a.tls_key.clone(),
         client_ca: None,
     })?;
-    let cancel = daemon_kit::cancel_on_signals().context("installing signal handlers")?;
-    let client = daemon_kit::apiserver::client(a.kubeconfig.as_deref()).await?;
     let hook = Arc::new(Webhook {
         nodes: Arc::new(NodeCache::start(client.clone(), cancel.clone())),
         templates: Arc::new(KubeTemplates { client }),
@@ -103,3 +139,50 @@ async fn main() -> anyhow::Result<()> {
         .context("serving")?;
     Ok(())
 }
+
+/// --self-managed: the certificates settled once (so there is something to
+/// serve), then kept in the background.
+async fn self_managed(
+    a: &Args,
+    secret: &str,
+    client: kube::Client,
+    cancel: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    let (ns, name) = secret
+        .split_once('/')
+        .filter(|(n, s)| !n.is_empty() && !s.is_empty())
+        .with_context(|| format!("--self-managed '{secret}' is not NAMESPACE/SECRET"))?;
+    anyhow::ensure!(
+        !a.cert_name.is_empty(),
+        "--self-managed needs --cert-name: the names the API server calls the webhook by"
+    );
+    let policy = Policy::new(a.ca_validity, a.cert_validity, a.ca_overlap)?;
+    let rotator = Rotator {
+        store: Box::new(KubeCertStore {
+            api: Api::<Secret>::namespaced(client.clone(), ns),
+            namespace: ns.into(),
+            name: name.into(),
+        }),
+        targets: Box::new(KubeBundleTargets {
+            client,
+            configs: a.ca_bundle_of.clone(),
+        }),
+        policy,
+        names: a.cert_name.clone(),
+        cert_file: a.tls_cert.clone(),
+        key_file: a.tls_key.clone(),
+    };
+    match rotator.sync(vcuda_webhook::rotate::unix_now()).await {
+        Ok(_) => {}
+        // The configurations may come after the webhook (one chart applies
+        // both): the background passes patch them.
+        Err(e @ RotateError::Target { .. }) => tracing::warn!(error = %e, "caBundle not set yet"),
+        Err(e) => return Err(e).context("--self-managed: the first certificates"),
+    }
+    tokio::spawn(rotator.run(RECHECK, cancel));
+    Ok(())
+}
+
+/// How often the Secret and configurations are compared with the files
+/// even when nothing is due (another replica rotated, or someone edited).
+const RECHECK: Duration = Duration::from_secs(30);

@@ -32,8 +32,9 @@ pub struct Webhook {
     child: Child,
     pub port: u16,
     pub stderr: PathBuf,
-    /// The CA's certificate, base64 (a configuration's `caBundle`).
-    pub ca_bundle: String,
+    /// The CA's certificate, base64 (a configuration's `caBundle`); none
+    /// when the webhook manages its own (`--self-managed`).
+    pub ca_bundle: Option<String>,
 }
 
 impl Drop for Webhook {
@@ -107,6 +108,27 @@ impl Webhook {
             ]
             .concat(),
         );
+        let ca_bundle = {
+            use base64::Engine;
+            base64::engine::general_purpose::STANDARD.encode(fs::read(dir.join("ca.crt")).unwrap())
+        };
+        Self::spawn(kubeconfig, dir, port, args, Some(ca_bundle))
+    }
+
+    /// Starts `vcuda-webhook` with `args` that make it manage its own
+    /// certificates (`--self-managed ...`): the files it writes in `dir`.
+    pub fn start_self_managed(kubeconfig: &Path, dir: &Path, port: u16, args: &[&str]) -> Webhook {
+        fs::create_dir_all(dir).unwrap();
+        Self::spawn(kubeconfig, dir, port, args, None)
+    }
+
+    fn spawn(
+        kubeconfig: &Path,
+        dir: &Path,
+        port: u16,
+        args: &[&str],
+        ca_bundle: Option<String>,
+    ) -> Webhook {
         let stderr = dir.join("webhook.err");
         let health = port + 1;
         let child = Command::new(target_dir().join("vcuda-webhook"))
@@ -123,10 +145,6 @@ impl Webhook {
             .stderr(fs::File::create(&stderr).unwrap())
             .spawn()
             .expect("vcuda-webhook: cargo build --workspace first");
-        let ca_bundle = {
-            use base64::Engine;
-            base64::engine::general_purpose::STANDARD.encode(fs::read(dir.join("ca.crt")).unwrap())
-        };
         let w = Webhook {
             child,
             port,
@@ -153,8 +171,13 @@ impl Webhook {
 
     /// A `kind` (Mutating/ValidatingWebhookConfiguration) named `name`
     /// calling `/<path>` for pods on `ops`, in namespaces labelled
-    /// [`NS_LABEL`].
+    /// [`NS_LABEL`]; `failurePolicy: Fail`, so a call the API server
+    /// cannot make (a CA it does not trust) is an error, never a pass.
     pub fn configuration(&self, kind: &str, name: &str, path: &str, ops: &str) -> String {
+        let ca = match &self.ca_bundle {
+            Some(b) => format!(", caBundle: {b}"),
+            None => String::new(),
+        };
         format!(
             "apiVersion: admissionregistration.k8s.io/v1
 kind: {kind}
@@ -166,12 +189,11 @@ webhooks:
     failurePolicy: Fail
     timeoutSeconds: 5
     namespaceSelector: {{matchLabels: {{{NS_LABEL}: \"1\"}}}}
-    clientConfig: {{url: \"https://127.0.0.1:{port}/{path}\", caBundle: {ca}}}
+    clientConfig: {{url: \"https://127.0.0.1:{port}/{path}\"{ca}}}
     rules:
       - {{apiGroups: [\"\"], apiVersions: [v1], resources: [pods], operations: [{ops}]}}
 ",
             port = self.port,
-            ca = self.ca_bundle,
         )
     }
 }
