@@ -194,6 +194,7 @@ fn a_node_inventory_of_version_1_is_read() {
         numa_node: Some(0),
         pci_bus_id: format!("00000000:{:02X}:00.0", 0x3b + minor),
         healthy: minor == 0,
+        mig: false,
     };
     let want = Inventory {
         version: 1,

@@ -62,3 +62,88 @@ async fn the_node_carries_its_gpu_inventory_and_health() {
     let back = published(&env, "GPU 2 healthy again", |i| i.gpus[2].healthy).await;
     assert!(back.gpus.iter().all(|g| g.healthy));
 }
+
+/// An operator's MIG geometry on GPU 0 of the simulated H100 node
+/// (`gpu-sim mig`, as `nvidia-smi -mig 1` then `nvidia-smi mig -cgi 9,19
+/// -C`): the manager reports the MIG devices it finds, advertises GPU 0's
+/// vcuda IDs Unhealthy (the kubelet counts none allocatable), publishes it
+/// `mig` for the extender and the webhook, places nothing there, and keeps
+/// it out when an Xid on it clears; GPU 1 serves shares and whole-GPU
+/// requests as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_in_mig_mode_is_neither_shared_nor_given_whole() {
+    fn geometry(sim: &test_support::sim::SimNode) {
+        let out = std::process::Command::new(test_support::target_dir().join("gpu-sim"))
+            .args(["mig", "--root"])
+            .arg(sim.root())
+            .args(["--gpu", "0", "--enable", "--create", "9,19"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "gpu-sim mig: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut env = Env::start(
+        "sim-mig-h100",
+        Options {
+            prepare: Some(geometry),
+            quiet_s: 1,
+            ..Default::default()
+        },
+    )
+    .await;
+    let log = env.log_text();
+    assert!(log.contains("GPU in MIG mode"), "{log}");
+    for profile in ["3g.40gb", "1g.10gb"] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains("MIG device") && l.contains(&format!("profile={profile}"))),
+            "no MIG device {profile} logged:\n{log}"
+        );
+    }
+    let healthy_ids = |env: &Env, gpu: usize| {
+        let v = env.kubelet.view();
+        let v = v.borrow();
+        let ids = v.resources[test_support::manager::VCORE]
+            .devices
+            .iter()
+            .filter(|(id, _)| id.starts_with(&format!("vcore-{gpu}-")))
+            .map(|(_, d)| d.healthy)
+            .collect::<Vec<_>>();
+        (ids.iter().filter(|h| **h).count(), ids.len())
+    };
+    assert_eq!(healthy_ids(&env, 0), (0, 100), "GPU 0's IDs");
+    assert_eq!(healthy_ids(&env, 1), (100, 100), "GPU 1's IDs");
+    let inv = published(&env, "GPU 0 in MIG mode", |i| i.gpus[0].mig).await;
+    assert!(!inv.gpus[1].mig);
+
+    // A whole GPU: GPU 1, the only one.
+    let whole = env.pod(&[("main", 100, 0)], &[]);
+    let r = env.admit(&whole, "main", 100, 0).await.unwrap();
+    assert_eq!(Env::minors(&r), vec![1]);
+    env.delete(&whole).await;
+    // Shares: GPU 1 too.
+    for cores in [60, 40] {
+        let p = env.pod(&[("main", cores, 4)], &[]);
+        let r = env.admit(&p, "main", cores as usize, 4).await.unwrap();
+        assert_eq!(Env::minors(&r), vec![1], "a {cores}-core share");
+    }
+
+    // An Xid on GPU 0 and its quiet period: still no IDs to offer.
+    let xid = std::process::Command::new(test_support::target_dir().join("gpu-sim"))
+        .args(["xid", "--root"])
+        .arg(env.sim_root())
+        .args(["--gpu", "0", "--code", "79"])
+        .status()
+        .unwrap();
+    assert!(xid.success());
+    env.wait_log("GPU health changed", 1).await;
+    env.wait_log("GPU health changed", 2).await;
+    assert_eq!(
+        healthy_ids(&env, 0),
+        (0, 100),
+        "GPU 0's IDs after its Xid cleared"
+    );
+}

@@ -219,6 +219,9 @@ pub struct GpuUsage {
     pub allocated_cores: u32,
     pub allocated_memory_units: u64,
     pub healthy: bool,
+    /// In MIG mode: its memory and SMs belong to hardware partitions, not
+    /// to shares or whole-GPU allocations (docs/mig.md).
+    pub mig: bool,
     /// Held whole by one allocation.
     pub exclusive: bool,
     /// Number of shares placed on it.
@@ -232,6 +235,11 @@ impl GpuUsage {
 
     pub fn free_memory_units(&self) -> u64 {
         self.total_memory_units - self.allocated_memory_units
+    }
+
+    /// Whether new placements may land on it: healthy, not in MIG mode.
+    pub fn takes_placements(&self) -> bool {
+        self.healthy && !self.mig
     }
 
     /// Nothing allocated on it.
@@ -264,6 +272,7 @@ impl Allocator {
                 allocated_cores: 0,
                 allocated_memory_units: 0,
                 healthy: true,
+                mig: false,
                 exclusive: false,
                 shares: 0,
             })
@@ -337,9 +346,10 @@ impl Allocator {
                     .map(|i| format!("GPU{i}"))
                     .collect();
                 let unhealthy = self.usage.iter().filter(|u| !u.healthy).count();
+                let mig = self.usage.iter().filter(|u| u.mig).count();
                 Err(AllocError::Insufficient {
                     detail: format!(
-                        "{n} whole GPU{} requested, {} fully free ({}){}",
+                        "{n} whole GPU{} requested, {} fully free ({}){}{}",
                         if n == 1 { "" } else { "s" },
                         free_list.len(),
                         if free_list.is_empty() {
@@ -349,6 +359,11 @@ impl Allocator {
                         },
                         if unhealthy > 0 {
                             format!(", {unhealthy} unhealthy")
+                        } else {
+                            String::new()
+                        },
+                        if mig > 0 {
+                            format!(", {mig} in MIG mode")
                         } else {
                             String::new()
                         }
@@ -374,8 +389,9 @@ impl Allocator {
         }
         // Fullest first: least free cores, then least free memory, then
         // lowest index. Exclusive GPUs have no free cores, so never fit.
-        let fits =
-            |u: &GpuUsage| u.healthy && u.free_cores() >= cores && u.free_memory_units() >= units;
+        let fits = |u: &GpuUsage| {
+            u.takes_placements() && u.free_cores() >= cores && u.free_memory_units() >= units
+        };
         let best = self
             .usage
             .iter()
@@ -411,7 +427,7 @@ impl Allocator {
             .usage
             .iter()
             .enumerate()
-            .filter(|(_, u)| u.healthy && !u.exclusive)
+            .filter(|(_, u)| u.takes_placements() && !u.exclusive)
             .max_by_key(|(i, u)| {
                 (
                     u.free_cores().min(cores),
@@ -427,7 +443,7 @@ impl Allocator {
                 u.free_memory_units()
             ),
             None => format!(
-                "no healthy GPU has {cores} free cores and {units} free memory units: every GPU is held whole or unhealthy"
+                "no healthy GPU has {cores} free cores and {units} free memory units: every GPU is held whole, unhealthy or in MIG mode"
             ),
         };
         AllocError::Insufficient { detail }
@@ -437,7 +453,7 @@ impl Allocator {
     pub(crate) fn fully_free(&self) -> Vec<bool> {
         self.usage
             .iter()
-            .map(|u| u.healthy && u.is_idle())
+            .map(|u| u.takes_placements() && u.is_idle())
             .collect()
     }
 
@@ -489,6 +505,18 @@ impl Allocator {
             .get_mut(gpu)
             .ok_or(AllocError::UnknownGpu { gpu, total })?;
         u.healthy = healthy;
+        Ok(())
+    }
+
+    /// Marks a GPU in (or out of) MIG mode: in it, the GPU gets no new
+    /// placements; what is on it stays until released.
+    pub fn set_mig(&mut self, gpu: usize, mig: bool) -> Result<(), AllocError> {
+        let total = self.usage.len();
+        let u = self
+            .usage
+            .get_mut(gpu)
+            .ok_or(AllocError::UnknownGpu { gpu, total })?;
+        u.mig = mig;
         Ok(())
     }
 

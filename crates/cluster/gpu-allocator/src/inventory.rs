@@ -43,6 +43,10 @@ pub struct InventoryGpu {
     pub numa_node: Option<u32>,
     pub pci_bus_id: String,
     pub healthy: bool,
+    /// In MIG mode: no shares, no whole-GPU placements. Written only when
+    /// true, so readers of version 1 without the field read it as false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mig: bool,
 }
 
 /// Why an annotation is no inventory.
@@ -77,6 +81,7 @@ impl Inventory {
                     numa_node: g.numa_node,
                     pci_bus_id: g.pci_bus_id.clone(),
                     healthy: alloc.usage(g.index).healthy,
+                    mig: alloc.usage(g.index).mig,
                 })
                 .collect(),
             pcie: pairs
@@ -162,6 +167,9 @@ impl Inventory {
         for (i, g) in self.gpus.iter().enumerate() {
             if !g.healthy {
                 a.set_healthy(i, false).expect("an index of the topology");
+            }
+            if g.mig {
+                a.set_mig(i, true).expect("an index of the topology");
             }
         }
         a

@@ -43,7 +43,7 @@ impl Allocator {
                 let g = topo.tree().group(id);
                 let free = g.gpus.iter().filter(|&&i| {
                     let u = self.usage(i);
-                    u.healthy && u.is_idle()
+                    u.takes_placements() && u.is_idle()
                 });
                 let _ = writeln!(
                     out,
@@ -78,6 +78,9 @@ impl Allocator {
                 }
                 if !u.healthy {
                     state.push_str(" [UNHEALTHY]");
+                }
+                if u.mig {
+                    state.push_str(" [MIG]");
                 }
                 let _ = writeln!(
                     out,

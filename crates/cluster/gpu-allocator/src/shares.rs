@@ -82,7 +82,10 @@ impl Allocator {
         self.validate_shares(req)?;
         let (n, cores, units) = (req.gpus as usize, req.cores, req.memory_units);
         let room = |u: &GpuUsage| {
-            u.healthy && !u.exclusive && u.free_cores() >= cores && u.free_memory_units() >= units
+            u.takes_placements()
+                && !u.exclusive
+                && u.free_cores() >= cores
+                && u.free_memory_units() >= units
         };
         let pool: Vec<usize> = (0..self.usage.len())
             .filter(|&i| room(&self.usage[i]))
@@ -169,6 +172,8 @@ impl Allocator {
             .map(|(i, u)| {
                 if !u.healthy {
                     format!("GPU{i} unhealthy")
+                } else if u.mig {
+                    format!("GPU{i} in MIG mode")
                 } else if u.exclusive {
                     format!("GPU{i} held whole")
                 } else {

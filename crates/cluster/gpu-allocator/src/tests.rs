@@ -416,6 +416,37 @@ fn unhealthy_gpus_get_nothing_new() {
 }
 
 #[test]
+fn gpus_in_mig_mode_get_no_share_and_are_not_whole_gpus() {
+    let mut a = pcie_node(4);
+    a.set_mig(0, true).unwrap();
+    a.set_mig(1, true).unwrap();
+    // Shares go to 2 (fullest-first among equals: the pair left intact).
+    assert_ne!(share_gpu(&a, 10, 1), 0);
+    assert_ne!(share_gpu(&a, 10, 1), 1);
+    assert_eq!(whole(&a, 2), vec![2, 3]);
+    let e = a.evaluate(&Request::whole(3)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Insufficient);
+    assert!(e.to_string().contains("2 in MIG mode"), "{e}");
+    a.set_mig(2, true).unwrap();
+    a.set_mig(3, true).unwrap();
+    let e = a.evaluate(&Request::share(10, 1)).unwrap_err();
+    assert!(e.to_string().contains("unhealthy or in MIG mode"), "{e}");
+    assert!(a.render().contains("[MIG]"));
+    // Published and read back by the extender and the webhook.
+    let inv = crate::inventory::Inventory::of(&a, true);
+    assert!(inv.to_json().contains("\"mig\":true"));
+    let back = crate::inventory::Inventory::from_json(&inv.to_json()).unwrap();
+    assert!(back.allocator().usage(3).mig);
+    // Out of MIG mode: placeable again.
+    a.set_mig(0, false).unwrap();
+    assert_eq!(share_gpu(&a, 10, 1), 0);
+    assert_eq!(
+        a.set_mig(4, true),
+        Err(AllocError::UnknownGpu { gpu: 4, total: 4 })
+    );
+}
+
+#[test]
 fn large_node_uses_greedy_search_within_subtrees() {
     // 40 GPUs: C(40,20) is far over the exhaustive limit.
     let a = pcie_node(40);

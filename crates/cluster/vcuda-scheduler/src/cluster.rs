@@ -155,7 +155,7 @@ impl Cluster {
 /// The healthy, shared GPU with the most room that takes a share of `req`.
 fn emptiest(a: &Allocator, req: &Request) -> Option<Placement> {
     let fits = |u: &gpu_allocator::GpuUsage| {
-        u.healthy
+        u.takes_placements()
             && !u.exclusive
             && u.free_cores() >= req.cores
             && u.free_memory_units() >= req.memory_units

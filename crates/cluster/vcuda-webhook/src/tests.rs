@@ -25,6 +25,7 @@ fn node(name: &str, gpus: usize, gib: u64) -> NodeGpus {
                     numa_node: None,
                     pci_bus_id: format!("00000000:{:02X}:00.0", i + 1),
                     healthy: true,
+                    mig: false,
                 })
                 .collect(),
             pcie: vec![20; gpus * gpus.saturating_sub(1) / 2],

@@ -252,6 +252,7 @@ mod tests {
                     info: gpu,
                     model: "A100".into(),
                     xid: None,
+                    mig: false,
                     pcie_root: None,
                     nvlink_domain: None,
                 }],

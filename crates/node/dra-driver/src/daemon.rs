@@ -72,6 +72,7 @@ pub async fn run(
     let nvml_path = node_agent::config::nvml_path(&s.host_root, s.nvml_library.as_deref())?;
     let nvml = node_agent::nvml::load(&nvml_path)?;
     let found = node_agent::nvml::discover(&nvml)?;
+    node_agent::mig::log(&found.mig);
     let volumes = vdriver::VolumeConfig::load(&s.volume_config)
         .with_context(|| format!("loading --volume-config {}", s.volume_config.display()))?;
     node_agent::mirror_driver(
@@ -206,6 +207,7 @@ async fn publish(
             info: g.clone(),
             model: n.clone(),
             xid: None,
+            mig: found.mig[g.index].enabled,
             pcie_root: topology::pcie_root(&s.host_root, &g.pci_bus_id),
             nvlink_domain,
         })

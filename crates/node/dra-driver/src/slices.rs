@@ -33,6 +33,9 @@ pub struct GpuDevice {
     /// The critical Xid that made the GPU unhealthy, until its quiet
     /// period passes; `None` while healthy.
     pub xid: Option<u64>,
+    /// In MIG mode: its SMs and memory are in hardware partitions, so it
+    /// is no share or whole-GPU device (left out of the slice).
+    pub mig: bool,
     /// `resource.kubernetes.io/pcieRoot`, where sysfs says
     /// ([`crate::topology::pcie_root`]).
     pub pcie_root: Option<String>,
@@ -135,6 +138,9 @@ fn version(v: &str) -> DeviceAttribute {
 
 /// `g` as the slice shows it under `unhealthy`; `None` when left out.
 fn published(g: &GpuDevice, driver_version: &str, unhealthy: Unhealthy) -> Option<Device> {
+    if g.mig {
+        return None;
+    }
     match (g.xid, unhealthy) {
         (None, _) => Some(device(g, driver_version)),
         (Some(_), Unhealthy::LeftOut) => None,
@@ -340,6 +346,7 @@ mod tests {
             },
             model: "Tesla T4".into(),
             xid: (!healthy).then_some(79),
+            mig: false,
             pcie_root: None,
             nvlink_domain: None,
         }
@@ -417,6 +424,29 @@ mod tests {
         assert!(!same_devices(&s.spec, &evict.spec));
         let e = "Evict".parse::<Unhealthy>().unwrap_err().to_string();
         assert!(e.contains("NoSchedule") && e.contains("LeaveOut"), "{e}");
+    }
+
+    #[test]
+    fn a_gpu_in_mig_mode_is_not_in_the_slice() {
+        let mig = GpuDevice {
+            mig: true,
+            ..gpu(1, true)
+        };
+        let s = build(
+            "node-a",
+            &[gpu(0, true), mig],
+            "550.54.15",
+            1,
+            Unhealthy::LeftOut,
+        );
+        let names: Vec<String> = s
+            .spec
+            .devices
+            .unwrap()
+            .into_iter()
+            .map(|d| d.name)
+            .collect();
+        assert_eq!(names, ["gpu-0"]);
     }
 
     #[test]

@@ -22,6 +22,7 @@ fn devices(healthy: [bool; 2]) -> Vec<GpuDevice> {
             info,
             model: "Tesla T4".into(),
             xid: (!healthy).then_some(79),
+            mig: false,
             pcie_root: None,
             nvlink_domain: None,
         })

@@ -73,7 +73,7 @@ pub async fn run(
     let (volumes, extra) = check_configuration(&s)?;
     tracing::info!(ms = ms(t0), "step 1/6: configuration checked");
     let (nvml, found) = discover(&s, t0)?;
-    let allocator = gpu_allocator::Allocator::new(found.topology.clone());
+    let allocator = found.allocator();
     eprintln!("{}", allocator.render());
     // The mirror's time is reported apart: it depends on the driver's size.
     let tm = Instant::now();
@@ -231,6 +231,7 @@ fn discover(s: &Settings, t0: Instant) -> anyhow::Result<(Arc<nvml_wrapper::Nvml
             memory_mib = g.memory_bytes >> 20, numa = ?g.numa_node, "GPU"
         );
     }
+    node_agent::mig::log(&found.mig);
     tracing::info!(
         ms = ms(t0), gpus = topo.len(), nvlink = topo.has_nvlink(),
         driver = %found.driver_version, nvml = %nvml_path.display(), "step 2/6: GPUs discovered"

@@ -24,6 +24,7 @@ pub mod extra;
 pub mod health;
 pub mod in_use;
 pub mod ledgers;
+pub mod mig;
 pub mod mode;
 pub mod nvml;
 pub mod registry;

@@ -32,6 +32,8 @@ pub enum NvmlSetupError {
     NoGpus,
     #[error("GPU topology: {0}")]
     Topology(#[from] gpu_allocator::TopologyError),
+    #[error(transparent)]
+    Mig(#[from] crate::mig::MigReadError),
 }
 
 fn q<T>(what: impl FnOnce() -> String, r: Result<T, NvmlError>) -> Result<T, NvmlSetupError> {
@@ -60,6 +62,21 @@ pub struct Discovered {
     pub topology: Topology,
     pub names: Vec<String>,
     pub driver_version: String,
+    /// Each GPU's MIG state, by index.
+    pub mig: Vec<crate::mig::MigGpu>,
+}
+
+impl Discovered {
+    /// An allocator over the node, GPUs in MIG mode marked so.
+    pub fn allocator(&self) -> gpu_allocator::Allocator {
+        let mut a = gpu_allocator::Allocator::new(self.topology.clone());
+        for (i, m) in self.mig.iter().enumerate() {
+            if m.enabled {
+                a.set_mig(i, true).expect("one MIG state per GPU");
+            }
+        }
+        a
+    }
 }
 
 /// NVML bus ids have an 8-digit domain; compare on the last 12 characters,
@@ -158,6 +175,7 @@ pub fn discover(nvml: &Nvml) -> Result<Discovered, NvmlSetupError> {
         topology,
         names,
         driver_version,
+        mig: crate::mig::read(nvml, count)?,
     })
 }
 

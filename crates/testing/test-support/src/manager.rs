@@ -39,6 +39,9 @@ pub struct Options {
     pub quiet_s: u64,
     /// More manager flags (a restart from its argv keeps them).
     pub extra_args: Vec<std::ffi::OsString>,
+    /// Run on the installed node before the manager starts (an
+    /// operator's MIG geometry, say).
+    pub prepare: Option<fn(&SimNode)>,
 }
 
 impl Default for Options {
@@ -47,6 +50,7 @@ impl Default for Options {
             share_mode: true,
             quiet_s: 2,
             extra_args: Vec::new(),
+            prepare: None,
         }
     }
 }
@@ -54,6 +58,9 @@ impl Default for Options {
 impl Env {
     pub async fn start(node: &str, opts: Options) -> Env {
         let sim = SimNode::install(node);
+        if let Some(prepare) = opts.prepare {
+            prepare(&sim);
+        }
         let tmp = tempfile::tempdir().unwrap();
         let dp = tmp.path().join("device-plugins");
         std::fs::create_dir_all(&dp).unwrap();

@@ -106,9 +106,12 @@ impl Manager {
     pub fn new(p: ManagerParts) -> Arc<Manager> {
         let gpus = p.allocator.topology().gpus().to_vec();
         let w = p.world;
+        // A GPU in MIG mode is advertised with Unhealthy IDs: the kubelet
+        // counts none of them allocatable.
+        let usable = |g: usize| p.allocator.usage(g).takes_placements();
         Arc::new(Manager {
-            vcore: DeviceList::new(ids::vcore_devices(&gpus, |_| true)),
-            vmemory: DeviceList::new(ids::vmemory_devices(&gpus, |_| true)),
+            vcore: DeviceList::new(ids::vcore_devices(&gpus, usable)),
+            vmemory: DeviceList::new(ids::vmemory_devices(&gpus, usable)),
             shares: Shares::new(&p.config.vm_root),
             state: Mutex::new(State::new(p.allocator, gpus.len())),
             gpus,

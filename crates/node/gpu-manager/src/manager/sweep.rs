@@ -16,19 +16,21 @@ use crate::recovery::{self, Verdict};
 use crate::world::ApiHealth;
 
 impl Manager {
-    /// Marks a GPU (un)healthy: its advertised IDs and new placements.
+    /// Marks a GPU (un)healthy: its advertised IDs and new placements (a
+    /// GPU in MIG mode keeps its IDs Unhealthy whatever its health).
     pub fn set_gpu_health(&self, gpu: usize, healthy: bool) {
-        {
+        let usable = {
             let mut st = self.st();
             if gpu >= st.healthy.len() || st.healthy[gpu] == healthy {
                 return;
             }
             st.healthy[gpu] = healthy;
             let _ = st.allocator.set_healthy(gpu, healthy);
-        }
+            st.allocator.usage(gpu).takes_placements()
+        };
         let f = |id: &str| ids::gpu_of(id) == Some(gpu);
-        self.vcore.set_health_where(healthy, f);
-        self.vmemory.set_health_where(healthy, f);
+        self.vcore.set_health_where(usable, f);
+        self.vmemory.set_health_where(usable, f);
         tracing::warn!(gpu, healthy, "GPU health changed");
     }
 

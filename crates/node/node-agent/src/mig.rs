@@ -1,0 +1,169 @@
+//! MIG as the node's driver reports it: which GPUs are in MIG mode and the
+//! MIG devices (a compute instance inside a GPU instance) they hold. Both
+//! daemons read it at start: a GPU in MIG mode has its SMs and memory in
+//! hardware partitions, so it is offered neither for shares nor whole
+//! (its inventory says so, for the extender and the webhook), and the
+//! partitions found are reported as they are (vcuda does not change a
+//! geometry it did not make: docs/mig.md).
+//!
+//! nvml-wrapper 0.13 has no call for a MIG device's instance ids: those
+//! two go through its raw symbol table.
+
+use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try};
+use nvml_wrapper::{Device, Nvml};
+
+/// One MIG device: the unit a pod is given (`NVIDIA_VISIBLE_DEVICES=MIG-…`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigDevice {
+    /// `MIG-…`.
+    pub uuid: String,
+    /// The profile, as the device's name ends: `1g.10gb`, `3g.40gb`,
+    /// `1c.3g.40gb` for a compute instance smaller than its GPU instance.
+    pub profile: String,
+    pub gpu_instance: u32,
+    pub compute_instance: u32,
+    pub memory_bytes: u64,
+}
+
+/// One GPU's MIG state.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MigGpu {
+    /// The GPU can be put in MIG mode.
+    pub capable: bool,
+    /// It is in MIG mode now.
+    pub enabled: bool,
+    /// A mode change waits for a GPU reset.
+    pub pending_change: bool,
+    pub devices: Vec<MigDevice>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("NVML, GPU {gpu}: {what}: {source}")]
+pub struct MigReadError {
+    pub gpu: usize,
+    pub what: String,
+    #[source]
+    pub source: NvmlError,
+}
+
+/// The MIG state of GPUs `0..count`, by index.
+pub fn read(nvml: &Nvml, count: usize) -> Result<Vec<MigGpu>, MigReadError> {
+    (0..count).map(|gpu| read_gpu(nvml, gpu)).collect()
+}
+
+fn read_gpu(nvml: &Nvml, gpu: usize) -> Result<MigGpu, MigReadError> {
+    let err = |what: &str| {
+        let what = what.to_string();
+        move |source| MigReadError { gpu, what, source }
+    };
+    let d = nvml.device_by_index(gpu as u32).map_err(err("device"))?;
+    let mode = match d.mig_mode() {
+        Ok(m) => m,
+        // Not a MIG-capable GPU (or a driver without MIG): nothing to read.
+        Err(NvmlError::NotSupported) => return Ok(MigGpu::default()),
+        Err(e) => return Err(err("MIG mode")(e)),
+    };
+    let enabled = mode.current == 1;
+    let mut out = MigGpu {
+        capable: true,
+        enabled,
+        pending_change: mode.pending != mode.current,
+        devices: Vec::new(),
+    };
+    if !enabled {
+        return Ok(out);
+    }
+    let max = d.mig_device_count().map_err(err("MIG device count"))?;
+    for i in 0..max {
+        let m = match d.mig_device_by_index(i) {
+            Ok(m) => m,
+            // Indices past the last instance, or between destroyed ones.
+            Err(NvmlError::NotFound) => continue,
+            Err(e) => return Err(err(&format!("MIG device {i}"))(e)),
+        };
+        let name = m.name().map_err(err(&format!("MIG device {i} name")))?;
+        out.devices.push(MigDevice {
+            uuid: m.uuid().map_err(err(&format!("MIG device {i} UUID")))?,
+            profile: profile_of(&name),
+            gpu_instance: instance_id(nvml, &m, Which::Gpu)
+                .map_err(err(&format!("MIG device {i} GPU instance")))?,
+            compute_instance: instance_id(nvml, &m, Which::Compute)
+                .map_err(err(&format!("MIG device {i} compute instance")))?,
+            memory_bytes: m
+                .memory_info()
+                .map_err(err(&format!("MIG device {i} memory")))?
+                .total,
+        });
+    }
+    Ok(out)
+}
+
+/// Logs each GPU in MIG mode and its MIG devices (both daemons, at start).
+pub fn log(gpus: &[MigGpu]) {
+    for (gpu, m) in gpus.iter().enumerate() {
+        if m.pending_change {
+            tracing::warn!(
+                gpu,
+                enabled = m.enabled,
+                "MIG mode change pending a GPU reset: the GPU is served as it is now"
+            );
+        }
+        if !m.enabled {
+            continue;
+        }
+        tracing::info!(
+            gpu,
+            devices = m.devices.len(),
+            "GPU in MIG mode: not offered for shares or whole"
+        );
+        for d in &m.devices {
+            tracing::info!(
+                gpu, uuid = %d.uuid, profile = %d.profile, gpu_instance = d.gpu_instance,
+                compute_instance = d.compute_instance, memory_mib = d.memory_bytes >> 20, "MIG device"
+            );
+        }
+    }
+}
+
+/// `NVIDIA H100 80GB HBM3 MIG 1g.10gb` → `1g.10gb` (the driver names MIG
+/// devices so; anything else is kept whole).
+pub fn profile_of(name: &str) -> String {
+    match name.rsplit_once(" MIG ") {
+        Some((_, p)) => p.trim().to_string(),
+        None => name.trim().to_string(),
+    }
+}
+
+enum Which {
+    Gpu,
+    Compute,
+}
+
+fn instance_id(nvml: &Nvml, d: &Device, which: Which) -> Result<u32, NvmlError> {
+    let lib = nvml.lib();
+    let sym = match which {
+        Which::Gpu => nvml_sym(lib.nvmlDeviceGetGpuInstanceId.as_ref())?,
+        Which::Compute => nvml_sym(lib.nvmlDeviceGetComputeInstanceId.as_ref())?,
+    };
+    let mut id = 0u32;
+    // SAFETY: `d` is a live handle of `nvml` (it borrows it), and `id` is
+    // a valid place for the one unsigned int the call writes.
+    let r = unsafe { sym(d.handle(), &mut id) };
+    nvml_try(r)?;
+    Ok(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn profiles_from_device_names() {
+        assert_eq!(profile_of("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), "1g.10gb");
+        assert_eq!(
+            profile_of("NVIDIA A100-SXM4-40GB MIG 1c.3g.20gb"),
+            "1c.3g.20gb"
+        );
+        assert_eq!(profile_of("NVIDIA H100"), "NVIDIA H100");
+    }
+}
