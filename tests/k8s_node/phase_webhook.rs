@@ -40,6 +40,19 @@ spec:
     )
 }
 
+/// The API server's first refusal of `bad` (a pod named core-150), within
+/// `secs`: a configuration takes a moment to reach its admission chain.
+fn first_refusal(c: &Cluster, dir: &Path, bad: &str, what: &str, secs: u64) -> String {
+    wait(what, secs, || match apply(c, dir, "core-150", bad, &[]) {
+        Err(e) if e.contains("denied the request") => Ok(e),
+        Err(e) => Err(e),
+        Ok(o) => {
+            let _ = c.kubectl(&["-n", NS, "delete", "pod", "core-150", "--wait=false"]);
+            Err(format!("admitted: {o}"))
+        }
+    })
+}
+
 /// `kubectl apply` of `yaml`: the API server's answer.
 fn apply(
     c: &Cluster,
@@ -81,16 +94,7 @@ pub fn run(c: &Cluster, _w: &Work, figures: &mut Vec<String>) {
     // A configuration takes a moment to reach the API server's admission
     // chain: the first refusal is awaited.
     let bad = pod("core-150", &format!("{core}: 150, {mem}: 4"), "");
-    let e = wait("the webhook's first refusal", 30, || {
-        match apply(c, &dir, "core-150", &bad, &[]) {
-            Err(e) if e.contains("denied the request") => Ok(e),
-            Err(e) => Err(e),
-            Ok(o) => {
-                let _ = c.kubectl(&["-n", NS, "delete", "pod", "core-150", "--wait=false"]);
-                Err(format!("admitted: {o}"))
-            }
-        }
-    });
+    let e = first_refusal(c, &dir, &bad, "the webhook's first refusal", 30);
     figures.push(format!(
         "webhook configured -> first refusal: {:.1} s",
         t.elapsed().as_secs_f64()
@@ -210,17 +214,12 @@ fn self_managed(c: &Cluster, dir: &Path, bad: &str, figures: &mut Vec<String>) {
     ));
     let refused = |e: &str| e.contains("denied the request") && e.contains("vcuda-core 150");
     let t = std::time::Instant::now();
-    wait(
+    first_refusal(
+        c,
+        &dir,
+        bad,
         "the first refusal through the self-managed CA",
         40,
-        || match apply(c, &dir, "core-150", bad, &[]) {
-            Err(e) if refused(&e) => Ok(()),
-            Err(e) => Err(e),
-            Ok(o) => {
-                let _ = c.kubectl(&["-n", NS, "delete", "pod", "core-150", "--wait=false"]);
-                Err(format!("admitted: {o}"))
-            }
-        },
     );
     figures.push(format!(
         "self-managed webhook: configuration -> first refusal {:.1} s",

@@ -499,25 +499,22 @@ impl Allocator {
     /// Marks a GPU (un)healthy. Unhealthy GPUs get no new placements; what
     /// is on them stays until released.
     pub fn set_healthy(&mut self, gpu: usize, healthy: bool) -> Result<(), AllocError> {
-        let total = self.usage.len();
-        let u = self
-            .usage
-            .get_mut(gpu)
-            .ok_or(AllocError::UnknownGpu { gpu, total })?;
-        u.healthy = healthy;
+        self.usage_mut(gpu)?.healthy = healthy;
         Ok(())
     }
 
     /// Marks a GPU in (or out of) MIG mode: in it, the GPU gets no new
     /// placements; what is on it stays until released.
     pub fn set_mig(&mut self, gpu: usize, mig: bool) -> Result<(), AllocError> {
-        let total = self.usage.len();
-        let u = self
-            .usage
-            .get_mut(gpu)
-            .ok_or(AllocError::UnknownGpu { gpu, total })?;
-        u.mig = mig;
+        self.usage_mut(gpu)?.mig = mig;
         Ok(())
+    }
+
+    fn usage_mut(&mut self, gpu: usize) -> Result<&mut GpuUsage, AllocError> {
+        let total = self.usage.len();
+        self.usage
+            .get_mut(gpu)
+            .ok_or(AllocError::UnknownGpu { gpu, total })
     }
 
     /// Re-commits allocations found at recovery (checkpoint, live
