@@ -86,22 +86,12 @@ fn taint(server: &ApiServer) -> Option<String> {
         .then(|| t["value"].as_str().unwrap_or_default().to_string())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn claims_on_a_simulated_node_under_the_interposer() {
-    let gpu_sim = artifact("gpu-sim");
-    let shim = artifact("libvcuda.so");
-    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
-    let dirs = Dirs::new();
-    let sim = dirs.p("sim");
-    sh(Command::new(&gpu_sim)
-        .args(["install", "--node"])
-        .arg(workspace().join("config/nodes/sim-1gpu.toml"))
-        .arg("--root")
-        .arg(&sim));
-    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
-    let settings = Settings {
+/// The driver's settings on the simulated node at `sim`, its directories
+/// in `dirs`.
+fn settings(sim: &Path, dirs: &Dirs, shim: PathBuf) -> Settings {
+    Settings {
         node: NODE.into(),
-        host_root: sim.clone(),
+        host_root: sim.to_path_buf(),
         nvml_library: None,
         volume_config: workspace().join("config/volume.conf"),
         interposer: Some(shim),
@@ -121,7 +111,23 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
         display: Some((dirs.p("display.sock"), "127.0.0.1:0".parse().unwrap())),
         sample_period: Duration::from_secs(1),
         escape_policy: gpu_display::guard::Policy::Report,
-    };
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_on_a_simulated_node_under_the_interposer() {
+    let gpu_sim = artifact("gpu-sim");
+    let shim = artifact("libvcuda.so");
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    let sim = dirs.p("sim");
+    sh(Command::new(&gpu_sim)
+        .args(["install", "--node"])
+        .arg(workspace().join("config/nodes/sim-1gpu.toml"))
+        .arg("--root")
+        .arg(&sim));
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    let settings = settings(&sim, &dirs, shim);
     let cancel = CancellationToken::new();
     let (tx, rx) = tokio::sync::oneshot::channel();
     let daemon = tokio::spawn(run(settings.clone(), cancel.clone(), Some(tx)));
@@ -409,6 +415,55 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
     assert_eq!(u.claims[&claims[0].uid].error, "");
     assert!(!dirs.p("vm").join(&claims[0].uid).exists());
     assert!(dirs.p("vm").join(&claims[1].uid).exists());
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+}
+
+/// Issue 36: a GPU in MIG mode (GPU 0 of the simulated H100 node, a
+/// 3g.40gb instance made as `nvidia-smi mig -cgi 9 -C` would) is not in
+/// the slice: its SMs and memory are the instance's, not shares'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_in_mig_mode_is_not_published() {
+    let gpu_sim = artifact("gpu-sim");
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    let sim = dirs.p("sim");
+    sh(Command::new(&gpu_sim)
+        .args(["install", "--node"])
+        .arg(workspace().join("config/nodes/sim-mig-h100.toml"))
+        .arg("--root")
+        .arg(&sim));
+    sh(Command::new(&gpu_sim)
+        .args(["mig", "--root"])
+        .arg(&sim)
+        .args(["--gpu", "0", "--enable", "--create", "9"]));
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    let cancel = CancellationToken::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let settings = settings(&sim, &dirs, artifact("libvcuda.so"));
+    let daemon = tokio::spawn(run(settings, cancel.clone(), Some(tx)));
+    tokio::time::timeout(Duration::from_secs(60), rx)
+        .await
+        .unwrap()
+        .unwrap();
+    let _kubelet =
+        plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(20), false)
+            .await
+            .unwrap();
+    until(10, "the slice published once registered", || {
+        slice_generation(&server).is_some()
+    })
+    .await;
+    let s = server
+        .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
+        .unwrap();
+    let names: Vec<&str> = s["spec"]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["gpu-1"], "{s}");
     cancel.cancel();
     daemon.await.unwrap().unwrap();
 }
