@@ -285,7 +285,9 @@ fn write_if_changed(path: &Path, bytes: &[u8]) -> Result<(), RotateError> {
         path: path.to_path_buf(),
         source,
     };
-    let tmp = path.with_extension("partial");
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".partial");
+    let tmp = PathBuf::from(tmp);
     std::fs::write(&tmp, bytes).map_err(err)?;
     std::fs::rename(&tmp, path).map_err(err)
 }
