@@ -360,4 +360,4 @@ impl SharedState {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

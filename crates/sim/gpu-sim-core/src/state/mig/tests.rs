@@ -5,7 +5,8 @@ use super::*;
 use crate::state::{InstallOutcome, SimRoot};
 use crate::{NodeSpec, mig::Placement};
 
-const H100: &str = r#"
+/// Two H100s, the first MIG-capable (also the MIG-use tests' node).
+pub(crate) const H100: &str = r#"
 name = "t"
 driver_version = "580.95.05"
 cuda_version = "13.0"

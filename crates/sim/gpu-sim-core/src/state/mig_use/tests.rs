@@ -4,21 +4,7 @@
 use crate::NodeSpec;
 use crate::state::{InstallOutcome, SharedState, SimRoot};
 
-const NODE: &str = r#"
-name = "t"
-driver_version = "580.95.05"
-cuda_version = "13.0"
-
-[[gpu]]
-name = "NVIDIA H100 80GB HBM3"
-uuid = "GPU-00000000-0000-0000-0000-000000000000"
-memory_mib = 81559
-sm_count = 132
-compute_capability = "9.0"
-pci_bus_id = "00000000:18:00.0"
-minor = 0
-mig = "h100-80gb"
-"#;
+use crate::state::mig::tests::H100 as NODE;
 
 const P_1G: u32 = 19;
 const P_3G: u32 = 9;
