@@ -13,6 +13,9 @@
 //!     then (`phase_tp.rs`) a TP = 2 server pod (`tencent.com/vcuda-gpus`)
 //!     beside a second tenant's pod on the same pair: each rank's memory
 //!     rules, the other's quota per GPU, both held to 50 % on each GPU;
+//!     then (`phase_webhook.rs`, "1c") `vcuda-webhook` in front of the API
+//!     server: bad requests refused at `kubectl apply`, and its own CA
+//!     (`--self-managed`) rotated twice under calls that never fail;
 //!     then (`phase_sched.rs`, "2b") kube-scheduler with `vcuda-scheduler`
 //!     as its extender: 13 pods of 30 cores on 4 GPUs, 12 Running and 1
 //!     Unschedulable with the reason, the extender killed and restarted;
