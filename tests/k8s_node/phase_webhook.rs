@@ -185,11 +185,8 @@ fn self_managed(c: &Cluster, dir: &Path, bad: &str, figures: &mut Vec<String>) {
         &c.kubeconfig(),
         &dir,
         PORT + 2,
+        // Its files are the --tls-cert and --tls-key in `dir` the helper names.
         &[
-            "--tls-cert",
-            dir.join("tls.crt").to_str().unwrap(),
-            "--tls-key",
-            dir.join("tls.key").to_str().unwrap(),
             "--self-managed",
             &secret,
             "--ca-bundle-of",
