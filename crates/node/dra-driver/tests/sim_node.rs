@@ -86,6 +86,17 @@ fn taint(server: &ApiServer) -> Option<String> {
         .then(|| t["value"].as_str().unwrap_or_default().to_string())
 }
 
+/// `config/nodes/<node>.toml` installed at `dirs`' `sim`: its root.
+fn install(gpu_sim: &Path, node: &str, dirs: &Dirs) -> PathBuf {
+    let sim = dirs.p("sim");
+    sh(Command::new(gpu_sim)
+        .args(["install", "--node"])
+        .arg(workspace().join(format!("config/nodes/{node}.toml")))
+        .arg("--root")
+        .arg(&sim));
+    sim
+}
+
 /// The driver's settings on the simulated node at `sim`, its directories
 /// in `dirs`.
 fn settings(sim: &Path, dirs: &Dirs, shim: PathBuf) -> Settings {
@@ -120,12 +131,7 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
     let shim = artifact("libvcuda.so");
     let server = ApiServer::start("127.0.0.1:0").await.unwrap();
     let dirs = Dirs::new();
-    let sim = dirs.p("sim");
-    sh(Command::new(&gpu_sim)
-        .args(["install", "--node"])
-        .arg(workspace().join("config/nodes/sim-1gpu.toml"))
-        .arg("--root")
-        .arg(&sim));
+    let sim = install(&gpu_sim, "sim-1gpu", &dirs);
     server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
     let settings = settings(&sim, &dirs, shim);
     let cancel = CancellationToken::new();
@@ -427,12 +433,7 @@ async fn a_gpu_in_mig_mode_is_not_published() {
     let gpu_sim = artifact("gpu-sim");
     let server = ApiServer::start("127.0.0.1:0").await.unwrap();
     let dirs = Dirs::new();
-    let sim = dirs.p("sim");
-    sh(Command::new(&gpu_sim)
-        .args(["install", "--node"])
-        .arg(workspace().join("config/nodes/sim-mig-h100.toml"))
-        .arg("--root")
-        .arg(&sim));
+    let sim = install(&gpu_sim, "sim-mig-h100", &dirs);
     sh(Command::new(&gpu_sim)
         .args(["mig", "--root"])
         .arg(&sim)
