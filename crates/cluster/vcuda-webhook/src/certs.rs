@@ -268,20 +268,20 @@ fn new_cert(
     Ok((cert.pem(), key.serialize_pem(), not_after))
 }
 
-/// The state after `plan` (made with new keys where it needs them).
+/// The state after `plan` (made with new keys where it needs them;
+/// nothing stored is made anew whatever the plan).
 pub fn apply(
     plan: &Plan,
     stored: Option<Stored>,
     now: u64,
     names: &[String],
     p: &Policy,
-) -> Result<Option<Stored>, IssueError> {
-    let s = match (plan, stored) {
-        (Plan::Keep, s) => return Ok(s),
+) -> Result<Stored, IssueError> {
+    let mut s = match (plan, stored) {
         (Plan::Fresh, _) | (_, None) => {
             let ca = new_ca(now, p)?;
             let (cert_pem, key_pem, cert_not_after) = new_cert(now, &ca, names, p)?;
-            return Ok(Some(Stored {
+            return Ok(Stored {
                 ca,
                 next: None,
                 previous: None,
@@ -289,11 +289,10 @@ pub fn apply(
                 key_pem,
                 cert_not_after,
                 cert_names: names.to_vec(),
-            }));
+            });
         }
         (_, Some(s)) => s,
     };
-    let mut s = s;
     match plan {
         Plan::StageCa => s.next = Some((new_ca(now, p)?, now)),
         Plan::PromoteCa => {
@@ -310,7 +309,7 @@ pub fn apply(
         Plan::DropPrevious => s.previous = None,
         Plan::Keep | Plan::Fresh => {}
     }
-    Ok(Some(s))
+    Ok(s)
 }
 
 fn renew(s: &mut Stored, now: u64, names: &[String], p: &Policy) -> Result<(), IssueError> {

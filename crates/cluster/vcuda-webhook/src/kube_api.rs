@@ -231,13 +231,20 @@ where
     Err(fail("changed under each of 5 attempts".into()))
 }
 
-/// Sets `bundle` on one webhook's client configuration: whether it changed.
-fn set_bundle(c: &mut WebhookClientConfig, bundle: &[u8]) -> bool {
-    if c.ca_bundle.as_ref().map(|b| b.0.as_slice()) == Some(bundle) {
-        return false;
+/// Sets `bundle` on every webhook's client configuration: whether any
+/// changed.
+fn set_bundle<'a>(
+    configs: impl Iterator<Item = &'a mut WebhookClientConfig>,
+    bundle: &[u8],
+) -> bool {
+    let mut changed = false;
+    for c in configs {
+        if c.ca_bundle.as_ref().map(|b| b.0.as_slice()) != Some(bundle) {
+            c.ca_bundle = Some(ByteString(bundle.to_vec()));
+            changed = true;
+        }
     }
-    c.ca_bundle = Some(ByteString(bundle.to_vec()));
-    true
+    changed
 }
 
 #[async_trait::async_trait]
@@ -249,7 +256,7 @@ impl BundleTargets for KubeBundleTargets {
                     let api = Api::<ValidatingWebhookConfiguration>::all(self.client.clone());
                     edit_bundle(api, "ValidatingWebhookConfiguration", name, |cfg| {
                         let hooks = cfg.webhooks.iter_mut().flatten();
-                        hooks.fold(false, |ch, w| set_bundle(&mut w.client_config, bundle) | ch)
+                        set_bundle(hooks.map(|w| &mut w.client_config), bundle)
                     })
                     .await?
                 }
@@ -257,7 +264,7 @@ impl BundleTargets for KubeBundleTargets {
                     let api = Api::<MutatingWebhookConfiguration>::all(self.client.clone());
                     edit_bundle(api, "MutatingWebhookConfiguration", name, |cfg| {
                         let hooks = cfg.webhooks.iter_mut().flatten();
-                        hooks.fold(false, |ch, w| set_bundle(&mut w.client_config, bundle) | ch)
+                        set_bundle(hooks.map(|w| &mut w.client_config), bundle)
                     })
                     .await?
                 }

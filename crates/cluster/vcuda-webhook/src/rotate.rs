@@ -223,8 +223,7 @@ impl Rotator {
             {
                 return Ok(s);
             }
-            let next = certs::apply(&plan, stored, now, &self.names, &self.policy)?
-                .expect("a plan other than Keep leaves a state");
+            let next = certs::apply(&plan, stored, now, &self.names, &self.policy)?;
             match self.store.put(&encode(&next), version).await {
                 Ok(()) => {
                     tracing::info!(

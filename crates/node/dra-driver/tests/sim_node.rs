@@ -86,6 +86,24 @@ fn taint(server: &ApiServer) -> Option<String> {
         .then(|| t["value"].as_str().unwrap_or_default().to_string())
 }
 
+/// The driver started on `settings`, once its sockets are served.
+async fn start(
+    settings: Settings,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<anyhow::Result<()>>,
+    dra_driver::daemon::Ready,
+) {
+    let cancel = CancellationToken::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let daemon = tokio::spawn(run(settings, cancel.clone(), Some(tx)));
+    let ready = tokio::time::timeout(Duration::from_secs(60), rx)
+        .await
+        .expect("the driver served its sockets within 60 s")
+        .expect("the driver said it was ready");
+    (cancel, daemon, ready)
+}
+
 /// `config/nodes/<node>.toml` installed at `dirs`' `sim`: its root.
 fn install(gpu_sim: &Path, node: &str, dirs: &Dirs) -> PathBuf {
     let sim = dirs.p("sim");
@@ -134,13 +152,7 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
     let sim = install(&gpu_sim, "sim-1gpu", &dirs);
     server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
     let settings = settings(&sim, &dirs, shim);
-    let cancel = CancellationToken::new();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let daemon = tokio::spawn(run(settings.clone(), cancel.clone(), Some(tx)));
-    let ready = tokio::time::timeout(Duration::from_secs(60), rx)
-        .await
-        .unwrap()
-        .unwrap();
+    let (cancel, daemon, ready) = start(settings.clone()).await;
     let http = ready.display_http.unwrap();
     // Serving but not registered: no slice yet (the scheduler must not send
     // a claim the kubelet cannot prepare), not ready.
@@ -373,13 +385,7 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
     assert_eq!(pids(), [pid]);
     cancel.cancel();
     daemon.await.unwrap().unwrap();
-    let cancel = CancellationToken::new();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let daemon = tokio::spawn(run(settings, cancel.clone(), Some(tx)));
-    tokio::time::timeout(Duration::from_secs(60), rx)
-        .await
-        .unwrap()
-        .unwrap();
+    let (cancel, daemon, _) = start(settings).await;
     let kubelet =
         plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(20), false)
             .await
@@ -439,14 +445,7 @@ async fn a_gpu_in_mig_mode_is_not_published() {
         .arg(&sim)
         .args(["--gpu", "0", "--enable", "--create", "9"]));
     server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
-    let cancel = CancellationToken::new();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let settings = settings(&sim, &dirs, artifact("libvcuda.so"));
-    let daemon = tokio::spawn(run(settings, cancel.clone(), Some(tx)));
-    tokio::time::timeout(Duration::from_secs(60), rx)
-        .await
-        .unwrap()
-        .unwrap();
+    let (cancel, daemon, _) = start(settings(&sim, &dirs, artifact("libvcuda.so"))).await;
     let _kubelet =
         plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(20), false)
             .await

@@ -25,11 +25,9 @@ pub struct MigDevice {
     pub memory_bytes: u64,
 }
 
-/// One GPU's MIG state.
+/// One GPU's MIG state (all false and empty on a GPU without MIG).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MigGpu {
-    /// The GPU can be put in MIG mode.
-    pub capable: bool,
     /// It is in MIG mode now.
     pub enabled: bool,
     /// A mode change waits for a GPU reset.
@@ -46,17 +44,20 @@ pub struct MigReadError {
     pub source: NvmlError,
 }
 
-/// The MIG state of GPUs `0..count`, by index.
-pub fn read(nvml: &Nvml, count: usize) -> Result<Vec<MigGpu>, MigReadError> {
-    (0..count).map(|gpu| read_gpu(nvml, gpu)).collect()
+/// The MIG state of each of `devices` (discovery's handles, by index).
+pub fn read(nvml: &Nvml, devices: &[Device]) -> Result<Vec<MigGpu>, MigReadError> {
+    devices
+        .iter()
+        .enumerate()
+        .map(|(gpu, d)| read_gpu(nvml, gpu, d))
+        .collect()
 }
 
-fn read_gpu(nvml: &Nvml, gpu: usize) -> Result<MigGpu, MigReadError> {
+fn read_gpu(nvml: &Nvml, gpu: usize, d: &Device) -> Result<MigGpu, MigReadError> {
     let err = |what: &str| {
         let what = what.to_string();
         move |source| MigReadError { gpu, what, source }
     };
-    let d = nvml.device_by_index(gpu as u32).map_err(err("device"))?;
     let mode = match d.mig_mode() {
         Ok(m) => m,
         // Not a MIG-capable GPU (or a driver without MIG): nothing to read.
@@ -65,7 +66,6 @@ fn read_gpu(nvml: &Nvml, gpu: usize) -> Result<MigGpu, MigReadError> {
     };
     let enabled = mode.current == 1;
     let mut out = MigGpu {
-        capable: true,
         enabled,
         pending_change: mode.pending != mode.current,
         devices: Vec::new(),

@@ -175,7 +175,7 @@ pub fn discover(nvml: &Nvml) -> Result<Discovered, NvmlSetupError> {
         topology,
         names,
         driver_version,
-        mig: crate::mig::read(nvml, count)?,
+        mig: crate::mig::read(nvml, &devices)?,
     })
 }
 

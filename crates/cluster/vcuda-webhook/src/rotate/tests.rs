@@ -158,9 +158,7 @@ fn a_name_not_in_the_certificate_is_not_trusted() {
 fn a_replica_that_loses_the_race_serves_the_winners_certificate() {
     let dir = tempfile::tempdir().unwrap();
     let (r, store, _) = rotator(dir.path(), &["w.example"]);
-    let other = certs::apply(&Plan::Fresh, None, T0, &["w.example".into()], &policy())
-        .unwrap()
-        .unwrap();
+    let other = certs::apply(&Plan::Fresh, None, T0, &["w.example".into()], &policy()).unwrap();
     *store.interloper.lock().unwrap() = Some(encode(&other));
     block_on(r.sync(T0)).unwrap();
     let served = std::fs::read_to_string(dir.path().join("tls.crt")).unwrap();
