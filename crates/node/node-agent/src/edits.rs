@@ -3,8 +3,9 @@
 //! the driver volume read-only at [`DRIVER_MOUNT`] (the interposer's
 //! `nvidia` volume for shares, `origin` for whole GPUs), the vm directory
 //! read-only at `/etc/vcuda`, `LD_LIBRARY_PATH` and `NVIDIA_VISIBLE_DEVICES`.
-//! The device plugin renders it as an Allocate response, the DRA driver as
-//! a CDI spec.
+//! A MIG device ([`for_mig`]) gets its instance's capability nodes and the
+//! untouched driver instead. The device plugin renders it as an Allocate
+//! response, the DRA driver as a CDI spec.
 
 use std::path::Path;
 
@@ -111,6 +112,39 @@ pub fn for_gpus(i: &EditsInput<'_>) -> GpuEdits {
     }
 }
 
+/// What a MIG device's edits are made from.
+pub struct MigEditsInput<'a> {
+    /// The GPU the instance is on.
+    pub parent: &'a GpuInfo,
+    /// `MIG-…`.
+    pub uuid: &'a str,
+    pub caps: crate::mig::AccessCaps,
+    pub vdriver_dir: &'a Path,
+    pub extra_devices: &'a [String],
+}
+
+/// One MIG device with the untouched driver: the parent GPU's node and the
+/// instance's two access capability nodes (NVIDIA's MIG user guide,
+/// "Device Nodes and Capabilities"), `NVIDIA_VISIBLE_DEVICES=MIG-…`, the
+/// origin volume, and no vm directory (the hardware is the quota).
+pub fn for_mig(i: &MigEditsInput<'_>) -> GpuEdits {
+    let mut e = for_gpus(&EditsInput {
+        gpus: &[i.parent],
+        shared: false,
+        vdriver_dir: i.vdriver_dir,
+        vm_dir: Path::new(""),
+        extra_devices: i.extra_devices,
+    });
+    e.gpus.extend(i.caps.node_paths().map(DeviceNode::rwm));
+    e.common.mounts.retain(|m| m.container_path == DRIVER_MOUNT);
+    for (k, v) in &mut e.common.env {
+        if k == "NVIDIA_VISIBLE_DEVICES" {
+            *v = i.uuid.to_string();
+        }
+    }
+    e
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,5 +209,42 @@ mod tests {
         });
         assert_eq!(whole.common.mounts[0].host_path, "/v/origin");
         assert_eq!(whole.common.device_nodes.len(), 2);
+    }
+
+    #[test]
+    fn a_mig_device() {
+        let [_, b] = sample_gpus();
+        let caps = crate::mig::AccessCaps {
+            gpu_instance: 156,
+            compute_instance: 157,
+        };
+        let e = for_mig(&MigEditsInput {
+            parent: &b,
+            uuid: "MIG-0a1b",
+            caps,
+            vdriver_dir: Path::new("/v"),
+            extra_devices: &[],
+        });
+        let nodes: Vec<_> = e.device_nodes().map(|d| d.path.as_str()).collect();
+        assert_eq!(
+            nodes,
+            [
+                "/dev/nvidia3",
+                "/dev/nvidia-caps/nvidia-cap156",
+                "/dev/nvidia-caps/nvidia-cap157",
+                "/dev/nvidiactl",
+                "/dev/nvidia-uvm"
+            ]
+        );
+        let m = &e.common.mounts;
+        assert_eq!(m.len(), 1, "the driver only, no vm directory: {m:?}");
+        assert_eq!(m[0].host_path, "/v/origin");
+        assert_eq!(
+            e.common.env,
+            [
+                ("LD_LIBRARY_PATH".into(), "/usr/local/nvidia/lib64".into()),
+                ("NVIDIA_VISIBLE_DEVICES".into(), "MIG-0a1b".into())
+            ]
+        );
     }
 }

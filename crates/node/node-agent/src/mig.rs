@@ -9,6 +9,8 @@
 //! nvml-wrapper 0.13 has no call for a MIG device's instance ids: those
 //! two go through its raw symbol table.
 
+use std::path::{Path, PathBuf};
+
 use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try};
 use nvml_wrapper::{Device, Nvml};
 
@@ -23,6 +25,8 @@ pub struct MigDevice {
     pub gpu_instance: u32,
     pub compute_instance: u32,
     pub memory_bytes: u64,
+    /// The compute instance's SMs (NVML's attributes of the MIG handle).
+    pub multiprocessors: u32,
 }
 
 /// One GPU's MIG state (all false and empty on a GPU without MIG).
@@ -93,6 +97,10 @@ fn read_gpu(nvml: &Nvml, gpu: usize, d: &Device) -> Result<MigGpu, MigReadError>
                 .memory_info()
                 .map_err(err(&format!("MIG device {i} memory")))?
                 .total,
+            multiprocessors: m
+                .attributes()
+                .map_err(err(&format!("MIG device {i} attributes")))?
+                .multiprocessor_count,
         });
     }
     Ok(out)
@@ -153,6 +161,77 @@ fn instance_id(nvml: &Nvml, d: &Device, which: Which) -> Result<u32, NvmlError> 
     Ok(id)
 }
 
+/// The minors of the two capability nodes a process must open to use a
+/// MIG device (`/dev/nvidia-caps/nvidia-cap<m>`): its GPU instance's and
+/// its compute instance's `access`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AccessCaps {
+    pub gpu_instance: u32,
+    pub compute_instance: u32,
+}
+
+impl AccessCaps {
+    /// Both nodes' paths, GPU instance first.
+    pub fn node_paths(&self) -> [String; 2] {
+        [self.gpu_instance, self.compute_instance]
+            .map(|m| format!("/dev/nvidia-caps/nvidia-cap{m}"))
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CapError {
+    #[error("reading {}: {source} (was the MIG device's instance destroyed?)", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: no 'DeviceFileMinor: <n>' line in {text:?}", path.display())]
+    Format { path: PathBuf, text: String },
+}
+
+/// Where the driver lists its capabilities: under the host root where
+/// it is mounted there, else this process's own `/proc` (the driver's
+/// proc files are the same in every mount namespace).
+fn capabilities_dir(host_root: &Path) -> PathBuf {
+    const DIR: &str = "proc/driver/nvidia/capabilities";
+    let under = host_root.join(DIR);
+    if under.is_dir() {
+        under
+    } else {
+        Path::new("/").join(DIR)
+    }
+}
+
+/// The access capabilities of `d` on the GPU whose device minor is
+/// `gpu_minor`, from the driver's files (`gpu<minor>/mig/gi<G>/access`
+/// and `…/ci<C>/access`, each "DeviceFileMinor: <m>"), as NVIDIA's
+/// container toolkit reads them.
+pub fn access_caps(
+    host_root: &Path,
+    gpu_minor: u32,
+    d: &MigDevice,
+) -> Result<AccessCaps, CapError> {
+    let gi = capabilities_dir(host_root).join(format!("gpu{gpu_minor}/mig/gi{}", d.gpu_instance));
+    let ci = gi.join(format!("ci{}", d.compute_instance));
+    Ok(AccessCaps {
+        gpu_instance: read_minor(gi.join("access"))?,
+        compute_instance: read_minor(ci.join("access"))?,
+    })
+}
+
+fn read_minor(path: PathBuf) -> Result<u32, CapError> {
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(source) => return Err(CapError::Read { path, source }),
+    };
+    let minor = text.lines().find_map(|l| {
+        l.strip_prefix("DeviceFileMinor:")
+            .and_then(|v| v.trim().parse().ok())
+    });
+    minor.ok_or(CapError::Format { path, text })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,5 +244,44 @@ mod tests {
             "1c.3g.20gb"
         );
         assert_eq!(profile_of("NVIDIA H100"), "NVIDIA H100");
+    }
+
+    fn device(gi: u32, ci: u32) -> MigDevice {
+        MigDevice {
+            uuid: "MIG-x".into(),
+            profile: "1g.10gb".into(),
+            gpu_instance: gi,
+            compute_instance: ci,
+            memory_bytes: 10 << 30,
+            multiprocessors: 16,
+        }
+    }
+
+    /// The files as open-gpu-kernel-modules' nv_cap_procfs_read prints
+    /// them (kernel-open/nvidia/nv-caps.c).
+    #[test]
+    fn access_caps_from_the_drivers_files() {
+        let root = tempfile::tempdir().unwrap();
+        let gi = root
+            .path()
+            .join("proc/driver/nvidia/capabilities/gpu3/mig/gi2");
+        std::fs::create_dir_all(gi.join("ci0")).unwrap();
+        let file =
+            |m: u32| format!("DeviceFileMinor: {m}\nDeviceFileMode: 292\nDeviceFileModify: 1\n");
+        std::fs::write(gi.join("access"), file(426)).unwrap();
+        std::fs::write(gi.join("ci0/access"), file(427)).unwrap();
+        let caps = access_caps(root.path(), 3, &device(2, 0)).unwrap();
+        assert_eq!(
+            caps.node_paths(),
+            [
+                "/dev/nvidia-caps/nvidia-cap426",
+                "/dev/nvidia-caps/nvidia-cap427"
+            ]
+        );
+        let gone = access_caps(root.path(), 3, &device(2, 1)).unwrap_err();
+        assert!(gone.to_string().contains("gi2/ci1/access"), "{gone}");
+        std::fs::write(gi.join("ci0/access"), "DeviceFileMode: 292\n").unwrap();
+        let bad = access_caps(root.path(), 3, &device(2, 0)).unwrap_err();
+        assert!(matches!(bad, CapError::Format { .. }), "{bad}");
     }
 }
