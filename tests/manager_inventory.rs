@@ -75,25 +75,29 @@ async fn the_node_carries_its_gpu_inventory_and_health() {
 /// `mig` for the extender and the webhook, places nothing there, and keeps
 /// it out when an Xid on it clears; GPU 1 serves shares and whole-GPU
 /// requests as before.
+/// GPU 0 of the simulated H100 node in MIG mode with a 3g.40gb and a
+/// 1g.10gb instance, each with one full compute instance (`gpu-sim mig`,
+/// as `nvidia-smi -mig 1` then `nvidia-smi mig -cgi 9,19 -C`).
+fn mig_geometry(sim: &test_support::sim::SimNode) {
+    let out = std::process::Command::new(test_support::target_dir().join("gpu-sim"))
+        .args(["mig", "--root"])
+        .arg(sim.root())
+        .args(["--gpu", "0", "--enable", "--create", "9,19"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "gpu-sim mig: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_in_mig_mode_is_neither_shared_nor_given_whole() {
-    fn geometry(sim: &test_support::sim::SimNode) {
-        let out = std::process::Command::new(test_support::target_dir().join("gpu-sim"))
-            .args(["mig", "--root"])
-            .arg(sim.root())
-            .args(["--gpu", "0", "--enable", "--create", "9,19"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "gpu-sim mig: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
     let mut env = Env::start(
         "sim-mig-h100",
         Options {
-            prepare: Some(geometry),
+            prepare: Some(mig_geometry),
             quiet_s: 1,
             ..Default::default()
         },
@@ -145,4 +149,192 @@ async fn a_gpu_in_mig_mode_is_neither_shared_nor_given_whole() {
         (0, 100),
         "GPU 0's IDs after its Xid cleared"
     );
+}
+
+/// A MIG device the simulated node holds: what CUDA in a container given
+/// it must see.
+struct Instance {
+    uuid: String,
+    sms: u32,
+    memory_mib: u64,
+    gi: u32,
+    ci: u32,
+}
+
+fn instances(env: &Env) -> Vec<(String, Instance)> {
+    let state = env.sim.state();
+    let gpu0 = state.node().gpus[0].uuid.clone();
+    state
+        .mig_devices(0)
+        .into_iter()
+        .map(|(g, c)| {
+            let i = Instance {
+                uuid: gpu_sim_core::mig::mig_uuid(&gpu0, g.id, c.id),
+                sms: c.profile.sms(),
+                memory_mib: g.profile.memory_mib,
+                gi: g.id,
+                ci: c.id,
+            };
+            (c.profile.device_name(), i)
+        })
+        .collect()
+}
+
+/// Static MIG in device-plugin mode (NVIDIA's `mixed` strategy): with a
+/// 3g.40gb and a 1g.10gb on GPU 0, the manager registers one resource per
+/// profile, each advertising its instance by MIG UUID; a pod given either
+/// gets the parent's node and the instance's two capability nodes (their
+/// minors as the driver's table gives them: 3 + 135 × GPU minor + 9 × GI,
+/// + 1 + CI for the compute instance: open-gpu-kernel-modules,
+/// kernel-open/nvidia/nv-caps.c), `NVIDIA_VISIBLE_DEVICES=MIG-…` and the
+/// untouched driver, no vm directory; CUDA run with that environment sees
+/// exactly its instance (one device, its SMs, memory and UUID). A manager
+/// kill -9 leaves the instances as they were, the new one serving them
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mig_devices_are_served_whole_one_resource_per_profile() {
+    let mut env = Env::start(
+        "sim-mig-h100",
+        Options {
+            prepare: Some(mig_geometry),
+            ..Default::default()
+        },
+    )
+    .await;
+    let found = instances(&env);
+    assert_eq!(
+        found.len(),
+        2,
+        "{:?}",
+        found.iter().map(|f| &f.0).collect::<Vec<_>>()
+    );
+    let resource = |profile: &str| format!("tencent.com/mig-{profile}");
+    let view = env
+        .kubelet
+        .wait_for(Duration::from_secs(15), |v| {
+            found.iter().all(|(p, _)| {
+                v.resources
+                    .get(&resource(p))
+                    .is_some_and(|r| r.healthy_ids().len() == 1)
+            })
+        })
+        .await
+        .unwrap_or_else(|_| panic!("MIG resources not registered:\n{}", env.log_text()));
+    for (profile, i) in &found {
+        assert_eq!(
+            view.resources[&resource(profile)].healthy_ids(),
+            std::slice::from_ref(&i.uuid)
+        );
+    }
+
+    let bin = tempfile::tempdir().unwrap();
+    let prog = test_support::compile_c("sim_cuda", &env.sim, bin.path());
+    let mut minors = Vec::new();
+    for (profile, i) in &found {
+        let pod = env.pod(&[], &[]);
+        let r = env
+            .kubelet
+            .admit(&pod, "main", &[(&resource(profile), 1)])
+            .await
+            .unwrap();
+        let c = &r[&resource(profile)];
+        assert_eq!(c.envs["NVIDIA_VISIBLE_DEVICES"], i.uuid);
+        let (gi, ci) = (3 + 9 * i.gi, 3 + 9 * i.gi + 1 + i.ci);
+        let nodes: Vec<_> = c.devices.iter().map(|d| d.host_path.clone()).collect();
+        assert_eq!(
+            nodes[..3],
+            [
+                "/dev/nvidia0".to_string(),
+                format!("/dev/nvidia-caps/nvidia-cap{gi}"),
+                format!("/dev/nvidia-caps/nvidia-cap{ci}")
+            ],
+            "{profile}"
+        );
+        for m in [gi, ci] {
+            let node = env
+                .sim_root()
+                .join(format!("dev/nvidia-caps/nvidia-cap{m}"));
+            assert!(node.exists(), "{} is not the sim driver's", node.display());
+        }
+        minors.push(gi);
+        assert!(
+            c.mounts.len() == 1 && c.mounts[0].host_path.ends_with("/origin"),
+            "the untouched driver only: {:?}",
+            c.mounts
+        );
+        let out = std::process::Command::new(&prog)
+            .arg("info")
+            .envs(test_support::manager::container_env(c))
+            .env("GPU_SIM_ROOT", env.sim_root())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{profile}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let kv = |k: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("{k}=")))
+                .unwrap_or_else(|| panic!("no {k} in {text}"))
+                .to_string()
+        };
+        assert_eq!(kv("count"), "1", "{profile}: {text}");
+        assert_eq!(kv("dev0.sms"), i.sms.to_string(), "{profile}");
+        assert_eq!(kv("dev0.total_mib"), i.memory_mib.to_string(), "{profile}");
+        assert_eq!(
+            kv("dev0.uuid")[4..],
+            i.uuid[4..],
+            "{profile}: the MIG UUID's bytes"
+        );
+        assert!(
+            kv("dev0.name").ends_with(&format!("MIG {profile}")),
+            "{text}"
+        );
+    }
+    assert_ne!(minors[0], minors[1]);
+
+    // kill -9 of the manager: the instances stay; the next one, started
+    // with the same command line, registers and serves them again.
+    let mig_regs = |v: &kubelet_emulator::View| -> u64 {
+        found
+            .iter()
+            .map(|(p, _)| v.resources[&resource(p)].registrations)
+            .sum()
+    };
+    let before = mig_regs(&env.kubelet.view().borrow());
+    let args = test_support::cmdline(env.manager.id());
+    let regs = env.registrations();
+    // SAFETY: SIGKILL to our own child, not yet reaped.
+    unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
+    let _ = env.manager.wait();
+    let log = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&env.log)
+        .unwrap();
+    env.manager = std::process::Command::new(&args[0])
+        .args(&args[1..])
+        .env("RUST_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    env.wait_registered_since(regs).await;
+    let uuids = |v: &[(String, Instance)]| v.iter().map(|i| i.1.uuid.clone()).collect::<Vec<_>>();
+    assert_eq!(
+        uuids(&instances(&env)),
+        uuids(&found),
+        "instances after the kill"
+    );
+    env.kubelet
+        .wait_for(Duration::from_secs(20), |v| {
+            mig_regs(v) >= before + 2
+                && found
+                    .iter()
+                    .all(|(p, _)| v.resources[&resource(p)].healthy_ids().len() == 1)
+        })
+        .await
+        .unwrap_or_else(|_| panic!("MIG resources not back after the kill:\n{}", env.log_text()));
 }

@@ -39,6 +39,8 @@ pub struct Settings {
     pub container_runtime: String,
     /// Empty: the runtime's default socket.
     pub container_runtime_endpoint: String,
+    /// MIG devices are advertised as `<prefix><profile>` ([`crate::mig`]).
+    pub mig_resource_prefix: String,
 }
 
 fn parse_labels(s: &str) -> Result<Vec<(String, String)>, ConfigError> {
@@ -55,6 +57,33 @@ fn parse_labels(s: &str) -> Result<Vec<(String, String)>, ConfigError> {
                 })
         })
         .collect()
+}
+
+/// `<domain>/<start of a name>`: what kubelet takes once a profile
+/// (`1g.10gb`) is appended.
+fn check_mig_prefix(p: &str) -> Result<(), ConfigError> {
+    let name_char = |c: char| c.is_ascii_alphanumeric() || "-_.".contains(c);
+    let ok = match p.split_once('/') {
+        Some((domain, start)) => {
+            !domain.is_empty()
+                && domain
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "-.".contains(c))
+                && start.chars().all(name_char)
+                && start.len() + "7g.141gb".len() <= 63
+        }
+        None => false,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid {
+            field: "mig-resource-prefix",
+            problem: format!(
+                "{p:?} is not <domain>/<name start> (e.g. nvidia.com/mig-): a MIG device's resource is the prefix and its profile"
+            ),
+        })
+    }
 }
 
 impl Settings {
@@ -88,6 +117,11 @@ impl Settings {
                 ),
             });
         }
+        let mig_resource_prefix = o
+            .mig_resource_prefix
+            .clone()
+            .unwrap_or_else(|| crate::mig::DEFAULT_PREFIX.into());
+        check_mig_prefix(&mig_resource_prefix)?;
         let n = NodeConfig::resolve(&o)?;
         Ok(Settings {
             extra_config: n.extra_config,
@@ -123,6 +157,7 @@ impl Settings {
             api_timeout: Duration::from_secs(o.api_timeout.unwrap_or(30).max(1)),
             container_runtime,
             container_runtime_endpoint: o.container_runtime_endpoint.unwrap_or_default(),
+            mig_resource_prefix,
         })
     }
 
@@ -135,6 +170,25 @@ impl Settings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mig_resource_prefix() {
+        let s = |args: &[&str]| {
+            let mut a = vec!["gpu-manager", "--hostname-override", "n"];
+            a.extend(args);
+            Settings::resolve(Options::parse_from(a))
+        };
+        assert_eq!(s(&[]).unwrap().mig_resource_prefix, "tencent.com/mig-");
+        let nv = s(&["--mig-resource-prefix", "nvidia.com/mig-"]).unwrap();
+        assert_eq!(nv.mig_resource_prefix, "nvidia.com/mig-");
+        for bad in ["mig-", "nvidia.com/mig+", "Nvidia.com/mig-", "/mig-"] {
+            let e = s(&["--mig-resource-prefix", bad]).unwrap_err().to_string();
+            assert!(
+                e.contains("mig-resource-prefix") && e.contains(bad),
+                "{bad}: {e}"
+            );
+        }
+    }
 
     #[test]
     fn flag_over_file_over_default() {

@@ -92,6 +92,16 @@ pub async fn run(
         "step 4/6: API server in sync"
     );
 
+    let mig = crate::mig::MigPlugins::new(
+        &s.mig_resource_prefix,
+        found.topology.gpus(),
+        &found.mig,
+        crate::mig::MigContext {
+            host_root: s.host_root.clone(),
+            vdriver_dir: s.vdriver_path.clone(),
+            extra_devices: extra.devices.clone(),
+        },
+    );
     let mgr = build_manager(&s, allocator, &found, extra, client.clone(), pods).await;
     let claim =
         owner::claim(&s.checkpoint_path, &s.device_plugin_path, &instance).with_context(|| {
@@ -112,6 +122,7 @@ pub async fn run(
         metrics: metrics.clone(),
         gate: gate_control,
         instance: instance.clone(),
+        mig: mig.clone(),
     };
     let mut held = match claim {
         Claim::Owned(o) => Some(node.take_over(o, &cancel).await),
@@ -126,6 +137,8 @@ pub async fn run(
     // handed the node over must exit with kubelet's streams still open.
     let stop_plugins = CancellationToken::new();
     let plugins = start_plugins(&s, &mgr, &metrics, &gate, &sockets, sup, &stop_plugins).await?;
+    let mig_plugins =
+        crate::mig::start(&s.device_plugin_path, &mig, &instance, stop_plugins.clone())?;
     let mut handed_over = false;
     if plugins
         .registered([VCORE_RESOURCE, VMEMORY_RESOURCE], &cancel)
@@ -167,6 +180,11 @@ pub async fn run(
     display.set_ready(false);
     stop_plugins.cancel();
     let plugins = plugins.wait().await.context("stopping the device plugins");
+    if let Some(m) = mig_plugins
+        && let Err(e) = m.wait().await
+    {
+        tracing::warn!(error = %e, "stopping the MIG plugins");
+    }
     node.stop(held).await;
     running.wait().await;
     plugins?;

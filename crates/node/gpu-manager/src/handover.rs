@@ -51,6 +51,8 @@ pub struct Node {
     pub metrics: gpu_display::ManagerMetrics,
     pub gate: GateControl,
     pub instance: String,
+    /// The MIG plugins, whose devices follow their GPU's health.
+    pub mig: crate::mig::MigPlugins,
 }
 
 impl Node {
@@ -95,7 +97,7 @@ impl Node {
             s.xid_quiet_period,
             jobs,
         );
-        crate::health::spawn(mgr.clone(), health, jobs.clone());
+        crate::health::spawn(mgr.clone(), self.mig.clone(), health, jobs.clone());
         AllocationCheck {
             mgr: mgr.clone(),
             period: s.allocation_check_period,

@@ -9,10 +9,13 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::manager::Manager;
+use crate::mig::MigPlugins;
 
-/// The health task: `changes` into the manager until `cancel` or their end.
+/// The health task: `changes` into the manager and the MIG plugins until
+/// `cancel` or their end.
 pub fn spawn(
     mgr: Arc<Manager>,
+    mig: MigPlugins,
     mut changes: mpsc::UnboundedReceiver<HealthChange>,
     cancel: CancellationToken,
 ) {
@@ -24,8 +27,14 @@ pub fn spawn(
             };
             match change {
                 None => return,
-                Some(HealthChange::Unhealthy { gpu, .. }) => mgr.set_gpu_health(gpu, false),
-                Some(HealthChange::Healthy { gpu }) => mgr.set_gpu_health(gpu, true),
+                Some(HealthChange::Unhealthy { gpu, .. }) => {
+                    mgr.set_gpu_health(gpu, false);
+                    mig.set_gpu_health(gpu, false);
+                }
+                Some(HealthChange::Healthy { gpu }) => {
+                    mgr.set_gpu_health(gpu, true);
+                    mig.set_gpu_health(gpu, true);
+                }
             }
         }
     });

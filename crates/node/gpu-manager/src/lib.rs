@@ -12,6 +12,7 @@
 //!   recovery and releases, one module per job.
 //! * [`world`]: the traits where the world plugs in (API server, kubelet,
 //!   container runtime, checkpoint store); `doubles` (tests only): in-memory ones.
+//! * [`mig`]: MIG devices served whole, a plugin per profile.
 //! * [`plugin`]: the two device plugins; [`served`]: how they reach the
 //!   kubelet; [`supervise`]: the supervisor that keeps the kubelet's
 //!   sockets and connections across a crash of the manager.
@@ -40,6 +41,7 @@ pub mod ids;
 pub mod kube_api;
 pub mod kubelet;
 pub mod manager;
+pub mod mig;
 pub mod node_status;
 pub mod owner;
 pub mod plugin;

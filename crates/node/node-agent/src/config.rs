@@ -165,6 +165,10 @@ pub struct Options {
         overrides_with = "container_runtime_endpoint"
     )]
     pub container_runtime_endpoint: Option<String>,
+    /// Device-plugin mode: MIG devices are advertised as `<prefix><profile>`
+    /// [default: tencent.com/mig-; NVIDIA's plugin names them nvidia.com/mig-].
+    #[arg(long, env = "GPU_MANAGER_MIG_RESOURCE_PREFIX")]
+    pub mig_resource_prefix: Option<String>,
 }
 
 macro_rules! layer {
@@ -205,7 +209,8 @@ impl Options {
             ignored_xids,
             api_timeout,
             container_runtime,
-            container_runtime_endpoint
+            container_runtime_endpoint,
+            mig_resource_prefix
         )
     }
 

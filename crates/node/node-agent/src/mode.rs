@@ -76,13 +76,26 @@ pub fn is_device_plugin_socket(name: &str) -> bool {
     let Some(stem) = name.strip_suffix(".sock") else {
         return false;
     };
-    DEVICE_PLUGIN_STEMS.iter().any(|s| {
-        stem == *s
-            || stem
-                .strip_prefix(s)
-                .and_then(|r| r.strip_prefix('-'))
-                .is_some_and(|inst| inst.starts_with(|c: char| c.is_ascii_digit()))
-    })
+    let instance_of = |s: &str| {
+        stem.strip_prefix(s)
+            .and_then(|r| r.strip_prefix('-'))
+            .is_some_and(|inst| inst.starts_with(|c: char| c.is_ascii_digit()))
+    };
+    DEVICE_PLUGIN_STEMS
+        .iter()
+        .any(|s| stem == *s || instance_of(s))
+        || stem
+            .strip_prefix(MIG_STEM)
+            .and_then(|r| r.split_once('-'))
+            .is_some_and(|(_, inst)| inst.starts_with(|c: char| c.is_ascii_digit()))
+}
+
+/// MIG plugins' sockets: `vcuda-mig-<profile>-<instance>.sock`.
+const MIG_STEM: &str = "vcuda-mig-";
+
+/// One manager instance's socket for MIG `profile`'s plugin.
+pub fn mig_plugin_socket(profile: &str, instance: &str) -> String {
+    format!("{MIG_STEM}{}-{instance}.sock", profile.replace('+', "."))
 }
 
 /// Every manager plugin socket file in `device_plugin_dir`, live or not.
@@ -141,6 +154,18 @@ pub fn refuse_if_device_plugins_serving(registry_dir: &Path) -> Result<(), Strin
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mig_plugin_sockets_are_the_managers() {
+        let name = mig_plugin_socket("1g.10gb+me", "1764245000000-42-0");
+        assert_eq!(name, "vcuda-mig-1g.10gb.me-1764245000000-42-0.sock");
+        assert!(is_device_plugin_socket(&name));
+        assert!(is_device_plugin_socket(&mig_plugin_socket(
+            "3g.40gb", "17-1-0"
+        )));
+        assert!(!is_device_plugin_socket("vcuda-mig-3g.40gb.sock"));
+        assert!(!is_device_plugin_socket("nvidia-mig-3g.40gb-17-1-0.sock"));
+    }
 
     #[test]
     fn a_live_socket_refuses_a_stale_one_does_not() {

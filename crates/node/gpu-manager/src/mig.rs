@@ -1,0 +1,269 @@
+//! MIG devices served whole, one device plugin per profile (NVIDIA's
+//! `mixed` strategy): `tencent.com/mig-3g.40gb` advertises each 3g.40gb
+//! MIG device on the node by its UUID, and Allocate gives the container
+//! the instance's device nodes, `NVIDIA_VISIBLE_DEVICES=MIG-…` and the
+//! untouched driver ([`node_agent::edits::for_mig`]).
+//!
+//! Nothing is recorded: the kubelet's own checkpoint says which MIG device
+//! a pod holds, and a MIG device is never split, so these plugins need
+//! neither the manager's state nor its handover gate. They are served on
+//! this manager's own sockets, not through the supervisor: across a
+//! restart the kubelet sees them go and come back (running pods keep their
+//! devices; an admission in the gap is retried by the kubelet).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use device_plugin::api::{
+    AllocateRequest, AllocateResponse, ContainerAllocateResponse, DevicePluginOptions,
+};
+use device_plugin::{DeviceList, DevicePluginService};
+use gpu_allocator::GpuInfo;
+use node_agent::edits::{self, GpuEdits, MigEditsInput};
+use node_agent::mig::{MigDevice, MigGpu};
+use tokio::sync::watch;
+use tonic::Status;
+
+/// The default `--mig-resource-prefix`.
+pub const DEFAULT_PREFIX: &str = "tencent.com/mig-";
+
+/// The extended resource of `profile`: `+` (as in `1g.10gb+me`) is no
+/// resource-name character, so it becomes `.` as in NVIDIA's plugin.
+pub fn resource_name(prefix: &str, profile: &str) -> String {
+    format!("{prefix}{}", profile.replace('+', "."))
+}
+
+/// A MIG device and the GPU it is on.
+#[derive(Debug, Clone)]
+struct Served {
+    parent: GpuInfo,
+    device: MigDevice,
+}
+
+/// What a MIG plugin's Allocate needs besides its devices.
+#[derive(Debug, Clone)]
+pub struct MigContext {
+    pub host_root: PathBuf,
+    pub vdriver_dir: PathBuf,
+    pub extra_devices: Vec<String>,
+}
+
+/// The plugin of one profile.
+pub struct MigPlugin {
+    pub resource: String,
+    pub profile: String,
+    served: Vec<Served>,
+    list: DeviceList,
+    ctx: Arc<MigContext>,
+}
+
+/// Every MIG plugin of the node, by resource name.
+#[derive(Clone, Default)]
+pub struct MigPlugins {
+    pub plugins: BTreeMap<String, Arc<MigPlugin>>,
+}
+
+impl MigPlugins {
+    /// One plugin per profile found on the GPUs in MIG mode (`mig[i]` is
+    /// GPU `gpus[i]`'s state).
+    pub fn new(prefix: &str, gpus: &[GpuInfo], mig: &[MigGpu], ctx: MigContext) -> MigPlugins {
+        let ctx = Arc::new(ctx);
+        let mut by: BTreeMap<String, Vec<Served>> = BTreeMap::new();
+        for (g, m) in gpus.iter().zip(mig).filter(|(_, m)| m.enabled) {
+            for d in &m.devices {
+                by.entry(d.profile.clone()).or_default().push(Served {
+                    parent: g.clone(),
+                    device: d.clone(),
+                });
+            }
+        }
+        let plugins = by
+            .into_iter()
+            .map(|(profile, served)| {
+                let resource = resource_name(prefix, &profile);
+                let devices = served
+                    .iter()
+                    .map(|s| {
+                        let numa = s.parent.numa_node.map(i64::from);
+                        device_plugin::device(s.device.uuid.clone(), true, numa)
+                    })
+                    .collect();
+                let p = MigPlugin {
+                    resource: resource.clone(),
+                    profile,
+                    served,
+                    list: DeviceList::new(devices),
+                    ctx: ctx.clone(),
+                };
+                (resource, Arc::new(p))
+            })
+            .collect();
+        MigPlugins { plugins }
+    }
+
+    /// An Xid on GPU `gpu` (or its quiet period) for its MIG devices.
+    pub fn set_gpu_health(&self, gpu: usize, healthy: bool) {
+        for p in self.plugins.values() {
+            let on_gpu = |id: &str| {
+                p.served
+                    .iter()
+                    .any(|s| s.device.uuid == id && s.parent.index == gpu)
+            };
+            p.list.set_health_where(healthy, on_gpu);
+        }
+    }
+}
+
+/// Why a MIG Allocate is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum MigRefusal {
+    #[error("{resource}: no MIG device {id:?} on this node")]
+    Unknown { resource: String, id: String },
+    #[error("{resource}: the container asks for no device")]
+    Empty { resource: String },
+    #[error("{resource}: MIG device {uuid}: {source}")]
+    Caps {
+        resource: String,
+        uuid: String,
+        #[source]
+        source: node_agent::mig::CapError,
+    },
+}
+
+impl MigPlugin {
+    /// The edits of one container holding `ids` (MIG UUIDs of this profile).
+    pub fn edits(&self, ids: &[String]) -> Result<GpuEdits, MigRefusal> {
+        let mut out: Option<GpuEdits> = None;
+        for id in ids {
+            let s = self
+                .served
+                .iter()
+                .find(|s| &s.device.uuid == id)
+                .ok_or_else(|| MigRefusal::Unknown {
+                    resource: self.resource.clone(),
+                    id: id.clone(),
+                })?;
+            let caps = node_agent::mig::access_caps(&self.ctx.host_root, s.parent.minor, &s.device)
+                .map_err(|source| MigRefusal::Caps {
+                    resource: self.resource.clone(),
+                    uuid: id.clone(),
+                    source,
+                })?;
+            let e = edits::for_mig(&MigEditsInput {
+                parent: &s.parent,
+                uuid: id,
+                caps,
+                vdriver_dir: &self.ctx.vdriver_dir,
+                extra_devices: &self.ctx.extra_devices,
+            });
+            out = Some(match out {
+                None => e,
+                Some(acc) => merge(acc, e),
+            });
+        }
+        out.ok_or_else(|| MigRefusal::Empty {
+            resource: self.resource.clone(),
+        })
+    }
+}
+
+/// Two MIG devices in one container: every node once, the UUIDs listed.
+fn merge(mut acc: GpuEdits, e: GpuEdits) -> GpuEdits {
+    for n in &e.gpus {
+        if !acc.gpus.contains(n) {
+            acc.gpus.push(n.clone());
+        }
+    }
+    let uuid = |x: &GpuEdits| {
+        x.common
+            .env
+            .iter()
+            .find(|(k, _)| k == "NVIDIA_VISIBLE_DEVICES")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default()
+    };
+    let joined = format!("{},{}", uuid(&acc), uuid(&e));
+    for (k, v) in &mut acc.common.env {
+        if k == "NVIDIA_VISIBLE_DEVICES" {
+            *v = joined.clone();
+        }
+    }
+    acc
+}
+
+#[tonic::async_trait]
+impl DevicePluginService for MigPlugin {
+    fn options(&self) -> DevicePluginOptions {
+        DevicePluginOptions {
+            pre_start_required: false,
+            get_preferred_allocation_available: false,
+        }
+    }
+
+    fn devices(&self) -> watch::Receiver<Vec<device_plugin::api::Device>> {
+        self.list.subscribe()
+    }
+
+    async fn allocate(&self, request: AllocateRequest) -> Result<AllocateResponse, Status> {
+        let container_responses = request
+            .container_requests
+            .iter()
+            .map(|c| {
+                let e = self.edits(&c.devices_ids).map_err(|r| {
+                    tracing::warn!(error = %r, "MIG Allocate refused");
+                    match r {
+                        MigRefusal::Caps { .. } => Status::failed_precondition(r.to_string()),
+                        _ => Status::invalid_argument(r.to_string()),
+                    }
+                })?;
+                tracing::info!(resource = %self.resource, devices = ?c.devices_ids, "MIG devices allocated");
+                Ok(crate::response::render(&e, Default::default()))
+            })
+            .collect::<Result<Vec<ContainerAllocateResponse>, Status>>()?;
+        Ok(AllocateResponse {
+            container_responses,
+        })
+    }
+}
+
+/// Serves every MIG plugin on sockets of its own in `dir` until `cancel`;
+/// `None` when the node has no MIG device.
+pub fn start(
+    dir: &Path,
+    plugins: &MigPlugins,
+    instance: &str,
+    cancel: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<Option<device_plugin::RuntimeHandle>> {
+    if plugins.plugins.is_empty() {
+        return Ok(None);
+    }
+    remove_stale(dir);
+    let mut rt = device_plugin::PluginRuntime::new(dir);
+    for (resource, p) in &plugins.plugins {
+        tracing::info!(%resource, devices = p.served.len(), "serving MIG devices");
+        let socket = node_agent::mode::mig_plugin_socket(&p.profile, instance);
+        rt = rt.plugin(resource.clone(), socket, p.clone());
+    }
+    Ok(Some(rt.start(cancel)?))
+}
+
+/// MIG plugin sockets of managers that died without removing them (in
+/// supervised mode nobody else removes them).
+fn remove_stale(dir: &Path) {
+    let stale = node_agent::mode::device_plugin_sockets(dir)
+        .into_iter()
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("vcuda-mig-"))
+        })
+        .filter(|p| !node_agent::mode::serving(p));
+    for p in stale {
+        if let Err(e) = std::fs::remove_file(&p) {
+            tracing::warn!(socket = %p.display(), error = %e, "removing a stale MIG plugin socket");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,186 @@
+use super::*;
+use device_plugin::api::ContainerAllocateRequest;
+
+fn gpu(index: usize, minor: u32) -> GpuInfo {
+    GpuInfo {
+        index,
+        uuid: format!("GPU-{index}"),
+        minor,
+        memory_bytes: 80 << 30,
+        numa_node: Some(index as u32),
+        pci_bus_id: String::new(),
+    }
+}
+
+fn mig(uuid: &str, profile: &str, gi: u32) -> MigDevice {
+    MigDevice {
+        uuid: uuid.into(),
+        profile: profile.into(),
+        gpu_instance: gi,
+        compute_instance: 0,
+        memory_bytes: 10 << 30,
+        multiprocessors: 16,
+    }
+}
+
+/// GPU 0 (minor 4) in MIG mode with a 3g.40gb (GI 2) and two 1g.10gb (GI
+/// 9, 10); GPU 1 whole. The driver's capability files under `root` for
+/// GI 2 and 9 only (GI 10's are missing).
+fn node(root: &Path) -> MigPlugins {
+    let gi_dir = |gi: u32| root.join(format!("proc/driver/nvidia/capabilities/gpu4/mig/gi{gi}"));
+    for (gi, minor) in [(2u32, 561u32), (9, 624)] {
+        std::fs::create_dir_all(gi_dir(gi).join("ci0")).unwrap();
+        std::fs::write(
+            gi_dir(gi).join("access"),
+            format!("DeviceFileMinor: {minor}\n"),
+        )
+        .unwrap();
+        std::fs::write(
+            gi_dir(gi).join("ci0/access"),
+            format!("DeviceFileMinor: {}\n", minor + 1),
+        )
+        .unwrap();
+    }
+    let gpus = [gpu(0, 4), gpu(1, 5)];
+    let states = [
+        MigGpu {
+            enabled: true,
+            pending_change: false,
+            devices: vec![
+                mig("MIG-a", "3g.40gb", 2),
+                mig("MIG-b", "1g.10gb", 9),
+                mig("MIG-c", "1g.10gb", 10),
+            ],
+        },
+        MigGpu::default(),
+    ];
+    MigPlugins::new(
+        "nvidia.com/mig-",
+        &gpus,
+        &states,
+        MigContext {
+            host_root: root.to_path_buf(),
+            vdriver_dir: "/v".into(),
+            extra_devices: vec![],
+        },
+    )
+}
+
+fn ids(p: &MigPlugin) -> Vec<(String, String)> {
+    p.list
+        .snapshot()
+        .into_iter()
+        .map(|d| (d.id, d.health))
+        .collect()
+}
+
+#[test]
+fn one_plugin_per_profile() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = node(tmp.path());
+    let names: Vec<_> = m.plugins.keys().cloned().collect();
+    assert_eq!(names, ["nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"]);
+    let small = &m.plugins["nvidia.com/mig-1g.10gb"];
+    assert_eq!(
+        ids(small),
+        [
+            ("MIG-b".to_string(), "Healthy".to_string()),
+            ("MIG-c".to_string(), "Healthy".to_string())
+        ]
+    );
+    assert_eq!(
+        resource_name("tencent.com/mig-", "1g.10gb+me"),
+        "tencent.com/mig-1g.10gb.me"
+    );
+    // An Xid on GPU 0 and its quiet period; GPU 1 has no MIG device.
+    m.set_gpu_health(0, false);
+    assert!(ids(small).iter().all(|(_, h)| h == "Unhealthy"));
+    m.set_gpu_health(1, true);
+    assert!(ids(small).iter().all(|(_, h)| h == "Unhealthy"));
+    m.set_gpu_health(0, true);
+    assert!(
+        ids(&m.plugins["nvidia.com/mig-3g.40gb"])
+            .iter()
+            .all(|(_, h)| h == "Healthy")
+    );
+}
+
+fn request(ids: &[&str]) -> AllocateRequest {
+    AllocateRequest {
+        container_requests: vec![ContainerAllocateRequest {
+            devices_ids: ids.iter().map(|s| s.to_string()).collect(),
+        }],
+    }
+}
+
+#[tokio::test]
+async fn allocate_gives_the_instance_and_the_untouched_driver() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = node(tmp.path());
+    let big = &m.plugins["nvidia.com/mig-3g.40gb"];
+    let r = big.allocate(request(&["MIG-a"])).await.unwrap();
+    let c = &r.container_responses[0];
+    let nodes: Vec<_> = c.devices.iter().map(|d| d.host_path.as_str()).collect();
+    assert_eq!(
+        nodes,
+        [
+            "/dev/nvidia4",
+            "/dev/nvidia-caps/nvidia-cap561",
+            "/dev/nvidia-caps/nvidia-cap562",
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm"
+        ]
+    );
+    assert_eq!(c.envs["NVIDIA_VISIBLE_DEVICES"], "MIG-a");
+    let mounts: Vec<_> = c.mounts.iter().map(|m| m.host_path.as_str()).collect();
+    assert_eq!(mounts, ["/v/origin"]);
+
+    let small = &m.plugins["nvidia.com/mig-1g.10gb"];
+    let e = small.allocate(request(&["MIG-a"])).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(
+        e.message().contains("no MIG device \"MIG-a\""),
+        "{}",
+        e.message()
+    );
+    // GI 10's files are gone (destroyed behind the manager's back).
+    let e = small.allocate(request(&["MIG-c"])).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    assert!(e.message().contains("gi10/access"), "{}", e.message());
+    let e = small.allocate(request(&[])).await.unwrap_err();
+    assert!(
+        e.message().contains("asks for no device"),
+        "{}",
+        e.message()
+    );
+}
+
+#[test]
+fn two_devices_in_one_container() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gi_dir = tmp
+        .path()
+        .join("proc/driver/nvidia/capabilities/gpu4/mig/gi10");
+    std::fs::create_dir_all(gi_dir.join("ci0")).unwrap();
+    std::fs::write(gi_dir.join("access"), "DeviceFileMinor: 633\n").unwrap();
+    std::fs::write(gi_dir.join("ci0/access"), "DeviceFileMinor: 634\n").unwrap();
+    let m = node(tmp.path());
+    let e = m.plugins["nvidia.com/mig-1g.10gb"]
+        .edits(&["MIG-b".into(), "MIG-c".into()])
+        .unwrap();
+    let nodes: Vec<_> = e.device_nodes().map(|d| d.path.as_str()).collect();
+    assert_eq!(
+        nodes,
+        [
+            "/dev/nvidia4",
+            "/dev/nvidia-caps/nvidia-cap624",
+            "/dev/nvidia-caps/nvidia-cap625",
+            "/dev/nvidia-caps/nvidia-cap633",
+            "/dev/nvidia-caps/nvidia-cap634",
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm"
+        ]
+    );
+    let env: BTreeMap<_, _> = e.common.env.iter().cloned().collect();
+    assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], "MIG-b,MIG-c");
+}
