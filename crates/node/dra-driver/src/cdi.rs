@@ -13,6 +13,11 @@
 //! which a runtime applies once per spec; a device adds only its
 //! `/dev/nvidiaN`. Per-device copies would mount `/etc/vcuda` twice and
 //! set `NVIDIA_VISIBLE_DEVICES` to one GPU for a claim of two.
+//!
+//! A MIG device's spec ([`mig_spec`]) has one device holding the parent
+//! GPU's node and the instance's two access capability nodes; its common
+//! edits are the origin driver and `NVIDIA_VISIBLE_DEVICES=MIG-…`, no vm
+//! directory.
 
 use std::path::{Path, PathBuf};
 
@@ -170,6 +175,39 @@ pub fn claim_spec(i: &ClaimInput<'_>) -> Spec {
     });
     let names: Vec<String> = i.devices.iter().map(|(n, _)| n.clone()).collect();
     render(&e, &names)
+}
+
+/// What a MIG device's spec is built from.
+pub struct MigInput<'a> {
+    /// Its CDI device name.
+    pub name: String,
+    pub parent: &'a GpuInfo,
+    /// `MIG-…`.
+    pub uuid: &'a str,
+    pub caps: node_agent::mig::AccessCaps,
+    pub vdriver_dir: &'a Path,
+    pub extra_devices: &'a [String],
+}
+
+/// The spec of a claim holding one MIG device.
+pub fn mig_spec(i: &MigInput<'_>) -> Spec {
+    let e = edits::for_mig(&edits::MigEditsInput {
+        parent: i.parent,
+        uuid: i.uuid,
+        caps: i.caps,
+        vdriver_dir: i.vdriver_dir,
+        extra_devices: i.extra_devices,
+    });
+    let mut spec = render(&e, &[]);
+    // The parent's node and both cap nodes: the device is all three.
+    spec.devices = vec![CdiDevice {
+        name: i.name.clone(),
+        container_edits: ContainerEdits {
+            device_nodes: e.gpus.iter().map(node).collect(),
+            ..ContainerEdits::default()
+        },
+    }];
+    spec
 }
 
 /// Writes the claim's spec atomically (temp + fsync + rename + fsync of the
@@ -360,5 +398,48 @@ mod tests {
                 .iter()
                 .all(|d| d.container_edits.mounts.is_empty())
         );
+    }
+
+    #[test]
+    fn a_mig_device_is_its_parent_node_and_two_cap_nodes_with_the_origin_driver() {
+        let parent = gpu(1, 3);
+        let s = mig_spec(&MigInput {
+            name: "u-mig-gpu-1-mig-2-0".into(),
+            parent: &parent,
+            uuid: "MIG-abc",
+            caps: node_agent::mig::AccessCaps {
+                gpu_instance: 426,
+                compute_instance: 427,
+            },
+            vdriver_dir: Path::new("/v"),
+            extra_devices: &[],
+        });
+        assert_eq!(s.devices.len(), 1);
+        let nodes: Vec<&str> = s.devices[0]
+            .container_edits
+            .device_nodes
+            .iter()
+            .map(|d| d.path.as_str())
+            .collect();
+        assert_eq!(
+            nodes,
+            [
+                "/dev/nvidia3",
+                "/dev/nvidia-caps/nvidia-cap426",
+                "/dev/nvidia-caps/nvidia-cap427"
+            ]
+        );
+        let c = &s.container_edits;
+        assert!(
+            c.env
+                .contains(&"NVIDIA_VISIBLE_DEVICES=MIG-abc".to_string()),
+            "{c:?}"
+        );
+        let mounts: Vec<(&str, &str)> = c
+            .mounts
+            .iter()
+            .map(|m| (m.host_path.as_str(), m.container_path.as_str()))
+            .collect();
+        assert_eq!(mounts, [("/v/origin", "/usr/local/nvidia")]);
     }
 }

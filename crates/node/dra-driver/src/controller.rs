@@ -252,7 +252,7 @@ mod tests {
                     info: gpu,
                     model: "A100".into(),
                     xid: None,
-                    mig: false,
+                    mig: None,
                     pcie_root: None,
                     nvlink_domain: None,
                 }],

@@ -207,7 +207,7 @@ async fn publish(
             info: g.clone(),
             model: n.clone(),
             xid: None,
-            mig: found.mig[g.index].enabled,
+            mig: mig_devices(found, g.index),
             pcie_root: topology::pcie_root(&s.host_root, &g.pci_bus_id),
             nvlink_domain,
         })
@@ -218,6 +218,12 @@ async fn publish(
         .map_err(anyhow::Error::msg)?;
     tracing::info!(?published, gpus = devices.len(), "ResourceSlice published");
     Ok((publisher, devices))
+}
+
+/// GPU `index`'s MIG devices while it is in MIG mode.
+fn mig_devices(found: &Discovered, index: usize) -> Option<Vec<node_agent::mig::MigDevice>> {
+    let m = found.mig.get(index)?;
+    m.enabled.then(|| m.devices.clone())
 }
 
 /// The driver, its prepared claims restored from the checkpoint.
@@ -232,10 +238,21 @@ fn start_driver(s: &Settings, api: &KubeApi, found: &Discovered) -> anyhow::Resu
             driver_version: node_agent::nvml::driver_major_minor(&found.driver_version),
             extra_devices: s.extra_devices.clone(),
         },
-        found.topology.gpus().to_vec(),
+        inventory(s, found),
         Arc::new(api.clone()),
     )?;
     Ok(driver)
+}
+
+/// The GPUs and MIG devices claims can be prepared on.
+fn inventory(s: &Settings, found: &Discovered) -> crate::plan::Inventory {
+    let gpus = found.topology.gpus().to_vec();
+    let mig = gpus.iter().map(|g| mig_devices(found, g.index)).collect();
+    crate::plan::Inventory {
+        gpus,
+        mig,
+        host_root: s.host_root.clone(),
+    }
 }
 
 /// The display service over the prepared claims, when configured.

@@ -6,7 +6,9 @@
 //! manager's [`Registry`]), one CDI spec, and an entry in the checkpoint. Prepare is idempotent (a prepared claim answers from
 //! the checkpoint); a restarted driver re-serves the checkpoint's claims
 //! and leaves their files as they are (unchanged bytes are not rewritten,
-//! the ledger is reopened); unprepare removes all of it.
+//! the ledger is reopened); unprepare removes all of it. A claim of a
+//! MIG device is its CDI spec and checkpoint entry only: the instance is
+//! the quota, and it stays as it is when the claim goes.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -20,7 +22,7 @@ use node_agent::share::{ShareError, ShareGpu, ShareSpec, Shares};
 use crate::cdi;
 use crate::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, Store};
 use crate::kube_api::ApiError;
-use crate::plan::{self, PlanError, PlannedDevice};
+use crate::plan::{self, Inventory, PlanError, PlannedDevice, PlannedMig};
 
 /// Where the driver reads allocated claims (the API server; a map in tests).
 #[async_trait::async_trait]
@@ -57,6 +59,16 @@ pub enum ClaimFailure {
     NoGpu(usize),
     #[error(transparent)]
     Share(#[from] ShareError),
+    #[error("{device} ({uuid}) is no longer on this node (was its instance destroyed?)")]
+    MigGone { device: String, uuid: String },
+    #[error("{device}: {source}")]
+    MigCaps {
+        device: String,
+        #[source]
+        source: node_agent::mig::CapError,
+    },
+    #[error("{device} is already prepared for claim {claim}: a MIG device is one claim's")]
+    MigTaken { device: String, claim: String },
     #[error("writing the CDI spec in {}: {source}", dir.display())]
     Cdi {
         dir: PathBuf,
@@ -107,7 +119,7 @@ pub struct PreparedDevice {
 
 pub struct Driver {
     cfg: Config,
-    gpus: Vec<GpuInfo>,
+    inventory: Inventory,
     claims: Arc<dyn ClaimSource>,
     shares: Shares,
     store: Store,
@@ -168,16 +180,17 @@ impl Driver {
     /// Needs a tokio runtime (the sockets are served on it).
     pub fn start(
         cfg: Config,
-        gpus: Vec<GpuInfo>,
+        devices: impl Into<Inventory>,
         claims: Arc<dyn ClaimSource>,
     ) -> Result<Driver, CheckpointError> {
+        let inventory = devices.into();
         let store = Store::new(&cfg.state_dir);
-        let gpus_len = gpus.len();
+        let gpus_len = inventory.gpus.len();
         let ck = store.load(&cfg.node)?;
         let d = Driver {
             shares: Shares::new(&cfg.vm_root),
             cfg,
-            gpus,
+            inventory,
             claims,
             store,
             state: tokio::sync::Mutex::new(Checkpoint::default()),
@@ -203,7 +216,7 @@ impl Driver {
     }
 
     pub fn gpus(&self) -> &[GpuInfo] {
-        &self.gpus
+        &self.inventory.gpus
     }
 
     pub fn registry(&self) -> &Registry {
@@ -269,6 +282,7 @@ impl Driver {
             .iter()
             .map(|d| {
                 let gpu = self
+                    .inventory
                     .gpus
                     .get(d.gpu_index)
                     .ok_or(ClaimFailure::NoGpu(d.gpu_index))?;
@@ -314,7 +328,7 @@ impl Driver {
                 .map(|d| {
                     (
                         cdi::device_name(uid, &d.request, &d.device),
-                        &self.gpus[d.gpu_index],
+                        &self.inventory.gpus[d.gpu_index],
                     )
                 })
                 .collect(),
@@ -325,12 +339,58 @@ impl Driver {
         })
     }
 
+    /// The MIG device a claim holds (the planner keeps it alone).
+    fn mig_of(devices: &[PlannedDevice]) -> Option<(&PlannedDevice, &PlannedMig)> {
+        devices.iter().find_map(|d| d.mig.as_ref().map(|m| (d, m)))
+    }
+
+    /// A MIG device's spec: its access capability nodes read now, from
+    /// the driver's files (an instance destroyed meanwhile has none).
+    fn mig_spec(
+        &self,
+        uid: &str,
+        d: &PlannedDevice,
+        m: &PlannedMig,
+    ) -> Result<cdi::Spec, ClaimFailure> {
+        let gone = || ClaimFailure::MigGone {
+            device: d.device.clone(),
+            uuid: m.uuid.clone(),
+        };
+        let parent = self.inventory.gpus.get(d.gpu_index).ok_or_else(gone)?;
+        let found = self
+            .inventory
+            .mig_by_uuid(d.gpu_index, &m.uuid)
+            .ok_or_else(gone)?;
+        let caps = node_agent::mig::access_caps(&self.inventory.host_root, parent.minor, found)
+            .map_err(|source| ClaimFailure::MigCaps {
+                device: d.device.clone(),
+                source,
+            })?;
+        Ok(cdi::mig_spec(&cdi::MigInput {
+            name: cdi::device_name(uid, &d.request, &d.device),
+            parent,
+            uuid: &m.uuid,
+            caps,
+            vdriver_dir: &self.cfg.vdriver_dir,
+            extra_devices: &self.cfg.extra_devices,
+        }))
+    }
+
+    /// What a claim is on disk besides its CDI spec (a vm directory and,
+    /// for shares, a socket; nothing for a MIG device), and that spec.
+    fn files(&self, uid: &str, devices: &[PlannedDevice]) -> Result<cdi::Spec, ClaimFailure> {
+        if let Some((d, m)) = Self::mig_of(devices) {
+            return self.mig_spec(uid, d, m);
+        }
+        let dir = self.materialize(uid, devices)?;
+        Ok(self.claim_spec(uid, devices, &dir))
+    }
+
     /// A prepared claim after a restart: its vm directories and sockets,
     /// and its CDI spec where it is missing or differs (a container
     /// restarting later needs it); unchanged files are not rewritten.
     fn restore(&self, c: &PreparedClaim) -> Result<(), ClaimFailure> {
-        let dir = self.materialize(&c.uid, &c.devices)?;
-        let spec = self.claim_spec(&c.uid, &c.devices, &dir);
+        let spec = self.files(&c.uid, &c.devices)?;
         cdi::write_if_changed(&self.cfg.cdi_dir, &c.uid, &spec)
             .map(|_| ())
             .map_err(|e| self.cdi_failure(e))
@@ -384,7 +444,7 @@ impl Driver {
         for (uid, c) in &st.claims {
             if !disk.claims.contains_key(uid) {
                 tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %uid, "another instance unprepared a claim");
-                if !c.devices.is_empty() {
+                if !c.devices.is_empty() && Self::mig_of(&c.devices).is_none() {
                     self.shares
                         .registry()
                         .stop(&registry_id(uid, slot_request(&c.devices)));
@@ -397,7 +457,7 @@ impl Driver {
     }
 
     fn release(&self, uid: &str, devices: &[PlannedDevice]) {
-        if !devices.is_empty() {
+        if !devices.is_empty() && Self::mig_of(devices).is_none() {
             let request = slot_request(devices);
             self.shares
                 .close(&registry_id(uid, request), uid, &slot_name(request));
@@ -417,7 +477,7 @@ impl Driver {
             return Ok(outputs(p));
         }
         let claim = self.claims.claim(&c.namespace, &c.name).await?;
-        let planned = plan::plan(&claim, &c.uid, &self.cfg.node, &self.gpus)?;
+        let planned = plan::plan(&claim, &c.uid, &self.cfg.node, &self.inventory)?;
         let unhealthy = planned.iter().find(|d| {
             self.health
                 .borrow()
@@ -430,10 +490,12 @@ impl Driver {
                 uuid: d.gpu_uuid.clone(),
             }));
         }
+        if let Some(taken) = Self::taken(&st, &planned) {
+            return Err(c.failed(taken));
+        }
         // On failure everything of this claim goes (release is idempotent).
         let r = (|| {
-            let dir = self.materialize(&c.uid, &planned)?;
-            let spec = self.claim_spec(&c.uid, &planned, &dir);
+            let spec = self.files(&c.uid, &planned)?;
             cdi::write(&self.cfg.cdi_dir, &c.uid, &spec).map_err(|e| self.cdi_failure(e))?;
             Ok::<(), ClaimFailure>(())
         })();
@@ -458,6 +520,20 @@ impl Driver {
         self.publish_view(&st);
         tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, devices = prepared.devices.len(), ms = t0.elapsed().as_secs_f64() * 1e3, "claim prepared");
         Ok(outputs(&prepared))
+    }
+
+    /// A MIG device of `planned` that a prepared claim already holds (the
+    /// scheduler gives it to one claim; an allocation that says otherwise
+    /// is stale).
+    fn taken(st: &Checkpoint, planned: &[PlannedDevice]) -> Option<ClaimFailure> {
+        let (d, m) = Self::mig_of(planned)?;
+        st.claims.values().find_map(|other| {
+            let (_, held) = Self::mig_of(&other.devices)?;
+            (held.uuid == m.uuid).then(|| ClaimFailure::MigTaken {
+                device: d.device.clone(),
+                claim: format!("{}/{}", other.namespace, other.name),
+            })
+        })
     }
 
     /// Unprepares one claim; an unknown one is already unprepared.
@@ -613,5 +689,102 @@ mod tests {
         d.unprepare(&r("other", "u9")).await.unwrap();
         d.unprepare(&r("a", "u1")).await.unwrap();
         assert!(d.prepared().is_empty() && !tmp.path().join("vm/u1").exists());
+    }
+
+    /// GPU 0 in MIG mode with one 3g.40gb instance (gi 2, ci 0), whose
+    /// capability files are under `host`.
+    fn mig_driver(tmp: &std::path::Path, claims: Arc<MapClaims>) -> Driver {
+        let gi = tmp.join("host/proc/driver/nvidia/capabilities/gpu0/mig/gi2");
+        std::fs::create_dir_all(gi.join("ci0")).unwrap();
+        std::fs::write(gi.join("access"), "DeviceFileMinor: 21\n").unwrap();
+        std::fs::write(gi.join("ci0/access"), "DeviceFileMinor: 22\n").unwrap();
+        let cfg = Config {
+            node: "n1".into(),
+            vm_root: tmp.join("vm"),
+            vdriver_dir: tmp.join("vdriver"),
+            cdi_dir: tmp.join("cdi"),
+            state_dir: tmp.join("state"),
+            driver_version: (550, 54),
+            extra_devices: vec![],
+        };
+        let inventory = Inventory {
+            gpus: vec![gpu()],
+            mig: vec![Some(vec![node_agent::mig::MigDevice {
+                uuid: "MIG-3g".into(),
+                profile: "3g.40gb".into(),
+                gpu_instance: 2,
+                compute_instance: 0,
+                memory_bytes: 40448 << 20,
+                multiprocessors: 60,
+            }])],
+            host_root: tmp.join("host"),
+        };
+        Driver::start(cfg, inventory, claims).unwrap()
+    }
+
+    fn mig_claim(name: &str, uid: &str) -> ResourceClaim {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "ns", "uid": uid},
+            "spec": {},
+            "status": {"allocation": {"devices": {"results": [{
+                "request": "mig", "driver": crate::DRIVER_NAME, "pool": "n1",
+                "device": "gpu-0-mig-2-0"}]}}}
+        }))
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_mig_device_is_one_claims_spec_and_nothing_else() {
+        let tmp = tempfile::tempdir().unwrap();
+        let claims = Arc::new(MapClaims::default());
+        for (name, uid) in [("a", "u1"), ("b", "u2")] {
+            claims
+                .0
+                .lock()
+                .unwrap()
+                .insert(("ns".into(), name.into()), mig_claim(name, uid));
+        }
+        let d = mig_driver(tmp.path(), claims);
+        let p = d.prepare(&r("a", "u1")).await.unwrap();
+        assert_eq!(p[0].cdi_id, "vcuda.tencent.com/gpu=u1-mig-gpu-0-mig-2-0");
+        let spec: cdi::Spec = serde_json::from_slice(
+            &std::fs::read(cdi::spec_path(&tmp.path().join("cdi"), "u1")).unwrap(),
+        )
+        .unwrap();
+        let nodes: Vec<&str> = spec.devices[0]
+            .container_edits
+            .device_nodes
+            .iter()
+            .map(|n| n.path.as_str())
+            .collect();
+        assert_eq!(
+            nodes,
+            [
+                "/dev/nvidia0",
+                "/dev/nvidia-caps/nvidia-cap21",
+                "/dev/nvidia-caps/nvidia-cap22"
+            ]
+        );
+        assert!(!tmp.path().join("vm/u1").exists(), "no vm directory");
+
+        // The same instance for a second claim at once: refused.
+        let e = d.prepare(&r("b", "u2")).await.unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "claim ns/b: gpu-0-mig-2-0 is already prepared for claim ns/a: a MIG device is one claim's"
+        );
+        assert!(!cdi::spec_path(&tmp.path().join("cdi"), "u2").exists());
+        d.unprepare(&r("a", "u1")).await.unwrap();
+        assert!(!cdi::spec_path(&tmp.path().join("cdi"), "u1").exists());
+
+        // Its instance destroyed behind the driver's back: no spec, no claim.
+        std::fs::remove_dir_all(tmp.path().join("host/proc")).unwrap();
+        let e = d.prepare(&r("b", "u2")).await.unwrap_err().to_string();
+        assert!(
+            e.starts_with("claim ns/b: gpu-0-mig-2-0: reading ") && e.contains("gi2/access"),
+            "{e}"
+        );
+        assert!(d.prepared().is_empty());
+        assert!(!cdi::spec_path(&tmp.path().join("cdi"), "u2").exists());
     }
 }

@@ -4,7 +4,8 @@
 //! * [`slices`]: the node's ResourceSlice (a device per GPU with consumable
 //!   `cores` and `memory`, multiple allocations allowed) and the
 //!   DeviceClasses (pure), with [`topology`] (the PCIe root and NVLink
-//!   domain attributes); [`publish`] keeps it current.
+//!   domain attributes) and [`mig`] (a GPU in MIG mode: a device per MIG
+//!   device, taken whole); [`publish`] keeps it current.
 //! * [`plan`]: an allocated ResourceClaim -> devices to prepare (pure), with
 //!   [`params`] (opaque per-claim parameters: soft limits) and [`quantity`].
 //! * [`driver`]: prepare / unprepare: vm directories (`vcuda.config`, the
@@ -32,6 +33,7 @@ pub mod grpc;
 pub mod health;
 pub mod holder;
 pub mod kube_api;
+pub mod mig;
 pub mod params;
 pub mod plan;
 pub mod publish;

@@ -2,16 +2,18 @@
 //! Each allocation result of this driver in this node's pool becomes one
 //! [`PlannedDevice`]: the GPU, the consumed cores and memory (defaults:
 //! the whole GPU), the soft limit from opaque parameters. Anything wrong
-//! is an error naming the claim and the field.
+//! is an error naming the claim and the field. A MIG device is planned
+//! whole (no share, no interposer, no vm directory) and alone in its claim.
 
 use gpu_allocator::{GpuInfo, MEMORY_UNIT_BYTES};
 use k8s_openapi::api::resource::v1::{
     DeviceAllocationConfiguration, DeviceRequestAllocationResult, ResourceClaim,
 };
+use node_agent::mig::MigDevice;
 use serde::{Deserialize, Serialize};
 
 use crate::params::{GpuConfig, ParamsError};
-use crate::{CAPACITY_CORES, CAPACITY_MEMORY, DRIVER_NAME, quantity, slices};
+use crate::{CAPACITY_CORES, CAPACITY_MEMORY, DRIVER_NAME, mig, quantity, slices};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PlannedDevice {
@@ -28,6 +30,72 @@ pub struct PlannedDevice {
     /// The whole GPU with the untouched driver (no interposer).
     pub whole: bool,
     pub share_id: Option<String>,
+    /// A MIG device of the GPU (`gpu_index`, `gpu_uuid`: its parent);
+    /// absent in checkpoints from before MIG devices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<PlannedMig>,
+}
+
+/// The MIG device a [`PlannedDevice`] is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlannedMig {
+    /// `MIG-…`.
+    pub uuid: String,
+    #[serde(default)]
+    pub gpu_instance: u32,
+    #[serde(default)]
+    pub compute_instance: u32,
+}
+
+/// What this node offers claims: its GPUs (by index) and, for each GPU in
+/// MIG mode, its MIG devices (the GPU itself is then no device).
+#[derive(Debug, Clone, Default)]
+pub struct Inventory {
+    pub gpus: Vec<GpuInfo>,
+    /// Per GPU index; `None` (or missing): not in MIG mode.
+    pub mig: Vec<Option<Vec<MigDevice>>>,
+    /// The host's `/` as mounted here: where the driver's MIG capability
+    /// files are read at prepare (`proc/driver/nvidia/capabilities`).
+    pub host_root: std::path::PathBuf,
+}
+
+impl From<Vec<GpuInfo>> for Inventory {
+    /// GPUs without MIG.
+    fn from(gpus: Vec<GpuInfo>) -> Inventory {
+        Inventory {
+            gpus,
+            ..Inventory::default()
+        }
+    }
+}
+
+impl Inventory {
+    fn migs(&self, gpu: usize) -> Option<&[MigDevice]> {
+        self.mig.get(gpu).and_then(|m| m.as_deref())
+    }
+
+    /// The GPU published as `name` (not one in MIG mode).
+    fn gpu(&self, name: &str) -> Option<&GpuInfo> {
+        self.gpus
+            .iter()
+            .find(|g| slices::device_name(g.index) == name && self.migs(g.index).is_none())
+    }
+
+    /// The MIG device published as `name`, with its parent.
+    fn mig_device(&self, name: &str) -> Option<(&GpuInfo, &MigDevice)> {
+        self.gpus.iter().find_map(|g| {
+            let m = self
+                .migs(g.index)?
+                .iter()
+                .find(|m| mig::device_name(g.index, m.gpu_instance, m.compute_instance) == name)?;
+            Some((g, m))
+        })
+    }
+
+    /// The MIG device `uuid` on GPU `gpu`, as discovered.
+    pub fn mig_by_uuid(&self, gpu: usize, uuid: &str) -> Option<&MigDevice> {
+        self.migs(gpu)?.iter().find(|m| m.uuid == uuid)
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -107,6 +175,33 @@ pub enum Refusal {
         whole_device: String,
         whole: String,
     },
+    #[error(
+        "request {request:?}: {device} is a MIG device, taken whole with the untouched driver: {what} does not apply to it"
+    )]
+    NotForMig {
+        request: String,
+        device: String,
+        what: NotForMig,
+    },
+    #[error(
+        "request {request:?} holds MIG device {device}, which must be the claim's only device (CUDA enumerates one MIG device per process, and no GPU beside it), but the claim also holds {other}"
+    )]
+    MigNotAlone {
+        request: String,
+        device: String,
+        other: String,
+    },
+}
+
+/// What a claim asked of a MIG device that only shares have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotForMig {
+    #[error("consumedCapacity.cores {0}")]
+    Cores(String),
+    #[error("consumedCapacity.memory {asked} (the instance has {instance} bytes)")]
+    Memory { asked: String, instance: u64 },
+    #[error("coreLimit {0}")]
+    CoreLimit(u32),
 }
 
 /// Plans `claim` (which the kubelet named with `uid`) on `node`.
@@ -114,7 +209,7 @@ pub fn plan(
     claim: &ResourceClaim,
     uid: &str,
     node: &str,
-    gpus: &[GpuInfo],
+    inventory: &Inventory,
 ) -> Result<Vec<PlannedDevice>, PlanError> {
     let err = |problem: Refusal| PlanError {
         claim: format!(
@@ -142,7 +237,7 @@ pub fn plan(
         .iter()
         .flatten()
         .filter(|r| r.driver == DRIVER_NAME)
-        .map(|r| plan_device(r, configs, node, gpus))
+        .map(|r| plan_device(r, configs, node, inventory))
         .collect::<Result<Vec<_>, _>>()
         .map_err(err)?;
     check_together(&out).map_err(err)?;
@@ -155,7 +250,7 @@ fn plan_device(
     r: &DeviceRequestAllocationResult,
     configs: &[DeviceAllocationConfiguration],
     node: &str,
-    gpus: &[GpuInfo],
+    inventory: &Inventory,
 ) -> Result<PlannedDevice, Refusal> {
     let request = &r.request;
     if r.pool != node {
@@ -165,13 +260,13 @@ fn plan_device(
             node: node.to_string(),
         });
     }
-    let gpu = gpus
-        .iter()
-        .find(|g| slices::device_name(g.index) == r.device)
-        .ok_or_else(|| Refusal::NoDevice {
-            request: request.clone(),
-            device: r.device.clone(),
-        })?;
+    if let Some((parent, m)) = inventory.mig_device(&r.device) {
+        return plan_mig(r, configs, parent, m);
+    }
+    let gpu = inventory.gpu(&r.device).ok_or_else(|| Refusal::NoDevice {
+        request: request.clone(),
+        device: r.device.clone(),
+    })?;
     let full_memory = gpu.memory_units() * MEMORY_UNIT_BYTES;
     let (cores, memory) = consumed_capacity(r, full_memory)?;
     let config = request_config(configs, request)?;
@@ -194,6 +289,54 @@ fn plan_device(
         soft_limit: soft_limit(config.core_limit, whole, cores, request)?,
         whole,
         share_id: r.share_id.clone(),
+        mig: None,
+    })
+}
+
+/// A MIG device: whole, so no cores, all of its memory or none said, and
+/// no soft limit.
+fn plan_mig(
+    r: &DeviceRequestAllocationResult,
+    configs: &[DeviceAllocationConfiguration],
+    parent: &GpuInfo,
+    m: &MigDevice,
+) -> Result<PlannedDevice, Refusal> {
+    let refuse = |what| Refusal::NotForMig {
+        request: r.request.clone(),
+        device: r.device.clone(),
+        what,
+    };
+    let consumed = r.consumed_capacity.as_ref();
+    if let Some(q) = consumed.and_then(|c| c.get(CAPACITY_CORES)) {
+        return Err(refuse(NotForMig::Cores(q.0.clone())));
+    }
+    if let Some(q) = consumed.and_then(|c| c.get(CAPACITY_MEMORY))
+        && quantity::parse(&q.0).ok() != Some(m.memory_bytes)
+    {
+        return Err(refuse(NotForMig::Memory {
+            asked: q.0.clone(),
+            instance: m.memory_bytes,
+        }));
+    }
+    if let Some(limit) = request_config(configs, &r.request)?.core_limit {
+        return Err(refuse(NotForMig::CoreLimit(limit)));
+    }
+    Ok(PlannedDevice {
+        request: r.request.clone(),
+        pool: r.pool.clone(),
+        device: r.device.clone(),
+        gpu_index: parent.index,
+        gpu_uuid: parent.uuid.clone(),
+        cores: 100,
+        memory_bytes: m.memory_bytes,
+        soft_limit: None,
+        whole: true,
+        share_id: r.share_id.clone(),
+        mig: Some(PlannedMig {
+            uuid: m.uuid.clone(),
+            gpu_instance: m.gpu_instance,
+            compute_instance: m.compute_instance,
+        }),
     })
 }
 
@@ -297,6 +440,15 @@ fn check_together(out: &[PlannedDevice]) -> Result<(), Refusal> {
             });
         }
     }
+    if let Some(m) = out.iter().find(|d| d.mig.is_some())
+        && let Some(o) = out.iter().find(|d| d.device != m.device)
+    {
+        return Err(Refusal::MigNotAlone {
+            request: m.request.clone(),
+            device: m.device.clone(),
+            other: o.device.clone(),
+        });
+    }
     // All shares (one container's quotas on N GPUs, docs/multi-gpu.md) or
     // all whole GPUs: a share beside a whole GPU would need the interposer
     // and the untouched driver in one container.
@@ -318,15 +470,15 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn gpus() -> Vec<GpuInfo> {
-        vec![GpuInfo {
+    fn gpus() -> Inventory {
+        Inventory::from(vec![GpuInfo {
             index: 0,
             uuid: "GPU-0".into(),
             minor: 0,
             memory_bytes: 16 << 30,
             numa_node: None,
             pci_bus_id: "00000000:3B:00.0".into(),
-        }]
+        }])
     }
 
     fn claim(results: serde_json::Value, config: serde_json::Value) -> ResourceClaim {
@@ -368,10 +520,10 @@ mod tests {
     #[test]
     fn a_share_is_alone_and_devices_are_distinct() {
         let mut g = gpus();
-        g.push(GpuInfo {
+        g.gpus.push(GpuInfo {
             index: 1,
             uuid: "GPU-1".into(),
-            ..g[0].clone()
+            ..g.gpus[0].clone()
         });
         let r = |req: &str, dev: &str, cap: serde_json::Value| {
             json!({"request": req, "driver": DRIVER_NAME, "pool": "n1", "device": dev,
@@ -471,5 +623,139 @@ mod tests {
                 .to_string()
                 .contains("not allocated")
         );
+    }
+
+    /// GPU 0 whole; GPU 1 in MIG mode with a 3g.40gb instance (gi 2).
+    fn with_mig() -> Inventory {
+        let mut inv = gpus();
+        inv.gpus.push(GpuInfo {
+            index: 1,
+            uuid: "GPU-1".into(),
+            minor: 1,
+            ..inv.gpus[0].clone()
+        });
+        inv.mig = vec![
+            None,
+            Some(vec![MigDevice {
+                uuid: "MIG-3g".into(),
+                profile: "3g.40gb".into(),
+                gpu_instance: 2,
+                compute_instance: 0,
+                memory_bytes: 40448 << 20,
+                multiprocessors: 60,
+            }]),
+        ];
+        inv
+    }
+
+    fn on(dev: &str, cap: serde_json::Value) -> serde_json::Value {
+        json!({"request": "mig", "driver": DRIVER_NAME, "pool": "n1", "device": dev,
+               "consumedCapacity": cap})
+    }
+
+    #[test]
+    fn a_mig_device_is_planned_whole_with_its_instance() {
+        let inv = with_mig();
+        let c = claim(json!([on("gpu-1-mig-2-0", json!(null))]), json!([]));
+        let p = plan(&c, "u1", "n1", &inv).unwrap();
+        assert_eq!(p.len(), 1);
+        let d = &p[0];
+        assert_eq!(
+            (d.gpu_index, d.gpu_uuid.as_str(), d.whole, d.soft_limit),
+            (1, "GPU-1", true, None)
+        );
+        assert_eq!(d.memory_bytes, 40448 << 20);
+        assert_eq!(
+            d.mig,
+            Some(PlannedMig {
+                uuid: "MIG-3g".into(),
+                gpu_instance: 2,
+                compute_instance: 0
+            })
+        );
+        // All of its memory, said, is the same.
+        let all = claim(
+            json!([on("gpu-1-mig-2-0", json!({"memory": "40448Mi"}))]),
+            json!([]),
+        );
+        assert_eq!(plan(&all, "u1", "n1", &inv).unwrap(), p);
+        // A checkpoint written before MIG devices still loads.
+        let mut old = serde_json::to_value(&p[0]).unwrap();
+        assert!(old.get("mig").is_some());
+        old.as_object_mut().unwrap().remove("mig");
+        let back: PlannedDevice = serde_json::from_value(old).unwrap();
+        assert_eq!(back.mig, None);
+        let plain = plan(&claim(result(json!(null)), json!([])), "u1", "n1", &inv).unwrap();
+        let json = serde_json::to_value(&plain[0]).unwrap();
+        assert!(json.get("mig").is_none(), "{json}");
+    }
+
+    #[test]
+    fn shares_soft_limits_and_company_are_refused_on_a_mig_device() {
+        let inv = with_mig();
+        let refused = |results: serde_json::Value, config: serde_json::Value| {
+            plan(&claim(results, config), "u1", "n1", &inv)
+                .unwrap_err()
+                .problem
+        };
+        let not_for = |what| Refusal::NotForMig {
+            request: "mig".into(),
+            device: "gpu-1-mig-2-0".into(),
+            what,
+        };
+        assert_eq!(
+            refused(
+                json!([on("gpu-1-mig-2-0", json!({"cores": "30", "memory": "1Gi"}))]),
+                json!([])
+            ),
+            not_for(NotForMig::Cores("30".into()))
+        );
+        assert_eq!(
+            refused(
+                json!([on("gpu-1-mig-2-0", json!({"memory": "1Gi"}))]),
+                json!([])
+            ),
+            not_for(NotForMig::Memory {
+                asked: "1Gi".into(),
+                instance: 40448 << 20
+            })
+        );
+        let cfg = json!([{"source": "FromClaim", "requests": ["mig"], "opaque": {"driver": DRIVER_NAME,
+            "parameters": {"apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig", "coreLimit": 60}}}]);
+        let e = refused(json!([on("gpu-1-mig-2-0", json!(null))]), cfg);
+        assert_eq!(e, not_for(NotForMig::CoreLimit(60)));
+        assert_eq!(
+            e.to_string(),
+            "request \"mig\": gpu-1-mig-2-0 is a MIG device, taken whole with the untouched driver: coreLimit 60 does not apply to it"
+        );
+        // Alone in its claim, once.
+        let beside = json!([on("gpu-1-mig-2-0", json!(null)),
+            {"request": "gpu", "driver": DRIVER_NAME, "pool": "n1", "device": "gpu-0"}]);
+        assert_eq!(
+            refused(beside, json!([])),
+            Refusal::MigNotAlone {
+                request: "mig".into(),
+                device: "gpu-1-mig-2-0".into(),
+                other: "gpu-0".into()
+            }
+        );
+        let twice = json!([
+            on("gpu-1-mig-2-0", json!(null)),
+            on("gpu-1-mig-2-0", json!(null))
+        ]);
+        assert!(matches!(
+            refused(twice, json!([])),
+            Refusal::AllocatedTwice { device, .. } if device == "gpu-1-mig-2-0"
+        ));
+        // Unknown MIG devices, and the GPU in MIG mode itself, are no devices.
+        for dev in ["gpu-1-mig-9-0", "gpu-1-mig-2-1", "gpu-1", "gpu-0-mig-2-0"] {
+            assert_eq!(
+                refused(json!([on(dev, json!(null))]), json!([])),
+                Refusal::NoDevice {
+                    request: "mig".into(),
+                    device: dev.into()
+                }
+            );
+        }
     }
 }

@@ -10,6 +10,10 @@
 //! new claims avoid it, claims already allocated there keep a published
 //! device (and, under `NoExecute`, the taint eviction controller evicts their
 //! pods). Where the API server drops taints it is left out instead.
+//!
+//! A GPU in MIG mode is no such device: its MIG devices are, each taken
+//! whole ([`crate::mig`]). Devices say which they are in the `type`
+//! attribute, and each class selects one type.
 
 use std::collections::BTreeMap;
 
@@ -23,6 +27,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 
+use crate::mig::{self, TYPE, TYPE_GPU, TYPE_MIG};
 use crate::{CAPACITY_CORES, CAPACITY_MEMORY, DRIVER_NAME, quantity, topology};
 
 /// One GPU as discovery and health see it.
@@ -33,9 +38,10 @@ pub struct GpuDevice {
     /// The critical Xid that made the GPU unhealthy, until its quiet
     /// period passes; `None` while healthy.
     pub xid: Option<u64>,
-    /// In MIG mode: its SMs and memory are in hardware partitions, so it
-    /// is no share or whole-GPU device (left out of the slice).
-    pub mig: bool,
+    /// In MIG mode, its MIG devices: its SMs and memory are in hardware
+    /// partitions, so it is no share or whole-GPU device, they are.
+    /// `None`: not in MIG mode.
+    pub mig: Option<Vec<node_agent::mig::MigDevice>>,
     /// `resource.kubernetes.io/pcieRoot`, where sysfs says
     /// ([`crate::topology::pcie_root`]).
     pub pcie_root: Option<String>,
@@ -94,14 +100,14 @@ pub fn slice_name(node: &str) -> String {
     format!("{node}-{DRIVER_NAME}")
 }
 
-fn string(s: &str) -> DeviceAttribute {
+pub(crate) fn string(s: &str) -> DeviceAttribute {
     DeviceAttribute {
         string: Some(s.to_string()),
         ..Default::default()
     }
 }
 
-fn int(i: i64) -> DeviceAttribute {
+pub(crate) fn int(i: i64) -> DeviceAttribute {
     DeviceAttribute {
         int: Some(i),
         ..Default::default()
@@ -110,7 +116,7 @@ fn int(i: i64) -> DeviceAttribute {
 
 /// A driver version as a semantic version attribute ("550.54.15"; "550.54"
 /// gets ".0"), or a string where it is not numeric.
-fn version(v: &str) -> DeviceAttribute {
+pub(crate) fn version(v: &str) -> DeviceAttribute {
     let parts: Vec<&str> = v.split('.').collect();
     if parts
         .iter()
@@ -136,30 +142,39 @@ fn version(v: &str) -> DeviceAttribute {
     string(v)
 }
 
-/// `g` as the slice shows it under `unhealthy`; `None` when left out.
-fn published(g: &GpuDevice, driver_version: &str, unhealthy: Unhealthy) -> Option<Device> {
-    if g.mig {
-        return None;
-    }
+/// `g`'s devices as the slice shows them under `unhealthy`: the GPU, or
+/// in MIG mode its MIG devices; a critical Xid of the GPU is theirs too.
+fn published(g: &GpuDevice, driver_version: &str, unhealthy: Unhealthy) -> Vec<Device> {
+    let devices = match &g.mig {
+        None => vec![device(g, driver_version)],
+        Some(migs) => migs
+            .iter()
+            .map(|m| mig::device(g, m, driver_version))
+            .collect(),
+    };
     match (g.xid, unhealthy) {
-        (None, _) => Some(device(g, driver_version)),
-        (Some(_), Unhealthy::LeftOut) => None,
-        (Some(xid), Unhealthy::Taint(effect)) => Some(Device {
-            taints: Some(vec![DeviceTaint {
-                key: UNHEALTHY_TAINT.to_string(),
-                value: Some(format!("xid-{xid}")),
-                effect: effect.to_string(),
-                // The API server stamps it.
-                time_added: None,
-            }]),
-            ..device(g, driver_version)
-        }),
+        (None, _) => devices,
+        (Some(_), Unhealthy::LeftOut) => Vec::new(),
+        (Some(xid), Unhealthy::Taint(effect)) => devices
+            .into_iter()
+            .map(|d| Device {
+                taints: Some(vec![DeviceTaint {
+                    key: UNHEALTHY_TAINT.to_string(),
+                    value: Some(format!("xid-{xid}")),
+                    effect: effect.to_string(),
+                    // The API server stamps it.
+                    time_added: None,
+                }]),
+                ..d
+            })
+            .collect(),
     }
 }
 
 fn device(g: &GpuDevice, driver_version: &str) -> Device {
     let i = &g.info;
     let mut attributes = BTreeMap::from([
+        (TYPE.to_string(), string(TYPE_GPU)),
         ("model".to_string(), string(&g.model)),
         ("uuid".to_string(), string(&i.uuid)),
         (
@@ -247,7 +262,7 @@ pub fn build(
             },
             devices: Some(
                 gpus.iter()
-                    .filter_map(|g| published(g, driver_version, unhealthy))
+                    .flat_map(|g| published(g, driver_version, unhealthy))
                     .collect(),
             ),
             ..Default::default()
@@ -290,19 +305,31 @@ pub const SHARE_CLASS: &str = gpu_pods::dra::SHARE_CLASS;
 /// DeviceClass for whole GPUs: the defaults (all cores, all memory), the
 /// untouched driver; the driver refuses a partial allocation under it.
 pub const WHOLE_CLASS: &str = gpu_pods::dra::WHOLE_CLASS;
+/// DeviceClass for MIG devices (each whole, the untouched driver); a
+/// claim picks a profile with a selector on `profile`.
+pub const MIG_CLASS: &str = "vcuda-mig.vcuda.tencent.com";
 
-fn class(name: &str, config: Option<serde_json::Value>) -> DeviceClass {
+/// The CEL expression selecting this driver's devices of type `t`.
+pub fn type_selector(t: &str) -> String {
+    format!("device.attributes['{DRIVER_NAME}'].{TYPE} == '{t}'")
+}
+
+fn class(name: &str, t: &str, config: Option<serde_json::Value>) -> DeviceClass {
+    let cel = |expression: String| DeviceSelector {
+        cel: Some(CELDeviceSelector { expression }),
+    };
     DeviceClass {
         metadata: ObjectMeta {
             name: Some(name.to_string()),
             ..Default::default()
         },
         spec: DeviceClassSpec {
-            selectors: Some(vec![DeviceSelector {
-                cel: Some(CELDeviceSelector {
-                    expression: format!("device.driver == '{DRIVER_NAME}'"),
-                }),
-            }]),
+            // Both must match: the driver, then the type (a device of
+            // another driver has no attributes under this domain).
+            selectors: Some(vec![
+                cel(format!("device.driver == '{DRIVER_NAME}'")),
+                cel(type_selector(t)),
+            ]),
             config: config.map(|p| {
                 vec![DeviceClassConfiguration {
                     opaque: Some(OpaqueDeviceConfiguration {
@@ -318,15 +345,17 @@ fn class(name: &str, config: Option<serde_json::Value>) -> DeviceClass {
 
 pub fn device_classes() -> Vec<DeviceClass> {
     vec![
-        class(SHARE_CLASS, None),
+        class(SHARE_CLASS, TYPE_GPU, None),
         class(
             WHOLE_CLASS,
+            TYPE_GPU,
             Some(serde_json::json!({
                 "apiVersion": crate::params::API_VERSION,
                 "kind": crate::params::KIND,
                 "exclusive": true,
             })),
         ),
+        class(MIG_CLASS, TYPE_MIG, None),
     ]
 }
 
@@ -346,7 +375,7 @@ mod tests {
             },
             model: "Tesla T4".into(),
             xid: (!healthy).then_some(79),
-            mig: false,
+            mig: None,
             pcie_root: None,
             nvlink_domain: None,
         }
@@ -427,9 +456,9 @@ mod tests {
     }
 
     #[test]
-    fn a_gpu_in_mig_mode_is_not_in_the_slice() {
+    fn a_gpu_in_mig_mode_is_not_in_the_slice_but_its_mig_devices_are() {
         let mig = GpuDevice {
-            mig: true,
+            mig: Some(Vec::new()),
             ..gpu(1, true)
         };
         let s = build(
@@ -446,7 +475,32 @@ mod tests {
             .into_iter()
             .map(|d| d.name)
             .collect();
-        assert_eq!(names, ["gpu-0"]);
+        assert_eq!(names, ["gpu-0"], "in MIG mode without MIG devices");
+        let s = build(
+            "node-a",
+            &[gpu(0, true), crate::mig::tests::h100_mig()],
+            "550.54.15",
+            1,
+            Unhealthy::LeftOut,
+        );
+        let types: Vec<(String, String)> = s
+            .spec
+            .devices
+            .unwrap()
+            .into_iter()
+            .map(|d| {
+                (
+                    d.name,
+                    d.attributes.unwrap()["type"].string.clone().unwrap(),
+                )
+            })
+            .collect();
+        let want = [
+            ("gpu-0", "gpu"),
+            ("gpu-1-mig-2-0", "mig"),
+            ("gpu-1-mig-9-0", "mig"),
+        ];
+        assert_eq!(types, want.map(|(n, t)| (n.to_string(), t.to_string())));
     }
 
     #[test]
@@ -471,7 +525,29 @@ mod tests {
         assert_eq!(version("580.65.06").version.as_deref(), Some("580.65.6"));
         assert_eq!(version("r550").string.as_deref(), Some("r550"));
         let classes = device_classes();
-        assert_eq!(classes.len(), 2);
+        let selectors = |c: &DeviceClass| -> Vec<String> {
+            let s = c.spec.selectors.iter().flatten();
+            s.map(|s| s.cel.as_ref().unwrap().expression.clone())
+                .collect()
+        };
+        let names: Vec<_> = classes
+            .iter()
+            .map(|c| c.metadata.name.clone().unwrap())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "vcuda-share.vcuda.tencent.com",
+                "vcuda-gpu.vcuda.tencent.com",
+                "vcuda-mig.vcuda.tencent.com"
+            ]
+        );
+        let driver = "device.driver == 'vcuda.tencent.com'";
+        let of_type = |t: &str| format!("device.attributes['vcuda.tencent.com'].type == '{t}'");
+        assert_eq!(selectors(&classes[0]), [driver.into(), of_type("gpu")]);
+        assert_eq!(selectors(&classes[1]), [driver.into(), of_type("gpu")]);
+        assert_eq!(selectors(&classes[2]), [driver.into(), of_type("mig")]);
         assert!(classes[1].spec.config.is_some());
+        assert!(classes[0].spec.config.is_none() && classes[2].spec.config.is_none());
     }
 }

@@ -354,7 +354,7 @@ async fn inject(cri: RuntimeServiceClient<Channel>, spec_dir: PathBuf, image: St
             info,
             model: "Tesla T4".into(),
             xid: None,
-            mig: false,
+            mig: None,
             pcie_root: None,
             nvlink_domain: None,
         })

@@ -18,6 +18,7 @@ fn today() -> Checkpoint {
         soft_limit: Some(60),
         whole: false,
         share_id: Some(format!("claim-uid-1-{i}")),
+        mig: None,
     };
     let claim = PreparedClaim {
         namespace: "default".into(),

@@ -22,7 +22,7 @@ fn devices(healthy: [bool; 2]) -> Vec<GpuDevice> {
             info,
             model: "Tesla T4".into(),
             xid: (!healthy).then_some(79),
-            mig: false,
+            mig: None,
             pcie_root: None,
             nvlink_domain: None,
         })
@@ -35,7 +35,7 @@ async fn publish_once_bump_on_health_never_duplicate() {
     let p = publisher();
     p.ensure_classes(&api).await.unwrap();
     p.ensure_classes(&api).await.unwrap();
-    assert_eq!(server.list(Kind::DeviceClass).len(), 2);
+    assert_eq!(server.list(Kind::DeviceClass).len(), 3, "share, whole, MIG");
 
     assert_eq!(
         p.reconcile(&api, &devices([true, true])).await.unwrap(),

@@ -20,7 +20,7 @@ fn devices() -> Vec<GpuDevice> {
             info,
             model: "NVIDIA A100-SXM4-40GB".into(),
             xid: None,
-            mig: false,
+            mig: None,
             pcie_root: None,
             nvlink_domain: None,
         })

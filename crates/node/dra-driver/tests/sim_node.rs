@@ -431,11 +431,21 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
     daemon.await.unwrap().unwrap();
 }
 
-/// Issue 36: a GPU in MIG mode (GPU 0 of the simulated H100 node, a
-/// 3g.40gb instance made as `nvidia-smi mig -cgi 9 -C` would) is not in
-/// the slice: its SMs and memory are the instance's, not shares'.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gpu_in_mig_mode_is_not_published() {
+/// The simulated H100 node with GPU 0 in MIG mode holding a 3g.40gb and a
+/// 1g.10gb instance (`nvidia-smi mig -cgi 9,19 -C`), the driver running
+/// and registered, its slice published.
+struct MigNode {
+    server: ApiServer,
+    dirs: Dirs,
+    sim: PathBuf,
+    cancel: CancellationToken,
+    daemon: tokio::task::JoinHandle<anyhow::Result<()>>,
+    kubelet: plugin::DraPlugin,
+    /// The published devices, by name.
+    devices: HashMap<String, serde_json::Value>,
+}
+
+async fn mig_node() -> MigNode {
     let gpu_sim = artifact("gpu-sim");
     let server = ApiServer::start("127.0.0.1:0").await.unwrap();
     let dirs = Dirs::new();
@@ -443,10 +453,10 @@ async fn a_gpu_in_mig_mode_is_not_published() {
     sh(Command::new(&gpu_sim)
         .args(["mig", "--root"])
         .arg(&sim)
-        .args(["--gpu", "0", "--enable", "--create", "9"]));
+        .args(["--gpu", "0", "--enable", "--create", "9,19"]));
     server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
     let (cancel, daemon, _) = start(settings(&sim, &dirs, artifact("libvcuda.so"))).await;
-    let _kubelet =
+    let kubelet =
         plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(20), false)
             .await
             .unwrap();
@@ -457,13 +467,278 @@ async fn a_gpu_in_mig_mode_is_not_published() {
     let s = server
         .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
         .unwrap();
-    let names: Vec<&str> = s["spec"]["devices"]
+    let devices = s["spec"]["devices"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|d| d["name"].as_str().unwrap())
+        .map(|d| (d["name"].as_str().unwrap().to_string(), d.clone()))
         .collect();
-    assert_eq!(names, ["gpu-1"], "{s}");
-    cancel.cancel();
-    daemon.await.unwrap().unwrap();
+    MigNode {
+        server,
+        dirs,
+        sim,
+        cancel,
+        daemon,
+        kubelet,
+        devices,
+    }
+}
+
+/// The published MIG device of `profile` on GPU 0: its name and attributes.
+fn mig_device<'a>(n: &'a MigNode, profile: &str) -> (&'a str, &'a serde_json::Value) {
+    let (name, d) = n
+        .devices
+        .iter()
+        .find(|(_, d)| d["attributes"]["profile"]["string"] == profile)
+        .unwrap_or_else(|| panic!("no {profile} device in {:?}", n.devices.keys()));
+    (name, &d["attributes"])
+}
+
+/// SMs and memory of the H100 80GB profiles, from NVIDIA's MIG user guide
+/// (`nvidia-smi mig -lgip` on an H100 80GB: 3g.40gb 60 SMs, 39.50 GiB;
+/// 1g.10gb 16 SMs, 9.75 GiB), not from the simulator's tables.
+const H100_PROFILES: [(&str, u64, i64); 2] = [("3g.40gb", 40448, 60), ("1g.10gb", 9984, 16)];
+
+/// Issue 36: a GPU in MIG mode (GPU 0 of the simulated H100 node) is no
+/// share or whole device (its SMs and memory are its instances'), but each
+/// of its MIG devices is a device, with its profile, memory and SMs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_in_mig_mode_publishes_its_mig_devices() {
+    let n = mig_node().await;
+    let mut names: Vec<&str> = n.devices.keys().map(String::as_str).collect();
+    names.sort();
+    assert_eq!(names.len(), 3, "{names:?}");
+    assert!(
+        names.contains(&"gpu-1") && !names.contains(&"gpu-0"),
+        "{names:?}"
+    );
+    let gpu1 = &n.devices["gpu-1"];
+    assert_eq!(gpu1["attributes"]["type"]["string"], "gpu");
+    assert_eq!(gpu1["allowMultipleAllocations"], true);
+    for (profile, mib, sms) in H100_PROFILES {
+        let (name, a) = mig_device(&n, profile);
+        let (gi, ci) = (
+            a["gpuInstance"]["int"].as_i64().unwrap(),
+            a["computeInstance"]["int"].as_i64().unwrap(),
+        );
+        assert_eq!(name, format!("gpu-0-mig-{gi}-{ci}"));
+        assert_eq!(a["type"]["string"], "mig");
+        assert_eq!(a["multiprocessors"]["int"], sms, "{profile}");
+        assert_eq!(a["parentIndex"]["int"], 0);
+        assert_eq!(
+            a["parentUUID"]["string"],
+            "GPU-2c9f6a41-7b3e-5d08-a1c4-8e0f3b6d9a21"
+        );
+        assert!(
+            a["uuid"]["string"].as_str().unwrap().starts_with("MIG-"),
+            "{a}"
+        );
+        assert_eq!(a["model"]["string"], "NVIDIA H100 80GB HBM3");
+        let d = &n.devices[name];
+        assert_eq!(d["capacity"]["memory"]["value"], format!("{mib}Mi"));
+        assert!(d.get("allowMultipleAllocations").is_none(), "{d}");
+        assert!(d["capacity"].get("cores").is_none(), "{d}");
+    }
+    n.cancel.cancel();
+    n.daemon.await.unwrap().unwrap();
+}
+
+/// The minor in one of the driver's capability files (`DeviceFileMinor:`).
+fn cap_minor(path: &Path) -> u32 {
+    let text = std::fs::read_to_string(path).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("DeviceFileMinor:"))
+        .unwrap_or_else(|| panic!("{}: {text}", path.display()))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// What the CDI edits give a program, without a mount namespace: the env,
+/// container mount paths mapped to their host paths.
+fn mig_env(edits: &serde_json::Value) -> Vec<(String, String)> {
+    let mounts: Vec<(&str, &str)> = edits["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["containerPath"].as_str().unwrap(),
+                m["hostPath"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    edits["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let (k, v) = e.as_str().unwrap().split_once('=').unwrap();
+            let v = mounts
+                .iter()
+                .fold(v.to_string(), |v, (c, h)| match v.strip_prefix(c) {
+                    Some(rest) => format!("{h}{rest}"),
+                    None => v,
+                });
+            (k.to_string(), v)
+        })
+        .collect()
+}
+
+/// Issue 36: claims for the 3g.40gb and the 1g.10gb devices (the MIG class,
+/// a selector on `profile`) are prepared through the kubelet: each CDI spec
+/// gives the parent GPU's node and the instance's two capability nodes,
+/// NVIDIA_VISIBLE_DEVICES=MIG-…, the untouched driver and nothing else; a
+/// CUDA program run with it sees exactly the instance. Unprepare removes
+/// the spec and leaves the instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_for_mig_devices_get_the_instance_and_the_untouched_driver() {
+    let n = mig_node().await;
+    let prog = n.dirs.p("sim_cuda");
+    sh(Command::new("gcc")
+        .args(["-O1", "-o"])
+        .arg(&prog)
+        .arg(workspace().join("tests/c/sim_cuda.c"))
+        .arg("-I")
+        .arg(workspace().join("tests/c"))
+        .arg("-L")
+        .arg(n.sim.join("usr/lib/x86_64-linux-gnu"))
+        .args(["-lcuda", "-ldl", "-lpthread"]));
+    let mut claims = Vec::new();
+    for (profile, mib, sms) in H100_PROFILES {
+        let (device, attrs) = mig_device(&n, profile);
+        let (mig_uuid, gi, ci) = (
+            attrs["uuid"]["string"].as_str().unwrap(),
+            attrs["gpuInstance"]["int"].as_u64().unwrap(),
+            attrs["computeInstance"]["int"].as_u64().unwrap(),
+        );
+        let name = format!("mig-{}", profile.replace('.', "-"));
+        let c = n
+            .server
+            .create(
+                Kind::ResourceClaim,
+                Some(NS),
+                serde_json::json!({
+                    "metadata": {"name": name, "namespace": NS},
+                    "spec": {"devices": {"requests": [{"name": "mig", "exactly": {
+                        "deviceClassName": slices::MIG_CLASS,
+                        "selectors": [{"cel": {"expression": format!(
+                            "device.attributes['vcuda.tencent.com'].profile == '{profile}'")}}]}}]}}
+                }),
+            )
+            .unwrap();
+        let a = allocator::allocate(&n.server, NS, &name, NODE).unwrap();
+        assert_eq!(a["devices"]["results"][0]["device"], device);
+        let claim = plugin::claim(NS, &name, &uid(&c));
+        let r = n
+            .kubelet
+            .prepare(std::slice::from_ref(&claim))
+            .await
+            .unwrap();
+        let one = &r.claims[&claim.uid];
+        assert_eq!(one.error, "");
+        let id = &one.devices[0].cdi_device_ids[0];
+        let edits = cdi::resolve(&n.dirs.p("cdi"), id).unwrap();
+
+        // The parent's node and the two access nodes. Their minors are in
+        // the driver's capability files (the sim writes them under its
+        // root), and follow open-gpu-kernel-modules' nv-caps.c table:
+        // 3 + 135 × GPU minor + 9 × GI, and the CI's 1 + CI above it.
+        let caps = n
+            .sim
+            .join(format!("proc/driver/nvidia/capabilities/gpu0/mig/gi{gi}"));
+        let (gi_minor, ci_minor) = (
+            cap_minor(&caps.join("access")),
+            cap_minor(&caps.join(format!("ci{ci}/access"))),
+        );
+        assert_eq!(
+            (u64::from(gi_minor), u64::from(ci_minor)),
+            (3 + 9 * gi, 3 + 9 * gi + 1 + ci)
+        );
+        let nodes: Vec<&str> = edits["deviceNodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["path"].as_str().unwrap())
+            .collect();
+        let cap = |m: u32| format!("/dev/nvidia-caps/nvidia-cap{m}");
+        let mut want = vec![
+            "/dev/nvidia0".to_string(),
+            cap(gi_minor),
+            cap(ci_minor),
+            "/dev/nvidiactl".into(),
+            "/dev/nvidia-uvm".into(),
+        ];
+        let mut got: Vec<String> = nodes.iter().map(|s| s.to_string()).collect();
+        want.sort();
+        got.sort();
+        assert_eq!(got, want, "{edits}");
+        // The untouched driver, nothing of vcuda's.
+        let mounts: Vec<(&str, &str)> = edits["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                (
+                    m["hostPath"].as_str().unwrap(),
+                    m["containerPath"].as_str().unwrap(),
+                )
+            })
+            .collect();
+        let origin = n.sim.join("vdriver/origin");
+        assert_eq!(
+            mounts,
+            [(origin.to_str().unwrap(), "/usr/local/nvidia")],
+            "{edits}"
+        );
+        assert!(!n.dirs.p("vm").join(&claim.uid).exists());
+        let env = mig_env(&edits);
+        assert!(
+            env.contains(&("NVIDIA_VISIBLE_DEVICES".into(), mig_uuid.into())),
+            "{env:?}"
+        );
+
+        // NVIDIA's runtime exposes the instance as CUDA_VISIBLE_DEVICES.
+        let out = sh(Command::new(&prog)
+            .arg("info")
+            .envs(env.iter().cloned())
+            .env("CUDA_VISIBLE_DEVICES", mig_uuid));
+        let r = kv_lines(&out);
+        assert_eq!(r["count"], "1", "{out}");
+        assert_eq!(r["dev0.total_mib"], mib.to_string(), "{profile}: {out}");
+        assert_eq!(r["total_mib"], mib.to_string(), "cuMemGetInfo: {out}");
+        assert_eq!(r["dev0.sms"], sms.to_string(), "{profile}: {out}");
+        // cuDeviceGetUuid gives the MIG device's 16 bytes (the program
+        // prints them GPU-style).
+        assert_eq!(
+            r["dev0.uuid"].trim_start_matches("GPU-"),
+            mig_uuid.trim_start_matches("MIG-"),
+            "{out}"
+        );
+        claims.push((claim, mig_uuid.to_string()));
+    }
+
+    // Deleting the pods: the specs go, the instances stay.
+    let refs: Vec<_> = claims.iter().map(|(c, _)| c.clone()).collect();
+    let u = n.kubelet.unprepare(&refs).await.unwrap();
+    for (c, _) in &claims {
+        assert_eq!(u.claims[&c.uid].error, "");
+        assert!(!dra_driver::cdi::spec_path(&n.dirs.p("cdi"), &c.uid).exists());
+    }
+    let listed = sh(Command::new(n.sim.join("usr/bin/nvidia-smi"))
+        .arg("-L")
+        .env("LD_LIBRARY_PATH", n.sim.join("usr/lib/x86_64-linux-gnu")));
+    for (_, mig_uuid) in &claims {
+        assert!(listed.contains(mig_uuid.as_str()), "{listed}");
+    }
+    n.cancel.cancel();
+    n.daemon.await.unwrap().unwrap();
+}
+
+/// `key=value` lines (values may hold spaces).
+fn kv_lines(out: &str) -> HashMap<String, String> {
+    out.lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }

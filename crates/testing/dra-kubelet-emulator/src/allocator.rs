@@ -1,5 +1,6 @@
 //! A stand-in for the scheduler's DRA allocator, enough for one node and
-//! `exactly` requests (count 1) whose DeviceClass selects by driver:
+//! `exactly` requests (count 1) whose DeviceClass selects by driver (and,
+//! like the request's own selectors, by attribute: [`crate::selector`]):
 //! first fit over the node's published devices, honouring consumable
 //! capacity (KEP-5075): a request's `capacity.requests` or the device's
 //! request policy default, rounded up to the policy's step, must fit in
@@ -14,6 +15,8 @@ use std::collections::BTreeMap;
 
 use apiserver_emulator::{ApiServer, Kind};
 use serde_json::{Value, json};
+
+use crate::selector::{self, Cond};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum AllocError {
@@ -85,19 +88,11 @@ fn in_use(
     used
 }
 
-/// The driver a class selects, from `device.driver == '<name>'`.
-fn class_driver(class: &Value) -> Option<String> {
-    let sels = class.pointer("/spec/selectors").and_then(Value::as_array)?;
-    sels.iter().find_map(|s| {
-        let e = s.pointer("/cel/expression")?.as_str()?;
-        let rest = e
-            .trim()
-            .strip_prefix("device.driver")?
-            .trim()
-            .strip_prefix("==")?
-            .trim();
-        Some(rest.trim_matches(|c| c == '\'' || c == '"').to_string())
-    })
+/// The CEL expressions of the `selectors` at `pointer` of `v`.
+fn cel_selectors(v: &Value, pointer: &str) -> Vec<String> {
+    array(v, pointer)
+        .filter_map(|s| s.pointer("/cel/expression")?.as_str().map(str::to_string))
+        .collect()
 }
 
 /// What a request consumes of one capacity, or None when it cannot.
@@ -220,6 +215,8 @@ struct Request {
     name: String,
     class: Value,
     driver: String,
+    /// The class's and the request's selectors, all of which must match.
+    selectors: Vec<Cond>,
     /// `capacity.requests`: what it asks of each consumable capacity.
     asked: serde_json::Map<String, Value>,
     /// `tolerations` of device taints.
@@ -253,14 +250,28 @@ fn resolve(api: &ApiServer, req: &Value, who: &str) -> Result<Request, AllocErro
                 format!("request {name:?}: DeviceClass {class_name:?} not found"),
             )
         })?;
-    let driver = class_driver(&class).ok_or_else(|| {
-        unsupported(
-            who,
-            format!(
-                "DeviceClass {class_name:?}: only `device.driver == '...'` selectors are emulated"
-            ),
-        )
-    })?;
+    let mut selectors = Vec::new();
+    let exprs = cel_selectors(&class, "/spec/selectors");
+    for e in exprs.iter().chain(&cel_selectors(ex, "/selectors")) {
+        selectors.extend(selector::parse(e).ok_or_else(|| {
+            unsupported(
+                who,
+                format!("request {name:?}: selector {e:?} is outside the emulated CEL"),
+            )
+        })?);
+    }
+    let driver = selectors
+        .iter()
+        .find_map(|c| match c {
+            Cond::Driver(d) => Some(d.clone()),
+            Cond::Attribute { .. } => None,
+        })
+        .ok_or_else(|| {
+            unsupported(
+                who,
+                format!("DeviceClass {class_name:?}: no `device.driver == '...'` selector"),
+            )
+        })?;
     let asked = ex
         .pointer("/capacity/requests")
         .and_then(Value::as_object)
@@ -270,6 +281,7 @@ fn resolve(api: &ApiServer, req: &Value, who: &str) -> Result<Request, AllocErro
         name,
         class,
         driver,
+        selectors,
         asked,
         tolerations: array(ex, "/tolerations").cloned().collect(),
     })
@@ -304,6 +316,9 @@ fn first_fit(slices: &[Value], used: &Used, req: &Request) -> Option<Choice> {
 /// while every capacity has room for what the request consumes.
 fn fit(d: &Value, pool: &str, used: &Used, req: &Request) -> Option<Choice> {
     let device = d.get("name").and_then(Value::as_str).unwrap_or("");
+    if !selector::matches(&req.selectors, &req.driver, d) {
+        return None;
+    }
     if array(d, "/taints").any(|t| !tolerated(t, &req.tolerations)) {
         return None;
     }
