@@ -305,6 +305,27 @@ async fn mig_devices_are_served_whole_one_resource_per_profile() {
     };
     let before = mig_regs(&env.kubelet.view().borrow());
     let args = test_support::cmdline(env.manager.id());
+    kill9_and_start(&mut env, &args).await;
+    let uuids = |v: &[(String, Instance)]| v.iter().map(|i| i.1.uuid.clone()).collect::<Vec<_>>();
+    assert_eq!(
+        uuids(&instances(&env)),
+        uuids(&found),
+        "instances after the kill"
+    );
+    env.kubelet
+        .wait_for(Duration::from_secs(20), |v| {
+            mig_regs(v) >= before + 2
+                && found
+                    .iter()
+                    .all(|(p, _)| v.resources[&resource(p)].healthy_ids().len() == 1)
+        })
+        .await
+        .unwrap_or_else(|_| panic!("MIG resources not back after the kill:\n{}", env.log_text()));
+}
+
+/// SIGKILL to the manager, then `args` (its command line, maybe changed)
+/// started with the same log; returns once it has registered.
+async fn kill9_and_start(env: &mut Env, args: &[String]) {
     let regs = env.registrations();
     // SAFETY: SIGKILL to our own child, not yet reaped.
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
@@ -322,19 +343,161 @@ async fn mig_devices_are_served_whole_one_resource_per_profile() {
         .spawn()
         .unwrap();
     env.wait_registered_since(regs).await;
-    let uuids = |v: &[(String, Instance)]| v.iter().map(|i| i.1.uuid.clone()).collect::<Vec<_>>();
-    assert_eq!(
-        uuids(&instances(&env)),
-        uuids(&found),
-        "instances after the kill"
-    );
-    env.kubelet
+}
+
+/// Profiles of the MIG devices on `gpu` of the simulated node, sorted.
+fn profiles_on(env: &Env, gpu: usize) -> Vec<String> {
+    let mut v: Vec<String> = env
+        .sim
+        .state()
+        .mig_devices(gpu)
+        .into_iter()
+        .map(|(_, c)| c.profile.device_name())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Waits until the kubelet sees `want` (resource, healthy count) among the
+/// MIG resources.
+async fn mig_resources(env: &Env, want: &[(&str, usize)]) {
+    let r = env
+        .kubelet
         .wait_for(Duration::from_secs(20), |v| {
-            mig_regs(v) >= before + 2
-                && found
-                    .iter()
-                    .all(|(p, _)| v.resources[&resource(p)].healthy_ids().len() == 1)
+            want.iter().all(|(p, n)| {
+                v.resources
+                    .get(&format!("tencent.com/mig-{p}"))
+                    .is_some_and(|r| r.healthy_ids().len() == *n)
+            })
         })
+        .await;
+    if r.is_err() {
+        let v = env.kubelet.view().borrow().clone();
+        let got: Vec<_> = v
+            .resources
+            .iter()
+            .map(|(k, r)| (k.clone(), r.healthy_ids().len()))
+            .collect();
+        panic!("want {want:?}, kubelet has {got:?}\n{}", env.log_text());
+    }
+}
+
+/// `--mig-geometry`: GPU 0 is in MIG mode with an operator's 1g.10gb,
+/// GPU 1 is not in MIG mode. The manager enables GPU 1 (idle), makes
+/// 3g.40gb + 1g.10gb beside the operator's instance on GPU 0 and a
+/// 2g.20gb on GPU 1, and advertises them. Restarted (kill -9) with
+/// geometries that need the room of the 3g.40gb, which a process uses,
+/// and of the 2g.20gb, which a pod holds: neither is destroyed. Once the
+/// process ends, the 3g.40gb goes for the new geometry; the operator's
+/// instance never does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configured_geometry_is_applied_and_adopted() {
+    fn operators_instance(sim: &test_support::sim::SimNode) {
+        let out = std::process::Command::new(test_support::target_dir().join("gpu-sim"))
+            .args(["mig", "--root"])
+            .arg(sim.root())
+            .args(["--gpu", "0", "--enable", "--create", "19"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let geometry = |g: &str| vec!["--mig-geometry".into(), g.to_string().into()];
+    let mut env = Env::start(
+        "sim-mig-h100",
+        Options {
+            prepare: Some(operators_instance),
+            extra_args: geometry("0=3g.40gb,1g.10gb,1g.10gb;1=2g.20gb"),
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(
+        profiles_on(&env, 0),
+        ["1g.10gb", "1g.10gb", "3g.40gb"],
+        "{}",
+        env.log_text()
+    );
+    assert_eq!(profiles_on(&env, 1), ["2g.20gb"]);
+    assert_eq!(env.sim.state().mig_mode(1), Ok((true, true)));
+    mig_resources(&env, &[("3g.40gb", 1), ("1g.10gb", 2), ("2g.20gb", 1)]).await;
+    let operators: Vec<String> = instances(&env)
+        .into_iter()
+        .filter(|(p, _)| p == "1g.10gb")
+        .map(|(_, i)| i.uuid)
+        .collect();
+    assert_eq!(operators.len(), 2, "the operator's and one of ours");
+
+    // A pod holds the 2g.20gb; a process runs on the 3g.40gb.
+    let pod = env.pod(&[], &[]);
+    env.kubelet
+        .admit(&pod, "main", &[("tencent.com/mig-2g.20gb", 1)])
         .await
-        .unwrap_or_else(|_| panic!("MIG resources not back after the kill:\n{}", env.log_text()));
+        .unwrap();
+    let big = instances(&env)
+        .into_iter()
+        .find(|(p, _)| p == "3g.40gb")
+        .unwrap()
+        .1;
+    let bin = tempfile::tempdir().unwrap();
+    let prog = test_support::compile_c("sim_cuda", &env.sim, bin.path());
+    let mut busy = std::process::Command::new(&prog)
+        .args(["saturate", "100"])
+        .env("LD_LIBRARY_PATH", env.sim.lib_dir())
+        .env("CUDA_VISIBLE_DEVICES", &big.uuid)
+        .env("GPU_SIM_ROOT", env.sim_root())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    let mut out = std::io::BufReader::new(busy.stdout.take().unwrap());
+    while !line.contains("done") {
+        line.clear();
+        assert!(
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+            "saturate ended"
+        );
+    }
+
+    // A geometry that needs the busy 3g.40gb's slices (seven 1g.10gb) and
+    // one that needs the held 2g.20gb's (a 7g.80gb): neither is applied,
+    // nothing is destroyed.
+    let mut args = test_support::cmdline(env.manager.id());
+    let at = args.iter().position(|a| a == "--mig-geometry").unwrap();
+    let seven = ["1g.10gb"; 7].join(",");
+    args[at + 1] = format!("0={seven};1=7g.80gb");
+    kill9_and_start(&mut env, &args).await;
+    let log = env.log_text();
+    assert_eq!(log.matches("do not fit").count(), 2, "{log}");
+    assert_eq!(profiles_on(&env, 0), ["1g.10gb", "1g.10gb", "3g.40gb"]);
+    assert_eq!(profiles_on(&env, 1), ["2g.20gb"]);
+    assert!(instances(&env).iter().any(|(_, i)| i.uuid == big.uuid));
+
+    // The process ends: the 3g.40gb, vcuda's and idle, makes room for
+    // the seven; the operator's 1g.10gb is one of them. The pod still
+    // holds the 2g.20gb.
+    std::io::Write::write_all(busy.stdin.as_mut().unwrap(), b"\n").unwrap();
+    assert!(busy.wait().unwrap().success());
+    kill9_and_start(&mut env, &args).await;
+    assert_eq!(
+        profiles_on(&env, 0),
+        vec!["1g.10gb"; 7],
+        "{}",
+        env.log_text()
+    );
+    assert_eq!(profiles_on(&env, 1), ["2g.20gb"]);
+    let now = instances(&env);
+    for u in &operators {
+        assert!(now.iter().any(|(_, i)| &i.uuid == u), "the 1g.10gb {u}");
+    }
+    mig_resources(&env, &[("1g.10gb", 7), ("2g.20gb", 1)]).await;
+    let v = env.kubelet.view().borrow().clone();
+    assert!(
+        !v.resources["tencent.com/mig-3g.40gb"].connected,
+        "no plugin serves the 3g.40gb any more"
+    );
 }

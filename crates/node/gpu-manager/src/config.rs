@@ -41,6 +41,8 @@ pub struct Settings {
     pub container_runtime_endpoint: String,
     /// MIG devices are advertised as `<prefix><profile>` ([`crate::mig`]).
     pub mig_resource_prefix: String,
+    /// `--mig-geometry` ([`node_agent::geometry`]).
+    pub mig_geometry: node_agent::geometry::Geometry,
 }
 
 fn parse_labels(s: &str) -> Result<Vec<(String, String)>, ConfigError> {
@@ -158,6 +160,7 @@ impl Settings {
             container_runtime,
             container_runtime_endpoint: o.container_runtime_endpoint.unwrap_or_default(),
             mig_resource_prefix,
+            mig_geometry: n.mig_geometry,
         })
     }
 

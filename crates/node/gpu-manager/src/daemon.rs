@@ -72,7 +72,10 @@ pub async fn run(
     }
     let (volumes, extra) = check_configuration(&s)?;
     tracing::info!(ms = ms(t0), "step 1/6: configuration checked");
-    let (nvml, found) = discover(&s, t0)?;
+    let (nvml, mut found) = discover(&s, t0)?;
+    if !s.mig_geometry.gpus.is_empty() {
+        found = apply_mig_geometry(&s, &nvml, found).await?;
+    }
     let allocator = found.allocator();
     eprintln!("{}", allocator.render());
     // The mirror's time is reported apart: it depends on the driver's size.
@@ -255,6 +258,73 @@ fn discover(s: &Settings, t0: Instant) -> anyhow::Result<(Arc<nvml_wrapper::Nvml
         driver = %found.driver_version, nvml = %nvml_path.display(), "step 2/6: GPUs discovered"
     );
     Ok((nvml, found))
+}
+
+/// `--mig-geometry`, before anything is served: instances pods hold (the
+/// kubelet's records of the MIG resources; all of them when it does not
+/// answer) or processes use are never destroyed. The GPUs are read again
+/// when an instance was made or destroyed.
+async fn apply_mig_geometry(
+    s: &Settings,
+    nvml: &Arc<nvml_wrapper::Nvml>,
+    found: Discovered,
+) -> anyhow::Result<Discovered> {
+    use crate::world::KubeletSource;
+    let mig_uuids = || {
+        found
+            .mig
+            .iter()
+            .flat_map(|m| &m.devices)
+            .map(|d| d.uuid.clone())
+    };
+    let resources: std::collections::BTreeSet<String> = found
+        .mig
+        .iter()
+        .flat_map(|m| &m.devices)
+        .map(|d| crate::mig::resource_name(&s.mig_resource_prefix, &d.profile))
+        .collect();
+    let names: Vec<&str> = resources.iter().map(String::as_str).collect();
+    let kubelet = KubeletRecords::new(&s.pod_resources_socket, &s.device_plugin_path);
+    let held = match kubelet.held(&names).await {
+        Ok(h) => h
+            .into_iter()
+            .flat_map(|h| h.ids.into_values().flatten())
+            .collect(),
+        Err(e) => {
+            tracing::warn!(error = %e, "kubelet's records unread: every MIG instance counts as held");
+            mig_uuids().collect()
+        }
+    };
+    let devices = (0..found.topology.len() as u32)
+        .map(|i| nvml.device_by_index(i))
+        .collect::<Result<Vec<_>, _>>()
+        .context("NVML device handles for --mig-geometry")?;
+    let gpus: Vec<node_agent::geometry::GpuRef> = found
+        .topology
+        .gpus()
+        .iter()
+        .map(|g| node_agent::geometry::GpuRef {
+            index: g.index,
+            uuid: &g.uuid,
+        })
+        .collect();
+    let driver = node_agent::mig_nvml::NvmlMig {
+        nvml,
+        devices: &devices,
+    };
+    let changed = node_agent::geometry::apply_at_start(
+        &driver,
+        &gpus,
+        &s.mig_geometry,
+        &held,
+        &s.checkpoint_path,
+    );
+    if !changed {
+        return Ok(found);
+    }
+    let again = nvml::discover(nvml)?;
+    node_agent::mig::log(&again.mig);
+    Ok(again)
 }
 
 /// Step 4: this node's pods from the API server (degraded without it) and

@@ -169,6 +169,11 @@ pub struct Options {
     /// [default: tencent.com/mig-; NVIDIA's plugin names them nvidia.com/mig-].
     #[arg(long, env = "GPU_MANAGER_MIG_RESOURCE_PREFIX")]
     pub mig_resource_prefix: Option<String>,
+    /// MIG geometry to apply at start, "<GPU index or UUID>=<profile>,…;…"
+    /// (e.g. "0=3g.40gb,1g.10gb,1g.10gb"); GPUs not named are left as they
+    /// are [default: none] (docs/mig.md).
+    #[arg(long, env = "GPU_MANAGER_MIG_GEOMETRY")]
+    pub mig_geometry: Option<String>,
 }
 
 macro_rules! layer {
@@ -210,7 +215,8 @@ impl Options {
             api_timeout,
             container_runtime,
             container_runtime_endpoint,
-            mig_resource_prefix
+            mig_resource_prefix,
+            mig_geometry
         )
     }
 
@@ -246,6 +252,8 @@ pub struct NodeConfig {
     pub query_port: u16,
     pub sample_period: Duration,
     pub escape_policy: gpu_display::guard::Policy,
+    /// `--mig-geometry` (empty: no GPU named).
+    pub mig_geometry: crate::geometry::Geometry,
 }
 
 impl NodeConfig {
@@ -271,7 +279,14 @@ impl NodeConfig {
             });
         }
         let or = |p: &Option<PathBuf>, d: &str| p.clone().unwrap_or_else(|| d.into());
+        let mig_geometry = o.mig_geometry.as_deref().unwrap_or("").parse().map_err(
+            |e: crate::geometry::GeometryParseError| ConfigError::Invalid {
+                field: "mig-geometry",
+                problem: e.to_string(),
+            },
+        )?;
         Ok(NodeConfig {
+            mig_geometry,
             node_name,
             host_root: or(&o.host_root, defaults::HOST_ROOT),
             nvml_library: o.nvml_library.clone(),
