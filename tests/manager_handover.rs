@@ -249,3 +249,65 @@ async fn the_old_manager_takes_the_node_back_when_the_new_one_dies() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// The MIG plugins (served by the manager itself, not its supervisor)
+/// through the same rolling update: the old manager hands its kubelet
+/// connections to those over too, so when it stops the kubelet (≥ 1.26,
+/// as emulated) keeps the new manager's MIG registrations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mig_plugins_survive_a_rolling_update() {
+    const MIG: [&str; 2] = ["tencent.com/mig-1g.10gb", "tencent.com/mig-3g.40gb"];
+    let mut env = Env::start(
+        "sim-mig-h100",
+        Options {
+            prepare: Some(test_support::sim::SimNode::mig_3g_and_1g),
+            ..Default::default()
+        },
+    )
+    .await;
+    let old: Vec<String> = MIG.iter().map(|r| endpoint(&env, r).unwrap()).collect();
+    let new_log = env.tmp.path().join("new-manager.log");
+    let mut new = Stop(start_beside(&env, &new_log));
+    let moved = |v: &kubelet_emulator::View| {
+        MIG.iter().zip(&old).all(|(r, o)| {
+            v.resources
+                .get(*r)
+                .is_some_and(|x| x.connected && x.endpoint != *o)
+        })
+    };
+    env.kubelet
+        .wait_for(Duration::from_secs(30), moved)
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "no new MIG registration:\n{}",
+                std::fs::read_to_string(&new_log).unwrap_or_default()
+            )
+        });
+    wait_text(&env.log, "kubelet's connections handed over").await;
+    let regs: Vec<u64> = MIG
+        .iter()
+        .map(|r| env.kubelet.view().borrow().resources[*r].registrations)
+        .collect();
+    signal(&env.manager, libc::SIGTERM);
+    let t = Instant::now();
+    while env.manager.try_wait().unwrap().is_none() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the old manager did not stop"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let v = env.kubelet.view().borrow().clone();
+    for (r, n) in MIG.iter().zip(&regs) {
+        let x = &v.resources[*r];
+        assert!(
+            x.connected && x.registrations == *n && x.healthy_ids().len() == 1,
+            "{r}: kubelet dropped the new manager's registration when the old one stopped:\n{}\nthe old one:\n{}",
+            std::fs::read_to_string(&new_log).unwrap_or_default(),
+            env.log_text()
+        );
+    }
+    std::mem::swap(&mut env.manager, &mut new.0);
+}

@@ -75,29 +75,12 @@ async fn the_node_carries_its_gpu_inventory_and_health() {
 /// `mig` for the extender and the webhook, places nothing there, and keeps
 /// it out when an Xid on it clears; GPU 1 serves shares and whole-GPU
 /// requests as before.
-/// GPU 0 of the simulated H100 node in MIG mode with a 3g.40gb and a
-/// 1g.10gb instance, each with one full compute instance (`gpu-sim mig`,
-/// as `nvidia-smi -mig 1` then `nvidia-smi mig -cgi 9,19 -C`).
-fn mig_geometry(sim: &test_support::sim::SimNode) {
-    let out = std::process::Command::new(test_support::target_dir().join("gpu-sim"))
-        .args(["mig", "--root"])
-        .arg(sim.root())
-        .args(["--gpu", "0", "--enable", "--create", "9,19"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "gpu-sim mig: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_in_mig_mode_is_neither_shared_nor_given_whole() {
     let mut env = Env::start(
         "sim-mig-h100",
         Options {
-            prepare: Some(mig_geometry),
+            prepare: Some(test_support::sim::SimNode::mig_3g_and_1g),
             quiet_s: 1,
             ..Default::default()
         },
@@ -196,7 +179,7 @@ async fn mig_devices_are_served_whole_one_resource_per_profile() {
     let mut env = Env::start(
         "sim-mig-h100",
         Options {
-            prepare: Some(mig_geometry),
+            prepare: Some(test_support::sim::SimNode::mig_3g_and_1g),
             ..Default::default()
         },
     )
@@ -393,17 +376,7 @@ async fn mig_resources(env: &Env, want: &[(&str, usize)]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_configured_geometry_is_applied_and_adopted() {
     fn operators_instance(sim: &test_support::sim::SimNode) {
-        let out = std::process::Command::new(test_support::target_dir().join("gpu-sim"))
-            .args(["mig", "--root"])
-            .arg(sim.root())
-            .args(["--gpu", "0", "--enable", "--create", "19"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        sim.mig(&["--gpu", "0", "--enable", "--create", "19"]);
     }
     let geometry = |g: &str| vec!["--mig-geometry".into(), g.to_string().into()];
     let mut env = Env::start(

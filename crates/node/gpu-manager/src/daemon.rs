@@ -140,8 +140,7 @@ pub async fn run(
     // handed the node over must exit with kubelet's streams still open.
     let stop_plugins = CancellationToken::new();
     let plugins = start_plugins(&s, &mgr, &metrics, &gate, &sockets, sup, &stop_plugins).await?;
-    let mig_plugins =
-        crate::mig::start(&s.device_plugin_path, &mig, &instance, stop_plugins.clone())?;
+    mig.start(&s.device_plugin_path, &instance, stop_plugins.clone())?;
     let mut handed_over = false;
     if plugins
         .registered([VCORE_RESOURCE, VMEMORY_RESOURCE], &cancel)
@@ -183,11 +182,7 @@ pub async fn run(
     display.set_ready(false);
     stop_plugins.cancel();
     let plugins = plugins.wait().await.context("stopping the device plugins");
-    if let Some(m) = mig_plugins
-        && let Err(e) = m.wait().await
-    {
-        tracing::warn!(error = %e, "stopping the MIG plugins");
-    }
+    mig.stopped().await;
     node.stop(held).await;
     running.wait().await;
     plugins?;

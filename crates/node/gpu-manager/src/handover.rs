@@ -211,7 +211,10 @@ impl Node {
         }
         drop(held.owner);
         match &to.inbox {
-            Some(inbox) => match plugins.hand_over_connections(inbox).await {
+            Some(inbox) => match plugins
+                .hand_over_connections(inbox, self.mig.kubelet_connections())
+                .await
+            {
                 Ok(n) => {
                     tracing::info!(successor = %name, connections = n, "kubelet's connections handed over")
                 }
@@ -258,25 +261,45 @@ impl Node {
 pub fn open_inbox(path: &Path, into: Arc<Mutex<Vec<OwnedFd>>>) -> std::io::Result<()> {
     let _ = std::fs::remove_file(path);
     let listener = std::os::unix::net::UnixListener::bind(path)?;
+    listener.set_nonblocking(true)?;
     let path = path.to_path_buf();
     std::thread::spawn(move || {
-        if let Ok((conn, _)) = listener.accept() {
-            let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
-            while let Ok((msg, mut fds)) = fd_pass::recv(&conn) {
-                if msg.is_empty() {
-                    break;
+        // A predecessor's supervisor and the predecessor itself (its MIG
+        // plugins' connections) each send once.
+        let until = Instant::now() + INBOX_OPEN;
+        let mut senders = 0;
+        while senders < INBOX_SENDERS && Instant::now() < until {
+            match listener.accept() {
+                Ok((conn, _)) => {
+                    senders += 1;
+                    keep_connections(&conn, &into);
                 }
-                let n = fds.len();
-                into.lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .append(&mut fds);
-                tracing::info!(
-                    connections = n,
-                    "kept kubelet's connections to the previous manager open"
-                );
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
             }
         }
         let _ = std::fs::remove_file(&path);
     });
     Ok(())
+}
+
+/// How long a successor's inbox takes senders, and how many.
+const INBOX_OPEN: Duration = Duration::from_secs(300);
+const INBOX_SENDERS: usize = 2;
+
+fn keep_connections(conn: &std::os::unix::net::UnixStream, into: &Mutex<Vec<OwnedFd>>) {
+    let _ = conn.set_nonblocking(false);
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+    while let Ok((msg, mut fds)) = fd_pass::recv(conn) {
+        if msg.is_empty() {
+            break;
+        }
+        let n = fds.len();
+        into.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .append(&mut fds);
+        tracing::info!(
+            connections = n,
+            "kept kubelet's connections to the previous manager open"
+        );
+    }
 }

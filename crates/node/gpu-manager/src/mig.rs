@@ -62,6 +62,8 @@ pub struct MigPlugin {
 #[derive(Clone, Default)]
 pub struct MigPlugins {
     pub plugins: BTreeMap<String, Arc<MigPlugin>>,
+    /// Serving them ([`MigPlugins::start`]).
+    running: Arc<std::sync::Mutex<Option<device_plugin::RuntimeHandle>>>,
 }
 
 impl MigPlugins {
@@ -99,7 +101,10 @@ impl MigPlugins {
                 (resource, Arc::new(p))
             })
             .collect();
-        MigPlugins { plugins }
+        MigPlugins {
+            plugins,
+            running: Default::default(),
+        }
     }
 
     /// An Xid on GPU `gpu` (or its quiet period) for its MIG devices.
@@ -227,25 +232,53 @@ impl DevicePluginService for MigPlugin {
     }
 }
 
-/// Serves every MIG plugin on sockets of its own in `dir` until `cancel`;
-/// `None` when the node has no MIG device.
-pub fn start(
-    dir: &Path,
-    plugins: &MigPlugins,
-    instance: &str,
-    cancel: tokio_util::sync::CancellationToken,
-) -> anyhow::Result<Option<device_plugin::RuntimeHandle>> {
-    if plugins.plugins.is_empty() {
-        return Ok(None);
+impl MigPlugins {
+    /// Serves every MIG plugin on sockets of its own in `dir` until
+    /// `cancel` (nothing when the node has no MIG device).
+    pub fn start(
+        &self,
+        dir: &Path,
+        instance: &str,
+        cancel: tokio_util::sync::CancellationToken,
+    ) -> anyhow::Result<()> {
+        if self.plugins.is_empty() {
+            return Ok(());
+        }
+        remove_stale(dir);
+        let mut rt = device_plugin::PluginRuntime::new(dir);
+        for (resource, p) in &self.plugins {
+            tracing::info!(%resource, devices = p.served.len(), "serving MIG devices");
+            let socket = node_agent::mode::mig_plugin_socket(&p.profile, instance);
+            rt = rt.plugin(resource.clone(), socket, p.clone());
+        }
+        *self.lock() = Some(rt.start(cancel)?);
+        Ok(())
     }
-    remove_stale(dir);
-    let mut rt = device_plugin::PluginRuntime::new(dir);
-    for (resource, p) in &plugins.plugins {
-        tracing::info!(%resource, devices = p.served.len(), "serving MIG devices");
-        let socket = node_agent::mode::mig_plugin_socket(&p.profile, instance);
-        rt = rt.plugin(resource.clone(), socket, p.clone());
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<device_plugin::RuntimeHandle>> {
+        self.running.lock().unwrap_or_else(|p| p.into_inner())
     }
-    Ok(Some(rt.start(cancel)?))
+
+    /// Copies of the kubelet's connections to these plugins: a manager
+    /// handing the node over passes them on with the others, so that its
+    /// exit ends no stream (kubelet ≥ 1.26 would drop the successor's
+    /// registration of the same resources).
+    pub fn kubelet_connections(&self) -> Vec<std::os::fd::OwnedFd> {
+        self.lock()
+            .as_ref()
+            .map(|h| h.kubelet_connections())
+            .unwrap_or_default()
+    }
+
+    /// Waits for the plugins to stop (after the `cancel` given to `start`).
+    pub async fn stopped(&self) {
+        let handle = self.lock().take();
+        if let Some(h) = handle
+            && let Err(e) = h.wait().await
+        {
+            tracing::warn!(error = %e, "stopping the MIG plugins");
+        }
+    }
 }
 
 /// MIG plugin sockets of managers that died without removing them (in

@@ -136,20 +136,30 @@ impl Plugins {
     }
 
     /// Passes the kubelet's connections (to this manager, and to those it
-    /// replaced) to a successor's inbox; how many.
-    pub async fn hand_over_connections(&self, inbox: &Path) -> anyhow::Result<usize> {
+    /// replaced) to a successor's inbox, `also` with them (the MIG
+    /// plugins', served by this process either way); how many.
+    pub async fn hand_over_connections(
+        &self,
+        inbox: &Path,
+        mut also: Vec<OwnedFd>,
+    ) -> anyhow::Result<usize> {
         match self {
             Plugins::Own { handle, inherited } => {
                 let mut fds = handle.kubelet_connections();
                 fds.append(&mut inherited.lock().unwrap_or_else(|p| p.into_inner()));
+                fds.append(&mut also);
                 send_connections(inbox, &fds)?;
                 Ok(fds.len())
             }
             Plugins::Supervised { control, .. } => {
+                // The supervisor's first; the inbox takes a second sender.
                 let n = control
                     .request(&format!("hand-over {}", inbox.display()))
                     .await?;
-                Ok(n.trim().parse().unwrap_or(0))
+                if !also.is_empty() {
+                    send_connections(inbox, &also)?;
+                }
+                Ok(n.trim().parse().unwrap_or(0) + also.len())
             }
         }
     }

@@ -53,6 +53,29 @@ impl SimNode {
     pub fn lib_dir(&self) -> PathBuf {
         self.root().join("usr/lib/x86_64-linux-gnu")
     }
+
+    /// `gpu-sim mig --root <root> <args>` (as `nvidia-smi -mig 1` and
+    /// `nvidia-smi mig -cgi <ids> -C`); panics with its stderr on failure.
+    pub fn mig(&self, args: &[&str]) {
+        let out = std::process::Command::new(crate::target_dir().join("gpu-sim"))
+            .args(["mig", "--root"])
+            .arg(self.root())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "gpu-sim mig {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// GPU 0 of a MIG-capable node in MIG mode with a 3g.40gb and a
+    /// 1g.10gb (H100 profile ids 9 and 19), each with one full compute
+    /// instance.
+    pub fn mig_3g_and_1g(&self) {
+        self.mig(&["--gpu", "0", "--enable", "--create", "9,19"]);
+    }
 }
 
 /// The shared state of the sim installed at `root`.
