@@ -436,6 +436,37 @@ async fn a_configured_geometry_is_applied_and_adopted() {
         );
     }
 
+    // /metrics lists each MIG device with what runs in it (the sampler
+    // ticks every second).
+    let line = |text: &str, name: &str, uuid: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name) && l.contains(uuid))
+            .map(|l| l.rsplit(' ').next().unwrap().to_string())
+    };
+    let t = Instant::now();
+    let metrics = loop {
+        let (code, text) = test_support::process::http_get(env.http_addr, "/metrics");
+        assert_eq!(code, 200);
+        if line(&text, "vcuda_mig_device_processes", &big.uuid).as_deref() == Some("1") {
+            break text;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no process on the 3g.40gb in /metrics:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(
+        line(&metrics, "vcuda_mig_device_memory_total_bytes", &big.uuid),
+        Some((big.memory_mib << 20).to_string())
+    );
+    let mib_used: u64 = line(&metrics, "vcuda_mig_device_memory_used_bytes", &big.uuid)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(mib_used > 0, "{metrics}");
+    assert!(metrics.contains("profile=\"2g.20gb\""), "{metrics}");
+
     // A geometry that needs the busy 3g.40gb's slices (seven 1g.10gb) and
     // one that needs the held 2g.20gb's (a 7g.80gb): neither is applied,
     // nothing is destroyed.

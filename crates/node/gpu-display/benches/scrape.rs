@@ -120,6 +120,7 @@ fn bench_scrape() {
                 memory_total_bytes: 80 << 30,
                 processes,
                 window_us: None,
+                mig: Vec::new(),
             }
         })
         .collect();

@@ -30,7 +30,9 @@ use tokio_util::sync::CancellationToken;
 
 pub use metrics::ManagerMetrics;
 use metrics::MetricsRegistry;
-pub use sampler::{GpuReader, NvmlReader, Sampler, SamplerStats, Snapshot, SnapshotCell};
+pub use sampler::{
+    GpuReader, GpuSample, MigSample, NvmlReader, Sampler, SamplerStats, Snapshot, SnapshotCell,
+};
 pub use source::{ContainerView, DisplaySource, GpuRef, GpuView, Unhealthy};
 
 /// Default unix socket of the display service (the original's).

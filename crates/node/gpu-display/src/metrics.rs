@@ -208,6 +208,12 @@ fn scrape_families(
     for g in gpus {
         per_gpu.record(node, g, snap);
     }
+    if snap.gpus.iter().any(|g| !g.mig.is_empty()) {
+        let per_mig = MigGauges::register(&r);
+        for g in &snap.gpus {
+            per_mig.record(node, g);
+        }
+    }
     let per_container = ContainerGauges::register(&r);
     let legacy = LegacyGauges::register(&r);
     for c in containers {
@@ -299,6 +305,54 @@ impl GpuGauges {
             .with_label_values(&l)
             .set(if g.healthy { 1.0 } else { 0.0 });
         self.tenants.with_label_values(&l).set(g.tenants as f64);
+    }
+}
+
+/// `vcuda_mig_device_*`: one series per MIG device, labelled node, the
+/// parent's index, the MIG UUID and the profile (only on nodes with one).
+struct MigGauges {
+    mem_total: GaugeVec,
+    mem_used: GaugeVec,
+    processes: GaugeVec,
+}
+
+impl MigGauges {
+    fn register(r: &Registry) -> MigGauges {
+        const M: &[&str] = &["node", "gpu", "uuid", "profile"];
+        MigGauges {
+            mem_total: gauge(
+                r,
+                "vcuda_mig_device_memory_total_bytes",
+                "Memory of the MIG device's GPU instance.",
+                M,
+            ),
+            mem_used: gauge(
+                r,
+                "vcuda_mig_device_memory_used_bytes",
+                "GPU memory the processes on the MIG device hold (NVML).",
+                M,
+            ),
+            processes: gauge(
+                r,
+                "vcuda_mig_device_processes",
+                "Processes running on the MIG device.",
+                M,
+            ),
+        }
+    }
+
+    fn record(&self, node: &str, g: &crate::sampler::GpuSample) {
+        let idx = g.index.to_string();
+        for m in &g.mig {
+            let l = [node, idx.as_str(), m.uuid.as_str(), m.profile.as_str()];
+            self.mem_total
+                .with_label_values(&l)
+                .set(m.memory_total_bytes as f64);
+            self.mem_used
+                .with_label_values(&l)
+                .set(m.memory_used_bytes as f64);
+            self.processes.with_label_values(&l).set(m.processes as f64);
+        }
     }
 }
 

@@ -38,6 +38,22 @@ pub struct GpuSample {
     pub processes: HashMap<u32, ProcSample>,
     /// The window the per-process utilization covers (epoch µs), if known.
     pub window_us: Option<(u64, u64)>,
+    /// Its MIG devices, when it is in MIG mode (filled by a reader that
+    /// knows MIG: `node_agent::display`).
+    pub mig: Vec<MigSample>,
+}
+
+/// One MIG device at the last sample.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MigSample {
+    /// `MIG-…`.
+    pub uuid: String,
+    /// `3g.40gb`.
+    pub profile: String,
+    pub memory_total_bytes: u64,
+    /// What its processes hold (NVML's process list of the parent GPU).
+    pub memory_used_bytes: u64,
+    pub processes: u32,
 }
 
 /// Everything the sampler learnt at its last tick.
@@ -387,6 +403,7 @@ impl NvmlReader {
             memory_total_bytes: mem.total,
             processes,
             window_us: window,
+            mig: Vec::new(),
         })
     }
 }
