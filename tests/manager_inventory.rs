@@ -466,6 +466,11 @@ async fn a_configured_geometry_is_applied_and_adopted() {
         .unwrap();
     assert!(mib_used > 0, "{metrics}");
     assert!(metrics.contains("profile=\"2g.20gb\""), "{metrics}");
+    let (_, graph) = test_support::process::http_get(env.http_addr, "/graph");
+    assert!(
+        graph.contains(&format!("GPU0 {} 3g.40gb", big.uuid)) && graph.contains("1 process(es)"),
+        "{graph}"
+    );
 
     // A geometry that needs the busy 3g.40gb's slices (seven 1g.10gb) and
     // one that needs the held 2g.20gb's (a 7g.80gb): neither is applied,

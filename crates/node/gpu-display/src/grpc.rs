@@ -24,7 +24,7 @@ struct Service(Arc<Shared>);
 impl GpuDisplay for Service {
     async fn print_graph(&self, _: Request<()>) -> Result<Response<GraphResponse>, Status> {
         Ok(Response::new(GraphResponse {
-            graph: self.0.source.graph_text(),
+            graph: self.0.graph(),
         }))
     }
 

@@ -116,7 +116,7 @@ fn route(shared: &Shared, req: &Request<Incoming>) -> Resp {
     }
     let src = &shared.source;
     match path {
-        "/graph" => text(StatusCode::OK, PLAIN, src.graph_text()),
+        "/graph" => text(StatusCode::OK, PLAIN, shared.graph()),
         "/usage" => {
             let u = crate::usage::usage_json(&src.containers(), &shared.snapshot.load());
             let body = serde_json::to_vec_pretty(&u).unwrap_or_default();

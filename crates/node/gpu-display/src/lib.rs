@@ -116,6 +116,35 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// `/graph` and `PrintGraph`: the source's tree, then the MIG devices
+    /// the last sample found (they are no share or whole GPU of its tree).
+    pub(crate) fn graph(&self) -> String {
+        let mut out = self.source.graph_text();
+        let snap = self.snapshot.load();
+        let mig: Vec<(u32, &MigSample)> = snap
+            .gpus
+            .iter()
+            .flat_map(|g| g.mig.iter().map(move |m| (g.index, m)))
+            .collect();
+        if !mig.is_empty() {
+            if !out.is_empty() && !out.ends_with('\n') {
+                out.push('\n');
+            }
+            out.push_str("MIG devices:\n");
+            for (gpu, m) in mig {
+                out.push_str(&format!(
+                    "├─ GPU{gpu} {} {}: memory {}/{} MiB used, {} process(es)\n",
+                    m.uuid,
+                    m.profile,
+                    m.memory_used_bytes >> 20,
+                    m.memory_total_bytes >> 20,
+                    m.processes
+                ));
+            }
+        }
+        out
+    }
+
     pub(crate) fn render_metrics(&self) -> String {
         let src = &self.source;
         self.metrics.render(
