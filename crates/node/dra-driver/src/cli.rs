@@ -1,9 +1,10 @@
 //! `vcuda-dra-driver`'s settings: flags (and their `VCUDA_DRA_*`
 //! variables) over the manager's TOML file (`--manager-config`, the same
 //! ConfigMap the device-plugin mode reads: host root, driver mirror, vm
-//! directory, interposer, Xids, display, node name), over defaults. A node
-//! switches modes by running this binary instead of `gpu-manager`, with
-//! the same file; the file's device-plugin keys are not used here.
+//! directory, interposer, Xids, display, node name, MIG geometry), over
+//! defaults. A node switches modes by running this binary instead of
+//! `gpu-manager`, with the same file; the file's device-plugin keys are
+//! not used here.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -98,6 +99,12 @@ pub struct Args {
     /// then stay open across a restart of the driver's container too.
     #[arg(long, env = "VCUDA_DRA_SOCKET_HOLDER")]
     pub socket_holder: Option<PathBuf>,
+    /// MIG geometry to apply at start, "<GPU index or UUID>=<profile>,…;…"
+    /// (e.g. "0=3g.40gb,1g.10gb,1g.10gb"); GPUs not named are left as
+    /// they are; instances of prepared claims are never destroyed
+    /// [default: none] (docs/mig.md).
+    #[arg(long, env = "VCUDA_DRA_MIG_GEOMETRY")]
+    pub mig_geometry: Option<String>,
 }
 
 /// Flags over the manager's file over the node's defaults
@@ -123,6 +130,7 @@ pub fn resolve(a: Args) -> anyhow::Result<Settings> {
         display_socket: a.display_socket,
         sample_period: a.sample_period,
         escape_policy: a.escape_policy,
+        mig_geometry: a.mig_geometry,
         ..Options::default()
     };
     let n = NodeConfig::resolve(&flags.over(f))?;
@@ -169,6 +177,7 @@ pub fn resolve(a: Args) -> anyhow::Result<Settings> {
         display: (display_socket.as_os_str() != "none").then_some((display_socket, query_addr)),
         sample_period: n.sample_period,
         escape_policy: n.escape_policy,
+        mig_geometry: n.mig_geometry,
     })
 }
 
@@ -231,6 +240,38 @@ mod tests {
         })
         .unwrap_err();
         assert!(e.to_string().contains("gpu-manager.toml"), "{e}");
+    }
+
+    #[test]
+    fn the_mig_geometry_flag_over_the_managers_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let toml = tmp.path().join("gpu-manager.toml");
+        std::fs::write(&toml, "mig-geometry = \"1=7g.80gb\"\n").unwrap();
+        let resolve_with = |flags: &[&str]| {
+            let mut argv = vec!["vcuda-dra-driver", "--node-name", "n", "--manager-config"];
+            argv.push(toml.to_str().unwrap());
+            argv.extend(flags);
+            resolve(Args::try_parse_from(argv).unwrap())
+        };
+        let from_file = resolve_with(&[]).unwrap().mig_geometry;
+        assert_eq!(from_file.gpus.len(), 1);
+        assert_eq!(from_file.gpus["1"], ["7g.80gb"]);
+        let g = resolve_with(&["--mig-geometry", "0=3g.40gb,1g.10gb;GPU-x=2g.20gb"])
+            .unwrap()
+            .mig_geometry;
+        assert_eq!(g.gpus.len(), 2, "the flag replaces the file's: {g:?}");
+        assert_eq!(g.gpus["0"], ["3g.40gb", "1g.10gb"]);
+        assert_eq!(g.gpus["GPU-x"], ["2g.20gb"]);
+        let none = resolve(Args {
+            node_name: Some("n".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(none.mig_geometry.gpus.is_empty());
+        let e = resolve_with(&["--mig-geometry", "0:3g.40gb"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mig-geometry") && e.contains("0:3g.40gb"), "{e}");
     }
 
     #[test]

@@ -48,6 +48,8 @@ pub struct Settings {
     pub display: Option<(PathBuf, std::net::SocketAddr)>,
     pub sample_period: Duration,
     pub escape_policy: gpu_display::guard::Policy,
+    /// `--mig-geometry`, applied at start (empty: no GPU named).
+    pub mig_geometry: node_agent::geometry::Geometry,
 }
 
 /// What a running driver tells its starter.
@@ -71,7 +73,10 @@ pub async fn run(
     }
     let nvml_path = node_agent::config::nvml_path(&s.host_root, s.nvml_library.as_deref())?;
     let nvml = node_agent::nvml::load(&nvml_path)?;
-    let found = node_agent::nvml::discover(&nvml)?;
+    let mut found = node_agent::nvml::discover(&nvml)?;
+    if !s.mig_geometry.gpus.is_empty() {
+        found = crate::geometry::apply(&s, &nvml, found).await?;
+    }
     node_agent::mig::log(&found.mig);
     let volumes = vdriver::VolumeConfig::load(&s.volume_config)
         .with_context(|| format!("loading --volume-config {}", s.volume_config.display()))?;

@@ -5,7 +5,8 @@
 //!   `cores` and `memory`, multiple allocations allowed) and the
 //!   DeviceClasses (pure), with [`topology`] (the PCIe root and NVLink
 //!   domain attributes) and [`mig`] (a GPU in MIG mode: a device per MIG
-//!   device, taken whole); [`publish`] keeps it current.
+//!   device, taken whole); [`publish`] keeps it current; [`geometry`]
+//!   applies `--mig-geometry` at start.
 //! * [`plan`]: an allocated ResourceClaim -> devices to prepare (pure), with
 //!   [`params`] (opaque per-claim parameters: soft limits) and [`quantity`].
 //! * [`driver`]: prepare / unprepare: vm directories (`vcuda.config`, the
@@ -29,6 +30,7 @@ pub mod controller;
 pub mod daemon;
 pub mod display;
 pub mod driver;
+pub mod geometry;
 pub mod grpc;
 pub mod health;
 pub mod holder;

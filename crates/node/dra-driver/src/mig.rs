@@ -1,6 +1,6 @@
 //! Static MIG devices in the slice (issue 36, pure): a GPU in MIG mode is
 //! no share or whole-GPU device, but each MIG device found on it (made by
-//! an administrator: vcuda does not change a geometry it did not make,
+//! an administrator, or by `--mig-geometry` at start, [`crate::geometry`];
 //! docs/mig.md) is a device of its own, `gpu-<index>-mig-<gi>-<ci>`, taken
 //! whole by one claim with the untouched driver: the hardware is the quota.
 //!

@@ -140,6 +140,7 @@ fn settings(sim: &Path, dirs: &Dirs, shim: PathBuf) -> Settings {
         display: Some((dirs.p("display.sock"), "127.0.0.1:0".parse().unwrap())),
         sample_period: Duration::from_secs(1),
         escape_policy: gpu_display::guard::Policy::Report,
+        mig_geometry: Default::default(),
     }
 }
 

@@ -58,6 +58,7 @@ fn settings(dirs: &Dirs) -> Settings {
         display: None,
         sample_period: Duration::from_secs(1),
         escape_policy: gpu_display::guard::Policy::Report,
+        mig_geometry: Default::default(),
     }
 }
 
