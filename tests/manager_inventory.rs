@@ -278,6 +278,46 @@ async fn mig_devices_are_served_whole_one_resource_per_profile() {
     }
     assert_ne!(minors[0], minors[1]);
 
+    // An Xid inside the 1g.10gb's GPU instance (as the driver reports an
+    // error in one): that device alone goes out, for the quiet period.
+    let (small, big) = match found[0].1.sms < found[1].1.sms {
+        true => (&found[0], &found[1]),
+        false => (&found[1], &found[0]),
+    };
+    let out = std::process::Command::new(test_support::target_dir().join("gpu-sim"))
+        .args(["xid", "--root"])
+        .arg(env.sim_root())
+        .args(["--gpu", "0", "--code", "94", "--gpu-instance"])
+        .arg(small.1.gi.to_string())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let healthy =
+        |v: &kubelet_emulator::View, p: &str| v.resources[&resource(p)].healthy_ids().len();
+    let v = env
+        .kubelet
+        .wait_for(Duration::from_secs(10), |v| healthy(v, &small.0) == 0)
+        .await
+        .unwrap_or_else(|_| panic!("the 1g.10gb stayed healthy:\n{}", env.log_text()));
+    assert_eq!(
+        healthy(&v, &big.0),
+        1,
+        "the 3g.40gb is not in the Xid's instance"
+    );
+    let sums = |v: &kubelet_emulator::View| {
+        [test_support::manager::VCORE, test_support::manager::VMEM]
+            .map(|r| v.resources[r].healthy_ids().len())
+    };
+    assert_eq!(sums(&v)[0], 100, "GPU 1's shares are not touched");
+    env.kubelet
+        .wait_for(Duration::from_secs(10), |v| healthy(v, &small.0) == 1)
+        .await
+        .unwrap_or_else(|_| panic!("the 1g.10gb never came back:\n{}", env.log_text()));
+
     // kill -9 of the manager: the instances stay; the next one, started
     // with the same command line, registers and serves them again.
     let mig_regs = |v: &kubelet_emulator::View| -> u64 {

@@ -65,7 +65,7 @@ impl SliceController {
     /// the devices; whether the slice is to be republished.
     pub fn apply(&mut self, change: HealthChange) -> bool {
         match change {
-            HealthChange::Unhealthy { gpu, xid } => {
+            HealthChange::Unhealthy { gpu, xid, .. } => {
                 let shown = match self.publisher.unhealthy() {
                     Unhealthy::Taint(effect) => {
                         format!("tainted {UNHEALTHY_TAINT}=xid-{xid}:{effect} in the ResourceSlice")
@@ -89,7 +89,7 @@ impl SliceController {
                     _ => false,
                 }
             }
-            HealthChange::Healthy { gpu } => {
+            HealthChange::Healthy { gpu, .. } => {
                 self.driver.set_healthy(gpu, true, "");
                 let Some(d) = self.devices.get_mut(gpu) else {
                     return false;
@@ -263,8 +263,12 @@ mod tests {
             .run(hrx, srx, cancel.clone()),
         );
 
-        htx.send(HealthChange::Unhealthy { gpu: 0, xid: 79 })
-            .unwrap();
+        htx.send(HealthChange::Unhealthy {
+            gpu: 0,
+            gpu_instance: None,
+            xid: 79,
+        })
+        .unwrap();
         api.until(Some(if drops_taints { (0, 0) } else { (1, 1) }))
             .await;
         assert_eq!(*healthy.lock().unwrap(), [false]);
@@ -275,8 +279,12 @@ mod tests {
         );
         // Once the API server was seen dropping taints, the next Xid says
         // so at once.
-        htx.send(HealthChange::Unhealthy { gpu: 0, xid: 48 })
-            .unwrap();
+        htx.send(HealthChange::Unhealthy {
+            gpu: 0,
+            gpu_instance: None,
+            xid: 48,
+        })
+        .unwrap();
         let said = if drops_taints {
             "critical Xid 48: out of the ResourceSlice"
         } else {
@@ -291,7 +299,11 @@ mod tests {
             .await
             .unwrap_or_else(|_| panic!("{:?}", driver.health_watch().borrow()[0]));
 
-        htx.send(HealthChange::Healthy { gpu: 0 }).unwrap();
+        htx.send(HealthChange::Healthy {
+            gpu: 0,
+            gpu_instance: None,
+        })
+        .unwrap();
         api.until(Some((1, 0))).await;
         assert!(driver.health_watch().borrow()[0].healthy);
 

@@ -142,6 +142,8 @@ pub async fn run(
         devices.iter().map(|d| d.info.uuid.clone()).collect(),
         s.ignored_xids.clone(),
         s.xid_quiet_period,
+        // Its MIG devices carry their GPU's taint (docs/mig.md).
+        node_agent::health::InstanceXids::Gpu,
         &cancel,
     );
     SliceController {

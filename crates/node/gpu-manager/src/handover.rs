@@ -95,6 +95,7 @@ impl Node {
             mgr.gpus().iter().map(|g| g.uuid.clone()).collect(),
             s.ignored_xids.clone(),
             s.xid_quiet_period,
+            node_agent::health::InstanceXids::Instance,
             jobs,
         );
         crate::health::spawn(mgr.clone(), self.mig.clone(), health, jobs.clone());

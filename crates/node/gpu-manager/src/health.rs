@@ -27,11 +27,21 @@ pub fn spawn(
             };
             match change {
                 None => return,
+                // An Xid inside a MIG GPU instance: that instance alone.
+                Some(HealthChange::Unhealthy {
+                    gpu,
+                    gpu_instance: Some(gi),
+                    ..
+                }) => mig.set_instance_health(gpu, gi, false),
+                Some(HealthChange::Healthy {
+                    gpu,
+                    gpu_instance: Some(gi),
+                }) => mig.set_instance_health(gpu, gi, true),
                 Some(HealthChange::Unhealthy { gpu, .. }) => {
                     mgr.set_gpu_health(gpu, false);
                     mig.set_gpu_health(gpu, false);
                 }
-                Some(HealthChange::Healthy { gpu }) => {
+                Some(HealthChange::Healthy { gpu, .. }) => {
                     mgr.set_gpu_health(gpu, true);
                     mig.set_gpu_health(gpu, true);
                 }

@@ -58,12 +58,17 @@ pub struct MigPlugin {
     ctx: Arc<MigContext>,
 }
 
+/// A GPU (`None`) or one of its GPU instances.
+type Unit = (usize, Option<u32>);
+
 /// Every MIG plugin of the node, by resource name.
 #[derive(Clone, Default)]
 pub struct MigPlugins {
     pub plugins: BTreeMap<String, Arc<MigPlugin>>,
     /// Serving them ([`MigPlugins::start`]).
     running: Arc<std::sync::Mutex<Option<device_plugin::RuntimeHandle>>>,
+    /// GPUs (`None`) and GPU instances with a recent critical Xid.
+    out: Arc<std::sync::Mutex<std::collections::BTreeSet<Unit>>>,
 }
 
 impl MigPlugins {
@@ -104,18 +109,42 @@ impl MigPlugins {
         MigPlugins {
             plugins,
             running: Default::default(),
+            out: Default::default(),
         }
     }
 
     /// An Xid on GPU `gpu` (or its quiet period) for its MIG devices.
     pub fn set_gpu_health(&self, gpu: usize, healthy: bool) {
+        self.set_out((gpu, None), !healthy);
+    }
+
+    /// An Xid inside GPU instance `gi` of GPU `gpu` (or its quiet period):
+    /// that instance's MIG devices alone.
+    pub fn set_instance_health(&self, gpu: usize, gi: u32, healthy: bool) {
+        tracing::warn!(
+            gpu,
+            gpu_instance = gi,
+            healthy,
+            "MIG GPU instance health changed"
+        );
+        self.set_out((gpu, Some(gi)), !healthy);
+    }
+
+    /// Marks `unit` out (or back) and sets each device's health: healthy
+    /// while neither its GPU nor its GPU instance is out.
+    fn set_out(&self, unit: Unit, out: bool) {
+        let mut set = self.out.lock().unwrap_or_else(|p| p.into_inner());
+        if out {
+            set.insert(unit);
+        } else {
+            set.remove(&unit);
+        }
         for p in self.plugins.values() {
-            let on_gpu = |id: &str| {
-                p.served
-                    .iter()
-                    .any(|s| s.device.uuid == id && s.parent.index == gpu)
-            };
-            p.list.set_health_where(healthy, on_gpu);
+            for s in &p.served {
+                let (g, gi) = (s.parent.index, s.device.gpu_instance);
+                let healthy = !set.contains(&(g, None)) && !set.contains(&(g, Some(gi)));
+                p.list.set_health(&s.device.uuid, healthy);
+            }
         }
     }
 }

@@ -1,6 +1,7 @@
 //! GPU health from critical Xids, the same in both modes: a critical Xid
 //! takes a GPU out at once; after the quiet period without another it is
-//! healthy again. [`XidTracker`] is that rule (pure, clock passed in);
+//! healthy again. An Xid NVML reports inside a MIG GPU instance takes
+//! that instance out, not its GPU (a [`Unit`] of its own). [`XidTracker`] is that rule (pure, clock passed in);
 //! [`spawn_tracker`] runs it over the NVML watcher's events
 //! ([`crate::nvml::watch_xids`]) and reports each change.
 
@@ -13,15 +14,23 @@ use tokio_util::sync::CancellationToken;
 
 use crate::nvml::XidEvent;
 
-/// The quiet-period rule over the GPUs' last critical Xid.
-#[derive(Debug, Clone)]
-pub struct XidTracker {
-    quiet: Duration,
-    last: BTreeMap<usize, Instant>,
+/// What a critical Xid takes out: a GPU, or one MIG GPU instance on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Unit {
+    pub gpu: usize,
+    pub gpu_instance: Option<u32>,
 }
 
-impl XidTracker {
-    pub fn new(quiet: Duration) -> XidTracker {
+/// The quiet-period rule over the last critical Xid of each unit (GPU
+/// indices, or [`Unit`]s).
+#[derive(Debug, Clone)]
+pub struct XidTracker<K = usize> {
+    quiet: Duration,
+    last: BTreeMap<K, Instant>,
+}
+
+impl<K: Ord + Copy> XidTracker<K> {
+    pub fn new(quiet: Duration) -> XidTracker<K> {
         XidTracker {
             quiet,
             last: BTreeMap::new(),
@@ -40,19 +49,19 @@ impl XidTracker {
 
     /// A critical Xid on `gpu` at `at`: unhealthy until the quiet period
     /// passes without another.
-    pub fn critical(&mut self, gpu: usize, at: Instant) {
+    pub fn critical(&mut self, gpu: K, at: Instant) {
         self.last.insert(gpu, at);
     }
 
-    pub fn is_unhealthy(&self, gpu: usize) -> bool {
+    pub fn is_unhealthy(&self, gpu: K) -> bool {
         self.last.contains_key(&gpu)
     }
 
-    /// The GPUs whose quiet period has passed at `now`, in index order;
-    /// they are healthy again (forgotten).
-    pub fn recovered(&mut self, now: Instant) -> Vec<usize> {
+    /// The units whose quiet period has passed at `now`, in order; they
+    /// are healthy again (forgotten).
+    pub fn recovered(&mut self, now: Instant) -> Vec<K> {
         let quiet = self.quiet;
-        let done: Vec<usize> = self
+        let done: Vec<K> = self
             .last
             .iter()
             .filter(|(_, t)| now.saturating_duration_since(**t) >= quiet)
@@ -65,17 +74,21 @@ impl XidTracker {
     }
 }
 
-/// A GPU's health changed (or another critical Xid arrived).
+/// A GPU's (or a MIG GPU instance's) health changed, or another critical
+/// Xid arrived.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HealthChange {
     /// Every critical Xid, also on a GPU already unhealthy (the quiet
-    /// period restarts).
+    /// period restarts). `gpu_instance`: the MIG GPU instance NVML named,
+    /// which alone is out.
     Unhealthy {
         gpu: usize,
+        gpu_instance: Option<u32>,
         xid: u64,
     },
     Healthy {
         gpu: usize,
+        gpu_instance: Option<u32>,
     },
 }
 
@@ -89,27 +102,40 @@ pub fn spawn_tracker(
 ) -> mpsc::UnboundedReceiver<HealthChange> {
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
-        let mut tracker = XidTracker::new(quiet);
+        let mut tracker = XidTracker::<Unit>::new(quiet);
         let mut timer = tokio::time::interval(tracker.tick());
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => return,
                 ev = events.recv() => {
                     let Some(ev) = ev else { return };
-                    tracing::warn!(gpu = ev.gpu, xid = ev.xid, quiet_s = quiet.as_secs_f64(), "GPU unhealthy after a critical Xid");
-                    tracker.critical(ev.gpu, Instant::now());
-                    let _ = tx.send(HealthChange::Unhealthy { gpu: ev.gpu, xid: ev.xid });
+                    let (gpu, gpu_instance) = (ev.gpu, ev.gpu_instance);
+                    match gpu_instance {
+                        None => tracing::warn!(gpu, xid = ev.xid, quiet_s = quiet.as_secs_f64(), "GPU unhealthy after a critical Xid"),
+                        Some(gi) => tracing::warn!(gpu, gpu_instance = gi, xid = ev.xid, quiet_s = quiet.as_secs_f64(), "MIG GPU instance unhealthy after a critical Xid in it"),
+                    }
+                    tracker.critical(Unit { gpu, gpu_instance }, Instant::now());
+                    let _ = tx.send(HealthChange::Unhealthy { gpu, gpu_instance, xid: ev.xid });
                 }
                 _ = timer.tick() => {
-                    for gpu in tracker.recovered(Instant::now()) {
-                        tracing::info!(gpu, "no critical Xid for the quiet period; GPU healthy again");
-                        let _ = tx.send(HealthChange::Healthy { gpu });
+                    for Unit { gpu, gpu_instance } in tracker.recovered(Instant::now()) {
+                        tracing::info!(gpu, gpu_instance, "no critical Xid for the quiet period; healthy again");
+                        let _ = tx.send(HealthChange::Healthy { gpu, gpu_instance });
                     }
                 }
             }
         }
     });
     rx
+}
+
+/// What a critical Xid inside a MIG GPU instance takes out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InstanceXids {
+    /// That instance alone (its GPU's other instances go on).
+    Instance,
+    /// Its whole GPU, as any other Xid.
+    Gpu,
 }
 
 /// The node's GPU health: NVML's critical Xids on the GPUs `uuids` (in
@@ -119,11 +145,27 @@ pub fn watch(
     uuids: Vec<String>,
     ignored: Vec<u64>,
     quiet: Duration,
+    in_instance: InstanceXids,
     cancel: &CancellationToken,
 ) -> mpsc::UnboundedReceiver<HealthChange> {
-    let (xtx, xrx) = mpsc::unbounded_channel();
+    let (xtx, mut xrx) = mpsc::unbounded_channel::<XidEvent>();
     crate::nvml::watch_xids(nvml, uuids, ignored, xtx, cancel.clone());
-    spawn_tracker(xrx, quiet, cancel.clone())
+    if in_instance == InstanceXids::Instance {
+        return spawn_tracker(xrx, quiet, cancel.clone());
+    }
+    let (gtx, grx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(ev) = xrx.recv().await {
+            let whole = XidEvent {
+                gpu_instance: None,
+                ..ev
+            };
+            if gtx.send(whole).is_err() {
+                return;
+            }
+        }
+    });
+    spawn_tracker(grx, quiet, cancel.clone())
 }
 
 #[cfg(test)]
@@ -158,11 +200,11 @@ mod tests {
         assert_eq!(t.recovered(t0 + Duration::from_millis(1)), vec![0, 2, 3]);
         assert_eq!(t.tick(), Duration::from_millis(100));
         assert_eq!(
-            XidTracker::new(Duration::from_secs(300)).tick(),
+            XidTracker::<usize>::new(Duration::from_secs(300)).tick(),
             Duration::from_secs(5)
         );
         assert_eq!(
-            XidTracker::new(Duration::from_secs(2)).tick(),
+            XidTracker::<usize>::new(Duration::from_secs(2)).tick(),
             Duration::from_millis(500)
         );
     }
@@ -172,12 +214,50 @@ mod tests {
         let (tx, rx) = mpsc::unbounded_channel();
         let cancel = CancellationToken::new();
         let mut changes = spawn_tracker(rx, Duration::from_millis(200), cancel.clone());
-        tx.send(XidEvent { gpu: 1, xid: 79 }).unwrap();
+        let whole = |gpu| XidEvent {
+            gpu,
+            gpu_instance: None,
+            xid: 79,
+        };
+        tx.send(whole(1)).unwrap();
         assert_eq!(
             changes.recv().await,
-            Some(HealthChange::Unhealthy { gpu: 1, xid: 79 })
+            Some(HealthChange::Unhealthy {
+                gpu: 1,
+                gpu_instance: None,
+                xid: 79
+            })
         );
-        assert_eq!(changes.recv().await, Some(HealthChange::Healthy { gpu: 1 }));
+        assert_eq!(
+            changes.recv().await,
+            Some(HealthChange::Healthy {
+                gpu: 1,
+                gpu_instance: None
+            })
+        );
+        // In a MIG GPU instance: that instance, apart from its GPU.
+        tx.send(XidEvent {
+            gpu: 0,
+            gpu_instance: Some(2),
+            xid: 94,
+        })
+        .unwrap();
+        let change = changes.recv().await;
+        assert_eq!(
+            change,
+            Some(HealthChange::Unhealthy {
+                gpu: 0,
+                gpu_instance: Some(2),
+                xid: 94
+            })
+        );
+        assert_eq!(
+            changes.recv().await,
+            Some(HealthChange::Healthy {
+                gpu: 0,
+                gpu_instance: Some(2)
+            })
+        );
         drop(tx);
         assert_eq!(changes.recv().await, None);
     }

@@ -189,7 +189,32 @@ pub fn driver_major_minor(v: &str) -> (i32, i32) {
 #[derive(Debug, Clone, Copy)]
 pub struct XidEvent {
     pub gpu: usize,
+    /// The MIG GPU instance the error is in, when NVML names one.
+    pub gpu_instance: Option<u32>,
     pub xid: u64,
+}
+
+/// NVML's event without an instance (nvml.h: 0xFFFFFFFF).
+const NO_INSTANCE: u32 = 0xFFFF_FFFF;
+
+/// One event from `set`, GPU instance included: nvml-wrapper's
+/// `EventSet::wait` drops it, so nvmlEventSetWait_v2 is called directly.
+fn wait_event(
+    nvml: &Nvml,
+    set: &nvml_wrapper::EventSet<'_>,
+    timeout_ms: u32,
+) -> Result<(String, u64, Option<u32>), NvmlError> {
+    let sym = nvml_wrapper::error::nvml_sym(nvml.lib().nvmlEventSetWait_v2.as_ref())?;
+    // SAFETY: zeroed is a valid event record (a pointer and integers).
+    let mut data: nvml_wrapper_sys::bindings::nvmlEventData_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a live event set of `nvml`; `data` is the record
+    // the call fills.
+    nvml_wrapper::error::nvml_try(unsafe { sym(set.handle(), &mut data, timeout_ms) })?;
+    // SAFETY: the driver's handle of the device the event is on, valid
+    // while `nvml` is.
+    let device = unsafe { nvml_wrapper::Device::new(data.device, nvml) };
+    let gi = (data.gpuInstanceId != NO_INSTANCE).then_some(data.gpuInstanceId);
+    Ok((device.uuid()?, data.eventData, gi))
 }
 
 /// Watches Xid events on all GPUs in a thread (NVML's wait blocks) and sends
@@ -223,20 +248,15 @@ pub fn watch_xids(
             }
             tracing::info!(gpus = uuids.len(), "watching Xid events");
             while !stop.is_cancelled() && !tx.is_closed() {
-                match set.wait(500) {
-                    Ok(ev) => {
-                        let xid = match ev.event_data {
-                            Some(nvml_wrapper::enums::event::XidError::Value(v)) => v,
-                            _ => 999,
-                        };
-                        let uuid = ev.device.uuid().unwrap_or_default();
+                match wait_event(&nvml, &set, 500) {
+                    Ok((uuid, xid, gpu_instance)) => {
                         let Some(gpu) = uuids.iter().position(|u| *u == uuid) else { continue };
                         if ignored.contains(&xid) {
                             tracing::info!(gpu, xid, "Xid ignored (application error)");
                             continue;
                         }
-                        tracing::warn!(gpu, xid, uuid, "critical Xid");
-                        let _ = tx.send(XidEvent { gpu, xid });
+                        tracing::warn!(gpu, xid, uuid, gpu_instance, "critical Xid");
+                        let _ = tx.send(XidEvent { gpu, gpu_instance, xid });
                     }
                     Err(NvmlError::Timeout) => {}
                     Err(e) => {

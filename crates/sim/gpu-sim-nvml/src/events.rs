@@ -131,7 +131,10 @@ pub unsafe extern "C" fn nvmlDeviceRegisterEvents(
 }
 
 /// Waits up to `timeout_ms` for an Xid on a registered device.
-fn wait(set: nvmlEventSet_t, timeout_ms: c_uint) -> Result<(usize, u32), nvmlReturn_t> {
+/// An Xid as an event: GPU, code, and the MIG instance it names.
+type Xid = (usize, u32, Option<(u32, u32)>);
+
+fn wait(set: nvmlEventSet_t, timeout_ms: c_uint) -> Result<Xid, nvmlReturn_t> {
     let c = ctx()?;
     let set = checked(set)?;
     let deadline = Instant::now() + Duration::from_millis(timeout_ms as u64);
@@ -145,7 +148,7 @@ fn wait(set: nvmlEventSet_t, timeout_ms: c_uint) -> Result<(usize, u32), nvmlRet
                     && inner.types[gpu] & XID_CRITICAL_ERROR != 0
                     && c.visible.contains(&gpu)
                 {
-                    return Ok((gpu, ev.code));
+                    return Ok((gpu, ev.code, ev.instance));
                 }
             }
         }
@@ -162,14 +165,13 @@ fn wait_into<T>(
     set: nvmlEventSet_t,
     data: *mut T,
     timeout_ms: c_uint,
-    make: fn(usize, u32) -> T,
+    make: fn(Xid) -> T,
 ) -> nvmlReturn_t {
     ffi(|| {
         if data.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
-        let (gpu, code) = wait(set, timeout_ms)?;
-        put(data, make(gpu, code))
+        put(data, make(wait(set, timeout_ms)?))
     })
 }
 
@@ -179,12 +181,16 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
     data: *mut nvmlEventData_t,
     timeout_ms: c_uint,
 ) -> nvmlReturn_t {
-    wait_into(set, data, timeout_ms, |gpu, code| nvmlEventData_t {
-        device: handle_of(gpu),
-        eventType: XID_CRITICAL_ERROR,
-        eventData: code as u64,
-        gpuInstanceId: 0xFFFF_FFFF,
-        computeInstanceId: 0xFFFF_FFFF,
+    // nvml.h: 0xFFFFFFFF when the event names no MIG instance.
+    wait_into(set, data, timeout_ms, |(gpu, code, instance)| {
+        let (gi, ci) = instance.unwrap_or((0xFFFF_FFFF, 0xFFFF_FFFF));
+        nvmlEventData_t {
+            device: handle_of(gpu),
+            eventType: XID_CRITICAL_ERROR,
+            eventData: code as u64,
+            gpuInstanceId: gi,
+            computeInstanceId: ci,
+        }
     })
 }
 
@@ -198,7 +204,7 @@ pub unsafe extern "C" fn nvmlEventSetWait(
         set,
         data.cast::<nvmlEventData_v1_t>(),
         timeout_ms,
-        |gpu, code| nvmlEventData_v1_t {
+        |(gpu, code, _)| nvmlEventData_v1_t {
             device: handle_of(gpu),
             eventType: XID_CRITICAL_ERROR,
             eventData: code as u64,

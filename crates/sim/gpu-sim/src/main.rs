@@ -52,6 +52,13 @@ enum Command {
         /// Xid code, e.g. 79 (GPU has fallen off the bus) or 48 (double-bit ECC).
         #[arg(long)]
         code: u32,
+        /// The MIG GPU instance the error is in (NVML's event then names
+        /// it, as the driver does for errors inside an instance).
+        #[arg(long)]
+        gpu_instance: Option<u32>,
+        /// Its compute instance [default: 0].
+        #[arg(long, requires = "gpu_instance")]
+        compute_instance: Option<u32>,
     },
     /// MIG on one GPU, as `nvidia-smi -mig 1` and `nvidia-smi mig -cgi
     /// <ids> -C`: enable the mode, create GPU instances (each with one
@@ -133,7 +140,13 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Xid { root, gpu, code } => {
+        Command::Xid {
+            root,
+            gpu,
+            code,
+            gpu_instance,
+            compute_instance,
+        } => {
             let state = SharedState::open(&SimRoot::new(&root))?;
             if gpu >= state.gpu_count() {
                 bail!(
@@ -142,8 +155,14 @@ fn run(cli: Cli) -> Result<()> {
                     state.gpu_count() - 1
                 );
             }
-            let seq = state.inject_xid(gpu, code);
-            println!("injected Xid {code} on GPU {gpu} (event {seq})");
+            let instance = gpu_instance.map(|gi| (gi, compute_instance.unwrap_or(0)));
+            let seq = state.inject_xid_in(gpu, code, instance);
+            match instance {
+                None => println!("injected Xid {code} on GPU {gpu} (event {seq})"),
+                Some((gi, ci)) => println!(
+                    "injected Xid {code} on GPU {gpu}, GPU instance {gi}, compute instance {ci} (event {seq})"
+                ),
+            }
             Ok(())
         }
         Command::Mig {

@@ -46,7 +46,9 @@ pub(super) struct XidSlot {
     pub(super) gpu: AtomicU32,
     pub(super) code: AtomicU32,
     pub(super) time_ns: AtomicU64,
-    _pad: u64,
+    /// The MIG instance the Xid names: 0 for none, else
+    /// `(GI + 1) << 32 | (CI + 1)` (a zeroed slot reads as none).
+    pub(super) instance: AtomicU64,
 }
 
 #[repr(C)]
