@@ -103,6 +103,24 @@ fn one_plugin_per_profile() {
             .iter()
             .all(|(_, h)| h == "Healthy")
     );
+    // An Xid inside GI 9 (MIG-b): that device alone, and it stays out
+    // while its own quiet period runs whatever the GPU's does.
+    let out = |m: &MigPlugins| -> Vec<String> {
+        m.plugins
+            .values()
+            .flat_map(|p| ids(p))
+            .filter(|(_, h)| h == "Unhealthy")
+            .map(|(id, _)| id)
+            .collect()
+    };
+    m.set_instance_health(0, 9, false);
+    assert_eq!(out(&m), ["MIG-b"]);
+    m.set_gpu_health(0, false);
+    assert_eq!(out(&m).len(), 3);
+    m.set_gpu_health(0, true);
+    assert_eq!(out(&m), ["MIG-b"]);
+    m.set_instance_health(0, 9, true);
+    assert!(out(&m).is_empty());
 }
 
 fn request(ids: &[&str]) -> AllocateRequest {
