@@ -328,7 +328,7 @@ async fn mig_devices_are_served_whole_one_resource_per_profile() {
     };
     let before = mig_regs(&env.kubelet.view().borrow());
     let args = test_support::cmdline(env.manager.id());
-    kill9_and_start(&mut env, &args).await;
+    env.kill9_and_start(&args).await;
     let uuids = |v: &[(String, Instance)]| v.iter().map(|i| i.1.uuid.clone()).collect::<Vec<_>>();
     assert_eq!(
         uuids(&instances(&env)),
@@ -344,28 +344,6 @@ async fn mig_devices_are_served_whole_one_resource_per_profile() {
         })
         .await
         .unwrap_or_else(|_| panic!("MIG resources not back after the kill:\n{}", env.log_text()));
-}
-
-/// SIGKILL to the manager, then `args` (its command line, maybe changed)
-/// started with the same log; returns once it has registered.
-async fn kill9_and_start(env: &mut Env, args: &[String]) {
-    let regs = env.registrations();
-    // SAFETY: SIGKILL to our own child, not yet reaped.
-    unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
-    let _ = env.manager.wait();
-    let log = std::fs::OpenOptions::new()
-        .append(true)
-        .open(&env.log)
-        .unwrap();
-    env.manager = std::process::Command::new(&args[0])
-        .args(&args[1..])
-        .env("RUST_LOG", "info")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    env.wait_registered_since(regs).await;
 }
 
 /// Profiles of the MIG devices on `gpu` of the simulated node, sorted.
@@ -519,7 +497,7 @@ async fn a_configured_geometry_is_applied_and_adopted() {
     let at = args.iter().position(|a| a == "--mig-geometry").unwrap();
     let seven = ["1g.10gb"; 7].join(",");
     args[at + 1] = format!("0={seven};1=7g.80gb");
-    kill9_and_start(&mut env, &args).await;
+    env.kill9_and_start(&args).await;
     let log = env.log_text();
     assert_eq!(log.matches("do not fit").count(), 2, "{log}");
     assert_eq!(profiles_on(&env, 0), ["1g.10gb", "1g.10gb", "3g.40gb"]);
@@ -531,7 +509,7 @@ async fn a_configured_geometry_is_applied_and_adopted() {
     // holds the 2g.20gb.
     std::io::Write::write_all(busy.stdin.as_mut().unwrap(), b"\n").unwrap();
     assert!(busy.wait().unwrap().success());
-    kill9_and_start(&mut env, &args).await;
+    env.kill9_and_start(&args).await;
     assert_eq!(
         profiles_on(&env, 0),
         vec!["1g.10gb"; 7],

@@ -209,22 +209,7 @@ async fn a_share_on_two_gpus_survives_a_manager_restart() {
 
     // SIGKILL, then the same command line.
     let args = test_support::cmdline(env.manager.id());
-    let regs = env.registrations();
-    // SAFETY: SIGKILL to our own child, not yet reaped.
-    unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
-    let _ = env.manager.wait();
-    let log = std::fs::OpenOptions::new()
-        .append(true)
-        .open(&env.log)
-        .unwrap();
-    env.manager = std::process::Command::new(&args[0])
-        .args(&args[1..])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    env.wait_registered_since(regs).await;
+    env.kill9_and_start(&args).await;
     env.wait_log("recovery finished", 2).await;
 
     // Kept on both GPUs, its files as they were, its socket served again

@@ -142,6 +142,28 @@ impl Env {
         env
     }
 
+    /// SIGKILL to the manager, then `args` (its command line, maybe
+    /// changed: [`crate::cmdline`]) started with the same log; returns once
+    /// it has registered.
+    pub async fn kill9_and_start(&mut self, args: &[String]) {
+        let regs = self.registrations();
+        // SAFETY: SIGKILL to our own child, not yet reaped.
+        unsafe { libc::kill(self.manager.id() as i32, libc::SIGKILL) };
+        let _ = self.manager.wait();
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        self.manager = Command::new(&args[0])
+            .args(&args[1..])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.wait_registered_since(regs).await;
+    }
+
     /// Waits (30 s at most) until the manager registered both resources
     /// and the emulator follows them.
     pub async fn wait_registered(&self) {
