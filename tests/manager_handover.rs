@@ -47,6 +47,19 @@ impl Drop for Stop {
     }
 }
 
+/// SIGTERM to the old manager; returns once it has exited (10 s at most).
+async fn stop_old(manager: &mut Child) {
+    signal(manager, libc::SIGTERM);
+    let t = Instant::now();
+    while manager.try_wait().unwrap().is_none() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the old manager did not stop"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 async fn wait_text(path: &Path, needle: &str) -> String {
     let t = Instant::now();
     loop {
@@ -165,15 +178,7 @@ async fn a_manager_started_beside_the_old_one_takes_over_and_no_call_fails() {
     let before = allocatable(&env);
     assert_ne!(before, serde_json::json!("0"));
     let regs = env.kubelet.view().borrow().resources[VCORE].registrations;
-    signal(&env.manager, libc::SIGTERM);
-    let t = Instant::now();
-    while env.manager.try_wait().unwrap().is_none() {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "the old manager did not stop"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    stop_old(&mut env.manager).await;
     let old_text = wait_text(&env.log, "leaving kubelet's connections open").await;
     assert!(!old_text.contains("vcuda allocatable written node=sim-node vcore=0"));
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -289,15 +294,7 @@ async fn the_mig_plugins_survive_a_rolling_update() {
         .iter()
         .map(|r| env.kubelet.view().borrow().resources[*r].registrations)
         .collect();
-    signal(&env.manager, libc::SIGTERM);
-    let t = Instant::now();
-    while env.manager.try_wait().unwrap().is_none() {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "the old manager did not stop"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    stop_old(&mut env.manager).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let v = env.kubelet.view().borrow().clone();
     for (r, n) in MIG.iter().zip(&regs) {
