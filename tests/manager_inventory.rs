@@ -31,17 +31,6 @@ async fn published(env: &Env, what: &str, pred: impl Fn(&Inventory) -> bool) -> 
     }
 }
 
-/// A critical Xid (79) on `gpu` of the simulated node.
-fn xid79(env: &Env, gpu: usize) {
-    let xid = std::process::Command::new(test_support::target_dir().join("gpu-sim"))
-        .args(["xid", "--root"])
-        .arg(env.sim_root())
-        .args(["--gpu", &gpu.to_string(), "--code", "79"])
-        .status()
-        .unwrap();
-    assert!(xid.success());
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_node_carries_its_gpu_inventory_and_health() {
     let env = Env::start("sim-4gpu-pcie", Options::default()).await;
@@ -62,7 +51,7 @@ async fn the_node_carries_its_gpu_inventory_and_health() {
     assert!(t.pcie_level(1, 2) > PcieLevel::Single);
     assert!(!t.has_nvlink());
 
-    xid79(&env, 2);
+    env.sim.xid(2, 79, None);
     published(&env, "GPU 2 unhealthy", |i| !i.gpus[2].healthy).await;
     let back = published(&env, "GPU 2 healthy again", |i| i.gpus[2].healthy).await;
     assert!(back.gpus.iter().all(|g| g.healthy));
@@ -124,7 +113,7 @@ async fn a_gpu_in_mig_mode_is_neither_shared_nor_given_whole() {
     }
 
     // An Xid on GPU 0 and its quiet period: still no IDs to offer.
-    xid79(&env, 0);
+    env.sim.xid(0, 79, None);
     env.wait_log("GPU health changed", 1).await;
     env.wait_log("GPU health changed", 2).await;
     assert_eq!(
@@ -284,18 +273,7 @@ async fn mig_devices_are_served_whole_one_resource_per_profile() {
         true => (&found[0], &found[1]),
         false => (&found[1], &found[0]),
     };
-    let out = std::process::Command::new(test_support::target_dir().join("gpu-sim"))
-        .args(["xid", "--root"])
-        .arg(env.sim_root())
-        .args(["--gpu", "0", "--code", "94", "--gpu-instance"])
-        .arg(small.1.gi.to_string())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    env.sim.xid(0, 94, Some(small.1.gi));
     let healthy =
         |v: &kubelet_emulator::View, p: &str| v.resources[&resource(p)].healthy_ids().len();
     let v = env

@@ -54,6 +54,27 @@ impl SimNode {
         self.root().join("usr/lib/x86_64-linux-gnu")
     }
 
+    /// `gpu-sim xid`: a critical Xid `code` on `gpu`, inside MIG GPU
+    /// instance `gpu_instance` when given; panics with its stderr on failure.
+    pub fn xid(&self, gpu: usize, code: u32, gpu_instance: Option<u32>) {
+        let mut cmd = std::process::Command::new(crate::target_dir().join("gpu-sim"));
+        cmd.args(["xid", "--root"]).arg(self.root()).args([
+            "--gpu",
+            &gpu.to_string(),
+            "--code",
+            &code.to_string(),
+        ]);
+        if let Some(gi) = gpu_instance {
+            cmd.args(["--gpu-instance", &gi.to_string()]);
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "gpu-sim xid: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// `gpu-sim mig --root <root> <args>` (as `nvidia-smi -mig 1` and
     /// `nvidia-smi mig -cgi <ids> -C`); panics with its stderr on failure.
     pub fn mig(&self, args: &[&str]) {
