@@ -30,6 +30,7 @@ pub mod controller;
 pub mod daemon;
 pub mod display;
 pub mod driver;
+pub mod dynamic;
 pub mod geometry;
 pub mod grpc;
 pub mod health;

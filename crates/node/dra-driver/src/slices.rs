@@ -27,6 +27,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 
+use crate::dynamic::{self, DynamicGpu};
 use crate::mig::{self, TYPE, TYPE_GPU, TYPE_MIG};
 use crate::{CAPACITY_CORES, CAPACITY_MEMORY, DRIVER_NAME, quantity, topology};
 
@@ -143,11 +144,18 @@ pub(crate) fn version(v: &str) -> DeviceAttribute {
 }
 
 /// `g`'s devices as the slice shows them under `unhealthy`: the GPU, or
-/// in MIG mode its MIG devices; a critical Xid of the GPU is theirs too.
-fn published(g: &GpuDevice, driver_version: &str, unhealthy: Unhealthy) -> Vec<Device> {
-    let devices = match &g.mig {
-        None => vec![device(g, driver_version)],
-        Some(migs) => migs
+/// in MIG mode its MIG devices, or when `dynamic` every placement
+/// ([`crate::dynamic`]); a critical Xid of the GPU is theirs too.
+fn published(
+    g: &GpuDevice,
+    dynamic: Option<&DynamicGpu>,
+    driver_version: &str,
+    unhealthy: Unhealthy,
+) -> Vec<Device> {
+    let devices = match (&g.mig, dynamic) {
+        (_, Some(d)) => dynamic::devices(g, d, driver_version),
+        (None, None) => vec![device(g, driver_version)],
+        (Some(migs), None) => migs
             .iter()
             .map(|m| mig::device(g, m, driver_version))
             .collect(),
@@ -239,10 +247,46 @@ fn device(g: &GpuDevice, driver_version: &str) -> Device {
 }
 
 /// The node's slice at pool generation `generation`, unhealthy GPUs shown
-/// as `unhealthy` says.
+/// as `unhealthy` says (no dynamic GPU).
 pub fn build(
     node: &str,
     gpus: &[GpuDevice],
+    driver_version: &str,
+    generation: i64,
+    unhealthy: Unhealthy,
+) -> ResourceSlice {
+    let none = BTreeMap::new();
+    build_one(node, gpus, &none, driver_version, generation, unhealthy)
+}
+
+/// The node's pool: [`build`]'s one slice, or with dynamic GPUs (by
+/// index) their counter sets and devices in several
+/// ([`dynamic::pool`]).
+pub fn build_pool(
+    node: &str,
+    gpus: &[GpuDevice],
+    dynamic: &BTreeMap<usize, DynamicGpu>,
+    driver_version: &str,
+    generation: i64,
+    unhealthy: Unhealthy,
+) -> Vec<ResourceSlice> {
+    let one = build_one(node, gpus, dynamic, driver_version, generation, unhealthy);
+    let sets = gpus
+        .iter()
+        .filter_map(|g| {
+            Some(dynamic::counter_set(
+                g.info.index,
+                dynamic.get(&g.info.index)?,
+            ))
+        })
+        .collect();
+    dynamic::pool(one, sets)
+}
+
+fn build_one(
+    node: &str,
+    gpus: &[GpuDevice],
+    dynamic: &BTreeMap<usize, DynamicGpu>,
     driver_version: &str,
     generation: i64,
     unhealthy: Unhealthy,
@@ -262,7 +306,10 @@ pub fn build(
             },
             devices: Some(
                 gpus.iter()
-                    .flat_map(|g| published(g, driver_version, unhealthy))
+                    .flat_map(|g| {
+                        let d = dynamic.get(&g.info.index);
+                        published(g, d, driver_version, unhealthy)
+                    })
                     .collect(),
             ),
             ..Default::default()

@@ -7,7 +7,13 @@
 //! what the claims already allocated there left over; a device without
 //! `allowMultipleAllocations` goes to one claim; a device tainted
 //! `NoSchedule` or `NoExecute` (KEP-5055) only to a request that tolerates
-//! the taint. The allocation (results
+//! the taint; a device that consumes shared counters (KEP-4815,
+//! partitionable devices: `consumesCounters` against a `sharedCounters`
+//! set of its pool) only while every counter it consumes has room left
+//! by the devices already allocated, as the scheduler's allocator checks
+//! (k8s.io/dynamic-resource-allocation `structured`, the partitionable
+//! devices allocator's available-counters check: a pool's counter sets
+//! minus what the allocated devices consume, [`crate::counters`]). The allocation (results
 //! with `consumedCapacity` and `shareID`, class then claim configs) is
 //! written to the claim's status as the scheduler would.
 
@@ -16,6 +22,7 @@ use std::collections::BTreeMap;
 use apiserver_emulator::{ApiServer, Kind};
 use serde_json::{Value, json};
 
+use crate::counters;
 use crate::selector::{self, Cond};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -33,7 +40,7 @@ pub enum AllocError {
 }
 
 /// Whole numbers with binary or decimal suffixes (what the tests use).
-fn qty(v: &Value) -> Option<u128> {
+pub(crate) fn qty(v: &Value) -> Option<u128> {
     let s = v
         .as_str()
         .map(str::to_string)
@@ -54,7 +61,8 @@ fn qty(v: &Value) -> Option<u128> {
     Some(n * m)
 }
 
-type DeviceKey = (String, String, String);
+/// (driver, pool, device).
+pub(crate) type DeviceKey = (String, String, String);
 
 /// Capacity already allocated per device (driver, pool, device) and
 /// whether any allocation there is exclusive.
@@ -148,11 +156,12 @@ pub fn allocate(
         .into_iter()
         .filter(|s| s.pointer("/spec/nodeName").and_then(Value::as_str) == Some(node))
         .collect();
+    let mut counters = counters::Room::new(&slices, used.keys());
     let mut results = Vec::new();
     let mut config = Vec::new();
     for (n, req) in array(&claim, "/spec/devices/requests").enumerate() {
         let req = resolve(api, req, &who)?;
-        let Some(choice) = first_fit(&slices, &used, &req) else {
+        let Some(choice) = first_fit(&slices, &used, &counters, &req) else {
             return Err(AllocError::NoFit {
                 claim: who,
                 request: req.name,
@@ -165,6 +174,11 @@ pub fn allocate(
             n + 1,
             uid.len() as u64 * 1000 + results.len() as u64
         );
+        counters.book(&(
+            req.driver.clone(),
+            choice.pool.clone(),
+            choice.device.clone(),
+        ));
         results.push(take(&mut used, &req, choice, share_id));
         config.extend(array(&req.class, "/spec/config").map(|c| {
             let mut c = c.clone();
@@ -298,7 +312,12 @@ struct Choice {
 }
 
 /// The first device of the request's driver, in slice order, that fits.
-fn first_fit(slices: &[Value], used: &Used, req: &Request) -> Option<Choice> {
+fn first_fit(
+    slices: &[Value],
+    used: &Used,
+    counters: &counters::Room,
+    req: &Request,
+) -> Option<Choice> {
     slices
         .iter()
         .filter(|s| s.pointer("/spec/driver").and_then(Value::as_str) == Some(req.driver.as_str()))
@@ -307,7 +326,9 @@ fn first_fit(slices: &[Value], used: &Used, req: &Request) -> Option<Choice> {
                 .pointer("/spec/pool/name")
                 .and_then(Value::as_str)
                 .unwrap_or("");
-            array(s, "/spec/devices").find_map(|d| fit(d, pool, used, req))
+            array(s, "/spec/devices")
+                .filter(|d| counters.fits(&req.driver, pool, d))
+                .find_map(|d| fit(d, pool, used, req))
         })
 }
 

@@ -9,11 +9,12 @@
 //!   of each request's consumable capacity on the published devices, the
 //!   allocation written to the claim's status (API server emulator);
 //!   [`selector`]: the CEL selectors it understands (driver and attribute
-//!   equalities).
+//!   equalities); [`counters`]: shared counters of partitionable devices.
 //! * [`cdi`]: resolves a CDI device ID against spec files the way a
 //!   container runtime does, to the container edits it would apply.
 
 pub mod allocator;
 pub mod cdi;
+pub mod counters;
 pub mod plugin;
 pub mod selector;
