@@ -42,6 +42,31 @@ pub mod dra {
     /// The device taint of a GPU with a recent critical Xid (KEP-5055); its
     /// value names the Xid (`xid-79`), so a claim can tolerate one kind.
     pub const UNHEALTHY_TAINT: &str = "vcuda.tencent.com/unhealthy";
+    /// DeviceClass for MIG devices, taken whole; a claim picks a profile
+    /// with a selector on [`PROFILE_ATTRIBUTE`].
+    pub const MIG_CLASS: &str = "vcuda-mig.vcuda.tencent.com";
+    /// A MIG device's profile (`1g.10gb`), under the driver's domain.
+    pub const PROFILE_ATTRIBUTE: &str = "profile";
+}
+
+/// Device-plugin mode's MIG resources are this prefix and a profile
+/// (`tencent.com/mig-3g.40gb`; `--mig-resource-prefix` changes it).
+pub const MIG_RESOURCE_PREFIX: &str = "tencent.com/mig-";
+
+/// The MIG profile a resource name of `prefix` stands for: a `+` of the
+/// profile (`1g.10gb+me`) is no resource-name character, so names carry
+/// it as `.` (`1g.10gb.me`), as NVIDIA's plugin does.
+pub fn mig_profile_of(prefix: &str, resource: &str) -> Option<String> {
+    let rest = resource.strip_prefix(prefix).filter(|r| !r.is_empty())?;
+    Some(match rest.strip_suffix(".me") {
+        Some(base) => format!("{base}+me"),
+        None => rest.to_string(),
+    })
+}
+
+/// The resource name of MIG `profile` under `prefix`.
+pub fn mig_resource_name(prefix: &str, profile: &str) -> String {
+    format!("{prefix}{}", profile.replace('+', "."))
 }
 
 /// Annotations only vcuda writes (the extender's bind, the manager):

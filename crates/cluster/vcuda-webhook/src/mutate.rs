@@ -9,7 +9,10 @@
 //!   count of whole GPUs), bound to the container, so a manifest written
 //!   for the device plugins runs unchanged. Templates are named by shape
 //!   and created once per namespace; a pod that already names a vcuda
-//!   claim is left as it is.
+//!   claim is left as it is;
+//! * on DRA clusters too, each `tencent.com/mig-<profile>: N` limit (the
+//!   device plugins' MIG resources) becomes a claim for N MIG devices of
+//!   that profile (the MIG class, a selector on the profile).
 
 use gpu_allocator::{MEMORY_UNIT_BYTES, WHOLE_GPU_CORES};
 use gpu_pods::{VCORE_RESOURCE, VMEMORY_RESOURCE};
@@ -24,12 +27,26 @@ pub const CLAIM_PREFIX: &str = "vcuda-";
 /// Label on the templates the webhook creates.
 pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "vcuda-webhook");
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Settings {
     /// Set `spec.schedulerName` of vcuda pods that use the default one.
     pub scheduler_name: Option<String>,
     /// Rewrite vcuda limits into ResourceClaims.
     pub dra: bool,
+    /// The device plugins' MIG resources: this prefix and a profile
+    /// (`gpu_pods::MIG_RESOURCE_PREFIX` unless the manager's
+    /// `--mig-resource-prefix` says otherwise).
+    pub mig_prefix: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            scheduler_name: None,
+            dra: false,
+            mig_prefix: gpu_pods::MIG_RESOURCE_PREFIX.to_string(),
+        }
+    }
 }
 
 /// The operations, and the templates they need in the pod's namespace.
@@ -44,12 +61,15 @@ const MIB: u64 = 1 << 20;
 /// The mutation of `pod` (already found valid by `validate::check_pod`).
 pub fn plan(pod: &Pod, s: &Settings) -> Mutation {
     let mut m = Mutation::default();
+    let Some(spec) = &pod.spec else { return m };
     let gpu = gpu_pods::gpu_containers(pod);
-    let spec = match &pod.spec {
-        Some(spec) if !gpu.is_empty() => spec,
-        _ => return m,
-    };
-    if let Some(name) = &s.scheduler_name {
+    let mig = mig_limits(pod, &s.mig_prefix);
+    if gpu.is_empty() && mig.is_empty() {
+        return m;
+    }
+    if let Some(name) = &s.scheduler_name
+        && !gpu.is_empty()
+    {
         let current = spec.scheduler_name.as_deref();
         if current.is_none() || current == Some("default-scheduler") {
             m.ops
@@ -64,7 +84,10 @@ pub fn plan(pod: &Pod, s: &Settings) -> Mutation {
     if !s.dra || has_vcuda_claim {
         return m;
     }
-    let mut claims_exist = spec.resource_claims.is_some();
+    let mut claims = Claims {
+        pod,
+        exist: spec.resource_claims.is_some(),
+    };
     for (index, name) in gpu {
         let c = &spec.containers[index];
         let (cores, units) = (
@@ -74,27 +97,69 @@ pub fn plan(pod: &Pod, s: &Settings) -> Mutation {
         let gpus = gpu_pods::gpu_count(pod, &name, usize::MAX).unwrap_or(1);
         let t = template(gpu_pods::namespace(pod), cores, units, gpus);
         let claim = format!("{CLAIM_PREFIX}c{index}");
+        claims.bind(
+            &mut m,
+            index,
+            &[VCORE_RESOURCE, VMEMORY_RESOURCE],
+            &claim,
+            t,
+        );
+    }
+    for l in mig {
+        let t = mig_template(gpu_pods::namespace(pod), &l.profile, l.count);
+        let claim = format!("{CLAIM_PREFIX}m{}-{}", l.index, l.nth);
+        claims.bind(&mut m, l.index, &[l.resource.as_str()], &claim, t);
+    }
+    m
+}
+
+/// Claims added to one pod.
+struct Claims<'a> {
+    pod: &'a Pod,
+    /// `spec.resourceClaims` is there (add to it, not make it).
+    exist: bool,
+}
+
+impl Claims<'_> {
+    /// Container `index`'s `resources` leave the pod's limits and requests,
+    /// and it gets `claim` from template `t` (added to `m` once).
+    fn bind(
+        &mut self,
+        m: &mut Mutation,
+        index: usize,
+        resources: &[&str],
+        claim: &str,
+        t: ResourceClaimTemplate,
+    ) {
+        let c = &self
+            .pod
+            .spec
+            .as_ref()
+            .expect("a pod with containers")
+            .containers[index];
         let base = format!("/spec/containers/{index}/resources");
         let res = c.resources.as_ref();
         for (field, map) in [
             ("limits", res.and_then(|r| r.limits.as_ref())),
             ("requests", res.and_then(|r| r.requests.as_ref())),
         ] {
-            for r in [VCORE_RESOURCE, VMEMORY_RESOURCE] {
-                if map.is_some_and(|m| m.contains_key(r)) {
+            for r in resources {
+                if map.is_some_and(|m| m.contains_key(*r)) {
                     let path = format!("{base}/{field}/{}", pointer_token(r));
                     m.ops.push(json!({"op": "remove", "path": path}));
                 }
             }
         }
         let entry = json!({"name": claim, "resourceClaimTemplateName": t.metadata.name});
-        m.ops.push(if claims_exist {
+        m.ops.push(if self.exist {
             json!({"op": "add", "path": "/spec/resourceClaims/-", "value": entry})
         } else {
             json!({"op": "add", "path": "/spec/resourceClaims", "value": [entry]})
         });
-        claims_exist = true;
-        let bound = res.and_then(|r| r.claims.as_ref()).is_some();
+        self.exist = true;
+        // A container bound once here has `claims` from then on.
+        let bound = res.and_then(|r| r.claims.as_ref()).is_some()
+            || m.ops.iter().any(|o| o["path"] == format!("{base}/claims"));
         m.ops.push(if bound {
             json!({"op": "add", "path": format!("{base}/claims/-"), "value": {"name": claim}})
         } else {
@@ -108,7 +173,67 @@ pub fn plan(pod: &Pod, s: &Settings) -> Mutation {
             m.templates.push(t);
         }
     }
-    m
+}
+
+/// One container's limit of a MIG resource.
+struct MigLimit {
+    index: usize,
+    /// Which of the container's MIG limits (claim names stay unique).
+    nth: usize,
+    resource: String,
+    profile: String,
+    count: u64,
+}
+
+/// The MIG resources each container asks for (limits, where extended
+/// resources are given).
+fn mig_limits(pod: &Pod, prefix: &str) -> Vec<MigLimit> {
+    let mut out = Vec::new();
+    for (index, c) in pod
+        .spec
+        .iter()
+        .flat_map(|s| s.containers.iter().enumerate())
+    {
+        let limits = c.resources.as_ref().and_then(|r| r.limits.as_ref());
+        let mut nth = 0;
+        for (resource, _) in limits.into_iter().flatten() {
+            if let Some(profile) = gpu_pods::mig_profile_of(prefix, resource) {
+                let count = gpu_pods::limit(c, resource);
+                if count > 0 {
+                    out.push(MigLimit {
+                        index,
+                        nth,
+                        resource: resource.clone(),
+                        profile,
+                        count,
+                    });
+                    nth += 1;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The template of `count` MIG devices of `profile`
+/// (`vcuda-mig-<profile>-<count>`, `+` as `.`).
+pub fn mig_template(namespace: &str, profile: &str, count: u64) -> ResourceClaimTemplate {
+    let name = format!("vcuda-mig-{}-{count}", profile.replace('+', "."));
+    let selector = format!(
+        "device.attributes['{}'].{} == '{profile}'",
+        gpu_pods::dra::DRIVER_NAME,
+        gpu_pods::dra::PROFILE_ATTRIBUTE
+    );
+    serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": {MANAGED_BY.0: MANAGED_BY.1}},
+        "spec": {"spec": {"devices": {"requests": [{"name": "mig", "exactly": {
+            "deviceClassName": gpu_pods::dra::MIG_CLASS, "count": count,
+            "selectors": [{"cel": {"expression": selector}}]}}]}}},
+    }))
+    .expect("a ResourceClaimTemplate")
 }
 
 /// The template of a container's totals over `gpus` GPUs: whole GPUs

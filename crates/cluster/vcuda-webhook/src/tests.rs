@@ -250,7 +250,7 @@ fn apply(mut doc: Value, ops: &[Value]) -> Value {
 async fn on_dra_clusters_limits_become_a_claim_bound_to_the_container() {
     let r = rig(Settings {
         dra: true,
-        scheduler_name: None,
+        ..Settings::default()
     });
     let p = pod(vcuda(30, 8), json!({}));
     let Verdict::Patch(ops) = r
@@ -290,7 +290,7 @@ async fn on_dra_clusters_limits_become_a_claim_bound_to_the_container() {
 async fn whole_and_multi_gpu_requests_get_their_templates() {
     let r = rig(Settings {
         dra: true,
-        scheduler_name: None,
+        ..Settings::default()
     });
     r.hook
         .mutate(&req("CREATE", pod(vcuda(200, 0), json!({})), None, "alice"))
@@ -333,7 +333,7 @@ async fn whole_and_multi_gpu_requests_get_their_templates() {
 async fn dry_runs_invalid_pods_and_pods_with_vcuda_claims_are_not_rewritten() {
     let r = rig(Settings {
         dra: true,
-        scheduler_name: None,
+        ..Settings::default()
     });
     let mut dry = req("CREATE", pod(vcuda(30, 8), json!({})), None, "alice");
     dry.dry_run = true;
@@ -373,6 +373,7 @@ async fn the_scheduler_name_goes_only_on_vcuda_pods_of_the_default_scheduler() {
     let r = rig(Settings {
         dra: false,
         scheduler_name: Some("vcuda-scheduler".into()),
+        ..Settings::default()
     });
     let p = pod(vcuda(30, 8), json!({}));
     assert_eq!(
@@ -393,4 +394,57 @@ async fn the_scheduler_name_goes_only_on_vcuda_pods_of_the_default_scheduler() {
         r.hook.mutate(&req("CREATE", own, None, "alice")).await,
         Verdict::Allow
     );
+}
+
+/// The device plugins' MIG resources on a DRA cluster: each limit becomes
+/// a claim for that many MIG devices of its profile (the MIG class and a
+/// selector on the profile, as docs/mig.md's DRA example), the vcuda
+/// limits beside them their own claim; `.me` names a `+me` profile. In
+/// device-plugin mode nothing changes.
+#[tokio::test]
+async fn mig_limits_become_mig_claims() {
+    let r = rig(Settings {
+        dra: true,
+        ..Settings::default()
+    });
+    let limits = json!({"tencent.com/mig-3g.40gb": "1", "tencent.com/mig-1g.10gb.me": "2"});
+    let p = pod(limits.clone(), json!({}));
+    let Verdict::Patch(ops) = r
+        .hook
+        .mutate(&req("CREATE", p.clone(), None, "alice"))
+        .await
+    else {
+        panic!("no patch")
+    };
+    let out = apply(p, &ops);
+    let main = &out["spec"]["containers"][1];
+    assert_eq!(main["resources"]["limits"], json!({}), "{out}");
+    assert_eq!(main["resources"]["requests"], json!({}), "{out}");
+    assert_eq!(
+        main["resources"]["claims"],
+        json!([{"name": "vcuda-m1-0"}, {"name": "vcuda-m1-1"}])
+    );
+    assert_eq!(
+        out["spec"]["resourceClaims"],
+        json!([
+            {"name": "vcuda-m1-0", "resourceClaimTemplateName": "vcuda-mig-1g.10gb.me-2"},
+            {"name": "vcuda-m1-1", "resourceClaimTemplateName": "vcuda-mig-3g.40gb-1"}
+        ])
+    );
+    let t = r.templates.created.lock().unwrap().clone();
+    let t: Vec<Value> = t.iter().map(|t| serde_json::to_value(t).unwrap()).collect();
+    let ex = &t[0]["spec"]["spec"]["devices"]["requests"][0]["exactly"];
+    assert_eq!(ex["deviceClassName"], "vcuda-mig.vcuda.tencent.com");
+    assert_eq!(ex["count"], 2);
+    assert_eq!(
+        ex["selectors"][0]["cel"]["expression"],
+        "device.attributes['vcuda.tencent.com'].profile == '1g.10gb+me'"
+    );
+
+    let dp = rig(Settings::default());
+    let v = dp
+        .hook
+        .mutate(&req("CREATE", pod(limits, json!({})), None, "alice"))
+        .await;
+    assert!(!matches!(v, Verdict::Patch(_)), "device-plugin mode: {v:?}");
 }

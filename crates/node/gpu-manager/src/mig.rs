@@ -26,13 +26,8 @@ use tokio::sync::watch;
 use tonic::Status;
 
 /// The default `--mig-resource-prefix`.
-pub const DEFAULT_PREFIX: &str = "tencent.com/mig-";
-
-/// The extended resource of `profile`: `+` (as in `1g.10gb+me`) is no
-/// resource-name character, so it becomes `.` as in NVIDIA's plugin.
-pub fn resource_name(prefix: &str, profile: &str) -> String {
-    format!("{prefix}{}", profile.replace('+', "."))
-}
+pub use gpu_pods::MIG_RESOURCE_PREFIX as DEFAULT_PREFIX;
+pub use gpu_pods::mig_resource_name as resource_name;
 
 /// A MIG device and the GPU it is on.
 #[derive(Debug, Clone)]

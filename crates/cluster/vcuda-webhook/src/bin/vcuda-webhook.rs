@@ -80,6 +80,10 @@ struct Args {
     /// Set this scheduler name on vcuda pods that use the default one.
     #[arg(long, env = "VCUDA_WEBHOOK_SCHEDULER_NAME")]
     scheduler_name: Option<String>,
+    /// The device plugins' MIG resources (`<prefix><profile>`), rewritten
+    /// into MIG claims in DRA mode; the manager's --mig-resource-prefix.
+    #[arg(long, env = "VCUDA_WEBHOOK_MIG_RESOURCE_PREFIX", default_value = gpu_pods::MIG_RESOURCE_PREFIX)]
+    mig_resource_prefix: String,
     /// Users that may write placement annotations (repeat; a trailing `*`
     /// is a prefix): the extender's and the manager's service accounts.
     #[arg(
@@ -113,6 +117,7 @@ async fn main() -> anyhow::Result<()> {
         settings: Settings {
             scheduler_name: a.scheduler_name.clone(),
             dra: matches!(a.mode, Mode::Dra),
+            mig_prefix: a.mig_resource_prefix.clone(),
         },
         trusted: Trusted(a.trusted_users.clone()),
     });
