@@ -105,6 +105,12 @@ pub struct Args {
     /// [default: none] (docs/mig.md).
     #[arg(long, env = "VCUDA_DRA_MIG_GEOMETRY")]
     pub mig_geometry: Option<String>,
+    /// GPUs (index or UUID) partitioned per claim, "0,GPU-…": in MIG
+    /// mode, every placement of every profile published (partitionable
+    /// devices), the instance made at prepare and destroyed at unprepare
+    /// [default: none] (docs/dra.md, Dynamic MIG).
+    #[arg(long, env = "VCUDA_DRA_MIG_DYNAMIC", value_delimiter = ',')]
+    pub mig_dynamic: Option<Vec<String>>,
 }
 
 /// Flags over the manager's file over the node's defaults
@@ -147,6 +153,16 @@ pub fn resolve(a: Args) -> anyhow::Result<Settings> {
             SocketAddr::new(ip, n.query_port)
         }
     };
+    let mig_dynamic = a.mig_dynamic.unwrap_or_default();
+    // A GPU is partitioned by one of the two (a GPU named by index in one
+    // and by UUID in the other is safe all the same: the geometry's
+    // instances are foreign to dynamic MIG, which keeps clear of them).
+    if let Some(g) = mig_dynamic
+        .iter()
+        .find(|g| n.mig_geometry.gpus.contains_key(*g))
+    {
+        anyhow::bail!("GPU {g:?} is in both --mig-geometry and --mig-dynamic: name it in one");
+    }
     let display_socket = n.display_socket;
     Ok(Settings {
         node: n.node_name,
@@ -178,6 +194,7 @@ pub fn resolve(a: Args) -> anyhow::Result<Settings> {
         sample_period: n.sample_period,
         escape_policy: n.escape_policy,
         mig_geometry: n.mig_geometry,
+        mig_dynamic,
     })
 }
 
@@ -272,6 +289,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("mig-geometry") && e.contains("0:3g.40gb"), "{e}");
+        let d = resolve_with(&["--mig-dynamic", "0,GPU-y"]).unwrap();
+        assert_eq!(d.mig_dynamic, ["0", "GPU-y"]);
+        let e = resolve_with(&["--mig-dynamic", "1"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("both --mig-geometry and --mig-dynamic"), "{e}");
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! then run the [`SliceController`] over the GPUs' health (critical Xids)
 //! and the slice watch. Each step is a function.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use crate::controller::SliceController;
 use crate::display::DraSource;
 use crate::driver::{Config, Driver};
+use crate::dynamic::DynamicGpu;
 use crate::grpc::{self, Sockets};
 use crate::kube_api::KubeApi;
 use crate::publish::Publisher;
@@ -50,6 +52,8 @@ pub struct Settings {
     pub escape_policy: gpu_display::guard::Policy,
     /// `--mig-geometry`, applied at start (empty: no GPU named).
     pub mig_geometry: node_agent::geometry::Geometry,
+    /// `--mig-dynamic`: GPUs (index or UUID) partitioned per claim.
+    pub mig_dynamic: Vec<String>,
 }
 
 /// What a running driver tells its starter.
@@ -77,6 +81,7 @@ pub async fn run(
     if !s.mig_geometry.gpus.is_empty() {
         found = crate::geometry::apply(&s, &nvml, found).await?;
     }
+    let dynamic = start_dynamic(&s, &nvml, &mut found).await?;
     node_agent::mig::log(&found.mig);
     let volumes = vdriver::VolumeConfig::load(&s.volume_config)
         .with_context(|| format!("loading --volume-config {}", s.volume_config.display()))?;
@@ -89,7 +94,7 @@ pub async fn run(
     let api = KubeApi {
         client: daemon_kit::apiserver::client(s.kubeconfig.as_deref()).await?,
     };
-    let driver = Arc::new(start_driver(&s, &api, &found)?);
+    let driver = Arc::new(start_driver(&s, &api, &found, &dynamic, &nvml)?);
     let mut inherited = crate::supervise::inherited(&s.plugins_dir, &s.registry_dir)?;
     let (sockets, listeners, was_registered) = match inherited.as_mut() {
         Some(i) => (
@@ -126,7 +131,7 @@ pub async fn run(
     for p in sockets.remove_older() {
         tracing::info!(path = %p.display(), "removed an earlier instance's socket");
     }
-    let (publisher, devices) = publish(&s, &api, &found).await?;
+    let (publisher, devices) = publish(&s, &api, &found, dynamic).await?;
     if let Some((d, _)) = &display {
         d.set_ready(true);
     }
@@ -197,8 +202,10 @@ async fn publish(
     s: &Settings,
     api: &KubeApi,
     found: &Discovered,
+    dynamic: BTreeMap<usize, DynamicGpu>,
 ) -> anyhow::Result<(Publisher, Vec<GpuDevice>)> {
     let publisher = Publisher::new(&s.node, &found.driver_version, s.unhealthy);
+    publisher.set_dynamic(dynamic);
     publisher
         .ensure_classes(api)
         .await
@@ -233,8 +240,40 @@ fn mig_devices(found: &Discovered, index: usize) -> Option<Vec<node_agent::mig::
     m.enabled.then(|| m.devices.clone())
 }
 
+/// `--mig-dynamic`'s GPUs in MIG mode and what they offer (the GPUs read
+/// again when there are any), under the checkpoint lock as a geometry
+/// is: the instances of prepared claims are not foreign.
+async fn start_dynamic(
+    s: &Settings,
+    nvml: &Arc<nvml_wrapper::Nvml>,
+    found: &mut Discovered,
+) -> anyhow::Result<BTreeMap<usize, DynamicGpu>> {
+    if s.mig_dynamic.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    let store = crate::checkpoint::Store::new(&s.state_dir);
+    let (_lock, checkpoint) = match store.lock().await {
+        Ok(l) => (Some(l), store.load(&s.node)),
+        Err(e) => (None, Err(e)),
+    };
+    let held = crate::geometry::held(checkpoint, &found.mig);
+    let dynamic = crate::dynamic_start::start(nvml, found, &s.mig_dynamic, &held)?;
+    if !dynamic.is_empty() {
+        *found = node_agent::nvml::discover(nvml)?;
+    }
+    Ok(dynamic)
+}
+
 /// The driver, its prepared claims restored from the checkpoint.
-fn start_driver(s: &Settings, api: &KubeApi, found: &Discovered) -> anyhow::Result<Driver> {
+fn start_driver(
+    s: &Settings,
+    api: &KubeApi,
+    found: &Discovered,
+    dynamic: &BTreeMap<usize, DynamicGpu>,
+    nvml: &Arc<nvml_wrapper::Nvml>,
+) -> anyhow::Result<Driver> {
+    let mut inventory = inventory(s, found);
+    inventory.dynamic = dynamic.clone();
     let driver = Driver::start(
         Config {
             node: s.node.clone(),
@@ -245,10 +284,17 @@ fn start_driver(s: &Settings, api: &KubeApi, found: &Discovered) -> anyhow::Resu
             driver_version: node_agent::nvml::driver_major_minor(&found.driver_version),
             extra_devices: s.extra_devices.clone(),
         },
-        inventory(s, found),
+        inventory,
         Arc::new(api.clone()),
     )?;
-    Ok(driver)
+    if dynamic.is_empty() {
+        return Ok(driver);
+    }
+    let p = crate::partition::NvmlPartitioner {
+        nvml: nvml.clone(),
+        gpus: found.topology.len() as u32,
+    };
+    Ok(driver.with_partitioner(Arc::new(p)))
 }
 
 /// The GPUs and MIG devices claims can be prepared on.
@@ -259,6 +305,7 @@ fn inventory(s: &Settings, found: &Discovered) -> crate::plan::Inventory {
         gpus,
         mig,
         host_root: s.host_root.clone(),
+        ..Default::default()
     }
 }
 

@@ -22,6 +22,7 @@ use node_agent::share::{ShareError, ShareGpu, ShareSpec, Shares};
 use crate::cdi;
 use crate::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, Store};
 use crate::kube_api::ApiError;
+use crate::partition::{self, PartitionError, Partitioner};
 use crate::plan::{self, Inventory, PlanError, PlannedDevice, PlannedMig};
 
 /// Where the driver reads allocated claims (the API server; a map in tests).
@@ -69,6 +70,8 @@ pub enum ClaimFailure {
     },
     #[error("{device} is already prepared for claim {claim}: a MIG device is one claim's")]
     MigTaken { device: String, claim: String },
+    #[error(transparent)]
+    Partition(#[from] PartitionError),
     #[error("writing the CDI spec in {}: {source}", dir.display())]
     Cdi {
         dir: PathBuf,
@@ -131,6 +134,9 @@ pub struct Driver {
     /// placed on a GPU just before it left the slice is refused rather than
     /// started; the kubelet's health stream watches it.
     health: tokio::sync::watch::Sender<Vec<GpuHealth>>,
+    /// Makes and destroys the instances of placement devices (dynamic
+    /// MIG, [`crate::partition`]); none without `--mig-dynamic`.
+    partitioner: Option<Arc<dyn Partitioner>>,
 }
 
 /// One GPU's health as the kubelet's health stream reports it.
@@ -196,6 +202,7 @@ impl Driver {
             state: tokio::sync::Mutex::new(Checkpoint::default()),
             view: std::sync::Mutex::new(ck.claims.values().cloned().collect()),
             health: tokio::sync::watch::Sender::new(vec![GpuHealth::default(); gpus_len]),
+            partitioner: None,
         };
         for c in ck.claims.values() {
             if let Err(e) = d.restore(c) {
@@ -209,6 +216,12 @@ impl Driver {
         );
         *d.state.try_lock().expect("not shared yet") = ck;
         Ok(d)
+    }
+
+    /// Dynamic MIG: placement devices' instances are made by `p`.
+    pub fn with_partitioner(mut self, p: Arc<dyn Partitioner>) -> Driver {
+        self.partitioner = Some(p);
+        self
     }
 
     pub fn config(&self) -> &Config {
@@ -357,9 +370,18 @@ impl Driver {
             uuid: m.uuid.clone(),
         };
         let parent = self.inventory.gpus.get(d.gpu_index).ok_or_else(gone)?;
-        let found = self
-            .inventory
-            .mig_by_uuid(d.gpu_index, &m.uuid)
+        // A placement's instance was made after the inventory was read.
+        let made = m.placement.map(|_| node_agent::mig::MigDevice {
+            uuid: m.uuid.clone(),
+            gpu_instance: m.gpu_instance,
+            compute_instance: m.compute_instance,
+            profile: String::new(),
+            memory_bytes: 0,
+            multiprocessors: 0,
+        });
+        let found = made
+            .as_ref()
+            .or_else(|| self.inventory.mig_by_uuid(d.gpu_index, &m.uuid))
             .ok_or_else(gone)?;
         let caps = node_agent::mig::access_caps(&self.inventory.host_root, parent.minor, found)
             .map_err(|source| ClaimFailure::MigCaps {
@@ -493,6 +515,10 @@ impl Driver {
         if let Some(taken) = Self::taken(&st, &planned) {
             return Err(c.failed(taken));
         }
+        let mut planned = planned;
+        let made =
+            partition::create_all(self.partitioner.as_ref(), &self.cfg.state_dir, &mut planned);
+        made.map_err(|e| c.failed(ClaimFailure::from(e)))?;
         // On failure everything of this claim goes (release is idempotent).
         let r = (|| {
             let spec = self.files(&c.uid, &planned)?;
@@ -515,6 +541,8 @@ impl Driver {
         });
         if let Err(e) = r {
             self.release(&c.uid, &prepared.devices);
+            let p = self.partitioner.as_ref();
+            partition::destroy_all(p, &self.cfg.state_dir, &prepared.devices).ok();
             return Err(c.failed(e));
         }
         self.publish_view(&st);
@@ -542,9 +570,15 @@ impl Driver {
         let mut st = self.state.lock().await;
         let _lock = self.store.lock().await.map_err(|e| c.failed(e))?;
         self.sync_from_disk(&mut st).map_err(|e| c.failed(e))?;
-        let Some(p) = st.claims.remove(&c.uid) else {
+        let Some(p) = st.claims.get(&c.uid) else {
             return Ok(());
         };
+        // Its instances go first: one NVML refuses (in use) keeps the
+        // claim prepared, and the kubelet retries.
+        let parts = self.partitioner.as_ref();
+        partition::destroy_all(parts, &self.cfg.state_dir, &p.devices)
+            .map_err(|e| c.failed(ClaimFailure::from(e)))?;
+        let p = st.claims.remove(&c.uid).expect("just found");
         if let Err(e) = self.store.save(&st) {
             st.claims.insert(c.uid.clone(), p);
             return Err(c.failed(e));
@@ -718,6 +752,7 @@ mod tests {
                 multiprocessors: 60,
             }])],
             host_root: tmp.join("host"),
+            ..Default::default()
         };
         Driver::start(cfg, inventory, claims).unwrap()
     }

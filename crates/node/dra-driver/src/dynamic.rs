@@ -20,16 +20,61 @@
 
 use std::collections::BTreeMap;
 
+use gpu_allocator::GpuInfo;
 use gpu_allocator::mig::Slices;
 use k8s_openapi::api::resource::v1::{
     Counter, CounterSet, Device, DeviceCapacity, DeviceCounterConsumption, ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use node_agent::geometry::GiProfile;
+use node_agent::mig::MigDevice;
+use serde::{Deserialize, Serialize};
 
 use crate::mig::{TYPE, TYPE_MIG};
+use crate::plan::Inventory;
 use crate::slices::{GpuDevice, int, string, version};
 use crate::{CAPACITY_MEMORY, quantity, topology};
+
+/// A placement device as the checkpoint keeps it: what prepare creates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// The driver's GPU-instance profile id.
+    pub profile: u32,
+    pub start: u32,
+    pub size: u32,
+}
+
+/// The placement published as `name` on a dynamic GPU of `inv`: its
+/// parent and the MIG device it will be (memory where known; no UUID
+/// before it exists).
+pub(crate) fn find<'a>(
+    inv: &'a Inventory,
+    name: &str,
+) -> Option<(&'a GpuInfo, MigDevice, Placement)> {
+    inv.dynamic.iter().find_map(|(&index, d)| {
+        let parent = inv.gpus.iter().find(|g| g.index == index)?;
+        d.profiles.iter().find_map(|p| {
+            let s = p
+                .placements
+                .iter()
+                .find(|s| placement_name(index, &p.name, s.start) == name)?;
+            let m = MigDevice {
+                uuid: String::new(),
+                profile: p.name.clone(),
+                gpu_instance: 0,
+                compute_instance: 0,
+                memory_bytes: d.memory_bytes.get(&p.id).copied().unwrap_or(0),
+                multiprocessors: d.multiprocessors.get(&p.id).copied().unwrap_or(0),
+            };
+            let at = Placement {
+                profile: p.id,
+                start: s.start,
+                size: s.size,
+            };
+            Some((parent, m, at))
+        })
+    })
+}
 
 /// Devices in a slice whose devices consume counters (API validation).
 pub const MAX_DEVICES_WITH_COUNTERS: usize = 64;
@@ -349,6 +394,57 @@ pub(crate) mod tests {
         ] {
             assert!(!names.contains(&gone.to_string()), "{gone}");
         }
+    }
+
+    /// GPU 0 dynamic, as an H100.
+    pub(crate) fn inventory() -> Inventory {
+        Inventory {
+            gpus: vec![gpu(0).info],
+            mig: vec![Some(Vec::new())],
+            dynamic: BTreeMap::from([(0, h100())]),
+            ..Default::default()
+        }
+    }
+
+    pub(crate) fn claim_for(
+        uid: &str,
+        device: &str,
+    ) -> k8s_openapi::api::resource::v1::ResourceClaim {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": uid, "namespace": "ns", "uid": uid},
+            "spec": {},
+            "status": {"allocation": {"devices": {"results": [{"request": "mig",
+                "driver": crate::DRIVER_NAME, "pool": "n1", "device": device}]}}}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_placement_device_is_planned_as_the_instance_to_create() {
+        let inv = inventory();
+        let p =
+            crate::plan::plan(&claim_for("u1", "gpu-0-mig-3g-40gb-4"), "u1", "n1", &inv).unwrap();
+        assert_eq!(p.len(), 1);
+        let (d, m) = (&p[0], p[0].mig.as_ref().unwrap());
+        assert_eq!(
+            (d.gpu_index, d.whole, d.memory_bytes),
+            (0, true, 40448 << 20)
+        );
+        assert_eq!(
+            m.placement,
+            Some(Placement {
+                profile: 9,
+                start: 4,
+                size: 4
+            })
+        );
+        assert!(m.uuid.is_empty(), "made at prepare");
+        let e = crate::plan::plan(&claim_for("u2", "gpu-0-mig-3g-40gb-2"), "u2", "n1", &inv)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("no device \"gpu-0-mig-3g-40gb-2\""),
+            "{e}"
+        );
     }
 
     #[test]

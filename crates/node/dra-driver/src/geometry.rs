@@ -102,6 +102,7 @@ mod tests {
                 uuid: u.into(),
                 gpu_instance: 1,
                 compute_instance: 0,
+                placement: None,
             }),
         }
     }

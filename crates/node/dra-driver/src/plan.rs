@@ -45,6 +45,10 @@ pub struct PlannedMig {
     pub gpu_instance: u32,
     #[serde(default)]
     pub compute_instance: u32,
+    /// A dynamic GPU's placement: the instance is created at prepare
+    /// (then `uuid` and the ids are its) and destroyed at unprepare.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<crate::dynamic::Placement>,
 }
 
 /// What this node offers claims: its GPUs (by index) and, for each GPU in
@@ -54,6 +58,8 @@ pub struct Inventory {
     pub gpus: Vec<GpuInfo>,
     /// Per GPU index; `None` (or missing): not in MIG mode.
     pub mig: Vec<Option<Vec<MigDevice>>>,
+    /// The dynamic MIG GPUs by index: their placements are devices.
+    pub dynamic: std::collections::BTreeMap<usize, crate::dynamic::DynamicGpu>,
     /// The host's `/` as mounted here: where the driver's MIG capability
     /// files are read at prepare (`proc/driver/nvidia/capabilities`).
     pub host_root: std::path::PathBuf,
@@ -263,6 +269,14 @@ fn plan_device(
     if let Some((parent, m)) = inventory.mig_device(&r.device) {
         return plan_mig(r, configs, parent, m);
     }
+    if let Some((parent, m, at)) = crate::dynamic::find(inventory, &r.device) {
+        let mut d = plan_mig(r, configs, parent, &m)?;
+        d.mig
+            .as_mut()
+            .expect("plan_mig plans a MIG device")
+            .placement = Some(at);
+        return Ok(d);
+    }
     let gpu = inventory.gpu(&r.device).ok_or_else(|| Refusal::NoDevice {
         request: request.clone(),
         device: r.device.clone(),
@@ -336,6 +350,7 @@ fn plan_mig(
             uuid: m.uuid.clone(),
             gpu_instance: m.gpu_instance,
             compute_instance: m.compute_instance,
+            placement: None,
         }),
     })
 }
@@ -670,7 +685,8 @@ mod tests {
             Some(PlannedMig {
                 uuid: "MIG-3g".into(),
                 gpu_instance: 2,
-                compute_instance: 0
+                compute_instance: 0,
+                placement: None,
             })
         );
         // All of its memory, said, is the same.

@@ -77,6 +77,7 @@ fn settings(sim: &SimNode, dirs: &Dirs, geometry: &str) -> Settings {
         sample_period: Duration::from_secs(1),
         escape_policy: gpu_display::guard::Policy::Report,
         mig_geometry: geometry.parse().unwrap(),
+        mig_dynamic: vec![],
     }
 }
 

@@ -141,6 +141,7 @@ fn settings(sim: &Path, dirs: &Dirs, shim: PathBuf) -> Settings {
         sample_period: Duration::from_secs(1),
         escape_policy: gpu_display::guard::Policy::Report,
         mig_geometry: Default::default(),
+        mig_dynamic: vec![],
     }
 }
 

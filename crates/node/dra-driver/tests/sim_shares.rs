@@ -59,6 +59,7 @@ fn settings(dirs: &Dirs) -> Settings {
         sample_period: Duration::from_secs(1),
         escape_policy: gpu_display::guard::Policy::Report,
         mig_geometry: Default::default(),
+        mig_dynamic: vec![],
     }
 }
 

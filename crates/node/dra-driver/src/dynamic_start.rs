@@ -1,0 +1,114 @@
+//! `--mig-dynamic` at the driver's start (issue 36): each GPU named is put
+//! in MIG mode (when idle, as `--mig-geometry` does) and read for what it
+//! offers ([`DynamicGpu`]): its profiles and the instances no prepared
+//! claim made, which its placements must keep clear of.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use node_agent::geometry::MigDriver;
+use node_agent::nvml::Discovered;
+use nvml_wrapper::error::NvmlError;
+
+use crate::dynamic::DynamicGpu;
+
+/// A `--mig-dynamic` entry that names no GPU of this node.
+#[derive(Debug, thiserror::Error)]
+#[error("--mig-dynamic {0:?}: no GPU of this node has that index or UUID")]
+pub struct UnknownGpu(pub String);
+
+/// The indices of the GPUs `named` (index or UUID) among `uuids`.
+pub fn resolve(named: &[String], uuids: &[String]) -> Result<BTreeSet<usize>, UnknownGpu> {
+    named
+        .iter()
+        .map(|n| {
+            let by_index = n.parse::<usize>().ok().filter(|&i| i < uuids.len());
+            by_index
+                .or_else(|| uuids.iter().position(|u| u == n))
+                .ok_or_else(|| UnknownGpu(n.clone()))
+        })
+        .collect()
+}
+
+/// GPU `gpu` in MIG mode and what it offers; `None` while the mode
+/// waits for a GPU reset. `held`: the MIG UUIDs of prepared claims.
+pub fn offer(
+    driver: &dyn MigDriver,
+    gpu: usize,
+    held: &BTreeSet<String>,
+) -> Result<Option<DynamicGpu>, NvmlError> {
+    let (on, pending) = driver.mode(gpu)?;
+    if !on {
+        if !pending {
+            driver.set_mode(gpu, true)?;
+        }
+        if !driver.mode(gpu)?.0 {
+            return Ok(None);
+        }
+    }
+    let foreign = driver
+        .instances(gpu)?
+        .into_iter()
+        .filter(|i| !i.uuids.iter().any(|u| held.contains(u)))
+        .map(|i| i.slices)
+        .collect();
+    Ok(Some(DynamicGpu {
+        profiles: driver.profiles(gpu)?,
+        foreign,
+        ..DynamicGpu::default()
+    }))
+}
+
+/// Every dynamic GPU of `named` that is in MIG mode, by index; a GPU
+/// whose mode waits for a reset, or that NVML fails on, is logged and
+/// left out (served as it is).
+pub fn start(
+    nvml: &Arc<nvml_wrapper::Nvml>,
+    found: &Discovered,
+    named: &[String],
+    held: &BTreeSet<String>,
+) -> anyhow::Result<BTreeMap<usize, DynamicGpu>> {
+    let uuids: Vec<String> = found
+        .topology
+        .gpus()
+        .iter()
+        .map(|g| g.uuid.clone())
+        .collect();
+    let gpus = resolve(named, &uuids)?;
+    let devices = (0..uuids.len() as u32)
+        .map(|i| nvml.device_by_index(i))
+        .collect::<Result<Vec<_>, _>>()?;
+    let driver = node_agent::mig_nvml::NvmlMig {
+        nvml,
+        devices: &devices,
+    };
+    let mut out = BTreeMap::new();
+    for gpu in gpus {
+        match offer(&driver, gpu, held) {
+            Ok(Some(d)) => {
+                tracing::info!(gpu, profiles = d.profiles.len(), "dynamic MIG");
+                out.insert(gpu, d);
+            }
+            Ok(None) => tracing::warn!(
+                gpu,
+                "MIG mode enabled, pending a GPU reset: dynamic MIG from the next start after it"
+            ),
+            Err(e) => tracing::error!(gpu, error = %e, "dynamic MIG not available on this GPU"),
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpus_by_index_or_uuid() {
+        let uuids = ["GPU-a".to_string(), "GPU-b".to_string()];
+        let named = ["GPU-b".to_string(), "0".to_string()];
+        assert_eq!(resolve(&named, &uuids).unwrap(), BTreeSet::from([0, 1]));
+        let e = resolve(&["2".to_string()], &uuids).unwrap_err().to_string();
+        assert!(e.contains("--mig-dynamic \"2\""), "{e}");
+    }
+}

@@ -1,0 +1,260 @@
+//! Dynamic MIG in DRA mode (issue 36), the whole driver (`daemon::run`) on
+//! the simulated H100 node with `--mig-dynamic 0`: GPU 0 is put in MIG
+//! mode and published as every placement of every profile (partitionable
+//! devices consuming its memory-slice counters); a claim for a 3g.40gb
+//! gets its instance made at prepare (a CUDA program with the spec's env
+//! sees the instance's 60 SMs / 40448 MiB), a second 3g.40gb the other
+//! placement, a third or a 7g.80gb does not fit (the counters); unprepare
+//! destroys the instance.
+//!
+//! Needs `cargo build --workspace` first (gpu-sim, its cdylibs, libvcuda.so).
+
+use std::collections::HashMap;
+use std::process::Command;
+use std::time::Duration;
+
+use apiserver_emulator::{ApiServer, Kind};
+use dra_driver::daemon::{Settings, run};
+use dra_driver::slices;
+use dra_kubelet_emulator::{allocator, cdi, plugin};
+use test_support::dra::*;
+use test_support::sim::SimNode;
+use test_support::{artifact, workspace_root};
+use tokio_util::sync::CancellationToken;
+
+fn settings(sim: &SimNode, dirs: &Dirs) -> Settings {
+    let root = sim.root();
+    Settings {
+        node: NODE.into(),
+        host_root: root.to_path_buf(),
+        nvml_library: None,
+        volume_config: workspace_root().join("config/volume.conf"),
+        interposer: Some(artifact("libvcuda.so")),
+        vdriver_dir: root.join("vdriver"),
+        vm_dir: dirs.p("vm"),
+        cdi_dir: dirs.p("cdi"),
+        state_dir: dirs.p("state"),
+        plugins_dir: dirs.p("plugins"),
+        registry_dir: dirs.p("plugins_registry"),
+        kubeconfig: Some(dirs.p("kubeconfig")),
+        xid_quiet_period: Duration::from_secs(2),
+        ignored_xids: vec![13, 31, 43, 45, 68, 109],
+        unhealthy: slices::Unhealthy::Taint("NoSchedule"),
+        resync_period: Duration::from_secs(60),
+        extra_devices: vec![],
+        display: None,
+        sample_period: Duration::from_secs(1),
+        escape_policy: gpu_display::guard::Policy::Report,
+        mig_geometry: Default::default(),
+        mig_dynamic: vec!["0".into()],
+    }
+}
+
+/// Profiles of the sim's instances on `gpu`, sorted.
+fn instances(sim: &SimNode, gpu: usize) -> Vec<String> {
+    let mut v: Vec<String> = sim
+        .state()
+        .mig_devices(gpu)
+        .into_iter()
+        .map(|(_, c)| c.profile.device_name())
+        .collect();
+    v.sort();
+    v
+}
+
+/// A claim `name` for a MIG device of `profile`, allocated: its device,
+/// or the allocator's refusal.
+fn claim(server: &ApiServer, name: &str, profile: &str) -> (String, Result<String, String>) {
+    let c = server
+        .create(
+            Kind::ResourceClaim,
+            Some(NS),
+            serde_json::json!({
+                "metadata": {"name": name, "namespace": NS},
+                "spec": {"devices": {"requests": [{"name": "mig", "exactly": {
+                    "deviceClassName": slices::MIG_CLASS,
+                    "selectors": [{"cel": {"expression": format!(
+                        "device.attributes['vcuda.tencent.com'].profile == '{profile}'")}}]}}]}}
+            }),
+        )
+        .unwrap();
+    let a = allocator::allocate(server, NS, name, NODE).map_err(|e| e.to_string());
+    let device = a.map(|a| {
+        a["devices"]["results"][0]["device"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    });
+    (uid(&c), device)
+}
+
+/// The env a runtime gives the container (mount paths mapped to the host).
+fn env(edits: &serde_json::Value) -> Vec<(String, String)> {
+    let mounts: Vec<(String, String)> = edits["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let s = |k: &str| m[k].as_str().unwrap().to_string();
+            (s("containerPath"), s("hostPath"))
+        })
+        .collect();
+    edits["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let (k, v) = e.as_str().unwrap().split_once('=').unwrap();
+            let v = mounts.iter().fold(v.to_string(), |v, (c, h)| {
+                match v.strip_prefix(c.as_str()) {
+                    Some(rest) => format!("{h}{rest}"),
+                    None => v,
+                }
+            });
+            (k.to_string(), v)
+        })
+        .collect()
+}
+
+fn sh(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn sim_cuda(sim: &SimNode, dirs: &Dirs) -> std::path::PathBuf {
+    let prog = dirs.p("sim_cuda");
+    sh(Command::new("gcc")
+        .args(["-O1", "-o"])
+        .arg(&prog)
+        .arg(workspace_root().join("tests/c/sim_cuda.c"))
+        .arg("-I")
+        .arg(workspace_root().join("tests/c"))
+        .arg("-L")
+        .arg(sim.root().join("usr/lib/x86_64-linux-gnu"))
+        .args(["-lcuda", "-ldl", "-lpthread"]));
+    prog
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_are_made_at_prepare_for_the_placement_allocated_and_destroyed_at_unprepare() {
+    let sim = SimNode::install("sim-mig-h100");
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    let cancel = CancellationToken::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let daemon = tokio::spawn(run(settings(&sim, &dirs), cancel.clone(), Some(tx)));
+    tokio::time::timeout(Duration::from_secs(60), rx)
+        .await
+        .unwrap()
+        .unwrap();
+    let kubelet = kubelet(&dirs, false).await;
+    let counters = format!("{}-counters", slices::slice_name(NODE));
+    until(10, "the pool published", || {
+        server.get(Kind::ResourceSlice, None, &counters).is_some()
+    })
+    .await;
+    let set =
+        &server.get(Kind::ResourceSlice, None, &counters).unwrap()["spec"]["sharedCounters"][0];
+    assert_eq!(set["name"], "gpu-0-mig");
+    assert_eq!(set["counters"].as_object().unwrap().len(), 8, "{set}");
+    assert!(instances(&sim, 0).is_empty(), "nothing made before a claim");
+
+    let (a_uid, a) = claim(&server, "a", "3g.40gb");
+    assert_eq!(a.as_deref(), Ok("gpu-0-mig-3g-40gb-0"));
+    let a_ref = plugin::claim(NS, "a", &a_uid);
+    let r = kubelet.prepare(std::slice::from_ref(&a_ref)).await.unwrap();
+    let one = &r.claims[&a_uid];
+    assert_eq!(one.error, "");
+    assert_eq!(instances(&sim, 0), ["3g.40gb"]);
+    let edits = cdi::resolve(&dirs.p("cdi"), &one.devices[0].cdi_device_ids[0]).unwrap();
+    let env = env(&edits);
+    let mig_uuid = env
+        .iter()
+        .find(|(k, _)| k == "NVIDIA_VISIBLE_DEVICES")
+        .unwrap()
+        .1
+        .clone();
+    assert!(mig_uuid.starts_with("MIG-"), "{env:?}");
+    let out = sh(Command::new(sim_cuda(&sim, &dirs))
+        .arg("info")
+        .envs(env.iter().cloned())
+        .env("CUDA_VISIBLE_DEVICES", &mig_uuid));
+    let kv: HashMap<&str, &str> = out.lines().filter_map(|l| l.split_once('=')).collect();
+    assert_eq!(
+        (kv["count"], kv["dev0.total_mib"], kv["dev0.sms"]),
+        ("1", "40448", "60"),
+        "{out}"
+    );
+
+    let (b_uid, b) = claim(&server, "b", "3g.40gb");
+    assert_eq!(b.as_deref(), Ok("gpu-0-mig-3g-40gb-4"));
+    let b_ref = plugin::claim(NS, "b", &b_uid);
+    let r = kubelet.prepare(std::slice::from_ref(&b_ref)).await.unwrap();
+    assert_eq!(r.claims[&b_uid].error, "");
+    assert_eq!(instances(&sim, 0), ["3g.40gb", "3g.40gb"]);
+    for (name, profile) in [("c", "3g.40gb"), ("d", "7g.80gb")] {
+        let (_, refused) = claim(&server, name, profile);
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|e| e.contains("fits on no device")),
+            "{name}: {refused:?}"
+        );
+    }
+
+    let u = kubelet
+        .unprepare(std::slice::from_ref(&a_ref))
+        .await
+        .unwrap();
+    assert_eq!(u.claims[&a_uid].error, "");
+    assert_eq!(instances(&sim, 0), ["3g.40gb"], "a's instance destroyed");
+    assert!(!dra_driver::cdi::spec_path(&dirs.p("cdi"), &a_uid).exists());
+    let recorded = || -> Vec<serde_json::Value> {
+        let text = std::fs::read(dirs.p("state/mig-created.json")).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&text).unwrap();
+        let gpus = v["gpus"].as_object().unwrap();
+        gpus.values()
+            .flat_map(|s| s.as_array().unwrap().clone())
+            .collect()
+    };
+    assert_eq!(recorded().len(), 1, "b's alone: {:?}", recorded());
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+
+    // A restart keeps b's instance (the checkpoint): its placement is
+    // published, not left out as an operator's, and unprepare destroys it.
+    let cancel = CancellationToken::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let daemon = tokio::spawn(run(settings(&sim, &dirs), cancel.clone(), Some(tx)));
+    tokio::time::timeout(Duration::from_secs(60), rx)
+        .await
+        .unwrap()
+        .unwrap();
+    let kubelet = test_support::dra::kubelet(&dirs, false).await;
+    assert_eq!(instances(&sim, 0), ["3g.40gb"]);
+    let devices = server
+        .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
+        .unwrap();
+    let names: Vec<&str> = devices["spec"]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"gpu-0-mig-3g-40gb-4"), "{names:?}");
+    let u = kubelet
+        .unprepare(std::slice::from_ref(&b_ref))
+        .await
+        .unwrap();
+    assert_eq!(u.claims[&b_uid].error, "");
+    assert!(instances(&sim, 0).is_empty());
+    assert!(recorded().is_empty());
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+}
