@@ -256,7 +256,16 @@ async fn start_dynamic(
         Ok(l) => (Some(l), store.load(&s.node)),
         Err(e) => (None, Err(e)),
     };
-    let held = crate::geometry::held(checkpoint, &found.mig);
+    // Unlike a geometry's (which must destroy nothing a claim may hold),
+    // an unread checkpoint holds nothing here: every instance is then
+    // foreign and no placement overlapping one is published.
+    let held = match checkpoint {
+        Ok(c) => crate::geometry::held(Ok(c), &[]),
+        Err(e) => {
+            tracing::warn!(error = %e, "checkpoint unread: every MIG instance counts as an operator's");
+            Default::default()
+        }
+    };
     let dynamic = crate::dynamic_start::start(nvml, found, &s.mig_dynamic, &held)?;
     if !dynamic.is_empty() {
         *found = node_agent::nvml::discover(nvml)?;

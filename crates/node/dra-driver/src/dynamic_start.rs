@@ -85,7 +85,8 @@ pub fn start(
     let mut out = BTreeMap::new();
     for gpu in gpus {
         match offer(&driver, gpu, held) {
-            Ok(Some(d)) => {
+            Ok(Some(mut d)) => {
+                (d.memory_bytes, d.multiprocessors) = sizes(nvml, &devices[gpu]);
                 tracing::info!(gpu, profiles = d.profiles.len(), "dynamic MIG");
                 out.insert(gpu, d);
             }
@@ -97,6 +98,45 @@ pub fn start(
         }
     }
     Ok(out)
+}
+
+/// Memory and multiprocessors of each GPU-instance profile of `d`, by
+/// profile id (NVML's profile info; node-agent's profile list carries
+/// neither); empty where NVML cannot say.
+fn sizes(
+    nvml: &nvml_wrapper::Nvml,
+    d: &nvml_wrapper::Device,
+) -> (BTreeMap<u32, u64>, BTreeMap<u32, u32>) {
+    use nvml_wrapper::error::{nvml_sym, nvml_try};
+    let (mut memory, mut sms) = (BTreeMap::new(), BTreeMap::new());
+    let Ok(sym) = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceProfileInfoV.as_ref()) else {
+        return (memory, sms);
+    };
+    // Indices past nvml.h's NVML_GPU_INSTANCE_PROFILE_COUNT are refused
+    // as invalid, profiles a GPU lacks as not supported: both skipped.
+    for index in 0..32 {
+        // SAFETY: the symbol's out-struct (nvmlGpuInstanceProfileInfo_v2_t)
+        // is integers and a char array, valid zeroed.
+        let mut info = unsafe { zeroed_out(sym) };
+        // nvml.h's NVML_STRUCT_VERSION: the size, the version in the top byte.
+        info.version = std::mem::size_of_val(&info) as u32 | (2 << 24);
+        // SAFETY: `d` is a live handle; `info` the versioned struct.
+        if nvml_try(unsafe { sym(d.handle(), index, &mut info) }).is_ok() {
+            memory.insert(info.id, info.memorySizeMB << 20);
+            sms.insert(info.id, info.multiprocessorCount);
+        }
+    }
+    (memory, sms)
+}
+
+/// A zeroed value of the out-parameter type of `f` (whose crate,
+/// nvml-wrapper-sys, this one does not name).
+///
+/// # Safety
+/// All-zero bytes must be a valid `T`.
+unsafe fn zeroed_out<H, T, R>(_f: &unsafe extern "C" fn(H, u32, *mut T) -> R) -> T {
+    // SAFETY: the caller's.
+    unsafe { std::mem::zeroed() }
 }
 
 #[cfg(test)]

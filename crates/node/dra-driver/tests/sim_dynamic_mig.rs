@@ -164,6 +164,18 @@ async fn instances_are_made_at_prepare_for_the_placement_allocated_and_destroyed
     assert_eq!(set["name"], "gpu-0-mig");
     assert_eq!(set["counters"].as_object().unwrap().len(), 8, "{set}");
     assert!(instances(&sim, 0).is_empty(), "nothing made before a claim");
+    let devices = server
+        .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
+        .unwrap();
+    let half = devices["spec"]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == "gpu-0-mig-3g-40gb-4")
+        .unwrap()
+        .clone();
+    assert_eq!(half["capacity"]["memory"]["value"], "40448Mi", "{half}");
+    assert_eq!(half["attributes"]["multiprocessors"]["int"], 60, "{half}");
 
     let (a_uid, a) = claim(&server, "a", "3g.40gb");
     assert_eq!(a.as_deref(), Ok("gpu-0-mig-3g-40gb-0"));
