@@ -270,3 +270,50 @@ async fn instances_are_made_at_prepare_for_the_placement_allocated_and_destroyed
     cancel.cancel();
     daemon.await.unwrap().unwrap();
 }
+
+/// An operator's instance (a 1g.10gb made before the driver starts) is
+/// left alone, and no placement overlapping it is published: the
+/// scheduler, which cannot see it, could otherwise allocate one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placements_over_an_operators_instance_are_not_published() {
+    let sim = SimNode::install("sim-mig-h100");
+    sim.mig(&["--gpu", "0", "--enable", "--create", "19"]);
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    let cancel = CancellationToken::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let daemon = tokio::spawn(run(settings(&sim, &dirs), cancel.clone(), Some(tx)));
+    tokio::time::timeout(Duration::from_secs(60), rx)
+        .await
+        .unwrap()
+        .unwrap();
+    let _kubelet = kubelet(&dirs, false).await;
+    let counters = format!("{}-counters", slices::slice_name(NODE));
+    until(10, "the pool published", || {
+        server.get(Kind::ResourceSlice, None, &counters).is_some()
+    })
+    .await;
+    let start = sim.state().mig_devices(0)[0].0.placement.start;
+    let s = server
+        .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
+        .unwrap();
+    let names: Vec<String> = s["spec"]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap().to_string())
+        .collect();
+    let op = format!("gpu-0-mig-1g-10gb-{start}");
+    assert!(!names.contains(&op), "{op} in {names:?}");
+    assert!(
+        !names.contains(&"gpu-0-mig-7g-80gb-0".to_string()),
+        "{names:?}"
+    );
+    let other_half = if start < 4 { 4 } else { 0 };
+    let free = format!("gpu-0-mig-3g-40gb-{other_half}");
+    assert!(names.contains(&free), "{free} not in {names:?}");
+    assert_eq!(instances(&sim, 0), ["1g.10gb"], "the operator's kept");
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+}
