@@ -155,8 +155,11 @@ async fn instances_are_made_at_prepare_for_the_placement_allocated_and_destroyed
         .unwrap();
     let kubelet = kubelet(&dirs, false).await;
     let counters = format!("{}-counters", slices::slice_name(NODE));
+    // Its slices are written one after the other: both, then.
     until(10, "the pool published", || {
-        server.get(Kind::ResourceSlice, None, &counters).is_some()
+        [counters.clone(), slices::slice_name(NODE)]
+            .iter()
+            .all(|n| server.get(Kind::ResourceSlice, None, n).is_some())
     })
     .await;
     let set =
@@ -241,6 +244,11 @@ async fn instances_are_made_at_prepare_for_the_placement_allocated_and_destroyed
 
     // A restart keeps b's instance (the checkpoint): its placement is
     // published, not left out as an operator's, and unprepare destroys it.
+    // The pool is deleted first (as a kubelet's restart does): the new
+    // driver's own slices are read.
+    for n in [counters.clone(), slices::slice_name(NODE)] {
+        server.delete(Kind::ResourceSlice, None, &n).unwrap();
+    }
     let cancel = CancellationToken::new();
     let (tx, rx) = tokio::sync::oneshot::channel();
     let daemon = tokio::spawn(run(settings(&sim, &dirs), cancel.clone(), Some(tx)));
@@ -249,6 +257,12 @@ async fn instances_are_made_at_prepare_for_the_placement_allocated_and_destroyed
         .unwrap()
         .unwrap();
     let kubelet = test_support::dra::kubelet(&dirs, false).await;
+    until(10, "the pool published again", || {
+        [counters.clone(), slices::slice_name(NODE)]
+            .iter()
+            .all(|n| server.get(Kind::ResourceSlice, None, n).is_some())
+    })
+    .await;
     assert_eq!(instances(&sim, 0), ["3g.40gb"]);
     let devices = server
         .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
@@ -290,8 +304,11 @@ async fn placements_over_an_operators_instance_are_not_published() {
         .unwrap();
     let _kubelet = kubelet(&dirs, false).await;
     let counters = format!("{}-counters", slices::slice_name(NODE));
+    // Its slices are written one after the other: both, then.
     until(10, "the pool published", || {
-        server.get(Kind::ResourceSlice, None, &counters).is_some()
+        [counters.clone(), slices::slice_name(NODE)]
+            .iter()
+            .all(|n| server.get(Kind::ResourceSlice, None, n).is_some())
     })
     .await;
     let start = sim.state().mig_devices(0)[0].0.placement.start;

@@ -1,0 +1,66 @@
+//! The MIG side of [`Driver`]: which MIG device a claim holds, its CDI
+//! spec, and whether another prepared claim holds it already.
+
+use super::*;
+
+impl Driver {
+    /// The MIG device a claim holds (the planner keeps it alone).
+    pub(super) fn mig_of(devices: &[PlannedDevice]) -> Option<(&PlannedDevice, &PlannedMig)> {
+        devices.iter().find_map(|d| d.mig.as_ref().map(|m| (d, m)))
+    }
+
+    /// A MIG device's spec: its access capability nodes read now, from
+    /// the driver's files (an instance destroyed meanwhile has none).
+    pub(super) fn mig_spec(
+        &self,
+        uid: &str,
+        d: &PlannedDevice,
+        m: &PlannedMig,
+    ) -> Result<cdi::Spec, ClaimFailure> {
+        let gone = || ClaimFailure::MigGone {
+            device: d.device.clone(),
+            uuid: m.uuid.clone(),
+        };
+        let parent = self.inventory.gpus.get(d.gpu_index).ok_or_else(gone)?;
+        // A placement's instance was made after the inventory was read.
+        let made = m.placement.map(|_| node_agent::mig::MigDevice {
+            uuid: m.uuid.clone(),
+            gpu_instance: m.gpu_instance,
+            compute_instance: m.compute_instance,
+            profile: String::new(),
+            memory_bytes: 0,
+            multiprocessors: 0,
+        });
+        let found = made
+            .as_ref()
+            .or_else(|| self.inventory.mig_by_uuid(d.gpu_index, &m.uuid))
+            .ok_or_else(gone)?;
+        let caps = node_agent::mig::access_caps(&self.inventory.host_root, parent.minor, found)
+            .map_err(|source| ClaimFailure::MigCaps {
+                device: d.device.clone(),
+                source,
+            })?;
+        Ok(cdi::mig_spec(&cdi::MigInput {
+            name: cdi::device_name(uid, &d.request, &d.device),
+            parent,
+            uuid: &m.uuid,
+            caps,
+            vdriver_dir: &self.cfg.vdriver_dir,
+            extra_devices: &self.cfg.extra_devices,
+        }))
+    }
+
+    /// A MIG device of `planned` that a prepared claim already holds (the
+    /// scheduler gives it to one claim; an allocation that says otherwise
+    /// is stale).
+    pub(super) fn taken(st: &Checkpoint, planned: &[PlannedDevice]) -> Option<ClaimFailure> {
+        let (d, m) = Self::mig_of(planned)?;
+        st.claims.values().find_map(|other| {
+            let (_, held) = Self::mig_of(&other.devices)?;
+            (held.uuid == m.uuid).then(|| ClaimFailure::MigTaken {
+                device: d.device.clone(),
+                claim: format!("{}/{}", other.namespace, other.name),
+            })
+        })
+    }
+}
