@@ -288,7 +288,11 @@ pub(crate) mod tests {
             ..crate::dynamic::tests::inventory()
         };
         let fake = Arc::new(Fake::default());
-        let claims = Arc::new(Claims(vec!["gpu-0-mig-3g-40gb-4", "no-such-device"]));
+        let claims = Arc::new(Claims(vec![
+            "gpu-0-mig-3g-40gb-4",
+            "no-such-device",
+            "gpu-0-mig-3g-40gb-0",
+        ]));
         let d = crate::driver::Driver::start(cfg, inventory, claims)
             .unwrap()
             .with_partitioner(fake.clone());
@@ -318,6 +322,12 @@ pub(crate) mod tests {
         let e = d.prepare(&r("u1")).await.unwrap_err().to_string();
         assert!(e.contains("no device \"no-such-device\""), "{e}");
         assert_eq!(fake.made.lock().unwrap().len(), 1);
+        // Made, but its capability files cannot be read (gi 2 has none):
+        // the prepare fails and the instance is destroyed again.
+        let e = d.prepare(&r("u2")).await.unwrap_err().to_string();
+        assert!(e.contains("gi2"), "{e}");
+        assert_eq!(*fake.made.lock().unwrap(), [(0, 1, at)]);
+        assert_eq!(Created::load(&state).gpus["GPU-0"], [(1, 9, 4)].into());
         // In use: NVML refuses, the claim stays prepared.
         *fake.busy.lock().unwrap() = true;
         let e = d.unprepare(&r("u0")).await.unwrap_err().to_string();
