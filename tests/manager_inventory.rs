@@ -324,19 +324,6 @@ async fn mig_devices_are_served_whole_one_resource_per_profile() {
         .unwrap_or_else(|_| panic!("MIG resources not back after the kill:\n{}", env.log_text()));
 }
 
-/// Profiles of the MIG devices on `gpu` of the simulated node, sorted.
-fn profiles_on(env: &Env, gpu: usize) -> Vec<String> {
-    let mut v: Vec<String> = env
-        .sim
-        .state()
-        .mig_devices(gpu)
-        .into_iter()
-        .map(|(_, c)| c.profile.device_name())
-        .collect();
-    v.sort();
-    v
-}
-
 /// Waits until the kubelet sees `want` (resource, healthy count) among the
 /// MIG resources.
 async fn mig_resources(env: &Env, want: &[(&str, usize)]) {
@@ -385,12 +372,12 @@ async fn a_configured_geometry_is_applied_and_adopted() {
     )
     .await;
     assert_eq!(
-        profiles_on(&env, 0),
+        env.sim.mig_profiles(0),
         ["1g.10gb", "1g.10gb", "3g.40gb"],
         "{}",
         env.log_text()
     );
-    assert_eq!(profiles_on(&env, 1), ["2g.20gb"]);
+    assert_eq!(env.sim.mig_profiles(1), ["2g.20gb"]);
     assert_eq!(env.sim.state().mig_mode(1), Ok((true, true)));
     mig_resources(&env, &[("3g.40gb", 1), ("1g.10gb", 2), ("2g.20gb", 1)]).await;
     let operators: Vec<String> = instances(&env)
@@ -478,8 +465,8 @@ async fn a_configured_geometry_is_applied_and_adopted() {
     env.kill9_and_start(&args).await;
     let log = env.log_text();
     assert_eq!(log.matches("do not fit").count(), 2, "{log}");
-    assert_eq!(profiles_on(&env, 0), ["1g.10gb", "1g.10gb", "3g.40gb"]);
-    assert_eq!(profiles_on(&env, 1), ["2g.20gb"]);
+    assert_eq!(env.sim.mig_profiles(0), ["1g.10gb", "1g.10gb", "3g.40gb"]);
+    assert_eq!(env.sim.mig_profiles(1), ["2g.20gb"]);
     assert!(instances(&env).iter().any(|(_, i)| i.uuid == big.uuid));
 
     // The process ends: the 3g.40gb, vcuda's and idle, makes room for
@@ -489,12 +476,12 @@ async fn a_configured_geometry_is_applied_and_adopted() {
     assert!(busy.wait().unwrap().success());
     env.kill9_and_start(&args).await;
     assert_eq!(
-        profiles_on(&env, 0),
+        env.sim.mig_profiles(0),
         vec!["1g.10gb"; 7],
         "{}",
         env.log_text()
     );
-    assert_eq!(profiles_on(&env, 1), ["2g.20gb"]);
+    assert_eq!(env.sim.mig_profiles(1), ["2g.20gb"]);
     let now = instances(&env);
     for u in &operators {
         assert!(now.iter().any(|(_, i)| &i.uuid == u), "the 1g.10gb {u}");

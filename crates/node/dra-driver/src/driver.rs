@@ -589,8 +589,8 @@ mod tests {
         .unwrap()
     }
 
-    fn driver(tmp: &std::path::Path, claims: Arc<MapClaims>) -> Driver {
-        let cfg = Config {
+    fn config(tmp: &std::path::Path) -> Config {
+        Config {
             node: "n1".into(),
             vm_root: tmp.join("vm"),
             vdriver_dir: tmp.join("vdriver"),
@@ -598,7 +598,11 @@ mod tests {
             state_dir: tmp.join("state"),
             driver_version: (550, 54),
             extra_devices: vec![],
-        };
+        }
+    }
+
+    fn driver(tmp: &std::path::Path, claims: Arc<MapClaims>) -> Driver {
+        let cfg = config(tmp);
         Driver::start(cfg, vec![gpu()], claims).unwrap()
     }
 
@@ -674,15 +678,7 @@ mod tests {
         std::fs::create_dir_all(gi.join("ci0")).unwrap();
         std::fs::write(gi.join("access"), "DeviceFileMinor: 21\n").unwrap();
         std::fs::write(gi.join("ci0/access"), "DeviceFileMinor: 22\n").unwrap();
-        let cfg = Config {
-            node: "n1".into(),
-            vm_root: tmp.join("vm"),
-            vdriver_dir: tmp.join("vdriver"),
-            cdi_dir: tmp.join("cdi"),
-            state_dir: tmp.join("state"),
-            driver_version: (550, 54),
-            extra_devices: vec![],
-        };
+        let cfg = config(tmp);
         let inventory = Inventory {
             gpus: vec![gpu()],
             mig: vec![Some(vec![node_agent::mig::MigDevice {

@@ -354,7 +354,7 @@ pub const SHARE_CLASS: &str = gpu_pods::dra::SHARE_CLASS;
 pub const WHOLE_CLASS: &str = gpu_pods::dra::WHOLE_CLASS;
 /// DeviceClass for MIG devices (each whole, the untouched driver); a
 /// claim picks a profile with a selector on `profile`.
-pub const MIG_CLASS: &str = "vcuda-mig.vcuda.tencent.com";
+pub const MIG_CLASS: &str = gpu_pods::dra::MIG_CLASS;
 
 /// The CEL expression selecting this driver's devices of type `t`.
 pub fn type_selector(t: &str) -> String {

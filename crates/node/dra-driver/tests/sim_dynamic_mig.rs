@@ -19,65 +19,20 @@ use dra_driver::slices;
 use dra_kubelet_emulator::{allocator, cdi, plugin};
 use test_support::dra::*;
 use test_support::sim::SimNode;
-use test_support::{artifact, workspace_root};
+use test_support::workspace_root;
 use tokio_util::sync::CancellationToken;
 
 fn settings(sim: &SimNode, dirs: &Dirs) -> Settings {
-    let root = sim.root();
     Settings {
-        node: NODE.into(),
-        host_root: root.to_path_buf(),
-        nvml_library: None,
-        volume_config: workspace_root().join("config/volume.conf"),
-        interposer: Some(artifact("libvcuda.so")),
-        vdriver_dir: root.join("vdriver"),
-        vm_dir: dirs.p("vm"),
-        cdi_dir: dirs.p("cdi"),
-        state_dir: dirs.p("state"),
-        plugins_dir: dirs.p("plugins"),
-        registry_dir: dirs.p("plugins_registry"),
-        kubeconfig: Some(dirs.p("kubeconfig")),
-        xid_quiet_period: Duration::from_secs(2),
-        ignored_xids: vec![13, 31, 43, 45, 68, 109],
-        unhealthy: slices::Unhealthy::Taint("NoSchedule"),
-        resync_period: Duration::from_secs(60),
-        extra_devices: vec![],
-        display: None,
-        sample_period: Duration::from_secs(1),
-        escape_policy: gpu_display::guard::Policy::Report,
-        mig_geometry: Default::default(),
         mig_dynamic: vec!["0".into()],
+        ..sim_settings(sim.root(), dirs)
     }
-}
-
-/// Profiles of the sim's instances on `gpu`, sorted.
-fn instances(sim: &SimNode, gpu: usize) -> Vec<String> {
-    let mut v: Vec<String> = sim
-        .state()
-        .mig_devices(gpu)
-        .into_iter()
-        .map(|(_, c)| c.profile.device_name())
-        .collect();
-    v.sort();
-    v
 }
 
 /// A claim `name` for a MIG device of `profile`, allocated: its device,
 /// or the allocator's refusal.
 fn claim(server: &ApiServer, name: &str, profile: &str) -> (String, Result<String, String>) {
-    let c = server
-        .create(
-            Kind::ResourceClaim,
-            Some(NS),
-            serde_json::json!({
-                "metadata": {"name": name, "namespace": NS},
-                "spec": {"devices": {"requests": [{"name": "mig", "exactly": {
-                    "deviceClassName": slices::MIG_CLASS,
-                    "selectors": [{"cel": {"expression": format!(
-                        "device.attributes['vcuda.tencent.com'].profile == '{profile}'")}}]}}]}}
-            }),
-        )
-        .unwrap();
+    let c = mig_claim(server, name, profile);
     let a = allocator::allocate(server, NS, name, NODE).map_err(|e| e.to_string());
     let device = a.map(|a| {
         a["devices"]["results"][0]["device"]
@@ -86,34 +41,6 @@ fn claim(server: &ApiServer, name: &str, profile: &str) -> (String, Result<Strin
             .to_string()
     });
     (uid(&c), device)
-}
-
-/// The env a runtime gives the container (mount paths mapped to the host).
-fn env(edits: &serde_json::Value) -> Vec<(String, String)> {
-    let mounts: Vec<(String, String)> = edits["mounts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| {
-            let s = |k: &str| m[k].as_str().unwrap().to_string();
-            (s("containerPath"), s("hostPath"))
-        })
-        .collect();
-    edits["env"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| {
-            let (k, v) = e.as_str().unwrap().split_once('=').unwrap();
-            let v = mounts.iter().fold(v.to_string(), |v, (c, h)| {
-                match v.strip_prefix(c.as_str()) {
-                    Some(rest) => format!("{h}{rest}"),
-                    None => v,
-                }
-            });
-            (k.to_string(), v)
-        })
-        .collect()
 }
 
 fn sh(cmd: &mut Command) -> String {
@@ -166,7 +93,10 @@ async fn instances_are_made_at_prepare_for_the_placement_allocated_and_destroyed
         &server.get(Kind::ResourceSlice, None, &counters).unwrap()["spec"]["sharedCounters"][0];
     assert_eq!(set["name"], "gpu-0-mig");
     assert_eq!(set["counters"].as_object().unwrap().len(), 8, "{set}");
-    assert!(instances(&sim, 0).is_empty(), "nothing made before a claim");
+    assert!(
+        sim.mig_profiles(0).is_empty(),
+        "nothing made before a claim"
+    );
     let devices = server
         .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
         .unwrap();
@@ -186,9 +116,9 @@ async fn instances_are_made_at_prepare_for_the_placement_allocated_and_destroyed
     let r = kubelet.prepare(std::slice::from_ref(&a_ref)).await.unwrap();
     let one = &r.claims[&a_uid];
     assert_eq!(one.error, "");
-    assert_eq!(instances(&sim, 0), ["3g.40gb"]);
+    assert_eq!(sim.mig_profiles(0), ["3g.40gb"]);
     let edits = cdi::resolve(&dirs.p("cdi"), &one.devices[0].cdi_device_ids[0]).unwrap();
-    let env = env(&edits);
+    let env = container_env(&edits);
     let mig_uuid = env
         .iter()
         .find(|(k, _)| k == "NVIDIA_VISIBLE_DEVICES")
@@ -212,7 +142,7 @@ async fn instances_are_made_at_prepare_for_the_placement_allocated_and_destroyed
     let b_ref = plugin::claim(NS, "b", &b_uid);
     let r = kubelet.prepare(std::slice::from_ref(&b_ref)).await.unwrap();
     assert_eq!(r.claims[&b_uid].error, "");
-    assert_eq!(instances(&sim, 0), ["3g.40gb", "3g.40gb"]);
+    assert_eq!(sim.mig_profiles(0), ["3g.40gb", "3g.40gb"]);
     for (name, profile) in [("c", "3g.40gb"), ("d", "7g.80gb")] {
         let (_, refused) = claim(&server, name, profile);
         assert!(
@@ -228,7 +158,7 @@ async fn instances_are_made_at_prepare_for_the_placement_allocated_and_destroyed
         .await
         .unwrap();
     assert_eq!(u.claims[&a_uid].error, "");
-    assert_eq!(instances(&sim, 0), ["3g.40gb"], "a's instance destroyed");
+    assert_eq!(sim.mig_profiles(0), ["3g.40gb"], "a's instance destroyed");
     assert!(!dra_driver::cdi::spec_path(&dirs.p("cdi"), &a_uid).exists());
     let recorded = || -> Vec<serde_json::Value> {
         let text = std::fs::read(dirs.p("state/mig-created.json")).unwrap();
@@ -263,7 +193,7 @@ async fn instances_are_made_at_prepare_for_the_placement_allocated_and_destroyed
             .all(|n| server.get(Kind::ResourceSlice, None, n).is_some())
     })
     .await;
-    assert_eq!(instances(&sim, 0), ["3g.40gb"]);
+    assert_eq!(sim.mig_profiles(0), ["3g.40gb"]);
     let devices = server
         .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
         .unwrap();
@@ -279,7 +209,7 @@ async fn instances_are_made_at_prepare_for_the_placement_allocated_and_destroyed
         .await
         .unwrap();
     assert_eq!(u.claims[&b_uid].error, "");
-    assert!(instances(&sim, 0).is_empty());
+    assert!(sim.mig_profiles(0).is_empty());
     assert!(recorded().is_empty());
     cancel.cancel();
     daemon.await.unwrap().unwrap();
@@ -330,7 +260,7 @@ async fn placements_over_an_operators_instance_are_not_published() {
     let other_half = if start < 4 { 4 } else { 0 };
     let free = format!("gpu-0-mig-3g-40gb-{other_half}");
     assert!(names.contains(&free), "{free} not in {names:?}");
-    assert_eq!(instances(&sim, 0), ["1g.10gb"], "the operator's kept");
+    assert_eq!(sim.mig_profiles(0), ["1g.10gb"], "the operator's kept");
     cancel.cancel();
     daemon.await.unwrap().unwrap();
 }

@@ -53,31 +53,9 @@ impl tracing::Subscriber for Capture {
 }
 
 fn settings(sim: &SimNode, dirs: &Dirs, geometry: &str) -> Settings {
-    let root = sim.root();
     Settings {
-        node: NODE.into(),
-        host_root: root.to_path_buf(),
-        nvml_library: None,
-        volume_config: workspace_root().join("config/volume.conf"),
-        interposer: Some(artifact("libvcuda.so")),
-        // Inside the sim root, so the sim's libraries find their state.
-        vdriver_dir: root.join("vdriver"),
-        vm_dir: dirs.p("vm"),
-        cdi_dir: dirs.p("cdi"),
-        state_dir: dirs.p("state"),
-        plugins_dir: dirs.p("plugins"),
-        registry_dir: dirs.p("plugins_registry"),
-        kubeconfig: Some(dirs.p("kubeconfig")),
-        xid_quiet_period: Duration::from_secs(2),
-        ignored_xids: vec![13, 31, 43, 45, 68, 109],
-        unhealthy: slices::Unhealthy::Taint("NoSchedule"),
-        resync_period: Duration::from_secs(60),
-        extra_devices: vec![],
-        display: None,
-        sample_period: Duration::from_secs(1),
-        escape_policy: gpu_display::guard::Policy::Report,
         mig_geometry: geometry.parse().unwrap(),
-        mig_dynamic: vec![],
+        ..sim_settings(sim.root(), dirs)
     }
 }
 
@@ -151,19 +129,7 @@ fn instances(sim: &SimNode, gpu: usize) -> Vec<(String, u32, u32)> {
 /// `profile`), allocated and prepared; the device it got.
 async fn prepare_mig(server: &ApiServer, kubelet: &plugin::DraPlugin, profile: &str) -> String {
     let name = format!("mig-{}", profile.replace('.', "-"));
-    let c = server
-        .create(
-            Kind::ResourceClaim,
-            Some(NS),
-            serde_json::json!({
-                "metadata": {"name": name, "namespace": NS},
-                "spec": {"devices": {"requests": [{"name": "mig", "exactly": {
-                    "deviceClassName": slices::MIG_CLASS,
-                    "selectors": [{"cel": {"expression": format!(
-                        "device.attributes['vcuda.tencent.com'].profile == '{profile}'")}}]}}]}}
-            }),
-        )
-        .unwrap();
+    let c = mig_claim(server, &name, profile);
     let a = allocator::allocate(server, NS, &name, NODE).unwrap();
     let claim = plugin::claim(NS, &name, &uid(&c));
     let r = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();

@@ -119,29 +119,9 @@ fn install(gpu_sim: &Path, node: &str, dirs: &Dirs) -> PathBuf {
 /// in `dirs`.
 fn settings(sim: &Path, dirs: &Dirs, shim: PathBuf) -> Settings {
     Settings {
-        node: NODE.into(),
-        host_root: sim.to_path_buf(),
-        nvml_library: None,
-        volume_config: workspace().join("config/volume.conf"),
         interposer: Some(shim),
-        // Inside the sim root, so the sim's libraries find their state.
-        vdriver_dir: sim.join("vdriver"),
-        vm_dir: dirs.p("vm"),
-        cdi_dir: dirs.p("cdi"),
-        state_dir: dirs.p("state"),
-        plugins_dir: dirs.p("plugins"),
-        registry_dir: dirs.p("plugins_registry"),
-        kubeconfig: Some(dirs.p("kubeconfig")),
-        xid_quiet_period: Duration::from_secs(2),
-        ignored_xids: vec![13, 31, 43, 45, 68, 109],
-        unhealthy: dra_driver::slices::Unhealthy::Taint("NoSchedule"),
-        resync_period: Duration::from_secs(60),
-        extra_devices: vec![],
         display: Some((dirs.p("display.sock"), "127.0.0.1:0".parse().unwrap())),
-        sample_period: Duration::from_secs(1),
-        escape_policy: gpu_display::guard::Policy::Report,
-        mig_geometry: Default::default(),
-        mig_dynamic: vec![],
+        ..sim_settings(sim, dirs)
     }
 }
 
@@ -615,20 +595,7 @@ async fn claims_for_mig_devices_get_the_instance_and_the_untouched_driver() {
             attrs["computeInstance"]["int"].as_u64().unwrap(),
         );
         let name = format!("mig-{}", profile.replace('.', "-"));
-        let c = n
-            .server
-            .create(
-                Kind::ResourceClaim,
-                Some(NS),
-                serde_json::json!({
-                    "metadata": {"name": name, "namespace": NS},
-                    "spec": {"devices": {"requests": [{"name": "mig", "exactly": {
-                        "deviceClassName": slices::MIG_CLASS,
-                        "selectors": [{"cel": {"expression": format!(
-                            "device.attributes['vcuda.tencent.com'].profile == '{profile}'")}}]}}]}}
-                }),
-            )
-            .unwrap();
+        let c = mig_claim(&n.server, &name, profile);
         let a = allocator::allocate(&n.server, NS, &name, NODE).unwrap();
         assert_eq!(a["devices"]["results"][0]["device"], device);
         let claim = plugin::claim(NS, &name, &uid(&c));

@@ -35,32 +35,7 @@ fn sh(cmd: &mut Command) -> String {
 }
 
 fn settings(dirs: &Dirs) -> Settings {
-    let sim = dirs.p("sim");
-    Settings {
-        node: NODE.into(),
-        host_root: sim.clone(),
-        nvml_library: None,
-        volume_config: workspace_root().join("config/volume.conf"),
-        interposer: Some(target_dir().join("libvcuda.so")),
-        // Inside the sim root, so the sim's libraries find their state.
-        vdriver_dir: sim.join("vdriver"),
-        vm_dir: dirs.p("vm"),
-        cdi_dir: dirs.p("cdi"),
-        state_dir: dirs.p("state"),
-        plugins_dir: dirs.p("plugins"),
-        registry_dir: dirs.p("plugins_registry"),
-        kubeconfig: Some(dirs.p("kubeconfig")),
-        xid_quiet_period: Duration::from_secs(2),
-        ignored_xids: vec![13, 31, 43, 45, 68, 109],
-        unhealthy: dra_driver::slices::Unhealthy::Taint("NoSchedule"),
-        resync_period: Duration::from_secs(60),
-        extra_devices: vec![],
-        display: None,
-        sample_period: Duration::from_secs(1),
-        escape_policy: gpu_display::guard::Policy::Report,
-        mig_geometry: Default::default(),
-        mig_dynamic: vec![],
-    }
+    sim_settings(&dirs.p("sim"), dirs)
 }
 
 /// The whole driver on the simulated 4-GPU node, registered with the

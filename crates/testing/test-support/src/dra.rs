@@ -18,6 +18,59 @@ use tokio_util::sync::CancellationToken;
 pub const NODE: &str = "node-a";
 pub const NS: &str = "team";
 
+/// The whole driver's settings on the simulated node at `sim` (the
+/// interposer this build made, no display, no MIG configuration), its
+/// directories in `dirs`; tests change what they are about.
+pub fn sim_settings(sim: &Path, dirs: &Dirs) -> dra_driver::daemon::Settings {
+    dra_driver::daemon::Settings {
+        node: NODE.into(),
+        host_root: sim.to_path_buf(),
+        nvml_library: None,
+        volume_config: crate::workspace_root().join("config/volume.conf"),
+        interposer: Some(crate::target_dir().join("libvcuda.so")),
+        // Inside the sim root, so the sim's libraries find their state.
+        vdriver_dir: sim.join("vdriver"),
+        vm_dir: dirs.p("vm"),
+        cdi_dir: dirs.p("cdi"),
+        state_dir: dirs.p("state"),
+        plugins_dir: dirs.p("plugins"),
+        registry_dir: dirs.p("plugins_registry"),
+        kubeconfig: Some(dirs.p("kubeconfig")),
+        xid_quiet_period: Duration::from_secs(2),
+        ignored_xids: vec![13, 31, 43, 45, 68, 109],
+        unhealthy: dra_driver::slices::Unhealthy::Taint("NoSchedule"),
+        resync_period: Duration::from_secs(60),
+        extra_devices: vec![],
+        display: None,
+        sample_period: Duration::from_secs(1),
+        // Report (the default).
+        escape_policy: Default::default(),
+        mig_geometry: Default::default(),
+        mig_dynamic: vec![],
+    }
+}
+
+/// A claim `name` for one MIG device of `profile` (the MIG class, a
+/// selector on the profile, as docs/mig.md shows it), created.
+pub fn mig_claim(server: &ApiServer, name: &str, profile: &str) -> Value {
+    let selector = format!(
+        "device.attributes['{}'].profile == '{profile}'",
+        dra_driver::DRIVER_NAME
+    );
+    server
+        .create(
+            Kind::ResourceClaim,
+            Some(NS),
+            json!({
+                "metadata": {"name": name, "namespace": NS},
+                "spec": {"devices": {"requests": [{"name": "mig", "exactly": {
+                    "deviceClassName": dra_driver::slices::MIG_CLASS,
+                    "selectors": [{"cel": {"expression": selector}}]}}]}}
+            }),
+        )
+        .unwrap()
+}
+
 pub async fn kube(server: &ApiServer, dir: &Path) -> KubeApi {
     let path = dir.join("kubeconfig");
     server.write_kubeconfig(&path).unwrap();
@@ -220,7 +273,9 @@ pub fn container_env(edits: &Value) -> Vec<(String, String)> {
             (k.to_string(), v)
         })
         .collect();
-    let vm = mounts.iter().find(|(c, _)| c == "/etc/vcuda").unwrap();
-    env.push(("VCUDA_CONFIG_DIR".into(), vm.1.clone()));
+    // A share's vm directory (a MIG device or a whole GPU has none).
+    if let Some(vm) = mounts.iter().find(|(c, _)| c == "/etc/vcuda") {
+        env.push(("VCUDA_CONFIG_DIR".into(), vm.1.clone()));
+    }
     env
 }

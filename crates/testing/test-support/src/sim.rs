@@ -54,6 +54,18 @@ impl SimNode {
         self.root().join("usr/lib/x86_64-linux-gnu")
     }
 
+    /// The profiles of the MIG devices on `gpu`, sorted.
+    pub fn mig_profiles(&self, gpu: usize) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .state()
+            .mig_devices(gpu)
+            .into_iter()
+            .map(|(_, c)| c.profile.device_name())
+            .collect();
+        v.sort();
+        v
+    }
+
     /// `gpu-sim xid`: a critical Xid `code` on `gpu`, inside MIG GPU
     /// instance `gpu_instance` when given; panics with its stderr on failure.
     pub fn xid(&self, gpu: usize, code: u32, gpu_instance: Option<u32>) {
