@@ -19,7 +19,6 @@ use dra_driver::slices;
 use dra_kubelet_emulator::{allocator, plugin};
 use test_support::dra::*;
 use test_support::sim::SimNode;
-use test_support::{artifact, workspace_root};
 use tokio_util::sync::CancellationToken;
 
 /// What the driver logged: each event's fields, a line each.
