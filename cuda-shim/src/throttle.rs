@@ -36,6 +36,7 @@
 pub mod bucket;
 pub mod controller;
 pub mod cost;
+pub mod gpm;
 pub mod sampler;
 
 pub(crate) use cost::kernel_cost;
@@ -404,11 +405,11 @@ fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32
         ctl.ctrl.assume_blind();
     }
     if ctl.sampler.is_none() && !ctl.sampler_error {
-        let bus = crate::config::enforce()
+        let (bus, uuid) = crate::config::enforce()
             .and_then(|e| e.gpus.get(gpu))
-            .map(|g| g.bus_id.clone())
+            .map(|g| (g.bus_id.clone(), g.uuid.clone()))
             .unwrap_or_default();
-        match sampler::Sampler::open(&bus) {
+        match sampler::Sampler::open(&bus, &uuid) {
             Ok(s) => ctl.sampler = Some(s),
             Err(e) => {
                 // Without feedback the bucket keeps the last rate it had.

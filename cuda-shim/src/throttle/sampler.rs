@@ -1,9 +1,11 @@
 //! Utilisation feedback from the real NVML (the versioned
 //! `libnvidia-ml.so.<ver>` beside the interposer, never our own wrappers):
 //! `nvmlDeviceGetProcessUtilization` samples of every process on the
-//! container's GPU, split into the container's host PIDs and the rest.
+//! container's GPU, split into the container's host PIDs and the rest;
+//! inside a MIG device, GPM samples of its GPU instance (`super::gpm`).
 
 use super::controller::DEFAULT_PERIOD_NS;
+use super::gpm::InstanceSampler;
 use crate::real::{Lib, sym};
 use std::ffi::{CString, c_void};
 
@@ -23,7 +25,7 @@ struct Sample {
     dec_util: u32,
 }
 
-type Device = *mut c_void;
+pub(super) type Device = *mut c_void;
 type ProcUtil = unsafe extern "C" fn(Device, *mut Sample, *mut u32, u64) -> i32;
 
 /// A finished sample period as NVML reported it.
@@ -36,7 +38,43 @@ pub struct Reported {
     pub others: f64,
 }
 
-pub struct Sampler {
+/// Where a GPU's feedback comes from.
+pub enum Sampler {
+    /// Per-process samples of a whole GPU.
+    Processes(Processes),
+    /// A MIG device's GPU instance, all of it the container's.
+    Instance(InstanceSampler),
+}
+
+impl Sampler {
+    /// The feedback of the share's GPU `bus_id`, or of MIG device `uuid`
+    /// when the share is inside one.
+    pub fn open(bus_id: &str, uuid: &str) -> Result<Sampler, String> {
+        if uuid.starts_with(quota_config::MIG_UUID_PREFIX) {
+            match InstanceSampler::open(uuid) {
+                Ok(i) => return Ok(Sampler::Instance(i)),
+                // Before Hopper: the parent's samples, which MIG mode
+                // leaves empty, so the controller's blind path (an assumed
+                // wave time, flagged in the ledger) holds the quota.
+                Err(e) => crate::log::log!(Warn, "compute quota: {e}"),
+            }
+        }
+        Processes::open(bus_id).map(Sampler::Processes)
+    }
+
+    /// Periods finished since the last call, oldest first.
+    pub fn poll(&mut self, own_pids: impl FnOnce() -> Vec<i32>) -> Vec<Reported> {
+        match self {
+            Sampler::Processes(p) => p.poll(own_pids),
+            Sampler::Instance(i) => {
+                let now = clock(libc::CLOCK_MONOTONIC).max(0) as u64;
+                i.poll(now).into_iter().collect()
+            }
+        }
+    }
+}
+
+pub struct Processes {
     dev: Device,
     get: ProcUtil,
     last_seen_us: u64,
@@ -49,9 +87,10 @@ pub struct Sampler {
 // The device handle is only used on the thread that owns the sampler.
 // SAFETY: the NVML device handle is opaque and valid from any thread (NVML is thread-safe);
 // `get` is a plain fn pointer; a Sampler is used by one thread at a time.
-unsafe impl Send for Sampler {}
+unsafe impl Send for Processes {}
 
-fn f<T: Copy>(name: &str) -> Result<T, String> {
+/// The real NVML's `name`, as the `unsafe extern "C" fn` type `T`.
+pub(super) fn nvml_fn<T: Copy>(name: &str) -> Result<T, String> {
     let c = CString::new(name).unwrap();
     let p = sym(Lib::Nvml, &c);
     if p == 0 {
@@ -63,22 +102,29 @@ fn f<T: Copy>(name: &str) -> Result<T, String> {
     Ok(unsafe { std::mem::transmute_copy::<usize, T>(&p) })
 }
 
-impl Sampler {
+/// Initialises the real NVML (counted: every call is matched by nothing,
+/// the watcher keeps it for the process's life).
+pub(super) fn nvml_init() -> Result<(), String> {
+    let init: unsafe extern "C" fn() -> i32 = nvml_fn("nvmlInit_v2")?;
+    // SAFETY: the real nvmlInit_v2, resolved by name; no arguments.
+    let r = unsafe { init() };
+    if r != NVML_SUCCESS {
+        return Err(format!("nvmlInit_v2 returned {r}"));
+    }
+    Ok(())
+}
+
+impl Processes {
     /// Initialises the real NVML and finds the GPU by `bus_id` (the only
     /// visible GPU when the id does not match: a container sees just its
     /// own).
-    pub fn open(bus_id: &str) -> Result<Sampler, String> {
-        let init: unsafe extern "C" fn() -> i32 = f("nvmlInit_v2")?;
-        // SAFETY: the real nvmlInit_v2, resolved by name; no arguments.
-        let r = unsafe { init() };
-        if r != NVML_SUCCESS {
-            return Err(format!("nvmlInit_v2 returned {r}"));
-        }
+    pub fn open(bus_id: &str) -> Result<Processes, String> {
+        nvml_init()?;
         let by_bus: unsafe extern "C" fn(*const i8, *mut Device) -> i32 =
-            f("nvmlDeviceGetHandleByPciBusId_v2")?;
-        let count: unsafe extern "C" fn(*mut u32) -> i32 = f("nvmlDeviceGetCount_v2")?;
+            nvml_fn("nvmlDeviceGetHandleByPciBusId_v2")?;
+        let count: unsafe extern "C" fn(*mut u32) -> i32 = nvml_fn("nvmlDeviceGetCount_v2")?;
         let by_index: unsafe extern "C" fn(u32, *mut Device) -> i32 =
-            f("nvmlDeviceGetHandleByIndex_v2")?;
+            nvml_fn("nvmlDeviceGetHandleByIndex_v2")?;
         let mut dev: Device = std::ptr::null_mut();
         let id = CString::new(bus_id).unwrap_or_default();
         // SAFETY: the real NVML lookups, resolved by name; `id` is a live NUL-terminated
@@ -104,9 +150,9 @@ impl Sampler {
                 return Err(format!("nvmlDeviceGetHandleByIndex_v2(0) returned {r}"));
             }
         }
-        Ok(Sampler {
+        Ok(Processes {
             dev,
-            get: f("nvmlDeviceGetProcessUtilization")?,
+            get: nvml_fn("nvmlDeviceGetProcessUtilization")?,
             // Only periods from now on.
             last_seen_us: realtime_us(),
             prev_ts_us: None,

@@ -23,8 +23,8 @@ pub use atomic::{Durability, write_atomic};
 
 pub use multi::{
     ENABLE_MULTI_GPU, GPU_RECORD_SIZE, GPUS_FILE, GPUS_HEADER_SIZE, GPUS_MAGIC, GPUS_VERSION,
-    GpuQuota, MAX_GPUS, MultiGpuQuota, Quota, WriteError, ledger_file, ledger_id_file, read_quota,
-    write_multi,
+    GpuQuota, MAX_GPUS, MIG_UUID_PREFIX, MultiGpuQuota, Quota, WriteError, ledger_file,
+    ledger_id_file, read_quota, write_multi,
 };
 
 /// File name of the quota file in a container's vm directory.

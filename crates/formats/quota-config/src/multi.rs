@@ -16,7 +16,7 @@
 //! |---|---|
 //! | 0..8 | magic `VCUDAGPU` |
 //! | 8..12 | version, 1 |
-//! | 12..16 | GPU count, 2..=64 |
+//! | 12..16 | GPU count, 2..=64; 1 for a share in a MIG device |
 //! | 16..20 | record size, 96 |
 //! | 20..32 | reserved, zero |
 //! | 32 + 96·i | GPU i's record, i = 0 the GPU `vcuda.config` names |
@@ -25,6 +25,12 @@
 //! `uuid` 16..64 (NUL-terminated), `gpu_memory` 64..72 (u64 bytes),
 //! `utilization` 72..76 (i32, 1..=100), `limit` 76..80 (i32, the soft
 //! ceiling), 80..96 reserved, zero. GPU i's ledger is [`ledger_file`]`(i)`.
+//!
+//! A share inside a MIG device (docs/mig.md) is one record whose `uuid` is
+//! the instance's `MIG-…` and `bus_id` its parent GPU's; its memory and
+//! compute are relative to the instance. Why this file and not
+//! `vcuda.config` alone: an interposer from before MIG shares refuses it
+//! (fail closed) instead of enforcing the quota against the whole GPU.
 
 use std::path::Path;
 
@@ -85,7 +91,18 @@ pub struct GpuQuota {
     pub limit: i32,
 }
 
-/// A container's quotas on two or more GPUs.
+impl GpuQuota {
+    /// A share inside a MIG device: its quotas are relative to the
+    /// instance (memory of its card, compute of its SMs).
+    pub fn is_mig(&self) -> bool {
+        self.uuid.starts_with(MIG_UUID_PREFIX)
+    }
+}
+
+/// How a MIG device's UUID starts (`nvidia-smi -L`).
+pub const MIG_UUID_PREFIX: &str = "MIG-";
+
+/// A container's quotas on two or more GPUs, or inside one MIG device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MultiGpuQuota {
     pub pod_uid: String,
@@ -210,12 +227,22 @@ impl MultiGpuQuota {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let n = self.gpus.len();
-        if !(2..=MAX_GPUS).contains(&n) {
+        let one_mig = n == 1 && self.gpus[0].is_mig();
+        if !(2..=MAX_GPUS).contains(&n) && !one_mig {
             return Err(ConfigError::Gpus {
                 problem: format!(
-                    "names {n} GPU(s); a share on several GPUs has 2..={MAX_GPUS} (one GPU: vcuda.config alone)"
+                    "names {n} GPU(s); a share on several GPUs has 2..={MAX_GPUS}, a share in a MIG device 1 (`MIG-` uuid); one GPU: vcuda.config alone"
                 ),
             });
+        }
+        if n > 1
+            && let Some(i) = self.gpus.iter().position(GpuQuota::is_mig)
+        {
+            let p = format!(
+                "is MIG device {}: CUDA enumerates one MIG device per process and no GPU beside it, so a share in a MIG device is this file's only record",
+                self.gpus[i].uuid
+            );
+            return Err(gpu_err(i, "uuid", p));
         }
         for (i, g) in self.gpus.iter().enumerate() {
             if !(1..=100).contains(&g.utilization) {

@@ -106,3 +106,28 @@ fn one_gpu_readers_fail_closed_on_the_two_gpu_config() {
     let e = ResourceData::from_bytes(&config).unwrap_err();
     assert!(e.to_string().contains("field enable is 2"), "{e}");
 }
+
+/// A share inside a MIG device (docs/mig.md): one record naming the
+/// instance (its parent's bus id, the `MIG-…` UUID `nvidia-smi -L` prints).
+fn in_mig() -> MultiGpuQuota {
+    MultiGpuQuota {
+        gpus: vec![GpuQuota {
+            bus_id: "0000:18:00.0".into(),
+            uuid: "MIG-5c89a4e2-1f3b-5d7a-9e06-2b4c8d1f7a30".into(),
+            gpu_memory: 5 << 30,
+            utilization: 50,
+            limit: 50,
+        }],
+        ..two_gpus()
+    }
+}
+
+#[test]
+fn a_share_in_a_mig_device_is_one_record() {
+    let (config, gpus) = in_mig().to_files().unwrap();
+    check(&format!("mig/{CONFIG_FILE}"), &config);
+    check(&format!("mig/{GPUS_FILE}"), &gpus);
+    assert_eq!(read_quota(&golden("mig")).unwrap(), Quota::Multi(in_mig()));
+    // A one-GPU reader refuses it (enable 2), so CUDA fails closed.
+    assert!(ResourceData::from_bytes(&config).is_err());
+}

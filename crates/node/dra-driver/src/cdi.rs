@@ -187,9 +187,11 @@ pub struct MigInput<'a> {
     pub caps: node_agent::mig::AccessCaps,
     pub vdriver_dir: &'a Path,
     pub extra_devices: &'a [String],
+    /// A share inside the instance: its vm directory.
+    pub share_vm_dir: Option<&'a Path>,
 }
 
-/// The spec of a claim holding one MIG device.
+/// The spec of a claim holding one MIG device, whole or a share in it.
 pub fn mig_spec(i: &MigInput<'_>) -> Spec {
     let e = edits::for_mig(&edits::MigEditsInput {
         parent: i.parent,
@@ -197,6 +199,7 @@ pub fn mig_spec(i: &MigInput<'_>) -> Spec {
         caps: i.caps,
         vdriver_dir: i.vdriver_dir,
         extra_devices: i.extra_devices,
+        share_vm_dir: i.share_vm_dir,
     });
     let mut spec = render(&e, &[]);
     // The parent's node and both cap nodes: the device is all three.
@@ -413,6 +416,7 @@ mod tests {
             },
             vdriver_dir: Path::new("/v"),
             extra_devices: &[],
+            share_vm_dir: None,
         });
         assert_eq!(s.devices.len(), 1);
         let nodes: Vec<&str> = s.devices[0]

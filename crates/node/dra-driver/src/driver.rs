@@ -301,9 +301,11 @@ impl Driver {
                     .gpus
                     .get(d.gpu_index)
                     .ok_or(ClaimFailure::NoGpu(d.gpu_index))?;
+                // A share inside a MIG device names the instance.
+                let uuid = d.mig.as_ref().map_or(&d.gpu_uuid, |m| &m.uuid);
                 Ok(ShareGpu {
                     pci_bus_id: gpu.pci_bus_id.clone(),
-                    uuid: d.gpu_uuid.clone(),
+                    uuid: uuid.clone(),
                     memory_bytes: d.memory_bytes,
                     cores: d.cores,
                     limit: d.soft_limit.unwrap_or(d.cores),
@@ -355,10 +357,14 @@ impl Driver {
     }
 
     /// What a claim is on disk besides its CDI spec (a vm directory and,
-    /// for shares, a socket; nothing for a MIG device), and that spec.
+    /// for shares, a socket; nothing for a whole MIG device), and that spec.
     fn files(&self, uid: &str, devices: &[PlannedDevice]) -> Result<cdi::Spec, ClaimFailure> {
         if let Some((d, m)) = Self::mig_of(devices) {
-            return self.mig_spec(uid, d, m);
+            if d.whole {
+                return self.mig_spec(uid, d, m, None);
+            }
+            let dir = self.materialize(uid, devices)?;
+            return self.mig_spec(uid, d, m, Some(&dir));
         }
         let dir = self.materialize(uid, devices)?;
         Ok(self.claim_spec(uid, devices, &dir))
@@ -435,7 +441,8 @@ impl Driver {
     }
 
     fn release(&self, uid: &str, devices: &[PlannedDevice]) {
-        if !devices.is_empty() && Self::mig_of(devices).is_none() {
+        let whole_mig = Self::mig_of(devices).is_some_and(|(d, _)| d.whole);
+        if !devices.is_empty() && !whole_mig {
             let request = slot_request(devices);
             self.shares
                 .close(&registry_id(uid, request), uid, &slot_name(request));

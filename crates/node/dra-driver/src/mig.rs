@@ -1,23 +1,26 @@
 //! Static MIG devices in the slice (issue 36, pure): a GPU in MIG mode is
 //! no share or whole-GPU device, but each MIG device found on it (made by
 //! an administrator, or by `--mig-geometry` at start, [`crate::geometry`];
-//! docs/mig.md) is a device of its own, `gpu-<index>-mig-<gi>-<ci>`, taken
-//! whole by one claim with the untouched driver: the hardware is the quota.
+//! docs/mig.md) is a device of its own, `gpu-<index>-mig-<gi>-<ci>`: taken
+//! whole by one claim with the untouched driver (the hardware is the
+//! quota), or shared by claims asking for cores and memory of it.
 //!
 //! Attributes, as NVIDIA's own DRA driver names its (`type` "gpu" or
 //! "mig", so classes tell them apart): `profile`, `uuid` (`MIG-…`),
 //! `parentUUID`, `parentIndex`, `gpuInstance`, `computeInstance`,
 //! `multiprocessors`, `model`, `driverVersion`, and the parent's
-//! `numaNode` and PCIe root. Capacity: `memory`, the instance's.
+//! `numaNode` and PCIe root. Capacity: `cores` and `memory` (the
+//! instance's, in whole 256 MiB units), as a GPU's: a claim asking for less
+//! gets a vcuda share inside the instance.
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::resource::v1::{Device, DeviceCapacity};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::api::resource::v1::Device;
 use node_agent::mig::MigDevice;
 
-use crate::slices::{GpuDevice, int, string, version};
-use crate::{CAPACITY_MEMORY, quantity, topology};
+use crate::slices::{self, GpuDevice, int, string, version};
+use crate::topology;
+use gpu_allocator::MEMORY_UNIT_BYTES;
 
 /// The attribute that tells GPUs from MIG devices (a class selects on it).
 pub const TYPE: &str = "type";
@@ -56,19 +59,15 @@ pub(crate) fn device(parent: &GpuDevice, m: &MigDevice, driver_version: &str) ->
     if let Some(r) = &parent.pcie_root {
         attributes.insert(topology::PCIE_ROOT.to_string(), string(r));
     }
-    // No request policy and no multiple allocations: one claim takes all
-    // of it (the scheduler then records no consumed capacity).
-    let capacity = BTreeMap::from([(
-        CAPACITY_MEMORY.to_string(),
-        DeviceCapacity {
-            value: Quantity(quantity::bytes(m.memory_bytes)),
-            request_policy: None,
-        },
-    )]);
+    // As a GPU: a claim asking no capacity takes the instance whole (the
+    // untouched driver); one asking `cores`/`memory` gets a vcuda share
+    // of the instance, enforced relative to it (docs/mig.md).
+    let memory = m.memory_bytes / MEMORY_UNIT_BYTES * MEMORY_UNIT_BYTES;
     Device {
         name: device_name(p.index, m.gpu_instance, m.compute_instance),
+        allow_multiple_allocations: Some(true),
         attributes: Some(attributes),
-        capacity: Some(capacity),
+        capacity: Some(slices::share_capacity(memory)),
         ..Default::default()
     }
 }
@@ -119,7 +118,7 @@ pub(crate) mod tests {
         let names: Vec<&str> = devs.iter().map(|d| d.name.as_str()).collect();
         assert_eq!(names, ["gpu-1-mig-2-0", "gpu-1-mig-9-0"]);
         let d = &devs[0];
-        assert_eq!(d.allow_multiple_allocations, None, "exclusive");
+        assert_eq!(d.allow_multiple_allocations, Some(true), "shares");
         let a = d.attributes.as_ref().unwrap();
         let s = |k: &str| a[k].string.clone().unwrap_or_default();
         let i = |k: &str| a[k].int.unwrap();
@@ -146,9 +145,15 @@ pub(crate) mod tests {
         assert_eq!(a["driverVersion"].version.as_deref(), Some("580.95.5"));
         assert_eq!(s(topology::PCIE_ROOT), "pci0000:20");
         let c = d.capacity.as_ref().unwrap();
-        assert_eq!(c.keys().collect::<Vec<_>>(), ["memory"], "no cores");
+        assert_eq!(c.keys().collect::<Vec<_>>(), ["cores", "memory"]);
         assert_eq!(c["memory"].value.0, "40448Mi");
-        assert!(c["memory"].request_policy.is_none());
+        assert_eq!(c["cores"].value.0, "100");
+        let p = c["memory"].request_policy.as_ref().unwrap();
+        assert_eq!(p.default.as_ref().unwrap().0, "40448Mi", "whole by default");
+        assert_eq!(
+            p.valid_range.as_ref().unwrap().step.as_ref().unwrap().0,
+            "256Mi"
+        );
         assert_eq!(
             devs[1].capacity.as_ref().unwrap()["memory"].value.0,
             "9984Mi"

@@ -182,7 +182,7 @@ pub enum Refusal {
         whole: String,
     },
     #[error(
-        "request {request:?}: {device} is a MIG device, taken whole with the untouched driver: {what} does not apply to it"
+        "request {request:?}: {device} is a MIG device made for one claim, taken whole with the untouched driver: {what} does not apply to it"
     )]
     NotForMig {
         request: String,
@@ -267,7 +267,7 @@ fn plan_device(
         });
     }
     if let Some((parent, m)) = inventory.mig_device(&r.device) {
-        return plan_mig(r, configs, parent, m);
+        return plan_mig_share(r, configs, parent, m);
     }
     if let Some((parent, m, at)) = crate::dynamic::find(inventory, &r.device) {
         let mut d = plan_mig(r, configs, parent, &m)?;
@@ -307,8 +307,38 @@ fn plan_device(
     })
 }
 
-/// A MIG device: whole, so no cores, all of its memory or none said, and
-/// no soft limit.
+/// A static MIG device: whole with no capacity asked (or all of it), else
+/// a vcuda share of the instance, as on a GPU.
+fn plan_mig_share(
+    r: &DeviceRequestAllocationResult,
+    configs: &[DeviceAllocationConfiguration],
+    parent: &GpuInfo,
+    m: &MigDevice,
+) -> Result<PlannedDevice, Refusal> {
+    let full_memory = m.memory_bytes / MEMORY_UNIT_BYTES * MEMORY_UNIT_BYTES;
+    let (cores, memory) = consumed_capacity(r, full_memory)?;
+    if cores == 100 && memory == full_memory {
+        return plan_mig(r, configs, parent, m);
+    }
+    let config = request_config(configs, &r.request)?;
+    if config.exclusive == Some(true) {
+        return Err(Refusal::NotWhole {
+            request: r.request.clone(),
+            cores,
+            memory,
+        });
+    }
+    Ok(PlannedDevice {
+        cores: cores as u32,
+        memory_bytes: memory,
+        soft_limit: soft_limit(config.core_limit, false, cores, &r.request)?,
+        whole: false,
+        ..whole_mig(r, parent, m)
+    })
+}
+
+/// A MIG device taken whole: no cores, all of its memory or none said,
+/// and no soft limit.
 fn plan_mig(
     r: &DeviceRequestAllocationResult,
     configs: &[DeviceAllocationConfiguration],
@@ -321,11 +351,19 @@ fn plan_mig(
         what,
     };
     let consumed = r.consumed_capacity.as_ref();
-    if let Some(q) = consumed.and_then(|c| c.get(CAPACITY_CORES)) {
+    if let Some(q) = consumed.and_then(|c| c.get(CAPACITY_CORES))
+        && q.0 != "100"
+    {
         return Err(refuse(NotForMig::Cores(q.0.clone())));
     }
+    // All of it: the instance's bytes, or its whole 256 MiB units (what
+    // a static device's capacity says).
+    let all = [
+        m.memory_bytes,
+        m.memory_bytes / MEMORY_UNIT_BYTES * MEMORY_UNIT_BYTES,
+    ];
     if let Some(q) = consumed.and_then(|c| c.get(CAPACITY_MEMORY))
-        && quantity::parse(&q.0).ok() != Some(m.memory_bytes)
+        && !quantity::parse(&q.0).is_ok_and(|b| all.contains(&b))
     {
         return Err(refuse(NotForMig::Memory {
             asked: q.0.clone(),
@@ -335,7 +373,11 @@ fn plan_mig(
     if let Some(limit) = request_config(configs, &r.request)?.core_limit {
         return Err(refuse(NotForMig::CoreLimit(limit)));
     }
-    Ok(PlannedDevice {
+    Ok(whole_mig(r, parent, m))
+}
+
+fn whole_mig(r: &DeviceRequestAllocationResult, parent: &GpuInfo, m: &MigDevice) -> PlannedDevice {
+    PlannedDevice {
         request: r.request.clone(),
         pool: r.pool.clone(),
         device: r.device.clone(),
@@ -352,7 +394,7 @@ fn plan_mig(
             compute_instance: m.compute_instance,
             placement: None,
         }),
-    })
+    }
 }
 
 /// Cores (1..=100) and memory (whole 256 MiB units of the GPU's) the
@@ -707,43 +749,116 @@ mod tests {
     }
 
     #[test]
-    fn shares_soft_limits_and_company_are_refused_on_a_mig_device() {
+    fn a_share_of_a_static_mig_device_is_planned_in_its_instance() {
         let inv = with_mig();
-        let refused = |results: serde_json::Value, config: serde_json::Value| {
+        let planned = |results: serde_json::Value, config: serde_json::Value| {
             plan(&claim(results, config), "u1", "n1", &inv)
-                .unwrap_err()
-                .problem
+        };
+        let share = planned(
+            json!([on("gpu-1-mig-2-0", json!({"cores": "50", "memory": "5Gi"}))]),
+            json!([]),
+        )
+        .unwrap();
+        let d = &share[0];
+        assert_eq!(
+            (d.whole, d.cores, d.memory_bytes, d.soft_limit),
+            (false, 50, 5 << 30, None)
+        );
+        assert_eq!(d.mig.as_ref().unwrap().uuid, "MIG-3g");
+        let cfg = |p: serde_json::Value| {
+            let mut params =
+                json!({"apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig"});
+            params
+                .as_object_mut()
+                .unwrap()
+                .extend(p.as_object().unwrap().clone());
+            json!([{"source": "FromClaim", "requests": ["mig"],
+                    "opaque": {"driver": DRIVER_NAME, "parameters": params}}])
+        };
+        let soft = planned(
+            json!([on("gpu-1-mig-2-0", json!({"cores": "30", "memory": "1Gi"}))]),
+            cfg(json!({"coreLimit": 60})),
+        )
+        .unwrap();
+        assert_eq!(soft[0].soft_limit, Some(60));
+        // The whole instance has no soft limit, and exclusive means whole.
+        let e = planned(
+            json!([on("gpu-1-mig-2-0", json!(null))]),
+            cfg(json!({"coreLimit": 60})),
+        );
+        assert!(matches!(
+            e.unwrap_err().problem,
+            Refusal::NotForMig {
+                what: NotForMig::CoreLimit(60),
+                ..
+            }
+        ));
+        let e = planned(
+            json!([on("gpu-1-mig-2-0", json!({"cores": "30", "memory": "1Gi"}))]),
+            cfg(json!({"exclusive": true})),
+        );
+        assert!(matches!(
+            e.unwrap_err().problem,
+            Refusal::NotWhole { cores: 30, .. }
+        ));
+        // More than the instance has is refused, naming it.
+        let e = planned(
+            json!([on(
+                "gpu-1-mig-2-0",
+                json!({"cores": "30", "memory": "41Gi"})
+            )]),
+            json!([]),
+        );
+        assert!(
+            matches!(e.unwrap_err().problem, Refusal::Memory { full_memory, .. } if full_memory == 40448 << 20)
+        );
+    }
+
+    #[test]
+    fn a_dynamic_mig_device_is_taken_whole() {
+        let inv = with_mig();
+        let m = inv.mig[1].as_ref().unwrap()[0].clone();
+        let parent = inv.gpus[1].clone();
+        let r = |cap: serde_json::Value| -> DeviceRequestAllocationResult {
+            serde_json::from_value(on("gpu-1-mig-2-0", cap)).unwrap()
         };
         let not_for = |what| Refusal::NotForMig {
             request: "mig".into(),
             device: "gpu-1-mig-2-0".into(),
             what,
         };
+        let refused = |cap, configs: &[DeviceAllocationConfiguration]| {
+            plan_mig(&r(cap), configs, &parent, &m).unwrap_err()
+        };
         assert_eq!(
-            refused(
-                json!([on("gpu-1-mig-2-0", json!({"cores": "30", "memory": "1Gi"}))]),
-                json!([])
-            ),
+            refused(json!({"cores": "30", "memory": "1Gi"}), &[]),
             not_for(NotForMig::Cores("30".into()))
         );
         assert_eq!(
-            refused(
-                json!([on("gpu-1-mig-2-0", json!({"memory": "1Gi"}))]),
-                json!([])
-            ),
+            refused(json!({"memory": "1Gi"}), &[]),
             not_for(NotForMig::Memory {
                 asked: "1Gi".into(),
                 instance: 40448 << 20
             })
         );
-        let cfg = json!([{"source": "FromClaim", "requests": ["mig"], "opaque": {"driver": DRIVER_NAME,
-            "parameters": {"apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig", "coreLimit": 60}}}]);
-        let e = refused(json!([on("gpu-1-mig-2-0", json!(null))]), cfg);
+        let cfg: Vec<DeviceAllocationConfiguration> = serde_json::from_value(json!([{"source": "FromClaim", "requests": ["mig"], "opaque": {"driver": DRIVER_NAME,
+            "parameters": {"apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig", "coreLimit": 60}}}])).unwrap();
+        let e = refused(json!(null), &cfg);
         assert_eq!(e, not_for(NotForMig::CoreLimit(60)));
         assert_eq!(
             e.to_string(),
-            "request \"mig\": gpu-1-mig-2-0 is a MIG device, taken whole with the untouched driver: coreLimit 60 does not apply to it"
+            "request \"mig\": gpu-1-mig-2-0 is a MIG device made for one claim, taken whole with the untouched driver: coreLimit 60 does not apply to it"
         );
+    }
+
+    #[test]
+    fn a_mig_device_is_alone_in_its_claim() {
+        let inv = with_mig();
+        let refused = |results: serde_json::Value, config: serde_json::Value| {
+            plan(&claim(results, config), "u1", "n1", &inv)
+                .unwrap_err()
+                .problem
+        };
         // Alone in its claim, once.
         let beside = json!([on("gpu-1-mig-2-0", json!(null)),
             {"request": "gpu", "driver": DRIVER_NAME, "pool": "n1", "device": "gpu-0"}]);

@@ -204,8 +204,21 @@ fn device(g: &GpuDevice, driver_version: &str) -> Device {
         attributes.insert(topology::NVLINK_DOMAIN.to_string(), string(d));
     }
     // Whole 256 MiB units: what a share's memory is carved in.
-    let memory = i.memory_units() * MEMORY_UNIT_BYTES;
-    let capacity = BTreeMap::from([
+    let capacity = share_capacity(i.memory_units() * MEMORY_UNIT_BYTES);
+    Device {
+        name: device_name(i.index),
+        allow_multiple_allocations: Some(true),
+        attributes: Some(attributes),
+        capacity: Some(capacity),
+        ..Default::default()
+    }
+}
+
+/// What a device shares are carved from: `cores` 1..=100 (100 by
+/// default, the whole device) and `memory` (bytes in 256 MiB steps, all of
+/// `memory` by default); a claim that asks for neither takes it whole.
+pub(crate) fn share_capacity(memory: u64) -> BTreeMap<String, DeviceCapacity> {
+    BTreeMap::from([
         (
             CAPACITY_CORES.to_string(),
             DeviceCapacity {
@@ -236,14 +249,7 @@ fn device(g: &GpuDevice, driver_version: &str) -> Device {
                 }),
             },
         ),
-    ]);
-    Device {
-        name: device_name(i.index),
-        allow_multiple_allocations: Some(true),
-        attributes: Some(attributes),
-        capacity: Some(capacity),
-        ..Default::default()
-    }
+    ])
 }
 
 /// The node's slice at pool generation `generation`, unhealthy GPUs shown

@@ -11,15 +11,13 @@
 //! Needs `cargo build --workspace` first (gpu-sim, its cdylibs, libvcuda.so).
 
 use std::sync::Mutex;
-use std::time::Duration;
 
 use apiserver_emulator::{ApiServer, Kind};
-use dra_driver::daemon::{Settings, run};
+use dra_driver::daemon::Settings;
 use dra_driver::slices;
 use dra_kubelet_emulator::{allocator, plugin};
 use test_support::dra::*;
 use test_support::sim::SimNode;
-use tokio_util::sync::CancellationToken;
 
 /// What the driver logged: each event's fields, a line each.
 static LOG: Mutex<String> = Mutex::new(String::new());
@@ -56,34 +54,6 @@ fn settings(sim: &SimNode, dirs: &Dirs, geometry: &str) -> Settings {
         mig_geometry: geometry.parse().unwrap(),
         ..sim_settings(sim.root(), dirs)
     }
-}
-
-/// The driver started on `settings`, registered with the emulated kubelet,
-/// its slice published.
-async fn start(
-    server: &ApiServer,
-    dirs: &Dirs,
-    settings: Settings,
-) -> (
-    CancellationToken,
-    tokio::task::JoinHandle<anyhow::Result<()>>,
-    plugin::DraPlugin,
-) {
-    let cancel = CancellationToken::new();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let daemon = tokio::spawn(run(settings, cancel.clone(), Some(tx)));
-    tokio::time::timeout(Duration::from_secs(60), rx)
-        .await
-        .expect("the driver served its sockets within 60 s")
-        .expect("the driver said it was ready");
-    let kubelet = kubelet(dirs, false).await;
-    until(10, "the slice published", || {
-        server
-            .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
-            .is_some()
-    })
-    .await;
-    (cancel, daemon, kubelet)
 }
 
 /// The slice's devices: (name, parent index or the GPU's own for a
@@ -154,7 +124,8 @@ async fn the_geometry_is_applied_at_start_and_a_prepared_instance_kept() {
     // The operator's 1g.10gb is one of the two wanted; GPU 1 is enabled
     // and partitioned.
     let geometry = "0=3g.40gb,1g.10gb,1g.10gb;1=2g.20gb";
-    let (cancel, daemon, kubelet) = start(&server, &dirs, settings(&sim, &dirs, geometry)).await;
+    let (cancel, daemon, kubelet) =
+        run_daemon(&server, &dirs, settings(&sim, &dirs, geometry)).await;
     let log = || LOG.lock().unwrap().clone();
     let names = |v: &[(String, u32, u32)]| v.iter().map(|i| i.0.clone()).collect::<Vec<_>>();
     assert_eq!(
@@ -190,7 +161,7 @@ async fn the_geometry_is_applied_at_start_and_a_prepared_instance_kept() {
     cancel.cancel();
     daemon.await.unwrap().unwrap();
     let (cancel, daemon, _kubelet) =
-        start(&server, &dirs, settings(&sim, &dirs, "1=7g.80gb")).await;
+        run_daemon(&server, &dirs, settings(&sim, &dirs, "1=7g.80gb")).await;
     let l = log();
     assert!(
         l.lines()

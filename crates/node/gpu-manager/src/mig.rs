@@ -185,6 +185,7 @@ impl MigPlugin {
                 caps,
                 vdriver_dir: &self.ctx.vdriver_dir,
                 extra_devices: &self.ctx.extra_devices,
+                share_vm_dir: None,
             });
             out = Some(match out {
                 None => e,

@@ -121,22 +121,29 @@ pub struct MigEditsInput<'a> {
     pub caps: crate::mig::AccessCaps,
     pub vdriver_dir: &'a Path,
     pub extra_devices: &'a [String],
+    /// A vcuda share inside the instance: its vm directory (the quota,
+    /// relative to the instance, and the interposer volume). `None`: the
+    /// whole instance with the untouched driver.
+    pub share_vm_dir: Option<&'a Path>,
 }
 
-/// One MIG device with the untouched driver: the parent GPU's node and the
-/// instance's two access capability nodes (NVIDIA's MIG user guide,
-/// "Device Nodes and Capabilities"), `NVIDIA_VISIBLE_DEVICES=MIG-…`, the
-/// origin volume, and no vm directory (the hardware is the quota).
+/// One MIG device: the parent GPU's node and the instance's two access
+/// capability nodes (NVIDIA's MIG user guide, "Device Nodes and
+/// Capabilities"), `NVIDIA_VISIBLE_DEVICES=MIG-…`; taken whole, the origin
+/// volume and no vm directory (the hardware is the quota); a share inside
+/// it, the interposer volume and its vm directory, as on a whole GPU.
 pub fn for_mig(i: &MigEditsInput<'_>) -> GpuEdits {
     let mut e = for_gpus(&EditsInput {
         gpus: &[i.parent],
-        shared: false,
+        shared: i.share_vm_dir.is_some(),
         vdriver_dir: i.vdriver_dir,
-        vm_dir: Path::new(""),
+        vm_dir: i.share_vm_dir.unwrap_or(Path::new("")),
         extra_devices: i.extra_devices,
     });
     e.gpus.extend(i.caps.node_paths().map(DeviceNode::rwm));
-    e.common.mounts.retain(|m| m.container_path == DRIVER_MOUNT);
+    if i.share_vm_dir.is_none() {
+        e.common.mounts.retain(|m| m.container_path == DRIVER_MOUNT);
+    }
     for (k, v) in &mut e.common.env {
         if k == "NVIDIA_VISIBLE_DEVICES" {
             *v = i.uuid.to_string();
@@ -224,6 +231,7 @@ mod tests {
             caps,
             vdriver_dir: Path::new("/v"),
             extra_devices: &[],
+            share_vm_dir: None,
         });
         let nodes: Vec<_> = e.device_nodes().map(|d| d.path.as_str()).collect();
         assert_eq!(
@@ -246,5 +254,26 @@ mod tests {
                 ("NVIDIA_VISIBLE_DEVICES".into(), "MIG-0a1b".into())
             ]
         );
+        // A share inside it: the same nodes, the interposer and the quota.
+        let s = for_mig(&MigEditsInput {
+            share_vm_dir: Some(Path::new("/vm/claim/gpu")),
+            ..MigEditsInput {
+                parent: &b,
+                uuid: "MIG-0a1b",
+                caps,
+                vdriver_dir: Path::new("/v"),
+                extra_devices: &[],
+                share_vm_dir: None,
+            }
+        });
+        assert!(s.device_nodes().eq(e.device_nodes()));
+        let m: Vec<_> = s
+            .common
+            .mounts
+            .iter()
+            .map(|m| m.host_path.as_str())
+            .collect();
+        assert_eq!(m, ["/v/nvidia", "/vm/claim/gpu"]);
+        assert_eq!(s.common.env, e.common.env);
     }
 }

@@ -46,7 +46,8 @@ pub struct ShareSpec {
     pub hard_limit: bool,
     pub driver_version: (i32, i32),
     /// In the order the container sees them; two or more (not whole) make
-    /// a multi-GPU share (`vcuda-gpus.config`, a ledger each).
+    /// a multi-GPU share (`vcuda-gpus.config`, a ledger each), as does one
+    /// whose `uuid` is a MIG device's (a share inside that instance).
     pub gpus: Vec<ShareGpu>,
 }
 
@@ -65,8 +66,12 @@ pub enum ShareError {
 }
 
 impl ShareSpec {
+    /// Quotas in `vcuda-gpus.config`: on two or more GPUs, or inside a
+    /// MIG device (relative to the instance, which the one-GPU file cannot
+    /// say).
     fn is_multi(&self) -> bool {
-        !self.whole && self.gpus.len() >= 2
+        let in_mig = |g: &ShareGpu| g.uuid.starts_with(quota_config::MIG_UUID_PREFIX);
+        !self.whole && (self.gpus.len() >= 2 || self.gpus.iter().any(in_mig))
     }
 
     /// `vcuda.config` of a one-GPU share or of whole GPUs.

@@ -155,6 +155,33 @@ pub async fn start(dirs: &Dirs, gpus: Vec<GpuInfo>, api: &KubeApi) -> Running {
     }
 }
 
+/// The whole driver (`daemon::run`) on `settings`, registered with the
+/// emulated kubelet, its slice published.
+pub async fn run_daemon(
+    server: &ApiServer,
+    dirs: &Dirs,
+    settings: dra_driver::daemon::Settings,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<anyhow::Result<()>>,
+    DraPlugin,
+) {
+    let cancel = CancellationToken::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let daemon = tokio::spawn(dra_driver::daemon::run(settings, cancel.clone(), Some(tx)));
+    tokio::time::timeout(Duration::from_secs(60), rx)
+        .await
+        .expect("the driver served its sockets within 60 s")
+        .expect("the driver said it was ready");
+    let kubelet = kubelet(dirs, false).await;
+    let slice = dra_driver::slices::slice_name(NODE);
+    until(10, "the slice published", || {
+        server.get(Kind::ResourceSlice, None, &slice).is_some()
+    })
+    .await;
+    (cancel, daemon, kubelet)
+}
+
 pub async fn kubelet(dirs: &Dirs, beta: bool) -> DraPlugin {
     plugin::wait_and_register(&dirs.p("plugins_registry"), Duration::from_secs(20), beta)
         .await

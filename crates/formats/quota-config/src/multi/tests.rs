@@ -292,3 +292,31 @@ fn ledgers_keep_the_one_gpu_name_for_the_first_gpu() {
     assert_eq!(ledger_file(1), "ledger.1");
     assert_eq!(ledger_file(7), "ledger.7");
 }
+
+#[test]
+fn a_share_in_a_mig_device_is_one_record_and_alone() {
+    // A MIG device's UUID as `nvidia-smi -L` prints it (40 bytes: fits).
+    let mig = GpuQuota {
+        uuid: "MIG-3d2c1b0a-9f8e-5d4c-b3a2-918273645546".into(),
+        ..gpu(0, 50, 5)
+    };
+    let one = MultiGpuQuota {
+        gpus: vec![mig.clone()],
+        ..sample()
+    };
+    let (config, gpus) = one.to_files().unwrap();
+    assert_eq!(MultiGpuQuota::from_files(&config, &gpus).unwrap(), one);
+    assert_eq!(u32::from_ne_bytes(gpus[12..16].try_into().unwrap()), 1);
+    // A one-GPU reader refuses it: enable is 2, not 0 or 1.
+    assert!(crate::ResourceData::from_bytes(&config).is_err());
+    let beside = MultiGpuQuota {
+        gpus: vec![gpu(1, 40, 20), mig],
+        ..sample()
+    };
+    let e = beside.to_files().unwrap_err().to_string();
+    assert!(
+        e.contains("GPU 1: field uuid is MIG device MIG-3d2c1b0a")
+            && e.contains("one MIG device per process"),
+        "{e}"
+    );
+}

@@ -16,6 +16,7 @@ impl Driver {
         uid: &str,
         d: &PlannedDevice,
         m: &PlannedMig,
+        share_vm_dir: Option<&std::path::Path>,
     ) -> Result<cdi::Spec, ClaimFailure> {
         let gone = || ClaimFailure::MigGone {
             device: d.device.clone(),
@@ -47,17 +48,19 @@ impl Driver {
             caps,
             vdriver_dir: &self.cfg.vdriver_dir,
             extra_devices: &self.cfg.extra_devices,
+            share_vm_dir,
         }))
     }
 
-    /// A MIG device of `planned` that a prepared claim already holds (the
-    /// scheduler gives it to one claim; an allocation that says otherwise
-    /// is stale).
+    /// A MIG device of `planned` that a prepared claim already holds whole,
+    /// or holds in a share while `planned` wants it whole (the scheduler's
+    /// capacity accounting never allows either; an allocation that says
+    /// otherwise is stale).
     pub(super) fn taken(st: &Checkpoint, planned: &[PlannedDevice]) -> Option<ClaimFailure> {
         let (d, m) = Self::mig_of(planned)?;
         st.claims.values().find_map(|other| {
-            let (_, held) = Self::mig_of(&other.devices)?;
-            (held.uuid == m.uuid).then(|| ClaimFailure::MigTaken {
+            let (o, held) = Self::mig_of(&other.devices)?;
+            (held.uuid == m.uuid && (d.whole || o.whole)).then(|| ClaimFailure::MigTaken {
                 device: d.device.clone(),
                 claim: format!("{}/{}", other.namespace, other.name),
             })
