@@ -65,6 +65,15 @@ impl SliceController {
     /// the devices; whether the slice is to be republished.
     pub fn apply(&mut self, change: HealthChange) -> bool {
         match change {
+            HealthChange::Unhealthy {
+                gpu,
+                gpu_instance: Some(gi),
+                xid,
+            } => self.instance_health(gpu, gi, Some(xid)),
+            HealthChange::Healthy {
+                gpu,
+                gpu_instance: Some(gi),
+            } => self.instance_health(gpu, gi, None),
             HealthChange::Unhealthy { gpu, xid, .. } => {
                 let shown = match self.publisher.unhealthy() {
                     Unhealthy::Taint(effect) => {
@@ -102,6 +111,37 @@ impl SliceController {
                 true
             }
         }
+    }
+
+    /// A critical Xid inside GPU instance `gi` of `gpu` (`Some`), or its
+    /// quiet period over (`None`): that instance's MIG devices alone are
+    /// tainted or left out; the GPU, its other instances and the driver's
+    /// health of the GPU are untouched. Whether the slice changes.
+    fn instance_health(&mut self, gpu: usize, gi: u32, xid: Option<u64>) -> bool {
+        let Some(d) = self.devices.get_mut(gpu) else {
+            return false;
+        };
+        let was = match xid {
+            Some(x) => d.instance_xids.insert(gi, x),
+            None => d.instance_xids.remove(&gi),
+        };
+        match xid {
+            Some(x) if was != Some(x) => {
+                tracing::warn!(
+                    gpu,
+                    gpu_instance = gi,
+                    xid = x,
+                    "MIG GPU instance unhealthy after a critical Xid: its devices are out of service in the ResourceSlice"
+                )
+            }
+            None if was.is_some() => tracing::info!(
+                gpu,
+                gpu_instance = gi,
+                "no critical Xid for the quiet period: MIG GPU instance healthy in the ResourceSlice"
+            ),
+            _ => return false,
+        }
+        true
     }
 
     async fn publish(&self) {
@@ -255,6 +295,7 @@ mod tests {
                     mig: None,
                     pcie_root: None,
                     nvlink_domain: None,
+                    instance_xids: Default::default(),
                 }],
                 healthy: healthy.clone(),
                 xid_quiet_period: Duration::from_secs(300),

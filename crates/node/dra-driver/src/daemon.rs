@@ -147,8 +147,8 @@ pub async fn run(
         devices.iter().map(|d| d.info.uuid.clone()).collect(),
         s.ignored_xids.clone(),
         s.xid_quiet_period,
-        // Its MIG devices carry their GPU's taint (docs/mig.md).
-        node_agent::health::InstanceXids::Gpu,
+        // An Xid inside a GPU instance is that instance's (docs/mig.md).
+        node_agent::health::InstanceXids::Instance,
         &cancel,
     );
     SliceController {
@@ -224,6 +224,7 @@ async fn publish(
             mig: mig_devices(found, g.index),
             pcie_root: topology::pcie_root(&s.host_root, &g.pci_bus_id),
             nvlink_domain,
+            instance_xids: Default::default(),
         })
         .collect();
     let published = publisher

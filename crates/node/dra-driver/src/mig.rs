@@ -108,6 +108,7 @@ pub(crate) mod tests {
             ]),
             pcie_root: Some("pci0000:20".into()),
             nvlink_domain: Some("GPU-h100".into()),
+            instance_xids: Default::default(),
         }
     }
 
@@ -184,5 +185,52 @@ pub(crate) mod tests {
                 (slices::UNHEALTHY_TAINT, Some("xid-48"), "NoSchedule")
             );
         }
+    }
+
+    #[test]
+    fn a_critical_xid_inside_an_instance_reaches_its_devices_alone() {
+        let sick = GpuDevice {
+            // GPU instance 9 is the 1g.10gb.
+            instance_xids: [(9, 94)].into(),
+            ..h100_mig()
+        };
+        let left = slices::build(
+            "n",
+            std::slice::from_ref(&sick),
+            "580.95.05",
+            1,
+            Unhealthy::LeftOut,
+        );
+        let names: Vec<String> = left
+            .spec
+            .devices
+            .unwrap()
+            .into_iter()
+            .map(|d| d.name)
+            .collect();
+        assert_eq!(names, ["gpu-1-mig-2-0"]);
+        let tainted = slices::build("n", &[sick], "580.95.05", 1, Unhealthy::Taint("NoExecute"));
+        let taints: Vec<_> = tainted
+            .spec
+            .devices
+            .unwrap()
+            .into_iter()
+            .map(|d| {
+                (
+                    d.name,
+                    d.taints.map(|t| (t[0].value.clone(), t[0].effect.clone())),
+                )
+            })
+            .collect();
+        assert_eq!(
+            taints,
+            [
+                ("gpu-1-mig-2-0".to_string(), None),
+                (
+                    "gpu-1-mig-9-0".to_string(),
+                    Some((Some("xid-94".to_string()), "NoExecute".to_string()))
+                )
+            ]
+        );
     }
 }

@@ -43,6 +43,9 @@ pub struct GpuDevice {
     /// partitions, so it is no share or whole-GPU device, they are.
     /// `None`: not in MIG mode.
     pub mig: Option<Vec<node_agent::mig::MigDevice>>,
+    /// Critical Xids NVML named inside a GPU instance, by its id, until
+    /// their quiet period passes: those MIG devices alone are out.
+    pub instance_xids: BTreeMap<u32, u64>,
     /// `resource.kubernetes.io/pcieRoot`, where sysfs says
     /// ([`crate::topology::pcie_root`]).
     pub pcie_root: Option<String>,
@@ -145,27 +148,34 @@ pub(crate) fn version(v: &str) -> DeviceAttribute {
 
 /// `g`'s devices as the slice shows them under `unhealthy`: the GPU, or
 /// in MIG mode its MIG devices, or when `dynamic` every placement
-/// ([`crate::dynamic`]); a critical Xid of the GPU is theirs too.
+/// ([`crate::dynamic`]); a critical Xid of the GPU is theirs too, one
+/// inside a GPU instance that instance's MIG devices' alone.
 fn published(
     g: &GpuDevice,
     dynamic: Option<&DynamicGpu>,
     driver_version: &str,
     unhealthy: Unhealthy,
 ) -> Vec<Device> {
-    let devices = match (&g.mig, dynamic) {
-        (_, Some(d)) => dynamic::devices(g, d, driver_version),
-        (None, None) => vec![device(g, driver_version)],
+    let devices: Vec<(Device, Option<u64>)> = match (&g.mig, dynamic) {
+        (_, Some(d)) => dynamic::devices(g, d, driver_version)
+            .into_iter()
+            .map(|d| (d, g.xid))
+            .collect(),
+        (None, None) => vec![(device(g, driver_version), g.xid)],
         (Some(migs), None) => migs
             .iter()
-            .map(|m| mig::device(g, m, driver_version))
+            .map(|m| {
+                let xid = g.xid.or(g.instance_xids.get(&m.gpu_instance).copied());
+                (mig::device(g, m, driver_version), xid)
+            })
             .collect(),
     };
-    match (g.xid, unhealthy) {
-        (None, _) => devices,
-        (Some(_), Unhealthy::LeftOut) => Vec::new(),
-        (Some(xid), Unhealthy::Taint(effect)) => devices
-            .into_iter()
-            .map(|d| Device {
+    devices
+        .into_iter()
+        .filter_map(|(d, xid)| match (xid, unhealthy) {
+            (None, _) => Some(d),
+            (Some(_), Unhealthy::LeftOut) => None,
+            (Some(xid), Unhealthy::Taint(effect)) => Some(Device {
                 taints: Some(vec![DeviceTaint {
                     key: UNHEALTHY_TAINT.to_string(),
                     value: Some(format!("xid-{xid}")),
@@ -174,9 +184,9 @@ fn published(
                     time_added: None,
                 }]),
                 ..d
-            })
-            .collect(),
-    }
+            }),
+        })
+        .collect()
 }
 
 fn device(g: &GpuDevice, driver_version: &str) -> Device {
@@ -431,6 +441,7 @@ mod tests {
             mig: None,
             pcie_root: None,
             nvlink_domain: None,
+            instance_xids: Default::default(),
         }
     }
 
@@ -561,6 +572,7 @@ mod tests {
         let g = GpuDevice {
             pcie_root: Some("pci0000:3a".into()),
             nvlink_domain: Some("GPU-0".into()),
+            instance_xids: Default::default(),
             ..gpu(0, true)
         };
         let s = build("node-a", &[g], "550.54.15", 1, Unhealthy::LeftOut);

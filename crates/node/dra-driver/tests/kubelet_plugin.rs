@@ -25,6 +25,7 @@ fn devices(healthy: [bool; 2]) -> Vec<GpuDevice> {
             mig: None,
             pcie_root: None,
             nvlink_domain: None,
+            instance_xids: Default::default(),
         })
         .collect()
 }

@@ -23,6 +23,7 @@ fn devices() -> Vec<GpuDevice> {
             mig: None,
             pcie_root: None,
             nvlink_domain: None,
+            instance_xids: Default::default(),
         })
         .collect()
 }
