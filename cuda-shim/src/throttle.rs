@@ -425,7 +425,7 @@ fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32
         b.set_rate(d.rate, d.units_per_ms);
         b.publish(d.target, d.achieved);
     }
-    for r in s.poll(pids) {
+    for r in s.poll(now, pids) {
         let start = r.end_ns.saturating_sub(r.len_ns);
         let p = Period {
             end_ns: r.end_ns,

@@ -170,6 +170,7 @@ impl InstanceSampler {
         // one we allocated.
         let r = unsafe { (self.sample_get)(self.parent, self.gpu_instance, self.samples[1]) };
         if r != NVML_SUCCESS {
+            crate::log::log!(Debug, "nvmlGpmMigSampleGet(gi {}): {r}", self.gpu_instance);
             return None;
         }
         let first = self.prev_ns == 0;
@@ -188,6 +189,8 @@ impl InstanceSampler {
         let r = unsafe { (self.metrics_get)(m) };
         self.samples.swap(0, 1);
         if r != NVML_SUCCESS || m.metrics[0].nvml_return != NVML_SUCCESS {
+            let metric = m.metrics[0].nvml_return;
+            crate::log::log!(Debug, "nvmlGpmMetricsGet: {r}, SM_UTIL: {metric}");
             return None;
         }
         Some(Reported {

@@ -62,14 +62,13 @@ impl Sampler {
         Processes::open(bus_id).map(Sampler::Processes)
     }
 
-    /// Periods finished since the last call, oldest first.
-    pub fn poll(&mut self, own_pids: impl FnOnce() -> Vec<i32>) -> Vec<Reported> {
+    /// Periods finished since the last call, oldest first; `now`: the
+    /// tick's CLOCK_MONOTONIC ns, when the launch count was last recorded
+    /// (a GPM period ends there, so its launches are known).
+    pub fn poll(&mut self, now: u64, own_pids: impl FnOnce() -> Vec<i32>) -> Vec<Reported> {
         match self {
             Sampler::Processes(p) => p.poll(own_pids),
-            Sampler::Instance(i) => {
-                let now = clock(libc::CLOCK_MONOTONIC).max(0) as u64;
-                i.poll(now).into_iter().collect()
-            }
+            Sampler::Instance(i) => i.poll(now).into_iter().collect(),
         }
     }
 }

@@ -1,0 +1,228 @@
+//! A vcuda share inside a MIG device (issue 36), DRA mode: the whole
+//! driver (`daemon::run`) on the simulated H100 node, GPU 0 in MIG mode
+//! with one 2g.20gb instance (32 SMs, 19.6 GiB). A claim of the MIG class
+//! asking 50 cores and 5 GiB of that device is allocated by the emulated
+//! scheduler (consumable capacity), prepared through the emulated kubelet,
+//! and a program run with what its CDI spec injects (the instance's nodes,
+//! the interposer, its quota) sees a 5 GiB card, is refused past it, and
+//! gets half of the instance's time, read from the sim's own timeline of
+//! that instance (ground truth, not what the interposer steers by: GPM
+//! samples of the instance). The whole instance is not allocatable to
+//! another claim meanwhile; unprepare leaves the instance.
+//!
+//! Needs `cargo build --workspace` first (gpu-sim, its cdylibs, libvcuda.so).
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use apiserver_emulator::{ApiServer, Kind};
+use dra_kubelet_emulator::{allocator, cdi, plugin};
+use serde_json::json;
+use test_support::dra::*;
+use test_support::kv;
+use test_support::sim::{SimNode, compile_c};
+
+const MIB: u64 = 1 << 20;
+
+/// A claim for `cores` and `memory` of the 2g.20gb MIG device, created.
+fn share_in_2g(server: &ApiServer, name: &str, capacity: Option<(&str, &str)>) -> String {
+    let selector = format!(
+        "device.attributes['{}'].profile == '2g.20gb'",
+        dra_driver::DRIVER_NAME
+    );
+    let mut request = json!({"deviceClassName": dra_driver::slices::MIG_CLASS,
+        "selectors": [{"cel": {"expression": selector}}]});
+    if let Some((cores, memory)) = capacity {
+        request["capacity"] = json!({"requests": {"cores": cores, "memory": memory}});
+    }
+    let c = server
+        .create(
+            Kind::ResourceClaim,
+            Some(NS),
+            json!({"metadata": {"name": name, "namespace": NS},
+                   "spec": {"devices": {"requests": [{"name": "mig", "exactly": request}]}}}),
+        )
+        .unwrap();
+    uid(&c)
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_inside_a_2g_instance_is_held_to_its_part_of_the_instance() {
+    let sim = SimNode::install("sim-mig-h100");
+    // `nvidia-smi mig -cgi 14,19 -C`: a 2g.20gb and a 1g.10gb on H100.
+    sim.mig(&["--gpu", "0", "--enable", "--create", "14,19"]);
+    let (g, ci) = sim
+        .state()
+        .mig_devices(0)
+        .into_iter()
+        .find(|(_, c)| c.profile.device_name() == "2g.20gb")
+        .unwrap();
+    let gi = g.id;
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    let settings = sim_settings(sim.root(), &dirs);
+    let (cancel, daemon, kubelet) = run_daemon(&server, &dirs, settings).await;
+
+    let uid = share_in_2g(&server, "half-of-2g", Some(("50", "5Gi")));
+    let a = allocator::allocate(&server, NS, "half-of-2g", NODE).unwrap();
+    let result = &a["devices"]["results"][0];
+    assert_eq!(result["device"], format!("gpu-0-mig-{gi}-{}", ci.id));
+    assert_eq!(result["consumedCapacity"]["cores"], "50", "{a}");
+    let device = |name: &str| -> serde_json::Value {
+        let s = server
+            .get(
+                Kind::ResourceSlice,
+                None,
+                &dra_driver::slices::slice_name(NODE),
+            )
+            .unwrap();
+        let found = s["spec"]["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["name"] == name);
+        found.cloned().unwrap_or_else(|| panic!("no {name} in {s}"))
+    };
+    let name = format!("gpu-0-mig-{gi}-{}", ci.id);
+    let mig_uuid = device(&name)["attributes"]["uuid"]["string"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(mig_uuid.starts_with("MIG-"), "{mig_uuid}");
+    let claim = plugin::claim(NS, "half-of-2g", &uid);
+    let r = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    let one = &r.claims[&claim.uid];
+    assert_eq!(one.error, "");
+    let edits = cdi::resolve(&dirs.p("cdi"), &one.devices[0].cdi_device_ids[0]).unwrap();
+    let nodes = edits["deviceNodes"].to_string();
+    assert!(
+        nodes.contains("/dev/nvidia0")
+            && nodes.matches("\"path\":\"/dev/nvidia-caps/").count() == 2,
+        "the instance's nodes: {edits}"
+    );
+    let mut env = container_env(&edits);
+    assert!(
+        env.contains(&("NVIDIA_VISIBLE_DEVICES".into(), mig_uuid.clone())),
+        "{env:?}"
+    );
+    assert!(env.iter().any(|(k, _)| k == "VCUDA_CONFIG_DIR"), "{env:?}");
+    // NVIDIA's runtime turns NVIDIA_VISIBLE_DEVICES into this.
+    env.push(("CUDA_VISIBLE_DEVICES".into(), mig_uuid.clone()));
+
+    // A 5 GiB card, refused past it.
+    let client = compile_c("shim_client", &sim, &dirs.p(""));
+    let out = run(Command::new(&client)
+        .args(["quota", "64"])
+        .envs(env.iter().cloned())
+        .env_remove("LOGGER_LEVEL"));
+    let r = kv(&out);
+    let get = |k: &str| r[k].parse::<u64>().unwrap();
+    assert_eq!(get("start_total"), 5 << 30, "cuMemGetInfo total: {out}");
+    assert_eq!(get("last"), 2, "refused past 5 GiB (out of memory): {out}");
+    assert!(get("allocated") * 64 * MIB <= 5 << 30, "{out}");
+    assert!(get("full_free") < 64 * MIB, "{out}");
+
+    // Half of the instance's time, saturating.
+    let compute = compile_c("shim_compute", &sim, &dirs.p(""));
+    let u = busy_of_instance(&sim, gi, &compute, &env);
+    println!("a 50 % share inside a 2g.20gb instance got {u:.1} % of the instance");
+    assert!((42.0..=58.0).contains(&u), "{u:.1} % of the instance");
+
+    // The whole instance is not free meanwhile (the scheduler's capacity).
+    share_in_2g(&server, "all-of-2g", None);
+    assert!(allocator::allocate(&server, NS, "all-of-2g", NODE).is_err());
+
+    let u = kubelet.unprepare(&[claim.clone()]).await.unwrap();
+    assert_eq!(u.claims[&claim.uid].error, "");
+    assert!(!dirs.p("vm").join(&claim.uid).exists());
+    assert_eq!(sim.state().mig_devices(0).len(), 2, "the instances stay");
+
+    // An Xid inside the 2g.20gb's GPU instance taints its device alone.
+    sim.xid(0, 94, Some(gi));
+    until(10, "the instance's device tainted", || {
+        device(&name)["taints"][0]["value"] == "xid-94"
+    })
+    .await;
+    let other = server
+        .get(
+            Kind::ResourceSlice,
+            None,
+            &dra_driver::slices::slice_name(NODE),
+        )
+        .unwrap()["spec"]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] != name.as_str())
+        .cloned()
+        .unwrap();
+    assert!(
+        other["taints"].is_null(),
+        "the 1g.10gb is untouched: {other}"
+    );
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+}
+
+/// Percent of [2 s, 5.5 s) after it began launching during which GPU
+/// instance `gi` ran kernels, while `compute` saturated it for 6 s.
+fn busy_of_instance(
+    sim: &SimNode,
+    gi: u32,
+    compute: &std::path::Path,
+    env: &[(String, String)],
+) -> f64 {
+    let mut child = Command::new(compute)
+        .args(["saturate", "6"])
+        .envs(env.iter().cloned())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("start_ns=") {
+        line.clear();
+        if stdout.read_line(&mut line).unwrap() == 0 {
+            let mut err = String::new();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            panic!("shim_compute ended before launching: {err}");
+        }
+    }
+    let start: u64 = kv(&line)["start_ns"].parse().unwrap();
+    let (from, to) = (start + 2_000_000_000, start + 5_500_000_000);
+    let now = test_support::shim::simnode::now_ns();
+    std::thread::sleep(Duration::from_nanos(to.saturating_sub(now) + 20_000_000));
+    let u = sim.state().gi_utilization(0, gi, from, to);
+    let st = child.wait().unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(st.success(), "shim_compute: {st}: {err}");
+    if std::env::var_os("VCUDA_TEST_SHOW_LOG").is_some() {
+        eprintln!("{err}");
+    }
+    u
+}
