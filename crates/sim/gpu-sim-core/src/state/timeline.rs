@@ -24,6 +24,54 @@ fn beside(dev: &DeviceBlock, ready: u64, need: u64, duration_ns: u64) -> Option<
     Some((start, end))
 }
 
+/// Busy nanoseconds on `dev`'s timeline within [from, to), for one owner
+/// or all, and the part of the window its ring still covers.
+fn busy_in(dev: &DeviceBlock, from: u64, to: u64, owner: Option<u64>) -> (u64, u64) {
+    let head = dev.ring_head.load(Acquire);
+    let n = head.min(RING as u64);
+    let mut busy = 0;
+    let mut oldest = u64::MAX;
+    for k in 0..n {
+        let idx = head - 1 - k;
+        let e = &dev.ring[(idx as usize) % RING];
+        if e.seq.load(Acquire) != idx + 1 {
+            continue;
+        }
+        let (s, en, o) = (
+            e.start.load(Acquire),
+            e.end.load(Acquire),
+            e.owner.load(Acquire),
+        );
+        if e.seq.load(Acquire) != idx + 1 {
+            continue;
+        }
+        oldest = oldest.min(s);
+        if owner.is_some_and(|w| w != o) {
+            continue;
+        }
+        let (a, b) = (s.max(from), en.min(to));
+        if b > a {
+            busy += b - a;
+        }
+    }
+    // When the ring wrapped, only the part it still covers is known.
+    let covered_from = if head > RING as u64 {
+        oldest.max(from)
+    } else {
+        from
+    };
+    (busy, to.saturating_sub(covered_from))
+}
+
+/// (busy, window) as a percent, at most 100; 0 for an empty window.
+fn percent((busy, window): (u64, u64)) -> f64 {
+    if window == 0 {
+        0.0
+    } else {
+        (busy as f64 * 100.0 / window as f64).min(100.0)
+    }
+}
+
 impl SharedState {
     /// Queues a kernel of `duration_ns` that fills `gpu` on its timeline,
     /// not before `not_before_ns` (the end of the previous work on the
@@ -109,51 +157,25 @@ impl SharedState {
     /// Busy nanoseconds on `gpu` within [from, to), for one owner or all,
     /// and the part of the window the ring still covers.
     fn busy_ns(&self, gpu: usize, from: u64, to: u64, owner: Option<u64>) -> (u64, u64) {
-        let dev = self.device(gpu);
-        let head = dev.ring_head.load(Acquire);
-        let n = head.min(RING as u64);
-        let mut busy = 0;
-        let mut oldest = u64::MAX;
-        for k in 0..n {
-            let idx = head - 1 - k;
-            let e = &dev.ring[(idx as usize) % RING];
-            if e.seq.load(Acquire) != idx + 1 {
-                continue;
-            }
-            let (s, en, o) = (
-                e.start.load(Acquire),
-                e.end.load(Acquire),
-                e.owner.load(Acquire),
-            );
-            if e.seq.load(Acquire) != idx + 1 {
-                continue;
-            }
-            oldest = oldest.min(s);
-            if owner.is_some_and(|w| w != o) {
-                continue;
-            }
-            let (a, b) = (s.max(from), en.min(to));
-            if b > a {
-                busy += b - a;
-            }
-        }
-        // When the ring wrapped, only the part it still covers is known.
-        let covered_from = if head > RING as u64 {
-            oldest.max(from)
-        } else {
-            from
-        };
-        (busy, to.saturating_sub(covered_from))
+        busy_in(self.device(gpu), from, to, owner)
     }
 
     /// Percent of [from, to) during which `gpu` ran kernels.
     pub fn utilization(&self, gpu: usize, from: u64, to: u64) -> f64 {
-        let (busy, window) = self.busy_ns(gpu, from, to, None);
-        if window == 0 {
-            0.0
-        } else {
-            (busy as f64 * 100.0 / window as f64).min(100.0)
+        percent(self.busy_ns(gpu, from, to, None))
+    }
+
+    /// Percent of [from, to) during which GPU instance `gi` of `gpu` ran
+    /// kernels: its own timeline (mig_use.rs), which the GPU's does not
+    /// include. 0 for an instance that does not exist (any more).
+    pub fn gi_utilization(&self, gpu: usize, gi: u32, from: u64, to: u64) -> f64 {
+        // A destroyed instance's block keeps its old intervals: ask the
+        // MIG state first (which also bounds `gi` for gi_block).
+        if self.gpu_instance(gpu, gi).is_none() {
+            return 0.0;
         }
+        self.gi_block(gpu, gi)
+            .map_or(0.0, |b| percent(busy_in(b, from, to, None)))
     }
 
     /// Per-process percent of [from, to) on `gpu`, for processes that ran in it.
@@ -163,8 +185,7 @@ impl SharedState {
             .filter_map(|p| {
                 let owner = p.slot as u64 | (p.generation as u64) << 16;
                 let (busy, window) = self.busy_ns(gpu, from, to, Some(owner));
-                (busy > 0 && window > 0)
-                    .then(|| (p, (busy as f64 * 100.0 / window as f64).min(100.0)))
+                (busy > 0 && window > 0).then(|| (p, percent((busy, window))))
             })
             .collect()
     }

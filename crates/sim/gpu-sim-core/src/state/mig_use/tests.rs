@@ -102,3 +102,30 @@ fn a_compute_instance_in_use_is_not_destroyed() {
     a.destroy_compute_instance(0, small, 0).unwrap();
     a.destroy_gpu_instance(0, small).unwrap();
 }
+
+#[test]
+fn each_instance_reads_its_own_utilization() {
+    let (_d, root, small, big) = two_instances();
+    let s = SharedState::open(&root).unwrap();
+    let me = s.attach().unwrap();
+    s.bind_mig(me, 0, small, 0);
+    let (s1, _) = s.launch(me, 0, 5_000_000, 0);
+    let (_, e2) = s.launch(me, 0, 5_000_000, 0);
+    let u = s.gi_utilization(0, small, s1, e2);
+    assert!((u - 100.0).abs() < 1e-9, "{u}");
+    let u = s.gi_utilization(0, small, s1, e2 + 10_000_000);
+    assert!((u - 50.0).abs() < 1e-9, "{u}");
+    assert_eq!(s.gi_utilization(0, big, s1, e2), 0.0, "the idle 3g");
+    assert_eq!(
+        s.utilization(0, s1, e2),
+        0.0,
+        "not on the GPU's own timeline"
+    );
+    assert_eq!(s.gi_utilization(0, 13, s1, e2), 0.0, "no such instance");
+    // A destroyed instance reads 0, though its timeline keeps the kernels.
+    drop(s);
+    let a = SharedState::open(&root).unwrap();
+    a.destroy_compute_instance(0, small, 0).unwrap();
+    a.destroy_gpu_instance(0, small).unwrap();
+    assert_eq!(a.gi_utilization(0, small, s1, e2), 0.0);
+}
