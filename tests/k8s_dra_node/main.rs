@@ -37,9 +37,13 @@
 //! gpu-manager's DaemonSet, rolling updates with surge, issue 24);
 //! `VCUDA_DRA_NODE_ONLY=device-plugins` runs that phase alone,
 //! `VCUDA_DRA_NODE_ONLY=webhook` the one-manifest phase (`webhook.rs`).
+//! Then MIG (`mig.rs`, issue 36): a simulated H100 with three instances,
+//! pods given whole instances and a share inside one;
+//! `VCUDA_DRA_NODE_ONLY=mig` runs it alone.
 
 mod daemonset;
 mod device_plugins;
+mod mig;
 mod parts;
 mod webhook;
 mod windows;
@@ -135,6 +139,10 @@ fn dra_on_a_real_node() {
             }
         });
         device_plugins::device_plugin_phase(&n, &node, w, &sim, &bin);
+        return;
+    }
+    if std::env::var("VCUDA_DRA_NODE_ONLY").as_deref() == Ok("mig") {
+        mig::mig_phase(&n, &node, w, &bin);
         return;
     }
 
@@ -571,6 +579,7 @@ fn dra_on_a_real_node() {
 
     daemonset::daemonset_phase(&n, &node, w, &sim, &bin);
     device_plugins::device_plugin_phase(&n, &node, w, &sim, &bin);
+    mig::mig_phase(&n, &node, w, &bin);
 }
 
 /// Pods created while the driver restarts (issue 24), all Running within

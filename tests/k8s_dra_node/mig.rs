@@ -1,0 +1,282 @@
+//! MIG on the real node (issue 36), DRA mode: a second simulated node, the
+//! H100 (`config/nodes/sim-mig-h100.toml`), GPU 0 in MIG mode with a
+//! 3g.40gb, a 2g.20gb and a 1g.10gb (`nvidia-smi mig -cgi 9,14,19 -C`), the
+//! driver binary serving it. The real scheduler allocates claims of the MIG
+//! class by profile; the real kubelet prepares them; containerd injects the
+//! parent's node and the instance's two capability nodes (made on the host
+//! as the driver's `nvidia-caps` nodes are, 1:3 like the sim's others). A
+//! pod given the 1g.10gb and one given the 3g.40gb see exactly their
+//! instance's memory with the untouched driver; a 50 % / 5 GiB share inside
+//! the 2g.20gb sees a 5 GiB card, is refused past it and gets half the
+//! instance's time by the sim's timeline (the interposer steers by GPM).
+//! Deleting the pods unprepares the claims and leaves the instances.
+//!
+//! There is no NVIDIA container runtime hook here: the pods' command turns
+//! the `NVIDIA_VISIBLE_DEVICES=MIG-…` the spec sets into
+//! `CUDA_VISIBLE_DEVICES`, as the hook does.
+
+use crate::parts::*;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use test_support::k8s::util::{HostDevCleanup, get_u64, wait};
+use test_support::{kv, target_dir, workspace_root};
+
+/// The profiles made on GPU 0 (H100 profile ids 9, 14, 19) and their
+/// memory (NVIDIA's MIG user guide, `nvidia-smi mig -lgip` on H100 80GB).
+const PROFILES: [(&str, u64); 3] = [("3g.40gb", 40448), ("2g.20gb", 20096), ("1g.10gb", 9984)];
+
+fn mig_template(name: &str, profile: &str, share: Option<(u32, &str)>) -> String {
+    let capacity = share
+        .map(|(cores, memory)| {
+            format!(
+                "          capacity:\n            requests: {{cores: \"{cores}\", memory: {memory}}}\n"
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: mig
+        exactly:
+          deviceClassName: vcuda-mig.vcuda.tencent.com
+          selectors:
+          - cel: {{expression: "device.attributes['{DRIVER}'].profile == '{profile}'"}}
+{capacity}"#
+    )
+}
+
+/// Host `/dev/nvidia-caps/<node>` for each capability node the sim made
+/// (the driver's access nodes of the instances), removed when dropped.
+fn host_cap_nodes(sim: &Path) -> HostDevCleanup {
+    let dir = Path::new("/dev/nvidia-caps");
+    fs::create_dir_all(dir).unwrap();
+    let mut made = Vec::new();
+    for e in fs::read_dir(sim.join("dev/nvidia-caps")).unwrap() {
+        let path = dir.join(e.unwrap().file_name());
+        if !path.exists() {
+            let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+            // SAFETY: a valid C string; /dev/null's number, as the sim's nodes.
+            let rc = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) };
+            assert_eq!(rc, 0, "mknod {}", path.display());
+        }
+        made.push(path);
+    }
+    HostDevCleanup(made)
+}
+
+fn driver(n: &Node, node: &str, w: &Path, sim: &Path) -> DriverProc {
+    let p = |s: &str| w.join(s).to_str().unwrap().to_string();
+    let volume = workspace_root().join("config/volume.conf");
+    let interposer = target_dir().join("libvcuda.so");
+    let args = [
+        "--node-name",
+        node,
+        "--host-root",
+        sim.to_str().unwrap(),
+        "--volume-config",
+        volume.to_str().unwrap(),
+        "--interposer",
+        interposer.to_str().unwrap(),
+        "--vdriver-dir",
+        &p("mig-vdriver"),
+        "--vm-dir",
+        &p("mig-vm"),
+        "--cdi-dir",
+        CDI_DIR,
+        "--state-dir",
+        &p("mig-state"),
+        "--kubeconfig",
+        n.kubeconfig.to_str().unwrap(),
+        "--query-addr",
+        "127.0.0.1:25681",
+    ];
+    DriverProc {
+        child: None,
+        log: w.join("mig-driver.log"),
+        args: args.iter().map(|s| s.to_string()).collect(),
+    }
+}
+
+pub fn mig_phase(n: &Node, node: &str, w: &Path, bin: &Path) {
+    eprintln!("k8s_dra: MIG devices and a share inside one (sim-mig-h100)");
+    let sim = w.join("mig-sim");
+    let installed = sh(Command::new(target_dir().join("gpu-sim"))
+        .args(["install", "--node"])
+        .arg(workspace_root().join("config/nodes/sim-mig-h100.toml"))
+        .arg("--root")
+        .arg(&sim)
+        .arg("--host-dev"));
+    let _host_dev = HostDevCleanup::from_install_output(&installed);
+    sh(Command::new(target_dir().join("gpu-sim"))
+        .args(["mig", "--root"])
+        .arg(&sim)
+        .args(["--gpu", "0", "--enable", "--create", "9,14,19"]));
+    let _caps = host_cap_nodes(&sim);
+    let state = test_support::sim::state_at(&sim);
+    let gi_of = |profile: &str| {
+        state
+            .mig_devices(0)
+            .into_iter()
+            .find(|(_, c)| c.profile.device_name() == profile)
+            .map(|(g, _)| g.id)
+            .unwrap()
+    };
+
+    let slice_name = format!("{node}-{DRIVER}");
+    let _ = n.kubectl(&["delete", "resourceslice", &slice_name]);
+    let mut drv = driver(n, node, w, &sim);
+    drv.spawn();
+    let slice = wait("the MIG node's slice", 60, || {
+        let s = n.json(&["get", "resourceslice", &slice_name])?;
+        let migs = s["spec"]["devices"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|d| d["attributes"]["type"]["string"] == "mig")
+            .count();
+        if migs == 3 {
+            Ok(s)
+        } else {
+            Err(format!("{migs} MIG devices: {s}"))
+        }
+    });
+    let allow = slice["spec"]["devices"][0]["allowMultipleAllocations"].clone();
+    assert_eq!(allow, true, "{slice}");
+    drv.wait_for(
+        "the kubelet to register the plugin",
+        "registered with the kubelet",
+        1,
+        60,
+    );
+    // A namespace an earlier run left goes once a driver can unprepare.
+    let _ = n.kubectl(&["delete", "namespace", NS, "--wait=false"]);
+    wait("no namespace of an earlier run", 180, || {
+        match n.kubectl(&["get", "namespace", NS]) {
+            Ok(s) => Err(s),
+            Err(_) => Ok(()),
+        }
+    });
+    n.ok(&["create", "namespace", NS]);
+
+    // Whole instances, the untouched driver: each sees its instance.
+    let mig_cmd = |prog: &str| {
+        format!(
+            "CUDA_VISIBLE_DEVICES=$NVIDIA_VISIBLE_DEVICES /work/{prog}; echo ---done; sleep 100000"
+        )
+    };
+    // Both saturate their instance at once after the memory check: each
+    // keeps it busy, as hardware partitions do (on one time-sliced GPU the
+    // two would share it).
+    let whole = "CUDA_VISIBLE_DEVICES=$NVIDIA_VISIBLE_DEVICES sh -c \
+        '/work/shim_client quota 256; echo ---quota; /work/shim_compute saturate 6'; \
+        echo ---done; sleep 100000";
+    let mut pods = Vec::new();
+    for (profile, _) in [PROFILES[0], PROFILES[2]] {
+        let name = format!("mig-{}", profile.replace('.', "-"));
+        n.apply(&mig_template(&name, profile, None));
+        n.apply(&pod(&name, &name, whole, bin, &sim));
+        pods.push(name);
+    }
+    let mut starts = Vec::new();
+    for (name, (profile, mib)) in pods.iter().zip([PROFILES[0], PROFILES[2]]) {
+        wait_running(n, name, 120);
+        let out = log_with(n, name, "start_ns=");
+        let total = get_u64(&kv(&out), "start_total", &out);
+        assert_eq!(total, mib << 20, "{name}: the instance's memory\n{out}");
+        eprintln!("k8s_dra: {name}: a {profile} instance, {mib} MiB, the untouched driver");
+        starts.push(get_u64(&kv(&out), "start_ns", &out));
+    }
+    let from = starts.iter().max().unwrap() + 1_000_000_000;
+    let to = starts.iter().min().unwrap() + 5_500_000_000;
+    assert!(
+        to > from + 1_000_000_000,
+        "the pods started {starts:?}: too far apart"
+    );
+    let now = test_support::shim::simnode::now_ns();
+    std::thread::sleep(std::time::Duration::from_nanos(
+        to.saturating_sub(now) + 50_000_000,
+    ));
+    let busy: Vec<f64> = [PROFILES[0].0, PROFILES[2].0]
+        .iter()
+        .map(|p| state.gi_utilization(0, gi_of(p), from, to))
+        .collect();
+    eprintln!(
+        "k8s_dra: both saturating at once: 3g.40gb busy {:.1} %, 1g.10gb busy {:.1} %",
+        busy[0], busy[1]
+    );
+    assert!(
+        busy.iter().all(|&b| b > 90.0),
+        "each instance its own: {busy:?}"
+    );
+    for name in &pods {
+        log_with(n, name, "---done");
+    }
+
+    // A share inside the 2g.20gb.
+    n.apply(&mig_template("mig-share", "2g.20gb", Some((50, "5Gi"))));
+    n.apply(&pod(
+        "mig-share-mem",
+        "mig-share",
+        &mig_cmd("shim_client quota 256"),
+        bin,
+        &sim,
+    ));
+    wait_running(n, "mig-share-mem", 120);
+    // The H100's context takes 527 MiB of the 5 GiB: what is left fits.
+    let out = log_with(n, "mig-share-mem", "---done");
+    let a = kv(&out);
+    let get = |k: &str| get_u64(&a, k, &out);
+    assert_eq!(get("start_total"), 5 << 30, "a 5 GiB card\n{out}");
+    assert_eq!(get("last"), 2, "refused past 5 GiB (OOM)\n{out}");
+    assert_eq!(get("allocated"), get("start_free") / (256 << 20), "{out}");
+    n.apply(&pod(
+        "mig-share-run",
+        "mig-share",
+        &mig_cmd("shim_compute saturate 7"),
+        bin,
+        &sim,
+    ));
+    wait_running(n, "mig-share-run", 120);
+    let head = log_with(n, "mig-share-run", "start_ns=");
+    let start = get_u64(&kv(&head), "start_ns", &head);
+    let (from, to) = (start + 2_000_000_000, start + 6_000_000_000);
+    let now = test_support::shim::simnode::now_ns();
+    std::thread::sleep(std::time::Duration::from_nanos(
+        to.saturating_sub(now) + 50_000_000,
+    ));
+    let u = state.gi_utilization(0, gi_of("2g.20gb"), from, to);
+    eprintln!(
+        "k8s_dra: a 50 % / 5 GiB share inside the 2g.20gb: 5 GiB card, {u:.1} % of the instance"
+    );
+    assert!((42.0..=58.0).contains(&u), "{u:.1} % of the 2g.20gb");
+    log_with(n, "mig-share-run", "---done");
+    pods.extend(["mig-share-mem".into(), "mig-share-run".to_string()]);
+
+    for p in &pods {
+        n.ok(&["-n", NS, "delete", "pod", p, "--wait=true"]);
+    }
+    let left = wait("the MIG claims unprepared", 60, || {
+        let specs: Vec<PathBuf> = fs::read_dir(CDI_DIR)
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        let ours = drv.count("claim unprepared");
+        if ours >= pods.len() {
+            Ok(specs)
+        } else {
+            Err(format!("{ours} unprepared"))
+        }
+    });
+    eprintln!(
+        "k8s_dra: MIG pods deleted, claims unprepared ({} CDI specs left on the node)",
+        left.len()
+    );
+    assert_eq!(state.mig_devices(0).len(), 3, "the instances stay");
+    drv.kill9();
+    n.ok(&["delete", "resourceslice", &slice_name]);
+}
