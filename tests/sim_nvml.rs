@@ -581,8 +581,14 @@ fn missing_state_is_a_clear_init_error() {
             assert!(!p.is_null(), "{name} not exported");
             p
         };
-        let stub: unsafe extern "C" fn() -> i32 = std::mem::transmute(sym("nvmlGpmMigSampleGet"));
+        let stub: unsafe extern "C" fn() -> i32 = std::mem::transmute(sym("nvmlUnitGetCount"));
         assert_eq!(stub(), 3, "NVML_ERROR_NOT_SUPPORTED");
+        // GPM too, its sample allocation included, as the real 535 and 550 answer.
+        let alloc: unsafe extern "C" fn(*mut *mut std::ffi::c_void) -> i32 =
+            std::mem::transmute(sym("nvmlGpmSampleAlloc"));
+        let mut sample = std::ptr::null_mut();
+        assert_eq!(alloc(&mut sample), 1, "NVML_ERROR_UNINITIALIZED");
+        assert!(sample.is_null());
         let count: unsafe extern "C" fn(*mut u32) -> i32 =
             std::mem::transmute(sym("nvmlDeviceGetCount_v2"));
         let mut n = 0;

@@ -16,6 +16,7 @@
 mod accounting;
 mod device;
 mod events;
+mod gpm;
 mod health;
 mod info;
 mod memory;
