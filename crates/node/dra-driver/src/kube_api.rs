@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::DRIVER_NAME;
 use crate::driver::ClaimSource;
 use crate::publish::SliceApi;
+use crate::slices::ClassAction;
 
 /// A request to the API server that failed, and what it was for.
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +35,8 @@ pub enum ApiError {
     DeleteSlice { name: String, source: kube::Error },
     #[error("creating DeviceClass {name}: {source}")]
     CreateClass { name: String, source: kube::Error },
+    #[error("updating DeviceClass {name} to this release's: {source}")]
+    UpdateClass { name: String, source: kube::Error },
 }
 
 /// The API server's answer to a request for an object it does not hold
@@ -113,10 +116,26 @@ impl SliceApi for KubeApi {
         let api = Api::<DeviceClass>::all(self.client.clone());
         let name = c.metadata.name.clone().unwrap_or_default();
         match api.create(&PostParams::default(), c).await {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
-            Err(source) => Err(ApiError::CreateClass { name, source }),
+            Ok(_) => return Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 409 => {}
+            Err(source) => return Err(ApiError::CreateClass { name, source }),
         }
+        let update = |source| ApiError::UpdateClass {
+            name: name.clone(),
+            source,
+        };
+        let have = api.get(&name).await.map_err(update)?;
+        match crate::slices::class_action(&have, c) {
+            ClassAction::Keep => {}
+            ClassAction::Update(new) => {
+                api.replace(&name, &PostParams::default(), &new)
+                    .await
+                    .map_err(update)?;
+                tracing::info!(class = %name, "DeviceClass updated to this release's selectors");
+            }
+            ClassAction::Foreign(why) => tracing::warn!(class = %name, "{why}"),
+        }
+        Ok(())
     }
 }
 

@@ -384,6 +384,10 @@ fn class(name: &str, t: &str, config: Option<serde_json::Value>) -> DeviceClass 
     DeviceClass {
         metadata: ObjectMeta {
             name: Some(name.to_string()),
+            labels: Some(BTreeMap::from([(
+                CLASS_OWNER_LABEL.0.to_string(),
+                CLASS_OWNER_LABEL.1.to_string(),
+            )])),
             ..Default::default()
         },
         spec: DeviceClassSpec {
@@ -404,6 +408,57 @@ fn class(name: &str, t: &str, config: Option<serde_json::Value>) -> DeviceClass 
             ..Default::default()
         },
     }
+}
+
+/// The label on the DeviceClasses this driver makes: it keeps them as its
+/// release defines them.
+pub const CLASS_OWNER_LABEL: (&str, &str) = ("app.kubernetes.io/managed-by", "vcuda-dra-driver");
+
+/// What to do with a class of one of this driver's names that the API
+/// server has already.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ClassAction {
+    Keep,
+    /// Ours, of another release (or unlabelled in the shape an earlier
+    /// release made, the driver selector alone): replaced by this.
+    Update(Box<DeviceClass>),
+    /// Someone else's: left alone, and why that matters.
+    Foreign(String),
+}
+
+/// Whether `have` is to become `want`. An earlier release's classes
+/// selected the driver alone; left so, a share claim could be given a MIG
+/// device (which takes cores and memory since shares inside instances).
+pub fn class_action(have: &DeviceClass, want: &DeviceClass) -> ClassAction {
+    if have.spec == want.spec {
+        return ClassAction::Keep;
+    }
+    let labelled = have
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(CLASS_OWNER_LABEL.0))
+        .is_some_and(|v| v == CLASS_OWNER_LABEL.1);
+    let expressions: Vec<&str> = have
+        .spec
+        .selectors
+        .iter()
+        .flatten()
+        .filter_map(|s| Some(s.cel.as_ref()?.expression.as_str()))
+        .collect();
+    let earlier = expressions == [format!("device.driver == '{DRIVER_NAME}'")];
+    if labelled || earlier {
+        let mut new = want.clone();
+        new.metadata.resource_version = have.metadata.resource_version.clone();
+        return ClassAction::Update(Box::new(new));
+    }
+    ClassAction::Foreign(format!(
+        "DeviceClass {} exists, not labelled {}={} and selecting {expressions:?}: left as it is; \
+         this release's class selects the devices of its type only (delete it and the driver makes it)",
+        have.metadata.name.as_deref().unwrap_or(""),
+        CLASS_OWNER_LABEL.0,
+        CLASS_OWNER_LABEL.1
+    ))
 }
 
 pub fn device_classes() -> Vec<DeviceClass> {
@@ -614,5 +669,39 @@ mod tests {
         assert_eq!(selectors(&classes[2]), [driver.into(), of_type("mig")]);
         assert!(classes[1].spec.config.is_some());
         assert!(classes[0].spec.config.is_none() && classes[2].spec.config.is_none());
+    }
+
+    #[test]
+    fn an_earlier_releases_classes_are_updated_and_foreign_ones_kept() {
+        let want = &device_classes()[0];
+        assert_eq!(class_action(want, want), ClassAction::Keep);
+        // The pre-MIG shape: the driver selector alone, no label.
+        let mut earlier = want.clone();
+        earlier.metadata.labels = None;
+        earlier.metadata.resource_version = Some("41".into());
+        earlier.spec.selectors.as_mut().unwrap().truncate(1);
+        let ClassAction::Update(new) = class_action(&earlier, want) else {
+            panic!("the earlier class is updated");
+        };
+        assert_eq!(new.spec, want.spec);
+        assert_eq!(new.metadata.resource_version.as_deref(), Some("41"));
+        assert_eq!(new.metadata.labels, want.metadata.labels);
+        // Labelled ours with other selectors: updated too.
+        let mut ours = want.clone();
+        ours.spec.selectors.as_mut().unwrap()[1] = DeviceSelector {
+            cel: Some(CELDeviceSelector {
+                expression: "true".into(),
+            }),
+        };
+        assert!(matches!(class_action(&ours, want), ClassAction::Update(_)));
+        // An operator's own class of that name: kept, and said why.
+        ours.metadata.labels = None;
+        let ClassAction::Foreign(why) = class_action(&ours, want) else {
+            panic!("a foreign class is kept");
+        };
+        assert!(
+            why.contains("vcuda-share.vcuda.tencent.com exists, not labelled"),
+            "{why}"
+        );
     }
 }

@@ -134,6 +134,9 @@ fn driver_manifest() {
         ("resourceslices", "update"),
         ("resourceslices", "delete"),
         ("deviceclasses", "create"),
+        // An earlier release's classes are brought to this release's.
+        ("deviceclasses", "get"),
+        ("deviceclasses", "update"),
     ]
     .iter()
     .map(|(a, b)| (a.to_string(), b.to_string()))

@@ -97,6 +97,56 @@ async fn publish_once_bump_on_health_never_duplicate() {
 }
 
 /// The API server emulator, the test's directories and a client of it.
+/// An earlier release's share class (the driver selector alone, no
+/// label) is brought to this release's; an operator's own class of the
+/// whole class's name is left as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_earlier_releases_classes_are_updated_at_start() {
+    let (server, _dirs, api) = emulator().await;
+    let driver_only = json!([{"cel": {"expression": "device.driver == 'vcuda.tencent.com'"}}]);
+    server
+        .create(
+            Kind::DeviceClass,
+            None,
+            json!({"metadata": {"name": slices::SHARE_CLASS}, "spec": {"selectors": driver_only}}),
+        )
+        .unwrap();
+    let operators = json!([{"cel": {"expression": "device.driver == 'vcuda.tencent.com'"}},
+                           {"cel": {"expression": "device.attributes['vcuda.tencent.com'].model == 'A100'"}}]);
+    server
+        .create(
+            Kind::DeviceClass,
+            None,
+            json!({"metadata": {"name": slices::WHOLE_CLASS}, "spec": {"selectors": operators}}),
+        )
+        .unwrap();
+    publisher().ensure_classes(&api).await.unwrap();
+    let share = server
+        .get(Kind::DeviceClass, None, slices::SHARE_CLASS)
+        .unwrap();
+    let want = slices::type_selector("gpu");
+    assert_eq!(
+        share["spec"]["selectors"][1]["cel"]["expression"], want,
+        "{share}"
+    );
+    assert_eq!(
+        share["metadata"]["labels"]["app.kubernetes.io/managed-by"],
+        "vcuda-dra-driver"
+    );
+    let whole = server
+        .get(Kind::DeviceClass, None, slices::WHOLE_CLASS)
+        .unwrap();
+    assert_eq!(
+        whole["spec"]["selectors"], operators,
+        "the operator's, kept"
+    );
+    assert!(
+        server
+            .get(Kind::DeviceClass, None, slices::MIG_CLASS)
+            .is_some()
+    );
+}
+
 async fn emulator() -> (ApiServer, Dirs, KubeApi) {
     let server = ApiServer::start("127.0.0.1:0").await.unwrap();
     let dirs = Dirs::new();

@@ -145,7 +145,10 @@ async fn a_share_inside_a_2g_instance_is_held_to_its_part_of_the_instance() {
     share_in_2g(&server, "all-of-2g", None);
     assert!(allocator::allocate(&server, NS, "all-of-2g", NODE).is_err());
 
-    let u = kubelet.unprepare(std::slice::from_ref(&claim)).await.unwrap();
+    let u = kubelet
+        .unprepare(std::slice::from_ref(&claim))
+        .await
+        .unwrap();
     assert_eq!(u.claims[&claim.uid].error, "");
     assert!(!dirs.p("vm").join(&claim.uid).exists());
     assert_eq!(sim.state().mig_devices(0).len(), 2, "the instances stay");
