@@ -7,20 +7,15 @@
 //! Load comes from this test process itself through `gpu-sim-core`: bound
 //! to one GPU instance, it queues kernels on that instance's timeline.
 
-use gpu_sim_core::{NodeSpec, SharedState, SimRoot};
-use std::ffi::{CStr, CString, c_char, c_uint, c_void};
-use std::path::{Path, PathBuf};
+#[macro_use]
+mod common;
+
+use common::*;
+use gpu_sim_core::{SharedState, SimRoot};
+use std::ffi::{CStr, c_char, c_uint, c_void};
 use std::time::Duration;
 
-type Ret = i32;
-type Dev = *mut c_void;
 type Sample = *mut c_void;
-
-const SUCCESS: Ret = 0;
-const INVALID_ARGUMENT: Ret = 2;
-const NOT_SUPPORTED: Ret = 3;
-const NOT_FOUND: Ret = 6;
-const VERSION_MISMATCH: Ret = 25;
 
 const GRAPHICS_UTIL: c_uint = 1;
 const SM_UTIL: c_uint = 2;
@@ -52,74 +47,6 @@ struct MetricsGet {
 struct Support {
     version: c_uint,
     supported: c_uint,
-}
-
-/// A root with node `node` and a copy of the built library in it.
-fn install(node: &str) -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().unwrap();
-    let root = SimRoot::new(dir.path());
-    let node_file = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../config/nodes")
-        .join(format!("{node}.toml"));
-    let node = NodeSpec::load(&node_file).unwrap();
-    SharedState::install(&root, &node).unwrap();
-    std::fs::create_dir_all(root.dev_dir()).unwrap();
-    for g in &node.gpus {
-        std::fs::write(root.device_node(g.minor), b"").unwrap();
-    }
-    // target/<profile>/deps/gpm-<hash> -> target/<profile>/libnvidia_ml.so
-    let exe = std::env::current_exe().unwrap();
-    let built = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("libnvidia_ml.so");
-    assert!(built.is_file(), "{} not built", built.display());
-    let mtime = |p: &Path| std::fs::metadata(p).unwrap().modified().unwrap();
-    for e in std::fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("src")).unwrap() {
-        let p = e.unwrap().path();
-        assert!(
-            mtime(&p) <= mtime(&built),
-            "{} is older than {}: run `cargo build -p gpu-sim-nvml` first",
-            built.display(),
-            p.display()
-        );
-    }
-    let lib_dir = dir.path().join("usr/lib/x86_64-linux-gnu");
-    std::fs::create_dir_all(&lib_dir).unwrap();
-    let lib = lib_dir.join("libnvidia-ml.so.1");
-    std::fs::copy(&built, &lib).unwrap();
-    (dir, lib)
-}
-
-struct Nvml(*mut c_void);
-
-impl Nvml {
-    fn open(path: &Path) -> Nvml {
-        let c = CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: dlopen of a NUL-terminated path.
-        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        assert!(!h.is_null(), "dlopen {}", path.display());
-        Nvml(h)
-    }
-    fn sym(&self, name: &str) -> *mut c_void {
-        let n = CString::new(name).unwrap();
-        // SAFETY: dlsym on a live handle with a NUL-terminated name.
-        let p = unsafe { libc::dlsym(self.0, n.as_ptr()) };
-        assert!(!p.is_null(), "{name} not exported");
-        p
-    }
-}
-
-/// Calls export `$name` of `$lib` with the C signature `fn($($t),*) -> Ret`.
-macro_rules! call {
-    ($lib:expr, $name:literal, ($($t:ty),* $(,)?) $(, $arg:expr)* $(,)?) => {{
-        // SAFETY: the symbol is NVML's function of this C signature (nvml.h).
-        let f: unsafe extern "C" fn($($t),*) -> Ret = unsafe { std::mem::transmute($lib.sym($name)) };
-        // SAFETY: every pointer argument points at a live local of the right type.
-        unsafe { f($($arg),*) }
-    }};
 }
 
 fn gpu(n: &Nvml, i: c_uint) -> Dev {

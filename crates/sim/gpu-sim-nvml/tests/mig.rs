@@ -11,22 +11,15 @@
 //! compute instances, overlaps refused, MIG device handles (UUID, name,
 //! memory, attributes), destroy, disable.
 
-use gpu_sim_core::{NodeSpec, SharedState, SimRoot};
-use std::ffi::{CStr, CString, c_char, c_uint, c_void};
-use std::path::{Path, PathBuf};
+#[macro_use]
+mod common;
 
-type Ret = i32;
-type Dev = *mut c_void;
+use common::*;
+use gpu_sim_core::{SharedState, SimRoot};
+use std::ffi::{CStr, CString, c_char, c_uint, c_void};
+
 type Gi = *mut c_void;
 type Ci = *mut c_void;
-
-const SUCCESS: Ret = 0;
-const INVALID_ARGUMENT: Ret = 2;
-const NOT_SUPPORTED: Ret = 3;
-const NOT_FOUND: Ret = 6;
-const IN_USE: Ret = 19;
-const INSUFFICIENT_RESOURCES: Ret = 23;
-const VERSION_MISMATCH: Ret = 25;
 
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -96,82 +89,6 @@ struct Attributes {
     gi_slices: c_uint,
     ci_slices: c_uint,
     memory_mb: u64,
-}
-
-/// A root with the H100 MIG node and a copy of the built library in it.
-fn install() -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().unwrap();
-    let root = SimRoot::new(dir.path());
-    let node_file =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../config/nodes/sim-mig-h100.toml");
-    let node = NodeSpec::load(&node_file).unwrap();
-    SharedState::install(&root, &node).unwrap();
-    std::fs::create_dir_all(root.dev_dir()).unwrap();
-    for g in &node.gpus {
-        std::fs::write(root.device_node(g.minor), b"").unwrap();
-    }
-    // target/<profile>/deps/mig-<hash> -> target/<profile>/libnvidia_ml.so
-    let exe = std::env::current_exe().unwrap();
-    let built = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("libnvidia_ml.so");
-    assert!(built.is_file(), "{} not built", built.display());
-    assert_fresh(&built);
-    let lib_dir = dir.path().join("usr/lib/x86_64-linux-gnu");
-    std::fs::create_dir_all(&lib_dir).unwrap();
-    let lib = lib_dir.join("libnvidia-ml.so.1");
-    std::fs::copy(&built, &lib).unwrap();
-    (dir, lib)
-}
-
-/// `cargo test` does not rebuild a cdylib: refuse a library older than
-/// the crate's sources rather than test stale code.
-fn assert_fresh(built: &Path) {
-    let mtime = |p: &Path| std::fs::metadata(p).unwrap().modified().unwrap();
-    let lib = mtime(built);
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    for e in std::fs::read_dir(&src).unwrap() {
-        let p = e.unwrap().path();
-        assert!(
-            mtime(&p) <= lib,
-            "{} is older than {}: run `cargo build -p gpu-sim-nvml` first",
-            built.display(),
-            p.display()
-        );
-    }
-}
-
-struct Nvml(*mut c_void);
-
-impl Nvml {
-    fn open(path: &Path) -> Nvml {
-        let c = CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: dlopen of a NUL-terminated path.
-        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        assert!(!h.is_null(), "dlopen {}", path.display());
-        Nvml(h)
-    }
-    /// The address of `name`, to transmute to its C signature.
-    fn sym(&self, name: &str) -> *mut c_void {
-        let n = CString::new(name).unwrap();
-        // SAFETY: dlsym on a live handle with a NUL-terminated name.
-        let p = unsafe { libc::dlsym(self.0, n.as_ptr()) };
-        assert!(!p.is_null(), "{name} not exported");
-        p
-    }
-}
-
-/// Calls export `$name` of `$lib` with the C signature `fn($($t),*) -> Ret`.
-macro_rules! call {
-    ($lib:expr, $name:literal, ($($t:ty),* $(,)?) $(, $arg:expr)* $(,)?) => {{
-        // SAFETY: the symbol is NVML's function of this C signature (nvml.h).
-        let f: unsafe extern "C" fn($($t),*) -> Ret = unsafe { std::mem::transmute($lib.sym($name)) };
-        // SAFETY: every pointer argument points at a live local of the right type.
-        unsafe { f($($arg),*) }
-    }};
 }
 
 fn cstr(buf: &[c_char]) -> String {
@@ -296,7 +213,7 @@ const P_4G_40GB: c_uint = 5;
 
 #[test]
 fn mig_walk_through_the_c_abi() {
-    let (dir, lib) = install();
+    let (dir, lib) = install("sim-mig-h100");
     let n = Nvml::open(&lib);
     assert_eq!(call!(n, "nvmlInit_v2", ()), SUCCESS);
     let mut gpu: Dev = std::ptr::null_mut();
