@@ -200,14 +200,10 @@ fn busy_of_instance(
     while !line.contains("start_ns=") {
         line.clear();
         if stdout.read_line(&mut line).unwrap() == 0 {
-            let mut err = String::new();
-            child
-                .stderr
-                .take()
-                .unwrap()
-                .read_to_string(&mut err)
-                .unwrap();
-            panic!("shim_compute ended before launching: {err}");
+            panic!(
+                "shim_compute ended before launching: {}",
+                stderr(&mut child)
+            );
         }
     }
     let start: u64 = kv(&line)["start_ns"].parse().unwrap();
@@ -216,16 +212,18 @@ fn busy_of_instance(
     std::thread::sleep(Duration::from_nanos(to.saturating_sub(now) + 20_000_000));
     let u = sim.state().gi_utilization(0, gi, from, to);
     let st = child.wait().unwrap();
-    let mut err = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    let err = stderr(&mut child);
     assert!(st.success(), "shim_compute: {st}: {err}");
     if std::env::var_os("VCUDA_TEST_SHOW_LOG").is_some() {
         eprintln!("{err}");
     }
     u
+}
+
+fn stderr(child: &mut std::process::Child) -> String {
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        e.read_to_string(&mut err).unwrap();
+    }
+    err
 }
