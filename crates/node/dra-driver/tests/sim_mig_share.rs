@@ -8,7 +8,9 @@
 //! gets half of the instance's time, read from the sim's own timeline of
 //! that instance (ground truth, not what the interposer steers by: GPM
 //! samples of the instance). The whole instance is not allocatable to
-//! another claim meanwhile; unprepare leaves the instance.
+//! another claim meanwhile; an Xid inside the instance taints its device
+//! alone; a driver restart adopts the prepared share (same spec, a new
+//! process still held); unprepare leaves the instance.
 //!
 //! Needs `cargo build --workspace` first (gpu-sim, its cdylibs, libvcuda.so).
 
@@ -145,15 +147,8 @@ async fn a_share_inside_a_2g_instance_is_held_to_its_part_of_the_instance() {
     share_in_2g(&server, "all-of-2g", None);
     assert!(allocator::allocate(&server, NS, "all-of-2g", NODE).is_err());
 
-    let u = kubelet
-        .unprepare(std::slice::from_ref(&claim))
-        .await
-        .unwrap();
-    assert_eq!(u.claims[&claim.uid].error, "");
-    assert!(!dirs.p("vm").join(&claim.uid).exists());
-    assert_eq!(sim.state().mig_devices(0).len(), 2, "the instances stay");
-
-    // An Xid inside the 2g.20gb's GPU instance taints its device alone.
+    // An Xid inside the 2g.20gb's GPU instance taints its device alone
+    // (while the claim is prepared: its pod goes on).
     sim.xid(0, 94, Some(gi));
     until(10, "the instance's device tainted", || {
         device(&name)["taints"][0]["value"] == "xid-94"
@@ -176,6 +171,40 @@ async fn a_share_inside_a_2g_instance_is_held_to_its_part_of_the_instance() {
         other["taints"].is_null(),
         "the 1g.10gb is untouched: {other}"
     );
+
+    // A driver restart adopts the share: the same CDI spec, and a process
+    // of the claim registers with the new driver and is held as before.
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+    drop(kubelet);
+    let settings = sim_settings(sim.root(), &dirs);
+    let (cancel, daemon, kubelet) = run_daemon(&server, &dirs, settings).await;
+    let again = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    assert_eq!(again.claims[&claim.uid].error, "");
+    assert_eq!(
+        cdi::resolve(
+            &dirs.p("cdi"),
+            &again.claims[&claim.uid].devices[0].cdi_device_ids[0]
+        )
+        .unwrap(),
+        edits,
+        "the same spec after the restart"
+    );
+    let out = run(Command::new(&client)
+        .args(["quota", "64"])
+        .envs(env.iter().cloned())
+        .env_remove("LOGGER_LEVEL"));
+    assert_eq!(kv(&out)["start_total"], (5u64 << 30).to_string(), "{out}");
+    assert_eq!(kv(&out)["last"], "2", "held after the restart: {out}");
+
+    let u = kubelet
+        .unprepare(std::slice::from_ref(&claim))
+        .await
+        .unwrap();
+    assert_eq!(u.claims[&claim.uid].error, "");
+    assert!(!dirs.p("vm").join(&claim.uid).exists());
+    assert_eq!(sim.state().mig_devices(0).len(), 2, "the instances stay");
+
     cancel.cancel();
     daemon.await.unwrap().unwrap();
 }
