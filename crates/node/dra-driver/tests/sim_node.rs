@@ -518,8 +518,11 @@ async fn a_gpu_in_mig_mode_publishes_its_mig_devices() {
         assert_eq!(a["model"]["string"], "NVIDIA H100 80GB HBM3");
         let d = &n.devices[name];
         assert_eq!(d["capacity"]["memory"]["value"], format!("{mib}Mi"));
-        assert!(d.get("allowMultipleAllocations").is_none(), "{d}");
-        assert!(d["capacity"].get("cores").is_none(), "{d}");
+        // Taken whole by default; shares inside it ask for less.
+        assert_eq!(d["allowMultipleAllocations"], true, "{d}");
+        assert_eq!(d["capacity"]["cores"]["value"], "100", "{d}");
+        let default = &d["capacity"]["memory"]["requestPolicy"]["default"];
+        assert_eq!(default, &format!("{mib}Mi"), "{d}");
     }
     n.cancel.cancel();
     n.daemon.await.unwrap().unwrap();
