@@ -29,8 +29,18 @@ const MIB: u64 = 1 << 20;
 
 /// A claim for `cores` and `memory` of the 2g.20gb MIG device, created.
 fn share_in_2g(server: &ApiServer, name: &str, capacity: Option<(&str, &str)>) -> String {
+    share_in(server, name, "2g.20gb", capacity)
+}
+
+/// A claim for `cores` and `memory` of the MIG device of `profile`.
+fn share_in(
+    server: &ApiServer,
+    name: &str,
+    profile: &str,
+    capacity: Option<(&str, &str)>,
+) -> String {
     let selector = format!(
-        "device.attributes['{}'].profile == '2g.20gb'",
+        "device.attributes['{}'].profile == '{profile}'",
         dra_driver::DRIVER_NAME
     );
     let mut request = json!({"deviceClassName": dra_driver::slices::MIG_CLASS,
@@ -205,6 +215,43 @@ async fn a_share_inside_a_2g_instance_is_held_to_its_part_of_the_instance() {
     assert!(!dirs.p("vm").join(&claim.uid).exists());
     assert_eq!(sim.state().mig_devices(0).len(), 2, "the instances stay");
 
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+}
+
+/// An A100 has no GPM, so nothing measures a MIG instance's use: the
+/// interposer falls back to the parent's per-process samples, which MIG
+/// mode leaves empty, and the controller's blind path holds the share on
+/// an assumed wave time. It may get less than its quota, never more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_gpm_a_share_inside_an_instance_stays_within_its_quota() {
+    let sim = SimNode::install("sim-mig-a100");
+    // Profile 14 is 2g.10gb on A100 40GB.
+    sim.mig(&["--gpu", "0", "--enable", "--create", "14"]);
+    let gi = sim.state().mig_devices(0)[0].0.id;
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    let settings = sim_settings(sim.root(), &dirs);
+    let (cancel, daemon, kubelet) = run_daemon(&server, &dirs, settings).await;
+    let uid = share_in(&server, "half-of-2g", "2g.10gb", Some(("50", "2Gi")));
+    allocator::allocate(&server, NS, "half-of-2g", NODE).unwrap();
+    let claim = plugin::claim(NS, "half-of-2g", &uid);
+    let r = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    let one = &r.claims[&claim.uid];
+    assert_eq!(one.error, "");
+    let edits = cdi::resolve(&dirs.p("cdi"), &one.devices[0].cdi_device_ids[0]).unwrap();
+    let mut env = container_env(&edits);
+    let mig_uuid = env
+        .iter()
+        .find(|(k, _)| k == "NVIDIA_VISIBLE_DEVICES")
+        .map(|(_, v)| v.clone())
+        .unwrap();
+    env.push(("CUDA_VISIBLE_DEVICES".into(), mig_uuid));
+    let compute = compile_c("shim_compute", &sim, &dirs.p(""));
+    let u = busy_of_instance(&sim, gi, &compute, &env);
+    println!("a 50 % share inside an A100's 2g.10gb (no GPM) got {u:.1} % of the instance");
+    assert!(u > 1.0 && u <= 55.0, "{u:.1} % of the instance");
     cancel.cancel();
     daemon.await.unwrap().unwrap();
 }
