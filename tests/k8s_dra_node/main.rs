@@ -39,10 +39,13 @@
 //! `VCUDA_DRA_NODE_ONLY=webhook` the one-manifest phase (`webhook.rs`).
 //! Then MIG (`mig.rs`, issue 36): a simulated H100 with three instances,
 //! pods given whole instances and a share inside one;
-//! `VCUDA_DRA_NODE_ONLY=mig` runs it alone.
+//! `VCUDA_DRA_NODE_ONLY=mig` runs it alone. The Helm chart in DRA mode
+//! (`helm.rs`) runs after the DaemonSet phase; `VCUDA_DRA_NODE_ONLY=helm`
+//! alone.
 
 mod daemonset;
 mod device_plugins;
+mod helm;
 mod mig;
 mod parts;
 mod webhook;
@@ -143,6 +146,10 @@ fn dra_on_a_real_node() {
     }
     if std::env::var("VCUDA_DRA_NODE_ONLY").as_deref() == Ok("mig") {
         mig::mig_phase(&n, &node, w, &bin);
+        return;
+    }
+    if std::env::var("VCUDA_DRA_NODE_ONLY").as_deref() == Ok("helm") {
+        helm::helm_phase(&n, &node, w, &sim, &bin);
         return;
     }
 
@@ -578,6 +585,7 @@ fn dra_on_a_real_node() {
     n.ok(&["delete", "resourceslice", &slice_name]);
 
     daemonset::daemonset_phase(&n, &node, w, &sim, &bin);
+    helm::helm_phase(&n, &node, w, &sim, &bin);
     device_plugins::device_plugin_phase(&n, &node, w, &sim, &bin);
     mig::mig_phase(&n, &node, w, &bin);
 }

@@ -155,14 +155,7 @@ pub fn mig_phase(n: &Node, node: &str, w: &Path, bin: &Path) {
         60,
     );
     // A namespace an earlier run left goes once a driver can unprepare.
-    let _ = n.kubectl(&["delete", "namespace", NS, "--wait=false"]);
-    wait("no namespace of an earlier run", 180, || {
-        match n.kubectl(&["get", "namespace", NS]) {
-            Ok(s) => Err(s),
-            Err(_) => Ok(()),
-        }
-    });
-    n.ok(&["create", "namespace", NS]);
+    fresh_namespace(n);
 
     // Whole instances, the untouched driver: each sees its instance.
     let mig_cmd = |prog: &str| {

@@ -155,26 +155,8 @@ pub fn install_overlay(
 ) -> (String, String) {
     let deploy = workspace_root().join("deploy");
     n.ok(&["apply", "-k", deploy.join(overlay).to_str().unwrap()]);
-    let server = n.ok(&[
-        "config",
-        "view",
-        "--raw",
-        "-o",
-        "jsonpath={.clusters[0].cluster.server}",
-    ]);
-    let (host, port) = server
-        .trim_start_matches("https://")
-        .rsplit_once(':')
-        .expect("https://host:port");
-    let patch = fs::read_to_string(deploy.join("test").join(patch))
-        .unwrap()
-        .replace("@SIM_ROOT@", sim.to_str().unwrap())
-        .replace("@API_HOST@", host)
-        .replace("@API_PORT@", port)
-        .replace(
-            "@CONTAINERD_DIR@",
-            n.containerd.parent().unwrap().to_str().unwrap(),
-        );
+    let (host, port) = api_address(n);
+    let patch = fill_patch(n, patch, sim, (&host, &port));
     n.ok(&[
         "-n",
         "kube-system",
@@ -186,7 +168,52 @@ pub fn install_overlay(
         "-p",
         &patch,
     ]);
+    (host, port)
+}
+
+/// [`NS`] anew: one an earlier run or phase left goes first (its pods'
+/// claims unprepared by whichever driver runs).
+pub fn fresh_namespace(n: &Node) {
+    let _ = n.kubectl(&["delete", "namespace", NS, "--wait=false"]);
+    wait("no namespace of an earlier run", 180, || {
+        match n.kubectl(&["get", "namespace", NS]) {
+            Ok(s) => Err(s),
+            Err(_) => Ok(()),
+        }
+    });
+    n.ok(&["create", "namespace", NS]);
+}
+
+/// The API server's host and port, as the kubeconfig names it (pods reach
+/// it there: no kube-proxy for the kubernetes Service here).
+pub fn api_address(n: &Node) -> (String, String) {
+    let server = n.ok(&[
+        "config",
+        "view",
+        "--raw",
+        "-o",
+        "jsonpath={.clusters[0].cluster.server}",
+    ]);
+    let (host, port) = server
+        .trim_start_matches("https://")
+        .rsplit_once(':')
+        .expect("https://host:port");
     (host.to_string(), port.to_string())
+}
+
+/// deploy/test/`patch` with the simulated root, the API server and
+/// containerd's directory filled in.
+pub fn fill_patch(n: &Node, patch: &str, sim: &Path, (host, port): (&str, &str)) -> String {
+    let deploy = workspace_root().join("deploy");
+    fs::read_to_string(deploy.join("test").join(patch))
+        .unwrap()
+        .replace("@SIM_ROOT@", sim.to_str().unwrap())
+        .replace("@API_HOST@", host)
+        .replace("@API_PORT@", port)
+        .replace(
+            "@CONTAINERD_DIR@",
+            n.containerd.parent().unwrap().to_str().unwrap(),
+        )
 }
 
 /// The busybox image; the host's glibc is mounted at run time.

@@ -9,84 +9,32 @@
 //! driver root, the API server's address) go in through helm's
 //! `--post-renderer`, the way a site patches a chart it does not fork.
 
-use std::fs;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::Instant;
 use test_support::k8s::cluster::{Cluster, Work, pod_yaml};
+use test_support::k8s::helm::Helm;
 use test_support::k8s::util::{UNIT, get_u64, wait};
 use test_support::{kv, workspace_root};
 
 const RELEASE: &str = "vcuda";
 const STATE: &str = "/etc/gpu-manager";
 
-fn helm_bin() -> PathBuf {
-    let dir = std::env::var_os("VCUDA_HELM_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            panic!(
-                "VCUDA_HELM_BIN is not set: tests/run.sh builds helm (deploy/helm/build-helm.sh)"
-            )
-        });
-    let helm = dir.join("helm");
-    assert!(helm.is_file(), "{} missing", helm.display());
-    helm
-}
-
-/// `helm <args>` against the cluster; `patch`: which test patch the
-/// post-renderer applies (`ds` or `uninstall`).
-fn helm(c: &Cluster, patch: &str, args: &[&str]) -> String {
-    let out = Command::new(helm_bin())
-        .args(args)
-        .args(["-n", "kube-system", "--kubeconfig"])
-        .arg(c.kubeconfig())
-        .env("VCUDA_TEST_PATCH", patch)
-        .env("HELM_CACHE_HOME", c.dir.join("work/helm/cache"))
-        .env("HELM_CONFIG_HOME", c.dir.join("work/helm/config"))
-        .env("HELM_DATA_HOME", c.dir.join("work/helm/data"))
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "helm {args:?}:\n{text}");
-    text
-}
-
-/// The post-renderer: kustomize over helm's output with the filled test
-/// patch `$VCUDA_TEST_PATCH` names.
-fn post_renderer(c: &Cluster, deploy_copy: &Path) -> PathBuf {
-    let dir = c.dir.join("work/helm");
-    fs::create_dir_all(&dir).unwrap();
-    let script = dir.join("post-render.sh");
+/// Helm against the cluster, with the test overlay's patches (`ds`,
+/// `uninstall`) as its post-renderer's.
+fn helm_for(c: &Cluster, deploy_copy: &Path) -> Helm {
     let kubectl = c.kubectl_cmd(&[]).get_program().to_owned();
-    fs::write(
-        &script,
-        format!(
-            "#!/bin/sh
-set -e
-d=$(mktemp -d)
-trap 'rm -rf \"$d\"' EXIT
-cat >\"$d/all.yaml\"
-case \"$VCUDA_TEST_PATCH\" in
-  ds) cp {ds} \"$d/patch.yaml\" ;;
-  uninstall) cp {un} \"$d/patch.yaml\" ;;
-  *) echo \"VCUDA_TEST_PATCH=$VCUDA_TEST_PATCH: ds or uninstall\" >&2; exit 1 ;;
-esac
-printf 'resources:\\n- all.yaml\\npatchesStrategicMerge:\\n- patch.yaml\\n' >\"$d/kustomization.yaml\"
-{kubectl} kustomize \"$d\"
-",
-            ds = deploy_copy.join("test/daemonset-sim-patch.yaml").display(),
-            un = deploy_copy.join("test/uninstall/uninstall-sim-patch.yaml").display(),
-            kubectl = Path::new(&kubectl).display(),
-        ),
+    Helm::new(
+        &c.kubeconfig(),
+        &c.dir.join("work/helm"),
+        Path::new(&kubectl),
+        &[
+            ("ds", &deploy_copy.join("test/daemonset-sim-patch.yaml")),
+            (
+                "uninstall",
+                &deploy_copy.join("test/uninstall/uninstall-sim-patch.yaml"),
+            ),
+        ],
     )
-    .unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
-    script
 }
 
 fn quota_held(c: &Cluster, pod: &str) {
@@ -114,8 +62,8 @@ pub fn run(c: &Cluster, w: &Work, deploy_copy: &Path, figures: &mut Vec<String>)
     eprintln!("k8s_node: phase 3e: the Helm chart: install, upgrade, rollback, uninstall");
     let chart = workspace_root().join("deploy/helm/vcuda");
     let chart = chart.to_str().unwrap();
-    let pr = post_renderer(c, deploy_copy);
-    let pr = pr.to_str().unwrap();
+    let h = helm_for(c, deploy_copy);
+    let pr = h.post_renderer();
     let image = [
         "--set",
         "image.repository=docker.io/vcuda-test/gpu-manager",
@@ -134,7 +82,7 @@ pub fn run(c: &Cluster, w: &Work, deploy_copy: &Path, figures: &mut Vec<String>)
     let t = Instant::now();
     let mut args = vec!["install", RELEASE, chart, "--post-renderer", pr];
     args.extend_from_slice(&image);
-    helm(c, "ds", &args);
+    h.run("ds", &args);
     let mgr = crate::deploy::ds_ready_pod(c, None);
     c.wait_allocatable("resources from the chart's manager", (400, 240), 120);
     figures.push(format!(
@@ -161,8 +109,7 @@ pub fn run(c: &Cluster, w: &Work, deploy_copy: &Path, figures: &mut Vec<String>)
     quota_held(c, "helm-share");
     let cid = container_id(c, "helm-share");
 
-    helm(
-        c,
+    h.run(
         "ds",
         &[
             "upgrade",
@@ -183,7 +130,7 @@ pub fn run(c: &Cluster, w: &Work, deploy_copy: &Path, figures: &mut Vec<String>)
     );
     quota_held(c, "helm-share");
 
-    helm(c, "ds", &["rollback", RELEASE, "1"]);
+    h.run("ds", &["rollback", RELEASE, "1"]);
     let (mgr, back_s) = rolled(c, &mgr, "rollback");
     assert_eq!(
         container_id(c, "helm-share"),
@@ -191,7 +138,7 @@ pub fn run(c: &Cluster, w: &Work, deploy_copy: &Path, figures: &mut Vec<String>)
         "the share's container was replaced by the rollback"
     );
     quota_held(c, "helm-share");
-    let hist = helm(c, "ds", &["history", RELEASE]);
+    let hist = h.run("ds", &["history", RELEASE]);
     assert!(
         hist.lines().count() >= 4,
         "install, upgrade, rollback:\n{hist}"
@@ -204,8 +151,7 @@ pub fn run(c: &Cluster, w: &Work, deploy_copy: &Path, figures: &mut Vec<String>)
     // Uninstall: the share goes first (a live one keeps its state, as the
     // kustomize phase shows), then the uninstallers, then the release.
     c.kubectl_ok(&["delete", "pod", "helm-share", "--wait=true"]);
-    helm(
-        c,
+    h.run(
         "uninstall",
         &[
             "upgrade",
@@ -239,7 +185,7 @@ pub fn run(c: &Cluster, w: &Work, deploy_copy: &Path, figures: &mut Vec<String>)
             .ok_or(log)
     });
     let _ = mgr;
-    helm(c, "ds", &["uninstall", RELEASE, "--wait"]);
+    h.run("ds", &["uninstall", RELEASE, "--wait"]);
     let left = c.kubectl_ok(&[
         "get", "daemonset,deployment,configmap,service,serviceaccount,networkpolicy,clusterrole,clusterrolebinding",
         "-A", "-l", &format!("app.kubernetes.io/instance={RELEASE}"), "-o", "name",

@@ -52,7 +52,7 @@ fn main() -> anyhow::Result<()> {
             let retry = std::time::Duration::from_secs(10);
             if let Some(done) = dra_driver::uninstall::run(&settings, retry, &cancel).await? {
                 tracing::info!(
-                    "{done}; delete this DaemonSet (kubectl delete -k deploy/overlays/uninstall)"
+                    "{done}; delete this DaemonSet (helm uninstall, or kubectl delete -k deploy/overlays/uninstall)"
                 );
             }
             cancel.cancelled().await;

@@ -1,9 +1,11 @@
 //! A real single-node Kubernetes (tests/k8s/cluster.sh, binaries from
 //! tests/k8s/build-kubernetes.sh) and what the suites run on it share: the
 //! constants, polling, the machine lock, clean-ups ([`util`]); the cluster,
-//! kubectl, pods and images ([`cluster`]).
+//! kubectl, pods and images ([`cluster`]); helm with a test post-renderer
+//! ([`helm`]).
 
 pub mod cluster;
+pub mod helm;
 pub mod util;
 pub mod webhook;
 
