@@ -12,6 +12,7 @@ dlopened once per process and must come from the installed root.
 import os
 import pathlib
 import shutil
+import json
 import subprocess
 import sys
 import textwrap
@@ -110,3 +111,19 @@ def start_shim_node(tmp_path_factory, quota: int):
     yield root, lib64, cfg
     proc.stdin.close()
     proc.wait(timeout=10)
+
+
+NVML_PRELUDE = """
+import json, time
+import pynvml as N
+N.nvmlInit()
+gpu = N.nvmlDeviceGetHandleByIndex(0)
+"""
+
+
+def nvml_client(root, body):
+    """Runs `body` in a client whose pynvml is initialised, GPU 0 as `gpu`;
+    the JSON its last line prints."""
+    p = run_client(root, NVML_PRELUDE + textwrap.dedent(body))
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])

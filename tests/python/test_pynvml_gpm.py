@@ -8,28 +8,15 @@ A 3g.40gb and a 1g.10gb on GPU 0; a cuda-bindings process, pointed at the
 each instance half a second apart read the 3g busy and the 1g idle.
 """
 
-import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
-from conftest import install_node, lib_dir, run_client
+from conftest import install_node, lib_dir, nvml_client, run_client
 
-PRELUDE = """
-import json, time
-import pynvml as N
-N.nvmlInit()
-gpu = N.nvmlDeviceGetHandleByIndex(0)
-"""
-
-
-def client(root, body):
-    p = run_client(root, PRELUDE + textwrap.dedent(body))
-    assert p.returncode == 0, p.stdout + p.stderr
-    return json.loads(p.stdout.strip().splitlines()[-1])
+client = nvml_client
 
 
 @pytest.fixture(scope="module")

@@ -6,28 +6,15 @@ pointer to the simulated driver is LD_LIBRARY_PATH (conftest.run_client);
 every client sees what the previous one left, through the shared state.
 """
 
-import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
-from conftest import install_node, lib_dir, run_client
+from conftest import install_node, lib_dir, nvml_client, run_client
 
-PRELUDE = """
-import json
-import pynvml as N
-N.nvmlInit()
-gpu = N.nvmlDeviceGetHandleByIndex(0)
-"""
-
-
-def client(root, body):
-    p = run_client(root, PRELUDE + textwrap.dedent(body))
-    assert p.returncode == 0, p.stdout + p.stderr
-    return json.loads(p.stdout.strip().splitlines()[-1])
+client = nvml_client
 
 
 @pytest.fixture(scope="module")
