@@ -159,7 +159,17 @@ fn uninstall_drill(n: &Node, node: &str, (host, port): (&str, &str)) {
         ),
     ]);
     let t0 = Instant::now();
-    let done = wait("the DRA uninstall's \"uninstalled\" line", 180, || {
+    let done = uninstalled_line(n);
+    eprintln!(
+        "k8s_dra: uninstall done {:.1} s after applying it: {done}",
+        t0.elapsed().as_secs_f64()
+    );
+    no_driver_state_left(n, node);
+}
+
+/// Waits for the DRA uninstaller's `uninstalled:` line, and returns it.
+pub fn uninstalled_line(n: &Node) -> String {
+    wait("the DRA uninstall's \"uninstalled\" line", 180, || {
         let l = n
             .kubectl(&[
                 "-n",
@@ -174,11 +184,12 @@ fn uninstall_drill(n: &Node, node: &str, (host, port): (&str, &str)) {
             .find(|l| l.contains("uninstalled:"))
             .map(str::to_string)
             .ok_or_else(|| tail(&l, 5))
-    });
-    eprintln!(
-        "k8s_dra: uninstall done {:.1} s after applying it: {done}",
-        t0.elapsed().as_secs_f64()
-    );
+    })
+}
+
+/// Nothing of the driver left on `node`: its state and sockets, CDI
+/// specs, ResourceSlice.
+pub fn no_driver_state_left(n: &Node, node: &str) {
     for gone in [
         "/etc/gpu-manager/vdriver",
         "/etc/gpu-manager/vm",

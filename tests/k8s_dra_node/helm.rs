@@ -203,22 +203,7 @@ pub fn helm_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
             "uninstall.enabled=true",
         ],
     );
-    let done = wait("the chart's DRA uninstaller done", 180, || {
-        let l = n
-            .kubectl(&[
-                "-n",
-                "kube-system",
-                "logs",
-                "-l",
-                "app.kubernetes.io/name=vcuda-dra-driver-uninstall",
-                "--tail=-1",
-            ])
-            .unwrap_or_default();
-        l.lines()
-            .find(|l| l.contains("uninstalled:"))
-            .map(str::to_string)
-            .ok_or_else(|| tail(&l, 5))
-    });
+    let done = crate::daemonset::uninstalled_line(n);
     h.run("ds", &["uninstall", RELEASE, "--wait"]);
     let _ = n.kubectl(&["label", "node", node, "vcuda.tencent.com/mode-"]);
     let left = n.ok(&[
@@ -230,21 +215,7 @@ pub fn helm_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Path) {
         left.trim().is_empty(),
         "objects of the release left after helm uninstall:\n{left}"
     );
-    for gone in [
-        "/etc/gpu-manager/vdriver",
-        "/etc/gpu-manager/vm",
-        "/var/lib/kubelet/plugins/vcuda.tencent.com",
-    ] {
-        assert!(
-            !Path::new(gone).exists(),
-            "{gone} left after the uninstall ({done})"
-        );
-    }
-    let slice = format!("{node}-{DRIVER}");
-    assert!(
-        n.kubectl(&["get", "resourceslice", &slice]).is_err(),
-        "{slice} left"
-    );
+    crate::daemonset::no_driver_state_left(n, node);
     eprintln!(
         "k8s_dra: helm uninstall (after the chart's uninstaller: {done}): no object of the release, no driver state left"
     );
