@@ -73,6 +73,12 @@ impl DeviceList {
         self.tx.subscribe()
     }
 
+    /// Receivers of the list now: each ListAndWatch stream the kubelet
+    /// holds open is one.
+    pub fn watchers(&self) -> usize {
+        self.tx.receiver_count()
+    }
+
     pub fn snapshot(&self) -> Vec<Device> {
         self.tx.borrow().clone()
     }

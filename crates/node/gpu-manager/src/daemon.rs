@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, bail};
 use node_agent::nvml::{self, Discovered};
@@ -139,6 +139,7 @@ pub async fn run(
     // The plugins stop only when told, after the signal: a manager that
     // handed the node over must exit with kubelet's streams still open.
     let stop_plugins = CancellationToken::new();
+    let watchers = [mgr.vcore.watchers(), mgr.vmemory.watchers()];
     let plugins = start_plugins(&s, &mgr, &metrics, &gate, &sockets, sup, &stop_plugins).await?;
     mig.start(&s.device_plugin_path, &instance, stop_plugins.clone())?;
     let mut handed_over = false;
@@ -158,8 +159,9 @@ pub async fn run(
             held = node.succeed(&sockets, &plugins, &cancel).await;
         }
         if let Some(h) = held.take() {
-            // Kubelet asks for the device lists right after registering.
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            // Placed pods must find the devices at admission: write what
+            // the kubelet will report only once it watches both lists.
+            node_status::kubelet_listing(&[&mgr.vcore, &mgr.vmemory], watchers).await;
             let (vcore, vmemory) = (
                 node_status::healthy(&mgr.vcore),
                 node_status::healthy(&mgr.vmemory),

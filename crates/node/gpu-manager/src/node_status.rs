@@ -28,6 +28,34 @@ pub fn healthy(list: &DeviceList) -> usize {
         .count()
 }
 
+/// How long a registered manager waits for the kubelet to open its
+/// ListAndWatch streams before writing allocatable anyway.
+const LISTING_TIMEOUT: Duration = Duration::from_secs(5);
+/// The kubelet's handling of a stream's first list, after it opened it.
+const FIRST_LIST: Duration = Duration::from_millis(100);
+
+/// Waits until the kubelet watches each of `lists` (more receivers than
+/// `before`, counted before the plugins served): only then does its
+/// device manager hold the devices a pod's admission checks. A fixed
+/// delay after registration was not enough on a loaded node (kubelet 1.20
+/// refused pods placed meanwhile with `UnexpectedAdmissionError`).
+pub async fn kubelet_listing(lists: &[&DeviceList], before: [usize; 2]) {
+    let watched = || lists.iter().zip(before).all(|(l, b)| l.watchers() > b);
+    let wait = async {
+        while !watched() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    if tokio::time::timeout(LISTING_TIMEOUT, wait).await.is_err() {
+        tracing::warn!(
+            "kubelet has not opened both ListAndWatch streams within {} s; writing allocatable anyway",
+            LISTING_TIMEOUT.as_secs()
+        );
+        return;
+    }
+    tokio::time::sleep(FIRST_LIST).await;
+}
+
 /// The status patch setting both resources' allocatable.
 pub fn allocatable_patch(vcore: usize, vmemory: usize) -> serde_json::Value {
     serde_json::json!({"status": {"allocatable": {
