@@ -35,6 +35,12 @@ pub fn device_name(index: usize, gi: u32, ci: u32) -> String {
     format!("gpu-{index}-mig-{gi}-{ci}")
 }
 
+/// The memory capacity of `m` shares are carved from: its whole 256 MiB
+/// units.
+pub(crate) fn share_memory(m: &MigDevice) -> u64 {
+    m.memory_bytes / MEMORY_UNIT_BYTES * MEMORY_UNIT_BYTES
+}
+
 /// `m` on `parent` as the slice publishes it (health aside).
 pub(crate) fn device(parent: &GpuDevice, m: &MigDevice, driver_version: &str) -> Device {
     let p = &parent.info;
@@ -62,12 +68,11 @@ pub(crate) fn device(parent: &GpuDevice, m: &MigDevice, driver_version: &str) ->
     // As a GPU: a claim asking no capacity takes the instance whole (the
     // untouched driver); one asking `cores`/`memory` gets a vcuda share
     // of the instance, enforced relative to it (docs/mig.md).
-    let memory = m.memory_bytes / MEMORY_UNIT_BYTES * MEMORY_UNIT_BYTES;
     Device {
         name: device_name(p.index, m.gpu_instance, m.compute_instance),
         allow_multiple_allocations: Some(true),
         attributes: Some(attributes),
-        capacity: Some(slices::share_capacity(memory)),
+        capacity: Some(slices::share_capacity(share_memory(m))),
         ..Default::default()
     }
 }

@@ -315,7 +315,7 @@ fn plan_mig_share(
     parent: &GpuInfo,
     m: &MigDevice,
 ) -> Result<PlannedDevice, Refusal> {
-    let full_memory = m.memory_bytes / MEMORY_UNIT_BYTES * MEMORY_UNIT_BYTES;
+    let full_memory = mig::share_memory(m);
     let (cores, memory) = consumed_capacity(r, full_memory)?;
     if cores == 100 && memory == full_memory {
         return plan_mig(r, configs, parent, m);
@@ -358,10 +358,7 @@ fn plan_mig(
     }
     // All of it: the instance's bytes, or its whole 256 MiB units (what
     // a static device's capacity says).
-    let all = [
-        m.memory_bytes,
-        m.memory_bytes / MEMORY_UNIT_BYTES * MEMORY_UNIT_BYTES,
-    ];
+    let all = [m.memory_bytes, mig::share_memory(m)];
     if let Some(q) = consumed.and_then(|c| c.get(CAPACITY_MEMORY))
         && !quantity::parse(&q.0).is_ok_and(|b| all.contains(&b))
     {
