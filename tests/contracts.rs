@@ -85,6 +85,9 @@ fn registration_replies_are_read() {
         ledger_slot: Some(3),
         ledger_slots: vec![3, 4],
         protocol_version: 2,
+        qos_tier: 0,
+        qos_page: false,
+        qos_slot: None,
     };
     let b = golden("register-response-v2.pb", || want.encode_to_vec());
     assert_eq!(RegisterResponse::decode(b.as_slice()).unwrap(), want);
@@ -95,6 +98,19 @@ fn registration_replies_are_read() {
     let b = golden("register-response-unversioned.pb", || old.encode_to_vec());
     let r = RegisterResponse::decode(b.as_slice()).unwrap();
     assert_eq!((r.protocol_version, r.status()), (0, Status::Accepted));
+    // A latency-tier process's reply (docs/qos.md): the tier, the page
+    // after the ledger, its slot; the replies above carry none of them.
+    let qos = RegisterResponse {
+        ledger_slots: vec![],
+        protocol_version: 1,
+        qos_tier: 1,
+        qos_page: true,
+        qos_slot: Some(5),
+        ..want.clone()
+    };
+    let b = golden("register-response-qos.pb", || qos.encode_to_vec());
+    assert_eq!(RegisterResponse::decode(b.as_slice()).unwrap(), qos);
+    assert_eq!(r.qos_tier, 0, "a reply without a tier is plain");
 }
 
 /// A container ledger as a manager and two processes left it (layout 1):
@@ -159,6 +175,7 @@ fn allocation() -> Allocation {
             memory_units: 8,
         },
         soft_limit: None,
+        tier: Default::default(),
         vcore_ids: (0..30).map(|i| format!("vcore-{i}")).collect(),
         vmemory_ids: (0..8).map(|i| format!("vmem-{i}")).collect(),
         verified: true,

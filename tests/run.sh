@@ -362,7 +362,7 @@ log "interposer tests again, on the shipped glibc-2.17 build"
 # and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real,
 # nvidia_oracle: exports and cuGetProcAddress).
 VCUDA_INTERPOSER="$shipped_interposer" run_tests "interposer tests (glibc 2.17)" \
-  cargo test -p vcuda-tests --no-fail-fast --test shim_quota --test shim_compute --test shim_graph --test shim_capture --test shim_entry \
+  cargo test -p vcuda-tests --no-fail-fast --test shim_quota --test shim_compute --test shim_qos --test shim_graph --test shim_capture --test shim_entry \
   --test nvidia_real --test nvidia_oracle --test sim_cudart
 
 log "python tests"

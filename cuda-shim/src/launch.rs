@@ -4,7 +4,9 @@
 //! launch is charged its kernel nodes.
 //! Hot path: one load (the bucket: null without a compute limit, and only
 //! an enforcing process has one), one indirect call; with a limit also one
-//! relaxed load (active captures), the cost and the bucket's ticket.
+//! relaxed load (active captures), the cost and the bucket's ticket. Before
+//! that the compute tier's check ([`crate::qos::before_launch`]): one load
+//! for a process of neither tier, three for a batch one.
 
 use crate::arg;
 use crate::graph::{captured, launch_cost};
@@ -36,6 +38,7 @@ pub struct LaunchConfig {
 /// hook's first load is the bucket.
 #[inline(always)]
 fn hook(cost: impl FnOnce() -> u64) {
+    crate::qos::before_launch(std::ptr::null_mut(), false, || false);
     before_launch(cost, register);
 }
 
@@ -43,6 +46,7 @@ fn hook(cost: impl FnOnce() -> u64) {
 /// not charged (its graph's launches are). `ptsz`: a per-thread variant.
 #[inline(always)]
 fn hook_on(stream: Ptr, ptsz: bool, cost: impl FnOnce() -> u64) {
+    crate::qos::before_launch(stream, ptsz, || captured(stream, ptsz));
     before_launch_unless(|| captured(stream, ptsz), cost, register);
 }
 

@@ -106,6 +106,7 @@ pub mod log;
 pub mod mem;
 pub mod nvml;
 pub mod procaddr;
+pub mod qos;
 pub mod real;
 pub mod registration;
 pub mod table;

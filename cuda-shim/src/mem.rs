@@ -364,6 +364,7 @@ cuda_exports! {
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(stream) };
         pool::settle_all();
+        crate::qos::after_sync(r);
         r
     }
 
@@ -373,6 +374,7 @@ cuda_exports! {
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(stream) };
         pool::settle_all();
+        crate::qos::after_sync(r);
         r
     }
 
@@ -382,6 +384,7 @@ cuda_exports! {
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f() };
         pool::settle_all();
+        crate::qos::after_sync(r);
         r
     }
 
@@ -391,6 +394,7 @@ cuda_exports! {
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(ctx) };
         pool::settle_all();
+        crate::qos::after_sync(r);
         r
     }
 
@@ -400,6 +404,7 @@ cuda_exports! {
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(event) };
         pool::settle_all();
+        crate::qos::after_sync(r);
         r
     }
 

@@ -28,6 +28,7 @@ use crate::config::{self, Enforce};
 use crate::log::{self, log};
 use crate::table::AllocTable;
 use container_ledger::{Ledger, fdpass};
+use qos_page::{Holder, QosPage, Tier};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -251,6 +252,9 @@ impl Proc {
                 slots.len()
             )));
         }
+        let mut fds = fds;
+        let extra = fds.split_off(want);
+        let qos = qos_of(resp, extra)?;
         let quotas: Vec<u64> = config::enforce()
             .map(|e| e.gpus.iter().map(|g| g.gpu_memory).collect())
             .unwrap_or_default();
@@ -297,6 +301,7 @@ impl Proc {
             gpus,
             host_pid: resp.host_pid,
         });
+        crate::qos::on_register(qos.0, qos.1);
         Ok(())
     }
 
@@ -524,6 +529,29 @@ fn register_once(
     sock.set_read_timeout(None).map_err(RegError::Io)?;
     sock.set_write_timeout(None).map_err(RegError::Io)?;
     Ok((sock, resp, fds))
+}
+
+/// The compute tier the reply names and, when it carries one, its GPU's
+/// QoS page (the descriptor after the ledgers') with a latency slot.
+fn qos_of(
+    resp: &RegisterResponse,
+    extra: Vec<OwnedFd>,
+) -> Result<(Tier, Option<crate::qos::Grant>), RegError> {
+    let tier = Tier::from_wire(resp.qos_tier);
+    if !resp.qos_page {
+        return Ok((tier, None));
+    }
+    let fd = extra.first().ok_or_else(|| {
+        RegError::Protocol("the reply names a QoS page but carries no descriptor for it".into())
+    })?;
+    // The mapping outlives the descriptor (closed when `extra` drops).
+    let page = QosPage::from_fd(fd.as_fd()).map_err(|e| RegError::Protocol(e.to_string()))?;
+    let holder = match resp.qos_slot {
+        Some(s) if (s as usize) < qos_page::SLOTS => Some(Holder { slot: s as usize }),
+        Some(s) => return Err(RegError::Protocol(format!("QoS slot {s} out of range"))),
+        None => None,
+    };
+    Ok((tier, Some((page, holder))))
 }
 
 /// The PIDs NVML may name the container's processes by: their host PIDs

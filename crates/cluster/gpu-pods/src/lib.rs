@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 
 use gpu_allocator::Request;
 use k8s_openapi::api::core::v1::{Container, Pod};
+pub use qos_page::Tier;
 
 pub const VCORE_RESOURCE: &str = "tencent.com/vcuda-core";
 pub const VMEMORY_RESOURCE: &str = "tencent.com/vcuda-memory";
@@ -19,6 +20,13 @@ pub const PREDICATE_TIME: &str = "tencent.com/predicate-time";
 pub const PREDICATE_GPU_IDX_PREFIX: &str = "tencent.com/predicate-gpu-idx-";
 pub const GPU_ASSIGNED: &str = "tencent.com/gpu-assigned";
 pub const VCORE_LIMIT: &str = "tencent.com/vcuda-core-limit";
+/// A share's compute tier (docs/qos.md): `latency`, `batch` or `plain`.
+/// Without it, the pod's PriorityClass decides ([`tier`]).
+pub const VCUDA_TIER: &str = "tencent.com/vcuda-tier";
+/// Pods of these PriorityClasses are latency- or batch-tier shares when
+/// they carry no [`VCUDA_TIER`] (the chart creates both classes).
+pub const LATENCY_PRIORITY_CLASS: &str = "vcuda-latency";
+pub const BATCH_PRIORITY_CLASS: &str = "vcuda-batch";
 /// JSON map container name -> number of GPUs its share spans
 /// (docs/multi-gpu.md); containers it does not name span one.
 pub const VCUDA_GPUS: &str = "tencent.com/vcuda-gpus";
@@ -47,6 +55,9 @@ pub mod dra {
     pub const MIG_CLASS: &str = "vcuda-mig.vcuda.tencent.com";
     /// A MIG device's profile (`1g.10gb`), under the driver's domain.
     pub const PROFILE_ATTRIBUTE: &str = "profile";
+    /// The driver's opaque device configuration (`coreLimit`, `tier`, …).
+    pub const CONFIG_API_VERSION: &str = "vcuda.tencent.com/v1alpha1";
+    pub const CONFIG_KIND: &str = "GpuConfig";
 }
 
 /// Device-plugin mode's MIG resources are this prefix and a profile
@@ -139,6 +150,31 @@ pub fn uid(pod: &Pod) -> &str {
 
 pub fn name(pod: &Pod) -> &str {
     pod.metadata.name.as_deref().unwrap_or("")
+}
+
+/// The compute tier the pod's shares run in: its [`VCUDA_TIER`]
+/// annotation, else its PriorityClass ([`LATENCY_PRIORITY_CLASS`],
+/// [`BATCH_PRIORITY_CLASS`]), else plain. Err: the annotation names no
+/// tier (the message names the pod and the value).
+pub fn tier(pod: &Pod) -> Result<Tier, String> {
+    if let Some(v) = annotation(pod, VCUDA_TIER) {
+        return Tier::parse(v.trim()).map_err(|e| {
+            format!(
+                "pod {}/{}: annotation {VCUDA_TIER}: {e}",
+                namespace(pod),
+                name(pod)
+            )
+        });
+    }
+    let class = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.priority_class_name.as_deref());
+    Ok(match class {
+        Some(LATENCY_PRIORITY_CLASS) => Tier::Latency,
+        Some(BATCH_PRIORITY_CLASS) => Tier::Batch,
+        _ => Tier::Plain,
+    })
 }
 
 pub fn namespace(pod: &Pod) -> &str {
@@ -341,6 +377,37 @@ mod tests {
             "spec": {"containers": cs}
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn the_tier_comes_from_the_annotation_then_the_priority_class() {
+        let with_class = |ann: serde_json::Value, class: &str| {
+            let mut p = pod(ann, &[("main", 30, 8)]);
+            p.spec.as_mut().unwrap().priority_class_name = Some(class.into());
+            p
+        };
+        let t = |p: &Pod| tier(p);
+        assert_eq!(t(&pod(json!({}), &[("main", 30, 8)])), Ok(Tier::Plain));
+        assert_eq!(
+            t(&with_class(json!({}), LATENCY_PRIORITY_CLASS)),
+            Ok(Tier::Latency)
+        );
+        assert_eq!(
+            t(&with_class(json!({}), BATCH_PRIORITY_CLASS)),
+            Ok(Tier::Batch)
+        );
+        assert_eq!(
+            t(&with_class(json!({}), "system-node-critical")),
+            Ok(Tier::Plain)
+        );
+        // The annotation wins over the class.
+        let p = with_class(json!({VCUDA_TIER: "batch"}), LATENCY_PRIORITY_CLASS);
+        assert_eq!(t(&p), Ok(Tier::Batch));
+        let e = t(&pod(json!({VCUDA_TIER: "gold"}), &[("main", 30, 8)])).unwrap_err();
+        assert!(
+            e.contains("ns/p") && e.contains(VCUDA_TIER) && e.contains("\"gold\""),
+            "{e}"
+        );
     }
 
     /// What the API server writes back for integer quantities

@@ -15,6 +15,7 @@
 //!   that profile (the MIG class, a selector on the profile).
 
 use gpu_allocator::{MEMORY_UNIT_BYTES, WHOLE_GPU_CORES};
+use gpu_pods::Tier;
 use gpu_pods::{VCORE_RESOURCE, VMEMORY_RESOURCE};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
@@ -95,7 +96,9 @@ pub fn plan(pod: &Pod, s: &Settings) -> Mutation {
             gpu_pods::limit(c, VMEMORY_RESOURCE),
         );
         let gpus = gpu_pods::gpu_count(pod, &name, usize::MAX).unwrap_or(1);
-        let t = template(gpu_pods::namespace(pod), cores, units, gpus);
+        // Valid: `validate::check_pod` refused any other tier.
+        let tier = gpu_pods::tier(pod).unwrap_or_default();
+        let t = template(gpu_pods::namespace(pod), cores, units, gpus, tier);
         let claim = format!("{CLAIM_PREFIX}c{index}");
         claims.bind(
             &mut m,
@@ -238,8 +241,15 @@ pub fn mig_template(namespace: &str, profile: &str, count: u64) -> ResourceClaim
 
 /// The template of a container's totals over `gpus` GPUs: whole GPUs
 /// (`vcuda-gpu-<n>`), or a share of `cores` and `units` split evenly
-/// (`vcuda-<cores>c-<MiB>mi`, `vcuda-<n>x<cores>c-<MiB>mi` per GPU).
-pub fn template(namespace: &str, cores: u64, units: u64, gpus: u32) -> ResourceClaimTemplate {
+/// (`vcuda-<cores>c-<MiB>mi`, `vcuda-<n>x<cores>c-<MiB>mi` per GPU), with
+/// its compute tier in the driver's config (`-latency`, `-batch` names).
+pub fn template(
+    namespace: &str,
+    cores: u64,
+    units: u64,
+    gpus: u32,
+    tier: Tier,
+) -> ResourceClaimTemplate {
     let whole = cores.is_multiple_of(u64::from(WHOLE_GPU_CORES)) && gpus == 1;
     let (name, request) = if whole {
         let n = cores / u64::from(WHOLE_GPU_CORES);
@@ -266,6 +276,13 @@ pub fn template(namespace: &str, cores: u64, units: u64, gpus: u32) -> ResourceC
     let mut devices = json!({"requests": [request]});
     if !whole && gpus > 1 {
         devices["constraints"] = json!([{"distinctAttribute": gpu_pods::dra::UUID_ATTRIBUTE}]);
+    }
+    let mut name = name;
+    if !whole && !tier.is_plain() {
+        use gpu_pods::dra::{CONFIG_API_VERSION, CONFIG_KIND, DRIVER_NAME};
+        name = format!("{name}-{}", tier.name());
+        devices["config"] = json!([{"requests": ["gpu"], "opaque": {"driver": DRIVER_NAME,
+            "parameters": {"apiVersion": CONFIG_API_VERSION, "kind": CONFIG_KIND, "tier": tier.name()}}}]);
     }
     serde_json::from_value(json!({
         "apiVersion": "resource.k8s.io/v1",

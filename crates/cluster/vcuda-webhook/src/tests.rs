@@ -167,6 +167,28 @@ fn a_bad_multi_gpu_split_is_refused_naming_the_annotation() {
 }
 
 #[test]
+fn a_tier_that_is_none_is_refused_naming_the_annotation() {
+    let r = rig(Settings::default());
+    let p = pod(vcuda(30, 8), json!({"tencent.com/vcuda-tier": "gold"}));
+    let m = denied(r.hook.validate(&req("CREATE", p, None, "alice")));
+    assert!(
+        m.contains("pod team/p: annotation tencent.com/vcuda-tier"),
+        "{m}"
+    );
+    assert!(
+        m.contains("\"gold\": expected latency, batch or plain"),
+        "{m}"
+    );
+    for t in ["latency", "batch", "plain"] {
+        let p = pod(vcuda(30, 8), json!({"tencent.com/vcuda-tier": t}));
+        assert_eq!(
+            r.hook.validate(&req("CREATE", p, None, "alice")),
+            Verdict::Allow
+        );
+    }
+}
+
+#[test]
 fn placement_annotations_are_vcuda_s_alone() {
     let r = rig(Settings::default());
     let forged =
@@ -244,6 +266,37 @@ fn apply(mut doc: Value, ops: &[Value]) -> Value {
         }
     }
     doc
+}
+
+/// A tiered pod's claim carries its tier in the driver's config (the
+/// device-plugin mode's annotation, docs/qos.md), in a template of its own.
+#[tokio::test]
+async fn on_dra_clusters_the_tier_goes_into_the_claims_config() {
+    let r = rig(Settings {
+        dra: true,
+        ..Settings::default()
+    });
+    let p = pod(vcuda(30, 8), json!({"tencent.com/vcuda-tier": "latency"}));
+    let Verdict::Patch(ops) = r
+        .hook
+        .mutate(&req("CREATE", p.clone(), None, "alice"))
+        .await
+    else {
+        panic!("no patch")
+    };
+    let out = apply(p, &ops);
+    assert_eq!(
+        out["spec"]["resourceClaims"][0]["resourceClaimTemplateName"],
+        "vcuda-30c-2048mi-latency"
+    );
+    let t = serde_json::to_value(&r.templates.created.lock().unwrap()[0]).unwrap();
+    let config = &t["spec"]["spec"]["devices"]["config"][0];
+    assert_eq!(config["requests"], json!(["gpu"]));
+    assert_eq!(
+        config["opaque"],
+        json!({"driver": "vcuda.tencent.com", "parameters": {
+            "apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig", "tier": "latency"}})
+    );
 }
 
 #[tokio::test]

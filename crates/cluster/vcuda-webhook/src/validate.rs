@@ -73,6 +73,7 @@ pub fn check_pod(pod: &Pod, nodes: &[NodeGpus]) -> Result<(), Invalid> {
         if cores == 0 {
             continue;
         }
+        gpu_pods::tier(pod).map_err(Invalid::Request)?;
         check_container(pod, &c.name, (cores, units), nodes)?;
     }
     Ok(())

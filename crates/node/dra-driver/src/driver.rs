@@ -320,6 +320,8 @@ impl Driver {
             hard_limit: devices.iter().all(|d| d.soft_limit.is_none()),
             driver_version: self.cfg.driver_version,
             gpus,
+            // The planner gives every device of a claim its one config's tier.
+            tier: devices.first().map(|d| d.tier).unwrap_or_default(),
         })
     }
 

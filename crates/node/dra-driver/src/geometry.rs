@@ -96,6 +96,7 @@ mod tests {
             cores: 100,
             memory_bytes: 0,
             soft_limit: None,
+            tier: Default::default(),
             whole: mig.is_some(),
             share_id: None,
             mig: mig.map(|u| PlannedMig {

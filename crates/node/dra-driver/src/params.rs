@@ -9,13 +9,15 @@
 //! ```
 //!
 //! `coreLimit` makes the compute limit soft: the share may burst up to it
-//! while the GPU is otherwise idle. `exclusive: true` (set by the whole-GPU
+//! while the GPU is otherwise idle. `tier: latency | batch | plain` is the
+//! share's compute tier (docs/qos.md; the device-plugin mode's
+//! `tencent.com/vcuda-tier`). `exclusive: true` (set by the whole-GPU
 //! DeviceClass) asks for the untouched driver and refuses partial shares.
 
+use qos_page::Tier;
 use serde::Deserialize;
 
-pub const API_VERSION: &str = "vcuda.tencent.com/v1alpha1";
-pub const KIND: &str = "GpuConfig";
+pub use gpu_pods::dra::{CONFIG_API_VERSION as API_VERSION, CONFIG_KIND as KIND};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -26,6 +28,8 @@ pub struct GpuConfig {
     pub core_limit: Option<u32>,
     #[serde(default)]
     pub exclusive: Option<bool>,
+    #[serde(default)]
+    pub tier: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -58,7 +62,18 @@ impl GpuConfig {
         {
             return Err(invalid(format!("coreLimit {l} is not within 1..=100")));
         }
+        if let Some(t) = &c.tier {
+            Tier::parse(t).map_err(|e| invalid(e.to_string()))?;
+        }
         Ok(c)
+    }
+
+    /// The tier it names (checked by [`GpuConfig::parse`]), plain if none.
+    pub fn tier(&self) -> Tier {
+        self.tier
+            .as_deref()
+            .and_then(|t| Tier::parse(t).ok())
+            .unwrap_or_default()
     }
 
     /// `other` (later: the claim's over the class's) wins where it says something.
@@ -66,6 +81,7 @@ impl GpuConfig {
         GpuConfig {
             core_limit: other.core_limit.or(self.core_limit),
             exclusive: other.exclusive.or(self.exclusive),
+            tier: other.tier.or(self.tier),
             ..other
         }
     }
@@ -101,6 +117,26 @@ mod tests {
         assert_eq!(
             (merged.exclusive, merged.core_limit),
             (Some(true), Some(60))
+        );
+    }
+
+    #[test]
+    fn a_tier_is_one_of_three_and_the_claims_wins() {
+        let with = |t: &str| json!({"apiVersion": API_VERSION, "kind": KIND, "tier": t});
+        let latency = GpuConfig::parse(&with("latency")).unwrap();
+        assert_eq!(latency.tier(), Tier::Latency);
+        let e = GpuConfig::parse(&with("gold")).unwrap_err().to_string();
+        assert!(
+            e.contains("unknown QoS tier \"gold\": expected latency, batch or plain"),
+            "{e}"
+        );
+        let class = GpuConfig::parse(&with("batch")).unwrap();
+        assert_eq!(class.clone().merge(latency).tier(), Tier::Latency);
+        let none = GpuConfig::parse(&json!({"apiVersion": API_VERSION, "kind": KIND})).unwrap();
+        assert_eq!(
+            class.merge(none).tier(),
+            Tier::Batch,
+            "the class's when the claim says none"
         );
     }
 }

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::params::{GpuConfig, ParamsError};
 use crate::{CAPACITY_CORES, CAPACITY_MEMORY, DRIVER_NAME, mig, quantity, slices};
+use qos_page::Tier;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PlannedDevice {
@@ -27,6 +28,9 @@ pub struct PlannedDevice {
     pub memory_bytes: u64,
     /// A soft compute limit (`coreLimit`), above `cores`.
     pub soft_limit: Option<u32>,
+    /// The share's compute tier (`tier`); absent when plain.
+    #[serde(default, skip_serializing_if = "Tier::is_plain")]
+    pub tier: Tier,
     /// The whole GPU with the untouched driver (no interposer).
     pub whole: bool,
     pub share_id: Option<String>,
@@ -301,6 +305,7 @@ fn plan_device(
         cores: cores as u32,
         memory_bytes: memory,
         soft_limit: soft_limit(config.core_limit, whole, cores, request)?,
+        tier: if whole { Tier::Plain } else { config.tier() },
         whole,
         share_id: r.share_id.clone(),
         mig: None,
@@ -332,6 +337,7 @@ fn plan_mig_share(
         cores: cores as u32,
         memory_bytes: memory,
         soft_limit: soft_limit(config.core_limit, false, cores, &r.request)?,
+        tier: config.tier(),
         whole: false,
         ..whole_mig(r, parent, m)
     })
@@ -383,6 +389,7 @@ fn whole_mig(r: &DeviceRequestAllocationResult, parent: &GpuInfo, m: &MigDevice)
         cores: 100,
         memory_bytes: m.memory_bytes,
         soft_limit: None,
+        tier: Tier::Plain,
         whole: true,
         share_id: r.share_id.clone(),
         mig: Some(PlannedMig {

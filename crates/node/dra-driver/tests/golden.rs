@@ -16,6 +16,7 @@ fn today() -> Checkpoint {
         cores: 30,
         memory_bytes: 8 << 30,
         soft_limit: Some(60),
+        tier: Default::default(),
         whole: false,
         share_id: Some(format!("claim-uid-1-{i}")),
         mig: None,

@@ -3,6 +3,7 @@
 //! form is the checkpoint's payload: `docs/contracts.md`).
 
 use gpu_allocator::Placement;
+use qos_page::Tier;
 use serde::{Deserialize, Serialize};
 
 /// One container's allocation.
@@ -24,6 +25,10 @@ pub struct Allocation {
     pub placement: PlacementRecord,
     /// Soft limit ceiling (`tencent.com/vcuda-core-limit`), if any.
     pub soft_limit: Option<u32>,
+    /// Compute tier (`tencent.com/vcuda-tier` or the PriorityClass;
+    /// docs/qos.md). Absent in the checkpoint when plain.
+    #[serde(default, skip_serializing_if = "Tier::is_plain")]
+    pub tier: Tier,
     /// The advertised IDs kubelet passed to Allocate.
     pub vcore_ids: Vec<String>,
     #[serde(default)]

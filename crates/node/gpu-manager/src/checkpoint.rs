@@ -631,6 +631,7 @@ pub(crate) fn sample_share(uid: &str, gpu: usize) -> Allocation {
             memory_units: 4,
         },
         soft_limit: None,
+        tier: Default::default(),
         vcore_ids: vec!["vcore-0-00".into()],
         vmemory_ids: vec![],
         verified: false,

@@ -30,6 +30,7 @@ use vcuda_api::vcuda::frame::{PROTOCOL_VERSION, PROTOCOL_VERSION_MULTI_GPU};
 use budget::{Allowance, LogBudget, MAX_CONNS, MAX_CONNS_PER_PID, MAX_REQUEST, MAX_TRAILING};
 
 pub mod budget;
+use qos_page::{Holder, QosPage, Tier};
 use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, register_response::Status};
 
 // Locks here guard maps changed by single inserts and removes: a panic
@@ -66,6 +67,33 @@ struct Procs {
     conns: AtomicUsize,
     /// Log lines this container's connections may cause.
     logs: LogBudget,
+    /// The share's compute tier and its GPU's QoS page (one-GPU shares).
+    qos: Option<ShareQos>,
+    /// host PID -> its latency slot in that page.
+    holders: Mutex<HashMap<i32, Holder>>,
+}
+
+/// A share's compute tier and the QoS page of its GPU (docs/qos.md), handed
+/// to each registering process after the ledgers' descriptors.
+#[derive(Clone)]
+pub struct ShareQos {
+    pub tier: Tier,
+    pub page: QosPage,
+    pub file: Arc<File>,
+}
+
+impl Drop for Procs {
+    // The endpoint stopped (the share closed): no process of it counts as
+    // latency work any more.
+    fn drop(&mut self) {
+        if let Some(q) = &self.qos {
+            let holders = self
+                .holders
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner);
+            holders.drain().for_each(|(_, h)| q.page.release(h));
+        }
+    }
 }
 
 /// One open connection of a container, counted while it lives.
@@ -150,11 +178,42 @@ impl Procs {
             .collect()
     }
 
+    /// A latency-tier process's slot in its GPU's QoS page, claimed once per
+    /// process; `None` for other tiers or when the page's slots are taken.
+    fn qos_slot(&self, pid: i32) -> Option<Holder> {
+        let q = self.qos.as_ref().filter(|q| q.tier == Tier::Latency)?;
+        let mut holders = self.holders.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(h) = holders.get(&pid) {
+            return Some(*h);
+        }
+        let h = q.page.claim(pid);
+        match h {
+            Some(h) => {
+                holders.insert(pid, h);
+            }
+            None => tracing::warn!(pid, container = %self.container,
+                "every latency slot of the GPU's QoS page is taken: the process runs as a plain share"),
+        }
+        h
+    }
+
+    fn release_qos(&self, pid: i32) {
+        let holder = self
+            .holders
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&pid);
+        if let (Some(q), Some(h)) = (&self.qos, holder) {
+            q.page.release(h);
+        }
+    }
+
     fn drop_conn(&self, pid: i32) {
         let mut pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(e) = pids.get_mut(&pid) else { return };
         e.0 -= 1;
         if e.0 == 0 {
+            self.release_qos(pid);
             let (_, slots) = pids.remove(&pid).unwrap();
             if let Some(s) = slots {
                 let freed = self.clear(&s);
@@ -173,6 +232,7 @@ impl Procs {
         let mut pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
         let dead: Vec<i32> = pids.keys().copied().filter(|&p| !alive(p)).collect();
         for p in &dead {
+            self.release_qos(*p);
             if let Some((_, Some(s))) = pids.remove(p) {
                 self.clear(&s);
             }
@@ -246,7 +306,23 @@ impl Registry {
         container: &str,
         ledgers: Vec<(Ledger, File)>,
     ) -> std::io::Result<()> {
+        self.serve_share(id, dir, pod_uid, container, ledgers, None)
+    }
+
+    /// [`Registry::serve_gpus`] with the share's compute tier and its GPU's
+    /// QoS page, which every registering process of a one-GPU share gets
+    /// (latency-tier ones with a slot in it).
+    pub fn serve_share(
+        &self,
+        id: &str,
+        dir: &Path,
+        pod_uid: &str,
+        container: &str,
+        ledgers: Vec<(Ledger, File)>,
+        qos: Option<ShareQos>,
+    ) -> std::io::Result<()> {
         self.stop(id);
+        let qos = qos.filter(|_| ledgers.len() == 1);
         let sock = dir.join(quota_config::SOCKET_FILE);
         let _ = std::fs::remove_file(&sock);
         let listener = UnixListener::bind(&sock)?;
@@ -270,6 +346,8 @@ impl Registry {
             pids: Mutex::new(old),
             conns: AtomicUsize::new(0),
             logs: LogBudget::default(),
+            qos,
+            holders: Mutex::new(HashMap::new()),
         });
         procs.prune();
         let cancel = CancellationToken::new();
@@ -499,6 +577,7 @@ async fn answer(
         ledger_slot: None,
         ledger_slots: Vec::new(),
         protocol_version: req.protocol_version,
+        ..Default::default()
     };
     let refused = version_problem(req.protocol_version, procs.ledgers.len())
         .or_else(|| budget::check_request(&req, procs.ledgers.len()).err())
@@ -541,11 +620,16 @@ async fn answer(
         );
     }
     let slots = slots.unwrap_or_default();
+    let qos = procs.qos.as_ref().filter(|_| !slots.is_empty());
+    let qos_slot = qos.and_then(|_| procs.qos_slot(pid));
     let resp = RegisterResponse {
         status: Status::Accepted as i32,
         message: String::new(),
         protocol_version: req.protocol_version,
         host_pid: pid,
+        qos_tier: qos.map_or(0, |q| q.tier.wire()),
+        qos_page: qos.is_some(),
+        qos_slot: qos_slot.map(|h| h.slot as u32),
         ledger_slot: slots.first().map(|&s| s as u32),
         ledger_slots: if req.protocol_version == PROTOCOL_VERSION {
             Vec::new()
@@ -559,6 +643,7 @@ async fn answer(
         .iter()
         .map(|(_, f)| f)
         .take(slots.len())
+        .chain(qos.map(|q| &*q.file))
         .collect();
     (true, send(stream, &resp, &files).await)
 }

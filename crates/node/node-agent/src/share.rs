@@ -8,12 +8,15 @@
 //! serves, undoes on failure and closes it — so a new tier of isolation
 //! (MIG, priorities) lands here once, not in each daemon.
 
+use std::collections::HashMap;
+use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use qos_page::{QosPage, Tier};
 use quota_config::{GpuQuota, MultiGpuQuota, ResourceData};
 
-use crate::registry::Registry;
+use crate::registry::{Registry, ShareQos};
 use crate::vm::{VmDirs, VmError};
 
 /// One GPU of a share, as its quota file carries it.
@@ -49,6 +52,8 @@ pub struct ShareSpec {
     /// a multi-GPU share (`vcuda-gpus.config`, a ledger each), as does one
     /// whose `uuid` is a MIG device's (a share inside that instance).
     pub gpus: Vec<ShareGpu>,
+    /// Compute tier (docs/qos.md); one-GPU shares only, others run plain.
+    pub tier: Tier,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -116,6 +121,10 @@ impl ShareSpec {
 pub struct Shares {
     vm: VmDirs,
     registry: Registry,
+    /// Each GPU's QoS page (by UUID), made when a share of a tier first
+    /// opens on it; lives as long as the daemon (a restarted one makes
+    /// fresh pages, which the re-registering processes pick up).
+    pages: Mutex<HashMap<String, (QosPage, Arc<File>)>>,
     // Orders opens and closes of one directory (a close racing a reopen of
     // the same container must not remove the new files).
     files: Mutex<()>,
@@ -126,6 +135,7 @@ impl Shares {
         Shares {
             vm: VmDirs::new(vm_root),
             registry: Registry::default(),
+            pages: Mutex::new(HashMap::new()),
             files: Mutex::new(()),
         }
     }
@@ -156,14 +166,61 @@ impl Shares {
         if s.whole {
             return Ok(dir);
         }
-        if let Err(source) = self
-            .registry
-            .serve_gpus(&s.id, &dir, &s.owner, &s.slot, ledgers)
-        {
+        let qos = self.qos(s).map_err(|source| ShareError::Serve {
+            dir: dir.clone(),
+            source,
+        });
+        let served = qos.and_then(|qos| {
+            self.registry
+                .serve_share(&s.id, &dir, &s.owner, &s.slot, ledgers, qos)
+                .map_err(|source| ShareError::Serve {
+                    dir: dir.clone(),
+                    source,
+                })
+        });
+        if let Err(e) = served {
             self.vm.remove(&s.owner, &s.slot);
-            return Err(ShareError::Serve { dir, source });
+            return Err(e);
         }
         Ok(dir)
+    }
+
+    /// The share's tier and its GPU's QoS page (made on first use); `None`
+    /// for a plain share or one the page cannot serve (several GPUs, or
+    /// inside a MIG device).
+    fn qos(&self, s: &ShareSpec) -> std::io::Result<Option<ShareQos>> {
+        if s.tier == Tier::Plain || s.is_multi() {
+            return Ok(None);
+        }
+        let Some(g) = s.gpus.first() else {
+            return Ok(None);
+        };
+        let mut pages = self.pages.lock().unwrap_or_else(PoisonError::into_inner);
+        if !pages.contains_key(&g.uuid) {
+            let (page, file) = QosPage::create_sealed(pages.len())
+                .map_err(|e| std::io::Error::other(format!("QoS page of {}: {e}", g.uuid)))?;
+            pages.insert(g.uuid.clone(), (page, Arc::new(file)));
+        }
+        let (page, file) = pages[&g.uuid].clone();
+        Ok(Some(ShareQos {
+            tier: s.tier,
+            page,
+            file,
+        }))
+    }
+
+    /// Each GPU's batch launch time held and holds (for metrics), by UUID.
+    pub fn qos_held(&self) -> Vec<(String, u64, u64)> {
+        let pages = self.pages.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut v: Vec<_> = pages
+            .iter()
+            .map(|(uuid, (p, _))| {
+                let (ns, holds) = p.held();
+                (uuid.clone(), ns, holds)
+            })
+            .collect();
+        v.sort();
+        v
     }
 
     /// Stops the share's socket and removes its directory, unless `reopened`

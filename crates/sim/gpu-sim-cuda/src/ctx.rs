@@ -103,8 +103,27 @@ fn set_current(c: *const Ctx) {
     CURRENT.with(|cur| cur.set(c));
 }
 
+/// The real driver waits for the device by spinning or yielding (its
+/// default schedule), so a synchronize returns within microseconds of the
+/// work's end; a sleeping thread oversleeps by the kernel's timer slack
+/// (50 us by default), which would leave the simulated device idle after
+/// every short wait. So the waiting thread asks for 1 us of slack, once.
+fn precise_sleeps() {
+    thread_local! {
+        static SET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    SET.with(|set| {
+        if !set.replace(true) {
+            // SAFETY: PR_SET_TIMERSLACK takes an integer and changes only
+            // this thread's timer slack.
+            unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
+        }
+    });
+}
+
 /// Sleeps until the simulated time `t` (CLOCK_MONOTONIC ns).
 pub(crate) fn wait_until(t: u64) {
+    precise_sleeps();
     loop {
         let now = now_ns();
         if now >= t {

@@ -410,6 +410,7 @@ impl Manager {
         vm::check_pod_uid(uid).map_err(|e| Refusal::invalid(e.to_string()))?;
         vm::check_container_name(&cand.container).map_err(|e| Refusal::invalid(e.to_string()))?;
         let soft_limit = soft_limit(&pod)?;
+        let tier = pods::tier(&pod).map_err(Refusal::invalid)?;
         let ctx = format!("pod {ns}/{name} container {}", cand.container);
         let req = self.request(&ctx, &cand)?;
         let id = alloc_id(uid, &cand.container);
@@ -436,6 +437,7 @@ impl Manager {
             memory_limit: cand.memory_units,
             placement: (&placement).into(),
             soft_limit,
+            tier,
             vcore_ids: device_ids,
             vmemory_ids: vec![],
             verified: false,

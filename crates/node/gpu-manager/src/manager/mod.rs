@@ -223,6 +223,7 @@ impl Manager {
             hard_limit: a.soft_limit.is_none(),
             driver_version: self.driver_version,
             gpus,
+            tier: a.tier,
         }
     }
 

@@ -204,6 +204,8 @@ impl Manager {
             memory_limit: 0,
             placement: PlacementRecord::Exclusive { gpus: vec![] },
             soft_limit: None,
+            // The vm directory does not say; the pod's next Allocate would.
+            tier: Default::default(),
             vcore_ids: vec![],
             vmemory_ids: vec![],
             verified: false,

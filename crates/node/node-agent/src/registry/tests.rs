@@ -163,3 +163,79 @@ async fn stopping_leaves_a_socket_another_registry_bound_since() {
     new.stop("c");
     assert!(!sock.exists());
 }
+
+/// The page and tier of a share (docs/qos.md): a latency process gets the
+/// GPU's QoS page after its ledger, with a slot that counts it as latency
+/// work until its connection closes; a batch process gets the page alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiered_shares_get_their_gpus_qos_page_and_latency_a_slot() {
+    let d = tempfile::tempdir().unwrap();
+    let (lat, bat) = (d.path().join("lat"), d.path().join("bat"));
+    std::fs::create_dir_all(&lat).unwrap();
+    std::fs::create_dir_all(&bat).unwrap();
+    let (page, file) = QosPage::create_sealed(0).unwrap();
+    let file = Arc::new(file);
+    let qos = |tier| ShareQos {
+        tier,
+        page,
+        file: file.clone(),
+    };
+    let reg = Registry::default();
+    reg.serve_share(
+        "l",
+        &lat,
+        "uid",
+        "main",
+        ledgers(&lat, 1),
+        Some(qos(Tier::Latency)),
+    )
+    .unwrap();
+    reg.serve_share(
+        "b",
+        &bat,
+        "uid",
+        "main",
+        ledgers(&bat, 1),
+        Some(qos(Tier::Batch)),
+    )
+    .unwrap();
+
+    let l2 = lat.clone();
+    let (s, resp, fds) = blocking(move || register(&l2, request(1))).await;
+    assert_eq!(resp.status, Status::Accepted as i32, "{}", resp.message);
+    assert_eq!(
+        (Tier::from_wire(resp.qos_tier), resp.qos_page),
+        (Tier::Latency, true)
+    );
+    assert_eq!(fds.len(), 2, "the ledger, then the page");
+    assert_eq!(inode(&fds[1]), inode(&*file));
+    let seen = QosPage::from_fd(fds[1].as_fd()).unwrap();
+    let slot = resp.qos_slot.expect("a latency slot") as usize;
+    assert_eq!(seen.latency_live(), 1);
+    seen.busy(Holder { slot }, u64::MAX);
+    assert!(
+        page.held_until(0).is_some(),
+        "the agent's page is the same memory"
+    );
+
+    let b2 = bat.clone();
+    let (_sb, resp, fds) = blocking(move || register(&b2, request(1))).await;
+    assert_eq!(
+        (Tier::from_wire(resp.qos_tier), resp.qos_page),
+        (Tier::Batch, true)
+    );
+    assert_eq!((resp.qos_slot, fds.len()), (None, 2));
+
+    // The latency process ends: its slot and its busy mark go.
+    drop(s);
+    for _ in 0..200 {
+        if page.latency_live() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(page.latency_live(), 0);
+    assert_eq!(page.held_until(0), None);
+    reg.stop("l");
+    reg.stop("b");
+}

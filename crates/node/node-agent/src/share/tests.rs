@@ -20,6 +20,7 @@ fn spec(gpus: Vec<ShareGpu>, whole: bool) -> ShareSpec {
         hard_limit: true,
         driver_version: (550, 54),
         gpus,
+        tier: qos_page::Tier::Plain,
     }
 }
 

@@ -18,6 +18,7 @@
 //! benches and the workspace tests.
 
 use container_ledger::{Ledger, fdpass};
+use qos_page::{QosPage, Tier};
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -56,6 +57,35 @@ struct Shared {
     /// The protocol version replies say they are in; 0 echoes the request's
     /// (tests of a manager of another version).
     answer_version: AtomicU32,
+    /// The container's compute tier and its GPU's QoS page.
+    qos: Mutex<Option<Qos>>,
+}
+
+/// A tier and a GPU's QoS page (shared by the managers of the GPU's shares).
+#[derive(Clone)]
+pub struct Qos {
+    pub tier: Tier,
+    pub page: QosPage,
+    pub file: Arc<std::fs::File>,
+}
+
+impl Qos {
+    /// A fresh page for one GPU; give each share's manager a copy with its tier.
+    pub fn page() -> Qos {
+        let (page, file) = QosPage::create_sealed(0).unwrap();
+        Qos {
+            tier: Tier::Plain,
+            page,
+            file: Arc::new(file),
+        }
+    }
+
+    pub fn with(&self, tier: Tier) -> Qos {
+        Qos {
+            tier,
+            ..self.clone()
+        }
+    }
 }
 
 pub struct TestManager {
@@ -114,6 +144,7 @@ impl TestManager {
             stopping: AtomicBool::new(false),
             reject: AtomicBool::new(false),
             answer_version: AtomicU32::new(0),
+            qos: Mutex::new(None),
         });
         let s2 = Arc::clone(&shared);
         let accept = std::thread::spawn(move || {
@@ -157,6 +188,12 @@ impl TestManager {
 
     pub fn set_reject(&self, on: bool) {
         self.shared.reject.store(on, Ordering::Release);
+    }
+
+    /// From now on, registrations get this tier and the page (latency: a
+    /// slot in it, released when the process's connection closes).
+    pub fn set_qos(&self, qos: Qos) {
+        *self.shared.qos.lock().unwrap() = Some(qos);
     }
 
     /// Replies say they are in protocol `version` (0: the request's), as a
@@ -280,10 +317,18 @@ fn serve(sh: &Shared, mut conn: UnixStream) {
         previous_slot: req.previous_slot,
         program: req.program.clone(),
     });
+    let qos = sh.qos.lock().unwrap().clone().filter(|_| n == 1);
+    let holder = qos
+        .as_ref()
+        .filter(|q| q.tier == Tier::Latency)
+        .and_then(|q| q.page.claim(pid));
     let resp = RegisterResponse {
         status: Status::Accepted as i32,
         message: String::new(),
         host_pid: pid,
+        qos_tier: qos.as_ref().map_or(0, |q| q.tier.wire()),
+        qos_page: qos.is_some(),
+        qos_slot: holder.map(|h| h.slot as u32),
         ledger_slot: Some(slot as u32),
         ledger_slots: if v2 {
             slots.iter().map(|&s| s as u32).collect()
@@ -296,7 +341,10 @@ fn serve(sh: &Shared, mut conn: UnixStream) {
         },
     };
     let body = prost::Message::encode_to_vec(&resp);
-    let fds: Vec<_> = sh.ledgers.iter().map(|(_, f)| f.as_fd()).collect();
+    let mut fds: Vec<_> = sh.ledgers.iter().map(|(_, f)| f.as_fd()).collect();
+    if let Some(q) = &qos {
+        fds.push(q.file.as_fd());
+    }
     if fdpass::send_frame_fds(conn.as_fd(), &body, &fds).is_err() {
         return;
     }
@@ -310,6 +358,9 @@ fn serve(sh: &Shared, mut conn: UnixStream) {
             Ok(0) | Err(_) => break,
             Ok(_) => {}
         }
+    }
+    if let (Some(q), Some(h)) = (&qos, holder) {
+        q.page.release(h);
     }
     if sh.stopping.load(Ordering::Acquire) {
         return;
