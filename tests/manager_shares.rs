@@ -354,3 +354,97 @@ async fn a_share_on_two_gpus_is_refused_when_no_pair_has_room() {
     assert!(!env.vm_dir().join(&tp.uid).exists());
     assert_eq!(env.allocation_count(), 3);
 }
+
+/// Compute tiers through the real manager (docs/qos.md): a pod annotated
+/// `latency` and one annotated `batch` on the one GPU register over their
+/// own `vcuda.sock`s and get their tier and the same QoS page (the
+/// latency process a slot in it, which its exit frees); a pod naming no
+/// tier gets no page; a tier that is none is refused at Allocate naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiered_pods_get_their_tier_and_their_gpus_qos_page() {
+    use qos_page::{QosPage, Tier};
+    use std::os::unix::fs::MetadataExt;
+    let mut env = Env::start("sim-1gpu", Options::default()).await;
+    let vm = env.vm_dir();
+    let register = |uid: &str| {
+        let dir = vm.join(uid).join("main");
+        let req = RegisterRequest {
+            protocol_version: 1,
+            pod_uid: uid.to_string(),
+            container_name: "main".into(),
+            bus_id: "0000:00:00.0".into(),
+            local_pid: 1,
+            program: "test".into(),
+            previous_slot: None,
+            previous_slots: Vec::new(),
+        };
+        test_support::hostile::register(&dir, &req)
+    };
+    let lat = env.pod(&[("main", 30, 8)], &[("tencent.com/vcuda-tier", "latency")]);
+    let batch = env.pod(&[("main", 50, 8)], &[("tencent.com/vcuda-tier", "batch")]);
+    let plain = env.pod(&[("main", 10, 4)], &[]);
+    for (p, cores) in [(&lat, 30), (&batch, 50), (&plain, 10)] {
+        env.admit(p, "main", cores, if cores == 10 { 4 } else { 8 })
+            .await
+            .unwrap();
+    }
+    let (lat_conn, l, lfds) = register(&lat.uid);
+    assert_eq!(l.status, Status::Accepted as i32, "{}", l.message);
+    assert_eq!(
+        (Tier::from_wire(l.qos_tier), l.qos_page, lfds.len()),
+        (Tier::Latency, true, 2)
+    );
+    assert!(l.qos_slot.is_some(), "{l:?}");
+    let (_b, b, bfds) = register(&batch.uid);
+    assert_eq!(
+        (Tier::from_wire(b.qos_tier), b.qos_slot, bfds.len()),
+        (Tier::Batch, None, 2)
+    );
+    let ino = |fd: &std::os::fd::OwnedFd| {
+        std::fs::File::from(fd.try_clone().unwrap())
+            .metadata()
+            .unwrap()
+            .ino()
+    };
+    assert_eq!(ino(&lfds[1]), ino(&bfds[1]), "one page for the GPU");
+    let page = QosPage::from_fd(bfds[1].as_fd()).unwrap();
+    assert_eq!(page.latency_live(), 1);
+    let (_p, p, pfds) = register(&plain.uid);
+    assert_eq!(
+        (p.qos_page, pfds.len()),
+        (false, 1),
+        "a plain share gets no page"
+    );
+    // The latency process exits: its slot goes.
+    drop(lat_conn);
+    let end = Instant::now() + Duration::from_secs(5);
+    while page.latency_live() != 0 && Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(page.latency_live(), 0);
+    // The tier is kept in the checkpoint with the allocation.
+    let cp = env.checkpoint();
+    let tiers: Vec<(&str, &serde_json::Value)> = cp["allocations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (a["pod_uid"].as_str().unwrap(), &a["tier"]))
+        .collect();
+    assert!(
+        tiers.contains(&(lat.uid.as_str(), &serde_json::json!("latency"))),
+        "{cp}"
+    );
+    assert!(
+        tiers.contains(&(plain.uid.as_str(), &serde_json::Value::Null)),
+        "{cp}"
+    );
+
+    let bad = env.pod(&[("main", 10, 4)], &[("tencent.com/vcuda-tier", "gold")]);
+    let m = env
+        .admit(&bad, "main", 10, 4)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(m.contains("annotation tencent.com/vcuda-tier"), "{m}");
+    assert!(m.contains("unknown QoS tier \"gold\""), "{m}");
+}

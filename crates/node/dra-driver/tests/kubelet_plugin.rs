@@ -636,3 +636,64 @@ async fn shares_on_two_gpus_for_one_container() {
     assert!(!dirs.p("vm").join(&tp).exists());
     assert_eq!(run.driver.prepared().len(), 1);
 }
+
+/// Compute tiers in DRA mode (docs/qos.md): the claim's `GpuConfig` `tier`
+/// reaches the share like the device-plugin mode's annotation: a process
+/// registering over the claim's `vcuda.sock` gets the tier and its GPU's
+/// QoS page (one for both claims on gpu-0), a latency one a slot; a tier
+/// that is none fails its claim naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiered_claims_get_their_tier_and_the_gpus_qos_page() {
+    use qos_page::{QosPage, Tier};
+    use std::os::fd::AsFd;
+    let (server, dirs, _api, _run, kubelet) = node_with_driver().await;
+    let tier = |t: &str| {
+        Some(json!({"apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig", "tier": t}))
+    };
+    let lat = share_claim(&server, "lat", 30, "1Gi", tier("latency"));
+    let bat = share_claim(&server, "bat", 30, "1Gi", tier("batch"));
+    let bad = share_claim(&server, "gold", 10, "256Mi", tier("gold"));
+    for n in ["lat", "bat", "gold"] {
+        allocator::allocate(&server, NS, n, NODE).unwrap();
+    }
+    let r = kubelet
+        .prepare(&[
+            plugin::claim(NS, "lat", &uid(&lat)),
+            plugin::claim(NS, "bat", &uid(&bat)),
+            plugin::claim(NS, "gold", &uid(&bad)),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(r.claims[&uid(&lat)].error, "");
+    assert_eq!(r.claims[&uid(&bat)].error, "");
+    let e = &r.claims[&uid(&bad)].error;
+    assert!(
+        e.contains("unknown QoS tier \"gold\": expected latency, batch or plain"),
+        "{e}"
+    );
+
+    let register = |claim: &serde_json::Value| {
+        let u = uid(claim);
+        let req = test_support::hostile::maximal_request(&u, "gpu");
+        test_support::hostile::register(&dirs.p("vm").join(&u).join("gpu"), &req)
+    };
+    let (_l, l, lfds) = tokio::task::block_in_place(|| register(&lat));
+    assert_eq!(
+        (Tier::from_wire(l.qos_tier), l.qos_page, lfds.len()),
+        (Tier::Latency, true, 2),
+        "{l:?}"
+    );
+    assert!(l.qos_slot.is_some());
+    let (_b, b, bfds) = tokio::task::block_in_place(|| register(&bat));
+    assert_eq!(
+        (Tier::from_wire(b.qos_tier), b.qos_slot),
+        (Tier::Batch, None),
+        "{b:?}"
+    );
+    let page = QosPage::from_fd(bfds[1].as_fd()).unwrap();
+    assert_eq!(
+        page.latency_live(),
+        1,
+        "the latency claim's process is in the same page"
+    );
+}
