@@ -24,7 +24,8 @@ pub const VCORE_LIMIT: &str = "tencent.com/vcuda-core-limit";
 /// Without it, the pod's PriorityClass decides ([`tier`]).
 pub const VCUDA_TIER: &str = "tencent.com/vcuda-tier";
 /// Pods of these PriorityClasses are latency- or batch-tier shares when
-/// they carry no [`VCUDA_TIER`] (the chart creates both classes).
+/// they carry no [`VCUDA_TIER`] (classes the cluster's administrators make:
+/// vcuda creates none, a class's value is a scheduling decision).
 pub const LATENCY_PRIORITY_CLASS: &str = "vcuda-latency";
 pub const BATCH_PRIORITY_CLASS: &str = "vcuda-batch";
 /// JSON map container name -> number of GPUs its share spans

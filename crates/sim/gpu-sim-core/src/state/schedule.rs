@@ -26,7 +26,7 @@ use std::sync::atomic::Ordering::*;
 
 /// Ring entries a preemption looks back over for the work it moves:
 /// every owner's runs queued ahead, merged, are far fewer.
-const LOOK_BACK: u64 = 256;
+const LOOK_BACK: u64 = 1024;
 /// A lock held this long belongs to a process that died holding it.
 const LOCK_STALE_NS: u64 = 50_000_000;
 
@@ -141,19 +141,44 @@ fn yield_point(dev: &DeviceBlock, me: u64, at: u64, slice: u64) -> u64 {
 
 /// Moves everything queued from `at` on `by` later: entries that start
 /// there or after shift, one that spans `at` is cut there and its rest
-/// queued again after the gap.
-fn open_gap(dev: &DeviceBlock, at: u64, by: u64, record: impl Fn(u64, u64, u64)) {
+/// queued again after the gap; `keep`'s entries stay. Returns the latest
+/// end it moved anything to (`None`: nothing found queued past `at`).
+fn open_gap(
+    dev: &DeviceBlock,
+    at: u64,
+    by: u64,
+    keep: Option<u64>,
+    record: impl Fn(u64, u64, u64),
+) -> Option<u64> {
     let mut cut = Vec::new();
-    for e in recent(dev).filter(|e| e.end > at) {
+    let mut last = None;
+    // A preempting context's own earlier work is not queued behind it.
+    for e in recent(dev).filter(|e| e.end > at && Some(e.owner) != keep) {
         if e.start >= at {
             rewrite(dev, e.idx, e.start + by, e.end + by);
         } else {
             rewrite(dev, e.idx, e.start, at);
             cut.push((e.owner, at + by, e.end + by));
         }
+        last = last.max(Some(e.end + by));
     }
     for (owner, start, end) in cut {
         record(owner, start, end);
+    }
+    last
+}
+
+/// After `me`'s work up to `end` went in and queued work moved up to
+/// `moved`: the timeline's end is the latest of them (never pushed by work
+/// the look-back did not find), and `me` holds the tail if it ends it.
+fn settle_tail(dev: &DeviceBlock, me: u64, end: u64, moved: Option<u64>) {
+    // The last group's room no longer describes the tail: no kernel goes
+    // beside it (`timeline::beside`) until one is queued in order again.
+    dev.group_room.store(0, Release);
+    let tail = end.max(moved.unwrap_or(0));
+    let before = dev.busy_until.fetch_max(tail, AcqRel);
+    if end >= before.max(tail) {
+        dev.last_owner.store(me, Release);
     }
 }
 
@@ -171,10 +196,11 @@ pub(super) fn preempt(
     record: &impl Fn(u64, u64, u64),
 ) -> (u64, u64) {
     if own {
-        open_gap(dev, ready, w.duration_ns, record);
-        record(me, ready, ready + w.duration_ns);
-        dev.busy_until.fetch_add(w.duration_ns, AcqRel);
-        return (ready, ready + w.duration_ns);
+        let moved = open_gap(dev, ready, w.duration_ns, None, record);
+        let end = ready + w.duration_ns;
+        record(me, ready, end);
+        settle_tail(dev, me, end, moved);
+        return (ready, end);
     }
     let mut left = w.duration_ns;
     let mut cursor = ready;
@@ -212,9 +238,9 @@ pub(super) fn preempt(
             let back = if at < busy { t.switch_ns } else { 0 };
             (at, at + t.switch_ns, piece, piece + t.switch_ns + back)
         };
-        open_gap(dev, at, gap, record);
+        let moved = open_gap(dev, at, gap, Some(me), record);
         record(me, start, start + piece);
-        dev.busy_until.fetch_add(gap, AcqRel);
+        settle_tail(dev, me, start + piece, moved);
         if !open {
             dev.run_start.store(start, Release);
         }
