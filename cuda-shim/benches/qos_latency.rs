@@ -1,6 +1,7 @@
 //! A latency tenant beside batch work on one simulated A100
-//! (config/nodes/sim-1gpu.toml; the sim time-slices contexts with a 2 ms
-//! slice, see gpu-sim-core's `state::schedule`): requests of three 200 us
+//! (config/nodes/sim-1gpu.toml; the sim runs the kernels of different
+//! processes in the order they were queued, a context switch between
+//! them, and preempts nothing): requests of three 200 us
 //! kernels at 100 per second (tests/c/qos_latency.c: open loop, latency
 //! from when a request was due to its stream's synchronize), alone and
 //! beside a saturating batch tenant (tests/c/shim_compute.c: 1 ms kernels
@@ -204,6 +205,6 @@ fn main() {
     }
     md.print(
         "cargo bench -p cuda-shim --bench qos_latency",
-        "the simulated A100 (sim-1gpu), 2 ms timeslice",
+        "the simulated A100 (sim-1gpu)",
     );
 }

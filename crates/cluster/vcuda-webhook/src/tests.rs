@@ -268,15 +268,13 @@ fn apply(mut doc: Value, ops: &[Value]) -> Value {
     doc
 }
 
-/// A tiered pod's claim carries its tier in the driver's config (the
-/// device-plugin mode's annotation, docs/qos.md), in a template of its own.
-#[tokio::test]
-async fn on_dra_clusters_the_tier_goes_into_the_claims_config() {
+/// `p` created on a DRA cluster: the rig and the pod as the webhook's
+/// patch leaves it.
+async fn on_dra(p: Value) -> (Rig, Value) {
     let r = rig(Settings {
         dra: true,
         ..Settings::default()
     });
-    let p = pod(vcuda(30, 8), json!({"tencent.com/vcuda-tier": "latency"}));
     let Verdict::Patch(ops) = r
         .hook
         .mutate(&req("CREATE", p.clone(), None, "alice"))
@@ -284,7 +282,18 @@ async fn on_dra_clusters_the_tier_goes_into_the_claims_config() {
     else {
         panic!("no patch")
     };
-    let out = apply(p, &ops);
+    (r, apply(p, &ops))
+}
+
+/// A tiered pod's claim carries its tier in the driver's config (the
+/// device-plugin mode's annotation, docs/qos.md), in a template of its own.
+#[tokio::test]
+async fn on_dra_clusters_the_tier_goes_into_the_claims_config() {
+    let (r, out) = on_dra(pod(
+        vcuda(30, 8),
+        json!({"tencent.com/vcuda-tier": "latency"}),
+    ))
+    .await;
     assert_eq!(
         out["spec"]["resourceClaims"][0]["resourceClaimTemplateName"],
         "vcuda-30c-2048mi-latency"
@@ -301,19 +310,7 @@ async fn on_dra_clusters_the_tier_goes_into_the_claims_config() {
 
 #[tokio::test]
 async fn on_dra_clusters_limits_become_a_claim_bound_to_the_container() {
-    let r = rig(Settings {
-        dra: true,
-        ..Settings::default()
-    });
-    let p = pod(vcuda(30, 8), json!({}));
-    let Verdict::Patch(ops) = r
-        .hook
-        .mutate(&req("CREATE", p.clone(), None, "alice"))
-        .await
-    else {
-        panic!("no patch")
-    };
-    let out = apply(p, &ops);
+    let (r, out) = on_dra(pod(vcuda(30, 8), json!({}))).await;
     let main = &out["spec"]["containers"][1];
     assert_eq!(main["resources"]["limits"], json!({}), "{out}");
     assert_eq!(main["resources"]["requests"], json!({}), "{out}");

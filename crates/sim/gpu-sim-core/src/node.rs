@@ -25,9 +25,7 @@
 //!
 //! # optional, top level: kernel_wave_ns (block time of kernels that declare
 //! # no law, see `law`; default 10 µs), context_switch_ns (idle device time
-//! # when contexts of two processes take turns; default 20 µs),
-//! # timeslice_ns (how long a process's context keeps the GPU while another
-//! # has work; default 2 ms, `nvidia-smi compute-policy`'s SHORT), and an
+//! # when contexts of two processes take turns; default 20 µs), and an
 //! # [nvml_sampling] table (see `NvmlSampling`)
 //!
 //! [[link]]                 # optional; pairs not listed are NODE (same NUMA
@@ -50,10 +48,6 @@ pub const DEFAULT_WAVE_NS: u64 = 10_000;
 /// Default device time lost when the device switches from one process's
 /// context to another's while both have work (time-slicing, no MPS).
 pub const DEFAULT_SWITCH_NS: u64 = 20_000;
-/// NVIDIA's time-slicing gives a context 2, 10 or 30 ms
-/// (`nvidia-smi compute-policy --set-timeslice` SHORT, MEDIUM, LONG; Red
-/// Hat's "GPU Timeslicing" module lists the three); the sim takes SHORT.
-pub const DEFAULT_TIMESLICE_NS: u64 = 2_000_000;
 
 #[derive(Debug, Error)]
 pub enum NodeError {
@@ -253,8 +247,6 @@ struct RawNode {
     kernel_wave_ns: u64,
     #[serde(default = "default_switch_ns")]
     context_switch_ns: u64,
-    #[serde(default = "default_timeslice_ns")]
-    timeslice_ns: u64,
     #[serde(default)]
     nvml_sampling: NvmlSampling,
     #[serde(default)]
@@ -268,9 +260,6 @@ fn default_wave_ns() -> u64 {
 }
 fn default_switch_ns() -> u64 {
     DEFAULT_SWITCH_NS
-}
-fn default_timeslice_ns() -> u64 {
-    DEFAULT_TIMESLICE_NS
 }
 
 /// A parsed and validated node description.
@@ -286,9 +275,6 @@ pub struct NodeSpec {
     pub kernel_wave_ns: u64,
     /// Idle device time of a switch between processes' contexts.
     pub context_switch_ns: u64,
-    /// How long a context runs, once another process has work queued,
-    /// before the device switches to that one (see `state::schedule`).
-    pub timeslice_ns: u64,
     pub nvml_sampling: NvmlSampling,
     pub gpus: Vec<GpuSpec>,
     /// `pcie[i][j]`: PCIe level between GPU i and j.
@@ -328,7 +314,6 @@ impl NodeSpec {
             cuda_version,
             kernel_wave_ns: raw.kernel_wave_ns,
             context_switch_ns: raw.context_switch_ns,
-            timeslice_ns: raw.timeslice_ns,
             nvml_sampling: raw.nvml_sampling,
             gpus,
             pcie,
@@ -455,17 +440,6 @@ impl Source<'_> {
                 format!(
                     "{:?} is not a dotted driver version (e.g. \"550.54.15\")",
                     raw.driver_version
-                ),
-            ));
-        }
-        if !(100_000..=1_000_000_000).contains(&raw.timeslice_ns) {
-            let at = text.find("timeslice_ns").unwrap_or(0);
-            return Err(invalid(
-                at,
-                "timeslice_ns",
-                format!(
-                    "{} is outside 100000..=1000000000 (0.1 ms to 1 s)",
-                    raw.timeslice_ns
                 ),
             ));
         }

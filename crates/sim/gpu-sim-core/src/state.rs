@@ -6,10 +6,8 @@
 //! processes with their memory per GPU; a ring of injected Xid events; and
 //! per GPU its MIG mode and instances (on a MIG node also each GPU
 //! instance's memory and timeline, and the MIG device each process uses).
-//! Everything in it is an atomic; two locks order multi-word updates: MIG
-//! reconfiguration's per-GPU lock (`mig`) and each timeline's scheduler
-//! lock, held for a launch's placement (`schedule`). Neither outlives a
-//! process that dies holding it.
+//! Everything in it is an atomic, so no process ever blocks another (MIG
+//! reconfiguration alone takes a per-GPU lock, see `mig`).
 //!
 //! Liveness of a process slot is an OFD byte-range lock on `procs.lock`, held
 //! by the owning process: the kernel drops it when the process dies, however it
@@ -20,7 +18,6 @@
 //! clocks NVML and CUDA report in, `layout` the mapped file's layout (and
 //! `install` / `open`), `procs` the process table and liveness, `memory`
 //! memory accounting, `timeline` the kernel timeline and utilization,
-//! `schedule` where a kernel lands when another process's work is queued,
 //! `xid` the Xid event ring, `mig` MIG mode and instances, `mig_caps` the
 //! MIG capability files the driver exposes for them, `mig_use` the memory
 //! and timeline of each GPU instance and which one a process uses.
@@ -33,7 +30,6 @@ pub mod mig_caps;
 mod mig_use;
 mod procs;
 mod root;
-mod schedule;
 mod timeline;
 mod xid;
 
@@ -43,7 +39,6 @@ pub use memory::OutOfMemory;
 pub use mig::{Activation, ComputeInstance, GpuInstance, MigError};
 pub use procs::{Attached, ProcessInfo};
 pub use root::{ROOT_ENV, SimRoot, object_path_of};
-pub use schedule::Work;
 pub use xid::XidEvent;
 
 use crate::node::{NodeError, NodeSpec};

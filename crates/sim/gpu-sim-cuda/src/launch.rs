@@ -13,7 +13,6 @@ use crate::stream::Target;
 use crate::{R, arg, drv};
 use cuda_abi::*;
 use gpu_sim_core::law::Launch;
-use gpu_sim_core::state::Work;
 use std::cell::Cell;
 use std::ffi::c_void;
 
@@ -97,13 +96,7 @@ pub(crate) unsafe fn launch(
     };
     // A full launch queue blocks the caller until the device drains one.
     let slot = ctx.queue.admit();
-    let w = Work {
-        duration_ns: dur,
-        not_before_ns: t.tail(),
-        share,
-        urgent: t.urgent(),
-    };
-    let (_, end) = d.state.launch_work(d.me, ctx.gpu, w);
+    let (_, end) = d.state.launch_with(d.me, ctx.gpu, dur, t.tail(), share);
     ctx.queue.record(slot, end);
     t.set_tail(end);
     Ok(())

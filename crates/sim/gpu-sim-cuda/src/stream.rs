@@ -76,13 +76,6 @@ impl Target {
         }
     }
 
-    /// A stream of higher priority than the default (CUDA: lower numbers
-    /// are higher): its kernels go before the context's queued work.
-    #[inline]
-    pub fn urgent(self) -> bool {
-        matches!(self, Target::Stream(s) if s.priority < 0)
-    }
-
     #[inline]
     pub fn tail(self) -> u64 {
         match self {

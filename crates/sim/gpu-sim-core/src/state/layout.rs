@@ -24,9 +24,8 @@ const MAGIC: [u8; 8] = *b"GPUSIM\0\x01";
 /// 2: a `MigBlock` per GPU after the process table (MIG mode and
 /// instances). 3: then, on a node with a MIG-capable GPU, each process
 /// slot's MIG binding per GPU and a `DeviceBlock` per GPU instance id of
-/// each GPU (its memory and timeline). 4: each timeline's block carries
-/// the scheduler's lock and the preempting run (`schedule`), its ring at 128.
-const LAYOUT_VERSION: u32 = 4;
+/// each GPU (its memory and timeline).
+const LAYOUT_VERSION: u32 = 3;
 
 // ---- shared layout -------------------------------------------------------
 
@@ -63,15 +62,7 @@ pub(super) struct DeviceBlock {
     /// (of `timeline::FULL`) it and the kernels beside it leave free.
     pub(super) group_start: AtomicU64,
     pub(super) group_room: AtomicU64,
-    /// The scheduler's lock (`schedule::DevLock`): 0 free, else the time
-    /// it was taken (a holder that died is overtaken after a while).
-    pub(super) lock: AtomicU64,
-    /// The run a context opened by preempting the one whose work the
-    /// timeline held (0: none), its first kernel's start and its last end.
-    pub(super) run_owner: AtomicU64,
-    pub(super) run_start: AtomicU64,
-    pub(super) run_end: AtomicU64,
-    _pad: [u64; 6],
+    _pad: [u64; 2],
     pub(super) ring: [Interval; RING],
 }
 
@@ -147,8 +138,8 @@ const _: () = assert!(std::mem::size_of::<XidSlot>() == 32);
 const _: () = assert!(std::mem::offset_of!(Header, xid_head) == 24);
 const _: () = assert!(std::mem::offset_of!(Header, xids) == 4096 - XID_RING * 32);
 const _: () = assert!(std::mem::size_of::<Interval>() == 32);
-const _: () = assert!(std::mem::offset_of!(DeviceBlock, ring) == 128);
-const _: () = assert!(DEVICE_SIZE == 128 + RING * 32);
+const _: () = assert!(std::mem::offset_of!(DeviceBlock, ring) == 64);
+const _: () = assert!(DEVICE_SIZE == 64 + RING * 32);
 const _: () = assert!(std::mem::offset_of!(ProcSlot, comm) == 32);
 const _: () = assert!(std::mem::offset_of!(ProcSlot, used) == 64);
 const _: () = assert!(SLOT_SIZE == 64 + MAX_GPUS * 8);

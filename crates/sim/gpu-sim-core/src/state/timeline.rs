@@ -2,7 +2,6 @@
 //! utilization is read back from the ring of busy intervals.
 
 use super::layout::{DeviceBlock, RING};
-use super::schedule::{self, DevLock, Slicing, Work};
 use super::{Attached, ProcessInfo, SharedState, now_ns};
 use std::sync::atomic::Ordering::*;
 
@@ -88,7 +87,12 @@ impl SharedState {
     }
 
     /// Queues a kernel of `duration_ns` occupying `share` (0..=1) of `gpu`.
-    /// See [`Self::launch_work`].
+    /// Kernels of different processes never overlap (no MPS: contexts
+    /// time-slice), and one that waits behind another process's work pays
+    /// the node's `context_switch_ns` of idle device time first. A kernel
+    /// of the process whose work the device runs, from another stream, runs
+    /// beside that work while the device has room for it. Returns its
+    /// simulated (start, end). Atomics and a vDSO clock read only.
     pub fn launch_with(
         &self,
         me: Attached,
@@ -97,66 +101,32 @@ impl SharedState {
         not_before_ns: u64,
         share: f64,
     ) -> (u64, u64) {
-        let w = Work {
-            duration_ns,
-            not_before_ns,
-            share,
-            urgent: false,
-        };
-        self.launch_work(me, gpu, w)
-    }
-
-    /// Queues a kernel on `gpu`'s timeline. Behind the caller's own work
-    /// (or on an idle device) it runs in order; a kernel of the process
-    /// whose work the device runs, from another stream, runs beside that
-    /// work while the device has room for it. Behind another process's
-    /// work it takes the device at the end of that one's timeslice
-    /// (`schedule`). One that waits behind another process's work pays
-    /// the node's `context_switch_ns` of idle device time first. Returns
-    /// its simulated (start, end).
-    pub fn launch_work(&self, me: Attached, gpu: usize, w: Work) -> (u64, u64) {
         // A MIG device's process queues on its GPU instance's timeline.
         let dev = self.engine(me, gpu);
-        let _lock = DevLock::take(dev);
-        let ready = now_ns().max(w.not_before_ns);
-        let owner = me.owner();
-        let busy = dev.busy_until.load(Acquire);
-        let tail = dev.last_owner.load(Acquire);
-        if ready < busy && (tail != owner || w.urgent) {
-            let node = self.node();
-            let t = Slicing {
-                switch_ns: node.context_switch_ns,
-                timeslice_ns: node.timeslice_ns,
-            };
-            let record = |o, s, e| self.record(dev, o, s, e);
-            return schedule::preempt(dev, owner, ready, w, tail == owner, t, &record);
-        }
-        self.in_order(dev, owner, ready, w)
-    }
-
-    /// Places a kernel after the timeline's work (or beside the caller's
-    /// own last group of kernels); the lock held.
-    fn in_order(&self, dev: &DeviceBlock, owner: u64, ready: u64, w: Work) -> (u64, u64) {
-        let need = ((w.share.clamp(0.0, 1.0) * FULL as f64).ceil() as u64).max(1);
-        let prev = dev.last_owner.swap(owner, AcqRel);
-        if prev == owner
-            && let Some((start, end)) = beside(dev, ready, need, w.duration_ns)
+        let ready = now_ns().max(not_before_ns);
+        let need = ((share.clamp(0.0, 1.0) * FULL as f64).ceil() as u64).max(1);
+        let prev = dev.last_owner.swap(me.owner(), AcqRel);
+        if prev == me.owner()
+            && let Some((start, end)) = beside(dev, ready, need, duration_ns)
         {
-            self.record(dev, owner, start, end);
+            self.record(dev, me.owner(), start, end);
             return (start, end);
         }
-        let switch = if prev != owner {
+        let switch = if prev != me.owner() {
             self.node().context_switch_ns
         } else {
             0
         };
-        let busy = dev.busy_until.load(Acquire);
-        let start = if busy > ready { busy + switch } else { ready };
-        let end = start + w.duration_ns;
-        dev.busy_until.store(end, Release);
+        let mut start = 0;
+        let mut end = 0;
+        let _ = dev.busy_until.fetch_update(AcqRel, Acquire, |busy| {
+            start = if busy > ready { busy + switch } else { ready };
+            end = start + duration_ns;
+            Some(end)
+        });
         dev.group_start.store(start, Release);
         dev.group_room.store(FULL.saturating_sub(need), Release);
-        self.record(dev, owner, start, end);
+        self.record(dev, me.owner(), start, end);
         (start, end)
     }
 
@@ -281,8 +251,7 @@ mod tests {
         assert_ne!(ma.owner(), mb.owner());
         let switch = a.node().context_switch_ns;
         assert!(switch > 0);
-        // Shorter than a timeslice: the other process waits for its end.
-        let (_, e1) = a.launch(ma, 0, 1_000_000, 0);
+        let (_, e1) = a.launch(ma, 0, 5_000_000, 0);
         let (s2, e2) = b.launch(mb, 0, 1_000_000, 0);
         assert_eq!(s2, e1 + switch, "behind another context: a switch first");
         let (s3, _) = b.launch(mb, 0, 1_000_000, 0);
