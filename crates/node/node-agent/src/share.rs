@@ -166,21 +166,13 @@ impl Shares {
         if s.whole {
             return Ok(dir);
         }
-        let qos = self.qos(s).map_err(|source| ShareError::Serve {
-            dir: dir.clone(),
-            source,
-        });
-        let served = qos.and_then(|qos| {
+        let served = self.qos(s).and_then(|qos| {
             self.registry
                 .serve_share(&s.id, &dir, &s.owner, &s.slot, ledgers, qos)
-                .map_err(|source| ShareError::Serve {
-                    dir: dir.clone(),
-                    source,
-                })
         });
-        if let Err(e) = served {
+        if let Err(source) = served {
             self.vm.remove(&s.owner, &s.slot);
-            return Err(e);
+            return Err(ShareError::Serve { dir, source });
         }
         Ok(dir)
     }
@@ -207,20 +199,6 @@ impl Shares {
             page,
             file,
         }))
-    }
-
-    /// Each GPU's batch launch time held and holds (for metrics), by UUID.
-    pub fn qos_held(&self) -> Vec<(String, u64, u64)> {
-        let pages = self.pages.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut v: Vec<_> = pages
-            .iter()
-            .map(|(uuid, (p, _))| {
-                let (ns, holds) = p.held();
-                (uuid.clone(), ns, holds)
-            })
-            .collect();
-        v.sort();
-        v
     }
 
     /// Stops the share's socket and removes its directory, unless `reopened`
