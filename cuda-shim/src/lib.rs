@@ -102,6 +102,7 @@ pub mod devices;
 pub mod graph;
 pub mod init;
 pub mod launch;
+pub mod lending;
 pub mod log;
 pub mod mem;
 pub mod nvml;

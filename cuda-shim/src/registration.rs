@@ -50,6 +50,9 @@ pub struct Held {
     /// reservation is checked against. Never the ledger's header word,
     /// which any process of the container can write.
     pub quota: u64,
+    /// What a borrower may hold above `quota` by asking the manager
+    /// (`crate::lending`); 0: it never borrows.
+    pub limit: u64,
     file_id: (u64, u64),
     /// Kept open for the life of the attachment: a restarted manager takes
     /// the live ledger back from a registered process's descriptors
@@ -62,6 +65,9 @@ pub struct Held {
 pub struct Attach {
     pub gpus: Vec<Held>,
     pub host_pid: i32,
+    /// The manager takes lent memory back for an allocation within the
+    /// quota that fails for memory.
+    pub reclaim: bool,
 }
 
 impl Attach {
@@ -87,6 +93,8 @@ pub struct Proc {
     /// Bytes this process holds on each GPU of the share (what its slot in
     /// that GPU's ledger should say).
     pub local_used: Box<[AtomicU64]>,
+    /// Memory requests on the registration connection.
+    pub chan: crate::lending::Chan,
 }
 
 static PROC: AtomicPtr<Proc> = AtomicPtr::new(std::ptr::null_mut());
@@ -133,6 +141,7 @@ impl Proc {
             local_used: (0..config::enforce().map_or(1, |e| e.gpus()))
                 .map(|_| AtomicU64::new(0))
                 .collect(),
+            chan: Default::default(),
         }
     }
 
@@ -271,6 +280,7 @@ impl Proc {
                 ledger,
                 slot,
                 quota: quotas.get(i).copied().unwrap_or(0),
+                limit: if i == 0 { resp.memory_limit } else { 0 },
                 file_id: file_id(&fd),
                 _fd: fd,
             });
@@ -300,6 +310,7 @@ impl Proc {
         *w = Some(Attach {
             gpus,
             host_pid: resp.host_pid,
+            reclaim: resp.reclaim,
         });
         crate::qos::on_register(qos.0, qos.1);
         Ok(())

@@ -30,11 +30,28 @@ pub fn virtual_mem_on(gpu: usize, real_free: u64, real_total: u64) -> (u64, u64)
     let _ = p.ensure_registered();
     crate::mem::measure_if_stale();
     let guard = p.attach();
-    let (quota, used) = match guard.as_ref() {
-        Some(a) => (a.gpu(gpu).quota, a.gpu(gpu).ledger.used()),
-        None => (enf.gpus[gpu.min(enf.gpus.len() - 1)].gpu_memory, 0),
+    let (quota, used, limit) = match guard.as_ref() {
+        Some(a) => {
+            let h = a.gpu(gpu);
+            (h.quota, h.ledger.used(), h.limit)
+        }
+        None => (enf.gpus[gpu.min(enf.gpus.len() - 1)].gpu_memory, 0, 0),
     };
+    drop(guard);
+    if limit > quota {
+        return borrower_view(limit, used, real_free, real_total);
+    }
     clamp_view(quota, used, real_free, real_total)
+}
+
+/// A borrower sees its limit as the card and, free, what the manager says
+/// it may still take (its quota's rest and what is left to lend); its
+/// quota's rest alone if the manager does not answer.
+#[cold]
+fn borrower_view(limit: u64, used: u64, real_free: u64, real_total: u64) -> (u64, u64) {
+    let total = limit.min(real_total);
+    let may = crate::lending::available().unwrap_or(0);
+    (may.min(real_free).min(total.saturating_sub(used)), total)
 }
 
 /// Pure part of [`virtual_mem`].
@@ -44,6 +61,22 @@ pub fn clamp_view(quota: u64, used: u64, real_free: u64, real_total: u64) -> (u6
     (free, total)
 }
 
+/// The card's size as the share sees it on GPU `gpu`: its limit for a
+/// borrower, else its quota (no question to the manager).
+fn total_on(gpu: usize, real_total: u64) -> u64 {
+    let Some(enf) = config::enforce() else {
+        return real_total;
+    };
+    let p = proc();
+    let _ = p.ensure_registered();
+    let guard = p.attach();
+    let quota = match guard.as_ref() {
+        Some(a) => a.gpu(gpu).quota.max(a.gpu(gpu).limit),
+        None => enf.gpus[gpu.min(enf.gpus.len() - 1)].gpu_memory,
+    };
+    quota.min(real_total)
+}
+
 /// The quota as device `dev`'s total memory (a device outside the share
 /// is shown as it is: its contexts are refused).
 pub fn virtual_total(dev: i32, real_total: u64) -> u64 {
@@ -51,7 +84,7 @@ pub fn virtual_total(dev: i32, real_total: u64) -> u64 {
         return real_total;
     }
     match crate::devices::record(dev) {
-        Ok(gpu) => virtual_mem_on(gpu, real_total, real_total).1,
+        Ok(gpu) => total_on(gpu, real_total),
         Err(_) => real_total,
     }
 }

@@ -13,7 +13,7 @@
 //! each other nor this module.
 
 use crate::log::log;
-use crate::{mem, registration, throttle};
+use crate::{lending, mem, registration, throttle};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -50,6 +50,7 @@ pub fn watching() -> bool {
 /// process; a fork child's flag is reset with its state).
 fn start(sock: UnixStream) {
     SOCK_FD.store(sock.as_raw_fd(), Ordering::Release);
+    lending::set_conn(Some(&sock));
     let r = std::thread::Builder::new()
         .name("vcuda-watcher".into())
         .spawn(move || watch(sock));
@@ -70,6 +71,7 @@ fn forget() {
         // SAFETY: our copy of the connection's descriptor, closed once (swapped out).
         unsafe { libc::close(fd) };
     }
+    lending::after_fork_child();
     WATCHING.store(false, Ordering::Release);
     throttle::after_fork_child();
 }
@@ -99,23 +101,17 @@ fn watch(mut sock: UnixStream) {
         if n <= 0 {
             continue;
         }
-        // The manager sends nothing yet: data is read and dropped; EOF or
-        // an error means it went away.
-        let mut buf = [0u8; 512];
-        // SAFETY: reads into our own buffer, at most its length.
-        let r = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if r > 0 {
-            continue;
-        }
-        if r < 0 {
-            let e = std::io::Error::last_os_error();
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
-            ) {
+        // The manager sends only answers to memory requests; EOF or an
+        // error means it went away.
+        match read_frame(&mut sock) {
+            Ok(body) => {
+                lending::deliver(&body);
                 continue;
             }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => {}
         }
+        lending::set_conn(None);
         log!(
             Warn,
             "the GPU manager closed the connection; re-registering"
@@ -124,7 +120,23 @@ fn watch(mut sock: UnixStream) {
         drop(sock);
         sock = reconnect(my_proc);
         SOCK_FD.store(sock.as_raw_fd(), Ordering::Release);
+        lending::set_conn(Some(&sock));
     }
+}
+
+/// One frame (4-byte big-endian length, then the body), the manager's
+/// whole write; a length over the protocol's limit is an error.
+fn read_frame(sock: &mut UnixStream) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut len = [0u8; 4];
+    sock.read_exact(&mut len)?;
+    let len = u32::from_be_bytes(len) as usize;
+    if len > vcuda_api::vcuda::frame::MAX_FRAME {
+        return Err(std::io::Error::other(format!("a frame of {len} bytes")));
+    }
+    let mut body = vec![0u8; len];
+    sock.read_exact(&mut body)?;
+    Ok(body)
 }
 
 /// Reconnects until the manager is back, keeping the ledger slot; the

@@ -125,7 +125,7 @@ fn settle(ps: &mut Pools, pool: Pool) {
 pub(crate) fn alloc(
     bytes: u64,
     pool: Option<Pool>,
-    call: impl FnOnce() -> CUresult,
+    mut call: impl FnMut() -> CUresult,
     key: impl FnOnce() -> u64,
     undo: impl FnOnce(u64),
 ) -> CUresult {

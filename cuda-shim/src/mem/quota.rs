@@ -112,12 +112,42 @@ pub(crate) fn try_take(a: &Attach, gpu: usize, bytes: u64, what: &str) -> Result
     }
     let h = a.gpu(gpu);
     if let Err(over) = h.ledger.try_reserve_within(h.slot, bytes, h.quota) {
-        log!(Info, "{what} refused: {over}");
-        h.ledger.count_refused_allocation();
-        return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        // Above the quota a borrower asks the manager, which reserves in
+        // our slot only from memory no share is guaranteed.
+        if h.limit <= h.quota || !crate::lending::borrow(bytes) {
+            log!(Info, "{what} refused: {over}");
+            h.ledger.count_refused_allocation();
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
     }
     proc().used_on(gpu).fetch_add(bytes, Ordering::AcqRel);
     Ok(())
+}
+
+/// Allocations the driver refuses for memory while the share is within
+/// its quota: the manager may have lent that memory out. Asks it back and
+/// calls again while the ended borrowers' memory returns.
+#[cold]
+fn reclaim_and_retry(
+    a: &Attach,
+    gpu: usize,
+    bytes: u64,
+    call: &mut impl FnMut() -> CUresult,
+) -> CUresult {
+    let h = a.gpu(gpu);
+    if !a.reclaim || gpu != 0 || h.ledger.used() > h.quota || !crate::lending::reclaim(bytes) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    // The driver frees a dead process's memory as it tears it down.
+    let mut r = call();
+    for _ in 0..200 {
+        if r != CUDA_ERROR_OUT_OF_MEMORY {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        r = call();
+    }
+    r
 }
 
 /// Runs `call` under a reservation of `bytes`; `key` names the new
@@ -126,7 +156,7 @@ pub(crate) fn try_take(a: &Attach, gpu: usize, bytes: u64, what: &str) -> Result
 pub(crate) fn alloc(
     bytes: u64,
     kind: Kind,
-    call: impl FnOnce() -> CUresult,
+    call: impl FnMut() -> CUresult,
     key: impl FnOnce() -> u64,
 ) -> CUresult {
     alloc_sized(On::Current, bytes, kind, call, || (key(), bytes), |_| {})
@@ -138,7 +168,7 @@ pub(crate) fn alloc_on(
     on: On,
     bytes: u64,
     kind: Kind,
-    call: impl FnOnce() -> CUresult,
+    call: impl FnMut() -> CUresult,
     key: impl FnOnce() -> u64,
 ) -> CUresult {
     alloc_sized(on, bytes, kind, call, || (key(), bytes), |_| {})
@@ -152,7 +182,7 @@ pub(crate) fn alloc_sized(
     on: On,
     estimate: u64,
     kind: Kind,
-    call: impl FnOnce() -> CUresult,
+    mut call: impl FnMut() -> CUresult,
     result: impl FnOnce() -> (u64, u64),
     undo: impl FnOnce(u64),
 ) -> CUresult {
@@ -172,7 +202,10 @@ pub(crate) fn alloc_sized(
         if let Err(e) = try_take(a, gpu, estimate, "allocation") {
             return e;
         }
-        let r = call();
+        let mut r = call();
+        if r == CUDA_ERROR_OUT_OF_MEMORY {
+            r = reclaim_and_retry(a, gpu, estimate, &mut call);
+        }
         if r != CUDA_SUCCESS {
             give_back(Some(a), gpu, estimate);
             return r;

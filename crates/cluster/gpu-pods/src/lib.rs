@@ -28,6 +28,11 @@ pub const VCUDA_TIER: &str = "tencent.com/vcuda-tier";
 /// vcuda creates none, a class's value is a scheduling decision).
 pub const LATENCY_PRIORITY_CLASS: &str = "vcuda-latency";
 pub const BATCH_PRIORITY_CLASS: &str = "vcuda-batch";
+/// Memory a one-GPU share may borrow up to, above its `vcuda-memory`
+/// (a quantity: `12Gi`; docs/qos.md, "Memory"): extended resources must
+/// have requests equal to limits, so the limit rides on the pod. It
+/// applies to each sharing container of the pod.
+pub const VCUDA_MEMORY_LIMIT: &str = "tencent.com/vcuda-memory-limit";
 /// JSON map container name -> number of GPUs its share spans
 /// (docs/multi-gpu.md); containers it does not name span one.
 pub const VCUDA_GPUS: &str = "tencent.com/vcuda-gpus";

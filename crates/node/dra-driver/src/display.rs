@@ -123,6 +123,8 @@ impl DisplaySource for DraSource {
                     throttled_seconds: counters.map(|c| c.throttled_ns as f64 / 1e9),
                     refused_allocations: counters.map(|c| c.refused_allocations),
                     compute_unattributed: counters.map(|c| c.compute_unattributed),
+                    memory_borrowed_bytes: counters.map(|c| c.borrowed_bytes),
+                    memory_reclaims: counters.map(|c| c.reclaims),
                     user: String::new(),
                     cluster: String::new(),
                     vm_dir: reg.dir(&id),

@@ -309,6 +309,8 @@ impl Driver {
                     memory_bytes: d.memory_bytes,
                     cores: d.cores,
                     limit: d.soft_limit.unwrap_or(d.cores),
+                    // Inside a MIG device nothing is lent (no limits there).
+                    card_bytes: if d.mig.is_some() { 0 } else { gpu.memory_bytes },
                 })
             })
             .collect::<Result<_, ClaimFailure>>()?;
@@ -322,6 +324,7 @@ impl Driver {
             gpus,
             // The planner gives every device of a claim its one config's tier.
             tier: devices.first().map(|d| d.tier).unwrap_or_default(),
+            memory_limit: devices.first().and_then(|d| d.memory_limit),
         })
     }
 

@@ -97,6 +97,7 @@ mod tests {
             memory_bytes: 0,
             soft_limit: None,
             tier: Default::default(),
+            memory_limit: None,
             whole: mig.is_some(),
             share_id: None,
             mig: mig.map(|u| PlannedMig {

@@ -30,6 +30,10 @@ pub struct GpuConfig {
     pub exclusive: Option<bool>,
     #[serde(default)]
     pub tier: Option<String>,
+    /// Memory the share may borrow up to, above its capacity (a quantity:
+    /// `12Gi`); docs/qos.md, "Memory".
+    #[serde(default)]
+    pub memory_limit: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -65,7 +69,18 @@ impl GpuConfig {
         if let Some(t) = &c.tier {
             Tier::parse(t).map_err(|e| invalid(e.to_string()))?;
         }
+        c.memory_limit()?;
         Ok(c)
+    }
+
+    /// The memory limit in bytes, if it names one.
+    pub fn memory_limit(&self) -> Result<Option<u64>, ParamsError> {
+        self.memory_limit
+            .as_deref()
+            .map(|q| {
+                crate::quantity::parse(q).map_err(|e| invalid(format!("memoryLimit {q:?}: {e}")))
+            })
+            .transpose()
     }
 
     /// The tier it names (checked by [`GpuConfig::parse`]), plain if none.
@@ -82,6 +97,7 @@ impl GpuConfig {
             core_limit: other.core_limit.or(self.core_limit),
             exclusive: other.exclusive.or(self.exclusive),
             tier: other.tier.or(self.tier),
+            memory_limit: other.memory_limit.or(self.memory_limit),
             ..other
         }
     }
@@ -118,6 +134,15 @@ mod tests {
             (merged.exclusive, merged.core_limit),
             (Some(true), Some(60))
         );
+    }
+
+    #[test]
+    fn a_memory_limit_is_a_quantity() {
+        let with = |q: &str| json!({"apiVersion": API_VERSION, "kind": KIND, "memoryLimit": q});
+        let c = GpuConfig::parse(&with("12Gi")).unwrap();
+        assert_eq!(c.memory_limit().unwrap(), Some(12 << 30));
+        let e = GpuConfig::parse(&with("lots")).unwrap_err().to_string();
+        assert!(e.contains("memoryLimit \"lots\""), "{e}");
     }
 
     #[test]

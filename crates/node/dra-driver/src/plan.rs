@@ -31,6 +31,10 @@ pub struct PlannedDevice {
     /// The share's compute tier (`tier`); absent when plain.
     #[serde(default, skip_serializing_if = "Tier::is_plain")]
     pub tier: Tier,
+    /// Memory it may borrow up to, above `memory_bytes` (`memoryLimit`);
+    /// absent when none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_limit: Option<u64>,
     /// The whole GPU with the untouched driver (no interposer).
     pub whole: bool,
     pub share_id: Option<String>,
@@ -168,6 +172,20 @@ pub enum Refusal {
     },
     #[error("has no devices of {} allocated", DRIVER_NAME)]
     NoDevices,
+    #[error("request {request:?}: memoryLimit {limit} applies to one-GPU shares, not to {on}")]
+    MemoryLimitNotHere {
+        request: String,
+        limit: u64,
+        on: &'static str,
+    },
+    #[error(
+        "request {request:?}: memoryLimit {limit} is below the {memory} bytes of memory consumed"
+    )]
+    MemoryLimitBelow {
+        request: String,
+        limit: u64,
+        memory: u64,
+    },
     #[error(
         "{device} is allocated twice (requests {first:?} and {second:?}); ask for more capacity in one request"
     )]
@@ -306,6 +324,7 @@ fn plan_device(
         memory_bytes: memory,
         soft_limit: soft_limit(config.core_limit, whole, cores, request)?,
         tier: if whole { Tier::Plain } else { config.tier() },
+        memory_limit: memory_limit(&config, whole, memory, request)?,
         whole,
         share_id: r.share_id.clone(),
         mig: None,
@@ -338,6 +357,16 @@ fn plan_mig_share(
         memory_bytes: memory,
         soft_limit: soft_limit(config.core_limit, false, cores, &r.request)?,
         tier: config.tier(),
+        memory_limit: match config.memory_limit()? {
+            Some(limit) => {
+                return Err(Refusal::MemoryLimitNotHere {
+                    request: r.request.clone(),
+                    limit,
+                    on: "a share inside a MIG device",
+                });
+            }
+            None => None,
+        },
         whole: false,
         ..whole_mig(r, parent, m)
     })
@@ -390,6 +419,7 @@ fn whole_mig(r: &DeviceRequestAllocationResult, parent: &GpuInfo, m: &MigDevice)
         memory_bytes: m.memory_bytes,
         soft_limit: None,
         tier: Tier::Plain,
+        memory_limit: None,
         whole: true,
         share_id: r.share_id.clone(),
         mig: Some(PlannedMig {
@@ -486,11 +516,45 @@ fn soft_limit(
     }
 }
 
+/// A share's memory limit (`memoryLimit`): above what it consumed; none
+/// for whole GPUs. Equal to it: no limit.
+fn memory_limit(
+    config: &crate::params::GpuConfig,
+    whole: bool,
+    memory: u64,
+    request: &str,
+) -> Result<Option<u64>, Refusal> {
+    match config.memory_limit()? {
+        Some(limit) if whole => Err(Refusal::MemoryLimitNotHere {
+            request: request.to_string(),
+            limit,
+            on: "a whole GPU",
+        }),
+        Some(limit) if limit < memory => Err(Refusal::MemoryLimitBelow {
+            request: request.to_string(),
+            limit,
+            memory,
+        }),
+        Some(l) if l == memory => Ok(None),
+        l => Ok(l),
+    }
+}
+
 /// What the claim's devices must be together: at least one, each once,
-/// and shares only beside shares.
+/// and shares only beside shares (a memory limit only on a claim's only
+/// share).
 fn check_together(out: &[PlannedDevice]) -> Result<(), Refusal> {
     if out.is_empty() {
         return Err(Refusal::NoDevices);
+    }
+    if out.len() > 1
+        && let Some(d) = out.iter().find(|d| d.memory_limit.is_some())
+    {
+        return Err(Refusal::MemoryLimitNotHere {
+            request: d.request.clone(),
+            limit: d.memory_limit.unwrap_or_default(),
+            on: "a share on several GPUs",
+        });
     }
     for (i, d) in out.iter().enumerate() {
         if let Some(e) = out[..i].iter().find(|e| e.device == d.device) {

@@ -17,6 +17,7 @@ fn today() -> Checkpoint {
         memory_bytes: 8 << 30,
         soft_limit: Some(60),
         tier: Default::default(),
+        memory_limit: None,
         whole: false,
         share_id: Some(format!("claim-uid-1-{i}")),
         mig: None,

@@ -366,6 +366,8 @@ struct ContainerGauges {
     throttled: CounterVec,
     refused: CounterVec,
     unattributed: GaugeVec,
+    borrowed: GaugeVec,
+    reclaims: CounterVec,
 }
 
 impl ContainerGauges {
@@ -415,6 +417,18 @@ impl ContainerGauges {
                 "1 while the interposer's compute quota cannot attribute NVML samples to the container (PID namespace, MPS, MIG) and holds it by a fallback.",
                 C,
             ),
+            borrowed: gauge(
+                r,
+                "vcuda_container_memory_borrowed_bytes",
+                "GPU memory the container holds above its memory quota, lent from memory no share is guaranteed.",
+                C,
+            ),
+            reclaims: counter(
+                r,
+                "vcuda_container_memory_reclaims_total",
+                "The container's processes ended to give borrowed GPU memory back to a guaranteed allocation.",
+                C,
+            ),
         }
     }
 
@@ -454,6 +468,12 @@ impl ContainerGauges {
         }
         if let Some(n) = c.refused_allocations {
             self.refused.with_label_values(&cl).inc_by(n as f64);
+        }
+        if let Some(b) = c.memory_borrowed_bytes {
+            self.borrowed.with_label_values(&cl).set(b as f64);
+        }
+        if let Some(n) = c.memory_reclaims {
+            self.reclaims.with_label_values(&cl).inc_by(n as f64);
         }
         if let Some(b) = c.compute_unattributed {
             self.unattributed

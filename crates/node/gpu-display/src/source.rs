@@ -108,6 +108,13 @@ pub struct ContainerView {
     /// attribute NVML's samples to the container (and has fallen back).
     #[serde(default)]
     pub compute_unattributed: Option<bool>,
+    /// From the ledger: bytes held above the memory quota (a share with a
+    /// memory limit above it borrows them; docs/qos.md).
+    #[serde(default)]
+    pub memory_borrowed_bytes: Option<u64>,
+    /// Its processes ended to give borrowed memory back.
+    #[serde(default)]
+    pub memory_reclaims: Option<u64>,
     /// `ContainerStat.user` of the display API (the original read the
     /// `SUBMITTER` env of the pod).
     #[serde(default)]

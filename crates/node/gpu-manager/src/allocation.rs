@@ -29,6 +29,10 @@ pub struct Allocation {
     /// docs/qos.md). Absent in the checkpoint when plain.
     #[serde(default, skip_serializing_if = "Tier::is_plain")]
     pub tier: Tier,
+    /// Memory it may borrow up to (`tencent.com/vcuda-memory-limit`,
+    /// docs/qos.md), above its quota; absent in the checkpoint when none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_ceiling: Option<u64>,
     /// The advertised IDs kubelet passed to Allocate.
     pub vcore_ids: Vec<String>,
     #[serde(default)]

@@ -632,6 +632,7 @@ pub(crate) fn sample_share(uid: &str, gpu: usize) -> Allocation {
         },
         soft_limit: None,
         tier: Default::default(),
+        memory_ceiling: None,
         vcore_ids: vec!["vcore-0-00".into()],
         vmemory_ids: vec![],
         verified: false,

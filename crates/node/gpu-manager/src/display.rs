@@ -106,6 +106,8 @@ impl DisplaySource for ManagerSource {
                     throttled_seconds: counters.map(|c| c.throttled_ns as f64 / 1e9),
                     refused_allocations: counters.map(|c| c.refused_allocations),
                     compute_unattributed: counters.map(|c| c.compute_unattributed),
+                    memory_borrowed_bytes: counters.map(|c| c.borrowed_bytes),
+                    memory_reclaims: counters.map(|c| c.reclaims),
                     pod_uid: a.pod_uid,
                     pod_name: a.pod_name,
                     namespace: a.namespace,

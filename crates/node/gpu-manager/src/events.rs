@@ -37,6 +37,9 @@ pub const WRONG_POD_GUESS: &str = "VcudaWrongPodGuess";
 /// The escape guard saw GPU use the interposer did not (gpu-display's
 /// `guard`): a process that never registered, a share over its quota.
 pub const ESCAPE: &str = "VcudaEscape";
+/// A borrower's process was ended to give its borrowed GPU memory back to a
+/// guaranteed allocation (docs/qos.md, "Memory").
+pub const MEMORY_RECLAIMED: &str = "VcudaMemoryReclaimed";
 const CONTROLLER: &str = "tencent.com/gpu-manager";
 const REPEAT_AFTER: Duration = Duration::from_secs(60);
 const MAX_NOTE: usize = 1024;

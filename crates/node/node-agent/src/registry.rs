@@ -27,11 +27,15 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
 use vcuda_api::vcuda::frame::{PROTOCOL_VERSION, PROTOCOL_VERSION_MULTI_GPU};
 
-use budget::{Allowance, LogBudget, MAX_CONNS, MAX_CONNS_PER_PID, MAX_REQUEST, MAX_TRAILING};
+use budget::{Allowance, LogBudget, MAX_CONNS, MAX_CONNS_PER_PID, MAX_REQUEST};
 
 pub mod budget;
+pub mod memory;
+pub use memory::{LedgerGpu, ReclaimSink, Reclaimed, ShareMemory};
 use qos_page::{Holder, QosPage, Tier};
-use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, register_response::Status};
+use vcuda_api::vcuda::{
+    MemoryRequest, MemoryResponse, RegisterRequest, RegisterResponse, register_response::Status,
+};
 
 // Locks here guard maps changed by single inserts and removes: a panic
 // elsewhere cannot leave them half-changed, so a poisoned lock is taken over.
@@ -71,6 +75,17 @@ struct Procs {
     qos: Option<ShareQos>,
     /// host PID -> its latency slot in that page.
     holders: Mutex<HashMap<i32, Holder>>,
+    /// Guarantees and limit, for lending ([`memory`]).
+    memory: ShareMemory,
+    /// Its processes ended to give borrowed memory back.
+    reclaims: std::sync::atomic::AtomicU64,
+}
+
+/// What a share is served with besides its ledgers.
+#[derive(Clone, Default)]
+pub struct ShareExtras {
+    pub qos: Option<ShareQos>,
+    pub memory: ShareMemory,
 }
 
 /// A share's compute tier and the QoS page of its GPU (docs/qos.md), handed
@@ -178,6 +193,39 @@ impl Procs {
             .collect()
     }
 
+    /// The process's slot in the first ledger.
+    fn slot_of(&self, pid: i32) -> Option<usize> {
+        let pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
+        pids.get(&pid)?.1.as_ref()?.first().copied()
+    }
+
+    fn registered(&self, pid: i32) -> bool {
+        let pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
+        pids.contains_key(&pid)
+    }
+
+    /// The process holding the most in ledger `ledger`, and how much.
+    fn largest_process(&self, ledger: usize) -> Option<(i32, u64)> {
+        let (l, _) = self.ledgers.get(ledger)?;
+        l.slots().max_by_key(|s| s.used).map(|s| (s.pid, s.used))
+    }
+
+    /// Drops an exited process at once (what its connection's close does,
+    /// for a reclaim that cannot wait for it).
+    fn forget(&self, pid: i32) {
+        let mut pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, slots)) = pids.remove(&pid) {
+            self.release_qos(pid);
+            if let Some(s) = slots {
+                self.clear(&s);
+            }
+            self.write_pids(&pids);
+        }
+        for (l, _) in &self.ledgers {
+            l.reclaim_dead(|p| p != pid);
+        }
+    }
+
     /// A latency-tier process's slot in its GPU's QoS page, claimed once per
     /// process; `None` for other tiers or when the page's slots are taken.
     fn qos_slot(&self, pid: i32) -> Option<Holder> {
@@ -271,11 +319,17 @@ pub struct LedgerCounters {
     /// The compute controller cannot attribute NVML samples to the
     /// container (`Ledger::compute_unattributed`, non-zero).
     pub compute_unattributed: bool,
+    /// Bytes held above its memory quota (borrowed, for a share with a
+    /// limit above it).
+    pub borrowed_bytes: u64,
+    /// Its processes ended to give borrowed memory back.
+    pub reclaims: u64,
 }
 
 #[derive(Clone, Default)]
 pub struct Registry {
     endpoints: Arc<Mutex<HashMap<String, Endpoint>>>,
+    lending: Arc<memory::Lending>,
 }
 
 impl Registry {
@@ -306,12 +360,27 @@ impl Registry {
         container: &str,
         ledgers: Vec<(Ledger, File)>,
     ) -> std::io::Result<()> {
-        self.serve_share(id, dir, pod_uid, container, ledgers, None)
+        self.serve_share(id, dir, pod_uid, container, ledgers, ShareExtras::default())
+    }
+
+    /// Where reclaims of borrowed memory are reported (the daemon's Events).
+    pub fn on_reclaim(&self, sink: ReclaimSink) {
+        self.lending.on_reclaim(sink);
+    }
+
+    fn shares(&self) -> Vec<Arc<Procs>> {
+        self.endpoints
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .map(|e| e.procs.clone())
+            .collect()
     }
 
     /// [`Registry::serve_gpus`] with the share's compute tier and its GPU's
     /// QoS page, which every registering process of a one-GPU share gets
-    /// (latency-tier ones with a slot in it).
+    /// (latency-tier ones with a slot in it), and its memory guarantees and
+    /// limit.
     pub fn serve_share(
         &self,
         id: &str,
@@ -319,10 +388,10 @@ impl Registry {
         pod_uid: &str,
         container: &str,
         ledgers: Vec<(Ledger, File)>,
-        qos: Option<ShareQos>,
+        extras: ShareExtras,
     ) -> std::io::Result<()> {
         self.stop(id);
-        let qos = qos.filter(|_| ledgers.len() == 1);
+        let qos = extras.qos.filter(|_| ledgers.len() == 1);
         let sock = dir.join(quota_config::SOCKET_FILE);
         let _ = std::fs::remove_file(&sock);
         let listener = UnixListener::bind(&sock)?;
@@ -348,10 +417,12 @@ impl Registry {
             logs: LogBudget::default(),
             qos,
             holders: Mutex::new(HashMap::new()),
+            memory: extras.memory,
+            reclaims: Default::default(),
         });
         procs.prune();
         let cancel = CancellationToken::new();
-        let (c, p) = (cancel.clone(), procs.clone());
+        let (c, p, reg) = (cancel.clone(), procs.clone(), self.clone());
         tokio::spawn(async move {
             loop {
                 let conn = tokio::select! {
@@ -367,10 +438,10 @@ impl Registry {
                             }
                             continue;
                         };
-                        let c = c.clone();
+                        let (c, reg) = (c.clone(), reg.clone());
                         tokio::spawn(async move {
                             let p = &guard.0;
-                            if let Err(e) = handle(stream, p, &c).await
+                            if let Err(e) = handle(stream, p, &reg, &c).await
                                 && let Allowance::Log { dropped } = p.logs.take()
                             {
                                 tracing::warn!(container = %p.container, error = %e, dropped,
@@ -450,11 +521,18 @@ impl Registry {
             .endpoints
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let ledgers = &eps.get(id)?.procs.ledgers;
+        let procs = &eps.get(id)?.procs;
+        let ledgers = &procs.ledgers;
         if ledgers.is_empty() {
             return None;
         }
+        let borrowed_bytes = match procs.memory.gpus.as_slice() {
+            [g] => ledgers[0].0.used().saturating_sub(g.guarantee),
+            _ => 0,
+        };
         Some(LedgerCounters {
+            borrowed_bytes,
+            reclaims: procs.reclaims.load(Ordering::Relaxed),
             throttled_ns: ledgers.iter().map(|(l, _)| l.throttled_ns()).sum(),
             refused_allocations: ledgers.iter().map(|(l, _)| l.refused_allocations()).sum(),
             compute_unattributed: ledgers.iter().any(|(l, _)| l.compute_unattributed() != 0),
@@ -474,17 +552,7 @@ impl Registry {
 }
 
 async fn read_request(stream: &mut UnixStream) -> std::io::Result<RegisterRequest> {
-    let mut len = [0u8; 4];
-    stream.read_exact(&mut len).await?;
-    let len = u32::from_be_bytes(len) as usize;
-    if len > MAX_REQUEST {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("a request of {len} bytes; at most {MAX_REQUEST} are accepted"),
-        ));
-    }
-    let mut body = vec![0u8; len];
-    stream.read_exact(&mut body).await?;
+    let body = read_frame(stream).await?;
     RegisterRequest::decode(body.as_slice()).map_err(|e| {
         std::io::Error::new(
             std::io::ErrorKind::InvalidData,
@@ -530,7 +598,8 @@ fn version_problem(version: u32, gpus: usize) -> Option<String> {
 
 async fn handle(
     mut stream: UnixStream,
-    procs: &Procs,
+    procs: &Arc<Procs>,
+    reg: &Registry,
     cancel: &CancellationToken,
 ) -> std::io::Result<()> {
     let cred = stream.peer_cred()?;
@@ -551,7 +620,7 @@ async fn handle(
         return r;
     }
     if r.is_ok() {
-        hold(&mut stream, procs, pid, cancel).await;
+        hold(&mut stream, procs, reg, pid, cancel).await;
     }
     if !cancel.is_cancelled() {
         procs.drop_conn(pid);
@@ -630,6 +699,8 @@ async fn answer(
         qos_tier: qos.map_or(0, |q| q.tier.wire()),
         qos_page: qos.is_some(),
         qos_slot: qos_slot.map(|h| h.slot as u32),
+        memory_limit: procs.memory.borrow_limit().unwrap_or(0),
+        reclaim: procs.memory.gpus.len() == 1 && !slots.is_empty(),
         ledger_slot: slots.first().map(|&s| s as u32),
         ledger_slots: if req.protocol_version == PROTOCOL_VERSION {
             Vec::new()
@@ -649,29 +720,74 @@ async fn answer(
 }
 
 /// Holds a registered connection until the process is gone (EOF) or the
-/// endpoint stops. The interposer sends nothing after its request: a
-/// client that streams more than [`MAX_TRAILING`] bytes is cut off.
-async fn hold(stream: &mut UnixStream, procs: &Procs, pid: i32, cancel: &CancellationToken) {
-    let mut buf = [0u8; 256];
-    let mut trailing = 0usize;
+/// endpoint stops, answering its memory requests ([`memory`]). A frame
+/// over [`MAX_REQUEST`] bytes or one that fails to read ends the
+/// connection; one that does not decode is refused by name.
+async fn hold(
+    stream: &mut UnixStream,
+    procs: &Arc<Procs>,
+    reg: &Registry,
+    pid: i32,
+    cancel: &CancellationToken,
+) {
     loop {
-        tokio::select! {
+        let body = tokio::select! {
             _ = cancel.cancelled() => return,
-            n = stream.read(&mut buf) => match n {
-                Ok(0) | Err(_) => return,
-                Ok(n) => {
-                    trailing += n;
-                    if trailing > MAX_TRAILING {
-                        if let Allowance::Log { dropped } = procs.logs.take() {
-                            tracing::warn!(pid, container = %procs.container, dropped,
-                                "registered client sent {trailing} unexpected bytes: connection closed");
-                        }
-                        return;
-                    }
+            b = read_frame(stream) => b,
+        };
+        let body = match body {
+            Ok(b) => b,
+            Err(e) => {
+                if e.kind() != std::io::ErrorKind::UnexpectedEof
+                    && let Allowance::Log { dropped } = procs.logs.take()
+                {
+                    tracing::warn!(pid, container = %procs.container, dropped,
+                        "registered client: {e}: connection closed");
                 }
+                return;
+            }
+        };
+        let resp = match MemoryRequest::decode(body.as_slice()) {
+            Ok(req) => {
+                let answer = reg.lending.answer(procs, pid, &req, || reg.shares());
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    r = answer => r,
+                }
+            }
+            Err(e) => MemoryResponse {
+                status: vcuda_api::vcuda::memory_response::Status::Refused as i32,
+                message: format!("bad MemoryRequest: {e}"),
+                ..Default::default()
             },
+        };
+        if send_memory(stream, &resp).await.is_err() {
+            return;
         }
     }
+}
+
+async fn read_frame(stream: &mut UnixStream) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).await?;
+    let len = u32::from_be_bytes(len) as usize;
+    if len > MAX_REQUEST {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a frame of {len} bytes; at most {MAX_REQUEST} are accepted"),
+        ));
+    }
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body).await?;
+    Ok(body)
+}
+
+async fn send_memory(stream: &mut UnixStream, resp: &MemoryResponse) -> std::io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let body = resp.encode_to_vec();
+    let mut frame = (body.len() as u32).to_be_bytes().to_vec();
+    frame.extend_from_slice(&body);
+    stream.write_all(&frame).await
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use qos_page::{QosPage, Tier};
 use quota_config::{GpuQuota, MultiGpuQuota, ResourceData};
 
-use crate::registry::{Registry, ShareQos};
+use crate::registry::{LedgerGpu, Registry, ShareExtras, ShareMemory, ShareQos};
 use crate::vm::{VmDirs, VmError};
 
 /// One GPU of a share, as its quota file carries it.
@@ -31,6 +31,9 @@ pub struct ShareGpu {
     pub cores: u32,
     /// Ceiling a soft share may burst to, percent (`cores` when hard).
     pub limit: u32,
+    /// The GPU's (or MIG device's) memory, bytes: what lending on it is
+    /// judged against.
+    pub card_bytes: u64,
 }
 
 /// What a share is, in neither daemon's terms.
@@ -54,6 +57,9 @@ pub struct ShareSpec {
     pub gpus: Vec<ShareGpu>,
     /// Compute tier (docs/qos.md); one-GPU shares only, others run plain.
     pub tier: Tier,
+    /// Memory it may borrow up to, above its quota (docs/qos.md, "Memory");
+    /// one-GPU shares only.
+    pub memory_limit: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +83,25 @@ impl ShareSpec {
     fn is_multi(&self) -> bool {
         let in_mig = |g: &ShareGpu| g.uuid.starts_with(quota_config::MIG_UUID_PREFIX);
         !self.whole && (self.gpus.len() >= 2 || self.gpus.iter().any(in_mig))
+    }
+
+    /// Guarantees per ledger and the borrowing limit, for the registry.
+    fn memory(&self) -> ShareMemory {
+        ShareMemory {
+            gpus: self
+                .gpus
+                .iter()
+                .map(|g| LedgerGpu {
+                    uuid: g.uuid.clone(),
+                    guarantee: g.memory_bytes,
+                    card_bytes: g.card_bytes,
+                })
+                .collect(),
+            limit: self
+                .memory_limit
+                .filter(|_| self.gpus.len() == 1)
+                .unwrap_or(0),
+        }
     }
 
     /// `vcuda.config` of a one-GPU share or of whole GPUs.
@@ -167,8 +192,12 @@ impl Shares {
             return Ok(dir);
         }
         let served = self.qos(s).and_then(|qos| {
+            let extras = ShareExtras {
+                qos,
+                memory: s.memory(),
+            };
             self.registry
-                .serve_share(&s.id, &dir, &s.owner, &s.slot, ledgers, qos)
+                .serve_share(&s.id, &dir, &s.owner, &s.slot, ledgers, extras)
         });
         if let Err(source) = served {
             self.vm.remove(&s.owner, &s.slot);

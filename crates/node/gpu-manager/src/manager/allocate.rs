@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::refusal::Refusal;
 use device_plugin::api::ContainerAllocateResponse;
-use gpu_allocator::{AllocError, ErrorKind, GpuInfo, Placement, Request};
+use gpu_allocator::{AllocError, ErrorKind, GpuInfo, MEMORY_UNIT_BYTES, Placement, Request};
 use k8s_openapi::api::core::v1::{ContainerState, ContainerStatus, Pod};
 
 use super::restore::RESEND_S;
@@ -76,6 +76,36 @@ fn soft_limit(pod: &Pod) -> Result<Option<u32>, Refusal> {
                 pods::VCORE_LIMIT
             ))
         })
+}
+
+/// The pod's memory limit (`tencent.com/vcuda-memory-limit`) for a
+/// container's request, if it has one: a quantity, for a one-GPU share,
+/// not below its memory. Equal to it: no limit.
+fn memory_ceiling(pod: &Pod, ctx: &str, req: &Request) -> Result<Option<u64>, Refusal> {
+    let Some(v) = pods::annotation(pod, pods::VCUDA_MEMORY_LIMIT) else {
+        return Ok(None);
+    };
+    let key = pods::VCUDA_MEMORY_LIMIT;
+    let bad = |why: String| Refusal::invalid(format!("{ctx}: annotation {key}={v:?} {why}"));
+    let limit = gpu_pods::integer_quantity(v)
+        .ok_or_else(|| bad("is not a quantity of bytes (12Gi, 12884901888)".into()))?;
+    if req.cores >= 100 {
+        return Err(bad("applies to shares, not to whole GPUs".into()));
+    }
+    if req.gpus > 1 {
+        return Err(bad(format!(
+            "applies to one-GPU shares; this one spans {}",
+            req.gpus
+        )));
+    }
+    let memory = req.memory_units * MEMORY_UNIT_BYTES;
+    match limit {
+        l if l < memory => Err(bad(format!(
+            "is below the container's vcuda-memory, {memory} bytes"
+        ))),
+        l if l == memory => Ok(None),
+        l => Ok(Some(l)),
+    }
 }
 
 /// Whether two lists of device IDs hold the same IDs, order aside.
@@ -413,6 +443,7 @@ impl Manager {
         let tier = pods::tier(&pod).map_err(Refusal::invalid)?;
         let ctx = format!("pod {ns}/{name} container {}", cand.container);
         let req = self.request(&ctx, &cand)?;
+        let memory_ceiling = memory_ceiling(&pod, &ctx, &req)?;
         let id = alloc_id(uid, &cand.container);
         // The watch delivered this pod after every deletion before it: free
         // those first, so the placement (and gpu-admission's, made after
@@ -438,6 +469,7 @@ impl Manager {
             placement: (&placement).into(),
             soft_limit,
             tier,
+            memory_ceiling,
             vcore_ids: device_ids,
             vmemory_ids: vec![],
             verified: false,

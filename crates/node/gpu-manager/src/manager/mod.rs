@@ -191,6 +191,7 @@ impl Manager {
             memory_bytes,
             cores,
             limit,
+            card_bytes: self.gpus[g].memory_bytes,
         };
         let gpus = match &p {
             Placement::Shares {
@@ -224,6 +225,7 @@ impl Manager {
             driver_version: self.driver_version,
             gpus,
             tier: a.tier,
+            memory_limit: a.memory_ceiling,
         }
     }
 

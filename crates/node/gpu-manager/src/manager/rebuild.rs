@@ -206,6 +206,7 @@ impl Manager {
             soft_limit: None,
             // The vm directory does not say; the pod's next Allocate would.
             tier: Default::default(),
+            memory_ceiling: None,
             vcore_ids: vec![],
             vmemory_ids: vec![],
             verified: false,

@@ -24,9 +24,6 @@ pub const MAX_CONNS: usize = container_ledger::SLOTS;
 /// Registrations one process may hold at once: one, and a few more for a
 /// reconnect racing the old connection's close.
 pub const MAX_CONNS_PER_PID: u32 = 4;
-/// Bytes a registered client may send after its request (it sends none):
-/// past this the connection is closed.
-pub const MAX_TRAILING: usize = 4096;
 
 /// Why a request is refused before anything is claimed for it.
 pub fn check_request(req: &RegisterRequest, gpus: usize) -> Result<(), String> {

@@ -187,7 +187,10 @@ async fn tiered_shares_get_their_gpus_qos_page_and_latency_a_slot() {
         "uid",
         "main",
         ledgers(&lat, 1),
-        Some(qos(Tier::Latency)),
+        ShareExtras {
+            qos: Some(qos(Tier::Latency)),
+            ..Default::default()
+        },
     )
     .unwrap();
     reg.serve_share(
@@ -196,7 +199,10 @@ async fn tiered_shares_get_their_gpus_qos_page_and_latency_a_slot() {
         "uid",
         "main",
         ledgers(&bat, 1),
-        Some(qos(Tier::Batch)),
+        ShareExtras {
+            qos: Some(qos(Tier::Batch)),
+            ..Default::default()
+        },
     )
     .unwrap();
 

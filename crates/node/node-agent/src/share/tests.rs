@@ -8,6 +8,7 @@ fn gpu(i: u8, mem_mib: u64, cores: u32) -> ShareGpu {
         memory_bytes: mem_mib << 20,
         cores,
         limit: cores,
+        card_bytes: 16 << 30,
     }
 }
 
@@ -21,6 +22,7 @@ fn spec(gpus: Vec<ShareGpu>, whole: bool) -> ShareSpec {
         driver_version: (550, 54),
         gpus,
         tier: qos_page::Tier::Plain,
+        memory_limit: None,
     }
 }
 

@@ -339,6 +339,7 @@ fn serve(sh: &Shared, mut conn: UnixStream) {
             0 => req.protocol_version,
             v => v,
         },
+        ..Default::default()
     };
     let body = prost::Message::encode_to_vec(&resp);
     let mut fds: Vec<_> = sh.ledgers.iter().map(|(_, f)| f.as_fd()).collect();
