@@ -129,7 +129,10 @@ async fn a_borrower_is_reclaimed_for_a_guaranteed_share_and_nothing_else_is_touc
         line.starts_with("pid="),
         "the guaranteed allocation: {line}"
     );
-    eprintln!("guaranteed 7 GiB allocation with one reclaim took {took:?}");
+    eprintln!(
+        "guaranteed 7 GiB: cuMemAlloc with one reclaim {} us, the process's start to its line {took:?}",
+        field(&line, "alloc_us")
+    );
     assert!(took < Duration::from_secs(10), "reclaim bounded: {took:?}");
 
     // The borrower was ended, by SIGKILL, saying why on its stderr.

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "cuda_driver.h"
 
@@ -32,10 +33,14 @@ int main(int argc, char **argv) {
   check(cuDeviceGetCount(&count), "cuDeviceGetCount");
   check(cuDeviceGet(&dev, 0), "cuDeviceGet");
   check(cuCtxCreate_v2(&ctx, 0, dev), "cuCtxCreate");
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
   check(cuMemAlloc_v2(&ptr, mib << 20), "cuMemAlloc");
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  long alloc_us = (t1.tv_sec - t0.tv_sec) * 1000000L + (t1.tv_nsec - t0.tv_nsec) / 1000;
   check(cuMemGetInfo_v2(&free_b, &total_b), "cuMemGetInfo");
-  printf("pid=%d devices=%d allocated_mib=%zu free_mib=%zu total_mib=%zu\n", (int)getpid(), count, mib,
-         free_b >> 20, total_b >> 20);
+  printf("pid=%d devices=%d allocated_mib=%zu free_mib=%zu total_mib=%zu alloc_us=%ld\n", (int)getpid(), count,
+         mib, free_b >> 20, total_b >> 20, alloc_us);
   fflush(stdout);
   char line[16];
   if (fgets(line, sizeof line, stdin) == NULL) { /* EOF: release */ }

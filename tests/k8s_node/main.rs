@@ -52,6 +52,7 @@ mod helm;
 mod host_manager;
 mod phase1;
 mod phase2;
+mod phase_memory;
 mod phase_nodes;
 mod phase_sched;
 mod phase_tp;
@@ -118,6 +119,7 @@ fn real_node_suite() {
     compile(&w, &tc.join("shim_compute.c"), "shim_compute", true);
     compile(&w, &tc.join("tp_serve.c"), "tp_serve", true);
     compile(&w, &tc.join("multi_gpu.c"), "multi_gpu", true);
+    compile(&w, &tc.join("hold_memory.c"), "hold_memory", true);
     compile(
         &w,
         &workspace_root().join("tests/k8s/c/cudart_loader.c"),
@@ -156,7 +158,7 @@ fn real_node_suite() {
     }
     if matches!(
         std::env::var("VCUDA_K8S_ONLY").as_deref(),
-        Ok("sched" | "nodes" | "live")
+        Ok("sched" | "nodes" | "live" | "memory")
     ) {
         for f in &figures {
             eprintln!("k8s_node:   {f}");
@@ -186,6 +188,12 @@ fn real_node_suite() {
 /// (while working on them).
 fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     let only = std::env::var("VCUDA_K8S_ONLY").unwrap_or_default();
+    if only == "memory" {
+        let mut m = host_manager::HostManager::start(c, w);
+        m.wait_ready(120);
+        phase_memory::run(c, w, figures);
+        return;
+    }
     if only == "sched" || only == "nodes" {
         let mut m = host_manager::HostManager::start(c, w);
         m.wait_ready(120);
@@ -202,6 +210,7 @@ fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         return;
     }
     phase_tp::run(c, w, figures, &state);
+    phase_memory::run(c, w, figures);
     phase_webhook::run(c, w, figures);
     // While the host manager serves (phase 2 ends by stopping it).
     phase_sched::run(c, w, figures);
