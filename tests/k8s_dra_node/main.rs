@@ -46,6 +46,7 @@
 mod daemonset;
 mod device_plugins;
 mod helm;
+mod memory;
 mod mig;
 mod parts;
 mod webhook;
@@ -120,7 +121,7 @@ fn dra_on_a_real_node() {
         .arg(&sim)
         .arg("--host-dev"));
     let _host_dev = HostDevCleanup::from_install_output(&installed);
-    for prog in ["shim_client", "shim_compute"] {
+    for prog in ["shim_client", "shim_compute", "hold_memory"] {
         sh(Command::new("gcc")
             .args(["-O1", "-o"])
             .arg(bin.join(prog))
@@ -241,6 +242,13 @@ fn dra_on_a_real_node() {
     // VCUDA_DRA_NODE_ONLY=webhook: the one-manifest phase alone.
     if std::env::var("VCUDA_DRA_NODE_ONLY").as_deref() == Ok("webhook") {
         webhook::same_manifest(&n, w, &bin, &sim);
+        n.ok(&["delete", "namespace", NS, "--wait=true", "--timeout=180s"]);
+        return;
+    }
+
+    // ------------------------------------------------ memory below limits
+    let memory_figure = memory::memory_phase(&n, &bin, &sim, &drv);
+    if std::env::var("VCUDA_DRA_NODE_ONLY").as_deref() == Ok("memory") {
         n.ok(&["delete", "namespace", NS, "--wait=true", "--timeout=180s"]);
         return;
     }
@@ -564,6 +572,7 @@ fn dra_on_a_real_node() {
         "k8s_dra: figures ({}, kubelet {kubelet_version}, {runtime}, 2-core machine):",
         version["serverVersion"]["gitVersion"]
     );
+    eprintln!("k8s_dra:   {memory_figure}");
     eprintln!(
         "k8s_dra:   pod created -> Running ({} pods, claim allocated by the scheduler, prepared, CDI-injected): p50 {} ms, max {} ms",
         run_ms.len(),

@@ -47,13 +47,23 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     c.apply(&borrower);
     let line = wait("the borrower's allocation", 120, || {
         let log = c.logs("mem-borrower");
-        match log.lines().find(|l| l.starts_with("pid=") || l.starts_with("FAIL")) {
+        match log
+            .lines()
+            .find(|l| l.starts_with("pid=") || l.starts_with("FAIL"))
+        {
             Some(l) => Ok(l.to_string()),
             None => Err(format!("log {log:?}")),
         }
     });
-    assert!(line.starts_with("pid="), "11 GiB on a 4 GiB guarantee with a 12 GiB limit: {line}");
-    assert_eq!(kv(&line)["total_mib"], "12288", "a borrower sees its limit: {line}");
+    assert!(
+        line.starts_with("pid="),
+        "11 GiB on a 4 GiB guarantee with a 12 GiB limit: {line}"
+    );
+    assert_eq!(
+        kv(&line)["total_mib"],
+        "12288",
+        "a borrower sees its limit: {line}"
+    );
 
     let t = Instant::now();
     c.apply(&pod_yaml(
@@ -72,7 +82,10 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         gpu_of(c, "mem-guaranteed"),
         "the guaranteed pod packs beside the borrower"
     );
-    assert_eq!(p["status"]["phase"], "Succeeded", "the guaranteed 7 GiB: {log}");
+    assert_eq!(
+        p["status"]["phase"], "Succeeded",
+        "the guaranteed 7 GiB: {log}"
+    );
     let alloc_us = kv(&log)["alloc_us"].parse::<u64>().unwrap_or(0);
 
     // The borrower was ended and says why.

@@ -183,6 +183,34 @@ pub fn tier(pod: &Pod) -> Result<Tier, String> {
     })
 }
 
+/// The pod's memory limit ([`VCUDA_MEMORY_LIMIT`]) for a container's
+/// share of `memory` bytes on `gpus` GPUs (`whole`: whole GPUs), if it
+/// has one: a quantity, for a one-GPU share, not below its memory. Equal
+/// to it: no limit. The error names the annotation and what is wrong.
+pub fn memory_limit(pod: &Pod, whole: bool, gpus: u32, memory: u64) -> Result<Option<u64>, String> {
+    let Some(v) = annotation(pod, VCUDA_MEMORY_LIMIT) else {
+        return Ok(None);
+    };
+    let bad = |why: String| format!("annotation {VCUDA_MEMORY_LIMIT}={v:?} {why}");
+    let limit = integer_quantity(v)
+        .ok_or_else(|| bad("is not a quantity of bytes (12Gi, 12884901888)".into()))?;
+    if whole {
+        return Err(bad("applies to shares, not to whole GPUs".into()));
+    }
+    if gpus > 1 {
+        return Err(bad(format!(
+            "applies to one-GPU shares; this one spans {gpus}"
+        )));
+    }
+    match limit {
+        l if l < memory => Err(bad(format!(
+            "is below the container's vcuda-memory, {memory} bytes"
+        ))),
+        l if l == memory => Ok(None),
+        l => Ok(Some(l)),
+    }
+}
+
 pub fn namespace(pod: &Pod) -> &str {
     pod.metadata.namespace.as_deref().unwrap_or("default")
 }

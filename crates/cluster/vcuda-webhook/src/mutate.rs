@@ -96,9 +96,14 @@ pub fn plan(pod: &Pod, s: &Settings) -> Mutation {
             gpu_pods::limit(c, VMEMORY_RESOURCE),
         );
         let gpus = gpu_pods::gpu_count(pod, &name, usize::MAX).unwrap_or(1);
-        // Valid: `validate::check_pod` refused any other tier.
-        let tier = gpu_pods::tier(pod).unwrap_or_default();
-        let t = template(gpu_pods::namespace(pod), cores, units, gpus, tier);
+        // Valid: `validate::check_pod` refused any other tier or limit.
+        let qos = Qos {
+            tier: gpu_pods::tier(pod).unwrap_or_default(),
+            memory_limit: crate::validate::memory_limit(pod, &name, cores, units)
+                .ok()
+                .flatten(),
+        };
+        let t = template(gpu_pods::namespace(pod), cores, units, gpus, qos);
         let claim = format!("{CLAIM_PREFIX}c{index}");
         claims.bind(
             &mut m,
@@ -220,6 +225,13 @@ fn mig_limits(pod: &Pod, prefix: &str) -> Vec<MigLimit> {
 
 /// The template of `count` MIG devices of `profile`
 /// (`vcuda-mig-<profile>-<count>`, `+` as `.`).
+/// A share's compute tier and memory limit (docs/qos.md).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Qos {
+    pub tier: Tier,
+    pub memory_limit: Option<u64>,
+}
+
 pub fn mig_template(namespace: &str, profile: &str, count: u64) -> ResourceClaimTemplate {
     let name = format!("vcuda-mig-{}-{count}", profile.replace('+', "."));
     let selector = format!(
@@ -242,13 +254,14 @@ pub fn mig_template(namespace: &str, profile: &str, count: u64) -> ResourceClaim
 /// The template of a container's totals over `gpus` GPUs: whole GPUs
 /// (`vcuda-gpu-<n>`), or a share of `cores` and `units` split evenly
 /// (`vcuda-<cores>c-<MiB>mi`, `vcuda-<n>x<cores>c-<MiB>mi` per GPU), with
-/// its compute tier in the driver's config (`-latency`, `-batch` names).
+/// its compute tier and memory limit in the driver's config (`-latency`,
+/// `-batch`, `-to<MiB>mi` names).
 pub fn template(
     namespace: &str,
     cores: u64,
     units: u64,
     gpus: u32,
-    tier: Tier,
+    qos: Qos,
 ) -> ResourceClaimTemplate {
     let whole = cores.is_multiple_of(u64::from(WHOLE_GPU_CORES)) && gpus == 1;
     let (name, request) = if whole {
@@ -278,11 +291,24 @@ pub fn template(
         devices["constraints"] = json!([{"distinctAttribute": gpu_pods::dra::UUID_ATTRIBUTE}]);
     }
     let mut name = name;
-    if !whole && !tier.is_plain() {
+    if !whole && (!qos.tier.is_plain() || qos.memory_limit.is_some()) {
         use gpu_pods::dra::{CONFIG_API_VERSION, CONFIG_KIND, DRIVER_NAME};
-        name = format!("{name}-{}", tier.name());
+        let mut params = json!({"apiVersion": CONFIG_API_VERSION, "kind": CONFIG_KIND});
+        if !qos.tier.is_plain() {
+            name = format!("{name}-{}", qos.tier.name());
+            params["tier"] = json!(qos.tier.name());
+        }
+        if let Some(l) = qos.memory_limit {
+            // Bytes: the driver reads a quantity, and a plain number is one.
+            name = if l % MIB == 0 {
+                format!("{name}-to{}mi", l / MIB)
+            } else {
+                format!("{name}-to{l}b")
+            };
+            params["memoryLimit"] = json!(l.to_string());
+        }
         devices["config"] = json!([{"requests": ["gpu"], "opaque": {"driver": DRIVER_NAME,
-            "parameters": {"apiVersion": CONFIG_API_VERSION, "kind": CONFIG_KIND, "tier": tier.name()}}}]);
+            "parameters": params}}]);
     }
     serde_json::from_value(json!({
         "apiVersion": "resource.k8s.io/v1",

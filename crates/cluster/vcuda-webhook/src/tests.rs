@@ -189,6 +189,37 @@ fn a_tier_that_is_none_is_refused_naming_the_annotation() {
 }
 
 #[test]
+fn a_memory_limit_is_checked_as_the_manager_checks_it() {
+    let r = rig(Settings::default());
+    let limit = |v: &str| pod(vcuda(30, 8), json!({"tencent.com/vcuda-memory-limit": v}));
+    for (v, why) in [
+        ("lots", "is not a quantity of bytes"),
+        (
+            "1Gi",
+            "is below the container's vcuda-memory, 2147483648 bytes",
+        ),
+    ] {
+        let m = denied(r.hook.validate(&req("CREATE", limit(v), None, "alice")));
+        assert!(
+            m.contains("pod team/p container main: annotation tencent.com/vcuda-memory-limit"),
+            "{m}"
+        );
+        assert!(m.contains(why), "{m}");
+    }
+    let whole = pod(
+        vcuda(100, 0),
+        json!({"tencent.com/vcuda-memory-limit": "12Gi"}),
+    );
+    let m = denied(r.hook.validate(&req("CREATE", whole, None, "alice")));
+    assert!(m.contains("applies to shares, not to whole GPUs"), "{m}");
+    assert_eq!(
+        r.hook
+            .validate(&req("CREATE", limit("12Gi"), None, "alice")),
+        Verdict::Allow
+    );
+}
+
+#[test]
 fn placement_annotations_are_vcuda_s_alone() {
     let r = rig(Settings::default());
     let forged =
@@ -305,6 +336,26 @@ async fn on_dra_clusters_the_tier_goes_into_the_claims_config() {
         config["opaque"],
         json!({"driver": "vcuda.tencent.com", "parameters": {
             "apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig", "tier": "latency"}})
+    );
+}
+
+/// A memory limit goes into the claim's config as bytes, beside a tier.
+#[tokio::test]
+async fn on_dra_clusters_the_memory_limit_goes_into_the_claims_config() {
+    let (r, out) = on_dra(pod(
+        vcuda(30, 8),
+        json!({"tencent.com/vcuda-memory-limit": "12Gi", "tencent.com/vcuda-tier": "batch"}),
+    ))
+    .await;
+    assert_eq!(
+        out["spec"]["resourceClaims"][0]["resourceClaimTemplateName"],
+        "vcuda-30c-2048mi-batch-to12288mi"
+    );
+    let t = serde_json::to_value(&r.templates.created.lock().unwrap()[0]).unwrap();
+    assert_eq!(
+        t["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"],
+        json!({"apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig",
+               "tier": "batch", "memoryLimit": "12884901888"})
     );
 }
 

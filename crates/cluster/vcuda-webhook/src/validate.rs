@@ -74,9 +74,24 @@ pub fn check_pod(pod: &Pod, nodes: &[NodeGpus]) -> Result<(), Invalid> {
             continue;
         }
         gpu_pods::tier(pod).map_err(Invalid::Request)?;
+        memory_limit(pod, &c.name, cores, units)?;
         check_container(pod, &c.name, (cores, units), nodes)?;
     }
     Ok(())
+}
+
+/// The container's memory limit (`tencent.com/vcuda-memory-limit`), the
+/// manager's check.
+pub fn memory_limit(
+    pod: &Pod,
+    container: &str,
+    cores: u64,
+    units: u64,
+) -> Result<Option<u64>, Invalid> {
+    let gpus = gpu_pods::gpu_count(pod, container, usize::MAX).unwrap_or(1);
+    let whole = cores.is_multiple_of(100) && gpus == 1;
+    gpu_pods::memory_limit(pod, whole, gpus, units * gpu_allocator::MEMORY_UNIT_BYTES)
+        .map_err(|e| Invalid::Request(format!("pod {} container {container}: {e}", who(pod))))
 }
 
 fn check_container(

@@ -13,8 +13,8 @@ use k8s_openapi::api::core::v1::Pod;
 
 pub use gpu_pods::{
     GPU_ASSIGNED, MULTI_GPU_LABEL, PREDICATE_GPU_IDX_PREFIX, PREDICATE_TIME, VCORE_LIMIT,
-    VCUDA_GPUS, VCUDA_MEMORY_LIMIT, annotation, assigned_annotations, gpu_containers, gpu_count,
-    is_gpu_container, limit, name, namespace, predicate_minors, tier, uid,
+    VCUDA_GPUS, annotation, assigned_annotations, gpu_containers, gpu_count, is_gpu_container,
+    limit, name, namespace, predicate_minors, tier, uid,
 };
 
 use crate::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};

@@ -82,30 +82,9 @@ fn soft_limit(pod: &Pod) -> Result<Option<u32>, Refusal> {
 /// container's request, if it has one: a quantity, for a one-GPU share,
 /// not below its memory. Equal to it: no limit.
 fn memory_ceiling(pod: &Pod, ctx: &str, req: &Request) -> Result<Option<u64>, Refusal> {
-    let Some(v) = pods::annotation(pod, pods::VCUDA_MEMORY_LIMIT) else {
-        return Ok(None);
-    };
-    let key = pods::VCUDA_MEMORY_LIMIT;
-    let bad = |why: String| Refusal::invalid(format!("{ctx}: annotation {key}={v:?} {why}"));
-    let limit = gpu_pods::integer_quantity(v)
-        .ok_or_else(|| bad("is not a quantity of bytes (12Gi, 12884901888)".into()))?;
-    if req.cores >= 100 {
-        return Err(bad("applies to shares, not to whole GPUs".into()));
-    }
-    if req.gpus > 1 {
-        return Err(bad(format!(
-            "applies to one-GPU shares; this one spans {}",
-            req.gpus
-        )));
-    }
     let memory = req.memory_units * MEMORY_UNIT_BYTES;
-    match limit {
-        l if l < memory => Err(bad(format!(
-            "is below the container's vcuda-memory, {memory} bytes"
-        ))),
-        l if l == memory => Ok(None),
-        l => Ok(Some(l)),
-    }
+    gpu_pods::memory_limit(pod, req.cores >= 100, req.gpus, memory)
+        .map_err(|e| Refusal::invalid(format!("{ctx}: {e}")))
 }
 
 /// Whether two lists of device IDs hold the same IDs, order aside.
