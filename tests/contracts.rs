@@ -88,6 +88,8 @@ fn registration_replies_are_read() {
         qos_tier: 0,
         qos_page: false,
         qos_slot: None,
+        memory_limit: 0,
+        reclaim: false,
     };
     let b = golden("register-response-v2.pb", || want.encode_to_vec());
     assert_eq!(RegisterResponse::decode(b.as_slice()).unwrap(), want);
@@ -111,6 +113,43 @@ fn registration_replies_are_read() {
     let b = golden("register-response-qos.pb", || qos.encode_to_vec());
     assert_eq!(RegisterResponse::decode(b.as_slice()).unwrap(), qos);
     assert_eq!(r.qos_tier, 0, "a reply without a tier is plain");
+}
+
+/// Memory requests below limits (docs/qos.md, "Memory"): a reply naming a
+/// borrower's limit and the reclaim, a BORROW and its refusal, as the
+/// interposer and the node agent of this release write them; a reply
+/// from before the fields reads as "no limit, no reclaim".
+#[test]
+fn memory_requests_and_a_borrowers_reply_are_read() {
+    use vcuda_api::vcuda::{MemoryRequest, MemoryResponse, memory_request, memory_response};
+    let reply = RegisterResponse {
+        status: 1,
+        host_pid: 4711,
+        ledger_slot: Some(3),
+        protocol_version: 1,
+        memory_limit: 12 * GIB,
+        reclaim: true,
+        ..Default::default()
+    };
+    let b = golden("register-response-memory.pb", || reply.encode_to_vec());
+    assert_eq!(RegisterResponse::decode(b.as_slice()).unwrap(), reply);
+    let old = golden("register-response-unversioned.pb", Vec::new);
+    let old = RegisterResponse::decode(old.as_slice()).unwrap();
+    assert_eq!((old.memory_limit, old.reclaim), (0, false));
+    let req = MemoryRequest {
+        kind: memory_request::Kind::Borrow as i32,
+        bytes: 7 * GIB,
+    };
+    let b = golden("memory-request-borrow.pb", || req.encode_to_vec());
+    assert_eq!(MemoryRequest::decode(b.as_slice()).unwrap(), req);
+    let resp = MemoryResponse {
+        status: memory_response::Status::Refused as i32,
+        message: "GPU GPU-0 has 4096 MiB nobody is guaranteed".into(),
+        available: 3 * GIB,
+        reclaimed: 0,
+    };
+    let b = golden("memory-response-refused.pb", || resp.encode_to_vec());
+    assert_eq!(MemoryResponse::decode(b.as_slice()).unwrap(), resp);
 }
 
 /// A container ledger as a manager and two processes left it (layout 1):
@@ -176,6 +215,7 @@ fn allocation() -> Allocation {
         },
         soft_limit: None,
         tier: Default::default(),
+        memory_ceiling: None,
         vcore_ids: (0..30).map(|i| format!("vcore-{i}")).collect(),
         vmemory_ids: (0..8).map(|i| format!("vmem-{i}")).collect(),
         verified: true,

@@ -245,3 +245,111 @@ async fn tiered_shares_get_their_gpus_qos_page_and_latency_a_slot() {
     reg.stop("l");
     reg.stop("b");
 }
+
+/// Memory requests on the registration connection (docs/qos.md, "Memory"):
+/// two borrowers (2 GiB guaranteed, 6 GiB limit) beside an 8 GiB share
+/// on a 16 GiB GPU share the 4 GiB nobody is guaranteed; what one borrowed
+/// the other cannot; a share within its quota asks a reclaim and the
+/// borrower's process (a child of this test) is ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn borrowers_share_what_nobody_is_guaranteed_and_give_it_back() {
+    use vcuda_api::vcuda::memory_request::Kind;
+    use vcuda_api::vcuda::memory_response::Status as MStatus;
+    const G: u64 = 1 << 30;
+    let d = tempfile::tempdir().unwrap();
+    let reg = Registry::default();
+    let serve = |name: &str, guarantee: u64, limit: u64| {
+        let dir = d.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (l, f) = Ledger::create(&dir.join(quota_config::ledger_file(0)), guarantee).unwrap();
+        let memory = ShareMemory {
+            gpus: vec![LedgerGpu {
+                uuid: "GPU-0".into(),
+                guarantee,
+                card_bytes: 16 * G,
+            }],
+            limit,
+        };
+        let extras = ShareExtras { qos: None, memory };
+        reg.serve_share(name, &dir, "uid", "main", vec![(l, f)], extras)
+            .unwrap();
+        dir
+    };
+    let (a, b, g) = (
+        serve("a", 2 * G, 6 * G),
+        serve("b", 2 * G, 6 * G),
+        serve("g", 8 * G, 0),
+    );
+    let ask = |s: &mut StdStream, kind: Kind, bytes: u64| {
+        frame::write(
+            s,
+            &MemoryRequest {
+                kind: kind as i32,
+                bytes,
+            },
+        )
+        .unwrap();
+        frame::read::<MemoryResponse>(s).unwrap()
+    };
+    // The borrower is a child process: a reclaim ends it.
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let (a2, b2, g2) = (a.clone(), b.clone(), g.clone());
+    let out = blocking(move || {
+        // The child's registration: SO_PEERCRED is ours, so register as us
+        // and move the slot to the child below.
+        let (mut sa, ra, fa) = register(&a2, request(1));
+        assert_eq!((ra.memory_limit, ra.reclaim), (6 * G, true), "{ra:?}");
+        let (mut sb, _, _) = register(&b2, request(1));
+        let (mut sg, rg, _) = register(&g2, request(1));
+        assert_eq!((rg.memory_limit, rg.reclaim), (0, true));
+        let info = ask(&mut sa, Kind::Info, 0);
+        assert_eq!(
+            info.available,
+            6 * G,
+            "2 of its own, 4 to lend, 6 its limit"
+        );
+        let r = ask(&mut sa, Kind::Borrow, 5 * G);
+        assert_eq!(r.status, MStatus::Granted as i32, "{}", r.message);
+        let r = ask(&mut sb, Kind::Borrow, 4 * G);
+        assert_eq!(r.status, MStatus::Refused as i32);
+        assert!(
+            r.message.contains("4096 MiB nobody is guaranteed"),
+            "{}",
+            r.message
+        );
+        assert_eq!(r.available, 3 * G, "its 2 and the 1 left to lend");
+        let r = ask(&mut sg, Kind::Borrow, G);
+        assert!(
+            r.message.contains("no memory limit above its quota"),
+            "{}",
+            r.message
+        );
+        let ledger = Ledger::from_fd(fa[0].as_fd()).unwrap();
+        assert_eq!(ledger.used(), 5 * G);
+        (sa, sb, sg, ledger, ra.ledger_slot.unwrap() as usize)
+    })
+    .await;
+    // a's connection stays open: its close would clear the slot.
+    let (_sa, _sb, mut sg, ledger, slot) = out;
+    // Hand a's slot to the child, as if it had registered and borrowed.
+    let held = ledger.clear_slot(slot);
+    let s = ledger.claim_slot(pid, None).unwrap();
+    ledger.force_reserve(s, held);
+    reg.endpoints.lock().unwrap()["a"]
+        .procs
+        .pids
+        .lock()
+        .unwrap()
+        .insert(pid, (1, Some(vec![s])));
+    let r = blocking(move || ask(&mut sg, Kind::Reclaim, 4 * G)).await;
+    assert_eq!(r.status, MStatus::Granted as i32, "{}", r.message);
+    assert_eq!(r.reclaimed, 3 * G, "what the borrower held above its 2 GiB");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(child.wait().unwrap().signal(), Some(libc::SIGKILL));
+    assert_eq!(ledger.used(), 0, "the ended process's slot cleared");
+    assert_eq!(reg.ledger_counters("a").unwrap().reclaims, 1);
+}

@@ -1,0 +1,1 @@
++GPU GPU-0 has 4096 MiB nobody is guaranteed€€€€
