@@ -234,6 +234,9 @@ struct GpuGauges {
     mem_alloc: GaugeVec,
     healthy: GaugeVec,
     tenants: GaugeVec,
+    held: CounterVec,
+    holds: CounterVec,
+    lent: GaugeVec,
 }
 
 impl GpuGauges {
@@ -277,6 +280,24 @@ impl GpuGauges {
                 "Containers holding a share or all of the GPU.",
                 G,
             ),
+            held: counter(
+                r,
+                "vcuda_gpu_batch_held_seconds_total",
+                "Time batch-tier launches on the GPU were held while a latency-tier tenant had work (docs/qos.md).",
+                G,
+            ),
+            holds: counter(
+                r,
+                "vcuda_gpu_batch_holds_total",
+                "Batch-tier launches on the GPU that waited for a latency-tier tenant.",
+                G,
+            ),
+            lent: gauge(
+                r,
+                "vcuda_gpu_memory_lent_bytes",
+                "GPU memory shares hold above their guarantees (borrowed under a memory limit).",
+                G,
+            ),
         }
     }
 
@@ -305,6 +326,15 @@ impl GpuGauges {
             .with_label_values(&l)
             .set(if g.healthy { 1.0 } else { 0.0 });
         self.tenants.with_label_values(&l).set(g.tenants as f64);
+        if let Some(s) = g.batch_held_seconds {
+            self.held.with_label_values(&l).inc_by(s.max(0.0));
+        }
+        if let Some(n) = g.batch_holds {
+            self.holds.with_label_values(&l).inc_by(n as f64);
+        }
+        self.lent
+            .with_label_values(&l)
+            .set(g.memory_lent_bytes as f64);
     }
 }
 

@@ -61,6 +61,15 @@ pub struct GpuView {
     /// Containers holding a share or all of it.
     #[serde(default)]
     pub tenants: u32,
+    /// Compute tiers (docs/qos.md): time batch launches were held for a
+    /// latency tenant, and how many; `None` without tiered shares on it.
+    #[serde(default)]
+    pub batch_held_seconds: Option<f64>,
+    #[serde(default)]
+    pub batch_holds: Option<u64>,
+    /// Memory its shares hold above their guarantees (lent out).
+    #[serde(default)]
+    pub memory_lent_bytes: u64,
 }
 
 fn yes() -> bool {

@@ -53,6 +53,7 @@ impl DisplaySource for ManagerSource {
                 allocated_memory_bytes: u.allocated_memory_units * MEMORY_UNIT_BYTES,
                 healthy: u.healthy,
                 tenants: if u.exclusive { 1 } else { u.shares },
+                ..node_agent::display::gpu_figures_view(self.mgr.registry().gpu_figures(&g.uuid))
             })
             .collect()
     }

@@ -7,6 +7,17 @@ use std::sync::Arc;
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
+/// A GPU's tier and lending figures as the display's view carries them
+/// (the rest of the view left default, for struct update).
+pub fn gpu_figures_view(f: crate::registry::GpuFigures) -> gpu_display::GpuView {
+    gpu_display::GpuView {
+        batch_held_seconds: f.tiered.then_some(f.batch_held_ns as f64 / 1e9),
+        batch_holds: f.tiered.then_some(f.batch_holds),
+        memory_lent_bytes: f.memory_lent_bytes,
+        ..Default::default()
+    }
+}
+
 /// Starts `display` as `opts` says (gRPC socket, HTTP address, sample
 /// period, escape policy, taking the socket over), sampling the GPUs
 /// through `nvml`.

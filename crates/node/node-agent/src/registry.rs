@@ -326,6 +326,19 @@ pub struct LedgerCounters {
     pub reclaims: u64,
 }
 
+/// A GPU's figures across its shares.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GpuFigures {
+    /// Time batch launches on it were held for latency work, all
+    /// processes (the QoS page's counter; 0 without tiered shares).
+    pub batch_held_ns: u64,
+    pub batch_holds: u64,
+    /// A tiered share serves on it (the counters above are its page's).
+    pub tiered: bool,
+    /// Memory its shares hold above their guarantees.
+    pub memory_lent_bytes: u64,
+}
+
 #[derive(Clone, Default)]
 pub struct Registry {
     endpoints: Arc<Mutex<HashMap<String, Endpoint>>>,
@@ -537,6 +550,23 @@ impl Registry {
             refused_allocations: ledgers.iter().map(|(l, _)| l.refused_allocations()).sum(),
             compute_unattributed: ledgers.iter().any(|(l, _)| l.compute_unattributed() != 0),
         })
+    }
+
+    /// A GPU's QoS and lending figures (docs/qos.md), for the display.
+    pub fn gpu_figures(&self, uuid: &str) -> GpuFigures {
+        let shares = self.shares();
+        let page = shares.iter().find_map(|p| {
+            let on = p.memory.gpus.first().is_some_and(|g| g.uuid == uuid);
+            p.qos.as_ref().filter(|_| on).map(|q| q.page)
+        });
+        let (_, uses) = memory::members(&shares, uuid);
+        let (held_ns, holds) = page.map_or((0, 0), |p| p.held());
+        GpuFigures {
+            batch_held_ns: held_ns,
+            batch_holds: holds,
+            tiered: page.is_some(),
+            memory_lent_bytes: memory::lent(&uses),
+        }
     }
 
     pub fn prune(&self) -> usize {

@@ -326,7 +326,7 @@ fn borrow(
 }
 
 /// Every served share's ledger on `gpu`, with its use.
-fn members(shares: &[Arc<Procs>], gpu: &str) -> (Vec<Member>, Vec<Use>) {
+pub(super) fn members(shares: &[Arc<Procs>], gpu: &str) -> (Vec<Member>, Vec<Use>) {
     let mut m = Vec::new();
     let mut uses = Vec::new();
     for p in shares {
