@@ -162,6 +162,9 @@ async fn metrics_match_simulator_ground_truth() {
             allocated_memory_bytes: 3 << 30,
             healthy: true,
             tenants: 2,
+            batch_held_seconds: Some(0.25),
+            batch_holds: Some(7),
+            memory_lent_bytes: 512 * MIB,
         }],
         containers: vec![
             container("pod-a", vec![a1, a2], 30, 1 << 30, &gref),
@@ -386,6 +389,15 @@ async fn metrics_match_simulator_ground_truth() {
     assert_eq!(value(&samples, "vcuda_gpu_allocated_cores_ratio", &g), 0.6);
     assert_eq!(value(&samples, "vcuda_gpu_healthy", &g), 1.0);
     assert_eq!(value(&samples, "vcuda_gpu_tenants", &g), 2.0);
+    assert_eq!(
+        value(&samples, "vcuda_gpu_batch_held_seconds_total", &g),
+        0.25
+    );
+    assert_eq!(value(&samples, "vcuda_gpu_batch_holds_total", &g), 7.0);
+    assert_eq!(
+        value(&samples, "vcuda_gpu_memory_lent_bytes", &g),
+        (512 * MIB) as f64
+    );
     assert!(value(&samples, "vcuda_display_samples_total", &[]) >= 3.0);
     assert!(value(&samples, "vcuda_display_sampler_cpu_seconds_total", &[]) > 0.0);
     assert_eq!(value(&samples, "vcuda_manager_ready", &[]), 1.0);

@@ -114,14 +114,21 @@ async fn a_borrower_is_reclaimed_for_a_guaranteed_share_and_nothing_else_is_touc
     let http = env.logged_http_addr().expect("display address");
     let metric = |body: &str, name: &str, pod: Option<&str>| -> f64 {
         body.lines()
-            .find(|l| l.starts_with(name) && pod.is_none_or(|p| l.contains(&format!("pod=\"{p}\""))))
+            .find(|l| {
+                l.starts_with(name) && pod.is_none_or(|p| l.contains(&format!("pod=\"{p}\"")))
+            })
             .and_then(|l| l.rsplit(' ').next()?.parse().ok())
             .unwrap_or_else(|| panic!("no {name} in\n{body}"))
     };
-    let (_, body) = tokio::task::block_in_place(|| test_support::process::http_get(http, "/metrics"));
+    let (_, body) =
+        tokio::task::block_in_place(|| test_support::process::http_get(http, "/metrics"));
     let lent = metric(&body, "vcuda_gpu_memory_lent_bytes", None);
     assert!(lent >= (7u64 << 30) as f64, "lent {lent}");
-    let borrowed = metric(&body, "vcuda_container_memory_borrowed_bytes", Some(&burst.name));
+    let borrowed = metric(
+        &body,
+        "vcuda_container_memory_borrowed_bytes",
+        Some(&burst.name),
+    );
     assert_eq!(borrowed, lent, "the one borrower holds all that is lent");
 
     // Past its limit it is refused, as any quota (here already its new

@@ -39,7 +39,13 @@ const QUOTA: i32 = 50;
 /// (cuInit, launch, alloc+free) in ns, from one run.
 type Sample = (f64, f64, f64);
 /// A table row: name, samples, the baseline build's (maybe none), field, budget.
-type Row<'a> = (&'static str, &'a [Sample], &'a [Sample], fn(&Sample) -> f64, f64);
+type Row<'a> = (
+    &'static str,
+    &'a [Sample],
+    &'a [Sample],
+    fn(&Sample) -> f64,
+    f64,
+);
 
 /// ns, or µs / ms where that reads better.
 fn ns(v: f64) -> String {
@@ -107,9 +113,9 @@ fn main() {
     let bucket = unsafe { Bucket::at(ledger.compute_words().as_ptr()) };
 
     // The baseline build on a node of its own (its own vdriver mirror).
-    let base_node = baseline.as_ref().map(|b| {
-        ShimNode::install(workspace, &test_support::artifact("gpu-sim"), b, "sim-1gpu")
-    });
+    let base_node = baseline
+        .as_ref()
+        .map(|b| ShimNode::install(workspace, &test_support::artifact("gpu-sim"), b, "sim-1gpu"));
     let base = base_node
         .as_ref()
         .map(|n| (n.container(100, true, 0), n.container(QUOTA, true, 0)));

@@ -74,7 +74,9 @@ impl DisplaySource for DraSource {
                     allocated_memory_bytes: on.iter().map(|d| d.memory_bytes).sum(),
                     healthy: healthy.get(g.index).copied().unwrap_or(true),
                     tenants: on.len() as u32,
-                    ..node_agent::display::gpu_figures_view(self.driver.registry().gpu_figures(&g.uuid))
+                    ..node_agent::display::gpu_figures_view(
+                        self.driver.registry().gpu_figures(&g.uuid),
+                    )
                 }
             })
             .collect()

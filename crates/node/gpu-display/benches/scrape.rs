@@ -42,6 +42,7 @@ fn fixture(pids: &dyn Fn(u32) -> Vec<u32>, uuid: &dyn Fn(u32) -> String) -> Fixt
             allocated_memory_bytes: 60 << 30,
             healthy: true,
             tenants: CONTAINERS / GPUS,
+            ..Default::default()
         })
         .collect();
     let containers = (0..CONTAINERS)
