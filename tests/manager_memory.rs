@@ -161,13 +161,7 @@ async fn a_borrower_is_reclaimed_for_a_guaranteed_share_and_nothing_else_is_touc
     let status = borrower.wait().unwrap();
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
-    let mut err = String::new();
-    borrower
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    let err = std::io::read_to_string(borrower.stderr.take().unwrap()).unwrap();
     assert!(
         err.contains("vcuda: process") && err.contains("was ended to reclaim GPU memory"),
         "{err}"

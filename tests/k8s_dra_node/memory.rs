@@ -13,26 +13,6 @@ use std::time::Instant;
 use test_support::k8s::util::wait;
 use test_support::kv;
 
-/// A 30-core share of `memory`, with `extra` under `exactly` and `config`
-/// under `devices`.
-fn template(name: &str, memory: &str, extra: &str, config: &str) -> String {
-    format!(
-        r#"apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata: {{name: {name}, namespace: {NS}}}
-spec:
-  spec:
-    devices:
-      requests:
-      - name: gpu
-        exactly:
-          deviceClassName: vcuda-share.vcuda.tencent.com
-          capacity:
-            requests: {{cores: "30", memory: {memory}}}
-{extra}{config}"#
-    )
-}
-
 fn line_of(n: &Node, pod: &str) -> String {
     wait(&format!("{pod}'s allocation"), 120, || {
         let log = n.kubectl(&["-n", NS, "logs", pod]).unwrap_or_default();
@@ -50,7 +30,7 @@ fn line_of(n: &Node, pod: &str) -> String {
 pub fn memory_phase(n: &Node, bin: &Path, sim: &Path, driver: &DriverProc) -> String {
     eprintln!("k8s_dra: a memoryLimit above the claim's memory, and its reclaim");
     let config = "      config:\n      - requests: [gpu]\n        opaque:\n          driver: vcuda.tencent.com\n          parameters: {apiVersion: vcuda.tencent.com/v1alpha1, kind: GpuConfig, memoryLimit: 12Gi}\n";
-    n.apply(&template("mem-borrow", "4Gi", "", config));
+    n.apply(&claim_template_with("mem-borrow", 30, "4Gi", "", config));
     n.apply(&pod(
         "mem-borrower",
         "mem-borrow",
@@ -91,7 +71,13 @@ pub fn memory_phase(n: &Node, bin: &Path, sim: &Path, driver: &DriverProc) -> St
     let selector = format!(
         "          selectors:\n          - cel: {{expression: 'device.attributes[\"vcuda.tencent.com\"].uuid == \"{uuid}\"'}}\n"
     );
-    n.apply(&template("mem-guarantee", "8Gi", &selector, ""));
+    n.apply(&claim_template_with(
+        "mem-guarantee",
+        30,
+        "8Gi",
+        &selector,
+        "",
+    ));
     let t = Instant::now();
     n.apply(&pod(
         "mem-guaranteed",

@@ -341,6 +341,18 @@ impl Drop for DriverProc {
 }
 
 pub fn claim_template(name: &str, cores: u32, memory: &str) -> String {
+    claim_template_with(name, cores, memory, "", "")
+}
+
+/// [`claim_template`] with `extra` lines under the request's `exactly`
+/// (selectors) and `config` under `devices` (the driver's opaque config).
+pub fn claim_template_with(
+    name: &str,
+    cores: u32,
+    memory: &str,
+    extra: &str,
+    config: &str,
+) -> String {
     format!(
         r#"apiVersion: resource.k8s.io/v1
 kind: ResourceClaimTemplate
@@ -354,7 +366,7 @@ spec:
           deviceClassName: vcuda-share.vcuda.tencent.com
           capacity:
             requests: {{cores: "{cores}", memory: {memory}}}
-"#
+{extra}{config}"#
     )
 }
 

@@ -394,6 +394,34 @@ async fn build_manager(
     })
 }
 
+/// Each reclaim of borrowed memory (docs/qos.md, "Memory") as a Warning
+/// Event on the borrower's pod, naming the pod whose allocation needed it.
+fn report_reclaims(mgr: &Arc<Manager>) {
+    // Weak: the registry that keeps this sink lives inside the manager.
+    let (events, m) = (mgr.events(), Arc::downgrade(mgr));
+    mgr.registry().on_reclaim(Arc::new(move |r| {
+        let Some(allocs) = m.upgrade().map(|m| m.allocations()) else {
+            return;
+        };
+        let find =
+            |uid: &str, c: &str| allocs.iter().find(|a| a.pod_uid == uid && a.container == c);
+        let Some(a) = find(&r.owner, &r.slot) else {
+            return;
+        };
+        let mut r = r.clone();
+        if let Some(f) = find(&r.for_owner, &r.for_slot) {
+            r.for_owner = format!("{}/{}", f.namespace, f.pod_name);
+        }
+        events.post(crate::events::PodEvent {
+            namespace: a.namespace.clone(),
+            name: a.pod_name.clone(),
+            uid: a.pod_uid.clone(),
+            reason: crate::events::MEMORY_RECLAIMED,
+            note: format!("container {}: {}", a.container, r.describe()),
+        })
+    }));
+}
+
 /// The display service over the manager's state.
 async fn start_display(
     s: &Settings,
@@ -418,29 +446,7 @@ async fn start_display(
             note: format!("container {}: {}", c.container, f.describe()),
         })
     }));
-    // Weak: the registry that keeps this sink lives inside the manager.
-    let (events, m) = (mgr.events(), Arc::downgrade(mgr));
-    mgr.registry().on_reclaim(Arc::new(move |r| {
-        let Some(allocs) = m.upgrade().map(|m| m.allocations()) else {
-            return;
-        };
-        let find =
-            |uid: &str, c: &str| allocs.iter().find(|a| a.pod_uid == uid && a.container == c);
-        let Some(a) = find(&r.owner, &r.slot) else {
-            return;
-        };
-        let mut r = r.clone();
-        if let Some(f) = find(&r.for_owner, &r.for_slot) {
-            r.for_owner = format!("{}/{}", f.namespace, f.pod_name);
-        }
-        events.post(crate::events::PodEvent {
-            namespace: a.namespace.clone(),
-            name: a.pod_name.clone(),
-            uid: a.pod_uid.clone(),
-            reason: crate::events::MEMORY_RECLAIMED,
-            note: format!("container {}: {}", a.container, r.describe()),
-        })
-    }));
+    report_reclaims(mgr);
     let query_addr = tokio::net::lookup_host((s.query_addr.as_str(), s.query_port))
         .await
         .ok()
