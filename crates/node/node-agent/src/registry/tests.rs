@@ -1,7 +1,11 @@
 use super::*;
+use prost::Message;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream as StdStream;
 use vcuda_api::vcuda::frame;
+use vcuda_api::vcuda::{
+    MemoryRequest, MemoryResponse, RegisterRequest, RegisterResponse, register_response::Status,
+};
 
 fn ledgers(dir: &Path, n: usize) -> Vec<(Ledger, File)> {
     (0..n)

@@ -1,0 +1,258 @@
+//! The connection side of `vcuda.sock`: a registration's frames, its
+//! checks and answer, and the held connection's memory requests.
+
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prost::Message;
+use tokio::io::{AsyncReadExt, Interest};
+use tokio::net::UnixStream;
+use tokio_util::sync::CancellationToken;
+use vcuda_api::vcuda::frame::{PROTOCOL_VERSION, PROTOCOL_VERSION_MULTI_GPU};
+use vcuda_api::vcuda::{
+    MemoryRequest, MemoryResponse, RegisterRequest, RegisterResponse, register_response::Status,
+};
+
+use super::budget::{self, Allowance, MAX_REQUEST};
+use super::{Procs, Registry};
+
+async fn read_request(stream: &mut UnixStream) -> std::io::Result<RegisterRequest> {
+    let body = read_frame(stream).await?;
+    RegisterRequest::decode(body.as_slice()).map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("bad RegisterRequest: {e}"),
+        )
+    })
+}
+
+async fn send(
+    stream: &UnixStream,
+    resp: &RegisterResponse,
+    ledgers: &[&File],
+) -> std::io::Result<()> {
+    let body = resp.encode_to_vec();
+    let fds: Vec<_> = ledgers.iter().map(|f| f.as_fd()).collect();
+    loop {
+        stream.writable().await?;
+        match stream.try_io(Interest::WRITABLE, || {
+            container_ledger::fdpass::send_frame_fds(stream.as_fd(), &body, &fds)
+        }) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            r => return r,
+        }
+    }
+}
+
+/// Why a client speaking `version` cannot register for a container with
+/// `gpus` ledgers, if it cannot.
+fn version_problem(version: u32, gpus: usize) -> Option<String> {
+    match version {
+        PROTOCOL_VERSION if gpus > 1 => Some(format!(
+            "this container's share spans {gpus} GPUs; this interposer enforces one \
+             (registration protocol {PROTOCOL_VERSION}): use an interposer that speaks \
+             protocol {PROTOCOL_VERSION_MULTI_GPU}"
+        )),
+        PROTOCOL_VERSION | PROTOCOL_VERSION_MULTI_GPU => None,
+        v => Some(format!(
+            "protocol version {v} is not supported; the manager speaks \
+             {PROTOCOL_VERSION} and {PROTOCOL_VERSION_MULTI_GPU}"
+        )),
+    }
+}
+
+pub(super) async fn handle(
+    mut stream: UnixStream,
+    procs: &Arc<Procs>,
+    reg: &Registry,
+    cancel: &CancellationToken,
+) -> std::io::Result<()> {
+    let cred = stream.peer_cred()?;
+    let Some(pid) = cred.pid().filter(|&p| p > 0) else {
+        return Err(std::io::Error::other("peer has no PID (SO_PEERCRED)"));
+    };
+    let req = tokio::time::timeout(Duration::from_secs(5), read_request(&mut stream))
+        .await
+        .map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no RegisterRequest within 5 s",
+            )
+        })??;
+    // Only what the answer and the logs need outlives the request.
+    let (counted, r) = answer(&stream, procs, pid, req).await;
+    if !counted {
+        return r;
+    }
+    if r.is_ok() {
+        hold(&mut stream, procs, reg, pid, cancel).await;
+    }
+    if !cancel.is_cancelled() {
+        procs.drop_conn(pid);
+        if let Allowance::Log { dropped } = procs.logs.take() {
+            tracing::info!(pid, container = %procs.container, dropped, "interposer disconnected");
+        }
+    }
+    r
+}
+
+/// Checks the request and answers it. `true` when the process was counted
+/// (its connection is dropped when it ends), with how sending went.
+async fn answer(
+    stream: &UnixStream,
+    procs: &Procs,
+    pid: i32,
+    req: RegisterRequest,
+) -> (bool, std::io::Result<()>) {
+    let reject = |message: String| RegisterResponse {
+        status: Status::Rejected as i32,
+        message,
+        host_pid: pid,
+        ledger_slot: None,
+        ledger_slots: Vec::new(),
+        protocol_version: req.protocol_version,
+        ..Default::default()
+    };
+    let refused = version_problem(req.protocol_version, procs.ledgers.len())
+        .or_else(|| budget::check_request(&req, procs.ledgers.len()).err())
+        .or_else(|| {
+            (req.pod_uid != procs.pod_uid || req.container_name != procs.container).then(|| {
+                format!(
+                    "this socket serves pod {} container {}, not pod {} container {}",
+                    procs.pod_uid,
+                    procs.container,
+                    budget::printable(&req.pod_uid),
+                    budget::printable(&req.container_name)
+                )
+            })
+        });
+    if let Some(m) = refused {
+        if let Allowance::Log { dropped } = procs.logs.take() {
+            tracing::warn!(pid, container = %procs.container, dropped, "registration refused: {m}");
+        }
+        return (false, send(stream, &reject(m), &[]).await);
+    }
+    let prefer: Vec<usize> = if req.protocol_version == PROTOCOL_VERSION {
+        req.previous_slot.map(|s| s as usize).into_iter().collect()
+    } else {
+        req.previous_slots.iter().map(|&s| s as usize).collect()
+    };
+    let slots = match procs.add(pid, &prefer) {
+        Ok(s) => s,
+        Err(m) => {
+            if let Allowance::Log { dropped } = procs.logs.take() {
+                tracing::warn!(pid, container = %procs.container, dropped, "registration refused: {m}");
+            }
+            return (false, send(stream, &reject(m), &[]).await);
+        }
+    };
+    if let Allowance::Log { dropped } = procs.logs.take() {
+        tracing::info!(
+            pid, local_pid = req.local_pid, program = %budget::printable(&req.program),
+            pod = %procs.pod_uid, container = %procs.container, slots = ?slots, dropped,
+            "interposer registered"
+        );
+    }
+    let slots = slots.unwrap_or_default();
+    let qos = procs.qos.as_ref().filter(|_| !slots.is_empty());
+    let qos_slot = qos.and_then(|_| procs.qos_slot(pid));
+    let resp = RegisterResponse {
+        status: Status::Accepted as i32,
+        message: String::new(),
+        protocol_version: req.protocol_version,
+        host_pid: pid,
+        qos_tier: qos.map_or(0, |q| q.tier.wire()),
+        qos_page: qos.is_some(),
+        qos_slot: qos_slot.map(|h| h.slot as u32),
+        memory_limit: procs.memory.borrow_limit().unwrap_or(0),
+        reclaim: procs.memory.gpus.len() == 1 && !slots.is_empty(),
+        ledger_slot: slots.first().map(|&s| s as u32),
+        ledger_slots: if req.protocol_version == PROTOCOL_VERSION {
+            Vec::new()
+        } else {
+            slots.iter().map(|&s| s as u32).collect()
+        },
+    };
+    drop(req);
+    let files: Vec<&File> = procs
+        .ledgers
+        .iter()
+        .map(|(_, f)| f)
+        .take(slots.len())
+        .chain(qos.map(|q| &*q.file))
+        .collect();
+    (true, send(stream, &resp, &files).await)
+}
+
+/// Holds a registered connection until the process is gone (EOF) or the
+/// endpoint stops, answering its memory requests ([`memory`]). A frame
+/// over [`MAX_REQUEST`] bytes or one that fails to read ends the
+/// connection; one that does not decode is refused by name.
+async fn hold(
+    stream: &mut UnixStream,
+    procs: &Arc<Procs>,
+    reg: &Registry,
+    pid: i32,
+    cancel: &CancellationToken,
+) {
+    loop {
+        let body = tokio::select! {
+            _ = cancel.cancelled() => return,
+            b = read_frame(stream) => b,
+        };
+        let body = match body {
+            Ok(b) => b,
+            Err(e) => {
+                if e.kind() != std::io::ErrorKind::UnexpectedEof
+                    && let Allowance::Log { dropped } = procs.logs.take()
+                {
+                    tracing::warn!(pid, container = %procs.container, dropped,
+                        "registered client: {e}: connection closed");
+                }
+                return;
+            }
+        };
+        let resp = match MemoryRequest::decode(body.as_slice()) {
+            Ok(req) => {
+                let answer = reg.lending.answer(procs, pid, &req, || reg.shares());
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    r = answer => r,
+                }
+            }
+            Err(e) => MemoryResponse {
+                status: vcuda_api::vcuda::memory_response::Status::Refused as i32,
+                message: format!("bad MemoryRequest: {e}"),
+                ..Default::default()
+            },
+        };
+        if send_memory(stream, &resp).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn read_frame(stream: &mut UnixStream) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).await?;
+    let len = u32::from_be_bytes(len) as usize;
+    if len > MAX_REQUEST {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a frame of {len} bytes; at most {MAX_REQUEST} are accepted"),
+        ));
+    }
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body).await?;
+    Ok(body)
+}
+
+async fn send_memory(stream: &mut UnixStream, resp: &MemoryResponse) -> std::io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let body = resp.encode_to_vec();
+    let mut frame = (body.len() as u32).to_be_bytes().to_vec();
+    frame.extend_from_slice(&body);
+    stream.write_all(&frame).await
+}
