@@ -204,7 +204,7 @@ impl Manager {
             memory_limit: 0,
             placement: PlacementRecord::Exclusive { gpus: vec![] },
             soft_limit: None,
-            // The vm directory does not say; the pod's next Allocate would.
+            // The vm directory does not say: the pod's annotations, below.
             tier: Default::default(),
             memory_ceiling: None,
             vcore_ids: vec![],
@@ -226,8 +226,11 @@ impl Manager {
                 .filter(|c| !c.hard_limit)
                 .map(|c| c.limit.max(0) as u32),
         };
+        let (tier, memory_ceiling) = self.qos_of(c, &size);
         Ok(Allocation {
             container_index: self.container_index(c),
+            tier,
+            memory_ceiling,
             cores: size.cores,
             memory_units: size.memory_units,
             memory_limit: size.memory_limit,
@@ -238,6 +241,31 @@ impl Manager {
             vmemory_ids,
             ..probe
         })
+    }
+
+    /// The share's compute tier and memory limit as Allocate would take
+    /// them from the pod's annotations (plain and none when the pod is not
+    /// known or they no longer parse: the quota files hold no tier, and the
+    /// ledger's guarantee is kept either way).
+    fn qos_of(&self, c: &LiveContainer, size: &Size) -> (qos_page::Tier, Option<u64>) {
+        let Some(pod) = self
+            .pods
+            .pods()
+            .into_iter()
+            .find(|p| pods::uid(p) == c.pod_uid)
+        else {
+            return Default::default();
+        };
+        let tier = pods::tier(&pod).unwrap_or_default();
+        let ceiling = match &size.placement {
+            Placement::Share { .. } => {
+                gpu_pods::memory_limit(&pod, false, 1, size.memory_units * MEMORY_UNIT_BYTES)
+                    .ok()
+                    .flatten()
+            }
+            _ => None,
+        };
+        (tier, ceiling)
     }
 
     /// The container's index among its pod's GPU containers, as the API

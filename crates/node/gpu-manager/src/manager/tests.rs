@@ -580,6 +580,26 @@ async fn restore_sets_an_unreadable_checkpoint_aside_and_rebuilds_from_the_node(
     assert!(matches!(a.placement, PlacementRecord::Share { gpu: 1, .. }));
 }
 
+/// A rebuilt share takes its tier and memory limit from the pod's
+/// annotations again (the quota files do not hold them).
+#[tokio::test]
+async fn a_rebuilt_share_keeps_its_tier_and_memory_limit() {
+    let rig = Rig::with_checkpoint(MemoryCheckpoint::with_payload(b"{not json".to_vec()));
+    let ann = json!({"tencent.com/vcuda-tier": "batch", "tencent.com/vcuda-memory-limit": "3Gi"});
+    rig.pods.put(pod("a", 30, 4, ann));
+    holds(&rig, "a", ids::VCORE_RESOURCE, &vcore_ids(0, 30));
+    holds(&rig, "a", ids::VMEMORY_RESOURCE, &vmemory_ids(4));
+    let gpus = ContainerGpus {
+        visible: vec!["GPU-1".into()],
+        devices: vec![],
+    };
+    rig.runtime.add(rig.live("uid-a", "a", "c"), gpus);
+    assert_eq!(rig.mgr.restore().await.rebuilt, 1);
+    let a = &rig.mgr.allocations()[0];
+    assert_eq!(a.tier, qos_page::Tier::Batch);
+    assert_eq!(a.memory_ceiling, Some(3 << 30));
+}
+
 #[tokio::test]
 async fn a_poisoned_state_fails_health_and_refuses_allocate() {
     let rig = Rig::new();
