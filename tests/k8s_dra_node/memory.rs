@@ -3,8 +3,8 @@
 //! `memoryLimit: 12Gi` fills 11 GiB of a 15 GiB T4 (plus its context); a
 //! guaranteed 8 GiB claim, pinned by a CEL selector to the same GPU, then
 //! allocates 7 GiB. The borrower's process is ended (exit 137, a line in
-//! its log saying why, the driver's reclaim metric) and the guaranteed
-//! pod succeeds.
+//! its log saying why, the driver's log, a Warning Event on its pod) and
+//! the guaranteed pod succeeds.
 
 use crate::parts::*;
 use serde_json::Value;
@@ -120,6 +120,31 @@ pub fn memory_phase(n: &Node, bin: &Path, sim: &Path, driver: &DriverProc) -> St
         driver.count("was ended to reclaim GPU memory"),
         1,
         "the driver's log says it once"
+    );
+    // A Warning Event on the pod holding the borrower's claim, naming the
+    // claim whose allocation needed the memory.
+    let ev = wait("the VcudaMemoryReclaimed event", 30, || {
+        let list = n.json(&[
+            "-n",
+            NS,
+            "get",
+            "events",
+            "--field-selector",
+            "reason=VcudaMemoryReclaimed",
+        ])?;
+        list["items"]
+            .as_array()
+            .and_then(|i| {
+                i.iter()
+                    .find(|e| e["involvedObject"]["name"] == "mem-borrower")
+                    .cloned()
+            })
+            .ok_or_else(|| format!("events {list}"))
+    });
+    let note = ev["message"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("claim") && note.contains("was ended to reclaim GPU memory"),
+        "{ev}"
     );
     let figure = format!(
         "memory (DRA): a 4 GiB / 12 GiB borrower holding 11 GiB reclaimed for a guaranteed \

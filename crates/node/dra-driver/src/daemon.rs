@@ -95,6 +95,12 @@ pub async fn run(
         client: daemon_kit::apiserver::client(s.kubeconfig.as_deref()).await?,
     };
     let driver = Arc::new(start_driver(&s, &api, &found, &dynamic, &nvml)?);
+    let events = node_agent::events::KubeEvents::start(
+        api.client.clone(),
+        node_agent::events::DRA_DRIVER,
+        s.node.clone(),
+    );
+    crate::reclaims::report(&driver, Arc::new(api.clone()), Arc::new(events));
     let mut inherited = crate::supervise::inherited(&s.plugins_dir, &s.registry_dir)?;
     let (sockets, listeners, was_registered) = match inherited.as_mut() {
         Some(i) => (

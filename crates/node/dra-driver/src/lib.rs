@@ -43,6 +43,7 @@ pub mod partition;
 pub mod plan;
 pub mod publish;
 pub mod quantity;
+pub mod reclaims;
 pub mod relay;
 pub mod slices;
 pub mod supervise;

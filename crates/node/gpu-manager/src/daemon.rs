@@ -383,7 +383,11 @@ async fn build_manager(
         world: World {
             pods: Arc::new(pods),
             patcher: Arc::new(Patcher::start(client.clone(), None)),
-            events: Arc::new(KubeEvents::start(client, s.node_name.clone())),
+            events: Arc::new(KubeEvents::start(
+                client,
+                crate::events::MANAGER,
+                s.node_name.clone(),
+            )),
             kubelet: Arc::new(KubeletRecords::new(
                 &s.pod_resources_socket,
                 &s.device_plugin_path,

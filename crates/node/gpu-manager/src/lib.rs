@@ -34,7 +34,7 @@ pub mod daemon;
 pub mod display;
 #[cfg(test)]
 pub mod doubles;
-pub mod events;
+pub use node_agent::events;
 pub mod handover;
 pub mod health;
 pub mod ids;

@@ -20,6 +20,7 @@
 pub mod config;
 pub mod display;
 pub mod edits;
+pub mod events;
 pub mod extra;
 pub mod geometry;
 pub mod health;

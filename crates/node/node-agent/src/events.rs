@@ -1,7 +1,10 @@
-//! Why a pod's GPU request failed, where operators look: a Warning Event
-//! on the Pod (`kubectl describe pod`). kubelet reports a refused Allocate
-//! only as a generic admission error, and a withdrawn wrong guess only as a
-//! failed container; the Event carries the manager's own message.
+//! What happened to a pod's GPU share, where operators look: a Warning
+//! Event on the Pod (`kubectl describe pod`). kubelet reports a refused
+//! Allocate only as a generic admission error, a withdrawn wrong guess
+//! only as a failed container, and a reclaimed borrower only as exit 137;
+//! the Event carries the daemon's own message. Both modes post them (the
+//! manager its refusals, guesses and escapes; both daemons reclaims).
+//! Each Event names the daemon that posted it (`reportingController`).
 //!
 //! Events are events.k8s.io/v1 objects created in the background (never on
 //! the RPC path); the ClusterRole grants `create` on them and nothing more.
@@ -40,7 +43,10 @@ pub const ESCAPE: &str = "VcudaEscape";
 /// A borrower's process was ended to give its borrowed GPU memory back to a
 /// guaranteed allocation (docs/qos.md, "Memory").
 pub const MEMORY_RECLAIMED: &str = "VcudaMemoryReclaimed";
-const CONTROLLER: &str = "tencent.com/gpu-manager";
+/// The device-plugin mode's daemon, as its Events name it.
+pub const MANAGER: &str = "tencent.com/gpu-manager";
+/// The DRA driver, as its Events name it.
+pub const DRA_DRIVER: &str = "vcuda.tencent.com/dra-driver";
 const REPEAT_AFTER: Duration = Duration::from_secs(60);
 const MAX_NOTE: usize = 1024;
 
@@ -84,14 +90,15 @@ pub struct KubeEvents {
 }
 
 impl KubeEvents {
-    /// `instance`: this manager (its node name), the Event's
+    /// `controller`: the daemon ([`MANAGER`], [`DRA_DRIVER`]); `instance`:
+    /// its node name. The Event's `reportingController` and
     /// `reportingInstance`.
-    pub fn start(client: Client, instance: String) -> KubeEvents {
+    pub fn start(client: Client, controller: &'static str, instance: String) -> KubeEvents {
         let (tx, mut rx) = mpsc::unbounded_channel::<PodEvent>();
         tokio::spawn(async move {
             while let Some(ev) = rx.recv().await {
                 let api: Api<Event> = Api::namespaced(client.clone(), &ev.namespace);
-                let obj = to_event(&ev, &instance);
+                let obj = to_event(&ev, controller, &instance);
                 match api.create(&PostParams::default(), &obj).await {
                     Ok(_) => {
                         tracing::debug!(pod = %format!("{}/{}", ev.namespace, ev.name), reason = ev.reason, "event posted")
@@ -118,8 +125,17 @@ impl EventSink for KubeEvents {
     }
 }
 
-/// The events.k8s.io/v1 object for `ev`.
-pub fn to_event(ev: &PodEvent, instance: &str) -> Event {
+/// What the daemon was doing when it had to say `reason` (the Event's action).
+fn action(reason: &str) -> &'static str {
+    match reason {
+        WRONG_POD_GUESS => "PreStartContainer",
+        MEMORY_RECLAIMED => "ReclaimMemory",
+        _ => "Allocate",
+    }
+}
+
+/// The events.k8s.io/v1 object for `ev`, posted by `controller` on `instance`.
+pub fn to_event(ev: &PodEvent, controller: &str, instance: &str) -> Event {
     let now = k8s_openapi::jiff::Timestamp::now();
     let mut note = ev.note.clone();
     if note.len() > MAX_NOTE {
@@ -138,16 +154,9 @@ pub fn to_event(ev: &PodEvent, instance: &str) -> Event {
             ..Default::default()
         },
         event_time: Some(MicroTime(now)),
-        reporting_controller: Some(CONTROLLER.into()),
-        reporting_instance: Some(format!("{CONTROLLER}-{instance}")),
-        action: Some(
-            if ev.reason == WRONG_POD_GUESS {
-                "PreStartContainer"
-            } else {
-                "Allocate"
-            }
-            .into(),
-        ),
+        reporting_controller: Some(controller.into()),
+        reporting_instance: Some(format!("{controller}-{instance}")),
+        action: Some(action(ev.reason).into()),
         reason: Some(ev.reason.into()),
         note: Some(note),
         type_: Some("Warning".into()),
@@ -164,21 +173,18 @@ pub fn to_event(ev: &PodEvent, instance: &str) -> Event {
 }
 
 /// Keeps what was posted (tests), with the same repeat suppression.
-#[cfg(test)]
 #[derive(Default)]
 pub struct MemoryEvents {
     posted: Mutex<Vec<PodEvent>>,
     dedup: Dedup,
 }
 
-#[cfg(test)]
 impl MemoryEvents {
     pub fn posted(&self) -> Vec<PodEvent> {
         self.posted.lock().unwrap().clone()
     }
 }
 
-#[cfg(test)]
 impl EventSink for MemoryEvents {
     fn post(&self, ev: PodEvent) {
         if self.dedup.first(&ev) {
@@ -222,7 +228,7 @@ mod tests {
 
     #[test]
     fn the_event_names_the_pod_and_fits_the_api_limits() {
-        let e = to_event(&ev(&"é".repeat(2000)), "node-1");
+        let e = to_event(&ev(&"é".repeat(2000)), MANAGER, "node-1");
         let r = e.regarding.unwrap();
         assert_eq!(
             (r.kind.as_deref(), r.name.as_deref(), r.uid.as_deref()),
