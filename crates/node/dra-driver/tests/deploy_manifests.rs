@@ -137,6 +137,8 @@ fn driver_manifest() {
         // An earlier release's classes are brought to this release's.
         ("deviceclasses", "get"),
         ("deviceclasses", "update"),
+        // A reclaimed borrower's Event on its pods (docs/qos.md, "Memory").
+        ("events", "create"),
     ]
     .iter()
     .map(|(a, b)| (a.to_string(), b.to_string()))
