@@ -132,14 +132,7 @@ pub fn memory_phase(n: &Node, bin: &Path, sim: &Path, driver: &DriverProc) -> St
             "--field-selector",
             "reason=VcudaMemoryReclaimed",
         ])?;
-        list["items"]
-            .as_array()
-            .and_then(|i| {
-                i.iter()
-                    .find(|e| e["involvedObject"]["name"] == "mem-borrower")
-                    .cloned()
-            })
-            .ok_or_else(|| format!("events {list}"))
+        test_support::k8s::util::event_about(&list, "mem-borrower")
     });
     let note = ev["message"].as_str().unwrap_or_default();
     assert!(

@@ -96,14 +96,7 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     assert!(blog.contains("was ended to reclaim GPU memory"), "{blog}");
     let ev = wait("the VcudaMemoryReclaimed event", 30, || {
         let list = c.json(&["events", "--field-selector", "reason=VcudaMemoryReclaimed"])?;
-        list["items"]
-            .as_array()
-            .and_then(|i| {
-                i.iter()
-                    .find(|e| e["involvedObject"]["name"] == "mem-borrower")
-                    .cloned()
-            })
-            .ok_or_else(|| format!("events {list}"))
+        test_support::k8s::util::event_about(&list, "mem-borrower")
     });
     let note = ev["message"].as_str().unwrap_or_default();
     assert!(note.contains("default/mem-guaranteed"), "{ev}");

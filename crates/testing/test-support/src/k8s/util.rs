@@ -155,3 +155,16 @@ impl Drop for HostDevCleanup {
         }
     }
 }
+
+/// The Event about object `name` in `kubectl get events -o json`'s `list`
+/// (core/v1 view: `involvedObject`), or why there is none yet.
+pub fn event_about(list: &serde_json::Value, name: &str) -> Result<serde_json::Value, String> {
+    list["items"]
+        .as_array()
+        .and_then(|i| {
+            i.iter()
+                .find(|e| e["involvedObject"]["name"] == name)
+                .cloned()
+        })
+        .ok_or_else(|| format!("no event about {name} in {list}"))
+}
