@@ -101,13 +101,11 @@ fn ask(kind: Kind, bytes: u64) -> Option<MemoryResponse> {
         a.resp = None;
         a.conn
     };
-    let body = MemoryRequest {
+    let req = MemoryRequest {
         kind: kind as i32,
         bytes,
-    }
-    .encode_to_vec();
-    let mut buf = (body.len() as u32).to_be_bytes().to_vec();
-    buf.extend_from_slice(&body);
+    };
+    let buf = frame::encode(&req).ok()?;
     {
         let _s = c.send.lock().unwrap_or_else(|e| e.into_inner());
         let fd = REQ_FD.load(Ordering::Acquire);
@@ -133,7 +131,6 @@ fn ask(kind: Kind, bytes: u64) -> Option<MemoryResponse> {
 }
 
 fn send_all(fd: i32, mut buf: &[u8]) -> bool {
-    debug_assert!(buf.len() <= frame::MAX_FRAME);
     while !buf.is_empty() {
         // SAFETY: writes from our own buffer, at most its length.
         let n = unsafe { libc::send(fd, buf.as_ptr().cast(), buf.len(), libc::MSG_NOSIGNAL) };

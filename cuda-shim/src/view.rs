@@ -26,18 +26,9 @@ pub fn virtual_mem_on(gpu: usize, real_free: u64, real_total: u64) -> (u64, u64)
     let Some(enf) = config::enforce() else {
         return (real_free, real_total);
     };
-    let p = proc();
-    let _ = p.ensure_registered();
+    let _ = proc().ensure_registered();
     crate::mem::measure_if_stale();
-    let guard = p.attach();
-    let (quota, used, limit) = match guard.as_ref() {
-        Some(a) => {
-            let h = a.gpu(gpu);
-            (h.quota, h.ledger.used(), h.limit)
-        }
-        None => (enf.gpus[gpu.min(enf.gpus.len() - 1)].gpu_memory, 0, 0),
-    };
-    drop(guard);
+    let (quota, used, limit) = held_on(enf, gpu);
     if limit > quota {
         return borrower_view(limit, used, real_free, real_total);
     }
@@ -54,6 +45,18 @@ fn borrower_view(limit: u64, used: u64, real_free: u64, real_total: u64) -> (u64
     (may.min(real_free).min(total.saturating_sub(used)), total)
 }
 
+/// (quota, what the container holds, borrowing limit) on GPU `gpu`: the
+/// attachment's, or the quota file's before one.
+fn held_on(enf: &config::Enforce, gpu: usize) -> (u64, u64, u64) {
+    match proc().attach().as_ref() {
+        Some(a) => {
+            let h = a.gpu(gpu);
+            (h.quota, h.ledger.used(), h.limit)
+        }
+        None => (enf.gpus[gpu.min(enf.gpus.len() - 1)].gpu_memory, 0, 0),
+    }
+}
+
 /// Pure part of [`virtual_mem`].
 pub fn clamp_view(quota: u64, used: u64, real_free: u64, real_total: u64) -> (u64, u64) {
     let total = quota.min(real_total);
@@ -67,14 +70,9 @@ fn total_on(gpu: usize, real_total: u64) -> u64 {
     let Some(enf) = config::enforce() else {
         return real_total;
     };
-    let p = proc();
-    let _ = p.ensure_registered();
-    let guard = p.attach();
-    let quota = match guard.as_ref() {
-        Some(a) => a.gpu(gpu).quota.max(a.gpu(gpu).limit),
-        None => enf.gpus[gpu.min(enf.gpus.len() - 1)].gpu_memory,
-    };
-    quota.min(real_total)
+    let _ = proc().ensure_registered();
+    let (quota, _, limit) = held_on(enf, gpu);
+    quota.max(limit).min(real_total)
 }
 
 /// The quota as device `dev`'s total memory (a device outside the share

@@ -103,7 +103,7 @@ fn watch(mut sock: UnixStream) {
         }
         // The manager sends only answers to memory requests; EOF or an
         // error means it went away.
-        match read_frame(&mut sock) {
+        match vcuda_api::vcuda::frame::read_body(&mut sock) {
             Ok(body) => {
                 lending::deliver(&body);
                 continue;
@@ -122,21 +122,6 @@ fn watch(mut sock: UnixStream) {
         SOCK_FD.store(sock.as_raw_fd(), Ordering::Release);
         lending::set_conn(Some(&sock));
     }
-}
-
-/// One frame (4-byte big-endian length, then the body), the manager's
-/// whole write; a length over the protocol's limit is an error.
-fn read_frame(sock: &mut UnixStream) -> std::io::Result<Vec<u8>> {
-    use std::io::Read;
-    let mut len = [0u8; 4];
-    sock.read_exact(&mut len)?;
-    let len = u32::from_be_bytes(len) as usize;
-    if len > vcuda_api::vcuda::frame::MAX_FRAME {
-        return Err(std::io::Error::other(format!("a frame of {len} bytes")));
-    }
-    let mut body = vec![0u8; len];
-    sock.read_exact(&mut body)?;
-    Ok(body)
 }
 
 /// Reconnects until the manager is back, keeping the ledger slot; the

@@ -183,10 +183,39 @@ pub fn tier(pod: &Pod) -> Result<Tier, String> {
     })
 }
 
+/// Why a memory limit does not apply to a share (docs/qos.md, "Memory").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitProblem {
+    /// The share is whole GPUs.
+    Whole,
+    /// It spans this many GPUs.
+    Spans(u32),
+    /// The limit is below the share's memory.
+    Below,
+}
+
+/// The rule both modes apply to a memory limit of `limit` bytes on a share
+/// of `memory` bytes on `gpus` GPUs (`whole`: whole GPUs): only a one-GPU
+/// share takes one, not below its memory; equal to it is no limit.
+pub fn check_memory_limit(
+    limit: u64,
+    whole: bool,
+    gpus: u32,
+    memory: u64,
+) -> Result<Option<u64>, LimitProblem> {
+    match limit {
+        _ if whole => Err(LimitProblem::Whole),
+        _ if gpus > 1 => Err(LimitProblem::Spans(gpus)),
+        l if l < memory => Err(LimitProblem::Below),
+        l if l == memory => Ok(None),
+        l => Ok(Some(l)),
+    }
+}
+
 /// The pod's memory limit ([`VCUDA_MEMORY_LIMIT`]) for a container's
 /// share of `memory` bytes on `gpus` GPUs (`whole`: whole GPUs), if it
-/// has one: a quantity, for a one-GPU share, not below its memory. Equal
-/// to it: no limit. The error names the annotation and what is wrong.
+/// has one ([`check_memory_limit`]). The error names the annotation and
+/// what is wrong.
 pub fn memory_limit(pod: &Pod, whole: bool, gpus: u32, memory: u64) -> Result<Option<u64>, String> {
     let Some(v) = annotation(pod, VCUDA_MEMORY_LIMIT) else {
         return Ok(None);
@@ -194,21 +223,13 @@ pub fn memory_limit(pod: &Pod, whole: bool, gpus: u32, memory: u64) -> Result<Op
     let bad = |why: String| format!("annotation {VCUDA_MEMORY_LIMIT}={v:?} {why}");
     let limit = integer_quantity(v)
         .ok_or_else(|| bad("is not a quantity of bytes (12Gi, 12884901888)".into()))?;
-    if whole {
-        return Err(bad("applies to shares, not to whole GPUs".into()));
-    }
-    if gpus > 1 {
-        return Err(bad(format!(
-            "applies to one-GPU shares; this one spans {gpus}"
-        )));
-    }
-    match limit {
-        l if l < memory => Err(bad(format!(
-            "is below the container's vcuda-memory, {memory} bytes"
-        ))),
-        l if l == memory => Ok(None),
-        l => Ok(Some(l)),
-    }
+    check_memory_limit(limit, whole, gpus, memory).map_err(|p| {
+        bad(match p {
+            LimitProblem::Whole => "applies to shares, not to whole GPUs".into(),
+            LimitProblem::Spans(n) => format!("applies to one-GPU shares; this one spans {n}"),
+            LimitProblem::Below => format!("is below the container's vcuda-memory, {memory} bytes"),
+        })
+    })
 }
 
 pub fn namespace(pod: &Pod) -> &str {
@@ -391,6 +412,28 @@ pub fn requests(
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_memory_limit_applies_to_one_gpu_shares_not_below_their_memory() {
+        const G: u64 = 1 << 30;
+        assert_eq!(
+            check_memory_limit(12 * G, false, 1, 4 * G),
+            Ok(Some(12 * G))
+        );
+        assert_eq!(check_memory_limit(4 * G, false, 1, 4 * G), Ok(None));
+        assert_eq!(
+            check_memory_limit(2 * G, false, 1, 4 * G),
+            Err(LimitProblem::Below)
+        );
+        assert_eq!(
+            check_memory_limit(12 * G, true, 1, 4 * G),
+            Err(LimitProblem::Whole)
+        );
+        assert_eq!(
+            check_memory_limit(12 * G, false, 2, 4 * G),
+            Err(LimitProblem::Spans(2))
+        );
+    }
 
     fn pod(annotations: serde_json::Value, containers: &[(&str, u64, u64)]) -> Pod {
         let cs: Vec<_> = containers

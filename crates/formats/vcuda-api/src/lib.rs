@@ -59,6 +59,12 @@ pub mod vcuda {
         pub const PROTOCOL_VERSION_MULTI_GPU: u32 = 2;
 
         pub fn write<M: Message>(w: &mut impl Write, msg: &M) -> io::Result<()> {
+            w.write_all(&encode(msg)?)
+        }
+
+        /// The whole frame of `msg` (length and body), for a writer of
+        /// its own (a raw descriptor, an async stream).
+        pub fn encode<M: Message>(msg: &M) -> io::Result<Vec<u8>> {
             let body = msg.encode_to_vec();
             if body.len() > MAX_FRAME {
                 return Err(io::Error::new(
@@ -69,10 +75,18 @@ pub mod vcuda {
             let mut buf = Vec::with_capacity(4 + body.len());
             buf.extend_from_slice(&(body.len() as u32).to_be_bytes());
             buf.extend_from_slice(&body);
-            w.write_all(&buf)
+            Ok(buf)
         }
 
         pub fn read<M: Message + Default>(r: &mut impl Read) -> io::Result<M> {
+            let body = read_body(r)?;
+            M::decode(body.as_slice())
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad frame: {e}")))
+        }
+
+        /// One frame's body, undecoded (a reader that tells a frame it
+        /// cannot decode from a broken stream).
+        pub fn read_body(r: &mut impl Read) -> io::Result<Vec<u8>> {
             let mut len = [0u8; 4];
             r.read_exact(&mut len)?;
             let len = u32::from_be_bytes(len) as usize;
@@ -84,8 +98,7 @@ pub mod vcuda {
             }
             let mut body = vec![0u8; len];
             r.read_exact(&mut body)?;
-            M::decode(body.as_slice())
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad frame: {e}")))
+            Ok(body)
         }
 
         #[cfg(test)]

@@ -524,20 +524,23 @@ fn memory_limit(
     memory: u64,
     request: &str,
 ) -> Result<Option<u64>, Refusal> {
-    match config.memory_limit()? {
-        Some(limit) if whole => Err(Refusal::MemoryLimitNotHere {
-            request: request.to_string(),
-            limit,
-            on: "a whole GPU",
-        }),
-        Some(limit) if limit < memory => Err(Refusal::MemoryLimitBelow {
+    use gpu_pods::LimitProblem;
+    let Some(limit) = config.memory_limit()? else {
+        return Ok(None);
+    };
+    // One device: a claim's several are refused together (check_together).
+    gpu_pods::check_memory_limit(limit, whole, 1, memory).map_err(|p| match p {
+        LimitProblem::Below => Refusal::MemoryLimitBelow {
             request: request.to_string(),
             limit,
             memory,
-        }),
-        Some(l) if l == memory => Ok(None),
-        l => Ok(l),
-    }
+        },
+        LimitProblem::Whole | LimitProblem::Spans(_) => Refusal::MemoryLimitNotHere {
+            request: request.to_string(),
+            limit,
+            on: "a whole GPU",
+        },
+    })
 }
 
 /// What the claim's devices must be together: at least one, each once,

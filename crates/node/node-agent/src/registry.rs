@@ -205,19 +205,10 @@ impl Procs {
     }
 
     /// Drops an exited process at once (what its connection's close does,
-    /// for a reclaim that cannot wait for it).
+    /// for a reclaim that cannot wait for it): a prune that takes every
+    /// other process for alive.
     fn forget(&self, pid: i32) {
-        let mut pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, slots)) = pids.remove(&pid) {
-            self.release_qos(pid);
-            if let Some(s) = slots {
-                self.clear(&s);
-            }
-            self.write_pids(&pids);
-        }
-        for (l, _) in &self.ledgers {
-            l.reclaim_dead(|p| p != pid);
-        }
+        self.prune_by(|p| p != pid);
     }
 
     /// A latency-tier process's slot in its GPU's QoS page, claimed once per
@@ -271,6 +262,11 @@ impl Procs {
     /// connection: a daemon restart took the ledger back with it). Returns
     /// how many PIDs and slots went.
     fn prune(&self) -> usize {
+        self.prune_by(alive)
+    }
+
+    /// [`Procs::prune`] of the processes `alive` says are gone.
+    fn prune_by(&self, alive: impl Fn(i32) -> bool) -> usize {
         let mut pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
         let dead: Vec<i32> = pids.keys().copied().filter(|&p| !alive(p)).collect();
         for p in &dead {
@@ -286,7 +282,7 @@ impl Procs {
         let reclaimed: usize = self
             .ledgers
             .iter()
-            .map(|(l, _)| l.reclaim_dead(alive).len())
+            .map(|(l, _)| l.reclaim_dead(&alive).len())
             .sum();
         if reclaimed > 0 {
             tracing::info!(container = %self.container, reclaimed, "ledger slots of dead processes cleared");

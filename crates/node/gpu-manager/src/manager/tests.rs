@@ -561,10 +561,11 @@ async fn restore_with_every_source_unreachable_releases_nothing() {
     assert_eq!(report.unreachable.len(), 3, "{:?}", report.unreachable);
 }
 
-#[tokio::test]
-async fn restore_sets_an_unreadable_checkpoint_aside_and_rebuilds_from_the_node() {
+/// A node whose checkpoint is unreadable, with pod "a" (30 cores, 4
+/// units, `annotations`) running on GPU-1: its share must be rebuilt.
+fn lost_share(annotations: serde_json::Value) -> Rig {
     let rig = Rig::with_checkpoint(MemoryCheckpoint::with_payload(b"{not json".to_vec()));
-    rig.pods.put(pod("a", 30, 4, json!({})));
+    rig.pods.put(pod("a", 30, 4, annotations));
     holds(&rig, "a", ids::VCORE_RESOURCE, &vcore_ids(0, 30));
     holds(&rig, "a", ids::VMEMORY_RESOURCE, &vmemory_ids(4));
     let gpus = ContainerGpus {
@@ -572,6 +573,12 @@ async fn restore_sets_an_unreadable_checkpoint_aside_and_rebuilds_from_the_node(
         devices: vec![],
     };
     rig.runtime.add(rig.live("uid-a", "a", "c"), gpus);
+    rig
+}
+
+#[tokio::test]
+async fn restore_sets_an_unreadable_checkpoint_aside_and_rebuilds_from_the_node() {
+    let rig = lost_share(json!({}));
     let report = rig.mgr.restore().await;
     assert!(report.set_aside.is_some());
     assert_eq!((report.kept, report.rebuilt), (0, 1));
@@ -584,16 +591,8 @@ async fn restore_sets_an_unreadable_checkpoint_aside_and_rebuilds_from_the_node(
 /// annotations again (the quota files do not hold them).
 #[tokio::test]
 async fn a_rebuilt_share_keeps_its_tier_and_memory_limit() {
-    let rig = Rig::with_checkpoint(MemoryCheckpoint::with_payload(b"{not json".to_vec()));
     let ann = json!({"tencent.com/vcuda-tier": "batch", "tencent.com/vcuda-memory-limit": "3Gi"});
-    rig.pods.put(pod("a", 30, 4, ann));
-    holds(&rig, "a", ids::VCORE_RESOURCE, &vcore_ids(0, 30));
-    holds(&rig, "a", ids::VMEMORY_RESOURCE, &vmemory_ids(4));
-    let gpus = ContainerGpus {
-        visible: vec!["GPU-1".into()],
-        devices: vec![],
-    };
-    rig.runtime.add(rig.live("uid-a", "a", "c"), gpus);
+    let rig = lost_share(ann);
     assert_eq!(rig.mgr.restore().await.rebuilt, 1);
     let a = &rig.mgr.allocations()[0];
     assert_eq!(a.tier, qos_page::Tier::Batch);

@@ -301,13 +301,12 @@ fn borrow(
             over.available,
         );
     }
-    let (m, uses) = members();
+    let (_, uses) = members();
     let (lent, lendable) = (lent(&uses), lendable(gpu.card_bytes, &uses));
     if lent > lendable {
         ledger.release(slot, bytes);
-        let (m2, uses) = members();
-        let available = may_take(gpu.card_bytes, &uses, position(&m2, me), limit);
-        drop(m);
+        let (m, uses) = members();
+        let available = may_take(gpu.card_bytes, &uses, position(&m, me), limit);
         return refuse(
             format!(
                 "GPU {} has {} MiB nobody is guaranteed and {} MiB of it would be lent: \

@@ -251,8 +251,7 @@ async fn read_frame(stream: &mut UnixStream) -> std::io::Result<Vec<u8>> {
 
 async fn send_memory(stream: &mut UnixStream, resp: &MemoryResponse) -> std::io::Result<()> {
     use tokio::io::AsyncWriteExt;
-    let body = resp.encode_to_vec();
-    let mut frame = (body.len() as u32).to_be_bytes().to_vec();
-    frame.extend_from_slice(&body);
-    stream.write_all(&frame).await
+    stream
+        .write_all(&vcuda_api::vcuda::frame::encode(resp)?)
+        .await
 }
