@@ -222,7 +222,13 @@ fn thirteen(c: &Cluster, w: &Work, names: &[&str]) {
             .cloned()
             .unwrap_or_default();
         if let Some(f) = ps.iter().find(|p| phase(p) == "Failed") {
-            panic!("a pod failed: {}", f["status"]);
+            panic!(
+                "pod {} on {} failed: {}; its annotations: {}",
+                f["metadata"]["name"],
+                f["spec"]["nodeName"],
+                f["status"],
+                f["metadata"]["annotations"]
+            );
         }
         let up = ps.iter().filter(|p| phase(p) == "Running").count();
         if up == 13 {
@@ -317,7 +323,13 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     let ps = wait("every pod Running or Unschedulable", 420, || {
         let ps = pods(c);
         if let Some(f) = ps.iter().find(|p| phase(p) == "Failed") {
-            panic!("a pod failed: {}", f["status"]);
+            panic!(
+                "pod {} on {} failed: {}; its annotations: {}",
+                f["metadata"]["name"],
+                f["spec"]["nodeName"],
+                f["status"],
+                f["metadata"]["annotations"]
+            );
         }
         let n = ps.iter().filter(|p| decided(p)).count();
         if n == PODS {

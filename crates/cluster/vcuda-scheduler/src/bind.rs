@@ -13,6 +13,13 @@
 //! pod. After [`ATTEMPTS`] lost races (or when the pod no longer fits) its
 //! annotations are taken back and the bind fails: the scheduler queues the
 //! pod again, it is not failed.
+//!
+//! The Binding (5) carries the reservation's annotations again, and the API
+//! server sets them with the node in one write: a second bind of the same
+//! pod (the scheduler gave up on a slow first one after its extender
+//! timeout and asked again, maybe for another node) may re-annotate the pod
+//! between our (3) and (5), and a pod bound to one node with the GPUs
+//! chosen on another is a predicate mismatch at the kubelet.
 
 use std::collections::BTreeMap;
 
@@ -59,7 +66,13 @@ pub trait BindApi: Send + Sync {
     /// Sets the node's [`BIND_SEQ`] to `seq` if its resourceVersion is
     /// still the one `node` carries.
     async fn bump(&self, node: &Node, seq: u64) -> Result<(), ApiError>;
-    async fn bind(&self, pod: &Pod, node: &str) -> Result<(), ApiError>;
+    /// Binds `pod` to `node`, setting `annotations` in the same write.
+    async fn bind(
+        &self,
+        pod: &Pod,
+        node: &str,
+        annotations: &BTreeMap<String, Option<String>>,
+    ) -> Result<(), ApiError>;
 }
 
 /// Binds the pod `args` names to `args.node` (see the module's rules);
@@ -138,7 +151,7 @@ async fn bind_inner(
                 return Err(e.to_string());
             }
         }
-        api.bind(&pod, &args.node)
+        api.bind(&pod, &args.node, &ann)
             .await
             .map_err(|e| e.to_string())?;
         return Ok(placed);

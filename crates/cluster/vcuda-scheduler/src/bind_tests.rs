@@ -131,15 +131,26 @@ impl BindApi for Mem {
         Ok(())
     }
 
-    async fn bind(&self, pod: &Pod, node: &str) -> Result<(), ApiError> {
+    /// As the API server does: no resourceVersion precondition (1.20
+    /// ignores one in a Binding), the annotations merged with the node.
+    async fn bind(
+        &self,
+        pod: &Pod,
+        node: &str,
+        annotations: &BTreeMap<String, Option<String>>,
+    ) -> Result<(), ApiError> {
         tokio::task::yield_now().await;
         let mut i = self.lock();
+        i.rv += 1;
+        let next = i.rv.to_string();
         let p = i.pods.get_mut(gpu_pods::name(pod)).unwrap();
         let spec = p.spec.as_mut().unwrap();
         if spec.node_name.is_some() {
             return Err(ApiError::Conflict("already bound".into()));
         }
         spec.node_name = Some(node.into());
+        apply(&mut p.metadata.annotations, annotations);
+        p.metadata.resource_version = Some(next);
         Ok(())
     }
 }
@@ -264,6 +275,55 @@ async fn concurrent_binds_never_overcommit_a_gpu() {
                 .labels
                 .as_ref()
                 .is_none_or(|l| !l.contains_key(NODE_LABEL))
+        );
+    }
+}
+
+#[tokio::test]
+async fn two_binds_of_one_pod_never_leave_it_bound_with_the_other_nodes_gpus() {
+    // The scheduler asks again after its extender timeout while the first
+    // bind still runs, maybe for another node. Node b's GPU0 is full, so
+    // the two nodes' choices differ (a: GPU0, b: GPU1). One thread: the
+    // second bind starting `round` steps later walks every interleaving.
+    for round in 0..40 {
+        let full = crate::tests::placed("x", &[(100, 0)], "b", &["0"]);
+        let m = Arc::new(Mem::with(
+            &[node("a", 2, false), node("b", 2, false)],
+            &[full, pod("p", &[(30, 8)], json!({}))],
+        ));
+        let (ra, rb) = tokio::join!(
+            tokio::spawn({
+                let m = m.clone();
+                async move { bind_b(m.as_ref(), &args("p", "a")).await }
+            }),
+            tokio::spawn({
+                let m = m.clone();
+                async move {
+                    for _ in 0..round {
+                        tokio::task::yield_now().await;
+                    }
+                    bind_b(m.as_ref(), &args("p", "b")).await
+                }
+            }),
+        );
+        let (ra, rb) = (ra.unwrap(), rb.unwrap());
+        let bound = m.lock().pods["p"].spec.as_ref().unwrap().node_name.clone();
+        let ok = [&ra, &rb].iter().filter(|r| r.error.is_empty()).count();
+        assert!(ok <= 1, "round {round}: both binds succeeded");
+        let Some(bound) = bound else { continue };
+        assert_eq!(ok, 1, "round {round}: bound, but no bind says so");
+        let gpu = if bound == "a" { "0" } else { "1" };
+        assert_eq!(
+            annotation(&m, "p", "tencent.com/predicate-node").as_deref(),
+            Some(bound.as_str()),
+            "round {round}: a: {:?}, b: {:?}",
+            ra.error,
+            rb.error
+        );
+        assert_eq!(
+            annotation(&m, "p", "tencent.com/predicate-gpu-idx-0").as_deref(),
+            Some(gpu),
+            "round {round}"
         );
     }
 }

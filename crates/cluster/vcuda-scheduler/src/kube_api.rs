@@ -178,11 +178,23 @@ impl BindApi for KubeBind {
             .map_err(api_error)
     }
 
-    async fn bind(&self, pod: &Pod, node: &str) -> Result<(), ApiError> {
+    async fn bind(
+        &self,
+        pod: &Pod,
+        node: &str,
+        annotations: &BTreeMap<String, Option<String>>,
+    ) -> Result<(), ApiError> {
         let name = gpu_pods::name(pod);
+        // A Binding's annotations are merged into the pod with its node
+        // (every release since 1.4); only the ones it sets are sent.
+        let set: BTreeMap<&String, &String> = annotations
+            .iter()
+            .filter_map(|(k, v)| Some((k, v.as_ref()?)))
+            .collect();
         let body = serde_json::json!({
             "apiVersion": "v1", "kind": "Binding",
-            "metadata": {"name": name, "namespace": gpu_pods::namespace(pod), "uid": gpu_pods::uid(pod)},
+            "metadata": {"name": name, "namespace": gpu_pods::namespace(pod),
+                         "uid": gpu_pods::uid(pod), "annotations": set},
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         });
         Api::<Pod>::namespaced(self.client.clone(), gpu_pods::namespace(pod))
