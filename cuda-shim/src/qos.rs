@@ -8,8 +8,8 @@
 //! processes (0: nothing more to do). Everything else is out of line.
 //!
 //! While a latency process is registered on the GPU, a batch process keeps
-//! at most one launch in flight per stream (it synchronises the stream
-//! before the next launch, unless the stream is being captured): its queue
+//! about [`window::QUEUE_NS`] of device time queued per stream, one launch
+//! at least ([`window`]; not while the stream is being captured): its queue
 //! is what a latency request arriving at any moment waits behind, and the
 //! driver's time-slicing lets it in only at the end of a timeslice or of
 //! that queue. While a latency process has work in flight, batch launches
@@ -23,6 +23,8 @@
 //! most [`MAX_HOLD_NS`] in one go, so a latency tenant that keeps the GPU
 //! busy still leaves batch work a little progress (its own quota bounds
 //! how busy that is).
+
+mod window;
 
 use crate::real::real_cuda;
 use crate::throttle::bucket::now_ns;
@@ -100,8 +102,10 @@ fn page() -> Option<Grant> {
 fn batch_beside_latency(stream: Stream, ptsz: bool) {
     let Some((page, _)) = page() else { return };
     hold(page);
-    // One launch in flight per stream: what is queued now must end first.
-    let _ = sync_stream(stream, ptsz);
+    if !window::before_launch(stream, ptsz) {
+        // A bound of one launch: what is queued now must end first.
+        let _ = sync_stream(stream, ptsz);
+    }
 }
 
 fn sync_stream(stream: Stream, ptsz: bool) -> cuda_abi::CUresult {

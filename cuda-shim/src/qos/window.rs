@@ -1,0 +1,206 @@
+//! A batch process's bound on the work it keeps queued per stream while a
+//! latency process shares its GPU: about [`QUEUE_NS`] of device time, not
+//! a number of launches. A latency request arriving at any moment waits
+//! behind that queue; a queue of one launch (synchronise before each)
+//! leaves the device idle for the batch process's wake-up and next launch
+//! after every kernel, most of a 10 µs kernel's time.
+//!
+//! How: an event is recorded on the stream before each launch, so an
+//! event that completed says every launch before it ended, and two
+//! consecutive completed events bracket one launch's device time
+//! (`cuEventElapsedTime`; a gap on the device counts as the kernel's, so
+//! the estimate errs long). Launches allowed in flight: [`QUEUE_NS`] over
+//! the estimate, at least one, at most [`MAX_DEPTH`]; a launch waits for
+//! the oldest event until the queue is under that. An estimate at or above
+//! [`QUEUE_NS`] (long kernels, or none measured yet) is one launch in
+//! flight: the caller synchronises the stream.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+use crate::real::real_cuda;
+use cuda_abi::{CUDA_SUCCESS, CUresult};
+
+/// Device time a batch stream may keep queued beside a latency process.
+pub const QUEUE_NS: u64 = 200_000;
+/// Launches in flight per stream, whatever the estimate.
+pub const MAX_DEPTH: usize = 32;
+/// Streams remembered before idle ones are forgotten (a process that makes
+/// and destroys streams by the thousand).
+const MAX_STREAMS: usize = 256;
+/// Per-thread default stream handle (`CU_STREAM_PER_THREAD`).
+const PER_THREAD: usize = 0x2;
+
+type Event = *mut c_void;
+type Stream = *mut c_void;
+
+#[derive(Default)]
+struct Window {
+    /// Events recorded before launches, oldest first, not seen complete.
+    pending: VecDeque<usize>,
+    /// The newest event seen complete (the start of the next sample).
+    done: Option<usize>,
+    free: Vec<usize>,
+    /// Estimated device time of one launch, ns (0: none measured).
+    estimate_ns: u64,
+}
+
+/// Streams by handle. Held only between driver calls that do not wait.
+static WINDOWS: Mutex<Option<HashMap<usize, Window>>> = Mutex::new(None);
+
+/// Before a batch launch onto `stream`: waits until the stream's queue is
+/// under its bound and records this launch's event. `false`: the bound is
+/// one launch (or events are unusable here): synchronise the stream.
+pub fn before_launch(stream: Stream, ptsz: bool) -> bool {
+    let key = if stream.is_null() && ptsz {
+        PER_THREAD
+    } else {
+        stream as usize
+    };
+    loop {
+        let wait_on = {
+            let mut g = WINDOWS.lock().unwrap_or_else(|e| e.into_inner());
+            let map = g.get_or_insert_with(HashMap::new);
+            if map.len() >= MAX_STREAMS && !map.contains_key(&key) {
+                forget_idle(map);
+            }
+            let w = map.entry(key).or_default();
+            w.retire();
+            let depth = w.depth();
+            if depth <= 1 {
+                let _ = w.record(key as Stream, ptsz);
+                return false;
+            }
+            if w.pending.len() + 1 < depth {
+                return w.record(key as Stream, ptsz);
+            }
+            w.pending[0]
+        };
+        // Outside the lock: other streams' launches go on meanwhile.
+        if sync(wait_on as Event) != CUDA_SUCCESS {
+            return false;
+        }
+    }
+}
+
+/// Drops the windows with nothing pending, destroying their events.
+#[cold]
+fn forget_idle(map: &mut HashMap<usize, Window>) {
+    map.retain(|_, w| {
+        w.retire();
+        if !w.pending.is_empty() {
+            return true;
+        }
+        for ev in w.free.drain(..).chain(w.done.take()) {
+            destroy(ev as Event);
+        }
+        false
+    });
+}
+
+impl Window {
+    fn depth(&self) -> usize {
+        if self.estimate_ns == 0 || self.estimate_ns >= QUEUE_NS {
+            return 1;
+        }
+        ((QUEUE_NS / self.estimate_ns) as usize).clamp(1, MAX_DEPTH)
+    }
+
+    /// Takes completed events off the front, sampling each launch they
+    /// bracket.
+    fn retire(&mut self) {
+        while let Some(&ev) = self.pending.front() {
+            if query(ev as Event) != CUDA_SUCCESS {
+                break;
+            }
+            self.pending.pop_front();
+            if let Some(prev) = self.done.replace(ev) {
+                if let Some(ns) = elapsed_ns(prev as Event, ev as Event) {
+                    self.sample(ns);
+                }
+                self.free.push(prev);
+            }
+        }
+    }
+
+    fn sample(&mut self, ns: u64) {
+        self.estimate_ns = if self.estimate_ns == 0 {
+            ns
+        } else {
+            (self.estimate_ns * 7 + ns) / 8
+        };
+    }
+
+    /// Records an event on the stream ahead of the launch; `false` if the
+    /// driver would not (another context's stream, a destroyed one).
+    fn record(&mut self, stream: Stream, ptsz: bool) -> bool {
+        let ev = match self.free.pop() {
+            Some(e) => e,
+            None => match create() {
+                Some(e) => e,
+                None => return false,
+            },
+        };
+        if record(ev as Event, stream, ptsz) != CUDA_SUCCESS {
+            self.free.push(ev);
+            return false;
+        }
+        self.pending.push_back(ev);
+        true
+    }
+}
+
+fn create() -> Option<usize> {
+    let mut ev: Event = std::ptr::null_mut();
+    let r = (|| -> CUresult {
+        let f = real_cuda!(cuEventCreate: unsafe extern "C" fn(*mut Event, u32) -> CUresult);
+        // SAFETY: the real driver's function; `ev` is a valid out pointer.
+        unsafe { f(&mut ev, 0) }
+    })();
+    (r == CUDA_SUCCESS && !ev.is_null()).then_some(ev as usize)
+}
+
+fn record(ev: Event, stream: Stream, ptsz: bool) -> CUresult {
+    type Record = unsafe extern "C" fn(Event, Stream) -> CUresult;
+    let f = if ptsz {
+        real_cuda!(cuEventRecord_ptsz: Record)
+    } else {
+        real_cuda!(cuEventRecord: Record)
+    };
+    // SAFETY: the real driver's function; an event it made, the stream our
+    // caller is about to launch onto.
+    unsafe { f(ev, stream) }
+}
+
+fn query(ev: Event) -> CUresult {
+    let f = real_cuda!(cuEventQuery: unsafe extern "C" fn(Event) -> CUresult);
+    // SAFETY: the real driver's function; an event it made.
+    unsafe { f(ev) }
+}
+
+fn sync(ev: Event) -> CUresult {
+    let f = real_cuda!(cuEventSynchronize: unsafe extern "C" fn(Event) -> CUresult);
+    // SAFETY: the real driver's function; an event it made.
+    unsafe { f(ev) }
+}
+
+fn destroy(ev: Event) {
+    let _ = (|| -> CUresult {
+        let f = real_cuda!(cuEventDestroy_v2: unsafe extern "C" fn(Event) -> CUresult);
+        // SAFETY: the real driver's function; an event it made that no
+        // window holds any more.
+        unsafe { f(ev) }
+    })();
+}
+
+fn elapsed_ns(start: Event, end: Event) -> Option<u64> {
+    let mut ms = 0f32;
+    let r = (|| -> CUresult {
+        let f = real_cuda!(cuEventElapsedTime: unsafe extern "C" fn(*mut f32, Event, Event) -> CUresult);
+        // SAFETY: the real driver's function; two events it made, both
+        // complete; `ms` a valid out pointer.
+        unsafe { f(&mut ms, start, end) }
+    })();
+    (r == CUDA_SUCCESS && ms >= 0.0).then_some((f64::from(ms) * 1e6) as u64)
+}
