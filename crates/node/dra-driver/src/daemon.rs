@@ -101,6 +101,9 @@ pub async fn run(
         s.node.clone(),
     );
     crate::reclaims::report(&driver, Arc::new(api.clone()), Arc::new(events));
+    driver
+        .registry()
+        .memory_witness(node_agent::nvml::memory_witness(nvml.clone()));
     let mut inherited = crate::supervise::inherited(&s.plugins_dir, &s.registry_dir)?;
     let (sockets, listeners, was_registered) = match inherited.as_mut() {
         Some(i) => (

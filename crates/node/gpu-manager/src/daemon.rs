@@ -451,6 +451,8 @@ async fn start_display(
         })
     }));
     report_reclaims(mgr);
+    mgr.registry()
+        .memory_witness(node_agent::nvml::memory_witness(nvml.clone()));
     let query_addr = tokio::net::lookup_host((s.query_addr.as_str(), s.query_port))
         .await
         .ok()

@@ -269,6 +269,27 @@ pub fn watch_xids(
         .expect("spawning the Xid thread")
 }
 
+/// What NVML says each process holds on a GPU, for the registry's reclaims
+/// ([`crate::registry::MemoryWitness`]): a process's contexts summed; a
+/// GPU or count NVML cannot give is `None` (the ledgers decide alone).
+pub fn memory_witness(nvml: Arc<Nvml>) -> crate::registry::MemoryWitness {
+    use nvml_wrapper::enums::device::UsedGpuMemory;
+    Arc::new(move |uuid: &str| {
+        let procs = nvml
+            .device_by_uuid(uuid)
+            .ok()?
+            .running_compute_processes()
+            .ok()?;
+        let mut held: HashMap<i32, u64> = HashMap::new();
+        for p in procs {
+            if let UsedGpuMemory::Used(b) = p.used_gpu_memory {
+                *held.entry(p.pid as i32).or_default() += b;
+            }
+        }
+        Some(held)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -28,7 +28,7 @@ use budget::{Allowance, LogBudget, MAX_CONNS, MAX_CONNS_PER_PID};
 pub mod budget;
 pub mod memory;
 mod wire;
-pub use memory::{LedgerGpu, ReclaimSink, Reclaimed, ShareMemory};
+pub use memory::{LedgerGpu, MemoryWitness, ReclaimSink, Reclaimed, ShareMemory};
 use qos_page::{Holder, QosPage, Tier};
 
 // Locks here guard maps changed by single inserts and removes: a panic
@@ -199,9 +199,28 @@ impl Procs {
     }
 
     /// The process holding the most in ledger `ledger`, and how much.
-    fn largest_process(&self, ledger: usize) -> Option<(i32, u64)> {
+    /// The process holding the most on the ledger's GPU: by its slot, or by
+    /// what `seen` (the driver) says a registered process holds, whichever
+    /// is more.
+    fn largest_process(
+        &self,
+        ledger: usize,
+        seen: Option<&HashMap<i32, u64>>,
+    ) -> Option<(i32, u64)> {
         let (l, _) = self.ledgers.get(ledger)?;
-        l.slots().max_by_key(|s| s.used).map(|s| (s.pid, s.used))
+        let mut held: HashMap<i32, u64> = l.slots().map(|s| (s.pid, s.used)).collect();
+        for pid in self.registered_pids() {
+            if let Some(&b) = seen.and_then(|s| s.get(&pid)) {
+                let e = held.entry(pid).or_default();
+                *e = (*e).max(b);
+            }
+        }
+        held.into_iter().max_by_key(|&(pid, b)| (b, pid))
+    }
+
+    fn registered_pids(&self) -> Vec<i32> {
+        let pids = self.pids.lock().unwrap_or_else(PoisonError::into_inner);
+        pids.keys().copied().collect()
     }
 
     /// Drops an exited process at once (what its connection's close does,
@@ -371,6 +390,11 @@ impl Registry {
         self.lending.on_reclaim(sink);
     }
 
+    /// What a reclaim believes over the ledgers (the daemon's NVML).
+    pub fn memory_witness(&self, w: MemoryWitness) {
+        self.lending.witnessed_by(w);
+    }
+
     fn shares(&self) -> Vec<Arc<Procs>> {
         self.endpoints
             .lock()
@@ -503,15 +527,7 @@ impl Registry {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get(id)
-            .map(|e| {
-                e.procs
-                    .pids
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .keys()
-                    .copied()
-                    .collect()
-            })
+            .map(|e| e.procs.registered_pids())
             .unwrap_or_default()
     }
 

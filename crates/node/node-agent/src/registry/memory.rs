@@ -15,6 +15,12 @@
 //! kept as a counter of its own: a process that dies, a daemon restart or
 //! a tenant writing its ledger cannot make it drift.
 //!
+//! Whom a reclaim ends is judged on what the driver says each process
+//! holds (NVML, the daemon's [`MemoryWitness`]) where it says more than the
+//! ledger: a tenant that writes its ledger down would otherwise have an
+//! honest borrower ended in its place, and the guaranteed allocation
+//! refused.
+//!
 //! The decisions are the pure functions at the top; [`Lending`] applies
 //! them to the registry's shares.
 
@@ -93,6 +99,10 @@ impl Reclaimed {
 
 pub type ReclaimSink = Arc<dyn Fn(&Reclaimed) + Send + Sync>;
 
+/// Bytes each process (host PID) holds on the GPU of this UUID as its
+/// driver counts them; `None` when it cannot say.
+pub type MemoryWitness = Arc<dyn Fn(&str) -> Option<HashMap<i32, u64>> + Send + Sync>;
+
 fn mib(b: u64) -> u64 {
     b / (1024 * 1024)
 }
@@ -151,6 +161,7 @@ const MAX_VICTIMS: usize = 8;
 pub struct Lending {
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     sink: Mutex<Option<ReclaimSink>>,
+    witness: Mutex<Option<MemoryWitness>>,
 }
 
 /// A share on the GPU in question, and which of its ledgers counts there.
@@ -159,6 +170,20 @@ type Member = (Arc<Procs>, usize);
 impl Lending {
     pub fn on_reclaim(&self, sink: ReclaimSink) {
         *self.sink.lock().unwrap_or_else(PoisonError::into_inner) = Some(sink);
+    }
+
+    pub fn witnessed_by(&self, w: MemoryWitness) {
+        *self.witness.lock().unwrap_or_else(PoisonError::into_inner) = Some(w);
+    }
+
+    /// What the witness says processes hold on `gpu` now.
+    fn seen(&self, gpu: &str) -> Option<HashMap<i32, u64>> {
+        let w = self
+            .witness
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()?;
+        w(gpu)
     }
 
     fn lock_of(&self, gpu: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -201,7 +226,7 @@ impl Lending {
                     ..Default::default()
                 }
             }
-            Ok(Kind::Reclaim) => self.reclaim(me, req.bytes, members).await,
+            Ok(Kind::Reclaim) => self.reclaim(me, &gpu.uuid, req.bytes, members).await,
             _ => refuse(format!("unknown memory request kind {}", req.kind)),
         }
     }
@@ -211,6 +236,7 @@ impl Lending {
     async fn reclaim(
         &self,
         me: &Arc<Procs>,
+        gpu: &str,
         bytes: u64,
         members: impl Fn() -> (Vec<Member>, Vec<Use>),
     ) -> MemoryResponse {
@@ -228,11 +254,15 @@ impl Lending {
             if reclaimed >= bytes {
                 break;
             }
-            let (m, uses) = members();
+            let (m, mut uses) = members();
+            let seen = self.seen(gpu);
+            if let Some(seen) = &seen {
+                witnessed(&m, &mut uses, seen);
+            }
             let i = position(&m, me);
             let Some(v) = victim(&uses, i) else { break };
             let (procs, ledger) = &m[v];
-            let Some((pid, _)) = procs.largest_process(*ledger) else {
+            let Some((pid, _)) = procs.largest_process(*ledger, seen.as_ref()) else {
                 break;
             };
             let r = Reclaimed {
@@ -345,6 +375,19 @@ pub(super) fn members(shares: &[Arc<Procs>], gpu: &str) -> (Vec<Member>, Vec<Use
         }
     }
     (m, uses)
+}
+
+/// Each member's use as the larger of its ledger's and what the witness
+/// says its registered processes hold.
+fn witnessed(m: &[Member], uses: &mut [Use], seen: &HashMap<i32, u64>) {
+    for ((procs, _), u) in m.iter().zip(uses.iter_mut()) {
+        let held: u64 = procs
+            .registered_pids()
+            .iter()
+            .filter_map(|p| seen.get(p))
+            .sum();
+        u.used = u.used.max(held);
+    }
 }
 
 fn position(m: &[Member], me: &Arc<Procs>) -> usize {

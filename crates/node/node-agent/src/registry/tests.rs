@@ -250,6 +250,38 @@ async fn tiered_shares_get_their_gpus_qos_page_and_latency_a_slot() {
     reg.stop("b");
 }
 
+const G: u64 = 1 << 30;
+
+/// Serves share `name` on a 16 GiB GPU-0 with `guarantee` and `limit`.
+fn serve_on_16g(reg: &Registry, root: &Path, name: &str, guarantee: u64, limit: u64) -> PathBuf {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (l, f) = Ledger::create(&dir.join(quota_config::ledger_file(0)), guarantee).unwrap();
+    let memory = ShareMemory {
+        gpus: vec![LedgerGpu {
+            uuid: "GPU-0".into(),
+            guarantee,
+            card_bytes: 16 * G,
+        }],
+        limit,
+    };
+    let extras = ShareExtras { qos: None, memory };
+    reg.serve_share(name, &dir, "uid", "main", vec![(l, f)], extras)
+        .unwrap();
+    dir
+}
+
+/// Gives process `pid` a slot in share `name`'s ledger holding `bytes`, as
+/// if it had registered and allocated (SO_PEERCRED makes every test
+/// registration this process's own).
+fn holding(reg: &Registry, name: &str, pid: i32, bytes: u64) {
+    let e = &reg.endpoints.lock().unwrap()[name];
+    let (ledger, _) = &e.procs.ledgers[0];
+    let s = ledger.claim_slot(pid, None).unwrap();
+    ledger.force_reserve(s, bytes);
+    e.procs.pids.lock().unwrap().insert(pid, (1, Some(vec![s])));
+}
+
 /// Memory requests on the registration connection (docs/qos.md, "Memory"):
 /// two borrowers (2 GiB guaranteed, 6 GiB limit) beside an 8 GiB share
 /// on a 16 GiB GPU share the 4 GiB nobody is guaranteed; what one borrowed
@@ -259,25 +291,10 @@ async fn tiered_shares_get_their_gpus_qos_page_and_latency_a_slot() {
 async fn borrowers_share_what_nobody_is_guaranteed_and_give_it_back() {
     use vcuda_api::vcuda::memory_request::Kind;
     use vcuda_api::vcuda::memory_response::Status as MStatus;
-    const G: u64 = 1 << 30;
     let d = tempfile::tempdir().unwrap();
     let reg = Registry::default();
     let serve = |name: &str, guarantee: u64, limit: u64| {
-        let dir = d.path().join(name);
-        std::fs::create_dir_all(&dir).unwrap();
-        let (l, f) = Ledger::create(&dir.join(quota_config::ledger_file(0)), guarantee).unwrap();
-        let memory = ShareMemory {
-            gpus: vec![LedgerGpu {
-                uuid: "GPU-0".into(),
-                guarantee,
-                card_bytes: 16 * G,
-            }],
-            limit,
-        };
-        let extras = ShareExtras { qos: None, memory };
-        reg.serve_share(name, &dir, "uid", "main", vec![(l, f)], extras)
-            .unwrap();
-        dir
+        serve_on_16g(&reg, d.path(), name, guarantee, limit)
     };
     let (a, b, g) = (
         serve("a", 2 * G, 6 * G),
@@ -356,4 +373,60 @@ async fn borrowers_share_what_nobody_is_guaranteed_and_give_it_back() {
     assert_eq!(child.wait().unwrap().signal(), Some(libc::SIGKILL));
     assert_eq!(ledger.used(), 0, "the ended process's slot cleared");
     assert_eq!(reg.ledger_counters("a").unwrap().reclaims, 1);
+}
+
+/// A borrower that writes its ledger down (0 bytes) while the driver says
+/// its process holds 6 GiB is the one a reclaim ends, not the honest
+/// borrower holding 3 GiB; without the witness the honest one would be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reclaim_believes_the_driver_over_a_ledger_written_down() {
+    use std::os::unix::process::ExitStatusExt;
+    use vcuda_api::vcuda::memory_request::Kind;
+    use vcuda_api::vcuda::memory_response::Status as MStatus;
+    let d = tempfile::tempdir().unwrap();
+    let reg = Registry::default();
+    serve_on_16g(&reg, d.path(), "liar", 2 * G, 6 * G);
+    serve_on_16g(&reg, d.path(), "honest", 2 * G, 6 * G);
+    let g = serve_on_16g(&reg, d.path(), "g", 8 * G, 0);
+    let sleeper = || {
+        std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap()
+    };
+    let (mut liar, mut honest) = (sleeper(), sleeper());
+    let (lp, hp) = (liar.id() as i32, honest.id() as i32);
+    holding(&reg, "liar", lp, 0);
+    holding(&reg, "honest", hp, 3 * G);
+    reg.memory_witness(Arc::new(move |uuid: &str| {
+        assert_eq!(uuid, "GPU-0");
+        Some(HashMap::from([(lp, 6 * G), (hp, 3 * G)]))
+    }));
+    let r = blocking(move || {
+        let (mut sg, _, _) = register(&g, request(1));
+        frame::write(
+            &mut sg,
+            &MemoryRequest {
+                kind: Kind::Reclaim as i32,
+                bytes: 4 * G,
+            },
+        )
+        .unwrap();
+        frame::read::<MemoryResponse>(&mut sg).unwrap()
+    })
+    .await;
+    assert_eq!(r.status, MStatus::Granted as i32, "{}", r.message);
+    assert_eq!(
+        r.reclaimed,
+        4 * G,
+        "what the driver says it held above 2 GiB"
+    );
+    assert_eq!(liar.wait().unwrap().signal(), Some(libc::SIGKILL));
+    assert!(
+        honest.try_wait().unwrap().is_none(),
+        "the honest borrower lives"
+    );
+    let _ = honest.kill();
+    assert_eq!(reg.ledger_counters("liar").unwrap().reclaims, 1);
+    assert_eq!(reg.ledger_counters("honest").unwrap().reclaims, 0);
 }
