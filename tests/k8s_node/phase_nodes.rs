@@ -221,15 +221,7 @@ fn thirteen(c: &Cluster, w: &Work, names: &[&str]) {
             .and_then(Value::as_array)
             .cloned()
             .unwrap_or_default();
-        if let Some(f) = ps.iter().find(|p| phase(p) == "Failed") {
-            panic!(
-                "pod {} on {} failed: {}; its annotations: {}",
-                f["metadata"]["name"],
-                f["spec"]["nodeName"],
-                f["status"],
-                f["metadata"]["annotations"]
-            );
-        }
+        no_pod_failed(&ps);
         let up = ps.iter().filter(|p| phase(p) == "Running").count();
         if up == 13 {
             Ok(ps)
@@ -322,15 +314,7 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     ext = Extender::start(c);
     let ps = wait("every pod Running or Unschedulable", 420, || {
         let ps = pods(c);
-        if let Some(f) = ps.iter().find(|p| phase(p) == "Failed") {
-            panic!(
-                "pod {} on {} failed: {}; its annotations: {}",
-                f["metadata"]["name"],
-                f["spec"]["nodeName"],
-                f["status"],
-                f["metadata"]["annotations"]
-            );
-        }
+        no_pod_failed(&ps);
         let n = ps.iter().filter(|p| decided(p)).count();
         if n == PODS {
             Ok(ps)
@@ -392,5 +376,17 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         m.stop();
         c.script_ok(&["node-down", &k.to_string()]);
         c.kubectl_ok(&["delete", "node", &name]);
+    }
+}
+
+/// Panics, naming the pod, its node and the placement it was given, if a
+/// pod failed (a refused Allocate: the extender's and the manager's views
+/// of a GPU disagreed).
+fn no_pod_failed(ps: &[Value]) {
+    if let Some(f) = ps.iter().find(|p| phase(p) == "Failed") {
+        panic!(
+            "pod {} on {} failed: {}; its annotations: {}",
+            f["metadata"]["name"], f["spec"]["nodeName"], f["status"], f["metadata"]["annotations"]
+        );
     }
 }
