@@ -44,6 +44,11 @@ struct Run {
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn beside_latency(batch_args: &[&str]) -> Run {
+    beside_latency_with(batch_args, &[])
+}
+
+/// [`beside_latency`], the latency tenant given `latency_extra` arguments.
+fn beside_latency_with(batch_args: &[&str], latency_extra: &[&str]) -> Run {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let (n, batch_prog) = ShimNode::sample(&workspace_root(), &target_dir(), "shim_compute.c");
     let lat_prog = n.compile_c(&workspace_root().join("tests/c/qos_latency.c"));
@@ -66,7 +71,9 @@ fn beside_latency(batch_args: &[&str]) -> Run {
     let b = workload::start(&batch, &batch_prog, &args);
     assert_eq!(page.page.latency_live(), 0, "no latency process yet");
     let secs = format!("{SECONDS}");
-    let l = workload::start(&lat, &lat_prog, &[&secs, "100", "3", "17280", "warmup=1"]);
+    let mut lat_args = vec![secs.as_str(), "100", "3", "17280", "warmup=1"];
+    lat_args.extend(latency_extra);
+    let l = workload::start(&lat, &lat_prog, &lat_args);
     assert_eq!(
         page.page.latency_live(),
         1,
@@ -140,4 +147,24 @@ fn a_batch_share_of_short_kernels_keeps_the_device_fed_beside_a_latency_share() 
     );
     assert!(r.out["requests"] >= 400.0, "{:?}", r.out);
     assert!(r.out["p99_us"] < 50_000.0, "{:?}", r.out);
+}
+
+#[test]
+fn a_latency_share_that_polls_for_its_end_frees_batch_work_when_it_is_done() {
+    // Its requests take about 6 % of the device; a query that says done
+    // is its synchronize. Counted as busy until 20 ms after each launch
+    // instead (a request every 10 ms), it would hold batch launches
+    // nearly all the time.
+    let r = beside_latency_with(&["saturate", "4"], &["poll"]);
+    let (held_ns, holds) = r.page.page.held();
+    let held = held_ns as f64 / 1e9 / (SECONDS + 2.0);
+    eprintln!(
+        "shim_qos: beside a polling latency tenant batch was held {:.1} % of its run ({holds} holds), kept {:.1} % of the GPU",
+        held * 100.0,
+        r.batch_busy
+    );
+    assert!(holds > 0, "batch launches were held");
+    assert!(held < 0.4, "batch held {:.1} % of its run", held * 100.0);
+    assert!(r.batch_busy > 50.0, "batch got {:.1} %", r.batch_busy);
+    assert!(r.out["requests"] >= 400.0, "{:?}", r.out);
 }

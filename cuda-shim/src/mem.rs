@@ -408,6 +408,36 @@ cuda_exports! {
         r
     }
 
+    // A process that polls for its work's end (servers often do) instead of
+    // synchronising: a query that says done is its synchronize for the
+    // compute tiers (the pool's settling is left to the synchronizes).
+    fn cuStreamQuery(stream: Stream) {
+        let f = real_cuda!(cuStreamQuery: unsafe extern "C" fn(Stream) -> CUresult);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(stream) };
+        crate::qos::after_sync(r);
+        r
+    }
+
+    fn cuStreamQuery_ptsz(stream: Stream) {
+        let f = real_cuda!(cuStreamQuery_ptsz: unsafe extern "C" fn(Stream) -> CUresult);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(stream) };
+        crate::qos::after_sync(r);
+        r
+    }
+
+    fn cuEventQuery(event: *mut c_void) {
+        let f = real_cuda!(cuEventQuery: unsafe extern "C" fn(*mut c_void) -> CUresult);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's (passed on unchanged) or our own locals.
+        let r = unsafe { f(event) };
+        crate::qos::after_sync(r);
+        r
+    }
+
     // ---- contexts ----
 
     // The CUDA 2.0 entry (cuda.h's signature is _v2's): NVIDIA's drivers still

@@ -16,7 +16,8 @@
 //! are held altogether.
 //!
 //! A latency process marks itself busy at each launch, until a
-//! synchronize returns ([`after_sync`]: context, stream or event) or
+//! synchronize returns or a query says done ([`after_sync`]: context,
+//! stream or event) or
 //! [`LATENCY_HOLD_NS`] after its last launch, whichever is first: a
 //! process that never synchronises (it polls) cannot hold batch work for
 //! longer than that after it stopped launching. A batch launch waits at
@@ -144,8 +145,9 @@ fn latency_launch() {
     }
 }
 
-/// After a context, stream or event synchronize: a latency process that
-/// synchronised successfully has nothing in flight.
+/// After a context, stream or event synchronize, or a stream or event
+/// query: a latency process that synchronised successfully, or learnt its
+/// work is done, has nothing in flight.
 #[inline(always)]
 pub(crate) fn after_sync(r: cuda_abi::CUresult) {
     if r == cuda_abi::CUDA_SUCCESS && ROLE.load(Ordering::Relaxed) == LATENCY {

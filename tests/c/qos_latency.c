@@ -4,12 +4,13 @@
 // stream and synchronised; at the end the request latencies' percentiles.
 // Driver declarations: cuda_driver.h (via shim_common.h).
 //
-// usage: qos_latency SECONDS RATE_HZ KERNELS BLOCKS [graph] [priority] [warmup=S]
+// usage: qos_latency SECONDS RATE_HZ KERNELS BLOCKS [graph] [priority] [poll] [warmup=S]
 //   each request is KERNELS launches of BLOCKS blocks of 256 threads (the
 //   sim's A100: 864 blocks a 10 us wave, so 17280 blocks = 200 us);
 //   `graph`: the request's kernels captured once into a CUDA graph, one
 //   cuGraphLaunch per request; `priority`: the stream at the context's
-//   greatest priority; `warmup=S`: requests due in the first S seconds
+//   greatest priority; `poll`: a request's end found by cuStreamQuery
+//   every 20 us (as servers that poll do), not cuStreamSynchronize; `warmup=S`: requests due in the first S seconds
 //   run but are not counted (a quota controller's start-up).
 // Prints `pid=N start_ns=T` when it starts, then at the end requests=,
 // late= (requests that began after the next was due), p50_us=, p99_us=,
@@ -31,6 +32,7 @@ CUresult cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long lo
 CUresult cuGraphLaunch(CUgraphExec e, CUstream s);
 CUresult cuStreamCreateWithPriority(CUstream *s, unsigned flags, int priority);
 CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest);
+CUresult cuStreamQuery(CUstream s);
 
 static long long now_ns(void) {
   struct timespec t;
@@ -57,17 +59,18 @@ static void launch_request(CUfunction f, CUstream s, int kernels, unsigned block
 int main(int argc, char **argv) {
   if (argc < 5) {
     fprintf(stderr,
-            "usage: qos_latency SECONDS RATE_HZ KERNELS BLOCKS [graph] [priority] [warmup=S]\n");
+            "usage: qos_latency SECONDS RATE_HZ KERNELS BLOCKS [graph] [priority] [poll] [warmup=S]\n");
     return 2;
   }
   double seconds = atof(argv[1]), rate = atof(argv[2]);
   int kernels = atoi(argv[3]);
   unsigned blocks = (unsigned)atoi(argv[4]);
-  int graph = 0, priority = 0;
+  int graph = 0, priority = 0, poll = 0;
   double warmup = 0;
   for (int i = 5; i < argc; i++) {
     graph |= strcmp(argv[i], "graph") == 0;
     priority |= strcmp(argv[i], "priority") == 0;
+    poll |= strcmp(argv[i], "poll") == 0;
     if (strncmp(argv[i], "warmup=", 7) == 0) warmup = atof(argv[i] + 7);
   }
   if (seconds <= 0 || rate <= 0 || kernels < 1 || blocks < 1) {
@@ -113,7 +116,13 @@ int main(int argc, char **argv) {
       check(cuGraphLaunch(exec, s), "cuGraphLaunch");
     else
       launch_request(f, s, kernels, blocks);
-    check(cuStreamSynchronize(s), "cuStreamSynchronize");
+    if (poll) {
+      CUresult r;
+      while ((r = cuStreamQuery(s)) == 600 /* CUDA_ERROR_NOT_READY */) usleep(20);
+      check(r, "cuStreamQuery");
+    } else {
+      check(cuStreamSynchronize(s), "cuStreamSynchronize");
+    }
     if (counted) lat[n++] = now_ns() - due;
   }
   if (n == 0) {
