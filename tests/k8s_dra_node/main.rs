@@ -650,6 +650,7 @@ fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path, w: &P
     // killed. Before the relay each such call failed with "error reading
     // from server: EOF" and its pod waited 10-15 s for the kubelet's retry.
     let before = drv.count(relayed);
+    const STALL: std::time::Duration = std::time::Duration::from_millis(1500);
     let w_held = windows::pods_during(
         n,
         "a kill -9 of the driver holding the kubelet's calls",
@@ -657,13 +658,7 @@ fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path, w: &P
         |p| pod(p, "gpu-5", "sleep 100000", bin, sim),
         6,
         every,
-        || {
-            windows::kill_worker_after(
-                windows::DRA_DRIVER,
-                &ours,
-                std::time::Duration::from_millis(1500),
-            )
-        },
+        || windows::kill_worker_after(windows::DRA_DRIVER, &ours, STALL),
         180,
     );
     windows::delete_pods(n, "held", 6);
@@ -673,7 +668,7 @@ fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path, w: &P
         before + 1,
         30,
     );
-    w_held.assert_running_within(5000);
+    w_held.assert_running_within_stalled(5000, STALL.as_millis() as u64);
     let held = drv.count("serving on the sockets the holder kept open");
     let w = windows::pods_during(
         n,
