@@ -8,9 +8,10 @@
 //! it when it exits; batch launches were held while it had work; the batch
 //! share (soft, may burst to 100) still gets most of the GPU, with long
 //! kernels and with short ones (its queue bounded by device time, not
-//! launches); the latency tenant's requests complete. How far the tiers bring its latency back
-//! to alone is a benchmark's figure, not a test's
-//! (`cargo bench -p cuda-shim --bench qos_latency`). Needs
+//! launches); a latency tenant that polls frees batch work when its
+//! queries say done; the latency tenant's requests complete. How far the
+//! tiers bring its latency back to alone is a benchmark's figure, not a
+//! test's (`cargo bench -p cuda-shim --bench qos_latency`). Needs
 //! `cargo build --workspace` first.
 
 use qos_page::Tier;
@@ -43,12 +44,8 @@ struct Run {
 /// the batch figure is what a busy host moves most.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn beside_latency(batch_args: &[&str]) -> Run {
-    beside_latency_with(batch_args, &[])
-}
-
-/// [`beside_latency`], the latency tenant given `latency_extra` arguments.
-fn beside_latency_with(batch_args: &[&str], latency_extra: &[&str]) -> Run {
+/// `latency_extra`: more arguments of the latency tenant's.
+fn beside_latency(batch_args: &[&str], latency_extra: &[&str]) -> Run {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let (n, batch_prog) = ShimNode::sample(&workspace_root(), &target_dir(), "shim_compute.c");
     let lat_prog = n.compile_c(&workspace_root().join("tests/c/qos_latency.c"));
@@ -100,7 +97,7 @@ fn a_batch_share_holds_while_the_latency_share_has_work_and_keeps_the_rest() {
         page,
         batch_busy,
         out,
-    } = beside_latency(&["saturate", "4"]);
+    } = beside_latency(&["saturate", "4"], &[]);
     let (held_ns, holds) = page.page.held();
     assert!(
         holds > 0 && held_ns > 0,
@@ -135,7 +132,7 @@ fn a_batch_share_of_short_kernels_keeps_the_device_fed_beside_a_latency_share() 
     // tenant's requests. One launch in flight left the device idle for
     // each wake-up: 59–63 % of the GPU here on an idle machine (debug
     // builds); the bound keeps 88–90 %, with a CPU hog beside it too.
-    let r = beside_latency(&["blockmix", "50"]);
+    let r = beside_latency(&["blockmix", "50"], &[]);
     eprintln!(
         "shim_qos: batch of short kernels kept {:.1} % of the GPU",
         r.batch_busy
@@ -155,7 +152,7 @@ fn a_latency_share_that_polls_for_its_end_frees_batch_work_when_it_is_done() {
     // is its synchronize. Counted as busy until 20 ms after each launch
     // instead (a request every 10 ms), it would hold batch launches
     // nearly all the time.
-    let r = beside_latency_with(&["saturate", "4"], &["poll"]);
+    let r = beside_latency(&["saturate", "4"], &["poll"]);
     let (held_ns, holds) = r.page.page.held();
     let held = held_ns as f64 / 1e9 / (SECONDS + 2.0);
     eprintln!(

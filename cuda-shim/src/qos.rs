@@ -17,8 +17,8 @@
 //!
 //! A latency process marks itself busy at each launch, until a
 //! synchronize returns or a query says done ([`after_sync`]: context,
-//! stream or event) or
-//! [`LATENCY_HOLD_NS`] after its last launch, whichever is first: a
+//! stream or event) or [`LATENCY_HOLD_NS`] after its last launch,
+//! whichever is first: a
 //! process that never synchronises (it polls) cannot hold batch work for
 //! longer than that after it stopped launching. A batch launch waits at
 //! most [`MAX_HOLD_NS`] in one go, so a latency tenant that keeps the GPU

@@ -100,11 +100,12 @@ fn forget_idle(map: &mut HashMap<usize, Window>) {
 }
 
 impl Window {
+    /// Launches allowed in flight: 1 with no estimate yet, or one at or
+    /// above the bound.
     fn depth(&self) -> usize {
-        if self.estimate_ns == 0 || self.estimate_ns >= QUEUE_NS {
-            return 1;
-        }
-        ((QUEUE_NS / self.estimate_ns) as usize).clamp(1, MAX_DEPTH)
+        QUEUE_NS
+            .checked_div(self.estimate_ns)
+            .map_or(1, |d| (d as usize).clamp(1, MAX_DEPTH))
     }
 
     /// Takes completed events off the front, sampling each launch they

@@ -198,8 +198,7 @@ impl Procs {
         pids.contains_key(&pid)
     }
 
-    /// The process holding the most in ledger `ledger`, and how much.
-    /// The process holding the most on the ledger's GPU: by its slot, or by
+    /// The process holding the most on the ledger's GPU, and how much: by its slot, or by
     /// what `seen` (the driver) says a registered process holds, whichever
     /// is more.
     fn largest_process(
