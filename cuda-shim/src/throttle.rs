@@ -437,7 +437,12 @@ fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32
         let waits = b.waits();
         let waited = waits != ctl.waits;
         ctl.waits = waits;
-        if let Some(d) = ctl.ctrl.add_period(p, waited) {
+        let d = if r.eclipsed {
+            ctl.ctrl.add_eclipsed(p, r.device, waited)
+        } else {
+            ctl.ctrl.add_period(p, waited)
+        };
+        if let Some(d) = d {
             b.set_rate(d.rate, d.units_per_ms);
             b.publish(d.target, d.achieved);
             crate::log::log!(

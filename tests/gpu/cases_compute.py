@@ -77,7 +77,8 @@ def graph30(node):
                       baseline="paced unthrottled baseline")
 
 
-def _fatbin(node):
+def fatbin(node, source="kmix.cu"):
+    """workers/`source` built for the GPU's compute capability (the sim: any image)."""
     if node.sim:
         return "fake"
     found = sorted(glob.glob("/usr/local/cuda*/bin/nvcc"))
@@ -86,16 +87,16 @@ def _fatbin(node):
         raise NotRun("nvcc not found (PATH, /usr/local/cuda*/bin)")
     major, minor = node.nvml.compute_capability()
     cc = f"{major}{minor}"
-    out = pathlib.Path(node.work) / "kmix.fatbin"
+    out = pathlib.Path(node.work) / pathlib.Path(source).with_suffix(".fatbin").name
     p = subprocess.run([nvcc, "--fatbin", "-gencode", f"arch=compute_{cc},code=[sm_{cc},compute_{cc}]",
-                        "-o", str(out), str(node.workers / "kmix.cu")], capture_output=True, text=True, timeout=180)
+                        "-o", str(out), str(node.workers / source)], capture_output=True, text=True, timeout=180)
     if p.returncode != 0:
         raise RuntimeError(f"nvcc failed: {p.stderr.strip()[-400:]}")
     return str(out)
 
 
 def kmix30(node):
-    image = _fatbin(node)
+    image = fatbin(node)
     secs, warm = node.compute_seconds, node.compute_warmup
     base = _run(node, "kmix-base", 0, "kmix.py", [image, "baseline", 2, 0.5, A_NS, B_NS], 120)
     d = {k: base[k]["ms"] for k in ("A", "B")}

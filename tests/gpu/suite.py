@@ -23,6 +23,7 @@ sys.path.insert(0, str(HERE))
 
 import cases_compute  # noqa: E402
 import cases_mem  # noqa: E402
+import cases_qos  # noqa: E402
 import cudrv  # noqa: E402
 from harness import FAIL, NOT_RUN, PASS, NotRun, Row  # noqa: E402
 
@@ -42,6 +43,8 @@ CASES = [
     ("smi", "nvidia-smi in the share", cases_mem.nvidia_smi),
     ("graph30", "torch: CUDA graph of 8192² matmuls, hard 30 %", cases_compute.graph30),
     ("kmix30", "1-block + 10,000-block kernel mix, hard 30 %", cases_compute.kmix30),
+    ("qos", "QoS tiers: a latency tenant beside batch work", cases_qos.qos),
+    ("pair30-60", "two saturating hard shares, 30 % + 60 %", cases_qos.pair),
 ]
 
 
@@ -55,6 +58,7 @@ class Node:
         self.pidns = a.pidns
         self.compute_seconds, self.compute_warmup = a.compute_seconds, a.compute_warmup
         art = pathlib.Path(a.artifacts)
+        self.artifacts, self.repo = art, REPO
         self.interposer = art / "libvcuda.so"
         self.mirror_tool = art / "vdriver-mirror"
         self.test_manager = next((p for p in (art / "examples" / "test_manager", art / "test_manager")
@@ -163,6 +167,7 @@ def main():
     ap.add_argument("--sim", action="store_true",
                     help="--host-root is a `gpu-sim install` root: mirror inside it, kernels from a fake image")
     ap.add_argument("--only", default="", help="comma-separated case ids: " + ",".join(c[0] for c in CASES))
+    ap.add_argument("--skip", default="", help="comma-separated case ids not to run")
     ap.add_argument("--allow-not-run", action="store_true", help="NOT RUN rows do not fail the run")
     ap.add_argument("--compute-seconds", type=float, default=10.0, help="measured window of the 30 %% cases")
     ap.add_argument("--compute-warmup", type=float, default=4.0, help="throttled run before that window")
@@ -186,7 +191,8 @@ def main():
     only = [x for x in a.only.split(",") if x]
     if a.sim and a.host_root == "/":
         ap.error("--sim needs --host-root (a gpu-sim install root)")
-    unknown = set(only) - {c[0] for c in CASES}
+    skip = [x for x in a.skip.split(",") if x]
+    unknown = set(only + skip) - {c[0] for c in CASES}
     if unknown:
         ap.error(f"unknown case ids {sorted(unknown)}")
     work = pathlib.Path(tempfile.mkdtemp(prefix="vcuda-gpu-suite-"))
@@ -205,7 +211,7 @@ def main():
         except Deadline:
             pass
         for cid, label, fn in CASES:
-            if only and cid not in only:
+            if (only and cid not in only) or cid in skip:
                 continue
             t0 = time.monotonic()
             if node is None or _Clock.expired:

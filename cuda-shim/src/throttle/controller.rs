@@ -201,6 +201,11 @@ impl Controller {
     /// the rate). Returns the new decision once the scale is known.
     pub fn add_period(&mut self, p: Period, waited: bool) -> Option<Decision> {
         self.watch_attribution(&p);
+        self.learn(p, waited)
+    }
+
+    /// Adds `p` (its attribution already judged) to the window and decides.
+    fn learn(&mut self, p: Period, waited: bool) -> Option<Decision> {
         self.periods.push_back(p);
         while self.periods.len() > SCALE_WINDOW {
             self.periods.pop_front();
@@ -367,6 +372,39 @@ impl Controller {
             units_per_ms: 1e6 / scale,
             achieved: 0.0,
         })
+    }
+
+    /// A period whose samples named only busier neighbours
+    /// ([`super::sampler::Reported::eclipsed`]): a real driver names one
+    /// process a period, so the container's own use in it is unknown, not
+    /// zero. Counting it as zero made a 5 % latency tenant beside a batch
+    /// neighbour "blind" after 10 such periods and charged it the
+    /// neighbour's 50-99 %: its p99 went from 0.8 ms to 370 ms (H200,
+    /// driver 580). Instead the container is charged what the device was
+    /// busy beyond the neighbours named (`device`: NVML's device-wide busy
+    /// percent), an upper bound (a third tenant's use is in it too), so a
+    /// share that is never named still holds its quota; without that
+    /// figure the period is left out (the rate holds, or before a scale is
+    /// known the start-up ramp goes on). Under an assumed blindness (MPS)
+    /// it counts as any period: all busy time is charged.
+    pub fn add_eclipsed(
+        &mut self,
+        mut p: Period,
+        device: Option<f64>,
+        waited: bool,
+    ) -> Option<Decision> {
+        if self.blind == Some(Blind::OtherPids) {
+            return self.add_period(p, waited);
+        }
+        self.last_period_ns = Some(p.end_ns);
+        match device {
+            Some(busy) => {
+                p.own = (busy - p.others).clamp(0.0, 100.0);
+                self.learn(p, waited)
+            }
+            None if self.scale.is_none() => self.ramp(&p),
+            None => None,
+        }
     }
 
     /// The container's use is known to be invisible by PID from the start

@@ -198,6 +198,8 @@ impl InstanceSampler {
             len_ns,
             own: m.metrics[0].value.clamp(0.0, 100.0),
             others: 0.0,
+            eclipsed: false,
+            device: None,
         })
     }
 }

@@ -38,15 +38,20 @@ def resource_data(*, pod_uid, container_name, bus_id, gpu_memory, utilization, h
 
 class Container:
     """`quota` bytes of memory and a compute quota (`utilization` percent; 0 =
-    no compute limit), served by a test_manager until `close()`."""
+    no compute limit), served by a test_manager until `close()`. `tier`
+    (plain, latency, batch) gives the share a QoS tier and one QoS page for
+    the GPU; each of `peers`, (name, tier, utilization, hard, limit), is
+    another container on that page served by the same test_manager, as the
+    node agent hands one page to every share of a GPU (`self.peers`)."""
 
-    def __init__(self, node, name, quota, utilization=0, hard=True, limit=100):
+    def __init__(self, node, name, quota, utilization=0, hard=True, limit=100, tier=None, peers=()):
         self.node, self.name, self.quota = node, name, quota
-        self.dir = pathlib.Path(node.work) / f"vm-{name}"
-        self.dir.mkdir(parents=True, exist_ok=False)
+        self.dir = self._mkdir(node, name)
+        self.peers = [Container._peer(node, p[0], quota) for p in peers]
         major, minor = node.driver_version.split(".")[:2]
+        qos = ["--qos", tier, *(f"{c.dir}={p[1]}" for c, p in zip(self.peers, peers))] if tier else []
         self.proc = subprocess.Popen(
-            [str(node.test_manager), str(self.dir), str(quota), f"{major}.{minor}"],
+            [str(node.test_manager), str(self.dir), str(quota), f"{major}.{minor}", *qos],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines, ready = [], threading.Event()
 
@@ -63,8 +68,27 @@ class Container:
             raise RuntimeError(f"test_manager for {name} did not get ready: {self.proc.stderr.read()[-500:]}")
         # test_manager wrote a config for its own tests; ours replaces it (atomic
         # rename) before any process of this container starts.
-        data = resource_data(pod_uid=f"gpu-suite-{name}", container_name="main", bus_id=node.bus_id,
-                             gpu_memory=quota, utilization=utilization, hard_limit=hard, limit=limit,
+        self.write_config(utilization, hard, limit)
+        for c, p in zip(self.peers, peers):
+            c.write_config(*p[2:])
+
+    @staticmethod
+    def _mkdir(node, name):
+        d = pathlib.Path(node.work) / f"vm-{name}"
+        d.mkdir(parents=True, exist_ok=False)
+        return d
+
+    @classmethod
+    def _peer(cls, node, name, quota):
+        c = cls.__new__(cls)
+        c.node, c.name, c.quota, c.proc, c.peers = node, name, quota, None, []
+        c.dir = cls._mkdir(node, name)
+        return c
+
+    def write_config(self, utilization, hard, limit):
+        major, minor = self.node.driver_version.split(".")[:2]
+        data = resource_data(pod_uid=f"gpu-suite-{self.name}", container_name="main", bus_id=self.node.bus_id,
+                             gpu_memory=self.quota, utilization=utilization, hard_limit=hard, limit=limit,
                              driver_version=(int(major), int(minor)), enable=True)
         tmp = self.dir / "vcuda.config.tmp"
         tmp.write_bytes(data)
@@ -101,7 +125,7 @@ class Container:
         return True
 
     def close(self):
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             try:
                 self.proc.stdin.close()
                 self.proc.wait(10)

@@ -29,6 +29,15 @@ pub use state::{
 /// NVIDIA's does under MPS (measured on an H100, tests/gpu/probes/mps.sh).
 pub const MPS_SERVER_PID_ENV: &str = "GPU_SIM_MPS_SERVER_PID";
 
+/// Test knob of the sim's NVML: each utilization sample period names only
+/// the process that used the GPU most in it, with the whole device's busy
+/// percent, as a real driver does (an H200 on driver 580: a 5 % tenant
+/// beside a 50-99 % one was never named, and of two saturating tenants
+/// held to 30 % and 48 % each was named in turn at 88-99 %;
+/// tests/gpu/probes/nvml_util.py). Unset: every process that ran, with
+/// its own share.
+pub const SAMPLE_BUSIEST_ONLY_ENV: &str = "GPU_SIM_NVML_SAMPLE_BUSIEST_ONLY";
+
 /// The MPS server's PID when [`MPS_SERVER_PID_ENV`] is set.
 pub fn mps_server_pid() -> Option<u32> {
     std::env::var(MPS_SERVER_PID_ENV).ok()?.parse().ok()

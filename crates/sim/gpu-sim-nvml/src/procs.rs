@@ -227,6 +227,10 @@ pub const SAMPLE_PID_OFFSET_ENV: &str = "GPU_SIM_NVML_SAMPLE_PID_OFFSET";
 /// driver's sampling stalls: what feedback-less throttling looks like.
 pub const SAMPLES_OFF_FILE: &str = "nvml-samples-off";
 
+fn busiest_only() -> bool {
+    std::env::var_os(gpu_sim_core::SAMPLE_BUSIEST_ONLY_ENV).is_some_and(|v| v == "1")
+}
+
 fn sample_pid_offset() -> u32 {
     std::env::var(SAMPLE_PID_OFFSET_ENV)
         .ok()
@@ -281,6 +285,15 @@ pub(crate) fn samples(
             }
             Some(_) => {}
             None => {
+                if busiest_only() {
+                    // The busiest process, with the device's whole busy time.
+                    let top = used.iter().max_by(|a, b| a.1.total_cmp(&b.1));
+                    let all: f64 = used.iter().map(|(_, p)| p).sum();
+                    if let Some((p, _)) = top {
+                        out.push(sample(p.pid().wrapping_add(pid_offset), all.min(100.0)));
+                    }
+                    continue;
+                }
                 for (p, pct) in used {
                     out.push(sample(p.pid().wrapping_add(pid_offset), pct));
                 }

@@ -435,3 +435,67 @@ fn long_kernels_of_an_mps_client_hold_only_when_told() {
     assert_eq!(blind, Some(Blind::OtherPids));
     assert!((share - 30.0).abs() < 2.0, "achieved {share}");
 }
+
+/// A container a busier neighbour eclipses in every period (a real driver
+/// names one process a sample period: [`Controller::add_eclipsed`]),
+/// `demand` units/ns at `k` ns each, beside a neighbour at `others` %.
+/// Returns its true use at the end and the last decided rate.
+fn eclipsed_run(quota: Quota, k: f64, demand: f64, others: f64) -> (Controller, f64, f64) {
+    let mut c = Controller::new(quota);
+    let (mut t, mut units, mut rate, mut own) = (0u64, 0.0, f64::INFINITY, 0.0);
+    c.record_launched(0, 0);
+    for _ in 0..60 {
+        let r = rate.min(demand).min((100.0 - others) / 100.0 / k);
+        t += P;
+        units += r * P as f64;
+        c.record_launched(t, units as u64);
+        own = r * k * 100.0;
+        let p = Period {
+            end_ns: t,
+            len_ns: P,
+            own: 0.0,
+            others,
+            cost: c.cost_between(t - P, t),
+        };
+        if let Some(d) = c.add_eclipsed(p, Some(others + own), rate < demand) {
+            rate = d.rate;
+        }
+    }
+    (c, own, rate)
+}
+
+/// The latency tenant of tests/gpu's `qos` case on an H200: 5 % of the
+/// device beside a batch share at 50 %, never named by NVML. Charged what
+/// the device was busy beyond the batch share, it stays unthrottled and
+/// is never called blind (charged the batch's 50 %, its p99 was 370 ms).
+#[test]
+fn a_share_a_busier_neighbour_eclipses_is_charged_what_the_device_leaves() {
+    let q = Quota {
+        utilization: 50.0,
+        soft_limit: None,
+    };
+    let k = 10_000.0 / 16.0;
+    let demand = 0.05 / k;
+    let (c, own, rate) = eclipsed_run(q, k, demand, 50.0);
+    assert_eq!(c.blind(), None);
+    assert!((own - 5.0).abs() < 0.1, "achieved {own}");
+    assert!(
+        rate > 2.0 * demand,
+        "throttled: rate {rate}, demand {demand}"
+    );
+}
+
+/// A saturating share under a hard 30 % that NVML never names (its
+/// neighbour at 60 % is always busier): the device's busy time beyond
+/// the neighbour still lands it on its quota.
+#[test]
+fn a_share_never_named_still_holds_its_quota() {
+    let q = Quota {
+        utilization: 30.0,
+        soft_limit: None,
+    };
+    let k = 10_000.0 / 16.0;
+    let (c, own, _) = eclipsed_run(q, k, f64::INFINITY, 60.0);
+    assert_eq!(c.blind(), None);
+    assert!((own - 30.0).abs() < 1.5, "achieved {own} under a hard 30 %");
+}
