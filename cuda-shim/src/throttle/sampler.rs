@@ -55,10 +55,9 @@ pub struct Reported {
     pub len_ns: u64,
     pub own: f64,
     pub others: f64,
-    /// Only other processes were named, and each of them is a process
-    /// running on the GPU: a busier neighbour's sample, which on a real
-    /// driver says nothing of the container's own use (see
-    /// [`Processes::poll`]).
+    /// Only other processes were named, and they are neighbours: a busier
+    /// one's sample, which on a real driver says nothing of the
+    /// container's own use (see [`Processes::poll`]).
     pub eclipsed: bool,
     /// With `eclipsed`: the device's busy percent as NVML gave it when the
     /// period was read (`nvmlDeviceGetUtilizationRates`), if it could.
@@ -223,10 +222,17 @@ impl Processes {
     ///
     /// A real driver names one process a sample period, the busiest (an
     /// H200 on driver 580: a 5 % tenant beside one at 50-99 % was never
-    /// named in 6 s): a period naming only neighbours that run on the GPU
-    /// is [`Reported::eclipsed`], the container's use in it unknown, not
-    /// zero. A named PID that no compute process has (a PID namespace that
-    /// cannot be mapped, an MPS server) is not a neighbour.
+    /// named in 6 s): a period naming only neighbours is
+    /// [`Reported::eclipsed`], the container's use in it unknown, not
+    /// zero. Named PIDs are neighbours when NVML lists the container's own
+    /// processes among the GPU's compute processes by PIDs the container
+    /// knows (so it could have named them; a pod's view lists only its own
+    /// namespace, while samples name other pods' processes by host PID).
+    /// Otherwise (the container's PIDs are not NVML's: a PID namespace
+    /// that cannot be mapped, where NVML lists and names the container by
+    /// PIDs it does not know) the named PID may be the container itself,
+    /// and the period counts towards blindness as before. (MPS clients are
+    /// told, not detected.)
     pub fn poll(&mut self, own_pids: impl FnOnce() -> Vec<i32>) -> Vec<Reported> {
         let mut n: u32 = 0;
         // SAFETY: the real nvmlDeviceGetProcessUtilization, resolved by name: a size query
@@ -259,20 +265,21 @@ impl Processes {
         while i < samples.len() {
             let ts = samples[i].time_stamp;
             let (mut own, mut others) = (0.0, 0.0);
-            let mut named = Vec::new();
             while i < samples.len() && samples[i].time_stamp == ts {
                 let s = samples[i];
                 if pids.contains(&(s.pid as i32)) {
                     own += s.sm_util as f64;
                 } else {
                     others += s.sm_util as f64;
-                    named.push(s.pid);
                 }
                 i += 1;
             }
+            // NVML lists the container's own processes by the PIDs the
+            // container knows: it could have named them, so whoever it
+            // named instead was busier.
             let eclipsed = own == 0.0 && others > 0.0 && {
                 let r = running.get_or_insert_with(|| self.running());
-                named.iter().all(|p| r.contains(p))
+                r.iter().any(|p| pids.contains(&(*p as i32)))
             };
             let device = if eclipsed {
                 *busy.get_or_insert_with(|| self.device_busy())

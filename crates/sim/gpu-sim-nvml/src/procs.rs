@@ -93,7 +93,8 @@ fn compute<T>(
             .into_iter()
             .filter_map(|p| {
                 let mig = c.state.process_mig_use(p.slot, s);
-                (only.is_none() || mig == only).then(|| make(p.pid(), p.used_bytes, mig))
+                let pid = p.pid().wrapping_add(sample_pid_offset());
+                (only.is_none() || mig == only).then(|| make(pid, p.used_bytes, mig))
             })
             .collect();
         fill(count, infos, items)
@@ -217,9 +218,10 @@ pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v3(
 pub const SAMPLE_NS: u64 = 100_000_000;
 /// How far back samples reach (the real driver's buffer is bounded too).
 pub const HISTORY_NS: u64 = 5_000_000_000;
-/// Test knob: added to the PID of every utilization sample this process
-/// reads, as if the processes ran in a PID namespace the caller cannot map
-/// (what the interposer's compute quota must notice). Unset: real PIDs.
+/// Test knob: added to the PID of every utilization sample and every
+/// listed compute process this process reads, as if the processes ran in a
+/// PID namespace the caller cannot map (NVML names a process by one PID in
+/// both: what the interposer's compute quota must notice). Unset: real PIDs.
 pub const SAMPLE_PID_OFFSET_ENV: &str = "GPU_SIM_NVML_SAMPLE_PID_OFFSET";
 
 /// Test knob: while this file exists in the sim's state directory

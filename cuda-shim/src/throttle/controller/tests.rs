@@ -36,6 +36,22 @@ fn run(quota: Quota, k: f64, demand: f64, others: f64, periods: usize) -> (Contr
     (c, own)
 }
 
+fn hard(utilization: f64) -> Quota {
+    Quota {
+        utilization,
+        soft_limit: None,
+    }
+}
+
+/// Launches at `r` units/ns for one period ending at `t` + [`P`]; the
+/// period's cost.
+fn one_period(c: &mut Controller, t: &mut u64, units: &mut f64, r: f64) -> Option<u64> {
+    *t += P;
+    *units += r * P as f64;
+    c.record_launched(*t, *units as u64);
+    c.cost_between(*t - P, *t)
+}
+
 #[test]
 fn hard_limit_lands_on_the_target_whatever_the_scale() {
     for k in [1e-3, 0.05, 7.0] {
@@ -219,16 +235,14 @@ fn unattributed_samples_are_noticed_and_the_quota_still_holds() {
     c.record_launched(0, 0);
     for i in 0..60 {
         let r = rate.min(1.0 / k); // at most the whole device
-        t += P;
-        units += r * P as f64;
-        c.record_launched(t, units as u64);
+        let cost = one_period(&mut c, &mut t, &mut units, r);
         true_own = r * k * 100.0;
         let p = Period {
             end_ns: t,
             len_ns: P,
             own: 0.0,
             others: true_own,
-            cost: c.cost_between(t - P, t),
+            cost,
         };
         if let Some(d) = c.add_period(p, rate < f64::INFINITY) {
             rate = d.rate;
@@ -446,16 +460,14 @@ fn eclipsed_run(quota: Quota, k: f64, demand: f64, others: f64) -> (Controller, 
     c.record_launched(0, 0);
     for _ in 0..60 {
         let r = rate.min(demand).min((100.0 - others) / 100.0 / k);
-        t += P;
-        units += r * P as f64;
-        c.record_launched(t, units as u64);
+        let cost = one_period(&mut c, &mut t, &mut units, r);
         own = r * k * 100.0;
         let p = Period {
             end_ns: t,
             len_ns: P,
             own: 0.0,
             others,
-            cost: c.cost_between(t - P, t),
+            cost,
         };
         if let Some(d) = c.add_eclipsed(p, Some(others + own), rate < demand) {
             rate = d.rate;
@@ -470,10 +482,7 @@ fn eclipsed_run(quota: Quota, k: f64, demand: f64, others: f64) -> (Controller, 
 /// is never called blind (charged the batch's 50 %, its p99 was 370 ms).
 #[test]
 fn a_share_a_busier_neighbour_eclipses_is_charged_what_the_device_leaves() {
-    let q = Quota {
-        utilization: 50.0,
-        soft_limit: None,
-    };
+    let q = hard(50.0);
     let k = 10_000.0 / 16.0;
     let demand = 0.05 / k;
     let (c, own, rate) = eclipsed_run(q, k, demand, 50.0);
@@ -490,10 +499,7 @@ fn a_share_a_busier_neighbour_eclipses_is_charged_what_the_device_leaves() {
 /// the neighbour still lands it on its quota.
 #[test]
 fn a_share_never_named_still_holds_its_quota() {
-    let q = Quota {
-        utilization: 30.0,
-        soft_limit: None,
-    };
+    let q = hard(30.0);
     let k = 10_000.0 / 16.0;
     let (c, own, _) = eclipsed_run(q, k, f64::INFINITY, 60.0);
     assert_eq!(c.blind(), None);
