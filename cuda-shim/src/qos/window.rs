@@ -53,11 +53,7 @@ static WINDOWS: Mutex<Option<HashMap<usize, Window>>> = Mutex::new(None);
 /// under its bound and records this launch's event. `false`: the bound is
 /// one launch (or events are unusable here): synchronise the stream.
 pub fn before_launch(stream: Stream, ptsz: bool) -> bool {
-    let key = if stream.is_null() && ptsz {
-        PER_THREAD
-    } else {
-        stream as usize
-    };
+    let (key, stream) = window_of(stream, ptsz);
     loop {
         let wait_on = {
             let mut g = WINDOWS.lock().unwrap_or_else(|e| e.into_inner());
@@ -69,11 +65,11 @@ pub fn before_launch(stream: Stream, ptsz: bool) -> bool {
             w.retire();
             let depth = w.depth();
             if depth <= 1 {
-                let _ = w.record(key as Stream, ptsz);
+                let _ = w.record(stream, ptsz);
                 return false;
             }
             if w.pending.len() + 1 < depth {
-                return w.record(key as Stream, ptsz);
+                return w.record(stream, ptsz);
             }
             w.pending[0]
         };
@@ -82,6 +78,24 @@ pub fn before_launch(stream: Stream, ptsz: bool) -> bool {
             return false;
         }
     }
+}
+
+/// The window a launch onto `stream` belongs to, and the handle to record
+/// its events on. A per-thread default stream (`CU_STREAM_PER_THREAD`, or
+/// the null stream from a `_ptsz` entry point) is one stream per thread:
+/// keyed by the thread, with low bits no stream pointer has, so one
+/// thread never waits on another's queue nor brackets its launches with
+/// the other's events.
+fn window_of(stream: Stream, ptsz: bool) -> (usize, Stream) {
+    if (stream.is_null() && ptsz) || stream as usize == PER_THREAD {
+        thread_local!(static THREAD: usize = {
+            static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        });
+        let key = THREAD.with(|t| (t << 3) | PER_THREAD);
+        return (key, PER_THREAD as Stream);
+    }
+    (stream as usize, stream)
 }
 
 /// Drops the windows with nothing pending, destroying their events.
@@ -204,4 +218,33 @@ fn elapsed_ns(start: Event, end: Event) -> Option<u64> {
         unsafe { f(&mut ms, start, end) }
     })();
     (r == CUDA_SUCCESS && ms >= 0.0).then_some((f64::from(ms) * 1e6) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_thread_default_streams_get_a_window_per_thread() {
+        let null = std::ptr::null_mut();
+        let here = window_of(null, true);
+        assert_eq!(
+            here,
+            window_of(PER_THREAD as Stream, false),
+            "same stream, same window"
+        );
+        assert_eq!(
+            here.1 as usize, PER_THREAD,
+            "events go on the per-thread stream"
+        );
+        let there = std::thread::spawn(|| window_of(std::ptr::null_mut(), true).0)
+            .join()
+            .unwrap();
+        assert_ne!(here.0, there, "another thread's stream, another window");
+        // The legacy stream is one for the whole process.
+        assert_eq!(window_of(null, false), (0, null));
+        let s = 0x7f00_1234_5000usize as Stream;
+        assert_eq!(window_of(s, true), (s as usize, s));
+        assert_ne!(here.0 & 0x7, 0, "never a stream pointer's key");
+    }
 }
