@@ -18,6 +18,8 @@ mod local;
 mod pool;
 mod quota;
 mod reconcile;
+
+pub(crate) use reconcile::{Procs, compute_processes, procs_fn};
 mod vmm;
 
 pub use arrays::{

@@ -35,14 +35,43 @@ pub const PERIOD: Duration = Duration::from_millis(100);
 /// `nvmlProcessInfo_t` (v2/v3 layout).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-struct ProcInfo {
-    pid: u32,
-    used: u64,
+pub(crate) struct ProcInfo {
+    pub pid: u32,
+    pub used: u64,
     gpu_instance: u32,
     compute_instance: u32,
 }
 
-type Procs = unsafe extern "C" fn(*mut c_void, *mut u32, *mut ProcInfo) -> i32;
+/// `nvmlDeviceGetComputeRunningProcesses_v3` (or `_v2`, same layout).
+pub(crate) type Procs = unsafe extern "C" fn(*mut c_void, *mut u32, *mut ProcInfo) -> i32;
+
+/// The real NVML's compute processes on `dev` through `procs`, the list
+/// grown as NVML's size protocol asks; `None` when it fails.
+pub(crate) fn compute_processes(procs: Procs, dev: *mut c_void) -> Option<Vec<ProcInfo>> {
+    let mut buf = vec![ProcInfo::default(); 64];
+    for _ in 0..4 {
+        let mut count = buf.len() as u32;
+        // SAFETY: the real process-list query, resolved by name; `count` is the capacity of
+        // `buf`, which holds that many ProcInfo entries (the v2/v3 layout).
+        let r = unsafe { procs(dev, &mut count, buf.as_mut_ptr()) };
+        if r == NVML_ERROR_INSUFFICIENT_SIZE {
+            buf.resize(count as usize + 16, ProcInfo::default());
+            continue;
+        }
+        if r != NVML_SUCCESS {
+            return None;
+        }
+        buf.truncate(count as usize);
+        return Some(buf);
+    }
+    None
+}
+
+/// The process-list query of the real NVML: `_v3`, else `_v2`.
+pub(crate) fn procs_fn() -> Result<Procs, String> {
+    f("nvmlDeviceGetComputeRunningProcesses_v3")
+        .or_else(|_| f("nvmlDeviceGetComputeRunningProcesses_v2"))
+}
 
 struct Nvml {
     dev: *mut c_void,
@@ -99,9 +128,10 @@ fn open(bus_id: &str, first_if_unknown: bool) -> Result<Nvml, String> {
             return Err(format!("no GPU {bus_id:?} (first GPU: {r})"));
         }
     }
-    let procs = f("nvmlDeviceGetComputeRunningProcesses_v3")
-        .or_else(|_| f("nvmlDeviceGetComputeRunningProcesses_v2"))?;
-    Ok(Nvml { dev, procs })
+    Ok(Nvml {
+        dev,
+        procs: procs_fn()?,
+    })
 }
 
 /// NVML's device of each GPU of the share (record order), where found.
@@ -136,31 +166,15 @@ fn nvml() -> &'static [Option<Nvml>] {
 /// the container). `None` when NVML does not list the process at all:
 /// unknown, never taken for zero.
 fn measure(n: &Nvml, host_pid: i32, own_pid: i32) -> Option<u64> {
-    let mut buf = vec![ProcInfo::default(); 64];
-    for _ in 0..4 {
-        let mut count = buf.len() as u32;
-        // SAFETY: the real process-list query, resolved by name; `count` is the capacity of
-        // `buf`, which holds that many ProcInfo entries (the v2/v3 layout).
-        let r = unsafe { (n.procs)(n.dev, &mut count, buf.as_mut_ptr()) };
-        if r == NVML_ERROR_INSUFFICIENT_SIZE {
-            buf.resize(count as usize + 16, ProcInfo::default());
-            continue;
-        }
-        if r != NVML_SUCCESS {
-            return None;
-        }
-        let listed = &buf[..count as usize];
-        let used_by = |pid: i32| {
-            listed
-                .iter()
-                .filter(|p| p.pid as i32 == pid)
-                .map(|p| p.used)
-                .max()
-        };
-        return used_by(host_pid)
-            .or_else(|| (own_pid != host_pid).then(|| used_by(own_pid)).flatten());
-    }
-    None
+    let listed = compute_processes(n.procs, n.dev)?;
+    let used_by = |pid: i32| {
+        listed
+            .iter()
+            .filter(|p| p.pid as i32 == pid)
+            .map(|p| p.used)
+            .max()
+    };
+    used_by(host_pid).or_else(|| (own_pid != host_pid).then(|| used_by(own_pid)).flatten())
 }
 
 /// Says once that NVML does not list this process (MPS, MIG, a PID

@@ -28,16 +28,6 @@ struct Sample {
 pub(super) type Device = *mut c_void;
 type ProcUtil = unsafe extern "C" fn(Device, *mut Sample, *mut u32, u64) -> i32;
 
-/// `nvmlProcessInfo_t` (the layout of `_v2` and `_v3`).
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct ProcInfo {
-    pid: u32,
-    used_gpu_memory: u64,
-    gpu_instance_id: u32,
-    compute_instance_id: u32,
-}
-type ProcList = unsafe extern "C" fn(Device, *mut u32, *mut ProcInfo) -> i32;
 /// `nvmlUtilization_t`.
 #[repr(C)]
 #[derive(Default)]
@@ -109,7 +99,7 @@ pub struct Processes {
     buf: Vec<Sample>,
     /// The GPU's compute processes (to tell a neighbour from a PID that
     /// cannot be mapped); None where the driver lacks the call.
-    list: Option<ProcList>,
+    list: Option<crate::mem::Procs>,
     rates: Option<DeviceRates>,
 }
 
@@ -187,7 +177,7 @@ impl Processes {
             prev_ts_us: None,
             period_ns: DEFAULT_PERIOD_NS,
             buf: Vec::new(),
-            list: nvml_fn("nvmlDeviceGetComputeRunningProcesses_v3").ok(),
+            list: crate::mem::procs_fn().ok(),
             rates: nvml_fn("nvmlDeviceGetUtilizationRates").ok(),
         })
     }
@@ -195,18 +185,9 @@ impl Processes {
     /// The PIDs of the GPU's compute processes as NVML names them (empty
     /// when unknown).
     fn running(&self) -> Vec<u32> {
-        let Some(list) = self.list else {
-            return Vec::new();
-        };
-        let mut buf = vec![ProcInfo::default(); 256];
-        let mut n = buf.len() as u32;
-        // SAFETY: the real nvmlDeviceGetComputeRunningProcesses_v3, resolved by name; `buf`
-        // holds `n` entries of its nvmlProcessInfo_t layout.
-        if unsafe { list(self.dev, &mut n, buf.as_mut_ptr()) } != NVML_SUCCESS {
-            return Vec::new();
-        }
-        buf.truncate(n as usize);
-        buf.iter().map(|p| p.pid).collect()
+        self.list
+            .and_then(|list| crate::mem::compute_processes(list, self.dev))
+            .map_or_else(Vec::new, |l| l.iter().map(|p| p.pid).collect())
     }
 
     /// The device's busy percent over NVML's latest period.
