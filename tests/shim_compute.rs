@@ -343,3 +343,41 @@ fn a_container_without_host_pids_is_attributed_and_throttled() {
     );
     assert!(u < 45.0 && u > 15.0, "achieved {u:.1}% under a hard 30%");
 }
+
+/// Two busy hard shares, 30 % and 60 %, on one GPU whose NVML answers as
+/// driver 580 does on an H200: one process a sample period, the busiest,
+/// with the device's whole busy percent (`SAMPLE_BUSIEST_ONLY_ENV`;
+/// tests/gpu/README.md, 2026-12-04). Each controller then saw periods at
+/// the device's total as its own and the pair held 30.6 % and 48.0 % on
+/// the H200. The interposer times a few of its own launches on the device
+/// (events around them) and charges at most that: each share must hold
+/// its own quota.
+#[test]
+fn two_hard_shares_hold_their_quotas_when_nvml_names_only_the_busiest() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (n, prog) = node();
+    let (a, b) = (n.container(30, true, 0), n.container(60, true, 0));
+    let env = [(gpu_sim_core::SAMPLE_BUSIEST_ONLY_ENV, "1")];
+    let cmd = [prog.to_str().unwrap()];
+    let args = ["saturate", "7"];
+    let ((oa, ua), (ob, ub)) = std::thread::scope(|s| {
+        let ta = s.spawn(|| run_with(&n, &a, &cmd, &args, (3.0, 6.5), &env));
+        let tb = s.spawn(|| run_with(&n, &b, &cmd, &args, (3.0, 6.5), &env));
+        (ta.join().unwrap(), tb.join().unwrap())
+    });
+    eprintln!("hard 30 + hard 60, NVML names the busiest only: {ua:.1}% + {ub:.1}%");
+    let texts = || format!("{}\n---\n{}", oa.text, ob.text);
+    // Without the timed launches: 37.1 % + 47.7 %; with them but events
+    // stamped when recorded instead of when their context runs (a sim
+    // that let them count another context's work): 23.4 % + 52.3 %.
+    assert!(
+        (26.0..=36.0).contains(&ua),
+        "hard 30 achieved {ua:.1}%:\n{}",
+        texts()
+    );
+    assert!(
+        (53.0..=66.0).contains(&ub),
+        "hard 60 achieved {ub:.1}%:\n{}",
+        texts()
+    );
+}

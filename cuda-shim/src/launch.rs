@@ -4,7 +4,9 @@
 //! launch is charged its kernel nodes.
 //! Hot path: one load (the bucket: null without a compute limit, and only
 //! an enforcing process has one), one indirect call; with a limit also one
-//! relaxed load (active captures), the cost and the bucket's ticket. Before
+//! relaxed load (active captures), the cost and the bucket's ticket, and
+//! for a kernel one relaxed load (a launch armed to be timed on the device,
+//! `throttle::timed`, whose probe the wrapper closes after the real call). Before
 //! that the compute tier's check ([`crate::qos::before_launch`]): one load
 //! for a process of neither tier, three for a batch one.
 
@@ -12,7 +14,8 @@ use crate::arg;
 use crate::graph::{captured, launch_cost};
 use crate::real::real_cuda;
 use crate::registration::proc;
-use crate::throttle::{before_launch, before_launch_unless, kernel_cost};
+use crate::throttle::timed::Probe;
+use crate::throttle::{before_kernel, before_launch, before_launch_unless, kernel_cost};
 use cuda_abi::CUresult;
 use std::ffi::c_void;
 
@@ -50,6 +53,14 @@ fn hook_on(stream: Ptr, ptsz: bool, cost: impl FnOnce() -> u64) {
     before_launch_unless(|| captured(stream, ptsz), cost, register);
 }
 
+/// [`hook_on`] for a kernel launch, which the compute quota may time on
+/// the device: pass the real launch's result through the probe.
+#[inline(always)]
+fn hook_kernel(stream: Ptr, ptsz: bool, cost: impl FnOnce() -> u64) -> Probe {
+    crate::qos::before_launch(stream, ptsz, || captured(stream, ptsz));
+    before_kernel(stream, ptsz, || captured(stream, ptsz), cost, register)
+}
+
 /// A process that throttles but is not registered (a fork child that only
 /// launches) registers when a launch first waits: the manager then lists
 /// it in pids.config, so the controller counts its utilisation, and its own
@@ -65,52 +76,52 @@ fn register() {
 cuda_exports! {
     fn cuLaunchKernel(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernel: LaunchKernel);
-        hook_on(stream, false, || kernel_cost([gx, gy, gz], [bx, by, bz]));
+        let probe = hook_kernel(stream, false, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) }
+        probe.after(unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) })
     }
 
     fn cuLaunchKernel_ptsz(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernel_ptsz: LaunchKernel);
-        hook_on(stream, true, || kernel_cost([gx, gy, gz], [bx, by, bz]));
+        let probe = hook_kernel(stream, true, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) }
+        probe.after(unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) })
     }
 
     fn cuLaunchCooperativeKernel(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params) {
         let real = real_cuda!(cuLaunchCooperativeKernel: LaunchCoop);
-        hook_on(stream, false, || kernel_cost([gx, gy, gz], [bx, by, bz]));
+        let probe = hook_kernel(stream, false, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params) }
+        probe.after(unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params) })
     }
 
     fn cuLaunchCooperativeKernel_ptsz(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params) {
         let real = real_cuda!(cuLaunchCooperativeKernel_ptsz: LaunchCoop);
-        hook_on(stream, true, || kernel_cost([gx, gy, gz], [bx, by, bz]));
+        let probe = hook_kernel(stream, true, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params) }
+        probe.after(unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params) })
     }
 
     fn cuLaunchKernelEx(config: *const LaunchConfig, f: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernelEx: LaunchEx);
         let stream = arg(config).map_or(std::ptr::null_mut(), |c| c.stream);
-        hook_on(stream, false, || arg(config).map_or(0, |c| kernel_cost(c.grid, c.block)));
+        let probe = hook_kernel(stream, false, || arg(config).map_or(0, |c| kernel_cost(c.grid, c.block)));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        unsafe { real(config, f, params, extra) }
+        probe.after(unsafe { real(config, f, params, extra) })
     }
 
     fn cuLaunchKernelEx_ptsz(config: *const LaunchConfig, f: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernelEx_ptsz: LaunchEx);
         let stream = arg(config).map_or(std::ptr::null_mut(), |c| c.stream);
-        hook_on(stream, true, || arg(config).map_or(0, |c| kernel_cost(c.grid, c.block)));
+        let probe = hook_kernel(stream, true, || arg(config).map_or(0, |c| kernel_cost(c.grid, c.block)));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        unsafe { real(config, f, params, extra) }
+        probe.after(unsafe { real(config, f, params, extra) })
     }
 
     fn cuLaunchCooperativeKernelMultiDevice(params: Ptr, num_devices: u32, flags: u32) {
@@ -155,9 +166,9 @@ cuda_exports! {
 
     fn cuLaunchGridAsync(f: Ptr, w: i32, h: i32, stream: Ptr) {
         let real = real_cuda!(cuLaunchGridAsync: unsafe extern "C" fn(Ptr, i32, i32, Ptr) -> CUresult);
-        hook_on(stream, false, || kernel_cost([w.max(1) as u32, h.max(1) as u32, 1], [1, 1, 1]));
+        let probe = hook_kernel(stream, false, || kernel_cost([w.max(1) as u32, h.max(1) as u32, 1], [1, 1, 1]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        unsafe { real(f, w, h, stream) }
+        probe.after(unsafe { real(f, w, h, stream) })
     }
 }

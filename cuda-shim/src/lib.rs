@@ -99,6 +99,7 @@ pub(crate) fn arg_mut<'a, T>(p: *mut T) -> Option<&'a mut T> {
 
 pub mod config;
 pub mod devices;
+mod events;
 pub mod graph;
 pub mod init;
 pub mod launch;

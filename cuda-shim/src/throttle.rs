@@ -38,6 +38,7 @@ pub mod controller;
 pub mod cost;
 pub mod gpm;
 pub mod sampler;
+pub(crate) mod timed;
 
 pub(crate) use cost::kernel_cost;
 
@@ -70,6 +71,10 @@ pub const LEASE_STALE_NS: u64 = 500_000_000;
 /// periods (100 ms) are acted on within a tick of their end.
 const TICK: Duration = Duration::from_millis(20);
 const IDLE_TICK: Duration = Duration::from_millis(100);
+/// Timed launches the controller's timed scale averages over: twice its
+/// NVML scale's window (samples of skewed costs are noisy), short enough
+/// that a changed mix is its own 2 s later.
+const TIMED_WINDOW_NS: u64 = 2_000_000_000;
 
 /// Called before each kernel launch. `cost`: the launch's
 /// [`kernel_cost`] (a sum of them for a graph), 0 when unknown; asked only
@@ -95,23 +100,53 @@ pub(crate) fn before_launch_unless(
     cost: impl FnOnce() -> u64,
     register: fn(),
 ) {
+    let _ = charge(captured, cost, register);
+}
+
+/// [`before_launch_unless`] for a kernel launch onto `stream`, which is
+/// timed on the device when the watcher armed it ([`timed`]): the caller
+/// passes the real launch's result to the returned probe. With a compute
+/// limit: one more relaxed load.
+#[inline(always)]
+pub(crate) fn before_kernel(
+    stream: *mut std::ffi::c_void,
+    ptsz: bool,
+    captured: impl FnOnce() -> bool,
+    cost: impl FnOnce() -> u64,
+    register: fn(),
+) -> timed::Probe {
+    match charge(captured, cost, register) {
+        Some((gpu, c)) if timed::ARMED.load(Ordering::Relaxed) => {
+            timed::start(gpu, c, stream, ptsz)
+        }
+        _ => timed::Probe::NONE,
+    }
+}
+
+/// Draws the launch's cost from its bucket (sleeping when there are no
+/// tokens); `Some((gpu, cost))` when it was charged.
+#[inline(always)]
+fn charge(
+    captured: impl FnOnce() -> bool,
+    cost: impl FnOnce() -> u64,
+    register: fn(),
+) -> Option<(usize, u64)> {
     let p = BUCKET.load(Ordering::Acquire);
     if p.is_null() || captured() {
-        return;
+        return None;
     }
     let (p, gpu) = if MULTI.load(Ordering::Relaxed) {
-        match launch_bucket() {
-            Some(x) => x,
-            None => return,
-        }
+        launch_bucket()?
     } else {
         (p, 0)
     };
     // SAFETY: set only to a mapping that is never unmapped.
     let b = unsafe { Bucket::at(p) };
-    if let Some(ticket) = b.take(cost()) {
+    let c = cost();
+    if let Some(ticket) = b.take(c) {
         throttled(b, gpu, ticket, register);
     }
+    Some((gpu, c))
 }
 
 /// The bucket of the current context's device, with its GPU's position
@@ -363,6 +398,7 @@ fn tick_inner(pids: fn() -> Vec<i32>) {
 
 fn tick_gpu(gpu: usize, pids: fn() -> Vec<i32>) {
     let Some(b) = bucket(gpu) else { return };
+    timed::arm();
     let now = now_ns();
     b.refill(now);
     let Some(q) = quota(gpu) else { return };
@@ -425,6 +461,12 @@ fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32
         b.set_rate(d.rate, d.units_per_ms);
         b.publish(d.target, d.achieved);
     }
+    // MPS clients' kernels run beside other clients', so a timed launch
+    // is no measure of its own share there: the blind rule stays.
+    let timed = (cost::mps() != Some(true))
+        .then(|| timed::scale(gpu, now.saturating_sub(TIMED_WINDOW_NS)))
+        .flatten();
+    ctl.ctrl.set_timed(timed);
     for r in s.poll(now, pids) {
         let start = r.end_ns.saturating_sub(r.len_ns);
         let p = Period {
@@ -447,13 +489,15 @@ fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32
             b.publish(d.target, d.achieved);
             crate::log::log!(
                 Debug,
-                "compute: own {:.1}% others {:.1}% (avg {:.1}%) target {:.1}% rate {:.4e}/ns m {:.3}",
+                "compute: own {:.1}% others {:.1}% (avg {:.1}%) target {:.1}% rate {:.4e}/ns m {:.3} scale {:.4e} timed {:.4e}",
                 r.own,
                 r.others,
                 d.achieved,
                 d.target,
                 d.rate,
-                ctl.ctrl.integral()
+                ctl.ctrl.integral(),
+                ctl.ctrl.scale().unwrap_or(0.0),
+                timed.unwrap_or(0.0)
             );
         }
     }

@@ -16,11 +16,10 @@
 //! flight: the caller synchronises the stream.
 
 use std::collections::{HashMap, VecDeque};
-use std::ffi::c_void;
 use std::sync::Mutex;
 
-use crate::real::real_cuda;
-use cuda_abi::{CUDA_SUCCESS, CUresult};
+use crate::events::{create, destroy, elapsed_ns, query, record, sync};
+use cuda_abi::CUDA_SUCCESS;
 
 /// Device time a batch stream may keep queued beside a latency process.
 pub const QUEUE_NS: u64 = 200_000;
@@ -32,8 +31,7 @@ const MAX_STREAMS: usize = 256;
 /// Per-thread default stream handle (`CU_STREAM_PER_THREAD`).
 const PER_THREAD: usize = 0x2;
 
-type Event = *mut c_void;
-type Stream = *mut c_void;
+use crate::events::{Event, Stream};
 
 #[derive(Default)]
 struct Window {
@@ -164,60 +162,6 @@ impl Window {
         self.pending.push_back(ev);
         true
     }
-}
-
-fn create() -> Option<usize> {
-    let mut ev: Event = std::ptr::null_mut();
-    let r = (|| -> CUresult {
-        let f = real_cuda!(cuEventCreate: unsafe extern "C" fn(*mut Event, u32) -> CUresult);
-        // SAFETY: the real driver's function; `ev` is a valid out pointer.
-        unsafe { f(&mut ev, 0) }
-    })();
-    (r == CUDA_SUCCESS && !ev.is_null()).then_some(ev as usize)
-}
-
-fn record(ev: Event, stream: Stream, ptsz: bool) -> CUresult {
-    type Record = unsafe extern "C" fn(Event, Stream) -> CUresult;
-    let f = if ptsz {
-        real_cuda!(cuEventRecord_ptsz: Record)
-    } else {
-        real_cuda!(cuEventRecord: Record)
-    };
-    // SAFETY: the real driver's function; an event it made, the stream our
-    // caller is about to launch onto.
-    unsafe { f(ev, stream) }
-}
-
-fn query(ev: Event) -> CUresult {
-    let f = real_cuda!(cuEventQuery: unsafe extern "C" fn(Event) -> CUresult);
-    // SAFETY: the real driver's function; an event it made.
-    unsafe { f(ev) }
-}
-
-fn sync(ev: Event) -> CUresult {
-    let f = real_cuda!(cuEventSynchronize: unsafe extern "C" fn(Event) -> CUresult);
-    // SAFETY: the real driver's function; an event it made.
-    unsafe { f(ev) }
-}
-
-fn destroy(ev: Event) {
-    let _ = (|| -> CUresult {
-        let f = real_cuda!(cuEventDestroy_v2: unsafe extern "C" fn(Event) -> CUresult);
-        // SAFETY: the real driver's function; an event it made that no
-        // window holds any more.
-        unsafe { f(ev) }
-    })();
-}
-
-fn elapsed_ns(start: Event, end: Event) -> Option<u64> {
-    let mut ms = 0f32;
-    let r = (|| -> CUresult {
-        let f = real_cuda!(cuEventElapsedTime: unsafe extern "C" fn(*mut f32, Event, Event) -> CUresult);
-        // SAFETY: the real driver's function; two events it made, both
-        // complete; `ms` a valid out pointer.
-        unsafe { f(&mut ms, start, end) }
-    })();
-    (r == CUDA_SUCCESS && ms >= 0.0).then_some((f64::from(ms) * 1e6) as u64)
 }
 
 #[cfg(test)]

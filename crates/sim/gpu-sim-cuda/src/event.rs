@@ -60,7 +60,7 @@ pub(crate) unsafe fn event<'a>(h: *mut c_void) -> R<&'a Event> {
 }
 
 unsafe fn event_record(ev: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
-    drv()?;
+    let d = drv()?;
     // SAFETY: `ev`/`start`/`end` are our caller's event handles, passed on under this
     // function's own contract; `event` checks their magic.
     let e = unsafe { event(ev)? };
@@ -71,7 +71,8 @@ unsafe fn event_record(ev: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
     if crate::capture::event_record(ev, t) {
         return Ok(());
     }
-    e.time().store(t.tail().max(now_ns()).max(1), Release);
+    let at = d.state.served_from(d.me, t.ctx().gpu, t.tail());
+    e.time().store(at.max(1), Release);
     Ok(())
 }
 

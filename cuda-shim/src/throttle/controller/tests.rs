@@ -505,3 +505,76 @@ fn a_share_never_named_still_holds_its_quota() {
     assert_eq!(c.blind(), None);
     assert!((own - 30.0).abs() < 1.5, "achieved {own} under a hard 30 %");
 }
+
+/// A saturating share that NVML names every period with the device's
+/// whole busy percent (a real driver's busiest process; its neighbour
+/// uses `others` unseen), with `timed` the scale its timed launches give.
+fn named_at_device_total(quota: Quota, k: f64, others: f64, timed: Option<f64>) -> f64 {
+    let mut c = Controller::new(quota);
+    let (mut t, mut units, mut rate, mut own) = (0u64, 0.0, f64::INFINITY, 0.0);
+    c.record_launched(0, 0);
+    for _ in 0..80 {
+        c.set_timed(timed);
+        let r = rate.min((100.0 - others) / 100.0 / k);
+        let cost = one_period(&mut c, &mut t, &mut units, r);
+        own = r * k * 100.0;
+        let p = Period {
+            end_ns: t,
+            len_ns: P,
+            own: (own + others).min(100.0),
+            others: 0.0,
+            cost,
+        };
+        if let Some(d) = c.add_period(p, true) {
+            rate = d.rate;
+        }
+    }
+    own
+}
+
+/// Hard 60 % beside a neighbour at 30 % on a driver whose NVML names the
+/// busiest process with the device's total: charged its neighbour's use
+/// too, it held 30 % (48 % on an H200, where the two took turns being
+/// named); with its launches timed (5 % long) it holds 57 %. Alone,
+/// timed launches that read long change nothing.
+#[test]
+fn timed_launches_cap_what_a_share_named_at_the_device_total_is_charged() {
+    let q = hard(60.0);
+    let k = 10_000.0 / 16.0;
+    let blind = named_at_device_total(q, k, 30.0, None);
+    assert!((blind - 30.0).abs() < 2.0, "without timing: {blind}");
+    let timed = named_at_device_total(q, k, 30.0, Some(k * 1.05));
+    assert!((timed - 60.0 / 1.05).abs() < 2.0, "timed: {timed}");
+    let alone = named_at_device_total(q, k, 0.0, Some(k * 1.3));
+    assert!((alone - 60.0).abs() < 1.5, "alone, timed long: {alone}");
+}
+
+/// An eclipsed share (never named) with timed launches is charged their
+/// device time, not what the device leaves beside the named neighbour
+/// (0 on a driver that gives the named one the device's total).
+#[test]
+fn an_eclipsed_share_with_timed_launches_is_charged_their_time() {
+    let q = hard(30.0);
+    let k = 10_000.0 / 16.0;
+    let mut c = Controller::new(q);
+    let (mut t, mut units, mut rate, mut own) = (0u64, 0.0, f64::INFINITY, 0.0);
+    c.record_launched(0, 0);
+    for _ in 0..80 {
+        c.set_timed(Some(k));
+        let r = rate.min(0.4 / k);
+        let cost = one_period(&mut c, &mut t, &mut units, r);
+        own = r * k * 100.0;
+        let p = Period {
+            end_ns: t,
+            len_ns: P,
+            own: 0.0,
+            others: 100.0,
+            cost,
+        };
+        if let Some(d) = c.add_eclipsed(p, Some(100.0), true) {
+            rate = d.rate;
+        }
+    }
+    assert_eq!(c.blind(), None);
+    assert!((own - 30.0).abs() < 1.5, "achieved {own} under a hard 30 %");
+}

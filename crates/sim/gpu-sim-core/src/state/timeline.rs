@@ -130,6 +130,25 @@ impl SharedState {
         (start, end)
     }
 
+    /// When `gpu` would serve the caller's next command queued now, not
+    /// before `not_before_ns` (its stream's tail): at once, or, while
+    /// another process's work holds the device, after that work and a
+    /// context switch. An event recorded on a stream is stamped then: on
+    /// NVIDIA's GPUs an event is a command in its context's channel,
+    /// processed when the context runs, so an event before a kernel and one
+    /// after it bracket the kernel's own time, not the time it waited for
+    /// another context. Reads only.
+    pub fn served_from(&self, me: Attached, gpu: usize, not_before_ns: u64) -> u64 {
+        let dev = self.engine(me, gpu);
+        let ready = now_ns().max(not_before_ns);
+        let busy = dev.busy_until.load(Acquire);
+        if dev.last_owner.load(Acquire) == me.owner() || busy <= ready {
+            ready
+        } else {
+            busy + self.node().context_switch_ns
+        }
+    }
+
     fn record(&self, dev: &DeviceBlock, owner: u64, start: u64, end: u64) {
         // Back-to-back (or side-by-side) kernels of one process extend its
         // last interval, so a saturating process costs one ring entry, not

@@ -1,0 +1,280 @@
+//! Launches timed on the device: the compute controller's own measure of
+//! the device time a cost unit takes, beside NVML's.
+//!
+//! Why: NVML's per-process samples are the controller's feedback, and a
+//! real driver gives them for one process a sample period, the busiest,
+//! with the device's whole busy percent (H200, driver 580;
+//! tests/gpu/README.md, 2026-12-04). Two busy shares on one GPU then each
+//! read periods of the device's total as their own, and hard 30 % + 60 %
+//! held 30.6 % and 48.0 %. An event recorded before a launch and one after
+//! it on the same stream bracket that launch's time on the device: events
+//! are commands in the context's channel, processed when the context runs,
+//! so the interval excludes the time the launch waited for another
+//! context (a timeslice ending inside it adds the other's slice: the
+//! measure errs long, the safe side for a quota).
+//!
+//! How: the watcher arms [`ARMED`] every tick; the next launch with a
+//! compute limit takes it ([`start`], cold) and returns a [`Probe`] its
+//! wrapper closes after the real launch ([`Probe::after`]). Completed pairs
+//! are read when the next probe starts, in a thread whose context is
+//! current. The estimate is the timed launches' device time over their
+//! cost, which needs launches picked alike whatever their cost: the first
+//! launch after a moment is, while throttled, the one that slept for its
+//! tokens, picked in proportion to its cost (a mix of 1- and 58-wave
+//! launches of one duration then read 11 % short, and its quota ran 6
+//! points over), so the probe goes to the launch a random 0..[`SKIP`]
+//! launches after that one. Graph launches are not timed: their cost is
+//! priced from the scale this estimates.
+
+use super::bucket::now_ns;
+use crate::events::{self, Event, Stream};
+use cuda_abi::{CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CUresult};
+use quota_config::MAX_GPUS;
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+/// Set by the watcher each tick; taken by the launch it arms.
+pub(crate) static ARMED: AtomicBool = AtomicBool::new(false);
+/// Launches still to pass, once armed, before the one timed.
+static SKIPPING: AtomicU32 = AtomicU32::new(0);
+/// Launches passed at most before the one timed (longer than the rounds of
+/// launches programs repeat, so every place in a round is as likely).
+const SKIP: u64 = 32;
+
+/// Pairs in flight at most (a stream that never drains holds no more).
+const MAX_PENDING: usize = 16;
+/// Samples kept per GPU.
+const KEEP: usize = 256;
+/// Samples the estimate needs before it is used.
+pub const MIN_SAMPLES: usize = 5;
+
+/// A launch being timed: its start event is recorded.
+pub(crate) struct Started {
+    gpu: usize,
+    cost: u64,
+    start: usize,
+    stream: Stream,
+    ptsz: bool,
+}
+
+/// What a launch wrapper closes after the real launch: nothing, nearly
+/// always.
+#[must_use]
+pub(crate) struct Probe(Option<Started>);
+
+impl Probe {
+    pub(crate) const NONE: Probe = Probe(None);
+
+    /// After the real launch returned `r`: records the end event (cold).
+    #[inline(always)]
+    pub(crate) fn after(self, r: CUresult) -> CUresult {
+        if let Some(s) = self.0 {
+            finish(s, r);
+        }
+        r
+    }
+}
+
+struct Pair {
+    gpu: usize,
+    cost: u64,
+    start: usize,
+    end: usize,
+}
+
+struct Sample {
+    at_ns: u64,
+    ns: u64,
+    cost: u64,
+}
+
+struct Book {
+    pending: Vec<Pair>,
+    samples: Vec<VecDeque<Sample>>,
+}
+
+static BOOK: Mutex<Book> = Mutex::new(Book {
+    pending: Vec::new(),
+    samples: Vec::new(),
+});
+
+fn book() -> std::sync::MutexGuard<'static, Book> {
+    BOOK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Arms a launch with a compute limit to be timed: one a random number of
+/// launches from now (the clock's low bits).
+pub(crate) fn arm() {
+    if !ARMED.load(Ordering::Relaxed) {
+        SKIPPING.store((now_ns() / 64 % SKIP) as u32, Ordering::Relaxed);
+        ARMED.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Starts timing a launch of `cost` units onto `stream` of `gpu`'s context
+/// (the armed one; another thread may have taken it first).
+#[cold]
+#[inline(never)]
+pub(crate) fn start(gpu: usize, cost: u64, stream: Stream, ptsz: bool) -> Probe {
+    let left = SKIPPING.load(Ordering::Relaxed);
+    if left > 0 {
+        SKIPPING.store(left - 1, Ordering::Relaxed);
+        return Probe::NONE;
+    }
+    if cost == 0 || !ARMED.swap(false, Ordering::Relaxed) {
+        return Probe::NONE;
+    }
+    let mut b = book();
+    b.harvest();
+    if b.pending.len() >= MAX_PENDING {
+        return Probe::NONE;
+    }
+    drop(b);
+    let Some(start) = events::create() else {
+        return Probe::NONE;
+    };
+    if events::record(start as Event, stream, ptsz) != CUDA_SUCCESS {
+        events::destroy(start as Event);
+        return Probe::NONE;
+    }
+    Probe(Some(Started {
+        gpu,
+        cost,
+        start,
+        stream,
+        ptsz,
+    }))
+}
+
+#[cold]
+#[inline(never)]
+fn finish(s: Started, r: CUresult) {
+    let end = if r == CUDA_SUCCESS {
+        events::create()
+    } else {
+        None
+    };
+    let Some(end) = end.filter(|&e| events::record(e as Event, s.stream, s.ptsz) == CUDA_SUCCESS)
+    else {
+        // The launch failed, or the end could not be recorded: no sample.
+        for e in end.into_iter().chain([s.start]) {
+            events::destroy(e as Event);
+        }
+        return;
+    };
+    book().pending.push(Pair {
+        gpu: s.gpu,
+        cost: s.cost,
+        start: s.start,
+        end,
+    });
+}
+
+impl Book {
+    /// Takes the completed pairs, keeping each one's ns per unit.
+    fn harvest(&mut self) {
+        let now = now_ns();
+        let mut i = 0;
+        while i < self.pending.len() {
+            let p = &self.pending[i];
+            let r = events::query(p.end as Event);
+            if r == CUDA_ERROR_NOT_READY {
+                i += 1;
+                continue;
+            }
+            let p = self.pending.swap_remove(i);
+            let ns = (r == CUDA_SUCCESS)
+                .then(|| events::elapsed_ns(p.start as Event, p.end as Event))
+                .flatten();
+            events::destroy(p.start as Event);
+            events::destroy(p.end as Event);
+            if let Some(ns) = ns {
+                self.add(p.gpu, now, ns, p.cost);
+            }
+        }
+    }
+
+    fn add(&mut self, gpu: usize, at_ns: u64, ns: u64, cost: u64) {
+        if gpu >= MAX_GPUS {
+            return;
+        }
+        if self.samples.len() <= gpu {
+            self.samples.resize_with(gpu + 1, VecDeque::new);
+        }
+        let q = &mut self.samples[gpu];
+        if q.len() == KEEP {
+            q.pop_front();
+        }
+        q.push_back(Sample { at_ns, ns, cost });
+    }
+
+    /// Device time over cost of the recent samples, plus two standard
+    /// errors of that ratio: an estimate that errs long unless the samples
+    /// agree. Launch costs are skewed (one 58-wave launch outweighs 58
+    /// 1-wave ones), so a second's samples moved the plain ratio by -17 %
+    /// to +60 % around NVML's scale, and a cap at the low ones ran a share
+    /// 5-8 points over its quota alone on the GPU.
+    fn scale(&self, gpu: usize, since_ns: u64) -> Option<f64> {
+        let q = self.samples.get(gpu)?;
+        let recent: Vec<&Sample> = q.iter().filter(|s| s.at_ns >= since_ns).collect();
+        let n = recent.len();
+        let ns: f64 = recent.iter().map(|s| s.ns as f64).sum();
+        let cost: f64 = recent.iter().map(|s| s.cost as f64).sum();
+        if n < MIN_SAMPLES || cost <= 0.0 {
+            return None;
+        }
+        let ratio = ns / cost;
+        let spread: f64 = recent
+            .iter()
+            .map(|s| (s.ns as f64 - ratio * s.cost as f64).powi(2))
+            .sum::<f64>()
+            / (n - 1) as f64;
+        let mean_cost = cost / n as f64;
+        Some(ratio + 2.0 * (spread / n as f64).sqrt() / mean_cost)
+    }
+}
+
+/// This process's timed ns of device time per cost unit on `gpu`, from
+/// launches completed since `since_ns`, erring long ([`Book::scale`]);
+/// `None` with fewer than [`MIN_SAMPLES`].
+pub(crate) fn scale(gpu: usize, since_ns: u64) -> Option<f64> {
+    book().scale(gpu, since_ns)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_scale_is_recent_device_time_over_cost_once_there_are_enough() {
+        let mut b = Book {
+            pending: Vec::new(),
+            samples: Vec::new(),
+        };
+        // One duration, costs of 1 and 58 units: time over cost, not the
+        // mean of the ratios (which a 1-unit sample would dominate).
+        for i in 0..MIN_SAMPLES as u64 - 1 {
+            b.add(1, 100 + i, 400, if i % 2 == 0 { 1 } else { 58 });
+        }
+        assert_eq!(b.scale(1, 0), None, "too few");
+        b.add(1, 200, 400, 58);
+        let ratio: f64 = 2000.0 / 176.0;
+        let k = b.scale(1, 0).unwrap();
+        // Residuals 400 - ratio * cost: two of cost 1, three of cost 58.
+        let var: f64 = (2.0 * (400.0 - ratio).powi(2) + 3.0 * (400.0 - 58.0 * ratio).powi(2)) / 4.0;
+        let want = ratio + 2.0 * (var / 5.0f64).sqrt() / (176.0 / 5.0);
+        assert!((k - want).abs() < 1e-9, "{k} != {want}");
+        assert!(k > ratio, "errs long when the samples disagree");
+        assert_eq!(b.scale(1, 150), None, "older samples do not count");
+        assert_eq!(b.scale(0, 0), None, "another GPU has none");
+        for i in 0..KEEP as u64 {
+            b.add(1, 300 + i, 30, 10);
+        }
+        assert_eq!(
+            b.scale(1, 0),
+            Some(3.0),
+            "the oldest are dropped; agreeing samples, no margin"
+        );
+    }
+}
