@@ -5,7 +5,7 @@
 //! Hot path: one load (the bucket: null without a compute limit, and only
 //! an enforcing process has one), one indirect call; with a limit also one
 //! relaxed load (active captures), the cost and the bucket's ticket, and
-//! for a kernel one relaxed load (a launch armed to be timed on the device,
+//! for a kernel or graph one relaxed load (a launch armed to be timed on the device,
 //! `throttle::timed`, whose probe the wrapper closes after the real call). Before
 //! that the compute tier's check ([`crate::qos::before_launch`]): one load
 //! for a process of neither tier, three for a batch one.
@@ -15,7 +15,7 @@ use crate::graph::{captured, launch_cost};
 use crate::real::real_cuda;
 use crate::registration::proc;
 use crate::throttle::timed::Probe;
-use crate::throttle::{before_kernel, before_launch, before_launch_unless, kernel_cost};
+use crate::throttle::{before_launch, before_launch_on, kernel_cost};
 use cuda_abi::CUresult;
 use std::ffi::c_void;
 
@@ -47,18 +47,12 @@ fn hook(cost: impl FnOnce() -> u64) {
 
 /// [`hook`] for launches onto a stream: work recorded into a capture is
 /// not charged (its graph's launches are). `ptsz`: a per-thread variant.
+/// The compute quota may time the launch on the device: pass the real
+/// launch's result through the probe.
 #[inline(always)]
-fn hook_on(stream: Ptr, ptsz: bool, cost: impl FnOnce() -> u64) {
+fn hook_on(stream: Ptr, ptsz: bool, cost: impl FnOnce() -> u64) -> Probe {
     crate::qos::before_launch(stream, ptsz, || captured(stream, ptsz));
-    before_launch_unless(|| captured(stream, ptsz), cost, register);
-}
-
-/// [`hook_on`] for a kernel launch, which the compute quota may time on
-/// the device: pass the real launch's result through the probe.
-#[inline(always)]
-fn hook_kernel(stream: Ptr, ptsz: bool, cost: impl FnOnce() -> u64) -> Probe {
-    crate::qos::before_launch(stream, ptsz, || captured(stream, ptsz));
-    before_kernel(stream, ptsz, || captured(stream, ptsz), cost, register)
+    before_launch_on(stream, ptsz, || captured(stream, ptsz), cost, register)
 }
 
 /// A process that throttles but is not registered (a fork child that only
@@ -76,7 +70,7 @@ fn register() {
 cuda_exports! {
     fn cuLaunchKernel(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernel: LaunchKernel);
-        let probe = hook_kernel(stream, false, || kernel_cost([gx, gy, gz], [bx, by, bz]));
+        let probe = hook_on(stream, false, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         probe.after(unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) })
@@ -84,7 +78,7 @@ cuda_exports! {
 
     fn cuLaunchKernel_ptsz(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernel_ptsz: LaunchKernel);
-        let probe = hook_kernel(stream, true, || kernel_cost([gx, gy, gz], [bx, by, bz]));
+        let probe = hook_on(stream, true, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         probe.after(unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) })
@@ -92,7 +86,7 @@ cuda_exports! {
 
     fn cuLaunchCooperativeKernel(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params) {
         let real = real_cuda!(cuLaunchCooperativeKernel: LaunchCoop);
-        let probe = hook_kernel(stream, false, || kernel_cost([gx, gy, gz], [bx, by, bz]));
+        let probe = hook_on(stream, false, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         probe.after(unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params) })
@@ -100,7 +94,7 @@ cuda_exports! {
 
     fn cuLaunchCooperativeKernel_ptsz(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params) {
         let real = real_cuda!(cuLaunchCooperativeKernel_ptsz: LaunchCoop);
-        let probe = hook_kernel(stream, true, || kernel_cost([gx, gy, gz], [bx, by, bz]));
+        let probe = hook_on(stream, true, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         probe.after(unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params) })
@@ -109,7 +103,7 @@ cuda_exports! {
     fn cuLaunchKernelEx(config: *const LaunchConfig, f: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernelEx: LaunchEx);
         let stream = arg(config).map_or(std::ptr::null_mut(), |c| c.stream);
-        let probe = hook_kernel(stream, false, || arg(config).map_or(0, |c| kernel_cost(c.grid, c.block)));
+        let probe = hook_on(stream, false, || arg(config).map_or(0, |c| kernel_cost(c.grid, c.block)));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         probe.after(unsafe { real(config, f, params, extra) })
@@ -118,7 +112,7 @@ cuda_exports! {
     fn cuLaunchKernelEx_ptsz(config: *const LaunchConfig, f: Ptr, params: Params, extra: Params) {
         let real = real_cuda!(cuLaunchKernelEx_ptsz: LaunchEx);
         let stream = arg(config).map_or(std::ptr::null_mut(), |c| c.stream);
-        let probe = hook_kernel(stream, true, || arg(config).map_or(0, |c| kernel_cost(c.grid, c.block)));
+        let probe = hook_on(stream, true, || arg(config).map_or(0, |c| kernel_cost(c.grid, c.block)));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         probe.after(unsafe { real(config, f, params, extra) })
@@ -134,18 +128,18 @@ cuda_exports! {
 
     fn cuGraphLaunch(exec: Ptr, stream: Ptr) {
         let real = real_cuda!(cuGraphLaunch: GraphLaunch);
-        hook_on(stream, false, || launch_cost(exec));
+        let probe = hook_on(stream, false, || launch_cost(exec));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        unsafe { real(exec, stream) }
+        probe.after(unsafe { real(exec, stream) })
     }
 
     fn cuGraphLaunch_ptsz(exec: Ptr, stream: Ptr) {
         let real = real_cuda!(cuGraphLaunch_ptsz: GraphLaunch);
-        hook_on(stream, true, || launch_cost(exec));
+        let probe = hook_on(stream, true, || launch_cost(exec));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        unsafe { real(exec, stream) }
+        probe.after(unsafe { real(exec, stream) })
     }
 
     fn cuLaunch(f: Ptr) {
@@ -166,7 +160,7 @@ cuda_exports! {
 
     fn cuLaunchGridAsync(f: Ptr, w: i32, h: i32, stream: Ptr) {
         let real = real_cuda!(cuLaunchGridAsync: unsafe extern "C" fn(Ptr, i32, i32, Ptr) -> CUresult);
-        let probe = hook_kernel(stream, false, || kernel_cost([w.max(1) as u32, h.max(1) as u32, 1], [1, 1, 1]));
+        let probe = hook_on(stream, false, || kernel_cost([w.max(1) as u32, h.max(1) as u32, 1], [1, 1, 1]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         probe.after(unsafe { real(f, w, h, stream) })

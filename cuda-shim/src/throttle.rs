@@ -88,27 +88,17 @@ const TIMED_WINDOW_NS: u64 = 2_000_000_000;
 /// through the GOT (one more dependent load per static, an indirect call).
 #[inline(always)]
 pub(crate) fn before_launch(cost: impl FnOnce() -> u64, register: fn()) {
-    before_launch_unless(|| false, cost, register)
+    let _ = charge(|| false, cost, register);
 }
 
-/// [`before_launch`] for a launch onto a stream: `captured` (is it being
+/// [`before_launch`] for a launch onto `stream`: `captured` (is it being
 /// recorded into a graph, not run? see `crate::graph`) is asked only when
 /// the container has a compute limit; a captured launch is not charged.
+/// The launch is timed on the device when the watcher armed it
+/// ([`timed`]): the caller passes the real launch's result to the returned
+/// probe. With a compute limit: one more relaxed load.
 #[inline(always)]
-pub(crate) fn before_launch_unless(
-    captured: impl FnOnce() -> bool,
-    cost: impl FnOnce() -> u64,
-    register: fn(),
-) {
-    let _ = charge(captured, cost, register);
-}
-
-/// [`before_launch_unless`] for a kernel launch onto `stream`, which is
-/// timed on the device when the watcher armed it ([`timed`]): the caller
-/// passes the real launch's result to the returned probe. With a compute
-/// limit: one more relaxed load.
-#[inline(always)]
-pub(crate) fn before_kernel(
+pub(crate) fn before_launch_on(
     stream: *mut std::ffi::c_void,
     ptsz: bool,
     captured: impl FnOnce() -> bool,
@@ -116,7 +106,7 @@ pub(crate) fn before_kernel(
     register: fn(),
 ) -> timed::Probe {
     match charge(captured, cost, register) {
-        Some((gpu, c)) if timed::ARMED.load(Ordering::Relaxed) => {
+        Some((gpu, c)) if timed::ARMED.load(Ordering::Relaxed) != 0 => {
             timed::start(gpu, c, stream, ptsz)
         }
         _ => timed::Probe::NONE,
@@ -497,7 +487,7 @@ fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32
                 d.rate,
                 ctl.ctrl.integral(),
                 ctl.ctrl.scale().unwrap_or(0.0),
-                timed.unwrap_or(0.0)
+                timed.map_or(0.0, |t| t.ns_per_unit)
             );
         }
     }

@@ -112,6 +112,15 @@ pub struct Period {
     pub cost: Option<u64>,
 }
 
+/// The device time a cost unit took in the container's timed launches.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timed {
+    /// Their device time over their cost.
+    pub ns_per_unit: f64,
+    /// The standard error of that ratio.
+    pub error: f64,
+}
+
 /// The controller's decision for the bucket.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Decision {
@@ -159,9 +168,9 @@ pub struct Controller {
     /// error window holds only periods run under a decided rate (the
     /// start-up periods, at an assumed rate, would wind it off).
     decided: usize,
-    /// ns per unit measured on the device by timed launches, over about
-    /// the scale's window (see [`Self::set_timed`]).
-    timed: Option<f64>,
+    /// The container's launches timed on the device (see
+    /// [`Self::set_timed`]).
+    timed: Option<Timed>,
 }
 
 impl Controller {
@@ -230,7 +239,12 @@ impl Controller {
         };
         // NVML's figures, scaled down where the timed launches say they
         // count more than the container's own (see `set_timed`).
-        let capped = self.timed.filter(|&t| t < learned);
+        // NVML's scale, unless the timed launches say, beyond two standard
+        // errors, that a unit takes less (see `set_timed`).
+        let capped = self
+            .timed
+            .filter(|t| t.ns_per_unit + 2.0 * t.error < learned)
+            .map(|t| t.ns_per_unit);
         let scale = capped.unwrap_or(learned);
         let others = avg(self.periods.iter().rev().take(OTHERS_WINDOW), |q| q.others);
         let target = self.soft_target(others);
@@ -432,13 +446,14 @@ impl Controller {
     /// timed launch that a timeslice interrupts reads long, so it errs on
     /// the quota's side; alone on a GPU NVML's is the lower and stays),
     /// and gives an eclipsed period its use.
-    pub fn set_timed(&mut self, ns_per_unit: Option<f64>) {
-        self.timed = ns_per_unit.filter(|k| k.is_finite() && *k > 0.0);
+    pub fn set_timed(&mut self, timed: Option<Timed>) {
+        self.timed = timed
+            .filter(|t| t.ns_per_unit.is_finite() && t.ns_per_unit > 0.0 && t.error.is_finite());
     }
 
     /// The container's use in `p` by its timed scale, percent.
     fn timed_use(&self, p: &Period) -> Option<f64> {
-        let (k, c) = (self.timed?, p.cost?);
+        let (k, c) = (self.timed?.ns_per_unit, p.cost?);
         (p.len_ns > 0).then(|| c as f64 * k / p.len_ns as f64 * 100.0)
     }
 

@@ -13,18 +13,18 @@
 //! context (a timeslice ending inside it adds the other's slice: the
 //! measure errs long, the safe side for a quota).
 //!
-//! How: the watcher arms [`ARMED`] every tick; the next launch with a
-//! compute limit takes it ([`start`], cold) and returns a [`Probe`] its
-//! wrapper closes after the real launch ([`Probe::after`]). Completed pairs
+//! How: the watcher arms [`PER_TICK`] launches ([`ARMED`]) every tick; a
+//! launch with a compute limit takes one ([`start`], cold) and returns a
+//! [`Probe`] its wrapper closes after the real launch ([`Probe::after`]). Completed pairs
 //! are read when the next probe starts, in a thread whose context is
 //! current. The estimate is the timed launches' device time over their
 //! cost, which needs launches picked alike whatever their cost: the first
 //! launch after a moment is, while throttled, the one that slept for its
 //! tokens, picked in proportion to its cost (a mix of 1- and 58-wave
 //! launches of one duration then read 11 % short, and its quota ran 6
-//! points over), so the probe goes to the launch a random 0..[`SKIP`]
-//! launches after that one. Graph launches are not timed: their cost is
-//! priced from the scale this estimates.
+//! points over), so each probe goes to the launch a random 0..[`SKIP`]
+//! launches after the one before. Graph launches are timed like kernels
+//! (their cost is their kernel nodes'); launches of unknown cost are not.
 
 use super::bucket::now_ns;
 use crate::events::{self, Event, Stream};
@@ -32,10 +32,14 @@ use cuda_abi::{CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CUresult};
 use quota_config::MAX_GPUS;
 use std::collections::VecDeque;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 
-/// Set by the watcher each tick; taken by the launch it arms.
-pub(crate) static ARMED: AtomicBool = AtomicBool::new(false);
+/// Launches still to time, set by the watcher each tick ([`PER_TICK`]).
+pub(crate) static ARMED: AtomicU32 = AtomicU32::new(0);
+/// Launches timed per watcher tick at most (20 ms while throttling: up to
+/// 200 a second; launch costs are skewed, and fewer left the estimate
+/// too noisy to act on beside a mix of 1- and 58-wave launches).
+const PER_TICK: u32 = 4;
 /// Launches still to pass, once armed, before the one timed.
 static SKIPPING: AtomicU32 = AtomicU32::new(0);
 /// Launches passed at most before the one timed (longer than the rounds of
@@ -76,6 +80,8 @@ impl Probe {
     }
 }
 
+pub use super::controller::Timed;
+
 struct Pair {
     gpu: usize,
     cost: u64,
@@ -103,13 +109,19 @@ fn book() -> std::sync::MutexGuard<'static, Book> {
     BOOK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Arms a launch with a compute limit to be timed: one a random number of
-/// launches from now (the clock's low bits).
+/// Arms [`PER_TICK`] launches with a compute limit to be timed, the first
+/// a random number of launches from now.
 pub(crate) fn arm() {
-    if !ARMED.load(Ordering::Relaxed) {
-        SKIPPING.store((now_ns() / 64 % SKIP) as u32, Ordering::Relaxed);
-        ARMED.store(true, Ordering::Relaxed);
+    if ARMED.load(Ordering::Relaxed) == 0 {
+        skip_some();
+        ARMED.store(PER_TICK, Ordering::Relaxed);
     }
+}
+
+/// The next probe goes to a launch 0..[`SKIP`] launches on (the clock's
+/// low bits).
+fn skip_some() {
+    SKIPPING.store((now_ns() / 64 % SKIP) as u32, Ordering::Relaxed);
 }
 
 /// Starts timing a launch of `cost` units onto `stream` of `gpu`'s context
@@ -122,9 +134,14 @@ pub(crate) fn start(gpu: usize, cost: u64, stream: Stream, ptsz: bool) -> Probe 
         SKIPPING.store(left - 1, Ordering::Relaxed);
         return Probe::NONE;
     }
-    if cost == 0 || !ARMED.swap(false, Ordering::Relaxed) {
+    if cost == 0 {
         return Probe::NONE;
     }
+    let took = ARMED.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    if took.is_err() {
+        return Probe::NONE;
+    }
+    skip_some();
     let mut b = book();
     b.harvest();
     if b.pending.len() >= MAX_PENDING {
@@ -209,13 +226,12 @@ impl Book {
         q.push_back(Sample { at_ns, ns, cost });
     }
 
-    /// Device time over cost of the recent samples, plus two standard
-    /// errors of that ratio: an estimate that errs long unless the samples
-    /// agree. Launch costs are skewed (one 58-wave launch outweighs 58
-    /// 1-wave ones), so a second's samples moved the plain ratio by -17 %
-    /// to +60 % around NVML's scale, and a cap at the low ones ran a share
-    /// 5-8 points over its quota alone on the GPU.
-    fn scale(&self, gpu: usize, since_ns: u64) -> Option<f64> {
+    /// Device time over cost of the recent samples, with the standard
+    /// error of that ratio. Launch costs are skewed (one 58-wave launch
+    /// outweighs 58 1-wave ones), so a second's samples moved the ratio by
+    /// -17 % to +60 % around NVML's scale: acted on whenever lower, the low
+    /// readings ran a share 5-8 points over its quota alone on the GPU.
+    fn scale(&self, gpu: usize, since_ns: u64) -> Option<Timed> {
         let q = self.samples.get(gpu)?;
         let recent: Vec<&Sample> = q.iter().filter(|s| s.at_ns >= since_ns).collect();
         let n = recent.len();
@@ -231,14 +247,17 @@ impl Book {
             .sum::<f64>()
             / (n - 1) as f64;
         let mean_cost = cost / n as f64;
-        Some(ratio + 2.0 * (spread / n as f64).sqrt() / mean_cost)
+        Some(Timed {
+            ns_per_unit: ratio,
+            error: (spread / n as f64).sqrt() / mean_cost,
+        })
     }
 }
 
 /// This process's timed ns of device time per cost unit on `gpu`, from
-/// launches completed since `since_ns`, erring long ([`Book::scale`]);
-/// `None` with fewer than [`MIN_SAMPLES`].
-pub(crate) fn scale(gpu: usize, since_ns: u64) -> Option<f64> {
+/// launches completed since `since_ns` ([`Book::scale`]); `None` with
+/// fewer than [`MIN_SAMPLES`].
+pub(crate) fn scale(gpu: usize, since_ns: u64) -> Option<Timed> {
     book().scale(gpu, since_ns)
 }
 
@@ -257,24 +276,25 @@ mod tests {
         for i in 0..MIN_SAMPLES as u64 - 1 {
             b.add(1, 100 + i, 400, if i % 2 == 0 { 1 } else { 58 });
         }
-        assert_eq!(b.scale(1, 0), None, "too few");
+        assert!(b.scale(1, 0).is_none(), "too few");
         b.add(1, 200, 400, 58);
         let ratio: f64 = 2000.0 / 176.0;
-        let k = b.scale(1, 0).unwrap();
+        let t = b.scale(1, 0).unwrap();
+        assert_eq!(t.ns_per_unit, ratio);
         // Residuals 400 - ratio * cost: two of cost 1, three of cost 58.
         let var: f64 = (2.0 * (400.0 - ratio).powi(2) + 3.0 * (400.0 - 58.0 * ratio).powi(2)) / 4.0;
-        let want = ratio + 2.0 * (var / 5.0f64).sqrt() / (176.0 / 5.0);
-        assert!((k - want).abs() < 1e-9, "{k} != {want}");
-        assert!(k > ratio, "errs long when the samples disagree");
-        assert_eq!(b.scale(1, 150), None, "older samples do not count");
-        assert_eq!(b.scale(0, 0), None, "another GPU has none");
+        let want = (var / 5.0f64).sqrt() / (176.0 / 5.0);
+        assert!((t.error - want).abs() < 1e-9, "{} != {want}", t.error);
+        assert!(b.scale(1, 150).is_none(), "older samples do not count");
+        assert!(b.scale(0, 0).is_none(), "another GPU has none");
         for i in 0..KEEP as u64 {
             b.add(1, 300 + i, 30, 10);
         }
+        let t = b.scale(1, 0).unwrap();
         assert_eq!(
-            b.scale(1, 0),
-            Some(3.0),
-            "the oldest are dropped; agreeing samples, no margin"
+            (t.ns_per_unit, t.error),
+            (3.0, 0.0),
+            "the oldest are dropped"
         );
     }
 }

@@ -480,7 +480,10 @@ fn eclipsed_run_as(
     let (mut t, mut units, mut rate, mut own) = (0u64, 0.0, f64::INFINITY, 0.0);
     c.record_launched(0, 0);
     for _ in 0..60 {
-        c.set_timed(timed);
+        c.set_timed(timed.map(|k| Timed {
+            ns_per_unit: k,
+            error: 0.0,
+        }));
         let r = rate.min(demand).min((100.0 - others) / 100.0 / k);
         let cost = one_period(&mut c, &mut t, &mut units, r);
         own = r * k * 100.0;
@@ -539,7 +542,10 @@ fn named_at_device_total(quota: Quota, k: f64, others: f64, timed: Option<f64>) 
     let (mut t, mut units, mut rate, mut own) = (0u64, 0.0, f64::INFINITY, 0.0);
     c.record_launched(0, 0);
     for _ in 0..80 {
-        c.set_timed(timed);
+        c.set_timed(timed.map(|k| Timed {
+            ns_per_unit: k,
+            error: 0.0,
+        }));
         let r = rate.min((100.0 - others) / 100.0 / k);
         let cost = one_period(&mut c, &mut t, &mut units, r);
         own = r * k * 100.0;
@@ -584,7 +590,10 @@ fn an_eclipsed_share_with_timed_launches_is_charged_their_time() {
     let q = hard(30.0);
     let k = 10_000.0 / 16.0;
     let (_, untimed, _) = eclipsed_run_as(q, k, f64::INFINITY, 60.0, Named::DeviceTotal, None);
-    assert!((untimed - 30.0).abs() > 10.0, "the case fails without timing: {untimed}");
+    assert!(
+        (untimed - 30.0).abs() > 10.0,
+        "the case fails without timing: {untimed}"
+    );
     let (c, own, _) = eclipsed_run_as(q, k, f64::INFINITY, 60.0, Named::DeviceTotal, Some(k));
     assert_eq!(c.blind(), None);
     assert!((own - 30.0).abs() < 1.5, "achieved {own} under a hard 30 %");
