@@ -171,6 +171,8 @@ pub struct Controller {
     /// The container's launches timed on the device (see
     /// [`Self::set_timed`]).
     timed: Option<Timed>,
+    /// The timed scale capped NVML's in the last decision.
+    capping: bool,
 }
 
 impl Controller {
@@ -189,6 +191,7 @@ impl Controller {
             unseen: 0,
             decided: 0,
             timed: None,
+            capping: false,
         }
     }
 
@@ -237,14 +240,17 @@ impl Controller {
         let Some(learned) = self.scale else {
             return self.ramp(&p);
         };
-        // NVML's figures, scaled down where the timed launches say they
-        // count more than the container's own (see `set_timed`).
         // NVML's scale, unless the timed launches say, beyond two standard
-        // errors, that a unit takes less (see `set_timed`).
+        // errors, that a unit takes less (see `set_timed`); once capping,
+        // until they no longer say less at all: a cap let go on a noisy
+        // second hands the rate back to NVML's scale, which for a share
+        // named with the device's total is the neighbour's use too (a hard
+        // 70 beside a soft 30 fell to 40 % for 1.5 s that way).
         let capped = self
             .timed
-            .filter(|t| t.ns_per_unit + 2.0 * t.error < learned)
+            .filter(|t| t.ns_per_unit + if self.capping { 0.0 } else { 2.0 * t.error } < learned)
             .map(|t| t.ns_per_unit);
+        self.capping = capped.is_some();
         let scale = capped.unwrap_or(learned);
         let others = avg(self.periods.iter().rev().take(OTHERS_WINDOW), |q| q.others);
         let target = self.soft_target(others);

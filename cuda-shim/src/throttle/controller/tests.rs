@@ -538,14 +538,25 @@ fn a_share_never_named_still_holds_its_quota() {
 /// whole busy percent (a real driver's busiest process; its neighbour
 /// uses `others` unseen), with `timed` the scale its timed launches give.
 fn named_at_device_total(quota: Quota, k: f64, others: f64, timed: Option<f64>) -> f64 {
+    let exact = timed.map(|k| Timed {
+        ns_per_unit: k,
+        error: 0.0,
+    });
+    named_at_device_total_timed(quota, k, others, |_| exact)
+}
+
+/// [`named_at_device_total`] with the timed estimate of each period.
+fn named_at_device_total_timed(
+    quota: Quota,
+    k: f64,
+    others: f64,
+    timed: impl Fn(usize) -> Option<Timed>,
+) -> f64 {
     let mut c = Controller::new(quota);
     let (mut t, mut units, mut rate, mut own) = (0u64, 0.0, f64::INFINITY, 0.0);
     c.record_launched(0, 0);
-    for _ in 0..80 {
-        c.set_timed(timed.map(|k| Timed {
-            ns_per_unit: k,
-            error: 0.0,
-        }));
+    for i in 0..80 {
+        c.set_timed(timed(i));
         let r = rate.min((100.0 - others) / 100.0 / k);
         let cost = one_period(&mut c, &mut t, &mut units, r);
         own = r * k * 100.0;
@@ -578,6 +589,31 @@ fn timed_launches_cap_what_a_share_named_at_the_device_total_is_charged() {
     assert!((timed - 60.0 / 1.05).abs() < 2.0, "timed: {timed}");
     let alone = named_at_device_total(q, k, 0.0, Some(k * 1.3));
     assert!((alone - 60.0).abs() < 1.5, "alone, timed long: {alone}");
+}
+
+/// The cap, once on, holds through seconds whose timed launches disagree
+/// (a standard error the size of the ratio, where two would not start
+/// it): let go, the rate follows NVML's scale, which counts the
+/// neighbour's use too, and the share fell towards 30 % of its 60.
+#[test]
+fn a_cap_in_force_holds_through_noisy_timed_seconds() {
+    let q = hard(60.0);
+    let k = 10_000.0 / 16.0;
+    let noisy_after = |n: usize| {
+        move |i: usize| {
+            Some(Timed {
+                ns_per_unit: k,
+                error: if i < n { 0.0 } else { k },
+            })
+        }
+    };
+    let never_capped = named_at_device_total_timed(q, k, 30.0, noisy_after(0));
+    assert!(
+        (never_capped - 30.0).abs() < 2.0,
+        "noisy from the start: {never_capped}"
+    );
+    let held = named_at_device_total_timed(q, k, 30.0, noisy_after(20));
+    assert!((held - 60.0).abs() < 1.5, "noisy after 2 s: {held}");
 }
 
 /// An eclipsed share (never named) with timed launches is charged their
