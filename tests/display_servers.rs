@@ -71,6 +71,8 @@ struct Served {
     running: Option<Running>,
     cancel: CancellationToken,
     addr: SocketAddr,
+    /// The probe listener.
+    health: SocketAddr,
     socket: std::path::PathBuf,
     _dir: tempfile::TempDir,
 }
@@ -107,12 +109,14 @@ async fn serve() -> Served {
     let opts = DisplayOptions {
         socket: dir.path().join("run/gpu-manager.sock"),
         query_addr: "127.0.0.1:0".parse().unwrap(),
+        health_addr: Some("127.0.0.1:0".parse().unwrap()),
         ..Default::default()
     };
     let running = display.start(&opts, None, cancel.clone()).await.unwrap();
     Served {
         display,
         addr: running.http_addr,
+        health: running.health_addr.expect("a probe listener was asked for"),
         running: Some(running),
         cancel,
         socket: opts.socket,
@@ -565,5 +569,57 @@ async fn one_address_cannot_take_every_connection_of_the_query_port() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    s.stop().await;
+}
+
+/// The probes have a listener of their own (`--health-port`): with every
+/// connection slot of the query port held (16 addresses at their cap of
+/// 16: pods of several tenants), the query port answers nobody new while
+/// `/healthz` and `/readyz` still answer on the probe port, which serves
+/// nothing else (crates/node/gpu-display/src/http.rs, `Endpoints`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_probes_answer_while_the_query_port_is_full() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = serve().await;
+    s.display.set_ready(true);
+    let from = |ip: String, to: SocketAddr| async move {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(format!("{ip}:0").parse().unwrap()).unwrap();
+        sock.connect(to).await.unwrap()
+    };
+    let mut held = Vec::new();
+    for a in 0..16 {
+        for _ in 0..16 {
+            held.push(from(format!("127.0.1.{}", a + 10), s.addr).await);
+        }
+    }
+    let ask = |mut c: tokio::net::TcpStream, path: &'static str| async move {
+        let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let _ = c.write_all(req.as_bytes()).await;
+        let mut buf = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(3), c.read_to_end(&mut buf)).await;
+        String::from_utf8_lossy(&buf).into_owned()
+    };
+    // The query port is full: a new address waits unanswered.
+    let full = ask(from("127.0.1.99".into(), s.addr).await, "/healthz").await;
+    assert!(
+        full.is_empty(),
+        "the query port answered past its 256 connections: {full}"
+    );
+    for (path, want) in [("/healthz", "ok"), ("/readyz", "ready")] {
+        let r = ask(from("127.0.1.99".into(), s.health).await, path).await;
+        assert!(
+            r.starts_with("HTTP/1.1 200") && r.ends_with(&format!("{want}\n")),
+            "{path}: {r}"
+        );
+    }
+    for path in ["/usage", "/metrics", "/graph"] {
+        let r = ask(from("127.0.1.99".into(), s.health).await, path).await;
+        assert!(
+            r.starts_with("HTTP/1.1 404") && r.contains("this is the probe port"),
+            "{path} on the probe port: {r}"
+        );
+    }
+    drop(held);
     s.stop().await;
 }

@@ -255,21 +255,28 @@ fn the_daemonset_fits_the_design() {
     let c = &pod.containers[0];
     assert_eq!(c.security_context.as_ref().unwrap().privileged, Some(true));
 
-    // Probes on the query port, which the config serves on.
-    let port = cfg["query-port"].as_integer().unwrap() as i32;
-    let ports = c.ports.as_ref().unwrap();
-    let metrics = ports
-        .iter()
-        .find(|p| p.name.as_deref() == Some("metrics"))
-        .unwrap();
-    assert_eq!(metrics.container_port, port);
+    // The query port, and the probes on a port of their own (/healthz and
+    // /readyz alone: a flood of the query port cannot starve them), both
+    // the config's.
+    let port_named = |name: &str| {
+        let ports = c.ports.as_ref().unwrap();
+        ports
+            .iter()
+            .find(|p| p.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("no container port {name:?}"))
+            .container_port
+    };
+    let config_port =
+        |key: &str| cfg[key].as_integer().unwrap_or_else(|| panic!("no {key}")) as i32;
+    assert_eq!(port_named("metrics"), config_port("query-port"));
+    assert_eq!(port_named("health"), config_port("health-port"));
     for (probe, path) in [
         (&c.readiness_probe, "/readyz"),
         (&c.liveness_probe, "/healthz"),
     ] {
         let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
         assert_eq!(get.path.as_deref(), Some(path));
-        assert_eq!(serde_json::to_value(&get.port).unwrap(), "metrics");
+        assert_eq!(serde_json::to_value(&get.port).unwrap(), "health");
     }
 
     // NODE_NAME from the downward API, used as the node name.

@@ -83,6 +83,10 @@ pub struct Args {
     /// The display's HTTP address [default: 127.0.0.1:5678].
     #[arg(long)]
     pub query_addr: Option<SocketAddr>,
+    /// The display's probe port (/healthz and /readyz alone) on the query
+    /// address [default: the manager file's health-port; unset: none].
+    #[arg(long)]
+    pub health_port: Option<u16>,
     /// Seconds between display samples [default: 1].
     #[arg(long)]
     pub sample_period: Option<u64>,
@@ -134,6 +138,7 @@ pub fn resolve(a: Args) -> anyhow::Result<Settings> {
         ignored_xids: a.ignored_xids,
         extra_config: a.extra_config,
         display_socket: a.display_socket,
+        health_port: a.health_port,
         sample_period: a.sample_period,
         escape_policy: a.escape_policy,
         mig_geometry: a.mig_geometry,
@@ -190,7 +195,11 @@ pub fn resolve(a: Args) -> anyhow::Result<Settings> {
             .unwrap_or(crate::slices::Unhealthy::Taint("NoSchedule")),
         resync_period: Duration::from_secs(a.resync_period.unwrap_or(60).max(1)),
         extra_devices,
-        display: (display_socket.as_os_str() != "none").then_some((display_socket, query_addr)),
+        display: (display_socket.as_os_str() != "none").then(|| crate::daemon::DisplayAt {
+            socket: display_socket,
+            query: query_addr,
+            health: n.health_port.map(|p| SocketAddr::new(query_addr.ip(), p)),
+        }),
         sample_period: n.sample_period,
         escape_policy: n.escape_policy,
         mig_geometry: n.mig_geometry,
@@ -231,10 +240,9 @@ mod tests {
             s.interposer.as_deref(),
             Some(std::path::Path::new("/usr/lib/vcuda/libvcuda.so"))
         );
-        assert_eq!(
-            s.display.as_ref().unwrap().1,
-            "0.0.0.0:5678".parse().unwrap()
-        );
+        let at = s.display.as_ref().unwrap();
+        assert_eq!(at.query, "0.0.0.0:5678".parse().unwrap());
+        assert_eq!(at.health, Some("0.0.0.0:5679".parse().unwrap()));
         assert_eq!(s.ignored_xids, [13, 31, 43, 45, 68, 109]);
         assert_eq!(s.cdi_dir, PathBuf::from("/var/run/cdi"));
         assert_eq!(

@@ -24,6 +24,17 @@ use crate::publish::Publisher;
 use crate::slices::GpuDevice;
 use crate::topology;
 
+/// Where the display service listens (port 0 picks one).
+#[derive(Debug, Clone)]
+pub struct DisplayAt {
+    /// The gRPC socket (`vcudactl`).
+    pub socket: PathBuf,
+    /// The query port (HTTP: metrics, usage, probes).
+    pub query: std::net::SocketAddr,
+    /// The probe listener (`/healthz`, `/readyz` alone), if any.
+    pub health: Option<std::net::SocketAddr>,
+}
+
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub node: String,
@@ -45,9 +56,9 @@ pub struct Settings {
     pub unhealthy: crate::slices::Unhealthy,
     pub resync_period: Duration,
     pub extra_devices: Vec<String>,
-    /// The display service (gRPC socket, HTTP address; port 0 picks one):
-    /// claims shown like containers. None: not served.
-    pub display: Option<(PathBuf, std::net::SocketAddr)>,
+    /// The display service: claims shown like containers. None: not
+    /// served.
+    pub display: Option<DisplayAt>,
     pub sample_period: Duration,
     pub escape_policy: gpu_display::guard::Policy,
     /// `--mig-geometry`, applied at start (empty: no GPU named).
@@ -337,7 +348,7 @@ async fn start_display(
     healthy: &Arc<Mutex<Vec<bool>>>,
     cancel: &CancellationToken,
 ) -> anyhow::Result<Option<(gpu_display::Display, gpu_display::Running)>> {
-    let Some((socket, addr)) = &s.display else {
+    let Some(at) = &s.display else {
         return Ok(None);
     };
     let display = gpu_display::Display::new(Arc::new(DraSource {
@@ -347,8 +358,9 @@ async fn start_display(
         healthy: healthy.clone(),
     }));
     let opts = gpu_display::DisplayOptions {
-        socket: socket.clone(),
-        query_addr: *addr,
+        socket: at.socket.clone(),
+        query_addr: at.query,
+        health_addr: at.health,
         sample_period: s.sample_period,
         escape_policy: Some(s.escape_policy),
         ..Default::default()

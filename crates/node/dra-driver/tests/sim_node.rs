@@ -120,7 +120,11 @@ fn install(gpu_sim: &Path, node: &str, dirs: &Dirs) -> PathBuf {
 fn settings(sim: &Path, dirs: &Dirs, shim: PathBuf) -> Settings {
     Settings {
         interposer: Some(shim),
-        display: Some((dirs.p("display.sock"), "127.0.0.1:0".parse().unwrap())),
+        display: Some(dra_driver::daemon::DisplayAt {
+            socket: dirs.p("display.sock"),
+            query: "127.0.0.1:0".parse().unwrap(),
+            health: None,
+        }),
         ..sim_settings(sim, dirs)
     }
 }

@@ -1,4 +1,5 @@
-//! HTTP on the query port: read-only GET endpoints, small bounded requests.
+//! HTTP on the query port: read-only GET endpoints, small bounded requests;
+//! and, on a listener of their own, the probes alone ([`Endpoints::Probes`]).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -66,6 +67,17 @@ impl Drop for PeerSlot {
     }
 }
 
+/// What a listener serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Endpoints {
+    /// The query port: every endpoint.
+    All,
+    /// The probe listener: `/healthz` and `/readyz` only, so a flood of the
+    /// query port (many pods, each within its per-address cap) cannot
+    /// starve the kubelet's probes, and it tells nobody about tenants.
+    Probes,
+}
+
 type Resp = Response<Full<Bytes>>;
 
 fn text(status: StatusCode, ctype: &'static str, body: impl Into<Bytes>) -> Resp {
@@ -78,7 +90,7 @@ fn text(status: StatusCode, ctype: &'static str, body: impl Into<Bytes>) -> Resp
 
 const PLAIN: &str = "text/plain; charset=utf-8";
 
-fn route(shared: &Shared, req: &Request<Incoming>) -> Resp {
+fn route(shared: &Shared, endpoints: Endpoints, req: &Request<Incoming>) -> Resp {
     if req.uri().path_and_query().map_or(0, |p| p.as_str().len()) > MAX_URI {
         return text(StatusCode::URI_TOO_LONG, PLAIN, "URI too long\n");
     }
@@ -95,17 +107,24 @@ fn route(shared: &Shared, req: &Request<Incoming>) -> Resp {
         );
     }
     let path = req.uri().path();
-    let known = matches!(
-        path,
-        "/graph" | "/usage" | "/version" | "/metrics" | "/metric" | "/healthz" | "/readyz"
-    );
+    let probe = matches!(path, "/healthz" | "/readyz");
+    let known = probe
+        || endpoints == Endpoints::All
+            && matches!(
+                path,
+                "/graph" | "/usage" | "/version" | "/metrics" | "/metric"
+            );
     if !known {
+        let try_these = match endpoints {
+            Endpoints::All => "/graph, /usage, /version, /metrics, /healthz, /readyz",
+            Endpoints::Probes => {
+                "/healthz, /readyz (this is the probe port; the rest is on the query port)"
+            }
+        };
         return text(
             StatusCode::NOT_FOUND,
             PLAIN,
-            format!(
-                "no such endpoint {path}; try /graph, /usage, /version, /metrics, /healthz, /readyz\n"
-            ),
+            format!("no such endpoint {path}; try {try_these}\n"),
         );
     }
     if req.method() != Method::GET && req.method() != Method::HEAD {
@@ -142,9 +161,13 @@ fn route(shared: &Shared, req: &Request<Incoming>) -> Resp {
     }
 }
 
-async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Resp, Infallible> {
+async fn handle(
+    shared: Arc<Shared>,
+    endpoints: Endpoints,
+    req: Request<Incoming>,
+) -> Result<Resp, Infallible> {
     let head = req.method() == Method::HEAD;
-    let mut resp = route(&shared, &req);
+    let mut resp = route(&shared, endpoints, &req);
     if resp.status() == StatusCode::PAYLOAD_TOO_LARGE || resp.status() == StatusCode::URI_TOO_LONG {
         // Do not read what the client still wants to send.
         resp.headers_mut()
@@ -159,14 +182,15 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Resp, Inf
 pub(crate) async fn serve(
     shared: Arc<Shared>,
     addr: SocketAddr,
+    endpoints: Endpoints,
     cancel: CancellationToken,
 ) -> Result<(SocketAddr, JoinHandle<()>), Error> {
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|source| Error::Bind { addr, source })?;
-    let bound = listener
-        .local_addr()
-        .map_err(|source| Error::Bind { addr, source })?;
+    let bind_error = |source| match endpoints {
+        Endpoints::All => Error::Bind { addr, source },
+        Endpoints::Probes => Error::BindProbes { addr, source },
+    };
+    let listener = TcpListener::bind(addr).await.map_err(bind_error)?;
+    let bound = listener.local_addr().map_err(bind_error)?;
     let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let peers = Arc::new(Peers::default());
     let join = tokio::spawn(async move {
@@ -201,7 +225,7 @@ pub(crate) async fn serve(
                     .max_buf_size(MAX_HEAD)
                     .serve_connection(
                         TokioIo::new(stream),
-                        service_fn(move |req| handle(shared.clone(), req)),
+                        service_fn(move |req| handle(shared.clone(), endpoints, req)),
                     );
                 tokio::pin!(conn);
                 tokio::select! {

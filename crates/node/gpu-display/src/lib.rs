@@ -72,6 +72,12 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    #[error("binding the probe port {addr}: {source} (see --health-port)")]
+    BindProbes {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Where and how often to serve.
@@ -83,6 +89,10 @@ pub struct DisplayOptions {
     pub socket_mode: u32,
     /// HTTP listen address (`--query-addr:--query-port`); port 0 picks one.
     pub query_addr: SocketAddr,
+    /// The probe listener's address (`--health-port` on the query
+    /// address): `/healthz` and `/readyz` alone; `None`: the probes are
+    /// served on the query port only.
+    pub health_addr: Option<SocketAddr>,
     /// NVML sampling period (`--sample-period`).
     pub sample_period: Duration,
     /// Bind the socket even when a live server answers on it (a manager
@@ -99,6 +109,7 @@ impl Default for DisplayOptions {
             socket: PathBuf::from(DEFAULT_SOCKET),
             socket_mode: 0o660,
             query_addr: SocketAddr::new(DEFAULT_QUERY_ADDR.parse().unwrap(), DEFAULT_QUERY_PORT),
+            health_addr: None,
             sample_period: Duration::from_secs(1),
             take_over_socket: false,
             escape_policy: Some(guard::Policy::Report),
@@ -286,7 +297,30 @@ impl Display {
         addr: SocketAddr,
         cancel: CancellationToken,
     ) -> Result<(SocketAddr, JoinHandle<()>), Error> {
-        http::serve(self.shared.clone(), addr, cancel).await
+        http::serve(self.shared.clone(), addr, http::Endpoints::All, cancel).await
+    }
+
+    /// The query port and, when asked for, the probe listener; on an
+    /// error, one already up stops.
+    async fn serve_listeners(
+        &self,
+        opts: &DisplayOptions,
+        cancel: CancellationToken,
+    ) -> Result<(SocketAddr, Option<SocketAddr>, Vec<JoinHandle<()>>), Error> {
+        let serve =
+            |addr, endpoints| http::serve(self.shared.clone(), addr, endpoints, cancel.clone());
+        let (http_addr, http) = serve(opts.query_addr, http::Endpoints::All).await?;
+        let Some(addr) = opts.health_addr else {
+            return Ok((http_addr, None, vec![http]));
+        };
+        match serve(addr, http::Endpoints::Probes).await {
+            Ok((bound, probes)) => Ok((http_addr, Some(bound), vec![http, probes])),
+            Err(e) => {
+                cancel.cancel();
+                let _ = http.await;
+                Err(e)
+            }
+        }
     }
 
     /// Everything: sampler (when a reader is given), gRPC and HTTP.
@@ -311,20 +345,24 @@ impl Display {
             opts.take_over_socket,
             cancel.clone(),
         )?;
-        let (http_addr, http) = match self.serve_http(opts.query_addr, cancel.clone()).await {
-            Ok(v) => v,
-            Err(e) => {
-                cancel.cancel();
-                let _ = grpc.await;
-                return Err(e);
-            }
-        };
-        tracing::info!(socket = %opts.socket.display(), http = %http_addr, "display service up");
+        let (http_addr, health_addr, listeners) =
+            match self.serve_listeners(opts, cancel.clone()).await {
+                Ok(v) => v,
+                Err(e) => {
+                    cancel.cancel();
+                    let _ = grpc.await;
+                    return Err(e);
+                }
+            };
+        tracing::info!(socket = %opts.socket.display(), http = %http_addr, probes = ?health_addr, "display service up");
+        let mut tasks = vec![grpc];
+        tasks.extend(listeners);
         Ok(Running {
             http_addr,
+            health_addr,
             socket: opts.socket.clone(),
             sampler,
-            tasks: vec![grpc, http],
+            tasks,
         })
     }
 }
@@ -340,6 +378,8 @@ impl GpuReader for BoxedReader {
 /// The running display service (see [`Display::start`]).
 pub struct Running {
     pub http_addr: SocketAddr,
+    /// The probe listener's bound address, when one was asked for.
+    pub health_addr: Option<SocketAddr>,
     pub socket: PathBuf,
     sampler: Option<Sampler>,
     tasks: Vec<JoinHandle<()>>,

@@ -16,6 +16,8 @@ pub struct Settings {
     pub volume_config: PathBuf,
     pub query_addr: String,
     pub query_port: u16,
+    /// The probe listener's port (on the query address), if any.
+    pub health_port: Option<u16>,
     pub display_socket: PathBuf,
     pub kubeconfig: Option<PathBuf>,
     pub sample_period: Duration,
@@ -130,6 +132,7 @@ impl Settings {
             volume_config: n.volume_config,
             query_addr: n.query_addr,
             query_port: n.query_port,
+            health_port: n.health_port,
             display_socket: n.display_socket,
             kubeconfig: n.kubeconfig,
             sample_period: n.sample_period,

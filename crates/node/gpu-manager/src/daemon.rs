@@ -466,6 +466,9 @@ async fn start_display(
     let opts = gpu_display::DisplayOptions {
         socket: s.display_socket.clone(),
         query_addr,
+        health_addr: s
+            .health_port
+            .map(|p| std::net::SocketAddr::new(query_addr.ip(), p)),
         sample_period: s.sample_period,
         take_over_socket,
         escape_policy: Some(s.escape_policy),
@@ -473,8 +476,11 @@ async fn start_display(
     };
     let running = node_agent::display::start(&display, nvml, &opts, cancel).await?;
     tracing::info!(
-        "display: HTTP on {}, socket {}",
+        "display: HTTP on {}, probes on {}, socket {}",
         running.http_addr,
+        running
+            .health_addr
+            .map_or("the query port".into(), |a| a.to_string()),
         running.socket.display()
     );
     Ok((display, running))

@@ -83,6 +83,11 @@ pub struct Options {
     /// Port of the query HTTP server [default: 5678].
     #[arg(long, env = "GPU_MANAGER_QUERY_PORT")]
     pub query_port: Option<u16>,
+    /// Port of the probe listener (/healthz and /readyz alone) on the query
+    /// address, so a flood of the query port cannot starve the kubelet's
+    /// probes; unset: the probes are served on the query port only.
+    #[arg(long, env = "GPU_MANAGER_HEALTH_PORT")]
+    pub health_port: Option<u16>,
     /// Unix socket of the display gRPC service (`vcudactl`) [default: /var/run/gpu-manager.sock].
     #[arg(long, env = "GPU_MANAGER_DISPLAY_SOCKET")]
     pub display_socket: Option<PathBuf>,
@@ -194,6 +199,7 @@ impl Options {
             volume_config,
             query_addr,
             query_port,
+            health_port,
             display_socket,
             kubeconfig,
             sample_period,
@@ -250,6 +256,8 @@ pub struct NodeConfig {
     pub display_socket: PathBuf,
     pub query_addr: String,
     pub query_port: u16,
+    /// `--health-port`.
+    pub health_port: Option<u16>,
     pub sample_period: Duration,
     pub escape_policy: gpu_display::guard::Policy,
     /// `--mig-geometry` (empty: no GPU named).
@@ -276,6 +284,15 @@ impl NodeConfig {
                 field: "hostname-override",
                 problem: "the host name is empty; set --hostname-override to the node's name"
                     .into(),
+            });
+        }
+        let query_port = o.query_port.unwrap_or(gpu_display::DEFAULT_QUERY_PORT);
+        if let Some(p) = o.health_port.filter(|&p| p != 0 && p == query_port) {
+            return Err(ConfigError::Invalid {
+                field: "health-port",
+                problem: format!(
+                    "{p} is the query port too; give the probes a port of their own (or leave it unset)"
+                ),
             });
         }
         let or = |p: &Option<PathBuf>, d: &str| p.clone().unwrap_or_else(|| d.into());
@@ -309,7 +326,8 @@ impl NodeConfig {
                 .query_addr
                 .clone()
                 .unwrap_or_else(|| gpu_display::DEFAULT_QUERY_ADDR.into()),
-            query_port: o.query_port.unwrap_or(gpu_display::DEFAULT_QUERY_PORT),
+            query_port,
+            health_port: o.health_port,
             sample_period: Duration::from_secs(
                 o.sample_period
                     .unwrap_or(defaults::SAMPLE_PERIOD_SECS)
@@ -391,6 +409,13 @@ mod tests {
         assert_eq!(n.ignored_xids, [13, 31, 43, 45, 68, 109]);
         assert_eq!(n.display_socket, PathBuf::from("/var/run/gpu-manager.sock"));
         assert_eq!((n.query_addr.as_str(), n.query_port), ("127.0.0.1", 5678));
+        assert_eq!(n.health_port, None);
+        let o = Options {
+            health_port: Some(5678),
+            ..Default::default()
+        };
+        let e = NodeConfig::resolve(&o).unwrap_err().to_string();
+        assert!(e.starts_with("health-port:") && e.contains("5678"), "{e}");
         let o = Options {
             driver: Some("amd".into()),
             ..Default::default()
