@@ -12,7 +12,9 @@
 //!
 //! And a process of the share that loads the real driver beside the
 //! interposer: the manager's escape guard reports it within a sampling
-//! period, and ends it under `--escape-policy kill`.
+//! period, and ends it under `--escape-policy kill`; and a share whose
+//! ledger counters were zeroed, so that its processes hold more than its
+//! quota: under `kill` its largest process is ended.
 
 use std::time::Instant;
 
@@ -251,6 +253,71 @@ async fn a_process_that_bypasses_the_interposer_is_ended_under_kill() {
     assert!(ended, "the kill policy ended the process");
 }
 
+/// A share (1 GiB) holding 512 MiB in one process zeroes its ledger's use
+/// counters, and a second process then holds 600 MiB more: NVML counts
+/// the share past its quota, the guard reports it within a sampling
+/// period (1 s), and under `kill` ends the larger process; the first one
+/// lives on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_over_its_quota_loses_its_largest_process_under_kill() {
+    if !require(Capability::Root) {
+        return;
+    }
+    let mut env = Env::start(
+        "sim-4gpu-pcie",
+        with_interposer(&["--escape-policy", "kill"]),
+    )
+    .await;
+    let pod = env.pod(&[("main", 30, 4)], &[]);
+    let r = env.admit(&pod, "main", 30, 4).await.unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let client = compile_c("shim_client", &env.sim, tmp.path());
+    let e = container_env(&r[test_support::manager::VCORE]);
+    let dir = env.vm_dir().join(&pod.uid).join("main");
+    let sim_root = env.sim_root().to_path_buf();
+    let (mut first, mut second) = tokio::task::block_in_place(|| {
+        let first = holding(hostile::in_share(&client, &e, &sim_root, &[]));
+        let (_conn, _, fds) = hostile::register(&dir, &hostile::maximal_request(&pod.uid, "main"));
+        hostile::zero_counters(&fds[0]);
+        let second = hostile::in_share(&client, &e, &sim_root, &[]);
+        (first, holding_mib(second, 600))
+    });
+    let t0 = Instant::now();
+    let addr = env.http_addr;
+    let series = format!(
+        "vcuda_container_escapes_total{{container=\"main\",namespace=\"default\",pod=\"{}\",reason=\"over_memory_quota\"}} 1",
+        pod.name
+    );
+    let mut ended = None;
+    while t0.elapsed().as_secs() < 10 {
+        let (_, m) = tokio::task::spawn_blocking(move || http_get(addr, "/metrics"))
+            .await
+            .unwrap();
+        if m.contains(&series) && second.try_wait().unwrap().is_some() {
+            ended = Some(t0.elapsed().as_secs_f64());
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let alive = first.try_wait().unwrap().is_none();
+    let _ = (first.kill(), second.kill());
+    let _ = (first.wait(), second.wait());
+    let secs = ended.unwrap_or_else(|| {
+        panic!(
+            "no {series} with the 600 MiB process ended after 10 s; log:\n{}",
+            env.log_text()
+        )
+    });
+    println!(
+        "over quota: reported and the largest process ended {secs:.2} s after it held its memory"
+    );
+    assert!(alive, "the smaller process was ended too");
+    let log = env
+        .wait_log("over its 1024 MiB quota (the largest: process", 1)
+        .await;
+    assert!(log.contains("escape policy kill"), "{log}");
+}
+
 /// The manager's options with the interposer mirrored, plus `extra` flags.
 fn with_interposer(extra: &[&str]) -> Options {
     let mut extra_args: Vec<std::ffi::OsString> = vec![
@@ -265,11 +332,16 @@ fn with_interposer(extra: &[&str]) -> Options {
 }
 
 /// `shim_client … hold 512` spawned from `cmd`, once it holds its memory.
-fn holding(mut cmd: std::process::Command) -> std::process::Child {
+fn holding(cmd: std::process::Command) -> std::process::Child {
+    holding_mib(cmd, 512)
+}
+
+/// `shim_client … hold MIB` spawned from `cmd`, once it holds its memory.
+fn holding_mib(mut cmd: std::process::Command, mib: u32) -> std::process::Child {
     use std::io::{BufRead, BufReader};
     use std::process::Stdio;
     let mut p = cmd
-        .args(["hold", "512"])
+        .args(["hold", &mib.to_string()])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()

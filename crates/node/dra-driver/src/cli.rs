@@ -91,7 +91,9 @@ pub struct Args {
     #[arg(long)]
     pub sample_period: Option<u64>,
     /// A process in a claim's container using a GPU without the
-    /// interposer: "report" (log, metric) or "kill" (and end it) [default: report].
+    /// interposer, or a claim over its memory on NVML's count: "report"
+    /// (log, metric, an Event on the claim's pods) or "kill" (and end it;
+    /// over quota, its largest process) [default: report].
     #[arg(long)]
     pub escape_policy: Option<String>,
     /// Run the driver alone, without the supervisor that keeps the

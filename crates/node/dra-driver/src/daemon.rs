@@ -111,7 +111,12 @@ pub async fn run(
         node_agent::events::DRA_DRIVER,
         s.node.clone(),
     );
-    crate::reclaims::report(&driver, Arc::new(api.clone()), Arc::new(events));
+    let claim_events = crate::claim_events::ClaimEvents {
+        claims: Arc::new(api.clone()),
+        events: Arc::new(events),
+        rt: tokio::runtime::Handle::current(),
+    };
+    crate::reclaims::report(&driver, claim_events.clone());
     driver
         .registry()
         .memory_witness(node_agent::nvml::memory_witness(nvml.clone()));
@@ -133,7 +138,8 @@ pub async fn run(
         .registered |= was_registered;
     tracing::info!(ms = t0.elapsed().as_millis() as u64, plugin = %sockets.plugin.display(), registration = %sockets.registration.display(), "DRA driver serving");
     let healthy = Arc::new(Mutex::new(vec![true; devices_len(&found)]));
-    let display = start_display(&s, &driver, &found, &nvml, &healthy, &cancel).await?;
+    let display =
+        start_display(&s, &driver, &found, &nvml, &healthy, &claim_events, &cancel).await?;
     if let Some(r) = ready {
         let _ = r.send(Ready {
             display_http: display.as_ref().map(|(_, r)| r.http_addr),
@@ -346,6 +352,7 @@ async fn start_display(
     found: &Discovered,
     nvml: &Arc<nvml_wrapper::Nvml>,
     healthy: &Arc<Mutex<Vec<bool>>>,
+    events: &crate::claim_events::ClaimEvents,
     cancel: &CancellationToken,
 ) -> anyhow::Result<Option<(gpu_display::Display, gpu_display::Running)>> {
     let Some(at) = &s.display else {
@@ -357,6 +364,7 @@ async fn start_display(
         models: found.names.clone(),
         healthy: healthy.clone(),
     }));
+    display.on_escape(events.on_escape());
     let opts = gpu_display::DisplayOptions {
         socket: at.socket.clone(),
         query_addr: at.query,

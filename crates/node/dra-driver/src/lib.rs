@@ -25,6 +25,7 @@
 
 pub mod cdi;
 pub mod checkpoint;
+pub mod claim_events;
 pub mod cli;
 pub mod controller;
 pub mod daemon;

@@ -76,7 +76,9 @@ pub struct Finding {
     /// Index into the containers judged.
     pub container: usize,
     pub reason: Reason,
-    /// The unregistered process (host PID), for [`Reason::Unregistered`].
+    /// The unregistered process (host PID); for [`Reason::OverQuota`], the
+    /// container's process holding the most (the one `kill` ends, as the
+    /// kernel's OOM killer picks the largest).
     pub pid: Option<u32>,
     /// Bytes NVML counts: the process's, or the container's in all.
     pub bytes: u64,
@@ -94,9 +96,10 @@ impl Finding {
                 self.bytes >> 20
             ),
             Reason::OverQuota => format!(
-                "the container's processes hold {} MiB of GPU memory on NVML's count, over its {} MiB quota",
+                "the container's processes hold {} MiB of GPU memory on NVML's count, over its {} MiB quota (the largest: process {})",
                 self.bytes >> 20,
-                self.quota >> 20
+                self.quota >> 20,
+                self.pid.unwrap_or(0)
             ),
         }
     }
@@ -123,11 +126,17 @@ pub fn judge(
         .flat_map(|(i, c)| c.host_pids.iter().map(move |&p| (p, i)))
         .collect();
     let mut held = vec![0u64; containers.len()];
+    // Per container: its process holding the most, (bytes, pid).
+    let mut largest = vec![None::<(u64, u32)>; containers.len()];
+    let mut count = |c: usize, pid: u32, bytes: u64| {
+        held[c] += bytes;
+        largest[c] = largest[c].max(Some((bytes, pid)));
+    };
     let mut out = Vec::new();
     for g in &snap.gpus {
         for (&pid, p) in &g.processes {
             if let Some(&c) = registered.get(&pid) {
-                held[c] += p.memory_used_bytes;
+                count(c, pid, p.memory_used_bytes);
                 continue;
             }
             let Some(c) =
@@ -135,7 +144,7 @@ pub fn judge(
             else {
                 continue;
             };
-            held[c] += p.memory_used_bytes;
+            count(c, pid, p.memory_used_bytes);
             out.push(Finding {
                 container: c,
                 reason: Reason::Unregistered,
@@ -151,7 +160,7 @@ pub fn judge(
             out.push(Finding {
                 container: c,
                 reason: Reason::OverQuota,
-                pid: None,
+                pid: largest[c].map(|(_, pid)| pid),
                 bytes,
                 quota,
             });
@@ -250,14 +259,19 @@ impl<W: World> Guard<W> {
                 }
             };
             if new {
-                self.act(c, f);
+                self.report(c, f);
+            }
+            // An unregistered process is ended once; a container over its
+            // quota loses its largest process each sample it stays over.
+            if new || f.reason == Reason::OverQuota {
+                self.end(c, f);
             }
         }
         self.over = over;
         findings
     }
 
-    fn act(&self, c: &ContainerView, f: &Finding) {
+    fn report(&self, c: &ContainerView, f: &Finding) {
         tracing::warn!(
             namespace = %c.namespace, pod = %c.pod_name, container = %c.container,
             reason = f.reason.label(), "escape: {}", f.describe()
@@ -267,13 +281,19 @@ impl<W: World> Guard<W> {
         if let Some(n) = &self.notify {
             n(c, f);
         }
-        if let (Policy::Kill, Reason::Unregistered, Some(pid)) = (self.policy, f.reason, f.pid) {
-            match self.world.kill(pid) {
-                Ok(()) => {
-                    tracing::warn!(pid, pod = %c.pod_name, "escape: process ended (escape policy kill)")
-                }
-                Err(e) => tracing::error!(pid, error = %e, "escape: ending the process"),
-            }
+    }
+
+    /// Under [`Policy::Kill`], ends the finding's process.
+    fn end(&self, c: &ContainerView, f: &Finding) {
+        let (Policy::Kill, Some(pid)) = (self.policy, f.pid) else {
+            return;
+        };
+        match self.world.kill(pid) {
+            Ok(()) => tracing::warn!(
+                pid, pod = %c.pod_name, reason = f.reason.label(),
+                "escape: process ended (escape policy kill)"
+            ),
+            Err(e) => tracing::error!(pid, error = %e, "escape: ending the process"),
         }
     }
 }

@@ -98,8 +98,10 @@ pub struct Options {
     #[arg(long, env = "GPU_MANAGER_SAMPLE_PERIOD")]
     pub sample_period: Option<u64>,
     /// What to do, after each sample, with a process in a share that uses
-    /// a GPU without having registered with the interposer: "report" (log,
-    /// metric, an Event on the pod) or "kill" (and end it) [default: report].
+    /// a GPU without having registered with the interposer, or a share over
+    /// its memory quota on NVML's count: "report" (log, metric, an Event on
+    /// the pod) or "kill" (and end it; over quota, its largest process)
+    /// [default: report].
     #[arg(long, env = "GPU_MANAGER_ESCAPE_POLICY")]
     pub escape_policy: Option<String>,
     /// Labels to put on this node, "k=v,k2=v2" (plus the GPU model label).

@@ -85,10 +85,19 @@ pub fn resize(fd: &OwnedFd) -> Resize {
 }
 
 /// Writes the ledger's quota word as a tenant would to lift its quota.
-/// (Zeroing the use counters would too, for as long as nothing checks the
-/// driver's numbers from outside: not this attack's subject.)
 pub fn scribble(fd: &OwnedFd) {
     Ledger::from_fd(fd.as_fd()).unwrap().set_quota(u64::MAX);
+}
+
+/// Zeroes the ledger's use counters as a tenant would to allocate past its
+/// quota: its processes' next allocations are checked against nothing
+/// held, and only NVML's count (the escape guard's) still sees the memory.
+pub fn zero_counters(fd: &OwnedFd) {
+    let l = Ledger::from_fd(fd.as_fd()).unwrap();
+    let held: Vec<_> = l.slots().collect();
+    for s in held {
+        l.release(s.index, s.used);
+    }
 }
 
 /// Holds `procs` x 4 registrations with maximal requests, from forked

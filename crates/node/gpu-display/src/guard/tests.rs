@@ -102,7 +102,7 @@ fn an_unregistered_process_in_a_share_is_found_and_counted_in_its_use() {
             Finding {
                 container: 1,
                 reason: Reason::OverQuota,
-                pid: None,
+                pid: Some(20),
                 bytes: 1200 * MIB,
                 quota: 1024 * MIB
             },
@@ -145,6 +145,45 @@ fn the_guard_kills_under_kill_reports_once_and_forgets_a_gone_process() {
     g.check(&snap(&[(10, 100 * MIB)]), &cs);
     g.check(&s, &cs);
     assert_eq!(*killed.lock().unwrap(), vec![30, 30]);
+}
+
+/// A container over its memory quota on NVML's count (a process that
+/// zeroed its ledger's counters, say) is reported once; under `kill` it
+/// loses its largest process, and the next one each sample it stays over.
+#[test]
+fn a_container_over_its_quota_loses_its_largest_process_under_kill() {
+    let cs = [
+        share("a", &[10, 11], 1024 * MIB),
+        share("b", &[20], 1024 * MIB),
+    ];
+    let killed = Arc::new(Mutex::new(Vec::new()));
+    let w = Double {
+        killed: killed.clone(),
+        ..Default::default()
+    };
+    let told = Arc::new(Mutex::new(0));
+    let t = told.clone();
+    let notify: Notify = Arc::new(move |_, _| *t.lock().unwrap() += 1);
+    let mut g = Guard::new(w, Policy::Kill, metrics(), Some(notify));
+    let over = snap(&[(10, 300 * MIB), (11, 900 * MIB), (20, 1000 * MIB)]);
+    let f = g.check(&over, &cs);
+    assert_eq!(
+        (f.len(), f[0].reason, f[0].pid),
+        (1, Reason::OverQuota, Some(11))
+    );
+    assert!(
+        f[0].describe().contains("the largest: process 11"),
+        "{}",
+        f[0].describe()
+    );
+    assert_eq!(*killed.lock().unwrap(), vec![11], "the largest, not b's");
+    // Still over (the driver has not freed it yet, or another grew).
+    g.check(&snap(&[(10, 1200 * MIB), (20, 1000 * MIB)]), &cs);
+    assert_eq!(*killed.lock().unwrap(), vec![11, 10]);
+    assert_eq!(*told.lock().unwrap(), 1, "one report while it stays over");
+    // Back within its quota: nothing more.
+    g.check(&snap(&[(20, 1000 * MIB)]), &cs);
+    assert_eq!(*killed.lock().unwrap(), vec![11, 10]);
 }
 
 #[test]
