@@ -17,7 +17,7 @@
 use qos_page::Tier;
 use serde::Deserialize;
 
-pub use gpu_pods::dra::{CONFIG_API_VERSION as API_VERSION, CONFIG_KIND as KIND};
+use gpu_pods::dra::{CONFIG_API_VERSION, CONFIG_KIND};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -55,9 +55,9 @@ fn invalid(problem: String) -> ParamsError {
 impl GpuConfig {
     pub fn parse(v: &serde_json::Value) -> Result<GpuConfig, ParamsError> {
         let c: GpuConfig = serde_json::from_value(v.clone()).map_err(|e| invalid(e.to_string()))?;
-        if c.api_version != API_VERSION || c.kind != KIND {
+        if c.api_version != CONFIG_API_VERSION || c.kind != CONFIG_KIND {
             return Err(invalid(format!(
-                "apiVersion/kind {}/{} is not {API_VERSION}/{KIND}",
+                "apiVersion/kind {}/{} is not {CONFIG_API_VERSION}/{CONFIG_KIND}",
                 c.api_version, c.kind
             )));
         }
@@ -110,25 +110,28 @@ mod tests {
 
     #[test]
     fn parse_and_refuse() {
-        let ok = json!({"apiVersion": API_VERSION, "kind": KIND, "coreLimit": 60});
+        let ok = json!({"apiVersion": CONFIG_API_VERSION, "kind": CONFIG_KIND, "coreLimit": 60});
         assert_eq!(GpuConfig::parse(&ok).unwrap().core_limit, Some(60));
-        let e =
-            GpuConfig::parse(&json!({"apiVersion": API_VERSION, "kind": KIND, "corelimit": 60}))
-                .unwrap_err();
+        let e = GpuConfig::parse(
+            &json!({"apiVersion": CONFIG_API_VERSION, "kind": CONFIG_KIND, "corelimit": 60}),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("unknown field `corelimit`"), "{e}");
-        let e =
-            GpuConfig::parse(&json!({"apiVersion": API_VERSION, "kind": KIND, "coreLimit": 150}))
-                .unwrap_err();
+        let e = GpuConfig::parse(
+            &json!({"apiVersion": CONFIG_API_VERSION, "kind": CONFIG_KIND, "coreLimit": 150}),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("coreLimit 150"), "{e}");
-        let e = GpuConfig::parse(&json!({"apiVersion": "v1", "kind": KIND})).unwrap_err();
+        let e = GpuConfig::parse(&json!({"apiVersion": "v1", "kind": CONFIG_KIND})).unwrap_err();
         assert!(
             e.to_string()
                 .contains("is not vcuda.tencent.com/v1alpha1/GpuConfig"),
             "{e}"
         );
-        let class =
-            GpuConfig::parse(&json!({"apiVersion": API_VERSION, "kind": KIND, "exclusive": true}))
-                .unwrap();
+        let class = GpuConfig::parse(
+            &json!({"apiVersion": CONFIG_API_VERSION, "kind": CONFIG_KIND, "exclusive": true}),
+        )
+        .unwrap();
         let merged = class.merge(GpuConfig::parse(&ok).unwrap());
         assert_eq!(
             (merged.exclusive, merged.core_limit),
@@ -138,7 +141,7 @@ mod tests {
 
     #[test]
     fn a_memory_limit_is_a_quantity() {
-        let with = |q: &str| json!({"apiVersion": API_VERSION, "kind": KIND, "memoryLimit": q});
+        let with = |q: &str| json!({"apiVersion": CONFIG_API_VERSION, "kind": CONFIG_KIND, "memoryLimit": q});
         let c = GpuConfig::parse(&with("12Gi")).unwrap();
         assert_eq!(c.memory_limit().unwrap(), Some(12 << 30));
         let e = GpuConfig::parse(&with("lots")).unwrap_err().to_string();
@@ -147,7 +150,8 @@ mod tests {
 
     #[test]
     fn a_tier_is_one_of_three_and_the_claims_wins() {
-        let with = |t: &str| json!({"apiVersion": API_VERSION, "kind": KIND, "tier": t});
+        let with =
+            |t: &str| json!({"apiVersion": CONFIG_API_VERSION, "kind": CONFIG_KIND, "tier": t});
         let latency = GpuConfig::parse(&with("latency")).unwrap();
         assert_eq!(latency.tier(), Tier::Latency);
         let e = GpuConfig::parse(&with("gold")).unwrap_err().to_string();
@@ -157,7 +161,9 @@ mod tests {
         );
         let class = GpuConfig::parse(&with("batch")).unwrap();
         assert_eq!(class.clone().merge(latency).tier(), Tier::Latency);
-        let none = GpuConfig::parse(&json!({"apiVersion": API_VERSION, "kind": KIND})).unwrap();
+        let none =
+            GpuConfig::parse(&json!({"apiVersion": CONFIG_API_VERSION, "kind": CONFIG_KIND}))
+                .unwrap();
         assert_eq!(
             class.merge(none).tier(),
             Tier::Batch,

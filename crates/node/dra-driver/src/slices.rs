@@ -468,8 +468,8 @@ pub fn device_classes() -> Vec<DeviceClass> {
             WHOLE_CLASS,
             TYPE_GPU,
             Some(serde_json::json!({
-                "apiVersion": crate::params::API_VERSION,
-                "kind": crate::params::KIND,
+                "apiVersion": gpu_pods::dra::CONFIG_API_VERSION,
+                "kind": gpu_pods::dra::CONFIG_KIND,
                 "exclusive": true,
             })),
         ),

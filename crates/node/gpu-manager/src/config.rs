@@ -124,7 +124,7 @@ impl Settings {
         let mig_resource_prefix = o
             .mig_resource_prefix
             .clone()
-            .unwrap_or_else(|| crate::mig::DEFAULT_PREFIX.into());
+            .unwrap_or_else(|| gpu_pods::MIG_RESOURCE_PREFIX.into());
         check_mig_prefix(&mig_resource_prefix)?;
         let n = NodeConfig::resolve(&o)?;
         Ok(Settings {

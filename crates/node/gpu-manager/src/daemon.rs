@@ -14,7 +14,6 @@ use tokio_util::sync::CancellationToken;
 use crate::checkpoint::Checkpoint;
 use crate::config::Settings;
 use crate::display::ManagerSource;
-use crate::events::KubeEvents;
 use crate::handover::Node;
 use crate::ids::{VCORE_RESOURCE, VCORE_SOCKET, VMEMORY_RESOURCE, VMEMORY_SOCKET};
 use crate::kube_api::{self, Patcher, PodWatch};
@@ -27,6 +26,7 @@ use crate::pods;
 use crate::runtime;
 use crate::served::{FromSupervisor, Plugins};
 use crate::world::{ContainerRuntime, World};
+use node_agent::events::KubeEvents;
 use node_agent::extra::ExtraConfig;
 use node_agent::mode;
 
@@ -278,7 +278,7 @@ async fn apply_mig_geometry(
         .mig
         .iter()
         .flat_map(|m| &m.devices)
-        .map(|d| crate::mig::resource_name(&s.mig_resource_prefix, &d.profile))
+        .map(|d| gpu_pods::mig_resource_name(&s.mig_resource_prefix, &d.profile))
         .collect();
     let names: Vec<&str> = resources.iter().map(String::as_str).collect();
     let kubelet = KubeletRecords::new(&s.pod_resources_socket, &s.device_plugin_path);
@@ -385,7 +385,7 @@ async fn build_manager(
             patcher: Arc::new(Patcher::start(client.clone(), None)),
             events: Arc::new(KubeEvents::start(
                 client,
-                crate::events::MANAGER,
+                node_agent::events::MANAGER,
                 s.node_name.clone(),
             )),
             kubelet: Arc::new(KubeletRecords::new(
@@ -416,11 +416,11 @@ fn report_reclaims(mgr: &Arc<Manager>) {
         if let Some(f) = find(&r.for_owner, &r.for_slot) {
             r.for_owner = format!("{}/{}", f.namespace, f.pod_name);
         }
-        events.post(crate::events::PodEvent {
+        events.post(node_agent::events::PodEvent {
             namespace: a.namespace.clone(),
             name: a.pod_name.clone(),
             uid: a.pod_uid.clone(),
-            reason: crate::events::MEMORY_RECLAIMED,
+            reason: node_agent::events::MEMORY_RECLAIMED,
             note: format!("container {}: {}", a.container, r.describe()),
         })
     }));
@@ -442,11 +442,11 @@ async fn start_display(
     }));
     let events = mgr.events();
     display.on_escape(Arc::new(move |c, f| {
-        events.post(crate::events::PodEvent {
+        events.post(node_agent::events::PodEvent {
             namespace: c.namespace.clone(),
             name: c.pod_name.clone(),
             uid: c.pod_uid.clone(),
-            reason: crate::events::ESCAPE,
+            reason: node_agent::events::ESCAPE,
             note: format!("container {}: {}", c.container, f.describe()),
         })
     }));

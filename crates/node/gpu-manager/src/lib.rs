@@ -34,7 +34,6 @@ pub mod daemon;
 pub mod display;
 #[cfg(test)]
 pub mod doubles;
-pub use node_agent::events;
 pub mod handover;
 pub mod health;
 pub mod ids;
@@ -54,7 +53,3 @@ pub mod supervise;
 pub mod tasks;
 pub mod uninstall;
 pub mod world;
-
-// The node agent's parts, at their old paths (tests and the manager use
-// `node_agent::vm::...`).
-pub use node_agent::{extra, mode, nvml, registry, vm};

@@ -25,9 +25,7 @@ use node_agent::mig::{MigDevice, MigGpu};
 use tokio::sync::watch;
 use tonic::Status;
 
-/// The default `--mig-resource-prefix`.
-pub use gpu_pods::MIG_RESOURCE_PREFIX as DEFAULT_PREFIX;
-pub use gpu_pods::mig_resource_name as resource_name;
+use gpu_pods::mig_resource_name;
 
 /// A MIG device and the GPU it is on.
 #[derive(Debug, Clone)]
@@ -83,7 +81,7 @@ impl MigPlugins {
         let plugins = by
             .into_iter()
             .map(|(profile, served)| {
-                let resource = resource_name(prefix, &profile);
+                let resource = mig_resource_name(prefix, &profile);
                 let devices = served
                     .iter()
                     .map(|s| {

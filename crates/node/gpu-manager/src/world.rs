@@ -161,7 +161,7 @@ pub trait CheckpointStore: Send + Sync {
 pub struct World {
     pub pods: Arc<dyn PodSource>,
     pub patcher: Arc<dyn PodPatcher>,
-    pub events: Arc<dyn crate::events::EventSink>,
+    pub events: Arc<dyn node_agent::events::EventSink>,
     pub kubelet: Arc<dyn KubeletSource>,
     pub checkpoint: Arc<dyn CheckpointStore>,
     pub runtime: Arc<dyn ContainerRuntime>,

@@ -19,10 +19,10 @@ use super::restore::RESEND_S;
 use super::state::State;
 use super::{Manager, now};
 use crate::allocation::{Allocation, alloc_id};
-use crate::events::{self, PodEvent};
 use crate::pods;
 use crate::response::{self, ResponseInput};
 use crate::world::{ApiHealth, PatchJob};
+use node_agent::events::{self, PodEvent};
 use node_agent::vm;
 
 /// How long Allocate waits for a just-created pod to reach the reflector.

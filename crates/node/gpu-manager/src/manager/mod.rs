@@ -41,11 +41,11 @@ use gpu_allocator::{Allocator, GpuInfo, MEMORY_UNIT_BYTES, Placement};
 use node_agent::share::{ShareError, ShareGpu, ShareSpec, Shares};
 
 use crate::allocation::Allocation;
-use crate::events::EventSink;
 use crate::ids;
 use crate::world::{
     CheckpointStore, ContainerRuntime, KubeletSource, PodPatcher, PodSource, World,
 };
+use node_agent::events::EventSink;
 use node_agent::extra::ExtraConfig;
 use node_agent::registry::Registry;
 

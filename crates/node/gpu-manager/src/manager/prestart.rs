@@ -9,11 +9,11 @@ use super::refusal::Refusal;
 
 use super::Manager;
 use crate::allocation::Allocation;
-use crate::events::{self, PodEvent};
 use crate::ids;
 use crate::pods;
 use crate::world::PatchJob;
 use crate::world::{Holder, PodKey};
+use node_agent::events::{self, PodEvent};
 
 impl Manager {
     /// `PreStartContainer`: check the pod guessed at Allocate against what

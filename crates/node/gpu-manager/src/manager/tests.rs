@@ -14,10 +14,10 @@ use super::*;
 use crate::allocation::PlacementRecord;
 use crate::checkpoint;
 use crate::doubles::{MemoryCheckpoint, MemoryKubelet, MemoryPatches, MemoryPods, MemoryRuntime};
-use crate::events::{self, MemoryEvents};
 use crate::world::ApiHealth;
 use crate::world::PodKey;
 use crate::world::{ContainerGpus, LiveContainer};
+use node_agent::events::{self, MemoryEvents};
 
 mod repeat;
 mod shares;

@@ -89,7 +89,7 @@ fn one_plugin_per_profile() {
         ]
     );
     assert_eq!(
-        resource_name("tencent.com/mig-", "1g.10gb+me"),
+        mig_resource_name("tencent.com/mig-", "1g.10gb+me"),
         "tencent.com/mig-1g.10gb.me"
     );
     // An Xid on GPU 0 and its quiet period; GPU 1 has no MIG device.
