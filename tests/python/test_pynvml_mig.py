@@ -6,6 +6,7 @@ pointer to the simulated driver is LD_LIBRARY_PATH (conftest.run_client);
 every client sees what the previous one left, through the shared state.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -186,3 +187,72 @@ def test_mig_through_pynvml(root):
 # for the values it checks.
 N_IN_USE = 19
 N_INSUFFICIENT_RESOURCES = 23
+
+
+def test_cuda_bindings_see_one_mig_device(tmp_path):
+    """NVIDIA's cuda-bindings in a process given CUDA_VISIBLE_DEVICES=MIG-…
+    (what a pod given a MIG device gets) see that instance as their one
+    device: its UUID, its memory and SM count, and a kernel that runs; the
+    other instance and the whole GPUs stay out of sight."""
+    root = install_node(tmp_path, "sim-mig-h100")
+    made = client(
+        root,
+        """
+        N.nvmlDeviceSetMigMode(gpu, N.NVML_DEVICE_MIG_ENABLE)
+        uuids = []
+        for p, c in ((N.NVML_GPU_INSTANCE_PROFILE_2_SLICE, N.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE),
+                     (N.NVML_GPU_INSTANCE_PROFILE_1_SLICE, N.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE)):
+            g = N.nvmlDeviceCreateGpuInstance(gpu, N.nvmlDeviceGetGpuInstanceProfileInfo(gpu, p).id)
+            N.nvmlGpuInstanceCreateComputeInstance(g, c)
+        for i in range(N.nvmlDeviceGetMaxMigDeviceCount(gpu)):
+            try:
+                uuids.append(N.nvmlDeviceGetUUID(N.nvmlDeviceGetMigDeviceHandleByIndex(gpu, i)))
+            except N.NVMLError_NotFound:
+                pass
+        print(json.dumps(uuids))
+        """,
+    )
+    assert len(made) == 2, made
+    two_g = made[0]
+    p = run_client(
+        root,
+        """
+        import json
+        from cuda.bindings import driver as d
+        def ok(res):
+            err, *rest = res if isinstance(res, tuple) else (res,)
+            assert err == d.CUresult.CUDA_SUCCESS, err
+            return rest[0] if len(rest) == 1 else rest
+        ok(d.cuInit(0))
+        dev = ok(d.cuDeviceGet(0))
+        A = d.CUdevice_attribute
+        ctx = ok(d.cuCtxCreate(None, 0, dev))
+        mod = ok(d.cuModuleLoadData(b"not a real cubin"))
+        f = ok(d.cuModuleGetFunction(mod, b"kernel"))
+        s = ok(d.cuStreamCreate(0))
+        ok(d.cuLaunchKernel(f, 64, 1, 1, 128, 1, 1, 0, s, 0, 0))
+        ok(d.cuStreamSynchronize(s))
+        free, total = ok(d.cuMemGetInfo())
+        print(json.dumps({
+            "count": ok(d.cuDeviceGetCount()),
+            "uuid": bytes(ok(d.cuDeviceGetUuid(dev)).bytes).hex(),
+            "name": ok(d.cuDeviceGetName(96, dev)).split(b"\\0")[0].decode(),
+            "total": ok(d.cuDeviceTotalMem(dev)),
+            "meminfo_total": total,
+            "sms": ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)),
+            "second": int(d.cuDeviceGet(1)[0]),
+        }))
+        """,
+        env={"CUDA_VISIBLE_DEVICES": two_g},
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    # MIG-xxxxxxxx-xxxx-…: the device's 16 UUID bytes are the MIG UUID's.
+    assert out["uuid"] == two_g[4:].replace("-", ""), (out, two_g)
+    assert out["count"] == 1
+    assert out["second"] == 101  # CUDA_ERROR_INVALID_DEVICE
+    # 2g.20gb on an H100 80GB: 32 SMs, 20096 MiB (19.62 GiB in the MIG user
+    # guide's `nvidia-smi mig -lgip` table for the H100).
+    assert out["sms"] == 32
+    assert out["total"] == 20096 << 20 and out["meminfo_total"] == out["total"]
+    assert out["name"] == "NVIDIA H100 80GB HBM3 MIG 2g.20gb"
