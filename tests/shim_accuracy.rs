@@ -74,16 +74,20 @@ fn every_case_of_the_matrix_holds_its_quota_within_3_points() {
 
 /// What a hard 50 % container achieved running `shim_laws phases`:
 /// (calibration mix, then the other mix). With `feedback` false, NVML's
-/// samples stop (the sim's knob) the moment the mix changes, so the bucket
-/// keeps the rate learned on the first mix: a wave-priced bucket, open loop.
+/// samples stop and events no longer time (the sim's knobs) the moment the
+/// mix changes, so the bucket keeps the rate learned on the first mix: a
+/// wave-priced bucket, open loop. (With the events still timing, the
+/// interposer's timed launches closed the loop again: 50.3 % on the second
+/// mix.)
 fn phases(s: &matrix::Setup, prog: &Path, feedback: bool) -> (f64, f64) {
     let n = ShimNode::install(&s.workspace, &s.gpu_sim, &s.shim, matrix::NODE);
     let c = n.container(50, true, 0);
     let mut r = workload::start(&c, prog, &["phases", "14"]);
     let switch = r.wait_for("phase_ns");
     if !feedback {
-        let knob = n.root().join("run/gpu-sim/nvml-samples-off");
-        std::fs::write(knob, b"").unwrap();
+        for knob in ["nvml-samples-off", "event-timing-off"] {
+            std::fs::write(n.root().join("run/gpu-sim").join(knob), b"").unwrap();
+        }
     }
     let calibrated = n.busy(&[r.pid], r.start + workload::s(WARMUP_S), switch);
     // The controller's scale averages the last second: from 2.5 s on it

@@ -457,7 +457,28 @@ fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32
         .then(|| timed::scale(gpu, now.saturating_sub(TIMED_WINDOW_NS)))
         .flatten();
     ctl.ctrl.set_timed(timed);
-    for r in s.poll(now, pids) {
+    let mut waited = || {
+        let waits = b.waits();
+        let waited = waits != ctl.waits;
+        ctl.waits = waits;
+        waited
+    };
+    let reported = s.poll(now, pids);
+    if reported.is_empty()
+        && let Some(d) = ctl.ctrl.add_timed_period(now, waited())
+    {
+        b.set_rate(d.rate, d.units_per_ms);
+        b.publish(d.target, d.achieved);
+        crate::log::log!(
+            Debug,
+            "compute: no samples; timed use {:.1}% target {:.1}% rate {:.4e}/ns timed {:.4e}",
+            d.achieved,
+            d.target,
+            d.rate,
+            timed.map_or(0.0, |t| t.ns_per_unit)
+        );
+    }
+    for r in reported {
         let start = r.end_ns.saturating_sub(r.len_ns);
         let p = Period {
             end_ns: r.end_ns,
@@ -466,9 +487,7 @@ fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32
             others: r.others,
             cost: ctl.ctrl.cost_between(start, r.end_ns),
         };
-        let waits = b.waits();
-        let waited = waits != ctl.waits;
-        ctl.waits = waits;
+        let waited = waited();
         let d = if r.eclipsed {
             ctl.ctrl.add_eclipsed(p, r.device, waited)
         } else {

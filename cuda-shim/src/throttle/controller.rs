@@ -242,13 +242,16 @@ impl Controller {
         };
         // NVML's scale, unless the timed launches say, beyond two standard
         // errors, that a unit takes less (see `set_timed`); once capping,
-        // until they no longer say less at all: a cap let go on a noisy
-        // second hands the rate back to NVML's scale, which for a share
-        // named with the device's total is the neighbour's use too (a hard
-        // 70 beside a soft 30 fell to 40 % for 1.5 s that way).
+        // until they say so within one: a cap let go on a noisy second
+        // hands the rate back to NVML's scale, which for a share named
+        // with the device's total is the neighbour's use too (a hard 70
+        // beside a soft 30 fell to 40 % for 1.5 s that way). Held until
+        // the timed ratio reached NVML's, a stale one outlived a change of
+        // kernels alone on the GPU (a hard 50 ran 53-56 %).
+        let margin = if self.capping { 1.0 } else { 2.0 };
         let capped = self
             .timed
-            .filter(|t| t.ns_per_unit + if self.capping { 0.0 } else { 2.0 * t.error } < learned)
+            .filter(|t| t.ns_per_unit + margin * t.error < learned)
             .map(|t| t.ns_per_unit);
         self.capping = capped.is_some();
         let scale = capped.unwrap_or(learned);
@@ -475,6 +478,30 @@ impl Controller {
         if self.blind.is_none() {
             self.blind = Some(Blind::OtherPids);
         }
+    }
+
+    /// A period of the container's own timed launches while NVML gives no
+    /// samples at all ([`Blind::NoSamples`]): a MIG instance on a GPU
+    /// without GPM (an A100), whose parent's samples MIG mode leaves
+    /// empty. The instance is the container's alone, so its timed launches
+    /// are its whole use there; without them the blind rule's assumed wave
+    /// time held a 50 % share at 10 %. One period per
+    /// [`DEFAULT_PERIOD_NS`]; `None` otherwise, or without timed launches.
+    pub fn add_timed_period(&mut self, now: u64, waited: bool) -> Option<Decision> {
+        let since = self.last_period_ns?;
+        if self.blind != Some(Blind::NoSamples) || now < since + DEFAULT_PERIOD_NS {
+            return None;
+        }
+        let mut p = Period {
+            end_ns: now,
+            len_ns: now - since,
+            own: 0.0,
+            others: 0.0,
+            cost: self.cost_between(since, now),
+        };
+        p.own = self.timed_use(&p)?.min(100.0);
+        self.last_period_ns = Some(now);
+        self.learn(p, waited)
     }
 
     /// Whether, and why, the container's own use is invisible.

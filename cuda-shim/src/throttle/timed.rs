@@ -52,6 +52,10 @@ const MAX_PENDING: usize = 16;
 const KEEP: usize = 256;
 /// Samples the estimate needs before it is used.
 pub const MIN_SAMPLES: usize = 5;
+/// How much older than the window a sample may be and still make up the
+/// [`MIN_SAMPLES`] (a process of few, long launches, as in a small MIG
+/// instance: 4 ms launches at a tenth of an instance gave 5 samples in 6 s).
+const STALE_NS: u64 = 8_000_000_000;
 
 /// A launch being timed: its start event is recorded.
 pub(crate) struct Started {
@@ -118,10 +122,23 @@ pub(crate) fn arm() {
     }
 }
 
+/// Samples taken so far (saturating at [`MIN_SAMPLES`]).
+static TAKEN: AtomicU32 = AtomicU32::new(0);
+/// Launches passed at most before each of the first [`MIN_SAMPLES`]: a
+/// process of few, long launches (a small MIG instance's, throttled on an
+/// assumed wave time) otherwise waited seconds for its first estimate;
+/// the later samples, picked over [`SKIP`], soon replace these.
+const SKIP_FIRST: u64 = 4;
+
 /// The next probe goes to a launch 0..[`SKIP`] launches on (the clock's
 /// low bits).
 fn skip_some() {
-    SKIPPING.store((now_ns() / 64 % SKIP) as u32, Ordering::Relaxed);
+    let span = if TAKEN.load(Ordering::Relaxed) < MIN_SAMPLES as u32 {
+        SKIP_FIRST
+    } else {
+        SKIP
+    };
+    SKIPPING.store((now_ns() / 64 % span) as u32, Ordering::Relaxed);
 }
 
 /// Starts timing a launch of `cost` units onto `stream` of `gpu`'s context
@@ -216,6 +233,9 @@ impl Book {
         if gpu >= MAX_GPUS {
             return;
         }
+        let _ = TAKEN.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+            (n < MIN_SAMPLES as u32).then_some(n + 1)
+        });
         if self.samples.len() <= gpu {
             self.samples.resize_with(gpu + 1, VecDeque::new);
         }
@@ -231,9 +251,17 @@ impl Book {
     /// outweighs 58 1-wave ones), so a second's samples moved the ratio by
     /// -17 % to +60 % around NVML's scale: acted on whenever lower, the low
     /// readings ran a share 5-8 points over its quota alone on the GPU.
+    /// The samples since `since_ns`, or the newest [`MIN_SAMPLES`] if
+    /// fewer, back to [`STALE_NS`] before it.
     fn scale(&self, gpu: usize, since_ns: u64) -> Option<Timed> {
         let q = self.samples.get(gpu)?;
-        let recent: Vec<&Sample> = q.iter().filter(|s| s.at_ns >= since_ns).collect();
+        let fresh = q.iter().filter(|s| s.at_ns >= since_ns).count();
+        let recent: Vec<&Sample> = q
+            .iter()
+            .rev()
+            .take(fresh.max(MIN_SAMPLES))
+            .filter(|s| s.at_ns + STALE_NS >= since_ns)
+            .collect();
         let n = recent.len();
         let ns: f64 = recent.iter().map(|s| s.ns as f64).sum();
         let cost: f64 = recent.iter().map(|s| s.cost as f64).sum();
@@ -255,8 +283,8 @@ impl Book {
 }
 
 /// This process's timed ns of device time per cost unit on `gpu`, from
-/// launches completed since `since_ns` ([`Book::scale`]); `None` with
-/// fewer than [`MIN_SAMPLES`].
+/// launches completed since `since_ns` (at least the newest
+/// [`MIN_SAMPLES`], [`Book::scale`]); `None` with fewer than that.
 pub(crate) fn scale(gpu: usize, since_ns: u64) -> Option<Timed> {
     book().scale(gpu, since_ns)
 }
@@ -285,7 +313,12 @@ mod tests {
         let var: f64 = (2.0 * (400.0 - ratio).powi(2) + 3.0 * (400.0 - 58.0 * ratio).powi(2)) / 4.0;
         let want = (var / 5.0f64).sqrt() / (176.0 / 5.0);
         assert!((t.error - want).abs() < 1e-9, "{} != {want}", t.error);
-        assert!(b.scale(1, 150).is_none(), "older samples do not count");
+        let t = b.scale(1, 150).unwrap();
+        assert_eq!(t.ns_per_unit, ratio, "one since 150: the newest 5");
+        assert!(
+            b.scale(1, 200 + STALE_NS + 1).is_none(),
+            "samples past the stale horizon do not count"
+        );
         assert!(b.scale(0, 0).is_none(), "another GPU has none");
         for i in 0..KEEP as u64 {
             b.add(1, 300 + i, 30, 10);

@@ -79,8 +79,23 @@ unsafe fn event_record(ev: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
 /// `CU_EVENT_DISABLE_TIMING`.
 const EVENT_DISABLE_TIMING: u32 = 2;
 
+/// Test knob: while this file exists in the sim's state directory
+/// (`run/gpu-sim/`), `cuEventElapsedTime` answers as for events made with
+/// `CU_EVENT_DISABLE_TIMING`: with NVML's samples off too
+/// (`nvml-samples-off`), a process gets no feedback on its device time at
+/// all.
+pub const EVENT_TIMING_OFF_FILE: &str = "event-timing-off";
+
 unsafe fn elapsed(ms: *mut f32, start: *mut c_void, end: *mut c_void) -> R {
-    drv()?;
+    let d = drv()?;
+    if d.state
+        .root()
+        .state_dir()
+        .join(EVENT_TIMING_OFF_FILE)
+        .exists()
+    {
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
     // SAFETY: `ev`/`start`/`end` are our caller's event handles, passed on under this
     // function's own contract; `event` checks their magic.
     let (a, b) = unsafe { (event(start)?, event(end)?) };

@@ -591,28 +591,29 @@ fn timed_launches_cap_what_a_share_named_at_the_device_total_is_charged() {
     assert!((alone - 60.0).abs() < 1.5, "alone, timed long: {alone}");
 }
 
-/// The cap, once on, holds through seconds whose timed launches disagree
-/// (a standard error the size of the ratio, where two would not start
-/// it): let go, the rate follows NVML's scale, which counts the
-/// neighbour's use too, and the share fell towards 30 % of its 60.
+/// The cap engages beyond two standard errors and, once on, holds until
+/// the timed ratio is within one of NVML's scale: through seconds whose
+/// timed launches disagree more than they did (a standard error of 0.3 of
+/// the ratio, where two would not start it) it holds, where let go the
+/// rate would follow NVML's scale, which counts the neighbour's use too.
 #[test]
 fn a_cap_in_force_holds_through_noisy_timed_seconds() {
     let q = hard(60.0);
     let k = 10_000.0 / 16.0;
-    let noisy_after = |n: usize| {
+    let noisy_after = |n: usize, e: f64| {
         move |i: usize| {
             Some(Timed {
                 ns_per_unit: k,
-                error: if i < n { 0.0 } else { k },
+                error: if i < n { 0.0 } else { e * k },
             })
         }
     };
-    let never_capped = named_at_device_total_timed(q, k, 30.0, noisy_after(0));
+    let never_capped = named_at_device_total_timed(q, k, 30.0, noisy_after(0, 1.0));
     assert!(
         (never_capped - 30.0).abs() < 2.0,
         "noisy from the start: {never_capped}"
     );
-    let held = named_at_device_total_timed(q, k, 30.0, noisy_after(20));
+    let held = named_at_device_total_timed(q, k, 30.0, noisy_after(20, 0.3));
     assert!((held - 60.0).abs() < 1.5, "noisy after 2 s: {held}");
 }
 
@@ -633,4 +634,48 @@ fn an_eclipsed_share_with_timed_launches_is_charged_their_time() {
     let (c, own, _) = eclipsed_run_as(q, k, f64::INFINITY, 60.0, Named::DeviceTotal, Some(k));
     assert_eq!(c.blind(), None);
     assert!((own - 30.0).abs() < 1.5, "achieved {own} under a hard 30 %");
+}
+
+/// A saturating share that NVML never samples at all (a MIG instance on a
+/// GPU without GPM), its launches timed (`timed`) or not: returns its use.
+fn unsampled_run(quota: Quota, k: f64, timed: Option<f64>) -> (Controller, f64) {
+    let mut c = Controller::new(quota);
+    let (mut t, mut units, mut rate, mut own) = (0u64, 0.0, f64::INFINITY, 0.0);
+    c.record_launched(0, 0);
+    for _ in 0..100 {
+        let r = rate.min(1.0 / k);
+        t += P;
+        units += r * P as f64;
+        c.record_launched(t, units as u64);
+        own = r * k * 100.0;
+        if let Some(d) = c.check_samples(t) {
+            rate = d.rate;
+        }
+        c.set_timed(timed.map(|k| Timed {
+            ns_per_unit: k,
+            error: 0.0,
+        }));
+        if let Some(d) = c.add_timed_period(t, true) {
+            rate = d.rate;
+        }
+    }
+    (c, own)
+}
+
+/// No samples at all: the blind rule's assumed wave time (50 us) held a
+/// share of 10 us waves at a fifth of its quota; its timed launches,
+/// a period of their own every 100 ms, bring it to its quota.
+#[test]
+fn with_no_samples_at_all_timed_launches_hold_the_quota() {
+    let q = hard(50.0);
+    let k = ASSUMED_WAVE_NS / 5.0 / super::super::cost::WAVE_UNITS as f64;
+    let (c, untimed) = unsampled_run(q, k, None);
+    assert_eq!(c.blind(), Some(Blind::NoSamples));
+    assert!(
+        (untimed - 10.0).abs() < 1.0,
+        "the blind rule alone: {untimed}"
+    );
+    let (c, own) = unsampled_run(q, k, Some(k));
+    assert_eq!(c.blind(), Some(Blind::NoSamples), "NVML still sees nothing");
+    assert!((own - 50.0).abs() < 1.5, "achieved {own} under a hard 50 %");
 }
