@@ -44,7 +44,7 @@ pub(crate) use cost::kernel_cost;
 
 use bucket::{Bucket, now_ns};
 use container_ledger::Ledger;
-use controller::{Blind, Controller, Period, Quota};
+use controller::{Blind, Controller, Decision, Period, Quota};
 use quota_config::MAX_GPUS;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
@@ -425,6 +425,13 @@ fn tick_gpu(gpu: usize, pids: fn() -> Vec<i32>) {
     });
 }
 
+/// Hands the bucket the controller's decision: its rate and what the
+/// metrics show.
+fn apply(b: Bucket, d: &Decision) {
+    b.set_rate(d.rate, d.units_per_ms);
+    b.publish(d.target, d.achieved);
+}
+
 fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32>) {
     ctl.ctrl.record_launched(now, b.launched());
     if cost::mps() == Some(true) {
@@ -448,8 +455,7 @@ fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32
         return;
     };
     if let Some(d) = ctl.ctrl.check_samples(now) {
-        b.set_rate(d.rate, d.units_per_ms);
-        b.publish(d.target, d.achieved);
+        apply(b, &d);
     }
     // MPS clients' kernels run beside other clients', so a timed launch
     // is no measure of its own share there: the blind rule stays.
@@ -467,8 +473,7 @@ fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32
     if reported.is_empty()
         && let Some(d) = ctl.ctrl.add_timed_period(now, waited())
     {
-        b.set_rate(d.rate, d.units_per_ms);
-        b.publish(d.target, d.achieved);
+        apply(b, &d);
         crate::log::log!(
             Debug,
             "compute: no samples; timed use {:.1}% target {:.1}% rate {:.4e}/ns timed {:.4e}",
@@ -494,8 +499,7 @@ fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32
             ctl.ctrl.add_period(p, waited)
         };
         if let Some(d) = d {
-            b.set_rate(d.rate, d.units_per_ms);
-            b.publish(d.target, d.achieved);
+            apply(b, &d);
             crate::log::log!(
                 Debug,
                 "compute: own {:.1}% others {:.1}% (avg {:.1}%) target {:.1}% rate {:.4e}/ns m {:.3} scale {:.4e} timed {:.4e}",

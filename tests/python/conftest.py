@@ -113,6 +113,18 @@ def start_shim_node(tmp_path_factory, quota: int):
     proc.wait(timeout=10)
 
 
+# cuda-bindings' driver module as `d`, and `ok`, which asserts success and
+# returns the call's value(s).
+CUDA_PRELUDE = """
+import json
+from cuda.bindings import driver as d
+
+def ok(res):
+    err, *rest = res if isinstance(res, tuple) else (res,)
+    assert err == d.CUresult.CUDA_SUCCESS, err
+    return rest[0] if len(rest) == 1 else rest
+"""
+
 NVML_PRELUDE = """
 import json, time
 import pynvml as N

@@ -8,17 +8,9 @@ it: only LD_LIBRARY_PATH points into the installed root.
 import json
 import textwrap
 
-from conftest import context_cost, run_client
+from conftest import CUDA_PRELUDE, context_cost, run_client
 
-PRELUDE = """
-import json
-from cuda.bindings import driver as d
-
-def ok(res):
-    err, *rest = res if isinstance(res, tuple) else (res,)
-    assert err == d.CUresult.CUDA_SUCCESS, err
-    return rest[0] if len(rest) == 1 else rest
-
+PRELUDE = CUDA_PRELUDE + """
 def kernel_setup():
     # cuInit, a context on device 0, the sim's fake module's `kernel` and a
     # stream: (dev, ctx, f, s).

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import install_node, lib_dir, nvml_client, run_client
+from conftest import CUDA_PRELUDE, install_node, lib_dir, nvml_client, run_client
 
 client = nvml_client
 
@@ -25,14 +25,7 @@ def root(tmp_path_factory):
 
 
 # Back-to-back batches of kernels on the one (MIG) device the process sees.
-LOAD = """
-from cuda.bindings import driver as d
-
-def ok(res):
-    err, *rest = res if isinstance(res, tuple) else (res,)
-    assert err == d.CUresult.CUDA_SUCCESS, err
-    return rest[0] if len(rest) == 1 else rest
-
+LOAD = CUDA_PRELUDE + """
 ok(d.cuInit(0))
 dev = ok(d.cuDeviceGet(0))
 name = ok(d.cuDeviceGetName(64, dev)).split(b"\\0")[0].decode()

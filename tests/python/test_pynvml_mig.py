@@ -10,10 +10,11 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
-from conftest import install_node, lib_dir, nvml_client, run_client
+from conftest import CUDA_PRELUDE, install_node, lib_dir, nvml_client, run_client
 
 client = nvml_client
 
@@ -216,13 +217,9 @@ def test_cuda_bindings_see_one_mig_device(tmp_path):
     two_g = made[0]
     p = run_client(
         root,
-        """
-        import json
-        from cuda.bindings import driver as d
-        def ok(res):
-            err, *rest = res if isinstance(res, tuple) else (res,)
-            assert err == d.CUresult.CUDA_SUCCESS, err
-            return rest[0] if len(rest) == 1 else rest
+        CUDA_PRELUDE
+        + textwrap.dedent(
+            """
         ok(d.cuInit(0))
         dev = ok(d.cuDeviceGet(0))
         A = d.CUdevice_attribute
@@ -242,7 +239,8 @@ def test_cuda_bindings_see_one_mig_device(tmp_path):
             "sms": ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)),
             "second": int(d.cuDeviceGet(1)[0]),
         }))
-        """,
+        """
+        ),
         env={"CUDA_VISIBLE_DEVICES": two_g},
     )
     assert p.returncode == 0, p.stdout + p.stderr
