@@ -240,15 +240,18 @@ impl Controller {
         let Some(learned) = self.scale else {
             return self.ramp(&p);
         };
-        // NVML's scale, unless the timed launches say, beyond two standard
+        // NVML's scale, unless the timed launches say, beyond three standard
         // errors, that a unit takes less (see `set_timed`); once capping,
-        // until they say so within one: a cap let go on a noisy second
-        // hands the rate back to NVML's scale, which for a share named
-        // with the device's total is the neighbour's use too (a hard 70
-        // beside a soft 30 fell to 40 % for 1.5 s that way). Held until
-        // the timed ratio reached NVML's, a stale one outlived a change of
-        // kernels alone on the GPU (a hard 50 ran 53-56 %).
-        let margin = if self.capping { 1.0 } else { 2.0 };
+        // until they say so within one. Let go on a noisy second, the rate
+        // fell back to NVML's scale, which for a share named with the
+        // device's total is the neighbour's use too (a hard 70 beside a
+        // soft 30 at 40 % for 1.5 s); held until the timed ratio reached
+        // NVML's, a stale one outlived a change of kernels alone on the GPU
+        // (a hard 50 at 53-56 %). Two standard errors to engage were
+        // crossed by chance alone on the GPU when costs say nothing of
+        // time (1 and 100,000 blocks of one duration: a ratio wandering
+        // ±25 % over seconds; a hard 90 at 95 %).
+        let margin = if self.capping { 1.0 } else { 3.0 };
         let capped = self
             .timed
             .filter(|t| t.ns_per_unit + margin * t.error < learned)

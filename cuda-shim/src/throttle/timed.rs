@@ -151,7 +151,10 @@ pub(crate) fn start(gpu: usize, cost: u64, stream: Stream, ptsz: bool) -> Probe 
         SKIPPING.store(left - 1, Ordering::Relaxed);
         return Probe::NONE;
     }
-    if cost == 0 {
+    // No probe while the process captures: the harvest's cuEventQuery
+    // is a call a GLOBAL capture forbids every thread (it invalidated a
+    // capture in shim_capture's test).
+    if cost == 0 || crate::graph::CAPTURES.load(Ordering::Relaxed) != 0 {
         return Probe::NONE;
     }
     let took = ARMED.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
@@ -159,31 +162,38 @@ pub(crate) fn start(gpu: usize, cost: u64, stream: Stream, ptsz: bool) -> Probe 
         return Probe::NONE;
     }
     skip_some();
-    let mut b = book();
-    b.harvest();
-    if b.pending.len() >= MAX_PENDING {
-        return Probe::NONE;
-    }
-    drop(b);
-    let Some(start) = events::create() else {
-        return Probe::NONE;
-    };
-    if events::record(start as Event, stream, ptsz) != CUDA_SUCCESS {
-        events::destroy(start as Event);
-        return Probe::NONE;
-    }
-    Probe(Some(Started {
-        gpu,
-        cost,
-        start,
-        stream,
-        ptsz,
-    }))
+    // RELAXED, should a capture begin on another thread meanwhile.
+    crate::graph::relaxed(|| {
+        let mut b = book();
+        b.harvest();
+        if b.pending.len() >= MAX_PENDING {
+            return Probe::NONE;
+        }
+        drop(b);
+        let Some(start) = events::create() else {
+            return Probe::NONE;
+        };
+        if events::record(start as Event, stream, ptsz) != CUDA_SUCCESS {
+            events::destroy(start as Event);
+            return Probe::NONE;
+        }
+        Probe(Some(Started {
+            gpu,
+            cost,
+            start,
+            stream,
+            ptsz,
+        }))
+    })
 }
 
 #[cold]
 #[inline(never)]
 fn finish(s: Started, r: CUresult) {
+    crate::graph::relaxed(|| finish_relaxed(s, r));
+}
+
+fn finish_relaxed(s: Started, r: CUresult) {
     let end = if r == CUDA_SUCCESS {
         events::create()
     } else {

@@ -591,10 +591,10 @@ fn timed_launches_cap_what_a_share_named_at_the_device_total_is_charged() {
     assert!((alone - 60.0).abs() < 1.5, "alone, timed long: {alone}");
 }
 
-/// The cap engages beyond two standard errors and, once on, holds until
+/// The cap engages beyond three standard errors and, once on, holds until
 /// the timed ratio is within one of NVML's scale: through seconds whose
 /// timed launches disagree more than they did (a standard error of 0.3 of
-/// the ratio, where two would not start it) it holds, where let go the
+/// the ratio, where three would not start it) it holds, where let go the
 /// rate would follow NVML's scale, which counts the neighbour's use too.
 #[test]
 fn a_cap_in_force_holds_through_noisy_timed_seconds() {
