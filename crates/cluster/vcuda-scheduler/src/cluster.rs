@@ -95,13 +95,25 @@ impl Cluster {
             let Some(minors) = gpu_pods::predicate_minors(pod, r.index) else {
                 continue; // not placed yet (the manager chooses at Allocate)
             };
-            let placed = minors
-                .and_then(|m| placement_on(&st.inventory, &r.request, &m))
-                .and_then(|p| {
-                    let id = format!("{}/{}", gpu_pods::uid(pod), r.name);
-                    st.allocator.commit(id, &p).map_err(|e| e.to_string())
-                });
-            if let Err(e) = placed {
+            let p = match minors.and_then(|m| placement_on(&st.inventory, &r.request, &m)) {
+                Ok(p) => p,
+                Err(e) => {
+                    st.problems
+                        .push(format!("pod {who} container {}: {e}", r.name));
+                    continue;
+                }
+            };
+            let id = format!("{}/{}", gpu_pods::uid(pod), r.name);
+            if let Err(e) = st.allocator.commit(id, &p) {
+                // Two records claim these GPUs (a bind that lost its race
+                // keeps its old placement until its retry rewrites it):
+                // which one holds them is unknown, so they take nothing
+                // new until the records agree. Replayed in UID order, a
+                // 30-core share's record hid a whole-GPU pod's, and a 60-core
+                // share was bound onto the GPU the manager held whole.
+                for &g in p.gpus() {
+                    let _ = st.allocator.set_healthy(g, false);
+                }
                 st.problems
                     .push(format!("pod {who} container {}: {e}", r.name));
             }

@@ -250,6 +250,35 @@ fn placed_pods_are_counted_on_their_gpus_and_bad_records_reported() {
     assert_eq!(c.nodes["a"].allocator.usage(0).allocated_cores, 0);
 }
 
+/// Two records claim GPU 0 (a 30-core share whose bind lost its race still
+/// carries it, a whole-GPU pod won it): whichever replays first, a 60-core
+/// share goes elsewhere, never onto the GPU the manager may hold whole
+/// (a real three-node run bound one there, and the manager refused it:
+/// "GPU0 is held whole").
+#[test]
+fn a_gpu_two_records_claim_takes_nothing_new() {
+    let nodes = [node("a", 2, false)];
+    for (share, whole) in [("a-share", "b-whole"), ("b-share", "a-whole")] {
+        let pods = [
+            placed(share, &[(30, 8)], "a", &["0"]),
+            placed(whole, &[(100, 0)], "a", &["0"]),
+        ];
+        let c = Cluster::build(&nodes, &pods);
+        assert_eq!(
+            c.nodes["a"].problems.len(),
+            1,
+            "{:?}",
+            c.nodes["a"].problems
+        );
+        let fit = c.fit("a", &pod("new", &[(60, 16)], json!({}))).unwrap();
+        assert_eq!(
+            fit[0].1.gpus(),
+            [1],
+            "{share} replayed before {whole}: {fit:?}"
+        );
+    }
+}
+
 #[test]
 fn a_pod_whose_bind_was_cut_off_fits_in_its_own_reservation_and_no_one_else_does() {
     let nodes = [node("a", 1, false)];
