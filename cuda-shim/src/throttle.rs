@@ -471,7 +471,7 @@ fn control(ctl: &mut Ctl, gpu: usize, b: Bucket, now: u64, pids: fn() -> Vec<i32
     };
     let reported = s.poll(now, pids);
     if reported.is_empty()
-        && let Some(d) = ctl.ctrl.add_timed_period(now, waited())
+        && let Some(d) = ctl.ctrl.add_timed_period(now, &mut waited)
     {
         apply(b, &d);
         crate::log::log!(

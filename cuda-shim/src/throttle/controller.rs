@@ -490,7 +490,13 @@ impl Controller {
     /// are its whole use there; without them the blind rule's assumed wave
     /// time held a 50 % share at 10 %. One period per
     /// [`DEFAULT_PERIOD_NS`]; `None` otherwise, or without timed launches.
-    pub fn add_timed_period(&mut self, now: u64, waited: bool) -> Option<Decision> {
+    /// `waited` (did the container wait for tokens since the last period?)
+    /// is asked only for a period added: asking resets it.
+    pub fn add_timed_period(
+        &mut self,
+        now: u64,
+        waited: impl FnOnce() -> bool,
+    ) -> Option<Decision> {
         let since = self.last_period_ns?;
         if self.blind != Some(Blind::NoSamples) || now < since + DEFAULT_PERIOD_NS {
             return None;
@@ -504,7 +510,7 @@ impl Controller {
         };
         p.own = self.timed_use(&p)?.min(100.0);
         self.last_period_ns = Some(now);
-        self.learn(p, waited)
+        self.learn(p, waited())
     }
 
     /// Whether, and why, the container's own use is invisible.

@@ -655,7 +655,7 @@ fn unsampled_run(quota: Quota, k: f64, timed: Option<f64>) -> (Controller, f64) 
             ns_per_unit: k,
             error: 0.0,
         }));
-        if let Some(d) = c.add_timed_period(t, true) {
+        if let Some(d) = c.add_timed_period(t, || true) {
             rate = d.rate;
         }
     }
