@@ -13,7 +13,7 @@
 use container_ledger::Ledger;
 use gpu_allocator::inventory::{Inventory, InventoryGpu};
 use gpu_manager::allocation::{Allocation, PlacementRecord};
-use gpu_manager::checkpoint::Checkpoint;
+use gpu_manager::world::checkpoint::Checkpoint;
 use prost::Message;
 use std::path::PathBuf;
 use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, register_response::Status};

@@ -343,7 +343,7 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
 
     // The backend itself, on A: kubelet's labels, alive, the /etc/vcuda
     // source, and the GPUs from the verbose status.
-    let rt = gpu_manager::runtime::Cri::new("containerd", &ctrd.endpoint);
+    let rt = gpu_manager::world::runtime::Cri::new("containerd", &ctrd.endpoint);
     let listed = rt.containers().await.unwrap().unwrap();
     let la = listed
         .iter()
@@ -473,7 +473,7 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
     // SAFETY: SIGKILL to our own child, not yet reaped.
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
-    for slot in gpu_manager::checkpoint::SLOT_FILES {
+    for slot in gpu_manager::world::checkpoint::SLOT_FILES {
         let _ = std::fs::remove_file(env.checkpoint_dir().join(slot));
     }
     respawn(&mut env, &base, &[], 3).await;
@@ -500,7 +500,7 @@ async fn containerd_recovery_keeps_live_containers_frees_dead_ones_and_degrades_
 /// Docker; containerd comes before Docker; no socket at all is none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_picks_the_runtime_that_serves_cri_else_docker_else_none() {
-    use gpu_manager::runtime::{Kind, Sockets, detect, select};
+    use gpu_manager::world::runtime::{Kind, Sockets, detect, select};
     let Some(ctrd) = Containerd::get().await else {
         return;
     };

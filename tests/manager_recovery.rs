@@ -315,7 +315,7 @@ async fn sigkill_restart_keeps_live_containers_frees_dead_ones_and_never_double_
     unsafe { libc::kill(env.manager.id() as i32, libc::SIGKILL) };
     let _ = env.manager.wait();
     // Both slots damaged (one alone would be ignored for the other).
-    for slot in gpu_manager::checkpoint::SLOT_FILES {
+    for slot in gpu_manager::world::checkpoint::SLOT_FILES {
         std::fs::write(cp.join(slot), b"vcuda-checkpoint v2 gen=0000").unwrap();
     }
     // Back to the test's engine: the nonexistent endpoint appended last goes
@@ -415,7 +415,8 @@ async fn read_only_checkpoint_dir_refuses_allocate_and_keeps_the_previous_file()
     env.settled_checkpoint().await;
     let dir = env.checkpoint_dir();
     let slots = || {
-        gpu_manager::checkpoint::SLOT_FILES.map(|f| std::fs::read(dir.join(f)).unwrap_or_default())
+        gpu_manager::world::checkpoint::SLOT_FILES
+            .map(|f| std::fs::read(dir.join(f)).unwrap_or_default())
     };
     let before = slots();
     let recorded = env.checkpoint();
@@ -471,7 +472,7 @@ async fn deleted_pod_is_released_by_the_watch_not_the_next_allocate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn single_file_checkpoint_of_an_earlier_version_is_migrated() {
-    use gpu_manager::checkpoint::{CHECKPOINT_FILE, SLOT_FILES};
+    use gpu_manager::world::checkpoint::{CHECKPOINT_FILE, SLOT_FILES};
     let mut env = Env::start("sim-1gpu", Options::default()).await;
     let a = env.pod(&[("main", 30, 4)], &[]);
     env.admit(&a, "main", 30, 4).await.unwrap();

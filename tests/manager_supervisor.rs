@@ -1,4 +1,4 @@
-//! The manager's supervisor (crates/node/gpu-manager/src/supervise.rs) keeps
+//! The manager's supervisor (crates/node/gpu-manager/src/lifecycle/supervise.rs) keeps
 //! the kubelet's plugin sockets, registration and connections across a
 //! kill -9 of the manager it runs: the kubelet's ListAndWatch streams never
 //! end (the real kubelet marks the resources unhealthy when they do, and

@@ -145,7 +145,7 @@ proptest! {
 
     #[test]
     fn checkpoint_payloads_are_read_or_refused(b in prop::collection::vec(any::<u8>(), 0..1024)) {
-        let _ = gpu_manager::checkpoint::parse(&b);
+        let _ = gpu_manager::world::checkpoint::parse(&b);
     }
 }
 

@@ -352,8 +352,8 @@ fn every_runtime_socket_auto_looks_for_is_mounted_at_its_host_path() {
     let cfg = manager_config(&m);
     let runtime = cfg["container-runtime"].as_str().unwrap();
     assert_eq!(
-        gpu_manager::runtime::Kind::parse(runtime),
-        Some(gpu_manager::runtime::Kind::Auto)
+        gpu_manager::world::runtime::Kind::parse(runtime),
+        Some(gpu_manager::world::runtime::Kind::Auto)
     );
     let pod = m
         .daemonset
@@ -373,9 +373,9 @@ fn every_runtime_socket_auto_looks_for_is_mounted_at_its_host_path() {
         .collect();
     let mounts = pod.containers[0].volume_mounts.clone().unwrap();
     for kind in [
-        gpu_manager::runtime::Kind::Containerd,
-        gpu_manager::runtime::Kind::CriO,
-        gpu_manager::runtime::Kind::Docker,
+        gpu_manager::world::runtime::Kind::Containerd,
+        gpu_manager::world::runtime::Kind::CriO,
+        gpu_manager::world::runtime::Kind::Docker,
     ] {
         let endpoint = kind.default_endpoint().unwrap();
         let sock = endpoint.strip_prefix("unix://").unwrap();

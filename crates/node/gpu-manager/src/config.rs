@@ -37,7 +37,7 @@ pub struct Settings {
     pub xid_quiet_period: Duration,
     pub ignored_xids: Vec<u64>,
     pub api_timeout: Duration,
-    /// One of [`crate::runtime::Kind::NAMES`].
+    /// One of [`crate::world::runtime::Kind::NAMES`].
     pub container_runtime: String,
     /// Empty: the runtime's default socket.
     pub container_runtime_endpoint: String,
@@ -112,12 +112,12 @@ impl Settings {
 
     pub fn resolve(o: Options) -> Result<Settings, ConfigError> {
         let container_runtime = o.container_runtime.clone().unwrap_or_else(|| "auto".into());
-        if crate::runtime::Kind::parse(&container_runtime).is_none() {
+        if crate::world::runtime::Kind::parse(&container_runtime).is_none() {
             return Err(ConfigError::Invalid {
                 field: "container-runtime",
                 problem: format!(
                     "{container_runtime:?} is not supported: one of {:?} (\"none\" reconciles with kubelet and the API server only)",
-                    crate::runtime::Kind::NAMES
+                    crate::world::runtime::Kind::NAMES
                 ),
             });
         }

@@ -246,7 +246,7 @@ impl DevicePluginService for MigPlugin {
                     }
                 })?;
                 tracing::info!(resource = %self.resource, devices = ?c.devices_ids, "MIG devices allocated");
-                Ok(crate::response::render(&e, Default::default()))
+                Ok(crate::decide::response::render(&e, Default::default()))
             })
             .collect::<Result<Vec<ContainerAllocateResponse>, Status>>()?;
         Ok(AllocateResponse {

@@ -1,6 +1,6 @@
 //! Where the world plugs into the manager: one trait per outside party,
 //! so that the manager's decisions can be driven by in-memory doubles
-//! (`crate::doubles`, built for tests only) and a backend can be swapped
+//! (`crate::world::doubles`, built for tests only) and a backend can be swapped
 //! (the container runtime: Docker or CRI v1 (containerd, CRI-O)) without
 //! touching them. The signatures name only this crate's types: each
 //! implementation turns its client's errors into them.
@@ -8,6 +8,13 @@
 //! Every source of evidence may be unreachable. The rule the manager
 //! keeps: an unreachable source degrades (its evidence is skipped), it
 //! never causes a release.
+
+pub mod checkpoint;
+#[cfg(test)]
+pub mod doubles;
+pub mod kube_api;
+pub mod kubelet;
+pub mod runtime;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -17,7 +24,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 
 use crate::allocation::Allocation;
-use crate::checkpoint::{CheckpointError, Saved};
+use crate::world::checkpoint::{CheckpointError, Saved};
 
 /// This node's pods as the API server lists them (a reflector in the
 /// daemon).
@@ -125,10 +132,10 @@ pub trait KubeletSource: Send + Sync {
 }
 
 /// The container runtime's view of the node's Kubernetes containers.
-/// Implementations: Docker ([`crate::runtime::Docker`]), CRI v1
-/// (containerd, CRI-O: [`crate::runtime::Cri`], from `ListContainers` +
+/// Implementations: Docker ([`crate::world::runtime::Docker`]), CRI v1
+/// (containerd, CRI-O: [`crate::world::runtime::Cri`], from `ListContainers` +
 /// `ContainerStatus`'s labels, state and mounts), none
-/// ([`crate::runtime::NoRuntime`]).
+/// ([`crate::world::runtime::NoRuntime`]).
 #[async_trait::async_trait]
 pub trait ContainerRuntime: Send + Sync {
     /// For logs and errors ("docker at unix:///run/docker.sock").
@@ -142,7 +149,7 @@ pub trait ContainerRuntime: Send + Sync {
 }
 
 /// The durable record of the allocations, typed both ways (the format is
-/// [`crate::checkpoint::encode`] and [`crate::checkpoint::parse`]'s).
+/// [`crate::world::checkpoint::encode`] and [`crate::world::checkpoint::parse`]'s).
 /// Called off the async threads (writes sync to disk).
 pub trait CheckpointStore: Send + Sync {
     /// Where it lives, for messages.

@@ -315,7 +315,7 @@ impl Env {
     /// The manager's checkpoint as it would load it (the newest slot that
     /// verifies), as JSON; no allocations when there is none.
     pub fn checkpoint(&self) -> Value {
-        let cp = gpu_manager::checkpoint::Checkpoint::new(&self.checkpoint_dir());
+        let cp = gpu_manager::world::checkpoint::Checkpoint::new(&self.checkpoint_dir());
         match cp.load() {
             Ok(Some((gpus, allocations))) => json!({"gpus": gpus, "allocations": allocations}),
             _ => json!({"allocations": []}),

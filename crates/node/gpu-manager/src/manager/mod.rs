@@ -14,7 +14,7 @@
 //!
 //! The outside parties (API server, kubelet, container runtime, checkpoint
 //! store, events) come in as [`World`] traits, so the decisions have unit
-//! tests of their own (`tests`, with `crate::doubles`).
+//! tests of their own (`tests`, with `crate::world::doubles`).
 //!
 //! Locks: the state lock is never held across an await, a disk sync or
 //! other file-system work (vm directories, ledgers, sockets are handled
@@ -41,7 +41,7 @@ use gpu_allocator::{Allocator, GpuInfo, MEMORY_UNIT_BYTES, Placement};
 use node_agent::share::{ShareError, ShareGpu, ShareSpec, Shares};
 
 use crate::allocation::Allocation;
-use crate::ids;
+use crate::decide::ids;
 use crate::world::{
     CheckpointStore, ContainerRuntime, KubeletSource, PodPatcher, PodSource, World,
 };

@@ -14,7 +14,7 @@ use super::refusal::Refusal;
 
 use super::Manager;
 use super::state::State;
-use crate::checkpoint::CheckpointError;
+use crate::world::checkpoint::CheckpointError;
 
 /// Changes without a sync of their own are written once no Allocate has
 /// come for this long (an Allocate's write covers them anyway), so that

@@ -9,8 +9,8 @@ use super::refusal::Refusal;
 
 use super::Manager;
 use crate::allocation::Allocation;
-use crate::ids;
-use crate::pods;
+use crate::decide::ids;
+use crate::decide::pods;
 use crate::world::PatchJob;
 use crate::world::{Holder, PodKey};
 use node_agent::events::{self, PodEvent};

@@ -10,9 +10,9 @@ use quota_config::{MultiGpuQuota, Quota, ResourceData};
 
 use super::{Manager, now, short_bus_id};
 use crate::allocation::{Allocation, PlacementRecord};
-use crate::ids;
-use crate::pods;
-use crate::recovery;
+use crate::decide::ids;
+use crate::decide::pods;
+use crate::decide::recovery;
 use crate::world::Held;
 use crate::world::{ContainerGpus, LiveContainer};
 

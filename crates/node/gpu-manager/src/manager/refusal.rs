@@ -1,5 +1,5 @@
 //! Why the manager refuses a kubelet call, in its own terms. The decisions
-//! never speak the wire: the plugin edge (`crate::plugin`) renders a
+//! never speak the wire: the plugin edge (`crate::edge::plugin`) renders a
 //! [`Refusal`] as a gRPC status, and the same message goes on the pod's
 //! Event, since kubelet shows only a generic admission error.
 

@@ -1,6 +1,6 @@
 //! Recovery at start: the checkpoint (an unreadable one is set aside),
 //! reconciled with the API server, kubelet's device records and the
-//! container runtime ([`crate::recovery::judge`] decides per allocation).
+//! container runtime ([`crate::decide::recovery::judge`] decides per allocation).
 //!
 //! [`Manager::restore`] runs as named steps over [`AtStart`], what each of
 //! them said; the decisions on that evidence are pure (tested in
@@ -12,13 +12,13 @@ use gpu_allocator::Placement;
 
 use super::{Manager, now};
 use crate::allocation::{Allocation, alloc_id};
-use crate::checkpoint::CheckpointError;
-use crate::ids;
-use crate::pods;
-use crate::recovery::{self, Evidence, PodPhase, Verdict};
+use crate::decide::ids;
+use crate::decide::pods;
+use crate::decide::recovery::{self, Evidence, PodPhase, Verdict};
 use crate::world::ApiHealth;
 use crate::world::Held;
 use crate::world::LiveContainer;
+use crate::world::checkpoint::CheckpointError;
 
 /// What recovery at start found and did.
 #[derive(Debug, Default, Clone)]

@@ -10,9 +10,9 @@ use k8s_openapi::api::core::v1::Pod;
 
 use super::{Manager, now};
 use crate::allocation::Allocation;
-use crate::ids;
-use crate::pods;
-use crate::recovery::{self, Verdict};
+use crate::decide::ids;
+use crate::decide::pods;
+use crate::decide::recovery::{self, Verdict};
 use crate::world::ApiHealth;
 
 impl Manager {

@@ -12,10 +12,12 @@ use serde_json::json;
 
 use super::*;
 use crate::allocation::PlacementRecord;
-use crate::checkpoint;
-use crate::doubles::{MemoryCheckpoint, MemoryKubelet, MemoryPatches, MemoryPods, MemoryRuntime};
 use crate::world::ApiHealth;
 use crate::world::PodKey;
+use crate::world::checkpoint;
+use crate::world::doubles::{
+    MemoryCheckpoint, MemoryKubelet, MemoryPatches, MemoryPods, MemoryRuntime,
+};
 use crate::world::{ContainerGpus, LiveContainer};
 use node_agent::events::{self, MemoryEvents};
 
@@ -218,7 +220,7 @@ async fn a_share_is_placed_recorded_durably_and_the_pod_patched() {
     assert!(resp.mounts.iter().any(|m| m.container_path == "/etc/vcuda"));
     let patch = &rig.patches.submitted()[0];
     assert_eq!(patch.uid, "uid-a");
-    assert_eq!(patch.annotations[crate::pods::GPU_ASSIGNED], "true");
+    assert_eq!(patch.annotations[crate::decide::pods::GPU_ASSIGNED], "true");
     assert!(rig.events.posted().is_empty());
 }
 
@@ -329,7 +331,10 @@ async fn pre_start_withdraws_a_wrong_guess_and_says_so_on_both_pods() {
     assert!(!rig.vm_dir(&format!("uid-{guessed}"), "c").exists());
     let revert = rig.patches.submitted().pop().unwrap();
     assert_eq!(revert.uid, format!("uid-{guessed}"));
-    assert_eq!(revert.annotations[crate::pods::GPU_ASSIGNED], "false");
+    assert_eq!(
+        revert.annotations[crate::decide::pods::GPU_ASSIGNED],
+        "false"
+    );
     let mut on: Vec<_> = rig
         .events
         .posted()
@@ -637,18 +642,26 @@ async fn whole_gpus_are_exclusive_and_get_no_socket() {
 #[tokio::test]
 async fn a_bad_soft_limit_annotation_is_refused_and_names_it() {
     let rig = Rig::new();
-    rig.pods
-        .put(pod("soft", 30, 4, json!({crate::pods::VCORE_LIMIT: "150"})));
+    rig.pods.put(pod(
+        "soft",
+        30,
+        4,
+        json!({crate::decide::pods::VCORE_LIMIT: "150"}),
+    ));
     let e = rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap_err();
     assert_eq!(e.kind(), RefusalKind::InvalidArgument);
     assert!(
-        e.message().contains(crate::pods::VCORE_LIMIT),
+        e.message().contains(crate::decide::pods::VCORE_LIMIT),
         "{}",
         e.message()
     );
     assert!(rig.mgr.gpu_usages().iter().all(|u| u.allocated_cores == 0));
-    rig.pods
-        .put(pod("soft", 30, 4, json!({crate::pods::VCORE_LIMIT: "50"})));
+    rig.pods.put(pod(
+        "soft",
+        30,
+        4,
+        json!({crate::decide::pods::VCORE_LIMIT: "50"}),
+    ));
     rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
     assert_eq!(rig.mgr.allocations()[0].soft_limit, Some(50));
 }
@@ -679,7 +692,7 @@ async fn the_periodic_check_patches_a_complete_pod_whose_annotation_is_missing()
     let after = rig.patches.submitted();
     assert_eq!(after.len(), before + 1, "the annotation is submitted again");
     assert_eq!(
-        after.last().unwrap().annotations[crate::pods::GPU_ASSIGNED],
+        after.last().unwrap().annotations[crate::decide::pods::GPU_ASSIGNED],
         "true"
     );
     assert_eq!(rig.mgr.allocations().len(), 1, "kubelet holds it: kept");

@@ -8,11 +8,11 @@ use gpu_allocator::{GpuInfo, MEMORY_UNIT_BYTES, Placement};
 use quota_config::ResourceData;
 
 use super::*;
-use crate::checkpoint::sample_share;
-use crate::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
+use crate::decide::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
 use crate::manager::rebuild::{RebuildError, Size, gpus_seen};
 use crate::world::ContainerGpus;
 use crate::world::PodKey;
+use crate::world::checkpoint::sample_share;
 
 const GIB: u64 = 1 << 30;
 

@@ -16,8 +16,12 @@ async fn a_allocated_and_b_pending(
 ) -> (device_plugin::api::ContainerAllocateResponse, Allocation) {
     rig.pods.put(pod("a", 30, 4, json!({})));
     let first = rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
-    rig.pods
-        .put(pod("a", 30, 4, json!({crate::pods::GPU_ASSIGNED: "true"})));
+    rig.pods.put(pod(
+        "a",
+        30,
+        4,
+        json!({crate::decide::pods::GPU_ASSIGNED: "true"}),
+    ));
     rig.pods.put(pod("b", 30, 4, json!({})));
     (first, rig.mgr.allocations()[0].clone())
 }
@@ -73,7 +77,10 @@ async fn a_resent_allocate_is_answered_as_the_first_time() {
     let patches = rig.patches.submitted();
     assert_eq!(patches.len(), 2);
     assert_eq!(patches[1].uid, "uid-a");
-    assert_eq!(patches[1].annotations[crate::pods::GPU_ASSIGNED], "true");
+    assert_eq!(
+        patches[1].annotations[crate::decide::pods::GPU_ASSIGNED],
+        "true"
+    );
     // Answered once: a third call with these IDs is no repeat.
     rig.mgr.allocate_vcore(vcore_ids(0, 30)).await.unwrap();
     b_booked(&rig, "asked a third time");
@@ -96,7 +103,14 @@ async fn a_repeat_writes_a_wiped_vm_directory_again_at_the_same_path() {
 /// `a` after its first answer, in each way that makes the same IDs not
 /// a repeat: gone from the API server, finished, being deleted, started.
 fn not_a_repeat() -> Vec<(&'static str, Option<Pod>)> {
-    let assigned = || pod("a", 30, 4, json!({crate::pods::GPU_ASSIGNED: "true"}));
+    let assigned = || {
+        pod(
+            "a",
+            30,
+            4,
+            json!({crate::decide::pods::GPU_ASSIGNED: "true"}),
+        )
+    };
     let with_status = |phase: &str, running: bool| {
         let mut p = assigned();
         let st = p.status.get_or_insert_default();

@@ -12,7 +12,7 @@ use gpu_display::ManagerMetrics;
 use tokio::sync::watch;
 use tonic::{Code, Status};
 
-use crate::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
+use crate::decide::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
 use crate::manager::{Manager, Refusal, RefusalKind};
 
 fn options() -> DevicePluginOptions {
@@ -23,7 +23,7 @@ fn options() -> DevicePluginOptions {
 }
 
 /// Whether a manager answers Allocate and PreStartContainer: only while it
-/// owns the node's state ([`crate::owner`]). A manager started beside the
+/// owns the node's state ([`crate::lifecycle::owner`]). A manager started beside the
 /// one it replaces is registered (kubelet calls it) before it owns it; the
 /// one it replaces hands the state over once the new one is registered.
 #[derive(Clone, Debug, PartialEq, Eq)]

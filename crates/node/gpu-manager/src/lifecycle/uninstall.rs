@@ -56,7 +56,7 @@ pub async fn run(
     let forget = async {
         let key = gpu_allocator::inventory::ANNOTATION;
         match daemon_kit::apiserver::client(s.kubeconfig.as_deref()).await {
-            Ok(c) => crate::kube_api::remove_node_annotation(&c, &s.node_name, key)
+            Ok(c) => crate::world::kube_api::remove_node_annotation(&c, &s.node_name, key)
                 .await
                 .map(|()| format!("annotation {key} removed"))
                 .unwrap_or_else(|e| format!("annotation left: {e}")),

@@ -1,6 +1,6 @@
 //! Startup in order, each step logged with its time; a missing
 //! prerequisite stops the daemon with one error that says what to fix.
-//! Each step is a function; the long-running jobs are [`crate::tasks`].
+//! Each step is a function; the long-running jobs are [`crate::lifecycle::tasks`].
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -11,20 +11,20 @@ use anyhow::{Context, bail};
 use node_agent::nvml::{self, Discovered};
 use tokio_util::sync::CancellationToken;
 
-use crate::checkpoint::Checkpoint;
 use crate::config::Settings;
-use crate::display::ManagerSource;
-use crate::handover::Node;
-use crate::ids::{VCORE_RESOURCE, VCORE_SOCKET, VMEMORY_RESOURCE, VMEMORY_SOCKET};
-use crate::kube_api::{self, Patcher, PodWatch};
-use crate::kubelet::KubeletRecords;
+use crate::decide::ids::{VCORE_RESOURCE, VCORE_SOCKET, VMEMORY_RESOURCE, VMEMORY_SOCKET};
+use crate::decide::node_status;
+use crate::decide::pods;
+use crate::edge::display::ManagerSource;
+use crate::edge::plugin::{self, Gate, PluginParts, VcorePlugin, VmemoryPlugin};
+use crate::edge::served::{FromSupervisor, Plugins};
+use crate::lifecycle::handover::Node;
+use crate::lifecycle::owner::{self, Claim};
 use crate::manager::{Manager, ManagerConfig, ManagerParts};
-use crate::node_status;
-use crate::owner::{self, Claim};
-use crate::plugin::{self, Gate, PluginParts, VcorePlugin, VmemoryPlugin};
-use crate::pods;
-use crate::runtime;
-use crate::served::{FromSupervisor, Plugins};
+use crate::world::checkpoint::Checkpoint;
+use crate::world::kube_api::{self, Patcher, PodWatch};
+use crate::world::kubelet::KubeletRecords;
+use crate::world::runtime;
 use crate::world::{ContainerRuntime, World};
 use node_agent::events::KubeEvents;
 use node_agent::extra::ExtraConfig;
@@ -53,7 +53,7 @@ fn ms(t0: Instant) -> u64 {
 }
 
 /// Runs the manager until `cancel`: its plugins on sockets of its own, or
-/// through the supervisor it runs under (`sup`, [`crate::supervise`]).
+/// through the supervisor it runs under (`sup`, [`crate::lifecycle::supervise`]).
 pub async fn run(
     settings: Settings,
     cancel: CancellationToken,
@@ -497,7 +497,7 @@ async fn start_plugins(
     sup: Option<FromSupervisor>,
     cancel: &CancellationToken,
 ) -> anyhow::Result<Plugins> {
-    let name = crate::served::file_name;
+    let name = crate::edge::served::file_name;
     let parts = || PluginParts {
         manager: mgr.clone(),
         metrics: metrics.clone(),

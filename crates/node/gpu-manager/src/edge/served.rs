@@ -1,8 +1,8 @@
 //! How this manager's two device plugins reach the kubelet: on sockets of
 //! its own (`--no-supervisor`), or through its supervisor
-//! ([`crate::supervise`]), which owns the sockets, the registration and
+//! ([`crate::lifecycle::supervise`]), which owns the sockets, the registration and
 //! the kubelet's connections, so that they outlive this process. The
-//! handover of a rolling update ([`crate::handover`]) asks either for the
+//! handover of a rolling update ([`crate::lifecycle::handover`]) asks either for the
 //! same things: an inbox for a predecessor's kubelet connections, those
 //! connections passed on to a successor, a new registration.
 
@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 /// One plugin: its resource, socket file name and service.
 pub type Entry = (&'static str, String, Arc<dyn DevicePluginService>);
 
-/// What a supervised child inherited ([`crate::supervise::inherited`]).
+/// What a supervised child inherited ([`crate::lifecycle::supervise::inherited`]).
 pub struct FromSupervisor {
     pub instance: String,
     /// Where the supervisor passes the kubelet's connections, per plugin.
@@ -53,7 +53,7 @@ impl Plugins {
         stop: &CancellationToken,
     ) -> anyhow::Result<Plugins> {
         let Some(sup) = sup else {
-            crate::daemon::remove_stale_sockets(dir);
+            crate::lifecycle::daemon::remove_stale_sockets(dir);
             let mut rt = PluginRuntime::new(dir);
             for (resource, socket, svc) in plugins {
                 rt = rt.plugin(resource, socket, svc);
@@ -126,7 +126,7 @@ impl Plugins {
     pub async fn open_inbox(&self, path: &Path) -> anyhow::Result<()> {
         match self {
             Plugins::Own { inherited, .. } => {
-                crate::handover::open_inbox(path, inherited.clone()).map_err(Into::into)
+                crate::lifecycle::handover::open_inbox(path, inherited.clone()).map_err(Into::into)
             }
             Plugins::Supervised { control, .. } => control
                 .request(&format!("open-inbox {}", path.display()))
@@ -190,7 +190,7 @@ pub fn send_connections(inbox: &Path, fds: &[OwnedFd]) -> std::io::Result<()> {
 
 /// The child's end of the control socket: one line a message. The child
 /// sends `serve`, `register-again`, `open-inbox PATH`, `hand-over PATH`,
-/// and `alive` every [`crate::supervise::HEARTBEAT`];
+/// and `alive` every [`crate::lifecycle::supervise::HEARTBEAT`];
 /// the supervisor sends `registered` once the kubelet has both plugins,
 /// and answers the last two with `ok [detail]` or `err MESSAGE`.
 pub struct Control {
@@ -222,7 +222,7 @@ impl Control {
         // The supervisor kills a manager that stops saying this (hung).
         let beat = Arc::downgrade(&w);
         tokio::spawn(async move {
-            let mut every = tokio::time::interval(crate::supervise::HEARTBEAT);
+            let mut every = tokio::time::interval(crate::lifecycle::supervise::HEARTBEAT);
             loop {
                 every.tick().await;
                 let Some(w) = beat.upgrade() else { return };

@@ -1,4 +1,4 @@
-//! Taking the node's state over and handing it on ([`crate::owner`]).
+//! Taking the node's state over and handing it on ([`crate::lifecycle::owner`]).
 //!
 //! A rolling update with surge: the new manager registers beside the old
 //! one (kubelet calls the newer registration) and names itself the
@@ -17,7 +17,7 @@
 //! the new one and, stopping, exits without closing them: kubelet's old
 //! streams never end. A manager without a successor (a plain
 //! restart, kubelet 1.20 without surge) writes the node's allocatable 0
-//! when it stops ([`crate::node_status`]).
+//! when it stops ([`crate::decide::node_status`]).
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -27,11 +27,11 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
+use crate::edge::plugin::GateControl;
+use crate::edge::served::Plugins;
+use crate::lifecycle::owner::{self, Claim, Owner, Successor};
+use crate::lifecycle::tasks::{AllocationCheck, InventoryPublish, PodRelease};
 use crate::manager::Manager;
-use crate::owner::{self, Claim, Owner, Successor};
-use crate::plugin::GateControl;
-use crate::served::Plugins;
-use crate::tasks::{AllocationCheck, InventoryPublish, PodRelease};
 
 /// How often an owner looks for a successor.
 const SUCCESSOR_POLL: Duration = Duration::from_millis(100);
@@ -98,7 +98,7 @@ impl Node {
             node_agent::health::InstanceXids::Instance,
             jobs,
         );
-        crate::health::spawn(mgr.clone(), self.mig.clone(), health, jobs.clone());
+        crate::decide::health::spawn(mgr.clone(), self.mig.clone(), health, jobs.clone());
         AllocationCheck {
             mgr: mgr.clone(),
             period: s.allocation_check_period,
@@ -249,8 +249,13 @@ impl Node {
             // Kubelet has no devices from here: the scheduler must not place
             // pods on them until the next manager registers.
             None => {
-                crate::node_status::set_allocatable(&self.client, &self.settings.node_name, 0, 0)
-                    .await
+                crate::decide::node_status::set_allocatable(
+                    &self.client,
+                    &self.settings.node_name,
+                    0,
+                    0,
+                )
+                .await
             }
         }
         drop(held.owner);

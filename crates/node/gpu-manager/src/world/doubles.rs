@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::Pod;
 use tokio::sync::watch;
 
 use crate::allocation::Allocation;
-use crate::checkpoint::{self, CheckpointError, Saved};
+use crate::world::checkpoint::{self, CheckpointError, Saved};
 use crate::world::{ApiHealth, PatchJob};
 use crate::world::{
     CheckpointStore, ContainerRuntime, Held, Holder, KubeletError, KubeletSource, PodKey,

@@ -1,8 +1,8 @@
 //! The manager's long-running jobs, each a named task with its inputs,
-//! started by [`crate::daemon::run`] once the state is restored. The pod
+//! started by [`crate::lifecycle::daemon::run`] once the state is restored. The pod
 //! watch (`kube_api::PodWatch`: watcher and reflector) feeds
 //! [`PodRelease`]; [`AllocationCheck`] is the periodic reconciliation;
-//! GPU health is [`crate::health::spawn`] over `node_agent::health`;
+//! GPU health is [`crate::decide::health::spawn`] over `node_agent::health`;
 //! [`InventoryPublish`] keeps the node's GPU inventory on its Node object.
 
 use std::sync::Arc;
@@ -93,7 +93,9 @@ impl InventoryPublish {
                     continue;
                 }
                 let key = gpu_allocator::inventory::ANNOTATION;
-                match crate::kube_api::annotate_node(&self.client, &self.node, key, &now).await {
+                match crate::world::kube_api::annotate_node(&self.client, &self.node, key, &now)
+                    .await
+                {
                     Ok(()) => {
                         tracing::info!(node = %self.node, "GPU inventory published on the node");
                         published = Some(now);

@@ -5,7 +5,7 @@
 //! creation, first container whose
 //! `vcuda-core` limit equals the request. Pure selection here; reading a
 //! pod's requests and annotations is `gpu_pods`'s (shared with the
-//! scheduler extender); the API server plumbing is in [`crate::kube_api`].
+//! scheduler extender); the API server plumbing is in [`crate::world::kube_api`].
 
 use std::sync::Arc;
 
@@ -17,7 +17,7 @@ pub use gpu_pods::{
     limit, name, namespace, predicate_minors, tier, uid,
 };
 
-use crate::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
+use crate::decide::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
 
 /// Pending (or not yet reported), not being deleted, asks for vcuda-core,
 /// and gpu-admission / this manager have not marked it assigned.

@@ -15,7 +15,7 @@
 //! settings, no GPU, DRA serving here) ends the supervisor with its status,
 //! so the pod shows the error. SIGTERM/SIGINT go to the child; the
 //! supervisor stops with it, leaving the kubelet's connections open when
-//! the child had handed the node to a successor ([`crate::handover`]).
+//! the child had handed the node to a successor ([`crate::lifecycle::handover`]).
 //! The child dies with the supervisor (`PR_SET_PDEATHSIG`). Starting,
 //! restarting, signals and the heartbeat's watchdog are the [`supervisor`]
 //! crate's; what is here is the manager's: the relayed plugins and the
@@ -36,8 +36,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Settings;
-use crate::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
-use crate::served::FromSupervisor;
+use crate::decide::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
+use crate::edge::served::FromSupervisor;
 
 /// In the child: `<vcore inbox>,<vmemory inbox>,<control>` fds it inherited.
 pub const FDS_ENV: &str = "VCUDA_MANAGER_SUPERVISOR_FDS";
@@ -46,7 +46,7 @@ pub const INSTANCE_ENV: &str = "VCUDA_MANAGER_INSTANCE";
 
 const CHILD_FDS: [RawFd; 3] = [3, 4, 5];
 /// How often a child says it is alive on its control socket
-/// ([`crate::served::Control`]).
+/// ([`crate::edge::served::Control`]).
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
 /// A child silent this long is hung: the supervisor kills it and starts
 /// another, well before the kubelet's liveness probe (60 s) would kill the
@@ -120,7 +120,7 @@ async fn run(s: &Settings) -> anyhow::Result<i32> {
     let instance = node_agent::mode::instance_id();
     let link = Arc::new(Link {
         dir: s.device_plugin_path.clone(),
-        sockets: crate::daemon::plugin_sockets(&s.device_plugin_path, &instance),
+        sockets: crate::lifecycle::daemon::plugin_sockets(&s.device_plugin_path, &instance),
         inboxes: Default::default(),
         plugins: Default::default(),
         stop_plugins: CancellationToken::new(),
@@ -187,7 +187,7 @@ fn child(link: &Arc<Link>, instance: &str) -> std::io::Result<Spec> {
         }))
 }
 
-/// The child's requests (see [`crate::served::Control`]), until it closes
+/// The child's requests (see [`crate::edge::served::Control`]), until it closes
 /// the socket.
 async fn serve_control(link: Arc<Link>, conn: StdStream) -> std::io::Result<()> {
     conn.set_nonblocking(true)?;
@@ -221,7 +221,8 @@ async fn serve_control(link: Arc<Link>, conn: StdStream) -> std::io::Result<()> 
                 }
             }
             "open-inbox" => {
-                let r = crate::handover::open_inbox(Path::new(arg), link.inherited.clone());
+                let r =
+                    crate::lifecycle::handover::open_inbox(Path::new(arg), link.inherited.clone());
                 let _ = tx.send(answer(r.map(|()| String::new())));
             }
             "hand-over" => {
@@ -270,10 +271,10 @@ impl Link {
     }
 
     async fn start_plugins(&self) -> anyhow::Result<RuntimeHandle> {
-        crate::daemon::remove_stale_sockets(&self.dir);
+        crate::lifecycle::daemon::remove_stale_sockets(&self.dir);
         let vcore = RelayedPlugin::start(VCORE_RESOURCE, &self.inboxes[0]).await?;
         let vmemory = RelayedPlugin::start(VMEMORY_RESOURCE, &self.inboxes[1]).await?;
-        let name = crate::served::file_name;
+        let name = crate::edge::served::file_name;
         Ok(PluginRuntime::new(&self.dir)
             .plugin(VCORE_RESOURCE, name(&self.sockets[0]), vcore)
             .plugin(VMEMORY_RESOURCE, name(&self.sockets[1]), vmemory)
@@ -288,7 +289,7 @@ impl Link {
             None => Vec::new(),
         };
         fds.append(&mut self.inherited.lock().unwrap_or_else(|p| p.into_inner()));
-        crate::served::send_connections(inbox, &fds)?;
+        crate::edge::served::send_connections(inbox, &fds)?;
         self.handed_over.store(true, Ordering::SeqCst);
         Ok(fds.len())
     }

@@ -9,7 +9,7 @@
 //!
 //! A waiting manager names itself in `<checkpoint dir>/successor`, so the
 //! owner, stopping, knows that the node's vcuda resources stay served and
-//! leaves the node's allocatable alone ([`crate::node_status`]).
+//! leaves the node's allocatable alone ([`crate::decide::node_status`]).
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, Write};
@@ -128,7 +128,7 @@ pub async fn wait(
 
 /// Names this instance as the one taking over, with the plugin sockets that
 /// show it alive and the inbox where the owner hands it kubelet's
-/// connections ([`crate::handover`]). Not fsynced: a note lost in a crash
+/// connections ([`crate::lifecycle::handover`]). Not fsynced: a note lost in a crash
 /// names no live manager anyway.
 pub fn announce(
     dir: &Path,
@@ -178,7 +178,7 @@ fn read_successor(dir: &Path) -> Option<Successor> {
 pub struct Successor {
     pub instance: String,
     pub sockets: Vec<PathBuf>,
-    /// Where it takes kubelet's connections ([`crate::handover`]).
+    /// Where it takes kubelet's connections ([`crate::lifecycle::handover`]).
     pub inbox: Option<PathBuf>,
 }
 

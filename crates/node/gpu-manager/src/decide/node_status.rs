@@ -15,7 +15,7 @@ use device_plugin::DeviceList;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch, PatchParams};
 
-use crate::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
+use crate::decide::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
 
 /// No stop or start waits longer than this on the API server.
 const TIMEOUT: Duration = Duration::from_secs(3);

@@ -81,8 +81,8 @@ pub fn judge(a: &Allocation, ev: &Evidence, age_s: u64, grace_s: u64) -> Verdict
     let held = ev.kubelet.and_then(|k| held_by(a, k));
     let ids = held.and_then(|h| {
         let get = |r: &str| h.ids.get(r).cloned().unwrap_or_default();
-        let vcore = get(crate::ids::VCORE_RESOURCE);
-        let vmemory = get(crate::ids::VMEMORY_RESOURCE);
+        let vcore = get(crate::decide::ids::VCORE_RESOURCE);
+        let vmemory = get(crate::decide::ids::VMEMORY_RESOURCE);
         let differs = (!vcore.is_empty() && vcore != a.vcore_ids)
             || (!vmemory.is_empty() && vmemory != a.vmemory_ids);
         differs.then_some((vcore, vmemory))
@@ -113,13 +113,13 @@ pub fn judge(a: &Allocation, ev: &Evidence, age_s: u64, grace_s: u64) -> Verdict
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
+    use crate::decide::ids::{VCORE_RESOURCE, VMEMORY_RESOURCE};
 
     fn alloc() -> Allocation {
         Allocation {
             verified: true,
             created: 0,
-            ..crate::checkpoint::sample_share("u1", 0)
+            ..crate::world::checkpoint::sample_share("u1", 0)
         }
     }
 
