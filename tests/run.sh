@@ -183,7 +183,7 @@ export VCUDA_REQUIRE_K8S=1
 mkdir -p "$VCUDA_CACHE"
 bash deploy/helm/build-helm.sh >"$VCUDA_CACHE/helm-build.log" 2>&1 &
 helm_build=$!
-# Kubernetes 1.36 and containerd 2 from their Go modules (tests/k8s/modern)
+# Kubernetes 1.37 and containerd 2 from their Go modules (tests/k8s/modern)
 # for the DRA real-node suite (tests/k8s_dra_node), cached by version
 # (/var/cache/vcuda/k8s-go-<version>, containerd-go-<version>; Go's caches in
 # /var/cache/vcuda/go; a cold build is 15-35 min on 2 cores): built beside
@@ -308,7 +308,7 @@ export VCUDA_K8S_BIN
 await_build helm "$helm_build" "$VCUDA_CACHE/helm-build.log" deploy/helm/build-helm.sh
 VCUDA_HELM_BIN=$(tail -n1 "$VCUDA_CACHE/helm-build.log")
 export VCUDA_HELM_BIN
-await_build "kubernetes 1.36" "$k8s_modern_build" "$VCUDA_CACHE/k8s-modern-build.log" tests/k8s/build-modern.sh
+await_build "kubernetes 1.37" "$k8s_modern_build" "$VCUDA_CACHE/k8s-modern-build.log" tests/k8s/build-modern.sh
 VCUDA_K8S_MODERN_BIN=$(tail -n1 "$VCUDA_CACHE/k8s-modern-build.log")
 export VCUDA_K8S_MODERN_BIN
 
@@ -342,7 +342,7 @@ fi
 log "cargo tests"
 run_tests "cargo tests" cargo test --workspace --no-fail-fast
 
-log "the DRA real-node suite (Kubernetes 1.36, tests/k8s_dra_node)"
+log "the DRA real-node suite (Kubernetes 1.37, tests/k8s_dra_node)"
 # After the 1.20 suite: the two nodes share /var/lib/kubelet, so one at a
 # time. The node's env names the suite's kubeconfig, containerd, kubelet
 # restart and reboot commands (tests/k8s/README.md).

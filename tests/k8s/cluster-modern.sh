@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real single-node modern Kubernetes (1.36) cluster on this machine, for
+# A real single-node modern Kubernetes (1.37) cluster on this machine, for
 # the DRA real-node suite (tests/k8s_dra_node/main.rs; docs/dra.md,
 # "Verifying on a real node"): Debian's etcd, kube-apiserver (Node,RBAC;
 # resource.k8s.io/v1, DRAConsumableCapacity on by default),

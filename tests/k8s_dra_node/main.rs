@@ -7,7 +7,7 @@
 //! host, the C test programs in pods of a local busybox image.
 //!
 //! It is `#[ignore]`d and runs on purpose against a node brought up on this
-//! machine, as root: in CI, tests/run.sh brings up Kubernetes 1.36.3 and
+//! machine, as root: in CI, tests/run.sh brings up Kubernetes 1.37.2 and
 //! containerd 2.4.2 built from their Go modules (tests/k8s/cluster-modern.sh)
 //! and runs it with `--ignored`; by hand (docs/dra.md, "Verifying on a real
 //! node"):
@@ -20,7 +20,7 @@
 //!
 //! The node: one node, kubelet root `/var/lib/kubelet`, containerd with
 //! `enable_cdi` reading `/var/run/cdi`, `DRAConsumableCapacity` on (beta,
-//! on by default, in 1.36). Checked: the slice and classes; a critical Xid
+//! on by default, since 1.36). Checked: the slice and classes; a critical Xid
 //! takes a running pod's GPU out of the slice (generation + 1), the kubelet
 //! shows the pod's device Unhealthy, the scheduler places around it, and it
 //! comes back, Healthy, after the quiet period; a claim of two

@@ -6,6 +6,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &[
             "dra/v1/api.proto",
             "dra/v1beta1/api.proto",
+            "dra-health/v1/api.proto",
             "dra-health/v1alpha1/api.proto",
             "pluginregistration/v1/api.proto",
         ],

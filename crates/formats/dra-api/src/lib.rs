@@ -5,7 +5,9 @@
 //!   v1; older ones v1beta1. The messages are the same apart from
 //!   `Device.share_id` (v1 only).
 //! * [`dra_health`]: `DRAResourceHealth` (NodeWatchResources), the
-//!   devices' health streamed to kubelets with `ResourceHealthStatus`.
+//!   devices' health streamed to kubelets with `ResourceHealthStatus`: v1
+//!   (kubelets from 1.37, which open it only when the registration lists
+//!   it) and v1alpha1 (1.31-1.36, which open it unasked).
 //! * [`pluginregistration`]: `Registration` (GetInfo,
 //!   NotifyRegistrationStatus), served by the driver on a socket in the
 //!   kubelet's `plugins_registry` directory.
@@ -26,7 +28,26 @@ pub mod dra {
 }
 
 pub mod dra_health {
-    tonic::include_proto!("v1alpha1");
+    pub mod v1 {
+        tonic::include_proto!("v1");
+
+        /// The service name listed in `PluginInfo.supported_versions`.
+        pub const SERVICE: &str = "v1.DRAResourceHealth";
+    }
+    pub mod v1alpha1 {
+        tonic::include_proto!("v1alpha1");
+
+        /// The service name listed in `PluginInfo.supported_versions`.
+        pub const SERVICE: &str = "v1alpha1.DRAResourceHealth";
+    }
+
+    /// A v1 message as v1alpha1 says it: the two versions have the same
+    /// fields and numbers, so the bytes of one decode as the other.
+    pub fn to_v1alpha1(m: &v1::NodeWatchResourcesResponse) -> v1alpha1::NodeWatchResourcesResponse {
+        use prost::Message;
+        v1alpha1::NodeWatchResourcesResponse::decode(m.encode_to_vec().as_slice())
+            .expect("v1 and v1alpha1 share one wire format")
+    }
 }
 
 pub mod pluginregistration {
@@ -44,6 +65,40 @@ pub mod pluginregistration {
 mod tests {
     use super::*;
     use prost::Message;
+
+    /// The two health versions carry one message: every field survives
+    /// the step from v1 to v1alpha1 (the kubelet's v1 types_test checks
+    /// the same of its Go types).
+    #[test]
+    fn health_v1_reads_as_v1alpha1() {
+        use dra_health::{v1, v1alpha1};
+        let m = v1::NodeWatchResourcesResponse {
+            devices: vec![v1::DeviceHealth {
+                device: Some(v1::DeviceIdentifier {
+                    pool_name: "node-a".into(),
+                    device_name: "gpu-1".into(),
+                }),
+                health: v1::HealthStatus::Unhealthy as i32,
+                last_updated_time: 1_800_000_000,
+                health_check_timeout_seconds: 60,
+                message: "Xid 79".into(),
+            }],
+        };
+        let old = dra_health::to_v1alpha1(&m);
+        let d = &old.devices[0];
+        let id = d.device.as_ref().unwrap();
+        assert_eq!(
+            (id.pool_name.as_str(), id.device_name.as_str()),
+            ("node-a", "gpu-1")
+        );
+        assert_eq!(d.health, v1alpha1::HealthStatus::Unhealthy as i32);
+        assert_eq!(
+            (d.last_updated_time, d.health_check_timeout_seconds),
+            (1_800_000_000, 60)
+        );
+        assert_eq!(d.message, "Xid 79");
+        assert_eq!(old.encode_to_vec(), m.encode_to_vec());
+    }
 
     /// Field numbers as the kubelet has them: a `Device` encoded by hand
     /// with tags 1..5 decodes into the right fields.

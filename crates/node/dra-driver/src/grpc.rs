@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::sync::Mutex;
 
 use dra_api::dra::{v1, v1beta1};
+use dra_api::dra_health::{v1 as health_v1, v1alpha1 as health_v1alpha1};
 use dra_api::pluginregistration as reg;
 use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
@@ -18,6 +19,14 @@ use tonic::{Request, Response, Status};
 
 use crate::DRIVER_NAME;
 use crate::driver::{ClaimRef, Driver};
+
+/// What the registration says the plugin socket serves, newest first.
+pub const SUPPORTED_SERVICES: [&str; 4] = [
+    v1::SERVICE,
+    v1beta1::SERVICE,
+    health_v1::SERVICE,
+    health_v1alpha1::SERVICE,
+];
 
 /// What the kubelet last said about registration.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -194,7 +203,10 @@ impl reg::registration_server::Registration for RegistrationService {
             r#type: reg::DRA_PLUGIN.to_string(),
             name: DRIVER_NAME.to_string(),
             endpoint: self.endpoint.display().to_string(),
-            supported_versions: vec![v1::SERVICE.to_string(), v1beta1::SERVICE.to_string()],
+            // The kubelet takes the first DRAPlugin it knows, and (1.37)
+            // the newest health service listed: without one it opens no
+            // health stream and the pods' devices stay Unknown.
+            supported_versions: SUPPORTED_SERVICES.iter().map(|s| s.to_string()).collect(),
         }))
     }
 
@@ -380,7 +392,14 @@ pub async fn serve_on(
             .add_service(v1::dra_plugin_server::DraPluginServer::new(p.clone()))
             .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(p.clone()))
             .add_service(
-                dra_api::dra_health::dra_resource_health_server::DraResourceHealthServer::new(
+                health_v1::dra_resource_health_server::DraResourceHealthServer::new(
+                    crate::health::HealthService {
+                        driver: p.driver.clone(),
+                    },
+                ),
+            )
+            .add_service(
+                health_v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(
                     crate::health::HealthService { driver: p.driver },
                 ),
             )

@@ -1,18 +1,20 @@
-//! The kubelet's resource-health stream (`v1alpha1.DRAResourceHealth`,
-//! KEP-4680) on the plugin socket: each of the node's GPUs HEALTHY, or
+//! The kubelet's resource-health stream (`DRAResourceHealth` v1 and
+//! v1alpha1, KEP-4680) on the plugin socket: each of the node's GPUs HEALTHY, or
 //! UNHEALTHY with the critical Xid that took it out of the slice. Kubelets
 //! with `ResourceHealthStatus` show it in the pod status of containers
 //! holding the device (`allocatedResourcesStatus`), so an operator sees
 //! which pods sit on a failed GPU. The stream sends the whole list at
 //! once, on every change, and every [`REFRESH`] so the kubelet's
-//! [`TIMEOUT_SECS`] never turns a quiet device UNKNOWN.
+//! [`TIMEOUT_SECS`] never turns a quiet device UNKNOWN. A 1.37 kubelet
+//! opens the stream only when the registration lists the service
+//! (`grpc.rs`, `supported_versions`); 1.31-1.36 open v1alpha1 unasked.
 
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dra_api::dra_health as h;
-use futures::Stream;
+use dra_api::dra_health::{self, v1 as h, v1alpha1};
+use futures::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
 use crate::driver::{Driver, GpuHealth};
@@ -58,15 +60,12 @@ pub fn response(pool: &str, gpus: &[GpuHealth]) -> h::NodeWatchResourcesResponse
 
 type HealthStream =
     Pin<Box<dyn Stream<Item = Result<h::NodeWatchResourcesResponse, Status>> + Send>>;
+type HealthStreamV1alpha1 =
+    Pin<Box<dyn Stream<Item = Result<v1alpha1::NodeWatchResourcesResponse, Status>> + Send>>;
 
-#[tonic::async_trait]
-impl h::dra_resource_health_server::DraResourceHealth for HealthService {
-    type NodeWatchResourcesStream = HealthStream;
-
-    async fn node_watch_resources(
-        &self,
-        _: Request<h::NodeWatchResourcesRequest>,
-    ) -> Result<Response<HealthStream>, Status> {
+impl HealthService {
+    /// The whole list now, then on every change and every [`REFRESH`].
+    fn watch(&self) -> HealthStream {
         let pool = self.driver.config().node.clone();
         let rx = self.driver.health_watch();
         let s = futures::stream::unfold((rx, true), move |(mut rx, first)| {
@@ -82,7 +81,32 @@ impl h::dra_resource_health_server::DraResourceHealth for HealthService {
                 Some((Ok(msg), (rx, false)))
             }
         });
-        Ok(Response::new(Box::pin(s)))
+        Box::pin(s)
+    }
+}
+
+#[tonic::async_trait]
+impl h::dra_resource_health_server::DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = HealthStream;
+
+    async fn node_watch_resources(
+        &self,
+        _: Request<h::NodeWatchResourcesRequest>,
+    ) -> Result<Response<HealthStream>, Status> {
+        Ok(Response::new(self.watch()))
+    }
+}
+
+#[tonic::async_trait]
+impl v1alpha1::dra_resource_health_server::DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = HealthStreamV1alpha1;
+
+    async fn node_watch_resources(
+        &self,
+        _: Request<v1alpha1::NodeWatchResourcesRequest>,
+    ) -> Result<Response<HealthStreamV1alpha1>, Status> {
+        let s = self.watch().map(|m| m.map(|m| dra_health::to_v1alpha1(&m)));
+        Ok(Response::new(s.boxed()))
     }
 }
 

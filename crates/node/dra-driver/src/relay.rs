@@ -10,7 +10,7 @@ use std::pin::Pin;
 
 use child_relay::{Inboxes, RETRY, lost};
 use dra_api::dra::{v1, v1beta1};
-use dra_api::dra_health as h;
+use dra_api::dra_health::{self, v1 as h, v1alpha1};
 use futures::{Stream, StreamExt};
 use tokio::net::UnixListener;
 use tonic::transport::Channel;
@@ -48,8 +48,9 @@ pub async fn serve(
             relay.clone(),
         ))
         .add_service(h::dra_resource_health_server::DraResourceHealthServer::new(
-            relay,
+            relay.clone(),
         ))
+        .add_service(v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(relay))
         .serve_with_incoming(uds_authority::incoming(l))
         .await
         .map_err(std::io::Error::other)
@@ -128,24 +129,20 @@ impl v1beta1::dra_plugin_server::DraPlugin for Relay {
 type HealthStream =
     Pin<Box<dyn Stream<Item = Result<h::NodeWatchResourcesResponse, Status>> + Send>>;
 
-#[tonic::async_trait]
-impl h::dra_resource_health_server::DraResourceHealth for Relay {
-    type NodeWatchResourcesStream = HealthStream;
-
-    /// One stream to the kubelet, fed by each child in turn: a child's
-    /// death is a pause, not the stream's end.
-    async fn node_watch_resources(
-        &self,
-        req: Request<h::NodeWatchResourcesRequest>,
-    ) -> Result<Response<HealthStream>, Status> {
-        let m = req.into_inner();
+impl Relay {
+    /// One stream to the kubelet, fed by each child in turn (its v1
+    /// service): a child's death is a pause, not the stream's end.
+    fn health(&self) -> HealthStream {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let channel = self.channel.clone();
         tokio::spawn(async move {
             while !tx.is_closed() {
                 let mut client =
                     h::dra_resource_health_client::DraResourceHealthClient::new(channel.clone());
-                match client.node_watch_resources(m).await {
+                match client
+                    .node_watch_resources(h::NodeWatchResourcesRequest {})
+                    .await
+                {
                     Ok(r) => {
                         let mut s = r.into_inner();
                         loop {
@@ -167,8 +164,37 @@ impl h::dra_resource_health_server::DraResourceHealth for Relay {
                 tokio::time::sleep(RETRY).await;
             }
         });
-        let s =
-            futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) })
+            .boxed()
+    }
+}
+
+#[tonic::async_trait]
+impl h::dra_resource_health_server::DraResourceHealth for Relay {
+    type NodeWatchResourcesStream = HealthStream;
+
+    async fn node_watch_resources(
+        &self,
+        _: Request<h::NodeWatchResourcesRequest>,
+    ) -> Result<Response<HealthStream>, Status> {
+        Ok(Response::new(self.health()))
+    }
+}
+
+type HealthStreamV1alpha1 =
+    Pin<Box<dyn Stream<Item = Result<v1alpha1::NodeWatchResourcesResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl v1alpha1::dra_resource_health_server::DraResourceHealth for Relay {
+    type NodeWatchResourcesStream = HealthStreamV1alpha1;
+
+    async fn node_watch_resources(
+        &self,
+        _: Request<v1alpha1::NodeWatchResourcesRequest>,
+    ) -> Result<Response<HealthStreamV1alpha1>, Status> {
+        let s = self
+            .health()
+            .map(|m| m.map(|m| dra_health::to_v1alpha1(&m)));
         Ok(Response::new(s.boxed()))
     }
 }

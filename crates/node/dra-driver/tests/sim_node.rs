@@ -262,9 +262,27 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
     // the taint goes after the quiet period (generation 3); one slice
     // throughout.
     // The kubelet's health stream says so too, with the reason.
+    // A 1.37 kubelet opens the stream only when the registration lists
+    // it, and takes v1; 1.31-1.36 open v1alpha1 unasked. Both answer.
+    assert_eq!(
+        kubelet.health_service,
+        Some(dra_api::dra_health::v1::SERVICE)
+    );
+    let first_v1 = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut s = kubelet.watch_health_v1().await.unwrap();
+        s.message().await.unwrap().unwrap()
+    })
+    .await
+    .expect("a v1 health message within 30 s");
+    let d = &first_v1.devices[0];
+    assert_eq!(d.device.as_ref().unwrap().device_name, "gpu-0");
+    assert_eq!(
+        d.health,
+        dra_api::dra_health::v1::HealthStatus::Healthy as i32
+    );
     let mut health = kubelet.watch_health().await.unwrap();
     let next_health = async |s: &mut tonic::Streaming<_>| -> (i32, String) {
-        let m: dra_api::dra_health::NodeWatchResourcesResponse =
+        let m: dra_api::dra_health::v1alpha1::NodeWatchResourcesResponse =
             tokio::time::timeout(Duration::from_secs(30), s.message())
                 .await
                 .expect("a health message within 30 s")
@@ -275,7 +293,7 @@ async fn claims_on_a_simulated_node_under_the_interposer() {
         assert_eq!(d.device.as_ref().unwrap().device_name, "gpu-0");
         (d.health, d.message.clone())
     };
-    use dra_api::dra_health::HealthStatus;
+    use dra_api::dra_health::v1alpha1::HealthStatus;
     assert_eq!(
         next_health(&mut health).await,
         (HealthStatus::Healthy as i32, String::new())

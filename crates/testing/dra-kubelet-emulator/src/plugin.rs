@@ -36,6 +36,9 @@ pub struct DraPlugin {
     pub name: String,
     pub endpoint: PathBuf,
     pub version: Version,
+    /// The health service a 1.37 kubelet would open (the newest listed in
+    /// the registration that it knows), if any.
+    pub health_service: Option<&'static str>,
     channel: Channel,
 }
 
@@ -93,6 +96,14 @@ pub async fn register(socket: &Path, prefer_v1beta1: bool) -> Result<DraPlugin, 
         })?
         .into_inner();
     let has = |s: &str| info.supported_versions.iter().any(|v| v == s);
+    // kubelet 1.37's pickHealthService: the first of its own list (newest
+    // first) that the plugin lists (pkg/kubelet/cm/dra/plugin).
+    let health_service = [
+        dra_api::dra_health::v1::SERVICE,
+        dra_api::dra_health::v1alpha1::SERVICE,
+    ]
+    .into_iter()
+    .find(|s| has(s));
     let version = if has(v1::SERVICE) && !prefer_v1beta1 {
         Some(Version::V1)
     } else if has(v1beta1::SERVICE) {
@@ -133,6 +144,7 @@ pub async fn register(socket: &Path, prefer_v1beta1: bool) -> Result<DraPlugin, 
                 name: info.name,
                 endpoint,
                 version,
+                health_service,
                 channel,
             })
         }
@@ -192,12 +204,28 @@ pub async fn wait_and_register(
 /// A claim as the kubelet names it to the driver.
 impl DraPlugin {
     /// The plugin's health stream (`v1alpha1.DRAResourceHealth`), opened
-    /// as kubelets with `ResourceHealthStatus` open it on the plugin socket.
+    /// as kubelets 1.31-1.36 with `ResourceHealthStatus` open it on the
+    /// plugin socket (unasked).
     pub async fn watch_health(
         &self,
-    ) -> Result<tonic::Streaming<dra_api::dra_health::NodeWatchResourcesResponse>, tonic::Status>
+    ) -> Result<
+        tonic::Streaming<dra_api::dra_health::v1alpha1::NodeWatchResourcesResponse>,
+        tonic::Status,
+    > {
+        use dra_api::dra_health::v1alpha1 as h;
+        h::dra_resource_health_client::DraResourceHealthClient::new(self.channel.clone())
+            .node_watch_resources(h::NodeWatchResourcesRequest {})
+            .await
+            .map(tonic::Response::into_inner)
+    }
+
+    /// The v1 health stream, as a 1.37 kubelet opens it once the
+    /// registration listed `v1.DRAResourceHealth`.
+    pub async fn watch_health_v1(
+        &self,
+    ) -> Result<tonic::Streaming<dra_api::dra_health::v1::NodeWatchResourcesResponse>, tonic::Status>
     {
-        use dra_api::dra_health as h;
+        use dra_api::dra_health::v1 as h;
         h::dra_resource_health_client::DraResourceHealthClient::new(self.channel.clone())
             .node_watch_resources(h::NodeWatchResourcesRequest {})
             .await
