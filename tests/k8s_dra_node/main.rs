@@ -36,7 +36,9 @@
 //! Last, the device-plugin mode on the same node (`device_plugins.rs`:
 //! gpu-manager's DaemonSet, rolling updates with surge, issue 24);
 //! `VCUDA_DRA_NODE_ONLY=device-plugins` runs that phase alone,
-//! `VCUDA_DRA_NODE_ONLY=webhook` the one-manifest phase (`webhook.rs`).
+//! `VCUDA_DRA_NODE_ONLY=webhook` the one-manifest phase (`webhook.rs`),
+//! `VCUDA_DRA_NODE_ONLY=extended` whole GPUs asked by resource name
+//! (`extended.rs`, after the two-whole-GPU claim in a full run).
 //! Then MIG (`mig.rs`, issue 36): a simulated H100 with three instances,
 //! pods given whole instances and a share inside one;
 //! `VCUDA_DRA_NODE_ONLY=mig` runs it alone. The Helm chart in DRA mode
@@ -45,6 +47,7 @@
 
 mod daemonset;
 mod device_plugins;
+mod extended;
 mod helm;
 mod memory;
 mod mig;
@@ -246,6 +249,13 @@ fn dra_on_a_real_node() {
         return;
     }
 
+    // VCUDA_DRA_NODE_ONLY=extended: whole GPUs by resource name alone.
+    if std::env::var("VCUDA_DRA_NODE_ONLY").as_deref() == Ok("extended") {
+        extended::extended_resource_phase(&n, &bin, &sim, minor);
+        n.ok(&["delete", "namespace", NS, "--wait=true", "--timeout=180s"]);
+        return;
+    }
+
     // ------------------------------------------------ memory below limits
     let memory_figure = memory::memory_phase(&n, &bin, &sim, &drv);
     if std::env::var("VCUDA_DRA_NODE_ONLY").as_deref() == Ok("memory") {
@@ -385,6 +395,7 @@ fn dra_on_a_real_node() {
     );
     assert!(out.contains("config=yes"), "{out}");
     n.ok(&["-n", NS, "delete", "pod", "two-whole", "--wait=true"]);
+    extended::extended_resource_phase(&n, &bin, &sim, minor);
     // A share beside another device: refused at prepare, named in the
     // pod's events by the real kubelet; the pod never starts.
     n.apply(&mixed_template("mixed"));

@@ -385,7 +385,12 @@ pub fn share_pod(name: &str, cores: u32, units: u32, cmd: &str, bin: &Path, sim:
     let limits = format!(
         "limits: {{tencent.com/vcuda-core: \"{cores}\", tencent.com/vcuda-memory: \"{units}\"}}"
     );
-    pod_asking(name, "", &limits, cmd, bin, sim)
+    pod_with_limits(name, &limits, cmd, bin, sim)
+}
+
+/// The same pod with `limits` (a YAML flow map line) and no claim.
+pub fn pod_with_limits(name: &str, limits: &str, cmd: &str, bin: &Path, sim: &Path) -> String {
+    pod_asking(name, "", limits, cmd, bin, sim)
 }
 
 fn pod_asking(

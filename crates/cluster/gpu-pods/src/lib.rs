@@ -50,6 +50,13 @@ pub mod dra {
     /// DeviceClass for whole GPUs: the defaults (all cores, all memory),
     /// the untouched driver.
     pub const WHOLE_CLASS: &str = "vcuda-gpu.vcuda.tencent.com";
+    /// The extended resource the whole-GPU class maps (KEP-5004,
+    /// `extendedResourceName`, GA in 1.37): a container's
+    /// `limits: {vcuda.tencent.com/gpu: 2}` is two whole GPUs through DRA,
+    /// no claim written. One device of that class is one GPU, so a count of
+    /// devices means what it says; a share cannot be asked this way (30
+    /// would be 30 devices), which is what the webhook's rewrite is for.
+    pub const WHOLE_RESOURCE: &str = "vcuda.tencent.com/gpu";
     /// The device attribute naming its GPU (`distinctAttribute` keeps the
     /// shares of one claim on different GPUs).
     pub const UUID_ATTRIBUTE: &str = "vcuda.tencent.com/uuid";

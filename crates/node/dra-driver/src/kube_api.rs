@@ -116,7 +116,10 @@ impl SliceApi for KubeApi {
         let api = Api::<DeviceClass>::all(self.client.clone());
         let name = c.metadata.name.clone().unwrap_or_default();
         match api.create(&PostParams::default(), c).await {
-            Ok(_) => return Ok(()),
+            Ok(stored) => {
+                dropped_fields(c, &stored);
+                return Ok(());
+            }
             Err(kube::Error::Api(s)) if s.code == 409 => {}
             Err(source) => return Err(ApiError::CreateClass { name, source }),
         }
@@ -128,14 +131,34 @@ impl SliceApi for KubeApi {
         match crate::slices::class_action(&have, c) {
             ClassAction::Keep => {}
             ClassAction::Update(new) => {
-                api.replace(&name, &PostParams::default(), &new)
+                let stored = api
+                    .replace(&name, &PostParams::default(), &new)
                     .await
                     .map_err(update)?;
                 tracing::info!(class = %name, "DeviceClass updated to this release's selectors");
+                dropped_fields(c, &stored);
             }
             ClassAction::Foreign(why) => tracing::warn!(class = %name, "{why}"),
         }
         Ok(())
+    }
+}
+
+/// Says so when the API server dropped the class's `extendedResourceName`
+/// (`DRAExtendedResource` off: before 1.36 by default): pods then cannot
+/// ask for whole GPUs by that name, claims still work. Such a server gets
+/// the class updated again at each start (the stored one differs from
+/// this release's); that costs one write.
+fn dropped_fields(want: &DeviceClass, stored: &DeviceClass) {
+    if let Some(r) = &want.spec.extended_resource_name
+        && stored.spec.extended_resource_name.is_none()
+    {
+        tracing::warn!(
+            class = want.metadata.name.as_deref().unwrap_or_default(),
+            resource = %r,
+            "the API server dropped the DeviceClass's extendedResourceName (feature gate DRAExtendedResource off?): \
+             pods cannot ask for whole GPUs as `{r}` in their limits; ResourceClaims work as before"
+        );
     }
 }
 

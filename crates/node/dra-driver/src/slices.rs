@@ -377,7 +377,12 @@ pub fn type_selector(t: &str) -> String {
     format!("device.attributes['{DRIVER_NAME}'].{TYPE} == '{t}'")
 }
 
-fn class(name: &str, t: &str, config: Option<serde_json::Value>) -> DeviceClass {
+fn class(
+    name: &str,
+    t: &str,
+    config: Option<serde_json::Value>,
+    extended_resource: Option<&str>,
+) -> DeviceClass {
     let cel = |expression: String| DeviceSelector {
         cel: Some(CELDeviceSelector { expression }),
     };
@@ -405,7 +410,7 @@ fn class(name: &str, t: &str, config: Option<serde_json::Value>) -> DeviceClass 
                     }),
                 }]
             }),
-            ..Default::default()
+            extended_resource_name: extended_resource.map(str::to_string),
         },
     }
 }
@@ -461,9 +466,13 @@ pub fn class_action(have: &DeviceClass, want: &DeviceClass) -> ClassAction {
     ))
 }
 
+/// The extended resource the whole-GPU class maps (`limits:
+/// {vcuda.tencent.com/gpu: N}`: N whole GPUs, no claim written).
+pub const WHOLE_RESOURCE: &str = gpu_pods::dra::WHOLE_RESOURCE;
+
 pub fn device_classes() -> Vec<DeviceClass> {
     vec![
-        class(SHARE_CLASS, TYPE_GPU, None),
+        class(SHARE_CLASS, TYPE_GPU, None, None),
         class(
             WHOLE_CLASS,
             TYPE_GPU,
@@ -472,8 +481,9 @@ pub fn device_classes() -> Vec<DeviceClass> {
                 "kind": gpu_pods::dra::CONFIG_KIND,
                 "exclusive": true,
             })),
+            Some(WHOLE_RESOURCE),
         ),
-        class(MIG_CLASS, TYPE_MIG, None),
+        class(MIG_CLASS, TYPE_MIG, None, None),
     ]
 }
 
@@ -669,6 +679,13 @@ mod tests {
         assert_eq!(selectors(&classes[2]), [driver.into(), of_type("mig")]);
         assert!(classes[1].spec.config.is_some());
         assert!(classes[0].spec.config.is_none() && classes[2].spec.config.is_none());
+        // Only the whole class maps an extended resource: a count of its
+        // devices is a count of GPUs (a share's 30 would be 30 devices).
+        let mapped: Vec<_> = classes
+            .iter()
+            .map(|c| c.spec.extended_resource_name.as_deref())
+            .collect();
+        assert_eq!(mapped, [None, Some("vcuda.tencent.com/gpu"), None]);
     }
 
     #[test]
