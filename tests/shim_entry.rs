@@ -305,6 +305,12 @@ fn nvml_only_tools_take_no_slot_and_never_wait_for_the_manager() {
         n.vm.path().join("ledger.moved"),
     )
     .unwrap();
+    // Another container's ledger, as /proc shows it under hostPID: a sealed
+    // memfd of the same name, empty. Without the inode the manager records
+    // beside the quota, no memfd is the container's: the tool once took
+    // the first of that name (0 used here; beside the real-node suite, a
+    // pod's ledger).
+    let _decoy = container_ledger::Ledger::create_sealed(0, 8 * GIB).unwrap();
     let r = nvml_only();
     let seen = num(&r, "used") as u64;
     assert_eq!(num(&r, "total"), 4 * GIB as i64);

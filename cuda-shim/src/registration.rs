@@ -634,10 +634,16 @@ pub fn ledger_for_tools(enf: &Enforce, gpu: usize) -> PathBuf {
         return p.clone();
     }
     // The inode the manager recorded beside the quota: with hostPID, /proc
-    // also shows other containers' ledgers under the same name.
-    let id = std::fs::read_to_string(enf.dir.join(quota_config::ledger_id_file(gpu)))
+    // also shows other containers' ledgers under the same name, so without
+    // that record no memfd is taken (the caller falls back to the driver's
+    // per-process use). Taking any memfd of the name once showed a tool
+    // another container's use (shim_entry's soak, beside a real manager).
+    let Some(id) = std::fs::read_to_string(enf.dir.join(quota_config::ledger_id_file(gpu)))
         .ok()
-        .and_then(|t| container_ledger::MemfdId::parse(&t));
+        .and_then(|t| container_ledger::MemfdId::parse(&t))
+    else {
+        return file;
+    };
     let hit = container_ledger::memfd_paths(gpu, id, container_ledger::proc_pids()).next();
     found[gpu] = hit.clone();
     hit.unwrap_or(file)

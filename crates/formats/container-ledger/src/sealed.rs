@@ -117,13 +117,13 @@ impl MemfdId {
 }
 
 /// A descriptor path (`/proc/<pid>/fd/<n>`) among those of `pids` that
-/// holds GPU `gpu`'s ledger memfd: named `vcuda-ledger.<gpu>` and, when
-/// `id` is given, that inode (a tenant can name a memfd alike, not choose
-/// its inode). Every path in the order found: the first may be gone by
+/// holds GPU `gpu`'s ledger memfd: named `vcuda-ledger.<gpu>` and that
+/// inode, `id` (a tenant can name a memfd alike, not choose its inode;
+/// with hostPID, other containers' ledgers carry the same name). Every path in the order found: the first may be gone by
 /// the time it is opened.
 pub fn memfd_paths(
     gpu: usize,
-    id: Option<MemfdId>,
+    id: MemfdId,
     pids: impl IntoIterator<Item = i32>,
 ) -> impl Iterator<Item = PathBuf> {
     let want = format!("/memfd:{MEMFD_PREFIX}.{gpu} ");
@@ -132,9 +132,7 @@ pub fn memfd_paths(
         .flat_map(|fds| fds.flatten().map(|e| e.path()))
         .filter(move |p| {
             std::fs::read_link(p).is_ok_and(|t| t.to_string_lossy().starts_with(&want))
-                && id.is_none_or(|id| {
-                    std::fs::metadata(p).is_ok_and(|m| (m.dev(), m.ino()) == (id.dev, id.ino))
-                })
+                && std::fs::metadata(p).is_ok_and(|m| (m.dev(), m.ino()) == (id.dev, id.ino))
         })
 }
 
@@ -156,7 +154,7 @@ pub fn find_live(
     id: MemfdId,
     pids: impl IntoIterator<Item = i32>,
 ) -> Option<(Ledger, File)> {
-    memfd_paths(gpu, Some(id), pids).find_map(|p| {
+    memfd_paths(gpu, id, pids).find_map(|p| {
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
