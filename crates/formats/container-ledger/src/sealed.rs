@@ -119,8 +119,9 @@ impl MemfdId {
 /// A descriptor path (`/proc/<pid>/fd/<n>`) among those of `pids` that
 /// holds GPU `gpu`'s ledger memfd: named `vcuda-ledger.<gpu>` and that
 /// inode, `id` (a tenant can name a memfd alike, not choose its inode;
-/// with hostPID, other containers' ledgers carry the same name). Every path in the order found: the first may be gone by
-/// the time it is opened.
+/// with hostPID, other containers' ledgers carry the same name). Every
+/// path in the order found: the first may be gone by the time it is
+/// opened.
 pub fn memfd_paths(
     gpu: usize,
     id: MemfdId,

@@ -58,10 +58,16 @@ pub fn response(pool: &str, gpus: &[GpuHealth]) -> h::NodeWatchResourcesResponse
     }
 }
 
-type HealthStream =
+/// The v1 stream the kubelet reads (here and in the supervisor's relay).
+pub type HealthStream =
     Pin<Box<dyn Stream<Item = Result<h::NodeWatchResourcesResponse, Status>> + Send>>;
-type HealthStreamV1alpha1 =
+pub type HealthStreamV1alpha1 =
     Pin<Box<dyn Stream<Item = Result<v1alpha1::NodeWatchResourcesResponse, Status>> + Send>>;
+
+/// The same stream for a kubelet that opens v1alpha1 (1.31-1.36).
+pub fn as_v1alpha1(s: HealthStream) -> HealthStreamV1alpha1 {
+    s.map(|m| m.map(|m| dra_health::to_v1alpha1(&m))).boxed()
+}
 
 impl HealthService {
     /// The whole list now, then on every change and every [`REFRESH`].
@@ -105,8 +111,7 @@ impl v1alpha1::dra_resource_health_server::DraResourceHealth for HealthService {
         &self,
         _: Request<v1alpha1::NodeWatchResourcesRequest>,
     ) -> Result<Response<HealthStreamV1alpha1>, Status> {
-        let s = self.watch().map(|m| m.map(|m| dra_health::to_v1alpha1(&m)));
-        Ok(Response::new(s.boxed()))
+        Ok(Response::new(as_v1alpha1(self.watch())))
     }
 }
 

@@ -6,15 +6,15 @@
 //! kubelet itself repeats them), and the health stream continues from the
 //! next child.
 
-use std::pin::Pin;
-
 use child_relay::{Inboxes, RETRY, lost};
 use dra_api::dra::{v1, v1beta1};
-use dra_api::dra_health::{self, v1 as h, v1alpha1};
-use futures::{Stream, StreamExt};
+use dra_api::dra_health::{v1 as h, v1alpha1};
+use futures::StreamExt;
 use tokio::net::UnixListener;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
+
+use crate::health::{HealthStream, HealthStreamV1alpha1, as_v1alpha1};
 
 pub use child_relay::incoming;
 
@@ -126,9 +126,6 @@ impl v1beta1::dra_plugin_server::DraPlugin for Relay {
     }
 }
 
-type HealthStream =
-    Pin<Box<dyn Stream<Item = Result<h::NodeWatchResourcesResponse, Status>> + Send>>;
-
 impl Relay {
     /// One stream to the kubelet, fed by each child in turn (its v1
     /// service): a child's death is a pause, not the stream's end.
@@ -181,9 +178,6 @@ impl h::dra_resource_health_server::DraResourceHealth for Relay {
     }
 }
 
-type HealthStreamV1alpha1 =
-    Pin<Box<dyn Stream<Item = Result<v1alpha1::NodeWatchResourcesResponse, Status>> + Send>>;
-
 #[tonic::async_trait]
 impl v1alpha1::dra_resource_health_server::DraResourceHealth for Relay {
     type NodeWatchResourcesStream = HealthStreamV1alpha1;
@@ -192,9 +186,6 @@ impl v1alpha1::dra_resource_health_server::DraResourceHealth for Relay {
         &self,
         _: Request<v1alpha1::NodeWatchResourcesRequest>,
     ) -> Result<Response<HealthStreamV1alpha1>, Status> {
-        let s = self
-            .health()
-            .map(|m| m.map(|m| dra_health::to_v1alpha1(&m)));
-        Ok(Response::new(s.boxed()))
+        Ok(Response::new(as_v1alpha1(self.health())))
     }
 }
