@@ -343,24 +343,41 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     ));
     // Pods not running that still carry a reservation (a bind cut off by
     // the kill): what would explain cores missing.
-    let reserved: Vec<String> = ps
-        .iter()
-        .filter(|p| phase(p) != "Running")
-        .filter_map(|p| {
-            let a = &p["metadata"]["annotations"];
-            a["tencent.com/predicate-node"].as_str().map(|n| {
+    let extender_log =
+        std::fs::read_to_string(c.dir.join("log/vcuda-scheduler.log")).unwrap_or_default();
+    let reserved: Vec<String> =
+        ps.iter()
+            .filter(|p| phase(p) != "Running")
+            .filter_map(|p| {
+                let a = &p["metadata"]["annotations"];
+                a["tencent.com/predicate-node"].as_str().map(|n| {
+                // Why the scheduler left it, and what the extender said of
+                // it: what tells a stale reservation from a full GPU.
+                let name = p["metadata"]["name"].as_str().unwrap_or_default();
+                let said: Vec<String> = extender_log
+                    .lines()
+                    .filter(|l| l.split_whitespace().any(|w| w.ends_with(&format!("/{name}"))))
+                    .map(str::to_string)
+                    .collect();
                 format!(
-                    "{} ({} cores on {n} GPUs {})",
-                    p["metadata"]["name"],
+                    "{name} ({} cores on {n} GPUs {}; scheduler: {}; the extender of it: {said:?})",
                     limit(p, "tencent.com/vcuda-core"),
-                    a["tencent.com/predicate-gpu-idx-0"]
+                    a["tencent.com/predicate-gpu-idx-0"],
+                    p["status"]["conditions"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|c| c["message"].as_str())
+                        .collect::<Vec<_>>()
+                        .join("; ")
                 )
             })
-        })
-        .collect();
+            })
+            .collect();
     assert!(
         placed >= rule,
-        "{placed} cores placed, gpu-admission's rule places {rule}; pods not running with a reservation: {reserved:?}"
+        "{placed} cores placed, gpu-admission's rule places {rule}; pods not running with a reservation:\n{}",
+        reserved.join("\n")
     );
     drop(ext);
     c.kubectl_ok(&[

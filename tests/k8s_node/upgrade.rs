@@ -35,6 +35,9 @@ struct Switch {
     /// A process started once the old manager was gone, with the default
     /// wait: how long until it ran (it must).
     held_s: f64,
+    /// The old and the new manager's lines on the node's allocatable and
+    /// their stop: what a refused pod is read against.
+    node_status: Vec<String>,
 }
 
 /// Runs the drill; the DaemonSet of phase 3 serves with image `:local`,
@@ -142,7 +145,10 @@ pub fn run(
         .collect();
     assert!(
         refused.is_empty(),
-        "pods created during a switch refused at admission: {refused:?}"
+        "pods created during a switch refused at admission: {refused:?}\n\
+         the managers' node status lines, upgrade:\n{}\nrollback:\n{}",
+        up.node_status.join("\n"),
+        down.node_status.join("\n")
     );
     let mut ms: Vec<u64> = during
         .iter()
@@ -174,6 +180,13 @@ fn switch(
     act: impl FnOnce(),
 ) -> Switch {
     let before = c.logs("ds-upgrade").lines().count();
+    // The old manager's log to its end (its pod, deleted, takes it along).
+    let old_log = c.dir.join("work").join(format!("manager-before-{tag}.log"));
+    let follow = c
+        .kubectl_cmd(&["-n", "kube-system", "logs", "-f", "--timestamps", mgr])
+        .stdout(fs::File::create(&old_log).unwrap())
+        .stderr(std::process::Stdio::null())
+        .spawn();
     let t = Instant::now();
     act();
     // Once new processes fail (the old manager gone), one more starts with
@@ -309,10 +322,36 @@ fn switch(
             && text.contains("waiting for the GPU manager"),
         "a process started while the manager was away was not held until the new one answered:\n{text}"
     );
+    let mut node_status = Vec::new();
+    if let Ok(mut f) = follow {
+        let _ = f.kill();
+        let _ = f.wait();
+    }
+    let new_log = c
+        .kubectl(&["-n", "kube-system", "logs", "--timestamps", &new])
+        .unwrap_or_default();
+    let old_log = fs::read_to_string(&old_log).unwrap_or_default();
+    for (who, log) in [("old", &old_log), ("new", &new_log)] {
+        node_status.extend(
+            log.lines()
+                .filter(|l| {
+                    [
+                        "allocatable",
+                        "shutting down",
+                        "SIGTERM",
+                        "registered with kubelet",
+                    ]
+                    .iter()
+                    .any(|k| l.contains(k))
+                })
+                .map(|l| format!("{who}: {l}")),
+        );
+    }
     *mgr = new;
     Switch {
         during: settle(c, &during),
         held_s,
+        node_status,
         ..s
     }
 }
@@ -468,6 +507,7 @@ fn runs(stamped: &str, skip: usize, max_blocks: u64, rollout_s: f64) -> Switch {
         rollout_s,
         during: Vec::new(),
         held_s: 0.0,
+        node_status: Vec::new(),
     };
     let mut last_ok: Option<f64> = None;
     for line in stamped.lines().skip(skip) {

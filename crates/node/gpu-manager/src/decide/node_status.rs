@@ -8,6 +8,15 @@
 //! anyway) and pods wait Pending instead; the next manager, registered,
 //! writes back what its plugins advertise (what kubelet will report next),
 //! so they are placed at once rather than after the next update.
+//!
+//! The stopping manager writes the 0 twice: once on the signal, while its
+//! plugins still serve (a pod placed before the scheduler saw it is still
+//! admitted with devices), and again once they stopped. Written only at the
+//! end, a slow write (a loaded API server, the checkpoint's fsync before it)
+//! left a window where the kubelet had no devices and the scheduler still
+//! placed pods (CI, phase 3b: three pods refused); written only at the
+//! start, a kubelet status update before the plugins stop writes the old
+//! count back for up to 10 s.
 
 use std::time::Duration;
 
@@ -70,20 +79,26 @@ pub async fn set_allocatable(client: &kube::Client, node: &str, vcore: usize, vm
     let api: Api<Node> = Api::all(client.clone());
     let body = allocatable_patch(vcore, vmemory);
     let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
+    let t = std::time::Instant::now();
     match tokio::time::timeout(TIMEOUT, api.patch_status(node, &params, &patch)).await {
-        Ok(Ok(_)) => tracing::info!(
-            node,
-            vcore,
-            vmemory,
-            "node status: vcuda allocatable written"
-        ),
-        Ok(Err(e)) => {
-            tracing::warn!(node, error = %e, "writing the node's vcuda allocatable (kubelet's next status update will)")
+        Ok(Ok(_)) => {
+            tracing::info!(
+                node,
+                vcore,
+                vmemory,
+                ms = t.elapsed().as_millis() as u64,
+                "node status: vcuda allocatable written"
+            );
         }
-        Err(_) => tracing::warn!(
-            node,
-            "writing the node's vcuda allocatable timed out (kubelet's next status update will)"
-        ),
+        Ok(Err(e)) => {
+            tracing::warn!(node, error = %e, "writing the node's vcuda allocatable (kubelet's next status update will)");
+        }
+        Err(_) => {
+            tracing::warn!(
+                node,
+                "writing the node's vcuda allocatable timed out (kubelet's next status update will)"
+            );
+        }
     }
 }
 

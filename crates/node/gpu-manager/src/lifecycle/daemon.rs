@@ -182,6 +182,9 @@ pub async fn run(
     }
     tracing::info!("shutting down");
     display.set_ready(false);
+    if held.is_some() {
+        node.withdraw().await;
+    }
     stop_plugins.cancel();
     let plugins = plugins.wait().await.context("stopping the device plugins");
     mig.stopped().await;

@@ -234,6 +234,22 @@ impl Node {
         );
     }
 
+    /// At shutdown, before the plugins stop and again after
+    /// ([`crate::decide::node_status`]): unless a successor serves, the
+    /// node's allocatable 0, so the scheduler stops placing pods here.
+    /// For the node's owner only.
+    pub async fn withdraw(&self) {
+        match owner::successor(self.dir(), &self.instance) {
+            Some(next) => {
+                tracing::info!(successor = %next.instance, "a new manager is registered: leaving the node's vcuda allocatable to it")
+            }
+            None => {
+                let node = &self.settings.node_name;
+                crate::decide::node_status::set_allocatable(&self.client, node, 0, 0).await;
+            }
+        }
+    }
+
     /// At shutdown, with the plugins stopped: an owner writes what it has
     /// not written and, unless a successor serves, the node's allocatable 0.
     pub async fn stop(&self, held: Option<Held>) {
@@ -242,22 +258,9 @@ impl Node {
         };
         held.jobs.cancel();
         let _ = self.mgr.flush().await;
-        match owner::successor(self.dir(), &self.instance) {
-            Some(next) => {
-                tracing::info!(successor = %next.instance, "a new manager is registered: leaving the node's vcuda allocatable to it")
-            }
-            // Kubelet has no devices from here: the scheduler must not place
-            // pods on them until the next manager registers.
-            None => {
-                crate::decide::node_status::set_allocatable(
-                    &self.client,
-                    &self.settings.node_name,
-                    0,
-                    0,
-                )
-                .await
-            }
-        }
+        // Kubelet has no devices from here: the scheduler must not place
+        // pods on them until the next manager registers.
+        self.withdraw().await;
         drop(held.owner);
     }
 }
