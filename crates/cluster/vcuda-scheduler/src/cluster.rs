@@ -72,7 +72,11 @@ impl Cluster {
                 }
             }
         }
-        for p in pods {
+        // Bound pods first: their records are what the managers honour;
+        // a reservation that conflicts with them lost its race.
+        let (bound, reserving): (Vec<&Pod>, Vec<&Pod>) =
+            pods.into_iter().partition(|p| bound_to(p).is_some());
+        for p in bound.into_iter().chain(reserving) {
             c.add_placed(p);
         }
         c
@@ -105,6 +109,17 @@ impl Cluster {
             };
             let id = format!("{}/{}", gpu_pods::uid(pod), r.name);
             if let Err(e) = st.allocator.commit(id, &p) {
+                if bound_to(pod).is_none() {
+                    // A reservation over what bound pods hold: a bind that
+                    // lost its race or was cut off (the extender killed).
+                    // It holds nothing; taking the GPU out over it left a
+                    // real three-node trace with a pod Unschedulable.
+                    st.problems.push(format!(
+                        "pod {who} container {}: its reservation is not counted, it conflicts with pods bound there: {e}",
+                        r.name
+                    ));
+                    continue;
+                }
                 // Two records claim these GPUs (a bind that lost its race
                 // keeps its old placement until its retry rewrites it):
                 // which one holds them is unknown, so they take nothing
@@ -212,12 +227,7 @@ pub fn holding_node_at(pod: &Pod, now: SystemTime) -> Option<&str> {
     if matches!(phase, Some("Succeeded" | "Failed")) {
         return None;
     }
-    if let Some(n) = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.node_name.as_deref())
-        .filter(|n| !n.is_empty())
-    {
+    if let Some(n) = bound_to(pod) {
         return Some(n);
     }
     let node = gpu_pods::annotation(pod, gpu_pods::PREDICATE_NODE)?;
@@ -228,6 +238,14 @@ pub fn holding_node_at(pod: &Pod, now: SystemTime) -> Option<&str> {
     let fresh = at.saturating_add(RESERVATION_TTL.as_nanos()) >= now
         && at <= now.saturating_add(CLOCK_SKEW.as_nanos());
     fresh.then_some(node)
+}
+
+/// The node `pod` is bound to, if it is.
+fn bound_to(pod: &Pod) -> Option<&str> {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .filter(|n| !n.is_empty())
 }
 
 /// The placement `minors` (`/dev/nvidiaN` numbers) record for `req` on a

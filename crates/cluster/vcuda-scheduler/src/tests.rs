@@ -301,6 +301,42 @@ fn a_pod_whose_bind_was_cut_off_fits_in_its_own_reservation_and_no_one_else_does
     assert!(r.failed_nodes["a"].contains("free"), "{r:?}");
 }
 
+/// A reservation over what bound pods hold is a bind that lost its race
+/// or was cut off: it holds nothing, and the GPU stays open to others, in
+/// either replay order. (A real three-node trace, the extender killed
+/// mid-run: taking GPU 3 out over such a reservation left its own pod
+/// Unschedulable.)
+#[test]
+fn a_reservation_over_bound_pods_is_dropped_not_the_gpu() {
+    let nodes = [node("a", 2, false)];
+    let reservation = |name: &str| {
+        pod(
+            name,
+            &[(80, 16)],
+            json!({"tencent.com/predicate-node": "a", "tencent.com/predicate-gpu-idx-0": "0",
+                   "tencent.com/predicate-time": ns_ago(5).to_string()}),
+        )
+    };
+    for (bound, cut) in [("a-bound", "b-cut"), ("b-bound", "a-cut")] {
+        let cut = reservation(cut);
+        let pods = [cut.clone(), placed(bound, &[(40, 16)], "a", &["0"])];
+        let c = Cluster::build(&nodes, &pods);
+        let st = &c.nodes["a"];
+        assert_eq!(st.allocator.usage(0).allocated_cores, 40, "{bound}");
+        assert!(
+            st.problems.len() == 1 && st.problems[0].contains("reservation is not counted"),
+            "{:?}",
+            st.problems
+        );
+        // GPU 0 takes what fits beside the bound pod (the fullest first)...
+        let fit = c.fit("a", &pod("new", &[(30, 8)], json!({}))).unwrap();
+        assert_eq!(fit[0].1.gpus(), [0], "{bound}: {fit:?}");
+        // ...and the cut-off pod, scheduled again, fits on GPU 1.
+        let r = filter(&c, &args(cut, &["a"]));
+        assert_eq!(r.node_names, Some(vec!["a".to_string()]), "{r:?}");
+    }
+}
+
 /// Epoch nanoseconds `secs` ago (negative: ahead).
 fn ns_ago(secs: i64) -> u128 {
     let now = std::time::SystemTime::now()
