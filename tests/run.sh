@@ -82,7 +82,7 @@ run_tests() {
   local label=$1 kind=cargo
   shift
   [ "$1" = python3 ] && kind=pytest
-  local out=$TEST_LOGS/$(printf '%s' "$label" | tr -c 'a-z0-9' '-').$kind.log
+  local out=$TEST_LOGS/$(printf '%s' "$label" | tr 'A-Z' 'a-z' | tr -c 'a-z0-9' '-').$kind.log
   if "$@" 2>&1 | tee "$out"; then
     return 0
   fi
