@@ -68,6 +68,7 @@ fn certs(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>
 pub fn server_config(f: &TlsFiles) -> Result<Arc<rustls::ServerConfig>, TlsError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let resolver = Arc::new(Reloading::new(f, provider.clone())?);
+    refresh_in_background(Arc::downgrade(&resolver));
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| TlsError::Config(e.to_string()))?;
@@ -168,6 +169,23 @@ impl Reloading {
     }
 }
 
+/// Reads the files again every [`RELOAD_CHECK`] whether or not a client
+/// connects: read only at handshakes, a webhook whose API server kept its
+/// connections open loaded none of two rotations in 14 s, and the next
+/// handshake, catching a third half-written, kept the first certificate,
+/// expired by then (k8s_node, phase 1c, under load).
+fn refresh_in_background(r: std::sync::Weak<Reloading>) {
+    let _ = std::thread::Builder::new()
+        .name("tls-reload".into())
+        .spawn(move || {
+            while let Some(r) = r.upgrade() {
+                r.refresh();
+                drop(r);
+                std::thread::sleep(RELOAD_CHECK);
+            }
+        });
+}
+
 /// How often the certificate files' times are looked at.
 const RELOAD_CHECK: Duration = Duration::from_secs(1);
 
@@ -251,3 +269,6 @@ impl axum::serve::Listener for TlsListener {
         Ok(self.local)
     }
 }
+
+#[cfg(test)]
+mod tests;
