@@ -363,13 +363,7 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
                     "{name} ({} cores on {n} GPUs {}; scheduler: {}; the extender of it: {said:?})",
                     limit(p, "tencent.com/vcuda-core"),
                     a["tencent.com/predicate-gpu-idx-0"],
-                    p["status"]["conditions"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .filter_map(|c| c["message"].as_str())
-                        .collect::<Vec<_>>()
-                        .join("; ")
+                    test_support::k8s::util::condition_messages(p)
                 )
             })
             })

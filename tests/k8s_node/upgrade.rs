@@ -422,13 +422,7 @@ fn settle(c: &Cluster, pods: &[(String, Instant)]) -> Vec<(String, Result<f64, S
                 format!(
                     "{} {}",
                     p["status"]["phase"],
-                    p["status"]["conditions"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .filter_map(|c| c["message"].as_str())
-                        .collect::<Vec<_>>()
-                        .join("; ")
+                    test_support::k8s::util::condition_messages(&p)
                 )
             },
         );

@@ -59,6 +59,17 @@ pub fn percentile(sorted: &[u64], p: f64) -> u64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
+/// A pod's condition messages (why the scheduler or kubelet left it), joined.
+pub fn condition_messages(pod: &serde_json::Value) -> String {
+    pod["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c["message"].as_str())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 pub fn tail(s: &str, n: usize) -> String {
     let lines: Vec<&str> = s.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
