@@ -117,8 +117,40 @@ pub struct Period {
 pub struct Timed {
     /// Their device time over their cost.
     pub ns_per_unit: f64,
-    /// The standard error of that ratio.
+    /// The standard error of that ratio (residuals about it).
     pub error: f64,
+    /// cov(residual, cost) / (n * mean cost²): how [`Self::error_at`]
+    /// moves with the reference (0: the error does not).
+    pub cross: f64,
+    /// var(cost) / (n * mean cost²).
+    pub cost_spread: f64,
+}
+
+impl Timed {
+    /// A ratio whose standard error is `error` whatever it is tested
+    /// against.
+    pub fn new(ns_per_unit: f64, error: f64) -> Timed {
+        Timed {
+            ns_per_unit,
+            error,
+            cross: 0.0,
+            cost_spread: 0.0,
+        }
+    }
+
+    /// The ratio's standard error were the true ratio `reference`: from
+    /// the residuals `ns - reference * cost`. Why not [`Self::error`]:
+    /// when costs say little of time (one duration at 1 to 100,000
+    /// blocks), the ratio is low exactly when the sample drew many
+    /// costly launches, and the residuals about that low ratio are then
+    /// small too, so a ratio 2 true standard errors low read as 3 and a
+    /// hard 70 alone on its GPU ran at 76 % (tests/shim_accuracy.rs).
+    pub fn error_at(&self, reference: f64) -> f64 {
+        let d = reference - self.ns_per_unit;
+        (self.error * self.error - 2.0 * d * self.cross + d * d * self.cost_spread)
+            .max(0.0)
+            .sqrt()
+    }
 }
 
 /// The controller's decision for the bucket.
@@ -250,11 +282,12 @@ impl Controller {
         // (a hard 50 at 53-56 %). Two standard errors to engage were
         // crossed by chance alone on the GPU when costs say nothing of
         // time (1 and 100,000 blocks of one duration: a ratio wandering
-        // ±25 % over seconds; a hard 90 at 95 %).
+        // ±25 % over seconds; a hard 90 at 95 %). The errors are those the
+        // ratio has were NVML's scale true ([`Timed::error_at`]).
         let margin = if self.capping { 1.0 } else { 3.0 };
         let capped = self
             .timed
-            .filter(|t| t.ns_per_unit + margin * t.error < learned)
+            .filter(|t| t.ns_per_unit + margin * t.error_at(learned) < learned)
             .map(|t| t.ns_per_unit);
         self.capping = capped.is_some();
         let scale = capped.unwrap_or(learned);
@@ -459,8 +492,9 @@ impl Controller {
     /// the quota's side; alone on a GPU NVML's is the lower and stays),
     /// and gives an eclipsed period its use.
     pub fn set_timed(&mut self, timed: Option<Timed>) {
-        self.timed = timed
-            .filter(|t| t.ns_per_unit.is_finite() && t.ns_per_unit > 0.0 && t.error.is_finite());
+        self.timed = timed.filter(|t| {
+            t.ns_per_unit.is_finite() && t.ns_per_unit > 0.0 && t.error_at(0.0).is_finite()
+        });
     }
 
     /// The container's use in `p` by its timed scale, percent.

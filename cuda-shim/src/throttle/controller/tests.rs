@@ -480,10 +480,7 @@ fn eclipsed_run_as(
     let (mut t, mut units, mut rate, mut own) = (0u64, 0.0, f64::INFINITY, 0.0);
     c.record_launched(0, 0);
     for _ in 0..60 {
-        c.set_timed(timed.map(|k| Timed {
-            ns_per_unit: k,
-            error: 0.0,
-        }));
+        c.set_timed(timed.map(|k| Timed::new(k, 0.0)));
         let r = rate.min(demand).min((100.0 - others) / 100.0 / k);
         let cost = one_period(&mut c, &mut t, &mut units, r);
         own = r * k * 100.0;
@@ -538,10 +535,7 @@ fn a_share_never_named_still_holds_its_quota() {
 /// whole busy percent (a real driver's busiest process; its neighbour
 /// uses `others` unseen), with `timed` the scale its timed launches give.
 fn named_at_device_total(quota: Quota, k: f64, others: f64, timed: Option<f64>) -> f64 {
-    let exact = timed.map(|k| Timed {
-        ns_per_unit: k,
-        error: 0.0,
-    });
+    let exact = timed.map(|k| Timed::new(k, 0.0));
     named_at_device_total_timed(quota, k, others, |_| exact)
 }
 
@@ -600,14 +594,8 @@ fn timed_launches_cap_what_a_share_named_at_the_device_total_is_charged() {
 fn a_cap_in_force_holds_through_noisy_timed_seconds() {
     let q = hard(60.0);
     let k = 10_000.0 / 16.0;
-    let noisy_after = |n: usize, e: f64| {
-        move |i: usize| {
-            Some(Timed {
-                ns_per_unit: k,
-                error: if i < n { 0.0 } else { e * k },
-            })
-        }
-    };
+    let noisy_after =
+        |n: usize, e: f64| move |i: usize| Some(Timed::new(k, if i < n { 0.0 } else { e * k }));
     let never_capped = named_at_device_total_timed(q, k, 30.0, noisy_after(0, 1.0));
     assert!(
         (never_capped - 30.0).abs() < 2.0,
@@ -651,10 +639,7 @@ fn unsampled_run(quota: Quota, k: f64, timed: Option<f64>) -> (Controller, f64) 
         if let Some(d) = c.check_samples(t) {
             rate = d.rate;
         }
-        c.set_timed(timed.map(|k| Timed {
-            ns_per_unit: k,
-            error: 0.0,
-        }));
+        c.set_timed(timed.map(|k| Timed::new(k, 0.0)));
         if let Some(d) = c.add_timed_period(t, || true) {
             rate = d.rate;
         }

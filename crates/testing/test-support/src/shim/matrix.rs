@@ -134,6 +134,10 @@ pub struct Setup {
 }
 
 /// Runs one case on a fresh node; `prog` is shim_laws, compiled once.
+/// With `$VCUDA_ACCURACY_BINS` set, prints each tenant's use in every
+/// 100 ms from its start (the sim's timeline): where a miss came from, a
+/// burst or a steady offset (beside `$VCUDA_ACCURACY_LOG=debug`, the
+/// controller's view of the same periods).
 pub fn run_case(s: &Setup, case: &Case, prog: &Path) -> Outcome {
     let n = ShimNode::install(&s.workspace, &s.gpu_sim, &s.shim, NODE);
     let containers: Vec<Container> = case
@@ -151,6 +155,18 @@ pub fn run_case(s: &Setup, case: &Case, prog: &Path) -> Outcome {
     let to = from + workload::s(s.window_s);
     workload::sleep_until(to + 20_000_000);
     let achieved = runs.iter().map(|r| n.busy(&[r.pid], from, to)).collect();
+    if std::env::var_os("VCUDA_ACCURACY_BINS").is_some() {
+        for r in &runs {
+            let start = r.start;
+            let bins: Vec<String> = (0..((to - start) / 100_000_000))
+                .map(|i| {
+                    let a = start + i * 100_000_000;
+                    format!("{:.0}", n.busy(&[r.pid], a, a + 100_000_000))
+                })
+                .collect();
+            eprintln!("bins {} pid {}: {}", case.name, r.pid, bins.join(" "));
+        }
+    }
     for r in runs {
         workload::finish(r);
     }
