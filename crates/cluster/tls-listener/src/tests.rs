@@ -17,6 +17,20 @@ fn served(r: &Reloading) -> Vec<u8> {
     r.current.read().unwrap().key.cert[0].as_ref().to_vec()
 }
 
+/// What `r` serves once it is not `old`, or after 10 s (a loaded machine
+/// may run the reload thread late; a fixed sleep of two periods was a
+/// guess).
+fn served_once_not(r: &Reloading, old: &[&[u8]]) -> Vec<u8> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = served(r);
+        if !old.contains(&now.as_slice()) || Instant::now() > deadline {
+            return now;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// No client connects while a rotation lands; the next handshake catches
 /// the one after it half-written (new key, old certificate): it must get
 /// the rotated pair, not the first one (which a real run served expired).
@@ -39,8 +53,7 @@ fn rotations_are_read_without_handshakes_and_a_torn_one_keeps_the_last_good_pair
     std::thread::sleep(Duration::from_millis(20));
     put(&files.key, &b.1);
     put(&files.cert, &b.0);
-    std::thread::sleep(RELOAD_CHECK * 2 + Duration::from_millis(300));
-    let rotated = served(&r);
+    let rotated = served_once_not(&r, &[&first]);
     assert_ne!(
         rotated, first,
         "the rotation was not read without a handshake"
@@ -56,8 +69,7 @@ fn rotations_are_read_without_handshakes_and_a_torn_one_keeps_the_last_good_pair
     );
     // Whole again: read.
     put(&files.cert, &c.0);
-    std::thread::sleep(RELOAD_CHECK * 2 + Duration::from_millis(300));
-    let last = served(&r);
+    let last = served_once_not(&r, &[&first, &rotated]);
     assert!(
         last != rotated && last != first,
         "the completed rotation was not read"
