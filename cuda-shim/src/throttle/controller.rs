@@ -272,7 +272,7 @@ impl Controller {
         let Some(learned) = self.scale else {
             return self.ramp(&p);
         };
-        // NVML's scale, unless the timed launches say, beyond three standard
+        // NVML's scale, unless the timed launches say, beyond four standard
         // errors, that a unit takes less (see `set_timed`); once capping,
         // until they say so within one. Let go on a noisy second, the rate
         // fell back to NVML's scale, which for a share named with the
@@ -283,8 +283,10 @@ impl Controller {
         // crossed by chance alone on the GPU when costs say nothing of
         // time (1 and 100,000 blocks of one duration: a ratio wandering
         // ±25 % over seconds; a hard 90 at 95 %). The errors are those the
-        // ratio has were NVML's scale true ([`Timed::error_at`]).
-        let margin = if self.capping { 1.0 } else { 3.0 };
+        // ratio has were NVML's scale true ([`Timed::error_at`]), and four
+        // to engage: a decision every 100 ms is 80 looks in 8 s, and three
+        // were still crossed by chance (a hard 50 at 53.2 %, one run in 5).
+        let margin = if self.capping { 1.0 } else { 4.0 };
         let capped = self
             .timed
             .filter(|t| t.ns_per_unit + margin * t.error_at(learned) < learned)

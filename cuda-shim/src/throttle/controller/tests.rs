@@ -585,7 +585,7 @@ fn timed_launches_cap_what_a_share_named_at_the_device_total_is_charged() {
     assert!((alone - 60.0).abs() < 1.5, "alone, timed long: {alone}");
 }
 
-/// The cap engages beyond three standard errors and, once on, holds until
+/// The cap engages beyond four standard errors and, once on, holds until
 /// the timed ratio is within one of NVML's scale: through seconds whose
 /// timed launches disagree more than they did (a standard error of 0.3 of
 /// the ratio, where three would not start it) it holds, where let go the
