@@ -495,7 +495,11 @@ impl Controller {
     /// and gives an eclipsed period its use.
     pub fn set_timed(&mut self, timed: Option<Timed>) {
         self.timed = timed.filter(|t| {
-            t.ns_per_unit.is_finite() && t.ns_per_unit > 0.0 && t.error_at(0.0).is_finite()
+            t.ns_per_unit.is_finite()
+                && t.ns_per_unit > 0.0
+                && [t.error, t.cross, t.cost_spread]
+                    .iter()
+                    .all(|v| v.is_finite())
         });
     }
 
