@@ -157,14 +157,11 @@ pub fn run_case(s: &Setup, case: &Case, prog: &Path) -> Outcome {
     let achieved = runs.iter().map(|r| n.busy(&[r.pid], from, to)).collect();
     if std::env::var_os("VCUDA_ACCURACY_BINS").is_some() {
         for r in &runs {
-            let start = r.start;
-            let bins: Vec<String> = (0..((to - start) / 100_000_000))
-                .map(|i| {
-                    let a = start + i * 100_000_000;
-                    format!("{:.0}", n.busy(&[r.pid], a, a + 100_000_000))
-                })
+            let bins: Vec<f64> = (0..(to - r.start) / BIN_NS)
+                .map(|i| r.start + i * BIN_NS)
+                .map(|a| n.busy(&[r.pid], a, a + BIN_NS))
                 .collect();
-            eprintln!("bins {} pid {}: {}", case.name, r.pid, bins.join(" "));
+            eprintln!("bins {} pid {}: {bins:.0?}", case.name, r.pid);
         }
     }
     for r in runs {
