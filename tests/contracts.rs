@@ -52,6 +52,7 @@ fn request_v1() -> RegisterRequest {
         program: "/usr/bin/python3".into(),
         previous_slot: None,
         previous_slots: Vec::new(),
+        qos_pages: false,
     }
 }
 
@@ -68,10 +69,19 @@ fn registration_requests_of_both_protocols_are_read() {
         protocol_version: 2,
         previous_slot: Some(3),
         previous_slots: vec![3, 4],
+        qos_pages: false,
         ..request_v1()
     };
     let v2 = golden("register-request-v2.pb", || v2_want.encode_to_vec());
     assert_eq!(RegisterRequest::decode(v2.as_slice()).unwrap(), v2_want);
+    // Today's interposer says it reads a QoS page per GPU (field 9); the
+    // bodies above, from before, read as not.
+    let today = RegisterRequest {
+        qos_pages: true,
+        ..v2_want.clone()
+    };
+    let b = golden("register-request-v2-qos-pages.pb", || today.encode_to_vec());
+    assert_eq!(RegisterRequest::decode(b.as_slice()).unwrap(), today);
 }
 
 /// A reply from a manager of today's release; and one from before the
@@ -90,6 +100,8 @@ fn registration_replies_are_read() {
         qos_slot: None,
         memory_limit: 0,
         reclaim: false,
+        qos_pages: 0,
+        qos_slots: vec![],
     };
     let b = golden("register-response-v2.pb", || want.encode_to_vec());
     assert_eq!(RegisterResponse::decode(b.as_slice()).unwrap(), want);
@@ -111,8 +123,21 @@ fn registration_replies_are_read() {
         ..want.clone()
     };
     let b = golden("register-response-qos.pb", || qos.encode_to_vec());
-    assert_eq!(RegisterResponse::decode(b.as_slice()).unwrap(), qos);
+    let one = RegisterResponse::decode(b.as_slice()).unwrap();
+    assert_eq!(one, qos);
     assert_eq!(r.qos_tier, 0, "a reply without a tier is plain");
+    // A latency-tier process of a share on two GPUs: a page per GPU after
+    // the ledgers (fields 12, 13), the one-page fields unset; a one-GPU
+    // reply names no such pages.
+    let multi = RegisterResponse {
+        qos_tier: 1,
+        qos_pages: 2,
+        qos_slots: vec![5, 9],
+        ..want.clone()
+    };
+    let b = golden("register-response-qos-2gpus.pb", || multi.encode_to_vec());
+    assert_eq!(RegisterResponse::decode(b.as_slice()).unwrap(), multi);
+    assert_eq!((one.qos_pages, one.qos_slots.len()), (0, 0));
 }
 
 /// Memory requests below limits (docs/qos.md, "Memory"): a reply naming a

@@ -96,6 +96,7 @@ async fn manager_serves_graph_usage_metrics_and_vcudactl() {
     // asleep for compute tokens, two allocations refused.
     let l = test_support::ledger::live(&env.vm_dir().join(&share.uid).join("main"), 0);
     l.add_throttled_ns(1_500_000_000);
+    l.add_qos_held_ns(250_000_000);
     l.count_refused_allocation();
     l.count_refused_allocation();
 
@@ -195,14 +196,17 @@ async fn manager_serves_graph_usage_metrics_and_vcudactl() {
         // The ledger's counters; none for a whole GPU (no interposer, no ledger).
         let counter =
             |name: &str, pod: &str, c: &str| sample(&m, name, &[("pod", pod), ("container", c)]);
-        let (thr, refd) = (
+        let (thr, refd, held) = (
             "vcuda_container_throttled_seconds_total",
             "vcuda_container_allocations_refused_total",
+            "vcuda_container_batch_held_seconds_total",
         );
         assert_eq!(counter(thr, &share_name, "main"), Some(1.5), "{m}");
         assert_eq!(counter(refd, &share_name, "main"), Some(2.0), "{m}");
+        assert_eq!(counter(held, &share_name, "main"), Some(0.25), "{m}");
         assert_eq!(counter(thr, &whole_name, "w"), None, "{m}");
         assert_eq!(counter(refd, &whole_name, "w"), None, "{m}");
+        assert_eq!(counter(held, &whole_name, "w"), None, "{m}");
 
         // vcudactl on the manager's socket: pods by namespace and name,
         // their UIDs with --wide.

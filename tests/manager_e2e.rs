@@ -527,6 +527,7 @@ async fn interposer_registers_over_vcuda_sock() {
             program: "test".into(),
             previous_slot: None,
             previous_slots: Vec::new(),
+            qos_pages: false,
         };
         vcuda_api::vcuda::frame::write(&mut s, &req).unwrap();
         let (body, fd) = container_ledger::fdpass::recv_frame(s.as_fd(), 65536).unwrap();

@@ -324,6 +324,55 @@ async fn mig_devices_are_served_whole_one_resource_per_profile() {
         .unwrap_or_else(|_| panic!("MIG resources not back after the kill:\n{}", env.log_text()));
 }
 
+/// Instances an operator makes and destroys while the manager runs
+/// (`--mig-rescan-period 1`, docs/mig.md): a 2g.20gb made on GPU 0 is
+/// advertised under a resource of its own (a plugin registered for the new
+/// profile) and a pod admitted to it gets that instance; the 1g.10gb
+/// destroyed is withdrawn (its resource stays, advertising nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_made_or_destroyed_while_the_manager_runs_are_followed() {
+    let mut env = Env::start(
+        "sim-mig-h100",
+        Options {
+            prepare: Some(test_support::sim::SimNode::mig_3g_and_1g),
+            extra_args: vec!["--mig-rescan-period".into(), "1".into()],
+            ..Default::default()
+        },
+    )
+    .await;
+    mig_resources(&env, &[("3g.40gb", 1), ("1g.10gb", 1)]).await;
+    // The 1g.10gb's instances destroyed, then `nvidia-smi mig -cgi 14 -C`
+    // (in its room).
+    let (_, small) = instances(&env)
+        .into_iter()
+        .find(|(p, _)| p == "1g.10gb")
+        .unwrap();
+    let state = env.sim.state();
+    state
+        .destroy_compute_instance(0, small.gi, small.ci)
+        .unwrap();
+    state.destroy_gpu_instance(0, small.gi).unwrap();
+    env.sim.mig(&["--gpu", "0", "--create", "14"]);
+    let (_, made) = instances(&env)
+        .into_iter()
+        .find(|(p, _)| p == "2g.20gb")
+        .unwrap();
+    let t = Instant::now();
+    mig_resources(&env, &[("3g.40gb", 1), ("1g.10gb", 0), ("2g.20gb", 1)]).await;
+    println!(
+        "an operator's 2g.20gb advertised and the 1g.10gb withdrawn {} ms after (rescan every 1 s)",
+        t.elapsed().as_millis()
+    );
+    let pod = env.pod(&[], &[]);
+    let r = env
+        .kubelet
+        .admit(&pod, "main", &[("tencent.com/mig-2g.20gb", 1)])
+        .await
+        .unwrap_or_else(|e| panic!("admitting to the new 2g.20gb: {e}\n{}", env.log_text()));
+    let c = &r["tencent.com/mig-2g.20gb"];
+    assert_eq!(c.envs["NVIDIA_VISIBLE_DEVICES"], made.uuid);
+}
+
 /// Waits until the kubelet sees `want` (resource, healthy count) among the
 /// MIG resources.
 async fn mig_resources(env: &Env, want: &[(&str, usize)]) {

@@ -169,6 +169,7 @@ fn register_at_protocol_2(dir: &std::path::Path, uid: &str, q: &MultiGpuQuota) {
             program: "test".into(),
             previous_slot: None,
             previous_slots: Vec::new(),
+            qos_pages: false,
         };
         vcuda_api::vcuda::frame::write(&mut s, &req).unwrap();
         let (body, fds) = container_ledger::fdpass::recv_frame_fds(s.as_fd(), 65536).unwrap();
@@ -377,6 +378,7 @@ async fn tiered_pods_get_their_tier_and_their_gpus_qos_page() {
             program: "test".into(),
             previous_slot: None,
             previous_slots: Vec::new(),
+            qos_pages: false,
         };
         test_support::hostile::register(&dir, &req)
     };

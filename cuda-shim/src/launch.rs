@@ -8,7 +8,8 @@
 //! for a kernel or graph one relaxed load (a launch armed to be timed on the device,
 //! `throttle::timed`, whose probe the wrapper closes after the real call). Before
 //! that the compute tier's check ([`crate::qos::before_launch`]): one load
-//! for a process of neither tier, three for a batch one.
+//! for a process of neither tier, four for a batch one (three when a latency
+//! process is registered on its first GPU).
 
 use crate::arg;
 use crate::graph::{captured, launch_cost};

@@ -29,6 +29,7 @@ pub(crate) use quota::{release_reserved, reserve_for};
 pub use reconcile::extra as reconciled_extra;
 pub(crate) use reconcile::fresh as measure_if_stale;
 
+use crate::qos::Synced;
 use crate::real::real_cuda;
 use crate::table::Kind;
 use crate::{arg, written};
@@ -366,7 +367,7 @@ cuda_exports! {
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(stream) };
         pool::settle_all();
-        crate::qos::after_sync(r);
+        crate::qos::after_sync(r, Synced::Stream(stream, false));
         r
     }
 
@@ -376,7 +377,7 @@ cuda_exports! {
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(stream) };
         pool::settle_all();
-        crate::qos::after_sync(r);
+        crate::qos::after_sync(r, Synced::Stream(stream, true));
         r
     }
 
@@ -386,7 +387,7 @@ cuda_exports! {
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f() };
         pool::settle_all();
-        crate::qos::after_sync(r);
+        crate::qos::after_sync(r, Synced::Current);
         r
     }
 
@@ -396,7 +397,7 @@ cuda_exports! {
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(ctx) };
         pool::settle_all();
-        crate::qos::after_sync(r);
+        crate::qos::after_sync(r, Synced::Ctx(ctx));
         r
     }
 
@@ -406,7 +407,7 @@ cuda_exports! {
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(event) };
         pool::settle_all();
-        crate::qos::after_sync(r);
+        crate::qos::after_sync(r, Synced::Current);
         r
     }
 
@@ -418,7 +419,7 @@ cuda_exports! {
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(stream) };
-        crate::qos::after_sync(r);
+        crate::qos::after_sync(r, Synced::Stream(stream, false));
         r
     }
 
@@ -427,7 +428,7 @@ cuda_exports! {
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(stream) };
-        crate::qos::after_sync(r);
+        crate::qos::after_sync(r, Synced::Stream(stream, true));
         r
     }
 
@@ -436,7 +437,7 @@ cuda_exports! {
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(event) };
-        crate::qos::after_sync(r);
+        crate::qos::after_sync(r, Synced::Current);
         r
     }
 

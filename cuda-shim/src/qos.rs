@@ -5,7 +5,14 @@
 //!
 //! Launch path ([`before_launch`]): one load of [`ROLE`] for a process of
 //! neither tier; a batch process also loads the page's count of latency
-//! processes (0: nothing more to do). Everything else is out of line.
+//! processes and how many more pages it watches (0 and 0: nothing more to
+//! do). Everything else is out of line.
+//!
+//! A share on several GPUs has a page per GPU: a latency process marks the
+//! page of its launch's device (the current context's, as its compute
+//! quota draws from that device's bucket), and a batch process, once some
+//! page of its GPUs counts a latency process, holds only for its launch's
+//! device's page. Both look the device up out of line.
 //!
 //! While a latency process is registered on the GPU, a batch process keeps
 //! about [`window::QUEUE_NS`] of device time queued per stream, one launch
@@ -17,7 +24,9 @@
 //!
 //! A latency process marks itself busy at each launch, until a
 //! synchronize returns or a query says done ([`after_sync`]: context,
-//! stream or event) or [`LATENCY_HOLD_NS`] after its last launch,
+//! stream or event; on several GPUs, only the page of the device it waited
+//! for; a stream's, only once every stream it launched onto there is done:
+//! [`flight`]) or [`LATENCY_HOLD_NS`] after its last launch,
 //! whichever is first: a
 //! process that never synchronises (it polls) cannot hold batch work for
 //! longer than that after it stopped launching. A batch launch waits at
@@ -25,13 +34,14 @@
 //! busy still leaves batch work a little progress (its own quota bounds
 //! how busy that is).
 
+mod flight;
 mod window;
 
 use crate::real::real_cuda;
 use crate::throttle::bucket::now_ns;
 use qos_page::{Holder, QosPage, Tier};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicPtr, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// How long a latency launch counts as in flight without a synchronize.
@@ -50,30 +60,46 @@ const LATENCY: u8 = 2;
 
 /// This process's role on the launch path.
 static ROLE: AtomicU8 = AtomicU8::new(NONE);
-/// Batch: the page's count of registered latency processes.
+/// Batch: the first page's count of registered latency processes.
 static LIVE: AtomicPtr<AtomicU64> = AtomicPtr::new(std::ptr::null_mut());
+/// Batch on several GPUs: the other pages' counts (the first [`MORE_MAX`]
+/// of them: the launch path reads no further), and how many are set.
+const MORE_MAX: usize = 15;
+static MORE: [AtomicPtr<AtomicU64>; MORE_MAX] =
+    [const { AtomicPtr::new(std::ptr::null_mut()) }; MORE_MAX];
+static N_MORE: AtomicUsize = AtomicUsize::new(0);
 /// A GPU's QoS page as the manager handed it, with a latency process's slot.
 pub type Grant = (QosPage, Option<Holder>);
 
-/// The page and (latency) the slot, for the out-of-line paths.
-static PAGE: Mutex<Option<Grant>> = Mutex::new(None);
+/// The pages (one per GPU of the share) and (latency) the slots, for the
+/// out-of-line paths.
+static PAGES: Mutex<Vec<Grant>> = Mutex::new(Vec::new());
 
-/// The registration's answer: this process's tier and its GPU's page (with
-/// a slot for a latency process). A re-registration may hand a new page (a
-/// restarted manager): the old mapping stays (never unmapped).
-pub fn on_register(tier: Tier, page: Option<Grant>) {
-    let role = match (tier, &page) {
-        (Tier::Batch, Some(_)) => BATCH,
-        (Tier::Latency, Some((_, Some(_)))) => LATENCY,
+fn word(p: &QosPage) -> *mut AtomicU64 {
+    p.live_word() as *const AtomicU64 as *mut AtomicU64
+}
+
+/// The registration's answer: this process's tier and its GPUs' pages
+/// (with a slot in each for a latency process). A re-registration may hand
+/// new pages (a restarted manager): old mappings stay (never unmapped).
+pub fn on_register(tier: Tier, pages: Vec<Grant>) {
+    let role = match tier {
+        _ if pages.is_empty() => NONE,
+        Tier::Batch => BATCH,
+        Tier::Latency if pages.iter().all(|(_, h)| h.is_some()) => LATENCY,
         _ => NONE,
     };
-    if let Some((p, _)) = &page {
-        LIVE.store(
-            p.live_word() as *const AtomicU64 as *mut AtomicU64,
-            Ordering::Release,
-        );
+    // Not while a launch may read them as a batch process's.
+    ROLE.store(NONE, Ordering::Release);
+    if let Some((first, _)) = pages.first() {
+        LIVE.store(word(first), Ordering::Release);
     }
-    *PAGE.lock().unwrap_or_else(|e| e.into_inner()) = page;
+    let more = pages.get(1..).unwrap_or_default();
+    for (slot, (p, _)) in MORE.iter().zip(more) {
+        slot.store(word(p), Ordering::Release);
+    }
+    N_MORE.store(more.len().min(MORE_MAX), Ordering::Release);
+    *PAGES.lock().unwrap_or_else(|e| e.into_inner()) = pages;
     ROLE.store(role, Ordering::Release);
 }
 
@@ -86,23 +112,55 @@ pub(crate) fn before_launch(stream: Stream, ptsz: bool, captured: impl FnOnce() 
         BATCH => {
             // SAFETY: set (before ROLE) to a word of a mapping never unmapped.
             let live = unsafe { &*LIVE.load(Ordering::Acquire) };
-            if live.load(Ordering::Relaxed) != 0 && !captured() {
+            if (live.load(Ordering::Relaxed) != 0 || more_live()) && !captured() {
                 batch_beside_latency(stream, ptsz);
             }
         }
-        _ => latency_launch(),
+        _ => latency_launch(stream, ptsz, captured),
     }
 }
 
-fn page() -> Option<Grant> {
-    *PAGE.lock().unwrap_or_else(|e| e.into_inner())
+/// Whether a latency process is registered on another GPU of the share.
+#[inline(always)]
+fn more_live() -> bool {
+    let n = N_MORE.load(Ordering::Relaxed);
+    // SAFETY: the first `n` were set (before ROLE) to words of mappings
+    // never unmapped.
+    n != 0
+        && MORE[..n]
+            .iter()
+            .any(|w| unsafe { &*w.load(Ordering::Acquire) }.load(Ordering::Relaxed) != 0)
+}
+
+/// The share's index of the calling thread's current device: 0 on a
+/// one-GPU share.
+fn current_index() -> Option<usize> {
+    if N_MORE.load(Ordering::Relaxed) == 0 {
+        Some(0)
+    } else {
+        crate::devices::current()
+    }
+}
+
+/// The page (and slot) of the share's device `dev`.
+fn grant(dev: usize) -> Option<Grant> {
+    PAGES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(dev)
+        .copied()
 }
 
 #[cold]
 #[inline(never)]
 fn batch_beside_latency(stream: Stream, ptsz: bool) {
-    let Some((page, _)) = page() else { return };
-    hold(page);
+    let Some(dev) = current_index() else { return };
+    let Some((page, _)) = grant(dev) else { return };
+    if page.latency_live() == 0 {
+        // The latency process is on another GPU of the share.
+        return;
+    }
+    hold(page, dev);
     if !window::before_launch(stream, ptsz) {
         // A bound of one launch: what is queued now must end first.
         let _ = sync_stream(stream, ptsz);
@@ -121,7 +179,10 @@ fn sync_stream(stream: Stream, ptsz: bool) -> cuda_abi::CUresult {
     unsafe { f(stream) }
 }
 
-fn hold(page: QosPage) {
+/// Waits while `page` says a latency process has work, up to
+/// [`MAX_HOLD_NS`]; counts the wait in the page (the GPU's) and in the
+/// container's ledger of the share's device `dev` (the container's).
+fn hold(page: QosPage, dev: usize) {
     let t0 = now_ns();
     let mut now = t0;
     while let Some(until) = page.held_until(now) {
@@ -134,31 +195,129 @@ fn hold(page: QosPage) {
     }
     if now > t0 {
         page.add_held(now - t0);
+        let p = crate::registration::proc();
+        if let Some(a) = p.attach().as_ref().filter(|a| dev < a.gpus.len()) {
+            a.gpu(dev).ledger.add_qos_held_ns(now - t0);
+        }
     }
 }
 
 #[cold]
 #[inline(never)]
-fn latency_launch() {
-    if let Some((page, Some(h))) = page() {
-        page.busy(h, now_ns() + LATENCY_HOLD_NS);
+fn latency_launch(stream: Stream, ptsz: bool, captured: impl FnOnce() -> bool) {
+    if captured() {
+        // Recorded into a graph: nothing runs until the graph's launch.
+        return;
     }
+    let Some(dev) = current_index() else { return };
+    if let Some((page, Some(h))) = grant(dev) {
+        page.busy(h, now_ns() + LATENCY_HOLD_NS);
+        flight::launched(dev, stream, ptsz);
+    }
+}
+
+/// What a synchronize or query waited for: the device whose page a
+/// latency process clears.
+#[derive(Clone, Copy)]
+pub(crate) enum Synced {
+    /// The current context (a context synchronize; an event's, whose
+    /// context the driver does not say: it was current when the event
+    /// was recorded, as launches are attributed to the current one).
+    Current,
+    /// A context named by the caller (NULL: the current one).
+    Ctx(*mut std::ffi::c_void),
+    /// A stream (`true`: a per-thread variant): its context's device.
+    Stream(Stream, bool),
 }
 
 /// After a context, stream or event synchronize, or a stream or event
 /// query: a latency process that synchronised successfully, or learnt its
-/// work is done, has nothing in flight.
+/// work is done, has nothing in flight on that device.
 #[inline(always)]
-pub(crate) fn after_sync(r: cuda_abi::CUresult) {
+pub(crate) fn after_sync(r: cuda_abi::CUresult, on: Synced) {
     if r == cuda_abi::CUDA_SUCCESS && ROLE.load(Ordering::Relaxed) == LATENCY {
-        latency_idle();
+        latency_idle(on);
     }
 }
 
 #[cold]
 #[inline(never)]
-fn latency_idle() {
-    if let Some((page, Some(h))) = page() {
+fn latency_idle(on: Synced) {
+    // One GPU: whatever it waited for ran there. On several, only the
+    // device it waited for: a synchronize of gpu-0's stream says nothing
+    // of a request still running on gpu-1. A device not found clears
+    // nothing (its mark ends LATENCY_HOLD_NS after the last launch).
+    let one = N_MORE.load(Ordering::Relaxed) == 0;
+    let dev = match on {
+        _ if one => Some(0),
+        Synced::Current => current_index(),
+        Synced::Ctx(ctx) => ctx_device(ctx),
+        Synced::Stream(s, ptsz) => stream_ctx(s, ptsz).and_then(ctx_device),
+    };
+    let Some(dev) = dev else { return };
+    let idle = match on {
+        Synced::Stream(s, ptsz) => flight::stream_done(dev, s, ptsz),
+        _ => flight::device_done(dev),
+    };
+    if let (true, Some((page, Some(h)))) = (idle, grant(dev)) {
         page.idle(h);
     }
+}
+
+type Ctx = *mut std::ffi::c_void;
+type CtxOut = unsafe extern "C" fn(*mut Ctx) -> cuda_abi::CUresult;
+const OK: cuda_abi::CUresult = cuda_abi::CUDA_SUCCESS;
+
+fn stream_ctx(stream: Stream, ptsz: bool) -> Option<Ctx> {
+    let mut ctx = std::ptr::null_mut();
+    (get_stream_ctx(stream, ptsz, &mut ctx) == OK).then_some(ctx)
+}
+
+fn get_stream_ctx(stream: Stream, ptsz: bool, ctx: &mut Ctx) -> cuda_abi::CUresult {
+    type Get = unsafe extern "C" fn(Stream, *mut Ctx) -> cuda_abi::CUresult;
+    let f = if ptsz {
+        real_cuda!(cuStreamGetCtx_ptsz: Get)
+    } else {
+        real_cuda!(cuStreamGetCtx: Get)
+    };
+    // SAFETY: the real driver's function of this signature; the stream is
+    // the one our caller synchronised, `ctx` our caller's local.
+    unsafe { f(stream, ctx) }
+}
+
+fn ctx_current(cur: &mut Ctx) -> cuda_abi::CUresult {
+    let f = real_cuda!(cuCtxGetCurrent: CtxOut);
+    // SAFETY: the real driver's function of this signature; `cur` is our
+    // caller's local.
+    unsafe { f(cur) }
+}
+
+fn ctx_push(ctx: Ctx) -> cuda_abi::CUresult {
+    let f = real_cuda!(cuCtxPushCurrent_v2: unsafe extern "C" fn(Ctx) -> cuda_abi::CUresult);
+    // SAFETY: the real driver's function of this signature, given a
+    // context the driver handed out (it refuses others).
+    unsafe { f(ctx) }
+}
+
+fn ctx_pop() -> cuda_abi::CUresult {
+    let f = real_cuda!(cuCtxPopCurrent_v2: CtxOut);
+    let mut popped = std::ptr::null_mut();
+    // SAFETY: the real driver's function of this signature; `popped` is
+    // our local.
+    unsafe { f(&mut popped) }
+}
+
+/// The share's index of `ctx`'s device (NULL or the current context: the
+/// current device), looked up with `ctx` pushed for the moment.
+fn ctx_device(ctx: Ctx) -> Option<usize> {
+    let mut cur = std::ptr::null_mut();
+    if ctx.is_null() || (ctx_current(&mut cur) == OK && cur == ctx) {
+        return crate::devices::current();
+    }
+    if ctx_push(ctx) != OK {
+        return None;
+    }
+    let dev = crate::devices::current();
+    let _ = ctx_pop();
+    dev
 }

@@ -496,6 +496,7 @@ fn register_once(
         bus_id: enf.data.bus_id.clone(),
         local_pid: std::process::id() as i32,
         program: program_name(),
+        qos_pages: true,
         previous_slot: previous_slots.first().map(|&s| s as u32),
         previous_slots: if gpus > 1 {
             previous_slots.iter().map(|&s| s as u32).collect()
@@ -529,11 +530,12 @@ fn register_once(
             resp.message.clone()
         }));
     }
-    if gpus > 1 && (fds.len() != gpus || resp.ledger_slots.len() != gpus) {
+    // The ledgers' descriptors, then the QoS pages' it names.
+    let ledger_fds = fds.len().saturating_sub(resp.qos_pages as usize);
+    if gpus > 1 && (ledger_fds != gpus || resp.ledger_slots.len() != gpus) {
         return Err(RegError::Protocol(format!(
-            "the container's share spans {gpus} GPUs but the reply carries {} ledger \
+            "the container's share spans {gpus} GPUs but the reply carries {ledger_fds} ledger \
              descriptor(s) and {} slot(s)",
-            fds.len(),
             resp.ledger_slots.len()
         )));
     }
@@ -542,27 +544,45 @@ fn register_once(
     Ok((sock, resp, fds))
 }
 
-/// The compute tier the reply names and, when it carries one, its GPU's
-/// QoS page (the descriptor after the ledgers') with a latency slot.
+/// The compute tier the reply names and the QoS pages it carries (the
+/// descriptors after the ledgers': one for a one-GPU share, `qos_pages` for
+/// one on several GPUs), each with a latency process's slot.
 fn qos_of(
     resp: &RegisterResponse,
     extra: Vec<OwnedFd>,
-) -> Result<(Tier, Option<crate::qos::Grant>), RegError> {
+) -> Result<(Tier, Vec<crate::qos::Grant>), RegError> {
     let tier = Tier::from_wire(resp.qos_tier);
-    if !resp.qos_page {
-        return Ok((tier, None));
-    }
-    let fd = extra.first().ok_or_else(|| {
-        RegError::Protocol("the reply names a QoS page but carries no descriptor for it".into())
-    })?;
-    // The mapping outlives the descriptor (closed when `extra` drops).
-    let page = QosPage::from_fd(fd.as_fd()).map_err(|e| RegError::Protocol(e.to_string()))?;
-    let holder = match resp.qos_slot {
-        Some(s) if (s as usize) < qos_page::SLOTS => Some(Holder { slot: s as usize }),
-        Some(s) => return Err(RegError::Protocol(format!("QoS slot {s} out of range"))),
-        None => None,
+    let (n, slots): (usize, Vec<u32>) = if resp.qos_pages > 0 {
+        (resp.qos_pages as usize, resp.qos_slots.clone())
+    } else if resp.qos_page {
+        (1, resp.qos_slot.into_iter().collect())
+    } else {
+        return Ok((tier, Vec::new()));
     };
-    Ok((tier, Some((page, holder))))
+    if extra.len() < n {
+        return Err(RegError::Protocol(format!(
+            "the reply names {n} QoS page(s) but carries {} descriptor(s) for them",
+            extra.len()
+        )));
+    }
+    if !slots.is_empty() && slots.len() != n {
+        return Err(RegError::Protocol(format!(
+            "the reply names {n} QoS page(s) but {} latency slot(s)",
+            slots.len()
+        )));
+    }
+    let mut grants = Vec::with_capacity(n);
+    for (i, fd) in extra.iter().take(n).enumerate() {
+        // The mapping outlives the descriptor (closed when `extra` drops).
+        let page = QosPage::from_fd(fd.as_fd()).map_err(|e| RegError::Protocol(e.to_string()))?;
+        let holder = match slots.get(i) {
+            Some(&s) if (s as usize) < qos_page::SLOTS => Some(Holder { slot: s as usize }),
+            Some(s) => return Err(RegError::Protocol(format!("QoS slot {s} out of range"))),
+            None => None,
+        };
+        grants.push((page, holder));
+    }
+    Ok((tier, grants))
 }
 
 /// The PIDs NVML may name the container's processes by: their host PIDs

@@ -40,8 +40,9 @@
 //! `VCUDA_DRA_NODE_ONLY=extended` whole GPUs asked by resource name
 //! (`extended.rs`, after the two-whole-GPU claim in a full run).
 //! Then MIG (`mig.rs`, issue 36): a simulated H100 with three instances,
-//! pods given whole instances and a share inside one;
-//! `VCUDA_DRA_NODE_ONLY=mig` runs it alone. The Helm chart in DRA mode
+//! pods given whole instances and a share inside one, then the same
+//! instances served by gpu-manager's per-profile device plugins
+//! (`mig_plugins.rs`); `VCUDA_DRA_NODE_ONLY=mig` runs both alone. The Helm chart in DRA mode
 //! (`helm.rs`) runs after the DaemonSet phase; `VCUDA_DRA_NODE_ONLY=helm`
 //! alone.
 
@@ -51,6 +52,7 @@ mod extended;
 mod helm;
 mod memory;
 mod mig;
+mod mig_plugins;
 mod parts;
 mod webhook;
 mod windows;

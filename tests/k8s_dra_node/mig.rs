@@ -19,7 +19,7 @@ use crate::parts::*;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use test_support::k8s::util::{HostDevCleanup, get_u64, wait};
+use test_support::k8s::util::{HostDevCleanup, get_u64, tail, wait};
 use test_support::{kv, target_dir, workspace_root};
 
 /// The profiles made on GPU 0 (H100 profile ids 9, 14, 19) and their
@@ -70,19 +70,26 @@ fn host_cap_nodes(sim: &Path) -> HostDevCleanup {
     HostDevCleanup(made)
 }
 
-fn driver(n: &Node, node: &str, w: &Path, sim: &Path) -> DriverProc {
-    let p = |s: &str| w.join(s).to_str().unwrap().to_string();
+/// The flags both daemons take alike: the simulated node's root, the
+/// repository's volume configuration and the built interposer.
+pub fn sim_flags(sim: &Path) -> Vec<String> {
     let volume = workspace_root().join("config/volume.conf");
     let interposer = target_dir().join("libvcuda.so");
+    [
+        ("--host-root", sim.to_path_buf()),
+        ("--volume-config", volume),
+        ("--interposer", interposer),
+    ]
+    .into_iter()
+    .flat_map(|(f, p)| [f.to_string(), p.display().to_string()])
+    .collect()
+}
+
+fn driver(n: &Node, node: &str, w: &Path, sim: &Path) -> DriverProc {
+    let p = |s: &str| w.join(s).to_str().unwrap().to_string();
     let args = [
         "--node-name",
         node,
-        "--host-root",
-        sim.to_str().unwrap(),
-        "--volume-config",
-        volume.to_str().unwrap(),
-        "--interposer",
-        interposer.to_str().unwrap(),
         "--vdriver-dir",
         &p("mig-vdriver"),
         "--vm-dir",
@@ -99,7 +106,10 @@ fn driver(n: &Node, node: &str, w: &Path, sim: &Path) -> DriverProc {
     DriverProc {
         child: None,
         log: w.join("mig-driver.log"),
-        args: args.iter().map(|s| s.to_string()).collect(),
+        args: sim_flags(sim)
+            .into_iter()
+            .chain(args.iter().map(|s| s.to_string()))
+            .collect(),
     }
 }
 
@@ -119,21 +129,15 @@ pub fn mig_phase(n: &Node, node: &str, w: &Path, bin: &Path) {
         .args(["--gpu", "0", "--enable", "--create", "9,14,19"]));
     let _caps = host_cap_nodes(&sim);
     let state = test_support::sim::state_at(&sim);
-    let gi_of = |profile: &str| {
-        state
-            .mig_devices(0)
-            .into_iter()
-            .find(|(_, c)| c.profile.device_name() == profile)
-            .map(|(g, _)| g.id)
-            .unwrap()
-    };
 
     let slice_name = format!("{node}-{DRIVER}");
     let _ = n.kubectl(&["delete", "resourceslice", &slice_name]);
     let mut drv = driver(n, node, w, &sim);
     drv.spawn();
     let slice = wait("the MIG node's slice", 60, || {
-        let s = n.json(&["get", "resourceslice", &slice_name])?;
+        let s = n
+            .json(&["get", "resourceslice", &slice_name])
+            .map_err(|e| format!("{e}; the driver's log ends:\n{}", tail(&drv.text(), 15)))?;
         let migs = s["spec"]["devices"]
             .as_array()
             .into_iter()
@@ -157,59 +161,15 @@ pub fn mig_phase(n: &Node, node: &str, w: &Path, bin: &Path) {
     // A namespace an earlier run left goes once a driver can unprepare.
     fresh_namespace(n);
 
-    // Whole instances, the untouched driver: each sees its instance.
     let mig_cmd = |prog: &str| {
         format!(
             "CUDA_VISIBLE_DEVICES=$NVIDIA_VISIBLE_DEVICES /work/{prog}; echo ---done; sleep 100000"
         )
     };
-    // Both saturate their instance at once after the memory check: each
-    // keeps it busy, as hardware partitions do (on one time-sliced GPU the
-    // two would share it).
-    let whole = "CUDA_VISIBLE_DEVICES=$NVIDIA_VISIBLE_DEVICES sh -c \
-        '/work/shim_client quota 256; echo ---quota; /work/shim_compute saturate 6'; \
-        echo ---done; sleep 100000";
-    let mut pods = Vec::new();
-    for (profile, _) in [PROFILES[0], PROFILES[2]] {
-        let name = format!("mig-{}", profile.replace('.', "-"));
-        n.apply(&mig_template(&name, profile, None));
-        n.apply(&pod(&name, &name, whole, bin, &sim));
-        pods.push(name);
-    }
-    let mut starts = Vec::new();
-    for (name, (profile, mib)) in pods.iter().zip([PROFILES[0], PROFILES[2]]) {
-        wait_running(n, name, 120);
-        let out = log_with(n, name, "start_ns=");
-        let total = get_u64(&kv(&out), "start_total", &out);
-        assert_eq!(total, mib << 20, "{name}: the instance's memory\n{out}");
-        eprintln!("k8s_dra: {name}: a {profile} instance, {mib} MiB, the untouched driver");
-        starts.push(get_u64(&kv(&out), "start_ns", &out));
-    }
-    let from = starts.iter().max().unwrap() + 1_000_000_000;
-    let to = starts.iter().min().unwrap() + 5_500_000_000;
-    assert!(
-        to > from + 1_000_000_000,
-        "the pods started {starts:?}: too far apart"
-    );
-    let now = test_support::shim::simnode::now_ns();
-    std::thread::sleep(std::time::Duration::from_nanos(
-        to.saturating_sub(now) + 50_000_000,
-    ));
-    let busy: Vec<f64> = [PROFILES[0].0, PROFILES[2].0]
-        .iter()
-        .map(|p| state.gi_utilization(0, gi_of(p), from, to))
-        .collect();
-    eprintln!(
-        "k8s_dra: both saturating at once: 3g.40gb busy {:.1} %, 1g.10gb busy {:.1} %",
-        busy[0], busy[1]
-    );
-    assert!(
-        busy.iter().all(|&b| b > 90.0),
-        "each instance its own: {busy:?}"
-    );
-    for name in &pods {
-        log_with(n, name, "---done");
-    }
+    let mut pods = whole_instances(n, "k8s_dra", &state, |name, profile, cmd| {
+        n.apply(&mig_template(name, profile, None));
+        pod(name, name, cmd, bin, &sim)
+    });
 
     // A share inside the 2g.20gb.
     n.apply(&mig_template("mig-share", "2g.20gb", Some((50, "5Gi"))));
@@ -243,7 +203,7 @@ pub fn mig_phase(n: &Node, node: &str, w: &Path, bin: &Path) {
     std::thread::sleep(std::time::Duration::from_nanos(
         to.saturating_sub(now) + 50_000_000,
     ));
-    let u = state.gi_utilization(0, gi_of("2g.20gb"), from, to);
+    let u = state.gi_utilization(0, gi_of(&state, "2g.20gb"), from, to);
     eprintln!(
         "k8s_dra: a 50 % / 5 GiB share inside the 2g.20gb: 5 GiB card, {u:.1} % of the instance"
     );
@@ -272,4 +232,74 @@ pub fn mig_phase(n: &Node, node: &str, w: &Path, bin: &Path) {
     assert_eq!(state.mig_devices(0).len(), 3, "the instances stay");
     drv.kill9();
     n.ok(&["delete", "resourceslice", &slice_name]);
+
+    crate::mig_plugins::mig_plugins_phase(n, node, w, bin, &sim, &state);
+}
+
+/// GPU 0's GPU instance of `profile`.
+fn gi_of(state: &gpu_sim_core::SharedState, profile: &str) -> u32 {
+    state
+        .mig_devices(0)
+        .into_iter()
+        .find(|(_, c)| c.profile.device_name() == profile)
+        .map(|(g, _)| g.id)
+        .unwrap()
+}
+
+/// A pod given the 3g.40gb and one given the 1g.10gb (`manifest(name,
+/// profile, command)`: the pod, and whatever it needs applied first) see
+/// exactly their instance's memory with the untouched driver, then both
+/// saturate their instance at once: each keeps its own busy, as hardware
+/// partitions do (on one time-sliced GPU the two would share it). Returns
+/// the pods (their programs done).
+pub fn whole_instances(
+    n: &Node,
+    tag: &str,
+    state: &gpu_sim_core::SharedState,
+    manifest: impl Fn(&str, &str, &str) -> String,
+) -> Vec<String> {
+    let whole = "CUDA_VISIBLE_DEVICES=$NVIDIA_VISIBLE_DEVICES sh -c \
+        '/work/shim_client quota 256; echo ---quota; /work/shim_compute saturate 6'; \
+        echo ---done; sleep 100000";
+    let mut pods = Vec::new();
+    for (profile, _) in [PROFILES[0], PROFILES[2]] {
+        let name = format!("mig-{}", profile.replace('.', "-"));
+        n.apply(&manifest(&name, profile, whole));
+        pods.push(name);
+    }
+    let mut starts = Vec::new();
+    for (name, (profile, mib)) in pods.iter().zip([PROFILES[0], PROFILES[2]]) {
+        wait_running(n, name, 120);
+        let out = log_with(n, name, "start_ns=");
+        let total = get_u64(&kv(&out), "start_total", &out);
+        assert_eq!(total, mib << 20, "{name}: the instance's memory\n{out}");
+        eprintln!("{tag}: {name}: a {profile} instance, {mib} MiB, the untouched driver");
+        starts.push(get_u64(&kv(&out), "start_ns", &out));
+    }
+    let from = starts.iter().max().unwrap() + 1_000_000_000;
+    let to = starts.iter().min().unwrap() + 5_500_000_000;
+    assert!(
+        to > from + 1_000_000_000,
+        "the pods started {starts:?}: too far apart"
+    );
+    let now = test_support::shim::simnode::now_ns();
+    std::thread::sleep(std::time::Duration::from_nanos(
+        to.saturating_sub(now) + 50_000_000,
+    ));
+    let busy: Vec<f64> = [PROFILES[0].0, PROFILES[2].0]
+        .iter()
+        .map(|p| state.gi_utilization(0, gi_of(state, p), from, to))
+        .collect();
+    eprintln!(
+        "{tag}: both saturating at once: 3g.40gb busy {:.1} %, 1g.10gb busy {:.1} %",
+        busy[0], busy[1]
+    );
+    assert!(
+        busy.iter().all(|&b| b > 90.0),
+        "each instance its own: {busy:?}"
+    );
+    for name in &pods {
+        log_with(n, name, "---done");
+    }
+    pods
 }

@@ -277,19 +277,25 @@ pub struct DriverProc {
 
 impl DriverProc {
     pub fn spawn(&mut self) {
+        self.spawn_program("vcuda-dra-driver");
+    }
+
+    /// The workspace's binary `program` (`gpu-manager`: the device-plugin
+    /// mode's daemon) with these arguments and log.
+    pub fn spawn_program(&mut self, program: &str) {
         let log = fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&self.log)
             .unwrap();
         self.child = Some(
-            Command::new(target_dir().join("vcuda-dra-driver"))
+            Command::new(target_dir().join(program))
                 .args(&self.args)
                 .env("RUST_LOG", "info")
                 .stdout(log.try_clone().unwrap())
                 .stderr(log)
                 .spawn()
-                .expect("vcuda-dra-driver (cargo build --workspace)"),
+                .unwrap_or_else(|e| panic!("{program} (cargo build --workspace): {e}")),
         );
     }
 

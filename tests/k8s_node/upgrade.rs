@@ -485,9 +485,22 @@ fn holders() -> Vec<u32> {
             fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| {
                 let args: Vec<&[u8]> = c.split(|&b| b == 0).collect();
                 args.len() >= 2 && args[0].ends_with(b"/shim_client") && args[1] == b"hold"
-            })
+            }) && in_this_nodes_pods(*p)
         })
         .collect()
+}
+
+/// Whether process `p` runs in a pod of this node's kubelet (cgroupfs,
+/// `/kubepods`; nodes 2 and 3 have roots of their own): test binaries run
+/// beside this suite (CI's cargo phase, the soak's other stream) start
+/// `shim_client hold` processes of their own, which never register with
+/// this node's manager (a soak run waited 60 s on one).
+fn in_this_nodes_pods(p: u32) -> bool {
+    fs::read_to_string(format!("/proc/{p}/cgroup")).is_ok_and(|c| {
+        c.lines()
+            .filter_map(|l| l.splitn(3, ':').nth(2))
+            .any(|path| path.starts_with("/kubepods"))
+    })
 }
 
 /// Parses the loop's `<RFC3339> run=N ok allocated=K` / `... fail ...`

@@ -44,6 +44,12 @@ const SATURATED: f64 = 90.0;
 /// before, for a full device to count as contended (NVML's whole percents
 /// and the laws' jitter move it by 1-2).
 const GROWTH: f64 = 3.0;
+/// Periods in a row the device must have idle time before a soft share
+/// holding on a full device takes it: a newcomer's controller dips for a
+/// period or two while it relearns its scale (a hard 70 at 58 % for
+/// 100 ms), and a soft share that grabbed that dip held it (34 % for 2 s
+/// beside the neighbour it had yielded to).
+const RECLAIM_PERIODS: usize = 3;
 /// Integral gain per period, per unit of relative error.
 const KI: f64 = 0.08;
 /// Bounds of the integral correction.
@@ -319,9 +325,20 @@ impl Controller {
     /// The newest period had the device full ([`SATURATED`]) with others
     /// on it.
     fn full(&self) -> bool {
+        self.periods.back().is_some_and(|p| self.full_in(p))
+    }
+
+    fn full_in(&self, p: &Period) -> bool {
+        p.others >= 1.0 && self.seen(p) + p.others >= SATURATED
+    }
+
+    /// The newest periods in a row that were not full.
+    fn idle_run(&self) -> usize {
         self.periods
-            .back()
-            .is_some_and(|p| p.others >= 1.0 && self.seen(p) + p.others >= SATURATED)
+            .iter()
+            .rev()
+            .take_while(|p| !self.full_in(p))
+            .count()
     }
 
     /// The target: the quota's ([`Quota::target`]: what others leave, for
@@ -335,13 +352,22 @@ impl Controller {
     /// only goes down), and when the others' use grows ([`GROWTH`] points
     /// over the periods before: a neighbour that takes what it is given
     /// wants more) it falls back to its guarantee. Idle time it leaves is
-    /// taken back within a few periods (what others leave).
+    /// taken back once the device had idle time for [`RECLAIM_PERIODS`]
+    /// in a row (what others leave).
     fn soft_target(&mut self, others: f64) -> f64 {
         let t = self.quota.target(others);
         let q = self.quota.utilization;
-        if self.quota.soft_limit.is_none() || !self.full() {
-            self.held = None;
+        if self.quota.soft_limit.is_none() {
             return t;
+        }
+        if !self.full() {
+            match self.held {
+                Some(h) if self.idle_run() < RECLAIM_PERIODS => return h.min(t).max(q),
+                _ => {
+                    self.held = None;
+                    return t;
+                }
+            }
         }
         let mut newest = self.periods.iter().rev();
         let own = newest.next().map_or(0.0, |p| self.seen(p));

@@ -8,7 +8,8 @@
 //! remembered between requests, so a restart or a second replica sees the
 //! same cluster.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use gpu_allocator::inventory::{ANNOTATION, Inventory};
@@ -30,9 +31,13 @@ pub struct NodeState {
 /// Every vcuda node of the cluster.
 #[derive(Debug, Clone, Default)]
 pub struct Cluster {
-    pub nodes: BTreeMap<String, NodeState>,
+    /// Shared between successive views: one rebuilt node leaves the others'.
+    pub nodes: BTreeMap<String, Arc<NodeState>>,
     /// Nodes whose inventory annotation is unreadable: why.
     pub unreadable: BTreeMap<String, String>,
+    /// By node, when (ns since the epoch) a reservation there next starts
+    /// or stops counting ([`holding_node_at`]): the view is stale then.
+    pub next_change: BTreeMap<String, u128>,
 }
 
 /// A placement of a pod's GPU containers on one node.
@@ -43,6 +48,15 @@ impl Cluster {
     pub fn build<'a>(
         nodes: impl IntoIterator<Item = &'a Node>,
         pods: impl IntoIterator<Item = &'a Pod>,
+    ) -> Cluster {
+        Cluster::build_at(nodes, pods, SystemTime::now())
+    }
+
+    /// [`Cluster::build`] with reservations judged at `now`.
+    pub fn build_at<'a>(
+        nodes: impl IntoIterator<Item = &'a Node>,
+        pods: impl IntoIterator<Item = &'a Pod>,
+        now: SystemTime,
     ) -> Cluster {
         let mut c = Cluster::default();
         for n in nodes {
@@ -60,11 +74,11 @@ impl Cluster {
                     let allocator = inventory.allocator();
                     c.nodes.insert(
                         name,
-                        NodeState {
+                        Arc::new(NodeState {
                             inventory,
                             allocator,
                             problems: Vec::new(),
-                        },
+                        }),
                     );
                 }
                 Err(e) => {
@@ -76,18 +90,73 @@ impl Cluster {
         // a reservation that conflicts with them lost its race.
         let (bound, reserving): (Vec<&Pod>, Vec<&Pod>) =
             pods.into_iter().partition(|p| bound_to(p).is_some());
+        for p in &reserving {
+            c.note_reservation(p, now);
+        }
         for p in bound.into_iter().chain(reserving) {
-            c.add_placed(p);
+            c.add_placed(p, now);
         }
         c
     }
 
-    /// Counts what `pod` holds, if it holds GPUs on a vcuda node.
-    pub fn add_placed(&mut self, pod: &Pod) {
-        let Some(node) = holding_node(pod) else {
+    /// This view with the nodes `names` rebuilt from `nodes` and `pods`
+    /// (the API server's, all of them: those holding GPUs elsewhere are
+    /// skipped), every other node's state shared with it.
+    pub fn with_nodes_rebuilt<'a>(
+        &self,
+        names: &BTreeSet<String>,
+        nodes: impl IntoIterator<Item = &'a Node>,
+        pods: impl IntoIterator<Item = &'a Pod>,
+        now: SystemTime,
+    ) -> Cluster {
+        let named = nodes
+            .into_iter()
+            .filter(|n| n.metadata.name.as_ref().is_some_and(|x| names.contains(x)));
+        let part = Cluster::build_at(named, pods, now);
+        let mut c = self.clone();
+        for n in names {
+            c.nodes.remove(n);
+            c.unreadable.remove(n);
+            c.next_change.remove(n);
+        }
+        c.nodes.extend(part.nodes);
+        c.unreadable.extend(part.unreadable);
+        c.next_change.extend(part.next_change);
+        c
+    }
+
+    /// Records when the reservation `pod` (not bound) names next starts or
+    /// stops counting, for its node.
+    fn note_reservation(&mut self, pod: &Pod, now: SystemTime) {
+        let Some(node) = gpu_pods::annotation(pod, gpu_pods::PREDICATE_NODE) else {
             return;
         };
-        let Some(st) = self.nodes.get_mut(node) else {
+        let Some(at) = gpu_pods::annotation(pod, gpu_pods::PREDICATE_TIME)
+            .and_then(|t| t.parse::<u128>().ok())
+        else {
+            return;
+        };
+        let Ok(now) = now.duration_since(UNIX_EPOCH).map(|d| d.as_nanos()) else {
+            return;
+        };
+        let starts = at.saturating_sub(CLOCK_SKEW.as_nanos());
+        let stops = at.saturating_add(RESERVATION_TTL.as_nanos()) + 1;
+        let Some(next) = [starts, stops].into_iter().filter(|&t| t > now).min() else {
+            return;
+        };
+        if self.nodes.contains_key(node) {
+            let e = self.next_change.entry(node.to_string()).or_insert(next);
+            *e = (*e).min(next);
+        }
+    }
+
+    /// Counts what `pod` holds, if it holds GPUs on a vcuda node (a
+    /// reservation judged at `now`).
+    fn add_placed(&mut self, pod: &Pod, now: SystemTime) {
+        let Some(node) = holding_node_at(pod, now) else {
+            return;
+        };
+        let Some(st) = self.nodes.get_mut(node).map(Arc::make_mut) else {
             return;
         };
         let who = format!("{}/{}", gpu_pods::namespace(pod), gpu_pods::name(pod));

@@ -1,21 +1,24 @@
 //! The API server behind the extender: watch caches of nodes and pods
-//! (kube-runtime reflectors) that `filter` and `prioritize` read, rebuilt
-//! into a [`Cluster`] when they changed; and [`KubeBind`], bind's fresh
-//! reads and conflict-checked writes.
+//! (kube-runtime reflectors) that `filter` and `prioritize` read, the
+//! nodes an event changed rebuilt into the [`Cluster`] view
+//! ([`Changes`]); and [`KubeBind`], bind's fresh reads and
+//! conflict-checked writes.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::SystemTime;
 
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::Store;
-use kube::runtime::watcher;
+use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
 use tokio_util::sync::CancellationToken;
 
 use crate::bind::{ApiError, BIND_SEQ, BindApi, NODE_LABEL};
+use crate::changes::Changes;
 use crate::cluster::Cluster;
 
 /// Where `filter` and `prioritize` get the cluster.
@@ -29,18 +32,35 @@ pub trait ClusterSource: Send + Sync {
 pub struct Caches {
     nodes: Store<Node>,
     pods: Store<Pod>,
-    /// Events seen; the cluster is rebuilt when it moved.
-    events: Arc<AtomicU64>,
-    built: Mutex<(u64, Arc<Cluster>)>,
+    /// What changed since the view was built.
+    changes: Arc<Mutex<Changes>>,
+    built: Mutex<Arc<Cluster>>,
     /// Stores that have listed once.
     listed: Arc<AtomicU64>,
 }
 
 impl Caches {
     pub fn start(client: Client, cancel: CancellationToken) -> Caches {
-        let events = Arc::new(AtomicU64::new(1));
-        let nodes = reflect::<Node>(Api::all(client.clone()), events.clone(), cancel.clone());
-        let pods = reflect::<Pod>(Api::all(client), events.clone(), cancel);
+        let changes = Arc::new(Mutex::new(Changes::default()));
+        let ch = changes.clone();
+        let nodes = reflect::<Node>(Api::all(client.clone()), cancel.clone(), move |e| {
+            let mut c = ch.lock().unwrap_or_else(PoisonError::into_inner);
+            match e {
+                Event::Apply(n) | Event::Delete(n) | Event::InitApply(n) => {
+                    c.node(n.metadata.name.as_deref().unwrap_or_default())
+                }
+                Event::Init | Event::InitDone => c.relist(),
+            }
+        });
+        let ch = changes.clone();
+        let pods = reflect::<Pod>(Api::all(client), cancel, move |e| {
+            let mut c = ch.lock().unwrap_or_else(PoisonError::into_inner);
+            match e {
+                Event::Apply(p) | Event::InitApply(p) => c.pod(p, false),
+                Event::Delete(p) => c.pod(p, true),
+                Event::Init | Event::InitDone => c.relist(),
+            }
+        });
         let listed = Arc::new(AtomicU64::new(0));
         let (n, p, l) = (nodes.clone(), pods.clone(), listed.clone());
         tokio::spawn(async move {
@@ -52,16 +72,19 @@ impl Caches {
         Caches {
             nodes,
             pods,
-            events,
-            built: Mutex::new((0, Arc::new(Cluster::default()))),
+            changes,
+            built: Mutex::new(Arc::new(Cluster::default())),
             listed,
         }
     }
 }
 
-/// A store of every `K`, counting its events into `events` (the cluster
-/// view is rebuilt when the count moved).
-fn reflect<K>(api: Api<K>, events: Arc<AtomicU64>, cancel: CancellationToken) -> Store<K>
+/// A store of every `K`, each event handed to `on_event` once applied.
+fn reflect<K>(
+    api: Api<K>,
+    cancel: CancellationToken,
+    on_event: impl FnMut(&Event<K>) + Send + 'static,
+) -> Store<K>
 where
     K: kube::Resource<DynamicType = ()>
         + Clone
@@ -75,24 +98,24 @@ where
         api,
         watcher::Config::default(),
         cancel,
-        move |_| {
-            events.fetch_add(1, Ordering::AcqRel);
-        },
+        on_event,
         |e| tracing::warn!(error = %e, "watch failed; retrying"),
     )
 }
 
 impl ClusterSource for Caches {
     fn cluster(&self) -> Arc<Cluster> {
-        let now = self.events.load(Ordering::Acquire);
-        let mut b = self.built.lock().unwrap_or_else(|e| e.into_inner());
-        if b.0 != now {
-            let nodes = self.nodes.state();
-            let pods = self.pods.state();
-            let c = Cluster::build(nodes.iter().map(|n| &**n), pods.iter().map(|p| &**p));
-            *b = (now, Arc::new(c));
-        }
-        b.1.clone()
+        let mut b = self.built.lock().unwrap_or_else(PoisonError::into_inner);
+        // The stores are read after the changes are taken: an event
+        // applied meanwhile is in them, and rebuilt again next time.
+        let pending = self
+            .changes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let stores = || (self.nodes.state(), self.pods.state());
+        *b = pending.apply(&b, stores, SystemTime::now());
+        b.clone()
     }
 
     fn ready(&self) -> bool {

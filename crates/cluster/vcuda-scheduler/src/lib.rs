@@ -4,7 +4,8 @@
 //!
 //! * [`cluster`]: the cluster rebuilt from API objects alone (each node's
 //!   published GPU inventory, the pods holding GPUs there), nothing
-//!   remembered, so replicas and restarts agree;
+//!   remembered, so replicas and restarts agree; [`changes`]: which nodes
+//!   of it a watch event changed, rebuilt alone;
 //! * [`extender`]: `filter` (per-GPU fit of every GPU container, with the
 //!   reason a user can act on) and `prioritize` ([`policy`]: binpack or
 //!   spread, per pod by annotation, topology for several GPUs);
@@ -17,6 +18,7 @@
 pub mod access;
 pub mod api;
 pub mod bind;
+pub mod changes;
 pub mod cluster;
 pub mod extender;
 pub mod http;

@@ -58,6 +58,19 @@ impl Ledger {
             .fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Total time, in ns, the container's batch-tier launches waited for
+    /// a latency-tier tenant of their GPU (docs/qos.md), every thread
+    /// summed. Monotone; survives [`Ledger::reset`].
+    pub fn qos_held_ns(&self) -> u64 {
+        self.u64_at(QOS_HELD_NS_OFFSET).load(Ordering::Relaxed)
+    }
+
+    /// Adds `ns` a batch launch waited (interposer).
+    pub fn add_qos_held_ns(&self, ns: u64) {
+        self.u64_at(QOS_HELD_NS_OFFSET)
+            .fetch_add(ns, Ordering::Relaxed);
+    }
+
     /// Bumped by [`Ledger::reset`]; lets a process notice the ledger was
     /// reinitialised under it.
     pub fn generation(&self) -> u64 {

@@ -30,6 +30,9 @@ pub const REFUSED_ALLOCATIONS_OFFSET: usize = 64;
 /// (see [`Ledger::compute_unattributed`](crate::Ledger::compute_unattributed)); in the compute area's page, which
 /// the interposer keeps mapped.
 pub const COMPUTE_UNATTRIBUTED_OFFSET: usize = 72;
+/// Offset of the container's batch-held counter (u64 ns: its batch-tier
+/// launches waited for a latency-tier tenant; docs/qos.md) in the header.
+pub const QOS_HELD_NS_OFFSET: usize = 80;
 const _: () = assert!(
     THROTTLED_NS_OFFSET / 4096 == COMPUTE_OFFSET / 4096,
     "the throttled counter shares the compute area's page"

@@ -197,9 +197,12 @@ fn counters_start_at_zero_are_shared_and_survive_reset() {
     l2.add_throttled_ns(500);
     l2.count_refused_allocation();
     l.count_refused_allocation();
+    assert_eq!(l.qos_held_ns(), 0);
+    l2.add_qos_held_ns(700);
     assert_eq!((l.throttled_ns(), l.refused_allocations()), (2_000, 2));
     l.reset();
     assert_eq!((l2.throttled_ns(), l2.refused_allocations()), (2_000, 2));
+    assert_eq!(l.qos_held_ns(), 700);
     // They touch nothing else of the header or the compute area.
     assert_eq!((l.quota(), l.used(), l.peak()), (1000, 0, 0));
     assert!(
@@ -210,10 +213,17 @@ fn counters_start_at_zero_are_shared_and_survive_reset() {
     let raw = std::fs::read(d.path().join(LEDGER_FILE)).unwrap();
     let at = |o: usize| u64::from_le_bytes(raw[o..o + 8].try_into().unwrap());
     assert_eq!(
-        (at(THROTTLED_NS_OFFSET), at(REFUSED_ALLOCATIONS_OFFSET)),
-        (2_000, 2)
+        (
+            at(THROTTLED_NS_OFFSET),
+            at(REFUSED_ALLOCATIONS_OFFSET),
+            at(QOS_HELD_NS_OFFSET)
+        ),
+        (2_000, 2, 700)
     );
-    assert!(raw[72..COMPUTE_OFFSET].iter().all(|&b| b == 0), "reserved");
+    let reserved = raw[72..QOS_HELD_NS_OFFSET]
+        .iter()
+        .chain(&raw[88..COMPUTE_OFFSET]);
+    assert!(reserved.copied().all(|b| b == 0), "reserved");
     assert_eq!(l.compute_unattributed(), 0);
     l2.set_compute_unattributed(1);
     assert_eq!(l.compute_unattributed(), 1, "shared");
@@ -236,6 +246,7 @@ fn a_ledger_from_before_the_counters_opens_with_them_at_zero() {
     let (l, _f) = Ledger::create(&path, 1000).unwrap();
     assert_eq!(VERSION, 1, "the counters did not change the layout version");
     assert_eq!((l.throttled_ns(), l.refused_allocations()), (0, 0));
+    assert_eq!(l.qos_held_ns(), 0);
     l.count_refused_allocation();
     assert_eq!(l.refused_allocations(), 1);
 }

@@ -117,6 +117,7 @@ pub mod vcuda {
                     program: "train".into(),
                     previous_slot: Some(3),
                     previous_slots: vec![3, 5],
+                    qos_pages: true,
                 };
                 let mut buf = Vec::new();
                 write(&mut buf, &req).unwrap();

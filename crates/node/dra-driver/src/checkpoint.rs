@@ -1,19 +1,35 @@
-//! The driver's durable record of prepared claims
-//! (`<state dir>/checkpoint.json`), written (fsynced, atomically) before
+//! The driver's durable record of prepared claims, written before
 //! NodePrepareResources answers and after NodeUnprepareResources released.
 //! A restarted driver re-serves every claim in it without rewriting what
 //! the containers use: the kubelet does not prepare a claim twice.
+//!
+//! The manager's engine ([`checkpoint_slots`]): two CRC-checked slot files
+//! (`checkpoint.json.a`, `.b`) in the state directory, and — as long as a
+//! release that reads only it may be rolled back to — the single
+//! `checkpoint.json` of earlier releases, written whole before each slot
+//! ([`checkpoint_slots::Layout::mirror`]; it wins when an earlier release
+//! wrote it since, as a rolling update's other instance does).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use quota_config::Durability;
+use checkpoint_slots::{Layout, Slots};
 use serde::{Deserialize, Serialize};
 
 use crate::plan::PlannedDevice;
 
 /// Bumped when the layout changes incompatibly.
 pub const VERSION: u32 = 1;
+/// The single file of earlier releases, still written beside the slots.
+pub const CHECKPOINT_FILE: &str = "checkpoint.json";
+/// The two slot files.
+pub const SLOT_FILES: [&str; 2] = ["checkpoint.json.a", "checkpoint.json.b"];
+const LAYOUT: Layout = Layout {
+    slots: SLOT_FILES,
+    legacy: CHECKPOINT_FILE,
+    version: VERSION,
+    mirror: true,
+};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PreparedClaim {
@@ -55,9 +71,36 @@ pub enum CheckpointError {
         found: String,
         node: String,
     },
+    /// Neither slot file verifies (torn or damaged): why, slot by slot.
+    #[error("checkpoint {path}: {problem}")]
+    Invalid { path: String, problem: String },
+    /// A slot file of another layout or payload version (a newer driver
+    /// ran here).
+    #[error(
+        "checkpoint {path} was written in another format ({found}); this driver reads version {VERSION}"
+    )]
+    OtherFormat { path: String, found: String },
 }
 
-/// Mode of the checkpoint and of the CDI specs (root writes, anyone reads).
+impl From<checkpoint_slots::Error<CheckpointError>> for CheckpointError {
+    fn from(e: checkpoint_slots::Error<CheckpointError>) -> Self {
+        use checkpoint_slots::Error as E;
+        match e {
+            E::Io { path, source } => CheckpointError::Io { path, source },
+            E::Invalid { path, problem } => CheckpointError::Invalid { path, problem },
+            E::OtherFormat { path, found } => CheckpointError::OtherFormat { path, found },
+            E::Legacy { error, .. } => error,
+        }
+    }
+}
+
+impl From<checkpoint_slots::Error> for CheckpointError {
+    fn from(e: checkpoint_slots::Error) -> Self {
+        e.cast::<CheckpointError>().into()
+    }
+}
+
+/// Mode of the CDI specs (root writes, anyone reads).
 pub const FILE_MODE: u32 = 0o644;
 
 /// Holds the checkpoint lock until dropped (closing the file unlocks).
@@ -66,56 +109,34 @@ pub struct StoreLock {
 }
 
 pub struct Store {
-    path: PathBuf,
+    slots: Slots,
 }
 
 impl Store {
     pub fn new(state_dir: &Path) -> Store {
         Store {
-            path: state_dir.join("checkpoint.json"),
+            slots: Slots::new(state_dir, LAYOUT),
         }
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// The single file of earlier releases (still written).
+    pub fn path(&self) -> PathBuf {
+        self.slots.legacy_path()
     }
 
     /// The checkpoint, or an empty one for `node` when there is none yet.
     pub fn load(&self, node: &str) -> Result<Checkpoint, CheckpointError> {
-        let p = self.path.display().to_string();
-        let bytes = match std::fs::read(&self.path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Ok(Checkpoint {
-                    version: VERSION,
-                    node: node.to_string(),
-                    claims: BTreeMap::new(),
-                });
-            }
-            Err(source) => return Err(CheckpointError::Io { path: p, source }),
-        };
-        // The version first: a later format may change every other field,
-        // and must be named as such, not as an unparseable file.
-        #[derive(Deserialize)]
-        struct Head {
-            version: u32,
-        }
-        if let Ok(h) = serde_json::from_slice::<Head>(&bytes)
-            && h.version != VERSION
-        {
-            return Err(CheckpointError::Version {
-                path: p,
-                found: h.version,
+        let Some(c) = self.slots.load(|bytes| parse(bytes, &self.path()))? else {
+            return Ok(Checkpoint {
+                version: VERSION,
+                node: node.to_string(),
+                claims: BTreeMap::new(),
             });
-        }
-        let c: Checkpoint =
-            serde_json::from_slice(&bytes).map_err(|source| CheckpointError::Parse {
-                path: p.clone(),
-                source,
-            })?;
+        };
+        // Not a damaged slot: the record is whole, of another node.
         if c.node != node {
             return Err(CheckpointError::Node {
-                path: p,
+                path: self.slots.dir().display().to_string(),
                 found: c.node,
                 node: node.to_string(),
             });
@@ -128,7 +149,7 @@ impl Store {
     /// driver instances serve at once, and each must read what the other
     /// wrote before it writes. Released when the guard drops.
     pub async fn lock(&self) -> Result<StoreLock, CheckpointError> {
-        let path = self.path.with_file_name("checkpoint.lock");
+        let path = self.slots.dir().join("checkpoint.lock");
         let p = path.display().to_string();
         let io = |source| CheckpointError::Io {
             path: p.clone(),
@@ -157,19 +178,34 @@ impl Store {
         Ok(StoreLock { _file: f })
     }
 
+    /// Writes `c` durably (the single file, then a slot file).
     pub fn save(&self, c: &Checkpoint) -> Result<(), CheckpointError> {
-        let io = |source| CheckpointError::Io {
-            path: self.path.display().to_string(),
-            source,
-        };
-        if let Some(d) = self.path.parent() {
-            std::fs::create_dir_all(d).map_err(io)?;
-        }
-        let body = serde_json::to_vec_pretty(c).map_err(|e| io(std::io::Error::other(e)))?;
-        // Temp file + fsync + rename + fsync of the directory.
-        quota_config::write_atomic(&self.path, &body, FILE_MODE, Durability::Durable)
-            .map_err(|e| io(e.source))
+        let body = serde_json::to_vec_pretty(c).map_err(|e| CheckpointError::Io {
+            path: self.path().display().to_string(),
+            source: std::io::Error::other(e),
+        })?;
+        Ok(self.slots.write(&body)?)
     }
+}
+
+/// A checkpoint's bytes (a slot's payload or the single file).
+fn parse(bytes: &[u8], path: &Path) -> Result<Checkpoint, CheckpointError> {
+    let p = path.display().to_string();
+    // The version first: a later format may change every other field,
+    // and must be named as such, not as an unparseable file.
+    #[derive(Deserialize)]
+    struct Head {
+        version: u32,
+    }
+    if let Ok(h) = serde_json::from_slice::<Head>(bytes)
+        && h.version != VERSION
+    {
+        return Err(CheckpointError::Version {
+            path: p,
+            found: h.version,
+        });
+    }
+    serde_json::from_slice(bytes).map_err(|source| CheckpointError::Parse { path: p, source })
 }
 
 #[cfg(test)]

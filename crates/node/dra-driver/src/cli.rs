@@ -117,6 +117,11 @@ pub struct Args {
     /// [default: none] (docs/dra.md, Dynamic MIG).
     #[arg(long, env = "VCUDA_DRA_MIG_DYNAMIC", value_delimiter = ',')]
     pub mig_dynamic: Option<Vec<String>>,
+    /// Seconds between reads of the MIG instances on GPUs in MIG mode (not
+    /// `--mig-dynamic`'s), so that instances an operator made or destroyed
+    /// meanwhile are published or withdrawn [default: 10; 0: only at start].
+    #[arg(long, env = "VCUDA_DRA_MIG_RESCAN_PERIOD")]
+    pub mig_rescan_period: Option<u64>,
 }
 
 /// Flags over the manager's file over the node's defaults
@@ -206,6 +211,10 @@ pub fn resolve(a: Args) -> anyhow::Result<Settings> {
         escape_policy: n.escape_policy,
         mig_geometry: n.mig_geometry,
         mig_dynamic,
+        mig_rescan_period: match a.mig_rescan_period.unwrap_or(10) {
+            0 => None,
+            s => Some(Duration::from_secs(s)),
+        },
     })
 }
 

@@ -15,6 +15,10 @@ use crate::driver::Driver;
 use crate::publish::{Publisher, SliceApi};
 use crate::slices::{GpuDevice, UNHEALTHY_TAINT, Unhealthy};
 
+/// GPUs whose static MIG devices differ from what was read before, with
+/// what they are now (`None`: not in MIG mode).
+pub type MigChange = Vec<(usize, Option<Vec<node_agent::mig::MigDevice>>)>;
+
 pub struct SliceController {
     pub api: Arc<dyn SliceApi>,
     pub publisher: Publisher,
@@ -34,6 +38,7 @@ impl SliceController {
         mut self,
         mut health: UnboundedReceiver<HealthChange>,
         mut slice_changed: UnboundedReceiver<()>,
+        mut mig_changed: UnboundedReceiver<MigChange>,
         cancel: CancellationToken,
     ) {
         let start = tokio::time::Instant::now() + self.resync_period;
@@ -42,6 +47,7 @@ impl SliceController {
             let changed = tokio::select! {
                 _ = cancel.cancelled() => return,
                 Some(c) = health.recv() => self.apply(c),
+                Some(m) = mig_changed.recv() => self.set_mig(m),
                 Some(()) = slice_changed.recv() => {
                     while slice_changed.try_recv().is_ok() {}
                     true
@@ -59,6 +65,31 @@ impl SliceController {
                 self.publish().await;
             }
         }
+    }
+
+    /// GPUs' static MIG devices read again ([`MigChange`]): published from
+    /// here on and planned on by the driver; whether the slice changes.
+    pub fn set_mig(&mut self, change: MigChange) -> bool {
+        let mut changed = false;
+        for (gpu, now) in change {
+            let Some(d) = self.devices.get_mut(gpu) else {
+                continue;
+            };
+            if d.mig == now {
+                continue;
+            }
+            let names = |m: &Option<Vec<node_agent::mig::MigDevice>>| {
+                m.iter()
+                    .flatten()
+                    .map(|x| format!("{} {}", x.profile, x.uuid))
+                    .collect::<Vec<_>>()
+            };
+            tracing::info!(gpu, before = ?names(&d.mig), now = ?names(&now), "MIG devices changed: republishing");
+            d.mig = now.clone();
+            self.driver.set_mig(gpu, now);
+            changed = true;
+        }
+        changed
     }
 
     /// A health change into the driver (the kubelet's health stream) and
@@ -282,6 +313,7 @@ mod tests {
         let healthy = Arc::new(Mutex::new(vec![true]));
         let (htx, hrx) = unbounded_channel();
         let (stx, srx) = unbounded_channel();
+        let (_mtx, mrx) = unbounded_channel();
         let cancel = CancellationToken::new();
         let task = tokio::spawn(
             SliceController {
@@ -301,7 +333,7 @@ mod tests {
                 xid_quiet_period: Duration::from_secs(300),
                 resync_period: Duration::from_secs(3600),
             }
-            .run(hrx, srx, cancel.clone()),
+            .run(hrx, srx, mrx, cancel.clone()),
         );
 
         htx.send(HealthChange::Unhealthy {

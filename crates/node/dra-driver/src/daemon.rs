@@ -65,6 +65,9 @@ pub struct Settings {
     pub mig_geometry: node_agent::geometry::Geometry,
     /// `--mig-dynamic`: GPUs (index or UUID) partitioned per claim.
     pub mig_dynamic: Vec<String>,
+    /// `--mig-rescan-period`: how often the static MIG devices are read
+    /// again; `None`: only at start.
+    pub mig_rescan_period: Option<Duration>,
 }
 
 /// What a running driver tells its starter.
@@ -168,6 +171,33 @@ pub async fn run(
 
     let (stx, slice_changed) = tokio::sync::mpsc::unbounded_channel();
     crate::kube_api::watch_slices(api.client.clone(), &s.node, stx, cancel.clone());
+    let (mtx, mig_changed) = tokio::sync::mpsc::unbounded_channel();
+    if let Some(period) = s.mig_rescan_period {
+        let watched: Vec<(usize, Option<Vec<node_agent::mig::MigDevice>>)> = devices
+            .iter()
+            .filter(|d| d.mig.is_some() && !publisher.is_dynamic(d.info.index))
+            .map(|d| (d.info.index, d.mig.clone()))
+            .collect();
+        if !watched.is_empty() {
+            // Instances an operator made or destroyed meanwhile are
+            // published or withdrawn (a GPU's MIG mode is read at start).
+            let mut watched = watched;
+            node_agent::mig::spawn_rescan(
+                period,
+                nvml.clone(),
+                devices.len(),
+                cancel.clone(),
+                move |states| {
+                    let changed = mig_changes(&mut watched, &states);
+                    if !changed.is_empty() {
+                        // A closed controller is a driver stopping: nothing to do.
+                        let _ = mtx.send(changed);
+                    }
+                    Ok(())
+                },
+            );
+        }
+    }
     let health = node_agent::health::watch(
         nvml.clone(),
         devices.iter().map(|d| d.info.uuid.clone()).collect(),
@@ -186,10 +216,30 @@ pub async fn run(
         xid_quiet_period: s.xid_quiet_period,
         resync_period: s.resync_period,
     }
-    .run(health, slice_changed, cancel)
+    .run(health, slice_changed, mig_changed, cancel)
     .await;
     driver.shutdown();
     Ok(())
+}
+
+/// What [`node_agent::mig::spawn_rescan`] read, for the `watched` GPUs (in
+/// MIG mode at start, not dynamic): those whose devices changed since the
+/// last read, with what they are now; `watched` updated.
+fn mig_changes(
+    watched: &mut [(usize, Option<Vec<node_agent::mig::MigDevice>>)],
+    states: &[node_agent::mig::MigGpu],
+) -> crate::controller::MigChange {
+    let mut changed = Vec::new();
+    for (gpu, was) in watched {
+        let now = states
+            .get(*gpu)
+            .and_then(|m| m.enabled.then(|| m.devices.clone()));
+        if *was != now {
+            *was = now.clone();
+            changed.push((*gpu, now));
+        }
+    }
+    changed
 }
 
 fn devices_len(found: &Discovered) -> usize {

@@ -64,6 +64,14 @@ impl DisplaySource for DraSource {
                     .flat_map(|c| &c.devices)
                     .filter(|d| d.gpu_index == g.index)
                     .collect();
+                // Shares inside its MIG devices have their devices' pages.
+                let mut instances: Vec<&str> = on
+                    .iter()
+                    .filter_map(|d| d.mig.as_ref())
+                    .map(|m| m.uuid.as_str())
+                    .collect();
+                instances.sort_unstable();
+                instances.dedup();
                 GpuView {
                     index: g.index as u32,
                     uuid: g.uuid.clone(),
@@ -75,7 +83,7 @@ impl DisplaySource for DraSource {
                     healthy: healthy.get(g.index).copied().unwrap_or(true),
                     tenants: on.len() as u32,
                     ..node_agent::display::gpu_figures_view(
-                        self.driver.registry().gpu_figures(&g.uuid),
+                        self.driver.registry().gpu_figures_with(&g.uuid, &instances),
                     )
                 }
             })
@@ -128,6 +136,7 @@ impl DisplaySource for DraSource {
                     compute_unattributed: counters.map(|c| c.compute_unattributed),
                     memory_borrowed_bytes: counters.map(|c| c.borrowed_bytes),
                     memory_reclaims: counters.map(|c| c.reclaims),
+                    batch_held_seconds: counters.map(|c| c.qos_held_ns as f64 / 1e9),
                     user: String::new(),
                     cluster: String::new(),
                     vm_dir: reg.dir(&id),

@@ -74,6 +74,14 @@ impl Publisher {
         *self.dynamic.lock().unwrap_or_else(PoisonError::into_inner) = d;
     }
 
+    /// Whether GPU `index` is partitioned per claim (`--mig-dynamic`).
+    pub fn is_dynamic(&self, index: usize) -> bool {
+        self.dynamic
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(&index)
+    }
+
     fn dynamic(&self) -> BTreeMap<usize, DynamicGpu> {
         self.dynamic
             .lock()

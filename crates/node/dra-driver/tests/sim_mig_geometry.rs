@@ -176,3 +176,61 @@ async fn the_geometry_is_applied_at_start_and_a_prepared_instance_kept() {
     cancel.cancel();
     daemon.await.unwrap().unwrap();
 }
+
+/// Instances an operator makes or destroys while the driver runs
+/// (`--mig-rescan-period`, docs/mig.md): GPU 0 in MIG mode with a 3g.40gb
+/// and a 1g.10gb; the 1g.10gb destroyed and a 2g.20gb made in its room.
+/// The slice publishes the 2g.20gb and no longer the 1g.10gb within a few
+/// periods, and a claim for the 2g.20gb is prepared on the new instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_made_or_destroyed_while_the_driver_runs_are_published() {
+    let sim = SimNode::install("sim-mig-h100");
+    sim.mig_3g_and_1g();
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    let s = Settings {
+        mig_rescan_period: Some(std::time::Duration::from_millis(300)),
+        ..sim_settings(sim.root(), &dirs)
+    };
+    let (cancel, daemon, kubelet) = run_daemon(&server, &dirs, s).await;
+    let on_gpu0 = || {
+        let mut v: Vec<String> = published(&server)
+            .into_iter()
+            .filter(|d| d.1 == 0)
+            .map(|d| d.2)
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(on_gpu0(), ["1g.10gb", "3g.40gb"]);
+    let (_, gi, ci) = instances(&sim, 0)
+        .into_iter()
+        .find(|i| i.0 == "1g.10gb")
+        .unwrap();
+    let state = sim.state();
+    state.destroy_compute_instance(0, gi, ci).unwrap();
+    state.destroy_gpu_instance(0, gi).unwrap();
+    sim.mig(&["--gpu", "0", "--create", "14"]);
+    let (_, made_gi, made_ci) = instances(&sim, 0)
+        .into_iter()
+        .find(|i| i.0 == "2g.20gb")
+        .unwrap();
+    let t = std::time::Instant::now();
+    while on_gpu0() != ["2g.20gb", "3g.40gb"] {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "published on GPU 0: {:?}",
+            on_gpu0()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    println!(
+        "an operator's 2g.20gb published and the 1g.10gb withdrawn {} ms after (rescan every 300 ms)",
+        t.elapsed().as_millis()
+    );
+    let device = prepare_mig(&server, &kubelet, "2g.20gb").await;
+    assert_eq!(device, format!("gpu-0-mig-{made_gi}-{made_ci}"));
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+}

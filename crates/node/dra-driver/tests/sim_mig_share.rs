@@ -125,14 +125,13 @@ async fn a_share_inside_a_2g_instance_is_held_to_its_part_of_the_instance() {
             && nodes.matches("\"path\":\"/dev/nvidia-caps/").count() == 2,
         "the instance's nodes: {edits}"
     );
-    let mut env = container_env(&edits);
+    let env = container_env(&edits);
     assert!(
         env.contains(&("NVIDIA_VISIBLE_DEVICES".into(), mig_uuid.clone())),
         "{env:?}"
     );
     assert!(env.iter().any(|(k, _)| k == "VCUDA_CONFIG_DIR"), "{env:?}");
-    // NVIDIA's runtime turns NVIDIA_VISIBLE_DEVICES into this.
-    env.push(("CUDA_VISIBLE_DEVICES".into(), mig_uuid.clone()));
+    let env = exposed(env);
 
     // A 5 GiB card, refused past it.
     let client = compile_c("shim_client", &sim, &dirs.p(""));
@@ -242,13 +241,7 @@ async fn without_gpm_a_share_inside_an_instance_stays_within_its_quota() {
     let one = &r.claims[&claim.uid];
     assert_eq!(one.error, "");
     let edits = cdi::resolve(&dirs.p("cdi"), &one.devices[0].cdi_device_ids[0]).unwrap();
-    let mut env = container_env(&edits);
-    let mig_uuid = env
-        .iter()
-        .find(|(k, _)| k == "NVIDIA_VISIBLE_DEVICES")
-        .map(|(_, v)| v.clone())
-        .unwrap();
-    env.push(("CUDA_VISIBLE_DEVICES".into(), mig_uuid));
+    let env = exposed(container_env(&edits));
     let compute = compile_c("shim_compute", &sim, &dirs.p(""));
     let u = busy_of_instance(&sim, gi, &compute, &env, (8.0, 3.0, 7.5));
     println!("a 50 % share inside an A100's 2g.10gb (no GPM) got {u:.1} % of the instance");
@@ -306,4 +299,132 @@ fn stderr(child: &mut std::process::Child) -> String {
         e.read_to_string(&mut err).unwrap();
     }
     err
+}
+
+/// A claim for 50 cores and 4 GiB inside the MIG device of GPU instance
+/// `gi`, in compute tier `tier` (the claim's `GpuConfig`).
+fn tiered_share_in(server: &ApiServer, name: &str, gi: u32, tier: &str) -> String {
+    let selector = format!(
+        "device.attributes['{}'].gpuInstance == {gi}",
+        dra_driver::DRIVER_NAME
+    );
+    let request = json!({"deviceClassName": dra_driver::slices::MIG_CLASS,
+        "selectors": [{"cel": {"expression": selector}}],
+        "capacity": {"requests": {"cores": "50", "memory": "4Gi"}}});
+    let params =
+        json!({"apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig", "tier": tier});
+    let c = server
+        .create(
+            Kind::ResourceClaim,
+            Some(NS),
+            json!({"metadata": {"name": name, "namespace": NS},
+                   "spec": {"devices": {
+                       "requests": [{"name": "mig", "exactly": request}],
+                       "config": [{"requests": ["mig"], "opaque": {
+                           "driver": dra_driver::DRIVER_NAME, "parameters": params}}]}}}),
+        )
+        .unwrap();
+    uid(&c)
+}
+
+/// Compute tiers inside MIG devices (docs/qos.md): a latency share and a
+/// batch share inside one 2g.20gb order their launches through that
+/// instance's QoS page, so the batch share's launches are held while the
+/// latency tenant has work; a batch share inside the other 2g.20gb has a
+/// page of its own and is never held (instances are hardware apart, a
+/// latency tenant in one waits for nothing in the other).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiers_order_the_tenants_of_one_instance_and_no_other() {
+    use qos_page::{QosPage, Tier};
+    use std::os::fd::AsFd;
+    let sim = SimNode::install("sim-mig-h100");
+    sim.mig(&["--gpu", "0", "--enable", "--create", "14,14"]);
+    let gis: Vec<u32> = sim
+        .state()
+        .mig_devices(0)
+        .iter()
+        .map(|(g, _)| g.id)
+        .collect();
+    let [near, far] = gis[..] else {
+        panic!("two instances: {gis:?}")
+    };
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    let settings = sim_settings(sim.root(), &dirs);
+    let (cancel, daemon, kubelet) = run_daemon(&server, &dirs, settings).await;
+
+    let mut envs = Vec::new();
+    for (name, gi, tier) in [
+        ("lat", near, "latency"),
+        ("bat", near, "batch"),
+        ("far", far, "batch"),
+    ] {
+        let uid = tiered_share_in(&server, name, gi, tier);
+        allocator::allocate(&server, NS, name, NODE).unwrap();
+        let claim = plugin::claim(NS, name, &uid);
+        let r = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+        let one = &r.claims[&claim.uid];
+        assert_eq!(one.error, "", "{name}");
+        let edits = cdi::resolve(&dirs.p("cdi"), &one.devices[0].cdi_device_ids[0]).unwrap();
+        envs.push((uid, exposed(container_env(&edits))));
+    }
+    // Each batch share's page, as a process of it receives it.
+    let page_of = |uid: &str| {
+        let req = test_support::hostile::maximal_request(uid, "mig");
+        let dir = dirs.p("vm").join(uid).join("mig");
+        let (_s, r, fds) = test_support::hostile::register(&dir, &req);
+        assert_eq!(
+            (Tier::from_wire(r.qos_tier), r.qos_page, fds.len()),
+            (Tier::Batch, true, 2),
+            "a batch share inside an instance gets its tier and a page: {r:?}"
+        );
+        QosPage::from_fd(fds[1].as_fd()).unwrap()
+    };
+    let (near_page, far_page) = (page_of(&envs[1].0), page_of(&envs[2].0));
+
+    let compute = compile_c("shim_compute", &sim, &dirs.p(""));
+    let latency = compile_c("qos_latency", &sim, &dirs.p(""));
+    let spawn = |prog: &std::path::Path, args: &[&str], env: &[(String, String)]| {
+        Command::new(prog)
+            .args(args)
+            .envs(env.iter().cloned())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let batches = [
+        spawn(&compute, &["saturate", "6", "4"], &envs[1].1),
+        spawn(&compute, &["saturate", "6", "4"], &envs[2].1),
+    ];
+    std::thread::sleep(Duration::from_millis(500));
+    let lat = spawn(
+        &latency,
+        &["4", "100", "3", "17280", "warmup=1"],
+        &envs[0].1,
+    );
+    let out = lat.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "qos_latency: {text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let requests: f64 = kv(&text)["requests"].parse().unwrap();
+    assert!(requests >= 200.0, "{text}");
+    let (held_ns, holds) = near_page.held();
+    println!(
+        "inside one 2g.20gb: batch held {holds} times, {:.1} ms, beside {text}",
+        held_ns as f64 / 1e6
+    );
+    assert!(holds > 0 && held_ns > 0, "the near batch share was held");
+    assert_eq!(far_page.held(), (0, 0), "the other instance's batch never");
+    assert_eq!(far_page.latency_live(), 0);
+    for b in batches {
+        let o = b.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
 }

@@ -199,15 +199,6 @@ async fn a_tp2_server_beside_a_second_claim_is_held_per_gpu() {
     let dirs = &node.dirs;
     let server_uid = two_gpu_claim_nth(&node.server, "server", "50", "4Gi", 0);
     let other_uid = two_gpu_claim_nth(&node.server, "other", "50", "2Gi", 1);
-    let exposed = |mut env: Vec<(String, String)>| {
-        let v = env
-            .iter()
-            .find(|(k, _)| k == "NVIDIA_VISIBLE_DEVICES")
-            .map(|(_, v)| v.clone())
-            .expect("NVIDIA_VISIBLE_DEVICES in the CDI edits");
-        env.push(("CUDA_VISIBLE_DEVICES".into(), v));
-        env
-    };
     let env_s = exposed(node.prepare("server", &server_uid).await);
     let env_o = exposed(node.prepare("other", &other_uid).await);
     let uuids: Vec<String> = env_s
@@ -262,6 +253,241 @@ async fn a_tp2_server_beside_a_second_claim_is_held_per_gpu() {
                 ledgers: &lo,
             },
         )
+    });
+    node.stop().await;
+}
+
+/// Compute tiers on several GPUs (docs/qos.md): a share gets the QoS page
+/// of each of its GPUs, and a launch is ordered by its device's. A latency
+/// claim on gpu-0 and gpu-1 (a tensor-parallel server's shape) sending its
+/// requests to gpu-0 holds a batch share there, not one on gpu-1; a batch
+/// claim on gpu-2 and gpu-3 launching on gpu-3 is held through that GPU's
+/// page (its second) for a latency share there; gpu-2's page holds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiered_shares_on_several_gpus_are_held_by_their_launchs_gpu() {
+    use qos_page::QosPage;
+    use std::process::{Child, Stdio};
+    let node = Node::start().await;
+    let dirs = &node.dirs;
+    let tier = |t: &str| {
+        Some(
+            serde_json::json!({"apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig", "tier": t}),
+        )
+    };
+    let claim = |name: &str, nth: u32, gpus: &[u32], t: &str| {
+        claim_on_gpus(&node.server, name, ("30", "1Gi"), nth, gpus, tier(t))
+    };
+    let uids = [
+        ("lat01", claim("lat01", 0, &[0, 1], "latency")),
+        ("bat0", claim("bat0", 1, &[0], "batch")),
+        ("bat1", claim("bat1", 2, &[1], "batch")),
+        ("lat3", claim("lat3", 3, &[3], "latency")),
+        ("bat23", claim("bat23", 4, &[2, 3], "batch")),
+    ];
+    let mut envs = HashMap::new();
+    for (name, uid) in &uids {
+        let mut env = exposed(node.prepare(name, uid).await);
+        if *name == "bat23" {
+            // Its CUDA device 0 is gpu-3 (devices are matched by bus id).
+            for (_, v) in env.iter_mut().filter(|(k, _)| k == "CUDA_VISIBLE_DEVICES") {
+                *v = v.rsplit(',').collect::<Vec<_>>().join(",");
+            }
+        }
+        envs.insert(*name, env);
+    }
+    let (_c0, p0, l0) = batch_pages(dirs, &uids[1].1, 1);
+    let (_c1, p1, l1) = batch_pages(dirs, &uids[2].1, 1);
+    let (_c23, p23, l23) = batch_pages(dirs, &uids[4].1, 2);
+
+    let lib = dirs.p("sim").join("usr/lib/x86_64-linux-gnu");
+    let (compute, latency) = (dirs.p("shim_compute"), dirs.p("qos_latency"));
+    for (src, out) in [("shim_compute", &compute), ("qos_latency", &latency)] {
+        test_support::sim::gcc_lcuda(
+            &workspace_root().join(format!("tests/c/{src}.c")),
+            &lib,
+            out,
+        );
+    }
+    let spawn = |prog: &std::path::Path, args: &[&str], name: &str| -> Child {
+        Command::new(prog)
+            .args(args)
+            .envs(envs[name].iter().cloned())
+            .env_remove("LOGGER_LEVEL")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let batches: Vec<Child> = ["bat0", "bat1", "bat23"]
+        .iter()
+        .map(|n| spawn(&compute, &["saturate", "6", "4"], n))
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    // 100 requests a second of three 1728-block kernels (~50 us each on the
+    // T4): well inside a 30 % share, so holds follow requests, not a queue.
+    let lats: Vec<Child> = ["lat01", "lat3"]
+        .iter()
+        .map(|n| spawn(&latency, &["4", "100", "3", "1728", "warmup=1"], n))
+        .collect();
+    let t0 = std::time::Instant::now();
+    while p1[0].latency_live() == 0 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(p1[0].latency_live(), 1, "lat01 is registered on gpu-1 too");
+    for l in lats {
+        let o = l.wait_with_output().unwrap();
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(
+            o.status.success(),
+            "qos_latency: {out}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let requests: f64 = test_support::kv(&out)["requests"].parse().unwrap();
+        assert!(requests >= 200.0, "{out}");
+        println!("latency tenant: {}", out.trim().replace('\n', " "));
+    }
+    let held = |p: &QosPage| p.held();
+    let (h0, h1, h2, h3) = (held(&p0[0]), held(&p1[0]), held(&p23[0]), held(&p23[1]));
+    println!("batch held (ns, holds): gpu-0 {h0:?}, gpu-1 {h1:?}, gpu-2 {h2:?}, gpu-3 {h3:?}");
+    assert!(
+        h0.1 > 0,
+        "the batch share on gpu-0, where lat01 launches, held"
+    );
+    assert_eq!(h1, (0, 0), "lat01 never launched on gpu-1");
+    assert!(h3.1 > 0, "bat23, launching on gpu-3, held for lat3");
+    assert_eq!(h2, (0, 0), "gpu-2 has no latency share");
+    // Each container's own count, in its ledger of the GPU it waited on
+    // (the metric vcuda_container_batch_held_seconds_total).
+    let own = |l: &container_ledger::Ledger| l.qos_held_ns();
+    let (c0, c1, c2, c3) = (own(&l0[0]), own(&l1[0]), own(&l23[0]), own(&l23[1]));
+    println!(
+        "batch held per container (ns): bat0 {c0}, bat1 {c1}, bat23 on gpu-2 {c2}, on gpu-3 {c3}"
+    );
+    assert!(c0 > 0 && c0 <= h0.0, "bat0's own wait, within its GPU's");
+    assert_eq!((c1, c2), (0, 0), "bat1 and bat23 on gpu-2 never waited");
+    assert!(c3 > 0 && c3 <= h3.0, "bat23's wait on gpu-3");
+    for b in batches {
+        let o = b.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    node.stop().await;
+}
+
+/// The QoS pages and the ledgers a batch process of claim `uid` (on
+/// `gpus` GPUs) receives at registration, in record order, and its
+/// connection (the registration lasts while it is open).
+fn batch_pages(
+    dirs: &Dirs,
+    uid: &str,
+    gpus: usize,
+) -> (
+    std::os::unix::net::UnixStream,
+    Vec<qos_page::QosPage>,
+    Vec<container_ledger::Ledger>,
+) {
+    use qos_page::{QosPage, Tier};
+    use std::os::fd::AsFd;
+    let mut req = test_support::hostile::maximal_request(uid, "gpus");
+    if gpus > 1 {
+        (req.protocol_version, req.previous_slot) = (2, None);
+    }
+    let dir = dirs.p("vm").join(uid).join("gpus");
+    let (s, r, fds) = test_support::hostile::register(&dir, &req);
+    assert_eq!(Tier::from_wire(r.qos_tier), Tier::Batch, "{r:?}");
+    let n = if gpus > 1 {
+        r.qos_pages as usize
+    } else {
+        usize::from(r.qos_page)
+    };
+    assert_eq!((n, fds.len()), (gpus, 2 * gpus), "a page per GPU: {r:?}");
+    let pages = fds[gpus..]
+        .iter()
+        .map(|f| QosPage::from_fd(f.as_fd()).unwrap())
+        .collect();
+    let ledgers = fds[..gpus]
+        .iter()
+        .map(|f| container_ledger::Ledger::from_fd(f.as_fd()).unwrap())
+        .collect();
+    (s, pages, ledgers)
+}
+
+/// A latency process on two GPUs is busy on each GPU until what it waited
+/// for there is done: a synchronize clears only the page of the device it
+/// waited for (a context's: the current one; a stream's: the stream's
+/// context's, whichever is current; a query likewise), so a request still
+/// running on gpu-1 keeps holding gpu-1's batch work after gpu-0's is
+/// synchronised; and of two streams of gpu-0 launched onto, the first's
+/// synchronize leaves gpu-0 busy until the second is said done. `tests/c/qos_sync.c` steps; the pages are read between
+/// steps (a slot's mark, not its deadline: no timing involved).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latency_process_is_idle_only_where_and_once_all_it_launched_is_done() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::Stdio;
+    let node = Node::start().await;
+    let dirs = &node.dirs;
+    let tier = |t: &str| {
+        Some(
+            serde_json::json!({"apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig", "tier": t}),
+        )
+    };
+    let lat = claim_on_gpus(
+        &node.server,
+        "lat01",
+        ("30", "1Gi"),
+        0,
+        &[0, 1],
+        tier("latency"),
+    );
+    let bat = claim_on_gpus(
+        &node.server,
+        "bat01",
+        ("30", "1Gi"),
+        1,
+        &[0, 1],
+        tier("batch"),
+    );
+    let env = exposed(node.prepare("lat01", &lat).await);
+    node.prepare("bat01", &bat).await;
+    let (_conn, pages, _) = batch_pages(dirs, &bat, 2);
+    let prog = dirs.p("qos_sync");
+    let lib = dirs.p("sim").join("usr/lib/x86_64-linux-gnu");
+    test_support::sim::gcc_lcuda(&workspace_root().join("tests/c/qos_sync.c"), &lib, &prog);
+    let mut child = Command::new(&prog)
+        .arg("1728")
+        .envs(env)
+        .env_remove("LOGGER_LEVEL")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let marked = || [0, 1].map(|g| pages[g].held_until(0).is_some());
+    // Step, then the pages' marks (gpu-0, gpu-1) it must leave.
+    let steps = [
+        ("launched", [true, true]),
+        ("ctx0", [false, true]),
+        ("stream1", [false, false]),
+        ("query0", [false, true]),
+        ("ctx1", [false, false]),
+        ("one-of-two", [true, false]),
+        ("both", [false, false]),
+    ];
+    tokio::task::block_in_place(|| {
+        for (name, want) in steps {
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            assert_eq!(line.trim(), format!("step={name}"), "qos_sync's steps");
+            assert_eq!(
+                marked(),
+                want,
+                "after {name}: gpu-0's and gpu-1's pages marked busy by the latency process"
+            );
+            writeln!(stdin, "next").unwrap();
+        }
+        let status = child.wait().unwrap();
+        assert!(status.success(), "qos_sync: {status}");
     });
     node.stop().await;
 }

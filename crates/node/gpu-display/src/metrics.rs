@@ -398,6 +398,7 @@ struct ContainerGauges {
     unattributed: GaugeVec,
     borrowed: GaugeVec,
     reclaims: CounterVec,
+    batch_held: CounterVec,
 }
 
 impl ContainerGauges {
@@ -459,6 +460,12 @@ impl ContainerGauges {
                 "The container's processes ended to give borrowed GPU memory back to a guaranteed allocation.",
                 C,
             ),
+            batch_held: counter(
+                r,
+                "vcuda_container_batch_held_seconds_total",
+                "Time the container's batch-tier launches waited while a latency-tier tenant of their GPU had work (docs/qos.md).",
+                C,
+            ),
         }
     }
 
@@ -501,6 +508,9 @@ impl ContainerGauges {
         }
         if let Some(b) = c.memory_borrowed_bytes {
             self.borrowed.with_label_values(&cl).set(b as f64);
+        }
+        if let Some(s) = c.batch_held_seconds {
+            self.batch_held.with_label_values(&cl).inc_by(s.max(0.0));
         }
         if let Some(n) = c.memory_reclaims {
             self.reclaims.with_label_values(&cl).inc_by(n as f64);

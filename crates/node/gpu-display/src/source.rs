@@ -124,6 +124,10 @@ pub struct ContainerView {
     /// Its processes ended to give borrowed memory back.
     #[serde(default)]
     pub memory_reclaims: Option<u64>,
+    /// From the ledger: time its batch-tier launches waited for a
+    /// latency-tier tenant of their GPU (docs/qos.md).
+    #[serde(default)]
+    pub batch_held_seconds: Option<f64>,
     /// `ContainerStat.user` of the display API (the original read the
     /// `SUBMITTER` env of the pod).
     #[serde(default)]

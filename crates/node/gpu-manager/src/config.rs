@@ -43,6 +43,8 @@ pub struct Settings {
     pub container_runtime_endpoint: String,
     /// MIG devices are advertised as `<prefix><profile>` ([`crate::mig`]).
     pub mig_resource_prefix: String,
+    /// How often MIG instances are read again; `None`: only at start.
+    pub mig_rescan_period: Option<Duration>,
     /// `--mig-geometry` ([`node_agent::geometry`]).
     pub mig_geometry: node_agent::geometry::Geometry,
 }
@@ -163,6 +165,10 @@ impl Settings {
             container_runtime,
             container_runtime_endpoint: o.container_runtime_endpoint.unwrap_or_default(),
             mig_resource_prefix,
+            mig_rescan_period: match o.mig_rescan_period.unwrap_or(10) {
+                0 => None,
+                s => Some(Duration::from_secs(s)),
+            },
             mig_geometry: n.mig_geometry,
         })
     }

@@ -9,11 +9,13 @@
 //! neither the manager's state nor its handover gate. They are served on
 //! this manager's own sockets, not through the supervisor: across a
 //! restart the kubelet sees them go and come back (running pods keep their
-//! devices; an admission in the gap is retried by the kubelet).
+//! devices; an admission in the gap is retried by the kubelet). The
+//! devices follow the instances an operator makes or destroys while the
+//! manager runs ([`MigPlugins::refresh`], every `--mig-rescan-period`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use device_plugin::api::{
     AllocateRequest, AllocateResponse, ContainerAllocateResponse, DevicePluginOptions,
@@ -46,7 +48,8 @@ pub struct MigContext {
 pub struct MigPlugin {
     pub resource: String,
     pub profile: String,
-    served: Vec<Served>,
+    /// Its devices now (a rescan replaces them: [`MigPlugins::refresh`]).
+    served: Mutex<Vec<Served>>,
     list: DeviceList,
     ctx: Arc<MigContext>,
 }
@@ -54,56 +57,156 @@ pub struct MigPlugin {
 /// A GPU (`None`) or one of its GPU instances.
 type Unit = (usize, Option<u32>);
 
+/// Where plugins made after the start are served.
+struct Serving {
+    dir: PathBuf,
+    instance: String,
+    cancel: tokio_util::sync::CancellationToken,
+}
+
 /// Every MIG plugin of the node, by resource name.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct MigPlugins {
-    pub plugins: BTreeMap<String, Arc<MigPlugin>>,
-    /// Serving them ([`MigPlugins::start`]).
-    running: Arc<std::sync::Mutex<Option<device_plugin::RuntimeHandle>>>,
+    prefix: String,
+    ctx: Arc<MigContext>,
+    plugins: Arc<Mutex<BTreeMap<String, Arc<MigPlugin>>>>,
+    /// Serving them ([`MigPlugins::start`]; one runtime more for each
+    /// rescan that found new profiles).
+    running: Arc<Mutex<Vec<device_plugin::RuntimeHandle>>>,
+    serving: Arc<Mutex<Option<Serving>>>,
     /// GPUs (`None`) and GPU instances with a recent critical Xid.
-    out: Arc<std::sync::Mutex<std::collections::BTreeSet<Unit>>>,
+    out: Arc<Mutex<BTreeSet<Unit>>>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The MIG devices of the GPUs in MIG mode, by profile.
+fn by_profile(gpus: &[GpuInfo], mig: &[MigGpu]) -> BTreeMap<String, Vec<Served>> {
+    let mut by: BTreeMap<String, Vec<Served>> = BTreeMap::new();
+    for (g, m) in gpus.iter().zip(mig).filter(|(_, m)| m.enabled) {
+        for d in &m.devices {
+            by.entry(d.profile.clone()).or_default().push(Served {
+                parent: g.clone(),
+                device: d.clone(),
+            });
+        }
+    }
+    by
+}
+
+/// Healthy while neither its GPU nor its GPU instance is `out`.
+fn healthy(s: &Served, out: &BTreeSet<Unit>) -> bool {
+    let (g, gi) = (s.parent.index, s.device.gpu_instance);
+    !out.contains(&(g, None)) && !out.contains(&(g, Some(gi)))
+}
+
+impl MigPlugin {
+    /// Replaces its devices, each advertised with its health.
+    fn set_served(&self, served: Vec<Served>, out: &BTreeSet<Unit>) {
+        let devices = served
+            .iter()
+            .map(|s| {
+                let numa = s.parent.numa_node.map(i64::from);
+                device_plugin::device(s.device.uuid.clone(), healthy(s, out), numa)
+            })
+            .collect();
+        *locked(&self.served) = served;
+        self.list.replace(devices);
+    }
+
+    fn uuids(&self) -> Vec<String> {
+        locked(&self.served)
+            .iter()
+            .map(|s| s.device.uuid.clone())
+            .collect()
+    }
+
+    /// How many devices it serves.
+    pub fn len(&self) -> usize {
+        locked(&self.served).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 impl MigPlugins {
     /// One plugin per profile found on the GPUs in MIG mode (`mig[i]` is
     /// GPU `gpus[i]`'s state).
     pub fn new(prefix: &str, gpus: &[GpuInfo], mig: &[MigGpu], ctx: MigContext) -> MigPlugins {
-        let ctx = Arc::new(ctx);
-        let mut by: BTreeMap<String, Vec<Served>> = BTreeMap::new();
-        for (g, m) in gpus.iter().zip(mig).filter(|(_, m)| m.enabled) {
-            for d in &m.devices {
-                by.entry(d.profile.clone()).or_default().push(Served {
-                    parent: g.clone(),
-                    device: d.clone(),
-                });
+        let m = MigPlugins {
+            prefix: prefix.to_string(),
+            ctx: Arc::new(ctx),
+            plugins: Default::default(),
+            running: Default::default(),
+            serving: Default::default(),
+            out: Default::default(),
+        };
+        m.add_and_update(by_profile(gpus, mig));
+        m
+    }
+
+    /// The plugin of `resource`.
+    pub fn plugin(&self, resource: &str) -> Option<Arc<MigPlugin>> {
+        locked(&self.plugins).get(resource).cloned()
+    }
+
+    /// The resources served, in order.
+    pub fn resources(&self) -> Vec<String> {
+        locked(&self.plugins).keys().cloned().collect()
+    }
+
+    /// Sets each profile's devices to `by`'s (none for a profile gone: its
+    /// plugin stays, advertising nothing) and makes plugins for profiles
+    /// new to it, returned. What changed is logged.
+    fn add_and_update(&self, mut by: BTreeMap<String, Vec<Served>>) -> Vec<Arc<MigPlugin>> {
+        let out = locked(&self.out).clone();
+        let mut plugins = locked(&self.plugins);
+        for p in plugins.values() {
+            let now = by.remove(&p.profile).unwrap_or_default();
+            let was = p.uuids();
+            let is: Vec<String> = now.iter().map(|s| s.device.uuid.clone()).collect();
+            if was != is {
+                tracing::info!(resource = %p.resource, before = ?was, now = ?is, "MIG devices changed");
+                p.set_served(now, &out);
             }
         }
-        let plugins = by
-            .into_iter()
-            .map(|(profile, served)| {
-                let resource = mig_resource_name(prefix, &profile);
-                let devices = served
-                    .iter()
-                    .map(|s| {
-                        let numa = s.parent.numa_node.map(i64::from);
-                        device_plugin::device(s.device.uuid.clone(), true, numa)
-                    })
-                    .collect();
-                let p = MigPlugin {
-                    resource: resource.clone(),
-                    profile,
-                    served,
-                    list: DeviceList::new(devices),
-                    ctx: ctx.clone(),
-                };
-                (resource, Arc::new(p))
-            })
-            .collect();
-        MigPlugins {
-            plugins,
-            running: Default::default(),
-            out: Default::default(),
+        let mut added = Vec::new();
+        for (profile, served) in by {
+            let resource = mig_resource_name(&self.prefix, &profile);
+            let p = Arc::new(MigPlugin {
+                resource: resource.clone(),
+                profile,
+                served: Default::default(),
+                list: DeviceList::new(Vec::new()),
+                ctx: self.ctx.clone(),
+            });
+            p.set_served(served, &out);
+            plugins.insert(resource, p.clone());
+            added.push(p);
         }
+        added
+    }
+
+    /// The node's MIG devices now (a rescan: instances an operator made or
+    /// destroyed since): each profile's plugin advertises what is there,
+    /// and a profile new to this manager gets a plugin of its own,
+    /// registered at once when the others are served.
+    pub fn refresh(&self, gpus: &[GpuInfo], mig: &[MigGpu]) -> anyhow::Result<()> {
+        let added = self.add_and_update(by_profile(gpus, mig));
+        if added.is_empty() {
+            return Ok(());
+        }
+        let serving = locked(&self.serving);
+        let Some(at) = serving.as_ref() else {
+            return Ok(());
+        };
+        let h = runtime(&at.dir, &at.instance, &added).start(at.cancel.clone())?;
+        locked(&self.running).push(h);
+        Ok(())
     }
 
     /// An Xid on GPU `gpu` (or its quiet period) for its MIG devices.
@@ -123,23 +226,31 @@ impl MigPlugins {
         self.set_out((gpu, Some(gi)), !healthy);
     }
 
-    /// Marks `unit` out (or back) and sets each device's health: healthy
-    /// while neither its GPU nor its GPU instance is out.
+    /// Marks `unit` out (or back) and sets each device's health.
     fn set_out(&self, unit: Unit, out: bool) {
-        let mut set = self.out.lock().unwrap_or_else(|p| p.into_inner());
+        let mut set = locked(&self.out);
         if out {
             set.insert(unit);
         } else {
             set.remove(&unit);
         }
-        for p in self.plugins.values() {
-            for s in &p.served {
-                let (g, gi) = (s.parent.index, s.device.gpu_instance);
-                let healthy = !set.contains(&(g, None)) && !set.contains(&(g, Some(gi)));
-                p.list.set_health(&s.device.uuid, healthy);
+        for p in locked(&self.plugins).values() {
+            for s in locked(&p.served).iter() {
+                p.list.set_health(&s.device.uuid, healthy(s, &set));
             }
         }
     }
+}
+
+/// A runtime serving `plugins` on this instance's sockets in `dir`.
+fn runtime(dir: &Path, instance: &str, plugins: &[Arc<MigPlugin>]) -> device_plugin::PluginRuntime {
+    let mut rt = device_plugin::PluginRuntime::new(dir);
+    for p in plugins {
+        tracing::info!(resource = %p.resource, devices = p.len(), "serving MIG devices");
+        let socket = node_agent::mode::mig_plugin_socket(&p.profile, instance);
+        rt = rt.plugin(p.resource.clone(), socket, p.clone());
+    }
+    rt
 }
 
 /// Why a MIG Allocate is refused.
@@ -163,10 +274,10 @@ impl MigPlugin {
     pub fn edits(&self, ids: &[String]) -> Result<GpuEdits, MigRefusal> {
         let mut out: Option<GpuEdits> = None;
         for id in ids {
-            let s = self
-                .served
+            let s = locked(&self.served)
                 .iter()
                 .find(|s| &s.device.uuid == id)
+                .cloned()
                 .ok_or_else(|| MigRefusal::Unknown {
                     resource: self.resource.clone(),
                     id: id.clone(),
@@ -257,29 +368,25 @@ impl DevicePluginService for MigPlugin {
 
 impl MigPlugins {
     /// Serves every MIG plugin on sockets of its own in `dir` until
-    /// `cancel` (nothing when the node has no MIG device).
+    /// `cancel`, and the plugins of profiles a rescan finds later.
     pub fn start(
         &self,
         dir: &Path,
         instance: &str,
         cancel: tokio_util::sync::CancellationToken,
     ) -> anyhow::Result<()> {
-        if self.plugins.is_empty() {
-            return Ok(());
-        }
         remove_stale(dir);
-        let mut rt = device_plugin::PluginRuntime::new(dir);
-        for (resource, p) in &self.plugins {
-            tracing::info!(%resource, devices = p.served.len(), "serving MIG devices");
-            let socket = node_agent::mode::mig_plugin_socket(&p.profile, instance);
-            rt = rt.plugin(resource.clone(), socket, p.clone());
+        let plugins: Vec<Arc<MigPlugin>> = locked(&self.plugins).values().cloned().collect();
+        *locked(&self.serving) = Some(Serving {
+            dir: dir.to_path_buf(),
+            instance: instance.to_string(),
+            cancel: cancel.clone(),
+        });
+        if !plugins.is_empty() {
+            let h = runtime(dir, instance, &plugins).start(cancel)?;
+            locked(&self.running).push(h);
         }
-        *self.lock() = Some(rt.start(cancel)?);
         Ok(())
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<device_plugin::RuntimeHandle>> {
-        self.running.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Copies of the kubelet's connections to these plugins: a manager
@@ -287,19 +394,19 @@ impl MigPlugins {
     /// exit ends no stream (kubelet ≥ 1.26 would drop the successor's
     /// registration of the same resources).
     pub fn kubelet_connections(&self) -> Vec<std::os::fd::OwnedFd> {
-        self.lock()
-            .as_ref()
-            .map(|h| h.kubelet_connections())
-            .unwrap_or_default()
+        locked(&self.running)
+            .iter()
+            .flat_map(|h| h.kubelet_connections())
+            .collect()
     }
 
     /// Waits for the plugins to stop (after the `cancel` given to `start`).
     pub async fn stopped(&self) {
-        let handle = self.lock().take();
-        if let Some(h) = handle
-            && let Err(e) = h.wait().await
-        {
-            tracing::warn!(error = %e, "stopping the MIG plugins");
+        let handles = std::mem::take(&mut *locked(&self.running));
+        for h in handles {
+            if let Err(e) = h.wait().await {
+                tracing::warn!(error = %e, "stopping the MIG plugins");
+            }
         }
     }
 }

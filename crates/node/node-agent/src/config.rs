@@ -176,6 +176,11 @@ pub struct Options {
     /// [default: tencent.com/mig-; NVIDIA's plugin names them nvidia.com/mig-].
     #[arg(long, env = "GPU_MANAGER_MIG_RESOURCE_PREFIX")]
     pub mig_resource_prefix: Option<String>,
+    /// Device-plugin mode: seconds between reads of the MIG instances on
+    /// GPUs in MIG mode, so that instances made or destroyed meanwhile are
+    /// advertised or withdrawn [default: 10; 0: only at start].
+    #[arg(long, env = "GPU_MANAGER_MIG_RESCAN_PERIOD")]
+    pub mig_rescan_period: Option<u64>,
     /// MIG geometry to apply at start, "<GPU index or UUID>=<profile>,…;…"
     /// (e.g. "0=3g.40gb,1g.10gb,1g.10gb"); GPUs not named are left as they
     /// are [default: none] (docs/mig.md).
@@ -224,6 +229,7 @@ impl Options {
             container_runtime,
             container_runtime_endpoint,
             mig_resource_prefix,
+            mig_rescan_period,
             mig_geometry
         )
     }

@@ -57,6 +57,53 @@ pub fn read(nvml: &Nvml, devices: &[Device]) -> Result<Vec<MigGpu>, MigReadError
         .collect()
 }
 
+/// [`read`] of the node's first `count` GPUs, their handles taken again
+/// (a daemon's periodic rescan, off its async threads); the error as text.
+pub fn read_again(nvml: &Nvml, count: usize) -> Result<Vec<MigGpu>, String> {
+    let devices = (0..count)
+        .map(|i| nvml.device_by_index(i as u32))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("NVML device handles: {e}"))?;
+    read(nvml, &devices).map_err(|e| e.to_string())
+}
+
+/// Reads the node's first `count` GPUs' MIG state every `period` (off the
+/// async threads, [`read_again`]) until `cancel`, and hands it to `apply`
+/// (a daemon's: its devices follow the instances an operator made or
+/// destroyed meanwhile). A failure, read or apply, is logged once until
+/// one succeeds; what was served stays.
+pub fn spawn_rescan(
+    period: std::time::Duration,
+    nvml: std::sync::Arc<Nvml>,
+    count: usize,
+    cancel: tokio_util::sync::CancellationToken,
+    mut apply: impl FnMut(Vec<MigGpu>) -> Result<(), String> + Send + 'static,
+) {
+    tokio::spawn(async move {
+        let mut last_error = String::new();
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(period) => {}
+            }
+            let n = nvml.clone();
+            let r = tokio::task::spawn_blocking(move || read_again(&n, count))
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|r| r)
+                .and_then(&mut apply);
+            match r {
+                Ok(()) => last_error.clear(),
+                Err(e) if e != last_error => {
+                    tracing::warn!(error = %e, "reading the MIG instances again; kept what was served");
+                    last_error = e;
+                }
+                Err(_) => {}
+            }
+        }
+    });
+}
+
 fn read_gpu(nvml: &Nvml, gpu: usize, d: &Device) -> Result<MigGpu, MigReadError> {
     let err = |what: &str| {
         let what = what.to_string();

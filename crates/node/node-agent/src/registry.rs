@@ -65,10 +65,10 @@ struct Procs {
     conns: AtomicUsize,
     /// Log lines this container's connections may cause.
     logs: LogBudget,
-    /// The share's compute tier and its GPU's QoS page (one-GPU shares).
+    /// The share's compute tier and the QoS page of each of its GPUs.
     qos: Option<ShareQos>,
-    /// host PID -> its latency slot in that page.
-    holders: Mutex<HashMap<i32, Holder>>,
+    /// host PID -> its latency slot in each of those pages.
+    holders: Mutex<HashMap<i32, Vec<Holder>>>,
     /// Guarantees and limit, for lending ([`memory`]).
     memory: ShareMemory,
     /// Its processes ended to give borrowed memory back.
@@ -82,13 +82,29 @@ pub struct ShareExtras {
     pub memory: ShareMemory,
 }
 
-/// A share's compute tier and the QoS page of its GPU (docs/qos.md), handed
-/// to each registering process after the ledgers' descriptors.
+/// A share's compute tier and the QoS page of each of its GPUs (or of its
+/// MIG device), in record order (docs/qos.md), handed to each registering
+/// process after the ledgers' descriptors.
 #[derive(Clone)]
 pub struct ShareQos {
     pub tier: Tier,
+    pub pages: Vec<QosDevice>,
+}
+
+/// One device's QoS page and the memfd it lives in.
+#[derive(Clone)]
+pub struct QosDevice {
     pub page: QosPage,
     pub file: Arc<File>,
+}
+
+impl ShareQos {
+    /// Gives back a process's slots (`hs[i]` in `pages[i]`).
+    fn release(&self, hs: &[Holder]) {
+        for (d, h) in self.pages.iter().zip(hs) {
+            d.page.release(*h);
+        }
+    }
 }
 
 impl Drop for Procs {
@@ -100,7 +116,9 @@ impl Drop for Procs {
                 .holders
                 .get_mut()
                 .unwrap_or_else(PoisonError::into_inner);
-            holders.drain().for_each(|(_, h)| q.page.release(h));
+            for (_, hs) in holders.drain() {
+                q.release(&hs);
+            }
         }
     }
 }
@@ -229,23 +247,27 @@ impl Procs {
         self.prune_by(|p| p != pid);
     }
 
-    /// A latency-tier process's slot in its GPU's QoS page, claimed once per
-    /// process; `None` for other tiers or when the page's slots are taken.
-    fn qos_slot(&self, pid: i32) -> Option<Holder> {
+    /// A latency-tier process's slot in each of its share's QoS pages,
+    /// claimed once per process; `None` for other tiers or when a page's
+    /// slots are all taken (none is then held).
+    fn qos_slots(&self, pid: i32) -> Option<Vec<Holder>> {
         let q = self.qos.as_ref().filter(|q| q.tier == Tier::Latency)?;
         let mut holders = self.holders.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(h) = holders.get(&pid) {
-            return Some(*h);
+            return Some(h.clone());
         }
-        let h = q.page.claim(pid);
-        match h {
-            Some(h) => {
-                holders.insert(pid, h);
-            }
-            None => tracing::warn!(pid, container = %self.container,
-                "every latency slot of the GPU's QoS page is taken: the process runs as a plain share"),
+        let mut hs = Vec::with_capacity(q.pages.len());
+        for d in &q.pages {
+            let Some(h) = d.page.claim(pid) else {
+                q.release(&hs);
+                tracing::warn!(pid, container = %self.container,
+                    "every latency slot of a GPU's QoS page is taken: the process runs as a plain share");
+                return None;
+            };
+            hs.push(h);
         }
-        h
+        holders.insert(pid, hs.clone());
+        Some(hs)
     }
 
     fn release_qos(&self, pid: i32) {
@@ -254,8 +276,8 @@ impl Procs {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&pid);
-        if let (Some(q), Some(h)) = (&self.qos, holder) {
-            q.page.release(h);
+        if let (Some(q), Some(hs)) = (&self.qos, holder) {
+            q.release(&hs);
         }
     }
 
@@ -332,6 +354,9 @@ pub struct LedgerCounters {
     pub borrowed_bytes: u64,
     /// Its processes ended to give borrowed memory back.
     pub reclaims: u64,
+    /// Time its batch-tier launches waited for a latency-tier tenant
+    /// (`Ledger::qos_held_ns`, its GPUs summed).
+    pub qos_held_ns: u64,
 }
 
 /// A GPU's figures across its shares.
@@ -403,8 +428,8 @@ impl Registry {
             .collect()
     }
 
-    /// [`Registry::serve_gpus`] with the share's compute tier and its GPU's
-    /// QoS page, which every registering process of a one-GPU share gets
+    /// [`Registry::serve_gpus`] with the share's compute tier and its GPUs'
+    /// QoS pages (one per ledger), which every registering process gets
     /// (latency-tier ones with a slot in it), and its memory guarantees and
     /// limit.
     pub fn serve_share(
@@ -417,7 +442,7 @@ impl Registry {
         extras: ShareExtras,
     ) -> std::io::Result<()> {
         self.stop(id);
-        let qos = extras.qos.filter(|_| ledgers.len() == 1);
+        let qos = extras.qos.filter(|q| q.pages.len() == ledgers.len());
         let sock = dir.join(quota_config::SOCKET_FILE);
         let _ = std::fs::remove_file(&sock);
         let listener = UnixListener::bind(&sock)?;
@@ -554,15 +579,17 @@ impl Registry {
             throttled_ns: ledgers.iter().map(|(l, _)| l.throttled_ns()).sum(),
             refused_allocations: ledgers.iter().map(|(l, _)| l.refused_allocations()).sum(),
             compute_unattributed: ledgers.iter().any(|(l, _)| l.compute_unattributed() != 0),
+            qos_held_ns: ledgers.iter().map(|(l, _)| l.qos_held_ns()).sum(),
         })
     }
 
     /// A GPU's QoS and lending figures (docs/qos.md), for the display.
     pub fn gpu_figures(&self, uuid: &str) -> GpuFigures {
         let shares = self.shares();
+        // Every tiered share on the GPU holds the same page: the first found.
         let page = shares.iter().find_map(|p| {
-            let on = p.memory.gpus.first().is_some_and(|g| g.uuid == uuid);
-            p.qos.as_ref().filter(|_| on).map(|q| q.page)
+            let i = p.memory.gpus.iter().position(|g| g.uuid == uuid)?;
+            Some(p.qos.as_ref()?.pages.get(i)?.page)
         });
         let (_, uses) = memory::members(&shares, uuid);
         let (held_ns, holds) = page.map_or((0, 0), |p| p.held());
@@ -572,6 +599,20 @@ impl Registry {
             tiered: page.is_some(),
             memory_lent_bytes: memory::lent(&uses),
         }
+    }
+
+    /// [`Self::gpu_figures`] of a GPU and of the MIG devices (`instances`,
+    /// by UUID) its shares run in, summed: each instance has a page of its
+    /// own, and the display shows the GPU.
+    pub fn gpu_figures_with(&self, uuid: &str, instances: &[&str]) -> GpuFigures {
+        let mut all = self.gpu_figures(uuid);
+        for f in instances.iter().map(|m| self.gpu_figures(m)) {
+            all.batch_held_ns += f.batch_held_ns;
+            all.batch_holds += f.batch_holds;
+            all.tiered |= f.tiered;
+            all.memory_lent_bytes += f.memory_lent_bytes;
+        }
+        all
     }
 
     pub fn prune(&self) -> usize {

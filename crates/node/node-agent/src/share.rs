@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use qos_page::{QosPage, Tier};
 use quota_config::{GpuQuota, MultiGpuQuota, ResourceData};
 
-use crate::registry::{LedgerGpu, Registry, ShareExtras, ShareMemory, ShareQos};
+use crate::registry::{LedgerGpu, QosDevice, Registry, ShareExtras, ShareMemory, ShareQos};
 use crate::vm::{VmDirs, VmError};
 
 /// One GPU of a share, as its quota file carries it.
@@ -55,7 +55,8 @@ pub struct ShareSpec {
     /// a multi-GPU share (`vcuda-gpus.config`, a ledger each), as does one
     /// whose `uuid` is a MIG device's (a share inside that instance).
     pub gpus: Vec<ShareGpu>,
-    /// Compute tier (docs/qos.md); one-GPU shares only, others run plain.
+    /// Compute tier (docs/qos.md), ordered against the tenants of each of
+    /// its GPUs (of its MIG device, for a share inside one).
     pub tier: Tier,
     /// Memory it may borrow up to, above its quota (docs/qos.md, "Memory");
     /// one-GPU shares only.
@@ -206,27 +207,28 @@ impl Shares {
         Ok(dir)
     }
 
-    /// The share's tier and its GPU's QoS page (made on first use); `None`
-    /// for a plain share or one the page cannot serve (several GPUs, or
-    /// inside a MIG device).
+    /// The share's tier and the QoS page of each device it runs on (made
+    /// on first use): its GPUs', or its MIG device's for a share inside an
+    /// instance (instances never slow each other down, so tiers order the
+    /// tenants of one instance, not of the GPU). `None` for a plain share.
     fn qos(&self, s: &ShareSpec) -> std::io::Result<Option<ShareQos>> {
-        if s.tier == Tier::Plain || s.is_multi() {
+        if s.tier == Tier::Plain || s.gpus.is_empty() {
             return Ok(None);
         }
-        let Some(g) = s.gpus.first() else {
-            return Ok(None);
-        };
         let mut pages = self.pages.lock().unwrap_or_else(PoisonError::into_inner);
-        if !pages.contains_key(&g.uuid) {
-            let (page, file) = QosPage::create_sealed(pages.len())
-                .map_err(|e| std::io::Error::other(format!("QoS page of {}: {e}", g.uuid)))?;
-            pages.insert(g.uuid.clone(), (page, Arc::new(file)));
+        let mut devices = Vec::with_capacity(s.gpus.len());
+        for g in &s.gpus {
+            if !pages.contains_key(&g.uuid) {
+                let (page, file) = QosPage::create_sealed(pages.len())
+                    .map_err(|e| std::io::Error::other(format!("QoS page of {}: {e}", g.uuid)))?;
+                pages.insert(g.uuid.clone(), (page, Arc::new(file)));
+            }
+            let (page, file) = pages[&g.uuid].clone();
+            devices.push(QosDevice { page, file });
         }
-        let (page, file) = pages[&g.uuid].clone();
         Ok(Some(ShareQos {
             tier: s.tier,
-            page,
-            file,
+            pages: devices,
         }))
     }
 

@@ -47,6 +47,8 @@ pub fn sim_settings(sim: &Path, dirs: &Dirs) -> dra_driver::daemon::Settings {
         escape_policy: Default::default(),
         mig_geometry: Default::default(),
         mig_dynamic: vec![],
+        // Read at start only: a test that wants rescans says so.
+        mig_rescan_period: None,
     }
 }
 
@@ -224,16 +226,35 @@ pub fn two_gpu_claim_nth(
     memory: &str,
     nth: u32,
 ) -> String {
+    claim_on_gpus(server, name, (cores, memory), nth, &[0, 1], None)
+}
+
+/// A claim for shares of `cores` and `memory` on each of `gpus` (one
+/// request, `gpus`, with `params` as its opaque config when given),
+/// allocated there as the scheduler would, as the `nth` claim (its own
+/// share IDs) of those GPUs.
+pub fn claim_on_gpus(
+    server: &ApiServer,
+    name: &str,
+    (cores, memory): (&str, &str),
+    nth: u32,
+    gpus: &[u32],
+    params: Option<Value>,
+) -> String {
+    let mut spec = json!({"devices": {"requests": [{"name": "gpus", "exactly": {
+        "deviceClassName": dra_driver::slices::SHARE_CLASS, "count": gpus.len(),
+        "capacity": {"requests": {"cores": cores, "memory": memory}}}}]}});
+    let mut config = json!([]);
+    if let Some(p) = params {
+        let opaque = json!({"driver": "vcuda.tencent.com", "parameters": p});
+        spec["devices"]["config"] = json!([{"requests": ["gpus"], "opaque": opaque.clone()}]);
+        config = json!([{"source": "FromClaim", "requests": ["gpus"], "opaque": opaque}]);
+    }
     let c = server
         .create(
             Kind::ResourceClaim,
             Some(NS),
-            json!({
-                "metadata": {"name": name, "namespace": NS},
-                "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
-                    "deviceClassName": dra_driver::slices::SHARE_CLASS, "count": 2,
-                    "capacity": {"requests": {"cores": cores, "memory": memory}}}}]}}
-            }),
+            json!({"metadata": {"name": name, "namespace": NS}, "spec": spec}),
         )
         .unwrap();
     let result = |gpu: u32| {
@@ -242,7 +263,8 @@ pub fn two_gpu_claim_nth(
                "shareID": format!("{nth:07x}{gpu}-0000-4000-8000-000000000000"),
                "consumedCapacity": {"cores": cores, "memory": memory}})
     };
-    let allocation = json!({"devices": {"results": [result(0), result(1)], "config": []}});
+    let results: Vec<Value> = gpus.iter().map(|&g| result(g)).collect();
+    let allocation = json!({"devices": {"results": results, "config": config}});
     server
         .patch(
             Kind::ResourceClaim,
@@ -268,6 +290,18 @@ pub async fn until(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// `env` with `CUDA_VISIBLE_DEVICES` set to its `NVIDIA_VISIBLE_DEVICES`,
+/// as NVIDIA's container runtime turns one into the other.
+pub fn exposed(mut env: Vec<(String, String)>) -> Vec<(String, String)> {
+    let v = env
+        .iter()
+        .find(|(k, _)| k == "NVIDIA_VISIBLE_DEVICES")
+        .map(|(_, v)| v.clone())
+        .expect("NVIDIA_VISIBLE_DEVICES in the CDI edits");
+    env.push(("CUDA_VISIBLE_DEVICES".into(), v));
+    env
 }
 
 /// What a runtime does with the CDI edits, without a mount namespace: the

@@ -27,6 +27,7 @@ pub fn maximal_request(pod_uid: &str, container: &str) -> RegisterRequest {
         program: "p".repeat(256),
         previous_slot: Some(0),
         previous_slots: Vec::new(),
+        qos_pages: true,
     }
 }
 

@@ -104,6 +104,12 @@ fn soft_limit_takes_what_others_leave() {
 /// share of what both submit (contexts time-slice). Returns the soft
 /// share's use per period after the arrival.
 fn neighbour_arrives(wants: f64) -> Vec<f64> {
+    neighbour_wants(|_| wants)
+}
+
+/// [`neighbour_arrives`] with what the neighbour submits in each period
+/// after its arrival (0: the first).
+fn neighbour_wants(wants: impl Fn(usize) -> f64) -> Vec<f64> {
     let q = Quota {
         utilization: 30.0,
         soft_limit: Some(70.0),
@@ -115,7 +121,7 @@ fn neighbour_arrives(wants: f64) -> Vec<f64> {
     let mut after = Vec::new();
     for i in 0..60 {
         let submits = (rate * k * 100.0).min(100.0);
-        let other = if i < 20 { 0.0 } else { wants };
+        let other = if i < 20 { 0.0 } else { wants(i - 20) };
         let scale = (100.0 / (submits + other)).min(1.0);
         let (own, others) = (submits * scale, other * scale);
         t += P;
@@ -148,6 +154,30 @@ fn a_soft_share_yields_to_a_neighbour_that_wants_more_and_keeps_what_is_left() {
     assert!(
         end >= 55.0,
         "soft share beside a neighbour at 40: {modest:.1?}"
+    );
+}
+
+/// A neighbour's controller dips for a period while it relearns its scale
+/// (the accuracy test's hard 70 at 58 % for 100 ms): the soft share that
+/// yielded keeps yielding through it, and still takes the device back
+/// within a few periods once the neighbour is gone.
+#[test]
+fn a_soft_share_holds_through_a_neighbours_dip_and_takes_back_a_gap() {
+    let dip = neighbour_wants(|i| match i {
+        15 | 16 => 55.0,
+        i if i >= 30 => 0.0,
+        _ => 70.0,
+    });
+    assert!(
+        dip[5..30].iter().all(|&o| o <= 31.0),
+        "soft share through a 2-period dip of its neighbour: {:.1?}",
+        &dip[..30]
+    );
+    let back = dip[30..].iter().position(|&o| o >= 65.0);
+    assert!(
+        back.is_some_and(|p| p <= 8),
+        "neighbour gone at period 30, the soft share back at its cap after {back:?} periods: {:.1?}",
+        &dip[30..]
     );
 }
 

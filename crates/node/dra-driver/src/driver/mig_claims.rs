@@ -32,11 +32,11 @@ impl Driver {
             memory_bytes: 0,
             multiprocessors: 0,
         });
+        // A static one as last read (a rescan may have found it since start).
         let found = made
-            .as_ref()
-            .or_else(|| self.inventory.mig_by_uuid(d.gpu_index, &m.uuid))
+            .or_else(|| self.planning().mig_by_uuid(d.gpu_index, &m.uuid).cloned())
             .ok_or_else(gone)?;
-        let caps = node_agent::mig::access_caps(&self.inventory.host_root, parent.minor, found)
+        let caps = node_agent::mig::access_caps(&self.inventory.host_root, parent.minor, &found)
             .map_err(|source| ClaimFailure::MigCaps {
                 device: d.device.clone(),
                 source,

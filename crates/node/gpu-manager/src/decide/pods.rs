@@ -128,6 +128,16 @@ pub fn select_in_order(
     None
 }
 
+/// Pods bound here that the kubelet has yet to admit (candidates), by
+/// namespace/name: a stopping manager serves until none is left, as the
+/// scheduler may have bound them before it saw the node's allocatable 0.
+pub fn awaiting_admission(pods: &[Arc<Pod>]) -> Vec<String> {
+    pods.iter()
+        .filter(|p| is_candidate(p))
+        .map(|p| format!("{}/{}", namespace(p), name(p)))
+        .collect()
+}
+
 /// A readable list of what the pending pods ask, for "no matching pod" errors.
 pub fn describe_pending(pods: &[Arc<Pod>]) -> String {
     let mut out = Vec::new();
@@ -229,6 +239,38 @@ mod tests {
         let pods = vec![pods[0].clone(), pods[1].clone(), timed];
         let c = select_in_order(&pods, 5, |_, _| false, |_| false, seen).unwrap();
         assert_eq!(super::name(&c.pod), "timed");
+    }
+
+    /// What a stopping manager waits for: pending vcuda pods not yet
+    /// assigned; not one assigned, running, deleted or asking no vcuda.
+    #[test]
+    fn awaiting_admission_is_the_unassigned_pending_gpu_pods() {
+        let with = |p: Arc<Pod>, f: &dyn Fn(&mut Pod)| {
+            let mut p = (*p).clone();
+            f(&mut p);
+            Arc::new(p)
+        };
+        let pods = vec![
+            pod("waits", None, &[("a", 30, 4)]),
+            with(pod("assigned", None, &[("a", 30, 4)]), &|p| {
+                p.metadata
+                    .annotations
+                    .get_or_insert_default()
+                    .insert(GPU_ASSIGNED.into(), "true".into());
+            }),
+            with(pod("running", None, &[("a", 30, 4)]), &|p| {
+                p.status.as_mut().unwrap().phase = Some("Running".into());
+            }),
+            with(pod("deleted", None, &[("a", 30, 4)]), &|p| {
+                p.metadata.deletion_timestamp =
+                    Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                        "2024-01-01T00:00:00Z".parse().unwrap(),
+                    ));
+            }),
+            pod("cpu-only", None, &[("a", 0, 0)]),
+        ];
+        assert_eq!(awaiting_admission(&pods), ["ns/waits"]);
+        assert!(awaiting_admission(&pods[1..]).is_empty());
     }
 
     #[test]

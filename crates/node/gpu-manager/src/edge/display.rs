@@ -109,6 +109,7 @@ impl DisplaySource for ManagerSource {
                     compute_unattributed: counters.map(|c| c.compute_unattributed),
                     memory_borrowed_bytes: counters.map(|c| c.borrowed_bytes),
                     memory_reclaims: counters.map(|c| c.reclaims),
+                    batch_held_seconds: counters.map(|c| c.qos_held_ns as f64 / 1e9),
                     pod_uid: a.pod_uid,
                     pod_name: a.pod_name,
                     namespace: a.namespace,

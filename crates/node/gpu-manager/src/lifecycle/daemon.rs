@@ -88,7 +88,11 @@ pub async fn run(
     )?;
     let mirror_ms = ms(tm);
     tracing::info!(ms = ms(t0), mirror_ms, driver = %report.driver_version, "step 3/6: driver mirrored");
-    let (client, pods) = sync_api(&s, &found, &cancel).await?;
+    // The pod watch outlives `cancel`: a stopping manager drains the
+    // admissions the watch shows (`Node::drain`); it ends with this run.
+    let watch_stop = CancellationToken::new();
+    let _watch_guard = watch_stop.clone().drop_guard();
+    let (client, pods) = sync_api(&s, &found, &watch_stop).await?;
     tracing::info!(
         ms = ms(t0),
         pods = pods.pods().len(),
@@ -142,6 +146,20 @@ pub async fn run(
     let watchers = [mgr.vcore.watchers(), mgr.vmemory.watchers()];
     let plugins = start_plugins(&s, &mgr, &metrics, &gate, &sockets, sup, &stop_plugins).await?;
     mig.start(&s.device_plugin_path, &instance, stop_plugins.clone())?;
+    if let Some(period) = s.mig_rescan_period
+        && found.mig.iter().any(|m| m.enabled)
+    {
+        // Instances an operator made or destroyed meanwhile are advertised
+        // or withdrawn (a GPU's MIG mode itself is read at start).
+        let (gpus, mig) = (found.topology.gpus().to_vec(), mig.clone());
+        node_agent::mig::spawn_rescan(
+            period,
+            node.nvml.clone(),
+            gpus.len(),
+            cancel.clone(),
+            move |states| mig.refresh(&gpus, &states).map_err(|e| format!("{e:#}")),
+        );
+    }
     let mut handed_over = false;
     if plugins
         .registered([VCORE_RESOURCE, VMEMORY_RESOURCE], &cancel)
@@ -182,8 +200,8 @@ pub async fn run(
     }
     tracing::info!("shutting down");
     display.set_ready(false);
-    if held.is_some() {
-        node.withdraw().await;
+    if held.is_some() && node.withdraw().await {
+        node.drain().await;
     }
     stop_plugins.cancel();
     let plugins = plugins.wait().await.context("stopping the device plugins");
@@ -327,15 +345,15 @@ async fn apply_mig_geometry(
     Ok(again)
 }
 
-/// Step 4: this node's pods from the API server (degraded without it) and
-/// the node's labels.
+/// Step 4: this node's pods from the API server (degraded without it),
+/// watched until `stop`, and the node's labels.
 async fn sync_api(
     s: &Settings,
     found: &Discovered,
-    cancel: &CancellationToken,
+    stop: &CancellationToken,
 ) -> anyhow::Result<(kube::Client, PodWatch)> {
     let client = daemon_kit::apiserver::client(s.kubeconfig.as_deref()).await?;
-    let pods = PodWatch::start(client.clone(), &s.node_name, cancel.clone());
+    let pods = PodWatch::start(client.clone(), &s.node_name, stop.clone());
     if let Err(e) = pods.ready(s.api_timeout).await {
         // Degrade rather than crash-loop: running containers need the
         // manager (sockets, recovery); the watch keeps retrying.

@@ -35,6 +35,11 @@ use crate::manager::Manager;
 
 /// How often an owner looks for a successor.
 const SUCCESSOR_POLL: Duration = Duration::from_millis(100);
+/// How long a stopping manager waits, after writing allocatable 0, for
+/// bindings the scheduler made before it saw the 0 ([`Node::drain`]).
+pub const DRAIN_SETTLE: Duration = Duration::from_millis(300);
+/// The longest [`Node::drain`] keeps serving for pods awaiting admission.
+pub const DRAIN_MAX: Duration = Duration::from_secs(5);
 
 /// What an owner holds: the lock and the jobs that change the state.
 pub struct Held {
@@ -237,16 +242,48 @@ impl Node {
     /// At shutdown, before the plugins stop and again after
     /// ([`crate::decide::node_status`]): unless a successor serves, the
     /// node's allocatable 0, so the scheduler stops placing pods here.
-    /// For the node's owner only.
-    pub async fn withdraw(&self) {
+    /// For the node's owner only. Whether it wrote 0 (no successor).
+    pub async fn withdraw(&self) -> bool {
         match owner::successor(self.dir(), &self.instance) {
             Some(next) => {
-                tracing::info!(successor = %next.instance, "a new manager is registered: leaving the node's vcuda allocatable to it")
+                tracing::info!(successor = %next.instance, "a new manager is registered: leaving the node's vcuda allocatable to it");
+                false
             }
             None => {
                 let node = &self.settings.node_name;
                 crate::decide::node_status::set_allocatable(&self.client, node, 0, 0).await;
+                true
             }
+        }
+    }
+
+    /// After [`Self::withdraw`] wrote 0, with the plugins still serving:
+    /// pods the scheduler bound here before it saw the 0 reach the kubelet
+    /// afterwards, and with no plugin left it refuses them for good
+    /// (`UnexpectedAdmissionError`; a kubelet 1.20 DaemonSet rollback
+    /// refused pods created 0.5-8 s into it). Waits [`DRAIN_SETTLE`] for
+    /// bindings in flight, then until no pod awaits admission, at most
+    /// [`DRAIN_MAX`] in all (the pod's grace period is 30 s; a pod pending
+    /// longer is stuck for another reason).
+    pub async fn drain(&self) {
+        let t0 = Instant::now();
+        tokio::time::sleep(DRAIN_SETTLE).await;
+        loop {
+            let seen = self.mgr.pod_generation();
+            let waiting = self.mgr.awaiting_admission();
+            let left = DRAIN_MAX.saturating_sub(t0.elapsed());
+            if waiting.is_empty() || left.is_zero() {
+                let ms = t0.elapsed().as_millis() as u64;
+                match waiting.is_empty() {
+                    true => tracing::info!(ms, "no pod bound here awaits admission"),
+                    false => {
+                        tracing::warn!(ms, pods = ?waiting, "stopping with pods bound here not yet admitted: the kubelet will refuse them")
+                    }
+                }
+                return;
+            }
+            tracing::info!(pods = ?waiting, "serving until the kubelet admits the pods bound here");
+            let _ = tokio::time::timeout(left.min(DRAIN_SETTLE), self.mgr.pod_changes(seen)).await;
         }
     }
 
@@ -260,7 +297,7 @@ impl Node {
         let _ = self.mgr.flush().await;
         // Kubelet has no devices from here: the scheduler must not place
         // pods on them until the next manager registers.
-        self.withdraw().await;
+        let _ = self.withdraw().await;
         drop(held.owner);
     }
 }

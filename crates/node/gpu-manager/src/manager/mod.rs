@@ -178,6 +178,12 @@ impl Manager {
         {}
     }
 
+    /// Pods bound here awaiting the kubelet's admission
+    /// ([`crate::decide::pods::awaiting_admission`]).
+    pub fn awaiting_admission(&self) -> Vec<String> {
+        crate::decide::pods::awaiting_admission(&self.pods.pods())
+    }
+
     fn uuids(&self) -> Vec<String> {
         self.gpus.iter().map(|g| g.uuid.clone()).collect()
     }

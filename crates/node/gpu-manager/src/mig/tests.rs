@@ -78,9 +78,9 @@ fn ids(p: &MigPlugin) -> Vec<(String, String)> {
 fn one_plugin_per_profile() {
     let tmp = tempfile::tempdir().unwrap();
     let m = node(tmp.path());
-    let names: Vec<_> = m.plugins.keys().cloned().collect();
+    let names: Vec<_> = m.resources();
     assert_eq!(names, ["nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"]);
-    let small = &m.plugins["nvidia.com/mig-1g.10gb"];
+    let small = &m.plugin("nvidia.com/mig-1g.10gb").unwrap();
     assert_eq!(
         ids(small),
         [
@@ -99,16 +99,16 @@ fn one_plugin_per_profile() {
     assert!(ids(small).iter().all(|(_, h)| h == "Unhealthy"));
     m.set_gpu_health(0, true);
     assert!(
-        ids(&m.plugins["nvidia.com/mig-3g.40gb"])
+        ids(&m.plugin("nvidia.com/mig-3g.40gb").unwrap())
             .iter()
             .all(|(_, h)| h == "Healthy")
     );
     // An Xid inside GI 9 (MIG-b): that device alone, and it stays out
     // while its own quiet period runs whatever the GPU's does.
     let out = |m: &MigPlugins| -> Vec<String> {
-        m.plugins
-            .values()
-            .flat_map(|p| ids(p))
+        m.resources()
+            .iter()
+            .flat_map(|r| ids(&m.plugin(r).unwrap()))
             .filter(|(_, h)| h == "Unhealthy")
             .map(|(id, _)| id)
             .collect()
@@ -135,7 +135,7 @@ fn request(ids: &[&str]) -> AllocateRequest {
 async fn allocate_gives_the_instance_and_the_untouched_driver() {
     let tmp = tempfile::tempdir().unwrap();
     let m = node(tmp.path());
-    let big = &m.plugins["nvidia.com/mig-3g.40gb"];
+    let big = &m.plugin("nvidia.com/mig-3g.40gb").unwrap();
     let r = big.allocate(request(&["MIG-a"])).await.unwrap();
     let c = &r.container_responses[0];
     let nodes: Vec<_> = c.devices.iter().map(|d| d.host_path.as_str()).collect();
@@ -153,7 +153,7 @@ async fn allocate_gives_the_instance_and_the_untouched_driver() {
     let mounts: Vec<_> = c.mounts.iter().map(|m| m.host_path.as_str()).collect();
     assert_eq!(mounts, ["/v/origin"]);
 
-    let small = &m.plugins["nvidia.com/mig-1g.10gb"];
+    let small = &m.plugin("nvidia.com/mig-1g.10gb").unwrap();
     let e = small.allocate(request(&["MIG-a"])).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
     assert!(
@@ -183,7 +183,9 @@ fn two_devices_in_one_container() {
     std::fs::write(gi_dir.join("access"), "DeviceFileMinor: 633\n").unwrap();
     std::fs::write(gi_dir.join("ci0/access"), "DeviceFileMinor: 634\n").unwrap();
     let m = node(tmp.path());
-    let e = m.plugins["nvidia.com/mig-1g.10gb"]
+    let e = m
+        .plugin("nvidia.com/mig-1g.10gb")
+        .unwrap()
         .edits(&["MIG-b".into(), "MIG-c".into()])
         .unwrap();
     let nodes: Vec<_> = e.device_nodes().map(|d| d.path.as_str()).collect();
@@ -201,4 +203,65 @@ fn two_devices_in_one_container() {
     );
     let env: BTreeMap<_, _> = e.common.env.iter().cloned().collect();
     assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], "MIG-b,MIG-c");
+}
+
+/// A rescan ([`MigPlugins::refresh`]): the 1g.10gb at GI 9 destroyed, one
+/// made at GI 11 and a 2g.20gb made by an operator while the manager runs.
+/// The 1g.10gb plugin advertises what is there (its Xid-out device still
+/// out), the new profile gets a plugin of its own, and a profile whose
+/// last instance went advertises nothing (its plugin stays).
+#[test]
+fn a_rescan_follows_the_instances_made_and_destroyed_meanwhile() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = node(tmp.path());
+    m.set_instance_health(0, 10, false);
+    let state = |devices: Vec<MigDevice>| {
+        [
+            MigGpu {
+                enabled: true,
+                pending_change: false,
+                devices,
+            },
+            MigGpu::default(),
+        ]
+    };
+    let gpus = [gpu(0, 4), gpu(1, 5)];
+    m.refresh(
+        &gpus,
+        &state(vec![
+            mig("MIG-a", "3g.40gb", 2),
+            mig("MIG-c", "1g.10gb", 10),
+            mig("MIG-d", "1g.10gb", 11),
+            mig("MIG-e", "2g.20gb", 5),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(
+        m.resources(),
+        [
+            "nvidia.com/mig-1g.10gb",
+            "nvidia.com/mig-2g.20gb",
+            "nvidia.com/mig-3g.40gb"
+        ]
+    );
+    let small = m.plugin("nvidia.com/mig-1g.10gb").unwrap();
+    assert_eq!(
+        ids(&small),
+        [
+            ("MIG-c".to_string(), "Unhealthy".to_string()),
+            ("MIG-d".to_string(), "Healthy".to_string())
+        ]
+    );
+    assert!(matches!(
+        small.edits(&["MIG-b".into()]),
+        Err(MigRefusal::Unknown { .. })
+    ));
+    assert_eq!(
+        ids(&m.plugin("nvidia.com/mig-2g.20gb").unwrap()),
+        [("MIG-e".to_string(), "Healthy".to_string())]
+    );
+    m.refresh(&gpus, &state(vec![mig("MIG-e", "2g.20gb", 5)]))
+        .unwrap();
+    assert!(m.plugin("nvidia.com/mig-3g.40gb").unwrap().is_empty());
+    assert!(ids(&small).is_empty());
 }

@@ -140,6 +140,7 @@ mod tests {
             program: "/usr/bin/python3".into(),
             previous_slot: Some(3),
             previous_slots: Vec::new(),
+            qos_pages: true,
         }
     }
 

@@ -23,6 +23,7 @@ fn request(version: u32) -> RegisterRequest {
         program: "test".into(),
         previous_slot: None,
         previous_slots: Vec::new(),
+        qos_pages: true,
     }
 }
 
@@ -181,8 +182,10 @@ async fn tiered_shares_get_their_gpus_qos_page_and_latency_a_slot() {
     let file = Arc::new(file);
     let qos = |tier| ShareQos {
         tier,
-        page,
-        file: file.clone(),
+        pages: vec![QosDevice {
+            page,
+            file: file.clone(),
+        }],
     };
     let reg = Registry::default();
     reg.serve_share(
@@ -246,6 +249,86 @@ async fn tiered_shares_get_their_gpus_qos_page_and_latency_a_slot() {
     }
     assert_eq!(page.latency_live(), 0);
     assert_eq!(page.held_until(0), None);
+    reg.stop("l");
+    reg.stop("b");
+}
+
+/// A tiered share on two GPUs: protocol 2's fields carry a page per GPU
+/// after the two ledgers, and a latency process a slot in each; the
+/// one-page fields stay unset, so an interposer from before them runs plain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tiered_share_on_two_gpus_gets_a_page_and_a_slot_per_gpu() {
+    let d = tempfile::tempdir().unwrap();
+    let (lat, bat) = (d.path().join("lat"), d.path().join("bat"));
+    std::fs::create_dir_all(&lat).unwrap();
+    std::fs::create_dir_all(&bat).unwrap();
+    let devices: Vec<QosDevice> = (0..2)
+        .map(|i| {
+            let (page, file) = QosPage::create_sealed(i).unwrap();
+            QosDevice {
+                page,
+                file: Arc::new(file),
+            }
+        })
+        .collect();
+    let reg = Registry::default();
+    for (id, dir, tier) in [("l", &lat, Tier::Latency), ("b", &bat, Tier::Batch)] {
+        let qos = ShareQos {
+            tier,
+            pages: devices.clone(),
+        };
+        let extras = ShareExtras {
+            qos: Some(qos),
+            ..Default::default()
+        };
+        reg.serve_share(id, dir, "uid", "main", ledgers(dir, 2), extras)
+            .unwrap();
+    }
+    let l2 = lat.clone();
+    let (s, resp, fds) = blocking(move || register(&l2, request(2))).await;
+    assert_eq!(resp.status, Status::Accepted as i32, "{}", resp.message);
+    assert_eq!(
+        (Tier::from_wire(resp.qos_tier), resp.qos_page, resp.qos_slot),
+        (Tier::Latency, false, None),
+        "not in the one-page fields"
+    );
+    assert_eq!((resp.qos_pages, resp.qos_slots.len()), (2, 2), "{resp:?}");
+    assert_eq!(fds.len(), 4, "two ledgers, then two pages");
+    for (i, d) in devices.iter().enumerate() {
+        assert_eq!(inode(&fds[2 + i]), inode(&*d.file), "page {i} in order");
+        assert_eq!(d.page.latency_live(), 1, "a slot in page {i}");
+    }
+    let b2 = bat.clone();
+    let (_sb, resp, fds) = blocking(move || register(&b2, request(2))).await;
+    assert_eq!(
+        (
+            Tier::from_wire(resp.qos_tier),
+            resp.qos_pages,
+            resp.qos_slots.len()
+        ),
+        (Tier::Batch, 2, 0)
+    );
+    assert_eq!(fds.len(), 4);
+    // An interposer from before the pages (no qos_pages in its request):
+    // its ledgers alone, as it counts them, and it runs plain.
+    let b3 = bat.clone();
+    let old = RegisterRequest {
+        qos_pages: false,
+        ..request(2)
+    };
+    let (_so, resp, fds) = blocking(move || register(&b3, old)).await;
+    assert_eq!(resp.status, Status::Accepted as i32, "{}", resp.message);
+    assert_eq!((resp.qos_tier, resp.qos_pages, fds.len()), (0, 0, 2));
+
+    // The latency process ends: its slot in both pages goes.
+    drop(s);
+    for _ in 0..200 {
+        if devices.iter().all(|d| d.page.latency_live() == 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(devices.iter().all(|d| d.page.latency_live() == 0));
     reg.stop("l");
     reg.stop("b");
 }

@@ -156,16 +156,31 @@ async fn answer(
         );
     }
     let slots = slots.unwrap_or_default();
-    let qos = procs.qos.as_ref().filter(|_| !slots.is_empty());
-    let qos_slot = qos.and_then(|_| procs.qos_slot(pid));
+    // Several pages only to a client that reads them (an interposer from
+    // before them would count them as ledgers and refuse the reply).
+    let qos = procs
+        .qos
+        .as_ref()
+        .filter(|q| !slots.is_empty() && (q.pages.len() == 1 || req.qos_pages));
+    let qos_slots: Vec<u32> = qos
+        .and_then(|_| procs.qos_slots(pid))
+        .unwrap_or_default()
+        .iter()
+        .map(|h| h.slot as u32)
+        .collect();
+    // One page in the fields every interposer with tiers reads; several in
+    // protocol 2's, which those from before them ignore (running plain).
+    let pages = qos.map_or(0, |q| q.pages.len());
     let resp = RegisterResponse {
         status: Status::Accepted as i32,
         message: String::new(),
         protocol_version: req.protocol_version,
         host_pid: pid,
         qos_tier: qos.map_or(0, |q| q.tier.wire()),
-        qos_page: qos.is_some(),
-        qos_slot: qos_slot.map(|h| h.slot as u32),
+        qos_page: pages == 1,
+        qos_slot: qos_slots.first().copied().filter(|_| pages == 1),
+        qos_pages: if pages > 1 { pages as u32 } else { 0 },
+        qos_slots: if pages > 1 { qos_slots } else { Vec::new() },
         memory_limit: procs.memory.borrow_limit().unwrap_or(0),
         reclaim: procs.memory.gpus.len() == 1 && !slots.is_empty(),
         ledger_slot: slots.first().map(|&s| s as u32),
@@ -181,7 +196,7 @@ async fn answer(
         .iter()
         .map(|(_, f)| f)
         .take(slots.len())
-        .chain(qos.map(|q| &*q.file))
+        .chain(qos.iter().flat_map(|q| q.pages.iter().map(|d| &*d.file)))
         .collect();
     (true, send(stream, &resp, &files).await)
 }

@@ -73,6 +73,46 @@ fn a_share_on_two_gpus_writes_both_quotas_and_a_ledger_each() {
     assert!(crate::ledgers::id_file(&dir, 1).exists());
 }
 
+/// Tiers order the tenants of the devices a share runs on: a share inside
+/// a MIG device gets that device's page (instances are hardware apart),
+/// one on two GPUs a page of each.
+#[test]
+fn a_tiered_share_gets_the_page_of_its_device_a_mig_device_its_own() {
+    use qos_page::Tier;
+    let (tmp, rt) = (tempfile::tempdir().unwrap(), rt());
+    let _g = rt.enter();
+    let shares = Shares::new(tmp.path());
+    let mig = |i: u8| ShareGpu {
+        uuid: format!("MIG-{i}"),
+        card_bytes: 20 << 30,
+        ..gpu(0, 1024, 50)
+    };
+    let open = |id: &str, gpus: Vec<ShareGpu>, tier: Tier| {
+        let mut s = spec(gpus, false);
+        (s.id, s.owner, s.tier) = (id.into(), id.into(), tier);
+        shares.open(&s).unwrap();
+    };
+    open("lat", vec![mig(1)], Tier::Latency);
+    open("bat", vec![mig(1)], Tier::Batch);
+    open("far", vec![mig(2)], Tier::Batch);
+    open("gpu", vec![gpu(1, 1024, 30)], Tier::Batch);
+    open("two", vec![gpu(2, 512, 20), gpu(3, 512, 20)], Tier::Latency);
+    let mut pages: Vec<String> = shares.pages.lock().unwrap().keys().cloned().collect();
+    pages.sort();
+    assert_eq!(
+        pages,
+        ["GPU-1", "GPU-2", "GPU-3", "MIG-1", "MIG-2"],
+        "one page per device"
+    );
+    let reg = shares.registry();
+    assert!(reg.gpu_figures("MIG-1").tiered && reg.gpu_figures("MIG-2").tiered);
+    assert!(
+        !reg.gpu_figures("GPU-0").tiered,
+        "the instances' GPU has none"
+    );
+    assert!(reg.gpu_figures("GPU-2").tiered && reg.gpu_figures("GPU-3").tiered);
+}
+
 #[test]
 fn whole_gpus_get_a_quota_file_with_nothing_to_enforce_and_no_socket() {
     let (tmp, rt) = (tempfile::tempdir().unwrap(), rt());

@@ -1,6 +1,7 @@
 //! The checkpoint's format, slots, torn writes and migration.
 
 use super::*;
+use checkpoint_slots::{HEADER_LEN, MIN_SLOT, encode_slot};
 
 fn alloc(uid: &str) -> Allocation {
     sample_share(uid, 1)
@@ -14,12 +15,6 @@ fn uids(cp: &Checkpoint) -> Vec<String> {
 fn header(path: &Path) -> String {
     let b = std::fs::read(path).unwrap();
     String::from_utf8_lossy(&b[..HEADER_LEN]).into_owned()
-}
-
-#[test]
-fn crc32c_check_value() {
-    assert_eq!(crc32c(0, b"123456789"), 0xE306_9283);
-    assert_eq!(crc32c(crc32c(0, b"1234"), b"56789"), 0xE306_9283);
 }
 
 #[test]
@@ -127,7 +122,6 @@ fn generation_wraps() {
     .unwrap();
     std::fs::write(cp.slot_path(1), encode_slot(0, &payload("new"), MIN_SLOT)).unwrap();
     assert_eq!(uids(&cp), ["new"]);
-    assert!(newer(0, u64::MAX) && !newer(u64::MAX, 0) && newer(5, 4) && !newer(4, 4));
     std::fs::write(
         cp.slot_path(1),
         encode_slot(u64::MAX - 1, &payload("older"), MIN_SLOT),
@@ -232,26 +226,6 @@ fn a_failed_write_leaves_the_previous_slot() {
         2,
         "no temp file"
     );
-}
-
-#[test]
-fn a_panic_during_a_write_makes_the_next_write_rescan_the_slots() {
-    let dir = tempfile::tempdir().unwrap();
-    let cp = Checkpoint::new(dir.path());
-    cp.store(&["GPU-a".into()], [&alloc("u")]).unwrap();
-    // A write that panicked with the cursor lock held, its cursor wrong.
-    let c = cp.clone();
-    let _ = std::thread::spawn(move || {
-        let mut cur = c.cursor.lock().unwrap();
-        cur.target = 0; // the newest good slot
-        panic!("injected: a panic in the middle of a write");
-    })
-    .join();
-    cp.store(&["GPU-a".into()], [&alloc("v")]).unwrap();
-    // The good slot was not overwritten: the write went to the other one.
-    assert!(header(&cp.slot_path(0)).contains("gen=00000000000000000001"));
-    assert!(header(&cp.slot_path(1)).contains("gen=00000000000000000002"));
-    assert_eq!(uids(&cp), ["v"]);
 }
 
 /// A rolled-back upgrade: the newer manager wrote one slot in a format this
