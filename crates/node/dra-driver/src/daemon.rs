@@ -83,8 +83,12 @@ pub async fn run(
     ready: Option<tokio::sync::oneshot::Sender<Ready>>,
 ) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    node_agent::mode::refuse_if_device_plugins_serving(&s.registry_dir)
-        .map_err(anyhow::Error::msg)?;
+    node_agent::mode::await_other_mode_stopped(
+        || node_agent::mode::refuse_if_device_plugins_serving(&s.registry_dir),
+        node_agent::mode::OTHER_MODE_PATIENCE,
+    )
+    .await
+    .map_err(anyhow::Error::msg)?;
     match node_agent::registry::budget::raise_open_files() {
         Ok(n) => tracing::debug!(open_files = n, "open-file limit"),
         Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),

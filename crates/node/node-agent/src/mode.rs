@@ -2,8 +2,16 @@
 //! driver (`vcuda-dra-driver`). Both would hand the same GPUs out twice, so
 //! each refuses to start while the other's kubelet socket accepts
 //! connections; a stale socket file (the other was killed) does not count.
+//! One being replaced keeps serving while it stops (a manager drains up to
+//! about 5 s while pods bound to the node await admission), so a daemon
+//! started as the other's DaemonSet goes waits [`OTHER_MODE_PATIENCE`]
+//! for its sockets to close before it refuses.
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// How long a daemon waits for the other mode's sockets to close.
+pub const OTHER_MODE_PATIENCE: Duration = Duration::from_secs(15);
 
 /// The DRA driver's registration socket in the kubelet's `plugins_registry`
 /// before instances named theirs ([`dra_registration_socket`]); still
@@ -151,6 +159,31 @@ pub fn refuse_if_device_plugins_serving(registry_dir: &Path) -> Result<(), Strin
     Ok(())
 }
 
+/// `check` (one of the two `refuse_if_*`) until it passes or `patience`
+/// ran out: then its error, saying how long it waited. Logs once that it
+/// waits.
+pub async fn await_other_mode_stopped(
+    check: impl Fn() -> Result<(), String>,
+    patience: Duration,
+) -> Result<(), String> {
+    let t0 = Instant::now();
+    let mut logged = false;
+    loop {
+        let Err(e) = check() else { return Ok(()) };
+        if t0.elapsed() >= patience {
+            return Err(format!(
+                "{e} (still serving after {:.1} s)",
+                patience.as_secs_f64()
+            ));
+        }
+        if !logged {
+            tracing::warn!(error = %e, patience_s = patience.as_secs(), "the other mode's daemon still serves here: waiting for it to stop");
+            logged = true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,6 +198,41 @@ mod tests {
         )));
         assert!(!is_device_plugin_socket("vcuda-mig-3g.40gb.sock"));
         assert!(!is_device_plugin_socket("nvidia-mig-3g.40gb-17-1-0.sock"));
+    }
+
+    #[tokio::test]
+    async fn a_daemon_waits_for_the_other_mode_to_stop_then_refuses() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dp, reg) = (
+            tmp.path().join("device-plugins"),
+            tmp.path().join("plugins_registry"),
+        );
+        std::fs::create_dir_all(&dp).unwrap();
+        let name = device_plugin_socket(VCORE_SOCKET, "17-1-0");
+        let stopping = std::os::unix::net::UnixListener::bind(dp.join(&name)).unwrap();
+        // A manager that stops 300 ms into the wait: the driver starts.
+        let closer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(stopping);
+        });
+        let t0 = Instant::now();
+        let check = || refuse_if_device_plugins_serving(&reg);
+        assert_eq!(
+            await_other_mode_stopped(check, Duration::from_secs(10)).await,
+            Ok(())
+        );
+        assert!(t0.elapsed() >= Duration::from_millis(300));
+        closer.join().unwrap();
+        // One that keeps serving: refused once the patience ran out.
+        std::fs::remove_file(dp.join(&name)).unwrap();
+        let _live = std::os::unix::net::UnixListener::bind(dp.join(&name)).unwrap();
+        let e = await_other_mode_stopped(check, Duration::from_millis(400))
+            .await
+            .unwrap_err();
+        assert!(
+            e.contains(&format!("{name} accepts connections")) && e.contains("after 0.4 s"),
+            "{e}"
+        );
     }
 
     #[test]

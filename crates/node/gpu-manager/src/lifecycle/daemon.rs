@@ -71,6 +71,12 @@ pub async fn run(
         Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
     }
     let (volumes, extra) = check_configuration(&s)?;
+    node_agent::mode::await_other_mode_stopped(
+        || node_agent::mode::refuse_if_dra_serving(&s.device_plugin_path),
+        node_agent::mode::OTHER_MODE_PATIENCE,
+    )
+    .await
+    .map_err(anyhow::Error::msg)?;
     tracing::info!(ms = ms(t0), "step 1/6: configuration checked");
     let (nvml, mut found) = discover(&s, t0)?;
     if !s.mig_geometry.gpus.is_empty() {
@@ -240,7 +246,6 @@ fn check_configuration(s: &Settings) -> anyhow::Result<(vdriver::VolumeConfig, E
             s.device_plugin_path.display()
         );
     }
-    node_agent::mode::refuse_if_dra_serving(&s.device_plugin_path).map_err(anyhow::Error::msg)?;
     let volumes = vdriver::VolumeConfig::load(&s.volume_config)
         .with_context(|| format!("loading --volume-config {}", s.volume_config.display()))?;
     let extra = match &s.extra_config {
