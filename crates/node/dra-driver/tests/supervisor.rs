@@ -7,7 +7,8 @@
 //! and retry only at its 60–90 s resync); SIGTERM stops both processes and
 //! removes the sockets; a driver that fails before it is registered ends
 //! the supervisor with the error instead of being restarted; a call the
-//! driver is killed under is answered by the next driver.
+//! driver is killed under is answered by the next driver; a driver started
+//! while a stopping manager's device plugins still serve waits for them.
 //!
 //! Needs `cargo build --workspace` first (gpu-sim and its libraries).
 
@@ -193,6 +194,52 @@ async fn a_driver_failing_before_registration_ends_the_supervisor() {
     assert!(l.contains("/nonexistent/libnvidia-ml.so.1"), "{l}");
     assert!(l.contains("exited before the kubelet registered it"), "{l}");
     assert!(plugin::sockets(&dirs.p("plugins_registry")).is_empty());
+}
+
+/// A node switching modes: the driver's pod starts while the manager's
+/// pod is still stopping (its device plugins keep serving while it
+/// drains). The driver waits for the manager's socket to close, then
+/// registers and serves; it is not refused (it was, at once, until
+/// 4b8fea5: the DRA real-node suite's MIG phase failed so 3 runs in 5).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_started_beside_a_stopping_manager_waits_for_it() {
+    let (server, dirs) = node().await;
+    let dp = dirs.p("device-plugins");
+    std::fs::create_dir_all(&dp).unwrap();
+    let sock = dp.join(node_agent::mode::device_plugin_socket(
+        node_agent::mode::VCORE_SOCKET,
+        "1764245000000-7-0",
+    ));
+    let manager = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let log_path = dirs.p("driver.log");
+    let text = move || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let stopper = std::thread::spawn(move || {
+        let t0 = Instant::now();
+        while !text().contains("waiting for it to stop") {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the driver did not wait for the manager:\n{}",
+                text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // The manager drains for a while, then its sockets close.
+        std::thread::sleep(Duration::from_secs(2));
+        drop(manager);
+    });
+    let (mut sup, _kubelet, _reg, _ino) = serving(&server, &dirs, &[]).await;
+    stopper.join().unwrap();
+    let l = log(&dirs);
+    assert!(!l.contains("still serving after"), "{l}");
+    let at = |needle: &str| {
+        l.find(needle)
+            .unwrap_or_else(|| panic!("no {needle:?}\n{l}"))
+    };
+    assert!(
+        at("waiting for it to stop") < at("DRA driver serving"),
+        "served only once the manager stopped\n{l}"
+    );
+    assert!(sup.0.try_wait().unwrap().is_none(), "the driver runs\n{l}");
 }
 
 /// The driver's whole container killed (supervisor and driver, kill -9)
