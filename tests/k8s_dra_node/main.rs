@@ -306,23 +306,7 @@ fn dra_on_a_real_node() {
         .as_str()
         .unwrap()
         .to_string();
-    // The kubelet names a resource by its CDI ID, `...=<claim uid>-<request>-<device>`.
-    let health_of = |want: &str| {
-        let p = n.json(&["-n", NS, "get", "pod", "xid-victim"])?;
-        let st = &p["status"]["containerStatuses"][0]["allocatedResourcesStatus"];
-        let found = st
-            .as_array()
-            .into_iter()
-            .flatten()
-            .flat_map(|r| r["resources"].as_array().cloned().unwrap_or_default())
-            .any(|r| {
-                r["resourceID"]
-                    .as_str()
-                    .is_some_and(|id| id.ends_with(&format!("-{bad}")))
-                    && r["health"] == want
-            });
-        if found { Ok(()) } else { Err(st.to_string()) }
-    };
+    let health_of = |want: &str| device_health_is(&n, "xid-victim", &bad, want);
     wait(
         "the kubelet's health of the victim's device: Healthy",
         60,

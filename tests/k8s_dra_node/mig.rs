@@ -175,6 +175,7 @@ pub fn mig_phase(n: &Node, node: &str, w: &Path, bin: &Path) {
         n.apply(&mig_template(name, profile, None));
         pod(name, name, cmd, bin, &sim)
     });
+    destroyed_under_a_pod(n, &state, "mig-1g-10gb");
 
     // A share inside the 2g.20gb.
     n.apply(&mig_template("mig-share", "2g.20gb", Some((50, "5Gi"))));
@@ -239,6 +240,59 @@ pub fn mig_phase(n: &Node, node: &str, w: &Path, bin: &Path) {
     n.ok(&["delete", "resourceslice", &slice_name]);
 
     crate::mig_plugins::mig_plugins_phase(n, node, w, bin, &sim, &state);
+}
+
+/// An operator destroys the instance under `pod` (its program done, so
+/// NVML lets it): the kubelet shows the pod's device Unhealthy (the
+/// driver's health stream; Healthy before) and the pod gets a
+/// `VcudaMigDeviceLost` Event. Made again with the same ids (the sim gives
+/// it the same UUID, a real GPU would not), the device is Healthy again.
+fn destroyed_under_a_pod(n: &Node, state: &gpu_sim_core::SharedState, pod: &str) {
+    let claim = pod_claim(n, pod).unwrap();
+    let dev = claim["status"]["allocation"]["devices"]["results"][0]["device"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let health = |want: &'static str| {
+        let what = format!("the kubelet's health of {pod}'s {dev}: {want}");
+        wait(&what, 60, || device_health_is(n, pod, &dev, want));
+    };
+    health("Healthy");
+    let gi = gi_of(state, "1g.10gb");
+    let g = state.gpu_instance(0, gi).unwrap();
+    state.destroy_compute_instance(0, gi, 0).unwrap();
+    state.destroy_gpu_instance(0, gi).unwrap();
+    let t0 = std::time::Instant::now();
+    health("Unhealthy");
+    let ev = wait("the VcudaMigDeviceLost event", 30, || {
+        let list = n.json(&[
+            "-n",
+            NS,
+            "get",
+            "events",
+            "--field-selector",
+            "reason=VcudaMigDeviceLost",
+        ])?;
+        test_support::k8s::util::event_about(&list, pod)
+    });
+    let note = ev["message"].as_str().unwrap_or_default();
+    assert!(note.contains("destroyed") && note.contains(&dev), "{ev}");
+    eprintln!(
+        "k8s_dra: {pod}'s instance destroyed: Unhealthy in its pod status and an Event in {:.1} s (rescan period 10 s)",
+        t0.elapsed().as_secs_f64()
+    );
+    let again = state
+        .create_gpu_instance(0, g.profile.id, Some(g.placement))
+        .unwrap();
+    assert_eq!(again.id, gi, "the sim reuses the lowest free id");
+    let whole = g
+        .profile
+        .ci_profiles()
+        .find(|c| c.slices == g.profile.slices);
+    state
+        .create_compute_instance(0, gi, whole.unwrap().index, None)
+        .unwrap();
+    health("Healthy");
 }
 
 /// GPU 0's GPU instance of `profile`.

@@ -446,6 +446,27 @@ spec:
     )
 }
 
+/// Ok when the kubelet shows `device` of pod `pod`'s first container as
+/// `want` (`allocatedResourcesStatus`, from the driver's health stream;
+/// the kubelet names a resource by its CDI ID, `...=<claim uid>-<request>-<device>`);
+/// else what it shows.
+pub fn device_health_is(n: &Node, pod: &str, device: &str, want: &str) -> Result<(), String> {
+    let p = n.json(&["-n", NS, "get", "pod", pod])?;
+    let st = &p["status"]["containerStatuses"][0]["allocatedResourcesStatus"];
+    let found = st
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|r| r["resources"].as_array().cloned().unwrap_or_default())
+        .any(|r| {
+            r["resourceID"]
+                .as_str()
+                .is_some_and(|id| id.ends_with(&format!("-{device}")))
+                && r["health"] == want
+        });
+    if found { Ok(()) } else { Err(st.to_string()) }
+}
+
 /// The pod's claim (made from its template) as the API server has it.
 pub fn pod_claim(n: &Node, pod: &str) -> Result<Value, String> {
     let p = n.json(&["-n", NS, "get", "pod", pod])?;

@@ -4,6 +4,7 @@
 //! on a health change, when the slice is changed or deleted behind the
 //! driver's back, and every resync period (which also prunes dead PIDs).
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -11,6 +12,7 @@ use node_agent::health::HealthChange;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_util::sync::CancellationToken;
 
+use crate::claim_events::ClaimEvents;
 use crate::driver::Driver;
 use crate::publish::{Publisher, SliceApi};
 use crate::slices::{GpuDevice, UNHEALTHY_TAINT, Unhealthy};
@@ -29,6 +31,11 @@ pub struct SliceController {
     pub healthy: Arc<Mutex<Vec<bool>>>,
     pub xid_quiet_period: Duration,
     pub resync_period: Duration,
+    /// Where the pods of a claim whose MIG device was destroyed are told
+    /// (none in tests that do not look).
+    pub events: Option<ClaimEvents>,
+    /// The (claim UID, device) pairs already told, while they stay lost.
+    pub told: BTreeSet<(String, String)>,
 }
 
 impl SliceController {
@@ -43,6 +50,8 @@ impl SliceController {
     ) {
         let start = tokio::time::Instant::now() + self.resync_period;
         let mut resync = tokio::time::interval_at(start, self.resync_period);
+        // Instances destroyed while the driver was down.
+        self.tell_lost();
         loop {
             let changed = tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -89,7 +98,33 @@ impl SliceController {
             self.driver.set_mig(gpu, now);
             changed = true;
         }
+        if changed {
+            self.tell_lost();
+        }
         changed
+    }
+
+    /// Tells the pods of each claim whose static MIG device's instance is
+    /// gone, once while it stays gone (the kubelet's health stream shows
+    /// it meanwhile, [`crate::mig_health`]).
+    fn tell_lost(&mut self) {
+        let lost = self.driver.lost_mig_devices();
+        let now: BTreeSet<(String, String)> = lost
+            .iter()
+            .map(|l| (l.claim_uid.clone(), l.device.clone()))
+            .collect();
+        for l in &lost {
+            if self.told.contains(&(l.claim_uid.clone(), l.device.clone())) {
+                continue;
+            }
+            let note = l.describe();
+            tracing::warn!(claim = %format!("{}/{}", l.namespace, l.name), device = %l.device, uuid = %l.uuid, "{note}");
+            if let Some(e) = &self.events {
+                let reason = node_agent::events::MIG_DEVICE_LOST;
+                e.post(l.namespace.clone(), l.name.clone(), reason, note);
+            }
+        }
+        self.told = now;
     }
 
     /// A health change into the driver (the kubelet's health stream) and
@@ -156,6 +191,7 @@ impl SliceController {
             Some(x) => d.instance_xids.insert(gi, x),
             None => d.instance_xids.remove(&gi),
         };
+        self.driver.set_instance_xid(gpu, gi, xid);
         match xid {
             Some(x) if was != Some(x) => {
                 tracing::warn!(
@@ -332,6 +368,8 @@ mod tests {
                 healthy: healthy.clone(),
                 xid_quiet_period: Duration::from_secs(300),
                 resync_period: Duration::from_secs(3600),
+                events: None,
+                told: Default::default(),
             }
             .run(hrx, srx, mrx, cancel.clone()),
         );
@@ -345,7 +383,7 @@ mod tests {
         api.until(Some(if drops_taints { (0, 0) } else { (1, 1) }))
             .await;
         assert_eq!(*healthy.lock().unwrap(), [false]);
-        let h = driver.health_watch().borrow().clone();
+        let h = driver.health_watch().borrow().gpus.clone();
         assert!(
             !h[0].healthy && h[0].message.starts_with("critical Xid 79"),
             "{h:?}"
@@ -364,13 +402,16 @@ mod tests {
             "critical Xid 48: tainted vcuda.tencent.com/unhealthy=xid-48:NoSchedule"
         };
         let wait = async {
-            while !driver.health_watch().borrow()[0].message.starts_with(said) {
+            while !driver.health_watch().borrow().gpus[0]
+                .message
+                .starts_with(said)
+            {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         };
         tokio::time::timeout(Duration::from_secs(5), wait)
             .await
-            .unwrap_or_else(|_| panic!("{:?}", driver.health_watch().borrow()[0]));
+            .unwrap_or_else(|_| panic!("{:?}", driver.health_watch().borrow().gpus[0]));
 
         htx.send(HealthChange::Healthy {
             gpu: 0,
@@ -378,7 +419,7 @@ mod tests {
         })
         .unwrap();
         api.until(Some((1, 0))).await;
-        assert!(driver.health_watch().borrow()[0].healthy);
+        assert!(driver.health_watch().borrow().gpus[0].healthy);
 
         // Deleted behind the driver's back: the watch's notice brings it back.
         api.0.lock().unwrap().clear();

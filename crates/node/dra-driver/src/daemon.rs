@@ -83,12 +83,17 @@ pub async fn run(
     ready: Option<tokio::sync::oneshot::Sender<Ready>>,
 ) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    node_agent::mode::await_other_mode_stopped(
+    let other_stopped = node_agent::mode::await_other_mode_stopped(
         || node_agent::mode::refuse_if_device_plugins_serving(&s.registry_dir),
         node_agent::mode::OTHER_MODE_PATIENCE,
+        &cancel,
     )
     .await
     .map_err(anyhow::Error::msg)?;
+    if !other_stopped {
+        tracing::info!("told to stop while waiting for the other mode's daemon: stopping");
+        return Ok(());
+    }
     match node_agent::registry::budget::raise_open_files() {
         Ok(n) => tracing::debug!(open_files = n, "open-file limit"),
         Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
@@ -219,6 +224,8 @@ pub async fn run(
         healthy,
         xid_quiet_period: s.xid_quiet_period,
         resync_period: s.resync_period,
+        events: Some(claim_events.clone()),
+        told: Default::default(),
     }
     .run(health, slice_changed, mig_changed, cancel)
     .await;

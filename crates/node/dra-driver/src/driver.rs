@@ -22,6 +22,7 @@ use node_agent::share::{ShareError, ShareGpu, ShareSpec, Shares};
 use crate::cdi;
 use crate::checkpoint::{Checkpoint, CheckpointError, PreparedClaim, Store};
 use crate::kube_api::ApiError;
+use crate::mig_health::{InstanceXids, LostDevice};
 use crate::partition::{self, PartitionError, Partitioner};
 use crate::plan::{self, Inventory, PlanError, PlannedDevice, PlannedMig};
 
@@ -138,13 +139,23 @@ pub struct Driver {
     /// Per GPU: no recent critical Xid, and why not. A claim the scheduler
     /// placed on a GPU just before it left the slice is refused rather than
     /// started; the kubelet's health stream watches it.
-    health: tokio::sync::watch::Sender<Vec<GpuHealth>>,
+    health: tokio::sync::watch::Sender<NodeHealth>,
+    /// Critical Xids inside GPU instances, for their MIG devices' health.
+    instance_xids: std::sync::Mutex<InstanceXids>,
     /// Makes and destroys the instances of placement devices (dynamic
     /// MIG, [`crate::partition`]); none without `--mig-dynamic`.
     partitioner: Option<Arc<dyn Partitioner>>,
 }
 
-/// One GPU's health as the kubelet's health stream reports it.
+/// What the kubelet's health stream reports: every GPU, and each prepared
+/// claim's MIG device by (pool, device name) ([`crate::mig_health`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeHealth {
+    pub gpus: Vec<GpuHealth>,
+    pub mig: std::collections::BTreeMap<(String, String), GpuHealth>,
+}
+
+/// One device's health as the kubelet's health stream reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuHealth {
     pub healthy: bool,
@@ -207,7 +218,11 @@ impl Driver {
             store,
             state: tokio::sync::Mutex::new(Checkpoint::default()),
             view: std::sync::Mutex::new(ck.claims.values().cloned().collect()),
-            health: tokio::sync::watch::Sender::new(vec![GpuHealth::default(); gpus_len]),
+            health: tokio::sync::watch::Sender::new(NodeHealth {
+                gpus: vec![GpuHealth::default(); gpus_len],
+                mig: Default::default(),
+            }),
+            instance_xids: Default::default(),
             partitioner: None,
         };
         for c in ck.claims.values() {
@@ -221,6 +236,7 @@ impl Driver {
             "prepared claims restored from the checkpoint"
         );
         *d.state.try_lock().expect("not shared yet") = ck;
+        d.refresh_mig_health();
         Ok(d)
     }
 
@@ -252,6 +268,44 @@ impl Driver {
             m.resize(gpu + 1, None);
         }
         m[gpu] = devices;
+        drop(m);
+        self.refresh_mig_health();
+    }
+
+    /// A critical Xid inside GPU instance `gi` of `gpu` (`None`: its quiet
+    /// period passed), for that instance's MIG devices' health.
+    pub fn set_instance_xid(&self, gpu: usize, gi: u32, xid: Option<u64>) {
+        let mut x = self.instance_xids.lock().unwrap_or_else(|p| p.into_inner());
+        match xid {
+            Some(xid) => x.insert((gpu, gi), xid),
+            None => x.remove(&(gpu, gi)),
+        };
+        drop(x);
+        self.refresh_mig_health();
+    }
+
+    /// Prepared claims' static MIG devices whose instance is gone.
+    pub fn lost_mig_devices(&self) -> Vec<LostDevice> {
+        let mig = self.mig.read().unwrap_or_else(|p| p.into_inner());
+        crate::mig_health::lost(&self.prepared(), &mig)
+    }
+
+    /// Recomputes the prepared claims' MIG devices' health; the stream
+    /// sends only a change.
+    fn refresh_mig_health(&self) {
+        let prepared = self.prepared();
+        let mig = self.mig.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let xids = self
+            .instance_xids
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        self.health.send_if_modified(|h| {
+            let now = crate::mig_health::devices(&prepared, &mig, &h.gpus, &xids);
+            let changed = now != h.mig;
+            h.mig = now;
+            changed
+        });
     }
 
     pub fn gpus(&self) -> &[GpuInfo] {
@@ -284,20 +338,27 @@ impl Driver {
     /// Health from the Xid watch, with the reason; prepared claims are not
     /// touched.
     pub fn set_healthy(&self, gpu: usize, healthy: bool, message: &str) {
-        self.health.send_if_modified(|all| match all.get_mut(gpu) {
-            Some(g) if g.healthy != healthy || g.message != message => {
-                *g = GpuHealth {
-                    healthy,
-                    message: message.to_string(),
-                };
-                true
-            }
-            _ => false,
-        });
+        let changed = self
+            .health
+            .send_if_modified(|all| match all.gpus.get_mut(gpu) {
+                Some(g) if g.healthy != healthy || g.message != message => {
+                    *g = GpuHealth {
+                        healthy,
+                        message: message.to_string(),
+                    };
+                    true
+                }
+                _ => false,
+            });
+        if changed {
+            // Its MIG devices' health follows the GPU's.
+            self.refresh_mig_health();
+        }
     }
 
-    /// Every GPU's health, updated as it changes.
-    pub fn health_watch(&self) -> tokio::sync::watch::Receiver<Vec<GpuHealth>> {
+    /// Every GPU's health and the prepared MIG devices', updated as they
+    /// change.
+    pub fn health_watch(&self) -> tokio::sync::watch::Receiver<NodeHealth> {
         self.health.subscribe()
     }
 
@@ -307,6 +368,7 @@ impl Driver {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) =
             ck.claims.values().cloned().collect();
+        self.refresh_mig_health();
     }
 
     /// The registry id of a prepared device (its PIDs and ledger counters).
@@ -495,6 +557,7 @@ impl Driver {
         let unhealthy = planned.iter().find(|d| {
             self.health
                 .borrow()
+                .gpus
                 .get(d.gpu_index)
                 .is_some_and(|g| !g.healthy)
         });

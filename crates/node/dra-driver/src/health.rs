@@ -1,6 +1,8 @@
 //! The kubelet's resource-health stream (`DRAResourceHealth` v1 and
 //! v1alpha1, KEP-4680) on the plugin socket: each of the node's GPUs HEALTHY, or
-//! UNHEALTHY with the critical Xid that took it out of the slice. Kubelets
+//! UNHEALTHY with the critical Xid that took it out of the slice, and each
+//! prepared claim's MIG device likewise, or UNHEALTHY once its instance was
+//! destroyed under it ([`crate::mig_health`]). Kubelets
 //! with `ResourceHealthStatus` show it in the pod status of containers
 //! holding the device (`allocatedResourcesStatus`), so an operator sees
 //! which pods sit on a failed GPU. The stream sends the whole list at
@@ -17,7 +19,7 @@ use dra_api::dra_health::{self, v1 as h, v1alpha1};
 use futures::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
-use crate::driver::{Driver, GpuHealth};
+use crate::driver::{Driver, GpuHealth, NodeHealth};
 use crate::slices;
 
 pub const REFRESH: Duration = Duration::from_secs(20);
@@ -33,27 +35,30 @@ fn unix_now() -> i64 {
         .map_or(0, |d| d.as_secs() as i64)
 }
 
-/// The message for `gpus` in pool `pool` (the node's name).
-pub fn response(pool: &str, gpus: &[GpuHealth]) -> h::NodeWatchResourcesResponse {
+/// The message for `node` in pool `pool` (the node's name): its GPUs, then
+/// the prepared MIG devices.
+pub fn response(pool: &str, node: &NodeHealth) -> h::NodeWatchResourcesResponse {
     let now = unix_now();
+    let one = |pool: &str, name: String, g: &GpuHealth| h::DeviceHealth {
+        device: Some(h::DeviceIdentifier {
+            pool_name: pool.to_string(),
+            device_name: name,
+        }),
+        health: if g.healthy {
+            h::HealthStatus::Healthy
+        } else {
+            h::HealthStatus::Unhealthy
+        } as i32,
+        last_updated_time: now,
+        health_check_timeout_seconds: TIMEOUT_SECS,
+        message: g.message.chars().take(1024).collect(),
+    };
+    let gpus = node.gpus.iter().enumerate();
+    let mig = node.mig.iter();
     h::NodeWatchResourcesResponse {
         devices: gpus
-            .iter()
-            .enumerate()
-            .map(|(i, g)| h::DeviceHealth {
-                device: Some(h::DeviceIdentifier {
-                    pool_name: pool.to_string(),
-                    device_name: slices::device_name(i),
-                }),
-                health: if g.healthy {
-                    h::HealthStatus::Healthy
-                } else {
-                    h::HealthStatus::Unhealthy
-                } as i32,
-                last_updated_time: now,
-                health_check_timeout_seconds: TIMEOUT_SECS,
-                message: g.message.chars().take(1024).collect(),
-            })
+            .map(|(i, g)| one(pool, slices::device_name(i), g))
+            .chain(mig.map(|((p, d), g)| one(p, d.clone(), g)))
             .collect(),
     }
 }
@@ -121,17 +126,29 @@ mod tests {
 
     #[test]
     fn states_and_identifiers() {
-        let r = response(
-            "node-a",
-            &[
+        let node = NodeHealth {
+            gpus: vec![
                 GpuHealth::default(),
                 GpuHealth {
                     healthy: false,
                     message: "x".repeat(2000),
                 },
             ],
-        );
+            mig: [(
+                ("node-a".to_string(), "gpu-2-mig-5-0".to_string()),
+                GpuHealth {
+                    healthy: false,
+                    message: "destroyed".into(),
+                },
+            )]
+            .into(),
+        };
+        let r = response("node-a", &node);
         let d = &r.devices;
+        assert_eq!(d.len(), 3);
+        assert_eq!(d[2].device.as_ref().unwrap().device_name, "gpu-2-mig-5-0");
+        assert_eq!(d[2].health, h::HealthStatus::Unhealthy as i32);
+        assert_eq!(d[2].message, "destroyed");
         assert_eq!(d[0].device.as_ref().unwrap().device_name, "gpu-0");
         assert_eq!(d[1].device.as_ref().unwrap().pool_name, "node-a");
         assert_eq!(d[0].health, h::HealthStatus::Healthy as i32);

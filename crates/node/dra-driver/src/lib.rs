@@ -39,6 +39,7 @@ pub mod health;
 pub mod holder;
 pub mod kube_api;
 pub mod mig;
+pub mod mig_health;
 pub mod params;
 pub mod partition;
 pub mod plan;

@@ -43,6 +43,9 @@ pub const ESCAPE: &str = "VcudaEscape";
 /// A borrower's process was ended to give its borrowed GPU memory back to a
 /// guaranteed allocation (docs/qos.md, "Memory").
 pub const MEMORY_RECLAIMED: &str = "VcudaMemoryReclaimed";
+/// The MIG instance a pod's device (or its claim's) is on was destroyed
+/// while the pod held it (docs/mig.md): CUDA on it fails.
+pub const MIG_DEVICE_LOST: &str = "VcudaMigDeviceLost";
 /// The device-plugin mode's daemon, as its Events name it.
 pub const MANAGER: &str = "tencent.com/gpu-manager";
 /// The DRA driver, as its Events name it.

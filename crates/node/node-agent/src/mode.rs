@@ -159,17 +159,19 @@ pub fn refuse_if_device_plugins_serving(registry_dir: &Path) -> Result<(), Strin
     Ok(())
 }
 
-/// `check` (one of the two `refuse_if_*`) until it passes or `patience`
-/// ran out: then its error, saying how long it waited. Logs once that it
-/// waits.
+/// `check` (one of the two `refuse_if_*`) until it passes (`Ok(true)`),
+/// `cancel` fires (`Ok(false)`: a SIGTERM during the wait stops the daemon
+/// at once, not after the patience) or `patience` ran out: then its error,
+/// saying how long it waited. Logs once that it waits.
 pub async fn await_other_mode_stopped(
     check: impl Fn() -> Result<(), String>,
     patience: Duration,
-) -> Result<(), String> {
+    cancel: &tokio_util::sync::CancellationToken,
+) -> Result<bool, String> {
     let t0 = Instant::now();
     let mut logged = false;
     loop {
-        let Err(e) = check() else { return Ok(()) };
+        let Err(e) = check() else { return Ok(true) };
         if t0.elapsed() >= patience {
             return Err(format!(
                 "{e} (still serving after {:.1} s)",
@@ -180,7 +182,10 @@ pub async fn await_other_mode_stopped(
             tracing::warn!(error = %e, patience_s = patience.as_secs(), "the other mode's daemon still serves here: waiting for it to stop");
             logged = true;
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(false),
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
     }
 }
 
@@ -217,22 +222,34 @@ mod tests {
         });
         let t0 = Instant::now();
         let check = || refuse_if_device_plugins_serving(&reg);
+        let cancel = tokio_util::sync::CancellationToken::new();
         assert_eq!(
-            await_other_mode_stopped(check, Duration::from_secs(10)).await,
-            Ok(())
+            await_other_mode_stopped(check, Duration::from_secs(10), &cancel).await,
+            Ok(true)
         );
         assert!(t0.elapsed() >= Duration::from_millis(300));
         closer.join().unwrap();
         // One that keeps serving: refused once the patience ran out.
         std::fs::remove_file(dp.join(&name)).unwrap();
         let _live = std::os::unix::net::UnixListener::bind(dp.join(&name)).unwrap();
-        let e = await_other_mode_stopped(check, Duration::from_millis(400))
+        let e = await_other_mode_stopped(check, Duration::from_millis(400), &cancel)
             .await
             .unwrap_err();
         assert!(
             e.contains(&format!("{name} accepts connections")) && e.contains("after 0.4 s"),
             "{e}"
         );
+        // Told to stop while it waits: at once, neither refused nor started.
+        let stop = cancel.clone();
+        let stopper = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            stop.cancel();
+        });
+        let t0 = Instant::now();
+        let r = await_other_mode_stopped(check, Duration::from_secs(30), &cancel).await;
+        assert_eq!(r, Ok(false));
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        stopper.join().unwrap();
     }
 
     #[test]

@@ -224,3 +224,63 @@ async fn a_mig_device_is_one_claims_spec_and_nothing_else() {
     assert!(d.prepared().is_empty());
     assert!(!cdi::spec_path(&tmp.path().join("cdi"), "u2").exists());
 }
+
+#[tokio::test]
+async fn a_destroyed_instance_under_a_prepared_claim_is_unhealthy_until_unprepared() {
+    let tmp = tempfile::tempdir().unwrap();
+    let claims = Arc::new(MapClaims::default());
+    claims
+        .0
+        .lock()
+        .unwrap()
+        .insert(("ns".into(), "a".into()), mig_claim("a", "u1"));
+    let d = mig_driver(tmp.path(), claims.clone());
+    let key = ("n1".to_string(), "gpu-0-mig-2-0".to_string());
+    let health = d.health_watch();
+    assert!(health.borrow().mig.is_empty(), "nothing prepared yet");
+    d.prepare(&r("a", "u1")).await.unwrap();
+    assert!(health.borrow().mig[&key].healthy, "{:?}", health.borrow());
+    assert!(d.lost_mig_devices().is_empty());
+
+    // An Xid inside its GPU instance, then its quiet period.
+    d.set_instance_xid(0, 2, Some(43));
+    let h = health.borrow().mig[&key].clone();
+    assert!(!h.healthy && h.message.contains("Xid 43"), "{h:?}");
+    d.set_instance_xid(0, 2, None);
+    assert!(health.borrow().mig[&key].healthy);
+
+    // The rescan finds the instance gone.
+    d.set_mig(0, Some(vec![]));
+    let lost = d.lost_mig_devices();
+    assert_eq!(lost.len(), 1, "{lost:?}");
+    assert_eq!(
+        (lost[0].namespace.as_str(), lost[0].name.as_str()),
+        ("ns", "a")
+    );
+    let h = health.borrow().mig[&key].clone();
+    assert!(
+        !h.healthy && h.message.contains("MIG-3g") && h.message.contains("destroyed"),
+        "{h:?}"
+    );
+    // The GPUs themselves stay healthy.
+    assert!(health.borrow().gpus.iter().all(|g| g.healthy));
+
+    // A restarted driver finds it lost from its checkpoint.
+    let again = {
+        let cfg = config(tmp.path());
+        let inventory = Inventory {
+            gpus: vec![gpu()],
+            mig: vec![Some(vec![])],
+            host_root: tmp.path().join("host"),
+            ..Default::default()
+        };
+        Driver::start(cfg, inventory, claims).unwrap()
+    };
+    assert_eq!(again.lost_mig_devices(), lost);
+    assert!(!again.health_watch().borrow().mig[&key].healthy);
+
+    // Unprepared: nothing more to report.
+    d.unprepare(&r("a", "u1")).await.unwrap();
+    assert!(health.borrow().mig.is_empty(), "{:?}", health.borrow());
+    assert!(d.lost_mig_devices().is_empty());
+}

@@ -71,12 +71,17 @@ pub async fn run(
         Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
     }
     let (volumes, extra) = check_configuration(&s)?;
-    node_agent::mode::await_other_mode_stopped(
+    let other_stopped = node_agent::mode::await_other_mode_stopped(
         || node_agent::mode::refuse_if_dra_serving(&s.device_plugin_path),
         node_agent::mode::OTHER_MODE_PATIENCE,
+        &cancel,
     )
     .await
     .map_err(anyhow::Error::msg)?;
+    if !other_stopped {
+        tracing::info!("told to stop while waiting for the other mode's daemon: stopping");
+        return Ok(());
+    }
     tracing::info!(ms = ms(t0), "step 1/6: configuration checked");
     let (nvml, mut found) = discover(&s, t0)?;
     if !s.mig_geometry.gpus.is_empty() {
