@@ -258,13 +258,52 @@ fn destroyed_under_a_pod(n: &Node, state: &gpu_sim_core::SharedState, pod: &str)
         wait(&what, 60, || device_health_is(n, pod, &dev, want));
     };
     health("Healthy");
-    let gi = gi_of(state, "1g.10gb");
+    let g = destroy_instance(state, "1g.10gb");
+    let t0 = std::time::Instant::now();
+    health("Unhealthy");
+    let ev = lost_event(n, pod);
+    let note = ev["message"].as_str().unwrap_or_default();
+    assert!(note.contains("destroyed") && note.contains(&dev), "{ev}");
+    eprintln!(
+        "k8s_dra: {pod}'s instance destroyed: Unhealthy in its pod status and an Event in {:.1} s (rescan period 10 s)",
+        t0.elapsed().as_secs_f64()
+    );
+    make_again(state, &g);
+    health("Healthy");
+}
+
+/// Destroys GPU 0's instance of `profile` (its compute instance, then
+/// it), as `nvidia-smi mig -dci; -dgi` would; what it was.
+pub fn destroy_instance(
+    state: &gpu_sim_core::SharedState,
+    profile: &str,
+) -> gpu_sim_core::state::GpuInstance {
+    let gi = gi_of(state, profile);
     let g = state.gpu_instance(0, gi).unwrap();
     state.destroy_compute_instance(0, gi, 0).unwrap();
     state.destroy_gpu_instance(0, gi).unwrap();
-    let t0 = std::time::Instant::now();
-    health("Unhealthy");
-    let ev = wait("the VcudaMigDeviceLost event", 30, || {
+    g
+}
+
+/// Makes `g` again where it was, with a full compute instance: the sim
+/// gives it the lowest free id, its old one, so the same MIG UUID.
+pub fn make_again(state: &gpu_sim_core::SharedState, g: &gpu_sim_core::state::GpuInstance) {
+    let again = state
+        .create_gpu_instance(0, g.profile.id, Some(g.placement))
+        .unwrap();
+    assert_eq!(again.id, g.id, "the sim reuses the lowest free id");
+    let whole = g
+        .profile
+        .ci_profiles()
+        .find(|c| c.slices == g.profile.slices);
+    state
+        .create_compute_instance(0, g.id, whole.unwrap().index, None)
+        .unwrap();
+}
+
+/// The `VcudaMigDeviceLost` Warning Event on `pod`.
+pub fn lost_event(n: &Node, pod: &str) -> serde_json::Value {
+    wait("the VcudaMigDeviceLost event", 30, || {
         let list = n.json(&[
             "-n",
             NS,
@@ -274,25 +313,7 @@ fn destroyed_under_a_pod(n: &Node, state: &gpu_sim_core::SharedState, pod: &str)
             "reason=VcudaMigDeviceLost",
         ])?;
         test_support::k8s::util::event_about(&list, pod)
-    });
-    let note = ev["message"].as_str().unwrap_or_default();
-    assert!(note.contains("destroyed") && note.contains(&dev), "{ev}");
-    eprintln!(
-        "k8s_dra: {pod}'s instance destroyed: Unhealthy in its pod status and an Event in {:.1} s (rescan period 10 s)",
-        t0.elapsed().as_secs_f64()
-    );
-    let again = state
-        .create_gpu_instance(0, g.profile.id, Some(g.placement))
-        .unwrap();
-    assert_eq!(again.id, gi, "the sim reuses the lowest free id");
-    let whole = g
-        .profile
-        .ci_profiles()
-        .find(|c| c.slices == g.profile.slices);
-    state
-        .create_compute_instance(0, gi, whole.unwrap().index, None)
-        .unwrap();
-    health("Healthy");
+    })
 }
 
 /// GPU 0's GPU instance of `profile`.

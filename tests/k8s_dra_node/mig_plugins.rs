@@ -5,12 +5,13 @@
 //! admits pods asking one by name; the manager's Allocate gives the
 //! instance's nodes, `NVIDIA_VISIBLE_DEVICES=MIG-…` and the untouched
 //! driver. The same two pods as in DRA mode (`mig::whole_instances`) see
-//! exactly their instance and keep it busy side by side; deleting them and
-//! stopping the manager leaves the instances.
+//! exactly their instance and keep it busy side by side; an instance
+//! destroyed under a pod stays advertised Unhealthy and the pod is told;
+//! deleting them and stopping the manager leaves the instances.
 
 use std::path::Path;
 
-use crate::mig::whole_instances;
+use crate::mig::{destroy_instance, lost_event, make_again, whole_instances};
 use crate::parts::*;
 use test_support::k8s::util::wait;
 
@@ -83,9 +84,58 @@ pub fn mig_plugins_phase(
         let limits = format!("limits: {{{}: \"1\"}}", resource(profile));
         pod_with_limits(name, &limits, cmd, bin, sim)
     });
+    destroyed_under_a_pod(n, node, state, "mig-1g-10gb", &mgr);
     for p in &pods {
         n.ok(&["-n", NS, "delete", "pod", p, "--wait=true"]);
     }
     mgr.kill9();
     assert_eq!(state.mig_devices(0).len(), 3, "the instances stay");
+}
+
+/// An operator destroys the 1g.10gb under `pod` (its program done): the
+/// manager keeps advertising it, Unhealthy (allocatable 0), and the pod gets
+/// a `VcudaMigDeviceLost` Event naming the device; made again (same UUID
+/// in the sim), it is allocatable again.
+fn destroyed_under_a_pod(
+    n: &Node,
+    node: &str,
+    state: &gpu_sim_core::SharedState,
+    pod: &str,
+    mgr: &DriverProc,
+) {
+    let resource = "tencent.com/mig-1g.10gb";
+    let counts = |want: (&str, &str)| {
+        let s = n.json(&["get", "node", node])?;
+        let got = (
+            s["status"]["capacity"][resource].as_str().unwrap_or("none"),
+            s["status"]["allocatable"][resource]
+                .as_str()
+                .unwrap_or("none"),
+        );
+        if got == want {
+            Ok(())
+        } else {
+            Err(format!(
+                "{resource} capacity, allocatable {got:?}; manager: {}",
+                test_support::k8s::util::tail(&mgr.text(), 5)
+            ))
+        }
+    };
+    let g = destroy_instance(state, "1g.10gb");
+    let t0 = std::time::Instant::now();
+    let ev = lost_event(n, pod);
+    let note = ev["message"].as_str().unwrap_or_default();
+    let uuid = gpu_sim_core::mig::mig_uuid(&state.node().gpus[0].uuid, g.id, 0);
+    assert!(note.contains("destroyed") && note.contains(&uuid), "{ev}");
+    wait("the lost device advertised Unhealthy", 30, || {
+        counts(("1", "0"))
+    });
+    eprintln!(
+        "k8s_dp: {pod}'s instance destroyed: an Event and the device Unhealthy in {:.1} s (rescan period 10 s)",
+        t0.elapsed().as_secs_f64()
+    );
+    make_again(state, &g);
+    wait("the instance made again, allocatable", 30, || {
+        counts(("1", "1"))
+    });
 }

@@ -11,7 +11,9 @@
 //! restart the kubelet sees them go and come back (running pods keep their
 //! devices; an admission in the gap is retried by the kubelet). The
 //! devices follow the instances an operator makes or destroys while the
-//! manager runs ([`MigPlugins::refresh`], every `--mig-rescan-period`).
+//! manager runs ([`MigPlugins::refresh`], every `--mig-rescan-period`); a
+//! device destroyed under a pod stays listed, Unhealthy, and the pod is
+//! told ([`lost`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -34,6 +36,9 @@ use gpu_pods::mig_resource_name;
 struct Served {
     parent: GpuInfo,
     device: MigDevice,
+    /// Its instance is gone (a rescan no longer finds it): listed
+    /// Unhealthy while a pod may hold it ([`lost`]).
+    lost: bool,
 }
 
 /// What a MIG plugin's Allocate needs besides its devices.
@@ -76,6 +81,8 @@ pub struct MigPlugins {
     serving: Arc<Mutex<Option<Serving>>>,
     /// GPUs (`None`) and GPU instances with a recent critical Xid.
     out: Arc<Mutex<BTreeSet<Unit>>>,
+    /// Lost devices whose pods were told, by UUID.
+    told: Arc<Mutex<BTreeSet<String>>>,
 }
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -90,16 +97,26 @@ fn by_profile(gpus: &[GpuInfo], mig: &[MigGpu]) -> BTreeMap<String, Vec<Served>>
             by.entry(d.profile.clone()).or_default().push(Served {
                 parent: g.clone(),
                 device: d.clone(),
+                lost: false,
             });
         }
     }
     by
 }
 
-/// Healthy while neither its GPU nor its GPU instance is `out`.
+/// Healthy while its instance is there and neither its GPU nor its GPU
+/// instance is `out`.
 fn healthy(s: &Served, out: &BTreeSet<Unit>) -> bool {
     let (g, gi) = (s.parent.index, s.device.gpu_instance);
-    !out.contains(&(g, None)) && !out.contains(&(g, Some(gi)))
+    !s.lost && !out.contains(&(g, None)) && !out.contains(&(g, Some(gi)))
+}
+
+/// A list's devices and whether each is lost, to see what changed.
+fn listing(served: &[Served]) -> Vec<(String, bool)> {
+    served
+        .iter()
+        .map(|s| (s.device.uuid.clone(), s.lost))
+        .collect()
 }
 
 impl MigPlugin {
@@ -116,11 +133,18 @@ impl MigPlugin {
         self.list.replace(devices);
     }
 
-    fn uuids(&self) -> Vec<String> {
-        locked(&self.served)
+    /// `now`, and what it served before that `now` lacks, lost.
+    fn with_lost(&self, mut now: Vec<Served>) -> Vec<Served> {
+        let lost: Vec<Served> = locked(&self.served)
             .iter()
-            .map(|s| s.device.uuid.clone())
-            .collect()
+            .filter(|s| !now.iter().any(|n| n.device.uuid == s.device.uuid))
+            .map(|s| Served {
+                lost: true,
+                ..s.clone()
+            })
+            .collect();
+        now.extend(lost);
+        now
     }
 
     /// How many devices it serves.
@@ -144,6 +168,7 @@ impl MigPlugins {
             running: Default::default(),
             serving: Default::default(),
             out: Default::default(),
+            told: Default::default(),
         };
         m.add_and_update(by_profile(gpus, mig));
         m
@@ -160,17 +185,23 @@ impl MigPlugins {
     }
 
     /// Sets each profile's devices to `by`'s (none for a profile gone: its
-    /// plugin stays, advertising nothing) and makes plugins for profiles
-    /// new to it, returned. What changed is logged.
+    /// plugin stays, advertising nothing; a device gone stays, lost) and
+    /// makes plugins for profiles new to it, returned. What changed is
+    /// logged.
     fn add_and_update(&self, mut by: BTreeMap<String, Vec<Served>>) -> Vec<Arc<MigPlugin>> {
         let out = locked(&self.out).clone();
         let mut plugins = locked(&self.plugins);
+        let mut told = locked(&self.told);
         for p in plugins.values() {
-            let now = by.remove(&p.profile).unwrap_or_default();
-            let was = p.uuids();
-            let is: Vec<String> = now.iter().map(|s| s.device.uuid.clone()).collect();
+            let now = p.with_lost(by.remove(&p.profile).unwrap_or_default());
+            // Served again: told again if lost again.
+            now.iter()
+                .filter(|s| !s.lost)
+                .for_each(|s| _ = told.remove(&s.device.uuid));
+            let was = listing(&locked(&p.served));
+            let is = listing(&now);
             if was != is {
-                tracing::info!(resource = %p.resource, before = ?was, now = ?is, "MIG devices changed");
+                tracing::info!(resource = %p.resource, before = ?was, now = ?is, "MIG devices changed (true: lost, listed Unhealthy while a pod may hold it)");
                 p.set_served(now, &out);
             }
         }
@@ -260,6 +291,8 @@ pub enum MigRefusal {
     Unknown { resource: String, id: String },
     #[error("{resource}: the container asks for no device")]
     Empty { resource: String },
+    #[error("{resource}: MIG device {uuid}'s instance was destroyed")]
+    Lost { resource: String, uuid: String },
     #[error("{resource}: MIG device {uuid}: {source}")]
     Caps {
         resource: String,
@@ -282,6 +315,12 @@ impl MigPlugin {
                     resource: self.resource.clone(),
                     id: id.clone(),
                 })?;
+            if s.lost {
+                return Err(MigRefusal::Lost {
+                    resource: self.resource.clone(),
+                    uuid: id.clone(),
+                });
+            }
             let caps = node_agent::mig::access_caps(&self.ctx.host_root, s.parent.minor, &s.device)
                 .map_err(|source| MigRefusal::Caps {
                     resource: self.resource.clone(),
@@ -352,7 +391,9 @@ impl DevicePluginService for MigPlugin {
                 let e = self.edits(&c.devices_ids).map_err(|r| {
                     tracing::warn!(error = %r, "MIG Allocate refused");
                     match r {
-                        MigRefusal::Caps { .. } => Status::failed_precondition(r.to_string()),
+                        MigRefusal::Caps { .. } | MigRefusal::Lost { .. } => {
+                            Status::failed_precondition(r.to_string())
+                        }
                         _ => Status::invalid_argument(r.to_string()),
                     }
                 })?;
@@ -428,5 +469,6 @@ fn remove_stale(dir: &Path) {
     }
 }
 
+mod lost;
 #[cfg(test)]
 mod tests;

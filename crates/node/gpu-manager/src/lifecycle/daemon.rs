@@ -162,13 +162,26 @@ pub async fn run(
     {
         // Instances an operator made or destroyed meanwhile are advertised
         // or withdrawn (a GPU's MIG mode itself is read at start).
-        let (gpus, mig) = (found.topology.gpus().to_vec(), mig.clone());
+        let (gpus, mig, mgr) = (found.topology.gpus().to_vec(), mig.clone(), mgr.clone());
         node_agent::mig::spawn_rescan(
             period,
             node.nvml.clone(),
             gpus.len(),
             cancel.clone(),
-            move |states| mig.refresh(&gpus, &states).map_err(|e| format!("{e:#}")),
+            move |states| {
+                mig.refresh(&gpus, &states).map_err(|e| format!("{e:#}"))?;
+                if mig.has_lost() {
+                    // Who holds them: the kubelet's List, off this loop.
+                    let (mig, mgr) = (mig.clone(), mgr.clone());
+                    tokio::spawn(async move {
+                        let pods = mgr.pods_now();
+                        let (kubelet, events) = (mgr.kubelet(), mgr.events());
+                        mig.settle_lost(kubelet.as_ref(), &pods, events.as_ref())
+                            .await;
+                    });
+                }
+                Ok(())
+            },
         );
     }
     let mut handed_over = false;

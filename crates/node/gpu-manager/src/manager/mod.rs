@@ -140,6 +140,16 @@ impl Manager {
         self.events.clone()
     }
 
+    /// The kubelet's records (pod-resources), for the MIG plugins.
+    pub fn kubelet(&self) -> Arc<dyn KubeletSource> {
+        self.kubelet.clone()
+    }
+
+    /// The node's pods as the API server lists them now.
+    pub fn pods_now(&self) -> Vec<Arc<k8s_openapi::api::core::v1::Pod>> {
+        self.pods.pods()
+    }
+
     pub fn registry(&self) -> &Registry {
         self.shares.registry()
     }

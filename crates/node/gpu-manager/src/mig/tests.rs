@@ -1,5 +1,9 @@
 use super::*;
+use crate::world::PodKey;
+use crate::world::doubles::MemoryKubelet;
 use device_plugin::api::ContainerAllocateRequest;
+use k8s_openapi::api::core::v1::Pod;
+use node_agent::events::MemoryEvents;
 
 fn gpu(index: usize, minor: u32) -> GpuInfo {
     GpuInfo {
@@ -209,23 +213,16 @@ fn two_devices_in_one_container() {
 /// made at GI 11 and a 2g.20gb made by an operator while the manager runs.
 /// The 1g.10gb plugin advertises what is there (its Xid-out device still
 /// out), the new profile gets a plugin of its own, and a profile whose
-/// last instance went advertises nothing (its plugin stays).
-#[test]
-fn a_rescan_follows_the_instances_made_and_destroyed_meanwhile() {
+/// last instance went advertises nothing (its plugin stays). A device
+/// destroyed meanwhile is listed Unhealthy until the kubelet says no pod
+/// holds it.
+#[tokio::test]
+async fn a_rescan_follows_the_instances_made_and_destroyed_meanwhile() {
     let tmp = tempfile::tempdir().unwrap();
     let m = node(tmp.path());
     m.set_instance_health(0, 10, false);
-    let state = |devices: Vec<MigDevice>| {
-        [
-            MigGpu {
-                enabled: true,
-                pending_change: false,
-                devices,
-            },
-            MigGpu::default(),
-        ]
-    };
     let gpus = [gpu(0, 4), gpu(1, 5)];
+    let (kubelet, events) = (MemoryKubelet::default(), MemoryEvents::default());
     m.refresh(
         &gpus,
         &state(vec![
@@ -249,19 +246,143 @@ fn a_rescan_follows_the_instances_made_and_destroyed_meanwhile() {
         ids(&small),
         [
             ("MIG-c".to_string(), "Unhealthy".to_string()),
-            ("MIG-d".to_string(), "Healthy".to_string())
+            ("MIG-d".to_string(), "Healthy".to_string()),
+            ("MIG-b".to_string(), "Unhealthy".to_string())
         ]
     );
+    let e = small.edits(&["MIG-b".into()]).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "nvidia.com/mig-1g.10gb: MIG device MIG-b's instance was destroyed"
+    );
+    assert!(m.has_lost());
+    m.settle_lost(&kubelet, &[], &events).await;
+    assert!(!m.has_lost() && events.posted().is_empty());
     assert!(matches!(
         small.edits(&["MIG-b".into()]),
         Err(MigRefusal::Unknown { .. })
     ));
+    assert_eq!(ids(&small).len(), 2);
     assert_eq!(
         ids(&m.plugin("nvidia.com/mig-2g.20gb").unwrap()),
         [("MIG-e".to_string(), "Healthy".to_string())]
     );
     m.refresh(&gpus, &state(vec![mig("MIG-e", "2g.20gb", 5)]))
         .unwrap();
+    m.settle_lost(&kubelet, &[], &events).await;
     assert!(m.plugin("nvidia.com/mig-3g.40gb").unwrap().is_empty());
     assert!(ids(&small).is_empty());
+}
+
+fn state(devices: Vec<MigDevice>) -> [MigGpu; 2] {
+    [
+        MigGpu {
+            enabled: true,
+            pending_change: false,
+            devices,
+        },
+        MigGpu::default(),
+    ]
+}
+
+/// Every Event posted (no repeat suppression: the tests count the posts).
+#[derive(Default)]
+struct AllEvents(std::sync::Mutex<Vec<node_agent::events::PodEvent>>);
+
+impl node_agent::events::EventSink for AllEvents {
+    fn post(&self, ev: node_agent::events::PodEvent) {
+        self.0.lock().unwrap().push(ev);
+    }
+}
+
+impl AllEvents {
+    fn posted(&self) -> Vec<node_agent::events::PodEvent> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// A destroyed instance under a pod: listed Unhealthy, the pod told once
+/// (by name and UID), kept while the kubelet is unreachable or the pod
+/// holds it, withdrawn once it does not; an instance that comes back is
+/// served again.
+#[tokio::test]
+async fn a_device_destroyed_under_a_pod_stays_unhealthy_and_the_pod_is_told() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = node(tmp.path());
+    let gpus = [gpu(0, 4), gpu(1, 5)];
+    let (kubelet, events) = (MemoryKubelet::default(), AllEvents::default());
+    let resource = "nvidia.com/mig-1g.10gb";
+    let holder = PodKey::Name {
+        namespace: "ns".into(),
+        name: "infer".into(),
+    };
+    kubelet.record(holder.clone(), "main", resource, &["MIG-b".into()]);
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"namespace": "ns", "name": "infer", "uid": "u-infer"}
+    }))
+    .unwrap();
+    let pods = [Arc::new(pod)];
+    let without_b = || {
+        state(vec![
+            mig("MIG-a", "3g.40gb", 2),
+            mig("MIG-c", "1g.10gb", 10),
+        ])
+    };
+    m.refresh(&gpus, &without_b()).unwrap();
+    let small = m.plugin(resource).unwrap();
+    let b = ("MIG-b".to_string(), "Unhealthy".to_string());
+    assert!(ids(&small).contains(&b), "{:?}", ids(&small));
+
+    kubelet.set_unreachable("pod-resources: connection refused");
+    m.settle_lost(&kubelet, &pods, &events).await;
+    assert!(ids(&small).contains(&b) && events.posted().is_empty());
+
+    kubelet.record(holder, "main", resource, &["MIG-b".into()]);
+    for _ in 0..2 {
+        m.refresh(&gpus, &without_b()).unwrap();
+        m.settle_lost(&kubelet, &pods, &events).await;
+    }
+    let told = events.posted();
+    assert_eq!(told.len(), 1, "once: {told:?}");
+    let ev = &told[0];
+    assert_eq!(
+        (
+            ev.namespace.as_str(),
+            ev.name.as_str(),
+            ev.uid.as_str(),
+            ev.reason
+        ),
+        (
+            "ns",
+            "infer",
+            "u-infer",
+            node_agent::events::MIG_DEVICE_LOST
+        )
+    );
+    assert!(
+        ev.note.contains("MIG-b") && ev.note.contains("destroyed"),
+        "{}",
+        ev.note
+    );
+    assert!(ids(&small).contains(&b));
+
+    // The instance is made again with the same UUID: served, healthy.
+    m.refresh(
+        &gpus,
+        &state(vec![
+            mig("MIG-c", "1g.10gb", 10),
+            mig("MIG-b", "1g.10gb", 9),
+        ]),
+    )
+    .unwrap();
+    assert!(ids(&small).contains(&("MIG-b".to_string(), "Healthy".to_string())));
+    // Gone again under the pod: told again.
+    m.refresh(&gpus, &without_b()).unwrap();
+    m.settle_lost(&kubelet, &pods, &events).await;
+    assert_eq!(events.posted().len(), 2);
+    // The pod gone: withdrawn at the next settle.
+    let empty = MemoryKubelet::default();
+    m.settle_lost(&empty, &pods, &events).await;
+    assert!(!ids(&small).iter().any(|(id, _)| id == "MIG-b"));
+    assert_eq!(events.posted().len(), 2);
 }
