@@ -407,7 +407,7 @@ cuda_exports! {
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(event) };
         pool::settle_all();
-        crate::qos::after_sync(r, Synced::Current);
+        crate::qos::after_sync(r, Synced::Event(event));
         r
     }
 
@@ -437,7 +437,7 @@ cuda_exports! {
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(event) };
-        crate::qos::after_sync(r, Synced::Current);
+        crate::qos::after_sync(r, Synced::Event(event));
         r
     }
 

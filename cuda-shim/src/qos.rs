@@ -228,6 +228,73 @@ pub(crate) enum Synced {
     Ctx(*mut std::ffi::c_void),
     /// A stream (`true`: a per-thread variant): its context's device.
     Stream(Stream, bool),
+    /// An event: the stream it was recorded on, up to its record; one
+    /// whose record is not known, as [`Synced::Current`].
+    Event(*mut std::ffi::c_void),
+}
+
+/// After `cuEventRecord` (any variant) of `event` onto `stream`: a latency
+/// process remembers what the event will say done.
+#[inline(always)]
+pub(crate) fn after_record(
+    r: cuda_abi::CUresult,
+    event: *mut std::ffi::c_void,
+    stream: Stream,
+    ptsz: bool,
+) {
+    if r == cuda_abi::CUDA_SUCCESS && ROLE.load(Ordering::Relaxed) == LATENCY {
+        latency_record(event, stream, ptsz);
+    }
+}
+
+type Record = unsafe extern "C" fn(*mut std::ffi::c_void, Stream) -> cuda_abi::CUresult;
+type RecordFlags = unsafe extern "C" fn(*mut std::ffi::c_void, Stream, u32) -> cuda_abi::CUresult;
+
+// Wrapped only for the compute tiers: an event's synchronize or query then
+// says which stream's work is done, up to where (Synced::Event).
+cuda_exports! {
+    fn cuEventRecord(event: *mut std::ffi::c_void, stream: Stream) {
+        let f = real_cuda!(cuEventRecord: Record);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's, passed on unchanged.
+        let r = unsafe { f(event, stream) };
+        after_record(r, event, stream, false);
+        r
+    }
+
+    fn cuEventRecord_ptsz(event: *mut std::ffi::c_void, stream: Stream) {
+        let f = real_cuda!(cuEventRecord_ptsz: Record);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's, passed on unchanged.
+        let r = unsafe { f(event, stream) };
+        after_record(r, event, stream, true);
+        r
+    }
+
+    fn cuEventRecordWithFlags(event: *mut std::ffi::c_void, stream: Stream, flags: u32) {
+        let f = real_cuda!(cuEventRecordWithFlags: RecordFlags);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's, passed on unchanged.
+        let r = unsafe { f(event, stream, flags) };
+        after_record(r, event, stream, false);
+        r
+    }
+
+    fn cuEventRecordWithFlags_ptsz(event: *mut std::ffi::c_void, stream: Stream, flags: u32) {
+        let f = real_cuda!(cuEventRecordWithFlags_ptsz: RecordFlags);
+        // SAFETY: the real driver's function of this exact signature, resolved by
+        // name; pointers are our caller's, passed on unchanged.
+        let r = unsafe { f(event, stream, flags) };
+        after_record(r, event, stream, true);
+        r
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn latency_record(event: *mut std::ffi::c_void, stream: Stream, ptsz: bool) {
+    let captured = crate::graph::captured(stream, ptsz);
+    flight::recorded(event as usize, stream, ptsz, captured);
 }
 
 /// After a context, stream or event synchronize, or a stream or event
@@ -248,15 +315,21 @@ fn latency_idle(on: Synced) {
     // of a request still running on gpu-1. A device not found clears
     // nothing (its mark ends LATENCY_HOLD_NS after the last launch).
     let one = N_MORE.load(Ordering::Relaxed) == 0;
-    let dev = match on {
+    let record = match on {
+        Synced::Event(e) => flight::record_of(e as usize),
+        _ => None,
+    };
+    let dev = match (on, record) {
         _ if one => Some(0),
-        Synced::Current => current_index(),
-        Synced::Ctx(ctx) => ctx_device(ctx),
-        Synced::Stream(s, ptsz) => stream_ctx(s, ptsz).and_then(ctx_device),
+        (_, Some(r)) => stream_ctx(r.stream, r.ptsz).and_then(ctx_device),
+        (Synced::Current | Synced::Event(_), None) => current_index(),
+        (Synced::Ctx(ctx), None) => ctx_device(ctx),
+        (Synced::Stream(s, ptsz), None) => stream_ctx(s, ptsz).and_then(ctx_device),
     };
     let Some(dev) = dev else { return };
-    let idle = match on {
-        Synced::Stream(s, ptsz) => flight::stream_done(dev, s, ptsz),
+    let idle = match (on, record) {
+        (_, Some(r)) => flight::event_done(dev, r),
+        (Synced::Stream(s, ptsz), _) => flight::stream_done(dev, s, ptsz),
         _ => flight::device_done(dev),
     };
     if let (true, Some((page, Some(h)))) = (idle, grant(dev)) {

@@ -14,6 +14,11 @@
 //   one-of-two  kernels on two streams of device 0; cuStreamSynchronize
 //             of the first
 //   both      cuStreamQuery of the second until done
+//   event-one-of-two  kernels on both streams of device 0; an event
+//             recorded on the first, cuEventSynchronize
+//   event-before-a-launch  the second synchronised; a kernel on the
+//             first, the event recorded, another kernel, cuEventSynchronize
+//   event-after-all  the event recorded again; cuEventQuery until done
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -22,6 +27,11 @@
 CUresult cuCtxSetCurrent(CUcontext ctx);
 CUresult cuCtxSynchronize(void);
 CUresult cuStreamQuery(CUstream s);
+typedef void *CUevent;
+CUresult cuEventCreate(CUevent *e, unsigned flags);
+CUresult cuEventRecord(CUevent e, CUstream s);
+CUresult cuEventSynchronize(CUevent e);
+CUresult cuEventQuery(CUevent e);
 
 static void step(const char *name) {
   char line[16];
@@ -82,5 +92,24 @@ int main(int argc, char **argv) {
   }
   check(r, "cuStreamQuery");
   step("both");
+  // An event says done its stream's work up to its record, nothing else.
+  CUevent ev;
+  check(cuEventCreate(&ev, 0), "cuEventCreate");
+  check(cuLaunchKernel(f[0], blocks, 1, 1, 256, 1, 1, 0, s[0], NULL, NULL), "cuLaunchKernel");
+  check(cuLaunchKernel(f[0], blocks, 1, 1, 256, 1, 1, 0, s0b, NULL, NULL), "cuLaunchKernel");
+  check(cuEventRecord(ev, s[0]), "cuEventRecord");
+  check(cuEventSynchronize(ev), "cuEventSynchronize");
+  step("event-one-of-two");
+  check(cuStreamSynchronize(s0b), "cuStreamSynchronize");
+  check(cuLaunchKernel(f[0], blocks, 1, 1, 256, 1, 1, 0, s[0], NULL, NULL), "cuLaunchKernel");
+  check(cuEventRecord(ev, s[0]), "cuEventRecord");
+  check(cuLaunchKernel(f[0], blocks, 1, 1, 256, 1, 1, 0, s[0], NULL, NULL), "cuLaunchKernel");
+  check(cuEventSynchronize(ev), "cuEventSynchronize");
+  step("event-before-a-launch");
+  check(cuEventRecord(ev, s[0]), "cuEventRecord");
+  while ((r = cuEventQuery(ev)) == 600 /* CUDA_ERROR_NOT_READY */) {
+  }
+  check(r, "cuEventQuery");
+  step("event-after-all");
   return 0;
 }

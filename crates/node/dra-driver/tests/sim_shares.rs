@@ -473,6 +473,10 @@ async fn a_latency_process_is_idle_only_where_and_once_all_it_launched_is_done()
         ("ctx1", [false, false]),
         ("one-of-two", [true, false]),
         ("both", [false, false]),
+        // An event: its stream, up to its record (cuEventRecord wrapped).
+        ("event-one-of-two", [true, false]),
+        ("event-before-a-launch", [true, false]),
+        ("event-after-all", [false, false]),
     ];
     tokio::task::block_in_place(|| {
         for (name, want) in steps {
