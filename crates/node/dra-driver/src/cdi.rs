@@ -252,16 +252,7 @@ pub fn remove(cdi_dir: &Path, claim_uid: &str) -> std::io::Result<()> {
 mod tests {
     use super::*;
 
-    fn gpu(index: usize, minor: u32) -> GpuInfo {
-        GpuInfo {
-            index,
-            uuid: format!("GPU-{index}"),
-            minor,
-            memory_bytes: 16 << 30,
-            numa_node: None,
-            pci_bus_id: "00000000:3B:00.0".into(),
-        }
-    }
+    use crate::fixtures::gpu;
 
     #[test]
     fn share_spec() {

@@ -326,14 +326,7 @@ mod tests {
     /// API server that keeps device taints or drops them.
     async fn xid_round_trip(drops_taints: bool) {
         let tmp = tempfile::tempdir().unwrap();
-        let gpu = gpu_allocator::GpuInfo {
-            index: 0,
-            uuid: "GPU-a".into(),
-            minor: 0,
-            memory_bytes: 16 << 30,
-            numa_node: None,
-            pci_bus_id: "00000000:3B:00.0".into(),
-        };
+        let gpu = crate::fixtures::gpu(0, 0);
         let p = |d: &str| tmp.path().join(d);
         let cfg = Config {
             node: "n1".into(),

@@ -33,6 +33,8 @@ pub mod display;
 pub mod driver;
 pub mod dynamic;
 pub mod dynamic_start;
+#[cfg(test)]
+mod fixtures;
 pub mod geometry;
 pub mod grpc;
 pub mod health;

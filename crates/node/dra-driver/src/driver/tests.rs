@@ -32,14 +32,7 @@ impl ClaimSource for MapClaims {
 }
 
 fn gpu() -> GpuInfo {
-    GpuInfo {
-        index: 0,
-        uuid: "GPU-a".into(),
-        minor: 0,
-        memory_bytes: 16 << 30,
-        numa_node: None,
-        pci_bus_id: "00000000:3B:00.0".into(),
-    }
+    crate::fixtures::gpu(0, 0)
 }
 
 fn claim(name: &str, uid: &str) -> ResourceClaim {
@@ -99,7 +92,7 @@ async fn unreadable_unhealthy_and_unwritable() {
     let e = d.prepare(&r("a", "u1")).await.unwrap_err().to_string();
     assert_eq!(
         e,
-        "claim ns/a: gpu-0 (GPU-a) had a critical Xid and is out of the ResourceSlice until it is healthy again"
+        "claim ns/a: gpu-0 (GPU-0) had a critical Xid and is out of the ResourceSlice until it is healthy again"
     );
     d.set_healthy(0, true, "");
 
@@ -145,14 +138,7 @@ fn mig_driver(tmp: &std::path::Path, claims: Arc<MapClaims>) -> Driver {
     let cfg = config(tmp);
     let inventory = Inventory {
         gpus: vec![gpu()],
-        mig: vec![Some(vec![node_agent::mig::MigDevice {
-            uuid: "MIG-3g".into(),
-            profile: "3g.40gb".into(),
-            gpu_instance: 2,
-            compute_instance: 0,
-            memory_bytes: 40448 << 20,
-            multiprocessors: 60,
-        }])],
+        mig: vec![Some(vec![crate::fixtures::mig_3g()])],
         host_root: tmp.join("host"),
         ..Default::default()
     };

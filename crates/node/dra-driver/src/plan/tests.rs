@@ -2,14 +2,7 @@ use super::*;
 use serde_json::json;
 
 fn gpus() -> Inventory {
-    Inventory::from(vec![GpuInfo {
-        index: 0,
-        uuid: "GPU-0".into(),
-        minor: 0,
-        memory_bytes: 16 << 30,
-        numa_node: None,
-        pci_bus_id: "00000000:3B:00.0".into(),
-    }])
+    Inventory::from(vec![crate::fixtures::gpu(0, 0)])
 }
 
 fn claim(results: serde_json::Value, config: serde_json::Value) -> ResourceClaim {
@@ -165,17 +158,7 @@ fn with_mig() -> Inventory {
         minor: 1,
         ..inv.gpus[0].clone()
     });
-    inv.mig = vec![
-        None,
-        Some(vec![MigDevice {
-            uuid: "MIG-3g".into(),
-            profile: "3g.40gb".into(),
-            gpu_instance: 2,
-            compute_instance: 0,
-            memory_bytes: 40448 << 20,
-            multiprocessors: 60,
-        }]),
-    ];
+    inv.mig = vec![None, Some(vec![crate::fixtures::mig_3g()])];
     inv
 }
 
