@@ -261,6 +261,11 @@ fn destroyed_under_a_pod(n: &Node, state: &gpu_sim_core::SharedState, pod: &str)
     let g = destroy_instance(state, "1g.10gb");
     let t0 = std::time::Instant::now();
     health("Unhealthy");
+    let uuid = gpu_sim_core::mig::mig_uuid(&state.node().gpus[0].uuid, g.id, 0);
+    let metrics = "127.0.0.1:25681";
+    wait("vcuda_mig_device_lost", 30, || {
+        lost_metric(metrics, &uuid, true)
+    });
     let ev = lost_event(n, pod);
     let note = ev["message"].as_str().unwrap_or_default();
     assert!(note.contains("destroyed") && note.contains(&dev), "{ev}");
@@ -270,6 +275,9 @@ fn destroyed_under_a_pod(n: &Node, state: &gpu_sim_core::SharedState, pod: &str)
     );
     make_again(state, &g);
     health("Healthy");
+    wait("vcuda_mig_device_lost gone", 30, || {
+        lost_metric(metrics, &uuid, false)
+    });
 }
 
 /// Destroys GPU 0's instance of `profile` (its compute instance, then
@@ -299,6 +307,24 @@ pub fn make_again(state: &gpu_sim_core::SharedState, g: &gpu_sim_core::state::Gp
     state
         .create_compute_instance(0, g.id, whole.unwrap().index, None)
         .unwrap();
+}
+
+/// Ok when the daemon serving metrics on `addr` shows
+/// `vcuda_mig_device_lost` for `uuid` (`want`) or not; else its lines.
+pub fn lost_metric(addr: &str, uuid: &str, want: bool) -> Result<(), String> {
+    let (code, text) = test_support::process::http_get(addr.parse().unwrap(), "/metrics");
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("vcuda_mig_device_lost{"))
+        .collect();
+    let shown = lines
+        .iter()
+        .any(|l| l.contains(&format!("uuid=\"{uuid}\"")) && l.ends_with(" 1"));
+    if code == 200 && shown == want {
+        Ok(())
+    } else {
+        Err(format!("HTTP {code}: {lines:?}"))
+    }
 }
 
 /// The `VcudaMigDeviceLost` Warning Event on `pod`.

@@ -11,7 +11,7 @@
 
 use std::path::Path;
 
-use crate::mig::{destroy_instance, lost_event, make_again, whole_instances};
+use crate::mig::{destroy_instance, lost_event, lost_metric, make_again, whole_instances};
 use crate::parts::*;
 use test_support::k8s::util::wait;
 
@@ -130,6 +130,10 @@ fn destroyed_under_a_pod(
     wait("the lost device advertised Unhealthy", 30, || {
         counts(("1", "0"))
     });
+    let metrics = "127.0.0.1:25682";
+    wait("vcuda_mig_device_lost", 30, || {
+        lost_metric(metrics, &uuid, true)
+    });
     eprintln!(
         "k8s_dp: {pod}'s instance destroyed: an Event and the device Unhealthy in {:.1} s (rescan period 10 s)",
         t0.elapsed().as_secs_f64()
@@ -137,5 +141,8 @@ fn destroyed_under_a_pod(
     make_again(state, &g);
     wait("the instance made again, allocatable", 30, || {
         counts(("1", "1"))
+    });
+    wait("vcuda_mig_device_lost gone", 30, || {
+        lost_metric(metrics, &uuid, false)
     });
 }

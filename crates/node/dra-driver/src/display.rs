@@ -21,6 +21,16 @@ pub struct DraSource {
 }
 
 impl DisplaySource for DraSource {
+    fn lost_mig_devices(&self) -> Vec<gpu_display::LostMigView> {
+        let lost = self.driver.lost_mig_devices().into_iter();
+        lost.map(|l| gpu_display::LostMigView {
+            gpu: l.gpu as u32,
+            holder: format!("{}/{}", l.namespace, l.name),
+            uuid: l.uuid,
+        })
+        .collect()
+    }
+
     fn node_name(&self) -> String {
         self.node.clone()
     }

@@ -25,6 +25,12 @@ pub trait DisplaySource: Send + Sync + 'static {
     /// Every container holding an allocation.
     fn containers(&self) -> Vec<ContainerView>;
 
+    /// MIG devices whose instance was destroyed while a pod or claim held
+    /// them (docs/mig.md): `vcuda_mig_device_lost`.
+    fn lost_mig_devices(&self) -> Vec<LostMigView> {
+        Vec::new()
+    }
+
     /// Whether the process can go on (`/healthz`, the liveness probe): an
     /// `Err` says why it needs a restart.
     fn health(&self) -> Result<(), Unhealthy> {
@@ -74,6 +80,18 @@ pub struct GpuView {
 
 fn yes() -> bool {
     true
+}
+
+/// A MIG device whose instance is gone while something holds it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LostMigView {
+    /// The parent GPU's NVML index.
+    pub gpu: u32,
+    /// `MIG-…`.
+    pub uuid: String,
+    /// What holds it: the device-plugin resource, or the DRA claim
+    /// (`namespace/name`).
+    pub holder: String,
 }
 
 /// A GPU assigned to a container.

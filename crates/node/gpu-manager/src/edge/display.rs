@@ -17,6 +17,8 @@ pub struct ManagerSource {
     pub node: String,
     /// NVML names of the GPUs, by index (may be shorter than the GPU list).
     pub models: Vec<String>,
+    /// The MIG plugins, for their lost devices.
+    pub mig: Option<crate::mig::MigPlugins>,
 }
 
 impl DisplaySource for ManagerSource {
@@ -26,6 +28,13 @@ impl DisplaySource for ManagerSource {
 
     fn version(&self) -> String {
         env!("CARGO_PKG_VERSION").to_string()
+    }
+
+    fn lost_mig_devices(&self) -> Vec<gpu_display::LostMigView> {
+        self.mig
+            .as_ref()
+            .map(|m| m.lost_views())
+            .unwrap_or_default()
     }
 
     fn health(&self) -> Result<(), gpu_display::Unhealthy> {

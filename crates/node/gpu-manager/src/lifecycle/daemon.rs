@@ -129,7 +129,8 @@ pub async fn run(
             )
         })?;
     let successor = matches!(claim, Claim::HeldBy(_));
-    let (display, running) = start_display(&s, &mgr, &found, &nvml, successor, &cancel).await?;
+    let (display, running) =
+        start_display(&s, &mgr, &found, &nvml, &mig, successor, &cancel).await?;
     let metrics = display.metrics();
     let (gate_control, gate) = plugin::gate();
     let node = Node {
@@ -476,6 +477,7 @@ async fn start_display(
     mgr: &Arc<Manager>,
     found: &Discovered,
     nvml: &Arc<nvml_wrapper::Nvml>,
+    mig: &crate::mig::MigPlugins,
     take_over_socket: bool,
     cancel: &CancellationToken,
 ) -> anyhow::Result<(gpu_display::Display, gpu_display::Running)> {
@@ -483,6 +485,7 @@ async fn start_display(
         mgr: mgr.clone(),
         node: s.node_name.clone(),
         models: found.names.clone(),
+        mig: Some(mig.clone()),
     }));
     let events = mgr.events();
     display.on_escape(Arc::new(move |c, f| {

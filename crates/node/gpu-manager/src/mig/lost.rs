@@ -31,6 +31,18 @@ impl MigPlugins {
         out
     }
 
+    /// The lost devices for the display's `vcuda_mig_device_lost` (the
+    /// holder: the resource).
+    pub fn lost_views(&self) -> Vec<gpu_display::LostMigView> {
+        let lost = self.lost().into_iter();
+        lost.map(|(resource, uuid, gpu)| gpu_display::LostMigView {
+            gpu: gpu as u32,
+            uuid,
+            holder: resource,
+        })
+        .collect()
+    }
+
     /// Whether any device is lost (a rescan then settles them).
     pub fn has_lost(&self) -> bool {
         !self.lost().is_empty()

@@ -365,6 +365,16 @@ async fn a_device_destroyed_under_a_pod_stays_unhealthy_and_the_pod_is_told() {
         ev.note
     );
     assert!(ids(&small).contains(&b));
+    let shown = m.lost_views();
+    assert_eq!(shown.len(), 1, "{shown:?}");
+    assert_eq!(
+        (
+            shown[0].gpu,
+            shown[0].uuid.as_str(),
+            shown[0].holder.as_str()
+        ),
+        (0, "MIG-b", resource)
+    );
 
     // The instance is made again with the same UUID: served, healthy.
     m.refresh(
@@ -376,6 +386,7 @@ async fn a_device_destroyed_under_a_pod_stays_unhealthy_and_the_pod_is_told() {
     )
     .unwrap();
     assert!(ids(&small).contains(&("MIG-b".to_string(), "Healthy".to_string())));
+    assert!(!m.lost_views().iter().any(|l| l.uuid == "MIG-b"));
     // Gone again under the pod: told again.
     m.refresh(&gpus, &without_b()).unwrap();
     m.settle_lost(&kubelet, &pods, &events).await;
