@@ -428,3 +428,135 @@ async fn tiers_order_the_tenants_of_one_instance_and_no_other() {
     cancel.cancel();
     daemon.await.unwrap().unwrap();
 }
+
+/// An operator destroys the instance under a prepared claim (`nvidia-smi
+/// mig -dci; -dgi` while its pod is between programs: NVML refuses while a
+/// process uses it). Within a rescan the kubelet's health stream says the
+/// claim's device UNHEALTHY naming the MIG UUID, `/metrics` shows
+/// `vcuda_mig_device_lost` for it and the pod the claim is reserved for
+/// gets a `VcudaMigDeviceLost` Event; made again with the same ids (the
+/// sim's UUIDs follow the ids), all clear. The build before only took the
+/// device out of the slice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_destroyed_under_a_prepared_claim_is_reported() {
+    use dra_api::dra_health::v1alpha1::HealthStatus;
+    let sim = SimNode::install("sim-mig-h100");
+    sim.mig(&["--gpu", "0", "--enable", "--create", "19"]);
+    let state = sim.state();
+    let (g, ci) = state.mig_devices(0)[0];
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    let settings = dra_driver::daemon::Settings {
+        display: Some(dra_driver::daemon::DisplayAt {
+            socket: dirs.p("display.sock"),
+            query: "127.0.0.1:0".parse().unwrap(),
+            health: None,
+        }),
+        mig_rescan_period: Some(Duration::from_millis(200)),
+        ..sim_settings(sim.root(), &dirs)
+    };
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let daemon = tokio::spawn(dra_driver::daemon::run(settings, cancel.clone(), Some(tx)));
+    let ready = tokio::time::timeout(Duration::from_secs(60), rx)
+        .await
+        .unwrap()
+        .unwrap();
+    let http = ready.display_http.expect("the display's HTTP address");
+    let kubelet = kubelet(&dirs, false).await;
+    let slice = dra_driver::slices::slice_name(NODE);
+    until(10, "the slice published", || {
+        server.get(Kind::ResourceSlice, None, &slice).is_some()
+    })
+    .await;
+
+    let uid = share_in(&server, "whole-1g", "1g.10gb", None);
+    allocator::allocate(&server, NS, "whole-1g", NODE).unwrap();
+    let pod = json!({"resource": "pods", "name": "infer", "uid": "u-infer"});
+    let reserved = json!({"status": {"reservedFor": [pod]}});
+    server
+        .patch(Kind::ResourceClaim, Some(NS), "whole-1g", &reserved)
+        .unwrap();
+    let claim = plugin::claim(NS, "whole-1g", &uid);
+    let r = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+    assert_eq!(r.claims[&claim.uid].error, "");
+    let device = format!("gpu-0-mig-{}-{}", g.id, ci.id);
+    let published = server.get(Kind::ResourceSlice, None, &slice).unwrap();
+    let uuid = published["spec"]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == device.as_str())
+        .and_then(|d| d["attributes"]["uuid"]["string"].as_str())
+        .unwrap_or_else(|| panic!("{device} in {published}"))
+        .to_string();
+    let mut health = kubelet.watch_health().await.unwrap();
+    // The claim's device in the stream: (health, message) once it is there.
+    let mut next = async || loop {
+        let m = tokio::time::timeout(Duration::from_secs(30), health.message())
+            .await
+            .expect("a health message within 30 s")
+            .unwrap()
+            .unwrap();
+        let d = m.devices.iter().find(|d| {
+            d.device
+                .as_ref()
+                .is_some_and(|i| i.device_name == device && i.pool_name == NODE)
+        });
+        if let Some(d) = d {
+            return (d.health, d.message.clone());
+        }
+    };
+    assert_eq!(next().await.0, HealthStatus::Healthy as i32);
+    let metric = || {
+        let (_, text) = test_support::process::http_get(http, "/metrics");
+        text.lines()
+            .find(|l| l.starts_with("vcuda_mig_device_lost{"))
+            .map(str::to_string)
+    };
+    assert_eq!(metric(), None);
+
+    state.destroy_compute_instance(0, g.id, ci.id).unwrap();
+    state.destroy_gpu_instance(0, g.id).unwrap();
+    let (h, message) = next().await;
+    assert_eq!(h, HealthStatus::Unhealthy as i32, "{message}");
+    assert!(
+        message.contains(&uuid) && message.contains("destroyed") && message.contains("whole-1g"),
+        "{message}"
+    );
+    until(10, "vcuda_mig_device_lost", || {
+        metric().is_some_and(|l| {
+            l.contains(&uuid)
+                && l.contains(&format!("holder=\"{NS}/whole-1g\""))
+                && l.ends_with(" 1")
+        })
+    })
+    .await;
+    until(10, "the VcudaMigDeviceLost event", || {
+        server.list(Kind::Event).iter().any(|e| {
+            e["reason"] == "VcudaMigDeviceLost"
+                && e["regarding"]["name"] == "infer"
+                && e["note"].as_str().is_some_and(|n| n.contains(&uuid))
+        })
+    })
+    .await;
+
+    let again = state.create_gpu_instance(0, g.profile.id, Some(g.placement));
+    assert_eq!(again.unwrap().id, g.id);
+    let whole = g
+        .profile
+        .ci_profiles()
+        .find(|c| c.slices == g.profile.slices);
+    let made = state.create_compute_instance(0, g.id, whole.unwrap().index, None);
+    assert_eq!(made.unwrap().id, ci.id);
+    assert_eq!(next().await.0, HealthStatus::Healthy as i32);
+    until(10, "vcuda_mig_device_lost gone", || metric().is_none()).await;
+
+    kubelet
+        .unprepare(std::slice::from_ref(&claim))
+        .await
+        .unwrap();
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+}
