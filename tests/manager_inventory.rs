@@ -373,6 +373,91 @@ async fn instances_made_or_destroyed_while_the_manager_runs_are_followed() {
     assert_eq!(c.envs["NVIDIA_VISIBLE_DEVICES"], made.uuid);
 }
 
+/// An operator destroys the 1g.10gb under a pod that holds it (its
+/// program done): the manager keeps it advertised, Unhealthy (so the
+/// kubelet counts none allocatable and shows the pod's device unhealthy),
+/// the pod gets a `VcudaMigDeviceLost` Event naming the instance, and
+/// `/metrics` shows `vcuda_mig_device_lost`; once the kubelet's `List` no
+/// longer names a holder it is withdrawn. The build before withdrew it at
+/// once and told nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_destroyed_under_a_pod_stays_unhealthy_and_the_pod_is_told() {
+    let mut env = Env::start(
+        "sim-mig-h100",
+        Options {
+            prepare: Some(test_support::sim::SimNode::mig_3g_and_1g),
+            extra_args: vec!["--mig-rescan-period".into(), "1".into()],
+            ..Default::default()
+        },
+    )
+    .await;
+    mig_resources(&env, &[("3g.40gb", 1), ("1g.10gb", 1)]).await;
+    let resource = "tencent.com/mig-1g.10gb";
+    let pod = env.pod(&[], &[]);
+    env.kubelet
+        .admit(&pod, "main", &[(resource, 1)])
+        .await
+        .unwrap_or_else(|e| panic!("admitting to the 1g.10gb: {e}\n{}", env.log_text()));
+    let (_, small) = instances(&env)
+        .into_iter()
+        .find(|(p, _)| p == "1g.10gb")
+        .unwrap();
+    let state = env.sim.state();
+    state
+        .destroy_compute_instance(0, small.gi, small.ci)
+        .unwrap();
+    state.destroy_gpu_instance(0, small.gi).unwrap();
+    let t = Instant::now();
+    let listed = env
+        .kubelet
+        .wait_for(Duration::from_secs(20), |v| {
+            v.resources
+                .get(resource)
+                .is_some_and(|r| r.devices.get(&small.uuid).is_some_and(|d| !d.healthy))
+        })
+        .await;
+    assert!(listed.is_ok(), "kept, Unhealthy\n{}", env.log_text());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let ev = loop {
+        let found = env.api.events().into_iter().find(|e| {
+            e["regarding"]["name"] == pod.name.as_str() && e["reason"] == "VcudaMigDeviceLost"
+        });
+        if let Some(e) = found {
+            break e;
+        }
+        assert!(Instant::now() < deadline, "no event\n{}", env.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let note = ev["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains(&small.uuid) && note.contains(resource),
+        "{ev}"
+    );
+    assert_eq!(ev["regarding"]["uid"], pod.uid.as_str(), "{ev}");
+    println!(
+        "a 1g.10gb destroyed under a pod: Unhealthy and the pod told {} ms after (rescan every 1 s)",
+        t.elapsed().as_millis()
+    );
+    let (_, metrics) = test_support::process::http_get(env.http_addr, "/metrics");
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("vcuda_mig_device_lost{"))
+        .unwrap_or_else(|| panic!("no vcuda_mig_device_lost in\n{metrics}"));
+    assert!(line.contains(&small.uuid) && line.ends_with(" 1"), "{line}");
+
+    // The pod gone (the kubelet's List no longer names it): withdrawn.
+    env.kubelet.release_pod(&pod.uid).unwrap();
+    let gone = env
+        .kubelet
+        .wait_for(Duration::from_secs(20), |v| {
+            v.resources
+                .get(resource)
+                .is_some_and(|r| !r.devices.contains_key(&small.uuid))
+        })
+        .await;
+    assert!(gone.is_ok(), "withdrawn\n{}", env.log_text());
+}
+
 /// Waits until the kubelet sees `want` (resource, healthy count) among the
 /// MIG resources.
 async fn mig_resources(env: &Env, want: &[(&str, usize)]) {
