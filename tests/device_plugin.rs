@@ -205,14 +205,15 @@ async fn kubelet_restart_reregisters_and_keeps_allocations() {
         .await
         .expect("both plugins re-registered after kubelet restart");
     for res in [VCORE, VMEM] {
-        let st = node
-            .handle
-            .as_ref()
-            .unwrap()
-            .status(res)
-            .unwrap()
-            .borrow()
-            .clone();
+        // The kubelet counts a registration when the request arrives, the
+        // plugin once the answer is back: wait for the plugin's side (a
+        // soak under load once read it in between).
+        let mut st = node.handle.as_ref().unwrap().status(res).unwrap();
+        let done =
+            tokio::time::timeout(WAIT, st.wait_for(|s| s.registered && s.registrations == 2));
+        let ok = done.await.is_ok_and(|r| r.is_ok());
+        let st = st.borrow().clone();
+        assert!(ok, "{res}: not registered again: {st:?}");
         assert_eq!((st.registrations, st.binds), (2, 2), "{res}: {st:?}");
     }
     assert!(node.dir().join("vcore.sock").exists() && node.dir().join("vmemory.sock").exists());
