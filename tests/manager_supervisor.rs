@@ -253,3 +253,37 @@ fn a_manager_failing_at_start_ends_its_supervisor_with_its_error() {
         "the supervisor did not say why it stopped: {err}"
     );
 }
+
+/// A manager started while the node's DRA driver is still serving (a mode
+/// switch: the driver's DaemonSet deleted, its process stopping) waits for
+/// the driver's registration socket to close, then starts and registers;
+/// it is not refused (the driver side: dra-driver's supervisor tests).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manager_started_beside_a_stopping_dra_driver_waits_for_it() {
+    fn stopping_driver(dir: &std::path::Path) {
+        let reg = dir.join("plugins_registry");
+        std::fs::create_dir_all(&reg).unwrap();
+        let name = node_agent::mode::dra_registration_socket("1764245000000-9-0");
+        let driver = std::os::unix::net::UnixListener::bind(reg.join(name)).unwrap();
+        // Its sockets close 3 s later (well within the manager's patience).
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(3));
+            drop(driver);
+        });
+    }
+    let env = Env::start(
+        "sim-1gpu",
+        Options {
+            beside: Some(stopping_driver),
+            ..Default::default()
+        },
+    )
+    .await;
+    let log = env.log_text();
+    assert!(log.contains("waiting for it to stop"), "{log}");
+    assert!(!log.contains("still serving after"), "{log}");
+    assert!(
+        env.started.elapsed() >= Duration::from_secs(3),
+        "registered only once the driver's socket closed"
+    );
+}

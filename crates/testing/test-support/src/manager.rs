@@ -42,6 +42,9 @@ pub struct Options {
     /// Run on the installed node before the manager starts (an
     /// operator's MIG geometry, say).
     pub prepare: Option<fn(&SimNode)>,
+    /// Run on the manager's directory (its `device-plugins` made, the
+    /// kubelet emulator serving) just before the manager starts.
+    pub beside: Option<fn(&std::path::Path)>,
 }
 
 impl Default for Options {
@@ -51,6 +54,7 @@ impl Default for Options {
             quiet_s: 2,
             extra_args: Vec::new(),
             prepare: None,
+            beside: None,
         }
     }
 }
@@ -117,6 +121,9 @@ impl Env {
             cmd.arg("--share-mode");
         }
         cmd.args(&opts.extra_args);
+        if let Some(beside) = opts.beside {
+            beside(tmp.path());
+        }
         let started = Instant::now();
         let manager = cmd.spawn().unwrap();
         let mut env = Env {
