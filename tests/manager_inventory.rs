@@ -331,27 +331,10 @@ async fn mig_devices_are_served_whole_one_resource_per_profile() {
 /// destroyed is withdrawn (its resource stays, advertising nothing).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instances_made_or_destroyed_while_the_manager_runs_are_followed() {
-    let mut env = Env::start(
-        "sim-mig-h100",
-        Options {
-            prepare: Some(test_support::sim::SimNode::mig_3g_and_1g),
-            extra_args: vec!["--mig-rescan-period".into(), "1".into()],
-            ..Default::default()
-        },
-    )
-    .await;
-    mig_resources(&env, &[("3g.40gb", 1), ("1g.10gb", 1)]).await;
+    let mut env = rescanning_3g_and_1g().await;
     // The 1g.10gb's instances destroyed, then `nvidia-smi mig -cgi 14 -C`
     // (in its room).
-    let (_, small) = instances(&env)
-        .into_iter()
-        .find(|(p, _)| p == "1g.10gb")
-        .unwrap();
-    let state = env.sim.state();
-    state
-        .destroy_compute_instance(0, small.gi, small.ci)
-        .unwrap();
-    state.destroy_gpu_instance(0, small.gi).unwrap();
+    destroy(&env, "1g.10gb");
     env.sim.mig(&["--gpu", "0", "--create", "14"]);
     let (_, made) = instances(&env)
         .into_iter()
@@ -382,31 +365,14 @@ async fn instances_made_or_destroyed_while_the_manager_runs_are_followed() {
 /// once and told nobody.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_destroyed_under_a_pod_stays_unhealthy_and_the_pod_is_told() {
-    let mut env = Env::start(
-        "sim-mig-h100",
-        Options {
-            prepare: Some(test_support::sim::SimNode::mig_3g_and_1g),
-            extra_args: vec!["--mig-rescan-period".into(), "1".into()],
-            ..Default::default()
-        },
-    )
-    .await;
-    mig_resources(&env, &[("3g.40gb", 1), ("1g.10gb", 1)]).await;
+    let mut env = rescanning_3g_and_1g().await;
     let resource = "tencent.com/mig-1g.10gb";
     let pod = env.pod(&[], &[]);
     env.kubelet
         .admit(&pod, "main", &[(resource, 1)])
         .await
         .unwrap_or_else(|e| panic!("admitting to the 1g.10gb: {e}\n{}", env.log_text()));
-    let (_, small) = instances(&env)
-        .into_iter()
-        .find(|(p, _)| p == "1g.10gb")
-        .unwrap();
-    let state = env.sim.state();
-    state
-        .destroy_compute_instance(0, small.gi, small.ci)
-        .unwrap();
-    state.destroy_gpu_instance(0, small.gi).unwrap();
+    let small = destroy(&env, "1g.10gb");
     let t = Instant::now();
     let listed = env
         .kubelet
@@ -417,17 +383,9 @@ async fn an_instance_destroyed_under_a_pod_stays_unhealthy_and_the_pod_is_told()
         })
         .await;
     assert!(listed.is_ok(), "kept, Unhealthy\n{}", env.log_text());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let ev = loop {
-        let found = env.api.events().into_iter().find(|e| {
-            e["regarding"]["name"] == pod.name.as_str() && e["reason"] == "VcudaMigDeviceLost"
-        });
-        if let Some(e) = found {
-            break e;
-        }
-        assert!(Instant::now() < deadline, "no event\n{}", env.log_text());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let ev = env
+        .wait_event("VcudaMigDeviceLost", &pod.name, Duration::from_secs(20))
+        .await;
     let note = ev["note"].as_str().unwrap_or_default();
     assert!(
         note.contains(&small.uuid) && note.contains(resource),
@@ -456,6 +414,35 @@ async fn an_instance_destroyed_under_a_pod_stays_unhealthy_and_the_pod_is_told()
         })
         .await;
     assert!(gone.is_ok(), "withdrawn\n{}", env.log_text());
+}
+
+/// The manager on the simulated H100 with a 3g.40gb and a 1g.10gb on GPU
+/// 0, rescanning every second, both advertised.
+async fn rescanning_3g_and_1g() -> Env {
+    let env = Env::start(
+        "sim-mig-h100",
+        Options {
+            prepare: Some(test_support::sim::SimNode::mig_3g_and_1g),
+            extra_args: vec!["--mig-rescan-period".into(), "1".into()],
+            ..Default::default()
+        },
+    )
+    .await;
+    mig_resources(&env, &[("3g.40gb", 1), ("1g.10gb", 1)]).await;
+    env
+}
+
+/// Destroys GPU 0's instance of `profile` (its compute instance, then
+/// it), as an operator's `nvidia-smi mig -dci; -dgi`; what it was.
+fn destroy(env: &Env, profile: &str) -> Instance {
+    let (_, i) = instances(env)
+        .into_iter()
+        .find(|(p, _)| p == profile)
+        .unwrap();
+    let state = env.sim.state();
+    state.destroy_compute_instance(0, i.gi, i.ci).unwrap();
+    state.destroy_gpu_instance(0, i.gi).unwrap();
+    i
 }
 
 /// Waits until the kubelet sees `want` (resource, healthy count) among the

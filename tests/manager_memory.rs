@@ -167,22 +167,9 @@ async fn a_borrower_is_reclaimed_for_a_guaranteed_share_and_nothing_else_is_touc
         "{err}"
     );
     // An Event on its pod names the reason and the share that needed it.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let ev = loop {
-        let found = env.api.events().into_iter().find(|e| {
-            e["regarding"]["name"] == burst.name.as_str() && e["reason"] == "VcudaMemoryReclaimed"
-        });
-        if let Some(e) = found {
-            break e;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no VcudaMemoryReclaimed on {}: {:?}",
-            burst.name,
-            env.api.events()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let ev = env
+        .wait_event("VcudaMemoryReclaimed", &burst.name, Duration::from_secs(10))
+        .await;
     let note = ev["note"].as_str().unwrap();
     assert!(note.contains(&guaranteed.name), "{note}");
     // Nothing else was touched: the bystander and the guaranteed share

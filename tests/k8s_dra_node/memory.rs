@@ -123,17 +123,7 @@ pub fn memory_phase(n: &Node, bin: &Path, sim: &Path, driver: &DriverProc) -> St
     );
     // A Warning Event on the pod holding the borrower's claim, naming the
     // claim whose allocation needed the memory.
-    let ev = wait("the VcudaMemoryReclaimed event", 30, || {
-        let list = n.json(&[
-            "-n",
-            NS,
-            "get",
-            "events",
-            "--field-selector",
-            "reason=VcudaMemoryReclaimed",
-        ])?;
-        test_support::k8s::util::event_about(&list, "mem-borrower")
-    });
+    let ev = event_on(n, "VcudaMemoryReclaimed", "mem-borrower");
     let note = ev["message"].as_str().unwrap_or_default();
     assert!(
         note.contains("claim") && note.contains("was ended to reclaim GPU memory"),

@@ -329,17 +329,7 @@ pub fn lost_metric(addr: &str, uuid: &str, want: bool) -> Result<(), String> {
 
 /// The `VcudaMigDeviceLost` Warning Event on `pod`.
 pub fn lost_event(n: &Node, pod: &str) -> serde_json::Value {
-    wait("the VcudaMigDeviceLost event", 30, || {
-        let list = n.json(&[
-            "-n",
-            NS,
-            "get",
-            "events",
-            "--field-selector",
-            "reason=VcudaMigDeviceLost",
-        ])?;
-        test_support::k8s::util::event_about(&list, pod)
-    })
+    event_on(n, "VcudaMigDeviceLost", pod)
 }
 
 /// GPU 0's GPU instance of `profile`.

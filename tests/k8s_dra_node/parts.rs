@@ -467,6 +467,16 @@ pub fn device_health_is(n: &Node, pod: &str, device: &str, want: &str) -> Result
     if found { Ok(()) } else { Err(st.to_string()) }
 }
 
+/// The first `reason` Event about `pod` in the suite's namespace, waited
+/// for (30 s).
+pub fn event_on(n: &Node, reason: &str, pod: &str) -> Value {
+    wait(&format!("the {reason} event"), 30, || {
+        let selector = format!("reason={reason}");
+        let list = n.json(&["-n", NS, "get", "events", "--field-selector", &selector])?;
+        test_support::k8s::util::event_about(&list, pod)
+    })
+}
+
 /// The pod's claim (made from its template) as the API server has it.
 pub fn pod_claim(n: &Node, pod: &str) -> Result<Value, String> {
     let p = n.json(&["-n", NS, "get", "pod", pod])?;

@@ -210,6 +210,29 @@ impl Env {
         }
     }
 
+    /// The first `reason` Event about pod `name`, waited for (`within`);
+    /// a panic naming the Events and the manager's log if none comes.
+    pub async fn wait_event(&self, reason: &str, name: &str, within: Duration) -> Value {
+        let deadline = Instant::now() + within;
+        loop {
+            let found = self
+                .api
+                .events()
+                .into_iter()
+                .find(|e| e["regarding"]["name"] == name && e["reason"] == reason);
+            if let Some(e) = found {
+                return e;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {reason} on {name}: {:?}\n{}",
+                self.api.events(),
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
