@@ -614,3 +614,128 @@ async fn a_configured_geometry_is_applied_and_adopted() {
         "no plugin serves the 3g.40gb any more"
     );
 }
+
+/// `--mig-dynamic 0` (docs/mig.md, Dynamic MIG in device-plugin mode): GPU
+/// 0 of the simulated H100 node is put in MIG mode, holding nothing. Pods
+/// the scheduler marked Unschedulable for want of a 3g.40gb get one made
+/// each while they fit (two; the third waits, logged), and the kubelet
+/// sees them advertised; a pod then bound and admitted gets one. Once the
+/// others are deleted, the instances nobody needs are destroyed after the
+/// grace period (withdrawn, not listed as lost), the held one stays until
+/// its pod is gone too. A kill -9 between changes nothing, and a GPU
+/// given whole to a pod is not put in MIG mode when named dynamic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamic_mig_makes_instances_for_waiting_pods_and_destroys_them_after() {
+    let args = ["--mig-dynamic", "0", "--mig-rescan-period", "1"];
+    let mut extra_args: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
+    extra_args.extend(["--mig-dynamic-grace".into(), "2".into()]);
+    let mut env = Env::start(
+        "sim-mig-h100",
+        Options {
+            extra_args,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(env.sim.state().mig_mode(0), Ok((true, true)));
+    assert!(env.sim.mig_profiles(0).is_empty(), "{}", env.log_text());
+    let resource = "tencent.com/mig-3g.40gb";
+    let t = Instant::now();
+    let waiting: Vec<String> = (1..=3)
+        .map(|i| {
+            let name = format!("waiting-{i}");
+            env.api
+                .create_pod(serde_json::json!({
+                    "metadata": {"name": name, "namespace": "default"},
+                    "spec": {"containers": [{"name": "main", "image": "cuda",
+                        "resources": {"limits": {resource: "1"}}}]},
+                    "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled",
+                        "status": "False", "reason": "Unschedulable"}]}
+                }))
+                .unwrap();
+            name
+        })
+        .collect();
+    mig_resources(&env, &[("3g.40gb", 2)]).await;
+    println!(
+        "two 3g.40gb made for waiting pods and advertised {} ms after",
+        t.elapsed().as_millis()
+    );
+    assert_eq!(env.sim.mig_profiles(0), ["3g.40gb", "3g.40gb"]);
+    env.wait_log("fit on no dynamic GPU now", 1).await;
+
+    // The scheduler binds the first; the kubelet admits it.
+    let uid = env.api.pod("default", &waiting[0]).unwrap()["metadata"]["uid"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let patch = serde_json::json!({"spec": {"nodeName": NODE}, "status": {"conditions": null}});
+    env.api.patch_pod("default", &waiting[0], &patch).unwrap();
+    let pod = kubelet_emulator::PodRef {
+        uid,
+        name: waiting[0].clone(),
+        namespace: "default".into(),
+    };
+    let r = env
+        .kubelet
+        .admit(&pod, "main", &[(resource, 1)])
+        .await
+        .unwrap_or_else(|e| panic!("admitting to a made 3g.40gb: {e}\n{}", env.log_text()));
+    let held = r[resource].envs["NVIDIA_VISIBLE_DEVICES"].clone();
+    assert!(held.starts_with("MIG-"), "{held}");
+
+    // A pod given GPU 1 whole (GPU 0 is MIG's), no process on it yet.
+    let whole = env.pod(&[("main", 100, 0)], &[]);
+    let r = env.admit(&whole, "main", 100, 0).await.unwrap();
+    assert_eq!(Env::minors(&r), [1]);
+
+    // kill -9 and a new manager, now with GPU 1 dynamic too: both
+    // instances stay, adopted (the record says they are vcuda's), the held
+    // one still advertised; GPU 1 stays whole under its pod.
+    let mut args = test_support::cmdline(env.manager.id());
+    let at = args.iter().position(|a| a == "--mig-dynamic").unwrap();
+    args[at + 1] = "0,1".into();
+    env.kill9_and_start(&args).await;
+    mig_resources(&env, &[("3g.40gb", 2)]).await;
+    assert_eq!(env.sim.mig_profiles(0), ["3g.40gb", "3g.40gb"]);
+    env.wait_log("the GPU holds shares of pods", 1).await;
+    assert_eq!(env.sim.state().mig_mode(1), Ok((false, false)));
+
+    for name in &waiting[1..] {
+        env.api.delete_pod("default", name).unwrap();
+    }
+    let t = Instant::now();
+    let one_left = env
+        .kubelet
+        .wait_for(Duration::from_secs(20), |v| {
+            v.resources
+                .get(resource)
+                .is_some_and(|r| r.devices.keys().collect::<Vec<_>>() == [&held])
+        })
+        .await;
+    assert!(
+        one_left.is_ok(),
+        "the free one withdrawn\n{}",
+        env.log_text()
+    );
+    println!(
+        "the 3g.40gb nobody needs destroyed and withdrawn {} ms after its pods went (grace 2 s)",
+        t.elapsed().as_millis()
+    );
+    assert_eq!(env.sim.mig_profiles(0), ["3g.40gb"]);
+    assert!(env.kubelet.view().borrow().resources[resource].devices[&held].healthy);
+
+    // Its pod gone too: no instance left.
+    env.kubelet.release_pod(&pod.uid).unwrap();
+    env.api.delete_pod("default", &waiting[0]).unwrap();
+    mig_resources(&env, &[("3g.40gb", 0)]).await;
+    assert!(env.sim.mig_profiles(0).is_empty(), "{}", env.log_text());
+    let http = env
+        .logged_http_addr()
+        .expect("the restarted manager's address");
+    let (_, metrics) = test_support::process::http_get(http, "/metrics");
+    assert!(
+        !metrics.contains("vcuda_mig_device_lost{"),
+        "destroyed by vcuda, not lost:\n{metrics}"
+    );
+}

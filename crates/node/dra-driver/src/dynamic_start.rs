@@ -6,28 +6,15 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use node_agent::geometry::MigDriver;
+use node_agent::geometry::{MigDriver, UnknownGpu};
 use node_agent::nvml::Discovered;
 use nvml_wrapper::error::NvmlError;
 
 use crate::dynamic::DynamicGpu;
 
-/// A `--mig-dynamic` entry that names no GPU of this node.
-#[derive(Debug, thiserror::Error)]
-#[error("--mig-dynamic {0:?}: no GPU of this node has that index or UUID")]
-pub struct UnknownGpu(pub String);
-
 /// The indices of the GPUs `named` (index or UUID) among `uuids`.
 pub fn resolve(named: &[String], uuids: &[String]) -> Result<BTreeSet<usize>, UnknownGpu> {
-    named
-        .iter()
-        .map(|n| {
-            let by_index = n.parse::<usize>().ok().filter(|&i| i < uuids.len());
-            by_index
-                .or_else(|| uuids.iter().position(|u| u == n))
-                .ok_or_else(|| UnknownGpu(n.clone()))
-        })
-        .collect()
+    node_agent::geometry::resolve_gpus("mig-dynamic", named, uuids)
 }
 
 /// GPU `gpu` in MIG mode and what it offers; `None` while the mode
@@ -37,14 +24,8 @@ pub fn offer(
     gpu: usize,
     held: &BTreeSet<String>,
 ) -> Result<Option<DynamicGpu>, NvmlError> {
-    let (on, pending) = driver.mode(gpu)?;
-    if !on {
-        if !pending {
-            driver.set_mode(gpu, true)?;
-        }
-        if !driver.mode(gpu)?.0 {
-            return Ok(None);
-        }
+    if !node_agent::geometry::ensure_mig_mode(driver, gpu)? {
+        return Ok(None);
     }
     let foreign = driver
         .instances(gpu)?

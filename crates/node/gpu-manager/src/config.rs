@@ -47,6 +47,11 @@ pub struct Settings {
     pub mig_rescan_period: Option<Duration>,
     /// `--mig-geometry` ([`node_agent::geometry`]).
     pub mig_geometry: node_agent::geometry::Geometry,
+    /// `--mig-dynamic`: GPUs (index or UUID) partitioned toward demand
+    /// ([`crate::mig::dynamic`]).
+    pub mig_dynamic: Vec<String>,
+    /// How long a dynamic instance nobody needs stays.
+    pub mig_dynamic_grace: Duration,
 }
 
 fn parse_labels(s: &str) -> Result<Vec<(String, String)>, ConfigError> {
@@ -129,6 +134,26 @@ impl Settings {
             .unwrap_or_else(|| gpu_pods::MIG_RESOURCE_PREFIX.into());
         check_mig_prefix(&mig_resource_prefix)?;
         let n = NodeConfig::resolve(&o)?;
+        let mig_dynamic: Vec<String> = o
+            .mig_dynamic
+            .as_deref()
+            .unwrap_or("")
+            .split(',')
+            .map(str::trim)
+            .filter(|g| !g.is_empty())
+            .map(str::to_string)
+            .collect();
+        // One of the two partitions a GPU (named by index in one and by
+        // UUID in the other is caught at start, once UUIDs are known).
+        if let Some(g) = mig_dynamic
+            .iter()
+            .find(|g| n.mig_geometry.gpus.contains_key(*g))
+        {
+            return Err(ConfigError::Invalid {
+                field: "mig-dynamic",
+                problem: format!("GPU {g:?} is in --mig-geometry too: name it in one"),
+            });
+        }
         Ok(Settings {
             extra_config: n.extra_config,
             volume_config: n.volume_config,
@@ -170,6 +195,8 @@ impl Settings {
                 s => Some(Duration::from_secs(s)),
             },
             mig_geometry: n.mig_geometry,
+            mig_dynamic,
+            mig_dynamic_grace: Duration::from_secs(o.mig_dynamic_grace.unwrap_or(60)),
         })
     }
 
@@ -200,6 +227,23 @@ mod tests {
                 "{bad}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn mig_dynamic_gpus_and_their_grace() {
+        let s = |args: &[&str]| {
+            let mut a = vec!["gpu-manager", "--hostname-override", "n"];
+            a.extend(args);
+            Settings::resolve(Options::parse_from(a))
+        };
+        let d = s(&["--mig-dynamic", "0, GPU-y", "--mig-dynamic-grace", "5"]).unwrap();
+        assert_eq!(d.mig_dynamic, ["0", "GPU-y"]);
+        assert_eq!(d.mig_dynamic_grace, Duration::from_secs(5));
+        assert_eq!(s(&[]).unwrap().mig_dynamic_grace, Duration::from_secs(60));
+        let e = s(&["--mig-dynamic", "1", "--mig-geometry", "1=7g.80gb"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mig-dynamic") && e.contains("\"1\""), "{e}");
     }
 
     #[test]

@@ -469,6 +469,8 @@ fn remove_stale(dir: &Path) {
     }
 }
 
+pub mod demand;
+pub mod dynamic;
 mod lost;
 #[cfg(test)]
 mod tests;

@@ -186,6 +186,16 @@ pub struct Options {
     /// are [default: none] (docs/mig.md).
     #[arg(long, env = "GPU_MANAGER_MIG_GEOMETRY")]
     pub mig_geometry: Option<String>,
+    /// Device-plugin mode: GPUs (index or UUID, comma-separated) partitioned
+    /// toward the MIG devices pending pods ask for, instances made and
+    /// destroyed as they are needed [default: none] (docs/mig.md).
+    #[arg(long, env = "GPU_MANAGER_MIG_DYNAMIC")]
+    pub mig_dynamic: Option<String>,
+    /// Device-plugin mode: seconds an instance dynamic MIG made stays after
+    /// nobody needs it (the scheduler's time to place the pod it was made
+    /// for) [default: 60].
+    #[arg(long, env = "GPU_MANAGER_MIG_DYNAMIC_GRACE")]
+    pub mig_dynamic_grace: Option<u64>,
 }
 
 macro_rules! layer {
@@ -230,7 +240,9 @@ impl Options {
             container_runtime_endpoint,
             mig_resource_prefix,
             mig_rescan_period,
-            mig_geometry
+            mig_geometry,
+            mig_dynamic,
+            mig_dynamic_grace
         )
     }
 

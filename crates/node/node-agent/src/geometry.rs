@@ -188,6 +188,48 @@ pub struct GpuRef<'a> {
     pub uuid: &'a str,
 }
 
+/// GPU `gpu` in MIG mode, asked for when off (a process on the GPU
+/// refuses it); false while the mode waits for a GPU reset.
+pub fn ensure_mig_mode(driver: &dyn MigDriver, gpu: usize) -> Result<bool, NvmlError> {
+    let (on, pending) = driver.mode(gpu)?;
+    if on {
+        return Ok(true);
+    }
+    if !pending {
+        driver.set_mode(gpu, true)?;
+    }
+    Ok(driver.mode(gpu)?.0)
+}
+
+/// A GPU-list flag's entry that names no GPU of this node.
+#[derive(Debug, thiserror::Error)]
+#[error("--{flag} {name:?}: no GPU of this node has that index or UUID")]
+pub struct UnknownGpu {
+    pub flag: &'static str,
+    pub name: String,
+}
+
+/// The indices of the GPUs `named` (index or UUID) among `uuids`, for
+/// flag `--<flag>`.
+pub fn resolve_gpus(
+    flag: &'static str,
+    named: &[String],
+    uuids: &[String],
+) -> Result<BTreeSet<usize>, UnknownGpu> {
+    named
+        .iter()
+        .map(|n| {
+            let by_index = n.parse::<usize>().ok().filter(|&i| i < uuids.len());
+            by_index
+                .or_else(|| uuids.iter().position(|u| u == n))
+                .ok_or_else(|| UnknownGpu {
+                    flag,
+                    name: n.clone(),
+                })
+        })
+        .collect()
+}
+
 /// Applies `geometry` to `gpus`: per GPU named, what became of it. `held`
 /// are the MIG UUIDs pods hold (never destroyed); `created` is updated
 /// with what was made and destroyed (the caller stores it).
@@ -226,16 +268,8 @@ fn apply_gpu(
         let gpu = gpu.uuid.to_string();
         move |source| GeometryError::Driver { gpu, what, source }
     };
-    let (on, pending) = driver.mode(gpu.index).map_err(nvml("MIG mode"))?;
-    if !on {
-        if !pending {
-            driver
-                .set_mode(gpu.index, true)
-                .map_err(nvml("enabling MIG mode"))?;
-        }
-        if !driver.mode(gpu.index).map_err(nvml("MIG mode"))?.0 {
-            return Ok(Outcome::ModePending);
-        }
+    if !ensure_mig_mode(driver, gpu.index).map_err(nvml("enabling MIG mode"))? {
+        return Ok(Outcome::ModePending);
     }
     let profiles = driver
         .profiles(gpu.index)

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use node_agent::nvml::{self, Discovered};
@@ -87,6 +87,8 @@ pub async fn run(
     if !s.mig_geometry.gpus.is_empty() {
         found = apply_mig_geometry(&s, &nvml, found).await?;
     }
+    let dynamic;
+    (found, dynamic) = super::dynamic_mig::enable(&s, &nvml, found)?;
     let allocator = found.allocator();
     eprintln!("{}", allocator.render());
     // The mirror's time is reported apart: it depends on the driver's size.
@@ -183,6 +185,21 @@ pub async fn run(
                 }
                 Ok(())
             },
+        );
+    }
+    if !dynamic.is_empty() {
+        super::dynamic_mig::DynamicMig {
+            settings: s.clone(),
+            nvml: node.nvml.clone(),
+            gpus: found.topology.gpus().to_vec(),
+            dynamic,
+            mig: mig.clone(),
+            mgr: mgr.clone(),
+            client: client.clone(),
+        }
+        .spawn(
+            s.mig_rescan_period.unwrap_or(Duration::from_secs(10)),
+            cancel.clone(),
         );
     }
     let mut handed_over = false;
@@ -354,13 +371,22 @@ async fn apply_mig_geometry(
         nvml,
         devices: &devices,
     };
-    let changed = node_agent::geometry::apply_at_start(
-        &driver,
-        &gpus,
-        &s.mig_geometry,
-        &held,
-        &s.checkpoint_path,
-    );
+    // A GPU not yet in MIG mode that holds pods' shares stays whole.
+    let shared = super::dynamic_mig::holding_shares(s);
+    let mut geometry = s.mig_geometry.clone();
+    geometry.gpus.retain(|name, _| {
+        let Some(g) = gpus.iter().find(|g| g.index.to_string() == *name || g.uuid == name) else {
+            return true;
+        };
+        let whole = !found.mig.get(g.index).is_some_and(|m| m.enabled);
+        let holds = shared.as_ref().is_none_or(|sh| sh.contains(g.uuid));
+        if whole && holds {
+            tracing::warn!(gpu = %name, "MIG geometry not applied: the GPU holds shares of pods (or the checkpoint is unread); left whole until a start that finds none");
+        }
+        !(whole && holds)
+    });
+    let changed =
+        node_agent::geometry::apply_at_start(&driver, &gpus, &geometry, &held, &s.checkpoint_path);
     if !changed {
         return Ok(found);
     }

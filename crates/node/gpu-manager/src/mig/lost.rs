@@ -63,6 +63,19 @@ impl MigPlugins {
         locked(&self.told).remove(uuid);
     }
 
+    /// Takes devices whose instances vcuda destroyed itself (dynamic MIG:
+    /// no pod held them) out of their lists: they are not lost.
+    pub fn forget(&self, uuids: &[String]) {
+        let out = locked(&self.out).clone();
+        for p in locked(&self.plugins).values() {
+            let served = locked(&p.served).clone();
+            let gone = |s: &super::Served| s.lost && uuids.contains(&s.device.uuid);
+            if served.iter().any(gone) {
+                p.set_served(served.into_iter().filter(|s| !gone(s)).collect(), &out);
+            }
+        }
+    }
+
     /// Tells the pods holding lost devices (once each) and withdraws the
     /// devices no pod holds, as the kubelet's `List` says now; `pods` (the
     /// node's, from the API server) give the Events' pod names and UIDs.

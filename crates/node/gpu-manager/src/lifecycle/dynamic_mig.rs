@@ -1,0 +1,461 @@
+//! `--mig-dynamic` while the manager runs: a pass every
+//! `--mig-rescan-period` and whenever an unscheduled pod changes reads
+//! what pods need ([`crate::mig::demand`]) and the dynamic GPUs' instances
+//! (NVML, the kubelet's records of who holds what, the record of what
+//! vcuda made), decides ([`crate::mig::dynamic`]), makes and destroys
+//! instances, and hands the MIG plugins the node's devices at once, so the
+//! kubelet advertises a new instance without waiting for the rescan.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpu_allocator::GpuInfo;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Api;
+use kube::runtime::reflector::Store;
+use kube::runtime::watcher;
+use node_agent::geometry::{Created, GiProfile, GiState, MigDriver};
+use node_agent::mig::MigGpu;
+use node_agent::mig_nvml::NvmlMig;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Settings;
+use crate::manager::Manager;
+use crate::mig::MigPlugins;
+use crate::mig::dynamic::{self, Action, DynGpu, DynInstance};
+
+/// What a pass needs.
+pub struct DynamicMig {
+    pub settings: Arc<Settings>,
+    pub nvml: Arc<nvml_wrapper::Nvml>,
+    pub gpus: Vec<GpuInfo>,
+    /// The `--mig-dynamic` GPUs in MIG mode, by index.
+    pub dynamic: BTreeSet<usize>,
+    pub mig: MigPlugins,
+    pub mgr: Arc<Manager>,
+    pub client: kube::Client,
+}
+
+/// A dynamic GPU as NVML shows it.
+struct Read {
+    index: usize,
+    profiles: Vec<GiProfile>,
+    instances: Vec<GiState>,
+}
+
+/// Between passes: when each free instance of ours was first seen free,
+/// the last shortfall logged.
+#[derive(Default)]
+struct Memory {
+    free_since: BTreeMap<(usize, u32), Instant>,
+    unplaced: BTreeMap<String, usize>,
+}
+
+impl DynamicMig {
+    /// Watches the unscheduled pods and runs passes until `cancel`.
+    pub fn spawn(self, period: Duration, cancel: CancellationToken) {
+        let wake = Arc::new(Notify::new());
+        let woken = wake.clone();
+        let api: Api<Pod> = Api::all(self.client.clone());
+        let cfg = watcher::Config::default().fields("spec.nodeName=,status.phase=Pending");
+        let pending = daemon_kit::reflect::spawn(
+            api,
+            cfg,
+            cancel.clone(),
+            move |_| woken.notify_one(),
+            |e| tracing::warn!(error = %e, "watching unscheduled pods for dynamic MIG; retrying"),
+        );
+        tokio::spawn(async move {
+            let mut memory = Memory::default();
+            let mut last_error = String::new();
+            loop {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(period) => {}
+                    _ = wake.notified() => {
+                        // A burst of pod changes makes one pass.
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+                match self.pass(&pending, &mut memory).await {
+                    Ok(()) => last_error.clear(),
+                    Err(e) if e != last_error => {
+                        tracing::warn!(error = %e, "dynamic MIG pass failed; tried again at the next");
+                        last_error = e;
+                    }
+                    Err(_) => {}
+                }
+            }
+        });
+    }
+
+    async fn pass(&self, pending: &Store<Pod>, memory: &mut Memory) -> Result<(), String> {
+        let unscheduled = pending.state();
+        let bound = self.mgr.pods_now();
+        let labels = self.labels(&unscheduled).await;
+        let (nvml, dynamic, count) = (self.nvml.clone(), self.dynamic.clone(), self.gpus.len());
+        let (read, states) = tokio::task::spawn_blocking(move || {
+            Ok::<_, String>((
+                read(&nvml, &dynamic)?,
+                node_agent::mig::read_again(&nvml, count)?,
+            ))
+        })
+        .await
+        .map_err(|e| e.to_string())??;
+        let profiles: Vec<String> = read
+            .iter()
+            .flat_map(|r| r.profiles.iter().map(|p| p.name.clone()))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let prefix = &self.settings.mig_resource_prefix;
+        let needed = crate::mig::demand::needed(
+            prefix,
+            &profiles,
+            &bound.iter().map(AsRef::as_ref).collect::<Vec<_>>(),
+            &unscheduled.iter().map(AsRef::as_ref).collect::<Vec<_>>(),
+            &labels,
+        );
+        let held = self.held(&profiles).await;
+        let created = Created::load(&self.settings.checkpoint_path);
+        let gpus = self.gpus_now(&read, &held, &created, memory);
+        let existing = existing(&states);
+        let d = dynamic::decide(&gpus, &needed, &existing);
+        if d.unplaced != memory.unplaced {
+            if !d.unplaced.is_empty() {
+                tracing::info!(unplaced = ?d.unplaced, ?needed, "MIG devices pods need fit on no dynamic GPU now (free slices too few): waiting for instances to be freed");
+            }
+            memory.unplaced = d.unplaced.clone();
+        }
+        if d.actions.is_empty() {
+            return Ok(());
+        }
+        let (nvml, gpus, state) = (
+            self.nvml.clone(),
+            self.gpus.clone(),
+            self.settings.checkpoint_path.clone(),
+        );
+        let (states, destroyed) =
+            tokio::task::spawn_blocking(move || act(&nvml, &gpus, &d.actions, &state))
+                .await
+                .map_err(|e| e.to_string())??;
+        self.mig
+            .refresh(&self.gpus, &states)
+            .map_err(|e| format!("{e:#}"))?;
+        // Destroyed for want of a holder: not lost, just gone.
+        self.mig.forget(&destroyed);
+        Ok(())
+    }
+
+    /// This node's labels when an unscheduled pod has a node selector
+    /// (none otherwise, or when the API server does not answer: such pods
+    /// then count for no node).
+    async fn labels(&self, unscheduled: &[Arc<Pod>]) -> BTreeMap<String, String> {
+        let selective = unscheduled.iter().any(|p| {
+            p.spec
+                .as_ref()
+                .and_then(|s| s.node_selector.as_ref())
+                .is_some_and(|s| !s.is_empty())
+        });
+        if !selective {
+            return BTreeMap::new();
+        }
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        match nodes.get(&self.settings.node_name).await {
+            Ok(n) => n.metadata.labels.unwrap_or_default(),
+            Err(e) => {
+                tracing::warn!(error = %e, "reading this node's labels for dynamic MIG");
+                BTreeMap::new()
+            }
+        }
+    }
+
+    /// The MIG UUIDs pods hold (the kubelet's records); `None` when they
+    /// cannot be read (then nothing counts as free).
+    async fn held(&self, profiles: &[String]) -> Option<BTreeSet<String>> {
+        let prefix = &self.settings.mig_resource_prefix;
+        let names: Vec<String> = profiles
+            .iter()
+            .map(|p| gpu_pods::mig_resource_name(prefix, p))
+            .collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        match self.mgr.kubelet().held(&names).await {
+            Ok(h) => Some(
+                h.into_iter()
+                    .flat_map(|h| h.ids.into_values().flatten())
+                    .collect(),
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "kubelet's records unread: no dynamic MIG instance counts as free");
+                None
+            }
+        }
+    }
+
+    /// The dynamic GPUs for [`dynamic::decide`]; `memory` learns which
+    /// instances of ours are free since when.
+    fn gpus_now(
+        &self,
+        read: &[Read],
+        held: &Option<BTreeSet<String>>,
+        created: &Created,
+        memory: &mut Memory,
+    ) -> Vec<DynGpu> {
+        let now = Instant::now();
+        let grace = self.settings.mig_dynamic_grace;
+        let mut seen = BTreeSet::new();
+        let gpus = read
+            .iter()
+            .map(|r| {
+                let uuid = &self.gpus[r.index].uuid;
+                let ours = created.gpus.get(uuid);
+                let instances = r
+                    .instances
+                    .iter()
+                    .map(|g| {
+                        let in_use = g.busy
+                            || held
+                                .as_ref()
+                                .is_none_or(|h| g.uuids.iter().any(|u| h.contains(u)));
+                        let ours =
+                            ours.is_some_and(|o| o.contains(&(g.id, g.profile, g.slices.start)));
+                        let key = (r.index, g.id);
+                        let settled = if ours && !in_use {
+                            seen.insert(key);
+                            let since = *memory.free_since.entry(key).or_insert(now);
+                            now.duration_since(since) >= grace
+                        } else {
+                            false
+                        };
+                        DynInstance {
+                            gi: g.id,
+                            profile: g.profile,
+                            slices: g.slices,
+                            in_use,
+                            ours,
+                            settled,
+                        }
+                    })
+                    .collect();
+                DynGpu {
+                    index: r.index,
+                    profiles: r.profiles.clone(),
+                    instances,
+                }
+            })
+            .collect();
+        memory.free_since.retain(|k, _| seen.contains(k));
+        gpus
+    }
+}
+
+/// `--mig-dynamic` at start: each GPU named put in MIG mode (when idle,
+/// as `--mig-geometry` does; a mode pending a GPU reset makes it dynamic
+/// from the next start after it). The GPUs in MIG mode by index, and the
+/// GPUs read again when a mode changed.
+pub fn enable(
+    s: &Settings,
+    nvml: &nvml_wrapper::Nvml,
+    found: node_agent::nvml::Discovered,
+) -> anyhow::Result<(node_agent::nvml::Discovered, BTreeSet<usize>)> {
+    if s.mig_dynamic.is_empty() {
+        return Ok((found, BTreeSet::new()));
+    }
+    let uuids: Vec<String> = found
+        .topology
+        .gpus()
+        .iter()
+        .map(|g| g.uuid.clone())
+        .collect();
+    let named = node_agent::geometry::resolve_gpus("mig-dynamic", &s.mig_dynamic, &uuids)?;
+    let geometry = node_agent::geometry::resolve_gpus(
+        "mig-geometry",
+        &s.mig_geometry.gpus.keys().cloned().collect::<Vec<_>>(),
+        &uuids,
+    )
+    .unwrap_or_default();
+    if let Some(g) = named.intersection(&geometry).next() {
+        anyhow::bail!("GPU {g} is in both --mig-geometry and --mig-dynamic: name it in one");
+    }
+    let devices = devices(nvml, uuids.len()).map_err(anyhow::Error::msg)?;
+    let driver = NvmlMig {
+        nvml,
+        devices: &devices,
+    };
+    let shared = holding_shares(s);
+    let mut on = BTreeSet::new();
+    let mut switched = false;
+    for gpu in named {
+        let was = found.mig.get(gpu).is_some_and(|m| m.enabled);
+        if !was && shared.as_ref().is_none_or(|sh| sh.contains(&uuids[gpu])) {
+            tracing::warn!(
+                gpu,
+                "dynamic MIG: the GPU holds shares of pods (or the checkpoint is unread): left whole until a start that finds none"
+            );
+            continue;
+        }
+        match node_agent::geometry::ensure_mig_mode(&driver, gpu) {
+            Ok(true) => {
+                switched |= !was;
+                tracing::info!(
+                    gpu,
+                    "dynamic MIG: instances made and destroyed toward what pods need"
+                );
+                on.insert(gpu);
+            }
+            Ok(false) => tracing::warn!(
+                gpu,
+                "MIG mode enabled, pending a GPU reset (nvidia-smi -r, or a reboot): dynamic MIG from the next start after it"
+            ),
+            Err(e) => {
+                tracing::error!(gpu, error = %e, "dynamic MIG not available on this GPU (MIG mode refused: a process on it?): served as it is")
+            }
+        }
+    }
+    if !switched {
+        return Ok((found, on));
+    }
+    let again = node_agent::nvml::discover(nvml)?;
+    node_agent::mig::log(&again.mig);
+    Ok((again, on))
+}
+
+/// The UUIDs of the GPUs the checkpoint says hold shares or whole-GPU
+/// allocations of pods (MIG mode would take them from under the pods,
+/// with no process on the GPU to refuse it); `None` when it cannot be
+/// read.
+pub fn holding_shares(s: &Settings) -> Option<BTreeSet<String>> {
+    use crate::allocation::PlacementRecord as P;
+    let saved = match crate::world::checkpoint::Checkpoint::new(&s.checkpoint_path).load() {
+        Ok(saved) => saved,
+        Err(e) => {
+            tracing::warn!(error = %e, "checkpoint unread: every GPU counts as holding shares for MIG");
+            return None;
+        }
+    };
+    let Some((uuids, allocs)) = saved else {
+        return Some(BTreeSet::new());
+    };
+    let indices = allocs.iter().flat_map(|a| match &a.placement {
+        P::Share { gpu, .. } => vec![*gpu],
+        P::Exclusive { gpus } | P::Shares { gpus, .. } => gpus.clone(),
+    });
+    Some(indices.filter_map(|i| uuids.get(i).cloned()).collect())
+}
+
+/// The handles of the node's first `count` GPUs.
+fn devices(
+    nvml: &nvml_wrapper::Nvml,
+    count: usize,
+) -> Result<Vec<nvml_wrapper::Device<'_>>, String> {
+    (0..count as u32)
+        .map(|i| nvml.device_by_index(i))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("NVML device handles: {e}"))
+}
+
+/// The dynamic GPUs' profiles and instances (blocking).
+fn read(nvml: &nvml_wrapper::Nvml, dynamic: &BTreeSet<usize>) -> Result<Vec<Read>, String> {
+    let count = dynamic.iter().max().map_or(0, |m| m + 1);
+    let devices = devices(nvml, count)?;
+    let driver = NvmlMig {
+        nvml,
+        devices: &devices,
+    };
+    dynamic
+        .iter()
+        .map(|&index| {
+            let err = |what: &str| {
+                let what = what.to_string();
+                move |e| format!("GPU {index}: NVML {what}: {e}")
+            };
+            Ok(Read {
+                index,
+                profiles: driver
+                    .profiles(index)
+                    .map_err(err("GPU-instance profiles"))?,
+                instances: driver.instances(index).map_err(err("GPU instances"))?,
+            })
+        })
+        .collect()
+}
+
+/// The node's MIG devices by profile name, on any GPU: the pods bound
+/// here that [`crate::mig::demand`] counts hold them wherever they are.
+fn existing(states: &[MigGpu]) -> BTreeMap<String, usize> {
+    let mut n = BTreeMap::new();
+    for d in states.iter().filter(|m| m.enabled).flat_map(|m| &m.devices) {
+        *n.entry(d.profile.clone()).or_default() += 1;
+    }
+    n
+}
+
+/// Carries out `actions` (blocking), recording what was made and
+/// destroyed; the node's MIG state after. A step NVML refuses is logged
+/// and the rest go on (the next pass decides again). Also returns the
+/// MIG UUIDs destroyed.
+fn act(
+    nvml: &nvml_wrapper::Nvml,
+    gpus: &[GpuInfo],
+    actions: &[Action],
+    state_dir: &std::path::Path,
+) -> Result<(Vec<MigGpu>, Vec<String>), String> {
+    let devices = devices(nvml, gpus.len())?;
+    let driver = NvmlMig {
+        nvml,
+        devices: &devices,
+    };
+    let mut created = Created::load(state_dir);
+    let mut destroyed = Vec::new();
+    // The MIG UUIDs of the instances to destroy, while they are there.
+    let mut uuids: BTreeMap<(usize, u32), Vec<String>> = BTreeMap::new();
+    for a in actions {
+        if let Action::Destroy { gpu, gi, .. } = a
+            && let Ok(now) = driver.instances(*gpu)
+        {
+            let of = now.into_iter().find(|g| g.id == *gi);
+            uuids.insert((*gpu, *gi), of.map(|g| g.uuids).unwrap_or_default());
+        }
+    }
+    for a in actions {
+        match a {
+            Action::Destroy { gpu, gi, profile } => match driver.destroy(*gpu, *gi) {
+                Ok(()) => {
+                    destroyed.extend(uuids.get(&(*gpu, *gi)).into_iter().flatten().cloned());
+                    let uuid = &gpus[*gpu].uuid;
+                    if let Some(r) = created.gpus.get_mut(uuid) {
+                        r.retain(|(id, _, _)| id != gi);
+                    }
+                    tracing::info!(gpu, gpu_instance = gi, %profile, "dynamic MIG: an instance nobody needs destroyed");
+                }
+                Err(e) => {
+                    tracing::warn!(gpu, gpu_instance = gi, %profile, error = %e, "dynamic MIG: destroying an instance nobody needs")
+                }
+            },
+            Action::Create {
+                gpu,
+                profile,
+                name,
+                slices,
+            } => match driver.create(*gpu, *profile, *slices) {
+                Ok(id) => {
+                    created
+                        .gpus
+                        .entry(gpus[*gpu].uuid.clone())
+                        .or_default()
+                        .insert((id, *profile, slices.start));
+                    tracing::info!(gpu, gpu_instance = id, profile = %name, start = slices.start, "dynamic MIG: an instance made for pods that need it");
+                }
+                Err(e) => {
+                    tracing::warn!(gpu, profile = %name, start = slices.start, error = %e, "dynamic MIG: making an instance")
+                }
+            },
+        }
+    }
+    if let Err(e) = created.store(state_dir) {
+        tracing::error!(error = %e, "the record of vcuda's MIG instances was not stored: those made now will be read as an operator's");
+    }
+    Ok((node_agent::mig::read_again(nvml, gpus.len())?, destroyed))
+}
