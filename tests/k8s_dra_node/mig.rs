@@ -53,7 +53,7 @@ spec:
 
 /// Host `/dev/nvidia-caps/<node>` for each capability node the sim made
 /// (the driver's access nodes of the instances), removed when dropped.
-fn host_cap_nodes(sim: &Path) -> HostDevCleanup {
+pub fn host_cap_nodes(sim: &Path) -> HostDevCleanup {
     let dir = Path::new("/dev/nvidia-caps");
     fs::create_dir_all(dir).unwrap();
     let mut made = Vec::new();

@@ -13,7 +13,8 @@ use std::path::Path;
 
 use crate::mig::{destroy_instance, lost_event, lost_metric, make_again, whole_instances};
 use crate::parts::*;
-use test_support::k8s::util::wait;
+use test_support::k8s::util::{get_u64, wait};
+use test_support::kv;
 
 const PROFILES: [&str; 3] = ["3g.40gb", "2g.20gb", "1g.10gb"];
 
@@ -90,6 +91,113 @@ pub fn mig_plugins_phase(
     }
     mgr.kill9();
     assert_eq!(state.mig_devices(0).len(), 3, "the instances stay");
+    dynamic(n, node, w, bin, sim, state);
+}
+
+/// Dynamic MIG on the real node (docs/mig.md): the manager again, GPU 1
+/// (whole, idle) named `--mig-dynamic`. A pod asking a 7g.80gb, which no
+/// node has, is marked Unschedulable by the real scheduler; the manager
+/// makes the instance, the kubelet advertises it, the scheduler's next try
+/// places the pod, which sees the instance's 81152 MiB (NVIDIA's H100 table). Deleted, its
+/// instance goes after the grace period and the node advertises none.
+fn dynamic(
+    n: &Node,
+    node: &str,
+    w: &Path,
+    bin: &Path,
+    sim: &Path,
+    state: &gpu_sim_core::SharedState,
+) {
+    let mut mgr = manager(n, node, w, sim);
+    mgr.args.extend(
+        [
+            "--mig-dynamic",
+            "1",
+            "--mig-rescan-period",
+            "2",
+            "--mig-dynamic-grace",
+            "5",
+        ]
+        .map(String::from),
+    );
+    mgr.spawn_program("gpu-manager");
+    let resource = "tencent.com/mig-7g.80gb";
+    let cmd = "CUDA_VISIBLE_DEVICES=$NVIDIA_VISIBLE_DEVICES /work/shim_client quota 256; \
+        echo ---done; sleep 100000";
+    let t0 = std::time::Instant::now();
+    n.apply(&pod_with_limits(
+        "mig-dynamic",
+        &format!("limits: {{{resource}: \"1\"}}"),
+        cmd,
+        bin,
+        sim,
+    ));
+    // The sim makes the new instance's capability nodes under its root, as
+    // the driver does; containerd reads the host's /dev: mirrored there
+    // once the instance exists (the phase's start did it for the others).
+    let caps = std::cell::RefCell::new(None);
+    wait("the pod asking a 7g.80gb Running", 120, || {
+        if caps.borrow().is_none() && !state.mig_devices(1).is_empty() {
+            *caps.borrow_mut() = Some(crate::mig::host_cap_nodes(sim));
+        }
+        let p = n.json(&["-n", NS, "get", "pod", "mig-dynamic"])?;
+        if p["status"]["phase"] == "Running" {
+            Ok(())
+        } else {
+            Err(format!(
+                "status {}; GPU 1 instances {}; manager: {}",
+                p["status"],
+                state.mig_devices(1).len(),
+                test_support::k8s::util::tail(&mgr.text(), 12)
+            ))
+        }
+    });
+    let out = log_with(n, "mig-dynamic", "---done");
+    let total = get_u64(&kv(&out), "start_total", &out);
+    assert_eq!(total, 81152 << 20, "the H100's 7g.80gb made for it\n{out}");
+    let events = n.kubectl(&[
+        "-n",
+        NS,
+        "get",
+        "events",
+        "--field-selector",
+        "involvedObject.name=mig-dynamic",
+        "-o",
+        "custom-columns=R:.reason",
+        "--no-headers",
+    ]);
+    eprintln!(
+        "k8s_dp: a pod asking a 7g.80gb no node had: made on GPU 1 and the pod running in {:.1} s (events: {})",
+        t0.elapsed().as_secs_f64(),
+        events
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    n.ok(&["-n", NS, "delete", "pod", "mig-dynamic", "--wait=true"]);
+    let t1 = std::time::Instant::now();
+    wait("the made instance destroyed and withdrawn", 60, || {
+        let s = n.json(&["get", "node", node])?;
+        let a = s["status"]["allocatable"][resource]
+            .as_str()
+            .unwrap_or("none")
+            .to_string();
+        let left = state.mig_devices(1).len();
+        if a == "0" && left == 0 {
+            Ok(())
+        } else {
+            Err(format!(
+                "allocatable {a}, {left} instance(s) on GPU 1; manager: {}",
+                test_support::k8s::util::tail(&mgr.text(), 5)
+            ))
+        }
+    });
+    eprintln!(
+        "k8s_dp: its pod deleted: the instance destroyed and the node advertising none {:.1} s after (grace 5 s)",
+        t1.elapsed().as_secs_f64()
+    );
+    mgr.kill9();
 }
 
 /// An operator destroys the 1g.10gb under `pod` (its program done): the
