@@ -18,7 +18,8 @@ use crate::publish::{Publisher, SliceApi};
 use crate::slices::{GpuDevice, UNHEALTHY_TAINT, Unhealthy};
 
 /// GPUs whose static MIG devices differ from what was read before, with
-/// what they are now (`None`: not in MIG mode).
+/// what they are now (`None`: not in MIG mode); empty: the dynamic GPUs'
+/// instances were read again and a claim's was found gone or back.
 pub type MigChange = Vec<(usize, Option<Vec<node_agent::mig::MigDevice>>)>;
 
 pub struct SliceController {
@@ -79,6 +80,11 @@ impl SliceController {
     /// GPUs' static MIG devices read again ([`MigChange`]): published from
     /// here on and planned on by the driver; whether the slice changes.
     pub fn set_mig(&mut self, change: MigChange) -> bool {
+        if change.is_empty() {
+            // The dynamic instances read again found one lost or back.
+            self.tell_lost();
+            return false;
+        }
         let mut changed = false;
         for (gpu, now) in change {
             let Some(d) = self.devices.get_mut(gpu) else {

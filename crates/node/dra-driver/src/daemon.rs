@@ -181,6 +181,11 @@ pub async fn run(
     let (stx, slice_changed) = tokio::sync::mpsc::unbounded_channel();
     crate::kube_api::watch_slices(api.client.clone(), &s.node, stx, cancel.clone());
     let (mtx, mig_changed) = tokio::sync::mpsc::unbounded_channel();
+    if let Some(period) = s.mig_rescan_period
+        && devices.iter().any(|d| publisher.is_dynamic(d.info.index))
+    {
+        spawn_dynamic_rescan(period, &driver, &nvml, devices.len(), mtx.clone(), &cancel);
+    }
     if let Some(period) = s.mig_rescan_period {
         let watched: Vec<(usize, Option<Vec<node_agent::mig::MigDevice>>)> = devices
             .iter()
@@ -231,6 +236,48 @@ pub async fn run(
     .await;
     driver.shutdown();
     Ok(())
+}
+
+/// Every `period`, the dynamic GPUs' instances read again under the
+/// checkpoint lock ([`Driver::rescan_dynamic`]): an instance an operator
+/// destroyed under a prepared claim makes its device Unhealthy in the
+/// kubelet's health stream, and the controller tells the claim's pods (an
+/// empty [`crate::controller::MigChange`]).
+fn spawn_dynamic_rescan(
+    period: Duration,
+    driver: &Arc<Driver>,
+    nvml: &Arc<nvml_wrapper::Nvml>,
+    count: usize,
+    changed: tokio::sync::mpsc::UnboundedSender<crate::controller::MigChange>,
+    cancel: &CancellationToken,
+) {
+    let (driver, nvml, cancel) = (driver.clone(), nvml.clone(), cancel.clone());
+    tokio::spawn(async move {
+        let mut last_error = String::new();
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(period) => {}
+            }
+            let n = nvml.clone();
+            match driver
+                .rescan_dynamic(move || node_agent::mig::read_again(&n, count))
+                .await
+            {
+                Ok(lost_changed) => {
+                    last_error.clear();
+                    if lost_changed {
+                        let _ = changed.send(Vec::new());
+                    }
+                }
+                Err(e) if e != last_error => {
+                    tracing::warn!(error = %e, "reading the dynamic MIG instances again");
+                    last_error = e;
+                }
+                Err(_) => {}
+            }
+        }
+    });
 }
 
 /// What [`node_agent::mig::spawn_rescan`] read, for the `watched` GPUs (in

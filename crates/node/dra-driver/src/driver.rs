@@ -145,6 +145,8 @@ pub struct Driver {
     /// Makes and destroys the instances of placement devices (dynamic
     /// MIG, [`crate::partition`]); none without `--mig-dynamic`.
     partitioner: Option<Arc<dyn Partitioner>>,
+    /// The dynamic GPUs' instances as last read ([`Driver::rescan_dynamic`]).
+    dynamic_seen: std::sync::RwLock<crate::mig_health::DynamicSeen>,
 }
 
 /// What the kubelet's health stream reports: every GPU, and each prepared
@@ -224,6 +226,7 @@ impl Driver {
             }),
             instance_xids: Default::default(),
             partitioner: None,
+            dynamic_seen: Default::default(),
         };
         for c in ck.claims.values() {
             if let Err(e) = d.restore(c) {
@@ -284,10 +287,11 @@ impl Driver {
         self.refresh_mig_health();
     }
 
-    /// Prepared claims' static MIG devices whose instance is gone.
+    /// Prepared claims' MIG devices whose instance is gone.
     pub fn lost_mig_devices(&self) -> Vec<LostDevice> {
         let mig = self.mig.read().unwrap_or_else(|p| p.into_inner());
-        crate::mig_health::lost(&self.prepared(), &mig)
+        let seen = self.dynamic_seen.read().unwrap_or_else(|p| p.into_inner());
+        crate::mig_health::lost(&self.prepared(), &mig, &seen)
     }
 
     /// Recomputes the prepared claims' MIG devices' health; the stream
@@ -295,13 +299,18 @@ impl Driver {
     fn refresh_mig_health(&self) {
         let prepared = self.prepared();
         let mig = self.mig.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let seen = self
+            .dynamic_seen
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let xids = self
             .instance_xids
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         self.health.send_if_modified(|h| {
-            let now = crate::mig_health::devices(&prepared, &mig, &h.gpus, &xids);
+            let now = crate::mig_health::devices(&prepared, &mig, &seen, &h.gpus, &xids);
             let changed = now != h.mig;
             h.mig = now;
             changed

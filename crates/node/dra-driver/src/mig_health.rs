@@ -5,10 +5,14 @@
 //! MIG rescan no longer finds its UUID). The pod cannot get the instance
 //! back (a new one has another UUID on a real GPU) and its CUDA calls fail,
 //! so the kubelet shows the device Unhealthy in the pod's status and the
-//! pod gets an Event ([`lost`]) rather than a silent failure. Pure: the
-//! driver and the controller feed it what they hold.
+//! pod gets an Event ([`lost`]) rather than a silent failure. A dynamic
+//! device's instance (made at prepare) is watched the same way, by
+//! [`DynamicSeen`]: a read of the dynamic GPUs' instances taken under the
+//! checkpoint lock, so a claim prepared or unprepared around the read is
+//! never taken for one whose instance went. Pure: the driver and the
+//! controller feed it what they hold.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use node_agent::mig::MigDevice;
 
@@ -18,7 +22,16 @@ use crate::driver::GpuHealth;
 /// Critical Xids inside GPU instances, by (GPU index, GPU instance id).
 pub type InstanceXids = BTreeMap<(usize, u32), u64>;
 
-/// A prepared claim's static MIG device whose instance is gone.
+/// The dynamic GPUs' MIG devices as last read, and the claims prepared
+/// when they were read (only those are judged by it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DynamicSeen {
+    pub claims: BTreeSet<String>,
+    /// MIG UUIDs by GPU index.
+    pub instances: BTreeMap<usize, BTreeSet<String>>,
+}
+
+/// A prepared claim's MIG device whose instance is gone.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct LostDevice {
     pub claim_uid: String,
@@ -42,23 +55,33 @@ impl LostDevice {
     }
 }
 
-/// The prepared claims' static MIG devices not among their GPU's MIG
-/// devices now (`mig[g]`: GPU `g`'s, `None` when it left MIG mode). A
-/// dynamic device's instance is the driver's own (made at prepare,
-/// destroyed at unprepare) and is not watched here.
-pub fn lost(prepared: &[PreparedClaim], mig: &[Option<Vec<MigDevice>>]) -> Vec<LostDevice> {
+/// The prepared claims' MIG devices not among their GPU's MIG devices
+/// now: a static device's by `mig[g]` (GPU `g`'s, `None` when it left MIG
+/// mode), a dynamic one's by `dynamic` when its claim was prepared at
+/// that read.
+pub fn lost(
+    prepared: &[PreparedClaim],
+    mig: &[Option<Vec<MigDevice>>],
+    dynamic: &DynamicSeen,
+) -> Vec<LostDevice> {
     let mut out = Vec::new();
     for c in prepared {
         for d in &c.devices {
-            let Some(m) = d.mig.as_ref().filter(|m| m.placement.is_none()) else {
+            let Some(m) = d.mig.as_ref() else {
                 continue;
             };
-            let present = match mig.get(d.gpu_index) {
-                Some(Some(now)) => now.iter().any(|x| x.uuid == m.uuid),
-                // Not in MIG mode any more: every instance went with it.
-                Some(None) => false,
-                // A GPU this driver does not know: nothing to say.
-                None => true,
+            let present = if m.placement.is_some() {
+                let seen = dynamic.claims.contains(&c.uid);
+                let now = dynamic.instances.get(&d.gpu_index);
+                !seen || now.is_none_or(|u| u.contains(&m.uuid))
+            } else {
+                match mig.get(d.gpu_index) {
+                    Some(Some(now)) => now.iter().any(|x| x.uuid == m.uuid),
+                    // Not in MIG mode any more: every instance went with it.
+                    Some(None) => false,
+                    // A GPU this driver does not know: nothing to say.
+                    None => true,
+                }
             };
             if !present {
                 out.push(LostDevice {
@@ -83,6 +106,7 @@ pub fn lost(prepared: &[PreparedClaim], mig: &[Option<Vec<MigDevice>>]) -> Vec<L
 pub fn devices(
     prepared: &[PreparedClaim],
     mig: &[Option<Vec<MigDevice>>],
+    dynamic: &DynamicSeen,
     gpus: &[GpuHealth],
     instance_xids: &InstanceXids,
 ) -> BTreeMap<(String, String), GpuHealth> {
@@ -106,7 +130,7 @@ pub fn devices(
             out.insert((d.pool.clone(), d.device.clone()), health);
         }
     }
-    for l in lost(prepared, mig) {
+    for l in lost(prepared, mig, dynamic) {
         out.insert(
             (l.pool.clone(), l.device.clone()),
             GpuHealth {
@@ -171,7 +195,7 @@ mod tests {
     fn a_destroyed_instance_under_a_claim_is_lost_and_unhealthy() {
         let prepared = [claim("a", 0, 5, false), claim("b", 0, 6, false)];
         let now = [Some(vec![mig(6)])];
-        let l = lost(&prepared, &now);
+        let l = lost(&prepared, &now, &DynamicSeen::default());
         assert_eq!(l.len(), 1, "{l:?}");
         assert_eq!(
             (l[0].claim_uid.as_str(), l[0].device.as_str()),
@@ -183,6 +207,7 @@ mod tests {
         let h = devices(
             &prepared,
             &now,
+            &DynamicSeen::default(),
             &[GpuHealth::default()],
             &Default::default(),
         );
@@ -191,19 +216,46 @@ mod tests {
         assert!(h[&("node-a".to_string(), "gpu-0-mig-6-0".to_string())].healthy);
         // The instance is back (the sim, or an operator's undo): healthy.
         let back = [Some(vec![mig(5), mig(6)])];
-        assert!(lost(&prepared, &back).is_empty());
+        assert!(lost(&prepared, &back, &DynamicSeen::default()).is_empty());
     }
 
     #[test]
-    fn leaving_mig_mode_loses_every_instance_but_dynamic_ones_are_not_watched() {
+    fn leaving_mig_mode_loses_every_static_instance() {
         let prepared = [claim("a", 0, 5, false), claim("d", 1, 3, true)];
-        let l = lost(&prepared, &[None, None]);
+        let l = lost(&prepared, &[None, None], &DynamicSeen::default());
         assert_eq!(
             l.iter().map(|l| l.claim_uid.as_str()).collect::<Vec<_>>(),
             ["a"]
         );
         // A GPU the driver does not know says nothing.
-        assert!(lost(&[claim("z", 7, 1, false)], &[None]).is_empty());
+        let z = [claim("z", 7, 1, false)];
+        assert!(lost(&z, &[None], &DynamicSeen::default()).is_empty());
+    }
+
+    #[test]
+    fn a_dynamic_instance_is_judged_only_by_a_read_its_claim_was_prepared_at() {
+        let prepared = [claim("d", 1, 3, true), claim("e", 1, 4, true)];
+        let seen = |claims: &[&str], uuids: &[&str]| DynamicSeen {
+            claims: claims.iter().map(|c| c.to_string()).collect(),
+            instances: BTreeMap::from([(1, uuids.iter().map(|u| u.to_string()).collect())]),
+        };
+        // d's instance gone at a read d was prepared at: lost. e was
+        // prepared after that read (its instance not in it): not judged.
+        let l = lost(&prepared, &[], &seen(&["d"], &[]));
+        assert_eq!(
+            l.iter().map(|l| l.claim_uid.as_str()).collect::<Vec<_>>(),
+            ["d"]
+        );
+        assert!(lost(&prepared, &[], &seen(&["d", "e"], &["MIG-3", "MIG-4"])).is_empty());
+        // A GPU the read did not cover says nothing.
+        let other = DynamicSeen {
+            claims: ["d".to_string()].into(),
+            instances: BTreeMap::new(),
+        };
+        assert!(lost(&prepared, &[], &other).is_empty());
+        let h = devices(&prepared, &[], &seen(&["d"], &[]), &[], &Default::default());
+        assert!(!h[&("node-a".to_string(), "gpu-1-mig-3-0".to_string())].healthy);
+        assert!(h[&("node-a".to_string(), "gpu-1-mig-4-0".to_string())].healthy);
     }
 
     #[test]
@@ -211,7 +263,8 @@ mod tests {
         let prepared = [claim("a", 0, 5, false), claim("b", 0, 6, false)];
         let now = [Some(vec![mig(5), mig(6)])];
         let xids = InstanceXids::from([((0, 6), 43)]);
-        let h = devices(&prepared, &now, &[GpuHealth::default()], &xids);
+        let none = DynamicSeen::default();
+        let h = devices(&prepared, &now, &none, &[GpuHealth::default()], &xids);
         let b = &h[&("node-a".to_string(), "gpu-0-mig-6-0".to_string())];
         assert!(!b.healthy && b.message.contains("Xid 43"), "{b:?}");
         assert!(h[&("node-a".to_string(), "gpu-0-mig-5-0".to_string())].healthy);
@@ -222,6 +275,7 @@ mod tests {
         let h = devices(
             &prepared,
             &now,
+            &none,
             std::slice::from_ref(&sick),
             &Default::default(),
         );

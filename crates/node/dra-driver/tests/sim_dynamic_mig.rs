@@ -264,3 +264,102 @@ async fn placements_over_an_operators_instance_are_not_published() {
     cancel.cancel();
     daemon.await.unwrap().unwrap();
 }
+
+/// An operator destroys the instance made for a prepared claim (its
+/// program done): the driver's next read of the dynamic GPU
+/// (`--mig-rescan-period`, under the checkpoint lock) shows the claim's
+/// device Unhealthy in the kubelet's health stream, saying so, and the
+/// claim's pod gets a `VcudaMigDeviceLost` Event; unprepare still
+/// succeeds (an instance already gone is no error). The build before
+/// watched only static devices and said nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_made_for_a_claim_and_destroyed_under_it_is_reported() {
+    use dra_api::dra_health::v1alpha1::HealthStatus;
+    let sim = SimNode::install("sim-mig-h100");
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    let cancel = CancellationToken::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let s = Settings {
+        mig_rescan_period: Some(Duration::from_millis(200)),
+        ..settings(&sim, &dirs)
+    };
+    let daemon = tokio::spawn(run(s, cancel.clone(), Some(tx)));
+    tokio::time::timeout(Duration::from_secs(60), rx)
+        .await
+        .unwrap()
+        .unwrap();
+    let kubelet = kubelet(&dirs, false).await;
+    until(10, "the pool published", || {
+        server
+            .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
+            .is_some()
+    })
+    .await;
+    let (uid, device) = claim(&server, "small", "1g.10gb");
+    let device = device.unwrap();
+    let pod = serde_json::json!({"resource": "pods", "name": "infer", "uid": "u-infer"});
+    let reserved = serde_json::json!({"status": {"reservedFor": [pod]}});
+    server
+        .patch(Kind::ResourceClaim, Some(NS), "small", &reserved)
+        .unwrap();
+    let small = plugin::claim(NS, "small", &uid);
+    let r = kubelet.prepare(std::slice::from_ref(&small)).await.unwrap();
+    let one = &r.claims[&uid];
+    assert_eq!(one.error, "");
+    let edits = cdi::resolve(&dirs.p("cdi"), &one.devices[0].cdi_device_ids[0]).unwrap();
+    let env = container_env(&edits);
+    let (_, uuid) = env
+        .iter()
+        .find(|(k, _)| k == "NVIDIA_VISIBLE_DEVICES")
+        .unwrap()
+        .clone();
+    let state = sim.state();
+    let (g, ci) = state.mig_devices(0)[0];
+    let mut health = kubelet.watch_health().await.unwrap();
+    let mut next = async || loop {
+        let m = tokio::time::timeout(Duration::from_secs(30), health.message())
+            .await
+            .expect("a health message within 30 s")
+            .unwrap()
+            .unwrap();
+        let d = m.devices.iter().find(|d| {
+            d.device
+                .as_ref()
+                .is_some_and(|i| i.device_name == device && i.pool_name == NODE)
+        });
+        if let Some(d) = d {
+            return (d.health, d.message.clone());
+        }
+    };
+    assert_eq!(next().await.0, HealthStatus::Healthy as i32);
+
+    state.destroy_compute_instance(0, g.id, ci.id).unwrap();
+    state.destroy_gpu_instance(0, g.id).unwrap();
+    let t = std::time::Instant::now();
+    let (h, message) = next().await;
+    assert_eq!(h, HealthStatus::Unhealthy as i32, "{message}");
+    assert!(
+        message.contains(&uuid) && message.contains("destroyed") && message.contains("small"),
+        "{message}"
+    );
+    until(10, "the VcudaMigDeviceLost event", || {
+        server.list(Kind::Event).iter().any(|e| {
+            e["reason"] == "VcudaMigDeviceLost"
+                && e["regarding"]["name"] == "infer"
+                && e["note"].as_str().is_some_and(|n| n.contains(&uuid))
+        })
+    })
+    .await;
+    println!(
+        "a dynamic instance destroyed under its claim: Unhealthy and the pod told {} ms after (read every 200 ms)",
+        t.elapsed().as_millis()
+    );
+    kubelet
+        .unprepare(std::slice::from_ref(&small))
+        .await
+        .unwrap();
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+}

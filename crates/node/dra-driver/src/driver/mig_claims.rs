@@ -66,4 +66,46 @@ impl Driver {
             })
         })
     }
+
+    /// Reads the dynamic GPUs' instances again (`read`, blocking: NVML)
+    /// under the checkpoint lock, so that no prepare or unprepare runs
+    /// around the read, for the health of the placement devices' instances
+    /// ([`crate::mig_health::DynamicSeen`]). Whether a prepared claim's
+    /// instance is now found gone or back.
+    pub async fn rescan_dynamic(
+        &self,
+        read: impl FnOnce() -> Result<Vec<node_agent::mig::MigGpu>, String> + Send + 'static,
+    ) -> Result<bool, String> {
+        let mut st = self.state.lock().await;
+        let _lock = self.store.lock().await.map_err(|e| e.to_string())?;
+        self.sync_from_disk(&mut st).map_err(|e| e.to_string())?;
+        let placed: Vec<(String, usize)> = st
+            .claims
+            .values()
+            .flat_map(|c| {
+                c.devices
+                    .iter()
+                    .filter(|d| d.mig.as_ref().is_some_and(|m| m.placement.is_some()))
+                    .map(|d| (c.uid.clone(), d.gpu_index))
+            })
+            .collect();
+        let states = tokio::task::spawn_blocking(read)
+            .await
+            .map_err(|e| e.to_string())??;
+        let mut seen = crate::mig_health::DynamicSeen::default();
+        for (uid, gpu) in placed {
+            seen.claims.insert(uid);
+            let uuids = states
+                .get(gpu)
+                .filter(|m| m.enabled)
+                .map(|m| m.devices.iter().map(|d| d.uuid.clone()).collect())
+                .unwrap_or_default();
+            seen.instances.insert(gpu, uuids);
+        }
+        let before = self.lost_mig_devices();
+        *self.dynamic_seen.write().unwrap_or_else(|p| p.into_inner()) = seen;
+        drop(st);
+        self.refresh_mig_health();
+        Ok(self.lost_mig_devices() != before)
+    }
 }
