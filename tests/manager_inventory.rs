@@ -618,7 +618,8 @@ async fn a_configured_geometry_is_applied_and_adopted() {
 /// `--mig-dynamic 0` (docs/mig.md, Dynamic MIG in device-plugin mode): GPU
 /// 0 of the simulated H100 node is put in MIG mode, holding nothing. Pods
 /// the scheduler marked Unschedulable for want of a 3g.40gb get one made
-/// each while they fit (two; the third waits, logged), and the kubelet
+/// each while they fit (two; the third waits, logged; a pod selecting
+/// other nodes counts for nothing), and the kubelet
 /// sees them advertised; a pod then bound and admitted gets one. Once the
 /// others are deleted, the instances nobody needs are destroyed after the
 /// grace period (withdrawn, not listed as lost), the held one stays until
@@ -640,6 +641,17 @@ async fn dynamic_mig_makes_instances_for_waiting_pods_and_destroys_them_after() 
     assert_eq!(env.sim.state().mig_mode(0), Ok((true, true)));
     assert!(env.sim.mig_profiles(0).is_empty(), "{}", env.log_text());
     let resource = "tencent.com/mig-3g.40gb";
+    // A pod that selects other nodes: its 7g.80gb (placed first, the
+    // largest) would take the whole GPU if it counted here.
+    env.api
+        .create_pod(serde_json::json!({
+            "metadata": {"name": "elsewhere", "namespace": "default"},
+            "spec": {"nodeSelector": {"pool": "b"}, "containers": [{"name": "main",
+                "image": "cuda", "resources": {"limits": {"tencent.com/mig-7g.80gb": "1"}}}]},
+            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled",
+                "status": "False", "reason": "Unschedulable"}]}
+        }))
+        .unwrap();
     let t = Instant::now();
     let waiting: Vec<String> = (1..=3)
         .map(|i| {

@@ -471,6 +471,7 @@ fn remove_stale(dir: &Path) {
 
 pub mod demand;
 pub mod dynamic;
+pub mod fits;
 mod lost;
 #[cfg(test)]
 mod tests;

@@ -25,6 +25,7 @@ use crate::config::Settings;
 use crate::manager::Manager;
 use crate::mig::MigPlugins;
 use crate::mig::dynamic::{self, Action, DynGpu, DynInstance};
+use crate::mig::fits::NodeView;
 
 /// What a pass needs.
 pub struct DynamicMig {
@@ -94,7 +95,7 @@ impl DynamicMig {
     async fn pass(&self, pending: &Store<Pod>, memory: &mut Memory) -> Result<(), String> {
         let unscheduled = pending.state();
         let bound = self.mgr.pods_now();
-        let labels = self.labels(&unscheduled).await;
+        let node = self.node(&unscheduled).await;
         let (nvml, dynamic, count) = (self.nvml.clone(), self.dynamic.clone(), self.gpus.len());
         let (read, states) = tokio::task::spawn_blocking(move || {
             Ok::<_, String>((
@@ -116,7 +117,7 @@ impl DynamicMig {
             &profiles,
             &bound.iter().map(AsRef::as_ref).collect::<Vec<_>>(),
             &unscheduled.iter().map(AsRef::as_ref).collect::<Vec<_>>(),
-            &labels,
+            &node,
         );
         let held = self.held(&profiles).await;
         let created = Created::load(&self.settings.checkpoint_path);
@@ -149,27 +150,26 @@ impl DynamicMig {
         Ok(())
     }
 
-    /// This node's labels when an unscheduled pod has a node selector
-    /// (none otherwise, or when the API server does not answer: such pods
-    /// then count for no node).
-    async fn labels(&self, unscheduled: &[Arc<Pod>]) -> BTreeMap<String, String> {
-        let selective = unscheduled.iter().any(|p| {
-            p.spec
-                .as_ref()
-                .and_then(|s| s.node_selector.as_ref())
-                .is_some_and(|s| !s.is_empty())
-        });
-        if !selective {
-            return BTreeMap::new();
+    /// This node's name, labels and taints when there are unscheduled
+    /// pods (when the API server does not answer, only the name: such
+    /// pods then fit only where they select and tolerate nothing).
+    async fn node(&self, unscheduled: &[Arc<Pod>]) -> NodeView {
+        let mut view = NodeView {
+            name: self.settings.node_name.clone(),
+            ..Default::default()
+        };
+        if unscheduled.is_empty() {
+            return view;
         }
         let nodes: Api<Node> = Api::all(self.client.clone());
         match nodes.get(&self.settings.node_name).await {
-            Ok(n) => n.metadata.labels.unwrap_or_default(),
-            Err(e) => {
-                tracing::warn!(error = %e, "reading this node's labels for dynamic MIG");
-                BTreeMap::new()
+            Ok(n) => {
+                view.labels = n.metadata.labels.unwrap_or_default();
+                view.taints = n.spec.and_then(|s| s.taints).unwrap_or_default();
             }
+            Err(e) => tracing::warn!(error = %e, "reading this node for dynamic MIG"),
         }
+        view
     }
 
     /// The MIG UUIDs pods hold (the kubelet's records); `None` when they

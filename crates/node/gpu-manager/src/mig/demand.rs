@@ -2,16 +2,17 @@
 //! device-plugin mode ([`super::dynamic`]): the devices of the pods bound
 //! here that have not ended (held or about to be), and those of pods the
 //! scheduler found no node for (`PodScheduled=False`, `Unschedulable`)
-//! whose node selector this node meets. The latter are what makes
-//! instances: every dynamic node sees them, so each may make one; the pod
-//! lands on one, and the others' instances, needed by nobody, are
-//! destroyed after the grace period. Affinity, taints and other resources
-//! are the scheduler's: a node whose instance the scheduler never picks
-//! keeps it only for the grace period after each pass that saw the need.
+//! that could land here otherwise ([`super::fits`]: node selector,
+//! required affinity, taints). The latter are what makes instances: every
+//! dynamic node they fit sees them, so each may make one; the pod lands on
+//! one, and the others' instances, needed by nobody, are destroyed after
+//! the grace period.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Container, Pod};
+
+use super::fits::{NodeView, fits};
 
 /// Per profile (as the driver names it), how many of its MIG devices the
 /// pods need; `profiles` are the names this node can make (a resource of
@@ -21,12 +22,12 @@ pub fn needed(
     profiles: &[String],
     bound_here: &[&Pod],
     unschedulable: &[&Pod],
-    labels: &BTreeMap<String, String>,
+    node: &NodeView,
 ) -> BTreeMap<String, usize> {
     let mut need: BTreeMap<String, usize> = BTreeMap::new();
     let pending = unschedulable
         .iter()
-        .filter(|p| waits_for_a_node(p) && selects(p, labels));
+        .filter(|p| waits_for_a_node(p) && fits(p, node));
     let live = bound_here.iter().filter(|p| !ended(p));
     for pod in live.chain(pending) {
         for p in profiles {
@@ -75,14 +76,6 @@ fn waits_for_a_node(pod: &Pod) -> bool {
     unbound && unschedulable && pod.metadata.deletion_timestamp.is_none() && !ended(pod)
 }
 
-/// The pod's `nodeSelector` holds for a node with `labels`.
-fn selects(pod: &Pod, labels: &BTreeMap<String, String>) -> bool {
-    let sel = pod.spec.as_ref().and_then(|s| s.node_selector.as_ref());
-    sel.into_iter()
-        .flatten()
-        .all(|(k, v)| labels.get(k) == Some(v))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,13 +121,16 @@ mod tests {
         let waiting = asking("", &[("tencent.com/mig-3g.40gb", 1)], json!({"pool": "a"}));
         let elsewhere = asking("", &[("tencent.com/mig-3g.40gb", 1)], json!({"pool": "b"}));
         let media = asking("", &[("tencent.com/mig-1g.10gb.me", 1)], json!({}));
-        let labels = BTreeMap::from([("pool".to_string(), "a".to_string())]);
+        let node = NodeView {
+            labels: BTreeMap::from([("pool".to_string(), "a".to_string())]),
+            ..Default::default()
+        };
         let need = needed(
             PREFIX,
             &profiles(),
             &[&here],
             &[&waiting, &elsewhere, &media],
-            &labels,
+            &node,
         );
         assert_eq!(
             need,
@@ -162,7 +158,7 @@ mod tests {
             &profiles(),
             &[&done],
             &[&fresh, &going],
-            &BTreeMap::new(),
+            &NodeView::default(),
         );
         assert!(need.is_empty(), "{need:?}");
     }
@@ -175,7 +171,7 @@ mod tests {
                 "initContainers": [{"name": "i", "resources": {"limits": {"tencent.com/mig-1g.10gb": "2"}}}],
                 "containers": [{"name": "c", "resources": {"limits": {"tencent.com/mig-1g.10gb": "1"}}}]}
         }));
-        let need = needed(PREFIX, &profiles(), &[&p], &[], &BTreeMap::new());
+        let need = needed(PREFIX, &profiles(), &[&p], &[], &NodeView::default());
         assert_eq!(need, BTreeMap::from([("1g.10gb".to_string(), 2)]));
     }
 }
