@@ -675,6 +675,10 @@ async fn dynamic_mig_makes_instances_for_waiting_pods_and_destroys_them_after() 
     );
     assert_eq!(env.sim.mig_profiles(0), ["3g.40gb", "3g.40gb"]);
     env.wait_log("fit on no dynamic GPU now", 1).await;
+    let unplaced = "vcuda_mig_dynamic_unplaced{node=\"sim-node\",profile=\"3g.40gb\"}";
+    wait_metric(env.http_addr, unplaced, "1").await;
+    let made = "vcuda_mig_dynamic_instances_total{action=\"made\"";
+    wait_metric(env.http_addr, made, "2").await;
 
     // The scheduler binds the first; the kubelet admits it.
     let uid = env.api.pod("default", &waiting[0]).unwrap()["metadata"]["uid"]
@@ -745,9 +749,30 @@ async fn dynamic_mig_makes_instances_for_waiting_pods_and_destroys_them_after() 
     let http = env
         .logged_http_addr()
         .expect("the restarted manager's address");
+    // The restarted manager destroyed both (counters start at its start).
+    let destroyed = "vcuda_mig_dynamic_instances_total{action=\"destroyed\"";
+    wait_metric(http, destroyed, "2").await;
     let (_, metrics) = test_support::process::http_get(http, "/metrics");
     assert!(
         !metrics.contains("vcuda_mig_device_lost{"),
         "destroyed by vcuda, not lost:\n{metrics}"
     );
+}
+
+/// Waits (10 s at most) until the `/metrics` line starting `name` ends in
+/// `want`.
+async fn wait_metric(http: std::net::SocketAddr, name: &str, want: &str) {
+    let t = Instant::now();
+    loop {
+        let (_, text) = test_support::process::http_get(http, "/metrics");
+        let got = text.lines().find(|l| l.starts_with(name));
+        if got.is_some_and(|l| l.rsplit(' ').next() == Some(want)) {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{name} is not {want}: {got:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -33,7 +33,9 @@ use metrics::MetricsRegistry;
 pub use sampler::{
     GpuReader, GpuSample, MigSample, NvmlReader, Sampler, SamplerStats, Snapshot, SnapshotCell,
 };
-pub use source::{ContainerView, DisplaySource, GpuRef, GpuView, LostMigView, Unhealthy};
+pub use source::{
+    ContainerView, DisplaySource, DynamicMigView, GpuRef, GpuView, LostMigView, Unhealthy,
+};
 
 /// Default unix socket of the display service (the original's).
 pub const DEFAULT_SOCKET: &str = "/var/run/gpu-manager.sock";
@@ -162,7 +164,10 @@ impl Shared {
             &src.node_name(),
             &src.gpus(),
             &src.containers(),
-            &src.lost_mig_devices(),
+            &metrics::MigState {
+                lost: src.lost_mig_devices(),
+                dynamic: src.dynamic_mig(),
+            },
             &self.snapshot.load(),
             &self.stats,
         )

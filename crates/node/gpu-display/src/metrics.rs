@@ -13,7 +13,7 @@ use prometheus::{
 };
 
 use crate::sampler::{SamplerStats, Snapshot};
-use crate::source::{ContainerView, GpuView, LostMigView};
+use crate::source::{ContainerView, GpuView};
 use crate::usage::{GpuUse, container_use};
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -167,15 +167,13 @@ impl MetricsRegistry {
         node: &str,
         gpus: &[GpuView],
         containers: &[ContainerView],
-        lost: &[LostMigView],
+        mig: &MigState,
         snap: &Snapshot,
         stats: &SamplerStats,
     ) -> String {
         let mut fams = self.registry.gather();
         fams.extend(scrape_families(node, gpus, containers, snap, stats));
-        if !lost.is_empty() {
-            fams.extend(lost_family(node, lost));
-        }
+        fams.extend(mig.families(node));
         fams.sort_by(|a, b| a.name().cmp(b.name()));
         let mut out = Vec::with_capacity(64 * 1024);
         TextEncoder::new()
@@ -226,24 +224,6 @@ fn scrape_families(
         legacy.record(node, c, &uses);
     }
     record_sampler(&r, stats, snap);
-    r.gather()
-}
-
-/// `vcuda_mig_device_lost`: 1 per MIG device whose instance was destroyed
-/// while a pod or claim held it, until it is let go (only while one is).
-fn lost_family(node: &str, lost: &[LostMigView]) -> Vec<MetricFamily> {
-    let r = Registry::new();
-    let g = gauge(
-        &r,
-        "vcuda_mig_device_lost",
-        "A MIG device whose instance was destroyed while a pod or claim held it (1).",
-        &["node", "gpu", "uuid", "holder"],
-    );
-    for l in lost {
-        let gpu = l.gpu.to_string();
-        g.with_label_values(&[node, gpu.as_str(), l.uuid.as_str(), l.holder.as_str()])
-            .set(1.0);
-    }
     r.gather()
 }
 
@@ -673,35 +653,5 @@ fn record_sampler(r: &Registry, stats: &SamplerStats, snap: &Snapshot) {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_lost_mig_device_is_one_series_only_while_lost() {
-        let r = MetricsRegistry::new("0.0.0");
-        let (snap, stats) = (Snapshot::default(), SamplerStats::default());
-        let lost = [LostMigView {
-            gpu: 1,
-            uuid: "MIG-x".into(),
-            holder: "ns/claim".into(),
-        }];
-        let text = r.render("n1", &[], &[], &lost, &snap, &stats);
-        let line: Vec<&str> = text
-            .lines()
-            .filter(|l| l.starts_with("vcuda_mig_device_lost{"))
-            .collect();
-        assert_eq!(line.len(), 1, "{text}");
-        for part in [
-            "gpu=\"1\"",
-            "uuid=\"MIG-x\"",
-            "holder=\"ns/claim\"",
-            "node=\"n1\"",
-        ] {
-            assert!(line[0].contains(part), "{part} in {}", line[0]);
-        }
-        assert!(line[0].ends_with(" 1"), "{}", line[0]);
-        let none = r.render("n1", &[], &[], &[], &snap, &stats);
-        assert!(!none.contains("vcuda_mig_device_lost"), "{none}");
-    }
-}
+mod mig_state;
+pub(crate) use mig_state::MigState;

@@ -31,6 +31,12 @@ pub trait DisplaySource: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// Dynamic MIG's state, where the node has it (device-plugin mode,
+    /// docs/mig.md): `vcuda_mig_dynamic_*`.
+    fn dynamic_mig(&self) -> Option<DynamicMigView> {
+        None
+    }
+
     /// Whether the process can go on (`/healthz`, the liveness probe): an
     /// `Err` says why it needs a restart.
     fn health(&self) -> Result<(), Unhealthy> {
@@ -92,6 +98,17 @@ pub struct LostMigView {
     /// What holds it: the device-plugin resource, or the DRA claim
     /// (`namespace/name`).
     pub holder: String,
+}
+
+/// Dynamic MIG on a node (device-plugin mode).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DynamicMigView {
+    /// Per profile pods needed at the last pass, how many fit on no
+    /// dynamic GPU (0 once they did).
+    pub unplaced: std::collections::BTreeMap<String, u64>,
+    /// Instances made and destroyed since the daemon started.
+    pub made: u64,
+    pub destroyed: u64,
 }
 
 /// A GPU assigned to a container.

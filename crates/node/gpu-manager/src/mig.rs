@@ -83,6 +83,8 @@ pub struct MigPlugins {
     out: Arc<Mutex<BTreeSet<Unit>>>,
     /// Lost devices whose pods were told, by UUID.
     told: Arc<Mutex<BTreeSet<String>>>,
+    /// Dynamic MIG's state for `/metrics` (none without `--mig-dynamic`).
+    dynamic: Arc<Mutex<Option<gpu_display::DynamicMigView>>>,
 }
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -169,6 +171,7 @@ impl MigPlugins {
             serving: Default::default(),
             out: Default::default(),
             told: Default::default(),
+            dynamic: Default::default(),
         };
         m.add_and_update(by_profile(gpus, mig));
         m
@@ -177,6 +180,21 @@ impl MigPlugins {
     /// The plugin of `resource`.
     pub fn plugin(&self, resource: &str) -> Option<Arc<MigPlugin>> {
         locked(&self.plugins).get(resource).cloned()
+    }
+
+    /// Dynamic MIG's last pass: per profile needed, how many fit nowhere;
+    /// instances made and destroyed by it.
+    pub fn note_dynamic(&self, unplaced: BTreeMap<String, u64>, made: u64, destroyed: u64) {
+        let mut d = locked(&self.dynamic);
+        let v = d.get_or_insert_with(Default::default);
+        v.unplaced = unplaced;
+        v.made += made;
+        v.destroyed += destroyed;
+    }
+
+    /// What `/metrics` shows of dynamic MIG (none without it).
+    pub fn dynamic_view(&self) -> Option<gpu_display::DynamicMigView> {
+        locked(&self.dynamic).clone()
     }
 
     /// The resources served, in order.

@@ -37,6 +37,10 @@ impl DisplaySource for ManagerSource {
             .unwrap_or_default()
     }
 
+    fn dynamic_mig(&self) -> Option<gpu_display::DynamicMigView> {
+        self.mig.as_ref().and_then(|m| m.dynamic_view())
+    }
+
     fn health(&self) -> Result<(), gpu_display::Unhealthy> {
         self.mgr.health().map_err(|e| gpu_display::Unhealthy {
             reason: e.to_string(),

@@ -57,6 +57,8 @@ struct Memory {
 impl DynamicMig {
     /// Watches the unscheduled pods and runs passes until `cancel`.
     pub fn spawn(self, period: Duration, cancel: CancellationToken) {
+        // Its metrics from the start, zero.
+        self.mig.note_dynamic(BTreeMap::new(), 0, 0);
         let wake = Arc::new(Notify::new());
         let woken = wake.clone();
         let api: Api<Pod> = Api::all(self.client.clone());
@@ -124,6 +126,10 @@ impl DynamicMig {
         let gpus = self.gpus_now(&read, &held, &created, memory);
         let existing = existing(&states);
         let d = dynamic::decide(&gpus, &needed, &existing);
+        let unplaced = needed
+            .keys()
+            .map(|p| (p.clone(), d.unplaced.get(p).copied().unwrap_or(0) as u64))
+            .collect();
         if d.unplaced != memory.unplaced {
             if !d.unplaced.is_empty() {
                 tracing::info!(unplaced = ?d.unplaced, ?needed, "MIG devices pods need fit on no dynamic GPU now (free slices too few): waiting for instances to be freed");
@@ -131,6 +137,7 @@ impl DynamicMig {
             memory.unplaced = d.unplaced.clone();
         }
         if d.actions.is_empty() {
+            self.mig.note_dynamic(unplaced, 0, 0);
             return Ok(());
         }
         let (nvml, gpus, state) = (
@@ -138,10 +145,12 @@ impl DynamicMig {
             self.gpus.clone(),
             self.settings.checkpoint_path.clone(),
         );
-        let (states, destroyed) =
+        let (states, made, destroyed) =
             tokio::task::spawn_blocking(move || act(&nvml, &gpus, &d.actions, &state))
                 .await
                 .map_err(|e| e.to_string())??;
+        self.mig
+            .note_dynamic(unplaced, made, destroyed.len() as u64);
         self.mig
             .refresh(&self.gpus, &states)
             .map_err(|e| format!("{e:#}"))?;
@@ -394,21 +403,21 @@ fn existing(states: &[MigGpu]) -> BTreeMap<String, usize> {
 
 /// Carries out `actions` (blocking), recording what was made and
 /// destroyed; the node's MIG state after. A step NVML refuses is logged
-/// and the rest go on (the next pass decides again). Also returns the
-/// MIG UUIDs destroyed.
+/// and the rest go on (the next pass decides again). Also returns how
+/// many were made and the MIG UUIDs destroyed.
 fn act(
     nvml: &nvml_wrapper::Nvml,
     gpus: &[GpuInfo],
     actions: &[Action],
     state_dir: &std::path::Path,
-) -> Result<(Vec<MigGpu>, Vec<String>), String> {
+) -> Result<(Vec<MigGpu>, u64, Vec<String>), String> {
     let devices = devices(nvml, gpus.len())?;
     let driver = NvmlMig {
         nvml,
         devices: &devices,
     };
     let mut created = Created::load(state_dir);
-    let mut destroyed = Vec::new();
+    let (mut made, mut destroyed) = (0, Vec::new());
     // The MIG UUIDs of the instances to destroy, while they are there.
     let mut uuids: BTreeMap<(usize, u32), Vec<String>> = BTreeMap::new();
     for a in actions {
@@ -441,6 +450,7 @@ fn act(
                 slices,
             } => match driver.create(*gpu, *profile, *slices) {
                 Ok(id) => {
+                    made += 1;
                     created
                         .gpus
                         .entry(gpus[*gpu].uuid.clone())
@@ -457,5 +467,9 @@ fn act(
     if let Err(e) = created.store(state_dir) {
         tracing::error!(error = %e, "the record of vcuda's MIG instances was not stored: those made now will be read as an operator's");
     }
-    Ok((node_agent::mig::read_again(nvml, gpus.len())?, destroyed))
+    Ok((
+        node_agent::mig::read_again(nvml, gpus.len())?,
+        made,
+        destroyed,
+    ))
 }
