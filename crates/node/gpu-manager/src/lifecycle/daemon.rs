@@ -187,21 +187,17 @@ pub async fn run(
             },
         );
     }
-    if !dynamic.is_empty() {
-        super::dynamic_mig::DynamicMig {
-            settings: s.clone(),
-            nvml: node.nvml.clone(),
-            gpus: found.topology.gpus().to_vec(),
-            dynamic,
-            mig: mig.clone(),
-            mgr: mgr.clone(),
-            client: client.clone(),
-        }
-        .spawn(
-            s.mig_rescan_period.unwrap_or(Duration::from_secs(10)),
-            cancel.clone(),
-        );
-    }
+    // Run by the manager that holds the node only: two beside each other
+    // (a rolling update) would both make instances for the same pods.
+    let mut dynamic_mig = (!dynamic.is_empty()).then(|| super::dynamic_mig::DynamicMig {
+        settings: s.clone(),
+        nvml: node.nvml.clone(),
+        gpus: found.topology.gpus().to_vec(),
+        dynamic,
+        mig: mig.clone(),
+        mgr: mgr.clone(),
+        client: client.clone(),
+    });
     let mut handed_over = false;
     if plugins
         .registered([VCORE_RESOURCE, VMEMORY_RESOURCE], &cancel)
@@ -227,7 +223,14 @@ pub async fn run(
                 node_status::healthy(&mgr.vmemory),
             );
             node_status::set_allocatable(&client, &s.node_name, vcore, vmemory).await;
+            let dynamic_stop = cancel.child_token();
+            if let Some(d) = dynamic_mig.take() {
+                let period = s.mig_rescan_period.unwrap_or(Duration::from_secs(10));
+                d.spawn(period, dynamic_stop.clone());
+            }
             (held, handed_over) = node.hold(h, &plugins, &cancel).await;
+            // Handed over (or stopping): the successor partitions now.
+            dynamic_stop.cancel();
         }
     }
     cancel.cancelled().await;
