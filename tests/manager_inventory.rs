@@ -624,7 +624,8 @@ async fn a_configured_geometry_is_applied_and_adopted() {
 /// others are deleted, the instances nobody needs are destroyed after the
 /// grace period (withdrawn, not listed as lost), the held one stays until
 /// its pod is gone too. A kill -9 between changes nothing, and a GPU
-/// given whole to a pod is not put in MIG mode when named dynamic.
+/// given whole to a pod is not put in MIG mode when named dynamic. A pod
+/// the scheduler never places beside a free instance is passed over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dynamic_mig_makes_instances_for_waiting_pods_and_destroys_them_after() {
     let args = ["--mig-dynamic", "0", "--mig-rescan-period", "1"];
@@ -757,6 +758,24 @@ async fn dynamic_mig_makes_instances_for_waiting_pods_and_destroys_them_after() 
         !metrics.contains("vcuda_mig_device_lost{"),
         "destroyed by vcuda, not lost:\n{metrics}"
     );
+
+    // A pod the scheduler never places here (here, nobody binds it) beside
+    // the instance made for it: passed over after the grace period, its
+    // instance destroyed, and none made again meanwhile.
+    env.api
+        .create_pod(serde_json::json!({
+            "metadata": {"name": "stubborn", "namespace": "default"},
+            "spec": {"containers": [{"name": "main", "image": "cuda",
+                "resources": {"limits": {"tencent.com/mig-1g.10gb": "1"}}}]},
+            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled",
+                "status": "False", "reason": "Unschedulable"}]}
+        }))
+        .unwrap();
+    mig_resources(&env, &[("1g.10gb", 1)]).await;
+    env.wait_log("is not counted for a while", 1).await;
+    mig_resources(&env, &[("1g.10gb", 0)]).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(env.sim.mig_profiles(0).is_empty(), "{}", env.log_text());
 }
 
 /// Waits (10 s at most) until the `/metrics` line starting `name` ends in

@@ -99,7 +99,7 @@ pub fn mig_plugins_phase(
 /// node has, is marked Unschedulable by the real scheduler; the manager
 /// makes the instance, the kubelet advertises it, the scheduler's next try
 /// places the pod, which sees the instance's 81152 MiB (NVIDIA's H100 table). Deleted, its
-/// instance goes after the grace period and the node advertises none.
+/// instance goes after the grace period (10 s) and the node advertises none.
 fn dynamic(
     n: &Node,
     node: &str,
@@ -116,7 +116,7 @@ fn dynamic(
             "--mig-rescan-period",
             "2",
             "--mig-dynamic-grace",
-            "5",
+            "10",
         ]
         .map(String::from),
     );
@@ -194,7 +194,7 @@ fn dynamic(
         }
     });
     eprintln!(
-        "k8s_dp: its pod deleted: the instance destroyed and the node advertising none {:.1} s after (grace 5 s)",
+        "k8s_dp: its pod deleted: the instance destroyed and the node advertising none {:.1} s after (grace 10 s)",
         t1.elapsed().as_secs_f64()
     );
     mgr.kill9();

@@ -491,5 +491,6 @@ pub mod demand;
 pub mod dynamic;
 pub mod fits;
 mod lost;
+pub mod passed_over;
 #[cfg(test)]
 mod tests;

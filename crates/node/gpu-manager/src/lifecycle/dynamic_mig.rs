@@ -24,8 +24,10 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Settings;
 use crate::manager::Manager;
 use crate::mig::MigPlugins;
+use crate::mig::demand;
 use crate::mig::dynamic::{self, Action, DynGpu, DynInstance};
 use crate::mig::fits::NodeView;
+use crate::mig::passed_over::PassedOver;
 
 /// What a pass needs.
 pub struct DynamicMig {
@@ -52,6 +54,7 @@ struct Read {
 struct Memory {
     free_since: BTreeMap<(usize, u32), Instant>,
     unplaced: BTreeMap<String, usize>,
+    passed_over: PassedOver,
 }
 
 impl DynamicMig {
@@ -113,17 +116,22 @@ impl DynamicMig {
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
-        let prefix = &self.settings.mig_resource_prefix;
-        let needed = crate::mig::demand::needed(
-            prefix,
-            &profiles,
-            &bound.iter().map(AsRef::as_ref).collect::<Vec<_>>(),
-            &unscheduled.iter().map(AsRef::as_ref).collect::<Vec<_>>(),
-            &node,
-        );
         let held = self.held(&profiles).await;
         let created = Created::load(&self.settings.checkpoint_path);
         let gpus = self.gpus_now(&read, &held, &created, memory);
+        let prefix = &self.settings.mig_resource_prefix;
+        let unscheduled: Vec<&Pod> = unscheduled.iter().map(AsRef::as_ref).collect();
+        let waiting = demand::waiting(prefix, &profiles, &unscheduled, &node);
+        let patience = self.settings.mig_dynamic_grace * 2;
+        let (waiting, passed) =
+            memory
+                .passed_over
+                .retain(waiting, &free(&gpus), Instant::now(), patience);
+        for w in passed {
+            tracing::info!(pod = %w.name, need = ?w.need, pause_s = crate::mig::passed_over::PAUSE.as_secs(), "a pod waited here longer than twice the grace period beside a free instance it needs: the scheduler does not place it here (another of its constraints), so it is not counted for a while");
+        }
+        let bound: Vec<&Pod> = bound.iter().map(AsRef::as_ref).collect();
+        let needed = demand::needed(prefix, &profiles, &bound, &waiting);
         let existing = existing(&states);
         let d = dynamic::decide(&gpus, &needed, &existing);
         let unplaced = needed
@@ -139,6 +147,13 @@ impl DynamicMig {
         if d.actions.is_empty() {
             self.mig.note_dynamic(unplaced, 0, 0);
             return Ok(());
+        }
+        // A GPU-instance id freed here may come back at once for a new
+        // instance, which must not inherit the old one's free time.
+        for a in &d.actions {
+            if let Action::Destroy { gpu, gi, .. } = a {
+                memory.free_since.remove(&(*gpu, *gi));
+            }
         }
         let (nvml, gpus, state) = (
             self.nvml.clone(),
@@ -389,6 +404,19 @@ fn read(nvml: &nvml_wrapper::Nvml, dynamic: &BTreeSet<usize>) -> Result<Vec<Read
             })
         })
         .collect()
+}
+
+/// The dynamic GPUs' free instances (no pod, no process) by profile name.
+fn free(gpus: &[DynGpu]) -> BTreeMap<String, usize> {
+    let mut n = BTreeMap::new();
+    for g in gpus {
+        for i in g.instances.iter().filter(|i| !i.in_use) {
+            if let Some(p) = g.profiles.iter().find(|p| p.id == i.profile) {
+                *n.entry(p.name.clone()).or_default() += 1;
+            }
+        }
+    }
+    n
 }
 
 /// The node's MIG devices by profile name, on any GPU: the pods bound

@@ -14,31 +14,69 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 
 use super::fits::{NodeView, fits};
 
-/// Per profile (as the driver names it), how many of its MIG devices the
-/// pods need; `profiles` are the names this node can make (a resource of
-/// another name is no dynamic node's).
+/// A pod waiting for a node that could land here, and the MIG devices it
+/// needs per profile.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Waiting {
+    pub uid: String,
+    /// `namespace/name`, for the log.
+    pub name: String,
+    pub need: BTreeMap<String, usize>,
+}
+
+/// The unschedulable pods that could land here and need MIG devices of
+/// `profiles` (the names this node can make: a resource of another name
+/// is no dynamic node's).
+pub fn waiting(
+    prefix: &str,
+    profiles: &[String],
+    unschedulable: &[&Pod],
+    node: &NodeView,
+) -> Vec<Waiting> {
+    unschedulable
+        .iter()
+        .filter(|p| waits_for_a_node(p) && fits(p, node))
+        .filter_map(|pod| {
+            let need = need_of(prefix, profiles, pod);
+            (!need.is_empty()).then(|| Waiting {
+                uid: gpu_pods::uid(pod).to_string(),
+                name: format!("{}/{}", gpu_pods::namespace(pod), gpu_pods::name(pod)),
+                need,
+            })
+        })
+        .collect()
+}
+
+/// Per profile, how many MIG devices the pods bound here that have not
+/// ended and the `waiting` ones need.
 pub fn needed(
     prefix: &str,
     profiles: &[String],
     bound_here: &[&Pod],
-    unschedulable: &[&Pod],
-    node: &NodeView,
+    waiting: &[Waiting],
 ) -> BTreeMap<String, usize> {
     let mut need: BTreeMap<String, usize> = BTreeMap::new();
-    let pending = unschedulable
-        .iter()
-        .filter(|p| waits_for_a_node(p) && fits(p, node));
     let live = bound_here.iter().filter(|p| !ended(p));
-    for pod in live.chain(pending) {
-        for p in profiles {
-            let resource = gpu_pods::mig_resource_name(prefix, p);
-            let n = devices(pod, &resource);
-            if n > 0 {
-                *need.entry(p.clone()).or_default() += n;
-            }
+    let of_bound = live.map(|pod| need_of(prefix, profiles, pod));
+    for n in of_bound.chain(waiting.iter().map(|w| w.need.clone())) {
+        for (p, k) in n {
+            *need.entry(p).or_default() += k;
         }
     }
     need
+}
+
+fn need_of(prefix: &str, profiles: &[String], pod: &Pod) -> BTreeMap<String, usize> {
+    profiles
+        .iter()
+        .map(|p| {
+            (
+                p.clone(),
+                devices(pod, &gpu_pods::mig_resource_name(prefix, p)),
+            )
+        })
+        .filter(|(_, n)| *n > 0)
+        .collect()
 }
 
 /// The devices of `resource` a pod holds at once: its containers run
@@ -118,20 +156,16 @@ mod tests {
             ],
             json!({}),
         );
-        let waiting = asking("", &[("tencent.com/mig-3g.40gb", 1)], json!({"pool": "a"}));
+        let waiting_ = asking("", &[("tencent.com/mig-3g.40gb", 1)], json!({"pool": "a"}));
         let elsewhere = asking("", &[("tencent.com/mig-3g.40gb", 1)], json!({"pool": "b"}));
         let media = asking("", &[("tencent.com/mig-1g.10gb.me", 1)], json!({}));
         let node = NodeView {
             labels: BTreeMap::from([("pool".to_string(), "a".to_string())]),
             ..Default::default()
         };
-        let need = needed(
-            PREFIX,
-            &profiles(),
-            &[&here],
-            &[&waiting, &elsewhere, &media],
-            &node,
-        );
+        let w = waiting(PREFIX, &profiles(), &[&waiting_, &elsewhere, &media], &node);
+        assert_eq!(w.len(), 2, "{w:?}");
+        let need = needed(PREFIX, &profiles(), &[&here], &w);
         assert_eq!(
             need,
             BTreeMap::from([
@@ -153,13 +187,9 @@ mod tests {
             Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
                 "2026-12-06T00:00:00Z".parse().unwrap(),
             ));
-        let need = needed(
-            PREFIX,
-            &profiles(),
-            &[&done],
-            &[&fresh, &going],
-            &NodeView::default(),
-        );
+        let w = waiting(PREFIX, &profiles(), &[&fresh, &going], &NodeView::default());
+        assert!(w.is_empty(), "{w:?}");
+        let need = needed(PREFIX, &profiles(), &[&done], &w);
         assert!(need.is_empty(), "{need:?}");
     }
 
@@ -171,7 +201,7 @@ mod tests {
                 "initContainers": [{"name": "i", "resources": {"limits": {"tencent.com/mig-1g.10gb": "2"}}}],
                 "containers": [{"name": "c", "resources": {"limits": {"tencent.com/mig-1g.10gb": "1"}}}]}
         }));
-        let need = needed(PREFIX, &profiles(), &[&p], &[], &NodeView::default());
+        let need = needed(PREFIX, &profiles(), &[&p], &[]);
         assert_eq!(need, BTreeMap::from([("1g.10gb".to_string(), 2)]));
     }
 }
