@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::controller::SliceController;
 use crate::display::DraSource;
-use crate::driver::{Config, Driver};
+use crate::driver::{Config, Driver, RescanError};
 use crate::dynamic::DynamicGpu;
 use crate::grpc::{self, Sockets};
 use crate::kube_api::KubeApi;
@@ -260,10 +260,8 @@ fn spawn_dynamic_rescan(
                 _ = tokio::time::sleep(period) => {}
             }
             let n = nvml.clone();
-            match driver
-                .rescan_dynamic(move || node_agent::mig::read_again(&n, count))
-                .await
-            {
+            let read = move || node_agent::mig::read_again(&n, count).map_err(RescanError::Read);
+            match driver.rescan_dynamic(read).await.map_err(|e| e.to_string()) {
                 Ok(lost_changed) => {
                     last_error.clear();
                     if lost_changed {

@@ -27,6 +27,7 @@ use crate::partition::{self, PartitionError, Partitioner};
 use crate::plan::{self, Inventory, PlanError, PlannedDevice, PlannedMig};
 
 mod mig_claims;
+pub use mig_claims::RescanError;
 
 /// Where the driver reads allocated claims (the API server; a map in tests).
 #[async_trait::async_trait]

@@ -3,6 +3,18 @@
 
 use super::*;
 
+/// Why the dynamic GPUs were not read again (the next period tries again).
+#[derive(Debug, thiserror::Error)]
+pub enum RescanError {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The node's MIG state (node-agent's message).
+    #[error("{0}")]
+    Read(String),
+    #[error("a blocking NVML task ended: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
 impl Driver {
     /// The MIG device a claim holds (the planner keeps it alone).
     pub(super) fn mig_of(devices: &[PlannedDevice]) -> Option<(&PlannedDevice, &PlannedMig)> {
@@ -74,11 +86,11 @@ impl Driver {
     /// instance is now found gone or back.
     pub async fn rescan_dynamic(
         &self,
-        read: impl FnOnce() -> Result<Vec<node_agent::mig::MigGpu>, String> + Send + 'static,
-    ) -> Result<bool, String> {
+        read: impl FnOnce() -> Result<Vec<node_agent::mig::MigGpu>, RescanError> + Send + 'static,
+    ) -> Result<bool, RescanError> {
         let mut st = self.state.lock().await;
-        let _lock = self.store.lock().await.map_err(|e| e.to_string())?;
-        self.sync_from_disk(&mut st).map_err(|e| e.to_string())?;
+        let _lock = self.store.lock().await?;
+        self.sync_from_disk(&mut st)?;
         let placed: Vec<(String, usize)> = st
             .claims
             .values()
@@ -89,9 +101,7 @@ impl Driver {
                     .map(|d| (c.uid.clone(), d.gpu_index))
             })
             .collect();
-        let states = tokio::task::spawn_blocking(read)
-            .await
-            .map_err(|e| e.to_string())??;
+        let states = tokio::task::spawn_blocking(read).await??;
         let mut seen = crate::mig_health::DynamicSeen::default();
         for (uid, gpu) in placed {
             seen.claims.insert(uid);

@@ -18,6 +18,7 @@ use kube::runtime::watcher;
 use node_agent::geometry::{Created, GiProfile, GiState, MigDriver};
 use node_agent::mig::MigGpu;
 use node_agent::mig_nvml::NvmlMig;
+use nvml_wrapper::error::NvmlError;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -28,6 +29,27 @@ use crate::mig::demand;
 use crate::mig::dynamic::{self, Action, DynGpu, DynInstance};
 use crate::mig::fits::NodeView;
 use crate::mig::passed_over::PassedOver;
+
+/// Why a pass did nothing (the next one tries again).
+#[derive(Debug, thiserror::Error)]
+pub enum PassError {
+    #[error("NVML device handles: {0}")]
+    Handles(#[source] NvmlError),
+    #[error("GPU {gpu}: NVML {what}: {source}")]
+    Nvml {
+        gpu: usize,
+        what: &'static str,
+        #[source]
+        source: NvmlError,
+    },
+    /// The node's MIG state read again (node-agent's message).
+    #[error("{0}")]
+    Read(String),
+    #[error("a blocking NVML task ended: {0}")]
+    Task(#[from] tokio::task::JoinError),
+    #[error("serving the MIG devices: {0:#}")]
+    Plugins(anyhow::Error),
+}
 
 /// What a pass needs.
 pub struct DynamicMig {
@@ -85,7 +107,11 @@ impl DynamicMig {
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
                 }
-                match self.pass(&pending, &mut memory).await {
+                match self
+                    .pass(&pending, &mut memory)
+                    .await
+                    .map_err(|e| e.to_string())
+                {
                     Ok(()) => last_error.clear(),
                     Err(e) if e != last_error => {
                         tracing::warn!(error = %e, "dynamic MIG pass failed; tried again at the next");
@@ -97,19 +123,16 @@ impl DynamicMig {
         });
     }
 
-    async fn pass(&self, pending: &Store<Pod>, memory: &mut Memory) -> Result<(), String> {
+    async fn pass(&self, pending: &Store<Pod>, memory: &mut Memory) -> Result<(), PassError> {
         let unscheduled = pending.state();
         let bound = self.mgr.pods_now();
         let node = self.node(&unscheduled).await;
         let (nvml, dynamic, count) = (self.nvml.clone(), self.dynamic.clone(), self.gpus.len());
         let (read, states) = tokio::task::spawn_blocking(move || {
-            Ok::<_, String>((
-                read(&nvml, &dynamic)?,
-                node_agent::mig::read_again(&nvml, count)?,
-            ))
+            let again = node_agent::mig::read_again(&nvml, count).map_err(PassError::Read);
+            Ok::<_, PassError>((read(&nvml, &dynamic)?, again?))
         })
-        .await
-        .map_err(|e| e.to_string())??;
+        .await??;
         let profiles: Vec<String> = read
             .iter()
             .flat_map(|r| r.profiles.iter().map(|p| p.name.clone()))
@@ -161,14 +184,12 @@ impl DynamicMig {
             self.settings.checkpoint_path.clone(),
         );
         let (states, made, destroyed) =
-            tokio::task::spawn_blocking(move || act(&nvml, &gpus, &d.actions, &state))
-                .await
-                .map_err(|e| e.to_string())??;
+            tokio::task::spawn_blocking(move || act(&nvml, &gpus, &d.actions, &state)).await??;
         self.mig
             .note_dynamic(unplaced, made, destroyed.len() as u64);
         self.mig
             .refresh(&self.gpus, &states)
-            .map_err(|e| format!("{e:#}"))?;
+            .map_err(PassError::Plugins)?;
         // Destroyed for want of a holder: not lost, just gone.
         self.mig.forget(&destroyed);
         Ok(())
@@ -303,7 +324,7 @@ pub fn enable(
     if let Some(g) = named.intersection(&geometry).next() {
         anyhow::bail!("GPU {g} is in both --mig-geometry and --mig-dynamic: name it in one");
     }
-    let devices = devices(nvml, uuids.len()).map_err(anyhow::Error::msg)?;
+    let devices = devices(nvml, uuids.len())?;
     let driver = NvmlMig {
         nvml,
         devices: &devices,
@@ -373,15 +394,15 @@ pub fn holding_shares(s: &Settings) -> Option<BTreeSet<String>> {
 fn devices(
     nvml: &nvml_wrapper::Nvml,
     count: usize,
-) -> Result<Vec<nvml_wrapper::Device<'_>>, String> {
+) -> Result<Vec<nvml_wrapper::Device<'_>>, PassError> {
     (0..count as u32)
         .map(|i| nvml.device_by_index(i))
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("NVML device handles: {e}"))
+        .map_err(PassError::Handles)
 }
 
 /// The dynamic GPUs' profiles and instances (blocking).
-fn read(nvml: &nvml_wrapper::Nvml, dynamic: &BTreeSet<usize>) -> Result<Vec<Read>, String> {
+fn read(nvml: &nvml_wrapper::Nvml, dynamic: &BTreeSet<usize>) -> Result<Vec<Read>, PassError> {
     let count = dynamic.iter().max().map_or(0, |m| m + 1);
     let devices = devices(nvml, count)?;
     let driver = NvmlMig {
@@ -391,9 +412,12 @@ fn read(nvml: &nvml_wrapper::Nvml, dynamic: &BTreeSet<usize>) -> Result<Vec<Read
     dynamic
         .iter()
         .map(|&index| {
-            let err = |what: &str| {
-                let what = what.to_string();
-                move |e| format!("GPU {index}: NVML {what}: {e}")
+            let err = |what: &'static str| {
+                move |source| PassError::Nvml {
+                    gpu: index,
+                    what,
+                    source,
+                }
             };
             Ok(Read {
                 index,
@@ -438,7 +462,7 @@ fn act(
     gpus: &[GpuInfo],
     actions: &[Action],
     state_dir: &std::path::Path,
-) -> Result<(Vec<MigGpu>, u64, Vec<String>), String> {
+) -> Result<(Vec<MigGpu>, u64, Vec<String>), PassError> {
     let devices = devices(nvml, gpus.len())?;
     let driver = NvmlMig {
         nvml,
@@ -495,9 +519,6 @@ fn act(
     if let Err(e) = created.store(state_dir) {
         tracing::error!(error = %e, "the record of vcuda's MIG instances was not stored: those made now will be read as an operator's");
     }
-    Ok((
-        node_agent::mig::read_again(nvml, gpus.len())?,
-        made,
-        destroyed,
-    ))
+    let states = node_agent::mig::read_again(nvml, gpus.len()).map_err(PassError::Read)?;
+    Ok((states, made, destroyed))
 }
