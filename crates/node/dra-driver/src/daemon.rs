@@ -253,7 +253,7 @@ fn spawn_dynamic_rescan(
 ) {
     let (driver, nvml, cancel) = (driver.clone(), nvml.clone(), cancel.clone());
     tokio::spawn(async move {
-        let mut last_error = String::new();
+        let mut failures = node_agent::mig::FailureLog::default();
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -261,18 +261,9 @@ fn spawn_dynamic_rescan(
             }
             let n = nvml.clone();
             let read = move || node_agent::mig::read_again(&n, count).map_err(RescanError::Read);
-            match driver.rescan_dynamic(read).await.map_err(|e| e.to_string()) {
-                Ok(lost_changed) => {
-                    last_error.clear();
-                    if lost_changed {
-                        let _ = changed.send(Vec::new());
-                    }
-                }
-                Err(e) if e != last_error => {
-                    tracing::warn!(error = %e, "reading the dynamic MIG instances again");
-                    last_error = e;
-                }
-                Err(_) => {}
+            let r = driver.rescan_dynamic(read).await;
+            if failures.note(r, "reading the dynamic MIG instances again") == Some(true) {
+                let _ = changed.send(Vec::new());
             }
         }
     });

@@ -29,6 +29,20 @@ fn settings(sim: &SimNode, dirs: &Dirs) -> Settings {
     }
 }
 
+/// The driver run with `s` until `cancel`, once it says it is ready.
+async fn start(
+    s: Settings,
+    cancel: &CancellationToken,
+) -> tokio::task::JoinHandle<anyhow::Result<()>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let daemon = tokio::spawn(run(s, cancel.clone(), Some(tx)));
+    tokio::time::timeout(Duration::from_secs(60), rx)
+        .await
+        .unwrap()
+        .unwrap();
+    daemon
+}
+
 /// A claim `name` for a MIG device of `profile`, allocated: its device,
 /// or the allocator's refusal.
 fn claim(server: &ApiServer, name: &str, profile: &str) -> (String, Result<String, String>) {
@@ -74,12 +88,7 @@ async fn instances_are_made_at_prepare_for_the_placement_allocated_and_destroyed
     let dirs = Dirs::new();
     server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
     let cancel = CancellationToken::new();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let daemon = tokio::spawn(run(settings(&sim, &dirs), cancel.clone(), Some(tx)));
-    tokio::time::timeout(Duration::from_secs(60), rx)
-        .await
-        .unwrap()
-        .unwrap();
+    let daemon = start(settings(&sim, &dirs), &cancel).await;
     let kubelet = kubelet(&dirs, false).await;
     let counters = format!("{}-counters", slices::slice_name(NODE));
     // Its slices are written one after the other: both, then.
@@ -180,12 +189,7 @@ async fn instances_are_made_at_prepare_for_the_placement_allocated_and_destroyed
         server.delete(Kind::ResourceSlice, None, &n).unwrap();
     }
     let cancel = CancellationToken::new();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let daemon = tokio::spawn(run(settings(&sim, &dirs), cancel.clone(), Some(tx)));
-    tokio::time::timeout(Duration::from_secs(60), rx)
-        .await
-        .unwrap()
-        .unwrap();
+    let daemon = start(settings(&sim, &dirs), &cancel).await;
     let kubelet = test_support::dra::kubelet(&dirs, false).await;
     until(10, "the pool published again", || {
         [counters.clone(), slices::slice_name(NODE)]
@@ -226,12 +230,7 @@ async fn placements_over_an_operators_instance_are_not_published() {
     let dirs = Dirs::new();
     server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
     let cancel = CancellationToken::new();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let daemon = tokio::spawn(run(settings(&sim, &dirs), cancel.clone(), Some(tx)));
-    tokio::time::timeout(Duration::from_secs(60), rx)
-        .await
-        .unwrap()
-        .unwrap();
+    let daemon = start(settings(&sim, &dirs), &cancel).await;
     let _kubelet = kubelet(&dirs, false).await;
     let counters = format!("{}-counters", slices::slice_name(NODE));
     // Its slices are written one after the other: both, then.
@@ -280,16 +279,11 @@ async fn an_instance_made_for_a_claim_and_destroyed_under_it_is_reported() {
     let dirs = Dirs::new();
     server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
     let cancel = CancellationToken::new();
-    let (tx, rx) = tokio::sync::oneshot::channel();
     let s = Settings {
         mig_rescan_period: Some(Duration::from_millis(200)),
         ..settings(&sim, &dirs)
     };
-    let daemon = tokio::spawn(run(s, cancel.clone(), Some(tx)));
-    tokio::time::timeout(Duration::from_secs(60), rx)
-        .await
-        .unwrap()
-        .unwrap();
+    let daemon = start(s, &cancel).await;
     let kubelet = kubelet(&dirs, false).await;
     until(10, "the pool published", || {
         server
@@ -318,21 +312,7 @@ async fn an_instance_made_for_a_claim_and_destroyed_under_it_is_reported() {
     let state = sim.state();
     let (g, ci) = state.mig_devices(0)[0];
     let mut health = kubelet.watch_health().await.unwrap();
-    let mut next = async || loop {
-        let m = tokio::time::timeout(Duration::from_secs(30), health.message())
-            .await
-            .expect("a health message within 30 s")
-            .unwrap()
-            .unwrap();
-        let d = m.devices.iter().find(|d| {
-            d.device
-                .as_ref()
-                .is_some_and(|i| i.device_name == device && i.pool_name == NODE)
-        });
-        if let Some(d) = d {
-            return (d.health, d.message.clone());
-        }
-    };
+    let mut next = async || plugin::next_device_health(&mut health, NODE, &device).await;
     assert_eq!(next().await.0, HealthStatus::Healthy as i32);
 
     state.destroy_compute_instance(0, g.id, ci.id).unwrap();

@@ -493,21 +493,7 @@ async fn an_instance_destroyed_under_a_prepared_claim_is_reported() {
         .to_string();
     let mut health = kubelet.watch_health().await.unwrap();
     // The claim's device in the stream: (health, message) once it is there.
-    let mut next = async || loop {
-        let m = tokio::time::timeout(Duration::from_secs(30), health.message())
-            .await
-            .expect("a health message within 30 s")
-            .unwrap()
-            .unwrap();
-        let d = m.devices.iter().find(|d| {
-            d.device
-                .as_ref()
-                .is_some_and(|i| i.device_name == device && i.pool_name == NODE)
-        });
-        if let Some(d) = d {
-            return (d.health, d.message.clone());
-        }
-    };
+    let mut next = async || plugin::next_device_health(&mut health, NODE, &device).await;
     assert_eq!(next().await.0, HealthStatus::Healthy as i32);
     let metric = || {
         let (_, text) = test_support::process::http_get(http, "/metrics");

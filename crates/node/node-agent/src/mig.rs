@@ -80,7 +80,7 @@ pub fn spawn_rescan(
     mut apply: impl FnMut(Vec<MigGpu>) -> Result<(), String> + Send + 'static,
 ) {
     tokio::spawn(async move {
-        let mut last_error = String::new();
+        let mut failures = FailureLog::default();
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -92,16 +92,38 @@ pub fn spawn_rescan(
                 .map_err(|e| e.to_string())
                 .and_then(|r| r)
                 .and_then(&mut apply);
-            match r {
-                Ok(()) => last_error.clear(),
-                Err(e) if e != last_error => {
-                    tracing::warn!(error = %e, "reading the MIG instances again; kept what was served");
-                    last_error = e;
-                }
-                Err(_) => {}
-            }
+            failures.note(r, "reading the MIG instances again; kept what was served");
         }
     });
+}
+
+/// A periodic pass's failures, each logged once until a pass succeeds
+/// (the MIG rescans of both daemons: a driver that fails every period
+/// would flood the log with one line).
+#[derive(Debug, Default)]
+pub struct FailureLog {
+    last: String,
+}
+
+impl FailureLog {
+    /// The pass's value; its error logged as a warning with `what`
+    /// unless it is the one logged last.
+    pub fn note<T, E: std::fmt::Display>(&mut self, r: Result<T, E>, what: &str) -> Option<T> {
+        match r {
+            Ok(v) => {
+                self.last.clear();
+                Some(v)
+            }
+            Err(e) => {
+                let e = e.to_string();
+                if e != self.last {
+                    tracing::warn!(error = %e, "{what}");
+                    self.last = e;
+                }
+                None
+            }
+        }
+    }
 }
 
 fn read_gpu(nvml: &Nvml, gpu: usize, d: &Device) -> Result<MigGpu, MigReadError> {

@@ -233,6 +233,31 @@ impl DraPlugin {
     }
 }
 
+/// The next (health, message) of device `device` of pool `pool` on a
+/// `v1alpha1` health stream, skipping messages that do not name it;
+/// panics after 30 s without one.
+pub async fn next_device_health(
+    stream: &mut tonic::Streaming<dra_api::dra_health::v1alpha1::NodeWatchResourcesResponse>,
+    pool: &str,
+    device: &str,
+) -> (i32, String) {
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(30), stream.message())
+            .await
+            .expect("a health message within 30 s")
+            .unwrap()
+            .unwrap();
+        let d = m.devices.iter().find(|d| {
+            d.device
+                .as_ref()
+                .is_some_and(|i| i.device_name == device && i.pool_name == pool)
+        });
+        if let Some(d) = d {
+            return (d.health, d.message.clone());
+        }
+    }
+}
+
 pub fn claim(namespace: &str, name: &str, uid: &str) -> v1::Claim {
     v1::Claim {
         namespace: namespace.into(),

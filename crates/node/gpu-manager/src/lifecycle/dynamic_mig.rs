@@ -97,7 +97,7 @@ impl DynamicMig {
         );
         tokio::spawn(async move {
             let mut memory = Memory::default();
-            let mut last_error = String::new();
+            let mut failures = node_agent::mig::FailureLog::default();
             loop {
                 tokio::select! {
                     _ = cancel.cancelled() => return,
@@ -107,18 +107,8 @@ impl DynamicMig {
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
                 }
-                match self
-                    .pass(&pending, &mut memory)
-                    .await
-                    .map_err(|e| e.to_string())
-                {
-                    Ok(()) => last_error.clear(),
-                    Err(e) if e != last_error => {
-                        tracing::warn!(error = %e, "dynamic MIG pass failed; tried again at the next");
-                        last_error = e;
-                    }
-                    Err(_) => {}
-                }
+                let r = self.pass(&pending, &mut memory).await;
+                failures.note(r, "dynamic MIG pass failed; tried again at the next");
             }
         });
     }
@@ -184,7 +174,8 @@ impl DynamicMig {
             self.settings.checkpoint_path.clone(),
         );
         let (states, made, destroyed) =
-            tokio::task::spawn_blocking(move || act(&nvml, &gpus, &d.actions, &state)).await??;
+            tokio::task::spawn_blocking(move || act(&nvml, &gpus, &d.actions, created, &state))
+                .await??;
         self.mig
             .note_dynamic(unplaced, made, destroyed.len() as u64);
         self.mig
@@ -454,13 +445,15 @@ fn existing(states: &[MigGpu]) -> BTreeMap<String, usize> {
 }
 
 /// Carries out `actions` (blocking), recording what was made and
-/// destroyed; the node's MIG state after. A step NVML refuses is logged
+/// destroyed in `created` (as the pass read it) and storing it; the
+/// node's MIG state after. A step NVML refuses is logged
 /// and the rest go on (the next pass decides again). Also returns how
 /// many were made and the MIG UUIDs destroyed.
 fn act(
     nvml: &nvml_wrapper::Nvml,
     gpus: &[GpuInfo],
     actions: &[Action],
+    mut created: Created,
     state_dir: &std::path::Path,
 ) -> Result<(Vec<MigGpu>, u64, Vec<String>), PassError> {
     let devices = devices(nvml, gpus.len())?;
@@ -468,7 +461,6 @@ fn act(
         nvml,
         devices: &devices,
     };
-    let mut created = Created::load(state_dir);
     let (mut made, mut destroyed) = (0, Vec::new());
     // The MIG UUIDs of the instances to destroy, while they are there.
     let mut uuids: BTreeMap<(usize, u32), Vec<String>> = BTreeMap::new();
