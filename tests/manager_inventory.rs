@@ -12,6 +12,9 @@ use gpu_allocator::PcieLevel;
 use gpu_allocator::inventory::{ANNOTATION, Inventory};
 use test_support::manager::{Env, NODE, Options};
 
+#[path = "manager_inventory/lost.rs"]
+mod lost;
+
 async fn published(env: &Env, what: &str, pred: impl Fn(&Inventory) -> bool) -> Inventory {
     let t = Instant::now();
     loop {
@@ -356,69 +359,9 @@ async fn instances_made_or_destroyed_while_the_manager_runs_are_followed() {
     assert_eq!(c.envs["NVIDIA_VISIBLE_DEVICES"], made.uuid);
 }
 
-/// An operator destroys the 1g.10gb under a pod that holds it (its
-/// program done): the manager keeps it advertised, Unhealthy (so the
-/// kubelet counts none allocatable and shows the pod's device unhealthy),
-/// the pod gets a `VcudaMigDeviceLost` Event naming the instance, and
-/// `/metrics` shows `vcuda_mig_device_lost`; once the kubelet's `List` no
-/// longer names a holder it is withdrawn. The build before withdrew it at
-/// once and told nobody.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_instance_destroyed_under_a_pod_stays_unhealthy_and_the_pod_is_told() {
-    let mut env = rescanning_3g_and_1g().await;
-    let resource = "tencent.com/mig-1g.10gb";
-    let pod = env.pod(&[], &[]);
-    env.kubelet
-        .admit(&pod, "main", &[(resource, 1)])
-        .await
-        .unwrap_or_else(|e| panic!("admitting to the 1g.10gb: {e}\n{}", env.log_text()));
-    let small = destroy(&env, "1g.10gb");
-    let t = Instant::now();
-    let listed = env
-        .kubelet
-        .wait_for(Duration::from_secs(20), |v| {
-            v.resources
-                .get(resource)
-                .is_some_and(|r| r.devices.get(&small.uuid).is_some_and(|d| !d.healthy))
-        })
-        .await;
-    assert!(listed.is_ok(), "kept, Unhealthy\n{}", env.log_text());
-    let ev = env
-        .wait_event("VcudaMigDeviceLost", &pod.name, Duration::from_secs(20))
-        .await;
-    let note = ev["note"].as_str().unwrap_or_default();
-    assert!(
-        note.contains(&small.uuid) && note.contains(resource),
-        "{ev}"
-    );
-    assert_eq!(ev["regarding"]["uid"], pod.uid.as_str(), "{ev}");
-    println!(
-        "a 1g.10gb destroyed under a pod: Unhealthy and the pod told {} ms after (rescan every 1 s)",
-        t.elapsed().as_millis()
-    );
-    let (_, metrics) = test_support::process::http_get(env.http_addr, "/metrics");
-    let line = metrics
-        .lines()
-        .find(|l| l.starts_with("vcuda_mig_device_lost{"))
-        .unwrap_or_else(|| panic!("no vcuda_mig_device_lost in\n{metrics}"));
-    assert!(line.contains(&small.uuid) && line.ends_with(" 1"), "{line}");
-
-    // The pod gone (the kubelet's List no longer names it): withdrawn.
-    env.kubelet.release_pod(&pod.uid).unwrap();
-    let gone = env
-        .kubelet
-        .wait_for(Duration::from_secs(20), |v| {
-            v.resources
-                .get(resource)
-                .is_some_and(|r| !r.devices.contains_key(&small.uuid))
-        })
-        .await;
-    assert!(gone.is_ok(), "withdrawn\n{}", env.log_text());
-}
-
 /// The manager on the simulated H100 with a 3g.40gb and a 1g.10gb on GPU
 /// 0, rescanning every second, both advertised.
-async fn rescanning_3g_and_1g() -> Env {
+pub(crate) async fn rescanning_3g_and_1g() -> Env {
     let env = Env::start(
         "sim-mig-h100",
         Options {
@@ -434,7 +377,7 @@ async fn rescanning_3g_and_1g() -> Env {
 
 /// Destroys GPU 0's instance of `profile` (its compute instance, then
 /// it), as an operator's `nvidia-smi mig -dci; -dgi`; what it was.
-fn destroy(env: &Env, profile: &str) -> Instance {
+pub(crate) fn destroy(env: &Env, profile: &str) -> Instance {
     let (_, i) = instances(env)
         .into_iter()
         .find(|(p, _)| p == profile)

@@ -85,6 +85,11 @@ pub struct MigPlugins {
     told: Arc<Mutex<BTreeSet<String>>>,
     /// Dynamic MIG's state for `/metrics` (none without `--mig-dynamic`).
     dynamic: Arc<Mutex<Option<gpu_display::DynamicMigView>>>,
+    /// Where what is served is recorded ([`record`]; none: not recorded).
+    record_dir: Arc<Mutex<Option<PathBuf>>>,
+    /// Resources whose plugin was made at start for recorded devices
+    /// alone (dropped before serving if no pod holds those).
+    made_for_lost: Arc<Mutex<BTreeSet<String>>>,
 }
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -172,9 +177,93 @@ impl MigPlugins {
             out: Default::default(),
             told: Default::default(),
             dynamic: Default::default(),
+            record_dir: Default::default(),
+            made_for_lost: Default::default(),
         };
         m.add_and_update(by_profile(gpus, mig));
         m
+    }
+
+    /// Starts from what the last manager recorded in `state_dir` as well:
+    /// its devices that are gone now (destroyed while no manager ran) are
+    /// listed lost, so the pods holding them are told ([`lost`]). From now
+    /// on what is served is recorded there. `gpus`: the node's now (a
+    /// device is found by its GPU's UUID).
+    pub fn with_record(self, state_dir: &Path, gpus: &[GpuInfo]) -> MigPlugins {
+        let served: BTreeSet<String> = self.all_served().into_iter().map(|r| r.uuid).collect();
+        let gone: Vec<Served> = record::load(state_dir)
+            .into_iter()
+            .filter(|r| !served.contains(&r.uuid))
+            .filter_map(|r| {
+                let Some(parent) = gpus.iter().find(|g| g.uuid == r.gpu) else {
+                    tracing::info!(uuid = %r.uuid, gpu = %r.gpu, "a recorded MIG device's GPU is not on this node any more: dropped");
+                    return None;
+                };
+                tracing::warn!(uuid = %r.uuid, profile = %r.profile, gpu = parent.index, "a MIG device served before this manager started is gone (destroyed while no manager ran): listed Unhealthy while a pod may hold it");
+                Some(Served {
+                    parent: parent.clone(),
+                    device: r.device(),
+                    lost: true,
+                })
+            })
+            .collect();
+        *locked(&self.record_dir) = Some(state_dir.to_path_buf());
+        self.add_lost(gone);
+        self.store();
+        self
+    }
+
+    /// Adds devices already lost, each to its profile's plugin (made for a
+    /// profile with nothing else left).
+    fn add_lost(&self, gone: Vec<Served>) {
+        let out = locked(&self.out).clone();
+        let mut plugins = locked(&self.plugins);
+        for s in gone {
+            let resource = mig_resource_name(&self.prefix, &s.device.profile);
+            let p = plugins
+                .entry(resource.clone())
+                .or_insert_with(|| {
+                    locked(&self.made_for_lost).insert(resource.clone());
+                    self.plugin_of(resource, s.device.profile.clone())
+                })
+                .clone();
+            let mut now = locked(&p.served).clone();
+            now.push(s);
+            p.set_served(now, &out);
+        }
+    }
+
+    fn plugin_of(&self, resource: String, profile: String) -> Arc<MigPlugin> {
+        Arc::new(MigPlugin {
+            resource,
+            profile,
+            served: Default::default(),
+            list: DeviceList::new(Vec::new()),
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    /// Every device listed, lost or not, as the record keeps it.
+    fn all_served(&self) -> Vec<record::RecordedDevice> {
+        let plugins = locked(&self.plugins);
+        let mut out = Vec::new();
+        for p in plugins.values() {
+            for s in locked(&p.served).iter() {
+                out.push(record::RecordedDevice::new(&s.parent.uuid, &s.device));
+            }
+        }
+        out
+    }
+
+    /// Records what is listed now (where [`Self::with_record`] said); a
+    /// failure is logged: the devices are served all the same.
+    fn store(&self) {
+        let Some(dir) = locked(&self.record_dir).clone() else {
+            return;
+        };
+        if let Err(e) = record::store(&dir, self.all_served()) {
+            tracing::warn!(error = %e, "recording the MIG devices served: a manager started later will not know of devices destroyed before it");
+        }
     }
 
     /// The plugin of `resource`.
@@ -210,6 +299,7 @@ impl MigPlugins {
         let out = locked(&self.out).clone();
         let mut plugins = locked(&self.plugins);
         let mut told = locked(&self.told);
+        let mut changed = false;
         for p in plugins.values() {
             let now = p.with_lost(by.remove(&p.profile).unwrap_or_default());
             // Served again: told again if lost again.
@@ -221,21 +311,21 @@ impl MigPlugins {
             if was != is {
                 tracing::info!(resource = %p.resource, before = ?was, now = ?is, "MIG devices changed (true: lost, listed Unhealthy while a pod may hold it)");
                 p.set_served(now, &out);
+                changed = true;
             }
         }
         let mut added = Vec::new();
+        changed |= !by.is_empty();
         for (profile, served) in by {
             let resource = mig_resource_name(&self.prefix, &profile);
-            let p = Arc::new(MigPlugin {
-                resource: resource.clone(),
-                profile,
-                served: Default::default(),
-                list: DeviceList::new(Vec::new()),
-                ctx: self.ctx.clone(),
-            });
+            let p = self.plugin_of(resource.clone(), profile);
             p.set_served(served, &out);
             plugins.insert(resource, p.clone());
             added.push(p);
+        }
+        drop((plugins, told));
+        if changed {
+            self.store();
         }
         added
     }
@@ -492,5 +582,6 @@ pub mod dynamic;
 pub mod fits;
 mod lost;
 pub mod passed_over;
+pub mod record;
 #[cfg(test)]
 mod tests;

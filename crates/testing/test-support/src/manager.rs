@@ -154,9 +154,20 @@ impl Env {
     /// it has registered.
     pub async fn kill9_and_start(&mut self, args: &[String]) {
         let regs = self.registrations();
+        self.kill9();
+        self.start_again(args, regs).await;
+    }
+
+    /// kill -9 of the manager, reaped.
+    pub fn kill9(&mut self) {
         // SAFETY: SIGKILL to our own child, not yet reaped.
         unsafe { libc::kill(self.manager.id() as i32, libc::SIGKILL) };
         let _ = self.manager.wait();
+    }
+
+    /// A manager started with `args` after [`Env::kill9`], waited for
+    /// until it registered (`regs`: [`Env::registrations`] before).
+    pub async fn start_again(&mut self, args: &[String], regs: [u64; 2]) {
         let log = std::fs::OpenOptions::new()
             .append(true)
             .open(&self.log)

@@ -121,7 +121,8 @@ pub async fn run(
             vdriver_dir: s.vdriver_path.clone(),
             extra_devices: extra.devices.clone(),
         },
-    );
+    )
+    .with_record(&s.checkpoint_path, found.topology.gpus());
     let mgr = build_manager(&s, allocator, &found, extra, client.clone(), pods).await;
     let claim =
         owner::claim(&s.checkpoint_path, &s.device_plugin_path, &instance).with_context(|| {
@@ -159,6 +160,11 @@ pub async fn run(
     let stop_plugins = CancellationToken::new();
     let watchers = [mgr.vcore.watchers(), mgr.vmemory.watchers()];
     let plugins = start_plugins(&s, &mgr, &metrics, &gate, &sockets, sup, &stop_plugins).await?;
+    // Devices destroyed while no manager ran (the record): their pods are
+    // told now, not at the first rescan (none without one).
+    let (kubelet, events) = (mgr.kubelet(), mgr.events());
+    mig.settle_recorded(kubelet.as_ref(), &mgr.pods_now(), events.as_ref())
+        .await;
     mig.start(&s.device_plugin_path, &instance, stop_plugins.clone())?;
     if let Some(period) = s.mig_rescan_period
         && found.mig.iter().any(|m| m.enabled)
@@ -173,16 +179,7 @@ pub async fn run(
             cancel.clone(),
             move |states| {
                 mig.refresh(&gpus, &states).map_err(|e| format!("{e:#}"))?;
-                if mig.has_lost() {
-                    // Who holds them: the kubelet's List, off this loop.
-                    let (mig, mgr) = (mig.clone(), mgr.clone());
-                    tokio::spawn(async move {
-                        let pods = mgr.pods_now();
-                        let (kubelet, events) = (mgr.kubelet(), mgr.events());
-                        mig.settle_lost(kubelet.as_ref(), &pods, events.as_ref())
-                            .await;
-                    });
-                }
+                settle_lost_mig(&mig, &mgr);
                 Ok(())
             },
         );
@@ -258,6 +255,21 @@ pub async fn run(
 }
 
 /// This instance's two plugin sockets (vcore, vmemory).
+/// Tells the pods holding lost MIG devices, and withdraws those no pod
+/// holds: the kubelet's `List`, off the caller's loop.
+fn settle_lost_mig(mig: &crate::mig::MigPlugins, mgr: &Arc<Manager>) {
+    if !mig.has_lost() {
+        return;
+    }
+    let (mig, mgr) = (mig.clone(), mgr.clone());
+    tokio::spawn(async move {
+        let pods = mgr.pods_now();
+        let (kubelet, events) = (mgr.kubelet(), mgr.events());
+        mig.settle_lost(kubelet.as_ref(), &pods, events.as_ref())
+            .await;
+    });
+}
+
 pub fn plugin_sockets(dir: &Path, instance: &str) -> [PathBuf; 2] {
     [VCORE_SOCKET, VMEMORY_SOCKET].map(|s| dir.join(mode::device_plugin_socket(s, instance)))
 }

@@ -61,6 +61,7 @@ impl MigPlugins {
             .collect();
         p.set_served(kept, &out);
         locked(&self.told).remove(uuid);
+        self.store();
     }
 
     /// Takes devices whose instances vcuda destroyed itself (dynamic MIG:
@@ -72,6 +73,40 @@ impl MigPlugins {
             let gone = |s: &super::Served| s.lost && uuids.contains(&s.device.uuid);
             if served.iter().any(gone) {
                 p.set_served(served.into_iter().filter(|s| !gone(s)).collect(), &out);
+            }
+        }
+        self.store();
+    }
+
+    /// At start, before serving: [`Self::settle_lost`] for the devices the
+    /// record says were destroyed while no manager ran, then drops the
+    /// plugins made for those alone that no pod holds (an instance vcuda
+    /// destroyed itself at start, say). A `List` that fails or does not
+    /// answer in 5 s leaves them listed, Unhealthy, for the rescans.
+    pub async fn settle_recorded(
+        &self,
+        kubelet: &dyn KubeletSource,
+        pods: &[Arc<Pod>],
+        events: &dyn EventSink,
+    ) {
+        if !self.has_lost() {
+            return;
+        }
+        let settle = self.settle_lost(kubelet, pods, events);
+        if tokio::time::timeout(std::time::Duration::from_secs(5), settle)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "the kubelet's List did not answer in 5 s: lost MIG devices stay listed Unhealthy until a rescan settles them"
+            );
+            return;
+        }
+        let made = std::mem::take(&mut *locked(&self.made_for_lost));
+        let mut plugins = locked(&self.plugins);
+        for r in made {
+            if plugins.get(&r).is_some_and(|p| p.is_empty()) {
+                plugins.remove(&r);
             }
         }
     }

@@ -397,3 +397,95 @@ async fn a_device_destroyed_under_a_pod_stays_unhealthy_and_the_pod_is_told() {
     assert!(!ids(&small).iter().any(|(id, _)| id == "MIG-b"));
     assert_eq!(events.posted().len(), 2);
 }
+
+/// A manager started after instances were destroyed while none ran
+/// ([`MigPlugins::with_record`]): what its predecessor recorded and NVML
+/// no longer has is listed lost, Unhealthy (a profile with nothing left
+/// gets a plugin for it), so the pods holding it can be told; a device of
+/// a GPU no longer on the node is dropped; the record then follows what is
+/// listed, and a lost device withdrawn leaves it.
+#[tokio::test]
+async fn a_manager_started_after_a_destruction_lists_the_device_lost() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state_dir = tmp.path().join("state");
+    std::fs::create_dir(&state_dir).unwrap();
+    let gpus = [gpu(0, 4), gpu(1, 5)];
+    drop(node(tmp.path()).with_record(&state_dir, &gpus));
+    let mut rec = record::load(&state_dir);
+    let uuids = |r: &[record::RecordedDevice]| {
+        let mut u: Vec<String> = r.iter().map(|d| d.uuid.clone()).collect();
+        u.sort();
+        u
+    };
+    assert_eq!(uuids(&rec), ["MIG-a", "MIG-b", "MIG-c"]);
+    let mut elsewhere = rec[0].clone();
+    elsewhere.gpu = "GPU-9".into();
+    elsewhere.uuid = "MIG-z".into();
+    rec.push(elsewhere);
+    record::store(&state_dir, rec).unwrap();
+
+    // Meanwhile the 3g.40gb and one 1g.10gb were destroyed.
+    let next = MigPlugins::new(
+        "nvidia.com/mig-",
+        &gpus,
+        &state(vec![mig("MIG-c", "1g.10gb", 10)]),
+        MigContext {
+            host_root: tmp.path().to_path_buf(),
+            vdriver_dir: "/v".into(),
+            extra_devices: vec![],
+        },
+    )
+    .with_record(&state_dir, &gpus);
+    assert_eq!(
+        next.resources(),
+        ["nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"]
+    );
+    let small = next.plugin("nvidia.com/mig-1g.10gb").unwrap();
+    assert_eq!(
+        ids(&small),
+        [
+            ("MIG-c".to_string(), "Healthy".to_string()),
+            ("MIG-b".to_string(), "Unhealthy".to_string())
+        ]
+    );
+    assert_eq!(
+        ids(&next.plugin("nvidia.com/mig-3g.40gb").unwrap()),
+        [("MIG-a".to_string(), "Unhealthy".to_string())]
+    );
+    assert!(matches!(
+        small.edits(&["MIG-b".into()]),
+        Err(MigRefusal::Lost { .. })
+    ));
+    let lost: Vec<_> = next
+        .lost_views()
+        .into_iter()
+        .map(|v| (v.uuid, v.gpu))
+        .collect();
+    assert_eq!(lost, [("MIG-b".to_string(), 0), ("MIG-a".to_string(), 0)]);
+    assert_eq!(
+        uuids(&record::load(&state_dir)),
+        ["MIG-a", "MIG-b", "MIG-c"]
+    );
+
+    // At start a pod holds the 1g.10gb: it stays, Unhealthy, and the pod
+    // is told; the 3g.40gb nobody holds is withdrawn, and the plugin made
+    // for it alone dropped before anything is served.
+    let (kubelet, events) = (MemoryKubelet::default(), AllEvents::default());
+    let holder = PodKey::Name {
+        namespace: "ns".into(),
+        name: "infer".into(),
+    };
+    let resource = "nvidia.com/mig-1g.10gb";
+    kubelet.record(holder.clone(), "main", resource, &["MIG-b".into()]);
+    next.settle_recorded(&kubelet, &[], &events).await;
+    assert_eq!(next.resources(), [resource]);
+    assert_eq!(ids(&small).len(), 2);
+    assert_eq!(events.posted().len(), 1);
+    assert_eq!(uuids(&record::load(&state_dir)), ["MIG-b", "MIG-c"]);
+
+    // No pod holds it any more: withdrawn, and out of the record.
+    let nobody = MemoryKubelet::default();
+    next.settle_lost(&nobody, &[], &events).await;
+    assert!(!next.has_lost());
+    assert_eq!(uuids(&record::load(&state_dir)), ["MIG-c"]);
+}
