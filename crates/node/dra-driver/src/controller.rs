@@ -217,14 +217,34 @@ impl SliceController {
         true
     }
 
+    /// The devices, each dynamic GPU's instance Xids given to the
+    /// placement devices of the prepared claims whose instance they name.
+    fn with_placement_xids(&self) -> Vec<GpuDevice> {
+        let mut devices = self.devices.clone();
+        if devices.iter().all(|d| d.instance_xids.is_empty()) {
+            return devices;
+        }
+        for c in self.driver.prepared() {
+            for p in &c.devices {
+                let (Some(m), Some(d)) = (&p.mig, devices.get_mut(p.gpu_index)) else {
+                    continue;
+                };
+                if m.placement.is_none() {
+                    continue;
+                }
+                if let Some(&xid) = d.instance_xids.get(&m.gpu_instance) {
+                    d.placement_xids.insert(p.device.clone(), xid);
+                }
+            }
+        }
+        devices
+    }
+
     async fn publish(&self) {
         *self.healthy.lock().unwrap_or_else(PoisonError::into_inner) =
             self.devices.iter().map(GpuDevice::healthy).collect();
-        match self
-            .publisher
-            .reconcile(self.api.as_ref(), &self.devices)
-            .await
-        {
+        let devices = self.with_placement_xids();
+        match self.publisher.reconcile(self.api.as_ref(), &devices).await {
             Ok(p) => tracing::debug!(?p, "ResourceSlice reconciled"),
             Err(e) => {
                 tracing::warn!(error = %e, "publishing the ResourceSlice (retried at the next resync)")
@@ -363,6 +383,7 @@ mod tests {
                     pcie_root: None,
                     nvlink_domain: None,
                     instance_xids: Default::default(),
+                    placement_xids: Default::default(),
                 }],
                 healthy: healthy.clone(),
                 xid_quiet_period: Duration::from_secs(300),

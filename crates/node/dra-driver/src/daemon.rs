@@ -348,6 +348,7 @@ async fn publish(
             pcie_root: topology::pcie_root(&s.host_root, &g.pci_bus_id),
             nvlink_domain,
             instance_xids: Default::default(),
+            placement_xids: Default::default(),
         })
         .collect();
     let published = publisher

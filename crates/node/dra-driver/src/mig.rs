@@ -114,6 +114,7 @@ pub(crate) mod tests {
             pcie_root: Some("pci0000:20".into()),
             nvlink_domain: Some("GPU-h100".into()),
             instance_xids: Default::default(),
+            placement_xids: Default::default(),
         }
     }
 
@@ -197,6 +198,7 @@ pub(crate) mod tests {
         let sick = GpuDevice {
             // GPU instance 9 is the 1g.10gb.
             instance_xids: [(9, 94)].into(),
+            placement_xids: Default::default(),
             ..h100_mig()
         };
         let left = slices::build(

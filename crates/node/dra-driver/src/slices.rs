@@ -46,6 +46,10 @@ pub struct GpuDevice {
     /// Critical Xids NVML named inside a GPU instance, by its id, until
     /// their quiet period passes: those MIG devices alone are out.
     pub instance_xids: BTreeMap<u32, u64>,
+    /// On a dynamic GPU, the placement devices whose instance has one of
+    /// those Xids (by device name; the controller derives it from the
+    /// prepared claims when it publishes): only they are out.
+    pub placement_xids: BTreeMap<String, u64>,
     /// `resource.kubernetes.io/pcieRoot`, where sysfs says
     /// ([`crate::topology::pcie_root`]).
     pub pcie_root: Option<String>,
@@ -149,7 +153,8 @@ pub(crate) fn version(v: &str) -> DeviceAttribute {
 /// `g`'s devices as the slice shows them under `unhealthy`: the GPU, or
 /// in MIG mode its MIG devices, or when `dynamic` every placement
 /// ([`crate::dynamic`]); a critical Xid of the GPU is theirs too, one
-/// inside a GPU instance that instance's MIG devices' alone.
+/// inside a GPU instance that instance's MIG devices' (or placement's)
+/// alone.
 fn published(
     g: &GpuDevice,
     dynamic: Option<&DynamicGpu>,
@@ -159,7 +164,10 @@ fn published(
     let devices: Vec<(Device, Option<u64>)> = match (&g.mig, dynamic) {
         (_, Some(d)) => dynamic::devices(g, d, driver_version)
             .into_iter()
-            .map(|d| (d, g.xid))
+            .map(|d| {
+                let xid = g.xid.or(g.placement_xids.get(&d.name).copied());
+                (d, xid)
+            })
             .collect(),
         (None, None) => vec![(device(g, driver_version), g.xid)],
         (Some(migs), None) => migs
@@ -507,6 +515,7 @@ mod tests {
             pcie_root: None,
             nvlink_domain: None,
             instance_xids: Default::default(),
+            placement_xids: Default::default(),
         }
     }
 
@@ -638,6 +647,7 @@ mod tests {
             pcie_root: Some("pci0000:3a".into()),
             nvlink_domain: Some("GPU-0".into()),
             instance_xids: Default::default(),
+            placement_xids: Default::default(),
             ..gpu(0, true)
         };
         let s = build("node-a", &[g], "550.54.15", 1, Unhealthy::LeftOut);

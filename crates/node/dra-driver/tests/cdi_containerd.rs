@@ -358,6 +358,7 @@ async fn inject(cri: RuntimeServiceClient<Channel>, spec_dir: PathBuf, image: St
             pcie_root: None,
             nvlink_domain: None,
             instance_xids: Default::default(),
+            placement_xids: Default::default(),
         })
         .collect();
     publisher.reconcile(&api, &devices).await.unwrap();

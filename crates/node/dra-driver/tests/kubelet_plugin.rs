@@ -26,6 +26,7 @@ fn devices(healthy: [bool; 2]) -> Vec<GpuDevice> {
             pcie_root: None,
             nvlink_domain: None,
             instance_xids: Default::default(),
+            placement_xids: Default::default(),
         })
         .collect()
 }

@@ -24,6 +24,7 @@ fn devices() -> Vec<GpuDevice> {
             pcie_root: None,
             nvlink_domain: None,
             instance_xids: Default::default(),
+            placement_xids: Default::default(),
         })
         .collect()
 }

@@ -343,3 +343,76 @@ async fn an_instance_made_for_a_claim_and_destroyed_under_it_is_reported() {
     cancel.cancel();
     daemon.await.unwrap().unwrap();
 }
+
+/// Every device of the node's pool (its slices with devices).
+fn pool_devices(server: &ApiServer) -> Vec<serde_json::Value> {
+    server
+        .list(Kind::ResourceSlice)
+        .iter()
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .collect()
+}
+
+/// An Xid inside the GPU instance made for a claim taints that claim's
+/// placement device alone in the pool (the GPU's other placements stay
+/// as they were), and the kubelet's health stream says which instance.
+/// The build before tainted nothing for an instance's Xid on a dynamic
+/// GPU (only the GPU's own Xids reached its placements).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_xid_inside_a_made_instance_taints_its_placement_alone() {
+    use dra_api::dra_health::v1alpha1::HealthStatus;
+    let sim = SimNode::install("sim-mig-h100");
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    let cancel = CancellationToken::new();
+    let daemon = start(settings(&sim, &dirs), &cancel).await;
+    let kubelet = kubelet(&dirs, false).await;
+    until(10, "the pool published", || {
+        server
+            .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
+            .is_some()
+    })
+    .await;
+    let (uid, device) = claim(&server, "small", "1g.10gb");
+    let device = device.unwrap();
+    let small = plugin::claim(NS, "small", &uid);
+    let r = kubelet.prepare(std::slice::from_ref(&small)).await.unwrap();
+    assert_eq!(r.claims[&uid].error, "");
+    let (g, _) = sim.state().mig_devices(0)[0];
+    let mut health = kubelet.watch_health().await.unwrap();
+    let mut next = async || plugin::next_device_health(&mut health, NODE, &device).await;
+    assert_eq!(next().await.0, HealthStatus::Healthy as i32);
+
+    sim.xid(0, 94, Some(g.id));
+    let (h, message) = next().await;
+    assert_eq!(h, HealthStatus::Unhealthy as i32, "{message}");
+    assert!(message.contains("critical Xid 94"), "{message}");
+    let tainted = |server: &ApiServer| -> Vec<String> {
+        pool_devices(server)
+            .iter()
+            .filter(|d| !d["taints"].is_null())
+            .map(|d| d["name"].as_str().unwrap_or_default().to_string())
+            .collect()
+    };
+    until(10, "the claim's placement tainted", || {
+        tainted(&server) == [device.clone()]
+    })
+    .await;
+    let d = pool_devices(&server)
+        .into_iter()
+        .find(|d| d["name"] == device.as_str())
+        .unwrap();
+    assert_eq!(d["taints"][0]["value"], "xid-94", "{d}");
+    assert!(
+        pool_devices(&server).len() > 10,
+        "every placement published"
+    );
+
+    kubelet
+        .unprepare(std::slice::from_ref(&small))
+        .await
+        .unwrap();
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+}
