@@ -128,15 +128,31 @@ pub fn converge(
 }
 
 /// Where one more instance of `profile` goes beside the existing ones
-/// (none destroyed); `None` when it does not fit.
+/// (none destroyed); `None` when it does not fit. Of the free placements,
+/// the one that leaves the most placements of every profile in `shape`
+/// free (then the highest start): instances made one at a time would
+/// otherwise fill a GPU from slice 0 and shut out the large profiles that
+/// can only start there (on an H100, a 1g.10gb at slice 0 rules out the
+/// 4g.40gb and the 7g.80gb; at slice 6, only the 7g.80gb and the second
+/// 3g.40gb).
 pub fn place_one(shape: &MigShape, existing: &[Instance], profile: u32) -> Option<Slices> {
     let used = existing.iter().fold(0, |m, i| m | i.slices.mask());
-    shape
-        .placements
-        .get(&profile)?
-        .iter()
-        .copied()
-        .find(|s| s.mask() & used == 0)
+    let free_after = |taken: u64| {
+        let all = shape.placements.values().flatten();
+        all.filter(|s| s.mask() & taken == 0).count()
+    };
+    let mut best: Option<(usize, Slices)> = None;
+    for &s in shape.placements.get(&profile)? {
+        if s.mask() & used != 0 {
+            continue;
+        }
+        let left = free_after(used | s.mask());
+        // Ties: the highest start (large profiles start low).
+        if best.is_none_or(|(b, _)| left >= b) {
+            best = Some((left, s));
+        }
+    }
+    best.map(|(_, s)| s)
 }
 
 /// Steps keeping the instances `keep` marks and placing `left` around them.

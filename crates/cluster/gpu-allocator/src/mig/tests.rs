@@ -157,11 +157,28 @@ fn a_geometry_already_there_takes_no_step_and_fragmentation_is_undone() {
     assert!(converge(&g, &held, &[G3, G4]).is_err());
 }
 
+/// One more instance goes where it shuts out the fewest placements: on an
+/// empty H100 a 1g.10gb at slice 6 (leaving the 4g.40gb and a 3g.40gb at
+/// 0, which the first free placement, slice 0, would not), the next ones
+/// filling from the end; beside a 3g.40gb at 0, slice 6 again (a 2g.20gb
+/// still fits at 4).
 #[test]
-fn one_more_instance_goes_to_the_first_free_placement() {
+fn one_more_instance_goes_where_it_shuts_out_the_fewest_placements() {
     let g = h100();
+    assert_eq!(place_one(&g, &[], G1), Some(s(6, 1)));
+    let mut there = vec![];
+    for want in [6, 5, 4] {
+        let at = place_one(&g, &there, G1).unwrap();
+        assert_eq!(at, s(want, 1), "{there:?}");
+        there.push(inst(G1, at, true, true));
+    }
+    assert_eq!(place_one(&g, &there, G4), Some(s(0, 4)));
+    assert_eq!(place_one(&g, &there, G3), Some(s(0, 4)));
+
     let there = [inst(G3, s(0, 4), true, true)];
-    assert_eq!(place_one(&g, &there, G1), Some(s(4, 1)));
+    assert_eq!(place_one(&g, &there, G1), Some(s(6, 1)));
+    let with_1g = [there[0].clone(), inst(G1, s(6, 1), true, true)];
+    assert_eq!(place_one(&g, &with_1g, G2), Some(s(4, 2)));
     assert_eq!(place_one(&g, &there, G3), Some(s(4, 4)));
     assert_eq!(place_one(&g, &there, G4), None);
     assert_eq!(place_one(&g, &there, 42), None);

@@ -141,8 +141,14 @@ fn place(gpus: &mut [DynGpu], name: &str, actions: &mut Vec<Action>) -> bool {
         let Some(p) = g.profiles.iter().find(|p| p.name == name) else {
             continue;
         };
+        // Every profile's placements: where it goes is judged by what it
+        // leaves for the others.
         let shape = MigShape {
-            placements: BTreeMap::from([(p.id, p.placements.clone())]),
+            placements: g
+                .profiles
+                .iter()
+                .map(|q| (q.id, q.placements.clone()))
+                .collect(),
         };
         let existing: Vec<plan::Instance> = g
             .instances
@@ -230,9 +236,11 @@ mod tests {
     }
 
     #[test]
-    fn a_needed_profile_is_made_where_it_first_fits_and_overlaps_nothing() {
+    fn a_needed_profile_is_made_where_it_leaves_most_and_overlaps_nothing() {
+        // The first 3g.40gb at slice 4 (the 4g.40gb, which starts only at
+        // 0, still fits beside it), the second at 0, a third nowhere.
         let d = decide(&[h100(0)], &map(&[("3g.40gb", 3)]), &map(&[]));
-        assert_eq!(creates(&d), [(0, "3g.40gb", 0), (0, "3g.40gb", 4)]);
+        assert_eq!(creates(&d), [(0, "3g.40gb", 4), (0, "3g.40gb", 0)]);
         assert_eq!(d.unplaced, map(&[("3g.40gb", 1)]));
         // The two made already count: nothing more to do, nothing to undo.
         let mut g = h100(0);
@@ -248,7 +256,7 @@ mod tests {
             &map(&[("1g.10gb", 1), ("7g.80gb", 1)]),
             &map(&[]),
         );
-        assert_eq!(creates(&d), [(0, "7g.80gb", 0), (1, "1g.10gb", 0)]);
+        assert_eq!(creates(&d), [(0, "7g.80gb", 0), (1, "1g.10gb", 6)]);
         assert!(d.unplaced.is_empty());
     }
 
@@ -277,7 +285,7 @@ mod tests {
         let mut g = h100(0);
         g.instances = vec![inst(1, 9, 0, 4), inst(2, 9, 4, 4)];
         // One 3g.40gb still needed (a pod holds none yet), the other not;
-        // a 2g.20gb wanted goes where the surplus one (the first) was.
+        // a 2g.20gb wanted goes into the surplus one's (the first's) room.
         let d = decide(
             &[g],
             &map(&[("3g.40gb", 1), ("2g.20gb", 1)]),
@@ -295,7 +303,7 @@ mod tests {
                     gpu: 0,
                     profile: 14,
                     name: "2g.20gb".into(),
-                    slices: Slices { start: 0, size: 2 }
+                    slices: Slices { start: 2, size: 2 }
                 }
             ]
         );
