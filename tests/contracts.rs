@@ -53,6 +53,7 @@ fn request_v1() -> RegisterRequest {
         previous_slot: None,
         previous_slots: Vec::new(),
         qos_pages: false,
+        qos_flags: false,
     }
 }
 
@@ -82,6 +83,16 @@ fn registration_requests_of_both_protocols_are_read() {
     };
     let b = golden("register-request-v2-qos-pages.pb", || today.encode_to_vec());
     assert_eq!(RegisterRequest::decode(b.as_slice()).unwrap(), today);
+    // And, since, that it reads pages of layout 2 and latency flags (field
+    // 10); the bodies above, from before, read as not: such an interposer
+    // is sent no QoS descriptor and runs plain.
+    let flags = RegisterRequest {
+        qos_flags: true,
+        ..today.clone()
+    };
+    let b = golden("register-request-v2-qos-flags.pb", || flags.encode_to_vec());
+    assert_eq!(RegisterRequest::decode(b.as_slice()).unwrap(), flags);
+    assert!(!today.qos_flags);
 }
 
 /// A reply from a manager of today's release; and one from before the
@@ -172,8 +183,33 @@ fn memory_requests_and_a_borrowers_reply_are_read() {
         message: "GPU GPU-0 has 4096 MiB nobody is guaranteed".into(),
         available: 3 * GIB,
         reclaimed: 0,
+        ..Default::default()
     };
     let b = golden("memory-response-refused.pb", || resp.encode_to_vec());
+    let read = MemoryResponse::decode(b.as_slice()).unwrap();
+    assert_eq!(read, resp);
+    assert!(
+        !read.qos,
+        "an answer from before the flags is a memory answer"
+    );
+    // A batch process's QOS_FLAGS (kind 4) and its answer: two latency
+    // flags of page 0, their descriptors on the frame.
+    let req = MemoryRequest {
+        kind: memory_request::Kind::QosFlags as i32,
+        bytes: 0,
+    };
+    let b = golden("memory-request-qos-flags.pb", || req.encode_to_vec());
+    assert_eq!(MemoryRequest::decode(b.as_slice()).unwrap(), req);
+    let resp = MemoryResponse {
+        status: memory_response::Status::Granted as i32,
+        qos: true,
+        qos_flags: vec![
+            vcuda_api::vcuda::QosFlag { page: 0, slot: 0 },
+            vcuda_api::vcuda::QosFlag { page: 0, slot: 3 },
+        ],
+        ..Default::default()
+    };
+    let b = golden("memory-response-qos-flags.pb", || resp.encode_to_vec());
     assert_eq!(MemoryResponse::decode(b.as_slice()).unwrap(), resp);
 }
 

@@ -528,6 +528,7 @@ async fn interposer_registers_over_vcuda_sock() {
             previous_slot: None,
             previous_slots: Vec::new(),
             qos_pages: false,
+            qos_flags: false,
         };
         vcuda_api::vcuda::frame::write(&mut s, &req).unwrap();
         let (body, fd) = container_ledger::fdpass::recv_frame(s.as_fd(), 65536).unwrap();

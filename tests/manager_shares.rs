@@ -170,6 +170,7 @@ fn register_at_protocol_2(dir: &std::path::Path, uid: &str, q: &MultiGpuQuota) {
             previous_slot: None,
             previous_slots: Vec::new(),
             qos_pages: false,
+            qos_flags: false,
         };
         vcuda_api::vcuda::frame::write(&mut s, &req).unwrap();
         let (body, fds) = container_ledger::fdpass::recv_frame_fds(s.as_fd(), 65536).unwrap();
@@ -367,21 +368,20 @@ async fn tiered_pods_get_their_tier_and_their_gpus_qos_page() {
     use std::os::unix::fs::MetadataExt;
     let mut env = Env::start("sim-1gpu", Options::default()).await;
     let vm = env.vm_dir();
-    let register = |uid: &str| {
-        let dir = vm.join(uid).join("main");
-        let req = RegisterRequest {
-            protocol_version: 1,
-            pod_uid: uid.to_string(),
-            container_name: "main".into(),
-            bus_id: "0000:00:00.0".into(),
-            local_pid: 1,
-            program: "test".into(),
-            previous_slot: None,
-            previous_slots: Vec::new(),
-            qos_pages: false,
-        };
-        test_support::hostile::register(&dir, &req)
+    let request = |uid: &str| RegisterRequest {
+        protocol_version: 1,
+        pod_uid: uid.to_string(),
+        container_name: "main".into(),
+        bus_id: "0000:00:00.0".into(),
+        local_pid: 1,
+        program: "test".into(),
+        previous_slot: None,
+        previous_slots: Vec::new(),
+        qos_pages: false,
+        qos_flags: true,
     };
+    let register =
+        |uid: &str| test_support::hostile::register(&vm.join(uid).join("main"), &request(uid));
     let lat = env.pod(&[("main", 30, 8)], &[("tencent.com/vcuda-tier", "latency")]);
     let batch = env.pod(&[("main", 50, 8)], &[("tencent.com/vcuda-tier", "batch")]);
     let plain = env.pod(&[("main", 10, 4)], &[]);
@@ -408,9 +408,38 @@ async fn tiered_pods_get_their_tier_and_their_gpus_qos_page() {
             .unwrap()
             .ino()
     };
-    assert_eq!(ino(&lfds[1]), ino(&bfds[1]), "one page for the GPU");
+    // The latency process gets a flag of its own, writable until it seals
+    // it; the batch process the GPU's page, read-only.
+    let flag = qos_page::Flag::adopt(lfds[1].as_fd()).unwrap();
     let page = QosPage::from_fd(bfds[1].as_fd()).unwrap();
     assert_eq!(page.latency_live(), 1);
+    assert!(
+        !writable(&bfds[1]),
+        "a batch process cannot write the GPU's page"
+    );
+    // The batch process asks for the latency flags: the sealed one comes,
+    // read-only, and shows what the latency process writes.
+    let (bflags, bflag_fds) = test_support::hostile::qos_flags(&_b);
+    assert_eq!(bflags.len(), 1, "{bflags:?}");
+    assert_eq!(
+        ino(&bflag_fds[0]),
+        ino(&lfds[1]),
+        "the latency process's flag"
+    );
+    assert!(!writable(&bflag_fds[0]), "nor the latency flag");
+    let view = qos_page::FlagView::open(bflag_fds[0].as_fd()).unwrap();
+    flag.busy(u64::MAX);
+    assert_eq!(view.deadline(), u64::MAX);
+    flag.idle();
+    assert_eq!(view.deadline(), 0);
+    // An interposer from before the flags (field 10 unset) is sent no QoS
+    // descriptor: it runs plain.
+    let old = RegisterRequest {
+        qos_flags: false,
+        ..request(&batch.uid)
+    };
+    let (_o, o, ofds) = test_support::hostile::register(&vm.join(&batch.uid).join("main"), &old);
+    assert_eq!((o.qos_page, ofds.len()), (false, 1), "{o:?}");
     let (_p, p, pfds) = register(&plain.uid);
     assert_eq!(
         (p.qos_page, pfds.len()),
@@ -449,4 +478,26 @@ async fn tiered_pods_get_their_tier_and_their_gpus_qos_page() {
         .to_string();
     assert!(m.contains("annotation tencent.com/vcuda-tier"), "{m}");
     assert!(m.contains("unknown QoS tier \"gold\""), "{m}");
+}
+
+/// Whether a shared writable mapping of `fd` can be made.
+fn writable(fd: &std::os::fd::OwnedFd) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a mapping attempt on a live descriptor, unmapped at once
+    // when it succeeds.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        );
+        if p == libc::MAP_FAILED {
+            return false;
+        }
+        libc::munmap(p, 4096);
+        true
+    }
 }

@@ -41,6 +41,8 @@ struct Run {
     /// The latency share's ledger flag: its controller found its own use
     /// invisible to NVML (and charged it all busy time).
     lat_unattributed: u64,
+    /// The batch share's held launches (its ledger): ns waited, holds.
+    held: (u64, u64),
 }
 
 /// One run at a time: each is two processes timing the sim's device, and
@@ -92,10 +94,15 @@ fn beside_latency_with(batch_args: &[&str], latency_extra: &[&str], env: &[(&str
     let batch_busy = n.busy(&[b.pid], from, to);
     let out = kv(&workload::finish(l));
     workload::finish(b);
+    let held = {
+        let l = batch.manager.as_ref().unwrap().ledger();
+        (l.qos_held_ns(), l.qos_holds())
+    };
     Run {
         page,
         batch_busy,
         out,
+        held,
         lat_unattributed: lat
             .manager
             .as_ref()
@@ -111,9 +118,9 @@ fn a_batch_share_holds_while_the_latency_share_has_work_and_keeps_the_rest() {
         page,
         batch_busy,
         out,
+        held: (held_ns, holds),
         ..
     } = beside_latency(&["saturate", "4"], &[]);
-    let (held_ns, holds) = page.page.held();
     assert!(
         holds > 0 && held_ns > 0,
         "batch launches were held: {holds} holds, {held_ns} ns"
@@ -168,7 +175,7 @@ fn a_latency_share_that_polls_for_its_end_frees_batch_work_when_it_is_done() {
     // instead (a request every 10 ms), it would hold batch launches
     // nearly all the time.
     let r = beside_latency(&["saturate", "4"], &["poll"]);
-    let (held_ns, holds) = r.page.page.held();
+    let (held_ns, holds) = r.held;
     let held = held_ns as f64 / 1e9 / (SECONDS + 2.0);
     eprintln!(
         "shim_qos: beside a polling latency tenant batch was held {:.1} % of its run ({holds} holds), kept {:.1} % of the GPU",

@@ -73,8 +73,10 @@ pub fn after_fork_child() {
     }
 }
 
-/// A frame the watcher read on the connection.
-pub fn deliver(body: &[u8]) {
+/// A frame the watcher read on the connection, with the descriptors it
+/// carried: the latency flags' answer goes to [`crate::qos`], any other to
+/// the thread waiting for it.
+pub fn deliver(body: &[u8], fds: Vec<std::os::fd::OwnedFd>) {
     let resp = match MemoryResponse::decode(body) {
         Ok(r) => r,
         Err(e) => {
@@ -85,9 +87,34 @@ pub fn deliver(body: &[u8]) {
             return;
         }
     };
+    if resp.qos {
+        let flags: Vec<(u32, u32)> = resp.qos_flags.iter().map(|f| (f.page, f.slot)).collect();
+        crate::qos::on_flags(&flags, fds);
+        return;
+    }
     let c = &proc().chan;
     c.answer.lock().unwrap_or_else(|e| e.into_inner()).resp = Some(resp);
     c.cv.notify_all();
+}
+
+/// Asks for the GPUs' latency flags (the watcher, which reads the answer
+/// itself: it does not wait). Not counted as the one request in flight:
+/// its answer is told apart by `qos`.
+pub fn ask_qos_flags() {
+    let req = MemoryRequest {
+        kind: Kind::QosFlags as i32,
+        bytes: 0,
+    };
+    let Ok(buf) = frame::encode(&req) else { return };
+    let c = &proc().chan;
+    let _s = c.send.lock().unwrap_or_else(|e| e.into_inner());
+    let fd = REQ_FD.load(Ordering::Acquire);
+    if fd >= 0 && !send_all(fd, &buf) {
+        log!(
+            Debug,
+            "asking for the latency flags: the connection refused it"
+        );
+    }
 }
 
 /// Sends one request and waits for its answer; `None` when there is no

@@ -1,7 +1,10 @@
 //! Compute tiers (docs/qos.md): a batch-tier process holds its launches
 //! while a latency-tier process on its GPU has work in flight; a
-//! latency-tier process says when it has. Both through the GPU's QoS page
-//! (`qos_page`), which the manager hands over at registration.
+//! latency-tier process says when it has, in a flag only it can write.
+//! The manager hands a batch process the GPU's page (read-only: how many
+//! latency processes there are) at registration and the latency flags
+//! (read-only) when it asks ([`flags_wanted`], the watcher's tick); a
+//! latency process its flags (`qos_page`).
 //!
 //! Launch path ([`before_launch`]): one load of [`ROLE`] for a process of
 //! neither tier; a batch process also loads the page's count of latency
@@ -37,12 +40,14 @@
 mod flight;
 mod window;
 
+use crate::log::log;
 use crate::real::real_cuda;
 use crate::throttle::bucket::now_ns;
-use qos_page::{Holder, QosPage, Tier};
+use qos_page::{Flag, FlagView, QosPage, Tier};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicPtr, AtomicU8, AtomicU64, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long a latency launch counts as in flight without a synchronize.
 pub const LATENCY_HOLD_NS: u64 = 20_000_000;
@@ -68,39 +73,144 @@ const MORE_MAX: usize = 15;
 static MORE: [AtomicPtr<AtomicU64>; MORE_MAX] =
     [const { AtomicPtr::new(std::ptr::null_mut()) }; MORE_MAX];
 static N_MORE: AtomicUsize = AtomicUsize::new(0);
-/// A GPU's QoS page as the manager handed it, with a latency process's slot.
-pub type Grant = (QosPage, Option<Holder>);
+/// What the manager handed for one GPU of the share: a batch process the
+/// GPU's page (read-only), a latency process its own flag (writable by it
+/// alone).
+#[derive(Clone, Copy)]
+pub enum Grant {
+    Batch(QosPage),
+    Latency(Flag),
+}
 
-/// The pages (one per GPU of the share) and (latency) the slots, for the
-/// out-of-line paths.
+/// The grants (one per GPU of the share), for the out-of-line paths.
 static PAGES: Mutex<Vec<Grant>> = Mutex::new(Vec::new());
+
+/// A batch process's latency flags, per page, and what it asked for.
+struct Flags {
+    views: Vec<Vec<FlagView>>,
+    /// The pages' generations the views answer (`u64::MAX`: none yet).
+    seen: Vec<u64>,
+    /// The generations when it last asked, and when.
+    asking: Vec<u64>,
+    asked_at: Option<Instant>,
+}
+
+static FLAGS: Mutex<Flags> = Mutex::new(Flags {
+    views: Vec::new(),
+    seen: Vec::new(),
+    asking: Vec::new(),
+    asked_at: None,
+});
+
+/// Asks again at most this often while a page counts more latency
+/// processes than flags came (one not sealed yet, or a manager that
+/// answers late).
+const ASK_EVERY: Duration = Duration::from_millis(100);
+
+fn flags() -> std::sync::MutexGuard<'static, Flags> {
+    FLAGS.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 fn word(p: &QosPage) -> *mut AtomicU64 {
     p.live_word() as *const AtomicU64 as *mut AtomicU64
 }
 
-/// The registration's answer: this process's tier and its GPUs' pages
-/// (with a slot in each for a latency process). A re-registration may hand
-/// new pages (a restarted manager): old mappings stay (never unmapped).
+/// The registration's answer: this process's tier and its GPUs' grants. A
+/// re-registration may hand new ones (a restarted manager): old mappings
+/// stay (never unmapped); a batch process asks for the new flags.
 pub fn on_register(tier: Tier, pages: Vec<Grant>) {
+    let batch = |g: &Grant| matches!(g, Grant::Batch(_));
     let role = match tier {
         _ if pages.is_empty() => NONE,
-        Tier::Batch => BATCH,
-        Tier::Latency if pages.iter().all(|(_, h)| h.is_some()) => LATENCY,
+        Tier::Batch if pages.iter().all(batch) => BATCH,
+        Tier::Latency if !pages.iter().any(batch) => LATENCY,
         _ => NONE,
     };
     // Not while a launch may read them as a batch process's.
     ROLE.store(NONE, Ordering::Release);
-    if let Some((first, _)) = pages.first() {
-        LIVE.store(word(first), Ordering::Release);
+    let live: Vec<*mut AtomicU64> = pages
+        .iter()
+        .map(|g| match g {
+            Grant::Batch(p) => word(p),
+            Grant::Latency(_) => std::ptr::null_mut(),
+        })
+        .collect();
+    if let Some(&first) = live.first().filter(|w| !w.is_null()) {
+        LIVE.store(first, Ordering::Release);
     }
-    let more = pages.get(1..).unwrap_or_default();
-    for (slot, (p, _)) in MORE.iter().zip(more) {
-        slot.store(word(p), Ordering::Release);
+    let more = live.get(1..).unwrap_or_default();
+    for (slot, &w) in MORE.iter().zip(more) {
+        slot.store(w, Ordering::Release);
     }
     N_MORE.store(more.len().min(MORE_MAX), Ordering::Release);
+    {
+        let mut f = flags();
+        f.views = vec![Vec::new(); pages.len()];
+        f.seen = vec![u64::MAX; pages.len()];
+        f.asked_at = None;
+    }
     *PAGES.lock().unwrap_or_else(|e| e.into_inner()) = pages;
     ROLE.store(role, Ordering::Release);
+}
+
+/// The watcher's tick: whether a batch process should ask the manager for
+/// its GPUs' latency flags now (a page's generation moved, or it counts
+/// more latency processes than flags came, asked at most every
+/// [`ASK_EVERY`]). Marks the question asked.
+pub fn flags_wanted() -> bool {
+    if ROLE.load(Ordering::Acquire) != BATCH {
+        return false;
+    }
+    let pages = PAGES.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let mut f = flags();
+    let gens: Vec<u64> = pages
+        .iter()
+        .map(|g| match g {
+            Grant::Batch(p) => p.generation(),
+            Grant::Latency(_) => 0,
+        })
+        .collect();
+    let short = pages.iter().enumerate().any(|(i, g)| match g {
+        Grant::Batch(p) => p.latency_live() as usize > f.views.get(i).map_or(0, Vec::len),
+        Grant::Latency(_) => false,
+    });
+    if gens == f.seen && !short {
+        return false;
+    }
+    if f.asked_at.is_some_and(|t| t.elapsed() < ASK_EVERY) {
+        return false;
+    }
+    f.asked_at = Some(Instant::now());
+    f.asking = gens;
+    true
+}
+
+/// The manager's answer to `QOS_FLAGS`: `fds[i]` is the flag of latency
+/// slot `flags[i].1` in page `flags[i].0`, each mapped read-only (a
+/// descriptor that is not a sealed flag is left out, logged).
+pub fn on_flags(flags_of: &[(u32, u32)], fds: Vec<OwnedFd>) {
+    let mut f = flags();
+    let mut views = vec![Vec::new(); f.seen.len()];
+    for (&(page, slot), fd) in flags_of.iter().zip(&fds) {
+        match (views.get_mut(page as usize), FlagView::open(fd.as_fd())) {
+            (Some(v), Ok(view)) => v.push(view),
+            (_, Err(e)) => log!(Warn, "latency flag {slot} of QoS page {page} left out: {e}"),
+            (None, _) => log!(
+                Warn,
+                "a latency flag for QoS page {page}, which this share lacks"
+            ),
+        }
+    }
+    f.views = views;
+    f.seen = std::mem::take(&mut f.asking);
+}
+
+/// When the latency work on device `dev` still counts at `now`: the latest
+/// of its flags' deadlines past `now`.
+fn held_until(dev: usize, now: u64) -> Option<u64> {
+    let f = flags();
+    let deadlines = f.views.get(dev)?.iter().map(FlagView::deadline);
+    deadlines.filter(|&d| d > now).max()
 }
 
 /// Before each launch onto `stream` (`ptsz`: a per-thread variant; see the
@@ -142,7 +252,7 @@ fn current_index() -> Option<usize> {
     }
 }
 
-/// The page (and slot) of the share's device `dev`.
+/// The grant of the share's device `dev`.
 fn grant(dev: usize) -> Option<Grant> {
     PAGES
         .lock()
@@ -155,12 +265,14 @@ fn grant(dev: usize) -> Option<Grant> {
 #[inline(never)]
 fn batch_beside_latency(stream: Stream, ptsz: bool) {
     let Some(dev) = current_index() else { return };
-    let Some((page, _)) = grant(dev) else { return };
+    let Some(Grant::Batch(page)) = grant(dev) else {
+        return;
+    };
     if page.latency_live() == 0 {
         // The latency process is on another GPU of the share.
         return;
     }
-    hold(page, dev);
+    hold(dev);
     if !window::before_launch(stream, ptsz) {
         // A bound of one launch: what is queued now must end first.
         let _ = sync_stream(stream, ptsz);
@@ -179,13 +291,13 @@ fn sync_stream(stream: Stream, ptsz: bool) -> cuda_abi::CUresult {
     unsafe { f(stream) }
 }
 
-/// Waits while `page` says a latency process has work, up to
-/// [`MAX_HOLD_NS`]; counts the wait in the page (the GPU's) and in the
-/// container's ledger of the share's device `dev` (the container's).
-fn hold(page: QosPage, dev: usize) {
+/// Waits while a latency flag of the share's device `dev` says its
+/// process has work, up to [`MAX_HOLD_NS`]; counts the wait in the
+/// container's ledger of that device.
+fn hold(dev: usize) {
     let t0 = now_ns();
     let mut now = t0;
-    while let Some(until) = page.held_until(now) {
+    while let Some(until) = held_until(dev, now) {
         if now - t0 >= MAX_HOLD_NS {
             break;
         }
@@ -194,7 +306,6 @@ fn hold(page: QosPage, dev: usize) {
         now = now_ns();
     }
     if now > t0 {
-        page.add_held(now - t0);
         let p = crate::registration::proc();
         if let Some(a) = p.attach().as_ref().filter(|a| dev < a.gpus.len()) {
             a.gpu(dev).ledger.add_qos_held_ns(now - t0);
@@ -210,8 +321,8 @@ fn latency_launch(stream: Stream, ptsz: bool, captured: impl FnOnce() -> bool) {
         return;
     }
     let Some(dev) = current_index() else { return };
-    if let Some((page, Some(h))) = grant(dev) {
-        page.busy(h, now_ns() + LATENCY_HOLD_NS);
+    if let Some(Grant::Latency(flag)) = grant(dev) {
+        flag.busy(now_ns() + LATENCY_HOLD_NS);
         flight::launched(dev, stream, ptsz);
     }
 }
@@ -332,8 +443,8 @@ fn latency_idle(on: Synced) {
         (Synced::Stream(s, ptsz), _) => flight::stream_done(dev, s, ptsz),
         _ => flight::device_done(dev),
     };
-    if let (true, Some((page, Some(h)))) = (idle, grant(dev)) {
-        page.idle(h);
+    if let (true, Some(Grant::Latency(flag))) = (idle, grant(dev)) {
+        flag.idle();
     }
 }
 

@@ -26,9 +26,10 @@
 
 use crate::config::{self, Enforce};
 use crate::log::{self, log};
+use crate::qos::Grant;
 use crate::table::AllocTable;
 use container_ledger::{Ledger, fdpass};
-use qos_page::{Holder, QosPage, Tier};
+use qos_page::{Flag, QosPage, Tier};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -497,6 +498,7 @@ fn register_once(
         local_pid: std::process::id() as i32,
         program: program_name(),
         qos_pages: true,
+        qos_flags: true,
         previous_slot: previous_slots.first().map(|&s| s as u32),
         previous_slots: if gpus > 1 {
             previous_slots.iter().map(|&s| s as u32).collect()
@@ -547,10 +549,7 @@ fn register_once(
 /// The compute tier the reply names and the QoS pages it carries (the
 /// descriptors after the ledgers': one for a one-GPU share, `qos_pages` for
 /// one on several GPUs), each with a latency process's slot.
-fn qos_of(
-    resp: &RegisterResponse,
-    extra: Vec<OwnedFd>,
-) -> Result<(Tier, Vec<crate::qos::Grant>), RegError> {
+fn qos_of(resp: &RegisterResponse, extra: Vec<OwnedFd>) -> Result<(Tier, Vec<Grant>), RegError> {
     let tier = Tier::from_wire(resp.qos_tier);
     let (n, slots): (usize, Vec<u32>) = if resp.qos_pages > 0 {
         (resp.qos_pages as usize, resp.qos_slots.clone())
@@ -571,16 +570,31 @@ fn qos_of(
             slots.len()
         )));
     }
+    if let Some(s) = slots.iter().find(|&&s| s as usize >= qos_page::SLOTS) {
+        return Err(RegError::Protocol(format!("QoS slot {s} out of range")));
+    }
     let mut grants = Vec::with_capacity(n);
     for (i, fd) in extra.iter().take(n).enumerate() {
         // The mapping outlives the descriptor (closed when `extra` drops).
-        let page = QosPage::from_fd(fd.as_fd()).map_err(|e| RegError::Protocol(e.to_string()))?;
-        let holder = match slots.get(i) {
-            Some(&s) if (s as usize) < qos_page::SLOTS => Some(Holder { slot: s as usize }),
-            Some(s) => return Err(RegError::Protocol(format!("QoS slot {s} out of range"))),
-            None => None,
+        // A latency process (with its slots) is handed its flags, a batch
+        // one the GPU's pages.
+        let g = if tier == Tier::Latency && !slots.is_empty() {
+            Flag::adopt(fd.as_fd()).map(Grant::Latency)
+        } else {
+            QosPage::from_fd(fd.as_fd()).map(Grant::Batch)
         };
-        grants.push((page, holder));
+        match g {
+            Ok(g) => grants.push(g),
+            // A tier orders tenants, it bounds nobody: without it the
+            // process runs as a plain share, its quotas as they are.
+            Err(e) => {
+                log!(
+                    Warn,
+                    "QoS descriptor {i} of the reply: {e}: this process runs as a plain share"
+                );
+                return Ok((Tier::Plain, Vec::new()));
+            }
+        }
     }
     Ok((tier, grants))
 }

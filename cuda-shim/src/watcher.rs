@@ -13,8 +13,8 @@
 //! each other nor this module.
 
 use crate::log::log;
-use crate::{lending, mem, registration, throttle};
-use std::os::fd::AsRawFd;
+use crate::{lending, mem, qos, registration, throttle};
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::Duration;
@@ -80,6 +80,9 @@ fn tick() {
     throttle::tick(registration::container_pids);
     // Memory the driver took on its own (contexts, pools): NVML reconcile.
     mem::reconcile_tick();
+    if qos::flags_wanted() {
+        lending::ask_qos_flags();
+    }
 }
 
 fn watch(mut sock: UnixStream) {
@@ -101,11 +104,12 @@ fn watch(mut sock: UnixStream) {
         if n <= 0 {
             continue;
         }
-        // The manager sends only answers to memory requests; EOF or an
-        // error means it went away.
-        match vcuda_api::vcuda::frame::read_body(&mut sock) {
-            Ok(body) => {
-                lending::deliver(&body);
+        // The manager sends only answers to our requests (the latency
+        // flags' with descriptors); EOF or an error means it went away.
+        let max = vcuda_api::vcuda::frame::MAX_FRAME;
+        match container_ledger::fdpass::recv_frame_fds(sock.as_fd(), max) {
+            Ok((body, fds)) => {
+                lending::deliver(&body, fds);
                 continue;
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,

@@ -65,10 +65,18 @@ impl Ledger {
         self.u64_at(QOS_HELD_NS_OFFSET).load(Ordering::Relaxed)
     }
 
-    /// Adds `ns` a batch launch waited (interposer).
+    /// Adds `ns` a batch launch waited (interposer), and counts the hold.
     pub fn add_qos_held_ns(&self, ns: u64) {
         self.u64_at(QOS_HELD_NS_OFFSET)
             .fetch_add(ns, Ordering::Relaxed);
+        self.u64_at(QOS_HOLDS_OFFSET)
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The container's batch-tier launches that waited for a latency-tier
+    /// tenant. Monotone; survives [`Ledger::reset`].
+    pub fn qos_holds(&self) -> u64 {
+        self.u64_at(QOS_HOLDS_OFFSET).load(Ordering::Relaxed)
     }
 
     /// Bumped by [`Ledger::reset`]; lets a process notice the ledger was

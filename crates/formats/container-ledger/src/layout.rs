@@ -33,6 +33,9 @@ pub const COMPUTE_UNATTRIBUTED_OFFSET: usize = 72;
 /// Offset of the container's batch-held counter (u64 ns: its batch-tier
 /// launches waited for a latency-tier tenant; docs/qos.md) in the header.
 pub const QOS_HELD_NS_OFFSET: usize = 80;
+/// Offset of the container's batch-holds counter (u64: its batch-tier
+/// launches that waited) in the header; 0 in ledgers of releases before it.
+pub const QOS_HOLDS_OFFSET: usize = 88;
 const _: () = assert!(
     THROTTLED_NS_OFFSET / 4096 == COMPUTE_OFFSET / 4096,
     "the throttled counter shares the compute area's page"

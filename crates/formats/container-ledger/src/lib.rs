@@ -24,12 +24,12 @@
 //!
 //! The file layout is fixed (little-endian x86_64/aarch64 native, version
 //! [`VERSION`]): a 4 KiB header, then [`SLOTS`] slots of 64 bytes. The
-//! header holds the quota, the total, its peak, the generation and three
+//! header holds the quota, the total, its peak, the generation and four
 //! container-wide counters the interposer bumps for the display's metrics
 //! ([`Ledger::throttled_ns`], [`Ledger::refused_allocations`],
-//! [`Ledger::qos_held_ns`] at byte 80), the compute controller's
-//! attribution flag ([`Ledger::compute_unattributed`]); bytes `88..1024`
-//! are reserved (zero); bytes `1024..4096` belong to the compute-quota
+//! [`Ledger::qos_held_ns`] at byte 80, [`Ledger::qos_holds`] at 88), the
+//! compute controller's attribution flag ([`Ledger::compute_unattributed`]);
+//! bytes `96..1024` are reserved (zero); bytes `1024..4096` belong to the compute-quota
 //! controller ([`Ledger::compute_words`]).
 //!
 //! The counters took reserved bytes that every ledger of this version has
@@ -54,8 +54,8 @@ use thiserror::Error;
 
 pub use layout::{
     COMPUTE_OFFSET, COMPUTE_UNATTRIBUTED_OFFSET, COMPUTE_WORDS, FILE_SIZE, HEADER_SIZE,
-    LEDGER_FILE, MAGIC, QOS_HELD_NS_OFFSET, REFUSED_ALLOCATIONS_OFFSET, SLOT_SIZE, SLOTS,
-    THROTTLED_NS_OFFSET, VERSION,
+    LEDGER_FILE, MAGIC, QOS_HELD_NS_OFFSET, QOS_HOLDS_OFFSET, REFUSED_ALLOCATIONS_OFFSET,
+    SLOT_SIZE, SLOTS, THROTTLED_NS_OFFSET, VERSION,
 };
 pub use map::dup_cloexec;
 pub use sealed::{MEMFD_PREFIX, MemfdId, REQUIRED_SEALS, find_live, memfd_paths, proc_pids, seals};

@@ -220,9 +220,10 @@ fn counters_start_at_zero_are_shared_and_survive_reset() {
         ),
         (2_000, 2, 700)
     );
+    assert_eq!(at(QOS_HOLDS_OFFSET), 1, "one hold counted");
     let reserved = raw[72..QOS_HELD_NS_OFFSET]
         .iter()
-        .chain(&raw[88..COMPUTE_OFFSET]);
+        .chain(&raw[96..COMPUTE_OFFSET]);
     assert!(reserved.copied().all(|b| b == 0), "reserved");
     assert_eq!(l.compute_unattributed(), 0);
     l2.set_compute_unattributed(1);

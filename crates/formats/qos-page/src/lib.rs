@@ -1,41 +1,59 @@
-//! The per-GPU QoS page (docs/qos.md, docs/contracts.md).
+//! The per-GPU QoS page and the latency flags (docs/qos.md, docs/contracts.md).
 //!
-//! Why a page and not a message: a batch tenant must know, at every kernel
+//! Why pages and not messages: a batch tenant must know, at every kernel
 //! launch and within nanoseconds, whether a latency tenant on its GPU has
-//! work in flight. So the node agent keeps one 4 KiB page per GPU in a
-//! sealed memfd (its size can never change, so no holder can make another's
-//! mapping fault) and hands it, at registration, to every share process on
-//! that GPU; latency-tier processes also get a slot in it.
+//! work in flight. Why two kinds: what one tenant writes must never hold
+//! another unless that tenant is a latency process, so nothing a batch
+//! process maps is writable by it.
 //!
-//! Layout (version 1, native endian, every field a 64-bit word):
+//! - **The GPU's page** ([`QosPage`]): one 4 KiB page per GPU (or MIG
+//!   device) in a memfd the node agent writes alone: sealed against
+//!   resizing and, once the agent has mapped it, against writing
+//!   (`F_SEAL_FUTURE_WRITE`), so every tenant maps it read-only. Handed to
+//!   batch processes at registration.
+//! - **A latency flag** ([`Flag`], [`FlagView`]): one page per latency
+//!   process and GPU, made by the node agent and handed to that process
+//!   alone, which maps it writable and then seals it against writing
+//!   (`F_SEAL_FUTURE_WRITE`, seals sealed). Only flags so sealed are handed
+//!   on to the GPU's batch processes, which map them read-only.
+//!
+//! GPU page, layout version 2 (native endian, 64-bit words):
 //!
 //! | offset | field |
 //! |---|---|
 //! | 0 | magic `VCUDAQOS` |
 //! | 8 | version (u32), then 0 |
-//! | 16 | latency processes registered on the GPU (the node agent's count) |
-//! | 24 | active: bit i set while latency slot i has work in flight |
-//! | 32 | batch launch time held, ns, all batch processes of the GPU |
-//! | 40 | holds: batch launches that waited |
-//! | 512 + 8i | slot i's deadline: CLOCK_MONOTONIC ns after which its bit no longer counts |
-//! | 1024 + 8i | slot i's host PID, 0 when free (the node agent's) |
+//! | 16 | latency processes registered on the GPU |
+//! | 24 | generation: bumped when one registers or goes |
+//! | 1024 + 8i | slot i's host PID, 0 when free |
 //!
-//! The bit is set by a latency process when it launches and cleared when
-//! it synchronises; the deadline bounds how long a bit counts if it never
-//! does (or dies first: the node agent also clears a dead process's slot).
+//! Flag, layout version 1: magic `VCUDAQFL` at 0, version at 8, and at 16
+//! the deadline: CLOCK_MONOTONIC ns until which the process's work counts
+//! as in flight (0: none). Set by the latency process when it launches,
+//! cleared when it synchronises; the deadline bounds how long it counts if
+//! it never does. The agent drops a gone process's flag.
 
+mod flag;
 mod page;
 
-pub use page::{ACTIVE_OFF, Holder, QosError, QosPage};
+pub use flag::{Flag, FlagView, make_flag};
+pub use page::{Holder, QosError, QosPage};
 
 /// `b"VCUDAQOS"`.
 pub const MAGIC: [u8; 8] = *b"VCUDAQOS";
-pub const VERSION: u32 = 1;
+/// The GPU page's layout.
+pub const VERSION: u32 = 2;
+/// `b"VCUDAQFL"`.
+pub const FLAG_MAGIC: [u8; 8] = *b"VCUDAQFL";
+/// The flag's layout.
+pub const FLAG_VERSION: u32 = 1;
 pub const PAGE_SIZE: usize = 4096;
-/// Latency slots per GPU (bits of the active word).
+/// Latency slots per GPU.
 pub const SLOTS: usize = 64;
 /// Name prefix of the page's memfd (`vcuda-qos.<gpu>`).
 pub const MEMFD_PREFIX: &str = "vcuda-qos";
+/// Name prefix of a flag's memfd (`vcuda-qos-flag.<gpu>.<slot>`).
+pub const FLAG_MEMFD_PREFIX: &str = "vcuda-qos-flag";
 
 /// A share's compute tier (docs/qos.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

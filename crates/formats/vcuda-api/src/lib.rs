@@ -118,6 +118,7 @@ pub mod vcuda {
                     previous_slot: Some(3),
                     previous_slots: vec![3, 5],
                     qos_pages: true,
+                    qos_flags: true,
                 };
                 let mut buf = Vec::new();
                 write(&mut buf, &req).unwrap();

@@ -369,7 +369,7 @@ async fn tiers_order_the_tenants_of_one_instance_and_no_other() {
         let edits = cdi::resolve(&dirs.p("cdi"), &one.devices[0].cdi_device_ids[0]).unwrap();
         envs.push((uid, exposed(container_env(&edits))));
     }
-    // Each batch share's page, as a process of it receives it.
+    // Each batch share's page and ledger, as a process of it receives them.
     let page_of = |uid: &str| {
         let req = test_support::hostile::maximal_request(uid, "mig");
         let dir = dirs.p("vm").join(uid).join("mig");
@@ -379,9 +379,12 @@ async fn tiers_order_the_tenants_of_one_instance_and_no_other() {
             (Tier::Batch, true, 2),
             "a batch share inside an instance gets its tier and a page: {r:?}"
         );
-        QosPage::from_fd(fds[1].as_fd()).unwrap()
+        (
+            QosPage::from_fd(fds[1].as_fd()).unwrap(),
+            container_ledger::Ledger::from_fd(fds[0].as_fd()).unwrap(),
+        )
     };
-    let (near_page, far_page) = (page_of(&envs[1].0), page_of(&envs[2].0));
+    let ((_, near), (far_page, far)) = (page_of(&envs[1].0), page_of(&envs[2].0));
 
     let compute = compile_c("shim_compute", &sim, &dirs.p(""));
     let latency = compile_c("qos_latency", &sim, &dirs.p(""));
@@ -413,13 +416,17 @@ async fn tiers_order_the_tenants_of_one_instance_and_no_other() {
     );
     let requests: f64 = kv(&text)["requests"].parse().unwrap();
     assert!(requests >= 200.0, "{text}");
-    let (held_ns, holds) = near_page.held();
+    let (held_ns, holds) = (near.qos_held_ns(), near.qos_holds());
     println!(
         "inside one 2g.20gb: batch held {holds} times, {:.1} ms, beside {text}",
         held_ns as f64 / 1e6
     );
     assert!(holds > 0 && held_ns > 0, "the near batch share was held");
-    assert_eq!(far_page.held(), (0, 0), "the other instance's batch never");
+    assert_eq!(
+        (far.qos_held_ns(), far.qos_holds()),
+        (0, 0),
+        "the other instance's batch never"
+    );
     assert_eq!(far_page.latency_live(), 0);
     for b in batches {
         let o = b.wait_with_output().unwrap();

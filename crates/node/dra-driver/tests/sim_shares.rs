@@ -265,7 +265,6 @@ async fn a_tp2_server_beside_a_second_claim_is_held_per_gpu() {
 /// page (its second) for a latency share there; gpu-2's page holds nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiered_shares_on_several_gpus_are_held_by_their_launchs_gpu() {
-    use qos_page::QosPage;
     use std::process::{Child, Stdio};
     let node = Node::start().await;
     let dirs = &node.dirs;
@@ -346,26 +345,25 @@ async fn tiered_shares_on_several_gpus_are_held_by_their_launchs_gpu() {
         assert!(requests >= 200.0, "{out}");
         println!("latency tenant: {}", out.trim().replace('\n', " "));
     }
-    let held = |p: &QosPage| p.held();
-    let (h0, h1, h2, h3) = (held(&p0[0]), held(&p1[0]), held(&p23[0]), held(&p23[1]));
-    println!("batch held (ns, holds): gpu-0 {h0:?}, gpu-1 {h1:?}, gpu-2 {h2:?}, gpu-3 {h3:?}");
+    // Each container's own count, in its ledger of the GPU it waited on
+    // (the metrics vcuda_container_batch_held_seconds_total and, summed
+    // per GPU, vcuda_gpu_batch_holds_total).
+    let held = |l: &container_ledger::Ledger| (l.qos_held_ns(), l.qos_holds());
+    let (h0, h1, h2, h3) = (held(&l0[0]), held(&l1[0]), held(&l23[0]), held(&l23[1]));
+    println!(
+        "batch held (ns, holds): bat0 on gpu-0 {h0:?}, bat1 on gpu-1 {h1:?}, bat23 on gpu-2 {h2:?}, on gpu-3 {h3:?}"
+    );
     assert!(
-        h0.1 > 0,
+        h0.0 > 0 && h0.1 > 0,
         "the batch share on gpu-0, where lat01 launches, held"
     );
     assert_eq!(h1, (0, 0), "lat01 never launched on gpu-1");
-    assert!(h3.1 > 0, "bat23, launching on gpu-3, held for lat3");
-    assert_eq!(h2, (0, 0), "gpu-2 has no latency share");
-    // Each container's own count, in its ledger of the GPU it waited on
-    // (the metric vcuda_container_batch_held_seconds_total).
-    let own = |l: &container_ledger::Ledger| l.qos_held_ns();
-    let (c0, c1, c2, c3) = (own(&l0[0]), own(&l1[0]), own(&l23[0]), own(&l23[1]));
-    println!(
-        "batch held per container (ns): bat0 {c0}, bat1 {c1}, bat23 on gpu-2 {c2}, on gpu-3 {c3}"
+    assert!(
+        h3.0 > 0 && h3.1 > 0,
+        "bat23, launching on gpu-3, held for lat3"
     );
-    assert!(c0 > 0 && c0 <= h0.0, "bat0's own wait, within its GPU's");
-    assert_eq!((c1, c2), (0, 0), "bat1 and bat23 on gpu-2 never waited");
-    assert!(c3 > 0 && c3 <= h3.0, "bat23's wait on gpu-3");
+    assert_eq!(h2, (0, 0), "gpu-2 has no latency share");
+    let _ = (&p0, &p23);
     for b in batches {
         let o = b.wait_with_output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -448,7 +446,7 @@ async fn a_latency_process_is_idle_only_where_and_once_all_it_launched_is_done()
     );
     let env = exposed(node.prepare("lat01", &lat).await);
     node.prepare("bat01", &bat).await;
-    let (_conn, pages, _) = batch_pages(dirs, &bat, 2);
+    let (conn, _pages, _) = batch_pages(dirs, &bat, 2);
     let prog = dirs.p("qos_sync");
     let lib = dirs.p("sim").join("usr/lib/x86_64-linux-gnu");
     test_support::sim::gcc_lcuda(&workspace_root().join("tests/c/qos_sync.c"), &lib, &prog);
@@ -463,7 +461,12 @@ async fn a_latency_process_is_idle_only_where_and_once_all_it_launched_is_done()
         .unwrap();
     let mut stdin = child.stdin.take().unwrap();
     let mut out = BufReader::new(child.stdout.take().unwrap());
-    let marked = || [0, 1].map(|g| pages[g].held_until(0).is_some());
+    // The latency flags the batch process is handed (asked anew each
+    // step), read-only: a mark is a deadline set.
+    let marked = || {
+        let views = test_support::hostile::qos_flag_views(&conn, 2);
+        [0, 1].map(|g| views[g].iter().any(|v| v.deadline() != 0))
+    };
     // Step, then the pages' marks (gpu-0, gpu-1) it must leave.
     let steps = [
         ("launched", [true, true]),

@@ -91,17 +91,50 @@ pub struct ShareQos {
     pub pages: Vec<QosDevice>,
 }
 
-/// One device's QoS page and the memfd it lives in.
+/// One device's QoS page, the memfd it lives in, and the latency flags of
+/// the processes holding its slots (shared by every share on the device).
 #[derive(Clone)]
 pub struct QosDevice {
+    /// The page's number among the daemon's (names the flags' memfds).
+    pub index: usize,
     pub page: QosPage,
     pub file: Arc<File>,
+    /// Slot -> that latency process's flag (docs/qos.md).
+    pub flags: Arc<Mutex<BTreeMap<usize, Arc<File>>>>,
+}
+
+impl QosDevice {
+    pub fn new(index: usize, page: QosPage, file: File) -> QosDevice {
+        QosDevice {
+            index,
+            page,
+            file: Arc::new(file),
+            flags: Default::default(),
+        }
+    }
+
+    fn flags(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, Arc<File>>> {
+        self.flags.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The flags their processes have sealed, by slot: what batch
+    /// processes may be given (one not yet sealed could still be mapped
+    /// writable by whoever holds it).
+    pub fn sealed_flags(&self) -> Vec<(usize, Arc<File>)> {
+        let flags = self.flags();
+        let sealed = flags
+            .iter()
+            .filter(|(_, f)| qos_page::Flag::is_sealed(&***f));
+        sealed.map(|(&s, f)| (s, f.clone())).collect()
+    }
 }
 
 impl ShareQos {
-    /// Gives back a process's slots (`hs[i]` in `pages[i]`).
+    /// Gives back a process's slots (`hs[i]` in `pages[i]`) and drops its
+    /// flags.
     fn release(&self, hs: &[Holder]) {
         for (d, h) in self.pages.iter().zip(hs) {
+            d.flags().remove(&h.slot);
             d.page.release(*h);
         }
     }
@@ -264,6 +297,18 @@ impl Procs {
                     "every latency slot of a GPU's QoS page is taken: the process runs as a plain share");
                 return None;
             };
+            match qos_page::make_flag(d.index, h.slot) {
+                Ok(f) => {
+                    d.flags().insert(h.slot, Arc::new(f));
+                }
+                Err(e) => {
+                    d.page.release(h);
+                    q.release(&hs);
+                    tracing::warn!(pid, container = %self.container, error = %e,
+                        "making a latency flag: the process runs as a plain share");
+                    return None;
+                }
+            }
             hs.push(h);
         }
         holders.insert(pid, hs.clone());
@@ -586,17 +631,24 @@ impl Registry {
     /// A GPU's QoS and lending figures (docs/qos.md), for the display.
     pub fn gpu_figures(&self, uuid: &str) -> GpuFigures {
         let shares = self.shares();
-        // Every tiered share on the GPU holds the same page: the first found.
-        let page = shares.iter().find_map(|p| {
-            let i = p.memory.gpus.iter().position(|g| g.uuid == uuid)?;
-            Some(p.qos.as_ref()?.pages.get(i)?.page)
-        });
+        // The batch shares' own counts of their held launches on the GPU
+        // (their ledgers: the GPU's page is the agent's alone).
+        let (mut held_ns, mut holds, mut tiered) = (0, 0, false);
+        for p in &shares {
+            let Some(i) = p.memory.gpus.iter().position(|g| g.uuid == uuid) else {
+                continue;
+            };
+            tiered |= p.qos.is_some();
+            if let Some((l, _)) = p.ledgers.get(i) {
+                held_ns += l.qos_held_ns();
+                holds += l.qos_holds();
+            }
+        }
         let (_, uses) = memory::members(&shares, uuid);
-        let (held_ns, holds) = page.map_or((0, 0), |p| p.held());
         GpuFigures {
             batch_held_ns: held_ns,
             batch_holds: holds,
-            tiered: page.is_some(),
+            tiered,
             memory_lent_bytes: memory::lent(&uses),
         }
     }

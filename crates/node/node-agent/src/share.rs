@@ -9,9 +9,8 @@
 //! (MIG, priorities) lands here once, not in each daemon.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use qos_page::{QosPage, Tier};
 use quota_config::{GpuQuota, MultiGpuQuota, ResourceData};
@@ -150,7 +149,7 @@ pub struct Shares {
     /// Each GPU's QoS page (by UUID), made when a share of a tier first
     /// opens on it; lives as long as the daemon (a restarted one makes
     /// fresh pages, which the re-registering processes pick up).
-    pages: Mutex<HashMap<String, (QosPage, Arc<File>)>>,
+    pages: Mutex<HashMap<String, QosDevice>>,
     // Orders opens and closes of one directory (a close racing a reopen of
     // the same container must not remove the new files).
     files: Mutex<()>,
@@ -219,12 +218,12 @@ impl Shares {
         let mut devices = Vec::with_capacity(s.gpus.len());
         for g in &s.gpus {
             if !pages.contains_key(&g.uuid) {
-                let (page, file) = QosPage::create_sealed(pages.len())
+                let index = pages.len();
+                let (page, file) = QosPage::create_sealed(index)
                     .map_err(|e| std::io::Error::other(format!("QoS page of {}: {e}", g.uuid)))?;
-                pages.insert(g.uuid.clone(), (page, Arc::new(file)));
+                pages.insert(g.uuid.clone(), QosDevice::new(index, page, file));
             }
-            let (page, file) = pages[&g.uuid].clone();
-            devices.push(QosDevice { page, file });
+            devices.push(pages[&g.uuid].clone());
         }
         Ok(Some(ShareQos {
             tier: s.tier,

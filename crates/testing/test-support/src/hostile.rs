@@ -28,6 +28,7 @@ pub fn maximal_request(pod_uid: &str, container: &str) -> RegisterRequest {
         previous_slot: Some(0),
         previous_slots: Vec::new(),
         qos_pages: true,
+        qos_flags: true,
     }
 }
 
@@ -338,4 +339,30 @@ pub fn assert_held(out: &str, quota: u64, who: &str) {
     );
     assert_eq!(get("last"), 2, "{who}: refused past the quota: {out}");
     assert!(get("allocated") * 64 * (1 << 20) <= quota, "{who}: {out}");
+}
+
+/// A batch process's `QOS_FLAGS` on its registration connection `conn`:
+/// the latency flags (page, slot) and their descriptors.
+pub fn qos_flags(conn: &UnixStream) -> (Vec<(u32, u32)>, Vec<OwnedFd>) {
+    use vcuda_api::vcuda::{MemoryRequest, MemoryResponse, memory_request};
+    let mut c = conn.try_clone().unwrap();
+    let req = MemoryRequest {
+        kind: memory_request::Kind::QosFlags as i32,
+        bytes: 0,
+    };
+    vcuda_api::vcuda::frame::write(&mut c, &req).unwrap();
+    let (body, fds) = container_ledger::fdpass::recv_frame_fds(c.as_fd(), 65536).unwrap();
+    let r = MemoryResponse::decode(body.as_slice()).unwrap();
+    assert!(r.qos, "not an answer to QOS_FLAGS: {r:?}");
+    (r.qos_flags.iter().map(|f| (f.page, f.slot)).collect(), fds)
+}
+
+/// [`qos_flags`] mapped read-only, by page (`pages` of them).
+pub fn qos_flag_views(conn: &UnixStream, pages: usize) -> Vec<Vec<qos_page::FlagView>> {
+    let (flags, fds) = qos_flags(conn);
+    let mut by = vec![Vec::new(); pages];
+    for ((page, _), fd) in flags.iter().zip(&fds) {
+        by[*page as usize].push(qos_page::FlagView::open(fd.as_fd()).unwrap());
+    }
+    by
 }

@@ -141,6 +141,7 @@ mod tests {
             previous_slot: Some(3),
             previous_slots: Vec::new(),
             qos_pages: true,
+            qos_flags: true,
         }
     }
 

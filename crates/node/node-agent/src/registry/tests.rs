@@ -24,6 +24,7 @@ fn request(version: u32) -> RegisterRequest {
         previous_slot: None,
         previous_slots: Vec::new(),
         qos_pages: true,
+        qos_flags: true,
     }
 }
 
@@ -179,13 +180,10 @@ async fn tiered_shares_get_their_gpus_qos_page_and_latency_a_slot() {
     std::fs::create_dir_all(&lat).unwrap();
     std::fs::create_dir_all(&bat).unwrap();
     let (page, file) = QosPage::create_sealed(0).unwrap();
-    let file = Arc::new(file);
+    let device = QosDevice::new(0, page, file);
     let qos = |tier| ShareQos {
         tier,
-        pages: vec![QosDevice {
-            page,
-            file: file.clone(),
-        }],
+        pages: vec![device.clone()],
     };
     let reg = Registry::default();
     reg.serve_share(
@@ -220,26 +218,43 @@ async fn tiered_shares_get_their_gpus_qos_page_and_latency_a_slot() {
         (Tier::from_wire(resp.qos_tier), resp.qos_page),
         (Tier::Latency, true)
     );
-    assert_eq!(fds.len(), 2, "the ledger, then the page");
-    assert_eq!(inode(&fds[1]), inode(&*file));
-    let seen = QosPage::from_fd(fds[1].as_fd()).unwrap();
+    assert_eq!(fds.len(), 2, "the ledger, then the latency flag");
     let slot = resp.qos_slot.expect("a latency slot") as usize;
-    assert_eq!(seen.latency_live(), 1);
-    seen.busy(Holder { slot }, u64::MAX);
+    assert_eq!(page.latency_live(), 1);
+    assert_eq!(page.generation(), 1);
+    let flag_file = device.flags.lock().unwrap()[&slot].clone();
+    assert_eq!(inode(&fds[1]), inode(&*flag_file), "its own flag");
     assert!(
-        page.held_until(0).is_some(),
-        "the agent's page is the same memory"
+        device.sealed_flags().is_empty(),
+        "not handed on before it is sealed"
     );
+    let flag = qos_page::Flag::adopt(fds[1].as_fd()).unwrap();
+    assert_eq!(device.sealed_flags().len(), 1);
 
     let b2 = bat.clone();
-    let (_sb, resp, fds) = blocking(move || register(&b2, request(1))).await;
+    let (sb, resp, fds) = blocking(move || register(&b2, request(1))).await;
     assert_eq!(
         (Tier::from_wire(resp.qos_tier), resp.qos_page),
         (Tier::Batch, true)
     );
     assert_eq!((resp.qos_slot, fds.len()), (None, 2));
+    assert_eq!(inode(&fds[1]), inode(&*device.file), "the GPU's page");
+    let seen = QosPage::from_fd(fds[1].as_fd()).unwrap();
+    assert_eq!((seen.latency_live(), seen.generation()), (1, 1));
+    // It asks for the flags: the latency process's, read-only.
+    let views = blocking(move || {
+        let v = test_flags(&sb);
+        (sb, v)
+    })
+    .await;
+    let (sb, views) = views;
+    assert_eq!(views.len(), 1);
+    flag.busy(u64::MAX);
+    assert_eq!(views[0].deadline(), u64::MAX, "the same memory");
+    flag.idle();
+    assert_eq!(views[0].deadline(), 0);
 
-    // The latency process ends: its slot and its busy mark go.
+    // The latency process ends: its slot and its flag go.
     drop(s);
     for _ in 0..200 {
         if page.latency_live() == 0 {
@@ -248,7 +263,14 @@ async fn tiered_shares_get_their_gpus_qos_page_and_latency_a_slot() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(page.latency_live(), 0);
-    assert_eq!(page.held_until(0), None);
+    assert_eq!(seen.generation(), 2, "moved: batch processes ask again");
+    assert!(device.flags.lock().unwrap().is_empty());
+    let (_, views) = blocking(move || {
+        let v = test_flags(&sb);
+        (sb, v)
+    })
+    .await;
+    assert!(views.is_empty());
     reg.stop("l");
     reg.stop("b");
 }
@@ -265,10 +287,7 @@ async fn a_tiered_share_on_two_gpus_gets_a_page_and_a_slot_per_gpu() {
     let devices: Vec<QosDevice> = (0..2)
         .map(|i| {
             let (page, file) = QosPage::create_sealed(i).unwrap();
-            QosDevice {
-                page,
-                file: Arc::new(file),
-            }
+            QosDevice::new(i, page, file)
         })
         .collect();
     let reg = Registry::default();
@@ -293,9 +312,11 @@ async fn a_tiered_share_on_two_gpus_gets_a_page_and_a_slot_per_gpu() {
         "not in the one-page fields"
     );
     assert_eq!((resp.qos_pages, resp.qos_slots.len()), (2, 2), "{resp:?}");
-    assert_eq!(fds.len(), 4, "two ledgers, then two pages");
+    assert_eq!(fds.len(), 4, "two ledgers, then two flags");
     for (i, d) in devices.iter().enumerate() {
-        assert_eq!(inode(&fds[2 + i]), inode(&*d.file), "page {i} in order");
+        let slot = resp.qos_slots[i] as usize;
+        let flag = d.flags.lock().unwrap()[&slot].clone();
+        assert_eq!(inode(&fds[2 + i]), inode(&*flag), "flag {i} in order");
         assert_eq!(d.page.latency_live(), 1, "a slot in page {i}");
     }
     let b2 = bat.clone();
@@ -309,6 +330,9 @@ async fn a_tiered_share_on_two_gpus_gets_a_page_and_a_slot_per_gpu() {
         (Tier::Batch, 2, 0)
     );
     assert_eq!(fds.len(), 4);
+    for (i, d) in devices.iter().enumerate() {
+        assert_eq!(inode(&fds[2 + i]), inode(&*d.file), "page {i} in order");
+    }
     // An interposer from before the pages (no qos_pages in its request):
     // its ledgers alone, as it counts them, and it runs plain.
     let b3 = bat.clone();
@@ -512,4 +536,22 @@ async fn a_reclaim_believes_the_driver_over_a_ledger_written_down() {
     let _ = honest.kill();
     assert_eq!(reg.ledger_counters("liar").unwrap().reclaims, 1);
     assert_eq!(reg.ledger_counters("honest").unwrap().reclaims, 0);
+}
+
+/// A batch process's `QOS_FLAGS` over the blocking socket: its flags,
+/// mapped read-only.
+fn test_flags(s: &std::os::unix::net::UnixStream) -> Vec<qos_page::FlagView> {
+    use vcuda_api::vcuda::{MemoryRequest, MemoryResponse, memory_request};
+    let mut c = s.try_clone().unwrap();
+    let req = MemoryRequest {
+        kind: memory_request::Kind::QosFlags as i32,
+        bytes: 0,
+    };
+    vcuda_api::vcuda::frame::write(&mut c, &req).unwrap();
+    let (body, fds) = container_ledger::fdpass::recv_frame_fds(c.as_fd(), 65536).unwrap();
+    let r = <MemoryResponse as prost::Message>::decode(body.as_slice()).unwrap();
+    assert!(r.qos, "{r:?}");
+    fds.iter()
+        .map(|f| qos_page::FlagView::open(f.as_fd()).unwrap())
+        .collect()
 }

@@ -7,12 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prost::Message;
+use qos_page::Tier;
 use tokio::io::{AsyncReadExt, Interest};
 use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
 use vcuda_api::vcuda::frame::{PROTOCOL_VERSION, PROTOCOL_VERSION_MULTI_GPU};
 use vcuda_api::vcuda::{
-    MemoryRequest, MemoryResponse, RegisterRequest, RegisterResponse, register_response::Status,
+    MemoryRequest, MemoryResponse, QosFlag, RegisterRequest, RegisterResponse, memory_request,
+    register_response::Status,
 };
 
 use super::budget::{self, Allowance, MAX_REQUEST};
@@ -33,12 +35,16 @@ async fn send(
     resp: &RegisterResponse,
     ledgers: &[&File],
 ) -> std::io::Result<()> {
-    let body = resp.encode_to_vec();
-    let fds: Vec<_> = ledgers.iter().map(|f| f.as_fd()).collect();
+    send_body(stream, &resp.encode_to_vec(), ledgers).await
+}
+
+/// One frame with `files` attached (SCM_RIGHTS).
+async fn send_body(stream: &UnixStream, body: &[u8], files: &[&File]) -> std::io::Result<()> {
+    let fds: Vec<_> = files.iter().map(|f| f.as_fd()).collect();
     loop {
         stream.writable().await?;
         match stream.try_io(Interest::WRITABLE, || {
-            container_ledger::fdpass::send_frame_fds(stream.as_fd(), &body, &fds)
+            container_ledger::fdpass::send_frame_fds(stream.as_fd(), body, &fds)
         }) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             r => return r,
@@ -156,18 +162,17 @@ async fn answer(
         );
     }
     let slots = slots.unwrap_or_default();
-    // Several pages only to a client that reads them (an interposer from
-    // before them would count them as ledgers and refuse the reply).
+    // Pages only to a client that reads layout 2 and flags (one from
+    // before mapped the page writable: it runs plain), several only to one
+    // that reads them. A latency process gets its flags in the pages'
+    // place; one without a slot runs plain.
     let qos = procs
         .qos
         .as_ref()
-        .filter(|q| !slots.is_empty() && (q.pages.len() == 1 || req.qos_pages));
-    let qos_slots: Vec<u32> = qos
-        .and_then(|_| procs.qos_slots(pid))
-        .unwrap_or_default()
-        .iter()
-        .map(|h| h.slot as u32)
-        .collect();
+        .filter(|q| !slots.is_empty() && req.qos_flags && (q.pages.len() == 1 || req.qos_pages));
+    let holders = qos.and_then(|_| procs.qos_slots(pid)).unwrap_or_default();
+    let qos = qos.filter(|q| q.tier != Tier::Latency || !holders.is_empty());
+    let qos_slots: Vec<u32> = holders.iter().map(|h| h.slot as u32).collect();
     // One page in the fields every interposer with tiers reads; several in
     // protocol 2's, which those from before them ignore (running plain).
     let pages = qos.map_or(0, |q| q.pages.len());
@@ -191,14 +196,52 @@ async fn answer(
         },
     };
     drop(req);
+    let qos_files: Vec<Arc<File>> = match qos {
+        Some(q) if q.tier == Tier::Latency => q
+            .pages
+            .iter()
+            .zip(&holders)
+            .filter_map(|(d, h)| d.flags.lock().ok()?.get(&h.slot).cloned())
+            .collect(),
+        Some(q) => q.pages.iter().map(|d| d.file.clone()).collect(),
+        None => Vec::new(),
+    };
     let files: Vec<&File> = procs
         .ledgers
         .iter()
         .map(|(_, f)| f)
         .take(slots.len())
-        .chain(qos.iter().flat_map(|q| q.pages.iter().map(|d| &*d.file)))
+        .chain(qos_files.iter().map(|f| &**f))
         .collect();
     (true, send(stream, &resp, &files).await)
+}
+
+/// A batch process's `QOS_FLAGS`: the sealed latency flags of each of its
+/// share's pages, the descriptors on the frame (at most what one message
+/// carries).
+fn qos_flags(procs: &Procs) -> (MemoryResponse, Vec<Arc<File>>) {
+    const MAX_FDS: usize = 250;
+    let mut flags = Vec::new();
+    let mut files = Vec::new();
+    for (i, d) in procs.qos.iter().flat_map(|q| q.pages.iter()).enumerate() {
+        for (slot, f) in d.sealed_flags() {
+            if files.len() == MAX_FDS {
+                break;
+            }
+            flags.push(QosFlag {
+                page: i as u32,
+                slot: slot as u32,
+            });
+            files.push(f);
+        }
+    }
+    let resp = MemoryResponse {
+        status: vcuda_api::vcuda::memory_response::Status::Granted as i32,
+        qos: true,
+        qos_flags: flags,
+        ..Default::default()
+    };
+    (resp, files)
 }
 
 /// Holds a registered connection until the process is gone (EOF) or the
@@ -230,6 +273,15 @@ async fn hold(
             }
         };
         let resp = match MemoryRequest::decode(body.as_slice()) {
+            Ok(req) if req.kind == memory_request::Kind::QosFlags as i32 => {
+                let (resp, files) = qos_flags(procs);
+                let files: Vec<&File> = files.iter().map(|f| &**f).collect();
+                let body = resp.encode_to_vec();
+                if send_body(stream, &body, &files).await.is_err() {
+                    return;
+                }
+                continue;
+            }
             Ok(req) => {
                 let answer = reg.lending.answer(procs, pid, &req, || reg.shares());
                 tokio::select! {

@@ -25,7 +25,10 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use vcuda_api::vcuda::{RegisterRequest, RegisterResponse, frame, register_response::Status};
+use vcuda_api::vcuda::{
+    MemoryRequest, MemoryResponse, QosFlag, RegisterRequest, RegisterResponse, frame,
+    memory_request, memory_response, register_response::Status,
+};
 
 /// What the server saw, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,12 +64,15 @@ struct Shared {
     qos: Mutex<Option<Qos>>,
 }
 
-/// A tier and a GPU's QoS page (shared by the managers of the GPU's shares).
+/// A tier and a GPU's QoS page with its latency flags (shared by the
+/// managers of the GPU's shares).
 #[derive(Clone)]
 pub struct Qos {
     pub tier: Tier,
     pub page: QosPage,
     pub file: Arc<std::fs::File>,
+    /// Slot -> that latency process's flag.
+    pub flags: Arc<Mutex<BTreeMap<usize, Arc<std::fs::File>>>>,
 }
 
 impl Qos {
@@ -77,6 +83,7 @@ impl Qos {
             tier: Tier::Plain,
             page,
             file: Arc::new(file),
+            flags: Default::default(),
         }
     }
 
@@ -317,11 +324,21 @@ fn serve(sh: &Shared, mut conn: UnixStream) {
         previous_slot: req.previous_slot,
         program: req.program.clone(),
     });
-    let qos = sh.qos.lock().unwrap().clone().filter(|_| n == 1);
+    let qos = sh
+        .qos
+        .lock()
+        .unwrap()
+        .clone()
+        .filter(|_| n == 1 && req.qos_flags);
     let holder = qos
         .as_ref()
         .filter(|q| q.tier == Tier::Latency)
         .and_then(|q| q.page.claim(pid));
+    let flag = qos.as_ref().zip(holder).map(|(q, h)| {
+        let f = Arc::new(qos_page::make_flag(0, h.slot).unwrap());
+        q.flags.lock().unwrap().insert(h.slot, f.clone());
+        f
+    });
     let resp = RegisterResponse {
         status: Status::Accepted as i32,
         message: String::new(),
@@ -343,8 +360,10 @@ fn serve(sh: &Shared, mut conn: UnixStream) {
     };
     let body = prost::Message::encode_to_vec(&resp);
     let mut fds: Vec<_> = sh.ledgers.iter().map(|(_, f)| f.as_fd()).collect();
-    if let Some(q) = &qos {
-        fds.push(q.file.as_fd());
+    match (&qos, &flag) {
+        (_, Some(f)) => fds.push(f.as_fd()),
+        (Some(q), None) if q.tier != Tier::Latency => fds.push(q.file.as_fd()),
+        _ => {}
     }
     if fdpass::send_frame_fds(conn.as_fd(), &body, &fds).is_err() {
         return;
@@ -352,15 +371,17 @@ fn serve(sh: &Shared, mut conn: UnixStream) {
     // After the reply: the fsyncs of pids.config need not delay cuInit
     // (the interposer counts its own PID in anyway).
     write_pids(sh);
-    // The connection lives as long as the process.
-    let mut buf = [0u8; 64];
-    loop {
-        match std::io::Read::read(&mut conn, &mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(_) => {}
+    // The connection lives as long as the process: it asks for the latency
+    // flags (answered), nothing else is (memory requests are not served).
+    while let Ok(req) = frame::read::<MemoryRequest>(&mut conn) {
+        if req.kind == memory_request::Kind::QosFlags as i32
+            && let Some(q) = &qos
+        {
+            answer_flags(&conn, q);
         }
     }
     if let (Some(q), Some(h)) = (&qos, holder) {
+        q.flags.lock().unwrap().remove(&h.slot);
         q.page.release(h);
     }
     if sh.stopping.load(Ordering::Acquire) {
@@ -378,4 +399,31 @@ fn serve(sh: &Shared, mut conn: UnixStream) {
         .lock()
         .unwrap()
         .push(Event::Closed { pid, slot, freed });
+}
+
+/// The sealed latency flags of `q`'s page, on one frame.
+fn answer_flags(conn: &UnixStream, q: &Qos) {
+    let flags: Vec<(usize, Arc<std::fs::File>)> = q
+        .flags
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, f)| qos_page::Flag::is_sealed(&***f))
+        .map(|(&s, f)| (s, f.clone()))
+        .collect();
+    let resp = MemoryResponse {
+        status: memory_response::Status::Granted as i32,
+        qos: true,
+        qos_flags: flags
+            .iter()
+            .map(|(s, _)| QosFlag {
+                page: 0,
+                slot: *s as u32,
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let body = prost::Message::encode_to_vec(&resp);
+    let fds: Vec<_> = flags.iter().map(|(_, f)| f.as_fd()).collect();
+    let _ = fdpass::send_frame_fds(conn.as_fd(), &body, &fds);
 }

@@ -1,0 +1,1 @@
+$6a0e0a3c-1f2b-4c5d-8e9f-0a1b2c3d4e5fserver"00000000:3B:00.0(2/usr/bin/python38BHP
