@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use super::{destroy, rescanning_3g_and_1g};
+use test_support::manager::Env;
 
 /// An operator destroys the 1g.10gb under a pod that holds it (its
 /// program done): the manager keeps it advertised, Unhealthy (so the
@@ -17,25 +18,10 @@ use super::{destroy, rescanning_3g_and_1g};
 async fn an_instance_destroyed_under_a_pod_stays_unhealthy_and_the_pod_is_told() {
     let mut env = rescanning_3g_and_1g().await;
     let resource = "tencent.com/mig-1g.10gb";
-    let pod = env.pod(&[], &[]);
-    env.kubelet
-        .admit(&pod, "main", &[(resource, 1)])
-        .await
-        .unwrap_or_else(|e| panic!("admitting to the 1g.10gb: {e}\n{}", env.log_text()));
+    let pod = holding_the_1g(&mut env).await;
     let small = destroy(&env, "1g.10gb");
     let t = Instant::now();
-    let listed = env
-        .kubelet
-        .wait_for(Duration::from_secs(20), |v| {
-            v.resources
-                .get(resource)
-                .is_some_and(|r| r.devices.get(&small.uuid).is_some_and(|d| !d.healthy))
-        })
-        .await;
-    assert!(listed.is_ok(), "kept, Unhealthy\n{}", env.log_text());
-    let ev = env
-        .wait_event("VcudaMigDeviceLost", &pod.name, Duration::from_secs(20))
-        .await;
+    let ev = listed_lost_and_told(&env, &pod.name, &small.uuid).await;
     let note = ev["note"].as_str().unwrap_or_default();
     assert!(
         note.contains(&small.uuid) && note.contains(resource),
@@ -75,12 +61,7 @@ async fn an_instance_destroyed_under_a_pod_stays_unhealthy_and_the_pod_is_told()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_destroyed_while_no_manager_ran_is_reported_at_start() {
     let mut env = rescanning_3g_and_1g().await;
-    let resource = "tencent.com/mig-1g.10gb";
-    let pod = env.pod(&[], &[]);
-    env.kubelet
-        .admit(&pod, "main", &[(resource, 1)])
-        .await
-        .unwrap_or_else(|e| panic!("admitting to the 1g.10gb: {e}\n{}", env.log_text()));
+    let pod = holding_the_1g(&mut env).await;
     let mut args = test_support::cmdline(env.manager.id());
     let at = args
         .iter()
@@ -92,18 +73,7 @@ async fn an_instance_destroyed_while_no_manager_ran_is_reported_at_start() {
     let small = destroy(&env, "1g.10gb");
     let t = Instant::now();
     env.start_again(&args, regs).await;
-    let listed = env
-        .kubelet
-        .wait_for(Duration::from_secs(20), |v| {
-            v.resources
-                .get(resource)
-                .is_some_and(|r| r.devices.get(&small.uuid).is_some_and(|d| !d.healthy))
-        })
-        .await;
-    assert!(listed.is_ok(), "listed, Unhealthy\n{}", env.log_text());
-    let ev = env
-        .wait_event("VcudaMigDeviceLost", &pod.name, Duration::from_secs(20))
-        .await;
+    let ev = listed_lost_and_told(&env, &pod.name, &small.uuid).await;
     let note = ev["note"].as_str().unwrap_or_default();
     assert!(note.contains(&small.uuid) && note.contains("GPU 0"), "{ev}");
     assert_eq!(ev["regarding"]["uid"], pod.uid.as_str(), "{ev}");
@@ -122,4 +92,31 @@ async fn an_instance_destroyed_while_no_manager_ran_is_reported_at_start() {
         .healthy_ids()
         .len();
     assert_eq!(healthy_3g, 1, "the other instance is served as before");
+}
+
+/// Waits until the 1g.10gb `uuid` is listed Unhealthy and pod `name` has
+/// its `VcudaMigDeviceLost` Event, which it returns.
+async fn listed_lost_and_told(env: &Env, name: &str, uuid: &str) -> serde_json::Value {
+    let resource = "tencent.com/mig-1g.10gb";
+    let listed = env
+        .kubelet
+        .wait_for(Duration::from_secs(20), |v| {
+            v.resources
+                .get(resource)
+                .is_some_and(|r| r.devices.get(uuid).is_some_and(|d| !d.healthy))
+        })
+        .await;
+    assert!(listed.is_ok(), "listed, Unhealthy\n{}", env.log_text());
+    env.wait_event("VcudaMigDeviceLost", name, Duration::from_secs(20))
+        .await
+}
+
+/// A pod admitted to the 1g.10gb.
+async fn holding_the_1g(env: &mut Env) -> kubelet_emulator::PodRef {
+    let pod = env.pod(&[], &[]);
+    env.kubelet
+        .admit(&pod, "main", &[("tencent.com/mig-1g.10gb", 1)])
+        .await
+        .unwrap_or_else(|e| panic!("admitting to the 1g.10gb: {e}\n{}", env.log_text()));
+    pod
 }

@@ -274,34 +274,16 @@ async fn placements_over_an_operators_instance_are_not_published() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_made_for_a_claim_and_destroyed_under_it_is_reported() {
     use dra_api::dra_health::v1alpha1::HealthStatus;
-    let sim = SimNode::install("sim-mig-h100");
-    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
-    let dirs = Dirs::new();
-    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
-    let cancel = CancellationToken::new();
-    let s = Settings {
-        mig_rescan_period: Some(Duration::from_millis(200)),
-        ..settings(&sim, &dirs)
-    };
-    let daemon = start(s, &cancel).await;
-    let kubelet = kubelet(&dirs, false).await;
-    until(10, "the pool published", || {
-        server
-            .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
-            .is_some()
-    })
-    .await;
-    let (uid, device) = claim(&server, "small", "1g.10gb");
-    let device = device.unwrap();
+    let Node {
+        sim,
+        server,
+        dirs,
+        cancel,
+        daemon,
+        kubelet,
+    } = Node::start(Some(Duration::from_millis(200))).await;
     let pod = serde_json::json!({"resource": "pods", "name": "infer", "uid": "u-infer"});
-    let reserved = serde_json::json!({"status": {"reservedFor": [pod]}});
-    server
-        .patch(Kind::ResourceClaim, Some(NS), "small", &reserved)
-        .unwrap();
-    let small = plugin::claim(NS, "small", &uid);
-    let r = kubelet.prepare(std::slice::from_ref(&small)).await.unwrap();
-    let one = &r.claims[&uid];
-    assert_eq!(one.error, "");
+    let (small, device, one) = prepared_1g(&server, &kubelet, Some(pod)).await;
     let edits = cdi::resolve(&dirs.p("cdi"), &one.devices[0].cdi_device_ids[0]).unwrap();
     let env = container_env(&edits);
     let (_, uuid) = env
@@ -361,24 +343,15 @@ fn pool_devices(server: &ApiServer) -> Vec<serde_json::Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_xid_inside_a_made_instance_taints_its_placement_alone() {
     use dra_api::dra_health::v1alpha1::HealthStatus;
-    let sim = SimNode::install("sim-mig-h100");
-    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
-    let dirs = Dirs::new();
-    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
-    let cancel = CancellationToken::new();
-    let daemon = start(settings(&sim, &dirs), &cancel).await;
-    let kubelet = kubelet(&dirs, false).await;
-    until(10, "the pool published", || {
-        server
-            .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
-            .is_some()
-    })
-    .await;
-    let (uid, device) = claim(&server, "small", "1g.10gb");
-    let device = device.unwrap();
-    let small = plugin::claim(NS, "small", &uid);
-    let r = kubelet.prepare(std::slice::from_ref(&small)).await.unwrap();
-    assert_eq!(r.claims[&uid].error, "");
+    let Node {
+        sim,
+        server,
+        cancel,
+        daemon,
+        kubelet,
+        ..
+    } = Node::start(None).await;
+    let (small, device, _) = prepared_1g(&server, &kubelet, None).await;
     let (g, _) = sim.state().mig_devices(0)[0];
     let mut health = kubelet.watch_health().await.unwrap();
     let mut next = async || plugin::next_device_health(&mut health, NODE, &device).await;
@@ -415,4 +388,72 @@ async fn an_xid_inside_a_made_instance_taints_its_placement_alone() {
         .unwrap();
     cancel.cancel();
     daemon.await.unwrap().unwrap();
+}
+
+/// The driver on the simulated H100 with GPU 0 dynamic (`rescan`: its
+/// `--mig-rescan-period`), its pool published, and the kubelet's side.
+struct Node {
+    sim: SimNode,
+    server: ApiServer,
+    dirs: Dirs,
+    cancel: CancellationToken,
+    daemon: tokio::task::JoinHandle<anyhow::Result<()>>,
+    kubelet: plugin::DraPlugin,
+}
+
+impl Node {
+    async fn start(rescan: Option<Duration>) -> Node {
+        let sim = SimNode::install("sim-mig-h100");
+        let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+        let dirs = Dirs::new();
+        server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+        let cancel = CancellationToken::new();
+        let s = Settings {
+            mig_rescan_period: rescan,
+            ..settings(&sim, &dirs)
+        };
+        let daemon = start(s, &cancel).await;
+        let kubelet = kubelet(&dirs, false).await;
+        until(10, "the pool published", || {
+            server
+                .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
+                .is_some()
+        })
+        .await;
+        Node {
+            sim,
+            server,
+            dirs,
+            cancel,
+            daemon,
+            kubelet,
+        }
+    }
+}
+
+/// A claim `small` for a 1g.10gb, reserved for `pod` (when given),
+/// allocated and prepared: the kubelet's claim, its placement device and
+/// what prepare answered for it.
+async fn prepared_1g(
+    server: &ApiServer,
+    kubelet: &plugin::DraPlugin,
+    pod: Option<serde_json::Value>,
+) -> (
+    dra_api::dra::v1::Claim,
+    String,
+    dra_api::dra::v1::NodePrepareResourceResponse,
+) {
+    let (uid, device) = claim(server, "small", "1g.10gb");
+    let device = device.unwrap();
+    if let Some(pod) = pod {
+        let reserved = serde_json::json!({"status": {"reservedFor": [pod]}});
+        server
+            .patch(Kind::ResourceClaim, Some(NS), "small", &reserved)
+            .unwrap();
+    }
+    let small = plugin::claim(NS, "small", &uid);
+    let r = kubelet.prepare(std::slice::from_ref(&small)).await.unwrap();
+    let one = r.claims[&uid].clone();
+    assert_eq!(one.error, "");
+    (small, device, one)
 }

@@ -190,19 +190,23 @@ impl MigPlugins {
     /// on what is served is recorded there. `gpus`: the node's now (a
     /// device is found by its GPU's UUID).
     pub fn with_record(self, state_dir: &Path, gpus: &[GpuInfo]) -> MigPlugins {
-        let served: BTreeSet<String> = self.all_served().into_iter().map(|r| r.uuid).collect();
+        let served: BTreeSet<String> = self
+            .all_served()
+            .into_iter()
+            .map(|r| r.device.uuid)
+            .collect();
         let gone: Vec<Served> = record::load(state_dir)
             .into_iter()
-            .filter(|r| !served.contains(&r.uuid))
+            .filter(|r| !served.contains(&r.device.uuid))
             .filter_map(|r| {
                 let Some(parent) = gpus.iter().find(|g| g.uuid == r.gpu) else {
-                    tracing::info!(uuid = %r.uuid, gpu = %r.gpu, "a recorded MIG device's GPU is not on this node any more: dropped");
+                    tracing::info!(uuid = %r.device.uuid, gpu = %r.gpu, "a recorded MIG device's GPU is not on this node any more: dropped");
                     return None;
                 };
-                tracing::warn!(uuid = %r.uuid, profile = %r.profile, gpu = parent.index, "a MIG device served before this manager started is gone (destroyed while no manager ran): listed Unhealthy while a pod may hold it");
+                tracing::warn!(uuid = %r.device.uuid, profile = %r.device.profile, gpu = parent.index, "a MIG device served before this manager started is gone (destroyed while no manager ran): listed Unhealthy while a pod may hold it");
                 Some(Served {
                     parent: parent.clone(),
-                    device: r.device(),
+                    device: r.device,
                     lost: true,
                 })
             })
@@ -249,7 +253,10 @@ impl MigPlugins {
         let mut out = Vec::new();
         for p in plugins.values() {
             for s in locked(&p.served).iter() {
-                out.push(record::RecordedDevice::new(&s.parent.uuid, &s.device));
+                out.push(record::RecordedDevice {
+                    gpu: s.parent.uuid.clone(),
+                    device: s.device.clone(),
+                });
             }
         }
         out

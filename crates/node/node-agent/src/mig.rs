@@ -15,7 +15,7 @@ use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try};
 use nvml_wrapper::{Device, Nvml};
 
 /// One MIG device: the unit a pod is given (`NVIDIA_VISIBLE_DEVICES=MIG-…`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MigDevice {
     /// `MIG-…`.
     pub uuid: String,

@@ -34,37 +34,9 @@ pub struct Record {
 pub struct RecordedDevice {
     /// The parent GPU's UUID (indices may change across a reboot).
     pub gpu: String,
-    pub uuid: String,
-    pub profile: String,
-    pub gpu_instance: u32,
-    pub compute_instance: u32,
-    pub memory_bytes: u64,
-    pub multiprocessors: u32,
-}
-
-impl RecordedDevice {
-    pub fn new(gpu_uuid: &str, d: &MigDevice) -> RecordedDevice {
-        RecordedDevice {
-            gpu: gpu_uuid.to_string(),
-            uuid: d.uuid.clone(),
-            profile: d.profile.clone(),
-            gpu_instance: d.gpu_instance,
-            compute_instance: d.compute_instance,
-            memory_bytes: d.memory_bytes,
-            multiprocessors: d.multiprocessors,
-        }
-    }
-
-    pub fn device(&self) -> MigDevice {
-        MigDevice {
-            uuid: self.uuid.clone(),
-            profile: self.profile.clone(),
-            gpu_instance: self.gpu_instance,
-            compute_instance: self.compute_instance,
-            memory_bytes: self.memory_bytes,
-            multiprocessors: self.multiprocessors,
-        }
-    }
+    /// Its UUID, profile, instance ids, memory and SMs.
+    #[serde(flatten)]
+    pub device: MigDevice,
 }
 
 /// Why a record was set aside.
@@ -143,12 +115,14 @@ mod tests {
     fn dev(uuid: &str) -> RecordedDevice {
         RecordedDevice {
             gpu: "GPU-0".into(),
-            uuid: uuid.into(),
-            profile: "1g.10gb".into(),
-            gpu_instance: 9,
-            compute_instance: 0,
-            memory_bytes: 10 << 30,
-            multiprocessors: 16,
+            device: MigDevice {
+                uuid: uuid.into(),
+                profile: "1g.10gb".into(),
+                gpu_instance: 9,
+                compute_instance: 0,
+                memory_bytes: 10 << 30,
+                multiprocessors: 16,
+            },
         }
     }
 
@@ -160,6 +134,7 @@ mod tests {
         assert_eq!(load(d.path()), vec![dev("MIG-a"), dev("MIG-b")]);
         let text = std::fs::read_to_string(path(d.path())).unwrap();
         assert!(text.contains("\"version\": 1"), "{text}");
+        assert!(text.contains("\"gpu_instance\": 9"), "flat: {text}");
     }
 
     #[test]

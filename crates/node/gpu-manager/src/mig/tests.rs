@@ -413,14 +413,14 @@ async fn a_manager_started_after_a_destruction_lists_the_device_lost() {
     drop(node(tmp.path()).with_record(&state_dir, &gpus));
     let mut rec = record::load(&state_dir);
     let uuids = |r: &[record::RecordedDevice]| {
-        let mut u: Vec<String> = r.iter().map(|d| d.uuid.clone()).collect();
+        let mut u: Vec<String> = r.iter().map(|d| d.device.uuid.clone()).collect();
         u.sort();
         u
     };
     assert_eq!(uuids(&rec), ["MIG-a", "MIG-b", "MIG-c"]);
     let mut elsewhere = rec[0].clone();
     elsewhere.gpu = "GPU-9".into();
-    elsewhere.uuid = "MIG-z".into();
+    elsewhere.device.uuid = "MIG-z".into();
     rec.push(elsewhere);
     record::store(&state_dir, rec).unwrap();
 
