@@ -101,20 +101,28 @@ pub fn deliver(body: &[u8], fds: Vec<std::os::fd::OwnedFd>) {
 /// itself: it does not wait). Not counted as the one request in flight:
 /// its answer is told apart by `qos`.
 pub fn ask_qos_flags() {
+    if !send(Kind::QosFlags, 0) {
+        log!(
+            Debug,
+            "asking for the latency flags: no connection, or it refused it"
+        );
+    }
+}
+
+/// Writes one request frame on the connection (under the send lock);
+/// `false` when there is none or the write failed.
+fn send(kind: Kind, bytes: u64) -> bool {
     let req = MemoryRequest {
-        kind: Kind::QosFlags as i32,
-        bytes: 0,
+        kind: kind as i32,
+        bytes,
     };
-    let Ok(buf) = frame::encode(&req) else { return };
+    let Ok(buf) = frame::encode(&req) else {
+        return false;
+    };
     let c = &proc().chan;
     let _s = c.send.lock().unwrap_or_else(|e| e.into_inner());
     let fd = REQ_FD.load(Ordering::Acquire);
-    if fd >= 0 && !send_all(fd, &buf) {
-        log!(
-            Debug,
-            "asking for the latency flags: the connection refused it"
-        );
-    }
+    fd >= 0 && send_all(fd, &buf)
 }
 
 /// Sends one request and waits for its answer; `None` when there is no
@@ -128,17 +136,8 @@ fn ask(kind: Kind, bytes: u64) -> Option<MemoryResponse> {
         a.resp = None;
         a.conn
     };
-    let req = MemoryRequest {
-        kind: kind as i32,
-        bytes,
-    };
-    let buf = frame::encode(&req).ok()?;
-    {
-        let _s = c.send.lock().unwrap_or_else(|e| e.into_inner());
-        let fd = REQ_FD.load(Ordering::Acquire);
-        if fd < 0 || !send_all(fd, &buf) {
-            return None;
-        }
+    if !send(kind, bytes) {
+        return None;
     }
     let deadline = Instant::now() + ANSWER_WITHIN;
     let mut a = c.answer.lock().unwrap_or_else(|e| e.into_inner());
