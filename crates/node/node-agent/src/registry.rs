@@ -117,6 +117,11 @@ impl QosDevice {
         self.flags.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// The flag of the latency process in `slot`.
+    fn flag(&self, slot: usize) -> Option<Arc<File>> {
+        self.flags().get(&slot).cloned()
+    }
+
     /// The flags their processes have sealed, by slot: what batch
     /// processes may be given (one not yet sealed could still be mapped
     /// writable by whoever holds it).

@@ -555,3 +555,47 @@ fn test_flags(s: &std::os::unix::net::UnixStream) -> Vec<qos_page::FlagView> {
         .map(|f| qos_page::FlagView::open(f.as_fd()).unwrap())
         .collect()
 }
+
+/// More sealed latency flags than one message carries descriptors (64
+/// slots on each of two pages): the batch process's `QOS_FLAGS` is
+/// answered with as many as fit, and its connection stays. The build
+/// before tried 250 in one message, which the send refused, and closed
+/// the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flags_past_one_message_are_cut_to_what_it_carries() {
+    let d = tempfile::tempdir().unwrap();
+    let bat = d.path().join("bat");
+    std::fs::create_dir_all(&bat).unwrap();
+    let devices: Vec<QosDevice> = (0..2)
+        .map(|i| {
+            let (page, file) = QosPage::create_sealed(i).unwrap();
+            let dev = QosDevice::new(i, page, file);
+            for slot in 0..qos_page::SLOTS {
+                let f = qos_page::make_flag(i, slot).unwrap();
+                qos_page::Flag::adopt(f.as_fd()).unwrap();
+                dev.flags.lock().unwrap().insert(slot, Arc::new(f));
+            }
+            dev
+        })
+        .collect();
+    let reg = Registry::default();
+    let extras = ShareExtras {
+        qos: Some(ShareQos {
+            tier: Tier::Batch,
+            pages: devices,
+        }),
+        ..Default::default()
+    };
+    reg.serve_share("b", &bat, "uid", "main", ledgers(&bat, 2), extras)
+        .unwrap();
+    let (views, again) = blocking(move || {
+        let (s, resp, _) = register(&bat, request(2));
+        assert_eq!(resp.status, Status::Accepted as i32, "{}", resp.message);
+        let views = test_flags(&s);
+        (views, test_flags(&s))
+    })
+    .await;
+    let max = container_ledger::fdpass::MAX_FDS;
+    assert_eq!((views.len(), again.len()), (max, max));
+    reg.stop("b");
+}

@@ -201,7 +201,7 @@ async fn answer(
             .pages
             .iter()
             .zip(&holders)
-            .filter_map(|(d, h)| d.flags.lock().ok()?.get(&h.slot).cloned())
+            .filter_map(|(d, h)| d.flag(h.slot))
             .collect(),
         Some(q) => q.pages.iter().map(|d| d.file.clone()).collect(),
         None => Vec::new(),
@@ -217,10 +217,10 @@ async fn answer(
 }
 
 /// A batch process's `QOS_FLAGS`: the sealed latency flags of each of its
-/// share's pages, the descriptors on the frame (at most what one message
-/// carries).
+/// share's pages, the descriptors on the frame (at most the
+/// [`MAX_FDS`](container_ledger::fdpass::MAX_FDS) one message carries).
 fn qos_flags(procs: &Procs) -> (MemoryResponse, Vec<Arc<File>>) {
-    const MAX_FDS: usize = 250;
+    use container_ledger::fdpass::MAX_FDS;
     let mut flags = Vec::new();
     let mut files = Vec::new();
     for (i, d) in procs.qos.iter().flat_map(|q| q.pages.iter()).enumerate() {
