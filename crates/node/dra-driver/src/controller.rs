@@ -219,11 +219,11 @@ impl SliceController {
 
     /// The devices, each dynamic GPU's instance Xids given to the
     /// placement devices of the prepared claims whose instance they name.
-    fn with_placement_xids(&self) -> Vec<GpuDevice> {
-        let mut devices = self.devices.clone();
-        if devices.iter().all(|d| d.instance_xids.is_empty()) {
-            return devices;
+    fn with_placement_xids(&self) -> std::borrow::Cow<'_, [GpuDevice]> {
+        if self.devices.iter().all(|d| d.instance_xids.is_empty()) {
+            return std::borrow::Cow::Borrowed(&self.devices);
         }
+        let mut devices = self.devices.clone();
         for c in self.driver.prepared() {
             for p in &c.devices {
                 let (Some(m), Some(d)) = (&p.mig, devices.get_mut(p.gpu_index)) else {
@@ -237,7 +237,7 @@ impl SliceController {
                 }
             }
         }
-        devices
+        std::borrow::Cow::Owned(devices)
     }
 
     async fn publish(&self) {

@@ -86,10 +86,7 @@ pub struct MigPlugins {
     /// Dynamic MIG's state for `/metrics` (none without `--mig-dynamic`).
     dynamic: Arc<Mutex<Option<gpu_display::DynamicMigView>>>,
     /// Where what is served is recorded ([`record`]; none: not recorded).
-    record_dir: Arc<Mutex<Option<PathBuf>>>,
-    /// Resources whose plugin was made at start for recorded devices
-    /// alone (dropped before serving if no pod holds those).
-    made_for_lost: Arc<Mutex<BTreeSet<String>>>,
+    record_dir: Option<Arc<Path>>,
 }
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -177,8 +174,7 @@ impl MigPlugins {
             out: Default::default(),
             told: Default::default(),
             dynamic: Default::default(),
-            record_dir: Default::default(),
-            made_for_lost: Default::default(),
+            record_dir: None,
         };
         m.add_and_update(by_profile(gpus, mig));
         m
@@ -189,7 +185,7 @@ impl MigPlugins {
     /// listed lost, so the pods holding them are told ([`lost`]). From now
     /// on what is served is recorded there. `gpus`: the node's now (a
     /// device is found by its GPU's UUID).
-    pub fn with_record(self, state_dir: &Path, gpus: &[GpuInfo]) -> MigPlugins {
+    pub fn with_record(mut self, state_dir: &Path, gpus: &[GpuInfo]) -> MigPlugins {
         let served: BTreeSet<String> = self
             .all_served()
             .into_iter()
@@ -211,7 +207,7 @@ impl MigPlugins {
                 })
             })
             .collect();
-        *locked(&self.record_dir) = Some(state_dir.to_path_buf());
+        self.record_dir = Some(state_dir.into());
         self.add_lost(gone);
         self.store();
         self
@@ -226,10 +222,7 @@ impl MigPlugins {
             let resource = mig_resource_name(&self.prefix, &s.device.profile);
             let p = plugins
                 .entry(resource.clone())
-                .or_insert_with(|| {
-                    locked(&self.made_for_lost).insert(resource.clone());
-                    self.plugin_of(resource, s.device.profile.clone())
-                })
+                .or_insert_with(|| self.plugin_of(resource, s.device.profile.clone()))
                 .clone();
             let mut now = locked(&p.served).clone();
             now.push(s);
@@ -265,10 +258,10 @@ impl MigPlugins {
     /// Records what is listed now (where [`Self::with_record`] said); a
     /// failure is logged: the devices are served all the same.
     fn store(&self) {
-        let Some(dir) = locked(&self.record_dir).clone() else {
+        let Some(dir) = &self.record_dir else {
             return;
         };
-        if let Err(e) = record::store(&dir, self.all_served()) {
+        if let Err(e) = record::store(dir, self.all_served()) {
             tracing::warn!(error = %e, "recording the MIG devices served: a manager started later will not know of devices destroyed before it");
         }
     }

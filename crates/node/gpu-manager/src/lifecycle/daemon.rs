@@ -254,7 +254,6 @@ pub async fn run(
     Ok(())
 }
 
-/// This instance's two plugin sockets (vcore, vmemory).
 /// Tells the pods holding lost MIG devices, and withdraws those no pod
 /// holds: the kubelet's `List`, off the caller's loop.
 fn settle_lost_mig(mig: &crate::mig::MigPlugins, mgr: &Arc<Manager>) {
@@ -270,6 +269,7 @@ fn settle_lost_mig(mig: &crate::mig::MigPlugins, mgr: &Arc<Manager>) {
     });
 }
 
+/// This instance's two plugin sockets (vcore, vmemory).
 pub fn plugin_sockets(dir: &Path, instance: &str) -> [PathBuf; 2] {
     [VCORE_SOCKET, VMEMORY_SOCKET].map(|s| dir.join(mode::device_plugin_socket(s, instance)))
 }

@@ -81,8 +81,10 @@ impl MigPlugins {
     /// At start, before serving: [`Self::settle_lost`] for the devices the
     /// record says were destroyed while no manager ran, then drops the
     /// plugins made for those alone that no pod holds (an instance vcuda
-    /// destroyed itself at start, say). A `List` that fails or does not
-    /// answer in 5 s leaves them listed, Unhealthy, for the rescans.
+    /// destroyed itself at start, say): before serving, only those can be
+    /// empty (a profile found gets a plugin with its devices). A `List`
+    /// that fails or does not answer in 5 s leaves them listed, Unhealthy,
+    /// for the rescans.
     pub async fn settle_recorded(
         &self,
         kubelet: &dyn KubeletSource,
@@ -102,13 +104,7 @@ impl MigPlugins {
             );
             return;
         }
-        let made = std::mem::take(&mut *locked(&self.made_for_lost));
-        let mut plugins = locked(&self.plugins);
-        for r in made {
-            if plugins.get(&r).is_some_and(|p| p.is_empty()) {
-                plugins.remove(&r);
-            }
-        }
+        locked(&self.plugins).retain(|_, p| !p.is_empty());
     }
 
     /// Tells the pods holding lost devices (once each) and withdraws the
