@@ -19,17 +19,39 @@ pub fn send_frame(sock: BorrowedFd<'_>, body: &[u8], fd: Option<BorrowedFd<'_>>)
 /// Sends `body` as one frame with `fds` attached, in order (at most
 /// [`MAX_FDS`]).
 pub fn send_frame_fds(sock: BorrowedFd<'_>, body: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
-    let mut buf = Vec::with_capacity(4 + body.len());
-    buf.extend_from_slice(&(body.len() as u32).to_be_bytes());
-    buf.extend_from_slice(body);
-    // Only the first sendmsg carries the descriptors.
-    let mut pass: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
-    let mut off = 0;
-    while off < buf.len() {
-        off += fd_pass::sendmsg_fds(sock, &buf[off..], &pass)?;
-        pass.clear();
+    let mut out = Outgoing::new(body, fds);
+    out.send(sock)
+}
+
+/// A frame being sent, resumable where a non-blocking socket stopped it: a
+/// `WouldBlock` leaves what was written written, so the next
+/// [`Outgoing::send`] goes on from there (starting the frame over would put
+/// a second header inside its body).
+pub struct Outgoing {
+    buf: Vec<u8>,
+    fds: Vec<i32>,
+    off: usize,
+}
+
+impl Outgoing {
+    /// `body` framed, with `fds` to ride on its first byte.
+    pub fn new(body: &[u8], fds: &[BorrowedFd<'_>]) -> Outgoing {
+        let mut buf = Vec::with_capacity(4 + body.len());
+        buf.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        buf.extend_from_slice(body);
+        let fds = fds.iter().map(|f| f.as_raw_fd()).collect();
+        Outgoing { buf, fds, off: 0 }
     }
-    Ok(())
+
+    /// Writes what is left of the frame; the descriptors go with the first
+    /// write that takes any bytes.
+    pub fn send(&mut self, sock: BorrowedFd<'_>) -> io::Result<()> {
+        while self.off < self.buf.len() {
+            self.off += fd_pass::sendmsg_fds(sock, &self.buf[self.off..], &self.fds)?;
+            self.fds.clear();
+        }
+        Ok(())
+    }
 }
 
 /// Receives one frame of at most `max` bytes and the descriptor passed with

@@ -38,14 +38,14 @@ async fn send(
     send_body(stream, &resp.encode_to_vec(), ledgers).await
 }
 
-/// One frame with `files` attached (SCM_RIGHTS).
+/// One frame with `files` attached (SCM_RIGHTS). A full socket buffer
+/// parks the frame where it stopped and goes on from there.
 async fn send_body(stream: &UnixStream, body: &[u8], files: &[&File]) -> std::io::Result<()> {
     let fds: Vec<_> = files.iter().map(|f| f.as_fd()).collect();
+    let mut out = container_ledger::fdpass::Outgoing::new(body, &fds);
     loop {
         stream.writable().await?;
-        match stream.try_io(Interest::WRITABLE, || {
-            container_ledger::fdpass::send_frame_fds(stream.as_fd(), body, &fds)
-        }) {
+        match stream.try_io(Interest::WRITABLE, || out.send(stream.as_fd())) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             r => return r,
         }
@@ -321,4 +321,53 @@ async fn send_memory(stream: &mut UnixStream, resp: &MemoryResponse) -> std::io:
     stream
         .write_all(&vcuda_api::vcuda::frame::encode(resp)?)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Seek, Write};
+    use std::os::fd::AsRawFd;
+
+    /// A frame larger than the socket's buffer stops mid-way: the rest must
+    /// follow from where it stopped (before, the whole frame was sent again,
+    /// and the reader found a second header inside the first body).
+    #[tokio::test]
+    async fn a_frame_past_a_full_socket_buffer_arrives_whole() {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let small: libc::c_int = 4096;
+        // SAFETY: a valid socket and an int-sized option value.
+        let rc = unsafe {
+            libc::setsockopt(
+                a.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&small as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0, "SO_SNDBUF: {}", std::io::Error::last_os_error());
+        a.set_nonblocking(true).unwrap();
+        let a = UnixStream::from_std(a).unwrap();
+        let body: Vec<u8> = (0..600_000u32).map(|i| (i % 251) as u8).collect();
+        let mut file = tempfile::tempfile().unwrap();
+        file.write_all(b"flag").unwrap();
+        let reader = std::thread::spawn(move || {
+            // Late, so the writer meets a full buffer first.
+            std::thread::sleep(Duration::from_millis(100));
+            container_ledger::fdpass::recv_frame_fds(b.as_fd(), 1 << 20).unwrap()
+        });
+        send_body(&a, &body, &[&file]).await.unwrap();
+        let (got, fds) = tokio::task::spawn_blocking(move || reader.join().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(got.len(), body.len());
+        assert!(got == body, "the frame's body arrived changed");
+        assert_eq!(fds.len(), 1, "the descriptor rides on the frame once");
+        let mut f = File::from(fds.into_iter().next().unwrap());
+        f.rewind().unwrap();
+        let mut s = String::new();
+        f.read_to_string(&mut s).unwrap();
+        assert_eq!(s, "flag");
+    }
 }
