@@ -53,11 +53,13 @@ impl SliceController {
         let mut resync = tokio::time::interval_at(start, self.resync_period);
         // Instances destroyed while the driver was down.
         self.tell_lost();
+        let driver = self.driver.clone();
         loop {
             let changed = tokio::select! {
                 _ = cancel.cancelled() => return,
                 Some(c) = health.recv() => self.apply(c),
                 Some(m) = mig_changed.recv() => self.set_mig(m),
+                () = driver.instance_xids_forgotten() => self.forget_destroyed(),
                 Some(()) = slice_changed.recv() => {
                     while slice_changed.try_recv().is_ok() {}
                     true
@@ -213,6 +215,17 @@ impl SliceController {
                 "no critical Xid for the quiet period: MIG GPU instance healthy in the ResourceSlice"
             ),
             _ => return false,
+        }
+        true
+    }
+
+    /// The driver destroyed instances with an Xid (their claims went):
+    /// their IDs' Xids are dropped here too, and the slice republished
+    /// without their placements' taints.
+    fn forget_destroyed(&mut self) -> bool {
+        for (gpu, d) in self.devices.iter_mut().enumerate() {
+            d.instance_xids
+                .retain(|&gi, _| self.driver.instance_xid(gpu, gi).is_some());
         }
         true
     }

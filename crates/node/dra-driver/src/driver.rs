@@ -143,6 +143,9 @@ pub struct Driver {
     health: tokio::sync::watch::Sender<NodeHealth>,
     /// Critical Xids inside GPU instances, for their MIG devices' health.
     instance_xids: std::sync::Mutex<InstanceXids>,
+    /// Told when instances with an Xid were destroyed (their placements'
+    /// taints go at the slice's next publish).
+    xids_forgotten: tokio::sync::Notify,
     /// Makes and destroys the instances of placement devices (dynamic
     /// MIG, [`crate::partition`]); none without `--mig-dynamic`.
     partitioner: Option<Arc<dyn Partitioner>>,
@@ -226,6 +229,7 @@ impl Driver {
                 mig: Default::default(),
             }),
             instance_xids: Default::default(),
+            xids_forgotten: Default::default(),
             partitioner: None,
             dynamic_seen: Default::default(),
         };
@@ -286,6 +290,37 @@ impl Driver {
         };
         drop(x);
         self.refresh_mig_health();
+    }
+
+    /// The critical Xid inside GPU instance `gi` of `gpu`, while its
+    /// quiet period lasts and the instance it struck is there.
+    pub fn instance_xid(&self, gpu: usize, gi: u32) -> Option<u64> {
+        let x = self.instance_xids.lock().unwrap_or_else(|p| p.into_inner());
+        x.get(&(gpu, gi)).copied()
+    }
+
+    /// Drops the Xids of the instances made for `devices`, just destroyed:
+    /// the next instance under the same GPU-instance ID (the same
+    /// placement) is new hardware state, not the one that faulted.
+    fn forget_instance_xids(&self, devices: &[PlannedDevice]) {
+        let mut x = self.instance_xids.lock().unwrap_or_else(|p| p.into_inner());
+        let mut forgot = false;
+        for d in devices {
+            if let Some(m) = d.mig.as_ref().filter(|m| m.placement.is_some()) {
+                forgot |= x.remove(&(d.gpu_index, m.gpu_instance)).is_some();
+            }
+        }
+        drop(x);
+        if forgot {
+            self.refresh_mig_health();
+            self.xids_forgotten.notify_one();
+        }
+    }
+
+    /// Returns when instances with an Xid were destroyed since the last
+    /// call (the slice controller republishes then).
+    pub async fn instance_xids_forgotten(&self) {
+        self.xids_forgotten.notified().await
     }
 
     /// Prepared claims' MIG devices whose instance is gone.
@@ -607,7 +642,9 @@ impl Driver {
         if let Err(e) = r {
             self.release(&c.uid, &prepared.devices);
             let p = self.partitioner.as_ref();
-            partition::destroy_all(p, &self.cfg.state_dir, &prepared.devices).ok();
+            if partition::destroy_all(p, &self.cfg.state_dir, &prepared.devices).is_ok() {
+                self.forget_instance_xids(&prepared.devices);
+            }
             return Err(c.failed(e));
         }
         self.publish_view(&st);
@@ -629,6 +666,7 @@ impl Driver {
         let parts = self.partitioner.as_ref();
         partition::destroy_all(parts, &self.cfg.state_dir, &p.devices)
             .map_err(|e| c.failed(ClaimFailure::from(e)))?;
+        self.forget_instance_xids(&p.devices);
         let p = st.claims.remove(&c.uid).expect("just found");
         if let Err(e) = self.store.save(&st) {
             st.claims.insert(c.uid.clone(), p);

@@ -281,7 +281,7 @@ async fn an_instance_made_for_a_claim_and_destroyed_under_it_is_reported() {
         cancel,
         daemon,
         kubelet,
-    } = Node::start(Some(Duration::from_millis(200))).await;
+    } = Node::start(Some(Duration::from_millis(200)), None).await;
     let pod = serde_json::json!({"resource": "pods", "name": "infer", "uid": "u-infer"});
     let (small, device, one) = prepared_1g(&server, &kubelet, Some(pod)).await;
     let edits = cdi::resolve(&dirs.p("cdi"), &one.devices[0].cdi_device_ids[0]).unwrap();
@@ -339,7 +339,10 @@ fn pool_devices(server: &ApiServer) -> Vec<serde_json::Value> {
 /// placement device alone in the pool (the GPU's other placements stay
 /// as they were), and the kubelet's health stream says which instance.
 /// The build before tainted nothing for an instance's Xid on a dynamic
-/// GPU (only the GPU's own Xids reached its placements).
+/// GPU (only the GPU's own Xids reached its placements). When the claim
+/// goes, its instance and the taint go with it, and the next claim on
+/// that placement gets a healthy instance under the same ID (the build
+/// before kept the taint and the Xid for the quiet period).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_xid_inside_a_made_instance_taints_its_placement_alone() {
     use dra_api::dra_health::v1alpha1::HealthStatus;
@@ -350,7 +353,7 @@ async fn an_xid_inside_a_made_instance_taints_its_placement_alone() {
         daemon,
         kubelet,
         ..
-    } = Node::start(None).await;
+    } = Node::start(None, Some(Duration::from_secs(120))).await;
     let (small, device, _) = prepared_1g(&server, &kubelet, None).await;
     let (g, _) = sim.state().mig_devices(0)[0];
     let mut health = kubelet.watch_health().await.unwrap();
@@ -382,10 +385,33 @@ async fn an_xid_inside_a_made_instance_taints_its_placement_alone() {
         "every placement published"
     );
 
+    // The instance goes with its claim; the next one made under the same
+    // GPU-instance ID is new hardware state, healthy (the build before
+    // kept the old instance's Xid against the ID for the quiet period).
     kubelet
         .unprepare(std::slice::from_ref(&small))
         .await
         .unwrap();
+    until(10, "the destroyed instance's placement untainted", || {
+        tainted(&server).is_empty()
+    })
+    .await;
+    server
+        .delete(Kind::ResourceClaim, Some(NS), "small")
+        .unwrap();
+    let (uid, again) = claim(&server, "again", "1g.10gb");
+    let again = again.unwrap();
+    let r = kubelet
+        .prepare(&[plugin::claim(NS, "again", &uid)])
+        .await
+        .unwrap();
+    assert_eq!(r.claims[&uid].error, "");
+    let (g2, _) = sim.state().mig_devices(0)[0];
+    assert_eq!(again, device, "best fit picks the same placement again");
+    assert_eq!(g2.id, g.id, "GPU-instance IDs follow placements");
+    let mut next = async || plugin::next_device_health(&mut health, NODE, &again).await;
+    let (h, message) = next().await;
+    assert_eq!(h, HealthStatus::Healthy as i32, "{message}");
     cancel.cancel();
     daemon.await.unwrap().unwrap();
 }
@@ -402,15 +428,18 @@ struct Node {
 }
 
 impl Node {
-    async fn start(rescan: Option<Duration>) -> Node {
+    /// `quiet`: the Xid quiet period, when not the test default.
+    async fn start(rescan: Option<Duration>, quiet: Option<Duration>) -> Node {
         let sim = SimNode::install("sim-mig-h100");
         let server = ApiServer::start("127.0.0.1:0").await.unwrap();
         let dirs = Dirs::new();
         server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
         let cancel = CancellationToken::new();
+        let base = settings(&sim, &dirs);
         let s = Settings {
             mig_rescan_period: rescan,
-            ..settings(&sim, &dirs)
+            xid_quiet_period: quiet.unwrap_or(base.xid_quiet_period),
+            ..base
         };
         let daemon = start(s, &cancel).await;
         let kubelet = kubelet(&dirs, false).await;
