@@ -8,6 +8,8 @@
  *   procaddr             cuGetProcAddress / _v2: versions, flags, statuses
  *   nosyscall N          N launches, in rounds of 1000 between getppid() markers
  *   init                 cuInit only; prints its result
+ *   priority             ten 1 ms kernels on a low-priority stream, one on a
+ *                        high one; prints when each stream's work ended
  * Declares the entry points it needs itself (the common ones in
  * cuda_driver.h): the driver ABI is stable C. */
 #define _GNU_SOURCE
@@ -43,6 +45,8 @@ CUresult cuEventCreate(CUevent *e, unsigned int flags);
 CUresult cuEventRecord(CUevent e, CUstream s);
 CUresult cuEventSynchronize(CUevent e);
 CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b);
+CUresult cuStreamCreateWithPriority(CUstream *s, unsigned int flags, int priority);
+CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest);
 CUresult cuGetErrorString(CUresult err, const char **s);
 CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, cuuint64_t flags);
 CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_t flags, int *status);
@@ -196,6 +200,37 @@ static int saturate(int ms) {
   return 0;
 }
 
+/* Stream priorities: ten 1 ms kernels queued on a stream of the least
+ * priority, then one on a stream of the greatest. Prints when each
+ * stream's work ended, in ms of device time after the first kernel was
+ * queued (events): the raised kernel runs ahead of the queue. */
+static int priority(void) {
+  CUfunction f;
+  CUstream lo, hi;
+  CUevent start, hi_end, lo_end;
+  int least = 1, greatest = 1;
+  float hi_ms = -1, lo_ms = -1;
+  setup(&f);
+  check(cuCtxGetStreamPriorityRange(&least, &greatest), "cuCtxGetStreamPriorityRange");
+  check(cuStreamCreateWithPriority(&lo, 0, least), "cuStreamCreateWithPriority");
+  check(cuStreamCreateWithPriority(&hi, 0, greatest), "cuStreamCreateWithPriority");
+  check(cuEventCreate(&start, 0), "cuEventCreate");
+  check(cuEventCreate(&hi_end, 0), "cuEventCreate");
+  check(cuEventCreate(&lo_end, 0), "cuEventCreate");
+  check(cuEventRecord(start, lo), "cuEventRecord");
+  for (int k = 0; k < 10; k++)
+    check(cuLaunchKernel(f, 86400, 1, 1, 256, 1, 1, 0, lo, NULL, NULL), "cuLaunchKernel");
+  check(cuLaunchKernel(f, 86400, 1, 1, 256, 1, 1, 0, hi, NULL, NULL), "cuLaunchKernel");
+  check(cuEventRecord(hi_end, hi), "cuEventRecord");
+  check(cuEventRecord(lo_end, lo), "cuEventRecord");
+  check(cuEventSynchronize(lo_end), "cuEventSynchronize");
+  check(cuEventSynchronize(hi_end), "cuEventSynchronize");
+  check(cuEventElapsedTime(&hi_ms, start, hi_end), "cuEventElapsedTime");
+  check(cuEventElapsedTime(&lo_ms, start, lo_end), "cuEventElapsedTime");
+  printf("least=%d greatest=%d hi_ms=%.3f lo_ms=%.3f\n", least, greatest, hi_ms, lo_ms);
+  return 0;
+}
+
 static void *sym(const char *name) {
   void *p = dlsym(RTLD_DEFAULT, name);
   if (!p) {
@@ -327,6 +362,7 @@ int main(int argc, char **argv) {
   if (!strcmp(mode, "roundtrip")) return roundtrip();
   if (!strcmp(mode, "oom")) return oom();
   if (!strcmp(mode, "saturate")) return saturate(argc > 2 ? atoi(argv[2]) : 1000);
+  if (!strcmp(mode, "priority")) return priority();
   if (!strcmp(mode, "procaddr")) return procaddr();
   if (!strcmp(mode, "nosyscall")) return nosyscall(argc > 2 ? atol(argv[2]) : 100000);
   if (!strcmp(mode, "init")) {

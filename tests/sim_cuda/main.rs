@@ -156,6 +156,37 @@ fn read_until(child: &mut Child, want: &str) -> String {
     }
 }
 
+/// A kernel on a stream of the greatest priority runs ahead of work
+/// queued on one of the least: it ends after about one of the ten
+/// queued 1 ms kernels (the blocks running when it arrived finish first),
+/// and the queue ends that much later. Before, the simulator ran a
+/// process's kernels in the order queued whatever their streams'
+/// priorities (hi_ms 11).
+#[test]
+fn a_raised_stream_priority_runs_ahead_of_the_queue() {
+    let s = setup("sim-1gpu");
+    let out = s.cmd(&["priority"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let word = |k: &str| -> f64 {
+        let w = text
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("no {k} in {text}"));
+        w.parse().unwrap()
+    };
+    assert_eq!((word("least"), word("greatest")), (0.0, -5.0), "{text}");
+    let (hi, lo) = (word("hi_ms"), word("lo_ms"));
+    eprintln!("stream priorities: {}", text.trim());
+    // Device time, from events: launching is host time, so the raised
+    // kernel arrives while the first queued kernels run.
+    assert!(hi < 3.5, "the raised kernel waited for the queue: {text}");
+    assert!(
+        (10.9..11.5).contains(&lo),
+        "the queue: ten kernels and the raised one: {text}"
+    );
+}
+
 /// What the sim's model guarantees for two saturating processes: their
 /// kernels queue on one timeline (never overlapping) and each process is
 /// charged exactly its own kernels. How evenly they share depends on the

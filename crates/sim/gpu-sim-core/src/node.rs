@@ -25,8 +25,11 @@
 //!
 //! # optional, top level: kernel_wave_ns (block time of kernels that declare
 //! # no law, see `law`; default 10 µs), context_switch_ns (idle device time
-//! # when contexts of two processes take turns; default 20 µs), and an
-//! # [nvml_sampling] table (see `NvmlSampling`)
+//! # when contexts of two processes take turns; default 20 µs),
+//! # timeslice_ns (how long a context keeps the device while another
+//! # process waits; default 2 ms, 0: contexts run in the order their work
+//! # was queued, never preempted), and an [nvml_sampling] table (see
+//! # `NvmlSampling`)
 //!
 //! [[link]]                 # optional; pairs not listed are NODE (same NUMA
 //! gpus = [0, 1]            # node) or SYS (different NUMA nodes)
@@ -48,6 +51,10 @@ pub const DEFAULT_WAVE_NS: u64 = 10_000;
 /// Default device time lost when the device switches from one process's
 /// context to another's while both have work (time-slicing, no MPS).
 pub const DEFAULT_SWITCH_NS: u64 = 20_000;
+
+/// Default timeslice: how long a context holding the device keeps it while
+/// another process's work waits (NVIDIA's scheduler preempts at its end).
+pub const DEFAULT_TIMESLICE_NS: u64 = 2_000_000;
 
 #[derive(Debug, Error)]
 pub enum NodeError {
@@ -247,6 +254,8 @@ struct RawNode {
     kernel_wave_ns: u64,
     #[serde(default = "default_switch_ns")]
     context_switch_ns: u64,
+    #[serde(default = "default_timeslice_ns")]
+    timeslice_ns: u64,
     #[serde(default)]
     nvml_sampling: NvmlSampling,
     #[serde(default)]
@@ -260,6 +269,9 @@ fn default_wave_ns() -> u64 {
 }
 fn default_switch_ns() -> u64 {
     DEFAULT_SWITCH_NS
+}
+fn default_timeslice_ns() -> u64 {
+    DEFAULT_TIMESLICE_NS
 }
 
 /// A parsed and validated node description.
@@ -275,6 +287,9 @@ pub struct NodeSpec {
     pub kernel_wave_ns: u64,
     /// Idle device time of a switch between processes' contexts.
     pub context_switch_ns: u64,
+    /// How long a context keeps the device while another process waits;
+    /// 0: never preempted.
+    pub timeslice_ns: u64,
     pub nvml_sampling: NvmlSampling,
     pub gpus: Vec<GpuSpec>,
     /// `pcie[i][j]`: PCIe level between GPU i and j.
@@ -314,6 +329,7 @@ impl NodeSpec {
             cuda_version,
             kernel_wave_ns: raw.kernel_wave_ns,
             context_switch_ns: raw.context_switch_ns,
+            timeslice_ns: raw.timeslice_ns,
             nvml_sampling: raw.nvml_sampling,
             gpus,
             pcie,

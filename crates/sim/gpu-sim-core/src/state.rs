@@ -30,6 +30,7 @@ pub mod mig_caps;
 mod mig_use;
 mod procs;
 mod root;
+mod slice;
 mod timeline;
 mod xid;
 
@@ -87,6 +88,9 @@ pub struct SharedState {
     /// Slot this handle attached, so its own lock is not mistaken for a dead
     /// process (OFD locks never conflict with their own description).
     own_slot: AtomicI64,
+    /// Times handed out after preemptions, with what they reflect
+    /// (`slice.rs`).
+    stamps: slice::Stamps,
 }
 
 // SAFETY: the mapping is only accessed through atomics.
@@ -156,9 +160,23 @@ minor = 0
 
     /// A one-GPU node (1 MiB of memory) installed in a temp dir.
     pub(super) fn installed() -> (tempfile::TempDir, SimRoot) {
+        installed_with("")
+    }
+
+    /// As [`installed`], with `top` (top-level keys) added to the node.
+    pub(super) fn installed_with(top: &str) -> (tempfile::TempDir, SimRoot) {
         let dir = tempfile::tempdir().unwrap();
         let root = SimRoot::new(dir.path());
-        let node = NodeSpec::parse(NODE, "t").unwrap();
+        let text = if top.is_empty() {
+            NODE.to_string()
+        } else {
+            NODE.replacen(
+                "kernel_wave_ns = 1000",
+                &format!("kernel_wave_ns = 1000\n{top}"),
+                1,
+            )
+        };
+        let node = NodeSpec::parse(&text, "t").unwrap();
         assert_eq!(
             SharedState::install(&root, &node).unwrap(),
             InstallOutcome::Created

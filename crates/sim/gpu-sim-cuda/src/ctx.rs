@@ -29,6 +29,10 @@ pub(crate) struct Ctx {
     pub queue: crate::queue::LaunchQueue,
     /// Bit i: peer access to GPU i's memory enabled from this context.
     pub peers: AtomicU64,
+    /// Latest simulated end of the work of each raised stream priority
+    /// (index k: priority -k; 0 unused): a kernel goes ahead of work of
+    /// lower priority only.
+    pub raised_tails: [AtomicU64; 6],
 }
 
 impl Ctx {
@@ -47,6 +51,7 @@ impl Ctx {
             tail: AtomicU64::new(0),
             queue: crate::queue::LaunchQueue::new(),
             peers: AtomicU64::new(0),
+            raised_tails: [const { AtomicU64::new(0) }; 6],
         }))
     }
 
@@ -73,7 +78,7 @@ impl Ctx {
     }
 
     pub fn synchronize(&self) {
-        wait_until(self.tail.load(Acquire));
+        wait_done(self.gpu, self.tail.load(Acquire));
     }
 }
 
@@ -121,15 +126,32 @@ fn precise_sleeps() {
     });
 }
 
-/// Sleeps until the simulated time `t` (CLOCK_MONOTONIC ns).
-pub(crate) fn wait_until(t: u64) {
+/// When this process's work on `gpu` that was to end at `t` ends now:
+/// later than `t` when other processes' kernels preempted it.
+pub(crate) fn end_of(gpu: usize, t: u64) -> u64 {
+    match crate::drv() {
+        Ok(d) => d.state.resolve(d.me, gpu, t),
+        Err(_) => t,
+    }
+}
+
+/// Whether this process's work on `gpu` that was to end at `t` is done.
+pub(crate) fn done(gpu: usize, t: u64) -> bool {
+    end_of(gpu, t) <= now_ns()
+}
+
+/// Sleeps until this process's work on `gpu` that was to end at the
+/// simulated time `t` (CLOCK_MONOTONIC ns) is done, however often other
+/// processes' kernels preempt it meanwhile.
+pub(crate) fn wait_done(gpu: usize, t: u64) {
     precise_sleeps();
     loop {
+        let end = end_of(gpu, t);
         let now = now_ns();
-        if now >= t {
+        if now >= end {
             return;
         }
-        std::thread::sleep(std::time::Duration::from_nanos(t - now));
+        std::thread::sleep(std::time::Duration::from_nanos(end - now));
     }
 }
 

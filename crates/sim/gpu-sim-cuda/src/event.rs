@@ -1,12 +1,12 @@
 //! Events: recorded at a stream's simulated tail, waited on, timed.
 
-use crate::ctx::{current, wait_until};
+use crate::ctx::{current, done, end_of, wait_done};
 use crate::stream::Target;
 use crate::{R, drv, put};
 use cuda_abi::*;
 use gpu_sim_core::state::now_ns;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering::*};
 
 const EVENT_MAGIC: u64 = 0x5349_4d45_5654_0001;
 
@@ -20,6 +20,9 @@ pub(crate) struct Event {
     pub shared: AtomicPtr<AtomicU64>,
     /// The IPC handle's id, in the process that exported it (0 otherwise).
     pub ipc_id: AtomicU64,
+    /// The GPU it was last recorded on (its time resolves against that
+    /// device's preemptions).
+    pub gpu: AtomicU32,
 }
 
 impl Event {
@@ -30,6 +33,7 @@ impl Event {
             own_time: AtomicU64::new(0),
             shared: AtomicPtr::new(std::ptr::null_mut()),
             ipc_id: AtomicU64::new(0),
+            gpu: AtomicU32::new(0),
         })
     }
 
@@ -72,6 +76,7 @@ unsafe fn event_record(ev: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
         return Ok(());
     }
     let at = d.state.served_from(d.me, t.ctx().gpu, t.tail());
+    e.gpu.store(t.ctx().gpu as u32, Release);
     e.time().store(at.max(1), Release);
     Ok(())
 }
@@ -109,6 +114,8 @@ unsafe fn elapsed(ms: *mut f32, start: *mut c_void, end: *mut c_void) -> R {
     if ta == 0 || tb == 0 {
         return Err(CUDA_ERROR_INVALID_HANDLE);
     }
+    let ta = end_of(a.gpu.load(Acquire) as usize, ta);
+    let tb = end_of(b.gpu.load(Acquire) as usize, tb);
     if ta.max(tb) > now_ns() {
         return Err(CUDA_ERROR_NOT_READY);
     }
@@ -176,7 +183,8 @@ cuda_fn! {
         // SAFETY: `event` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        if unsafe { event(ev) }?.time().load(Acquire) > now_ns() {
+        let e = unsafe { event(ev) }?;
+        if !done(e.gpu.load(Acquire) as usize, e.time().load(Acquire)) {
             return Err(CUDA_ERROR_NOT_READY);
         }
         Ok(())
@@ -188,7 +196,8 @@ cuda_fn! {
         // SAFETY: `event` gets the pointers and handles our caller passed in, which the
         // CUDA ABI makes valid for this call (or NULL, checked there); handles are ones
         // this driver handed out or are rejected by their magic.
-        wait_until(unsafe { event(ev) }?.time().load(Acquire));
+        let e = unsafe { event(ev) }?;
+        wait_done(e.gpu.load(Acquire) as usize, e.time().load(Acquire));
         crate::pool::at_sync(d);
         Ok(())
     }

@@ -169,7 +169,7 @@ unsafe fn launch(exec: *mut c_void, stream: *mut c_void, ptsz: bool) -> R {
     let t = unsafe { Target::of(stream, ptsz)? };
     // One entry of the context's launch queue; taken before the lock, as
     // a full queue sleeps.
-    let slot = t.ctx().queue.admit();
+    let slot = t.ctx().queue.admit(t.ctx().gpu);
     let mut st = state();
     if st.capture.is_capturing(t) {
         // Launching a graph into a capture (a child graph node): not modelled.
@@ -214,7 +214,7 @@ fn trim(d: &Driver, gpu: usize) {
     let mut st = state();
     let mut freed = 0;
     for e in st.execs.values_mut() {
-        if e.gpu == gpu && e.mapped && e.busy_until <= now {
+        if e.gpu == gpu && e.mapped && crate::ctx::end_of(gpu, e.busy_until) <= now {
             e.mapped = false;
             freed += e.alloc_bytes;
         }

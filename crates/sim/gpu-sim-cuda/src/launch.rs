@@ -2,12 +2,15 @@
 //!
 //! Each launch takes its duration from its kernel's law (declared in the
 //! module image, `gpu_sim_core::law`), queues on the device's shared
-//! timeline (behind every process's kernels) and records the simulated end
-//! as its stream's tail. Synchronising sleeps until the tail.
+//! timeline (behind every process's kernels, or at the holder's timeslice
+//! boundary: `gpu_sim_core` slice.rs) and records the simulated end as its
+//! stream's tail. Synchronising sleeps until the tail, resolved against the
+//! preemptions made since.
 //! The launch path is atomics, thread-locals and a vDSO clock read: no lock,
 //! no allocation, no syscall, unless the context's pending-launch queue is
 //! full (`queue.rs`): then the launch sleeps until the device drains one.
 
+use crate::ctx::Ctx;
 use crate::module::Func;
 use crate::stream::Target;
 use crate::{R, arg, drv};
@@ -15,6 +18,7 @@ use cuda_abi::*;
 use gpu_sim_core::law::Launch;
 use std::cell::Cell;
 use std::ffi::c_void;
+use std::sync::atomic::Ordering::{AcqRel, Acquire};
 
 pub(crate) const FUNC_MAGIC: u64 = 0x5349_4d46_554e_0001;
 
@@ -95,11 +99,30 @@ pub(crate) unsafe fn launch(
         _ => law.occupancy(gpu, l),
     };
     // A full launch queue blocks the caller until the device drains one.
-    let slot = ctx.queue.admit();
-    let (_, end) = d.state.launch_with(d.me, ctx.gpu, dur, t.tail(), share);
+    let slot = ctx.queue.admit(ctx.gpu);
+    let end = match t.priority() {
+        0 => d.state.launch_with(d.me, ctx.gpu, dur, t.tail(), share).1,
+        p => raised(d, ctx, t, p, dur, share),
+    };
     ctx.queue.record(slot, end);
     t.set_tail(end);
     Ok(())
+}
+
+/// A launch on a stream of raised priority `p` (-1 to -5): after the
+/// stream's own work and the context's work of priority `p` or above,
+/// ahead of the rest (`SharedState::launch_ahead`). Its end.
+#[cold]
+fn raised(d: &crate::Driver, ctx: &Ctx, t: Target, p: i32, dur: u64, share: f64) -> u64 {
+    let level = p.unsigned_abs().min(5) as usize;
+    let after = ctx.raised_tails[level..]
+        .iter()
+        .map(|a| a.load(Acquire))
+        .fold(t.tail(), u64::max);
+    let wave = d.node().kernel_wave_ns;
+    let (_, end) = d.state.launch_ahead(d.me, ctx.gpu, dur, after, share, wave);
+    ctx.raised_tails[level].fetch_max(end, AcqRel);
+    end
 }
 
 /// The first kernel parameter as a 32-bit integer; 0 without parameters.

@@ -14,7 +14,7 @@
 //! forum saw the bound per stream; one per context is the stricter reading
 //! for a process with several streams). Atomics only; the wait sleeps.
 
-use crate::ctx::wait_until;
+use crate::ctx::wait_done;
 use gpu_sim_core::state::now_ns;
 use std::sync::atomic::{AtomicU64, Ordering::*};
 
@@ -41,11 +41,12 @@ impl LaunchQueue {
 
     /// Takes a slot, sleeping while the queue is full (until the launch
     /// [`DEPTH`] places earlier has finished on the simulated device).
-    pub fn admit(&self) -> Slot {
+    pub fn admit(&self, gpu: usize) -> Slot {
         let i = (self.next.fetch_add(1, AcqRel) % DEPTH as u64) as usize;
         let end = self.ends[i].load(Acquire);
+        // The raw end: a bound this loose need not follow preemptions.
         if end > now_ns() {
-            wait_until(end);
+            wait_done(gpu, end);
         }
         Slot(i)
     }
@@ -73,7 +74,7 @@ mod tests {
         let t0 = now_ns();
         let first_end = t0 + 30_000_000;
         for i in 0..DEPTH {
-            let s = q.admit();
+            let s = q.admit(0);
             q.record(s, first_end + i as u64);
         }
         assert!(
@@ -81,7 +82,7 @@ mod tests {
             "a thousand launches queue freely"
         );
         assert_eq!(q.pending(), DEPTH);
-        let s = q.admit();
+        let s = q.admit(0);
         assert!(
             now_ns() >= first_end,
             "the full queue's next launch blocked"

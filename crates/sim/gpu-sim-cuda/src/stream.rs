@@ -2,11 +2,10 @@
 //! `Target`, where work submitted to a stream handle lands (its simulated
 //! tail).
 
-use crate::ctx::{Ctx, current, wait_until};
+use crate::ctx::{Ctx, current, done, wait_done};
 use crate::event::event;
 use crate::{R, drv, put};
 use cuda_abi::*;
-use gpu_sim_core::state::now_ns;
 use std::cell::Cell;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering::*};
@@ -76,6 +75,16 @@ impl Target {
         }
     }
 
+    /// The stream's priority (0 but for streams created with a greater
+    /// one: -1 to -5).
+    #[inline]
+    pub fn priority(self) -> i32 {
+        match self {
+            Target::Stream(s) => s.priority,
+            _ => 0,
+        }
+    }
+
     #[inline]
     pub fn tail(self) -> u64 {
         match self {
@@ -106,7 +115,7 @@ unsafe fn stream_sync(h: *mut c_void, ptsz: bool) -> R {
     // this function's own contract; `Target::of` checks its magic.
     let t = unsafe { Target::of(h, ptsz)? };
     crate::capture_mode::sync_point(t)?;
-    wait_until(t.tail());
+    wait_done(t.ctx().gpu, t.tail());
     crate::pool::at_sync(d);
     Ok(())
 }
@@ -117,7 +126,7 @@ unsafe fn stream_query(h: *mut c_void, ptsz: bool) -> R {
     // this function's own contract; `Target::of` checks its magic.
     let t = unsafe { Target::of(h, ptsz)? };
     crate::capture_mode::sync_point(t)?;
-    if t.tail() > now_ns() {
+    if !done(t.ctx().gpu, t.tail()) {
         return Err(CUDA_ERROR_NOT_READY);
     }
     Ok(())

@@ -19,13 +19,17 @@ pub const MAX_PROCS: usize = 256;
 pub const RING: usize = 16384;
 /// Xid events remembered.
 pub const XID_RING: usize = 64;
+/// Preemptions remembered per GPU (`slice.rs`): a process resolves the
+/// times of its queued work against these.
+pub const SHIFTS: usize = 128;
 
 const MAGIC: [u8; 8] = *b"GPUSIM\0\x01";
 /// 2: a `MigBlock` per GPU after the process table (MIG mode and
 /// instances). 3: then, on a node with a MIG-capable GPU, each process
 /// slot's MIG binding per GPU and a `DeviceBlock` per GPU instance id of
-/// each GPU (its memory and timeline).
-const LAYOUT_VERSION: u32 = 3;
+/// each GPU (its memory and timeline). 4: a `SliceBlock` ends each
+/// `DeviceBlock` (time-slicing between processes' contexts).
+const LAYOUT_VERSION: u32 = 4;
 
 // ---- shared layout -------------------------------------------------------
 
@@ -64,7 +68,45 @@ pub(super) struct DeviceBlock {
     pub(super) group_room: AtomicU64,
     _pad: [u64; 2],
     pub(super) ring: [Interval; RING],
+    pub(super) slices: SliceBlock,
 }
+
+/// A device's time-slicing state (`slice.rs`).
+#[repr(C)]
+pub(super) struct SliceBlock {
+    /// 1 while a process places a preempting kernel.
+    pub(super) lock: AtomicU64,
+    /// The latest run of preempting work: its process, start and end.
+    pub(super) seg_owner: AtomicU64,
+    pub(super) seg_start: AtomicU64,
+    pub(super) seg_end: AtomicU64,
+    /// Shifts written so far.
+    pub(super) head: AtomicU64,
+    /// The largest `old_busy` of any shift: later times never move.
+    pub(super) max_old_busy: AtomicU64,
+    _pad: [u64; 2],
+    pub(super) shifts: [Shift; SHIFTS],
+}
+
+/// Work queued in (`at`, `old_busy`] when the shift was made moved
+/// `amount` later: another process's kernel ran at `at`.
+#[repr(C)]
+pub(super) struct Shift {
+    /// Index + 1 of the shift; 0 while being written.
+    pub(super) seq: AtomicU64,
+    pub(super) at: AtomicU64,
+    pub(super) old_busy: AtomicU64,
+    pub(super) amount: AtomicU64,
+    /// The preempting process (its own work did not move, unless
+    /// [`MOVES_OWN`] is set).
+    pub(super) owner: AtomicU64,
+    pub(super) flags: AtomicU64,
+    _pad: [u64; 2],
+}
+
+/// `Shift::flags`: the owner's own queued work moved too (a kernel of a
+/// higher-priority stream went ahead of it).
+pub(super) const MOVES_OWN: u64 = 1;
 
 #[repr(C)]
 pub(super) struct Interval {
@@ -139,7 +181,9 @@ const _: () = assert!(std::mem::offset_of!(Header, xid_head) == 24);
 const _: () = assert!(std::mem::offset_of!(Header, xids) == 4096 - XID_RING * 32);
 const _: () = assert!(std::mem::size_of::<Interval>() == 32);
 const _: () = assert!(std::mem::offset_of!(DeviceBlock, ring) == 64);
-const _: () = assert!(DEVICE_SIZE == 64 + RING * 32);
+const _: () = assert!(std::mem::size_of::<Shift>() == 64);
+const _: () = assert!(std::mem::offset_of!(SliceBlock, shifts) == 64);
+const _: () = assert!(DEVICE_SIZE == 64 + RING * 32 + 64 + SHIFTS * 64);
 const _: () = assert!(std::mem::offset_of!(ProcSlot, comm) == 32);
 const _: () = assert!(std::mem::offset_of!(ProcSlot, used) == 64);
 const _: () = assert!(SLOT_SIZE == 64 + MAX_GPUS * 8);
@@ -292,6 +336,7 @@ impl SharedState {
             len,
             lock: OwnedFd::from(lock),
             own_slot: AtomicI64::new(-1),
+            stamps: super::slice::Stamps::new(),
         };
         let h = state.header();
         if h.magic != MAGIC || h.layout_version != LAYOUT_VERSION {

@@ -2,6 +2,7 @@
 //! utilization is read back from the ring of busy intervals.
 
 use super::layout::{DeviceBlock, RING};
+use super::slice;
 use super::{Attached, ProcessInfo, SharedState, now_ns};
 use std::sync::atomic::Ordering::*;
 
@@ -22,6 +23,36 @@ fn beside(dev: &DeviceBlock, ready: u64, need: u64, duration_ns: u64) -> Option<
     let end = start + duration_ns;
     dev.busy_until.fetch_max(end, AcqRel);
     Some((start, end))
+}
+
+/// Records a kernel's interval in `dev`'s ring. Back-to-back (or
+/// side-by-side) kernels of one process extend its last interval, so a
+/// saturating process costs one ring entry, not one per launch, and
+/// overlapping kernels count once.
+pub(super) fn record(dev: &DeviceBlock, owner: u64, start: u64, end: u64) {
+    let head = dev.ring_head.load(Acquire);
+    if head > 0 {
+        let last = &dev.ring[((head - 1) as usize) % RING];
+        if last.seq.load(Acquire) == head
+            && last.owner.load(Acquire) == owner
+            && (last.start.load(Acquire)..=last.end.load(Acquire)).contains(&start)
+        {
+            last.end.fetch_max(end, AcqRel);
+            return;
+        }
+    }
+    push(dev, owner, start, end);
+}
+
+/// Records an interval in a ring entry of its own.
+pub(super) fn push(dev: &DeviceBlock, owner: u64, start: u64, end: u64) {
+    let idx = dev.ring_head.fetch_add(1, AcqRel);
+    let e = &dev.ring[(idx as usize) % RING];
+    e.seq.store(0, Release);
+    e.start.store(start, Release);
+    e.end.store(end, Release);
+    e.owner.store(owner, Release);
+    e.seq.store(idx + 1, Release);
 }
 
 /// Busy nanoseconds on `dev`'s timeline within [from, to), for one owner
@@ -89,10 +120,13 @@ impl SharedState {
     /// Queues a kernel of `duration_ns` occupying `share` (0..=1) of `gpu`.
     /// Kernels of different processes never overlap (no MPS: contexts
     /// time-slice), and one that waits behind another process's work pays
-    /// the node's `context_switch_ns` of idle device time first. A kernel
-    /// of the process whose work the device runs, from another stream, runs
-    /// beside that work while the device has room for it. Returns its
-    /// simulated (start, end). Atomics and a vDSO clock read only.
+    /// the node's `context_switch_ns` of idle device time first; when that
+    /// work holds the device past the current timeslice, the kernel runs at
+    /// the slice's end instead and the work moves later (`slice.rs`). A
+    /// kernel of the process whose work the device runs, from another
+    /// stream, runs beside that work while the device has room for it.
+    /// Returns its simulated (start, end). Atomics and a vDSO clock read
+    /// only, unless it preempts.
     pub fn launch_with(
         &self,
         me: Attached,
@@ -103,17 +137,30 @@ impl SharedState {
     ) -> (u64, u64) {
         // A MIG device's process queues on its GPU instance's timeline.
         let dev = self.engine(me, gpu);
-        let ready = now_ns().max(not_before_ns);
+        let ready = now_ns().max(self.resolve_in(dev, me, not_before_ns));
+        let node = self.node();
+        if node.timeslice_ns > 0
+            && dev.last_owner.load(Acquire) != me.owner()
+            && dev.busy_until.load(Acquire) > ready
+        {
+            let (slice, switch) = (node.timeslice_ns, node.context_switch_ns);
+            if let Some((start, end, from)) =
+                slice::preempt(dev, me.owner(), ready, duration_ns, slice, switch)
+            {
+                self.stamps.note(end, from);
+                return (start, end);
+            }
+        }
         let need = ((share.clamp(0.0, 1.0) * FULL as f64).ceil() as u64).max(1);
         let prev = dev.last_owner.swap(me.owner(), AcqRel);
         if prev == me.owner()
             && let Some((start, end)) = beside(dev, ready, need, duration_ns)
         {
-            self.record(dev, me.owner(), start, end);
+            record(dev, me.owner(), start, end);
             return (start, end);
         }
         let switch = if prev != me.owner() {
-            self.node().context_switch_ns
+            node.context_switch_ns
         } else {
             0
         };
@@ -126,51 +173,90 @@ impl SharedState {
         });
         dev.group_start.store(start, Release);
         dev.group_room.store(FULL.saturating_sub(need), Release);
-        self.record(dev, me.owner(), start, end);
+        record(dev, me.owner(), start, end);
         (start, end)
+    }
+
+    /// As [`Self::launch_with`], for a kernel of a stream whose priority
+    /// is above that of the caller's work queued before it: while the
+    /// device runs the caller's own work, the kernel starts once the blocks
+    /// running now finish (one wave of `wave_ns`) and that work waits
+    /// (block scheduling favours the higher-priority stream's blocks;
+    /// running blocks are not preempted). Behind another process's work it
+    /// queues as any kernel: priorities order a context's own streams.
+    pub fn launch_ahead(
+        &self,
+        me: Attached,
+        gpu: usize,
+        duration_ns: u64,
+        not_before_ns: u64,
+        share: f64,
+        wave_ns: u64,
+    ) -> (u64, u64) {
+        let dev = self.engine(me, gpu);
+        let ready = now_ns().max(self.resolve_in(dev, me, not_before_ns));
+        if dev.last_owner.load(Acquire) == me.owner()
+            && dev.busy_until.load(Acquire) > ready + wave_ns
+            && let Some((start, end, from)) =
+                slice::ahead(dev, me.owner(), ready + wave_ns, duration_ns)
+        {
+            self.stamps.note(end, from);
+            return (start, end);
+        }
+        let ready = self.fresh(dev, ready);
+        self.launch_with(me, gpu, duration_ns, ready, share)
+    }
+
+    /// When the caller's work on `gpu` that was to end at `t` (a time this
+    /// state gave it) ends now, after other processes' kernels preempted
+    /// it (`slice.rs`). 0 stays 0.
+    pub fn resolve(&self, me: Attached, gpu: usize, t: u64) -> u64 {
+        self.resolve_in(self.engine(me, gpu), me, t)
+    }
+
+    fn resolve_in(&self, dev: &DeviceBlock, me: Attached, t: u64) -> u64 {
+        let sb = &dev.slices;
+        if t == 0 || sb.head.load(Acquire) == 0 {
+            return t;
+        }
+        slice::resolve(sb, me.owner(), t, self.stamps.lookup(t))
+    }
+
+    /// `t`, a time read now from the timeline, noted as one the shifts
+    /// made so far do not move.
+    fn fresh(&self, dev: &DeviceBlock, t: u64) -> u64 {
+        let sb = &dev.slices;
+        let head = sb.head.load(Acquire);
+        if head > 0 && t <= sb.max_old_busy.load(Acquire) {
+            self.stamps.note(t, head);
+        }
+        t
     }
 
     /// When `gpu` would serve the caller's next command queued now, not
     /// before `not_before_ns` (its stream's tail): at once, or, while
     /// another process's work holds the device, after that work and a
-    /// context switch. An event recorded on a stream is stamped then: on
-    /// NVIDIA's GPUs an event is a command in its context's channel,
-    /// processed when the context runs, so an event before a kernel and one
-    /// after it bracket the kernel's own time, not the time it waited for
-    /// another context. Reads only.
+    /// context switch (or at the end of the holder's timeslice). An event
+    /// recorded on a stream is stamped then: on NVIDIA's GPUs an event is
+    /// a command in its context's channel, processed when the context
+    /// runs, so an event before a kernel and one after it bracket the
+    /// kernel's own time, not the time it waited for another context.
+    /// Reads only.
     pub fn served_from(&self, me: Attached, gpu: usize, not_before_ns: u64) -> u64 {
         let dev = self.engine(me, gpu);
-        let ready = now_ns().max(not_before_ns);
+        let ready = now_ns().max(self.resolve_in(dev, me, not_before_ns));
         let busy = dev.busy_until.load(Acquire);
         if dev.last_owner.load(Acquire) == me.owner() || busy <= ready {
-            ready
-        } else {
-            busy + self.node().context_switch_ns
+            return self.fresh(dev, ready);
         }
-    }
-
-    fn record(&self, dev: &DeviceBlock, owner: u64, start: u64, end: u64) {
-        // Back-to-back (or side-by-side) kernels of one process extend its
-        // last interval, so a saturating process costs one ring entry, not
-        // one per launch, and overlapping kernels count once.
-        let head = dev.ring_head.load(Acquire);
-        if head > 0 {
-            let last = &dev.ring[((head - 1) as usize) % RING];
-            if last.seq.load(Acquire) == head
-                && last.owner.load(Acquire) == owner
-                && (last.start.load(Acquire)..=last.end.load(Acquire)).contains(&start)
-            {
-                last.end.fetch_max(end, AcqRel);
-                return;
-            }
+        let node = self.node();
+        let (slice, switch) = (node.timeslice_ns, node.context_switch_ns);
+        if slice > 0
+            && let Some(p) = slice::place(&dev.slices, busy, me.owner(), ready, 0, slice, switch)
+        {
+            return self.fresh(dev, p.start);
         }
-        let idx = dev.ring_head.fetch_add(1, AcqRel);
-        let e = &dev.ring[(idx as usize) % RING];
-        e.seq.store(0, Release);
-        e.start.store(start, Release);
-        e.end.store(end, Release);
-        e.owner.store(owner, Release);
-        e.seq.store(idx + 1, Release);
+        busy + switch
     }
 
     /// Busy nanoseconds on `gpu` within [from, to), for one owner or all,
@@ -261,7 +347,8 @@ mod tests {
 
     #[test]
     fn another_process_waits_for_a_context_switch() {
-        let (_d, root) = installed();
+        // Without a timeslice: in the order queued.
+        let (_d, root) = crate::state::tests::installed_with("timeslice_ns = 0");
         let (a, b) = (
             SharedState::open(&root).unwrap(),
             SharedState::open(&root).unwrap(),
