@@ -1,7 +1,7 @@
 //! A latency tenant beside batch work on one simulated A100
-//! (config/nodes/sim-1gpu.toml; the sim runs the kernels of different
-//! processes in the order they were queued, a context switch between
-//! them, and preempts nothing): requests of three 200 us
+//! (config/nodes/sim-1gpu.toml; the sim time-slices the contexts of
+//! different processes on a 2 ms timeslice, a context switch between
+//! them, as NVIDIA's scheduler does): requests of three 200 us
 //! kernels at 100 per second (tests/c/qos_latency.c: open loop, latency
 //! from when a request was due to its stream's synchronize), alone and
 //! beside a saturating batch tenant (tests/c/shim_compute.c: 1 ms kernels
