@@ -138,6 +138,18 @@ impl SharedState {
         // A MIG device's process queues on its GPU instance's timeline.
         let dev = self.engine(me, gpu);
         let ready = now_ns().max(self.resolve_in(dev, me, not_before_ns));
+        self.queue_at(dev, me, ready, duration_ns, share)
+    }
+
+    /// [`Self::launch_with`] from `ready`, a time already resolved.
+    fn queue_at(
+        &self,
+        dev: &DeviceBlock,
+        me: Attached,
+        ready: u64,
+        duration_ns: u64,
+        share: f64,
+    ) -> (u64, u64) {
         let node = self.node();
         if node.timeslice_ns > 0
             && dev.last_owner.load(Acquire) != me.owner()
@@ -203,8 +215,7 @@ impl SharedState {
             self.stamps.note(end, from);
             return (start, end);
         }
-        let ready = self.fresh(dev, ready);
-        self.launch_with(me, gpu, duration_ns, ready, share)
+        self.queue_at(dev, me, ready, duration_ns, share)
     }
 
     /// When the caller's work on `gpu` that was to end at `t` (a time this
