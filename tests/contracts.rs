@@ -11,7 +11,7 @@
 //! the DRA driver's checkpoint is read by `crates/node/dra-driver/tests/golden.rs`.
 
 use container_ledger::Ledger;
-use gpu_allocator::inventory::{Inventory, InventoryGpu};
+use gpu_allocator::inventory::{Inventory, InventoryGpu, InventoryInstance};
 use gpu_manager::allocation::{Allocation, PlacementRecord};
 use gpu_manager::world::checkpoint::Checkpoint;
 use prost::Message;
@@ -302,6 +302,36 @@ fn a_manager_checkpoint_of_today_is_adopted() {
     assert_eq!(allocs, vec![allocation()]);
 }
 
+/// A checkpoint slot holding a share inside a MIG instance (placement
+/// kind `in_mig`, docs/mig.md): read back the same by every later release.
+#[test]
+fn a_manager_checkpoint_with_a_share_inside_a_mig_instance_is_adopted() {
+    let mut a = allocation();
+    a.placement = gpu_manager::allocation::PlacementRecord::InMig {
+        gpu: 1,
+        instance: "MIG-5f1e0a3c-1f2b-5c5d-8e9f-0a1b2c3d4e5f".into(),
+        cores: 30,
+        memory_units: 8,
+    };
+    let slot = golden("gpu-manager-in-mig.json.a", || {
+        let dir = tempfile::tempdir().unwrap();
+        Checkpoint::new(dir.path())
+            .store(&["GPU-0".into(), "GPU-1".into()], [&a])
+            .unwrap();
+        std::fs::read(dir.path().join("gpu-manager.json.a")).unwrap()
+    });
+    assert!(
+        String::from_utf8_lossy(&slot)
+            .contains(r#""kind":"in_mig","gpu":1,"instance":"MIG-5f1e0a3c"#),
+        "{}",
+        String::from_utf8_lossy(&slot)
+    );
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("gpu-manager.json.a"), &slot).unwrap();
+    let (_, allocs) = Checkpoint::new(dir.path()).load().unwrap().unwrap();
+    assert_eq!(allocs, vec![a]);
+}
+
 /// The node inventory annotation (version 1) the extender reads.
 #[test]
 fn a_node_inventory_of_version_1_is_read() {
@@ -320,8 +350,43 @@ fn a_node_inventory_of_version_1_is_read() {
         gpus: vec![gpu(0), gpu(1)],
         pcie: vec![30],
         nvlink: vec![4],
+        instances: vec![],
     };
     let b = golden("gpu-inventory-v1.json", || want.to_json().into_bytes());
     let inv = Inventory::from_json(std::str::from_utf8(&b).unwrap()).unwrap();
     assert_eq!(inv, want);
+}
+
+/// Version 1 with MIG instances that serve shares (docs/mig.md): the field
+/// is additive, so the file without it (above) still reads, as none.
+#[test]
+fn a_node_inventory_with_shared_mig_instances_is_read() {
+    let b = golden("gpu-inventory-v1-instances.json", || {
+        let mut inv = Inventory::from_json(
+            std::str::from_utf8(&golden("gpu-inventory-v1.json", Vec::new)).unwrap(),
+        )
+        .unwrap();
+        inv.gpus[1].mig = true;
+        inv.instances = vec![InventoryInstance {
+            instance: gpu_allocator::SharedInstance {
+                uuid: "MIG-5f1e0a3c-1f2b-5c5d-8e9f-0a1b2c3d4e5f".into(),
+                gpu: 1,
+                profile: "2g.20gb".into(),
+                memory_bytes: 19968 << 20,
+            },
+            healthy: true,
+        }];
+        inv.to_json().into_bytes()
+    });
+    let inv = Inventory::from_json(std::str::from_utf8(&b).unwrap()).unwrap();
+    let i = &inv.instances[0];
+    assert_eq!(
+        (i.instance.gpu, i.instance.profile.as_str(), i.healthy),
+        (1, "2g.20gb", true)
+    );
+    let a = inv.allocator();
+    let p = a
+        .evaluate_for(&gpu_allocator::Request::share(50, 20), Some("2g.20gb"))
+        .unwrap();
+    assert_eq!(p.gpus(), &[1]);
 }

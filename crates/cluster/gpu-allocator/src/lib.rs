@@ -55,6 +55,7 @@
 
 mod allocator;
 mod error;
+mod instances;
 pub mod inventory;
 pub mod mig;
 mod render;
@@ -64,6 +65,7 @@ mod topology;
 
 pub use allocator::{Allocator, GpuUsage, Placement, Request, WHOLE_GPU_CORES};
 pub use error::{AllocError, ErrorKind, TopologyError};
+pub use instances::SharedInstance;
 pub use topology::{GpuInfo, Group, MEMORY_UNIT_BYTES, PcieLevel, Topology, Tree, TreeNode};
 
 #[cfg(test)]

@@ -279,6 +279,7 @@ fn recount(a: &Allocator) -> Vec<(u32, u64, u32, bool)> {
                     );
                 }
             }
+            Placement::InMig { .. } => unreachable!("no shared instances on these nodes"),
         }
     }
     v

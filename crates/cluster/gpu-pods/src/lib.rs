@@ -18,6 +18,13 @@ pub const VMEMORY_RESOURCE: &str = "tencent.com/vcuda-memory";
 pub const PREDICATE_NODE: &str = "tencent.com/predicate-node";
 pub const PREDICATE_TIME: &str = "tencent.com/predicate-time";
 pub const PREDICATE_GPU_IDX_PREFIX: &str = "tencent.com/predicate-gpu-idx-";
+/// vcuda's, beside `predicate-gpu-idx-<i>` (the instance's GPU): the MIG
+/// instance (its UUID) a share inside one was placed in.
+pub const PREDICATE_MIG_PREFIX: &str = "tencent.com/predicate-mig-";
+/// The MIG profile (`2g.20gb`) whose instance a pod's shares go inside
+/// (docs/mig.md, *Shares inside an instance*); every vcuda container of
+/// the pod. Without it, shares go on whole GPUs.
+pub const VCUDA_MIG_PROFILE: &str = "tencent.com/vcuda-mig-profile";
 pub const GPU_ASSIGNED: &str = "tencent.com/gpu-assigned";
 pub const VCORE_LIMIT: &str = "tencent.com/vcuda-core-limit";
 /// A share's compute tier (docs/qos.md): `latency`, `batch` or `plain`.
@@ -101,12 +108,53 @@ pub fn placement_annotations(pod: &Pod) -> BTreeMap<&str, &str> {
         .annotations
         .iter()
         .flatten()
-        .filter(|(k, _)| {
-            [PREDICATE_NODE, PREDICATE_TIME, GPU_ASSIGNED].contains(&k.as_str())
-                || k.starts_with(PREDICATE_GPU_IDX_PREFIX)
-        })
+        .filter(|(k, _)| is_placement_key(k) || k.as_str() == GPU_ASSIGNED)
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect()
+}
+
+/// A key of a placement's reservation (what a bind writes and takes back).
+pub fn is_placement_key(k: &str) -> bool {
+    k == PREDICATE_NODE
+        || k == PREDICATE_TIME
+        || k.starts_with(PREDICATE_GPU_IDX_PREFIX)
+        || k.starts_with(PREDICATE_MIG_PREFIX)
+}
+
+/// A MIG profile name as NVIDIA's tools print it: `<n>g.<m>gb`, an
+/// optional `+me`-style suffix (`1g.10gb+me`, `1g.20gb+gfx`).
+pub fn is_mig_profile_name(p: &str) -> bool {
+    let (base, suffix) = p.split_once('+').unwrap_or((p, ""));
+    let Some((g, mem)) = base.split_once("g.") else {
+        return false;
+    };
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    digits(g)
+        && mem.strip_suffix("gb").is_some_and(digits)
+        && suffix.bytes().all(|b| b.is_ascii_lowercase())
+        && p.contains('+') != suffix.is_empty()
+}
+
+/// The pod's [`VCUDA_MIG_PROFILE`]: `None` without it; an error naming the
+/// pod and the value when it is no profile name.
+pub fn mig_profile(pod: &Pod) -> Result<Option<String>, String> {
+    let Some(v) = annotation(pod, VCUDA_MIG_PROFILE) else {
+        return Ok(None);
+    };
+    if !is_mig_profile_name(v) {
+        return Err(format!(
+            "pod {}/{}: annotation {VCUDA_MIG_PROFILE}={v:?} is not a MIG profile name (as nvidia-smi prints them: 1g.10gb, 2g.20gb, 3g.40gb)",
+            namespace(pod),
+            name(pod)
+        ));
+    }
+    Ok(Some(v.to_string()))
+}
+
+/// `tencent.com/predicate-mig-<i>`: the instance a share inside one was
+/// placed in.
+pub fn predicate_instance(pod: &Pod, container_index: usize) -> Option<&str> {
+    annotation(pod, &format!("{PREDICATE_MIG_PREFIX}{container_index}"))
 }
 
 /// An integer extended-resource limit of a container (0 when absent).
@@ -313,21 +361,53 @@ pub fn gpu_count(pod: &Pod, container: &str, node_gpus: usize) -> Result<u32, St
     Ok(mine)
 }
 
-/// Annotations patched once every GPU container of a pod is allocated.
-pub fn assigned_annotations(per_container: &BTreeMap<usize, Vec<u32>>) -> BTreeMap<String, String> {
-    let mut m: BTreeMap<String, String> = per_container
-        .iter()
-        .map(|(i, minors)| {
-            (
-                format!("{PREDICATE_GPU_IDX_PREFIX}{i}"),
-                minors
-                    .iter()
-                    .map(u32::to_string)
-                    .collect::<Vec<_>>()
-                    .join(","),
-            )
-        })
-        .collect();
+/// The share recorded inside MIG instance `instance` (`predicate-mig-<i>`)
+/// of the one GPU in `gpus` (`predicate-gpu-idx-<i>`) for `req` of a pod
+/// asking for `profile`; whether it still fits is the allocator's commit to
+/// say. The error says which half of the record is missing or wrong.
+pub fn recorded_in_instance(
+    req: &Request,
+    profile: Option<&str>,
+    gpus: &[usize],
+    instance: Option<&str>,
+) -> Result<gpu_allocator::Placement, String> {
+    let (Some(profile), Some(uuid)) = (profile, instance) else {
+        let (has, lacks) = match instance {
+            Some(_) => (PREDICATE_MIG_PREFIX, VCUDA_MIG_PROFILE),
+            None => (VCUDA_MIG_PROFILE, PREDICATE_MIG_PREFIX),
+        };
+        return Err(format!(
+            "{has}… without {lacks}…: a share inside a MIG instance is recorded with both"
+        ));
+    };
+    let [gpu] = gpus else {
+        return Err(format!(
+            "a share inside a {profile} instance is on one GPU, {} recorded",
+            gpus.len()
+        ));
+    };
+    Ok(gpu_allocator::Placement::InMig {
+        gpu: *gpu,
+        instance: uuid.to_string(),
+        cores: req.cores,
+        memory_units: req.memory_units,
+    })
+}
+
+/// Annotations patched once every GPU container of a pod is allocated:
+/// each container's GPU minors, and its MIG instance when its share is
+/// inside one.
+pub fn assigned_annotations(
+    per_container: &BTreeMap<usize, (Vec<u32>, Option<String>)>,
+) -> BTreeMap<String, String> {
+    let mut m = BTreeMap::new();
+    for (i, (minors, instance)) in per_container {
+        let minors = minors.iter().map(u32::to_string).collect::<Vec<_>>();
+        m.insert(format!("{PREDICATE_GPU_IDX_PREFIX}{i}"), minors.join(","));
+        if let Some(uuid) = instance {
+            m.insert(format!("{PREDICATE_MIG_PREFIX}{i}"), uuid.clone());
+        }
+    }
     m.insert(GPU_ASSIGNED.to_string(), "true".to_string());
     m
 }
@@ -349,6 +429,8 @@ pub struct ContainerRequest {
     pub index: usize,
     pub name: String,
     pub request: Request,
+    /// Inside an instance of this MIG profile ([`VCUDA_MIG_PROFILE`]).
+    pub mig_profile: Option<String>,
 }
 
 /// Why a container's limits make no request.
@@ -389,6 +471,7 @@ pub fn requests(
     node_gpus: usize,
     share_mode: bool,
 ) -> Result<Vec<ContainerRequest>, String> {
+    let mig_profile = mig_profile(pod)?;
     let mut out = Vec::new();
     let spec = pod
         .spec
@@ -410,6 +493,7 @@ pub fn requests(
             index,
             name: c.name.clone(),
             request,
+            mig_profile: mig_profile.clone(),
         });
     }
     Ok(out)
@@ -559,5 +643,49 @@ mod tests {
         assert!(e.contains("does not split evenly"), "{e}");
         let e = requests(&pod(json!({VCUDA_GPUS: "x"}), &[("tp", 50, 8)]), 4, true).unwrap_err();
         assert!(e.contains("is not a JSON object"), "{e}");
+    }
+
+    #[test]
+    fn a_mig_profile_rides_on_every_request_and_bad_names_are_refused() {
+        for (name, ok) in [
+            ("2g.20gb", true),
+            ("1g.10gb+me", true),
+            ("7g.80gb", true),
+            ("2g.20", false),
+            ("g.20gb", false),
+            ("2g.20gb+", false),
+            ("2g.20gb+ME", false),
+            ("3g.40gb ", false),
+            ("", false),
+        ] {
+            assert_eq!(is_mig_profile_name(name), ok, "{name:?}");
+        }
+        let p = pod(
+            json!({VCUDA_MIG_PROFILE: "2g.20gb"}),
+            &[("a", 50, 20), ("b", 30, 8)],
+        );
+        let r = requests(&p, 2, true).unwrap();
+        assert!(
+            r.iter()
+                .all(|c| c.mig_profile.as_deref() == Some("2g.20gb"))
+        );
+        let e = requests(
+            &pod(json!({VCUDA_MIG_PROFILE: "big"}), &[("a", 50, 20)]),
+            2,
+            true,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("ns/p") && e.contains("\"big\" is not a MIG profile name"),
+            "{e}"
+        );
+        let m = assigned_annotations(&BTreeMap::from([
+            (0, (vec![1], Some("MIG-x".to_string()))),
+            (1, (vec![0, 2], None)),
+        ]));
+        assert_eq!(m[&format!("{PREDICATE_MIG_PREFIX}0")], "MIG-x");
+        assert_eq!(m[&format!("{PREDICATE_GPU_IDX_PREFIX}1")], "0,2");
+        assert!(!m.contains_key(&format!("{PREDICATE_MIG_PREFIX}1")));
+        assert!(is_placement_key("tencent.com/predicate-mig-0"));
     }
 }

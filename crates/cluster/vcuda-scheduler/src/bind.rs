@@ -24,6 +24,7 @@
 use std::collections::BTreeMap;
 
 use async_trait::async_trait;
+use gpu_allocator::Placement;
 use gpu_allocator::inventory::Inventory;
 use k8s_openapi::api::core::v1::{Node, Pod};
 
@@ -226,6 +227,14 @@ fn reservation(
             format!("{}{}", gpu_pods::PREDICATE_GPU_IDX_PREFIX, r.index),
             Some(minors.join(",")),
         );
+        let instance = match p {
+            Placement::InMig { instance, .. } => Some(instance.clone()),
+            _ => None,
+        };
+        ann.insert(
+            format!("{}{}", gpu_pods::PREDICATE_MIG_PREFIX, r.index),
+            instance,
+        );
     }
     ann.insert(gpu_pods::PREDICATE_NODE.into(), Some(node.into()));
     ann.insert(gpu_pods::PREDICATE_TIME.into(), Some(now.to_string()));
@@ -242,11 +251,7 @@ async fn take_back(api: &dyn BindApi, namespace: &str, name: &str) {
     let ann = pod.metadata.annotations.clone().unwrap_or_default();
     let gone: BTreeMap<String, Option<String>> = ann
         .keys()
-        .filter(|k| {
-            k.starts_with(gpu_pods::PREDICATE_GPU_IDX_PREFIX)
-                || *k == gpu_pods::PREDICATE_NODE
-                || *k == gpu_pods::PREDICATE_TIME
-        })
+        .filter(|k| gpu_pods::is_placement_key(k))
         .map(|k| (k.clone(), None))
         .collect();
     let labels = BTreeMap::from([(NODE_LABEL.to_string(), None)]);

@@ -425,3 +425,59 @@ async fn bind_refuses_pods_without_vcuda_requests_bound_pods_and_pods_being_dele
     );
     assert!(i.pods["cpu"].spec.as_ref().unwrap().node_name.is_none());
 }
+
+/// A node whose GPU 1 is in MIG mode with a 2g.20gb that serves shares.
+fn node_with_shared_instance(name: &str) -> Node {
+    let mut n = node(name, 2, false);
+    let ann = n.metadata.annotations.as_mut().unwrap();
+    let key = gpu_allocator::inventory::ANNOTATION;
+    let mut inv = gpu_allocator::inventory::Inventory::from_json(&ann[key]).unwrap();
+    inv.gpus[1].mig = true;
+    inv.instances = vec![gpu_allocator::inventory::InventoryInstance {
+        instance: gpu_allocator::SharedInstance {
+            uuid: "MIG-2g".into(),
+            gpu: 1,
+            profile: "2g.20gb".into(),
+            memory_bytes: 20 << 30,
+        },
+        healthy: true,
+    }];
+    ann.insert(key.into(), inv.to_json());
+    n
+}
+
+#[tokio::test]
+async fn a_share_asking_for_a_mig_profile_is_bound_into_the_instance_and_counted() {
+    let profile = json!({"tencent.com/vcuda-mig-profile": "2g.20gb"});
+    let m = Mem::with(
+        &[node_with_shared_instance("a")],
+        &[
+            pod("in", &[(50, 20)], profile.clone()),
+            pod("over", &[(60, 4)], profile.clone()),
+            pod("rest", &[(50, 4)], profile),
+            pod("plain", &[(30, 4)], json!({})),
+        ],
+    );
+    assert_eq!(bind_b(&m, &args("in", "a")).await.error, "");
+    let ann = |p: &str, k: &str| annotation(&m, p, &format!("tencent.com/{k}"));
+    assert_eq!(ann("in", "predicate-gpu-idx-0").as_deref(), Some("1"));
+    assert_eq!(ann("in", "predicate-mig-0").as_deref(), Some("MIG-2g"));
+    // The first share is counted in the instance (replayed from its
+    // annotations): 60 more cores do not fit there, 50 do.
+    let e = bind_b(&m, &args("over", "a")).await.error;
+    assert!(
+        e.contains("no healthy 2g.20gb MIG instance has 60 free cores"),
+        "{e}"
+    );
+    assert_eq!(
+        ann("over", "predicate-mig-0"),
+        None,
+        "a refused bind writes nothing"
+    );
+    assert_eq!(bind_b(&m, &args("rest", "a")).await.error, "");
+    assert_eq!(ann("rest", "predicate-mig-0").as_deref(), Some("MIG-2g"));
+    // A share without the annotation goes on GPU 0, never in the instance.
+    assert_eq!(bind_b(&m, &args("plain", "a")).await.error, "");
+    assert_eq!(ann("plain", "predicate-gpu-idx-0").as_deref(), Some("0"));
+    assert_eq!(ann("plain", "predicate-mig-0"), None);
+}

@@ -168,7 +168,8 @@ impl Cluster {
             let Some(minors) = gpu_pods::predicate_minors(pod, r.index) else {
                 continue; // not placed yet (the manager chooses at Allocate)
             };
-            let p = match minors.and_then(|m| placement_on(&st.inventory, &r.request, &m)) {
+            let instance = gpu_pods::predicate_instance(pod, r.index);
+            let p = match minors.and_then(|m| placement_on(&st.inventory, &r, &m, instance)) {
                 Ok(p) => p,
                 Err(e) => {
                     st.problems
@@ -227,7 +228,9 @@ impl Cluster {
         }
         let mut out = Vec::with_capacity(reqs.len());
         for r in reqs {
-            let mut p = a.evaluate(&r.request).map_err(|e| describe(&r, e))?;
+            let mut p = a
+                .evaluate_for(&r.request, r.mig_profile.as_deref())
+                .map_err(|e| describe(&r, e))?;
             if spread && let Placement::Share { .. } = p {
                 p = emptiest(&a, &r.request).unwrap_or(p);
             }
@@ -317,9 +320,16 @@ fn bound_to(pod: &Pod) -> Option<&str> {
         .filter(|n| !n.is_empty())
 }
 
-/// The placement `minors` (`/dev/nvidiaN` numbers) record for `req` on a
-/// node with inventory `inv`.
-pub fn placement_on(inv: &Inventory, req: &Request, minors: &[u32]) -> Result<Placement, String> {
+/// The placement `minors` (`/dev/nvidiaN` numbers) and `instance` (a MIG
+/// instance's UUID, `predicate-mig-<i>`) record for `r` on a node with
+/// inventory `inv`.
+pub fn placement_on(
+    inv: &Inventory,
+    r: &ContainerRequest,
+    minors: &[u32],
+    instance: Option<&str>,
+) -> Result<Placement, String> {
+    let req = &r.request;
     let gpus = minors
         .iter()
         .map(|&m| {
@@ -327,6 +337,9 @@ pub fn placement_on(inv: &Inventory, req: &Request, minors: &[u32]) -> Result<Pl
                 .ok_or_else(|| format!("GPU /dev/nvidia{m} is not one of the node's"))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    if r.mig_profile.is_some() || instance.is_some() {
+        return gpu_pods::recorded_in_instance(req, r.mig_profile.as_deref(), &gpus, instance);
+    }
     req.placement_on(&gpus).ok_or_else(|| {
         format!(
             "{} GPU(s) recorded ({minors:?}) for a request of {} cores over {} GPU(s)",

@@ -81,7 +81,7 @@ pub fn score(node: &NodeState, placed: &PodPlacement, policy: Policy) -> i64 {
 
 fn placement_cores(p: &Placement) -> u64 {
     match p {
-        Placement::Share { cores, .. } => u64::from(*cores),
+        Placement::Share { cores, .. } | Placement::InMig { cores, .. } => u64::from(*cores),
         Placement::Exclusive { gpus } => gpus.len() as u64 * u64::from(WHOLE_GPU_CORES),
         Placement::Shares { gpus, cores, .. } => gpus.len() as u64 * u64::from(*cores),
     }

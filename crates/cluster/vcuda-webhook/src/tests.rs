@@ -30,6 +30,7 @@ fn node(name: &str, gpus: usize, gib: u64) -> NodeGpus {
                 .collect(),
             pcie: vec![20; gpus * gpus.saturating_sub(1) / 2],
             nvlink: vec![0; gpus * gpus.saturating_sub(1) / 2],
+            instances: vec![],
         },
     }
 }
@@ -186,6 +187,28 @@ fn a_tier_that_is_none_is_refused_naming_the_annotation() {
             Verdict::Allow
         );
     }
+}
+
+#[test]
+fn a_mig_profile_that_is_none_is_refused_naming_the_annotation() {
+    let r = rig(Settings::default());
+    let p = pod(
+        vcuda(30, 8),
+        json!({"tencent.com/vcuda-mig-profile": "half"}),
+    );
+    let m = denied(r.hook.validate(&req("CREATE", p, None, "alice")));
+    assert!(
+        m.contains("annotation tencent.com/vcuda-mig-profile=\"half\" is not a MIG profile name"),
+        "{m}"
+    );
+    let p = pod(
+        vcuda(30, 8),
+        json!({"tencent.com/vcuda-mig-profile": "2g.20gb"}),
+    );
+    assert_eq!(
+        r.hook.validate(&req("CREATE", p, None, "alice")),
+        Verdict::Allow
+    );
 }
 
 #[test]

@@ -74,6 +74,7 @@ pub fn check_pod(pod: &Pod, nodes: &[NodeGpus]) -> Result<(), Invalid> {
             continue;
         }
         gpu_pods::tier(pod).map_err(Invalid::Request)?;
+        gpu_pods::mig_profile(pod).map_err(Invalid::Request)?;
         memory_limit(pod, &c.name, cores, units)?;
         check_container(pod, &c.name, (cores, units), nodes)?;
     }

@@ -14,7 +14,6 @@
 //!
 //! Needs `cargo build --workspace` first (gpu-sim, its cdylibs, libvcuda.so).
 
-use std::io::{BufRead, BufReader, Read};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -23,7 +22,7 @@ use dra_kubelet_emulator::{allocator, cdi, plugin};
 use serde_json::json;
 use test_support::dra::*;
 use test_support::kv;
-use test_support::sim::{SimNode, compile_c};
+use test_support::sim::{SimNode, busy_of_instance, compile_c};
 
 const MIB: u64 = 1 << 20;
 
@@ -248,57 +247,6 @@ async fn without_gpm_a_share_inside_an_instance_stays_within_its_quota() {
     assert!((u - 50.0).abs() <= 3.0, "{u:.1} % of the instance");
     cancel.cancel();
     daemon.await.unwrap().unwrap();
-}
-
-/// Percent of [`from`, `to`) seconds after it began launching during
-/// which GPU instance `gi` ran kernels, while `compute` saturated it for
-/// `run` seconds.
-fn busy_of_instance(
-    sim: &SimNode,
-    gi: u32,
-    compute: &std::path::Path,
-    env: &[(String, String)],
-    (run, from, to): (f64, f64, f64),
-) -> f64 {
-    let mut child = Command::new(compute)
-        .args(["saturate", &run.to_string()])
-        .envs(env.iter().cloned())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("start_ns=") {
-        line.clear();
-        if stdout.read_line(&mut line).unwrap() == 0 {
-            panic!(
-                "shim_compute ended before launching: {}",
-                stderr(&mut child)
-            );
-        }
-    }
-    let start: u64 = kv(&line)["start_ns"].parse().unwrap();
-    let at = |s: f64| start + (s * 1e9) as u64;
-    let (from, to) = (at(from), at(to));
-    let now = test_support::shim::simnode::now_ns();
-    std::thread::sleep(Duration::from_nanos(to.saturating_sub(now) + 20_000_000));
-    let u = sim.state().gi_utilization(0, gi, from, to);
-    let st = child.wait().unwrap();
-    let err = stderr(&mut child);
-    assert!(st.success(), "shim_compute: {st}: {err}");
-    if std::env::var_os("VCUDA_TEST_SHOW_LOG").is_some() {
-        eprintln!("{err}");
-    }
-    u
-}
-
-fn stderr(child: &mut std::process::Child) -> String {
-    let mut err = String::new();
-    if let Some(mut e) = child.stderr.take() {
-        e.read_to_string(&mut err).unwrap();
-    }
-    err
 }
 
 /// A claim for 50 cores and 4 GiB inside the MIG device of GPU instance

@@ -73,6 +73,16 @@ pub enum PlacementRecord {
         cores: u32,
         memory_units: u64,
     },
+    /// A share inside MIG instance `instance` (its UUID) of GPU `gpu`
+    /// (docs/mig.md). A manager from before it cannot read the record: a
+    /// rollback past it refuses the checkpoint, naming the field.
+    #[serde(rename = "in_mig")]
+    InMig {
+        gpu: usize,
+        instance: String,
+        cores: u32,
+        memory_units: u64,
+    },
 }
 
 impl From<&Placement> for PlacementRecord {
@@ -94,6 +104,17 @@ impl From<&Placement> for PlacementRecord {
                 memory_units,
             } => PlacementRecord::Shares {
                 gpus: gpus.clone(),
+                cores: *cores,
+                memory_units: *memory_units,
+            },
+            Placement::InMig {
+                gpu,
+                instance,
+                cores,
+                memory_units,
+            } => PlacementRecord::InMig {
+                gpu: *gpu,
+                instance: instance.clone(),
                 cores: *cores,
                 memory_units: *memory_units,
             },
@@ -120,6 +141,17 @@ impl From<&PlacementRecord> for Placement {
                 memory_units,
             } => Placement::Shares {
                 gpus: gpus.clone(),
+                cores: *cores,
+                memory_units: *memory_units,
+            },
+            PlacementRecord::InMig {
+                gpu,
+                instance,
+                cores,
+                memory_units,
+            } => Placement::InMig {
+                gpu: *gpu,
+                instance: instance.clone(),
                 cores: *cores,
                 memory_units: *memory_units,
             },

@@ -52,6 +52,49 @@ pub struct Settings {
     pub mig_dynamic: Vec<String>,
     /// How long a dynamic instance nobody needs stays.
     pub mig_dynamic_grace: Duration,
+    /// `--mig-shared-profiles`: instances of these serve shares
+    /// (docs/mig.md, *Shares inside an instance*), not a resource of their
+    /// own.
+    pub mig_shared_profiles: Vec<String>,
+}
+
+/// `--mig-shared-profiles`: names as NVIDIA's tools print them
+/// (`2g.20gb`, `1g.10gb+me`), and only with shares on.
+fn shared_profiles(o: &Options) -> Result<Vec<String>, ConfigError> {
+    let list: Vec<String> = o
+        .mig_shared_profiles
+        .as_deref()
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(str::to_string)
+        .collect();
+    let invalid = |problem: String| ConfigError::Invalid {
+        field: "mig-shared-profiles",
+        problem,
+    };
+    if let Some(p) = list.iter().find(|p| !gpu_pods::is_mig_profile_name(p)) {
+        return Err(invalid(format!(
+            "{p:?} is not a MIG profile name (as nvidia-smi prints them: 1g.10gb, 2g.20gb, 3g.40gb+me)"
+        )));
+    }
+    if !list.is_empty()
+        && o.mig_dynamic
+            .as_deref()
+            .is_some_and(|d| !d.trim().is_empty())
+    {
+        return Err(invalid(
+            "shares inside instances are served on static instances only: drop --mig-dynamic, or keep the GPUs that serve shares out of it on another node".into(),
+        ));
+    }
+    if !list.is_empty() && !o.share_mode.unwrap_or(false) {
+        return Err(invalid(format!(
+            "{} serve shares, and share mode is off: add --share-mode",
+            list.join(",")
+        )));
+    }
+    Ok(list)
 }
 
 fn parse_labels(s: &str) -> Result<Vec<(String, String)>, ConfigError> {
@@ -154,6 +197,7 @@ impl Settings {
                 problem: format!("GPU {g:?} is in --mig-geometry too: name it in one"),
             });
         }
+        let mig_shared_profiles = shared_profiles(&o)?;
         Ok(Settings {
             extra_config: n.extra_config,
             volume_config: n.volume_config,
@@ -197,6 +241,7 @@ impl Settings {
             mig_geometry: n.mig_geometry,
             mig_dynamic,
             mig_dynamic_grace: Duration::from_secs(o.mig_dynamic_grace.unwrap_or(60)),
+            mig_shared_profiles,
         })
     }
 
@@ -244,6 +289,49 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("mig-dynamic") && e.contains("\"1\""), "{e}");
+    }
+
+    #[test]
+    fn mig_shared_profiles_need_shares_and_static_instances() {
+        let s = |args: &[&str]| {
+            let mut a = vec!["gpu-manager", "--hostname-override", "n"];
+            a.extend(args);
+            Settings::resolve(Options::parse_from(a))
+        };
+        let ok = s(&[
+            "--share-mode",
+            "--mig-shared-profiles",
+            "2g.20gb, 1g.10gb+me",
+        ])
+        .unwrap();
+        assert_eq!(ok.mig_shared_profiles, ["2g.20gb", "1g.10gb+me"]);
+        assert!(s(&[]).unwrap().mig_shared_profiles.is_empty());
+        for (args, want) in [
+            (
+                &["--share-mode", "--mig-shared-profiles", "2g"][..],
+                "\"2g\" is not a MIG profile name",
+            ),
+            (
+                &["--mig-shared-profiles", "2g.20gb"][..],
+                "share mode is off: add --share-mode",
+            ),
+            (
+                &[
+                    "--share-mode",
+                    "--mig-shared-profiles",
+                    "2g.20gb",
+                    "--mig-dynamic",
+                    "0",
+                ][..],
+                "static instances only",
+            ),
+        ] {
+            let e = s(args).unwrap_err().to_string();
+            assert!(
+                e.contains("mig-shared-profiles") && e.contains(want),
+                "{args:?}: {e}"
+            );
+        }
     }
 
     #[test]

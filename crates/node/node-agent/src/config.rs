@@ -196,6 +196,12 @@ pub struct Options {
     /// for) [default: 60].
     #[arg(long, env = "GPU_MANAGER_MIG_DYNAMIC_GRACE")]
     pub mig_dynamic_grace: Option<u64>,
+    /// Device-plugin mode, with --share-mode: MIG profiles (comma-separated,
+    /// e.g. "2g.20gb") whose instances serve vcuda shares instead of being
+    /// advertised whole; a pod asks for one with the annotation
+    /// tencent.com/vcuda-mig-profile [default: none] (docs/mig.md).
+    #[arg(long, env = "GPU_MANAGER_MIG_SHARED_PROFILES")]
+    pub mig_shared_profiles: Option<String>,
 }
 
 macro_rules! layer {
@@ -242,7 +248,8 @@ impl Options {
             mig_rescan_period,
             mig_geometry,
             mig_dynamic,
-            mig_dynamic_grace
+            mig_dynamic_grace,
+            mig_shared_profiles
         )
     }
 

@@ -172,3 +172,56 @@ pub fn gcc_lcuda(src: &Path, lib_dir: &Path, out: &Path) {
         .expect("gcc");
     assert!(st.success(), "compiling {}", src.display());
 }
+
+/// Percent of [`from`, `to`) seconds after it began launching during
+/// which GPU instance `gi` ran kernels, while `compute` saturated it for
+/// `run` seconds.
+pub fn busy_of_instance(
+    sim: &SimNode,
+    gi: u32,
+    compute: &std::path::Path,
+    env: &[(String, String)],
+    (run, from, to): (f64, f64, f64),
+) -> f64 {
+    let mut child = std::process::Command::new(compute)
+        .args(["saturate", &run.to_string()])
+        .envs(env.iter().cloned())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("start_ns=") {
+        line.clear();
+        if std::io::BufRead::read_line(&mut stdout, &mut line).unwrap() == 0 {
+            panic!(
+                "shim_compute ended before launching: {}",
+                stderr(&mut child)
+            );
+        }
+    }
+    let start: u64 = crate::kv(&line)["start_ns"].parse().unwrap();
+    let at = |s: f64| start + (s * 1e9) as u64;
+    let (from, to) = (at(from), at(to));
+    let now = crate::shim::simnode::now_ns();
+    std::thread::sleep(std::time::Duration::from_nanos(
+        to.saturating_sub(now) + 20_000_000,
+    ));
+    let u = sim.state().gi_utilization(0, gi, from, to);
+    let st = child.wait().unwrap();
+    let err = stderr(&mut child);
+    assert!(st.success(), "shim_compute: {st}: {err}");
+    if std::env::var_os("VCUDA_TEST_SHOW_LOG").is_some() {
+        eprintln!("{err}");
+    }
+    u
+}
+
+fn stderr(child: &mut std::process::Child) -> String {
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        std::io::Read::read_to_string(&mut e, &mut err).unwrap();
+    }
+    err
+}

@@ -32,18 +32,26 @@ pub fn spawn(
                     gpu,
                     gpu_instance: Some(gi),
                     ..
-                }) => mig.set_instance_health(gpu, gi, false),
+                }) => {
+                    mig.set_instance_health(gpu, gi, false);
+                    mgr.set_mig_health(gpu, Some(gi), false);
+                }
                 Some(HealthChange::Healthy {
                     gpu,
                     gpu_instance: Some(gi),
-                }) => mig.set_instance_health(gpu, gi, true),
+                }) => {
+                    mig.set_instance_health(gpu, gi, true);
+                    mgr.set_mig_health(gpu, Some(gi), true);
+                }
                 Some(HealthChange::Unhealthy { gpu, .. }) => {
                     mgr.set_gpu_health(gpu, false);
                     mig.set_gpu_health(gpu, false);
+                    mgr.set_mig_health(gpu, None, false);
                 }
                 Some(HealthChange::Healthy { gpu, .. }) => {
                     mgr.set_gpu_health(gpu, true);
                     mig.set_gpu_health(gpu, true);
+                    mgr.set_mig_health(gpu, None, true);
                 }
             }
         }

@@ -4,7 +4,7 @@
 //! the allocator picks; only their count matters.
 
 use device_plugin::api::Device;
-use gpu_allocator::{GpuInfo, WHOLE_GPU_CORES};
+use gpu_allocator::{GpuInfo, SharedInstance, WHOLE_GPU_CORES};
 
 pub use gpu_pods::{VCORE_RESOURCE, VMEMORY_RESOURCE};
 pub use node_agent::mode::{VCORE_SOCKET, VMEMORY_SOCKET};
@@ -49,6 +49,42 @@ pub fn vmemory_devices(gpus: &[GpuInfo], healthy: impl Fn(usize) -> bool) -> Vec
         .collect()
 }
 
+/// `list` (a resource's IDs) with the shared MIG instances' IDs replaced
+/// by those of `instances` (each with its health): 100 `vcuda-core` IDs
+/// and one `vcuda-memory` ID per 256 MiB of each (`memory`), named after
+/// the instance (`vcore-MIG-…-07`), so no GPU's health touches them
+/// ([`gpu_of`] names no GPU for them) and NUMA follows the instance's GPU.
+pub fn with_instances(
+    list: Vec<Device>,
+    instances: &[(SharedInstance, bool)],
+    gpus: &[GpuInfo],
+    memory: bool,
+) -> Vec<Device> {
+    let prefix = if memory { "vmemory-" } else { "vcore-" };
+    let is_instance = |id: &str| {
+        id.strip_prefix(prefix)
+            .is_some_and(|r| r.starts_with("MIG-"))
+    };
+    let mut out: Vec<Device> = list.into_iter().filter(|d| !is_instance(&d.id)).collect();
+    for (i, healthy) in instances {
+        let numa = gpus.get(i.gpu).and_then(numa);
+        let n = if memory {
+            i.memory_units()
+        } else {
+            u64::from(WHOLE_GPU_CORES)
+        };
+        out.extend((0..n).map(|k| {
+            let id = if memory {
+                format!("vmemory-{}-{k}", i.uuid)
+            } else {
+                format!("vcore-{}-{k:02}", i.uuid)
+            };
+            device_plugin::device(id, *healthy, numa)
+        }));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,5 +112,39 @@ mod tests {
         assert_eq!(m.len(), 60 + 3, "1000 MiB holds 3 whole units");
         assert_eq!(gpu_of("vmemory-12-7"), Some(12));
         assert_eq!(gpu_of("bogus"), None);
+    }
+
+    #[test]
+    fn instance_ids_are_replaced_not_added_twice_and_follow_no_gpu() {
+        let gpus = [gpu(0, 15360), gpu(1, 15360)];
+        let inst = |uuid: &str| SharedInstance {
+            uuid: uuid.into(),
+            gpu: 1,
+            profile: "2g.20gb".into(),
+            memory_bytes: 1024 << 20,
+        };
+        let base = vcore_devices(&gpus, |_| true);
+        let once = with_instances(
+            base.clone(),
+            &[(inst("MIG-a"), true), (inst("MIG-b"), false)],
+            &gpus,
+            false,
+        );
+        assert_eq!(once.len(), 400);
+        assert_eq!(once[200].id, "vcore-MIG-a-00");
+        assert_eq!(gpu_of(&once[200].id), None);
+        assert_eq!(once[399].health, "Unhealthy");
+        assert_eq!(once[200].topology.as_ref().unwrap().nodes[0].id, 0);
+        let again = with_instances(once, &[(inst("MIG-b"), true)], &gpus, false);
+        assert_eq!(again.len(), 300);
+        assert_eq!(again[200].id, "vcore-MIG-b-00");
+        let m = with_instances(
+            vmemory_devices(&gpus, |_| true),
+            &[(inst("MIG-a"), true)],
+            &gpus,
+            true,
+        );
+        assert_eq!(m.len(), 120 + 4);
+        assert_eq!(m[123].id, "vmemory-MIG-a-3");
     }
 }

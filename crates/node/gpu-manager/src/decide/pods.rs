@@ -299,7 +299,7 @@ mod tests {
             .insert(format!("{PREDICATE_GPU_IDX_PREFIX}0"), "1,3".into());
         assert_eq!(predicate_minors(&p, 0), Some(Ok(vec![1, 3])));
         assert_eq!(predicate_minors(&p, 1), None);
-        let m = assigned_annotations(&BTreeMap::from([(0, vec![1, 3])]));
+        let m = assigned_annotations(&BTreeMap::from([(0, (vec![1, 3], None))]));
         assert_eq!(m[&format!("{PREDICATE_GPU_IDX_PREFIX}0")], "1,3");
         assert_eq!(m[GPU_ASSIGNED], "true");
     }

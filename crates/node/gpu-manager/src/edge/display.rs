@@ -85,7 +85,7 @@ impl DisplaySource for ManagerSource {
             .into_iter()
             .map(|a| {
                 let (held, exclusive, memory_quota_bytes) = match &a.placement {
-                    PlacementRecord::Share { gpu, .. } => {
+                    PlacementRecord::Share { gpu, .. } | PlacementRecord::InMig { gpu, .. } => {
                         (vec![*gpu], false, a.memory_units * MEMORY_UNIT_BYTES)
                     }
                     PlacementRecord::Shares { gpus: held, .. } => {

@@ -112,10 +112,11 @@ pub async fn run(
         "step 4/6: API server in sync"
     );
 
+    let shared = &s.mig_shared_profiles;
     let mig = crate::mig::MigPlugins::new(
         &s.mig_resource_prefix,
         found.topology.gpus(),
-        &found.mig,
+        &crate::manager::served_whole(&found.mig, shared),
         crate::mig::MigContext {
             host_root: s.host_root.clone(),
             vdriver_dir: s.vdriver_path.clone(),
@@ -124,6 +125,15 @@ pub async fn run(
     )
     .with_record(&s.checkpoint_path, found.topology.gpus());
     let mgr = build_manager(&s, allocator, &found, extra, client.clone(), pods).await;
+    if !shared.is_empty() {
+        let gpus = found.topology.gpus();
+        mgr.set_shared_instances(crate::manager::shared_instances(
+            &s.host_root,
+            gpus,
+            &found.mig,
+            shared,
+        ));
+    }
     let claim =
         owner::claim(&s.checkpoint_path, &s.device_plugin_path, &instance).with_context(|| {
             format!(
@@ -172,13 +182,21 @@ pub async fn run(
         // Instances an operator made or destroyed meanwhile are advertised
         // or withdrawn (a GPU's MIG mode itself is read at start).
         let (gpus, mig, mgr) = (found.topology.gpus().to_vec(), mig.clone(), mgr.clone());
+        let s = s.clone();
         node_agent::mig::spawn_rescan(
             period,
             node.nvml.clone(),
             gpus.len(),
             cancel.clone(),
             move |states| {
-                mig.refresh(&gpus, &states).map_err(|e| format!("{e:#}"))?;
+                let shared = &s.mig_shared_profiles;
+                if !shared.is_empty() {
+                    let found =
+                        crate::manager::shared_instances(&s.host_root, &gpus, &states, shared);
+                    mgr.set_shared_instances(found);
+                }
+                let whole = crate::manager::served_whole(&states, shared);
+                mig.refresh(&gpus, &whole).map_err(|e| format!("{e:#}"))?;
                 settle_lost_mig(&mig, &mgr);
                 Ok(())
             },

@@ -375,7 +375,7 @@ pub fn holding_shares(s: &Settings) -> Option<BTreeSet<String>> {
         return Some(BTreeSet::new());
     };
     let indices = allocs.iter().flat_map(|a| match &a.placement {
-        P::Share { gpu, .. } => vec![*gpu],
+        P::Share { gpu, .. } | P::InMig { gpu, .. } => vec![*gpu],
         P::Exclusive { gpus } | P::Shares { gpus, .. } => gpus.clone(),
     });
     Some(indices.filter_map(|i| uuids.get(i).cloned()).collect())

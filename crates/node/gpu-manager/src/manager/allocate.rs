@@ -226,10 +226,12 @@ impl Manager {
         cand: &pods::Candidate,
         req: &Request,
         ours: &Placement,
+        profile: Option<&str>,
     ) -> Result<Option<Placement>, Refusal> {
         let Some(minors) = pods::predicate_minors(pod, cand.container_index) else {
             return Ok(None);
         };
+        let instance = gpu_pods::predicate_instance(pod, cand.container_index);
         let key = format!("{}{}", pods::PREDICATE_GPU_IDX_PREFIX, cand.container_index);
         let minors = minors.map_err(Refusal::invalid)?;
         let mut gpus = Vec::new();
@@ -253,7 +255,14 @@ impl Manager {
             .map(|m| format!("/dev/nvidia{m}"))
             .collect::<Vec<_>>()
             .join(",");
-        let placement = req.placement_on(&gpus).ok_or_else(|| {
+        let recorded = if profile.is_some() || instance.is_some() {
+            gpu_pods::recorded_in_instance(req, profile, &gpus, instance)
+                .map(Some)
+                .map_err(|e| Refusal::precondition(format!("predicate mismatch ({key}): {e}")))?
+        } else {
+            req.placement_on(&gpus)
+        };
+        let placement = recorded.ok_or_else(|| {
             Refusal::precondition(format!(
                 "predicate mismatch: gpu-admission chose {theirs} ({key}) for vcuda-core {}, \
                  but that request needs {} GPU(s); the manager would choose {mine}",
@@ -392,6 +401,11 @@ impl Manager {
     /// Allocate's and a repeat's alike.
     fn answer(&self, a: &Allocation, dir: &Path) -> ContainerAllocateResponse {
         let placement = Placement::from(&a.placement);
+        if let Placement::InMig { gpu, instance, .. } = &placement
+            && let Some(r) = self.answer_in_mig(a, dir, *gpu, instance)
+        {
+            return r;
+        }
         response::build(&ResponseInput {
             gpus: placement.gpus().iter().map(|&g| &self.gpus[g]).collect(),
             cores: a.cores,
@@ -422,7 +436,15 @@ impl Manager {
         let tier = pods::tier(&pod).map_err(Refusal::invalid)?;
         let ctx = format!("pod {ns}/{name} container {}", cand.container);
         let req = self.request(&ctx, &cand)?;
+        let profile = gpu_pods::mig_profile(&pod).map_err(Refusal::invalid)?;
         let memory_ceiling = memory_ceiling(&pod, &ctx, &req)?;
+        if profile.is_some() && memory_ceiling.is_some() {
+            return Err(Refusal::invalid(format!(
+                "{ctx}: {} and {}: memory limits are not served inside a MIG instance (its memory is the instance's own); drop one",
+                gpu_pods::VCUDA_MEMORY_LIMIT,
+                gpu_pods::VCUDA_MIG_PROFILE
+            )));
+        }
         let id = alloc_id(uid, &cand.container);
         // The watch delivered this pod after every deletion before it: free
         // those first, so the placement (and gpu-admission's, made after
@@ -430,7 +452,7 @@ impl Manager {
         // has not caught up with.
         self.release_deleted_pods();
         // 1. Decide and reserve the capacity, under the state lock.
-        let placement = self.reserve(&ctx, &cand, &req, &id)?;
+        let placement = self.reserve(&ctx, &cand, (&req, profile.as_deref()), &id)?;
         let gpus: Vec<&GpuInfo> = placement.gpus().iter().map(|&g| &self.gpus[g]).collect();
         let mut alloc = Allocation {
             pod_uid: uid.to_string(),
@@ -458,6 +480,14 @@ impl Manager {
             let _ = self.st().allocator.release(&id);
             self.close_files(&id, uid, &cand.container);
         };
+        if let Placement::InMig { instance, .. } = &placement
+            && !self.knows_instance(instance)
+        {
+            undo();
+            return Err(Refusal::internal(format!(
+                "{ctx}: MIG instance {instance} is placed in but its device nodes are unknown"
+            )));
+        }
         // 2. The container's files and socket, outside the state lock.
         let dir = match self.open_files(&alloc) {
             Ok(d) => d,
@@ -524,16 +554,16 @@ impl Manager {
         &self,
         ctx: &str,
         cand: &pods::Candidate,
-        req: &Request,
+        (req, profile): (&Request, Option<&str>),
         id: &str,
     ) -> Result<Placement, Refusal> {
         let mut st = self.st();
-        let ours = st.allocator.evaluate(req).map_err(|e| {
+        let ours = st.allocator.evaluate_for(req, profile).map_err(|e| {
             let s = alloc_refusal(e);
             s.context(ctx)
         })?;
         let placement = self
-            .predicated(&st, &cand.pod, cand, req, &ours)?
+            .predicated(&st, &cand.pod, cand, req, &ours, profile)?
             .unwrap_or(ours);
         st.allocator
             .commit(id.to_string(), &placement)
@@ -584,7 +614,12 @@ impl Manager {
         for (i, c) in pods::gpu_containers(pod) {
             let a = st.allocs.get(&alloc_id(uid, &c))?;
             let p = Placement::from(&a.placement);
-            per.insert(i, p.gpus().iter().map(|&g| self.gpus[g].minor).collect());
+            let minors = p.gpus().iter().map(|&g| self.gpus[g].minor).collect();
+            let instance = match p {
+                Placement::InMig { instance, .. } => Some(instance),
+                _ => None,
+            };
+            per.insert(i, (minors, instance));
         }
         Some(PatchJob {
             namespace: pods::namespace(pod).to_string(),

@@ -22,6 +22,7 @@
 //! calls as kubelet does.
 
 mod allocate;
+mod in_mig;
 mod persist;
 mod prestart;
 mod rebuild;
@@ -49,6 +50,7 @@ use node_agent::events::EventSink;
 use node_agent::extra::ExtraConfig;
 use node_agent::registry::Registry;
 
+pub use in_mig::{Found as SharedFound, served_whole, shared_instances};
 pub use refusal::{Refusal, RefusalKind};
 pub use restore::RecoveryReport;
 use state::State;
@@ -87,6 +89,8 @@ pub struct Manager {
     runtime: Arc<dyn ContainerRuntime>,
     /// Vm directories and sockets, opened outside the state lock.
     shares: Shares,
+    /// The shared MIG instances' devices, by UUID ([`in_mig`]).
+    mig_shares: Mutex<in_mig::MigShares>,
     extra: ExtraConfig,
     pub vcore: DeviceList,
     pub vmemory: DeviceList,
@@ -113,6 +117,7 @@ impl Manager {
             vcore: DeviceList::new(ids::vcore_devices(&gpus, usable)),
             vmemory: DeviceList::new(ids::vmemory_devices(&gpus, usable)),
             shares: Shares::new(&p.config.vm_root),
+            mig_shares: Mutex::default(),
             state: Mutex::new(State::new(p.allocator, gpus.len())),
             gpus,
             driver_version: p.driver_version,
@@ -210,6 +215,23 @@ impl Manager {
             card_bytes: self.gpus[g].memory_bytes,
         };
         let gpus = match &p {
+            // Inside a MIG instance: its UUID, relative to it; nothing is
+            // lent there (no memory limits inside MIG).
+            Placement::InMig {
+                gpu: g,
+                instance,
+                cores,
+                memory_units,
+            } => vec![ShareGpu {
+                uuid: instance.clone(),
+                card_bytes: 0,
+                ..gpu(
+                    *g,
+                    memory_units * MEMORY_UNIT_BYTES,
+                    *cores,
+                    a.soft_limit.map_or(*cores, |l| l.max(*cores)),
+                )
+            }],
             Placement::Shares {
                 gpus,
                 cores,

@@ -163,10 +163,19 @@ impl Size {
             } else {
                 vmemory_ids.len() as u64
             },
-            placement: Placement::Shares {
-                gpus: on,
-                cores: first.utilization.max(0) as u32,
-                memory_units: per_gpu_units,
+            // One record naming a MIG device: a share inside that instance.
+            placement: match (&on[..], first.uuid.starts_with("MIG-")) {
+                ([gpu], true) => Placement::InMig {
+                    gpu: *gpu,
+                    instance: first.uuid.clone(),
+                    cores: first.utilization.max(0) as u32,
+                    memory_units: per_gpu_units,
+                },
+                _ => Placement::Shares {
+                    gpus: on,
+                    cores: first.utilization.max(0) as u32,
+                    memory_units: per_gpu_units,
+                },
             },
         })
     }

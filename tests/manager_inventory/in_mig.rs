@@ -1,0 +1,208 @@
+//! vcuda shares inside a MIG instance in device-plugin mode (docs/mig.md,
+//! *Shares inside an instance*): with `--mig-shared-profiles 2g.20gb`, the
+//! 2g.20gb on GPU 0 of the simulated H100 node takes shares instead of
+//! being advertised whole; a pod annotated `tencent.com/vcuda-mig-profile:
+//! 2g.20gb` with 50 cores and 20 units (5 GiB) gets the instance's device
+//! nodes, `NVIDIA_VISIBLE_DEVICES=MIG-…`, the interposer and a quota
+//! relative to the instance: CUDA sees a 5 GiB card, refused past it, and
+//! the share runs half of the instance's time.
+
+use std::process::Command;
+use std::time::Duration;
+
+use apiserver_emulator::Kind;
+use test_support::manager::{Env, Options, VCORE, VMEM, container_env};
+use test_support::sim::{SimNode, busy_of_instance, compile_c};
+
+const MIB: u64 = 1 << 20;
+const PROFILE: &str = "tencent.com/vcuda-mig-profile";
+
+/// GPU 0 in MIG mode with a 2g.20gb and a 1g.10gb (H100 profile ids 14 and
+/// 19).
+fn two_g_and_one_g(sim: &SimNode) {
+    sim.mig(&["--gpu", "0", "--enable", "--create", "14,19"]);
+}
+
+fn options() -> Options {
+    Options {
+        prepare: Some(two_g_and_one_g),
+        extra_args: vec![
+            "--interposer".into(),
+            test_support::target_dir().join("libvcuda.so").into(),
+            "--mig-shared-profiles".into(),
+            "2g.20gb".into(),
+        ],
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_inside_a_2g_instance_is_held_to_its_part_of_the_instance() {
+    let mut env = Env::start("sim-mig-h100", options()).await;
+    let found = super::instances(&env);
+    let (_, two_g) = found
+        .iter()
+        .find(|(p, _)| p == "2g.20gb")
+        .expect("a 2g.20gb on GPU 0");
+    let units = two_g.memory_mib / 256;
+    let gpu1_units = env.sim.state().node().gpus[1].memory_mib / 256;
+    // The kubelet counts GPU 1 and the instance; the 1g.10gb stays whole.
+    let healthy = |v: &kubelet_emulator::View, r: &str| {
+        v.resources
+            .get(r)
+            .map_or(0, |r| r.healthy_ids().len() as u64)
+    };
+    let v = env
+        .kubelet
+        .wait_for(Duration::from_secs(15), |v| {
+            healthy(v, VCORE) == 200
+                && healthy(v, VMEM) == gpu1_units + units
+                && healthy(v, "tencent.com/mig-1g.10gb") == 1
+        })
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the instance's capacity never advertised:\n{}",
+                env.log_text()
+            )
+        });
+    assert_eq!(
+        healthy(&v, "tencent.com/mig-2g.20gb"),
+        0,
+        "a shared profile is not served whole"
+    );
+    let inv = super::published(&env, "the shared instance", |i| !i.instances.is_empty()).await;
+    let i = &inv.instances[0];
+    assert_eq!(
+        (
+            i.instance.uuid.as_str(),
+            i.instance.gpu,
+            i.instance.profile.as_str(),
+            i.healthy
+        ),
+        (two_g.uuid.as_str(), 0, "2g.20gb", true)
+    );
+
+    let pod = env.pod(&[("main", 50, 20)], &[(PROFILE, "2g.20gb")]);
+    let r = env.admit(&pod, "main", 50, 20).await.unwrap();
+    let c = &r[VCORE];
+    assert_eq!(c.envs["NVIDIA_VISIBLE_DEVICES"], two_g.uuid);
+    let (gi, ci) = (3 + 9 * two_g.gi, 3 + 9 * two_g.gi + 1 + two_g.ci);
+    let nodes: Vec<_> = c.devices.iter().map(|d| d.host_path.clone()).collect();
+    assert_eq!(
+        nodes[..3],
+        [
+            "/dev/nvidia0".to_string(),
+            format!("/dev/nvidia-caps/nvidia-cap{gi}"),
+            format!("/dev/nvidia-caps/nvidia-cap{ci}")
+        ]
+    );
+    assert!(
+        c.mounts.iter().any(|m| m.container_path == "/etc/vcuda"),
+        "{:?}",
+        c.mounts
+    );
+    assert!(
+        c.mounts.iter().any(|m| m.host_path.ends_with("/nvidia")),
+        "the interposer's volume: {:?}",
+        c.mounts
+    );
+    let mut cenv = container_env(c);
+    cenv.push(("GPU_SIM_ROOT".into(), env.sim_root().display().to_string()));
+
+    // CUDA sees a 5 GiB card inside the instance, and is refused past it.
+    let bin = tempfile::tempdir().unwrap();
+    let client = compile_c("shim_client", &env.sim, bin.path());
+    let out = Command::new(&client)
+        .args(["quota", "64"])
+        .envs(cenv.iter().cloned())
+        .env_remove("LOGGER_LEVEL")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let q = test_support::kv(&text);
+    let get = |k: &str| q[k].parse::<u64>().unwrap();
+    assert_eq!(get("start_total"), 5 << 30, "cuMemGetInfo total: {text}");
+    assert_eq!(get("last"), 2, "refused past 5 GiB (out of memory): {text}");
+    assert!(get("allocated") * 64 * MIB <= 5 << 30, "{text}");
+    assert!(get("full_free") < 64 * MIB, "{text}");
+    // Half of the instance's time, saturating.
+    let compute = compile_c("shim_compute", &env.sim, bin.path());
+    let u = busy_of_instance(&env.sim, two_g.gi, &compute, &cenv, (6.0, 2.0, 5.5));
+    println!(
+        "a 50 % share inside a 2g.20gb instance (device-plugin mode) got {u:.1} % of the instance"
+    );
+    assert!((42.0..=58.0).contains(&u), "{u:.1} % of the instance");
+
+    // The pod's record names the instance, for the extender and restarts.
+    let annotated = |key: &str| {
+        let p = env.api.get(Kind::Pod, Some("default"), &pod.name).unwrap();
+        p["metadata"]["annotations"][key]
+            .as_str()
+            .map(str::to_string)
+    };
+    let t = std::time::Instant::now();
+    while annotated("tencent.com/predicate-mig-0").is_none()
+        && t.elapsed() < Duration::from_secs(10)
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        annotated("tencent.com/predicate-mig-0").as_deref(),
+        Some(two_g.uuid.as_str())
+    );
+    assert_eq!(
+        annotated("tencent.com/predicate-gpu-idx-0").as_deref(),
+        Some("0")
+    );
+
+    // More than the instance has left is refused, naming its room; a share
+    // without the annotation goes on GPU 1, never into the instance.
+    let big = env.pod(&[("main", 60, 4)], &[(PROFILE, "2g.20gb")]);
+    let e = env
+        .admit(&big, "main", 60, 4)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no healthy 2g.20gb MIG instance has 60 free cores"),
+        "{e}"
+    );
+    let plain = env.pod(&[("main", 30, 4)], &[]);
+    let r = env.admit(&plain, "main", 30, 4).await.unwrap();
+    assert_eq!(Env::minors(&r), [1]);
+    let bad = env.pod(&[("main", 10, 4)], &[(PROFILE, "2g")]);
+    let e = env
+        .admit(&bad, "main", 10, 4)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("\"2g\" is not a MIG profile name"), "{e}");
+
+    // kill -9: the share stays where it is, its capacity held; the
+    // instance's last 50 cores still take a share.
+    let args = test_support::cmdline(env.manager.id());
+    env.kill9_and_start(&args).await;
+    env.kubelet
+        .wait_for(Duration::from_secs(20), |v| healthy(v, VCORE) == 200)
+        .await
+        .unwrap_or_else(|_| panic!("not back after the kill:\n{}", env.log_text()));
+    let again = env.pod(&[("main", 60, 4)], &[(PROFILE, "2g.20gb")]);
+    let e = env
+        .admit(&again, "main", 60, 4)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("has 60 free cores"),
+        "the first share is still held: {e}"
+    );
+    let rest = env.pod(&[("main", 50, 4)], &[(PROFILE, "2g.20gb")]);
+    let r = env.admit(&rest, "main", 50, 4).await.unwrap();
+    assert_eq!(r[VCORE].envs["NVIDIA_VISIBLE_DEVICES"], two_g.uuid);
+}
