@@ -157,6 +157,28 @@ fn instances(env: &Env) -> Vec<(String, Instance)> {
         .collect()
 }
 
+/// The capability minors of instance `i` (the driver's table: 3 + 135 ×
+/// GPU minor + 9 × GI, + 1 + CI), asserted as the response's first device
+/// nodes after GPU 0's.
+fn instance_nodes(
+    c: &vcuda_api::deviceplugin::v1beta1::ContainerAllocateResponse,
+    i: &Instance,
+    what: &str,
+) -> (u32, u32) {
+    let (gi, ci) = (3 + 9 * i.gi, 3 + 9 * i.gi + 1 + i.ci);
+    let nodes: Vec<_> = c.devices.iter().map(|d| d.host_path.clone()).collect();
+    assert_eq!(
+        nodes[..3],
+        [
+            "/dev/nvidia0".to_string(),
+            format!("/dev/nvidia-caps/nvidia-cap{gi}"),
+            format!("/dev/nvidia-caps/nvidia-cap{ci}")
+        ],
+        "{what}"
+    );
+    (gi, ci)
+}
+
 /// Static MIG in device-plugin mode (NVIDIA's `mixed` strategy): with a
 /// 3g.40gb and a 1g.10gb on GPU 0, the manager registers one resource per
 /// profile, each advertising its instance by MIG UUID; a pod given either
@@ -216,17 +238,7 @@ async fn mig_devices_are_served_whole_one_resource_per_profile() {
             .unwrap();
         let c = &r[&resource(profile)];
         assert_eq!(c.envs["NVIDIA_VISIBLE_DEVICES"], i.uuid);
-        let (gi, ci) = (3 + 9 * i.gi, 3 + 9 * i.gi + 1 + i.ci);
-        let nodes: Vec<_> = c.devices.iter().map(|d| d.host_path.clone()).collect();
-        assert_eq!(
-            nodes[..3],
-            [
-                "/dev/nvidia0".to_string(),
-                format!("/dev/nvidia-caps/nvidia-cap{gi}"),
-                format!("/dev/nvidia-caps/nvidia-cap{ci}")
-            ],
-            "{profile}"
-        );
+        let (gi, ci) = instance_nodes(c, i, profile);
         for m in [gi, ci] {
             let node = env
                 .sim_root()

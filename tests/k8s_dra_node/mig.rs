@@ -333,7 +333,7 @@ pub fn lost_event(n: &Node, pod: &str) -> serde_json::Value {
 }
 
 /// GPU 0's GPU instance of `profile`.
-fn gi_of(state: &gpu_sim_core::SharedState, profile: &str) -> u32 {
+pub fn gi_of(state: &gpu_sim_core::SharedState, profile: &str) -> u32 {
     state
         .mig_devices(0)
         .into_iter()

@@ -91,7 +91,75 @@ pub fn mig_plugins_phase(
     }
     mgr.kill9();
     assert_eq!(state.mig_devices(0).len(), 3, "the instances stay");
+    shared(n, node, w, bin, sim, state);
     dynamic(n, node, w, bin, sim, state);
+}
+
+/// A vcuda share inside an instance in device-plugin mode (docs/mig.md):
+/// the manager again with `--mig-shared-profiles 2g.20gb`; the node counts
+/// the 2g.20gb's 100 `vcuda-core` beside GPU 1's, and a pod annotated
+/// `tencent.com/vcuda-mig-profile: 2g.20gb` with 50 cores and 20 units,
+/// admitted by the real kubelet's Allocate, sees a 5 GiB card inside the
+/// instance, is refused past it and gets half the instance's time.
+fn shared(
+    n: &Node,
+    node: &str,
+    w: &Path,
+    bin: &Path,
+    sim: &Path,
+    state: &gpu_sim_core::SharedState,
+) {
+    let _ = std::fs::remove_dir_all(w.join("mig-mgr"));
+    let mut mgr = manager(n, node, w, sim);
+    mgr.args
+        .extend(["--mig-shared-profiles", "2g.20gb"].map(String::from));
+    mgr.spawn_program("gpu-manager");
+    wait("vcuda-core counting the shared 2g.20gb", 90, || {
+        let s = n.json(&["get", "node", node])?;
+        let got = s["status"]["allocatable"]["tencent.com/vcuda-core"]
+            .as_str()
+            .unwrap_or("none")
+            .to_string();
+        if got == "200" {
+            Ok(())
+        } else {
+            Err(format!(
+                "allocatable vcuda-core {got}; manager: {}",
+                test_support::k8s::util::tail(&mgr.text(), 5)
+            ))
+        }
+    });
+    let cmd = "CUDA_VISIBLE_DEVICES=$NVIDIA_VISIBLE_DEVICES /work/shim_client quota 256; \
+        echo ---quota; /work/shim_compute saturate 7; echo ---done; sleep 100000";
+    let limits = "limits: {tencent.com/vcuda-core: \"50\", tencent.com/vcuda-memory: \"20\"}";
+    let pod = pod_with_limits("mig-dp-share", limits, cmd, bin, sim).replacen(
+        "namespace: ",
+        "annotations: {tencent.com/vcuda-mig-profile: 2g.20gb}, namespace: ",
+        1,
+    );
+    n.apply(&pod);
+    wait_running(n, "mig-dp-share", 120);
+    let out = log_with(n, "mig-dp-share", "---quota");
+    let a = kv(&out);
+    let get = |k: &str| get_u64(&a, k, &out);
+    assert_eq!(get("start_total"), 5 << 30, "a 5 GiB card\n{out}");
+    assert_eq!(get("last"), 2, "refused past 5 GiB (OOM)\n{out}");
+    let head = log_with(n, "mig-dp-share", "start_ns=");
+    let start = get_u64(&kv(&head), "start_ns", &head);
+    let (from, to) = (start + 2_000_000_000, start + 6_000_000_000);
+    let now = test_support::shim::simnode::now_ns();
+    std::thread::sleep(std::time::Duration::from_nanos(
+        to.saturating_sub(now) + 50_000_000,
+    ));
+    let u = state.gi_utilization(0, crate::mig::gi_of(state, "2g.20gb"), from, to);
+    eprintln!(
+        "k8s_dp: a 50 % / 5 GiB share inside the 2g.20gb through the device plugins: 5 GiB card, {u:.1} % of the instance"
+    );
+    assert!((42.0..=58.0).contains(&u), "{u:.1} % of the 2g.20gb");
+    log_with(n, "mig-dp-share", "---done");
+    n.ok(&["-n", NS, "delete", "pod", "mig-dp-share", "--wait=true"]);
+    mgr.kill9();
+    assert_eq!(state.mig_devices(0).len(), 3, "the instances stay");
 }
 
 /// Dynamic MIG on the real node (docs/mig.md): the manager again, GPU 1

@@ -87,16 +87,7 @@ async fn a_share_inside_a_2g_instance_is_held_to_its_part_of_the_instance() {
     let r = env.admit(&pod, "main", 50, 20).await.unwrap();
     let c = &r[VCORE];
     assert_eq!(c.envs["NVIDIA_VISIBLE_DEVICES"], two_g.uuid);
-    let (gi, ci) = (3 + 9 * two_g.gi, 3 + 9 * two_g.gi + 1 + two_g.ci);
-    let nodes: Vec<_> = c.devices.iter().map(|d| d.host_path.clone()).collect();
-    assert_eq!(
-        nodes[..3],
-        [
-            "/dev/nvidia0".to_string(),
-            format!("/dev/nvidia-caps/nvidia-cap{gi}"),
-            format!("/dev/nvidia-caps/nvidia-cap{ci}")
-        ]
-    );
+    super::instance_nodes(c, two_g, "the share's instance");
     assert!(
         c.mounts.iter().any(|m| m.container_path == "/etc/vcuda"),
         "{:?}",

@@ -265,6 +265,19 @@ impl GpuUsage {
         self.healthy && !self.mig
     }
 
+    /// Adds (or removes) a checked share of `cores` and `units`.
+    pub(crate) fn count_share(&mut self, cores: u32, units: u64, add: bool) {
+        if add {
+            self.allocated_cores += cores;
+            self.allocated_memory_units += units;
+            self.shares += 1;
+        } else {
+            self.allocated_cores -= cores;
+            self.allocated_memory_units -= units;
+            self.shares -= 1;
+        }
+    }
+
     /// Nothing allocated on it.
     pub fn is_idle(&self) -> bool {
         self.allocated_cores == 0 && self.allocated_memory_units == 0 && self.shares == 0
@@ -688,15 +701,6 @@ impl Allocator {
     }
 
     fn apply_share(&mut self, gpu: usize, cores: u32, units: u64, add: bool) {
-        let u = &mut self.usage[gpu];
-        if add {
-            u.allocated_cores += cores;
-            u.allocated_memory_units += units;
-            u.shares += 1;
-        } else {
-            u.allocated_cores -= cores;
-            u.allocated_memory_units -= units;
-            u.shares -= 1;
-        }
+        self.usage[gpu].count_share(cores, units, add);
     }
 }

@@ -253,16 +253,7 @@ impl Allocator {
     /// Adds (or removes) a checked share to its instance's accounting.
     pub(crate) fn apply_in_mig(&mut self, uuid: &str, cores: u32, units: u64, add: bool) {
         let k = self.instances.find(uuid).expect("checked by commit");
-        let u = &mut self.instances.list[k].1;
-        if add {
-            u.allocated_cores += cores;
-            u.allocated_memory_units += units;
-            u.shares += 1;
-        } else {
-            u.allocated_cores -= cores;
-            u.allocated_memory_units -= units;
-            u.shares -= 1;
-        }
+        self.instances.list[k].1.count_share(cores, units, add);
     }
 }
 
