@@ -175,6 +175,19 @@ async fn a_share_inside_a_2g_instance_is_held_to_its_part_of_the_instance() {
         .to_string();
     assert!(e.contains("\"2g\" is not a MIG profile name"), "{e}");
 
+    // An Xid inside the instance's GPU instance: its IDs go Unhealthy and
+    // the inventory says so (GPU 1's stay), until the quiet period ends.
+    env.sim.xid(0, 94, Some(two_g.gi));
+    env.kubelet
+        .wait_for(Duration::from_secs(10), |v| healthy(v, VCORE) == 100)
+        .await
+        .unwrap_or_else(|_| panic!("the instance stayed healthy:\n{}", env.log_text()));
+    super::published(&env, "the instance unhealthy", |i| !i.instances[0].healthy).await;
+    env.kubelet
+        .wait_for(Duration::from_secs(10), |v| healthy(v, VCORE) == 200)
+        .await
+        .unwrap_or_else(|_| panic!("the instance never came back:\n{}", env.log_text()));
+
     // kill -9: the share stays where it is, its capacity held; the
     // instance's last 50 cores still take a share.
     let args = test_support::cmdline(env.manager.id());
