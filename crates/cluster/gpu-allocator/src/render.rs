@@ -93,6 +93,23 @@ impl Allocator {
                     u.total_memory_units * 256,
                     u.free_memory_units() * 256,
                 );
+                for (inst, u) in self.instances().filter(|(inst, _)| inst.gpu == i) {
+                    let shares = match u.shares {
+                        0 => String::new(),
+                        1 => " [1 share]".into(),
+                        n => format!(" [{n} shares]"),
+                    };
+                    let _ = writeln!(
+                        out,
+                        "{rest}   MIG {} {}: cores {}/100 used, memory {}/{} MiB used{shares}{}",
+                        inst.profile,
+                        inst.uuid,
+                        u.allocated_cores,
+                        u.allocated_memory_units * 256,
+                        u.total_memory_units * 256,
+                        if u.healthy { "" } else { " [UNHEALTHY]" },
+                    );
+                }
             }
         }
     }

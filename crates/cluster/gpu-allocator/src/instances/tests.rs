@@ -233,3 +233,25 @@ fn placements_in_instances_keep_their_serde_form_and_display() {
         "share of MIG instance MIG-a on GPU1: 50 cores, 20 memory units"
     );
 }
+
+#[test]
+fn the_rendered_tree_shows_each_instance_under_its_gpu() {
+    let mut a = node();
+    a.commit("p/a", &in_mig("MIG-a", 50, 20)).unwrap();
+    a.set_instance_healthy("MIG-b", false);
+    let text = a.render();
+    let lines: Vec<&str> = text.lines().collect();
+    let gpu1 = lines.iter().position(|l| l.contains("GPU1 ")).unwrap();
+    assert!(lines[gpu1].contains("[MIG]"), "{text}");
+    assert!(
+        lines[gpu1 + 1].ends_with(
+            "MIG 2g.20gb MIG-a: cores 50/100 used, memory 5120/20480 MiB used [1 share]"
+        ),
+        "{text}"
+    );
+    assert!(
+        lines[gpu1 + 2].ends_with("MIG-b: cores 0/100 used, memory 0/20480 MiB used [UNHEALTHY]"),
+        "{text}"
+    );
+    assert!(lines[gpu1 + 3].contains("MIG 3g.40gb MIG-c"), "{text}");
+}
