@@ -143,6 +143,35 @@ proptest! {
         let _ = vcuda_scheduler::cluster::holding_node(&pod);
     }
 
+    /// A MIG profile annotation and an instance record of any content:
+    /// accepted only as a profile name, and then a request the extender
+    /// and the manager place or refuse (never a panic).
+    #[test]
+    fn mig_profiles_and_instance_records_are_read_or_refused(p in any::<String>(), uuid in any::<String>(), g in 0u32..100, m in 0u32..1000) {
+        for v in [p.clone(), format!("{g}g.{m}gb"), format!("{g}g.{m}gb+{p}")] {
+            let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "p", "annotations": {
+                    "tencent.com/vcuda-mig-profile": v,
+                    "tencent.com/predicate-gpu-idx-0": "0",
+                    "tencent.com/predicate-mig-0": uuid,
+                }},
+                "spec": {"containers": [{"name": "c", "resources": {"limits": {
+                    "tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "4"}}}]}
+            })).unwrap();
+            match gpu_pods::mig_profile(&pod) {
+                Ok(Some(name)) => {
+                    prop_assert!(gpu_pods::is_mig_profile_name(&name));
+                    let r = gpu_allocator::Request::share(50, 4);
+                    let inst = gpu_pods::predicate_instance(&pod, 0);
+                    let placed = gpu_pods::recorded_in_instance(&r, Some(&name), &[0], inst);
+                    prop_assert!(placed.is_ok());
+                }
+                Ok(None) => prop_assert!(false, "the annotation is there"),
+                Err(e) => prop_assert!(e.contains("is not a MIG profile name"), "{}", e),
+            }
+        }
+    }
+
     #[test]
     fn checkpoint_payloads_are_read_or_refused(b in prop::collection::vec(any::<u8>(), 0..1024)) {
         let _ = gpu_manager::world::checkpoint::parse(&b);
