@@ -210,3 +210,107 @@ async fn a_share_inside_a_2g_instance_is_held_to_its_part_of_the_instance() {
     let r = env.admit(&rest, "main", 50, 4).await.unwrap();
     assert_eq!(r[VCORE].envs["NVIDIA_VISIBLE_DEVICES"], two_g.uuid);
 }
+
+/// GPU 0 in MIG mode with two 2g.20gb.
+fn two_2g(sim: &SimNode) {
+    sim.mig(&["--gpu", "0", "--enable", "--create", "14,14"]);
+}
+
+/// Compute tiers inside shared instances in device-plugin mode (docs/qos.md,
+/// docs/mig.md): a latency and a batch pod placed in one 2g.20gb order
+/// their launches through that instance's QoS page; a batch pod that
+/// lands in the other 2g.20gb has a page of its own and is never held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiers_order_the_tenants_of_one_shared_instance_and_no_other() {
+    use qos_page::{QosPage, Tier};
+    use std::os::fd::AsFd;
+    use std::process::Stdio;
+    let mut env = Env::start(
+        "sim-mig-h100",
+        Options {
+            prepare: Some(two_2g),
+            ..options()
+        },
+    )
+    .await;
+    let tier = |t: &'static str| [(PROFILE, "2g.20gb"), ("tencent.com/vcuda-tier", t)];
+    // Fullest first: the batch pod joins the latency pod's instance; the
+    // third (50 cores) no longer fits there and opens the other.
+    let mut placed = Vec::new();
+    for (t, cores) in [("latency", 30), ("batch", 30), ("batch", 50)] {
+        let pod = env.pod(&[("main", cores, 8)], &tier(t));
+        let r = env.admit(&pod, "main", cores as usize, 8).await.unwrap();
+        let uuid = r[VCORE].envs["NVIDIA_VISIBLE_DEVICES"].clone();
+        let mut cenv = container_env(&r[VCORE]);
+        cenv.push(("GPU_SIM_ROOT".into(), env.sim_root().display().to_string()));
+        placed.push((pod, uuid, cenv));
+    }
+    assert_eq!(
+        placed[0].1, placed[1].1,
+        "latency and batch in one instance"
+    );
+    assert_ne!(placed[1].1, placed[2].1, "the far batch in the other");
+    // Each batch share's page and ledger, as a process of it receives them.
+    let vm = env.vm_dir();
+    let page_of = |uid: &str| {
+        let req = test_support::hostile::maximal_request(uid, "main");
+        let (s, r, fds) = test_support::hostile::register(&vm.join(uid).join("main"), &req);
+        assert_eq!(
+            (Tier::from_wire(r.qos_tier), r.qos_page, fds.len()),
+            (Tier::Batch, true, 2),
+            "a batch share inside an instance gets its tier and a page: {r:?}"
+        );
+        let page = QosPage::from_fd(fds[1].as_fd()).unwrap();
+        let ledger = container_ledger::Ledger::from_fd(fds[0].as_fd()).unwrap();
+        (s, page, ledger)
+    };
+    let (_n, _, near) = page_of(&placed[1].0.uid);
+    let (_f, far_page, far) = page_of(&placed[2].0.uid);
+
+    let bin = tempfile::tempdir().unwrap();
+    let compute = compile_c("shim_compute", &env.sim, bin.path());
+    let latency = compile_c("qos_latency", &env.sim, bin.path());
+    let spawn = |prog: &std::path::Path, args: &[&str], e: &[(String, String)]| {
+        Command::new(prog)
+            .args(args)
+            .envs(e.iter().cloned())
+            .env_remove("LOGGER_LEVEL")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let batches = [
+        spawn(&compute, &["saturate", "6", "4"], &placed[1].2),
+        spawn(&compute, &["saturate", "6", "4"], &placed[2].2),
+    ];
+    std::thread::sleep(Duration::from_millis(500));
+    let lat = spawn(
+        &latency,
+        &["4", "100", "3", "17280", "warmup=1"],
+        &placed[0].2,
+    );
+    let out = lat.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "qos_latency: {text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (held_ns, holds) = (near.qos_held_ns(), near.qos_holds());
+    println!(
+        "device-plugin mode, inside one 2g.20gb: batch held {holds} times, {:.1} ms, beside {text}",
+        held_ns as f64 / 1e6
+    );
+    assert!(holds > 0 && held_ns > 0, "the near batch share was held");
+    assert_eq!(
+        (far.qos_held_ns(), far.qos_holds()),
+        (0, 0),
+        "the other instance's batch never"
+    );
+    assert_eq!(far_page.latency_live(), 0);
+    for b in batches {
+        let o = b.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+}

@@ -70,7 +70,7 @@ impl Allocator {
             .map(|i| {
                 let usage = old
                     .iter()
-                    .find(|(o, _)| o.uuid == i.uuid && o.memory_bytes == i.memory_bytes)
+                    .find(|(o, _)| o.uuid == i.uuid)
                     .map_or_else(|| fresh_usage(&i), |(_, u)| *u);
                 (i, usage)
             })
