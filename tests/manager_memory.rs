@@ -6,45 +6,12 @@
 //! with a message saying why (its stderr, an Event on its pod, a metric),
 //! and the guaranteed allocation succeeds. Needs `cargo build --workspace`.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use test_support::manager::{Env, Options, VCORE, container_env};
+use test_support::process::{field, hold, release};
 use vcuda_api::deviceplugin::v1beta1::ContainerAllocateResponse;
-
-/// `hold_memory MIB`: allocates, prints what it sees, holds until stdin
-/// says so. Returns the child and its first line.
-fn hold(cmd: &mut Command, mib: u64) -> (Child, String) {
-    let mut c = cmd
-        .arg(mib.to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(c.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    (c, line)
-}
-
-/// `key=value` of hold_memory's line.
-fn field(line: &str, key: &str) -> u64 {
-    line.split_whitespace()
-        .find_map(|kv| kv.strip_prefix(&format!("{key}=")))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
-}
-
-fn release(mut c: Child) -> String {
-    let _ = c.stdin.as_mut().unwrap().write_all(b"\n");
-    let mut out = String::new();
-    c.stdout.take().unwrap().read_to_string(&mut out).unwrap();
-    assert!(c.wait().unwrap().success(), "{out}");
-    out
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_borrower_is_reclaimed_for_a_guaranteed_share_and_nothing_else_is_touched() {

@@ -314,3 +314,75 @@ async fn tiers_order_the_tenants_of_one_shared_instance_and_no_other() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
 }
+
+/// Memory requests below limits inside a shared instance (docs/qos.md,
+/// "Memory"; docs/mig.md): a 4 GiB share with a 16 GiB limit sees its limit
+/// as the card and fills 13 GiB of the 2g.20gb; a guaranteed 8 GiB share
+/// placed in the same instance then allocates 7 GiB, for which only the
+/// borrower's lent memory can make room: the borrower is ended saying why,
+/// an Event on its pod, and the guaranteed allocation succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_borrower_inside_an_instance_is_reclaimed_for_a_guaranteed_share() {
+    use test_support::process::{field, hold, release};
+    let mut env = Env::start("sim-mig-h100", options()).await;
+    let limit = [
+        (PROFILE, "2g.20gb"),
+        ("tencent.com/vcuda-memory-limit", "16Gi"),
+    ];
+    let burst = env.pod(&[("main", 30, 16)], &limit);
+    let rb = env.admit(&burst, "main", 30, 16).await.unwrap()[VCORE].clone();
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = compile_c("hold_memory", &env.sim, tmp.path());
+    let sim_root = env.sim_root().to_path_buf();
+    let in_container = |r: &vcuda_api::deviceplugin::v1beta1::ContainerAllocateResponse| {
+        let mut c = Command::new(&exe);
+        c.envs(container_env(r))
+            .env("GPU_SIM_ROOT", &sim_root)
+            .env_remove("LOGGER_LEVEL");
+        c
+    };
+    let (probe, line) = hold(&mut in_container(&rb), 1024);
+    assert_eq!(
+        field(&line, "total_mib"),
+        16384,
+        "its limit as the card: {line}"
+    );
+    release(probe);
+    let (borrower, line) = hold(&mut in_container(&rb), 13 * 1024);
+    assert!(
+        line.starts_with("pid="),
+        "borrowing 9+ GiB inside the instance: {line}"
+    );
+
+    let guaranteed = env.pod(&[("main", 30, 32)], &[(PROFILE, "2g.20gb")]);
+    let rg = env.admit(&guaranteed, "main", 30, 32).await.unwrap()[VCORE].clone();
+    assert_eq!(
+        rg.envs["NVIDIA_VISIBLE_DEVICES"], rb.envs["NVIDIA_VISIBLE_DEVICES"],
+        "the same instance"
+    );
+    let t = std::time::Instant::now();
+    let (g, line) = tokio::task::block_in_place(|| hold(&mut in_container(&rg), 7 * 1024));
+    assert!(
+        line.starts_with("pid="),
+        "the guaranteed allocation: {line}"
+    );
+    println!(
+        "inside a 2g.20gb: the guaranteed 7 GiB allocated with one reclaim in {} us ({:?} from its start)",
+        field(&line, "alloc_us"),
+        t.elapsed()
+    );
+    let mut borrower = borrower;
+    let status = borrower.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    let err = std::io::read_to_string(borrower.stderr.take().unwrap()).unwrap();
+    assert!(err.contains("was ended to reclaim GPU memory"), "{err}");
+    let ev = env
+        .wait_event("VcudaMemoryReclaimed", &burst.name, Duration::from_secs(10))
+        .await;
+    assert!(
+        ev["note"].as_str().unwrap().contains(&guaranteed.name),
+        "{ev}"
+    );
+    release(g);
+}

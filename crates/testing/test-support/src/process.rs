@@ -115,3 +115,38 @@ impl CpuSample {
         (pct, tree(root) != self.pids)
     }
 }
+
+/// `hold_memory MIB`: allocates, prints what it sees, holds until stdin
+/// says so. Returns the child and its first line.
+pub fn hold(cmd: &mut std::process::Command, mib: u64) -> (std::process::Child, String) {
+    let mut c = cmd
+        .arg(mib.to_string())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(c.stdout.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    (c, line)
+}
+
+/// `key=value` of hold_memory's line.
+pub fn field(line: &str, key: &str) -> u64 {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
+}
+
+pub fn release(mut c: std::process::Child) -> String {
+    let _ = std::io::Write::write_all(c.stdin.as_mut().unwrap(), b"\n");
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut c.stdout.take().unwrap(), &mut out).unwrap();
+    assert!(c.wait().unwrap().success(), "{out}");
+    out
+}

@@ -438,13 +438,6 @@ impl Manager {
         let req = self.request(&ctx, &cand)?;
         let profile = gpu_pods::mig_profile(&pod).map_err(Refusal::invalid)?;
         let memory_ceiling = memory_ceiling(&pod, &ctx, &req)?;
-        if profile.is_some() && memory_ceiling.is_some() {
-            return Err(Refusal::invalid(format!(
-                "{ctx}: {} and {}: memory limits are not served inside a MIG instance (its memory is the instance's own); drop one",
-                gpu_pods::VCUDA_MEMORY_LIMIT,
-                gpu_pods::VCUDA_MIG_PROFILE
-            )));
-        }
         let id = alloc_id(uid, &cand.container);
         // The watch delivered this pod after every deletion before it: free
         // those first, so the placement (and gpu-admission's, made after

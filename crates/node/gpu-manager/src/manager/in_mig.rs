@@ -181,6 +181,14 @@ impl Manager {
         ));
     }
 
+    /// Instance `uuid`'s memory (0 when unknown: nothing is lent there).
+    pub(super) fn instance_bytes(&self, uuid: &str) -> u64 {
+        self.mig_shares()
+            .devices
+            .get(uuid)
+            .map_or(0, |f| f.device.memory_bytes)
+    }
+
     /// Whether a container can be handed instance `uuid` (its nodes known).
     pub(super) fn knows_instance(&self, uuid: &str) -> bool {
         self.mig_shares().devices.contains_key(uuid)

@@ -215,8 +215,8 @@ impl Manager {
             card_bytes: self.gpus[g].memory_bytes,
         };
         let gpus = match &p {
-            // Inside a MIG instance: its UUID, relative to it; nothing is
-            // lent there (no memory limits inside MIG).
+            // Inside a MIG instance: its UUID, relative to it; what is lent
+            // there is judged against the instance's memory.
             Placement::InMig {
                 gpu: g,
                 instance,
@@ -224,7 +224,7 @@ impl Manager {
                 memory_units,
             } => vec![ShareGpu {
                 uuid: instance.clone(),
-                card_bytes: 0,
+                card_bytes: self.instance_bytes(instance),
                 ..gpu(
                     *g,
                     memory_units * MEMORY_UNIT_BYTES,
