@@ -440,8 +440,12 @@ impl Driver {
                     memory_bytes: d.memory_bytes,
                     cores: d.cores,
                     limit: d.soft_limit.unwrap_or(d.cores),
-                    // Inside a MIG device nothing is lent (no limits there).
-                    card_bytes: if d.mig.is_some() { 0 } else { gpu.memory_bytes },
+                    // Inside a MIG device, lending is judged against the
+                    // instance's memory (0, nothing lent, when not known).
+                    card_bytes: match &d.mig {
+                        Some(m) => self.instance_bytes(d.gpu_index, &m.uuid),
+                        None => gpu.memory_bytes,
+                    },
                 })
             })
             .collect::<Result<_, ClaimFailure>>()?;
@@ -457,6 +461,14 @@ impl Driver {
             tier: devices.first().map(|d| d.tier).unwrap_or_default(),
             memory_limit: devices.first().and_then(|d| d.memory_limit),
         })
+    }
+
+    /// The memory of MIG device `uuid` on GPU `gpu` as the node showed it.
+    fn instance_bytes(&self, gpu: usize, uuid: &str) -> u64 {
+        let devices = self.inventory.mig.get(gpu).and_then(Option::as_ref);
+        devices
+            .and_then(|v| v.iter().find(|m| m.uuid == uuid))
+            .map_or(0, |m| m.memory_bytes)
     }
 
     /// Opens the claim's share: its vm directory and, for shares, its

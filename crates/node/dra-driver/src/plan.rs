@@ -357,16 +357,8 @@ fn plan_mig_share(
         memory_bytes: memory,
         soft_limit: soft_limit(config.core_limit, false, cores, &r.request)?,
         tier: config.tier(),
-        memory_limit: match config.memory_limit()? {
-            Some(limit) => {
-                return Err(Refusal::MemoryLimitNotHere {
-                    request: r.request.clone(),
-                    limit,
-                    on: "a share inside a MIG device",
-                });
-            }
-            None => None,
-        },
+        // Lent inside the instance alone (its memory is the card).
+        memory_limit: memory_limit(&config, false, memory, &r.request)?,
         whole: false,
         ..whole_mig(r, parent, m)
     })

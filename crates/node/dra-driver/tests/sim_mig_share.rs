@@ -38,6 +38,17 @@ fn share_in(
     profile: &str,
     capacity: Option<(&str, &str)>,
 ) -> String {
+    share_in_with(server, name, profile, capacity, None)
+}
+
+/// [`share_in`] with a `GpuConfig` (`params`) for the claim's request.
+fn share_in_with(
+    server: &ApiServer,
+    name: &str,
+    profile: &str,
+    capacity: Option<(&str, &str)>,
+    params: Option<serde_json::Value>,
+) -> String {
     let selector = format!(
         "device.attributes['{}'].profile == '{profile}'",
         dra_driver::DRIVER_NAME
@@ -47,12 +58,16 @@ fn share_in(
     if let Some((cores, memory)) = capacity {
         request["capacity"] = json!({"requests": {"cores": cores, "memory": memory}});
     }
+    let mut devices = json!({"requests": [{"name": "mig", "exactly": request}]});
+    if let Some(p) = params {
+        devices["config"] = json!([{"requests": ["mig"], "opaque": {
+            "driver": dra_driver::DRIVER_NAME, "parameters": p}}]);
+    }
     let c = server
         .create(
             Kind::ResourceClaim,
             Some(NS),
-            json!({"metadata": {"name": name, "namespace": NS},
-                   "spec": {"devices": {"requests": [{"name": "mig", "exactly": request}]}}}),
+            json!({"metadata": {"name": name, "namespace": NS}, "spec": {"devices": devices}}),
         )
         .unwrap();
     uid(&c)
@@ -498,6 +513,78 @@ async fn an_instance_destroyed_under_a_prepared_claim_is_reported() {
         .unprepare(std::slice::from_ref(&claim))
         .await
         .unwrap();
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+}
+
+/// Memory requests below limits inside a MIG device (docs/qos.md,
+/// "Memory"; docs/mig.md), DRA mode: a 4 GiB claim of the 2g.20gb with
+/// `memoryLimit: 16Gi` sees its limit as the card and fills 13 GiB; a
+/// guaranteed 8 GiB claim of the same instance then allocates 7 GiB, for
+/// which only the borrower's lent memory can make room: the borrower's
+/// process is ended saying why, the guaranteed allocation succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_borrower_inside_a_mig_device_is_reclaimed_for_a_guaranteed_claim() {
+    use std::os::unix::process::ExitStatusExt;
+    use test_support::process::{field, hold, release};
+    let sim = SimNode::install("sim-mig-h100");
+    sim.mig(&["--gpu", "0", "--enable", "--create", "14,19"]);
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    let (cancel, daemon, kubelet) =
+        run_daemon(&server, &dirs, sim_settings(sim.root(), &dirs)).await;
+    let limit = json!({"apiVersion": "vcuda.tencent.com/v1alpha1", "kind": "GpuConfig",
+        "memoryLimit": "16Gi"});
+    // The borrower's claim first: the guaranteed one comes once it has
+    // borrowed (prepared before, its guarantee leaves too little to lend).
+    let prepare = |name: &'static str, memory: &'static str, params: Option<serde_json::Value>| {
+        let (server, dirs, kubelet) = (&server, &dirs, &kubelet);
+        async move {
+            let uid = share_in_with(server, name, "2g.20gb", Some(("30", memory)), params);
+            allocator::allocate(server, NS, name, NODE).unwrap();
+            let claim = plugin::claim(NS, name, &uid);
+            let r = kubelet.prepare(std::slice::from_ref(&claim)).await.unwrap();
+            let one = &r.claims[&claim.uid];
+            assert_eq!(one.error, "", "{name}");
+            let edits = cdi::resolve(&dirs.p("cdi"), &one.devices[0].cdi_device_ids[0]).unwrap();
+            exposed(container_env(&edits))
+        }
+    };
+    let borrow = prepare("borrow", "4Gi", Some(limit)).await;
+    let exe = compile_c("hold_memory", &sim, &dirs.p(""));
+    let in_claim = |env: &[(String, String)]| {
+        let mut c = Command::new(&exe);
+        c.envs(env.iter().cloned()).env_remove("LOGGER_LEVEL");
+        c
+    };
+    let (probe, line) = hold(&mut in_claim(&borrow), 1024);
+    assert_eq!(
+        field(&line, "total_mib"),
+        16384,
+        "its limit as the card: {line}"
+    );
+    release(probe);
+    let (mut borrower, line) = hold(&mut in_claim(&borrow), 13 * 1024);
+    assert!(
+        line.starts_with("pid="),
+        "borrowing 9+ GiB inside the instance: {line}"
+    );
+    let guaranteed = prepare("guaranteed", "8Gi", None).await;
+    let (g, line) = tokio::task::block_in_place(|| hold(&mut in_claim(&guaranteed), 7 * 1024));
+    assert!(
+        line.starts_with("pid="),
+        "the guaranteed allocation: {line}"
+    );
+    println!(
+        "DRA, inside a 2g.20gb: the guaranteed 7 GiB allocated with one reclaim in {} us",
+        field(&line, "alloc_us")
+    );
+    let status = borrower.wait().unwrap();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    let err = std::io::read_to_string(borrower.stderr.take().unwrap()).unwrap();
+    assert!(err.contains("was ended to reclaim GPU memory"), "{err}");
+    release(g);
     cancel.cancel();
     daemon.await.unwrap().unwrap();
 }
