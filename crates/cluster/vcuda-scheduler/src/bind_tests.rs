@@ -12,7 +12,7 @@ use serde_json::json;
 use crate::api::ExtenderBindingArgs;
 use crate::bind::{ApiError, BIND_SEQ, BindApi, NODE_LABEL, bind};
 use crate::cluster::Cluster;
-use crate::tests::{node, pod};
+use crate::tests::{node, node_with_shared_instance, pod};
 
 #[derive(Default)]
 struct Inner {
@@ -424,26 +424,6 @@ async fn bind_refuses_pods_without_vcuda_requests_bound_pods_and_pods_being_dele
         "not moved"
     );
     assert!(i.pods["cpu"].spec.as_ref().unwrap().node_name.is_none());
-}
-
-/// A node whose GPU 1 is in MIG mode with a 2g.20gb that serves shares.
-fn node_with_shared_instance(name: &str) -> Node {
-    let mut n = node(name, 2, false);
-    let ann = n.metadata.annotations.as_mut().unwrap();
-    let key = gpu_allocator::inventory::ANNOTATION;
-    let mut inv = gpu_allocator::inventory::Inventory::from_json(&ann[key]).unwrap();
-    inv.gpus[1].mig = true;
-    inv.instances = vec![gpu_allocator::inventory::InventoryInstance {
-        instance: gpu_allocator::SharedInstance {
-            uuid: "MIG-2g".into(),
-            gpu: 1,
-            profile: "2g.20gb".into(),
-            memory_bytes: 20 << 30,
-        },
-        healthy: true,
-    }];
-    ann.insert(key.into(), inv.to_json());
-    n
 }
 
 #[tokio::test]

@@ -48,12 +48,17 @@ impl Policy {
 
 /// The node's score (0..=MAX_PRIORITY) for placing `placed` on it.
 pub fn score(node: &NodeState, placed: &PodPlacement, policy: Policy) -> i64 {
-    let total = node.inventory.gpus.len() as u64 * u64::from(WHOLE_GPU_CORES);
+    // GPUs and the MIG instances that take shares: 100 cores each.
+    let cards = node.inventory.gpus.len() + node.inventory.instances.len();
+    let total = cards as u64 * u64::from(WHOLE_GPU_CORES);
+    let on_instances = node.allocator.instances().map(|(_, u)| u.allocated_cores);
     let used: u64 = node
         .allocator
         .usages()
         .iter()
-        .map(|u| u64::from(u.allocated_cores))
+        .map(|u| u.allocated_cores)
+        .chain(on_instances)
+        .map(u64::from)
         .sum();
     let adding: u64 = placed.iter().map(|(_, p)| placement_cores(p)).sum();
     let total = total.max(1);

@@ -41,6 +41,26 @@ pub fn node(name: &str, gpus: usize, nvlink: bool) -> Node {
     .unwrap()
 }
 
+/// A node whose GPU 1 is in MIG mode with a 2g.20gb that serves shares.
+pub fn node_with_shared_instance(name: &str) -> Node {
+    let mut n = node(name, 2, false);
+    let ann = n.metadata.annotations.as_mut().unwrap();
+    let key = gpu_allocator::inventory::ANNOTATION;
+    let mut inv = gpu_allocator::inventory::Inventory::from_json(&ann[key]).unwrap();
+    inv.gpus[1].mig = true;
+    inv.instances = vec![gpu_allocator::inventory::InventoryInstance {
+        instance: gpu_allocator::SharedInstance {
+            uuid: "MIG-2g".into(),
+            gpu: 1,
+            profile: "2g.20gb".into(),
+            memory_bytes: 20 << 30,
+        },
+        healthy: true,
+    }];
+    ann.insert(key.into(), inv.to_json());
+    n
+}
+
 /// A pod with one container per `(cores, units)`; `placed`: bound to a
 /// node with each container's `/dev/nvidia` numbers.
 pub fn pod(name: &str, containers: &[(u64, u64)], annotations: serde_json::Value) -> Pod {
@@ -387,4 +407,27 @@ fn reservations_on_unbound_pods_count_only_while_fresh_so_forged_ones_expire() {
     // Bound, the annotations count whatever their time.
     let c = Cluster::build(&nodes, &[placed("bound", &[(100, 64)], "a", &["0"])]);
     assert_eq!(c.nodes["a"].allocator.usage(0).allocated_cores, 100);
+}
+
+#[test]
+fn the_score_counts_shared_instances_as_cards() {
+    let profile = json!({"tencent.com/vcuda-mig-profile": "2g.20gb"});
+    let nodes = [
+        node_with_shared_instance("full"),
+        node_with_shared_instance("empty"),
+    ];
+    let mut x = placed("x", &[(70, 8)], "full", &["1"]);
+    let ann = x.metadata.annotations.get_or_insert_with(Default::default);
+    ann.insert("tencent.com/vcuda-mig-profile".into(), "2g.20gb".into());
+    ann.insert("tencent.com/predicate-mig-0".into(), "MIG-2g".into());
+    let c = Cluster::build(&nodes, &[x]);
+    let a = args(pod("new", &[(30, 8)], profile), &["full", "empty"]);
+    let scores: Vec<_> = prioritize(&c, &a, Policy::Binpack)
+        .unwrap()
+        .into_iter()
+        .map(|h| (h.host, h.score))
+        .collect();
+    // 300 cores (two GPUs and the instance): 100 used after it on "full",
+    // 30 on "empty".
+    assert_eq!(scores, [("full".into(), 3), ("empty".into(), 1)]);
 }
