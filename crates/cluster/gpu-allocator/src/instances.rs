@@ -58,6 +58,29 @@ impl Instances {
     }
 }
 
+impl Request {
+    /// What no instance of `profile` could take, whatever the node: a
+    /// share inside one is 1..99 of one instance's cores and some memory.
+    pub fn check_in_mig(&self, profile: &str) -> Result<(), AllocError> {
+        let (cores, units) = (self.cores, self.memory_units);
+        if self.gpus != 1 || cores == 0 || cores >= WHOLE_GPU_CORES {
+            return Err(AllocError::InvalidShares {
+                request: format!(
+                    "vcuda-core {cores} and vcuda-memory {units} inside a {profile} MIG instance"
+                ),
+                problem: "a share inside an instance is one instance's 1..99 cores (of its SMs); a whole instance is asked for by its own resource, shares on several GPUs are not served in instances".into(),
+            });
+        }
+        if !self.share_mode {
+            return Err(AllocError::ShareModeOff { cores });
+        }
+        if units == 0 {
+            return Err(AllocError::ShareWithoutMemory { cores });
+        }
+        Ok(())
+    }
+}
+
 impl Allocator {
     /// The node's shared instances now: `found` replaces the list, keeping
     /// each known instance's accounting; one no longer found that still
@@ -115,6 +138,7 @@ impl Allocator {
         let Some(profile) = mig_profile else {
             return self.evaluate(req);
         };
+        req.check_in_mig(profile)?;
         let (cores, units) = (req.cores, req.memory_units);
         let refuse = |problem: String| AllocError::InvalidShares {
             request: format!(
@@ -122,17 +146,6 @@ impl Allocator {
             ),
             problem,
         };
-        if req.gpus != 1 || cores == 0 || cores >= WHOLE_GPU_CORES {
-            return Err(refuse(
-                "a share inside an instance is one instance's 1..99 cores (of its SMs); a whole instance is asked for by its own resource, shares on several GPUs are not served in instances".into(),
-            ));
-        }
-        if !req.share_mode {
-            return Err(AllocError::ShareModeOff { cores });
-        }
-        if units == 0 {
-            return Err(AllocError::ShareWithoutMemory { cores });
-        }
         let of_profile: Vec<&(SharedInstance, GpuUsage)> = self
             .instances
             .list

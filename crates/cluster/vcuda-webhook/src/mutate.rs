@@ -103,7 +103,14 @@ pub fn plan(pod: &Pod, s: &Settings) -> Mutation {
                 .ok()
                 .flatten(),
         };
-        let t = template(gpu_pods::namespace(pod), cores, units, gpus, qos);
+        let profile = gpu_pods::mig_profile(pod).ok().flatten();
+        let shape = Shape {
+            cores,
+            units,
+            gpus,
+            in_mig: profile.as_deref(),
+        };
+        let t = template(gpu_pods::namespace(pod), shape, qos);
         let claim = format!("{CLAIM_PREFIX}c{index}");
         claims.bind(
             &mut m,
@@ -232,13 +239,26 @@ pub struct Qos {
     pub memory_limit: Option<u64>,
 }
 
-pub fn mig_template(namespace: &str, profile: &str, count: u64) -> ResourceClaimTemplate {
-    let name = format!("vcuda-mig-{}-{count}", profile.replace('+', "."));
-    let selector = format!(
+/// A share's request moved into a MIG device of `profile`: the MIG class
+/// and a selector on the profile, the same capacity.
+fn in_profile(name: String, mut request: Value, profile: &str) -> (String, Value) {
+    let exactly = &mut request["exactly"];
+    exactly["deviceClassName"] = json!(gpu_pods::dra::MIG_CLASS);
+    exactly["selectors"] = json!([{"cel": {"expression": profile_selector(profile)}}]);
+    (format!("{name}-in-{}", profile.replace('+', ".")), request)
+}
+
+fn profile_selector(profile: &str) -> String {
+    format!(
         "device.attributes['{}'].{} == '{profile}'",
         gpu_pods::dra::DRIVER_NAME,
         gpu_pods::dra::PROFILE_ATTRIBUTE
-    );
+    )
+}
+
+pub fn mig_template(namespace: &str, profile: &str, count: u64) -> ResourceClaimTemplate {
+    let name = format!("vcuda-mig-{}-{count}", profile.replace('+', "."));
+    let selector = profile_selector(profile);
     serde_json::from_value(json!({
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaimTemplate",
@@ -251,18 +271,30 @@ pub fn mig_template(namespace: &str, profile: &str, count: u64) -> ResourceClaim
     .expect("a ResourceClaimTemplate")
 }
 
+/// A container's vcuda limits: its totals over `gpus` GPUs, inside an
+/// instance of MIG profile `in_mig` when the pod names one.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape<'a> {
+    pub cores: u64,
+    pub units: u64,
+    pub gpus: u32,
+    pub in_mig: Option<&'a str>,
+}
+
 /// The template of a container's totals over `gpus` GPUs: whole GPUs
 /// (`vcuda-gpu-<n>`), or a share of `cores` and `units` split evenly
-/// (`vcuda-<cores>c-<MiB>mi`, `vcuda-<n>x<cores>c-<MiB>mi` per GPU), with
-/// its compute tier and memory limit in the driver's config (`-latency`,
-/// `-batch`, `-to<MiB>mi` names).
-pub fn template(
-    namespace: &str,
-    cores: u64,
-    units: u64,
-    gpus: u32,
-    qos: Qos,
-) -> ResourceClaimTemplate {
+/// (`vcuda-<cores>c-<MiB>mi`, `vcuda-<n>x<cores>c-<MiB>mi` per GPU), or
+/// a share inside a MIG device of the pod's profile (the MIG class, a
+/// selector on the profile, `-in-<profile>`), with its compute tier and
+/// memory limit in the driver's config (`-latency`, `-batch`, `-to<MiB>mi`
+/// names).
+pub fn template(namespace: &str, shape: Shape<'_>, qos: Qos) -> ResourceClaimTemplate {
+    let Shape {
+        cores,
+        units,
+        gpus,
+        in_mig,
+    } = shape;
     let whole = cores.is_multiple_of(u64::from(WHOLE_GPU_CORES)) && gpus == 1;
     let (name, request) = if whole {
         let n = cores / u64::from(WHOLE_GPU_CORES);
@@ -285,6 +317,10 @@ pub fn template(
                 "deviceClassName": gpu_pods::dra::SHARE_CLASS, "count": n,
                 "capacity": {"requests": {"cores": per_cores.to_string(), "memory": format!("{per_mib}Mi")}}}}),
         )
+    };
+    let (name, request) = match in_mig {
+        Some(profile) if !whole => in_profile(name, request, profile),
+        _ => (name, request),
     };
     let mut devices = json!({"requests": [request]});
     if !whole && gpus > 1 {

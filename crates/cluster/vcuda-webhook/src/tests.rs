@@ -410,6 +410,48 @@ async fn on_dra_clusters_limits_become_a_claim_bound_to_the_container() {
     assert_eq!(r.templates.created.lock().unwrap().len(), 1);
 }
 
+/// A share asking for a MIG profile (docs/mig.md) becomes a claim of a MIG
+/// device of that profile with the same capacity: one manifest, both modes.
+#[tokio::test]
+async fn on_dra_clusters_a_share_in_a_mig_profile_claims_a_mig_device() {
+    let (r, out) = on_dra(pod(
+        vcuda(50, 20),
+        json!({"tencent.com/vcuda-mig-profile": "1g.10gb+me", "tencent.com/vcuda-tier": "batch"}),
+    ))
+    .await;
+    assert_eq!(
+        out["spec"]["resourceClaims"][0]["resourceClaimTemplateName"],
+        "vcuda-50c-5120mi-in-1g.10gb.me-batch"
+    );
+    let t = serde_json::to_value(&r.templates.created.lock().unwrap()[0]).unwrap();
+    let ex = &t["spec"]["spec"]["devices"]["requests"][0]["exactly"];
+    assert_eq!(ex["deviceClassName"], "vcuda-mig.vcuda.tencent.com");
+    assert_eq!(
+        ex["selectors"][0]["cel"]["expression"],
+        "device.attributes['vcuda.tencent.com'].profile == '1g.10gb+me'"
+    );
+    assert_eq!(
+        ex["capacity"]["requests"],
+        json!({"cores": "50", "memory": "5120Mi"})
+    );
+}
+
+/// What no instance could hold is refused at admission, as the manager
+/// would refuse it: a whole GPU's cores with a profile.
+#[test]
+fn a_whole_request_with_a_mig_profile_is_refused() {
+    let r = rig(Settings::default());
+    let p = pod(
+        vcuda(100, 0),
+        json!({"tencent.com/vcuda-mig-profile": "2g.20gb"}),
+    );
+    let m = denied(r.hook.validate(&req("CREATE", p, None, "alice")));
+    assert!(
+        m.contains("inside a 2g.20gb MIG instance") && m.contains("1..99"),
+        "{m}"
+    );
+}
+
 #[tokio::test]
 async fn whole_and_multi_gpu_requests_get_their_templates() {
     let r = rig(Settings {

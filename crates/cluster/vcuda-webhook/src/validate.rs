@@ -106,16 +106,25 @@ fn check_container(
         container: container.to_string(),
         problem: e.to_string(),
     };
+    // Inside a MIG instance of the pod's profile, when it names one.
+    let profile = gpu_pods::mig_profile(pod).ok().flatten();
     if nodes.is_empty() {
         // The GPU count a node would cap is unknown: the annotation's.
         let req = request(pod, container, totals, usize::MAX, true)?;
-        return req.check_shape().map_err(shape);
+        return match &profile {
+            Some(p) => req.check_in_mig(p),
+            None => req.check_shape(),
+        }
+        .map_err(shape);
     }
     let mut last = None;
     for n in roomiest_first(nodes) {
         let inv = &n.inventory;
-        let placed = request(pod, container, totals, inv.gpus.len(), inv.share_mode)
-            .map(|req| inv.allocator().evaluate(&req).map(|_| ()));
+        let placed = request(pod, container, totals, inv.gpus.len(), inv.share_mode).map(|req| {
+            inv.allocator()
+                .evaluate_for(&req, profile.as_deref())
+                .map(|_| ())
+        });
         match placed {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(e)) if e.kind() != ErrorKind::InvalidRequest => return Ok(()),
