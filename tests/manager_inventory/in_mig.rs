@@ -386,3 +386,68 @@ async fn a_borrower_inside_an_instance_is_reclaimed_for_a_guaranteed_share() {
     );
     release(g);
 }
+
+/// An operator destroys the shared 2g.20gb under a share (its program
+/// done; `--mig-rescan-period 1`): the instance's IDs go Unhealthy, it is
+/// published unhealthy (GPU 0's own 100 are listed Unhealthy throughout:
+/// MIG mode), the pod gets a `VcudaMigDeviceLost` Event naming
+/// it and `/metrics` counts it lost; once the pod goes, the next read
+/// forgets the instance and its IDs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_instance_destroyed_under_a_share_is_reported() {
+    let mut opts = options();
+    opts.extra_args
+        .extend(["--mig-rescan-period".into(), "1".into()]);
+    let mut env = Env::start("sim-mig-h100", opts).await;
+    let healthy =
+        |v: &kubelet_emulator::View| v.resources.get(VCORE).map_or(0, |r| r.healthy_ids().len());
+    let listed = |v: &kubelet_emulator::View| v.resources.get(VCORE).map_or(0, |r| r.devices.len());
+    env.kubelet
+        .wait_for(Duration::from_secs(15), |v| healthy(v) == 200)
+        .await
+        .unwrap_or_else(|_| panic!("the instance's IDs:\n{}", env.log_text()));
+    let pod = env.pod(&[("main", 50, 20)], &[(PROFILE, "2g.20gb")]);
+    env.admit(&pod, "main", 50, 20).await.unwrap();
+    let gone = super::destroy(&env, "2g.20gb");
+    let ev = env
+        .wait_event("VcudaMigDeviceLost", &pod.name, Duration::from_secs(10))
+        .await;
+    let note = ev["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains(&gone.uuid) && note.contains("shared instance"),
+        "{ev}"
+    );
+    env.kubelet
+        .wait_for(Duration::from_secs(10), |v| {
+            healthy(v) == 100 && listed(v) == 300
+        })
+        .await
+        .unwrap_or_else(|_| {
+            let v = env.kubelet.view().borrow().clone();
+            panic!(
+                "its IDs Unhealthy, still listed: {} healthy of {}\n{}",
+                healthy(&v),
+                listed(&v),
+                env.log_text()
+            )
+        });
+    super::published(&env, "the instance unhealthy", |i| {
+        i.instances
+            .iter()
+            .any(|x| x.instance.uuid == gone.uuid && !x.healthy)
+    })
+    .await;
+    let (_, metrics) = test_support::process::http_get(env.http_addr, "/metrics");
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("vcuda_mig_device_lost{") && l.contains(&gone.uuid))
+        .unwrap_or_else(|| panic!("no vcuda_mig_device_lost for it in\n{metrics}"));
+    assert!(line.ends_with(" 1"), "{line}");
+    // The pod gone: the next read forgets the instance and its IDs (GPU
+    // 0's own stay listed, Unhealthy: it is in MIG mode).
+    env.delete(&pod).await;
+    env.kubelet
+        .wait_for(Duration::from_secs(10), |v| listed(v) == 200)
+        .await
+        .unwrap_or_else(|_| panic!("its IDs withdrawn:\n{}", env.log_text()));
+}

@@ -31,10 +31,13 @@ impl DisplaySource for ManagerSource {
     }
 
     fn lost_mig_devices(&self) -> Vec<gpu_display::LostMigView> {
-        self.mig
+        let mut lost = self
+            .mig
             .as_ref()
             .map(|m| m.lost_views())
-            .unwrap_or_default()
+            .unwrap_or_default();
+        lost.extend(self.mgr.lost_shared_views());
+        lost
     }
 
     fn dynamic_mig(&self) -> Option<gpu_display::DynamicMigView> {

@@ -18,7 +18,7 @@ use node_agent::edits::{self, MigEditsInput};
 use node_agent::mig::{AccessCaps, MigDevice, MigGpu};
 
 use super::Manager;
-use crate::allocation::Allocation;
+use crate::allocation::{Allocation, PlacementRecord};
 use crate::decide::response::{ANNOTATION_VCORE, ANNOTATION_VDEVICE, ANNOTATION_VMEMORY, render};
 
 /// One shared instance as the node showed it.
@@ -93,6 +93,8 @@ pub struct MigShares {
     /// GPUs (`None`) and GPU instances with a critical Xid in its quiet
     /// period.
     out: BTreeSet<(usize, Option<u32>)>,
+    /// Lost instances whose pods were told (once each time one is lost).
+    told: BTreeSet<String>,
 }
 
 impl MigShares {
@@ -128,6 +130,69 @@ impl Manager {
         };
         self.st().allocator.set_instances(list);
         self.apply_instance_health();
+        self.tell_lost();
+    }
+
+    /// Instances no read finds any more that still hold shares: kept
+    /// (unhealthy) until their shares go.
+    fn lost_instances(&self) -> Vec<(String, usize)> {
+        let present = self.mig_shares().present.clone();
+        let st = self.st();
+        st.allocator
+            .instances()
+            .filter(|(i, u)| u.shares > 0 && !present.contains(&i.uuid))
+            .map(|(i, _)| (i.uuid.clone(), i.gpu))
+            .collect()
+    }
+
+    /// The lost shared instances for the display's `vcuda_mig_device_lost`
+    /// (the holder: `tencent.com/vcuda-core`, the resource the shares came
+    /// through).
+    pub fn lost_shared_views(&self) -> Vec<gpu_display::LostMigView> {
+        let lost = self.lost_instances().into_iter();
+        lost.map(|(uuid, gpu)| gpu_display::LostMigView {
+            gpu: gpu as u32,
+            uuid,
+            holder: gpu_pods::VCORE_RESOURCE.to_string(),
+        })
+        .collect()
+    }
+
+    /// A `VcudaMigDeviceLost` Event, once, on each pod with a share in an
+    /// instance that was destroyed under it (its CUDA fails there now).
+    fn tell_lost(&self) {
+        let lost = self.lost_instances();
+        let new: Vec<(String, usize)> = {
+            let mut m = self.mig_shares();
+            m.told.retain(|u| lost.iter().any(|(l, _)| l == u));
+            lost.into_iter()
+                .filter(|(u, _)| m.told.insert(u.clone()))
+                .collect()
+        };
+        for (uuid, gpu) in new {
+            let holders: Vec<Allocation> = self
+                .st()
+                .allocs
+                .values()
+                .filter(|a| matches!(&a.placement, PlacementRecord::InMig { instance, .. } if *instance == uuid))
+                .cloned()
+                .collect();
+            for a in holders {
+                let note = format!(
+                    "MIG device {uuid} (a shared instance on GPU {gpu}) was destroyed while container {} held a share in it: \
+                     CUDA on it fails; delete the pod for a new placement",
+                    a.container
+                );
+                tracing::warn!(pod = %format!("{}/{}", a.namespace, a.pod_name), "{note}");
+                self.events.post(node_agent::events::PodEvent {
+                    namespace: a.namespace.clone(),
+                    name: a.pod_name.clone(),
+                    uid: a.pod_uid.clone(),
+                    reason: node_agent::events::MIG_DEVICE_LOST,
+                    note,
+                });
+            }
+        }
     }
 
     /// An Xid on GPU `gpu` (`gi: None`) or inside its GPU instance `gi`, or

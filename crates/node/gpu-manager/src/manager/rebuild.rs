@@ -267,7 +267,7 @@ impl Manager {
         };
         let tier = pods::tier(&pod).unwrap_or_default();
         let ceiling = match &size.placement {
-            Placement::Share { .. } => {
+            Placement::Share { .. } | Placement::InMig { .. } => {
                 gpu_pods::memory_limit(&pod, false, 1, size.memory_units * MEMORY_UNIT_BYTES)
                     .ok()
                     .flatten()
