@@ -258,6 +258,16 @@ fn placement_annotations_are_vcuda_s_alone() {
         m.contains("alice is not one of the webhook's --trusted-user"),
         "{m}"
     );
+    // The instance a share inside MIG was placed in, too.
+    let instance = json!({"tencent.com/predicate-mig-0": "MIG-x"});
+    let m = denied(
+        r.hook
+            .validate(&req("CREATE", pod(vcuda(30, 8), instance), None, "alice")),
+    );
+    assert!(
+        m.contains("tencent.com/predicate-mig-0") && m.contains("only vcuda writes it"),
+        "{m}"
+    );
     // The extender's bind and a node's manager may.
     let sched = "system:serviceaccount:kube-system:vcuda-scheduler";
     let before = pod(vcuda(30, 8), json!({}));
