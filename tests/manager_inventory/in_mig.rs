@@ -224,7 +224,6 @@ fn two_2g(sim: &SimNode) {
 async fn tiers_order_the_tenants_of_one_shared_instance_and_no_other() {
     use qos_page::{QosPage, Tier};
     use std::os::fd::AsFd;
-    use std::process::Stdio;
     let mut env = Env::start(
         "sim-mig-h100",
         Options {
@@ -270,32 +269,11 @@ async fn tiers_order_the_tenants_of_one_shared_instance_and_no_other() {
     let bin = tempfile::tempdir().unwrap();
     let compute = compile_c("shim_compute", &env.sim, bin.path());
     let latency = compile_c("qos_latency", &env.sim, bin.path());
-    let spawn = |prog: &std::path::Path, args: &[&str], e: &[(String, String)]| {
-        Command::new(prog)
-            .args(args)
-            .envs(e.iter().cloned())
-            .env_remove("LOGGER_LEVEL")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
-    let batches = [
-        spawn(&compute, &["saturate", "6", "4"], &placed[1].2),
-        spawn(&compute, &["saturate", "6", "4"], &placed[2].2),
-    ];
-    std::thread::sleep(Duration::from_millis(500));
-    let lat = spawn(
+    let text = test_support::sim::latency_beside_batches(
+        &compute,
         &latency,
-        &["4", "100", "3", "17280", "warmup=1"],
         &placed[0].2,
-    );
-    let out = lat.wait_with_output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "qos_latency: {text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        &[&placed[1].2, &placed[2].2],
     );
     let (held_ns, holds) = (near.qos_held_ns(), near.qos_holds());
     println!(
@@ -309,10 +287,6 @@ async fn tiers_order_the_tenants_of_one_shared_instance_and_no_other() {
         "the other instance's batch never"
     );
     assert_eq!(far_page.latency_live(), 0);
-    for b in batches {
-        let o = b.wait_with_output().unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    }
 }
 
 /// Memory requests below limits inside a shared instance (docs/qos.md,

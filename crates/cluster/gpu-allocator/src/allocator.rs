@@ -252,6 +252,19 @@ pub struct GpuUsage {
 }
 
 impl GpuUsage {
+    /// A card of `total_memory_units` with nothing on it, healthy.
+    pub(crate) fn empty(total_memory_units: u64) -> GpuUsage {
+        GpuUsage {
+            total_memory_units,
+            allocated_cores: 0,
+            allocated_memory_units: 0,
+            healthy: true,
+            mig: false,
+            exclusive: false,
+            shares: 0,
+        }
+    }
+
     pub fn free_cores(&self) -> u32 {
         WHOLE_GPU_CORES - self.allocated_cores
     }
@@ -304,15 +317,7 @@ impl Allocator {
         let usage = topology
             .gpus()
             .iter()
-            .map(|g| GpuUsage {
-                total_memory_units: g.memory_units(),
-                allocated_cores: 0,
-                allocated_memory_units: 0,
-                healthy: true,
-                mig: false,
-                exclusive: false,
-                shares: 0,
-            })
+            .map(|g| GpuUsage::empty(g.memory_units()))
             .collect();
         let largest_units = topology
             .gpus()

@@ -40,18 +40,6 @@ pub(crate) struct Instances {
     pub(crate) list: Vec<(SharedInstance, GpuUsage)>,
 }
 
-fn fresh_usage(i: &SharedInstance) -> GpuUsage {
-    GpuUsage {
-        total_memory_units: i.memory_units(),
-        allocated_cores: 0,
-        allocated_memory_units: 0,
-        healthy: true,
-        mig: false,
-        exclusive: false,
-        shares: 0,
-    }
-}
-
 impl Instances {
     fn find(&self, uuid: &str) -> Option<usize> {
         self.list.iter().position(|(i, _)| i.uuid == uuid)
@@ -94,7 +82,7 @@ impl Allocator {
                 let usage = old
                     .iter()
                     .find(|(o, _)| o.uuid == i.uuid)
-                    .map_or_else(|| fresh_usage(&i), |(_, u)| *u);
+                    .map_or_else(|| GpuUsage::empty(i.memory_units()), |(_, u)| *u);
                 (i, usage)
             })
             .collect();

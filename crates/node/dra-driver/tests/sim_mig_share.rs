@@ -14,7 +14,7 @@
 //!
 //! Needs `cargo build --workspace` first (gpu-sim, its cdylibs, libvcuda.so).
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use apiserver_emulator::{ApiServer, Kind};
@@ -351,34 +351,12 @@ async fn tiers_order_the_tenants_of_one_instance_and_no_other() {
 
     let compute = compile_c("shim_compute", &sim, &dirs.p(""));
     let latency = compile_c("qos_latency", &sim, &dirs.p(""));
-    let spawn = |prog: &std::path::Path, args: &[&str], env: &[(String, String)]| {
-        Command::new(prog)
-            .args(args)
-            .envs(env.iter().cloned())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
-    let batches = [
-        spawn(&compute, &["saturate", "6", "4"], &envs[1].1),
-        spawn(&compute, &["saturate", "6", "4"], &envs[2].1),
-    ];
-    std::thread::sleep(Duration::from_millis(500));
-    let lat = spawn(
+    let text = test_support::sim::latency_beside_batches(
+        &compute,
         &latency,
-        &["4", "100", "3", "17280", "warmup=1"],
         &envs[0].1,
+        &[&envs[1].1, &envs[2].1],
     );
-    let out = lat.wait_with_output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "qos_latency: {text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let requests: f64 = kv(&text)["requests"].parse().unwrap();
-    assert!(requests >= 200.0, "{text}");
     let (held_ns, holds) = (near.qos_held_ns(), near.qos_holds());
     println!(
         "inside one 2g.20gb: batch held {holds} times, {:.1} ms, beside {text}",
@@ -391,10 +369,6 @@ async fn tiers_order_the_tenants_of_one_instance_and_no_other() {
         "the other instance's batch never"
     );
     assert_eq!(far_page.latency_live(), 0);
-    for b in batches {
-        let o = b.wait_with_output().unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    }
     cancel.cancel();
     daemon.await.unwrap().unwrap();
 }

@@ -225,3 +225,43 @@ fn stderr(child: &mut std::process::Child) -> String {
     }
     err
 }
+
+/// `qos_latency` (`latency`, 4 s of 100 requests a second of three
+/// 17280-block kernels, 1 s warm-up) run with `lat_env` while `compute`
+/// saturates with each of `batch_envs` (`saturate 6 4`, started 0.5 s
+/// before): the latency client's output, once every process ended well.
+pub fn latency_beside_batches(
+    compute: &Path,
+    latency: &Path,
+    lat_env: &[(String, String)],
+    batch_envs: &[&[(String, String)]],
+) -> String {
+    let spawn = |prog: &Path, args: &[&str], env: &[(String, String)]| {
+        std::process::Command::new(prog)
+            .args(args)
+            .envs(env.iter().cloned())
+            .env_remove("LOGGER_LEVEL")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let batches: Vec<_> = batch_envs
+        .iter()
+        .map(|e| spawn(compute, &["saturate", "6", "4"], e))
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let lat = spawn(latency, &["4", "100", "3", "17280", "warmup=1"], lat_env);
+    let out = lat.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "qos_latency: {text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for b in batches {
+        let o = b.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    text
+}
