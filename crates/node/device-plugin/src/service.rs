@@ -83,9 +83,17 @@ impl DeviceList {
         self.tx.borrow().clone()
     }
 
-    /// Replaces the whole list (count change, new GPU, ...).
+    /// Replaces the whole list (count change, new GPU, ...). Streams are
+    /// notified only when it differs: a periodic rescan that finds the same
+    /// devices sends the kubelet nothing.
     pub fn replace(&self, devices: Vec<Device>) {
-        self.tx.send_replace(devices);
+        self.tx.send_if_modified(|cur| {
+            let changed = *cur != devices;
+            if changed {
+                *cur = devices;
+            }
+            changed
+        });
     }
 
     /// Sets the health of the devices whose ID satisfies `pred`; returns how
