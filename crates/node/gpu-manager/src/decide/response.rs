@@ -62,15 +62,23 @@ pub fn build(input: &ResponseInput<'_>) -> ContainerAllocateResponse {
         extra_devices: input.extra_devices,
     });
     let minors: Vec<&str> = e.gpus.iter().map(|d| d.path.as_str()).collect();
-    let annotations = HashMap::from([
-        (ANNOTATION_VCORE.to_string(), input.cores.to_string()),
+    render(
+        &e,
+        annotations(input.cores, input.memory_units, &minors.join(",")),
+    )
+}
+
+/// The response's annotations: the container's cores, memory in bytes and
+/// GPU device nodes (`/dev/nvidia1,/dev/nvidia3`).
+pub fn annotations(cores: u32, memory_units: u64, devices: &str) -> HashMap<String, String> {
+    HashMap::from([
+        (ANNOTATION_VCORE.to_string(), cores.to_string()),
         (
             ANNOTATION_VMEMORY.to_string(),
-            (input.memory_units * MEMORY_UNIT_BYTES).to_string(),
+            (memory_units * MEMORY_UNIT_BYTES).to_string(),
         ),
-        (ANNOTATION_VDEVICE.to_string(), minors.join(",")),
-    ]);
-    render(&e, annotations)
+        (ANNOTATION_VDEVICE.to_string(), devices.to_string()),
+    ])
 }
 
 #[cfg(test)]

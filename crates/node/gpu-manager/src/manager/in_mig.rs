@@ -9,17 +9,17 @@
 //! container placed in an instance that a rescan no longer finds is still
 //! answered the same on a repeated Allocate.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use device_plugin::api::ContainerAllocateResponse;
-use gpu_allocator::{GpuInfo, MEMORY_UNIT_BYTES, SharedInstance};
+use gpu_allocator::{GpuInfo, SharedInstance};
 use node_agent::edits::{self, MigEditsInput};
 use node_agent::mig::{AccessCaps, MigDevice, MigGpu};
 
 use super::Manager;
 use crate::allocation::{Allocation, PlacementRecord};
-use crate::decide::response::{ANNOTATION_VCORE, ANNOTATION_VDEVICE, ANNOTATION_VMEMORY, render};
+use crate::decide::response::{annotations, render};
 
 /// One shared instance as the node showed it.
 #[derive(Debug, Clone)]
@@ -277,17 +277,8 @@ impl Manager {
             extra_devices: &self.extra.devices,
             share_vm_dir: Some(dir),
         });
-        let annotations = HashMap::from([
-            (ANNOTATION_VCORE.to_string(), a.cores.to_string()),
-            (
-                ANNOTATION_VMEMORY.to_string(),
-                (a.memory_units * MEMORY_UNIT_BYTES).to_string(),
-            ),
-            (
-                ANNOTATION_VDEVICE.to_string(),
-                format!("/dev/nvidia{}", parent.minor),
-            ),
-        ]);
-        Some(render(&e, annotations))
+        let device = format!("/dev/nvidia{}", parent.minor);
+        let ann = annotations(a.cores, a.memory_units, &device);
+        Some(render(&e, ann))
     }
 }
