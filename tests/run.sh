@@ -43,14 +43,37 @@ log() {
   end_phase
   phase=$*
   phase_t0=$SECONDS
+  printf '%s\n' "$*" > "$TEST_LOGS/phase"
   printf '\n==> %s\n' "$*"
+}
+# A full disk or memory shows up as odd failures anywhere (a container
+# SIGKILLed, a pip install that stops): sample both every 5 s and name the
+# lowest each reached, and in which phase, at the end.
+watch_resources() {
+  while sleep 5; do
+    printf '%s\t%s\t%s\n' \
+      "$(df -Pk "$REPO" | awk 'NR == 2 { print $4 }')" \
+      "$(awk '/^MemAvailable:/ { print $2 }' /proc/meminfo)" \
+      "$(cat "$TEST_LOGS/phase" 2>/dev/null)" >> "$TEST_LOGS/resources.tsv"
+  done
+}
+watch_resources &
+RESOURCE_WATCH=$!
+lowest() {
+  local col=$1 what=$2
+  sort -t$'\t' -k"$col","$col"n "$TEST_LOGS/resources.tsv" 2>/dev/null | head -1 |
+    awk -F'\t' -v c="$col" -v w="$what" '{ printf "%7.1f GiB  lowest %s (in: %s)\n", $c / 1048576, w, $3 }'
 }
 report() {
   local rc=$? stopped=$phase
   if [ -n "${SOAK_HOG:-}" ]; then kill "$SOAK_HOG" 2>/dev/null || true; fi
+  kill "$RESOURCE_WATCH" 2>/dev/null || true
   end_phase
   printf '\n==> phase times\n'
   printf '%s\n' "${phase_times[@]}"
+  printf '\n==> disk and memory\n'
+  lowest 1 "free disk on the checkout's file system"
+  lowest 2 "available memory"
   if compgen -G "$TEST_LOGS/*.cargo.log" >/dev/null; then
     printf '\n==> slowest test binaries\n'
     awk '/^ +Running / { n = $NF; gsub(/[()]/, "", n); sub(/.*\//, "", n); sub(/-[0-9a-f]+$/, "", n) }
@@ -114,17 +137,19 @@ if [ "$(id -u)" != 0 ]; then
 fi
 mkdir -p "$VCUDA_CACHE"
 
-# Disk: a clean run's target dir is ~5 GiB with incremental compilation off
-# (on, it adds ~3.5 GiB that a one-shot build never reads back; a CI run once
-# ran out of space in clippy). Say what is free, so a full disk is named.
+# Disk: a clean run's target dir is ~7 GiB with incremental compilation off
+# (on, it adds ~3.5 GiB that a one-shot build never reads back); images, pods
+# and pytest's files add ~1 GiB; the cache, filled once, ~16 GiB. A CI run
+# at 0c9897b began with 6 GiB free and ended with 0.4 GiB and four failures
+# that named nothing: refuse at once instead, saying what is missing.
 export CARGO_INCREMENTAL=0
 df -h "$REPO" "$VCUDA_CACHE" | awk 'NR == 1 || !seen[$1]++'
-# Refuse at once rather than 10 minutes in (a CI run once died building the
-# release interposer with the disk full): the target dir alone needs ~6 GiB.
-VCUDA_MIN_FREE_GIB=${VCUDA_MIN_FREE_GIB:-6}
+VCUDA_MIN_FREE_GIB=${VCUDA_MIN_FREE_GIB:-10}
+cache_gib=$(du -sk "$VCUDA_CACHE" 2>/dev/null | awk '{ print int($1 / 1048576) }')
+cache_need=$(( cache_gib < 16 ? 16 - cache_gib : 0 ))
 free_gib=$(df -Pk "$REPO" | awk 'NR == 2 { print int($4 / 1048576) }')
-if [ "$free_gib" -lt "$VCUDA_MIN_FREE_GIB" ]; then
-  echo "tests/run.sh: only $free_gib GiB free on the file system of $REPO; a clean run needs $VCUDA_MIN_FREE_GIB GiB (the target dir ~5 GiB, images and pods the rest): free some space (or set VCUDA_MIN_FREE_GIB)" >&2
+if [ "$free_gib" -lt $((VCUDA_MIN_FREE_GIB + cache_need)) ]; then
+  echo "tests/run.sh: only $free_gib GiB free on the file system of $REPO; a run needs $VCUDA_MIN_FREE_GIB GiB (the target dir ~7 GiB, images, pods and pytest the rest) and $cache_need GiB more to fill $VCUDA_CACHE (holds $cache_gib of ~16 GiB): free some space (or set VCUDA_MIN_FREE_GIB)" >&2
   exit 2
 fi
 
