@@ -68,6 +68,10 @@ report() {
   local rc=$? stopped=$phase
   if [ -n "${SOAK_HOG:-}" ]; then kill "$SOAK_HOG" 2>/dev/null || true; fi
   kill "$RESOURCE_WATCH" 2>/dev/null || true
+  if [ -n "${BESIDE_PID:-}" ]; then
+    kill "$BESIDE_PID" 2>/dev/null || true
+    failed+=("$BESIDE_LABEL (stopped unfinished: the run ended first)")
+  fi
   end_phase
   printf '\n==> phase times\n'
   printf '%s\n' "${phase_times[@]}"
@@ -96,23 +100,54 @@ report() {
   printf '\ntests/run.sh: all phases passed in %d s\n' "$total"
 }
 trap report EXIT
+# Stopped by a signal, the run must not end in "all phases passed".
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 # run_tests <label> <command...>: runs a test phase, its output also in
 # target/test-logs/<label>.cargo.log or .pytest.log; a failure is recorded
 # with what failed (cargo's rerun hints, pytest's FAILED lines) and the run
 # goes on.
+test_log() { # test_log <label> <kind>: where a phase's output is kept
+  printf '%s/%s.%s.log' "$TEST_LOGS" "$(printf '%s' "$1" | tr 'A-Z' 'a-z' | tr -c 'a-z0-9' '-')" "$2"
+}
+record_failure() { # record_failure <label> <log>: what failed, from the log
+  local what
+  what=$( { sed -n 's/^.*to rerun pass `\(.*\)`$/\1/p; s/^ *`\(-p .*\)`$/\1/p' "$2"
+            sed -n 's/^FAILED \([^ ]*\).*$/\1/p' "$2"; } | sort -u | paste -sd, - | sed 's/,/, /g')
+  failed+=("$1${what:+ ($what)}")
+}
 run_tests() {
   local label=$1 kind=cargo
   shift
   [ "$1" = python3 ] && kind=pytest
-  local out=$TEST_LOGS/$(printf '%s' "$label" | tr 'A-Z' 'a-z' | tr -c 'a-z0-9' '-').$kind.log
+  local out
+  out=$(test_log "$label" "$kind")
   if "$@" 2>&1 | tee "$out"; then
     return 0
   fi
-  local what
-  what=$( { sed -n 's/^.*to rerun pass `\(.*\)`$/\1/p; s/^ *`\(-p .*\)`$/\1/p' "$out"
-            sed -n 's/^FAILED \([^ ]*\).*$/\1/p' "$out"; } | sort -u | paste -sd, - | sed 's/,/, /g')
-  failed+=("$label${what:+ ($what)}")
+  record_failure "$label" "$out"
+}
+# start_beside <label> <command...>: a test phase that mostly waits (a real
+# node's pods) run in the background beside the phases that compute, its
+# output only in its log until finish_beside prints it and records how it
+# ended. One at a time.
+start_beside() {
+  BESIDE_LABEL=$1
+  shift
+  BESIDE_OUT=$(test_log "$BESIDE_LABEL" cargo)
+  BESIDE_T0=$SECONDS
+  "$@" >"$BESIDE_OUT" 2>&1 &
+  BESIDE_PID=$!
+  printf '(%s: started in the background, its output at the end)\n' "$BESIDE_LABEL"
+}
+finish_beside() {
+  local rc=0
+  wait "$BESIDE_PID" || rc=$?
+  BESIDE_PID=
+  cat "$BESIDE_OUT"
+  phase_times+=("$(printf '%6d s  %s (beside the phases after it)' $((SECONDS - BESIDE_T0)) "$BESIDE_LABEL")")
+  [ "$rc" -eq 0 ] || record_failure "$BESIDE_LABEL" "$BESIDE_OUT"
 }
 
 # The interposer ships linked against glibc 2.17 (cuda-shim/README.md, "glibc
@@ -395,6 +430,13 @@ else
 fi
 bash tests/k8s/cluster-modern.sh down || failed+=("tests/k8s/cluster-modern.sh down")
 
+# The suite the 1.20 node ran in "cargo tests", now on the modern node (it
+# brings cluster-modern.sh up and down itself: VCUDA_K8S_MODERN=1,
+# test-support's k8s::util::Flavor). It mostly waits on pods (load ~1 of
+# 2 cores), so the glibc-2.17 and Python phases run beside it.
+start_beside "device-plugin real-node suite on Kubernetes 1.37 (tests/k8s_node)" \
+  env VCUDA_K8S_MODERN=1 cargo test -p vcuda-tests --test k8s_node -- --nocapture
+
 log "interposer tests again, on the shipped glibc-2.17 build"
 # test-support (crates/testing/test-support/src/shim/simnode.rs) mirrors $VCUDA_INTERPOSER
 # instead of this profile's host build: the same memory, compute and graph
@@ -413,3 +455,6 @@ run_tests "python tests" python3 -m pytest -q tests/python
 log "python clients (glibc 2.17)"
 VCUDA_INTERPOSER="$shipped_interposer" run_tests "python clients (glibc 2.17)" \
   python3 -m pytest -q tests/python/test_shim_clients.py tests/python/test_torch.py
+
+log "the device-plugin real-node suite on Kubernetes 1.37 (its end)"
+finish_beside

@@ -20,6 +20,7 @@
 #   tests/k8s/cluster-modern.sh node-reboot       kubelet and containerd down, every pod process
 #                                killed, /run state and /var/run/cdi gone, both up again
 #   tests/k8s/cluster-modern.sh scheduler-restart [CONFIG]
+#   tests/k8s/cluster-modern.sh node-up K | node-down K   another node (K = 2..9)
 #   tests/k8s/cluster-modern.sh import TAR        ctr images import into k8s.io
 #   tests/k8s/cluster-modern.sh image-tar TAG ROOTFS OUT ENTRY...
 #
@@ -220,6 +221,8 @@ EOF
   gcc -static -O2 -o "$tmp/rootfs/pause" "$tmp/pause.c"
   image_tar "$PAUSE_IMAGE" "$tmp/rootfs" "$tmp/pause.tar" /pause
   import_image "$tmp/pause.tar"
+  # Kept for the nodes node-up adds.
+  cp "$tmp/pause.tar" "$D/pause.tar"
   rm -rf "$tmp"
 }
 
@@ -475,6 +478,84 @@ unmount_under() { # unmount everything below $1, deepest first
   done
 }
 
+# node-up K (K = 2..9): another node of this cluster, for the device-plugin
+# suite's three-node phase (tests/k8s_node/phase_nodes.rs), as
+# tests/k8s/cluster.sh does it for 1.20: its own address (198.51.100.36+K),
+# client certificate, containerd, bridge, pod CIDR (10.244.136+K.0/24),
+# ports and cgroup root, and /var/lib/kubelet bound to $D/node-K/kubelet-root
+# in a mount namespace of its own (the device-plugin directory is fixed; a
+# manager for the node runs there: nsenter --mount --target
+# "$(cat $D/run/node-K.pid)").
+node_vars() {
+  KN="$NODE-$1"
+  KIP="198.51.100.$((36 + $1))"
+  KD="$D/node-$1"
+  KSOCK="$KD/containerd/containerd.sock"
+}
+
+node_ready_k() {
+  "$BIN/kubectl" --kubeconfig "$D/admin.kubeconfig" get node "$KN" \
+    -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null | grep -qx True
+}
+
+node_up() {
+  local k=$1 c
+  node_vars "$k"
+  if running "node-$k"; then return; fi
+  mkdir -p "$KD/kubelet-root/device-plugins" "$KD/containerd" "$KD/cni/net.d" "$KD/cni/ipam" \
+    "$KD/kubelet/pki" "$KD/log/pods"
+  ip -4 addr show dev lo | grep -q " $KIP/" || ip addr add "$KIP/32" dev lo
+  cert "kubelet-$k" "system:node:$KN" system:nodes
+  kubeconfig "kubelet-$k"
+  for c in /sys/fs/cgroup/*/; do
+    [ -L "${c%/}" ] || mkdir -p "$c$CGROUP_ROOT-node-$k" 2>/dev/null || true
+  done
+  sed -e "s|$D/containerd|$KD/containerd|g" -e "s|$D/cni|$KD/cni|g" \
+    "$D/containerd/config.toml" >"$KD/containerd/config.toml"
+  sed -e "s|\"$BRIDGE\"|\"$BRIDGE-$k\"|" -e "s|$POD_CIDR|10.244.$((136 + k)).0/24|" -e "s|$D/cni|$KD/cni|g" \
+    "$D/cni/net.d/10-vcuda.conflist" >"$KD/cni/net.d/10-vcuda.conflist"
+  sed -e "s|^port: .*|port: $((KUBELET_PORT + k))|" -e "s|^healthzPort: .*|healthzPort: $((HEALTHZ_PORT + k))|" \
+    -e "s|^podCIDR: .*|podCIDR: 10.244.$((136 + k)).0/24|" -e "s|^cgroupRoot: .*|cgroupRoot: /$CGROUP_ROOT-node-$k|" \
+    -e "s|$D/containerd|$KD/containerd|g" -e "s|^podLogsDir: .*|podLogsDir: $KD/log/pods|" \
+    "$D/kubelet/config.yaml" >"$KD/kubelet.yaml"
+  {
+    echo 'set -e'
+    echo "mount --bind '$KD/kubelet-root' /var/lib/kubelet"
+    echo "PATH='$BIN':\$PATH '$BIN/containerd' --config '$KD/containerd/config.toml' >>'$D/log/containerd-$k.log' 2>&1 &"
+    echo "echo \$! >'$(pidfile "containerd-$k")'"
+    echo "for i in \$(seq 1 60); do [ -S '$KSOCK' ] && break; sleep 1; done"
+    echo "'$BIN/ctr' --address '$KSOCK' -n k8s.io images import '$D/pause.tar' >/dev/null 2>&1"
+    echo "exec '$BIN/kubelet' --config '$KD/kubelet.yaml' --kubeconfig '$D/kubelet-$k.kubeconfig' \\"
+    echo "  --root-dir /var/lib/kubelet --cert-dir '$KD/kubelet/pki' \\"
+    echo "  --node-ip '$KIP' --hostname-override '$KN' --v 2"
+  } >"$KD/run.sh"
+  start "node-$k" unshare --mount --propagation private bash "$KD/run.sh"
+  wait_for "node $KN Ready" 180 "$D/log/node-$k.log" node_ready_k
+  log "node $KN Ready"
+}
+
+# node-down K: what node-up K started, and its pods' processes.
+node_down() {
+  local k=$1 p cg c
+  node_vars "$k"
+  stop "node-$k"
+  for p in $(pgrep -f "containerd-shim-runc-v2 .*-address $KSOCK" || true); do
+    kill -9 "$p" 2>/dev/null || true
+  done
+  for cg in "/sys/fs/cgroup/pids/$CGROUP_ROOT-node-$k" "/sys/fs/cgroup/unified/$CGROUP_ROOT-node-$k"; do
+    [ -d "$cg" ] || continue
+    { find "$cg" -name cgroup.procs -exec cat {} + 2>/dev/null || true; } | while read -r p; do
+      kill -9 "$p" 2>/dev/null || true
+    done
+  done
+  stop "containerd-$k"
+  ip link del "$BRIDGE-$k" 2>/dev/null || true
+  ip addr del "$KIP/32" dev lo 2>/dev/null || true
+  for c in /sys/fs/cgroup/*/"$CGROUP_ROOT-node-$k"; do
+    [ -d "$c" ] && find "$c" -depth -type d -exec rmdir {} \; 2>/dev/null || true
+  done
+}
+
 # node-reboot: what a reboot does to the node, the control plane aside:
 # kubelet and containerd stop, every pod process dies, the runtime's state
 # (tmpfs /run on a real node: containerd's task state and the pods'
@@ -497,6 +578,12 @@ node_reboot() {
 
 down() {
   BIN=$(find_bin 2>/dev/null || echo /nonexistent)
+  local f
+  for f in "$D"/run/node-*.pid; do
+    [ -e "$f" ] || continue
+    f=${f##*/node-}
+    node_down "${f%.pid}"
+  done
   stop kubelet
   kill_pod_processes
   stop containerd
@@ -534,7 +621,9 @@ case "${1:-}" in
   # scheduler-restart [CONFIG]: kube-scheduler again, with the
   # KubeSchedulerConfiguration CONFIG (extenders, profiles) or its flags.
   scheduler-restart) BIN=$(find_bin); stop kube-scheduler; start_scheduler "${2:-}" ;;
+  node-up) BIN=$(find_bin); node_up "$2" ;;
+  node-down) BIN=$(find_bin); node_down "$2" ;;
   import) BIN=$(find_bin); import_image "$2" "${3:-}" ;;
   image-tar) shift; image_tar "$@" ;;
-  *) echo "usage: $0 up|down|kubelet-restart|node-reboot|kubelet-stop|kubelet-start|scheduler-restart [CONFIG]|import TAR [SOCKET]|image-tar TAG ROOTFS OUT ENTRY..." >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|kubelet-restart|node-reboot|kubelet-stop|kubelet-start|scheduler-restart [CONFIG]|node-up K|node-down K|import TAR [SOCKET]|image-tar TAG ROOTFS OUT ENTRY..." >&2; exit 2 ;;
 esac

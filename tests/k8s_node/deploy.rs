@@ -30,19 +30,31 @@ pub fn prepare_test_overlay(c: &Cluster, w: &Work) -> std::path::PathBuf {
         let text = fs::read_to_string(&patch)
             .unwrap()
             .replace("@SIM_ROOT@", w.sim.to_str().unwrap())
-            .replace("@API_HOST@", "198.51.100.1")
-            .replace("@API_PORT@", "26443")
+            .replace("@API_HOST@", &c.flavor.node_ip(1))
+            .replace("@API_PORT@", &c.flavor.api_port().to_string())
             .replace(
                 "@CONTAINERD_DIR@",
                 c.dir.join("containerd").to_str().unwrap(),
             );
         fs::write(&patch, text).unwrap();
     }
+    // The test overlay is written over 1.20's overlay; a newer node gets
+    // the one its users apply.
+    let k = copy.join("test/kustomization.yaml");
+    let text = fs::read_to_string(&k).unwrap();
+    let base = "../overlays/share-before-1.22";
+    assert!(
+        text.contains(base),
+        "{} no longer names {base}",
+        k.display()
+    );
+    let overlay = format!("../{}", c.flavor.share_overlay());
+    fs::write(&k, text.replace(base, &overlay)).unwrap();
     copy
 }
 
 /// `kubectl apply -k` of the prepared copy's `test/`:
-/// deploy/overlays/share-before-1.22 plus the patch, installed as an
+/// deploy/overlays/share-before-1.22 (`share` on a modern node) plus the patch, installed as an
 /// operator installs an overlay of their own.
 fn apply_test_overlay(c: &Cluster, w: &Work) -> std::path::PathBuf {
     let copy = prepare_test_overlay(c, w);

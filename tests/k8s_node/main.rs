@@ -35,6 +35,13 @@
 //!     (`uninstall.rs`): `deploy/overlays/uninstall`, refused while a share
 //!     lives, then nothing left behind.
 //!
+//! With `VCUDA_K8S_MODERN=1` the same suite runs on the ≥ 1.36 node built
+//! from the Go modules (`tests/k8s/cluster-modern.sh`, the DRA suite's node;
+//! `VCUDA_K8S_MODERN_BIN`): deploy/overlays/share instead of
+//! share-before-1.22, the scheduler's v1 configuration, the extra nodes at
+//! 198.51.100.38 and up (test-support's `k8s::util::Flavor`). tests/run.sh
+//! runs it on both.
+//!
 //! It runs when `VCUDA_K8S_BIN` is set or `VCUDA_REQUIRE_K8S=1` (tests/run.sh,
 //! so CI, sets both) and skips with a line otherwise; with
 //! `VCUDA_REQUIRE_K8S=1` anything missing fails it, named. One run per
@@ -64,7 +71,7 @@ mod upgrade;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use test_support::k8s::cluster::{Cluster, Work, busybox_image, compile, manager_image};
-use test_support::k8s::util::{Cleanup, HostDevCleanup, MachineLock, k8s_bin};
+use test_support::k8s::util::{Cleanup, Flavor, HostDevCleanup, MachineLock, k8s_bin};
 use test_support::{Capability, missing, require, target_dir, workspace_root};
 
 #[test]
@@ -72,10 +79,12 @@ fn real_node_suite() {
     // The suite takes minutes and the whole machine's kubelet directory: it
     // runs when asked (tests/run.sh sets both), never as a side effect of a
     // plain `cargo test --workspace`.
-    if std::env::var_os("VCUDA_K8S_BIN").is_none() && !Capability::Kubernetes.required() {
+    let flavor = Flavor::current();
+    if std::env::var_os(flavor.vars().0).is_none() && !Capability::Kubernetes.required() {
         eprintln!(
-            "skipped: the real-node suite runs with VCUDA_K8S_BIN=<dir> or VCUDA_REQUIRE_K8S=1 \
-             (tests/run.sh sets them; see tests/k8s/README.md)"
+            "skipped: the real-node suite runs with {}=<dir> or VCUDA_REQUIRE_K8S=1 \
+             (tests/run.sh sets them; see tests/k8s/README.md)",
+            flavor.vars().0
         );
         return;
     }
@@ -176,7 +185,7 @@ fn real_node_suite() {
     });
     deploy::run(&c, &w, &mut figures);
 
-    eprintln!("k8s_node: figures (kubelet 1.20, containerd 1.6, 2-core machine):");
+    eprintln!("k8s_node: figures ({}, 2-core machine):", c.flavor.label());
     for f in &figures {
         eprintln!("k8s_node:   {f}");
     }

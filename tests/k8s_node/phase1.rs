@@ -205,7 +205,7 @@ pub fn run(
     let t_out = t_xid.elapsed();
     c.wait_allocatable("GPU 3 back after the quiet period", (400, 240), 90);
     figures.push(format!(
-        "Xid 79 on GPU 3: out of kubelet's allocatable after {:.2} s, back {:.2} s after the Xid (quiet period 5 s) (ListAndWatch updates through kubelet 1.20)",
+        "Xid 79 on GPU 3: out of kubelet's allocatable after {:.2} s, back {:.2} s after the Xid (quiet period 5 s) (ListAndWatch updates through the real kubelet)",
         t_out.as_secs_f64(),
         t_xid.elapsed().as_secs_f64()
     ));

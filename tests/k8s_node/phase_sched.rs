@@ -69,11 +69,12 @@ impl Drop for Extender {
     }
 }
 
-/// kube-scheduler's configuration with the extender (v1beta1: 1.19-1.21).
+/// kube-scheduler's configuration with the extender (v1beta1 on 1.20, v1
+/// on a modern node).
 pub fn scheduler_config(c: &Cluster) -> std::path::PathBuf {
     let path = c.dir.join("scheduler-extender.yaml");
     let text = format!(
-        r#"apiVersion: kubescheduler.config.k8s.io/v1beta1
+        r#"apiVersion: {api}
 kind: KubeSchedulerConfiguration
 clientConnection:
   kubeconfig: {kc}
@@ -93,7 +94,8 @@ extenders:
   - name: tencent.com/vcuda-memory
     ignoredByScheduler: false
 "#,
-        kc = c.dir.join("scheduler.kubeconfig").display()
+        kc = c.dir.join("scheduler.kubeconfig").display(),
+        api = c.flavor.scheduler_config_api(),
     );
     std::fs::write(&path, text).unwrap();
     path

@@ -67,16 +67,39 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
             }
         },
     );
-    wait("ds-always's container started again", 180, || {
-        let p = c.pod(LIVE)?;
-        let st = &p["status"]["containerStatuses"][0];
-        if st["restartCount"].as_u64().unwrap_or(0) >= 1 && st["state"]["running"].is_object() {
-            Ok(())
-        } else {
-            Err(format!("{}", st))
-        }
-    });
+    // Kubelet 1.20 starts it again from its device checkpoint. A kubelet
+    // of 1.27 or later allocates again for every container it must start,
+    // and rejects the pod if that comes before the manager's DaemonSet pod
+    // registered (kubernetes#125579, open upstream: every DaemonSet device
+    // plugin): the pod ends Failed, its share must be released, and the
+    // replacement a controller would create is served.
+    let rejected = wait(
+        "ds-always's container started again (or rejected)",
+        180,
+        || {
+            let p = c.pod(LIVE)?;
+            let st = &p["status"]["containerStatuses"][0];
+            if st["restartCount"].as_u64().unwrap_or(0) >= 1 && st["state"]["running"].is_object() {
+                Ok(false)
+            } else if p["status"]["reason"] == "UnexpectedAdmissionError" {
+                Ok(true)
+            } else {
+                Err(format!("{}", p["status"]))
+            }
+        },
+    );
     let back = t.elapsed();
+    let mut always_uid = always_uid;
+    if rejected {
+        let why = c.pod(LIVE).unwrap()["status"]["message"].to_string();
+        assert!(
+            c.flavor.reboot_may_reject_device_pods() && why.contains("tencent.com/vcuda-"),
+            "ds-always rejected at admission after the reboot ({}): {why}",
+            c.flavor.label()
+        );
+        eprintln!("k8s_node: reboot: ds-always rejected by the kubelet (kubernetes#125579): {why}");
+        always_uid = replace_rejected(c, &yaml, &always_uid);
+    }
     // Its new container ran under the same quota (the cached Allocate
     // response points at the vm directory the manager kept).
     let log = wait("ds-always's restarted container holding", 120, || {
@@ -131,11 +154,38 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         "booked after the reboot: {left:?} ({rec})"
     );
     eprintln!("k8s_node: reboot: {rec}");
+    let always = if rejected {
+        "ds-always rejected by the kubelet at re-admission (kubernetes#125579), released, its \
+         replacement served"
+    } else {
+        "ds-always's container back"
+    };
     figures.push(format!(
-        "Node reboot (kubelet, containerd, every pod process, /run): the manager and ds-always's \
-         container back in {:.1} s, ds-always under its {units}-unit quota again, ds-share \
-         (restartPolicy Never) released once deleted, nothing else booked ({})",
+        "Node reboot (kubelet, containerd, every pod process, /run): the manager and {always} in \
+         {:.1} s, ds-always under its {units}-unit quota again, ds-share (restartPolicy Never) \
+         released once deleted, nothing else booked ({})",
         back.as_secs_f64(),
         rec.split("recovery finished").nth(1).unwrap_or("").trim()
     ));
+}
+
+/// The rejected ds-always deleted (its share released) and created again,
+/// as its controller would; the new pod's uid once it runs.
+fn replace_rejected(c: &Cluster, yaml: &str, old_uid: &str) -> String {
+    c.kubectl_ok(&["delete", "pod", LIVE, "--wait=true"]);
+    let vm = Path::new("/etc/gpu-manager/vm").join(old_uid);
+    wait(
+        "the rejected ds-always's vm directory released",
+        120,
+        || {
+            if vm.exists() {
+                Err(format!("{} still there", vm.display()))
+            } else {
+                Ok(())
+            }
+        },
+    );
+    c.apply(yaml);
+    let pod = c.wait_phase(LIVE, &["Running"], 120);
+    pod["metadata"]["uid"].as_str().unwrap().to_string()
 }

@@ -117,7 +117,7 @@ pub fn run(
             "DaemonSet {what} under live shares: rollout {:.1} s; new processes: {} ok, {} failed closed, \
              longest stretch without one {:.2} s; at most {} of {max_blocks} blocks allocated; \
              0 pods restarted; the holding processes registered again; {} live shares kept; \
-             a process started in the gap held {:.1} s, then ran; \
+             a process started in the gap (with surge: during the rollout) held {:.1} s, then ran; \
              pods created during it, created -> Running: {}",
             s.rollout_s,
             s.ok,
@@ -189,17 +189,22 @@ fn switch(
         .spawn();
     let t = Instant::now();
     act();
-    // Once new processes fail (the old manager gone), one more starts with
-    // a long registration wait: it must be held until the new manager
-    // answers, not refused.
-    wait("the old manager gone (a run failing)", 60, || {
-        let l = c.logs("ds-upgrade");
-        if l.lines().skip(before).any(|l| l.contains(" fail")) {
-            Ok(())
-        } else {
-            Err(tail(&l, 2))
-        }
-    });
+    // Without surge: once new processes fail (the old manager gone), one
+    // more starts with a long registration wait: it must be held until the
+    // new manager answers, not refused. With surge there is no gap to wait
+    // for: the new manager takes over beside the old one, and that process
+    // starts during the rollout.
+    let surge = c.flavor.daemonset_surge();
+    if !surge {
+        wait("the old manager gone (a run failing)", 60, || {
+            let l = c.logs("ds-upgrade");
+            if l.lines().skip(before).any(|l| l.contains(" fail")) {
+                Ok(())
+            } else {
+                Err(tail(&l, 2))
+            }
+        });
+    }
     let held_t = Instant::now();
     let held = c
         // 120 s, not the default 30: on this loaded 2-core machine kubelet
@@ -257,7 +262,7 @@ fn switch(
     // the manager's log, or (this pod's holder, whose container floods the
     // manager's log budget) its own "re-registered" line stamped after the
     // new manager started (no surge: the old one was gone by then).
-    let holders = holders();
+    let holders = holders(c);
     assert!(!holders.is_empty(), "no holding process on the host");
     let started =
         seconds(
@@ -319,7 +324,7 @@ fn switch(
     assert!(
         out.status.success()
             && text.contains("allocated=")
-            && text.contains("waiting for the GPU manager"),
+            && (surge || text.contains("waiting for the GPU manager")),
         "a process started while the manager was away was not held until the new one answered:\n{text}"
     );
     let mut node_status = Vec::new();
@@ -476,7 +481,8 @@ fn settle(c: &Cluster, pods: &[(String, Instant)]) -> Vec<(String, Result<f64, S
 }
 
 /// Host PIDs of the share pods' holding processes (`shim_client hold`).
-fn holders() -> Vec<u32> {
+fn holders(c: &Cluster) -> Vec<u32> {
+    let pods = format!("{}/kubepods", c.flavor.cgroup_root());
     fs::read_dir("/proc")
         .unwrap()
         .flatten()
@@ -485,21 +491,22 @@ fn holders() -> Vec<u32> {
             fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| {
                 let args: Vec<&[u8]> = c.split(|&b| b == 0).collect();
                 args.len() >= 2 && args[0].ends_with(b"/shim_client") && args[1] == b"hold"
-            }) && in_this_nodes_pods(*p)
+            }) && in_this_nodes_pods(*p, &pods)
         })
         .collect()
 }
 
 /// Whether process `p` runs in a pod of this node's kubelet (cgroupfs,
-/// `/kubepods`; nodes 2 and 3 have roots of their own): test binaries run
+/// `pods` = `<cgroupRoot>/kubepods`; nodes 2 and 3 have roots of their
+/// own): test binaries run
 /// beside this suite (CI's cargo phase, the soak's other stream) start
 /// `shim_client hold` processes of their own, which never register with
 /// this node's manager (a soak run waited 60 s on one).
-fn in_this_nodes_pods(p: u32) -> bool {
+fn in_this_nodes_pods(p: u32, pods: &str) -> bool {
     fs::read_to_string(format!("/proc/{p}/cgroup")).is_ok_and(|c| {
         c.lines()
             .filter_map(|l| l.splitn(3, ':').nth(2))
-            .any(|path| path.starts_with("/kubepods"))
+            .any(|path| path.starts_with(pods))
     })
 }
 

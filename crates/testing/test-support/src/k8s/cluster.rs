@@ -1,7 +1,7 @@
-//! The cluster driver (`tests/k8s/cluster.sh`, kubectl), the run's paths,
+//! The cluster driver (`tests/k8s/cluster.sh` or `cluster-modern.sh`, kubectl), the run's paths,
 //! the test pods' manifest, the test programs and the local images.
 
-use super::util::{IMAGE, MANAGER_IMAGE, wait};
+use super::util::{Flavor, IMAGE, MANAGER_IMAGE, wait};
 use crate::paths::{target_dir, workspace_root};
 use serde_json::Value;
 use std::fs;
@@ -13,20 +13,22 @@ pub struct Cluster {
     pub dir: PathBuf,
     bin: PathBuf,
     pub node: String,
+    pub flavor: Flavor,
     script: PathBuf,
     pub keep: bool,
 }
 
 impl Cluster {
     pub fn up(bin: PathBuf) -> Cluster {
-        let dir = PathBuf::from(
-            std::env::var("VCUDA_K8S_DIR").unwrap_or_else(|_| "/tmp/vcuda-k8s".into()),
-        );
+        let flavor = Flavor::current();
+        let (_, dir_var, node_var) = flavor.vars();
+        let (dir, node) = flavor.defaults();
         let c = Cluster {
-            dir,
+            dir: PathBuf::from(std::env::var(dir_var).unwrap_or_else(|_| dir.into())),
             bin,
-            node: std::env::var("VCUDA_K8S_NODE").unwrap_or_else(|_| "vcuda-k8s-node".into()),
-            script: workspace_root().join("tests/k8s/cluster.sh"),
+            node: std::env::var(node_var).unwrap_or_else(|_| node.into()),
+            flavor,
+            script: workspace_root().join(flavor.script()),
             keep: std::env::var("VCUDA_K8S_KEEP").as_deref() == Ok("1"),
         };
         // A cluster left by an earlier run goes first: its pods and state
@@ -37,14 +39,15 @@ impl Cluster {
     }
 
     pub fn script(&self, args: &[&str]) -> std::process::Output {
+        let (bin_var, dir_var, node_var) = self.flavor.vars();
         Command::new("bash")
             .arg(&self.script)
             .args(args)
-            .env("VCUDA_K8S_BIN", &self.bin)
-            .env("VCUDA_K8S_DIR", &self.dir)
-            .env("VCUDA_K8S_NODE", &self.node)
+            .env(bin_var, &self.bin)
+            .env(dir_var, &self.dir)
+            .env(node_var, &self.node)
             .output()
-            .expect("bash tests/k8s/cluster.sh")
+            .unwrap_or_else(|e| panic!("bash {}: {e}", self.script.display()))
     }
 
     pub fn script_ok(&self, args: &[&str]) -> String {
@@ -53,7 +56,8 @@ impl Cluster {
         eprint!("{stderr}");
         assert!(
             out.status.success(),
-            "tests/k8s/cluster.sh {args:?} failed ({}): {stderr}",
+            "{} {args:?} failed ({}): {stderr}",
+            self.flavor.script(),
             out.status
         );
         String::from_utf8_lossy(&out.stdout).into_owned()
@@ -198,15 +202,17 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         if self.keep {
             eprintln!(
-                "k8s_node: VCUDA_K8S_KEEP=1: cluster left up in {} (tests/k8s/cluster.sh down)",
-                self.dir.display()
+                "k8s_node: VCUDA_K8S_KEEP=1: cluster left up in {} ({} down)",
+                self.dir.display(),
+                self.flavor.script()
             );
             return;
         }
         let out = self.script(&["down"]);
         if !out.status.success() {
             eprintln!(
-                "k8s_node: cluster.sh down: {}",
+                "k8s_node: {} down: {}",
+                self.flavor.script(),
                 String::from_utf8_lossy(&out.stderr)
             );
         }

@@ -14,8 +14,129 @@ pub const MANAGER_PORT: u16 = 25678;
 pub const MIB: u64 = 1 << 20;
 pub const UNIT: u64 = 256 * MIB;
 
+/// Which real node the device-plugin suite (tests/k8s_node) drives: the
+/// 1.20 node built from Debian's source package (`tests/k8s/cluster.sh`),
+/// or, with `VCUDA_K8S_MODERN=1`, the ≥ 1.36 node built from the Go modules
+/// (`tests/k8s/cluster-modern.sh`, the DRA suite's node). The two scripts
+/// take the same commands; what differs is named here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flavor {
+    Debian120,
+    Modern,
+}
+
+impl Flavor {
+    pub fn current() -> Flavor {
+        match std::env::var("VCUDA_K8S_MODERN").as_deref() {
+            Ok("1") => Flavor::Modern,
+            _ => Flavor::Debian120,
+        }
+    }
+
+    pub fn script(self) -> &'static str {
+        match self {
+            Flavor::Debian120 => "tests/k8s/cluster.sh",
+            Flavor::Modern => "tests/k8s/cluster-modern.sh",
+        }
+    }
+
+    /// The script's variables for (binaries, state directory, node name).
+    pub fn vars(self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            Flavor::Debian120 => ("VCUDA_K8S_BIN", "VCUDA_K8S_DIR", "VCUDA_K8S_NODE"),
+            Flavor::Modern => (
+                "VCUDA_K8S_MODERN_BIN",
+                "VCUDA_K8S_MODERN_DIR",
+                "VCUDA_K8S_MODERN_NODE",
+            ),
+        }
+    }
+
+    /// The scripts' defaults for (state directory, node name).
+    pub fn defaults(self) -> (&'static str, &'static str) {
+        match self {
+            Flavor::Debian120 => ("/tmp/vcuda-k8s", "vcuda-k8s-node"),
+            Flavor::Modern => ("/tmp/vcuda-k8s-modern", "vcuda-k8s-modern"),
+        }
+    }
+
+    /// Node K's address on lo (K = 1 the first node; node-up's 2..9).
+    pub fn node_ip(self, k: u32) -> String {
+        match self {
+            Flavor::Debian120 => format!("198.51.100.{k}"),
+            Flavor::Modern => format!("198.51.100.{}", 35 + k),
+        }
+    }
+
+    pub fn api_port(self) -> u16 {
+        match self {
+            Flavor::Debian120 => 26443,
+            Flavor::Modern => 36443,
+        }
+    }
+
+    /// The device-plugin overlay for the node's version: 1.20's
+    /// DaemonSets have no maxSurge.
+    pub fn share_overlay(self) -> &'static str {
+        match self {
+            Flavor::Debian120 => "overlays/share-before-1.22",
+            Flavor::Modern => "overlays/share",
+        }
+    }
+
+    /// The first node's kubelet `cgroupRoot` (pods under `<root>/kubepods`).
+    pub fn cgroup_root(self) -> &'static str {
+        match self {
+            Flavor::Debian120 => "",
+            Flavor::Modern => "/vcuda-modern",
+        }
+    }
+
+    /// Whether, after a node reboot, the kubelet may reject a pod with
+    /// device-plugin resources that it re-admits before the plugin
+    /// registered: since 1.27 it allocates again for every container it
+    /// must start (kubernetes#116376; the rejection is kubernetes#125579).
+    pub fn reboot_may_reject_device_pods(self) -> bool {
+        self == Flavor::Modern
+    }
+
+    /// Whether the manager's DaemonSet rolls with `maxSurge` (the new pod
+    /// starts beside the old one and takes its state over) or, on 1.20,
+    /// stops the old pod first (a gap the interposer waits through).
+    pub fn daemonset_surge(self) -> bool {
+        self == Flavor::Modern
+    }
+
+    /// kube-scheduler's configuration API (v1beta1 is 1.19-1.21's; v1 since 1.25).
+    pub fn scheduler_config_api(self) -> &'static str {
+        match self {
+            Flavor::Debian120 => "kubescheduler.config.k8s.io/v1beta1",
+            Flavor::Modern => "kubescheduler.config.k8s.io/v1",
+        }
+    }
+
+    /// For the figures: what the node runs.
+    pub fn label(self) -> &'static str {
+        match self {
+            Flavor::Debian120 => "kubelet 1.20, containerd 1.6",
+            Flavor::Modern => "kubelet 1.37, containerd 2",
+        }
+    }
+
+    /// `/var/cache/vcuda/<prefix><version>/bin`: where the builds leave them.
+    fn cache_prefix(self) -> &'static str {
+        match self {
+            Flavor::Debian120 => "k8s-1.",
+            Flavor::Modern => "k8s-go-",
+        }
+    }
+}
+
+/// The Kubernetes binaries of the [`Flavor::current`] node: its `*_BIN`
+/// variable, or the newest build in /var/cache/vcuda.
 pub fn k8s_bin() -> Option<PathBuf> {
-    if let Some(b) = std::env::var_os("VCUDA_K8S_BIN") {
+    let flavor = Flavor::current();
+    if let Some(b) = std::env::var_os(flavor.vars().0) {
         return Some(PathBuf::from(b));
     }
     let mut found: Vec<PathBuf> = fs::read_dir("/var/cache/vcuda")
@@ -25,7 +146,7 @@ pub fn k8s_bin() -> Option<PathBuf> {
         .filter(|p| {
             p.parent()
                 .and_then(|d| d.file_name())
-                .is_some_and(|n| n.to_string_lossy().starts_with("k8s-"))
+                .is_some_and(|n| n.to_string_lossy().starts_with(flavor.cache_prefix()))
                 && p.join("kubelet").is_file()
         })
         .collect();
