@@ -55,6 +55,8 @@ PAUSE_IMAGE=docker.io/vcuda-test/pause:local
 
 log() { printf '[k8s-modern] %s\n' "$*" >&2; }
 die() { printf '[k8s-modern] error: %s\n' "$*" >&2; exit 1; }
+# shellcheck source=tests/k8s/lib.sh
+. "$HERE/lib.sh"
 
 find_bin() {
   if [ -n "${VCUDA_K8S_MODERN_BIN:-}" ]; then echo "$VCUDA_K8S_MODERN_BIN"; return; fi
@@ -64,39 +66,8 @@ find_bin() {
   echo "$d"
 }
 
-pidfile() { echo "$D/run/$1.pid"; }
-running() { local p; p=$(cat "$(pidfile "$1")" 2>/dev/null) && kill -0 "$p" 2>/dev/null; }
 
-# start NAME CMD...: in the background, logs in $D/log/NAME.log.
-start() {
-  local name=$1; shift
-  if running "$name"; then return; fi
-  nohup "$@" >>"$D/log/$name.log" 2>&1 &
-  echo $! >"$(pidfile "$name")"
-}
 
-stop() {
-  local name=$1 p i
-  p=$(cat "$(pidfile "$name")" 2>/dev/null) || return 0
-  if kill -0 "$p" 2>/dev/null; then
-    kill "$p" 2>/dev/null || true
-    for i in $(seq 1 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
-    kill -9 "$p" 2>/dev/null || true
-  fi
-  rm -f "$(pidfile "$name")"
-}
-
-# wait_for WHAT SECONDS LOG CMD...: polls CMD once a second.
-wait_for() {
-  local what=$1 secs=$2 logf=$3 i; shift 3
-  for i in $(seq 1 "$secs"); do
-    if "$@" >/dev/null 2>&1; then return 0; fi
-    sleep 1
-  done
-  log "$what not up after ${secs}s; last lines of $logf:"
-  tail -n 40 "$logf" >&2 || true
-  return 1
-}
 
 need_tools() {
   local missing=()
@@ -108,49 +79,7 @@ need_tools() {
 }
 
 # ---------------------------------------------------------------- PKI
-cert() { # cert NAME CN O [SAN]
-  local name=$1 cn=$2 o=$3 san=${4:-}
-  [ -f "$D/pki/$name.crt" ] && return
-  local subj="/CN=$cn"
-  [ -n "$o" ] && subj="/O=$o/CN=$cn"
-  openssl req -new -newkey rsa:2048 -nodes -keyout "$D/pki/$name.key" -subj "$subj" \
-    -out "$D/pki/$name.csr" 2>/dev/null
-  local ext="$D/pki/$name.ext"
-  {
-    echo "basicConstraints=CA:FALSE"
-    echo "keyUsage=critical,digitalSignature,keyEncipherment"
-    if [ -n "$san" ]; then
-      echo "extendedKeyUsage=serverAuth,clientAuth"
-      echo "subjectAltName=$san"
-    else
-      echo "extendedKeyUsage=clientAuth"
-    fi
-  } >"$ext"
-  openssl x509 -req -in "$D/pki/$name.csr" -CA "$D/pki/ca.crt" -CAkey "$D/pki/ca.key" \
-    -CAcreateserial -days 365 -sha256 -extfile "$ext" -out "$D/pki/$name.crt" 2>/dev/null
-}
 
-kubeconfig() { # kubeconfig NAME
-  local name=$1
-  cat >"$D/$name.kubeconfig" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: vcuda
-  cluster:
-    certificate-authority: $D/pki/ca.crt
-    server: https://$NODE_IP:$API_PORT
-users:
-- name: $name
-  user:
-    client-certificate: $D/pki/$name.crt
-    client-key: $D/pki/$name.key
-contexts:
-- name: vcuda
-  context: {cluster: vcuda, user: $name}
-current-context: vcuda
-EOF
-}
 
 pki() {
   mkdir -p "$D/pki"
@@ -176,23 +105,6 @@ pki() {
 }
 
 # ---------------------------------------------------------------- images
-# A docker-archive (what `ctr images import` reads) of one layer: the
-# directory $2, tagged $1, entrypoint $3...
-image_tar() {
-  local tag=$1 rootfs=$2 out=$3; shift 3
-  local tmp entry=""
-  tmp=$(mktemp -d)
-  tar --numeric-owner --owner=0 --group=0 -C "$rootfs" -cf "$tmp/layer.tar" .
-  local diff
-  diff=$(sha256sum "$tmp/layer.tar" | cut -d' ' -f1)
-  local a
-  for a in "$@"; do entry="$entry${entry:+,}\"$a\""; done
-  printf '{"architecture":"amd64","os":"linux","config":{"Entrypoint":[%s],"Env":["PATH=/bin:/usr/bin"]},"rootfs":{"type":"layers","diff_ids":["sha256:%s"]}}' \
-    "$entry" "$diff" >"$tmp/config.json"
-  printf '[{"Config":"config.json","RepoTags":["%s"],"Layers":["layer.tar"]}]' "$tag" >"$tmp/manifest.json"
-  tar -C "$tmp" -cf "$out" manifest.json config.json layer.tar
-  rm -rf "$tmp"
-}
 
 CTR() { "$BIN/ctr" --address "$D/containerd/containerd.sock" "$@"; }
 
@@ -227,9 +139,6 @@ EOF
 }
 
 # ---------------------------------------------------------------- parts
-lo_address() {
-  ip -4 addr show dev lo | grep -q " $NODE_IP/" || ip addr add "$NODE_IP/32" dev lo
-}
 
 start_etcd() {
   start etcd etcd --name vcuda-k8s-modern --data-dir "$D/etcd" \
@@ -456,26 +365,7 @@ up() {
 }
 
 kill_pod_processes() {
-  # containerd-shims of this containerd (their -address names our socket),
-  # then everything left in the pods' cgroups.
-  local p
-  for p in $(pgrep -f "containerd-shim-runc-v2 .*-address $D/containerd/containerd.sock" || true); do
-    kill -9 "$p" 2>/dev/null || true
-  done
-  local cg
-  for cg in "/sys/fs/cgroup/pids/$CGROUP_ROOT" "/sys/fs/cgroup/unified/$CGROUP_ROOT"; do
-    [ -d "$cg" ] || continue
-    { find "$cg" -name cgroup.procs -exec cat {} + 2>/dev/null || true; } | while read -r p; do
-      kill -9 "$p" 2>/dev/null || true
-    done
-  done
-}
-
-unmount_under() { # unmount everything below $1, deepest first
-  local m
-  { awk '{print $5}' /proc/self/mountinfo | grep -E "^$1(/|$)" || true; } | sort -r | while read -r m; do
-    umount -l "$m" 2>/dev/null || true
-  done
+  kill_node_processes "$D/containerd/containerd.sock" "$CGROUP_ROOT"
 }
 
 # node-up K (K = 2..9): another node of this cluster, for the device-plugin
@@ -491,31 +381,17 @@ node_vars() {
   KIP="198.51.100.$((36 + $1))"
   KD="$D/node-$1"
   KSOCK="$KD/containerd/containerd.sock"
-}
-
-node_ready_k() {
-  "$BIN/kubectl" --kubeconfig "$D/admin.kubeconfig" get node "$KN" \
-    -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null | grep -qx True
+  KBRIDGE="$BRIDGE-$1"
+  KCGROUP="$CGROUP_ROOT-node-$1"
 }
 
 node_up() {
-  local k=$1 c
+  local k=$1
   node_vars "$k"
   if running "node-$k"; then return; fi
-  mkdir -p "$KD/kubelet-root/device-plugins" "$KD/containerd" "$KD/cni/net.d" "$KD/cni/ipam" \
-    "$KD/kubelet/pki" "$KD/log/pods"
-  ip -4 addr show dev lo | grep -q " $KIP/" || ip addr add "$KIP/32" dev lo
-  cert "kubelet-$k" "system:node:$KN" system:nodes
-  kubeconfig "kubelet-$k"
-  for c in /sys/fs/cgroup/*/; do
-    [ -L "${c%/}" ] || mkdir -p "$c$CGROUP_ROOT-node-$k" 2>/dev/null || true
-  done
-  sed -e "s|$D/containerd|$KD/containerd|g" -e "s|$D/cni|$KD/cni|g" \
-    "$D/containerd/config.toml" >"$KD/containerd/config.toml"
-  sed -e "s|\"$BRIDGE\"|\"$BRIDGE-$k\"|" -e "s|$POD_CIDR|10.244.$((136 + k)).0/24|" -e "s|$D/cni|$KD/cni|g" \
-    "$D/cni/net.d/10-vcuda.conflist" >"$KD/cni/net.d/10-vcuda.conflist"
+  node_prepare "$k" "10.244.$((136 + k)).0/24"
   sed -e "s|^port: .*|port: $((KUBELET_PORT + k))|" -e "s|^healthzPort: .*|healthzPort: $((HEALTHZ_PORT + k))|" \
-    -e "s|^podCIDR: .*|podCIDR: 10.244.$((136 + k)).0/24|" -e "s|^cgroupRoot: .*|cgroupRoot: /$CGROUP_ROOT-node-$k|" \
+    -e "s|^podCIDR: .*|podCIDR: 10.244.$((136 + k)).0/24|" -e "s|^cgroupRoot: .*|cgroupRoot: /$KCGROUP|" \
     -e "s|$D/containerd|$KD/containerd|g" -e "s|^podLogsDir: .*|podLogsDir: $KD/log/pods|" \
     "$D/kubelet/config.yaml" >"$KD/kubelet.yaml"
   {
@@ -532,28 +408,6 @@ node_up() {
   start "node-$k" unshare --mount --propagation private bash "$KD/run.sh"
   wait_for "node $KN Ready" 180 "$D/log/node-$k.log" node_ready_k
   log "node $KN Ready"
-}
-
-# node-down K: what node-up K started, and its pods' processes.
-node_down() {
-  local k=$1 p cg c
-  node_vars "$k"
-  stop "node-$k"
-  for p in $(pgrep -f "containerd-shim-runc-v2 .*-address $KSOCK" || true); do
-    kill -9 "$p" 2>/dev/null || true
-  done
-  for cg in "/sys/fs/cgroup/pids/$CGROUP_ROOT-node-$k" "/sys/fs/cgroup/unified/$CGROUP_ROOT-node-$k"; do
-    [ -d "$cg" ] || continue
-    { find "$cg" -name cgroup.procs -exec cat {} + 2>/dev/null || true; } | while read -r p; do
-      kill -9 "$p" 2>/dev/null || true
-    done
-  done
-  stop "containerd-$k"
-  ip link del "$BRIDGE-$k" 2>/dev/null || true
-  ip addr del "$KIP/32" dev lo 2>/dev/null || true
-  for c in /sys/fs/cgroup/*/"$CGROUP_ROOT-node-$k"; do
-    [ -d "$c" ] && find "$c" -depth -type d -exec rmdir {} \; 2>/dev/null || true
-  done
 }
 
 # node-reboot: what a reboot does to the node, the control plane aside:
@@ -604,10 +458,7 @@ down() {
   # Never into a mount that survived the unmounts (a pod volume, a host path).
   rm -rf --one-file-system "$KUBELET_ROOT" "$D"
   # kubelet's cgroup tree
-  local c
-  for c in /sys/fs/cgroup/*/"$CGROUP_ROOT"; do
-    [ -d "$c" ] && find "$c" -depth -type d -exec rmdir {} \; 2>/dev/null || true
-  done
+  remove_cgroups "$CGROUP_ROOT"
   log "down"
 }
 
