@@ -88,7 +88,6 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
             }
         },
     );
-    let back = t.elapsed();
     let mut always_uid = always_uid;
     if rejected {
         let why = c.pod(LIVE).unwrap()["status"]["message"].to_string();
@@ -100,6 +99,7 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         eprintln!("k8s_node: reboot: ds-always rejected by the kubelet (kubernetes#125579): {why}");
         always_uid = replace_rejected(c, &yaml, &always_uid);
     }
+    let back = t.elapsed();
     // Its new container ran under the same quota (the cached Allocate
     // response points at the vm directory the manager kept).
     let log = wait("ds-always's restarted container holding", 120, || {

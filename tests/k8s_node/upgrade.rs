@@ -225,6 +225,8 @@ fn switch(
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    // Its end stamped as it comes (the switch's checks run meanwhile).
+    let held = std::thread::spawn(move || (held.wait_with_output(), Instant::now()));
     let during = pods_during(c, w, tag, t);
     c.kubectl_ok(&[
         "-n",
@@ -314,8 +316,9 @@ fn switch(
         .as_u64()
         .unwrap_or(99);
     assert_eq!(restarts, 0, "ds-upgrade restarted during the switch");
-    let out = held.wait_with_output().unwrap();
-    let held_s = held_t.elapsed().as_secs_f64();
+    let (out, held_end) = held.join().unwrap();
+    let out = out.unwrap();
+    let held_s = (held_end - held_t).as_secs_f64();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
