@@ -417,13 +417,16 @@ fi
 log "cargo tests"
 # The 1.20 real-node suite (~14 min, mostly waiting on pods: load ~1 of 2
 # cores) runs beside the other test binaries (~8 min of compute, each green
-# 5 of 5 with the other core loaded: tests/soak.md); `--skip
-# real_node_suite` keeps it out of the workspace run.
+# 5 of 5 with the other core loaded: tests/soak.md); `--skip` keeps it out
+# of the workspace run, and the other test that takes the machine lock
+# (dra-driver's cdi_containerd: it would wait the suite out) runs after.
 start_beside "device-plugin real-node suite on Kubernetes 1.20 (tests/k8s_node)" \
   cargo test -p vcuda-tests --test k8s_node -- --nocapture
-run_tests "cargo tests" cargo test --workspace --no-fail-fast -- --skip real_node_suite
+run_tests "cargo tests" cargo test --workspace --no-fail-fast -- \
+  --skip real_node_suite --skip containerd_injects_the_prepared_cdi_device
 log "the device-plugin real-node suite on Kubernetes 1.20 (its end)"
 finish_beside
+run_tests "cdi_containerd" cargo test -p dra-driver --test cdi_containerd
 
 log "the DRA real-node suite (Kubernetes 1.37, tests/k8s_dra_node)"
 # After the 1.20 suite: the two nodes share /var/lib/kubelet, so one at a
