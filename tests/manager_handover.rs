@@ -270,6 +270,15 @@ async fn the_mig_plugins_survive_a_rolling_update() {
         },
     )
     .await;
+    // Env::start waits for vcuda-core and vcuda-memory only; the MIG
+    // plugins register on their own a moment later.
+    env.kubelet
+        .wait_for(Duration::from_secs(30), |v| {
+            MIG.iter()
+                .all(|r| v.resources.get(*r).is_some_and(|x| x.connected))
+        })
+        .await
+        .unwrap_or_else(|_| panic!("the MIG plugins never registered:\n{}", env.log_text()));
     let old: Vec<String> = MIG.iter().map(|r| endpoint(&env, r).unwrap()).collect();
     let new_log = env.tmp.path().join("new-manager.log");
     let mut new = Stop(start_beside(&env, &new_log));

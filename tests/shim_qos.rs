@@ -112,102 +112,110 @@ fn beside_latency_with(batch_args: &[&str], latency_extra: &[&str], env: &[(&str
     }
 }
 
-#[test]
-fn a_batch_share_holds_while_the_latency_share_has_work_and_keeps_the_rest() {
-    let Run {
-        page,
-        batch_busy,
-        out,
-        held: (held_ns, holds),
-        ..
-    } = beside_latency(&["saturate", "4"], &[]);
-    assert!(
-        holds > 0 && held_ns > 0,
-        "batch launches were held: {holds} holds, {held_ns} ns"
-    );
-    // Dropped when its registration connection closed (the process exited).
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while page.page.latency_live() != 0 && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(20));
+/// Each test's figures are a share of the sim's device time two
+/// processes keep busy: what a busy host moves most. `tests/run.sh` skips
+/// `quiet_host::` in the workspace run (beside the 1.20 cluster, the short-kernel
+/// batch share fell to 64 %) and runs this binary once no cluster runs.
+mod quiet_host {
+    use super::*;
+
+    #[test]
+    fn a_batch_share_holds_while_the_latency_share_has_work_and_keeps_the_rest() {
+        let Run {
+            page,
+            batch_busy,
+            out,
+            held: (held_ns, holds),
+            ..
+        } = beside_latency(&["saturate", "4"], &[]);
+        assert!(
+            holds > 0 && held_ns > 0,
+            "batch launches were held: {holds} holds, {held_ns} ns"
+        );
+        // Dropped when its registration connection closed (the process exited).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while page.page.latency_live() != 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(
+            page.page.latency_live(),
+            0,
+            "the exited process's slot was freed"
+        );
+        // Requests are 6 % of the GPU: a soft batch share keeps most of the rest
+        // (about 88 % on an idle machine; one launch in flight costs it little
+        // with 1 ms kernels).
+        assert!(batch_busy > 50.0, "batch got {batch_busy:.1} % of the GPU");
+        let requests = out["requests"];
+        assert!(requests >= 400.0, "{requests} requests counted: {out:?}");
+        // Not a latency target (see the bench): a request never waits out a
+        // whole hold (100 ms) or a stuck batch queue.
+        assert!(out["p99_us"] < 50_000.0, "{out:?}");
     }
-    assert_eq!(
-        page.page.latency_live(),
-        0,
-        "the exited process's slot was freed"
-    );
-    // Requests are 6 % of the GPU: a soft batch share keeps most of the rest
-    // (about 88 % on an idle machine; one launch in flight costs it little
-    // with 1 ms kernels).
-    assert!(batch_busy > 50.0, "batch got {batch_busy:.1} % of the GPU");
-    let requests = out["requests"];
-    assert!(requests >= 400.0, "{requests} requests counted: {out:?}");
-    // Not a latency target (see the bench): a request never waits out a
-    // whole hold (100 ms) or a stuck batch queue.
-    assert!(out["p99_us"] < 50_000.0, "{out:?}");
-}
 
-#[test]
-fn a_batch_share_of_short_kernels_keeps_the_device_fed_beside_a_latency_share() {
-    // 120 us and 10 us kernels, the program synchronising every 50: the
-    // interposer's queue bound (about 200 us of device time, not one
-    // launch) is what drains the batch stream between the latency
-    // tenant's requests. One launch in flight left the device idle for
-    // each wake-up: 59–63 % of the GPU here on an idle machine (debug
-    // builds); the bound keeps 88–90 %, with a CPU hog beside it too.
-    let r = beside_latency(&["blockmix", "50"], &[]);
-    eprintln!(
-        "shim_qos: batch of short kernels kept {:.1} % of the GPU",
-        r.batch_busy
-    );
-    assert!(
-        r.batch_busy > 72.0,
-        "batch got {:.1} % of the GPU",
-        r.batch_busy
-    );
-    assert!(r.out["requests"] >= 400.0, "{:?}", r.out);
-    assert!(r.out["p99_us"] < 50_000.0, "{:?}", r.out);
-}
+    #[test]
+    fn a_batch_share_of_short_kernels_keeps_the_device_fed_beside_a_latency_share() {
+        // 120 us and 10 us kernels, the program synchronising every 50: the
+        // interposer's queue bound (about 200 us of device time, not one
+        // launch) is what drains the batch stream between the latency
+        // tenant's requests. One launch in flight left the device idle for
+        // each wake-up: 59–63 % of the GPU here on an idle machine (debug
+        // builds); the bound keeps 88–90 %, with a CPU hog beside it too.
+        let r = beside_latency(&["blockmix", "50"], &[]);
+        eprintln!(
+            "shim_qos: batch of short kernels kept {:.1} % of the GPU",
+            r.batch_busy
+        );
+        assert!(
+            r.batch_busy > 72.0,
+            "batch got {:.1} % of the GPU",
+            r.batch_busy
+        );
+        assert!(r.out["requests"] >= 400.0, "{:?}", r.out);
+        assert!(r.out["p99_us"] < 50_000.0, "{:?}", r.out);
+    }
 
-#[test]
-fn a_latency_share_that_polls_for_its_end_frees_batch_work_when_it_is_done() {
-    // Its requests take about 6 % of the device; a query that says done
-    // is its synchronize. Counted as busy until 20 ms after each launch
-    // instead (a request every 10 ms), it would hold batch launches
-    // nearly all the time.
-    let r = beside_latency(&["saturate", "4"], &["poll"]);
-    let (held_ns, holds) = r.held;
-    let held = held_ns as f64 / 1e9 / (SECONDS + 2.0);
-    eprintln!(
-        "shim_qos: beside a polling latency tenant batch was held {:.1} % of its run ({holds} holds), kept {:.1} % of the GPU",
-        held * 100.0,
-        r.batch_busy
-    );
-    assert!(holds > 0, "batch launches were held");
-    assert!(held < 0.4, "batch held {:.1} % of its run", held * 100.0);
-    assert!(r.batch_busy > 50.0, "batch got {:.1} %", r.batch_busy);
-    assert!(r.out["requests"] >= 400.0, "{:?}", r.out);
-}
+    #[test]
+    fn a_latency_share_that_polls_for_its_end_frees_batch_work_when_it_is_done() {
+        // Its requests take about 6 % of the device; a query that says done
+        // is its synchronize. Counted as busy until 20 ms after each launch
+        // instead (a request every 10 ms), it would hold batch launches
+        // nearly all the time.
+        let r = beside_latency(&["saturate", "4"], &["poll"]);
+        let (held_ns, holds) = r.held;
+        let held = held_ns as f64 / 1e9 / (SECONDS + 2.0);
+        eprintln!(
+            "shim_qos: beside a polling latency tenant batch was held {:.1} % of its run ({holds} holds), kept {:.1} % of the GPU",
+            held * 100.0,
+            r.batch_busy
+        );
+        assert!(holds > 0, "batch launches were held");
+        assert!(held < 0.4, "batch held {:.1} % of its run", held * 100.0);
+        assert!(r.batch_busy > 50.0, "batch got {:.1} %", r.batch_busy);
+        assert!(r.out["requests"] >= 400.0, "{:?}", r.out);
+    }
 
-/// A real driver's NVML names one process a sample period, the busiest:
-/// on an H200 (driver 580) the latency tenant beside batch work was never
-/// named (tests/gpu/probes/nvml_util.py). Its controller took that for
-/// "NVML cannot see my processes", charged itself the batch share's
-/// 50-99 % and throttled its own requests: p99 0.8 ms alone, 370 ms
-/// beside a hard batch share and 55 ms beside a soft one (tests/gpu, the
-/// `qos` case). With the sim naming only the busiest process, the latency
-/// share must stay attributed and keep pace.
-#[test]
-fn a_latency_share_nvml_never_names_beside_busier_batch_is_not_charged_its_use() {
-    let r = beside_latency_with(
-        &["saturate", "4"],
-        &[],
-        &[(gpu_sim_core::SAMPLE_BUSIEST_ONLY_ENV, "1")],
-    );
-    eprintln!(
-        "shim_qos: NVML naming the busiest process only: latency {:?}, batch {:.1} %",
-        r.out, r.batch_busy
-    );
-    assert_eq!(r.lat_unattributed, 0, "the latency share was called blind");
-    assert!(r.out["requests"] >= 400.0, "{:?}", r.out);
-    assert!(r.out["p99_us"] < 50_000.0, "{:?}", r.out);
+    /// A real driver's NVML names one process a sample period, the busiest:
+    /// on an H200 (driver 580) the latency tenant beside batch work was never
+    /// named (tests/gpu/probes/nvml_util.py). Its controller took that for
+    /// "NVML cannot see my processes", charged itself the batch share's
+    /// 50-99 % and throttled its own requests: p99 0.8 ms alone, 370 ms
+    /// beside a hard batch share and 55 ms beside a soft one (tests/gpu, the
+    /// `qos` case). With the sim naming only the busiest process, the latency
+    /// share must stay attributed and keep pace.
+    #[test]
+    fn a_latency_share_nvml_never_names_beside_busier_batch_is_not_charged_its_use() {
+        let r = beside_latency_with(
+            &["saturate", "4"],
+            &[],
+            &[(gpu_sim_core::SAMPLE_BUSIEST_ONLY_ENV, "1")],
+        );
+        eprintln!(
+            "shim_qos: NVML naming the busiest process only: latency {:?}, batch {:.1} %",
+            r.out, r.batch_busy
+        );
+        assert_eq!(r.lat_unattributed, 0, "the latency share was called blind");
+        assert!(r.out["requests"] >= 400.0, "{:?}", r.out);
+        assert!(r.out["p99_us"] < 50_000.0, "{:?}", r.out);
+    }
 }
