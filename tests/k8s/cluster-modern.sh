@@ -445,6 +445,7 @@ down() {
   stop kube-controller-manager
   stop kube-apiserver
   stop etcd
+  kill_strays
   unmount_under "$KUBELET_ROOT"
   unmount_under "$D"
   ip link del "$BRIDGE" 2>/dev/null || true

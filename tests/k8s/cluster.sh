@@ -398,6 +398,7 @@ down() {
   stop kube-controller-manager
   stop kube-apiserver
   stop etcd
+  kill_strays
   unmount_under "$KUBELET_ROOT"
   unmount_under "$D"
   local ns

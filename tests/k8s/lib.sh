@@ -129,6 +129,28 @@ kill_node_processes() {
   done
 }
 
+# kill_strays: once the node is down, any process still naming $D/ on its
+# command line: what a killed test run started on the host and never
+# stopped (a gpu-manager, the webhook, each with the cluster's kubeconfig).
+# One that survived a killed run answered the next run's kubelet. This
+# shell and its callers are spared.
+kill_strays() {
+  local p q=$$ spare=" $$ " cmd
+  while q=$(ps -o ppid= -p "$q" 2>/dev/null | tr -d ' ') && [ -n "$q" ] && [ "$q" -gt 1 ]; do
+    spare+="$q "
+  done
+  # Listed first: the subshell running pgrep names $D/ too, and is gone.
+  local listed
+  listed=$(pgrep -f -- "$D/" || true)
+  for p in $listed; do
+    case "$spare" in *" $p "*) continue ;; esac
+    cmd=$(tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline" | cut -c1-160)
+    [ -n "$cmd" ] || continue
+    log "killing pid $p, left running by an earlier run: $cmd"
+    kill -9 "$p" 2>/dev/null || true
+  done
+}
+
 # remove_cgroups CGROUP: the (empty) cgroup tree CGROUP in every hierarchy.
 remove_cgroups() {
   local c
