@@ -195,3 +195,315 @@ node_down() {
   ip addr del "$KIP/32" dev lo 2>/dev/null || true
   remove_cgroups "$KCGROUP"
 }
+
+# ---------------------------------------------------------------- the node
+# What both nodes do the same way. Each script sets, before sourcing this:
+# CLUSTER (etcd's member, the CA's and the CNI network's name), NODE,
+# NODE_IP, API_PORT, ETCD_PORT, SERVICE_CIDR, POD_CIDR, BRIDGE, POD_CGROUP
+# (the cgroup tree kubelet puts pods in), KUBELET_ROOT, PAUSE_IMAGE, TOOLS
+# and APT (the host tools it needs, the packages that bring them),
+# NEEDED_BINS and BUILD_SCRIPT (what $BIN must hold, and what builds it),
+# and the flags only the 1.20 components take (OLD_APISERVER_FLAGS,
+# OLD_COMPONENT_FLAGS: their insecure ports off; later releases removed
+# them). It defines find_bin, ctr_bin (the ctr that speaks to its
+# containerd), start_containerd, start_kubelet, write_env, versions (for
+# the log), run_state (what a reboot empties, beyond containerd's state)
+# and down_more (its own clean-ups once everything stopped).
+
+need_tools() {
+  local missing=() t
+  for t in "${TOOLS[@]}"; do
+    command -v "$t" >/dev/null 2>&1 || missing+=("$t")
+  done
+  [ -x /usr/lib/cni/bridge ] || missing+=("/usr/lib/cni/bridge (containernetworking-plugins)")
+  [ ${#missing[@]} -eq 0 ] || die "missing: ${missing[*]} (apt-get install $APT)"
+}
+
+pki() {
+  mkdir -p "$D/pki"
+  if [ ! -f "$D/pki/ca.crt" ]; then
+    openssl req -x509 -new -newkey rsa:2048 -nodes -keyout "$D/pki/ca.key" -days 365 \
+      -subj "/CN=$CLUSTER-ca" -out "$D/pki/ca.crt" 2>/dev/null
+  fi
+  [ -f "$D/pki/sa.key" ] || {
+    openssl genrsa -out "$D/pki/sa.key" 2048 2>/dev/null
+    openssl rsa -in "$D/pki/sa.key" -pubout -out "$D/pki/sa.pub" 2>/dev/null
+  }
+  cert apiserver kube-apiserver "" \
+    "IP:$NODE_IP,IP:127.0.0.1,IP:${SERVICE_CIDR%.0/*}.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+  cert admin admin system:masters
+  cert apiserver-kubelet apiserver-kubelet-client system:masters
+  cert kubelet "system:node:$NODE" system:nodes
+  cert controller-manager system:kube-controller-manager ""
+  cert scheduler system:kube-scheduler ""
+  kubeconfig admin
+  kubeconfig kubelet
+  kubeconfig controller-manager
+  kubeconfig scheduler
+}
+
+CTR() { "$(ctr_bin)" --address "$D/containerd/containerd.sock" "$@"; }
+
+import_image() { # import_image TAR [CONTAINERD_SOCKET]
+  "$(ctr_bin)" --address "${2:-$D/containerd/containerd.sock}" -n k8s.io images import "$1" >/dev/null
+}
+
+# The sandbox image: a static binary that waits for a signal.
+pause_image() {
+  # (ctr 2.x warns on stderr that cgroup v1 is deprecated, every call)
+  if CTR -n k8s.io images ls -q 2>/dev/null | grep -qx "$PAUSE_IMAGE"; then
+    return
+  fi
+  local tmp
+  tmp=$(mktemp -d)
+  mkdir -p "$tmp/rootfs"
+  cat >"$tmp/pause.c" <<'EOF'
+#include <signal.h>
+#include <unistd.h>
+static void quit(int s) { (void)s; _exit(0); }
+int main(void) {
+  signal(SIGINT, quit);
+  signal(SIGTERM, quit);
+  for (;;) pause();
+}
+EOF
+  gcc -static -O2 -o "$tmp/rootfs/pause" "$tmp/pause.c"
+  image_tar "$PAUSE_IMAGE" "$tmp/rootfs" "$tmp/pause.tar" /pause
+  import_image "$tmp/pause.tar"
+  # Kept for the nodes node-up adds.
+  cp "$tmp/pause.tar" "$D/pause.tar"
+  rm -rf "$tmp"
+}
+
+start_etcd() {
+  start etcd etcd --name "$CLUSTER" --data-dir "$D/etcd" \
+    --listen-client-urls "http://127.0.0.1:$ETCD_PORT" \
+    --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+    --listen-peer-urls "http://127.0.0.1:$((ETCD_PORT + 10))" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$((ETCD_PORT + 10))" \
+    --initial-cluster "$CLUSTER=http://127.0.0.1:$((ETCD_PORT + 10))" \
+    --listen-metrics-urls "" --log-level warn
+  wait_for etcd 60 "$D/log/etcd.log" curl -sf "http://127.0.0.1:$ETCD_PORT/health"
+}
+
+start_apiserver() {
+  start kube-apiserver "$BIN/kube-apiserver" \
+    --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
+    --bind-address "$NODE_IP" --advertise-address "$NODE_IP" --secure-port "$API_PORT" \
+    "${OLD_APISERVER_FLAGS[@]}" \
+    --service-cluster-ip-range "$SERVICE_CIDR" \
+    --client-ca-file "$D/pki/ca.crt" \
+    --tls-cert-file "$D/pki/apiserver.crt" --tls-private-key-file "$D/pki/apiserver.key" \
+    --kubelet-client-certificate "$D/pki/apiserver-kubelet.crt" \
+    --kubelet-client-key "$D/pki/apiserver-kubelet.key" \
+    --kubelet-preferred-address-types InternalIP,Hostname \
+    --service-account-key-file "$D/pki/sa.pub" \
+    --service-account-signing-key-file "$D/pki/sa.key" \
+    --service-account-issuer https://kubernetes.default.svc.cluster.local \
+    --authorization-mode Node,RBAC \
+    --enable-admission-plugins NodeRestriction \
+    --allow-privileged=true \
+    --cert-dir "$D/pki/apiserver-certs" \
+    --v 1
+  wait_for kube-apiserver 180 "$D/log/kube-apiserver.log" \
+    "$BIN/kubectl" --kubeconfig "$D/admin.kubeconfig" get --raw /readyz
+}
+
+start_controllers() {
+  start kube-controller-manager "$BIN/kube-controller-manager" \
+    --kubeconfig "$D/controller-manager.kubeconfig" \
+    --authentication-kubeconfig "$D/controller-manager.kubeconfig" \
+    --authorization-kubeconfig "$D/controller-manager.kubeconfig" \
+    --service-account-private-key-file "$D/pki/sa.key" \
+    --root-ca-file "$D/pki/ca.crt" \
+    --use-service-account-credentials=true \
+    --leader-elect=false "${OLD_COMPONENT_FLAGS[@]}" --secure-port 0 --v 1
+  start_scheduler ""
+}
+
+# start_scheduler CONFIG: kube-scheduler with its flags, or with the
+# KubeSchedulerConfiguration file CONFIG (its clientConnection and
+# leaderElection then come from the file).
+start_scheduler() {
+  local config=$1
+  if [ -z "$config" ]; then
+    start kube-scheduler "$BIN/kube-scheduler" \
+      --kubeconfig "$D/scheduler.kubeconfig" \
+      --authentication-kubeconfig "$D/scheduler.kubeconfig" \
+      --authorization-kubeconfig "$D/scheduler.kubeconfig" \
+      --leader-elect=false "${OLD_COMPONENT_FLAGS[@]}" --secure-port 0 --v 1
+  else
+    start kube-scheduler "$BIN/kube-scheduler" --config "$config" \
+      --authentication-kubeconfig "$D/scheduler.kubeconfig" \
+      --authorization-kubeconfig "$D/scheduler.kubeconfig" \
+      "${OLD_COMPONENT_FLAGS[@]}" --secure-port 0 --v 2
+  fi
+}
+
+# The pods' network: one bridge, host-local addresses from POD_CIDR.
+write_cni_config() {
+  mkdir -p "$D/cni/net.d" "$D/cni/ipam"
+  cat >"$D/cni/net.d/10-vcuda.conflist" <<EOF
+{
+  "cniVersion": "0.4.0",
+  "name": "$CLUSTER",
+  "plugins": [
+    {
+      "type": "bridge",
+      "bridge": "$BRIDGE",
+      "isGateway": true,
+      "ipMasq": false,
+      "ipam": {
+        "type": "host-local",
+        "ranges": [[{"subnet": "$POD_CIDR"}]],
+        "routes": [{"dst": "0.0.0.0/0"}],
+        "dataDir": "$D/cni/ipam"
+      }
+    }
+  ]
+}
+EOF
+}
+
+# kubelet's configuration: what both nodes set, then this node's own
+# lines ($1, one per line), then kubelet itself with this node's flags
+# ($2...). node-up rewrites its keys by name for the nodes it adds.
+start_kubelet_with() {
+  local own=$1
+  shift
+  mkdir -p "$KUBELET_ROOT/device-plugins" "$D/kubelet"
+  cat >"$D/kubelet/config.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: $D/pki/ca.crt}
+authorization: {mode: Webhook}
+cgroupDriver: cgroupfs
+# This machine withholds CAP_SYS_RESOURCE: kubelet may not lower its own score.
+oomScoreAdj: 0
+failSwapOn: false
+makeIPTablesUtilChains: false
+readOnlyPort: 0
+healthzPort: $HEALTHZ_PORT
+healthzBindAddress: 127.0.0.1
+clusterDomain: cluster.local
+resolvConf: /etc/resolv.conf
+podCIDR: $POD_CIDR
+evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+syncFrequency: 10s
+fileCheckFrequency: 10s
+nodeStatusUpdateFrequency: 5s
+$own
+EOF
+  start kubelet "$BIN/kubelet" \
+    --config "$D/kubelet/config.yaml" \
+    --kubeconfig "$D/kubelet.kubeconfig" \
+    --root-dir "$KUBELET_ROOT" --cert-dir "$D/kubelet/pki" \
+    --node-ip "$NODE_IP" --hostname-override "$NODE" \
+    "$@" --v 2
+}
+
+node_ready() {
+  "$BIN/kubectl" --kubeconfig "$D/admin.kubeconfig" get node "$NODE" \
+    -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null | grep -qx True
+}
+
+up() {
+  [ "$(id -u)" = 0 ] || die "run as root"
+  need_tools
+  BIN=$(find_bin)
+  local b
+  for b in "${NEEDED_BINS[@]}"; do
+    [ -x "$BIN/$b" ] || die "$BIN/$b missing ($BUILD_SCRIPT builds it)"
+  done
+  mkdir -p "$D/run" "$D/log"
+  local t0=$SECONDS
+  lo_address
+  pki
+  start_etcd
+  start_apiserver
+  start_controllers
+  start_containerd
+  start_kubelet
+  wait_for "node $NODE Ready" 180 "$D/log/kubelet.log" node_ready
+  # The cluster's default ServiceAccount comes from the controller-manager.
+  wait_for "default ServiceAccount" 60 "$D/log/kube-controller-manager.log" \
+    "$BIN/kubectl" --kubeconfig "$D/admin.kubeconfig" -n kube-system get serviceaccount default
+  write_env
+  log "node $NODE Ready in $((SECONDS - t0)) s ($(versions)); env: $D/env"
+}
+
+kill_pod_processes() {
+  kill_node_processes "$D/containerd/containerd.sock" "$POD_CGROUP"
+}
+
+# node-reboot: what a reboot does to the node, the control plane aside:
+# kubelet and containerd stop, every pod process dies, the runtime's state
+# (tmpfs /run on a real node: containerd's task state, sockets under
+# /var/run, what run_state names) is gone; disk (images, /etc/gpu-manager,
+# kubelet's checkpoints) stays. Then containerd and kubelet start again.
+node_reboot() {
+  stop kubelet
+  stop containerd
+  kill_pod_processes
+  unmount_under "$D/containerd/state"
+  rm -rf "$D/containerd/state"
+  rm -f /var/run/gpu-manager.sock
+  run_state
+  start_containerd
+  start_kubelet
+  wait_for "node $NODE Ready" 180 "$D/log/kubelet.log" node_ready
+  log "node rebooted"
+}
+
+down() {
+  BIN=$(find_bin 2>/dev/null || echo /nonexistent)
+  local f
+  for f in "$D"/run/node-*.pid; do
+    [ -e "$f" ] || continue
+    f=${f##*/node-}
+    node_down "${f%.pid}"
+  done
+  stop kubelet
+  kill_pod_processes
+  stop containerd
+  stop kube-scheduler
+  stop kube-controller-manager
+  stop kube-apiserver
+  stop etcd
+  kill_strays
+  unmount_under "$KUBELET_ROOT"
+  unmount_under "$D"
+  down_more
+  ip link del "$BRIDGE" 2>/dev/null || true
+  ip addr del "$NODE_IP/32" dev lo 2>/dev/null || true
+  # Never into a mount that survived the unmounts (a pod volume, a host path).
+  rm -rf --one-file-system "$KUBELET_ROOT" "$D"
+  # kubelet's cgroup tree
+  remove_cgroups "$POD_CGROUP"
+  log "down"
+}
+
+# The commands both scripts take (cluster.sh's usage names them).
+command_line() {
+  case "${1:-}" in
+    up) up ;;
+    down) down ;;
+    kubelet-stop) BIN=$(find_bin); stop kubelet ;;
+    kubelet-start) BIN=$(find_bin); start_kubelet ;;
+    kubelet-restart) BIN=$(find_bin); stop kubelet; start_kubelet ;;
+    node-reboot) BIN=$(find_bin); node_reboot ;;
+    # scheduler-restart [CONFIG]: kube-scheduler again, with the
+    # KubeSchedulerConfiguration CONFIG (extenders, profiles) or its flags.
+    scheduler-restart) BIN=$(find_bin); stop kube-scheduler; start_scheduler "${2:-}" ;;
+    node-up) BIN=$(find_bin); node_up "$2" ;;
+    node-down) BIN=$(find_bin); node_down "$2" ;;
+    import) import_image "$2" "${3:-}" ;;
+    image-tar) shift; image_tar "$@" ;;
+    *) echo "usage: $0 up|down|kubelet-restart|node-reboot|kubelet-stop|kubelet-start|scheduler-restart [CONFIG]|node-up K|node-down K|import TAR [SOCKET]|image-tar TAG ROOTFS OUT ENTRY..." >&2; exit 2 ;;
+  esac
+}
