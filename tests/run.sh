@@ -59,13 +59,21 @@ watch_resources() {
 }
 watch_resources &
 RESOURCE_WATCH=$!
+# One awk, no `sort | head`: under pipefail, head leaving a long sort's
+# output unread is SIGPIPE (141), and `set -e` then ended the report there
+# (a 67-min run's samples at 54d301d).
 lowest() {
   local col=$1 what=$2
-  sort -t$'\t' -k"$col","$col"n "$TEST_LOGS/resources.tsv" 2>/dev/null | head -1 |
-    awk -F'\t' -v c="$col" -v w="$what" '{ printf "%7.1f GiB  lowest %s (in: %s)\n", $c / 1048576, w, $3 }'
+  [ -s "$TEST_LOGS/resources.tsv" ] || return 0
+  awk -F'\t' -v c="$col" -v w="$what" '
+    $c != "" && (min == "" || $c + 0 < min) { min = $c + 0; in_phase = $3 }
+    END { if (min != "") printf "%7.1f GiB  lowest %s (in: %s)\n", min / 1048576, w, in_phase }' \
+    "$TEST_LOGS/resources.tsv"
 }
 report() {
   local rc=$? stopped=$phase
+  # The report must reach its verdict: no step of it may end the run early.
+  set +e
   if [ -n "${SOAK_HOG:-}" ]; then kill "$SOAK_HOG" 2>/dev/null || true; fi
   kill "$RESOURCE_WATCH" 2>/dev/null || true
   if [ -n "${BESIDE_PID:-}" ]; then
