@@ -213,7 +213,7 @@ node_up() {
     echo "  --node-ip '$KIP' --hostname-override '$KN' --v 2"
   } >"$KD/run.sh"
   start "node-$k" unshare --mount --propagation private bash "$KD/run.sh"
-  wait_for "node $KN Ready" 180 "$D/log/node-$k.log" node_ready_k
+  wait_for "node $KN Ready" 180 "$D/log/node-$k.log" node_ready "$KN"
   log "node $KN Ready"
 }
 

@@ -159,10 +159,11 @@ remove_cgroups() {
   done
 }
 
-# The nodes `node-up K` adds (each script's node_vars K sets KN, KIP, KD,
+# node_ready NAME: kubelet has marked node NAME Ready (this script's node,
+# or one `node-up K` added: each script's node_vars K sets KN, KIP, KD,
 # KSOCK, KBRIDGE and KCGROUP).
-node_ready_k() {
-  "$BIN/kubectl" --kubeconfig "$D/admin.kubeconfig" get node "$KN" \
+node_ready() {
+  "$BIN/kubectl" --kubeconfig "$D/admin.kubeconfig" get node "$1" \
     -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null | grep -qx True
 }
 
@@ -407,11 +408,6 @@ EOF
     "$@" --v 2
 }
 
-node_ready() {
-  "$BIN/kubectl" --kubeconfig "$D/admin.kubeconfig" get node "$NODE" \
-    -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null | grep -qx True
-}
-
 up() {
   [ "$(id -u)" = 0 ] || die "run as root"
   need_tools
@@ -429,7 +425,7 @@ up() {
   start_controllers
   start_containerd
   start_kubelet
-  wait_for "node $NODE Ready" 180 "$D/log/kubelet.log" node_ready
+  wait_for "node $NODE Ready" 180 "$D/log/kubelet.log" node_ready "$NODE"
   # The cluster's default ServiceAccount comes from the controller-manager.
   wait_for "default ServiceAccount" 60 "$D/log/kube-controller-manager.log" \
     "$BIN/kubectl" --kubeconfig "$D/admin.kubeconfig" -n kube-system get serviceaccount default
@@ -456,7 +452,7 @@ node_reboot() {
   run_state
   start_containerd
   start_kubelet
-  wait_for "node $NODE Ready" 180 "$D/log/kubelet.log" node_ready
+  wait_for "node $NODE Ready" 180 "$D/log/kubelet.log" node_ready "$NODE"
   log "node rebooted"
 }
 
