@@ -11,7 +11,8 @@
 # (/vcuda-modern) and pod-log directory, so the two share no process,
 # socket or port. They do share the kubelet root /var/lib/kubelet (the DRA
 # suite and the device plugins' /var/lib/kubelet/device-plugins are fixed
-# there): one of the two nodes per mount namespace at a time.
+# there) and the manager's and sim's host paths: one of the two nodes per
+# mount namespace at a time (tests/k8s/isolated.sh makes one).
 #
 #   tests/k8s/cluster-modern.sh up      start (idempotent: a running cluster is kept)
 #   tests/k8s/cluster-modern.sh down    stop everything it started, unmount, clean

@@ -8,7 +8,7 @@ use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use test_support::k8s::util::percentile;
+use test_support::k8s::util::{Flavor, in_node_pods, percentile};
 
 use crate::parts::*;
 
@@ -19,6 +19,9 @@ pub struct Window {
     pub ms: Vec<u64>,
     /// Pods that failed, with their status.
     pub failed: Vec<String>,
+    /// The kubelet's FailedPrepareDynamicResources events about the pods:
+    /// a pod that missed the driver (it waits for the kubelet's retry).
+    pub missed: Vec<String>,
 }
 
 impl Window {
@@ -44,10 +47,12 @@ impl Window {
             what: what.to_string(),
             ms: vec![],
             failed: vec![],
+            missed: vec![],
         };
         for w in parts {
             all.ms.extend(w.ms);
             all.failed.extend(w.failed);
+            all.missed.extend(w.missed);
         }
         all.ms.sort_unstable();
         all.print();
@@ -60,12 +65,15 @@ impl Window {
         self
     }
 
-    /// No pod failed, and the p99 is under `ms`, or under twice the
-    /// baseline's p99 and 2 s where the machine is slower than that
-    /// allows (a pod that misses the driver waits for the kubelet's
-    /// retry, 10 s and more, and still fails it: on an idle node the
-    /// baseline's p99 is ~0.9 s and the bound `ms`; under load 3.5 s and
-    /// 9.1 s).
+    /// No pod failed or missed the driver (the kubelet's
+    /// FailedPrepareDynamicResources event: the pod waits for its retry),
+    /// and the p99 is under `ms`, or, where the machine is slower than that
+    /// allows, under twice the baseline's p99 and 2 s, or the baseline's
+    /// p99 and 8 s (on an idle node the baseline's p99 is ~0.9 s and the
+    /// bound `ms`; beside the 1.20 node's suite, 2.5 s and 10.5 s: the
+    /// second rolling update's p99 was 8.2 s with no pod retried, all of it
+    /// in sandbox and container starts). The time bound catches a call held
+    /// for seconds without failing, the events a miss however fast.
     pub fn assert_running_within(&self, ms: u64) {
         self.assert_running_within_stalled(ms, 0);
     }
@@ -78,11 +86,17 @@ impl Window {
     /// apart takes 10-15 s).
     pub fn assert_running_within_stalled(&self, ms: u64, stall_ms: u64) {
         assert!(self.failed.is_empty(), "{}: {:?}", self.what, self.failed);
+        assert!(
+            self.missed.is_empty(),
+            "pods created during {} missed the driver:\n{}",
+            self.what,
+            self.missed.join("\n")
+        );
         let baseline = BASELINE_P99.lock().unwrap().unwrap_or(0);
-        let bound = ms.max(2 * baseline + 2000) + stall_ms;
+        let bound = ms.max(2 * baseline + 2000).max(baseline + 8000) + stall_ms;
         assert!(
             self.p99() < bound,
-            "pods created during {}: p99 {} ms, bound {bound} ms ({ms} ms, or twice the undisturbed p99 of {baseline} ms and 2 s; {stall_ms} ms of stall on top)",
+            "pods created during {}: p99 {} ms, bound {bound} ms ({ms} ms, or twice the undisturbed p99 of {baseline} ms and 2 s, or it and 8 s; {stall_ms} ms of stall on top)",
             self.what,
             self.p99()
         );
@@ -181,9 +195,26 @@ pub fn pods_during(
         what: what.to_string(),
         ms: v,
         failed,
+        missed: missed_prepares(n, &names),
     };
     w.print();
     w
+}
+
+/// The kubelet's FailedPrepareDynamicResources events about pods `names`
+/// (kubelet's pkg/kubelet/events/event.go, 1.37.2), one line each.
+fn missed_prepares(n: &Node, names: &[String]) -> Vec<String> {
+    let events = n.json(&["-n", NS, "get", "events"]).unwrap_or(Value::Null);
+    events["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| {
+            e["reason"] == "FailedPrepareDynamicResources"
+                && names.iter().any(|p| e["involvedObject"]["name"] == p.as_str())
+        })
+        .map(|e| format!("{}: {}", e["involvedObject"]["name"], e["message"]))
+        .collect()
 }
 
 /// Deletes the pods `<prefix>-*` and waits until they are gone (their
@@ -195,9 +226,14 @@ pub fn delete_pods(n: &Node, prefix: &str, count: usize) {
     n.ok(&args);
 }
 
-/// Host processes whose executable (`argv[0]`) ends with `exe`: each PID
-/// and its command line.
+/// This node's processes whose executable (`argv[0]`) ends with `exe`:
+/// each PID and its command line. This node's: this test's descendants (the
+/// driver it runs on the host) and its pods' processes; the 1.20 node's
+/// suite runs beside this one in CI, its managers on the host and in its
+/// pods (tests/run.sh, tests/k8s/isolated.sh).
 pub fn processes_of(exe: &str) -> Vec<(u32, Vec<u8>)> {
+    let pods = format!("{}/kubepods", Flavor::Modern.cgroup_root());
+    let ours = test_support::process::tree(std::process::id());
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
@@ -208,6 +244,7 @@ pub fn processes_of(exe: &str) -> Vec<(u32, Vec<u8>)> {
             .split(|b| *b == 0)
             .next()
             .is_some_and(|a| a.ends_with(exe.as_bytes()))
+            && (ours.contains(&pid) || in_node_pods(pid, &pods))
         {
             out.push((pid, cmd));
         }

@@ -141,10 +141,15 @@ impl HostManager {
     pub fn wait_ready(&mut self, secs: u64) {
         wait("gpu-manager /readyz", secs, || {
             if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!(
-                    "gpu-manager exited ({st}); log:\n{}",
-                    tail(&self.log_text(), 40)
-                );
+                // Without the backtrace's frames: 40 of them hid the
+                // error line itself.
+                let log: String = self
+                    .log_text()
+                    .lines()
+                    .filter(|l| !is_backtrace_frame(l))
+                    .map(|l| format!("{l}\n"))
+                    .collect();
+                panic!("gpu-manager exited ({st}); log:\n{}", tail(&log, 40));
             }
             if self.ready() {
                 Ok(())
@@ -219,4 +224,12 @@ impl Drop for HostManager {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// A line of a Rust backtrace's frames (`  12: name`, `      at file:line`).
+fn is_backtrace_frame(line: &str) -> bool {
+    let t = line.trim_start();
+    t.starts_with("at ")
+        || t.split_once(": ")
+            .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }

@@ -16,7 +16,7 @@
 use std::fs;
 use std::time::{Duration, Instant};
 use test_support::k8s::cluster::{Cluster, Work, pod_yaml};
-use test_support::k8s::util::{UNIT, tail, wait};
+use test_support::k8s::util::{UNIT, in_node_pods, tail, wait};
 
 use crate::deploy::ds_ready_pod;
 
@@ -494,23 +494,9 @@ fn holders(c: &Cluster) -> Vec<u32> {
             fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| {
                 let args: Vec<&[u8]> = c.split(|&b| b == 0).collect();
                 args.len() >= 2 && args[0].ends_with(b"/shim_client") && args[1] == b"hold"
-            }) && in_this_nodes_pods(*p, &pods)
+            }) && in_node_pods(*p, &pods)
         })
         .collect()
-}
-
-/// Whether process `p` runs in a pod of this node's kubelet (cgroupfs,
-/// `pods` = `<cgroupRoot>/kubepods`; nodes 2 and 3 have roots of their
-/// own): test binaries run
-/// beside this suite (CI's cargo phase, the soak's other stream) start
-/// `shim_client hold` processes of their own, which never register with
-/// this node's manager (a soak run waited 60 s on one).
-fn in_this_nodes_pods(p: u32, pods: &str) -> bool {
-    fs::read_to_string(format!("/proc/{p}/cgroup")).is_ok_and(|c| {
-        c.lines()
-            .filter_map(|l| l.splitn(3, ':').nth(2))
-            .any(|path| path.starts_with(pods))
-    })
 }
 
 /// Parses the loop's `<RFC3339> run=N ok allocated=K` / `... fail ...`

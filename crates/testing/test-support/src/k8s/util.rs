@@ -196,6 +196,21 @@ pub fn tail(s: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// Whether process `p` runs in a pod of one node's kubelet (cgroupfs,
+/// `pods` = `<cgroupRoot>/kubepods`: each node here has a root of its
+/// own). Test binaries beside a suite (CI's cargo phase, the soak's other
+/// stream) and the other real node (tests/run.sh runs the 1.37 node's
+/// suites beside the 1.20 one's) start processes of the same names: a
+/// soak run waited 60 s on a `shim_client hold` that never registered with
+/// this node's manager, the DRA suite counted the 1.20 suite's manager.
+pub fn in_node_pods(p: u32, pods: &str) -> bool {
+    fs::read_to_string(format!("/proc/{p}/cgroup")).is_ok_and(|c| {
+        c.lines()
+            .filter_map(|l| l.splitn(3, ':').nth(2))
+            .any(|path| path.starts_with(pods))
+    })
+}
+
 /// Host PIDs of the processes in pod `uid`'s cgroups among `pids`.
 pub fn pids_of_pod(uid: &str, pids: &[u32]) -> Vec<u32> {
     let alt = uid.replace('-', "_");
