@@ -79,7 +79,7 @@ report() {
   local key
   for key in "${!BESIDE_PID[@]}"; do
     kill "${BESIDE_PID[$key]}" 2>/dev/null || true
-    failed+=("${BESIDE_LABEL[$key]} (stopped unfinished: the run ended first)")
+    beside_report "$key" >/dev/null
   done
   end_phase
   printf '\n==> phase times\n'
@@ -137,28 +137,47 @@ run_tests() {
   fi
   record_failure "$label" "$out"
 }
-# start_beside <key> <label> <command...>: a test phase that mostly waits
-# (a real node's pods) run in the background beside the phases that
-# compute, its output only in its log until `finish_beside <key>` prints it
-# and records how it ended. One per key at a time.
-declare -A BESIDE_PID=() BESIDE_LABEL=() BESIDE_OUT=() BESIDE_T0=()
+# start_beside <key> <command...>: test phases that mostly wait (a real
+# node's pods) run in the background beside the phases that compute; the
+# command is one or more `beside_step <label> <command...>` run one after
+# the other, each one's output only in its log until `finish_beside <key>`
+# prints it and records how it ended and how long it took. One job per key
+# at a time.
+declare -A BESIDE_PID=()
 start_beside() {
-  local key=$1 label=$2
-  shift 2
-  BESIDE_LABEL[$key]=$label
-  BESIDE_OUT[$key]=$(test_log "$label" cargo)
-  BESIDE_T0[$key]=$SECONDS
-  "$@" >"${BESIDE_OUT[$key]}" 2>&1 &
+  local key=$1
+  shift
+  : >"$TEST_LOGS/beside-$key.steps"
+  BESIDE_KEY=$key "$@" &
   BESIDE_PID[$key]=$!
+}
+beside_step() { # in start_beside's job
+  local label=$1 out t0=$SECONDS rc=0
+  shift
+  out=$(test_log "$label" cargo)
+  printf '%s\n' "$label" >>"$TEST_LOGS/beside-$BESIDE_KEY.steps"
   printf '(%s: started in the background, its output at the end)\n' "$label"
+  "$@" >"$out" 2>&1 || rc=$?
+  printf '%s %s %s\n' "$t0" "$SECONDS" "$rc" >"$out.status"
 }
 finish_beside() {
-  local key=$1 rc=0
-  wait "${BESIDE_PID[$key]}" || rc=$?
+  local key=$1
+  wait "${BESIDE_PID[$key]}" || true
   unset "BESIDE_PID[$key]"
-  cat "${BESIDE_OUT[$key]}"
-  phase_times+=("$(printf '%6d s  %s (in the background, beside the phases above)' $((SECONDS - BESIDE_T0[$key])) "${BESIDE_LABEL[$key]}")")
-  [ "$rc" -eq 0 ] || record_failure "${BESIDE_LABEL[$key]}" "${BESIDE_OUT[$key]}"
+  beside_report "$key"
+}
+beside_report() { # beside_report <key>: each step's output, time, verdict
+  local key=$1 label out t0 t1 rc
+  while IFS= read -r label; do
+    out=$(test_log "$label" cargo)
+    cat "$out"
+    if [ ! -s "$out.status" ] || ! read -r t0 t1 rc <"$out.status"; then
+      failed+=("$label (stopped unfinished: the run ended first)")
+      continue
+    fi
+    phase_times+=("$(printf '%6d s  %s (in the background, beside the phases above)' $((t1 - t0)) "$label")")
+    [ "$rc" -eq 0 ] || record_failure "$label" "$out"
+  done <"$TEST_LOGS/beside-$key.steps"
 }
 
 # The interposer ships linked against glibc 2.17 (cuda-shim/README.md, "glibc
@@ -423,7 +442,7 @@ log "cargo tests"
 # 5 of 5 with the other core loaded: tests/soak.md); `--skip` keeps it out
 # of the workspace run, and the other test that takes the machine lock
 # (dra-driver's cdi_containerd: it would wait the suite out) runs after.
-start_beside k8s-1.20 "device-plugin real-node suite on Kubernetes 1.20 (tests/k8s_node)" \
+start_beside k8s-1.20 beside_step "device-plugin real-node suite on Kubernetes 1.20 (tests/k8s_node)" \
   cargo test -p vcuda-tests --test k8s_node -- --nocapture
 # vcuda-tests' tests in a `quiet_host` module time the sim's device against
 # a second process (shim_qos): a cluster beside them moved those figures (a
@@ -432,27 +451,33 @@ start_beside k8s-1.20 "device-plugin real-node suite on Kubernetes 1.20 (tests/k
 run_tests "cargo tests" cargo test --workspace --no-fail-fast -- \
   --skip real_node_suite --skip containerd_injects_the_prepared_cdi_device --skip quiet_host::
 
-log "the DRA real-node suite on Kubernetes 1.37 (tests/k8s_dra_node), started"
-# The 1.37 node's two suites run one after the other, beside the 1.20 one
-# and the phases below, in namespaces of their own (tests/k8s/isolated.sh:
+log "the 1.37 node's suites (tests/k8s_dra_node, tests/k8s_node), started"
+# The 1.37 node's two suites, one after the other, beside the 1.20 one and
+# the phases below, each in namespaces of its own (tests/k8s/isolated.sh:
 # both nodes use /var/lib/kubelet, /etc/gpu-manager, /var/run/cdi, the
-# sim's /dev/nvidia*, the machine lock). The node's env names the DRA
-# suite's kubeconfig, containerd, kubelet restart and reboot commands
-# (tests/k8s/README.md). A fresh run at 54d301d took 67 min with the three
-# real-node suites one after another. What a killed run left of the 1.37
-# node goes inside (`down` on the host would empty the 1.20 node's
-# /var/lib/kubelet).
-start_beside k8s-1.37 "DRA real-node suite on Kubernetes 1.37 (tests/k8s_dra_node)" \
-  bash tests/k8s/isolated.sh bash -c 'c=tests/k8s/cluster-modern.sh rc=0
-    bash $c down || true
-    if bash $c up; then
-      (source /tmp/vcuda-k8s-modern/env && PATH="$VCUDA_K8S_MODERN_BIN:$PATH" \
-        exec cargo test -p vcuda-tests --test k8s_dra_node -- --ignored --nocapture) || rc=$?
-    else
-      echo "tests/run.sh: tests/k8s/cluster-modern.sh up failed"; rc=1
-    fi
-    bash $c down || { echo "tests/run.sh: tests/k8s/cluster-modern.sh down failed"; rc=1; }
-    exit $rc'
+# sim's /dev/nvidia*, the machine lock). A fresh run at 54d301d took 67 min
+# with the three real-node suites one after another. What a killed run
+# left of the 1.37 node goes inside (`down` on the host would empty the
+# 1.20 node's /var/lib/kubelet). The DRA suite's env (written by `up`)
+# names its kubeconfig, containerd, kubelet restart and reboot commands
+# (tests/k8s/README.md); the device-plugin suite brings the node up and
+# down itself (VCUDA_K8S_MODERN=1, test-support's k8s::util::Flavor).
+modern_suites() {
+  beside_step "DRA real-node suite on Kubernetes 1.37 (tests/k8s_dra_node)" \
+    bash tests/k8s/isolated.sh bash -c 'c=tests/k8s/cluster-modern.sh rc=0
+      bash $c down || true
+      if bash $c up; then
+        (source /tmp/vcuda-k8s-modern/env && PATH="$VCUDA_K8S_MODERN_BIN:$PATH" \
+          exec cargo test -p vcuda-tests --test k8s_dra_node -- --ignored --nocapture) || rc=$?
+      else
+        echo "tests/run.sh: tests/k8s/cluster-modern.sh up failed"; rc=1
+      fi
+      bash $c down || { echo "tests/run.sh: tests/k8s/cluster-modern.sh down failed"; rc=1; }
+      exit $rc'
+  beside_step "device-plugin real-node suite on Kubernetes 1.37 (tests/k8s_node)" \
+    bash tests/k8s/isolated.sh env VCUDA_K8S_MODERN=1 cargo test -p vcuda-tests --test k8s_node -- --nocapture
+}
+start_beside k8s-1.37 modern_suites
 
 log "the device-plugin real-node suite on Kubernetes 1.20 (its end)"
 finish_beside k8s-1.20
@@ -469,14 +494,6 @@ GLIBC_TESTS=(--test shim_quota --test shim_compute --test shim_qos --test shim_g
 VCUDA_INTERPOSER="$shipped_interposer" run_tests "interposer tests (glibc 2.17)" \
   cargo test -p vcuda-tests --no-fail-fast "${GLIBC_TESTS[@]}" -- --skip quiet_host::
 
-log "the DRA real-node suite on Kubernetes 1.37 (its end)"
-finish_beside k8s-1.37
-# The suite the 1.20 node ran, now on the 1.37 node (it brings
-# cluster-modern.sh up and down itself: VCUDA_K8S_MODERN=1, test-support's
-# k8s::util::Flavor), in namespaces of its own as the DRA suite was.
-start_beside k8s-1.37 "device-plugin real-node suite on Kubernetes 1.37 (tests/k8s_node)" \
-  bash tests/k8s/isolated.sh env VCUDA_K8S_MODERN=1 cargo test -p vcuda-tests --test k8s_node -- --nocapture
-
 log "python tests"
 export VCUDA_TARGET_DIR="$REPO/target/debug"
 run_tests "python tests" python3 -m pytest -q tests/python
@@ -488,12 +505,13 @@ VCUDA_INTERPOSER="$shipped_interposer" run_tests "python clients (glibc 2.17)" \
 
 log "format and lints"
 # The style the code is reviewed in: rustfmt's, and clippy with warnings
-# as errors over every target (~3 min on 2 cores after the build). After
-# the suite above has started its cargo (clippy holds target/debug's lock).
+# as errors over every target (~3 min on 2 cores after the build). Late:
+# clippy holds target/debug's lock, which each suite's cargo takes at its
+# start.
 run_tests "rustfmt" cargo fmt --all --check
 run_tests "clippy" cargo clippy -q --workspace --all-targets -- -D warnings
 
-log "the device-plugin real-node suite on Kubernetes 1.37 (its end)"
+log "the 1.37 node's suites (their end)"
 finish_beside k8s-1.37
 
 log "tests that want a quiet host"

@@ -75,6 +75,7 @@ mount --move "$S/var-lib" /var/lib
 stage dev
 cp -ax /dev/. "$S/dev/" || fail "copying /dev failed"
 rm -rf "$S"/dev/nvidia*
+mkdir -p "$S/dev/shm"
 mount -t tmpfs -o mode=1777,nosuid,nodev "vcuda-isolated-shm" "$S/dev/shm"
 for m in pts mqueue; do
   if mountpoint -q "/dev/$m"; then mount --rbind "/dev/$m" "$S/dev/$m"; fi

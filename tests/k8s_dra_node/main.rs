@@ -687,7 +687,7 @@ fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path, w: &P
         60,
     );
     windows::delete_pods(n, "restart", 6);
-    w.assert_running_within(5000);
+    w.assert_running_within_but_in_flight(5000);
 }
 
 /// The node's kubelet restarted under running claims: the driver is

@@ -17,11 +17,15 @@ pub struct Window {
     pub what: String,
     /// Created → Running, ms, sorted.
     pub ms: Vec<u64>,
+    /// Each Running pod's created → Running, ms.
+    pub pods: Vec<(String, u64)>,
+    /// The pods created before the disruption began.
+    pub before: Vec<String>,
     /// Pods that failed, with their status.
     pub failed: Vec<String>,
-    /// The kubelet's FailedPrepareDynamicResources events about the pods:
+    /// The kubelet's FailedPrepareDynamicResources events (pod, message):
     /// a pod that missed the driver (it waits for the kubelet's retry).
-    pub missed: Vec<String>,
+    pub missed: Vec<(String, String)>,
 }
 
 impl Window {
@@ -46,11 +50,15 @@ impl Window {
         let mut all = Window {
             what: what.to_string(),
             ms: vec![],
+            pods: vec![],
+            before: vec![],
             failed: vec![],
             missed: vec![],
         };
         for w in parts {
             all.ms.extend(w.ms);
+            all.pods.extend(w.pods);
+            all.before.extend(w.before);
             all.failed.extend(w.failed);
             all.missed.extend(w.missed);
         }
@@ -88,9 +96,9 @@ impl Window {
         assert!(self.failed.is_empty(), "{}: {:?}", self.what, self.failed);
         assert!(
             self.missed.is_empty(),
-            "pods created during {} missed the driver:\n{}",
+            "pods created during {} missed the driver: {:?}",
             self.what,
-            self.missed.join("\n")
+            self.missed
         );
         let baseline = BASELINE_P99.lock().unwrap().unwrap_or(0);
         let bound = ms.max(2 * baseline + 2000).max(baseline + 8000) + stall_ms;
@@ -100,6 +108,52 @@ impl Window {
             self.what,
             self.p99()
         );
+    }
+}
+
+impl Window {
+    /// [`Window::assert_running_within`] for a disruption that may lose the
+    /// calls in flight when it lands (the whole driver killed, supervisor
+    /// too: docs/dra.md, "Still not covered"): a pod created before it
+    /// may have missed the driver and waited for the kubelet's retry (one
+    /// in a CI run beside the 1.20 suite, 15.7 s); a pod created after it,
+    /// whose calls wait in the socket holder's backlog, may not, and every
+    /// pod that did not miss is held to the bound.
+    pub fn assert_running_within_but_in_flight(&self, bound_ms: u64) {
+        let late: Vec<&(String, String)> = self
+            .missed
+            .iter()
+            .filter(|(pod, _)| !self.before.contains(pod))
+            .collect();
+        assert!(
+            late.is_empty(),
+            "pods created after {} began missed the driver: {late:?}",
+            self.what
+        );
+        let lost = |pod: &String| self.missed.iter().any(|(p, _)| p == pod);
+        for (pod, why) in &self.missed {
+            eprintln!(
+                "k8s_dra: {}: pod {pod}, created before it, missed the driver (a call in flight): {why}",
+                self.what
+            );
+        }
+        let pods: Vec<(String, u64)> = self
+            .pods
+            .iter()
+            .filter(|(p, _)| !lost(p))
+            .cloned()
+            .collect();
+        let mut ms: Vec<u64> = pods.iter().map(|(_, v)| *v).collect();
+        ms.sort_unstable();
+        Window {
+            what: format!("{} (the pods that did not miss it)", self.what),
+            ms,
+            pods,
+            before: vec![],
+            failed: self.failed.clone(),
+            missed: vec![],
+        }
+        .assert_running_within(bound_ms);
     }
 }
 
@@ -140,6 +194,7 @@ pub fn pods_during(
     while created.lock().unwrap().len() < 2.min(count) {
         std::thread::sleep(Duration::from_millis(20));
     }
+    let before: Vec<String> = created.lock().unwrap().keys().cloned().collect();
     disrupt();
     // Polled while the rest are still being created: a pod seen Running
     // only once every pod was created would count that wait too.
@@ -189,11 +244,13 @@ pub fn pods_during(
             pod_events(n, p)
         );
     }
-    let mut v: Vec<u64> = ms.into_values().collect();
+    let mut v: Vec<u64> = ms.values().copied().collect();
     v.sort_unstable();
     let w = Window {
         what: what.to_string(),
         ms: v,
+        pods: ms.into_iter().collect(),
+        before,
         failed,
         missed: missed_prepares(n, &names),
     };
@@ -202,8 +259,8 @@ pub fn pods_during(
 }
 
 /// The kubelet's FailedPrepareDynamicResources events about pods `names`
-/// (kubelet's pkg/kubelet/events/event.go, 1.37.2), one line each.
-fn missed_prepares(n: &Node, names: &[String]) -> Vec<String> {
+/// (kubelet's pkg/kubelet/events/event.go, 1.37.2): pod, message.
+fn missed_prepares(n: &Node, names: &[String]) -> Vec<(String, String)> {
     let events = n.json(&["-n", NS, "get", "events"]).unwrap_or(Value::Null);
     events["items"]
         .as_array()
@@ -211,9 +268,14 @@ fn missed_prepares(n: &Node, names: &[String]) -> Vec<String> {
         .flatten()
         .filter(|e| {
             e["reason"] == "FailedPrepareDynamicResources"
-                && names.iter().any(|p| e["involvedObject"]["name"] == p.as_str())
+                && names
+                    .iter()
+                    .any(|p| e["involvedObject"]["name"] == p.as_str())
         })
-        .map(|e| format!("{}: {}", e["involvedObject"]["name"], e["message"]))
+        .map(|e| {
+            let s = |v: &Value| v.as_str().unwrap_or_default().to_string();
+            (s(&e["involvedObject"]["name"]), s(&e["message"]))
+        })
         .collect()
 }
 
