@@ -75,13 +75,13 @@ impl Window {
 
     /// No pod failed or missed the driver (the kubelet's
     /// FailedPrepareDynamicResources event: the pod waits for its retry),
-    /// and the p99 is under `ms`, or, where the machine is slower than that
-    /// allows, under twice the baseline's p99 and 2 s, or the baseline's
-    /// p99 and 8 s (on an idle node the baseline's p99 is ~0.9 s and the
-    /// bound `ms`; beside the 1.20 node's suite, 2.5 s and 10.5 s: the
-    /// second rolling update's p99 was 8.2 s with no pod retried, all of it
-    /// in sandbox and container starts). The time bound catches a call held
-    /// for seconds without failing, the events a miss however fast.
+    /// and the p99 is under `ms`, or under twice the baseline's p99 and
+    /// 2 s where the machine is slower than that allows (on an idle node
+    /// the baseline's p99 is ~0.9 s and the bound `ms`; under load 3.5 s
+    /// and 9.1 s). The time bound catches a call held for seconds without
+    /// failing, the events a miss however fast. (Beside the 1.20 node's
+    /// suite, under tests/k8s/isolated.sh, a rolling update's p99 reached
+    /// 8.2 s against 7.0 with no pod retried: that layout is not CI's.)
     pub fn assert_running_within(&self, ms: u64) {
         self.assert_running_within_stalled(ms, 0);
     }
@@ -101,10 +101,10 @@ impl Window {
             self.missed
         );
         let baseline = BASELINE_P99.lock().unwrap().unwrap_or(0);
-        let bound = ms.max(2 * baseline + 2000).max(baseline + 8000) + stall_ms;
+        let bound = ms.max(2 * baseline + 2000) + stall_ms;
         assert!(
             self.p99() < bound,
-            "pods created during {}: p99 {} ms, bound {bound} ms ({ms} ms, or twice the undisturbed p99 of {baseline} ms and 2 s, or it and 8 s; {stall_ms} ms of stall on top)",
+            "pods created during {}: p99 {} ms, bound {bound} ms ({ms} ms, or twice the undisturbed p99 of {baseline} ms and 2 s; {stall_ms} ms of stall on top)",
             self.what,
             self.p99()
         );

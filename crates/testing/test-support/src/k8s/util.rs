@@ -199,8 +199,8 @@ pub fn tail(s: &str, n: usize) -> String {
 /// Whether process `p` runs in a pod of one node's kubelet (cgroupfs,
 /// `pods` = `<cgroupRoot>/kubepods`: each node here has a root of its
 /// own). Test binaries beside a suite (CI's cargo phase, the soak's other
-/// stream) and the other real node (tests/run.sh runs the 1.37 node's
-/// suites beside the 1.20 one's) start processes of the same names: a
+/// stream) and another real node (the 1.37 node under
+/// tests/k8s/isolated.sh beside the 1.20 one) start processes of the same names: a
 /// soak run waited 60 s on a `shim_client hold` that never registered with
 /// this node's manager, the DRA suite counted the 1.20 suite's manager.
 pub fn in_node_pods(p: u32, pods: &str) -> bool {
