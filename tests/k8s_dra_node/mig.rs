@@ -390,9 +390,16 @@ pub fn whole_instances(
         "{tag}: both saturating at once: 3g.40gb busy {:.1} %, 1g.10gb busy {:.1} %",
         busy[0], busy[1]
     );
+    // The sim's device time is the launching process's host CPU, so an
+    // absolute figure moves with host load (83 % beside the 1.20 suite,
+    // tests/soak.md 2026-12-07). What only partitions allow does not: on
+    // one time-sliced timeline two contexts' busy adds up to at most 100 %,
+    // so a sum well past it means they ran at the same time, and each over
+    // half means neither waited on the other.
+    let sum: f64 = busy.iter().sum();
     assert!(
-        busy.iter().all(|&b| b > 90.0),
-        "each instance its own: {busy:?}"
+        sum > 130.0 && busy.iter().all(|&b| b > 50.0),
+        "each instance its own (more than 130 % together, over 50 % each): {busy:?}"
     );
     for name in &pods {
         log_with(n, name, "---done");
