@@ -140,8 +140,8 @@ fn limit(p: &Value, r: &str) -> u64 {
 
 /// Every Running pod's cores and memory units on its node's GPUs (from the
 /// GPUs its annotation names); panics on any GPU over its capacity.
-fn check_no_overcommit(c: &Cluster, ps: &[Value], units_per_gpu: u64) -> u64 {
-    let mut use_: BTreeMap<(String, String), (u64, u64)> = BTreeMap::new();
+fn check_no_overcommit(c: &Cluster, ps: &[Value], units_per_gpu: u64) -> (u64, GpuUse) {
+    let mut use_ = GpuUse::new();
     let mut placed = 0;
     for p in ps.iter().filter(|p| phase(p) == "Running") {
         let node = p["spec"]["nodeName"].as_str().unwrap().to_string();
@@ -170,8 +170,11 @@ fn check_no_overcommit(c: &Cluster, ps: &[Value], units_per_gpu: u64) -> u64 {
             c.dir.display()
         );
     }
-    placed
+    (placed, use_)
 }
+
+/// Cores and memory units the Running pods hold, per (node, GPU).
+type GpuUse = BTreeMap<(String, String), (u64, u64)>;
 
 /// gpu-admission's rule on the same trace, in creation order: per-GPU
 /// fit; of the nodes where a pod fits, the one whose chosen GPUs have the
@@ -324,7 +327,7 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     });
     let settled_s = t0.elapsed().as_secs_f64();
     let units_per_gpu = inv.gpus[0].memory_bytes / gpu_allocator::MEMORY_UNIT_BYTES;
-    let placed = check_no_overcommit(c, &ps, units_per_gpu);
+    let (placed, gpu_use) = check_no_overcommit(c, &ps, units_per_gpu);
     let running = ps.iter().filter(|p| phase(p) == "Running").count();
     let per_node: BTreeMap<&str, usize> = names
         .iter()
@@ -345,6 +348,15 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     // the kill): what would explain cores missing.
     let extender_log =
         std::fs::read_to_string(c.dir.join("log/vcuda-scheduler.log")).unwrap_or_default();
+    let scheduler_log =
+        std::fs::read_to_string(c.dir.join("log/kube-scheduler.log")).unwrap_or_default();
+    let lines_of = |log: &str, name: &str, last: usize| -> Vec<String> {
+        let hits: Vec<&str> = log.lines().filter(|l| l.contains(name)).collect();
+        hits[hits.len().saturating_sub(last)..]
+            .iter()
+            .map(|l| l.to_string())
+            .collect()
+    };
     let reserved: Vec<String> =
         ps.iter()
             .filter(|p| phase(p) != "Running")
@@ -360,18 +372,27 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
                     .map(str::to_string)
                     .collect();
                 format!(
-                    "{name} ({} cores on {n} GPUs {}; scheduler: {}; the extender of it: {said:?})",
+                    "{name} ({} cores on {n} GPUs {}; scheduler: {}; the extender of it: {said:?}; kube-scheduler's last lines of it: {:?})",
                     limit(p, "tencent.com/vcuda-core"),
                     a["tencent.com/predicate-gpu-idx-0"],
-                    test_support::k8s::util::condition_messages(p)
+                    test_support::k8s::util::condition_messages(p),
+                    lines_of(&scheduler_log, &format!("/{name}"), 6)
                 )
             })
             })
             .collect();
+    // What each GPU holds at the verdict: a reserved pod that would fit
+    // one of them was left out by a stale count, one that fits none by
+    // the order the kill left (a bind cut off goes back in the queue).
+    let held: Vec<String> = gpu_use
+        .iter()
+        .map(|((n, g), (cores, units))| format!("{n} GPU {g}: {cores} cores, {units} units"))
+        .collect();
     assert!(
         placed >= rule,
-        "{placed} cores placed, gpu-admission's rule places {rule}; pods not running with a reservation:\n{}",
-        reserved.join("\n")
+        "{placed} cores placed, gpu-admission's rule places {rule}; pods not running with a reservation:\n{}\nwhat the Running pods hold (of 100 cores, {units_per_gpu} units a GPU):\n{}",
+        reserved.join("\n"),
+        held.join("\n")
     );
     drop(ext);
     c.kubectl_ok(&[
