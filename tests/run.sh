@@ -436,11 +436,18 @@ if [ "$SOAK_RUNS" -gt 0 ]; then
   exit 0
 fi
 
-log "the 1.37 node's suites (tests/k8s_dra_node, tests/k8s_node), started"
+log "the real-node suites on 1.20 and 1.37, started"
+# The 1.20 real-node suite (~14 min, mostly waiting on pods: load ~1 of 2
+# cores) runs beside the other test binaries (~8 min of compute, each green
+# 5 of 5 with the other core loaded: tests/soak.md); `--skip` keeps it out
+# of the workspace run, and the other test that takes the machine lock
+# (dra-driver's cdi_containerd: it would wait the suite out) runs after.
+start_beside k8s-1.20 beside_step "device-plugin real-node suite on Kubernetes 1.20 (tests/k8s_node)" \
+  cargo test -p vcuda-tests --test k8s_node -- --nocapture
+K8S_120_JOB=${BESIDE_PID[k8s-1.20]}
 # The 1.37 node's two suites, one after the other, beside the 1.20 one and
-# every phase below (both mostly wait on pods; the longest path of the run:
-# ~23 min warm at 70dd4dc, where they started after the cargo tests), each
-# in namespaces of its own (tests/k8s/isolated.sh:
+# every phase below (both mostly wait on pods; the longest path of the
+# run), each in namespaces of its own (tests/k8s/isolated.sh:
 # both nodes use /var/lib/kubelet, /etc/gpu-manager, /var/run/cdi, the
 # sim's /dev/nvidia*, the machine lock). A fresh run at 54d301d took 67 min
 # with the three real-node suites one after another. What a killed run
@@ -461,19 +468,18 @@ modern_suites() {
       fi
       bash $c down || { echo "tests/run.sh: tests/k8s/cluster-modern.sh down failed"; rc=1; }
       exit $rc'
+  # This suite's 30/70 figure is the sim's device time, which is host CPU:
+  # beside the 1.20 suite's 200-pod phase (load average 18) its 70 % share
+  # got 55 % (7b38635). So it starts once the 1.20 suite has ended.
+  local t0=$SECONDS
+  while kill -0 "$K8S_120_JOB" 2>/dev/null; do sleep 5; done
+  printf '(the 1.37 device-plugin suite waited %d s for the 1.20 suite)\n' $((SECONDS - t0))
   beside_step "device-plugin real-node suite on Kubernetes 1.37 (tests/k8s_node)" \
     bash tests/k8s/isolated.sh env VCUDA_K8S_MODERN=1 cargo test -p vcuda-tests --test k8s_node -- --nocapture
 }
 start_beside k8s-1.37 modern_suites
 
 log "cargo tests"
-# The 1.20 real-node suite (~14 min, mostly waiting on pods: load ~1 of 2
-# cores) runs beside the other test binaries (~8 min of compute, each green
-# 5 of 5 with the other core loaded: tests/soak.md); `--skip` keeps it out
-# of the workspace run, and the other test that takes the machine lock
-# (dra-driver's cdi_containerd: it would wait the suite out) runs after.
-start_beside k8s-1.20 beside_step "device-plugin real-node suite on Kubernetes 1.20 (tests/k8s_node)" \
-  cargo test -p vcuda-tests --test k8s_node -- --nocapture
 # vcuda-tests' tests in a `quiet_host` module time the sim's device against
 # a second process (shim_qos): a cluster beside them moved those figures (a
 # batch share's 88 % fell to 64 at 924d6db), so they run last, with no
