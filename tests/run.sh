@@ -444,7 +444,6 @@ log "the real-node suites on 1.20 and 1.37, started"
 # (dra-driver's cdi_containerd: it would wait the suite out) runs after.
 start_beside k8s-1.20 beside_step "device-plugin real-node suite on Kubernetes 1.20 (tests/k8s_node)" \
   cargo test -p vcuda-tests --test k8s_node -- --nocapture
-K8S_120_JOB=${BESIDE_PID[k8s-1.20]}
 # The 1.37 node's two suites, one after the other, beside the 1.20 one and
 # every phase below (both mostly wait on pods; the longest path of the
 # run), each in namespaces of its own (tests/k8s/isolated.sh:
@@ -468,12 +467,10 @@ modern_suites() {
       fi
       bash $c down || { echo "tests/run.sh: tests/k8s/cluster-modern.sh down failed"; rc=1; }
       exit $rc'
-  # This suite's 30/70 figure is the sim's device time, which is host CPU:
-  # beside the 1.20 suite's 200-pod phase (load average 18) its 70 % share
-  # got 55 % (7b38635). So it starts once the 1.20 suite has ended.
-  local t0=$SECONDS
-  while kill -0 "$K8S_120_JOB" 2>/dev/null; do sleep 5; done
-  printf '(the 1.37 device-plugin suite waited %d s for the 1.20 suite)\n' $((SECONDS - t0))
+  # The suites' sim-timed figures (a share's percent is host CPU) wait out
+  # the other suite's 200-pod phase, and it them: a flock on
+  # /tmp/vcuda-host-load.lock (test-support's k8s::host_load; a 70 % share
+  # got 55 % beside that phase at load average 18, 7b38635).
   beside_step "device-plugin real-node suite on Kubernetes 1.37 (tests/k8s_node)" \
     bash tests/k8s/isolated.sh env VCUDA_K8S_MODERN=1 cargo test -p vcuda-tests --test k8s_node -- --nocapture
 }

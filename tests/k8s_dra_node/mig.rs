@@ -194,6 +194,10 @@ pub fn mig_phase(n: &Node, node: &str, w: &Path, bin: &Path) {
     assert_eq!(get("start_total"), 5 << 30, "a 5 GiB card\n{out}");
     assert_eq!(get("last"), 2, "refused past 5 GiB (OOM)\n{out}");
     assert_eq!(get("allocated"), get("start_free") / (256 << 20), "{out}");
+    // A share's percent is the sim's device time, host CPU: measured out
+    // of the other real-node suite's heavy phases (tests/run.sh runs the
+    // 1.20 suite beside this one).
+    let load = test_support::k8s::host_load::HostLoad::measure("the share in the 2g.20gb");
     n.apply(&pod(
         "mig-share-run",
         "mig-share",
@@ -210,6 +214,7 @@ pub fn mig_phase(n: &Node, node: &str, w: &Path, bin: &Path) {
         to.saturating_sub(now) + 50_000_000,
     ));
     let u = state.gi_utilization(0, gi_of(&state, "2g.20gb"), from, to);
+    drop(load);
     eprintln!(
         "k8s_dra: a 50 % / 5 GiB share inside the 2g.20gb: 5 GiB card, {u:.1} % of the instance"
     );
@@ -358,6 +363,7 @@ pub fn whole_instances(
         '/work/shim_client quota 256; echo ---quota; /work/shim_compute saturate 6'; \
         echo ---done; sleep 100000";
     let mut pods = Vec::new();
+    let load = test_support::k8s::host_load::HostLoad::measure("two MIG instances saturated");
     for (profile, _) in [PROFILES[0], PROFILES[2]] {
         let name = format!("mig-{}", profile.replace('.', "-"));
         n.apply(&manifest(&name, profile, whole));
@@ -386,6 +392,7 @@ pub fn whole_instances(
         .iter()
         .map(|p| state.gi_utilization(0, gi_of(state, p), from, to))
         .collect();
+    drop(load);
     eprintln!(
         "{tag}: both saturating at once: 3g.40gb busy {:.1} %, 1g.10gb busy {:.1} %",
         busy[0], busy[1]

@@ -137,6 +137,9 @@ fn shared(
         "annotations: {tencent.com/vcuda-mig-profile: 2g.20gb}, namespace: ",
         1,
     );
+    let load = test_support::k8s::host_load::HostLoad::measure(
+        "the share in the 2g.20gb (device plugins)",
+    );
     n.apply(&pod);
     wait_running(n, "mig-dp-share", 120);
     let out = log_with(n, "mig-dp-share", "---quota");
@@ -152,6 +155,7 @@ fn shared(
         to.saturating_sub(now) + 50_000_000,
     ));
     let u = state.gi_utilization(0, crate::mig::gi_of(state, "2g.20gb"), from, to);
+    drop(load);
     eprintln!(
         "k8s_dp: a 50 % / 5 GiB share inside the 2g.20gb through the device plugins: 5 GiB card, {u:.1} % of the instance"
     );

@@ -124,11 +124,14 @@ pub fn run(
             Err(format!("host pids on GPU {g30}: {pids:?}"))
         }
     });
-    // Warm-up (the controllers settle), then a measured window.
+    // Warm-up (the controllers settle), then a measured window, out of
+    // the other real-node suite's heavy phases (it runs beside this one).
+    let load = test_support::k8s::host_load::HostLoad::measure("the 30/70 figure");
     std::thread::sleep(Duration::from_secs(6));
     let from = gpu_sim_core::state::now_ns();
     std::thread::sleep(Duration::from_secs(20));
     let to = gpu_sim_core::state::now_ns();
+    drop(load);
     let mut busy: HashMap<&str, f64> = HashMap::new();
     for (p, pct) in state.process_utilization(g30, from, to) {
         let Some(hp) = p.host_pid else { continue };

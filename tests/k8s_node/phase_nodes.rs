@@ -257,6 +257,9 @@ fn thirteen(c: &Cluster, w: &Work, names: &[&str]) {
 pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     eprintln!("k8s_node: phase 2c: three nodes, kube-scheduler with the extender, a 200-pod trace");
     crate::phase_sched::wait_no_pods(c);
+    // Two more nodes and 200 pods load the host: the other real-node
+    // suite's sim-timed figures wait (until this phase returns).
+    let _load = test_support::k8s::host_load::HostLoad::heavy("phase 2c (three nodes, 200 pods)");
     std::fs::create_dir_all(state_dir(c)).unwrap();
     bind(None, &w.sim.join("run/gpu-sim"), &state_dir(c));
     let t_up = Instant::now();

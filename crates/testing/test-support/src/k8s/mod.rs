@@ -2,10 +2,12 @@
 //! tests/k8s/build-kubernetes.sh) and what the suites run on it share: the
 //! constants, polling, the machine lock, clean-ups ([`util`]); the cluster,
 //! kubectl, pods and images ([`cluster`]); helm with a test post-renderer
-//! ([`helm`]).
+//! ([`helm`]); the lock that keeps side-by-side suites' figures out of
+//! each other's heavy phases ([`host_load`]).
 
 pub mod cluster;
 pub mod helm;
+pub mod host_load;
 pub mod util;
 pub mod webhook;
 
