@@ -162,6 +162,17 @@ fn captured_launches_are_free_and_a_graph_launch_costs_its_kernels() {
         "the captured cuMemAllocAsync was charged"
     );
     r.resume();
+    // Reserved at instantiation, before the driver backs it at the first
+    // launch: a reconcile with NVML in between (the module load's) keeps
+    // it. It once took it out of the process's extra, so the ledger was
+    // 16 MiB short until the next tick (CI, 2026-12-07, under load).
+    r.reach("instantiated");
+    assert_eq!(
+        m.ledger().used() - used0,
+        16 * MIB,
+        "the exec's graph memory before its first launch, after a reconcile"
+    );
+    r.resume();
     r.reach("graph");
     let graphs = requested() - r0;
     assert_eq!(

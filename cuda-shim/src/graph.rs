@@ -23,7 +23,12 @@
 //!   (CUDA_ERROR_OUT_OF_MEMORY over quota, without instantiating). The
 //!   driver keeps a destroyed exec's memory in the device's graph pool until
 //!   `cuDeviceGraphMemTrim`, so it stays reserved until then ("cached"); a
-//!   later instantiation on that device takes from the cache first.
+//!   later instantiation on that device takes from the cache first. The
+//!   driver backs an exec's graph memory at its first launch or upload, so
+//!   until then NVML does not show what the ledger reserved: [`unmapped_on`]
+//!   tells the memory reconcile, which would otherwise take it out of the
+//!   process's "extra" and leave the ledger short once the launch maps it
+//!   (shim_graph's charge test, under load).
 
 use crate::arg;
 use crate::config::ENFORCING;
@@ -33,7 +38,7 @@ use crate::throttle::kernel_cost;
 use cuda_abi::{CUDA_SUCCESS, CUresult};
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{LazyLock, Mutex, MutexGuard, OnceLock};
 
 type Ptr = *mut c_void;
@@ -58,6 +63,10 @@ struct Exec {
     /// Graph memory reserved for the exec.
     bytes: u64,
     device: i32,
+    /// The share's GPU (ledger position) of `device`.
+    gpu: usize,
+    /// Of `bytes`, what the driver has not backed yet (no launch yet).
+    unmapped: u64,
 }
 
 #[derive(Default)]
@@ -65,7 +74,13 @@ struct Table {
     execs: HashMap<usize, Exec>,
     /// Device -> bytes of destroyed execs still in its graph pool.
     cached: BTreeMap<i32, u64>,
+    /// Share GPU -> the execs' `unmapped` bytes.
+    unmapped: BTreeMap<usize, u64>,
 }
+
+/// The sum of [`Table::unmapped`]: a graph launch looks at the table only
+/// while some exec waits for its first launch.
+static UNMAPPED: AtomicU64 = AtomicU64::new(0);
 
 static TABLE: LazyLock<Mutex<Table>> = LazyLock::new(Default::default);
 
@@ -81,6 +96,47 @@ pub(crate) fn launch_cost(exec: Ptr) -> u64 {
         .execs
         .get(&(exec as usize))
         .map_or(0, |e| e.cost.max(1))
+}
+
+/// Graph memory reserved on the share's `gpu` that the driver has not
+/// backed yet (for the memory reconcile).
+pub(crate) fn unmapped_on(gpu: usize) -> u64 {
+    if UNMAPPED.load(Ordering::Acquire) == 0 {
+        return 0;
+    }
+    table().unmapped.get(&gpu).copied().unwrap_or(0)
+}
+
+/// Before a graph launch: an exec launched for the first time has its
+/// graph memory backed by this call, so it stops counting as unmapped.
+/// The returned guard marks the change in flight until the launch returns
+/// (the reconcile drops a measurement taken meanwhile).
+#[inline]
+pub(crate) fn mapping(exec: Ptr) -> Option<crate::mem::InFlight> {
+    if UNMAPPED.load(Ordering::Acquire) == 0 {
+        return None;
+    }
+    first_launch(exec)
+}
+
+#[cold]
+fn first_launch(exec: Ptr) -> Option<crate::mem::InFlight> {
+    let flight = crate::mem::InFlight::begin();
+    let mut t = table();
+    let e = t.execs.get_mut(&(exec as usize))?;
+    let (gpu, n) = (e.gpu, std::mem::take(&mut e.unmapped));
+    if n == 0 {
+        return None;
+    }
+    forget_unmapped(&mut t, gpu, n);
+    Some(flight)
+}
+
+fn forget_unmapped(t: &mut Table, gpu: usize, n: u64) {
+    if let Some(u) = t.unmapped.get_mut(&gpu) {
+        *u = u.saturating_sub(n);
+    }
+    UNMAPPED.fetch_sub(n, Ordering::AcqRel);
 }
 
 /// Whether work submitted to `stream` is being captured (the real driver's
@@ -311,19 +367,34 @@ unsafe fn instantiate(out: *mut Ptr, graph: Ptr, call: impl FnOnce() -> CUresult
         *c -= take;
         take
     };
-    let r = crate::mem::reserve_for(device, w.bytes - cached, call);
+    let fresh = w.bytes - cached;
+    let gpu = crate::devices::record(device).unwrap_or(0);
+    // The exec is recorded inside the reservation's in-flight window, so no
+    // reconcile sees the reserved bytes without them marked unmapped.
+    let r = crate::mem::reserve_for(device, fresh, || {
+        let r = call();
+        if r == CUDA_SUCCESS && !out.is_null() {
+            let exec = Exec {
+                cost: w.cost,
+                nodes: w.nodes,
+                bytes: w.bytes,
+                device,
+                gpu,
+                unmapped: fresh,
+            };
+            let mut t = table();
+            // SAFETY: the driver succeeded, so it wrote the exec.
+            t.execs.insert(unsafe { *out } as usize, exec);
+            if fresh > 0 {
+                *t.unmapped.entry(gpu).or_default() += fresh;
+                UNMAPPED.fetch_add(fresh, Ordering::AcqRel);
+            }
+        }
+        r
+    });
     if r != CUDA_SUCCESS || out.is_null() {
         *table().cached.entry(device).or_default() += cached;
-        return r;
     }
-    let exec = Exec {
-        cost: w.cost,
-        nodes: w.nodes,
-        bytes: w.bytes,
-        device,
-    };
-    // SAFETY: the driver succeeded, so it wrote the exec.
-    table().execs.insert(unsafe { *out } as usize, exec);
     r
 }
 
@@ -500,10 +571,12 @@ cuda_exports! {
         // name; pointers are our caller's (passed on unchanged) or our own locals.
         let r = unsafe { f(exec) };
         if r == CUDA_SUCCESS {
+            let _flight = crate::mem::InFlight::begin();
             let mut t = table();
             if let Some(e) = t.execs.remove(&(exec as usize))
                 && e.bytes > 0
             {
+                forget_unmapped(&mut t, e.gpu, e.unmapped);
                 // The driver's graph pool keeps it until trimmed.
                 *t.cached.entry(e.device).or_default() += e.bytes;
             }

@@ -129,6 +129,7 @@ cuda_exports! {
 
     fn cuGraphLaunch(exec: Ptr, stream: Ptr) {
         let real = real_cuda!(cuGraphLaunch: GraphLaunch);
+        let _first = crate::graph::mapping(exec);
         let probe = hook_on(stream, false, || launch_cost(exec));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
@@ -137,6 +138,7 @@ cuda_exports! {
 
     fn cuGraphLaunch_ptsz(exec: Ptr, stream: Ptr) {
         let real = real_cuda!(cuGraphLaunch_ptsz: GraphLaunch);
+        let _first = crate::graph::mapping(exec);
         let probe = hook_on(stream, true, || launch_cost(exec));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.

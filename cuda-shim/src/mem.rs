@@ -25,7 +25,7 @@ mod vmm;
 pub use arrays::{
     Array3dDesc, Array3dDescV1, ArrayDesc, ArrayDescV1, array_bytes, format_bytes, mipmapped_bytes,
 };
-pub(crate) use quota::{release_reserved, reserve_for};
+pub(crate) use quota::{InFlight, release_reserved, reserve_for};
 pub use reconcile::extra as reconciled_extra;
 pub(crate) use reconcile::fresh as measure_if_stale;
 

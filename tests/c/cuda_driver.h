@@ -36,6 +36,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t bytes);
 CUresult cuMemFree_v2(CUdeviceptr ptr);
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes);
 CUresult cuModuleLoadData(CUmodule *m, const void *image);
+CUresult cuModuleUnload(CUmodule m);
 CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name);
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                         unsigned bz, unsigned shared, CUstream s, void **params, void **extra);

@@ -6,7 +6,8 @@
 // usage: shim_graph explicit      graph built node by node; launched once
 //        shim_graph capture       graph captured from two streams; launched once
 //        shim_graph charge        (each step acknowledged on stdin) set up,
-//                                 capture, launch the graph 3 times, launch
+//                                 capture, instantiate (a module loaded and
+//                                 unloaded), launch the graph 3 times, launch
 //                                 one kernel directly, launch a graph of 2
 //                                 kernel nodes, again after giving the
 //                                 second 10x the blocks
@@ -265,6 +266,12 @@ int main(int argc, char **argv) {
     CUgraph g = captured_graph();
     phase("captured");
     check(cuGraphInstantiateWithFlags(&e, g, 0), "cuGraphInstantiate");
+    // A module loaded and unloaded: the interposer measures NVML right
+    // after each (a reconcile before the first launch backs the exec).
+    CUmodule m2;
+    check(cuModuleLoadData(&m2, module_image()), "cuModuleLoadData");
+    check(cuModuleUnload(m2), "cuModuleUnload");
+    phase("instantiated");
     for (int i = 0; i < 3; i++)
       check(cuGraphLaunch(e, s), "cuGraphLaunch");
     check(cuStreamSynchronize(s), "cuStreamSynchronize");

@@ -229,6 +229,9 @@ fn reconcile_gpu(a: &crate::registration::Attach, gpu: usize, n: &Nvml, extra: &
         return;
     }
     let used = p.used_on(gpu).load(Ordering::Acquire);
+    // Graph memory reserved but not backed until its exec's first launch:
+    // not in NVML's figure yet, so not compared with it.
+    let unmapped = crate::graph::unmapped_on(gpu);
     let Some(measured) = measure(n, a.host_pid, std::process::id() as i32) else {
         // Only a process that holds device memory is listed; before its
         // first context nothing is missing.
@@ -240,7 +243,7 @@ fn reconcile_gpu(a: &crate::registration::Attach, gpu: usize, n: &Nvml, extra: &
     if STARTED.load(Ordering::Acquire) != started || FINISHED.load(Ordering::Acquire) != started {
         return;
     }
-    let counted = used.saturating_sub(*extra);
+    let counted = used.saturating_sub(*extra).saturating_sub(unmapped);
     let target = measured.saturating_sub(counted);
     if target > *extra {
         force_take(a, gpu, target - *extra);
