@@ -84,7 +84,11 @@ pub fn run(
     assert!(get_u64(&b, "allocated", &log) >= 6, "{log}");
     c.kubectl_ok(&["delete", "pod", "quota", "--wait=false"]);
 
-    // Two shares on one GPU at 30/70.
+    // Two shares on one GPU at 30/70, measured out of the other real-node
+    // suite's heavy phases (it runs beside this one): the lock is taken
+    // before the pods, whose programs run 50 s (taken after them, a 160 s
+    // wait outlived them, 5e18ffa).
+    let load = test_support::k8s::host_load::HostLoad::measure("the 30/70 figure");
     let secs = 50;
     for (name, cores) in [("share30", 30), ("share70", 70)] {
         c.apply(&pod_yaml(
@@ -124,9 +128,7 @@ pub fn run(
             Err(format!("host pids on GPU {g30}: {pids:?}"))
         }
     });
-    // Warm-up (the controllers settle), then a measured window, out of
-    // the other real-node suite's heavy phases (it runs beside this one).
-    let load = test_support::k8s::host_load::HostLoad::measure("the 30/70 figure");
+    // Warm-up (the controllers settle), then a measured window.
     std::thread::sleep(Duration::from_secs(6));
     let from = gpu_sim_core::state::now_ns();
     std::thread::sleep(Duration::from_secs(20));
