@@ -60,7 +60,8 @@ impl HostLoad {
     }
 }
 
-fn open(path: &Path) -> fs::File {
+/// The lock file at `path`, created if missing (also the machine lock's).
+pub(crate) fn open(path: &Path) -> fs::File {
     fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -70,7 +71,7 @@ fn open(path: &Path) -> fs::File {
 }
 
 /// Whether a lock of `kind` on `f` can be taken now (taken if so).
-fn try_lock(f: &fs::File, kind: libc::c_int) -> bool {
+pub(crate) fn try_lock(f: &fs::File, kind: libc::c_int) -> bool {
     // SAFETY: a valid open fd.
     unsafe { libc::flock(f.as_raw_fd(), kind | libc::LOCK_NB) == 0 }
 }

@@ -234,19 +234,13 @@ pub struct MachineLock {
 
 impl MachineLock {
     pub fn take() -> MachineLock {
-        use std::os::fd::AsRawFd;
-        let f = fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open("/tmp/vcuda-k8s.lock")
-            .unwrap();
+        use super::host_load::{open, try_lock};
+        let f = open(std::path::Path::new("/tmp/vcuda-k8s.lock"));
         wait(
             "the machine lock (/tmp/vcuda-k8s.lock: a real node or another test using /dev/nvidia*)",
             1200,
             || {
-                // SAFETY: a valid open fd.
-                if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+                if try_lock(&f, libc::LOCK_EX) {
                     Ok(())
                 } else {
                     Err("held".into())
