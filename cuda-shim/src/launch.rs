@@ -9,7 +9,9 @@
 //! `throttle::timed`, whose probe the wrapper closes after the real call). Before
 //! that the compute tier's check ([`crate::qos::before_launch`]): one load
 //! for a process of neither tier, four for a batch one (three when a latency
-//! process is registered on its first GPU).
+//! process is registered on its first GPU). After the real call, one relaxed
+//! load ([`crate::mem::launched`]: a launch ran since the memory view last
+//! measured).
 
 use crate::arg;
 use crate::graph::{captured, launch_cost};
@@ -56,6 +58,15 @@ fn hook_on(stream: Ptr, ptsz: bool, cost: impl FnOnce() -> u64) -> Probe {
     before_launch_on(stream, ptsz, || captured(stream, ptsz), cost, register)
 }
 
+/// After the real launch: the probe closes, and the memory view learns that
+/// a launch ran (the driver may have loaded its kernel's module: `mem::launched`).
+#[inline(always)]
+fn done(probe: Probe, r: CUresult) -> CUresult {
+    let r = probe.after(r);
+    crate::mem::launched();
+    r
+}
+
 /// A process that throttles but is not registered (a fork child that only
 /// launches) registers when a launch first waits: the manager then lists
 /// it in pids.config, so the controller counts its utilisation, and its own
@@ -74,7 +85,7 @@ cuda_exports! {
         let probe = hook_on(stream, false, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        probe.after(unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) })
+        done(probe, unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) })
     }
 
     fn cuLaunchKernel_ptsz(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params, extra: Params) {
@@ -82,7 +93,7 @@ cuda_exports! {
         let probe = hook_on(stream, true, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        probe.after(unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) })
+        done(probe, unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) })
     }
 
     fn cuLaunchCooperativeKernel(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params) {
@@ -90,7 +101,7 @@ cuda_exports! {
         let probe = hook_on(stream, false, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        probe.after(unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params) })
+        done(probe, unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params) })
     }
 
     fn cuLaunchCooperativeKernel_ptsz(f: Ptr, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shmem: u32, stream: Ptr, params: Params) {
@@ -98,7 +109,7 @@ cuda_exports! {
         let probe = hook_on(stream, true, || kernel_cost([gx, gy, gz], [bx, by, bz]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        probe.after(unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params) })
+        done(probe, unsafe { real(f, gx, gy, gz, bx, by, bz, shmem, stream, params) })
     }
 
     fn cuLaunchKernelEx(config: *const LaunchConfig, f: Ptr, params: Params, extra: Params) {
@@ -107,7 +118,7 @@ cuda_exports! {
         let probe = hook_on(stream, false, || arg(config).map_or(0, |c| kernel_cost(c.grid, c.block)));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        probe.after(unsafe { real(config, f, params, extra) })
+        done(probe, unsafe { real(config, f, params, extra) })
     }
 
     fn cuLaunchKernelEx_ptsz(config: *const LaunchConfig, f: Ptr, params: Params, extra: Params) {
@@ -116,7 +127,7 @@ cuda_exports! {
         let probe = hook_on(stream, true, || arg(config).map_or(0, |c| kernel_cost(c.grid, c.block)));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        probe.after(unsafe { real(config, f, params, extra) })
+        done(probe, unsafe { real(config, f, params, extra) })
     }
 
     fn cuLaunchCooperativeKernelMultiDevice(params: Ptr, num_devices: u32, flags: u32) {
@@ -124,7 +135,7 @@ cuda_exports! {
         hook(|| 0);
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        unsafe { real(params, num_devices, flags) }
+        done(Probe::NONE, unsafe { real(params, num_devices, flags) })
     }
 
     fn cuGraphLaunch(exec: Ptr, stream: Ptr) {
@@ -133,7 +144,7 @@ cuda_exports! {
         let probe = hook_on(stream, false, || launch_cost(exec));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        probe.after(unsafe { real(exec, stream) })
+        done(probe, unsafe { real(exec, stream) })
     }
 
     fn cuGraphLaunch_ptsz(exec: Ptr, stream: Ptr) {
@@ -142,7 +153,7 @@ cuda_exports! {
         let probe = hook_on(stream, true, || launch_cost(exec));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        probe.after(unsafe { real(exec, stream) })
+        done(probe, unsafe { real(exec, stream) })
     }
 
     fn cuLaunch(f: Ptr) {
@@ -150,7 +161,7 @@ cuda_exports! {
         hook(|| 0);
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        unsafe { real(f) }
+        done(Probe::NONE, unsafe { real(f) })
     }
 
     fn cuLaunchGrid(f: Ptr, w: i32, h: i32) {
@@ -158,7 +169,7 @@ cuda_exports! {
         hook(|| kernel_cost([w.max(1) as u32, h.max(1) as u32, 1], [1, 1, 1]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        unsafe { real(f, w, h) }
+        done(Probe::NONE, unsafe { real(f, w, h) })
     }
 
     fn cuLaunchGridAsync(f: Ptr, w: i32, h: i32, stream: Ptr) {
@@ -166,6 +177,6 @@ cuda_exports! {
         let probe = hook_on(stream, false, || kernel_cost([w.max(1) as u32, h.max(1) as u32, 1], [1, 1, 1]));
         // SAFETY: the real driver's function of this exact signature, resolved by
         // name; pointers are our caller's (passed on unchanged) or our own locals.
-        probe.after(unsafe { real(f, w, h, stream) })
+        done(probe, unsafe { real(f, w, h, stream) })
     }
 }

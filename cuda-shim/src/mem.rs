@@ -27,7 +27,7 @@ pub use arrays::{
 };
 pub(crate) use quota::{InFlight, release_reserved, reserve_for};
 pub use reconcile::extra as reconciled_extra;
-pub(crate) use reconcile::fresh as measure_if_stale;
+pub(crate) use reconcile::{fresh as measure_if_stale, launched};
 
 use crate::qos::Synced;
 use crate::real::real_cuda;

@@ -26,7 +26,7 @@ use crate::real::{Lib, sym, try_handle};
 use crate::registration::proc;
 use std::ffi::{CString, c_void};
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// How often the watcher's tick measures.
@@ -263,18 +263,37 @@ fn reconcile_gpu(a: &crate::registration::Attach, gpu: usize, n: &Nvml, extra: &
 /// How old a measurement may be when a program asks what is free.
 const FRESH: Duration = Duration::from_millis(2);
 
-/// Measures again unless the last measurement is under [`FRESH`] old, for
-/// the memory queries (`cuMemGetInfo`, `nvmlDeviceGetMemoryInfo`): what the
-/// driver took on its own since the last tick (a module loaded lazily at a
-/// kernel's first launch) is then already in the answer, as it is in the
-/// driver's per-process figure. vLLM sizes its KV cache from one such
-/// query right after its warm-up launches.
+/// A kernel launch returned since the last measurement: with lazy loading
+/// the driver loads a kernel's module at its first launch, so its memory
+/// may have grown. Set after the real launch, cleared before a measurement.
+static LAUNCHED: AtomicBool = AtomicBool::new(false);
+
+/// Every launch, after the real call: one relaxed load, the store only on
+/// the first launch after a measurement (the line stays shared otherwise).
+#[inline(always)]
+pub(crate) fn launched() {
+    if !LAUNCHED.load(Ordering::Relaxed) {
+        LAUNCHED.store(true, Ordering::Release);
+    }
+}
+
+/// Measures again, for the memory queries (`cuMemGetInfo`,
+/// `nvmlDeviceGetMemoryInfo`), unless the last measurement is under
+/// [`FRESH`] old and no launch ran since: what the driver took on its own
+/// (a module loaded lazily at a kernel's first launch) is then already in
+/// the answer, as it is in the driver's per-process figure. vLLM sizes its
+/// KV cache from one such query right after its warm-up launches; a loop of
+/// launch-then-query (1 ms apart) read the ledger before the module at a
+/// time window alone.
 pub(crate) fn fresh() {
     if config::enforce().is_none() {
         return;
     }
     let last = LAST_NS.load(Ordering::Acquire);
-    if last != 0 && now_ns().saturating_sub(last) < FRESH.as_nanos() as u64 {
+    if last != 0
+        && now_ns().saturating_sub(last) < FRESH.as_nanos() as u64
+        && !LAUNCHED.load(Ordering::Acquire)
+    {
         return;
     }
     now();
@@ -283,6 +302,7 @@ pub(crate) fn fresh() {
 /// Measures now (after a context, module or heap change).
 pub(crate) fn now() {
     LAST_NS.store(now_ns(), Ordering::Release);
+    LAUNCHED.store(false, Ordering::Release);
     reconcile();
 }
 
@@ -316,6 +336,7 @@ pub fn tick() {
         return;
     }
     LAST_NS.store(now, Ordering::Release);
+    LAUNCHED.store(false, Ordering::Release);
     super::pool::settle_all();
     reconcile();
 }
