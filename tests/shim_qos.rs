@@ -23,6 +23,10 @@ use test_support::{target_dir, workspace_root};
 
 const SECONDS: f64 = 6.0;
 
+/// The tenants' nice: a GPU server's process gets a core on a real node;
+/// here the test host's other work must not starve its launch thread.
+const FAVOUR: i32 = -10;
+
 fn kv(out: &str) -> HashMap<String, f64> {
     out.split_whitespace()
         .filter_map(|w| w.split_once('='))
@@ -43,6 +47,8 @@ struct Run {
     lat_unattributed: u64,
     /// The batch share's held launches (its ledger): ns waited, holds.
     held: (u64, u64),
+    /// What the host's CPUs did in the window (for a figure's message).
+    host: String,
 }
 
 /// One run at a time: each is two processes timing the sim's device, and
@@ -81,6 +87,10 @@ fn beside_latency_with(batch_args: &[&str], latency_extra: &[&str], env: &[(&str
     let mut lat_args = vec![secs.as_str(), "100", "3", "17280", "warmup=1"];
     lat_args.extend(latency_extra);
     let l = workload::start_with(&lat, &lat_prog, &lat_args, env);
+    // What is measured is how the tiers keep the device fed, not how fast a
+    // busy host wakes the tenants: the two favoured over the rest of the host.
+    b.favour(FAVOUR);
+    l.favour(FAVOUR);
     assert_eq!(
         page.page.latency_live(),
         1,
@@ -90,7 +100,10 @@ fn beside_latency_with(batch_args: &[&str], latency_extra: &[&str], env: &[(&str
         l.start + workload::s(1.0),
         l.start + workload::s(SECONDS - 0.5),
     );
+    workload::sleep_until(from);
+    let cpu = workload::HostCpu::now(&[b.pid, l.pid]);
     workload::sleep_until(to);
+    let host = cpu.since();
     let batch_busy = n.busy(&[b.pid], from, to);
     let out = kv(&workload::finish(l));
     workload::finish(b);
@@ -99,6 +112,7 @@ fn beside_latency_with(batch_args: &[&str], latency_extra: &[&str], env: &[(&str
         (l.qos_held_ns(), l.qos_holds())
     };
     Run {
+        host,
         page,
         batch_busy,
         out,
@@ -116,6 +130,9 @@ fn beside_latency_with(batch_args: &[&str], latency_extra: &[&str], env: &[(&str
 /// processes keep busy: what a busy host moves most. `tests/run.sh` skips
 /// `quiet_host::` in the workspace run (beside the 1.20 cluster, the short-kernel
 /// batch share fell to 64 %) and runs this binary once no cluster runs.
+/// CI's glibc-2.17 run got 64.8 % with no cluster up (at 09da4e7); two
+/// busy loops here give 70-74 %, and 85-87 % with the tenants at nice -10
+/// ([`FAVOUR`]); each figure's message says what the host's CPUs did.
 mod quiet_host {
     use super::*;
 
@@ -126,6 +143,7 @@ mod quiet_host {
             batch_busy,
             out,
             held: (held_ns, holds),
+            host,
             ..
         } = beside_latency(&["saturate", "4"], &[]);
         assert!(
@@ -145,7 +163,10 @@ mod quiet_host {
         // Requests are 6 % of the GPU: a soft batch share keeps most of the rest
         // (about 88 % on an idle machine; one launch in flight costs it little
         // with 1 ms kernels).
-        assert!(batch_busy > 50.0, "batch got {batch_busy:.1} % of the GPU");
+        assert!(
+            batch_busy > 50.0,
+            "batch got {batch_busy:.1} % of the GPU ({host})"
+        );
         let requests = out["requests"];
         assert!(requests >= 400.0, "{requests} requests counted: {out:?}");
         // Not a latency target (see the bench): a request never waits out a
@@ -163,13 +184,14 @@ mod quiet_host {
         // builds); the bound keeps 88–90 %, with a CPU hog beside it too.
         let r = beside_latency(&["blockmix", "50"], &[]);
         eprintln!(
-            "shim_qos: batch of short kernels kept {:.1} % of the GPU",
-            r.batch_busy
+            "shim_qos: batch of short kernels kept {:.1} % of the GPU ({})",
+            r.batch_busy, r.host
         );
         assert!(
             r.batch_busy > 72.0,
-            "batch got {:.1} % of the GPU",
-            r.batch_busy
+            "batch got {:.1} % of the GPU ({})",
+            r.batch_busy,
+            r.host
         );
         assert!(r.out["requests"] >= 400.0, "{:?}", r.out);
         assert!(r.out["p99_us"] < 50_000.0, "{:?}", r.out);
@@ -185,13 +207,19 @@ mod quiet_host {
         let (held_ns, holds) = r.held;
         let held = held_ns as f64 / 1e9 / (SECONDS + 2.0);
         eprintln!(
-            "shim_qos: beside a polling latency tenant batch was held {:.1} % of its run ({holds} holds), kept {:.1} % of the GPU",
+            "shim_qos: beside a polling latency tenant batch was held {:.1} % of its run ({holds} holds), kept {:.1} % of the GPU ({})",
             held * 100.0,
-            r.batch_busy
+            r.batch_busy,
+            r.host
         );
         assert!(holds > 0, "batch launches were held");
         assert!(held < 0.4, "batch held {:.1} % of its run", held * 100.0);
-        assert!(r.batch_busy > 50.0, "batch got {:.1} %", r.batch_busy);
+        assert!(
+            r.batch_busy > 50.0,
+            "batch got {:.1} % ({})",
+            r.batch_busy,
+            r.host
+        );
         assert!(r.out["requests"] >= 400.0, "{:?}", r.out);
     }
 

@@ -64,6 +64,32 @@ pub fn start_with(c: &Container, prog: &Path, args: &[&str], env: &[(&str, &str)
 }
 
 impl Running {
+    /// Runs every thread of the workload at nice `nice` (negative:
+    /// favoured; root's CAP_SYS_NICE). For tests that time the sim's device
+    /// through a workload that must wake promptly to keep it fed: a busy
+    /// host then moves the figure less. Threads created later inherit it.
+    /// Says on stderr when it cannot (the run goes on at its nice).
+    pub fn favour(&self, nice: i32) {
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", self.pid));
+        let mut refused = Vec::new();
+        for tid in tasks.into_iter().flatten().flatten() {
+            let Some(tid) = tid.file_name().to_str().and_then(|t| t.parse::<u32>().ok()) else {
+                continue;
+            };
+            // SAFETY: setpriority on a thread id we just listed; no pointers.
+            if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) } != 0 {
+                refused.push(format!("{tid}: {}", std::io::Error::last_os_error()));
+            }
+        }
+        if !refused.is_empty() {
+            eprintln!(
+                "workload {}: nice {nice} refused ({}): it runs at its own",
+                self.pid,
+                refused.join(", ")
+            );
+        }
+    }
+
     /// Reads the workload's output until a line has `key=N`; N.
     pub fn wait_for(&mut self, key: &str) -> u64 {
         let mut line = String::new();
@@ -81,6 +107,72 @@ impl Running {
             }
         }
     }
+}
+
+/// The host's CPU time from a point on, and the share of it some processes
+/// took: what a figure that a busy host moves was measured beside.
+pub struct HostCpu {
+    host: (u64, u64),
+    pids: Vec<(i32, u64)>,
+}
+
+impl HostCpu {
+    /// From now, for `pids` (still running at [`HostCpu::since`]).
+    pub fn now(pids: &[i32]) -> HostCpu {
+        HostCpu {
+            host: host_ticks(),
+            pids: pids.iter().map(|&p| (p, pid_ticks(p))).collect(),
+        }
+    }
+
+    /// "busy B of N cores, P of them the workloads" since [`HostCpu::now`].
+    pub fn since(&self) -> String {
+        let (busy, total) = host_ticks();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let span = total.saturating_sub(self.host.1).max(1) as f64;
+        let share = |t: u64| t as f64 / span * cores;
+        let ours: u64 = self
+            .pids
+            .iter()
+            .map(|&(p, t0)| pid_ticks(p).saturating_sub(t0))
+            .sum();
+        format!(
+            "the host was busy {:.2} of {cores} cores, {:.2} of them the workloads",
+            share(busy.saturating_sub(self.host.0)),
+            share(ours)
+        )
+    }
+}
+
+/// /proc/stat's first line: (busy, all) in ticks, across CPUs.
+fn host_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    let all: u64 = f.iter().take(8).sum();
+    // idle and iowait
+    let idle = f.get(3).copied().unwrap_or(0) + f.get(4).copied().unwrap_or(0);
+    (all.saturating_sub(idle), all)
+}
+
+/// utime + stime of `pid` in ticks (0 once it is gone).
+fn pid_ticks(pid: i32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // After the command's closing parenthesis: state is field 3, utime 14.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    f.iter().sum()
 }
 
 /// Waits for the workload to exit successfully; its remaining output.
