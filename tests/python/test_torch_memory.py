@@ -27,10 +27,10 @@ torch.cuda.mem_get_info (cudaMemGetInfo, torch/cuda/memory.py:848-864),
 nvmlDeviceGetMemoryInfo (torch.cuda.device_memory_used,
 torch/cuda/__init__.py:1660-1673) and the sum of
 nvmlDeviceGetComputeRunningProcesses (torch.cuda.list_gpu_processes,
-torch/cuda/memory.py:782-808), once the interposer has reconciled with the
-driver (its NVML tick, every 100 ms): the memory the driver takes on its own
-(the kernels a first launch loads) shows in the driver's per-process figure
-first (test_vllm_sizing.py's xfail).
+torch/cuda/memory.py:782-808): the interposer measures the driver again
+at a memory query after a launch (its NVML tick is every 100 ms), so the
+memory the driver takes on its own (the kernels a first launch loads) is in
+all three at once (test_vllm_sizing.py's first-launch test).
 """
 
 import json
