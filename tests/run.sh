@@ -398,14 +398,6 @@ export VCUDA_K8S_MODERN_BIN
 log "build"
 cargo build --workspace --all-targets
 
-if [ "$SOAK_RUNS" = 0 ]; then
-  log "format and lints"
-  # The style the code is reviewed in: rustfmt's, and clippy with warnings
-  # as errors over every target (~3 min on 2 cores after the build).
-  run_tests "rustfmt" cargo fmt --all --check
-  run_tests "clippy" cargo clippy -q --workspace --all-targets -- -D warnings
-fi
-
 log "the shipped interposer"
 # The interposer as shipped (deploy/Dockerfile): release, glibc 2.17. Same
 # target dir; it lands in target/x86_64-unknown-linux-gnu/release/.
@@ -423,11 +415,13 @@ if [ "$SOAK_RUNS" -gt 0 ]; then
 fi
 
 log "cargo tests"
-# The 1.20 real-node suite (~14 min, mostly waiting on pods: load ~1 of 2
-# cores) runs beside the other test binaries (~8 min of compute, each green
-# 5 of 5 with the other core loaded: tests/soak.md); `--skip` keeps it out
-# of the workspace run, and the other test that takes the machine lock
-# (dra-driver's cdi_containerd: it would wait the suite out) runs after.
+# The 1.20 real-node suite (~18 min, mostly waiting on pods: load ~1 of 2
+# cores) runs beside every phase that only computes: the other test
+# binaries (~10 min, each green 5 of 5 with the other core loaded:
+# tests/soak.md), the glibc-2.17 interposer tests, the Python tests and the
+# lints. `--skip` keeps it out of the workspace run, and the other test that
+# takes the machine lock (dra-driver's cdi_containerd: it would wait the
+# suite out) runs after.
 start_beside "device-plugin real-node suite on Kubernetes 1.20 (tests/k8s_node)" \
   cargo test -p vcuda-tests --test k8s_node -- --nocapture
 # vcuda-tests' tests in a `quiet_host` module time the sim's device against a second
@@ -436,6 +430,34 @@ start_beside "device-plugin real-node suite on Kubernetes 1.20 (tests/k8s_node)"
 # cluster up.
 run_tests "cargo tests" cargo test --workspace --no-fail-fast -- \
   --skip real_node_suite --skip containerd_injects_the_prepared_cdi_device --skip quiet_host::
+
+log "interposer tests again, on the shipped glibc-2.17 build"
+# test-support (crates/testing/test-support/src/shim/simnode.rs) mirrors $VCUDA_INTERPOSER
+# instead of this profile's host build: the same memory, compute and graph
+# quota tests and entry-point tests, on the library containers actually get;
+# and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real,
+# nvidia_oracle: exports and cuGetProcAddress). shim_qos's `quiet_host`
+# tests too: their tenants run at nice -10 (85-87 % beside two busy loops,
+# tests/soak.md).
+VCUDA_INTERPOSER="$shipped_interposer" run_tests "interposer tests (glibc 2.17)" \
+  cargo test -p vcuda-tests --no-fail-fast --test shim_quota --test shim_compute --test shim_qos --test shim_graph --test shim_capture --test shim_entry \
+  --test nvidia_real --test nvidia_oracle --test sim_cudart
+
+log "python tests"
+export VCUDA_TARGET_DIR="$REPO/target/debug"
+run_tests "python tests" python3 -m pytest -q tests/python
+# NVIDIA's own clients (pynvml, cuda-bindings) and PyTorch on the shipped
+# glibc-2.17 build.
+log "python clients (glibc 2.17)"
+VCUDA_INTERPOSER="$shipped_interposer" run_tests "python clients (glibc 2.17)" \
+  python3 -m pytest -q tests/python/test_shim_clients.py tests/python/test_torch.py
+
+log "format and lints"
+# The style the code is reviewed in: rustfmt's, and clippy with warnings
+# as errors over every target (~3 min on 2 cores after the build).
+run_tests "rustfmt" cargo fmt --all --check
+run_tests "clippy" cargo clippy -q --workspace --all-targets -- -D warnings
+
 log "the device-plugin real-node suite on Kubernetes 1.20 (its end)"
 finish_beside
 run_tests "cdi_containerd" cargo test -p dra-driver --test cdi_containerd
@@ -454,33 +476,10 @@ else
 fi
 bash tests/k8s/cluster-modern.sh down || failed+=("tests/k8s/cluster-modern.sh down")
 
-log "interposer tests again, on the shipped glibc-2.17 build"
-# test-support (crates/testing/test-support/src/shim/simnode.rs) mirrors $VCUDA_INTERPOSER
-# instead of this profile's host build: the same memory, compute and graph
-# quota tests and entry-point tests, on the library containers actually get;
-# and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real,
-# nvidia_oracle: exports and cuGetProcAddress).
-VCUDA_INTERPOSER="$shipped_interposer" run_tests "interposer tests (glibc 2.17)" \
-  cargo test -p vcuda-tests --no-fail-fast --test shim_quota --test shim_compute --test shim_qos --test shim_graph --test shim_capture --test shim_entry \
-  --test nvidia_real --test nvidia_oracle --test sim_cudart
-
-# The suite the 1.20 node ran in "cargo tests", now on the modern node (it
-# brings cluster-modern.sh up and down itself: VCUDA_K8S_MODERN=1,
-# test-support's k8s::util::Flavor). It mostly waits on pods (load ~1 of
-# 2 cores), so the Python phases run beside it; the glibc-2.17 interposer
-# tests do not: shim_qos's short-kernel batch share fell to 64 % of the GPU
-# (72 wanted, 88-90 alone or beside a busy loop) beside it at 812a2db.
-start_beside "device-plugin real-node suite on Kubernetes 1.37 (tests/k8s_node)" \
-  env VCUDA_K8S_MODERN=1 cargo test -p vcuda-tests --test k8s_node -- --nocapture
-
-log "python tests"
-export VCUDA_TARGET_DIR="$REPO/target/debug"
-run_tests "python tests" python3 -m pytest -q tests/python
-# NVIDIA's own clients (pynvml, cuda-bindings) and PyTorch on the shipped
-# glibc-2.17 build.
-log "python clients (glibc 2.17)"
-VCUDA_INTERPOSER="$shipped_interposer" run_tests "python clients (glibc 2.17)" \
-  python3 -m pytest -q tests/python/test_shim_clients.py tests/python/test_torch.py
-
-log "the device-plugin real-node suite on Kubernetes 1.37 (its end)"
-finish_beside
+log "the device-plugin real-node suite on Kubernetes 1.37"
+# The suite the 1.20 node ran, now on the modern node (it brings
+# cluster-modern.sh up and down itself: VCUDA_K8S_MODERN=1, test-support's
+# k8s::util::Flavor). Last: every phase that computes ran beside the 1.20
+# suite.
+VCUDA_K8S_MODERN=1 run_tests "device-plugin real-node suite on Kubernetes 1.37 (tests/k8s_node)" \
+  cargo test -p vcuda-tests --test k8s_node -- --nocapture
