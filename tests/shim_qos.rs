@@ -101,7 +101,7 @@ fn beside_latency_with(batch_args: &[&str], latency_extra: &[&str], env: &[(&str
         l.start + workload::s(SECONDS - 0.5),
     );
     workload::sleep_until(from);
-    let cpu = workload::HostCpu::now(&[b.pid, l.pid]);
+    let cpu = test_support::process::HostCpu::now(&[b.pid as u32, l.pid as u32]);
     workload::sleep_until(to);
     let host = cpu.since();
     let batch_busy = n.busy(&[b.pid], from, to);

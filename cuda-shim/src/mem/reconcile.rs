@@ -282,9 +282,9 @@ pub(crate) fn launched() {
 /// [`FRESH`] old and no launch ran since: what the driver took on its own
 /// (a module loaded lazily at a kernel's first launch) is then already in
 /// the answer, as it is in the driver's per-process figure. vLLM sizes its
-/// KV cache from one such query right after its warm-up launches; a loop of
-/// launch-then-query (1 ms apart) read the ledger before the module at a
-/// time window alone.
+/// KV cache from one such query right after its warm-up launches; with the
+/// time window alone, a query under 2 ms after the previous one missed the
+/// module its launch loaded.
 pub(crate) fn fresh() {
     if config::enforce().is_none() {
         return;
@@ -301,9 +301,14 @@ pub(crate) fn fresh() {
 
 /// Measures now (after a context, module or heap change).
 pub(crate) fn now() {
-    LAST_NS.store(now_ns(), Ordering::Release);
-    LAUNCHED.store(false, Ordering::Release);
+    measuring(now_ns());
     reconcile();
+}
+
+/// A measurement starts at `at`: what [`fresh`] compares with.
+fn measuring(at: u64) {
+    LAST_NS.store(at, Ordering::Release);
+    LAUNCHED.store(false, Ordering::Release);
 }
 
 /// Measures now; true when the extra is above `before` (taken before the
@@ -335,8 +340,7 @@ pub fn tick() {
     if now.saturating_sub(last) < PERIOD.as_nanos() as u64 && last != 0 {
         return;
     }
-    LAST_NS.store(now, Ordering::Release);
-    LAUNCHED.store(false, Ordering::Release);
+    measuring(now);
     super::pool::settle_all();
     reconcile();
 }

@@ -116,6 +116,58 @@ impl CpuSample {
     }
 }
 
+/// The host's CPU time from a point on, and the share of it some processes
+/// took: what a figure that a busy host moves was measured beside.
+pub struct HostCpu {
+    host: (u64, u64),
+    pids: Vec<(u32, u64)>,
+}
+
+impl HostCpu {
+    /// From now, for `pids` (still running at [`HostCpu::since`]).
+    pub fn now(pids: &[u32]) -> HostCpu {
+        HostCpu {
+            host: host_ticks(),
+            pids: pids.iter().map(|&p| (p, cpu_ticks(p))).collect(),
+        }
+    }
+
+    /// "busy B of N cores, P of them the workloads" since [`HostCpu::now`].
+    pub fn since(&self) -> String {
+        let (busy, total) = host_ticks();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let span = total.saturating_sub(self.host.1).max(1) as f64;
+        let share = |t: u64| t as f64 / span * cores;
+        let ours: u64 = self
+            .pids
+            .iter()
+            .map(|&(p, t0)| cpu_ticks(p).saturating_sub(t0))
+            .sum();
+        format!(
+            "the host was busy {:.2} of {cores} cores, {:.2} of them the workloads",
+            share(busy.saturating_sub(self.host.0)),
+            share(ours)
+        )
+    }
+}
+
+/// /proc/stat's first line: (busy, all) in ticks, across CPUs.
+fn host_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    let all: u64 = f.iter().take(8).sum();
+    // idle and iowait
+    let idle = f.get(3).copied().unwrap_or(0) + f.get(4).copied().unwrap_or(0);
+    (all.saturating_sub(idle), all)
+}
+
 /// `hold_memory MIB`: allocates, prints what it sees, holds until stdin
 /// says so. Returns the child and its first line.
 pub fn hold(cmd: &mut std::process::Command, mib: u64) -> (std::process::Child, String) {
