@@ -99,19 +99,6 @@ pub fn device_plugin_phase(n: &Node, node: &str, w: &Path, sim: &Path, bin: &Pat
     eprintln!("k8s_dra: one manifest under gpu-manager: held to 2 GiB and {busy:.1} % of the GPU");
     n.ok(&["-n", NS, "delete", "pod", "same-manifest", "--wait=true"]);
 
-    // The same pods with nothing going on: what the windows compare with.
-    windows::pods_during(
-        n,
-        "no update (baseline)",
-        "dp-quiet",
-        |p| share_pod(p, 5, 1, "sleep 100000", bin, sim),
-        10,
-        Duration::from_millis(400),
-        || {},
-        240,
-    )
-    .into_baseline();
-    windows::delete_pods(n, "dp-quiet", 10);
     windows::rolling_updates(
         n,
         APP,

@@ -606,19 +606,6 @@ fn restart_windows(n: &Node, drv: &mut DriverProc, bin: &Path, sim: &Path, w: &P
     let ours = w.join("state").display().to_string();
     n.apply(&claim_template("gpu-5", 5, "256Mi"));
     let every = std::time::Duration::from_millis(250);
-    // The same pods with nothing going on: what the windows compare with.
-    windows::pods_during(
-        n,
-        "no restart (baseline)",
-        "quiet",
-        |p| pod(p, "gpu-5", "sleep 100000", bin, sim),
-        8,
-        every,
-        || {},
-        180,
-    )
-    .into_baseline();
-    windows::delete_pods(n, "quiet", 8);
     let mut kills = Vec::new();
     for k in 0..3 {
         let prefix = format!("kill-{k}");
