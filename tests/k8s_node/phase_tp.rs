@@ -67,6 +67,12 @@ fn busy(state: &gpu_sim_core::SharedState, gpu: usize, uid: &str, from: u64, to:
 
 pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>, state: &gpu_sim_core::SharedState) {
     eprintln!("k8s_node: phase 1b: a TP = 2 server beside a second tenant on the same pair");
+    // Their shares are the sim's device time, which is host CPU: measured
+    // out of the other real-node suites' heavy phases and timed windows,
+    // the lock taken before the pods as phase 1's 30/70 does (beside the
+    // DRA suite's restart windows and the cargo tests it got 42.6 / 39.9 %,
+    // load average 4.9; alone beside the cargo tests 43.7-49.8 %).
+    let load = test_support::k8s::host_load::HostLoad::measure("the TP = 2 figure");
     let wl = Workload {
         seconds: SERVE_S as f64,
         ..Workload::default()
@@ -119,6 +125,7 @@ pub fn run(c: &Cluster, w: &Work, figures: &mut Vec<String>, state: &gpu_sim_cor
         .iter()
         .map(|&g| (busy(state, g, &us, from, to), busy(state, g, &uo, from, to)))
         .collect();
+    drop(load);
     let log = finished(c, "tp-server");
     let (r0, r1) = log.split_once("---").expect("both ranks' output");
     for (r, text) in [r0, r1].into_iter().enumerate() {
