@@ -478,21 +478,19 @@ modern_suites() {
 start_beside k8s-1.37 modern_suites
 
 log "cargo tests"
-# vcuda-tests' tests in a `quiet_host` module time the sim's device against a second
-# process (shim_qos): the cluster beside them moved those figures (a batch
-# share's 88 % fell to 64 at 924d6db), so they run after it, with no
-# cluster up.
+# shim_qos's `host_paced` tests time the sim's device against a second
+# process: the cluster beside them moved those figures (a batch share's
+# 88 % fell to 64 at 924d6db) until their tenants ran at nice -10; they
+# run here with the rest (tests/soak.md).
 run_tests "cargo tests" cargo test --workspace --no-fail-fast -- \
-  --skip real_node_suite --skip containerd_injects_the_prepared_cdi_device --skip quiet_host::
+  --skip real_node_suite --skip containerd_injects_the_prepared_cdi_device
 
 log "interposer tests again, on the shipped glibc-2.17 build"
 # test-support (crates/testing/test-support/src/shim/simnode.rs) mirrors $VCUDA_INTERPOSER
 # instead of this profile's host build: the same memory, compute and graph
 # quota tests and entry-point tests, on the library containers actually get;
 # and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real,
-# nvidia_oracle: exports and cuGetProcAddress). shim_qos's `quiet_host`
-# tests too: their tenants run at nice -10 (85-87 % beside two busy loops,
-# tests/soak.md).
+# nvidia_oracle: exports and cuGetProcAddress).
 VCUDA_INTERPOSER="$shipped_interposer" run_tests "interposer tests (glibc 2.17)" \
   cargo test -p vcuda-tests --no-fail-fast --test shim_quota --test shim_compute --test shim_qos --test shim_graph --test shim_capture --test shim_entry \
   --test nvidia_real --test nvidia_oracle --test sim_cudart
@@ -514,7 +512,8 @@ run_tests "clippy" cargo clippy -q --workspace --all-targets -- -D warnings
 
 log "the device-plugin real-node suite on Kubernetes 1.20 (its end)"
 finish_beside k8s-1.20
+# The machine lock is free once the 1.20 suite ends (the 1.37 node's is
+# private to its namespaces).
+run_tests "cdi_containerd" cargo test -p dra-driver --test cdi_containerd
 log "the 1.37 node's suites (their end)"
 finish_beside k8s-1.37
-run_tests "cdi_containerd" cargo test -p dra-driver --test cdi_containerd
-run_tests "tests that want a quiet host" cargo test -p vcuda-tests --tests --no-fail-fast -- quiet_host::

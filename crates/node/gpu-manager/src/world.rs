@@ -126,8 +126,10 @@ pub trait KubeletSource: Send + Sync {
     async fn held(&self, resources: &[&str]) -> Result<Vec<Held>, KubeletError>;
     /// The pods kubelet admits or runs now (namespace, name), from
     /// pod-resources `List`: those it refused at admission are not among
-    /// them (kubelet ≥ 1.30 lists only active pods), while the API server
-    /// may still show them Pending.
+    /// them, while the API server may still show them Pending. Only since
+    /// 1.34 (`KubeletPodResourcesListUseActivePods` on by default,
+    /// pkg/kubelet/apis/podresources/server_v1.go); an older kubelet lists
+    /// every pod it was given, refused ones too.
     async fn active_pods(&self) -> Result<Vec<(String, String)>, KubeletError>;
 }
 
