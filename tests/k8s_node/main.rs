@@ -167,7 +167,7 @@ fn real_node_suite() {
     }
     if matches!(
         std::env::var("VCUDA_K8S_ONLY").as_deref(),
-        Ok("sched" | "nodes" | "live" | "memory")
+        Ok("sched" | "nodes" | "live" | "memory" | "tp")
     ) {
         for f in &figures {
             eprintln!("k8s_node:   {f}");
@@ -193,8 +193,8 @@ fn real_node_suite() {
 
 /// Phases 1 and 2: the real gpu-manager binary on the host.
 /// `VCUDA_K8S_ONLY=sched` runs the extender's phase alone over a fresh
-/// host manager, `=nodes` the three nodes', `=live` phases 1 and 2 only
-/// (while working on them).
+/// host manager, `=nodes` the three nodes', `=live` phases 1 and 2 only,
+/// `=tp` phases 1 and 1b (while working on them).
 fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
     let only = std::env::var("VCUDA_K8S_ONLY").unwrap_or_default();
     if only == "memory" {
@@ -219,6 +219,9 @@ fn host_manager_phases(c: &Cluster, w: &Work, figures: &mut Vec<String>) {
         return;
     }
     phase_tp::run(c, w, figures, &state);
+    if only == "tp" {
+        return;
+    }
     phase_memory::run(c, w, figures);
     phase_webhook::run(c, w, figures);
     // While the host manager serves (phase 2 ends by stopping it).
