@@ -242,6 +242,18 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
+# start_build <script> <log>: a build run beside the downloads, its exit
+# status in $TEST_LOGS (await_build).
+declare -A BUILD_PID=()
+build_rc() { printf '%s/build-%s.rc' "$TEST_LOGS" "$(basename "$1" .sh)"; }
+start_build() {
+  local rc_file
+  rc_file=$(build_rc "$1")
+  rm -f "$rc_file"
+  { local rc=0; bash "$1" >"$2" 2>&1 || rc=$?; echo "$rc" >"$rc_file"; } &
+  BUILD_PID[$1]=$!
+}
+
 log "kubernetes (the real-node suite, tests/k8s)"
 # A real single node (tests/k8s_node/): Debian's etcd, containerd, runc and
 # CNI plugins, and kubelet/apiserver/scheduler/controller-manager/kubectl
@@ -266,8 +278,7 @@ if [ ${#k8s_need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${k8s_need[@]}" >/dev/null
 fi
 mkdir -p "$VCUDA_CACHE"
-bash tests/k8s/build-kubernetes.sh >"$VCUDA_CACHE/k8s-build.log" 2>&1 &
-k8s_build=$!
+start_build tests/k8s/build-kubernetes.sh "$VCUDA_CACHE/k8s-build.log"
 export VCUDA_REQUIRE_K8S=1
 
 # helm 3 from its Go module (tests/deploy/helm.rs renders and lints the
@@ -275,15 +286,13 @@ export VCUDA_REQUIRE_K8S=1
 # cold build is ~4 min on 2 cores): built beside the downloads below,
 # awaited before the workspace build.
 mkdir -p "$VCUDA_CACHE"
-bash deploy/helm/build-helm.sh >"$VCUDA_CACHE/helm-build.log" 2>&1 &
-helm_build=$!
+start_build deploy/helm/build-helm.sh "$VCUDA_CACHE/helm-build.log"
 # Kubernetes 1.37 and containerd 2 from their Go modules (tests/k8s/modern)
 # for the DRA real-node suite (tests/k8s_dra_node), cached by version
 # (/var/cache/vcuda/k8s-go-<version>, containerd-go-<version>; Go's caches in
 # /var/cache/vcuda/go; a cold build is 15-35 min on 2 cores): built beside
 # the downloads below, awaited before the workspace build.
-bash tests/k8s/build-modern.sh >"$VCUDA_CACHE/k8s-modern-build.log" 2>&1 &
-k8s_modern_build=$!
+start_build tests/k8s/build-modern.sh "$VCUDA_CACHE/k8s-modern-build.log"
 
 log "python packages"
 python3 -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
@@ -401,23 +410,32 @@ export VCUDA_REQUIRE_CONTAINERD=1
 # second filesystem at /dev/shm) fails instead of skipping.
 export VCUDA_REQUIRE_ALL=1
 
-# await_build <label> <pid> <log> <script>: a build started beside the
-# downloads, awaited; a failure shows its log and stops the run.
+# await_build <label> <log> <script>: a build started beside the
+# downloads (start_build), awaited; a failure shows its log and stops the
+# run. Its status comes from its file, not from `wait`: bash forgets a
+# finished job's status once a later child is given its PID, and a fresh
+# machine's builds go through PIDs fast (a run at c5b42dc lost the helm
+# build's, 15 min after it ended: "wait: pid 19479 is not a child of this
+# shell").
 await_build() {
-  log "$1 ($4, started beside the downloads)"
-  if ! wait "$2"; then
-    tail -n 30 "$3" >&2
-    echo "tests/run.sh: $4 failed (log above)" >&2
+  log "$1 ($3, started beside the downloads)"
+  local pid=${BUILD_PID[$3]} rc_file rc=""
+  rc_file=$(build_rc "$3")
+  while [ ! -s "$rc_file" ] && kill -0 "$pid" 2>/dev/null; do sleep 2; done
+  [ -s "$rc_file" ] && rc=$(<"$rc_file")
+  if [ "$rc" != 0 ]; then
+    tail -n 30 "$2" >&2
+    echo "tests/run.sh: $3 failed (${rc:+exit }${rc:-killed before it said}; log above)" >&2
     exit 1
   fi
 }
-await_build "kubernetes 1.20" "$k8s_build" "$VCUDA_CACHE/k8s-build.log" tests/k8s/build-kubernetes.sh
+await_build "kubernetes 1.20" "$VCUDA_CACHE/k8s-build.log" tests/k8s/build-kubernetes.sh
 VCUDA_K8S_BIN=$(tail -n1 "$VCUDA_CACHE/k8s-build.log")
 export VCUDA_K8S_BIN
-await_build helm "$helm_build" "$VCUDA_CACHE/helm-build.log" deploy/helm/build-helm.sh
+await_build helm "$VCUDA_CACHE/helm-build.log" deploy/helm/build-helm.sh
 VCUDA_HELM_BIN=$(tail -n1 "$VCUDA_CACHE/helm-build.log")
 export VCUDA_HELM_BIN
-await_build "kubernetes 1.37" "$k8s_modern_build" "$VCUDA_CACHE/k8s-modern-build.log" tests/k8s/build-modern.sh
+await_build "kubernetes 1.37" "$VCUDA_CACHE/k8s-modern-build.log" tests/k8s/build-modern.sh
 VCUDA_K8S_MODERN_BIN=$(tail -n1 "$VCUDA_CACHE/k8s-modern-build.log")
 export VCUDA_K8S_MODERN_BIN
 
