@@ -76,11 +76,10 @@ report() {
   set +e
   if [ -n "${SOAK_HOG:-}" ]; then kill "$SOAK_HOG" 2>/dev/null || true; fi
   kill "$RESOURCE_WATCH" 2>/dev/null || true
-  local key
-  for key in "${!BESIDE_PID[@]}"; do
-    kill "${BESIDE_PID[$key]}" 2>/dev/null || true
-    beside_report "$key" >/dev/null
-  done
+  if [ -n "${BESIDE_PID:-}" ]; then
+    kill "$BESIDE_PID" 2>/dev/null || true
+    failed+=("$BESIDE_LABEL (stopped unfinished: the run ended first)")
+  fi
   end_phase
   printf '\n==> phase times\n'
   printf '%s\n' "${phase_times[@]}"
@@ -126,62 +125,42 @@ record_failure() { # record_failure <label> <log>: what failed, from the log
             sed -n 's/^FAILED \([^ ]*\).*$/\1/p' "$2"; } | sort -u | paste -sd, - | sed 's/,/, /g')
   failed+=("$1${what:+ ($what)}")
 }
-# While the real-node suites run beside them, the phases that only compute
-# run under COMPUTE_PREFIX (nice): throughput work, where the suites' pods
-# hold sim-timed figures (the sim's device time is host CPU).
-COMPUTE_PREFIX=()
 run_tests() {
   local label=$1 kind=cargo
   shift
   [ "$1" = python3 ] && kind=pytest
   local out
   out=$(test_log "$label" "$kind")
-  if "${COMPUTE_PREFIX[@]}" "$@" 2>&1 | tee "$out"; then
+  if "$@" 2>&1 | tee "$out"; then
     return 0
   fi
   record_failure "$label" "$out"
 }
-# start_beside <key> <command...>: test phases that mostly wait (a real
-# node's pods) run in the background beside the phases that compute; the
-# command is one or more `beside_step <label> <command...>` run one after
-# the other, each one's output only in its log until `finish_beside <key>`
-# prints it and records how it ended and how long it took. One job per key
-# at a time.
-declare -A BESIDE_PID=()
+# start_beside <label> <command...>: a test phase that mostly waits (a real
+# node's pods) run in the background beside the phases that compute, its
+# output only in its log until finish_beside prints it and records how it
+# ended. One at a time.
 start_beside() {
-  local key=$1
+  BESIDE_LABEL=$1
   shift
-  : >"$TEST_LOGS/beside-$key.steps"
-  BESIDE_KEY=$key "$@" &
-  BESIDE_PID[$key]=$!
-}
-beside_step() { # in start_beside's job
-  local label=$1 out t0=$SECONDS rc=0
-  shift
-  out=$(test_log "$label" cargo)
-  printf '%s\n' "$label" >>"$TEST_LOGS/beside-$BESIDE_KEY.steps"
-  printf '(%s: started in the background, its output at the end)\n' "$label"
-  "$@" >"$out" 2>&1 || rc=$?
-  printf '%s %s %s\n' "$t0" "$SECONDS" "$rc" >"$out.status"
+  BESIDE_OUT=$(test_log "$BESIDE_LABEL" cargo)
+  BESIDE_T0=$SECONDS
+  rm -f "$BESIDE_OUT.rc"
+  { local rc=0; "$@" >"$BESIDE_OUT" 2>&1 || rc=$?; echo "$rc" >"$BESIDE_OUT.rc"; } &
+  BESIDE_PID=$!
+  printf '(%s: started in the background, its output at the end)\n' "$BESIDE_LABEL"
 }
 finish_beside() {
-  local key=$1
-  wait "${BESIDE_PID[$key]}" || true
-  unset "BESIDE_PID[$key]"
-  beside_report "$key"
-}
-beside_report() { # beside_report <key>: each step's output, time, verdict
-  local key=$1 label out t0 t1 rc
-  while IFS= read -r label; do
-    out=$(test_log "$label" cargo)
-    cat "$out"
-    if [ ! -s "$out.status" ] || ! read -r t0 t1 rc <"$out.status"; then
-      failed+=("$label (stopped unfinished: the run ended first)")
-      continue
-    fi
-    phase_times+=("$(printf '%6d s  %s (in the background, beside the phases above)' $((t1 - t0)) "$label")")
-    [ "$rc" -eq 0 ] || record_failure "$label" "$out"
-  done <"$TEST_LOGS/beside-$key.steps"
+  # Its status from its file, as await_build's: `wait` forgets it once a
+  # later child is given the PID.
+  local rc=""
+  while [ ! -s "$BESIDE_OUT.rc" ] && kill -0 "$BESIDE_PID" 2>/dev/null; do sleep 2; done
+  [ -s "$BESIDE_OUT.rc" ] && rc=$(<"$BESIDE_OUT.rc")
+  [ -n "$rc" ] || { echo "tests/run.sh: $BESIDE_LABEL ended without saying how (killed?)"; rc=1; }
+  BESIDE_PID=
+  cat "$BESIDE_OUT"
+  phase_times+=("$(printf '%6d s  %s (in the background, beside the phases above)' $((SECONDS - BESIDE_T0)) "$BESIDE_LABEL")")
+  [ "$rc" -eq 0 ] || record_failure "$BESIDE_LABEL" "$BESIDE_OUT"
 }
 
 # The interposer ships linked against glibc 2.17 (cuda-shim/README.md, "glibc
@@ -458,61 +437,20 @@ if [ "$SOAK_RUNS" -gt 0 ]; then
   exit 0
 fi
 
-log "the real-node suites on 1.20 and 1.37, started"
-# The three real-node suites mostly wait on pods (load ~1 of 2 cores each):
-# they run side by side, beside every phase that only computes (the other
-# test binaries, each green 5 of 5 with the other core loaded:
-# tests/soak.md; the glibc-2.17 interposer tests, Python, the lints).
-# `--skip` keeps the 1.20 suite out of the workspace run, and the other
-# test that takes the machine lock (dra-driver's cdi_containerd: it would
-# wait the suite out) runs after. Their sim-timed figures (a share's
-# percent is host CPU) and the DRA suite's timed windows wait out the 1.20
-# suite's 200-pod phase, and it them: a flock on /tmp/vcuda-host-load.lock
-# (test-support's k8s::host_load; a 70 % share got 55 % beside that phase
-# at load average 18, 7b38635); each window is judged against its
-# undisturbed twin timed just before it (tests/k8s_dra_node/windows.rs).
-start_beside k8s-1.20 beside_step "device-plugin real-node suite on Kubernetes 1.20 (tests/k8s_node)" \
-  cargo test -p vcuda-tests --test k8s_node -- --nocapture
-# The 1.37 node's two suites, one after the other, each in namespaces of
-# its own (tests/k8s/isolated.sh: both nodes use /var/lib/kubelet,
-# /etc/gpu-manager, /var/run/cdi, the sim's /dev/nvidia*, the machine
-# lock). What a killed run left of the 1.37 node goes inside (`down` on the
-# host would empty the 1.20 node's /var/lib/kubelet). The DRA suite's env
-# (written by `up`) names its kubeconfig, containerd, kubelet restart and
-# reboot commands (tests/k8s/README.md); the device-plugin suite brings the
-# node up and down itself (VCUDA_K8S_MODERN=1, test-support's
-# k8s::util::Flavor).
-modern_suites() {
-  beside_step "DRA real-node suite on Kubernetes 1.37 (tests/k8s_dra_node)" \
-    bash tests/k8s/isolated.sh bash -c 'c=tests/k8s/cluster-modern.sh rc=0
-      bash $c down || true
-      if bash $c up; then
-        (source /tmp/vcuda-k8s-modern/env && PATH="$VCUDA_K8S_MODERN_BIN:$PATH" \
-          exec cargo test -p vcuda-tests --test k8s_dra_node -- --ignored --nocapture) || rc=$?
-      else
-        echo "tests/run.sh: tests/k8s/cluster-modern.sh up failed"; rc=1
-      fi
-      bash $c down || { echo "tests/run.sh: tests/k8s/cluster-modern.sh down failed"; rc=1; }
-      exit $rc'
-  beside_step "device-plugin real-node suite on Kubernetes 1.37 (tests/k8s_node)" \
-    bash tests/k8s/isolated.sh env VCUDA_K8S_MODERN=1 cargo test -p vcuda-tests --test k8s_node -- --nocapture
-}
-start_beside k8s-1.37 modern_suites
-# The suites' pods sit in their kubelet's cgroup (kubepods: cpu.shares
-# 2048 at the root, against each root task's nice weight, 1024 at nice 0):
-# four busy cargo-test processes outweighed it two to one, and the TP = 2
-# shares fell to 39.3 % (40 wanted) at load average 7.6 (02a29a2). At
-# nice 5 (weight 335) the pods come first and the computing phases, soaked
-# green with the other core busy (tests/soak.md), still get a third of a
-# busy host.
-COMPUTE_NICE=${VCUDA_COMPUTE_NICE:-5}
-COMPUTE_PREFIX=(nice -n "$COMPUTE_NICE")
-
 log "cargo tests"
-# shim_qos's `quiet_host` tests time the sim's device against a second
-# process: beside the clusters their short-kernel batch share fell to
-# 46.6 % (72 wanted) with the tenants favoured at nice -10 (02a29a2), so
-# they run at the end, once no cluster runs.
+# The 1.20 real-node suite (~18 min, mostly waiting on pods: load ~1 of 2
+# cores) runs beside every phase that only computes: the other test
+# binaries (~10 min, each green 5 of 5 with the other core loaded:
+# tests/soak.md), the glibc-2.17 interposer tests, the Python tests and the
+# lints. `--skip` keeps it out of the workspace run, and the other test that
+# takes the machine lock (dra-driver's cdi_containerd: it would wait the
+# suite out) runs after.
+start_beside "device-plugin real-node suite on Kubernetes 1.20 (tests/k8s_node)" \
+  cargo test -p vcuda-tests --test k8s_node -- --nocapture
+# vcuda-tests' tests in a `quiet_host` module time the sim's device against a second
+# process (shim_qos): the cluster beside them moved those figures (a batch
+# share's 88 % fell to 64 at 924d6db), so they run after it, with no
+# cluster up.
 run_tests "cargo tests" cargo test --workspace --no-fail-fast -- \
   --skip real_node_suite --skip containerd_injects_the_prepared_cdi_device --skip quiet_host::
 
@@ -521,10 +459,12 @@ log "interposer tests again, on the shipped glibc-2.17 build"
 # instead of this profile's host build: the same memory, compute and graph
 # quota tests and entry-point tests, on the library containers actually get;
 # and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real,
-# nvidia_oracle: exports and cuGetProcAddress).
+# nvidia_oracle: exports and cuGetProcAddress). shim_qos's `quiet_host`
+# tests too: their tenants run at nice -10 (85-87 % beside two busy loops,
+# tests/soak.md).
 VCUDA_INTERPOSER="$shipped_interposer" run_tests "interposer tests (glibc 2.17)" \
   cargo test -p vcuda-tests --no-fail-fast --test shim_quota --test shim_compute --test shim_qos --test shim_graph --test shim_capture --test shim_entry \
-  --test nvidia_real --test nvidia_oracle --test sim_cudart -- --skip quiet_host::
+  --test nvidia_real --test nvidia_oracle --test sim_cudart
 
 log "python tests"
 export VCUDA_TARGET_DIR="$REPO/target/debug"
@@ -542,15 +482,27 @@ run_tests "rustfmt" cargo fmt --all --check
 run_tests "clippy" cargo clippy -q --workspace --all-targets -- -D warnings
 
 log "the device-plugin real-node suite on Kubernetes 1.20 (its end)"
-finish_beside k8s-1.20
-# The machine lock is free once the 1.20 suite ends (the 1.37 node's is
-# private to its namespaces).
+finish_beside
 run_tests "cdi_containerd" cargo test -p dra-driver --test cdi_containerd
-log "the 1.37 node's suites (their end)"
-finish_beside k8s-1.37
-COMPUTE_PREFIX=()
+run_tests "tests that want a quiet host" cargo test -p vcuda-tests --tests --no-fail-fast -- quiet_host::
 
-log "tests that want a quiet host (shim_qos, both builds)"
-run_tests "quiet-host tests" cargo test -p vcuda-tests --test shim_qos -- quiet_host::
-VCUDA_INTERPOSER="$shipped_interposer" run_tests "quiet-host tests (glibc 2.17)" \
-  cargo test -p vcuda-tests --test shim_qos -- quiet_host::
+log "the DRA real-node suite (Kubernetes 1.37, tests/k8s_dra_node)"
+# After the 1.20 suite: the two nodes share /var/lib/kubelet, so one at a
+# time. The node's env names the suite's kubeconfig, containerd, kubelet
+# restart and reboot commands (tests/k8s/README.md).
+bash tests/k8s/cluster-modern.sh down || true
+if bash tests/k8s/cluster-modern.sh up; then
+  run_tests "DRA real-node suite" bash -c 'source /tmp/vcuda-k8s-modern/env &&
+    PATH="$VCUDA_K8S_MODERN_BIN:$PATH" exec cargo test -p vcuda-tests --test k8s_dra_node -- --ignored --nocapture'
+else
+  failed+=("DRA real-node suite (tests/k8s/cluster-modern.sh up)")
+fi
+bash tests/k8s/cluster-modern.sh down || failed+=("tests/k8s/cluster-modern.sh down")
+
+log "the device-plugin real-node suite on Kubernetes 1.37"
+# The suite the 1.20 node ran, now on the modern node (it brings
+# cluster-modern.sh up and down itself: VCUDA_K8S_MODERN=1, test-support's
+# k8s::util::Flavor). Last: every phase that computes ran beside the 1.20
+# suite.
+VCUDA_K8S_MODERN=1 run_tests "device-plugin real-node suite on Kubernetes 1.37 (tests/k8s_node)" \
+  cargo test -p vcuda-tests --test k8s_node -- --nocapture
