@@ -77,7 +77,8 @@ report() {
   if [ -n "${SOAK_HOG:-}" ]; then kill "$SOAK_HOG" 2>/dev/null || true; fi
   kill "$RESOURCE_WATCH" 2>/dev/null || true
   if [ -n "${BESIDE_PID:-}" ]; then
-    kill "$BESIDE_PID" 2>/dev/null || true
+    # Ended already (its status file written), the PID may be another's.
+    if [ ! -s "$BESIDE_OUT.rc" ]; then kill "$BESIDE_PID" 2>/dev/null || true; fi
     failed+=("$BESIDE_LABEL (stopped unfinished: the run ended first)")
   fi
   end_phase
