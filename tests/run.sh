@@ -137,6 +137,24 @@ run_tests() {
   fi
   record_failure "$label" "$out"
 }
+# with_status <file> <command...>, run as a background job: the command's
+# exit status written to <file> when it ends; status_of <file> <pid> waits
+# while the job lives and prints that status (nothing: it was killed first).
+# Not `wait`: bash forgets a finished job's status once a later child is
+# given its PID, and a fresh machine's builds go through PIDs fast (a run
+# at c5b42dc lost the helm build's, 15 min after it ended: "wait: pid 19479
+# is not a child of this shell").
+with_status() {
+  local file=$1 rc=0
+  shift
+  rm -f "$file"
+  "$@" || rc=$?
+  echo "$rc" >"$file"
+}
+status_of() {
+  while [ ! -s "$1" ] && kill -0 "$2" 2>/dev/null; do sleep 2; done
+  if [ -s "$1" ]; then cat "$1"; fi
+}
 # start_beside <label> <command...>: a test phase that mostly waits (a real
 # node's pods) run in the background beside the phases that compute, its
 # output only in its log until finish_beside prints it and records how it
@@ -146,17 +164,13 @@ start_beside() {
   shift
   BESIDE_OUT=$(test_log "$BESIDE_LABEL" cargo)
   BESIDE_T0=$SECONDS
-  rm -f "$BESIDE_OUT.rc"
-  { local rc=0; "$@" >"$BESIDE_OUT" 2>&1 || rc=$?; echo "$rc" >"$BESIDE_OUT.rc"; } &
+  with_status "$BESIDE_OUT.rc" "$@" >"$BESIDE_OUT" 2>&1 &
   BESIDE_PID=$!
   printf '(%s: started in the background, its output at the end)\n' "$BESIDE_LABEL"
 }
 finish_beside() {
-  # Its status from its file, as await_build's: `wait` forgets it once a
-  # later child is given the PID.
-  local rc=""
-  while [ ! -s "$BESIDE_OUT.rc" ] && kill -0 "$BESIDE_PID" 2>/dev/null; do sleep 2; done
-  [ -s "$BESIDE_OUT.rc" ] && rc=$(<"$BESIDE_OUT.rc")
+  local rc
+  rc=$(status_of "$BESIDE_OUT.rc" "$BESIDE_PID")
   [ -n "$rc" ] || { echo "tests/run.sh: $BESIDE_LABEL ended without saying how (killed?)"; rc=1; }
   BESIDE_PID=
   cat "$BESIDE_OUT"
@@ -223,14 +237,11 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 # start_build <script> <log>: a build run beside the downloads, its exit
-# status in $TEST_LOGS (await_build).
+# status in $TEST_LOGS (with_status; await_build).
 declare -A BUILD_PID=()
 build_rc() { printf '%s/build-%s.rc' "$TEST_LOGS" "$(basename "$1" .sh)"; }
 start_build() {
-  local rc_file
-  rc_file=$(build_rc "$1")
-  rm -f "$rc_file"
-  { local rc=0; bash "$1" >"$2" 2>&1 || rc=$?; echo "$rc" >"$rc_file"; } &
+  with_status "$(build_rc "$1")" bash "$1" >"$2" 2>&1 &
   BUILD_PID[$1]=$!
 }
 
@@ -392,17 +403,11 @@ export VCUDA_REQUIRE_ALL=1
 
 # await_build <label> <log> <script>: a build started beside the
 # downloads (start_build), awaited; a failure shows its log and stops the
-# run. Its status comes from its file, not from `wait`: bash forgets a
-# finished job's status once a later child is given its PID, and a fresh
-# machine's builds go through PIDs fast (a run at c5b42dc lost the helm
-# build's, 15 min after it ended: "wait: pid 19479 is not a child of this
-# shell").
+# run.
 await_build() {
   log "$1 ($3, started beside the downloads)"
-  local pid=${BUILD_PID[$3]} rc_file rc=""
-  rc_file=$(build_rc "$3")
-  while [ ! -s "$rc_file" ] && kill -0 "$pid" 2>/dev/null; do sleep 2; done
-  [ -s "$rc_file" ] && rc=$(<"$rc_file")
+  local rc
+  rc=$(status_of "$(build_rc "$3")" "${BUILD_PID[$3]}")
   if [ "$rc" != 0 ]; then
     tail -n 30 "$2" >&2
     echo "tests/run.sh: $3 failed (${rc:+exit }${rc:-killed before it said}; log above)" >&2
