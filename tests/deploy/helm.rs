@@ -326,6 +326,9 @@ fn manager_settings(what: &str, text: &str) -> gpu_manager::config::Settings {
     .unwrap_or_else(|e| panic!("{what}: {e}\n{text}"))
 }
 
+/// The API (group/version/kind) the chart's placement policy needs.
+const VAP_API: &str = "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy";
+
 fn without(objects: &[Value], kind: &str, name: &str) -> Vec<Value> {
     objects
         .iter()
@@ -427,6 +430,22 @@ fn every_overlay_is_a_set_of_chart_values() {
         plus(&template(&helm, &a), &template(&helm, &b)),
         render(&k, &overlay("uninstall")),
     );
+    // Where the API server has ValidatingAdmissionPolicy (helm install
+    // asks it; helm template is told), the chart adds the policy, which is
+    // the overlay's; nowhere else (the cases above).
+    let a = ["--api-versions", VAP_API];
+    let with = template(&helm, &a);
+    let policy: Vec<Value> = with
+        .iter()
+        .filter(|v| v["metadata"]["name"] == "vcuda-placement-annotations")
+        .cloned()
+        .collect();
+    case(
+        "placement-policy",
+        &a,
+        policy,
+        render(&k, &overlay("placement-policy")),
+    );
     let want: BTreeSet<String> = kustomize::OVERLAYS.iter().map(|s| s.to_string()).collect();
     assert_eq!(covered, want, "an overlay without chart values here");
 }
@@ -503,6 +522,52 @@ fn bad_values_fail_with_a_message_naming_them() {
     let err = try_template(&helm, &["--set", "mode=dra", "--kube-version", "1.33.0"])
         .expect_err("DRA on 1.33");
     assert!(err.contains("mode: dra needs Kubernetes >= 1.34"), "{err}");
+    let err = try_template(
+        &helm,
+        &[
+            "--set",
+            "webhook.trustedUsers={a'b}",
+            "--api-versions",
+            VAP_API,
+        ],
+    )
+    .expect_err("a quote in a trusted user");
+    assert!(err.contains("webhook.trustedUsers"), "{err}");
+}
+
+/// The placement policy trusts webhook.trustedUsers as the webhook does (a
+/// trailing `*` a prefix), renders only where the API server has the API
+/// and the policy is enabled, and not in the chart's clean-up.
+#[test]
+fn the_placement_policy_trusts_whom_the_webhook_trusts() {
+    let Some(helm) = helm() else { return };
+    let api = ["--api-versions", VAP_API];
+    let users = ["--set", "webhook.trustedUsers={system:node:*,ops-bot}"];
+    let objects = template(&helm, &[&api[..], &users[..]].concat());
+    let vap = find(
+        &objects,
+        "ValidatingAdmissionPolicy",
+        "vcuda-placement-annotations",
+    );
+    let writer = vap["spec"]["variables"][0]["expression"].as_str().unwrap();
+    assert_eq!(
+        writer,
+        "request.userInfo.username in ['system:serviceaccount:kube-system:vcuda-scheduler', \
+         'system:serviceaccount:kube-system:gpu-manager', 'ops-bot'] \
+         || request.userInfo.username.startsWith('system:node:')"
+    );
+    let count = |args: &[&str]| {
+        template(&helm, args)
+            .iter()
+            .filter(|v| v["metadata"]["name"] == "vcuda-placement-annotations")
+            .count()
+    };
+    assert_eq!(count(&api), 2);
+    assert_eq!(count(&[]), 0, "rendered for an API server without the API");
+    let off = ["--set", "placementPolicy.enabled=false"];
+    assert_eq!(count(&[&api[..], &off[..]].concat()), 0);
+    let un = ["--set", "uninstall.enabled=true"];
+    assert_eq!(count(&[&api[..], &un[..]].concat()), 0);
 }
 
 /// Every key values.schema.json lets into the manager's settings is one

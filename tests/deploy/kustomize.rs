@@ -19,7 +19,7 @@ use test_support::{Capability, require};
 
 /// The overlays this file knows what to expect of; a new overlay fails
 /// [`every_overlay_renders_with_every_kubectl`] until it is added here.
-pub(super) const OVERLAYS: [&str; 8] = [
+pub(super) const OVERLAYS: [&str; 9] = [
     "share",
     "share-before-1.22",
     "whole-gpu",
@@ -28,6 +28,7 @@ pub(super) const OVERLAYS: [&str; 8] = [
     "monitoring",
     "example-site",
     "uninstall",
+    "placement-policy",
 ];
 
 /// kubectls to render with: the CI cluster's (required where CI requires
@@ -104,6 +105,12 @@ pub(super) fn check_types(what: &str, objects: &[Value]) {
             "NetworkPolicy" => drop(typed::<k8s_openapi::api::networking::v1::NetworkPolicy>(
                 &name, v,
             )),
+            "ValidatingAdmissionPolicy" => drop(typed::<
+                k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicy,
+            >(&name, v)),
+            "ValidatingAdmissionPolicyBinding" => drop(typed::<
+                k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicyBinding,
+            >(&name, v)),
             "ServiceMonitor" => {
                 let _: ServiceMonitor =
                     serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -257,6 +264,30 @@ fn each_overlay_installs_what_its_name_says() {
 
     let sched = render(k, &overlay("scheduler"));
     find(&sched, "Deployment", "vcuda-scheduler");
+
+    // The API server's own check of placement annotations: the policy and
+    // its binding alone, bound to deny, trusting vcuda's two writers.
+    let policy = render(k, &overlay("placement-policy"));
+    assert_eq!(policy.len(), 2, "{policy:?}");
+    let vap = find(
+        &policy,
+        "ValidatingAdmissionPolicy",
+        "vcuda-placement-annotations",
+    );
+    assert_eq!(vap["spec"]["failurePolicy"], "Fail");
+    let writer = vap["spec"]["variables"][0]["expression"].as_str().unwrap();
+    for sa in ["kube-system:vcuda-scheduler", "kube-system:gpu-manager"] {
+        assert!(writer.contains(sa), "{writer}");
+    }
+    let binding = find(
+        &policy,
+        "ValidatingAdmissionPolicyBinding",
+        "vcuda-placement-annotations",
+    );
+    assert_eq!(
+        binding["spec"]["validationActions"],
+        serde_json::json!(["Deny"])
+    );
 
     let un = render(k, &overlay("uninstall"));
     let uds = find(&un, "DaemonSet", "gpu-manager-uninstall");

@@ -13,7 +13,7 @@ use std::path::Path;
 use std::time::Instant;
 use test_support::k8s::cluster::{Cluster, Work, pod_yaml};
 use test_support::k8s::helm::Helm;
-use test_support::k8s::util::{UNIT, get_u64, wait};
+use test_support::k8s::util::{Flavor, UNIT, get_u64, wait};
 use test_support::{kv, workspace_root};
 
 const RELEASE: &str = "vcuda";
@@ -56,6 +56,78 @@ fn rolled(c: &Cluster, old: &str, what: &str) -> (String, f64) {
     let new = crate::deploy::ds_ready_pod(c, Some(old));
     eprintln!("k8s_node: helm {what}: manager pod {old} -> {new}");
     (new, t.elapsed().as_secs_f64())
+}
+
+/// The chart's placement policy (issue 33): where the API server has
+/// ValidatingAdmissionPolicy (the 1.37 node) placement annotations set or
+/// changed by anyone but vcuda are refused by the API server itself, the
+/// cluster admin included, while the manager's ServiceAccount still writes
+/// its own (helm-share's gpu-assigned, on either node); 1.20 has no such
+/// API and the chart leaves the policy out.
+fn placement_policy(c: &Cluster, figures: &mut Vec<String>) {
+    wait(
+        "helm-share's tencent.com/gpu-assigned from the manager",
+        60,
+        || {
+            let p = c.pod("helm-share")?;
+            match p["metadata"]["annotations"]["tencent.com/gpu-assigned"].as_str() {
+                Some("true") => Ok(()),
+                _ => Err(p["metadata"]["annotations"].to_string()),
+            }
+        },
+    );
+    let installed = c.kubectl(&[
+        "get",
+        "validatingadmissionpolicy",
+        "vcuda-placement-annotations",
+        "-o",
+        "name",
+    ]);
+    if c.flavor == Flavor::Debian120 {
+        assert!(installed.is_err(), "a policy on 1.20: {installed:?}");
+        return;
+    }
+    installed.expect("the chart's ValidatingAdmissionPolicy on the 1.37 node");
+    let forged = [
+        "tencent.com/predicate-gpu-idx-0=3",
+        "tencent.com/predicate-node=elsewhere",
+    ];
+    // A policy takes a moment to reach the API server's admission chain.
+    let refusal = wait("the placement policy in force", 60, || {
+        match c.kubectl(&["annotate", "pod", "helm-share", "--overwrite", forged[0]]) {
+            Err(e) if e.contains("only vcuda writes it") => Ok(e),
+            Err(e) => Err(e),
+            Ok(out) => Err(format!("admitted: {out}")),
+        }
+    });
+    assert!(
+        refusal.contains("tencent.com/predicate-gpu-idx-0")
+            && refusal.contains("Remove it from the manifest"),
+        "{refusal}"
+    );
+    let run = [
+        "run",
+        "forged",
+        "--image=docker.io/vcuda-test/busybox:local",
+        "--restart=Never",
+        "--dry-run=server",
+        "--annotations",
+        forged[1],
+    ];
+    let e = c
+        .kubectl(&run)
+        .expect_err("a pod created with a forged placement");
+    assert!(
+        e.contains("tencent.com/predicate-node") && e.contains("only vcuda writes it"),
+        "{e}"
+    );
+    // Other annotations, and taking a placement off, stay anyone's.
+    c.kubectl_ok(&["annotate", "pod", "helm-share", "vcuda-test/note=ok"]);
+    figures.push(
+        "placement annotations: the chart's ValidatingAdmissionPolicy refused the admin's change and a forged pod; \
+         the manager's own written"
+            .into(),
+    );
 }
 
 pub fn run(c: &Cluster, w: &Work, deploy_copy: &Path, figures: &mut Vec<String>) {
@@ -107,6 +179,7 @@ pub fn run(c: &Cluster, w: &Work, deploy_copy: &Path, figures: &mut Vec<String>)
         }
     });
     quota_held(c, "helm-share");
+    placement_policy(c, figures);
     let cid = container_id(c, "helm-share");
 
     h.run(
