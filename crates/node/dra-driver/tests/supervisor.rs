@@ -370,8 +370,10 @@ async fn a_hostile_claim_cannot_harm_the_driver_nor_lift_its_quota() {
     let rss0 = rss_kib(child);
     let held = tokio::task::block_in_place(|| hostile::hold_registrations(&dir, &req, 250));
     let slow = tokio::task::block_in_place(|| hostile::garbage(&dir, &req, 300));
-    // Still answering the kubelet while all of that is held.
-    prepare(&kubelet, &server, "after").await;
+    // Still answering the kubelet while all of that is held: another
+    // claim on the same GPU, whose quota is checked below.
+    let (_, other) = dra_binary::prepare_share(&kubelet, &server, "after", 30, "512Mi").await;
+    let other_env = dra_binary::share_env(&dirs, &other);
     let rss1 = rss_kib(child);
     eprintln!(
         "DRA driver RSS {rss0} KiB before, {rss1} KiB holding 1,000 registrations, 300 slow and 600 garbage connections"
@@ -416,6 +418,11 @@ async fn a_hostile_claim_cannot_harm_the_driver_nor_lift_its_quota() {
             &out,
             1 << 30,
             "hostile claim, VCUDA_CONFIG_DIR at a copied config",
+        );
+        assert_held(
+            &quota_run(&client, &other_env, &sim, &[]),
+            512 << 20,
+            "the other claim on the GPU",
         );
     });
     assert_eq!(children(sup.0.id()), vec![child as u32], "the same driver");
