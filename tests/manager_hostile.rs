@@ -240,7 +240,12 @@ async fn a_process_that_bypasses_the_interposer_is_reported() {
     let (secs, ended) = bypass_under("report").await;
     println!("escape reported {secs:.2} s after the process held its memory (sample period 1 s)");
     assert!(!ended, "report never ends the process");
-    assert!(secs < 3.0, "reported after {secs:.2} s");
+    // Within one sample period (1 s) of the next sample, and this test's
+    // 50 ms poll of /metrics: 0.24-0.40 s on an idle machine.
+    assert!(
+        secs < BYPASS_SEEN_S,
+        "reported after {secs:.2} s: more than a sample period late"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,7 +256,15 @@ async fn a_process_that_bypasses_the_interposer_is_ended_under_kill() {
     let (secs, ended) = bypass_under("kill").await;
     println!("escape reported and ended {secs:.2} s after the process held its memory");
     assert!(ended, "the kill policy ended the process");
+    assert!(
+        secs < BYPASS_SEEN_S,
+        "reported and ended after {secs:.2} s: more than a sample period late"
+    );
 }
+
+/// How late a bypass may be seen: the guard's sample period (1 s) and as
+/// much again for a loaded 2-core machine's scheduling and the poll.
+const BYPASS_SEEN_S: f64 = 2.0;
 
 /// A share (1 GiB) holding 512 MiB in one process zeroes its ledger's use
 /// counters, and a second process then holds 600 MiB more: NVML counts
@@ -312,6 +325,10 @@ async fn a_share_over_its_quota_loses_its_largest_process_under_kill() {
         "over quota: reported and the largest process ended {secs:.2} s after it held its memory"
     );
     assert!(alive, "the smaller process was ended too");
+    assert!(
+        secs < BYPASS_SEEN_S,
+        "over quota: reported and ended after {secs:.2} s: more than a sample period late"
+    );
     let log = env
         .wait_log("over its 1024 MiB quota (the largest: process", 1)
         .await;
