@@ -13,7 +13,10 @@
 //! lock, so two borrowers can never lend out the same bytes. What is lent
 //! is always read from the ledgers (used above quota, per borrower), never
 //! kept as a counter of its own: a process that dies, a daemon restart or
-//! a tenant writing its ledger cannot make it drift.
+//! a tenant writing its ledger cannot make it drift; and each ledger is
+//! believed only up to what its share may hold, above that only as far as
+//! the driver confirms ([`believed`]), so a ledger written up takes
+//! nothing from the others.
 //!
 //! Whom a reclaim ends is judged on what the driver says each process
 //! holds (NVML, the daemon's [`MemoryWitness`]) where it says more than the
@@ -141,6 +144,20 @@ pub fn may_take(card: u64, uses: &[Use], me: usize, limit: u64) -> u64 {
     limit.saturating_sub(u.used).min(own + pool)
 }
 
+/// What a share is believed to hold of a GPU, its ledger saying `ledger`
+/// (a number its tenant can write): all of it up to `cap`, what the share
+/// may hold (its limit when it borrows, else its guarantee); above that
+/// only as far as the driver says its processes hold (`held`; memory the
+/// driver took on its own is real, a number written up is not), and no
+/// further than `cap` when the driver cannot say. So no tenant shrinks
+/// what the others may borrow beyond what its own limit lets it take.
+pub fn believed(ledger: u64, cap: u64, held: Option<u64>) -> u64 {
+    if ledger <= cap {
+        return ledger;
+    }
+    ledger.min(cap.max(held.unwrap_or(0)))
+}
+
 /// The borrower to reclaim first: the one holding the most above its
 /// guarantee (not `not`, the share asking).
 pub fn victim(uses: &[Use], not: usize) -> Option<usize> {
@@ -213,7 +230,11 @@ impl Lending {
         };
         let lock = self.lock_of(&gpu.uuid);
         let _held = lock.lock().await;
-        let members = || members(&shares(), &gpu.uuid);
+        let members = || {
+            let (m, mut uses) = members(&shares(), &gpu.uuid);
+            believe(&m, &mut uses, || self.seen(&gpu.uuid));
+            (m, uses)
+        };
         match Kind::try_from(req.kind) {
             Ok(Kind::Borrow) => borrow(me, slot, req.bytes, members),
             Ok(Kind::Info) => {
@@ -381,12 +402,33 @@ pub(super) fn members(shares: &[Arc<Procs>], gpu: &str) -> (Vec<Member>, Vec<Use
 /// says its registered processes hold.
 fn witnessed(m: &[Member], uses: &mut [Use], seen: &HashMap<i32, u64>) {
     for ((procs, _), u) in m.iter().zip(uses.iter_mut()) {
-        let held: u64 = procs
-            .registered_pids()
-            .iter()
-            .filter_map(|p| seen.get(p))
-            .sum();
-        u.used = u.used.max(held);
+        u.used = u.used.max(held_by(procs, seen));
+    }
+}
+
+/// What the witness says a share's registered processes hold.
+fn held_by(procs: &Procs, seen: &HashMap<i32, u64>) -> u64 {
+    procs
+        .registered_pids()
+        .iter()
+        .filter_map(|p| seen.get(p))
+        .sum()
+}
+
+/// Each member's use as [`believed`]; the witness is asked only when a
+/// ledger says more than its share may hold.
+fn believe(m: &[Member], uses: &mut [Use], seen: impl FnOnce() -> Option<HashMap<i32, u64>>) {
+    let cap = |(procs, ledger): &Member| {
+        let guarantee = procs.memory.gpus[*ledger].guarantee;
+        procs.memory.borrow_limit().unwrap_or(guarantee)
+    };
+    if m.iter().zip(uses.iter()).all(|(x, u)| u.used <= cap(x)) {
+        return;
+    }
+    let seen = seen();
+    for (x, u) in m.iter().zip(uses.iter_mut()) {
+        let held = seen.as_ref().map(|s| held_by(&x.0, s));
+        u.used = believed(u.used, cap(x), held);
     }
 }
 
@@ -490,6 +532,19 @@ mod tests {
         // Above its quota without a limit (memory the driver took on its
         // own): not a borrower, never ended for it.
         assert_eq!(victim(&[u(4, 6, false), u(1, 0, false)], 1), None);
+    }
+
+    #[test]
+    fn a_ledger_is_believed_up_to_its_cap_and_above_it_as_far_as_the_driver_says() {
+        let cap = 4 * G;
+        assert_eq!(believed(3 * G, cap, None), 3 * G);
+        assert_eq!(believed(3 * G, cap, Some(0)), 3 * G, "within: the ledger");
+        // Written up to 12: the driver says 1 (or nothing), so the cap.
+        assert_eq!(believed(12 * G, cap, Some(G)), cap);
+        assert_eq!(believed(12 * G, cap, None), cap);
+        // The driver took 6 on its own: real, counted; never past the ledger.
+        assert_eq!(believed(6 * G, cap, Some(6 * G)), 6 * G);
+        assert_eq!(believed(6 * G, cap, Some(9 * G)), 6 * G);
     }
 
     #[test]

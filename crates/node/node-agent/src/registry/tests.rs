@@ -538,6 +538,55 @@ async fn a_reclaim_believes_the_driver_over_a_ledger_written_down() {
     assert_eq!(reg.ledger_counters("honest").unwrap().reclaims, 0);
 }
 
+/// A share without a limit (4 GiB guaranteed) that writes its ledger up
+/// to 12 GiB does not shrink what a borrower (2 GiB, limit 6) may take of
+/// the 10 GiB nobody is guaranteed: believed up to its guarantee, and
+/// above only as far as the driver says (1 GiB here; 7 GiB the driver
+/// took on its own would count).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_written_up_does_not_shrink_what_others_may_borrow() {
+    use vcuda_api::vcuda::memory_request::Kind;
+    let d = tempfile::tempdir().unwrap();
+    let reg = Registry::default();
+    serve_on_16g(&reg, d.path(), "liar", 4 * G, 0);
+    let b = serve_on_16g(&reg, d.path(), "b", 2 * G, 6 * G);
+    let lp = std::process::id() as i32 + 1_000_000;
+    holding(&reg, "liar", lp, 12 * G);
+    let info = |b: &Path| {
+        let b = b.to_path_buf();
+        blocking(move || {
+            let (mut s, _, _) = register(&b, request(1));
+            frame::write(
+                &mut s,
+                &MemoryRequest {
+                    kind: Kind::Info as i32,
+                    bytes: 0,
+                },
+            )
+            .unwrap();
+            frame::read::<MemoryResponse>(&mut s).unwrap().available
+        })
+    };
+    // No witness: the liar is believed up to its guarantee.
+    assert_eq!(info(&b).await, 6 * G, "its 2 and 4 of the 10 to lend");
+    let driver_says = Arc::new(Mutex::new(G));
+    let says = driver_says.clone();
+    reg.memory_witness(Arc::new(move |_: &str| {
+        Some(HashMap::from([(lp, *says.lock().unwrap())]))
+    }));
+    assert_eq!(info(&b).await, 6 * G, "the driver says 1 GiB");
+    // Memory the driver took on its own is real: 7 of the 12 counted,
+    // 3 of the 10 lent, 7 left: still its limit.
+    *driver_says.lock().unwrap() = 7 * G;
+    assert_eq!(info(&b).await, 6 * G);
+    *driver_says.lock().unwrap() = 12 * G;
+    assert_eq!(
+        info(&b).await,
+        4 * G,
+        "12 held: 8 lent, 2 left and its own 2"
+    );
+}
+
 /// A batch process's `QOS_FLAGS` over the blocking socket: its flags,
 /// mapped read-only.
 fn test_flags(s: &std::os::unix::net::UnixStream) -> Vec<qos_page::FlagView> {
