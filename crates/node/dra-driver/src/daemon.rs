@@ -381,8 +381,17 @@ async fn start_dynamic(
         Ok(l) => (Some(l), store.load(&s.node)),
         Err(e) => (None, Err(e)),
     };
+    // A GPU prepared claims hold (whole or a share) is not put in MIG mode.
+    let shared = crate::geometry::shared_gpus(&checkpoint);
+    let whole = crate::geometry::left_whole("mig-dynamic", &s.mig_dynamic, found, shared.as_ref());
+    let named: Vec<String> = s
+        .mig_dynamic
+        .iter()
+        .filter(|n| !whole.contains(*n))
+        .cloned()
+        .collect();
     // Unlike a geometry's (which must destroy nothing a claim may hold),
-    // an unread checkpoint holds nothing here: every instance is then
+    // an unread checkpoint holds no instance here: every instance is then
     // foreign and no placement overlapping one is published.
     let held = match checkpoint {
         Ok(c) => crate::geometry::held(Ok(c), &[]),
@@ -391,7 +400,7 @@ async fn start_dynamic(
             Default::default()
         }
     };
-    let dynamic = crate::dynamic_start::start(nvml, found, &s.mig_dynamic, &held)?;
+    let dynamic = crate::dynamic_start::start(nvml, found, &named, &held)?;
     if !dynamic.is_empty() {
         *found = node_agent::nvml::discover(nvml)?;
     }

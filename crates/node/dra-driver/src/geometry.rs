@@ -3,7 +3,10 @@
 //! over NVML, before the slice is published. The instances of prepared
 //! claims (the checkpoint; every instance when it cannot be read) and
 //! those a process uses are never destroyed, nor any vcuda did not make
-//! (`mig-created.json` in the state directory, beside the checkpoint).
+//! (`mig-created.json` in the state directory, beside the checkpoint). A
+//! GPU not in MIG mode that prepared claims hold whole or a share of is
+//! left whole ([`left_whole`]; `--mig-dynamic` too), as the manager leaves
+//! one holding pods' shares.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -31,6 +34,15 @@ pub async fn apply(
         Ok(l) => (Some(l), store.load(&s.node)),
         Err(e) => (None, Err(e)),
     };
+    let shared = shared_gpus(&checkpoint);
+    let whole = left_whole(
+        "mig-geometry",
+        s.mig_geometry.gpus.keys(),
+        &found,
+        shared.as_ref(),
+    );
+    let mut geometry = s.mig_geometry.clone();
+    geometry.gpus.retain(|name, _| !whole.contains(name));
     let held = held(checkpoint, &found.mig);
     let devices = (0..found.topology.len() as u32)
         .map(|i| nvml.device_by_index(i))
@@ -50,7 +62,7 @@ pub async fn apply(
         devices: &devices,
     };
     let changed =
-        node_agent::geometry::apply_at_start(&driver, &gpus, &s.mig_geometry, &held, &s.state_dir);
+        node_agent::geometry::apply_at_start(&driver, &gpus, &geometry, &held, &s.state_dir);
     if !changed {
         return Ok(found);
     }
@@ -77,6 +89,51 @@ pub fn held(checkpoint: Result<Checkpoint, CheckpointError>, found: &[MigGpu]) -
                 .collect()
         }
     }
+}
+
+/// The GPUs (UUIDs) prepared claims hold whole or a share of, MIG devices
+/// aside; `None` when the checkpoint cannot be read (any GPU may be).
+pub fn shared_gpus(checkpoint: &Result<Checkpoint, CheckpointError>) -> Option<BTreeSet<String>> {
+    let c = checkpoint.as_ref().ok()?;
+    let devices = c.claims.values().flat_map(|c| &c.devices);
+    Some(
+        devices
+            .filter(|d| d.mig.is_none())
+            .map(|d| d.gpu_uuid.clone())
+            .collect(),
+    )
+}
+
+/// Of the GPUs `named` by `--<flag>` (index or UUID), those to leave
+/// whole: not in MIG mode, and held by a prepared claim (any, while
+/// `shared` is `None`). Putting one in MIG mode would take the GPU from
+/// under the claims' containers; it is partitioned at a start that finds
+/// none.
+pub fn left_whole<'a>(
+    flag: &str,
+    named: impl IntoIterator<Item = &'a String>,
+    found: &Discovered,
+    shared: Option<&BTreeSet<String>>,
+) -> BTreeSet<String> {
+    let gpus = found.topology.gpus();
+    let mut out = BTreeSet::new();
+    for name in named {
+        let Some(g) = gpus
+            .iter()
+            .find(|g| g.index.to_string() == *name || g.uuid == *name)
+        else {
+            continue;
+        };
+        let in_mig = found.mig.get(g.index).is_some_and(|m| m.enabled);
+        if !in_mig && shared.is_none_or(|s| s.contains(&g.uuid)) {
+            tracing::warn!(
+                gpu = %name,
+                "--{flag} not applied: prepared claims hold the GPU whole or a share of it (or the checkpoint is unread); left whole until a start that finds none"
+            );
+            out.insert(name.clone());
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -486,3 +486,75 @@ async fn prepared_1g(
     assert_eq!(one.error, "");
     (small, device, one)
 }
+
+/// A GPU prepared claims hold (a share here) is never put in MIG mode
+/// (issue 36: a GPU holding a share is never re-partitioned): the driver
+/// restarted with `--mig-dynamic 0,1` leaves GPU 0 whole (its share's
+/// claim still prepared, unprepared after) and partitions idle GPU 1; so
+/// does `--mig-geometry` for GPU 0; the next start after the claim went
+/// partitions GPU 0 too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_holding_claims_is_never_put_in_mig_mode() {
+    let sim = SimNode::install("sim-mig-h100");
+    let server = ApiServer::start("127.0.0.1:0").await.unwrap();
+    let dirs = Dirs::new();
+    server.write_kubeconfig(&dirs.p("kubeconfig")).unwrap();
+    let plain = sim_settings(sim.root(), &dirs);
+    let mig_mode = |gpu| sim.state().mig_mode(gpu).unwrap();
+    let restart = |s: Settings| async {
+        for n in [
+            format!("{}-counters", slices::slice_name(NODE)),
+            slices::slice_name(NODE),
+        ] {
+            let _ = server.delete(Kind::ResourceSlice, None, &n);
+        }
+        let cancel = CancellationToken::new();
+        let daemon = start(s, &cancel).await;
+        // It publishes (its classes first) once a kubelet registered it.
+        let kubelet = test_support::dra::kubelet(&dirs, false).await;
+        until(10, "the slice published", || {
+            server
+                .get(Kind::ResourceSlice, None, &slices::slice_name(NODE))
+                .is_some()
+        })
+        .await;
+        (cancel, daemon, kubelet)
+    };
+
+    let (cancel, daemon, kubelet) = restart(plain.clone()).await;
+    let c = share_claim(&server, "s", 30, "1Gi", None);
+    let a = allocator::allocate(&server, NS, "s", NODE).unwrap();
+    assert_eq!(a["devices"]["results"][0]["device"], "gpu-0", "{a}");
+    let s = plugin::claim(NS, "s", &uid(&c));
+    let r = kubelet.prepare(std::slice::from_ref(&s)).await.unwrap();
+    assert_eq!(r.claims[&s.uid].error, "");
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+
+    let dynamic = Settings {
+        mig_dynamic: vec!["0".into(), "1".into()],
+        ..plain.clone()
+    };
+    let (cancel, daemon, _kubelet) = restart(dynamic.clone()).await;
+    assert_eq!(mig_mode(0), (false, false), "GPU 0 holds a share: whole");
+    assert!(mig_mode(1).0, "GPU 1 is idle: in MIG mode");
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+
+    let geometry = Settings {
+        mig_geometry: "0=3g.40gb".parse().unwrap(),
+        ..plain.clone()
+    };
+    let (cancel, daemon, kubelet) = restart(geometry).await;
+    assert_eq!(mig_mode(0), (false, false), "--mig-geometry: whole too");
+    assert!(sim.mig_profiles(0).is_empty());
+    let u = kubelet.unprepare(std::slice::from_ref(&s)).await.unwrap();
+    assert_eq!(u.claims[&s.uid].error, "");
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+
+    let (cancel, daemon, _kubelet) = restart(dynamic).await;
+    assert!(mig_mode(0).0, "no claim left: GPU 0 in MIG mode");
+    cancel.cancel();
+    daemon.await.unwrap().unwrap();
+}
