@@ -13,9 +13,11 @@
 //! * a process in a share container that never registered
 //!   ([`Reason::Unregistered`]): under [`Policy::Kill`] it is ended;
 //! * a share whose processes hold more than its memory quota on NVML's
-//!   count ([`Reason::OverQuota`]): reported only, since every process
-//!   there may be a registered one and NVML's count includes what the
-//!   driver adds.
+//!   count ([`Reason::OverQuota`]): under [`Policy::Kill`] its largest
+//!   process is ended, and the next largest each sample it stays over
+//!   (registered ones too: a tenant that zeroed its ledger's counters is
+//!   registered); under `report`, reported only, as NVML's count includes
+//!   what the driver adds.
 //!
 //! Each finding is logged, counted (`vcuda_container_escapes_total`) and
 //! handed to the daemon's hook (an Event on the pod) once: a process once,
