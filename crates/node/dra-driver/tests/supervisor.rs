@@ -427,3 +427,103 @@ async fn a_hostile_claim_cannot_harm_the_driver_nor_lift_its_quota() {
     });
     assert_eq!(children(sup.0.id()), vec![child as u32], "the same driver");
 }
+
+/// kill -9 of the driver while a MIG instance is in use (issue 36): the
+/// instance and the process in it untouched, and the claim adopted by the
+/// next driver (NodePrepareResources of it again answers the same CDI
+/// device, no instance made or destroyed); unprepared once its process
+/// ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_killed_under_a_mig_instance_in_use_leaves_it_and_adopts_its_claim() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let (server, dirs) = dra_binary::node("sim-mig-h100.toml").await;
+    let sim = dirs.p("sim");
+    // `nvidia-smi -mig 1` and `nvidia-smi mig -cgi 9,19 -C` on GPU 0: a
+    // 3g.40gb and a 1g.10gb.
+    let out = Command::new(test_support::target_dir().join("gpu-sim"))
+        .args(["mig", "--root"])
+        .arg(&sim)
+        .args(["--gpu", "0", "--enable", "--create", "9,19"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let instances = || {
+        let mut v: Vec<String> = test_support::sim::state_at(&sim)
+            .mig_devices(0)
+            .into_iter()
+            .map(|(g, c)| format!("{} {}", g.id, c.profile.device_name()))
+            .collect();
+        v.sort();
+        v
+    };
+    let before = instances();
+    assert_eq!(before.len(), 2, "{before:?}");
+    let (sup, kubelet, _, _) = serving(&server, &dirs, &[]).await;
+    let first = children(sup.0.id());
+    assert_eq!(first.len(), 1, "{first:?}");
+
+    let c = mig_claim(&server, "m", "3g.40gb");
+    allocator::allocate(&server, NS, "m", NODE).unwrap();
+    let m = plugin::claim(NS, "m", &uid(&c));
+    let r = kubelet.prepare(std::slice::from_ref(&m)).await.unwrap();
+    let one = &r.claims[&m.uid];
+    assert_eq!(one.error, "", "{}", log(&dirs));
+    let cdi_id = one.devices[0].cdi_device_ids[0].clone();
+    let env = dra_binary::share_env(&dirs, &cdi_id);
+    let mig = env
+        .iter()
+        .find(|(k, _)| k == "NVIDIA_VISIBLE_DEVICES")
+        .map(|(_, v)| v.clone())
+        .unwrap();
+    assert!(mig.starts_with("MIG-"), "{env:?}");
+    let client = dirs.p("shim_client");
+    test_support::sim::gcc_lcuda(
+        &workspace().join("tests/c/shim_client.c"),
+        &sim.join("usr/lib/x86_64-linux-gnu"),
+        &client,
+    );
+    let mut holder = Command::new(&client)
+        .args(["hold", "64"])
+        .envs(env.iter().cloned())
+        .env("CUDA_VISIBLE_DEVICES", &mig)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(holder.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("holding pid="), "{line:?}");
+
+    // SAFETY: signals a process this test started (the supervisor's child).
+    unsafe { libc::kill(first[0] as i32, libc::SIGKILL) };
+    until(20, "the next driver", || {
+        let now = children(sup.0.id());
+        now.len() == 1 && now != first
+    })
+    .await;
+    let again = kubelet.prepare(std::slice::from_ref(&m)).await.unwrap();
+    let one = &again.claims[&m.uid];
+    assert_eq!(one.error, "", "{}", log(&dirs));
+    assert_eq!(
+        one.devices[0].cdi_device_ids[0], cdi_id,
+        "the claim adopted"
+    );
+    assert!(
+        holder.try_wait().unwrap().is_none(),
+        "the instance's process lives"
+    );
+    assert_eq!(instances(), before, "no instance made or destroyed");
+
+    drop(holder.stdin.take());
+    assert!(holder.wait().unwrap().success());
+    let u = kubelet.unprepare(std::slice::from_ref(&m)).await.unwrap();
+    assert_eq!(u.claims[&m.uid].error, "", "{}", log(&dirs));
+    assert_eq!(instances(), before, "an operator's instances stay");
+}
