@@ -126,7 +126,7 @@ fn dra_on_a_real_node() {
         .arg(&sim)
         .arg("--host-dev"));
     let _host_dev = HostDevCleanup::from_install_output(&installed);
-    for prog in ["shim_client", "shim_compute", "hold_memory"] {
+    for prog in ["shim_client", "shim_compute", "hold_memory", "sim_cuda"] {
         sh(Command::new("gcc")
             .args(["-O1", "-o"])
             .arg(bin.join(prog))
@@ -134,7 +134,7 @@ fn dra_on_a_real_node() {
             .arg(format!("-I{}", workspace_root().join("tests/c").display()))
             .arg("-L")
             .arg(sim.join("usr/lib/x86_64-linux-gnu"))
-            .arg("-lcuda"));
+            .args(["-lcuda", "-ldl", "-lpthread"]));
     }
     import_busybox(&n, w);
     // A namespace a killed earlier run left: its pods' claims can only be

@@ -347,6 +347,44 @@ pub fn gi_of(state: &gpu_sim_core::SharedState, profile: &str) -> u32 {
         .unwrap()
 }
 
+/// What CUDA in pod `name` given the `profile` instance saw
+/// (`sim_cuda info` before `---info` in `out`): one device, the instance's
+/// SMs (the simulator's profile table) and memory, and the MIG UUID the
+/// pod was given (`visible=`) as the device's UUID.
+fn sees_exactly_its_instance(
+    state: &gpu_sim_core::SharedState,
+    name: &str,
+    profile: &str,
+    mib: u64,
+    out: &str,
+) {
+    let info = kv(out.split("---info").next().unwrap());
+    let sms = state
+        .mig_devices(0)
+        .into_iter()
+        .find(|(_, c)| c.profile.device_name() == profile)
+        .map(|(_, c)| c.profile.sms())
+        .unwrap();
+    let seen = |k: &str| info.get(k).cloned().unwrap_or_default();
+    assert_eq!(
+        (seen("count"), seen("dev0.sms"), seen("dev0.total_mib")),
+        ("1".to_string(), sms.to_string(), mib.to_string()),
+        "{name}: CUDA sees exactly its {profile}\n{out}"
+    );
+    let mig = seen("visible");
+    let (Some(given), Some(cuda)) = (
+        mig.strip_prefix("MIG-"),
+        seen("dev0.uuid").strip_prefix("GPU-").map(str::to_string),
+    ) else {
+        panic!("{name}: a MIG UUID given and a device UUID seen\n{out}");
+    };
+    assert_eq!(
+        cuda.to_ascii_lowercase(),
+        given.to_ascii_lowercase(),
+        "{name}: the device is the instance given\n{out}"
+    );
+}
+
 /// A pod given the 3g.40gb and one given the 1g.10gb (`manifest(name,
 /// profile, command)`: the pod, and whatever it needs applied first) see
 /// exactly their instance's memory with the untouched driver, then both
@@ -360,7 +398,8 @@ pub fn whole_instances(
     manifest: impl Fn(&str, &str, &str) -> String,
 ) -> Vec<String> {
     let whole = "CUDA_VISIBLE_DEVICES=$NVIDIA_VISIBLE_DEVICES sh -c \
-        '/work/shim_client quota 256; echo ---quota; /work/shim_compute saturate 6'; \
+        'echo visible=$CUDA_VISIBLE_DEVICES; /work/sim_cuda info; echo ---info; \
+        /work/shim_client quota 256; echo ---quota; /work/shim_compute saturate 6'; \
         echo ---done; sleep 100000";
     let mut pods = Vec::new();
     let load = test_support::k8s::host_load::HostLoad::measure("two MIG instances saturated");
@@ -375,6 +414,7 @@ pub fn whole_instances(
         let out = log_with(n, name, "start_ns=");
         let total = get_u64(&kv(&out), "start_total", &out);
         assert_eq!(total, mib << 20, "{name}: the instance's memory\n{out}");
+        sees_exactly_its_instance(state, name, profile, mib, &out);
         eprintln!("{tag}: {name}: a {profile} instance, {mib} MiB, the untouched driver");
         starts.push(get_u64(&kv(&out), "start_ns", &out));
     }
