@@ -336,6 +336,60 @@ async fn a_share_over_its_quota_loses_its_largest_process_under_kill() {
 }
 
 /// The manager's options with the interposer mirrored, plus `extra` flags.
+/// A process that dies while no manager runs (the supervisor's child
+/// stopped, then killed: nobody watched its connection close) leaves its
+/// ledger slot holding its 512 MiB; the next manager, taking the ledger
+/// back from the share's live process, clears that slot at its start, so
+/// a new process of the share may allocate what one could before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_of_a_process_that_died_while_no_manager_ran_is_cleared_at_start() {
+    if !require(Capability::Root) {
+        return;
+    }
+    let mut env = Env::start("sim-4gpu-pcie", with_interposer(&[])).await;
+    let sup = env.manager.id() as i32;
+    let pod = env.pod(&[("main", 30, 4)], &[]);
+    let r = env.admit(&pod, "main", 30, 4).await.unwrap();
+    let e = container_env(&r[test_support::manager::VCORE]);
+    let tmp = tempfile::tempdir().unwrap();
+    let client = compile_c("shim_client", &env.sim, tmp.path());
+    let sim_root = env.sim_root().to_path_buf();
+    let allocated = |out: &str| test_support::kv(out)["allocated"].parse::<u64>().unwrap();
+    // A live process keeps the ledger (its memfd) for the next manager to
+    // take back; with none, the next one starts a new ledger.
+    let (mut keeper, before, mut holder) = tokio::task::block_in_place(|| {
+        let keeper = holding_mib(hostile::in_share(&client, &e, &sim_root, &[]), 64);
+        let before = allocated(&quota_run(&client, &e, &sim_root, &[]));
+        let holder = holding(hostile::in_share(&client, &e, &sim_root, &[]));
+        (keeper, before, holder)
+    });
+    let child = children_of(sup);
+    assert_eq!(child.len(), 1, "{child:?}");
+    // SAFETY: signals processes this test started (the supervisor's child
+    // and the share's client).
+    unsafe {
+        libc::kill(child[0], libc::SIGSTOP);
+        libc::kill(holder.id() as i32, libc::SIGKILL);
+    }
+    let _ = holder.wait();
+    // SAFETY: as above.
+    unsafe { libc::kill(child[0], libc::SIGKILL) };
+    env.wait_log("registered with kubelet; ready", 2).await;
+    env.wait_log("ledger slots of dead processes cleared", 1)
+        .await;
+    assert_ne!(children_of(sup), child, "the next manager");
+    let after = tokio::task::block_in_place(|| {
+        let out = quota_run(&client, &e, &sim_root, &[]);
+        assert_held(&out, 1024 * MIB, "after the restart");
+        allocated(&out)
+    });
+    let _ = (keeper.kill(), keeper.wait());
+    assert_eq!(
+        after, before,
+        "64 MiB blocks before and after: the dead slot's 512 MiB freed"
+    );
+}
+
 fn with_interposer(extra: &[&str]) -> Options {
     let mut extra_args: Vec<std::ffi::OsString> = vec![
         "--interposer".into(),
