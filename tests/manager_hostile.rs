@@ -293,7 +293,7 @@ async fn a_share_over_its_quota_loses_its_largest_process_under_kill() {
         let (_conn, _, fds) = hostile::register(&dir, &hostile::maximal_request(&pod.uid, "main"));
         hostile::zero_counters(&fds[0]);
         let second = hostile::in_share(&client, &e, &sim_root, &[]);
-        (first, holding_mib(second, 600))
+        (first, hostile::holding_mib(second, 600))
     });
     let t0 = Instant::now();
     let addr = env.http_addr;
@@ -358,7 +358,7 @@ async fn a_slot_of_a_process_that_died_while_no_manager_ran_is_cleared_at_start(
     // A live process keeps the ledger (its memfd) for the next manager to
     // take back; with none, the next one starts a new ledger.
     let (mut keeper, before, mut holder) = tokio::task::block_in_place(|| {
-        let keeper = holding_mib(hostile::in_share(&client, &e, &sim_root, &[]), 64);
+        let keeper = hostile::holding_mib(hostile::in_share(&client, &e, &sim_root, &[]), 64);
         let before = allocated(&quota_run(&client, &e, &sim_root, &[]));
         let holder = holding(hostile::in_share(&client, &e, &sim_root, &[]));
         (keeper, before, holder)
@@ -404,23 +404,5 @@ fn with_interposer(extra: &[&str]) -> Options {
 
 /// `shim_client … hold 512` spawned from `cmd`, once it holds its memory.
 fn holding(cmd: std::process::Command) -> std::process::Child {
-    holding_mib(cmd, 512)
-}
-
-/// `shim_client … hold MIB` spawned from `cmd`, once it holds its memory.
-fn holding_mib(mut cmd: std::process::Command, mib: u32) -> std::process::Child {
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
-    let mut p = cmd
-        .args(["hold", &mib.to_string()])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(p.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(line.contains("holding"), "{line}");
-    p
+    hostile::holding_mib(cmd, 512)
 }

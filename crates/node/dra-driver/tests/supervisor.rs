@@ -435,23 +435,11 @@ async fn a_hostile_claim_cannot_harm_the_driver_nor_lift_its_quota() {
 /// ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_driver_killed_under_a_mig_instance_in_use_leaves_it_and_adopts_its_claim() {
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
     let (server, dirs) = dra_binary::node("sim-mig-h100.toml").await;
     let sim = dirs.p("sim");
     // `nvidia-smi -mig 1` and `nvidia-smi mig -cgi 9,19 -C` on GPU 0: a
     // 3g.40gb and a 1g.10gb.
-    let out = Command::new(test_support::target_dir().join("gpu-sim"))
-        .args(["mig", "--root"])
-        .arg(&sim)
-        .args(["--gpu", "0", "--enable", "--create", "9,19"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    test_support::sim::gpu_sim_mig(&sim, &["--gpu", "0", "--enable", "--create", "9,19"]);
     let instances = || {
         let mut v: Vec<String> = test_support::sim::state_at(&sim)
             .mig_devices(0)
@@ -487,19 +475,10 @@ async fn a_driver_killed_under_a_mig_instance_in_use_leaves_it_and_adopts_its_cl
         &sim.join("usr/lib/x86_64-linux-gnu"),
         &client,
     );
-    let mut holder = Command::new(&client)
-        .args(["hold", "64"])
-        .envs(env.iter().cloned())
-        .env("CUDA_VISIBLE_DEVICES", &mig)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(holder.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(line.starts_with("holding pid="), "{line:?}");
+    let mut cmd = Command::new(&client);
+    cmd.envs(env.iter().cloned())
+        .env("CUDA_VISIBLE_DEVICES", &mig);
+    let mut holder = test_support::hostile::holding_mib(cmd, 64);
 
     // SAFETY: signals a process this test started (the supervisor's child).
     unsafe { libc::kill(first[0] as i32, libc::SIGKILL) };

@@ -280,6 +280,24 @@ pub fn in_share(
     c
 }
 
+/// `shim_client … hold MIB` spawned from `cmd`, once it holds its memory.
+pub fn holding_mib(mut cmd: Command, mib: u32) -> std::process::Child {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let mut p = cmd
+        .args(["hold", &mib.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(p.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains("holding"), "{line}");
+    p
+}
+
 /// Runs `shim_client quota 64` in the share ([`in_share`]).
 pub fn quota_run(
     client: &Path,

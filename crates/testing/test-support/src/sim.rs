@@ -90,17 +90,7 @@ impl SimNode {
     /// `gpu-sim mig --root <root> <args>` (as `nvidia-smi -mig 1` and
     /// `nvidia-smi mig -cgi <ids> -C`); panics with its stderr on failure.
     pub fn mig(&self, args: &[&str]) {
-        let out = std::process::Command::new(crate::target_dir().join("gpu-sim"))
-            .args(["mig", "--root"])
-            .arg(self.root())
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "gpu-sim mig {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        gpu_sim_mig(self.root(), args);
     }
 
     /// GPU 0 of a MIG-capable node in MIG mode with a 3g.40gb and a
@@ -112,6 +102,23 @@ impl SimNode {
 }
 
 /// The shared state of the sim installed at `root`.
+/// `gpu-sim mig --root <root> <args>` on a node installed at `root` (as
+/// `nvidia-smi -mig 1` and `nvidia-smi mig -cgi <ids> -C`); panics with its
+/// stderr on failure.
+pub fn gpu_sim_mig(root: &Path, args: &[&str]) {
+    let out = std::process::Command::new(crate::target_dir().join("gpu-sim"))
+        .args(["mig", "--root"])
+        .arg(root)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "gpu-sim mig {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 pub fn state_at(root: &Path) -> gpu_sim_core::SharedState {
     gpu_sim_core::SharedState::open(&gpu_sim_core::SimRoot::new(root)).unwrap()
 }
