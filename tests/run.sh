@@ -100,7 +100,7 @@ report() {
   set +e
   if [ -n "${SOAK_HOG:-}" ]; then kill "$SOAK_HOG" 2>/dev/null || true; fi
   kill "$RESOURCE_WATCH" 2>/dev/null || true
-  # A build still going (the 1.37 one runs until the DRA suite awaits it).
+  # A build still going (a set-up step failed while it ran).
   local b
   for b in "${!BUILD_PID[@]}"; do
     [ -s "$(build_rc "$b")" ] || kill_tree "${BUILD_PID[$b]}"
@@ -267,18 +267,12 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
-# start_build [--idle] <script> <log>: a build run beside the downloads,
-# its exit status in $TEST_LOGS (with_status; await_build). --idle: under
-# SCHED_IDLE (its compilers inherit it), so it takes only CPU no other
-# process wants: it goes on beside the test phases without moving their
-# timed figures (TP = 2 at 49.1 / 47.8 % beside two SCHED_IDLE busy loops,
-# tests/soak.md).
+# start_build <script> <log>: a build run beside the downloads, its exit
+# status in $TEST_LOGS (with_status; await_build).
 declare -A BUILD_PID=()
 build_rc() { printf '%s/build-%s.rc' "$TEST_LOGS" "$(basename "$1" .sh)"; }
 start_build() {
-  local sched=()
-  if [ "$1" = --idle ]; then sched=(chrt --idle 0); shift; fi
-  with_status "$(build_rc "$1")" "${sched[@]}" bash "$1" >"$2" 2>&1 &
+  with_status "$(build_rc "$1")" bash "$1" >"$2" 2>&1 &
   BUILD_PID[$1]=$!
 }
 
@@ -318,11 +312,11 @@ start_build deploy/helm/build-helm.sh "$VCUDA_CACHE/helm-build.log"
 # Kubernetes 1.37 and containerd 2 from their Go modules (tests/k8s/modern)
 # for the DRA real-node suite (tests/k8s_dra_node), cached by version
 # (/var/cache/vcuda/k8s-go-<version>, containerd-go-<version>; Go's caches in
-# /var/cache/vcuda/go; a cold build is 15-35 min on 2 cores): the longest
-# build and the last needed, so at idle priority from here through every
-# phase before the DRA suite, which awaits it. A fresh machine's set-up had
-# waited on it (and on the two builds it slowed) before the workspace build.
-start_build --idle tests/k8s/build-modern.sh "$VCUDA_CACHE/k8s-modern-build.log"
+# /var/cache/vcuda/go; a cold build is 15-35 min on 2 cores): built beside
+# the downloads below, awaited before the workspace build. Not later at
+# idle priority: the phases before the DRA suite leave little idle CPU
+# (a fresh run at 6a6c296 still waited on it there; tests/soak.md).
+start_build tests/k8s/build-modern.sh "$VCUDA_CACHE/k8s-modern-build.log"
 
 log "python packages"
 python3 -m pip install -q --disable-pip-version-check -r tests/python/requirements.txt
@@ -459,6 +453,9 @@ export VCUDA_K8S_BIN
 await_build helm "$VCUDA_CACHE/helm-build.log" deploy/helm/build-helm.sh
 VCUDA_HELM_BIN=$(tail -n1 "$VCUDA_CACHE/helm-build.log")
 export VCUDA_HELM_BIN
+await_build "kubernetes 1.37" "$VCUDA_CACHE/k8s-modern-build.log" tests/k8s/build-modern.sh
+VCUDA_K8S_MODERN_BIN=$(tail -n1 "$VCUDA_CACHE/k8s-modern-build.log")
+export VCUDA_K8S_MODERN_BIN
 
 log "build"
 cargo build --workspace --all-targets
@@ -527,10 +524,6 @@ log "the device-plugin real-node suite on Kubernetes 1.20 (its end)"
 finish_beside
 run_tests "cdi_containerd" cargo test -p dra-driver --test cdi_containerd
 run_tests "tests that want a quiet host" cargo test -p vcuda-tests --tests --no-fail-fast -- quiet_host::
-
-await_build "kubernetes 1.37" "$VCUDA_CACHE/k8s-modern-build.log" tests/k8s/build-modern.sh
-VCUDA_K8S_MODERN_BIN=$(tail -n1 "$VCUDA_CACHE/k8s-modern-build.log")
-export VCUDA_K8S_MODERN_BIN
 
 log "the DRA real-node suite (Kubernetes 1.37, tests/k8s_dra_node)"
 # After the 1.20 suite: the two nodes share /var/lib/kubelet, so one at a
