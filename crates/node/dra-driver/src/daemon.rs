@@ -383,7 +383,13 @@ async fn start_dynamic(
     };
     // A GPU prepared claims hold (whole or a share) is not put in MIG mode.
     let shared = crate::geometry::shared_gpus(&checkpoint);
-    let whole = crate::geometry::left_whole("mig-dynamic", &s.mig_dynamic, found, shared.as_ref());
+    let whole = node_agent::geometry::left_whole(
+        "mig-dynamic",
+        crate::geometry::CLAIMS_HOLD,
+        &s.mig_dynamic,
+        found,
+        shared.as_ref(),
+    );
     let named: Vec<String> = s
         .mig_dynamic
         .iter()

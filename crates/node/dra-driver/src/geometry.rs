@@ -5,7 +5,7 @@
 //! those a process uses are never destroyed, nor any vcuda did not make
 //! (`mig-created.json` in the state directory, beside the checkpoint). A
 //! GPU not in MIG mode that prepared claims hold whole or a share of is
-//! left whole ([`left_whole`]; `--mig-dynamic` too), as the manager leaves
+//! left whole (node-agent's `left_whole`; `--mig-dynamic` too), as the manager leaves
 //! one holding pods' shares.
 
 use std::collections::BTreeSet;
@@ -35,8 +35,9 @@ pub async fn apply(
         Err(e) => (None, Err(e)),
     };
     let shared = shared_gpus(&checkpoint);
-    let whole = left_whole(
+    let whole = node_agent::geometry::left_whole(
         "mig-geometry",
+        CLAIMS_HOLD,
         s.mig_geometry.gpus.keys(),
         &found,
         shared.as_ref(),
@@ -91,6 +92,9 @@ pub fn held(checkpoint: Result<Checkpoint, CheckpointError>, found: &[MigGpu]) -
     }
 }
 
+/// Why [`shared_gpus`] keeps a GPU whole, as its log says.
+pub const CLAIMS_HOLD: &str = "prepared claims hold the GPU whole or a share of it";
+
 /// The GPUs (UUIDs) prepared claims hold whole or a share of, MIG devices
 /// aside; `None` when the checkpoint cannot be read (any GPU may be).
 pub fn shared_gpus(checkpoint: &Result<Checkpoint, CheckpointError>) -> Option<BTreeSet<String>> {
@@ -102,38 +106,6 @@ pub fn shared_gpus(checkpoint: &Result<Checkpoint, CheckpointError>) -> Option<B
             .map(|d| d.gpu_uuid.clone())
             .collect(),
     )
-}
-
-/// Of the GPUs `named` by `--<flag>` (index or UUID), those to leave
-/// whole: not in MIG mode, and held by a prepared claim (any, while
-/// `shared` is `None`). Putting one in MIG mode would take the GPU from
-/// under the claims' containers; it is partitioned at a start that finds
-/// none.
-pub fn left_whole<'a>(
-    flag: &str,
-    named: impl IntoIterator<Item = &'a String>,
-    found: &Discovered,
-    shared: Option<&BTreeSet<String>>,
-) -> BTreeSet<String> {
-    let gpus = found.topology.gpus();
-    let mut out = BTreeSet::new();
-    for name in named {
-        let Some(g) = gpus
-            .iter()
-            .find(|g| g.index.to_string() == *name || g.uuid == *name)
-        else {
-            continue;
-        };
-        let in_mig = found.mig.get(g.index).is_some_and(|m| m.enabled);
-        if !in_mig && shared.is_none_or(|s| s.contains(&g.uuid)) {
-            tracing::warn!(
-                gpu = %name,
-                "--{flag} not applied: prepared claims hold the GPU whole or a share of it (or the checkpoint is unread); left whole until a start that finds none"
-            );
-            out.insert(name.clone());
-        }
-    }
-    out
 }
 
 #[cfg(test)]

@@ -201,6 +201,41 @@ pub fn ensure_mig_mode(driver: &dyn MigDriver, gpu: usize) -> Result<bool, NvmlE
     Ok(driver.mode(gpu)?.0)
 }
 
+/// Of the GPUs `named` by `--<flag>` (index or UUID; names of no GPU are
+/// left to the flag's own check), those that stay whole instead of being
+/// put in MIG mode, each logged with `why` it is held: not in MIG mode,
+/// and `holding` (the GPUs pods or claims hold whole or a share of;
+/// `None`: unknown, their record unread) has it. MIG mode would take it
+/// from under them, with no process there to refuse it; it is applied at
+/// a start that finds none.
+pub fn left_whole<'a>(
+    flag: &str,
+    why: &str,
+    named: impl IntoIterator<Item = &'a String>,
+    found: &crate::nvml::Discovered,
+    holding: Option<&BTreeSet<String>>,
+) -> BTreeSet<String> {
+    let gpus = found.topology.gpus();
+    let mut out = BTreeSet::new();
+    for name in named {
+        let Some(g) = gpus
+            .iter()
+            .find(|g| g.index.to_string() == *name || g.uuid == *name)
+        else {
+            continue;
+        };
+        let in_mig = found.mig.get(g.index).is_some_and(|m| m.enabled);
+        if !in_mig && holding.is_none_or(|h| h.contains(&g.uuid)) {
+            tracing::warn!(
+                gpu = %name,
+                "--{flag} not applied: {why} (or the record of them is unread); left whole until a start that finds none"
+            );
+            out.insert(name.clone());
+        }
+    }
+    out
+}
+
 /// A GPU-list flag's entry that names no GPU of this node.
 #[derive(Debug, thiserror::Error)]
 #[error("--{flag} {name:?}: no GPU of this node has that index or UUID")]

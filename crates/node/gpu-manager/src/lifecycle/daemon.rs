@@ -406,18 +406,15 @@ async fn apply_mig_geometry(
     };
     // A GPU not yet in MIG mode that holds pods' shares stays whole.
     let shared = super::dynamic_mig::holding_shares(s);
+    let whole = node_agent::geometry::left_whole(
+        "mig-geometry",
+        super::dynamic_mig::PODS_HOLD,
+        s.mig_geometry.gpus.keys(),
+        &found,
+        shared.as_ref(),
+    );
     let mut geometry = s.mig_geometry.clone();
-    geometry.gpus.retain(|name, _| {
-        let Some(g) = gpus.iter().find(|g| g.index.to_string() == *name || g.uuid == name) else {
-            return true;
-        };
-        let whole = !found.mig.get(g.index).is_some_and(|m| m.enabled);
-        let holds = shared.as_ref().is_none_or(|sh| sh.contains(g.uuid));
-        if whole && holds {
-            tracing::warn!(gpu = %name, "MIG geometry not applied: the GPU holds shares of pods (or the checkpoint is unread); left whole until a start that finds none");
-        }
-        !(whole && holds)
-    });
+    geometry.gpus.retain(|name, _| !whole.contains(name));
     let changed =
         node_agent::geometry::apply_at_start(&driver, &gpus, &geometry, &held, &s.checkpoint_path);
     if !changed {

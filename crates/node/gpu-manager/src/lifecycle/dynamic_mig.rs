@@ -321,15 +321,21 @@ pub fn enable(
         devices: &devices,
     };
     let shared = holding_shares(s);
+    let whole: Vec<String> = node_agent::geometry::left_whole(
+        "mig-dynamic",
+        PODS_HOLD,
+        &s.mig_dynamic,
+        &found,
+        shared.as_ref(),
+    )
+    .into_iter()
+    .collect();
+    let whole = node_agent::geometry::resolve_gpus("mig-dynamic", &whole, &uuids)?;
     let mut on = BTreeSet::new();
     let mut switched = false;
     for gpu in named {
         let was = found.mig.get(gpu).is_some_and(|m| m.enabled);
-        if !was && shared.as_ref().is_none_or(|sh| sh.contains(&uuids[gpu])) {
-            tracing::warn!(
-                gpu,
-                "dynamic MIG: the GPU holds shares of pods (or the checkpoint is unread): left whole until a start that finds none"
-            );
+        if whole.contains(&gpu) {
             continue;
         }
         match node_agent::geometry::ensure_mig_mode(&driver, gpu) {
@@ -357,6 +363,9 @@ pub fn enable(
     node_agent::mig::log(&again.mig);
     Ok((again, on))
 }
+
+/// Why [`holding_shares`] keeps a GPU whole, as its log says.
+pub const PODS_HOLD: &str = "the GPU holds shares of pods";
 
 /// The UUIDs of the GPUs the checkpoint says hold shares or whole-GPU
 /// allocations of pods (MIG mode would take them from under the pods,
