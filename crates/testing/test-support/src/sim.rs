@@ -101,7 +101,6 @@ impl SimNode {
     }
 }
 
-/// The shared state of the sim installed at `root`.
 /// `gpu-sim mig --root <root> <args>` on a node installed at `root` (as
 /// `nvidia-smi -mig 1` and `nvidia-smi mig -cgi <ids> -C`); panics with its
 /// stderr on failure.
@@ -119,6 +118,7 @@ pub fn gpu_sim_mig(root: &Path, args: &[&str]) {
     );
 }
 
+/// The shared state of the sim installed at `root`.
 pub fn state_at(root: &Path) -> gpu_sim_core::SharedState {
     gpu_sim_core::SharedState::open(&gpu_sim_core::SimRoot::new(root)).unwrap()
 }

@@ -66,6 +66,12 @@ impl ShareMemory {
             _ => None,
         }
     }
+
+    /// What the share may hold on the GPU of its `ledger`-th ledger: its
+    /// limit when it borrows, else its guarantee there.
+    pub fn may_hold(&self, ledger: usize) -> u64 {
+        self.borrow_limit().unwrap_or(self.gpus[ledger].guarantee)
+    }
 }
 
 /// A borrower's process ended to give memory back: what the daemon turns
@@ -240,7 +246,7 @@ impl Lending {
             Ok(Kind::Info) => {
                 let (m, uses) = members();
                 let i = position(&m, me);
-                let limit = me.memory.borrow_limit().unwrap_or(gpu.guarantee);
+                let limit = me.memory.may_hold(0);
                 MemoryResponse {
                     status: Status::Granted as i32,
                     available: may_take(gpu.card_bytes, &uses, i, limit),
@@ -418,10 +424,7 @@ fn held_by(procs: &Procs, seen: &HashMap<i32, u64>) -> u64 {
 /// Each member's use as [`believed`]; the witness is asked only when a
 /// ledger says more than its share may hold.
 fn believe(m: &[Member], uses: &mut [Use], seen: impl FnOnce() -> Option<HashMap<i32, u64>>) {
-    let cap = |(procs, ledger): &Member| {
-        let guarantee = procs.memory.gpus[*ledger].guarantee;
-        procs.memory.borrow_limit().unwrap_or(guarantee)
-    };
+    let cap = |(procs, ledger): &Member| procs.memory.may_hold(*ledger);
     if m.iter().zip(uses.iter()).all(|(x, u)| u.used <= cap(x)) {
         return;
     }
