@@ -279,6 +279,24 @@ fn each_overlay_installs_what_its_name_says() {
     for sa in ["kube-system:vcuda-scheduler", "kube-system:gpu-manager"] {
         assert!(writer.contains(sa), "{writer}");
     }
+    // The keys are gpu-pods' placement annotations, as the webhook checks.
+    let forged = vap["spec"]["variables"][1]["expression"].as_str().unwrap();
+    for key in [
+        gpu_pods::PREDICATE_NODE,
+        gpu_pods::PREDICATE_TIME,
+        gpu_pods::GPU_ASSIGNED,
+    ] {
+        assert!(forged.contains(&format!("'{key}'")), "{key}: {forged}");
+    }
+    for prefix in [
+        gpu_pods::PREDICATE_GPU_IDX_PREFIX,
+        gpu_pods::PREDICATE_MIG_PREFIX,
+    ] {
+        assert!(
+            forged.contains(&format!("k.startsWith('{prefix}')")),
+            "{prefix}: {forged}"
+        );
+    }
     let binding = find(
         &policy,
         "ValidatingAdmissionPolicyBinding",
