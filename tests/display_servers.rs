@@ -73,6 +73,8 @@ struct Served {
     addr: SocketAddr,
     /// The probe listener.
     health: SocketAddr,
+    /// The metrics listener.
+    metrics: SocketAddr,
     socket: std::path::PathBuf,
     _dir: tempfile::TempDir,
 }
@@ -110,6 +112,7 @@ async fn serve() -> Served {
         socket: dir.path().join("run/gpu-manager.sock"),
         query_addr: "127.0.0.1:0".parse().unwrap(),
         health_addr: Some("127.0.0.1:0".parse().unwrap()),
+        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
         ..Default::default()
     };
     let running = display.start(&opts, None, cancel.clone()).await.unwrap();
@@ -117,6 +120,9 @@ async fn serve() -> Served {
         display,
         addr: running.http_addr,
         health: running.health_addr.expect("a probe listener was asked for"),
+        metrics: running
+            .metrics_addr
+            .expect("a metrics listener was asked for"),
         running: Some(running),
         cancel,
         socket: opts.socket,
@@ -622,4 +628,77 @@ async fn the_probes_answer_while_the_query_port_is_full() {
     }
     drop(held);
     s.stop().await;
+}
+
+/// The metrics have a listener of their own (`--metrics-port`), so the
+/// query port, whose /usage and /graph name every tenant's pods and host
+/// PIDs, can stay inside the pod: Prometheus gets the same exposition
+/// there, and nothing else (crates/node/gpu-display/src/http.rs,
+/// `Endpoints::Metrics`).
+#[test]
+fn the_metrics_port_serves_the_metrics_alone() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let s = rt.block_on(serve());
+    s.display.set_ready(true);
+    let (metrics, query) = (s.metrics, s.addr);
+    let (code, on_metrics) = get(metrics, "/metrics");
+    assert_eq!(code, 200, "{on_metrics}");
+    let (_, on_query) = get(query, "/metrics");
+    let names = |t: &str| -> std::collections::BTreeSet<String> {
+        t.lines()
+            .filter(|l| l.starts_with("# TYPE "))
+            .map(str::to_string)
+            .collect()
+    };
+    assert!(!names(&on_metrics).is_empty(), "{on_metrics}");
+    assert_eq!(
+        names(&on_metrics),
+        names(&on_query),
+        "one exposition on both"
+    );
+    assert!(
+        on_metrics.contains("pod=\"trainer\""),
+        "per-container series: {on_metrics}"
+    );
+    assert_eq!(get(metrics, "/metric").0, 200, "the original's alias");
+    for path in ["/usage", "/graph", "/version", "/healthz", "/readyz"] {
+        let (code, body) = get(metrics, path);
+        assert!(
+            code == 404 && body.contains("this is the metrics port"),
+            "{path} on the metrics port: {code} {body}"
+        );
+        assert_eq!(get(query, path).0, 200, "{path} on the query port");
+    }
+    rt.block_on(s.stop());
+}
+
+/// A metrics port taken by another process fails the start with the
+/// address and the flags to change, and leaves nothing listening.
+#[tokio::test]
+async fn a_taken_metrics_port_fails_the_start_by_name() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = taken.local_addr().unwrap();
+    let query = {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        free.local_addr().unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let display = Display::new(Arc::new(StaticSource::new(fixture())));
+    let opts = DisplayOptions {
+        socket: dir.path().join("gpu-manager.sock"),
+        query_addr: query,
+        metrics_addr: Some(at),
+        ..Default::default()
+    };
+    let e = match display.start(&opts, None, CancellationToken::new()).await {
+        Ok(_) => panic!("started on a taken metrics port {at}"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains(&format!("metrics port {at}")) && e.contains("--metrics-port"),
+        "{e}"
+    );
+    // The query port it had bound first is free again.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    std::net::TcpListener::bind(query).expect("the query port was left bound");
 }

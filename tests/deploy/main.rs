@@ -206,10 +206,14 @@ fn the_config_map_is_what_the_manager_reads() {
     })
     .unwrap_or_else(|e| panic!("{e}"));
     assert!(settings.share_mode);
-    assert_eq!(
-        settings.query_addr, "0.0.0.0",
-        "probes reach the pod IP, not loopback"
-    );
+    // The query port (/usage: every tenant's pods and host PIDs) is inside
+    // the pod alone; the kubelet's probes and Prometheus reach the pod IP,
+    // each on a listener of its own.
+    let http = settings.http;
+    assert!(http.query.ip().is_loopback(), "{http:?}");
+    for at in [http.health, http.metrics] {
+        assert!(at.is_some_and(|a| a.ip().is_unspecified()), "{http:?}");
+    }
     // volume.conf is read from the mounted ConfigMap.
     let ds = m
         .daemonset
@@ -255,9 +259,9 @@ fn the_daemonset_fits_the_design() {
     let c = &pod.containers[0];
     assert_eq!(c.security_context.as_ref().unwrap().privileged, Some(true));
 
-    // The query port, and the probes on a port of their own (/healthz and
-    // /readyz alone: a flood of the query port cannot starve them), both
-    // the config's.
+    // The metrics port (/metrics alone), and the probes on a port of their
+    // own (/healthz and /readyz alone: a flood of the metrics port cannot
+    // starve them), both the config's; the query port is not published.
     let port_named = |name: &str| {
         let ports = c.ports.as_ref().unwrap();
         ports
@@ -268,8 +272,15 @@ fn the_daemonset_fits_the_design() {
     };
     let config_port =
         |key: &str| cfg[key].as_integer().unwrap_or_else(|| panic!("no {key}")) as i32;
-    assert_eq!(port_named("metrics"), config_port("query-port"));
+    assert_eq!(port_named("metrics"), config_port("metrics-port"));
     assert_eq!(port_named("health"), config_port("health-port"));
+    assert!(
+        c.ports
+            .iter()
+            .flatten()
+            .all(|p| p.container_port != config_port("query-port")),
+        "the query port is published"
+    );
     for (probe, path) in [
         (&c.readiness_probe, "/readyz"),
         (&c.liveness_probe, "/healthz"),
@@ -417,7 +428,7 @@ fn service_and_monitor_select_the_manager() {
         serde_json::to_value(svc_port.target_port.as_ref().unwrap()).unwrap(),
         "metrics"
     );
-    // The query port is admitted from the monitoring namespace only.
+    // The metrics port is admitted from the monitoring namespace only.
     let np = m.query_policy.spec.as_ref().unwrap();
     for (k, v) in np
         .pod_selector
@@ -447,9 +458,18 @@ fn service_and_monitor_select_the_manager() {
         .unwrap()
         .container_port;
     let rule = &np.ingress.as_ref().unwrap()[0];
+    let admitted: Vec<_> = rule
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| p.port.clone())
+        .collect();
     assert_eq!(
-        rule.ports.as_ref().unwrap()[0].port,
-        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(metrics_port))
+        admitted,
+        [Some(
+            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(metrics_port)
+        )],
+        "the metrics port alone"
     );
     assert!(rule.from.as_ref().unwrap()[0].namespace_selector.is_some());
     let svc_labels = m.service.metadata.labels.clone().unwrap();

@@ -83,10 +83,18 @@ pub struct Args {
     /// The display's HTTP address [default: 127.0.0.1:5678].
     #[arg(long)]
     pub query_addr: Option<SocketAddr>,
-    /// The display's probe port (/healthz and /readyz alone) on the query
-    /// address [default: the manager file's health-port; unset: none].
+    /// The display's probe port (/healthz and /readyz alone) on
+    /// --metrics-addr [default: the manager file's health-port; unset: none].
     #[arg(long)]
     pub health_port: Option<u16>,
+    /// The display's metrics port (/metrics alone, for Prometheus) on
+    /// --metrics-addr [default: the manager file's metrics-port; unset: none].
+    #[arg(long)]
+    pub metrics_port: Option<u16>,
+    /// Address of the probe and metrics ports [default: the manager file's
+    /// metrics-addr, else the query address].
+    #[arg(long)]
+    pub metrics_addr: Option<String>,
     /// Seconds between display samples [default: 1].
     #[arg(long)]
     pub sample_period: Option<u64>,
@@ -145,7 +153,11 @@ pub fn resolve(a: Args) -> anyhow::Result<Settings> {
         ignored_xids: a.ignored_xids,
         extra_config: a.extra_config,
         display_socket: a.display_socket,
+        query_addr: a.query_addr.map(|q| q.ip().to_string()),
+        query_port: a.query_addr.map(|q| q.port()),
         health_port: a.health_port,
+        metrics_port: a.metrics_port,
+        metrics_addr: a.metrics_addr,
         sample_period: a.sample_period,
         escape_policy: a.escape_policy,
         mig_geometry: a.mig_geometry,
@@ -155,15 +167,6 @@ pub fn resolve(a: Args) -> anyhow::Result<Settings> {
     let extra_devices = match &n.extra_config {
         Some(p) => node_agent::extra::ExtraConfig::load(p)?.devices,
         None => vec![],
-    };
-    let query_addr = match a.query_addr {
-        Some(q) => q,
-        None => {
-            let ip: std::net::IpAddr = n.query_addr.parse().map_err(|e| {
-                anyhow::anyhow!("query-addr {:?} in the manager's file: {e}", n.query_addr)
-            })?;
-            SocketAddr::new(ip, n.query_port)
-        }
     };
     let mig_dynamic = a.mig_dynamic.unwrap_or_default();
     // A GPU is partitioned by one of the two (a GPU named by index in one
@@ -202,10 +205,9 @@ pub fn resolve(a: Args) -> anyhow::Result<Settings> {
             .unwrap_or(crate::slices::Unhealthy::Taint("NoSchedule")),
         resync_period: Duration::from_secs(a.resync_period.unwrap_or(60).max(1)),
         extra_devices,
-        display: (display_socket.as_os_str() != "none").then(|| crate::daemon::DisplayAt {
+        display: (display_socket.as_os_str() != "none").then_some(crate::daemon::DisplayAt {
             socket: display_socket,
-            query: query_addr,
-            health: n.health_port.map(|p| SocketAddr::new(query_addr.ip(), p)),
+            http: n.http,
         }),
         sample_period: n.sample_period,
         escape_policy: n.escape_policy,
@@ -252,8 +254,22 @@ mod tests {
             Some(std::path::Path::new("/usr/lib/vcuda/libvcuda.so"))
         );
         let at = s.display.as_ref().unwrap();
-        assert_eq!(at.query, "0.0.0.0:5678".parse().unwrap());
-        assert_eq!(at.health, Some("0.0.0.0:5679".parse().unwrap()));
+        assert_eq!(at.http.query, "127.0.0.1:5678".parse().unwrap());
+        assert_eq!(at.http.health, Some("0.0.0.0:5679".parse().unwrap()));
+        assert_eq!(at.http.metrics, Some("0.0.0.0:5680".parse().unwrap()));
+        // The query flag moves the query port alone; the file's probe and
+        // metrics ports stay on its metrics-addr.
+        let s = resolve(Args {
+            manager_config: Some(toml.clone()),
+            query_addr: Some("127.0.0.1:7000".parse().unwrap()),
+            metrics_port: Some(7001),
+            ..Default::default()
+        })
+        .unwrap();
+        let http = s.display.unwrap().http;
+        assert_eq!(http.query, "127.0.0.1:7000".parse().unwrap());
+        assert_eq!(http.health, Some("0.0.0.0:5679".parse().unwrap()));
+        assert_eq!(http.metrics, Some("0.0.0.0:7001".parse().unwrap()));
         assert_eq!(s.ignored_xids, [13, 31, 43, 45, 68, 109]);
         assert_eq!(s.cdi_dir, PathBuf::from("/var/run/cdi"));
         assert_eq!(

@@ -29,10 +29,9 @@ use crate::topology;
 pub struct DisplayAt {
     /// The gRPC socket (`vcudactl`).
     pub socket: PathBuf,
-    /// The query port (HTTP: metrics, usage, probes).
-    pub query: std::net::SocketAddr,
-    /// The probe listener (`/healthz`, `/readyz` alone), if any.
-    pub health: Option<std::net::SocketAddr>,
+    /// The query port (HTTP: metrics, usage, probes) and, if asked for,
+    /// the probe and metrics listeners.
+    pub http: node_agent::config::Listeners,
 }
 
 #[derive(Debug, Clone)]
@@ -480,8 +479,9 @@ async fn start_display(
     display.on_escape(events.on_escape());
     let opts = gpu_display::DisplayOptions {
         socket: at.socket.clone(),
-        query_addr: at.query,
-        health_addr: at.health,
+        query_addr: at.http.query,
+        health_addr: at.http.health,
+        metrics_addr: at.http.metrics,
         sample_period: s.sample_period,
         escape_policy: Some(s.escape_policy),
         ..Default::default()

@@ -394,8 +394,11 @@ async fn an_instance_destroyed_under_a_prepared_claim_is_reported() {
     let settings = dra_driver::daemon::Settings {
         display: Some(dra_driver::daemon::DisplayAt {
             socket: dirs.p("display.sock"),
-            query: "127.0.0.1:0".parse().unwrap(),
-            health: None,
+            http: node_agent::config::Listeners {
+                query: "127.0.0.1:0".parse().unwrap(),
+                health: None,
+                metrics: None,
+            },
         }),
         mig_rescan_period: Some(Duration::from_millis(200)),
         ..sim_settings(sim.root(), &dirs)

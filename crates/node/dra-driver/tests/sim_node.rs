@@ -122,8 +122,11 @@ fn settings(sim: &Path, dirs: &Dirs, shim: PathBuf) -> Settings {
         interposer: Some(shim),
         display: Some(dra_driver::daemon::DisplayAt {
             socket: dirs.p("display.sock"),
-            query: "127.0.0.1:0".parse().unwrap(),
-            health: None,
+            http: node_agent::config::Listeners {
+                query: "127.0.0.1:0".parse().unwrap(),
+                health: None,
+                metrics: None,
+            },
         }),
         ..sim_settings(sim, dirs)
     }

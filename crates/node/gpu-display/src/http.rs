@@ -1,5 +1,7 @@
 //! HTTP on the query port: read-only GET endpoints, small bounded requests;
-//! and, on a listener of their own, the probes alone ([`Endpoints::Probes`]).
+//! and, on listeners of their own, the probes alone ([`Endpoints::Probes`])
+//! and the metrics alone ([`Endpoints::Metrics`]), so the query port, which
+//! names every tenant's pods and host PIDs, can stay node-local.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -30,10 +32,11 @@ pub(crate) const MAX_BODY: u64 = 4 * 1024;
 pub(crate) const MAX_URI: usize = 2 * 1024;
 /// Open connections at once; more wait in the accept queue.
 const MAX_CONNECTIONS: usize = 256;
-/// Open connections from one address: the query port is on the pod
-/// network, and one pod holding every slot would starve the kubelet's
-/// probes (a liveness kill is the one restart the supervisor cannot
-/// bridge) and Prometheus. Past this the connection is closed at once.
+/// Open connections from one address: the query port (or the metrics
+/// port) may be on the pod network, and one pod holding every slot would
+/// starve the kubelet's probes (a liveness kill is the one restart the
+/// supervisor cannot bridge) and Prometheus. Past this the connection is
+/// closed at once.
 pub(crate) const MAX_PER_PEER: usize = 16;
 
 /// Connections open per peer address.
@@ -76,6 +79,34 @@ pub(crate) enum Endpoints {
     /// query port (many pods, each within its per-address cap) cannot
     /// starve the kubelet's probes, and it tells nobody about tenants.
     Probes,
+    /// The metrics listener: `/metrics` (alias `/metric`) alone, for
+    /// Prometheus on the pod network while the query port stays local.
+    Metrics,
+}
+
+impl Endpoints {
+    fn serves(self, path: &str) -> bool {
+        match self {
+            Endpoints::All => matches!(
+                path,
+                "/graph" | "/usage" | "/version" | "/metrics" | "/metric" | "/healthz" | "/readyz"
+            ),
+            Endpoints::Probes => matches!(path, "/healthz" | "/readyz"),
+            Endpoints::Metrics => matches!(path, "/metrics" | "/metric"),
+        }
+    }
+
+    fn try_these(self) -> &'static str {
+        match self {
+            Endpoints::All => "/graph, /usage, /version, /metrics, /healthz, /readyz",
+            Endpoints::Probes => {
+                "/healthz, /readyz (this is the probe port; the rest is on the query port)"
+            }
+            Endpoints::Metrics => {
+                "/metrics (this is the metrics port; the rest is on the query port)"
+            }
+        }
+    }
 }
 
 type Resp = Response<Full<Bytes>>;
@@ -107,24 +138,11 @@ fn route(shared: &Shared, endpoints: Endpoints, req: &Request<Incoming>) -> Resp
         );
     }
     let path = req.uri().path();
-    let probe = matches!(path, "/healthz" | "/readyz");
-    let known = probe
-        || endpoints == Endpoints::All
-            && matches!(
-                path,
-                "/graph" | "/usage" | "/version" | "/metrics" | "/metric"
-            );
-    if !known {
-        let try_these = match endpoints {
-            Endpoints::All => "/graph, /usage, /version, /metrics, /healthz, /readyz",
-            Endpoints::Probes => {
-                "/healthz, /readyz (this is the probe port; the rest is on the query port)"
-            }
-        };
+    if !endpoints.serves(path) {
         return text(
             StatusCode::NOT_FOUND,
             PLAIN,
-            format!("no such endpoint {path}; try {try_these}\n"),
+            format!("no such endpoint {path}; try {}\n", endpoints.try_these()),
         );
     }
     if req.method() != Method::GET && req.method() != Method::HEAD {
@@ -188,6 +206,7 @@ pub(crate) async fn serve(
     let bind_error = |source| match endpoints {
         Endpoints::All => Error::Bind { addr, source },
         Endpoints::Probes => Error::BindProbes { addr, source },
+        Endpoints::Metrics => Error::BindMetrics { addr, source },
     };
     let listener = TcpListener::bind(addr).await.map_err(bind_error)?;
     let bound = listener.local_addr().map_err(bind_error)?;

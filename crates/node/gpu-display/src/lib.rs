@@ -3,7 +3,8 @@
 //! * gRPC `display.GPUDisplay` (PrintGraph, PrintUsages, Version) on a unix
 //!   socket, for `vcudactl` and the original's clients;
 //! * HTTP on the query port: `/graph`, `/usage`, `/version`, `/metrics`
-//!   (alias `/metric`), `/healthz`, `/readyz`;
+//!   (alias `/metric`), `/healthz`, `/readyz`; optionally the probes and
+//!   the metrics each on a listener of its own;
 //! * Prometheus metrics per GPU, per container and for the manager;
 //! * a sampler thread reading NVML every sample period; scrapes read its
 //!   last snapshot, never NVML.
@@ -74,8 +75,14 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    #[error("binding the probe port {addr}: {source} (see --health-port)")]
+    #[error("binding the probe port {addr}: {source} (see --health-port, --metrics-addr)")]
     BindProbes {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("binding the metrics port {addr}: {source} (see --metrics-port, --metrics-addr)")]
+    BindMetrics {
         addr: SocketAddr,
         #[source]
         source: std::io::Error,
@@ -91,10 +98,14 @@ pub struct DisplayOptions {
     pub socket_mode: u32,
     /// HTTP listen address (`--query-addr:--query-port`); port 0 picks one.
     pub query_addr: SocketAddr,
-    /// The probe listener's address (`--health-port` on the query
-    /// address): `/healthz` and `/readyz` alone; `None`: the probes are
-    /// served on the query port only.
+    /// The probe listener's address (`--health-port`): `/healthz` and
+    /// `/readyz` alone; `None`: the probes are served on the query port
+    /// only.
     pub health_addr: Option<SocketAddr>,
+    /// The metrics listener's address (`--metrics-port`): `/metrics` alone,
+    /// for Prometheus, so the query port can stay node-local; `None`: the
+    /// metrics are served on the query port only.
+    pub metrics_addr: Option<SocketAddr>,
     /// NVML sampling period (`--sample-period`).
     pub sample_period: Duration,
     /// Bind the socket even when a live server answers on it (a manager
@@ -112,6 +123,7 @@ impl Default for DisplayOptions {
             socket_mode: 0o660,
             query_addr: SocketAddr::new(DEFAULT_QUERY_ADDR.parse().unwrap(), DEFAULT_QUERY_PORT),
             health_addr: None,
+            metrics_addr: None,
             sample_period: Duration::from_secs(1),
             take_over_socket: false,
             escape_policy: Some(guard::Policy::Report),
@@ -306,27 +318,43 @@ impl Display {
         http::serve(self.shared.clone(), addr, http::Endpoints::All, cancel).await
     }
 
-    /// The query port and, when asked for, the probe listener; on an
-    /// error, one already up stops.
+    /// The query port and, when asked for, the probe and metrics
+    /// listeners; on an error, those already up stop.
     async fn serve_listeners(
         &self,
         opts: &DisplayOptions,
         cancel: CancellationToken,
-    ) -> Result<(SocketAddr, Option<SocketAddr>, Vec<JoinHandle<()>>), Error> {
-        let serve =
-            |addr, endpoints| http::serve(self.shared.clone(), addr, endpoints, cancel.clone());
-        let (http_addr, http) = serve(opts.query_addr, http::Endpoints::All).await?;
-        let Some(addr) = opts.health_addr else {
-            return Ok((http_addr, None, vec![http]));
-        };
-        match serve(addr, http::Endpoints::Probes).await {
-            Ok((bound, probes)) => Ok((http_addr, Some(bound), vec![http, probes])),
-            Err(e) => {
-                cancel.cancel();
-                let _ = http.await;
-                Err(e)
+    ) -> Result<Bound, Error> {
+        let wanted = [
+            (Some(opts.query_addr), http::Endpoints::All),
+            (opts.health_addr, http::Endpoints::Probes),
+            (opts.metrics_addr, http::Endpoints::Metrics),
+        ];
+        let mut bound = [None; 3];
+        let mut tasks = Vec::new();
+        for (i, (addr, endpoints)) in wanted.into_iter().enumerate() {
+            let Some(addr) = addr else { continue };
+            match http::serve(self.shared.clone(), addr, endpoints, cancel.clone()).await {
+                Ok((at, task)) => {
+                    bound[i] = Some(at);
+                    tasks.push(task);
+                }
+                Err(e) => {
+                    cancel.cancel();
+                    for t in tasks {
+                        let _ = t.await;
+                    }
+                    return Err(e);
+                }
             }
         }
+        let [query, health, metrics] = bound;
+        Ok(Bound {
+            query: query.expect("always asked for"),
+            health,
+            metrics,
+            tasks,
+        })
     }
 
     /// Everything: sampler (when a reader is given), gRPC and HTTP.
@@ -351,26 +379,34 @@ impl Display {
             opts.take_over_socket,
             cancel.clone(),
         )?;
-        let (http_addr, health_addr, listeners) =
-            match self.serve_listeners(opts, cancel.clone()).await {
-                Ok(v) => v,
-                Err(e) => {
-                    cancel.cancel();
-                    let _ = grpc.await;
-                    return Err(e);
-                }
-            };
-        tracing::info!(socket = %opts.socket.display(), http = %http_addr, probes = ?health_addr, "display service up");
+        let bound = match self.serve_listeners(opts, cancel.clone()).await {
+            Ok(v) => v,
+            Err(e) => {
+                cancel.cancel();
+                let _ = grpc.await;
+                return Err(e);
+            }
+        };
+        tracing::info!(socket = %opts.socket.display(), http = %bound.query, probes = ?bound.health, metrics = ?bound.metrics, "display service up");
         let mut tasks = vec![grpc];
-        tasks.extend(listeners);
+        tasks.extend(bound.tasks);
         Ok(Running {
-            http_addr,
-            health_addr,
+            http_addr: bound.query,
+            health_addr: bound.health,
+            metrics_addr: bound.metrics,
             socket: opts.socket.clone(),
             sampler,
             tasks,
         })
     }
+}
+
+/// The HTTP listeners [`Display::start`] bound.
+struct Bound {
+    query: SocketAddr,
+    health: Option<SocketAddr>,
+    metrics: Option<SocketAddr>,
+    tasks: Vec<JoinHandle<()>>,
 }
 
 struct BoxedReader(Box<dyn GpuReader>);
@@ -386,6 +422,8 @@ pub struct Running {
     pub http_addr: SocketAddr,
     /// The probe listener's bound address, when one was asked for.
     pub health_addr: Option<SocketAddr>,
+    /// The metrics listener's bound address, when one was asked for.
+    pub metrics_addr: Option<SocketAddr>,
     pub socket: PathBuf,
     sampler: Option<Sampler>,
     tasks: Vec<JoinHandle<()>>,

@@ -14,10 +14,8 @@ pub use node_agent::config::{ConfigError, Options};
 pub struct Settings {
     pub extra_config: Option<PathBuf>,
     pub volume_config: PathBuf,
-    pub query_addr: String,
-    pub query_port: u16,
-    /// The probe listener's port (on the query address), if any.
-    pub health_port: Option<u16>,
+    /// The display's HTTP listeners.
+    pub http: node_agent::config::Listeners,
     pub display_socket: PathBuf,
     pub kubeconfig: Option<PathBuf>,
     pub sample_period: Duration,
@@ -201,9 +199,7 @@ impl Settings {
         Ok(Settings {
             extra_config: n.extra_config,
             volume_config: n.volume_config,
-            query_addr: n.query_addr,
-            query_port: n.query_port,
-            health_port: n.health_port,
+            http: n.http,
             display_socket: n.display_socket,
             kubeconfig: n.kubeconfig,
             sample_period: n.sample_period,
@@ -348,7 +344,7 @@ mod tests {
             toml::from_str("query-port = 6000\nsample-period = 5\nshare-mode = false\n").unwrap();
         let s = Settings::resolve(cli.over(file)).unwrap();
         assert!(s.share_mode);
-        assert_eq!(s.query_port, 7000);
+        assert_eq!(s.http.query.port(), 7000);
         assert_eq!(s.sample_period, Duration::from_secs(5));
         assert_eq!(s.node_name, "node-1");
         assert_eq!(

@@ -11,6 +11,9 @@ use std::time::Duration;
 use clap::Parser;
 use serde::Deserialize;
 
+mod listeners;
+pub use listeners::Listeners;
+
 /// Defaults of the settings both modes read.
 pub mod defaults {
     pub const DRIVER: &str = "nvidia";
@@ -77,17 +80,27 @@ pub struct Options {
     /// volume.conf of the driver mirror [default: /etc/gpu-manager/volume.conf].
     #[arg(long, env = "GPU_MANAGER_VOLUME_CONFIG")]
     pub volume_config: Option<PathBuf>,
-    /// Address of the query (display/metrics) HTTP server [default: 127.0.0.1].
+    /// Address of the query HTTP server (/usage, /graph, /version, /metrics,
+    /// the probes): /usage names every tenant's pods and host PIDs, so keep
+    /// it node-local and give Prometheus --metrics-port [default: 127.0.0.1].
     #[arg(long, env = "GPU_MANAGER_QUERY_ADDR")]
     pub query_addr: Option<String>,
     /// Port of the query HTTP server [default: 5678].
     #[arg(long, env = "GPU_MANAGER_QUERY_PORT")]
     pub query_port: Option<u16>,
-    /// Port of the probe listener (/healthz and /readyz alone) on the query
-    /// address, so a flood of the query port cannot starve the kubelet's
-    /// probes; unset: the probes are served on the query port only.
+    /// Port of the probe listener (/healthz and /readyz alone) on
+    /// --metrics-addr, so a flood of the query port cannot starve the
+    /// kubelet's probes; unset: the probes are served on the query port only.
     #[arg(long, env = "GPU_MANAGER_HEALTH_PORT")]
     pub health_port: Option<u16>,
+    /// Port of the metrics listener (/metrics alone, for Prometheus) on
+    /// --metrics-addr; unset: the metrics are served on the query port only.
+    #[arg(long, env = "GPU_MANAGER_METRICS_PORT")]
+    pub metrics_port: Option<u16>,
+    /// Address of the metrics and probe listeners, the ones reached from
+    /// outside the pod [default: the query address].
+    #[arg(long, env = "GPU_MANAGER_METRICS_ADDR")]
+    pub metrics_addr: Option<String>,
     /// Unix socket of the display gRPC service (`vcudactl`) [default: /var/run/gpu-manager.sock].
     #[arg(long, env = "GPU_MANAGER_DISPLAY_SOCKET")]
     pub display_socket: Option<PathBuf>,
@@ -223,6 +236,8 @@ impl Options {
             query_addr,
             query_port,
             health_port,
+            metrics_port,
+            metrics_addr,
             display_socket,
             kubeconfig,
             sample_period,
@@ -281,10 +296,8 @@ pub struct NodeConfig {
     pub xid_quiet_period: Duration,
     pub ignored_xids: Vec<u64>,
     pub display_socket: PathBuf,
-    pub query_addr: String,
-    pub query_port: u16,
-    /// `--health-port`.
-    pub health_port: Option<u16>,
+    /// The display's HTTP listeners.
+    pub http: Listeners,
     pub sample_period: Duration,
     pub escape_policy: gpu_display::guard::Policy,
     /// `--mig-geometry` (empty: no GPU named).
@@ -313,15 +326,7 @@ impl NodeConfig {
                     .into(),
             });
         }
-        let query_port = o.query_port.unwrap_or(gpu_display::DEFAULT_QUERY_PORT);
-        if let Some(p) = o.health_port.filter(|&p| p != 0 && p == query_port) {
-            return Err(ConfigError::Invalid {
-                field: "health-port",
-                problem: format!(
-                    "{p} is the query port too; give the probes a port of their own (or leave it unset)"
-                ),
-            });
-        }
+        let http = Listeners::resolve(o)?;
         let or = |p: &Option<PathBuf>, d: &str| p.clone().unwrap_or_else(|| d.into());
         let mig_geometry = o.mig_geometry.as_deref().unwrap_or("").parse().map_err(
             |e: crate::geometry::GeometryParseError| ConfigError::Invalid {
@@ -349,12 +354,7 @@ impl NodeConfig {
                 .clone()
                 .unwrap_or_else(|| defaults::IGNORED_XIDS.to_vec()),
             display_socket: or(&o.display_socket, gpu_display::DEFAULT_SOCKET),
-            query_addr: o
-                .query_addr
-                .clone()
-                .unwrap_or_else(|| gpu_display::DEFAULT_QUERY_ADDR.into()),
-            query_port,
-            health_port: o.health_port,
+            http,
             sample_period: Duration::from_secs(
                 o.sample_period
                     .unwrap_or(defaults::SAMPLE_PERIOD_SECS)
@@ -435,8 +435,8 @@ mod tests {
         assert_eq!(n.xid_quiet_period, Duration::from_secs(300));
         assert_eq!(n.ignored_xids, [13, 31, 43, 45, 68, 109]);
         assert_eq!(n.display_socket, PathBuf::from("/var/run/gpu-manager.sock"));
-        assert_eq!((n.query_addr.as_str(), n.query_port), ("127.0.0.1", 5678));
-        assert_eq!(n.health_port, None);
+        assert_eq!(n.http.query, "127.0.0.1:5678".parse().unwrap());
+        assert_eq!((n.http.health, n.http.metrics), (None, None));
         let o = Options {
             health_port: Some(5678),
             ..Default::default()

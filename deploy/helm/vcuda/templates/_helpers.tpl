@@ -51,6 +51,34 @@ Values the schema cannot express, each failing with what to change.
 {{- if and .Values.scheduler.enabled (eq .Values.mode "dra") }}
 {{- fail "scheduler.enabled: the extender places device-plugin pods; in mode dra the scheduler allocates claims itself (docs/scheduler.md)" }}
 {{- end }}
+{{- $c := fromYaml (include "vcuda.config" .) }}
+{{- $q := toString (index $c "query-addr" | default "127.0.0.1") }}
+{{- if or (hasPrefix "127." $q) (eq $q "localhost") (eq $q "::1") }}
+{{- if not (hasKey $c "health-port") }}
+{{- fail (printf "config.health-port: query-addr %q is inside the pod, where the kubelet's probes cannot reach it; give the probes a port of their own (health-port, on metrics-addr)" $q) }}
+{{- end }}
+{{- if not (hasKey $c "metrics-port") }}
+{{- fail (printf "config.metrics-port: query-addr %q is inside the pod, where Prometheus cannot reach it; give the metrics a port of their own (metrics-port, on metrics-addr)" $q) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The port Prometheus scrapes: metrics-port, else the query port. */}}
+{{- define "vcuda.metricsPort" -}}
+{{- $c := fromYaml (include "vcuda.config" .) }}
+{{- index $c "metrics-port" | default (index $c "query-port") }}
+{{- end }}
+
+{{/*
+The port the kubelet probes: health (health-port), else the query port,
+named metrics where it serves Prometheus too.
+*/}}
+{{- define "vcuda.probePort" -}}
+{{- $c := fromYaml (include "vcuda.config" .) }}
+{{- if hasKey $c "health-port" }}health
+{{- else if not (hasKey $c "metrics-port") }}metrics
+{{- else }}{{ index $c "query-port" }}
+{{- end }}
 {{- end }}
 
 {{/* One TOML value: bool, integer, string or a list of them. */}}

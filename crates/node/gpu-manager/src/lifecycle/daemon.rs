@@ -556,22 +556,11 @@ async fn start_display(
     report_reclaims(mgr);
     mgr.registry()
         .memory_witness(node_agent::nvml::memory_witness(nvml.clone()));
-    let query_addr = tokio::net::lookup_host((s.query_addr.as_str(), s.query_port))
-        .await
-        .ok()
-        .and_then(|mut a| a.next())
-        .with_context(|| {
-            format!(
-                "--query-addr {:?} is not an address of this host",
-                s.query_addr
-            )
-        })?;
     let opts = gpu_display::DisplayOptions {
         socket: s.display_socket.clone(),
-        query_addr,
-        health_addr: s
-            .health_port
-            .map(|p| std::net::SocketAddr::new(query_addr.ip(), p)),
+        query_addr: s.http.query,
+        health_addr: s.http.health,
+        metrics_addr: s.http.metrics,
         sample_period: s.sample_period,
         take_over_socket,
         escape_policy: Some(s.escape_policy),
@@ -579,10 +568,13 @@ async fn start_display(
     };
     let running = node_agent::display::start(&display, nvml, &opts, cancel).await?;
     tracing::info!(
-        "display: HTTP on {}, probes on {}, socket {}",
+        "display: HTTP on {}, probes on {}, metrics on {}, socket {}",
         running.http_addr,
         running
             .health_addr
+            .map_or("the query port".into(), |a| a.to_string()),
+        running
+            .metrics_addr
             .map_or("the query port".into(), |a| a.to_string()),
         running.socket.display()
     );
