@@ -390,6 +390,53 @@ async fn a_slot_of_a_process_that_died_while_no_manager_ran_is_cleared_at_start(
     );
 }
 
+/// A process of a share (1 GiB) holds 600 MiB; the ledger's use counters
+/// are zeroed under it (any process of the container can write them), so
+/// the ledger says the share holds nothing. Asked for 600 MiB more, the
+/// process is refused all the same: the interposer also checks what this
+/// process holds by its own count, in its own memory. Before that count
+/// was consulted, the allocation went through (the ledger alone said yes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_whose_ledger_was_zeroed_is_still_held_to_the_quota() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::os::fd::AsFd;
+    if !require(Capability::Root) {
+        return;
+    }
+    let mut env = Env::start("sim-4gpu-pcie", with_interposer(&[])).await;
+    let pod = env.pod(&[("main", 30, 4)], &[]);
+    let r = env.admit(&pod, "main", 30, 4).await.unwrap();
+    let e = container_env(&r[test_support::manager::VCORE]);
+    let tmp = tempfile::tempdir().unwrap();
+    let client = compile_c("shim_client", &env.sim, tmp.path());
+    let sim_root = env.sim_root().to_path_buf();
+    let dir = env.vm_dir().join(&pod.uid).join("main");
+    let (answer, held_before, refused) = tokio::task::block_in_place(|| {
+        let mut p = hostile::holding_mib(hostile::in_share(&client, &e, &sim_root, &[]), 600);
+        let (_conn, _, fds) = hostile::register(&dir, &hostile::maximal_request(&pod.uid, "main"));
+        let ledger = container_ledger::Ledger::from_fd(fds[0].as_fd()).unwrap();
+        let held_before = ledger.used();
+        hostile::zero_counters(&fds[0]);
+        assert_eq!(ledger.used(), 0, "the counters were zeroed");
+        let mut stdin = p.stdin.take().unwrap();
+        let mut out = BufReader::new(p.stdout.take().unwrap());
+        writeln!(stdin, "alloc").unwrap();
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        let refused = ledger.refused_allocations();
+        drop(stdin);
+        let _ = (p.kill(), p.wait());
+        (line, held_before, refused)
+    });
+    assert!(held_before >= 600 * MIB, "the ledger held {held_before}");
+    assert_eq!(
+        answer.trim(),
+        "alloc=2",
+        "600 MiB more past a 1 GiB quota, the ledger zeroed: CUDA_ERROR_OUT_OF_MEMORY wanted"
+    );
+    assert_eq!(refused, 1, "the refusal is counted");
+}
+
 fn with_interposer(extra: &[&str]) -> Options {
     let mut extra_args: Vec<std::ffi::OsString> = vec![
         "--interposer".into(),

@@ -111,6 +111,13 @@ pub(crate) fn try_take(a: &Attach, gpu: usize, bytes: u64, what: &str) -> Result
         return Ok(());
     }
     let h = a.gpu(gpu);
+    // The ledger is writable by every process of the container: one that
+    // zeroed its counters must still not hold more than the share may in
+    // this process alone, which our own count (process memory) says.
+    let mine = proc().used_on(gpu).load(Ordering::Acquire);
+    if mine.saturating_add(bytes) > h.limit.max(h.quota) {
+        return refuse_own(h, mine, bytes, what);
+    }
     if let Err(over) = h.ledger.try_reserve_within(h.slot, bytes, h.quota) {
         // Above the quota a borrower asks the manager, which reserves in
         // our slot only from memory no share is guaranteed.
@@ -122,6 +129,24 @@ pub(crate) fn try_take(a: &Attach, gpu: usize, bytes: u64, what: &str) -> Result
     }
     proc().used_on(gpu).fetch_add(bytes, Ordering::AcqRel);
     Ok(())
+}
+
+/// A reservation past what this process alone may hold (its ledger's
+/// counters were lowered under it).
+#[cold]
+fn refuse_own(
+    h: &crate::registration::Held,
+    mine: u64,
+    bytes: u64,
+    what: &str,
+) -> Result<(), CUresult> {
+    log!(
+        Info,
+        "{what} of {bytes} bytes refused: this process alone holds {mine} of the share's {} (its ledger says less)",
+        h.limit.max(h.quota)
+    );
+    h.ledger.count_refused_allocation();
+    Err(CUDA_ERROR_OUT_OF_MEMORY)
 }
 
 /// Allocations the driver refuses for memory while the share is within
