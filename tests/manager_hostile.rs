@@ -168,13 +168,14 @@ async fn a_hostile_share_cannot_harm_the_manager_nor_lift_its_quota() {
 /// and, under `kill`, ends it. Returns (seconds to the report, whether
 /// the process was ended).
 async fn bypass_under(policy: &str) -> (f64, bool) {
-    let opts = with_interposer(&["--escape-policy", policy]);
-    let mut env = Env::start("sim-4gpu-pcie", opts).await;
-    let pod = env.pod(&[("main", 30, 4)], &[]);
-    let r = env.admit(&pod, "main", 30, 4).await.unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    let client = compile_c("shim_client", &env.sim, tmp.path());
-    let e = container_env(&r[test_support::manager::VCORE]);
+    let OneShare {
+        env,
+        pod,
+        e,
+        client,
+        tmp,
+        ..
+    } = OneShare::start(&["--escape-policy", policy]).await;
     let bypass = hostile::real_driver_dir(&e, tmp.path());
     let lib = e
         .iter()
@@ -276,25 +277,15 @@ async fn a_share_over_its_quota_loses_its_largest_process_under_kill() {
     if !require(Capability::Root) {
         return;
     }
-    let mut env = Env::start(
-        "sim-4gpu-pcie",
-        with_interposer(&["--escape-policy", "kill"]),
-    )
-    .await;
-    let pod = env.pod(&[("main", 30, 4)], &[]);
-    let r = env.admit(&pod, "main", 30, 4).await.unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    let client = compile_c("shim_client", &env.sim, tmp.path());
-    let e = container_env(&r[test_support::manager::VCORE]);
-    let dir = env.vm_dir().join(&pod.uid).join("main");
-    let sim_root = env.sim_root().to_path_buf();
+    let share = OneShare::start(&["--escape-policy", "kill"]).await;
     let (mut first, mut second) = tokio::task::block_in_place(|| {
-        let first = holding(hostile::in_share(&client, &e, &sim_root, &[]));
-        let (_conn, _, fds) = hostile::register(&dir, &hostile::maximal_request(&pod.uid, "main"));
+        let first = holding(share.in_share());
+        let req = hostile::maximal_request(&share.pod.uid, "main");
+        let (_conn, _, fds) = hostile::register(&share.dir(), &req);
         hostile::zero_counters(&fds[0]);
-        let second = hostile::in_share(&client, &e, &sim_root, &[]);
-        (first, hostile::holding_mib(second, 600))
+        (first, hostile::holding_mib(share.in_share(), 600))
     });
+    let (env, pod) = (&share.env, &share.pod);
     let t0 = Instant::now();
     let addr = env.http_addr;
     let series = format!(
@@ -346,14 +337,16 @@ async fn a_slot_of_a_process_that_died_while_no_manager_ran_is_cleared_at_start(
     if !require(Capability::Root) {
         return;
     }
-    let mut env = Env::start("sim-4gpu-pcie", with_interposer(&[])).await;
+    // (`tmp` holds the client's build: kept to the end.)
+    let OneShare {
+        env,
+        e,
+        client,
+        sim_root,
+        tmp: _tmp,
+        ..
+    } = OneShare::start(&[]).await;
     let sup = env.manager.id() as i32;
-    let pod = env.pod(&[("main", 30, 4)], &[]);
-    let r = env.admit(&pod, "main", 30, 4).await.unwrap();
-    let e = container_env(&r[test_support::manager::VCORE]);
-    let tmp = tempfile::tempdir().unwrap();
-    let client = compile_c("shim_client", &env.sim, tmp.path());
-    let sim_root = env.sim_root().to_path_buf();
     let allocated = |out: &str| test_support::kv(out)["allocated"].parse::<u64>().unwrap();
     // A live process keeps the ledger (its memfd) for the next manager to
     // take back; with none, the next one starts a new ledger.
@@ -403,17 +396,11 @@ async fn a_process_whose_ledger_was_zeroed_is_still_held_to_the_quota() {
     if !require(Capability::Root) {
         return;
     }
-    let mut env = Env::start("sim-4gpu-pcie", with_interposer(&[])).await;
-    let pod = env.pod(&[("main", 30, 4)], &[]);
-    let r = env.admit(&pod, "main", 30, 4).await.unwrap();
-    let e = container_env(&r[test_support::manager::VCORE]);
-    let tmp = tempfile::tempdir().unwrap();
-    let client = compile_c("shim_client", &env.sim, tmp.path());
-    let sim_root = env.sim_root().to_path_buf();
-    let dir = env.vm_dir().join(&pod.uid).join("main");
+    let share = OneShare::start(&[]).await;
     let (answer, held_before, refused) = tokio::task::block_in_place(|| {
-        let mut p = hostile::holding_mib(hostile::in_share(&client, &e, &sim_root, &[]), 600);
-        let (_conn, _, fds) = hostile::register(&dir, &hostile::maximal_request(&pod.uid, "main"));
+        let mut p = hostile::holding_mib(share.in_share(), 600);
+        let req = hostile::maximal_request(&share.pod.uid, "main");
+        let (_conn, _, fds) = hostile::register(&share.dir(), &req);
         let ledger = container_ledger::Ledger::from_fd(fds[0].as_fd()).unwrap();
         let held_before = ledger.used();
         hostile::zero_counters(&fds[0]);
@@ -435,6 +422,49 @@ async fn a_process_whose_ledger_was_zeroed_is_still_held_to_the_quota() {
         "600 MiB more past a 1 GiB quota, the ledger zeroed: CUDA_ERROR_OUT_OF_MEMORY wanted"
     );
     assert_eq!(refused, 1, "the refusal is counted");
+}
+
+/// The manager (with the interposer and `extra` flags) on the simulated
+/// 4-GPU node, one pod's share admitted (`main`: 30 %, 1 GiB), and
+/// `shim_client` built against the node's driver.
+struct OneShare {
+    env: Env,
+    pod: kubelet_emulator::PodRef,
+    /// The share container's environment.
+    e: Vec<(String, String)>,
+    client: std::path::PathBuf,
+    sim_root: std::path::PathBuf,
+    tmp: tempfile::TempDir,
+}
+
+impl OneShare {
+    async fn start(extra: &[&str]) -> OneShare {
+        let mut env = Env::start("sim-4gpu-pcie", with_interposer(extra)).await;
+        let pod = env.pod(&[("main", 30, 4)], &[]);
+        let r = env.admit(&pod, "main", 30, 4).await.unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let client = compile_c("shim_client", &env.sim, tmp.path());
+        let e = container_env(&r[test_support::manager::VCORE]);
+        let sim_root = env.sim_root().to_path_buf();
+        OneShare {
+            env,
+            pod,
+            e,
+            client,
+            sim_root,
+            tmp,
+        }
+    }
+
+    /// The share's vm directory.
+    fn dir(&self) -> std::path::PathBuf {
+        self.env.vm_dir().join(&self.pod.uid).join("main")
+    }
+
+    /// `shim_client` in the share's container.
+    fn in_share(&self) -> std::process::Command {
+        hostile::in_share(&self.client, &self.e, &self.sim_root, &[])
+    }
 }
 
 fn with_interposer(extra: &[&str]) -> Options {
