@@ -128,7 +128,9 @@ async fn a_share_inside_a_2g_instance_is_held_to_its_part_of_the_instance() {
     println!(
         "a 50 % share inside a 2g.20gb instance (device-plugin mode) got {u:.1} % of the instance"
     );
-    assert!((42.0..=58.0).contains(&u), "{u:.1} % of the instance");
+    // Issue 36's 50 ± 3 %: 50.0 % in three runs beside a clean-clone run's
+    // cargo tests and real-node suite.
+    assert!((u - 50.0).abs() <= 3.0, "{u:.1} % of the instance");
 
     // The pod's record names the instance, for the extender and restarts.
     let annotated = |key: &str| {

@@ -164,7 +164,9 @@ async fn a_share_inside_a_2g_instance_is_held_to_its_part_of_the_instance() {
     let compute = compile_c("shim_compute", &sim, &dirs.p(""));
     let u = busy_of_instance(&sim, gi, &compute, &env, (6.0, 2.0, 5.5));
     println!("a 50 % share inside a 2g.20gb instance got {u:.1} % of the instance");
-    assert!((42.0..=58.0).contains(&u), "{u:.1} % of the instance");
+    // Issue 36's 50 ± 3 %: 49.1-50.0 % in three runs beside a clean-clone
+    // run's cargo tests and real-node suite.
+    assert!((u - 50.0).abs() <= 3.0, "{u:.1} % of the instance");
 
     // The whole instance is not free meanwhile (the scheduler's capacity).
     share_in_2g(&server, "all-of-2g", None);
