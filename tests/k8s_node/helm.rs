@@ -130,6 +130,73 @@ fn placement_policy(c: &Cluster, figures: &mut Vec<String>) {
     );
 }
 
+/// The chart's manager serves Prometheus on its pod's address (the
+/// metrics port, /metrics alone) while the query port (/usage: every
+/// tenant's pods and host PIDs) answers nobody there; `kubectl
+/// port-forward`, which the API server authorizes, reaches it inside the
+/// pod.
+fn query_port_stays_in_the_pod(c: &Cluster, mgr: &str, figures: &mut Vec<String>) {
+    use std::io::{BufRead, BufReader};
+    let ip = c.kubectl_ok(&[
+        "-n",
+        "kube-system",
+        "get",
+        "pod",
+        mgr,
+        "-o",
+        "jsonpath={.status.podIP}",
+    ]);
+    let at = |port: u16| std::net::SocketAddr::new(ip.trim().parse().unwrap(), port);
+    let (code, metrics) = test_support::process::http_get(at(5680), "/metrics");
+    assert_eq!(code, 200, "{metrics}");
+    assert!(
+        metrics.contains("pod=\"helm-share\""),
+        "the share's series on the metrics port: {metrics}"
+    );
+    let (code, body) = test_support::process::http_get(at(5680), "/usage");
+    assert_eq!(code, 404, "/usage on the metrics port: {body}");
+    let refused = test_support::process::try_http_get(at(5678), "/usage");
+    assert!(
+        refused.is_err(),
+        "the query port answered on the pod's address: {refused:?}"
+    );
+    let mut fwd = c
+        .kubectl_cmd(&[
+            "-n",
+            "kube-system",
+            "port-forward",
+            &format!("pod/{mgr}"),
+            ":5678",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(fwd.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    // "Forwarding from 127.0.0.1:40123 -> 5678"
+    let local = line
+        .split_whitespace()
+        .nth(2)
+        .and_then(|a| a.parse::<std::net::SocketAddr>().ok());
+    let usage = local.map(|a| test_support::process::try_http_get(a, "/usage"));
+    let _ = (fwd.kill(), fwd.wait());
+    let (code, body) = match usage {
+        Some(Ok(r)) => r,
+        other => panic!("kubectl port-forward to the query port: {line:?}: {other:?}"),
+    };
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        body.contains("helm-share"),
+        "/usage through port-forward: {body}"
+    );
+    figures.push(
+        "helm install: /metrics on the pod's 5680, the query port 5678 refused there and reached by kubectl port-forward".into(),
+    );
+}
+
 pub fn run(c: &Cluster, w: &Work, deploy_copy: &Path, figures: &mut Vec<String>) {
     eprintln!("k8s_node: phase 3e: the Helm chart: install, upgrade, rollback, uninstall");
     let chart = workspace_root().join("deploy/helm/vcuda");
@@ -179,6 +246,7 @@ pub fn run(c: &Cluster, w: &Work, deploy_copy: &Path, figures: &mut Vec<String>)
         }
     });
     quota_held(c, "helm-share");
+    query_port_stays_in_the_pod(c, &mgr, figures);
     placement_policy(c, figures);
     let cid = container_id(c, "helm-share");
 
