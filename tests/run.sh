@@ -499,11 +499,13 @@ log "interposer tests again, on the shipped glibc-2.17 build"
 # quota tests and entry-point tests, on the library containers actually get;
 # and NVIDIA's real nvidia-smi, libcudart and drivers over it (nvidia_real,
 # nvidia_oracle: exports and cuGetProcAddress). shim_qos's `quiet_host`
-# tests too: their tenants run at nice -10 (85-87 % beside two busy loops,
-# tests/soak.md).
+# tests run at the end, once no cluster runs, as the host build's do: their
+# tenants run at nice -10, yet beside the 1.20 suite's pods the short-kernel
+# batch share fell to 64.4 % of 72 (the host 1.95 of 2 cores busy, 0.30 of
+# them the workloads; clean-clone run at 0bc0202, tests/soak.md).
 VCUDA_INTERPOSER="$shipped_interposer" run_tests "interposer tests (glibc 2.17)" \
   cargo test -p vcuda-tests --no-fail-fast --test shim_quota --test shim_compute --test shim_qos --test shim_graph --test shim_capture --test shim_entry \
-  --test nvidia_real --test nvidia_oracle --test sim_cudart
+  --test nvidia_real --test nvidia_oracle --test sim_cudart -- --skip quiet_host::
 
 log "python tests"
 export VCUDA_TARGET_DIR="$REPO/target/debug"
@@ -524,6 +526,8 @@ log "the device-plugin real-node suite on Kubernetes 1.20 (its end)"
 finish_beside
 run_tests "cdi_containerd" cargo test -p dra-driver --test cdi_containerd
 run_tests "tests that want a quiet host" cargo test -p vcuda-tests --tests --no-fail-fast -- quiet_host::
+VCUDA_INTERPOSER="$shipped_interposer" run_tests "tests that want a quiet host (glibc 2.17)" \
+  cargo test -p vcuda-tests --no-fail-fast --test shim_qos -- quiet_host::
 
 log "the DRA real-node suite (Kubernetes 1.37, tests/k8s_dra_node)"
 # After the 1.20 suite: the two nodes share /var/lib/kubelet, so one at a

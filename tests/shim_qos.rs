@@ -128,8 +128,9 @@ fn beside_latency_with(batch_args: &[&str], latency_extra: &[&str], env: &[(&str
 
 /// Each test's figures are a share of the sim's device time two
 /// processes keep busy: what a busy host moves most. `tests/run.sh` skips
-/// `quiet_host::` in the workspace run (beside the 1.20 cluster, the short-kernel
-/// batch share fell to 64 %) and runs this binary once no cluster runs.
+/// `quiet_host::` in the workspace run and the glibc-2.17 run (beside the 1.20
+/// cluster, the short-kernel batch share fell to 64 %) and runs them, for
+/// both builds, once no cluster runs.
 /// CI's glibc-2.17 run got 64.8 % with no cluster up (at 09da4e7); two
 /// busy loops here give 70-74 %, and 85-87 % with the tenants at nice -10
 /// ([`FAVOUR`]); each figure's message says what the host's CPUs did.
