@@ -33,7 +33,7 @@ fn chart() -> PathBuf {
     super::deploy_dir().join("helm/vcuda")
 }
 
-fn helm() -> Option<PathBuf> {
+pub(super) fn helm() -> Option<PathBuf> {
     if let Some(dir) = std::env::var_os(BIN_ENV).filter(|d| !d.is_empty()) {
         let p = PathBuf::from(dir).join("helm");
         if p.is_file() {
@@ -121,7 +121,7 @@ fn try_template(helm: &Path, args: &[&str]) -> Result<Vec<Value>, String> {
     Ok(parse(&String::from_utf8(out.stdout).unwrap()))
 }
 
-fn template(helm: &Path, args: &[&str]) -> Vec<Value> {
+pub(super) fn template(helm: &Path, args: &[&str]) -> Vec<Value> {
     try_template(helm, args).unwrap_or_else(|e| panic!("helm template {args:?}: {e}"))
 }
 
@@ -267,7 +267,7 @@ fn same_objects(what: &str, helm: &[Value], kustomize: &[Value]) {
 
 /// The overlays' checks, the manager's parser on every settings file, and
 /// the kinds only the chart renders (webhook, cert-manager).
-fn check_rendered(what: &str, objects: &[Value]) {
+pub(super) fn check_rendered(what: &str, objects: &[Value]) {
     use k8s_openapi::api::admissionregistration::v1::{
         MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
     };
@@ -313,7 +313,7 @@ fn check_rendered(what: &str, objects: &[Value]) {
 }
 
 /// The manager's own parser and resolution accept `text`.
-fn manager_settings(what: &str, text: &str) -> gpu_manager::config::Settings {
+pub(super) fn manager_settings(what: &str, text: &str) -> gpu_manager::config::Settings {
     let dir = tempfile::tempdir().unwrap();
     let f = dir.path().join("gpu-manager.toml");
     std::fs::write(&f, text).unwrap();
@@ -723,96 +723,6 @@ fn node_config_gives_a_node_its_own_file() {
 }
 
 /// The webhook's objects (templates/webhook/) for each certificate source.
-/// By default the query port (/usage, /graph: every tenant's pods and
-/// host PIDs) stays inside the pod: only the metrics and probe ports are
-/// published, the Service and NetworkPolicy take the metrics port; a chart
-/// whose query port is on the pod network (no metrics-port) still serves
-/// Prometheus there, as before the metrics port existed.
-#[test]
-fn only_the_metrics_and_probe_ports_leave_the_pod() {
-    let Some(helm) = helm() else { return };
-    for (mode, name) in [("devicePlugin", "gpu-manager"), ("dra", "vcuda-dra-driver")] {
-        for (sets, metrics, probes) in [
-            (format!("mode={mode}"), 5680, json!("health")),
-            (
-                format!("mode={mode},config.query-addr=0.0.0.0,config.metrics-port=null"),
-                5678,
-                json!("health"),
-            ),
-            (
-                format!(
-                    "mode={mode},config.query-addr=0.0.0.0,config.metrics-port=null,config.health-port=null,config.metrics-addr=null"
-                ),
-                5678,
-                json!("metrics"),
-            ),
-        ] {
-            let objects = template(&helm, &["--set", &sets]);
-            check_rendered(&sets, &objects);
-            let text = find(&objects, "ConfigMap", "gpu-manager")["data"]["gpu-manager.toml"]
-                .as_str()
-                .unwrap();
-            let http = manager_settings(&sets, text).http;
-            let c = kustomize::container(find(&objects, "DaemonSet", name));
-            let ports: Vec<(String, u64)> = c["ports"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|p| {
-                    (
-                        p["name"].as_str().unwrap().to_string(),
-                        p["containerPort"].as_u64().unwrap(),
-                    )
-                })
-                .collect();
-            assert_eq!(ports[0], ("metrics".into(), metrics), "{sets}: {ports:?}");
-            assert_eq!(
-                u64::from(http.metrics.unwrap_or(http.query).port()),
-                metrics,
-                "{sets}"
-            );
-            if http.metrics.is_some() {
-                assert!(http.query.ip().is_loopback(), "{sets}: {http:?}");
-                assert!(
-                    ports
-                        .iter()
-                        .all(|(_, p)| *p != u64::from(http.query.port())),
-                    "{sets}: the query port is published: {ports:?}"
-                );
-            }
-            for probe in ["readinessProbe", "livenessProbe"] {
-                if !c[probe].is_null() {
-                    assert_eq!(c[probe]["httpGet"]["port"], probes, "{sets}: {probe}");
-                }
-            }
-            // The DRA driver's Service comes with the ServiceMonitor only.
-            let svc = objects.iter().find(|v| {
-                v["kind"] == "Service" && v["metadata"]["name"] == format!("{name}-metrics")
-            });
-            assert!(svc.is_some() || mode == "dra", "{sets}: no metrics Service");
-            if let Some(svc) = svc {
-                assert_eq!(svc["spec"]["ports"][0]["port"], metrics, "{sets}");
-                assert_eq!(
-                    svc["metadata"]["annotations"]["prometheus.io/port"],
-                    metrics.to_string(),
-                    "{sets}"
-                );
-            }
-            let policy = if mode == "dra" {
-                "vcuda-dra-driver-query"
-            } else {
-                "gpu-manager-query"
-            };
-            let np = find(&objects, "NetworkPolicy", policy);
-            assert_eq!(
-                np["spec"]["ingress"][0]["ports"],
-                json!([{"port": metrics, "protocol": "TCP"}]),
-                "{sets}"
-            );
-        }
-    }
-}
-
 #[test]
 fn the_webhook_renders_for_each_certificate_source() {
     let Some(helm) = helm() else { return };

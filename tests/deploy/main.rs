@@ -5,6 +5,7 @@
 
 mod helm;
 mod kustomize;
+mod ports;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service, ServiceAccount};
