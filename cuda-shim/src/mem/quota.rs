@@ -115,8 +115,9 @@ pub(crate) fn try_take(a: &Attach, gpu: usize, bytes: u64, what: &str) -> Result
     // zeroed its counters must still not hold more than the share may in
     // this process alone, which our own count (process memory) says.
     let mine = proc().used_on(gpu).load(Ordering::Acquire);
-    if mine.saturating_add(bytes) > h.limit.max(h.quota) {
-        return refuse_own(h, mine, bytes, what);
+    let ceiling = h.limit.max(h.quota);
+    if mine.saturating_add(bytes) > ceiling {
+        return refuse_own(h, mine, ceiling, bytes, what);
     }
     if let Err(over) = h.ledger.try_reserve_within(h.slot, bytes, h.quota) {
         // Above the quota a borrower asks the manager, which reserves in
@@ -137,13 +138,13 @@ pub(crate) fn try_take(a: &Attach, gpu: usize, bytes: u64, what: &str) -> Result
 fn refuse_own(
     h: &crate::registration::Held,
     mine: u64,
+    ceiling: u64,
     bytes: u64,
     what: &str,
 ) -> Result<(), CUresult> {
     log!(
         Info,
-        "{what} of {bytes} bytes refused: this process alone holds {mine} of the share's {} (its ledger says less)",
-        h.limit.max(h.quota)
+        "{what} of {bytes} bytes refused: this process alone holds {mine} of the share's {ceiling} (its ledger says less)"
     );
     h.ledger.count_refused_allocation();
     Err(CUDA_ERROR_OUT_OF_MEMORY)

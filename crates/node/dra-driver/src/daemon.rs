@@ -479,12 +479,9 @@ async fn start_display(
     display.on_escape(events.on_escape());
     let opts = gpu_display::DisplayOptions {
         socket: at.socket.clone(),
-        query_addr: at.http.query,
-        health_addr: at.http.health,
-        metrics_addr: at.http.metrics,
         sample_period: s.sample_period,
         escape_policy: Some(s.escape_policy),
-        ..Default::default()
+        ..at.http.display_options()
     };
     let running = node_agent::display::start(&display, nvml, &opts, cancel).await?;
     Ok(Some((display, running)))

@@ -558,13 +558,10 @@ async fn start_display(
         .memory_witness(node_agent::nvml::memory_witness(nvml.clone()));
     let opts = gpu_display::DisplayOptions {
         socket: s.display_socket.clone(),
-        query_addr: s.http.query,
-        health_addr: s.http.health,
-        metrics_addr: s.http.metrics,
         sample_period: s.sample_period,
         take_over_socket,
         escape_policy: Some(s.escape_policy),
-        ..Default::default()
+        ..s.http.display_options()
     };
     let running = node_agent::display::start(&display, nvml, &opts, cancel).await?;
     tracing::info!(

@@ -52,6 +52,16 @@ impl Listeners {
         Ok(l)
     }
 
+    /// The display's options with these listeners, the rest default.
+    pub fn display_options(self) -> gpu_display::DisplayOptions {
+        gpu_display::DisplayOptions {
+            query_addr: self.query,
+            health_addr: self.health,
+            metrics_addr: self.metrics,
+            ..Default::default()
+        }
+    }
+
     /// No two listeners on one port of overlapping addresses (port 0 picks
     /// a free one, so never clashes).
     fn distinct(&self) -> Result<(), ConfigError> {
